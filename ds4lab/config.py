@@ -8,7 +8,6 @@ configuration (§2.2-2.3) and names the file and tensor on any mismatch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
@@ -365,10 +364,3 @@ def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     out.check()
     return out
 
-
-def yarn_corr_dims(n_rot: int, orig_ctx: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
-    """ggml's YaRN correction range (§3.4): lo = max(0, floor(corr(β_fast))), hi = min(n_rot−1, ceil(corr(β_slow)))."""
-    def corr(beta):
-        return n_rot * math.log(orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
-
-    return max(0.0, math.floor(corr(beta_fast))), min(n_rot - 1.0, math.ceil(corr(beta_slow)))

@@ -1,0 +1,28 @@
+"""Backends: one small ops protocol, several array libraries.
+
+The model is written against an array namespace ``xp`` (the common subset of numpy and mlx.core) plus
+the few operations below whose spelling differs between libraries or that touch quantized weights.
+
+    name, xp, dtype                   the library, its float type (float64 for numpy, float32 for mlx)
+    asarray(np_array)                 host → backend, cast to ``dtype``
+    to_numpy(x)                       backend → host
+    linear(raw, qtype, ne0)           a callable ``x -> x @ Wᵀ`` over a GGUF weight ``raw [out, row_bytes]``
+    index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
+    eval(*xs)                         force evaluation (a no-op where arrays are eager)
+"""
+
+from __future__ import annotations
+
+BACKENDS = ("mlx", "numpy")
+
+
+def get_backend(name: str, device: str | None = None):
+    if name == "numpy":
+        from .numpy_backend import NumpyBackend
+
+        return NumpyBackend()
+    if name == "mlx":
+        from .mlx_backend import MLXBackend
+
+        return MLXBackend(device)
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,59 @@
+"""The MLX backend (float32): CPU, Metal, or CUDA with mlx[cuda].
+
+Q8_0 weights stay quantized: a Q8_0 block ``x = d·q`` (int8 q) is exactly MLX's 8-bit affine form
+``x = d·(q+128) − 128·d`` with group size 32, so ``mx.quantized_matmul`` runs on the GGUF blocks
+without a float copy of the matrix.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ..quants import dequantize
+
+Q8_0_BLOCK_BYTES = 34
+
+
+def _q8_0_affine(raw: np.ndarray, ne0: int):
+    blocks = raw.reshape(raw.shape[0], ne0 // 32, Q8_0_BLOCK_BYTES)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128
+    packed = np.ascontiguousarray(q.astype(np.uint8).reshape(raw.shape[0], ne0)).view(np.uint32)
+    return mx.array(packed), mx.array(d), mx.array(-128.0 * d)
+
+
+class MLXBackend:
+    name = "mlx"
+    xp = mx
+    dtype = mx.float32
+
+    def __init__(self, device: str | None = None):
+        if device is not None:
+            if device not in ("cpu", "gpu"):
+                raise ValueError(f"unknown MLX device {device!r}; use 'cpu' or 'gpu'")
+            mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
+        self.device = str(mx.default_device())
+
+    def asarray(self, a):
+        return mx.array(np.asarray(a, dtype=np.float32))
+
+    def to_numpy(self, x):
+        return np.array(x)
+
+    def linear(self, raw, qtype, ne0: int):
+        if qtype == Q.Q8_0:
+            w, scales, biases = _q8_0_affine(raw, ne0)
+            return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=8)
+        if qtype == Q.F16:
+            weight = mx.array(dequantize(raw, qtype, ne0).astype(np.float16))
+            return lambda x: x @ weight.astype(mx.float32).T
+        weight_t = mx.array(dequantize(raw, qtype, ne0)).T
+        return lambda x: x @ weight_t
+
+    def index_add(self, acc, rows, values):
+        return acc.at[mx.array(rows)].add(values)
+
+    def eval(self, *xs):
+        mx.eval(*xs)

@@ -1,0 +1,54 @@
+"""Attention: visibility, the indexer's row selection, softmax with sinks, grouped output (§3.7-3.9, §3.12)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .functional import topk_mask
+
+
+def raw_visibility(q_pos: np.ndarray, k_pos: np.ndarray, window: int) -> np.ndarray:
+    """Raw key k is visible to query q iff q − window < k ≤ q."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return (d >= 0) & (d < window)
+
+
+def compressed_visibility(q_pos: np.ndarray, n_rows: int, ratio: int) -> np.ndarray:
+    """Compressed row c is visible to query q iff (c+1)·R ≤ q+1, i.e. c < floor((q+1)/R)."""
+    return np.arange(n_rows)[None, :] < ((q_pos + 1) // ratio)[:, None]
+
+
+def indexer_scores(xp, q_idx, w_idx, k_idx):
+    """score[t, c] = Σ_h relu(q_idx[t,h]·k_idx[c]) · w_idx[t,h]."""
+    dots = xp.einsum("thd,cd->thc", q_idx, k_idx)
+    return (xp.maximum(dots, 0.0) * w_idx[:, :, None]).sum(axis=1)
+
+
+def indexer_allowed(xp, score, visible, n_visible: np.ndarray, top_k: int):
+    """Rows each query may attend: its top-k by score among visible rows when more than k are visible."""
+    masked = xp.where(visible, score, -float("inf"))
+    selected = topk_mask(xp, masked, top_k)
+    crowded = xp.array((n_visible > top_k)[:, None])
+    return xp.where(crowded, selected & visible, visible)
+
+
+def attend_with_sinks(xp, q, keys, visible, sinks, scale: float):
+    """Softmax over visible keys plus a per-head sink logit that takes mass but carries no value.
+
+    q [T,H,D], keys [N,D] (keys are also the values), visible [T,N] bool, sinks [H] → [T,H,D].
+    """
+    s = xp.einsum("thd,nd->thn", q, keys) * scale
+    s = xp.where(visible[:, None, :], s, -float("inf"))
+    m = xp.maximum(s.max(axis=-1), sinks[None, :])
+    e = xp.exp(s - m[:, :, None])
+    den = xp.exp(sinks[None, :] - m) + e.sum(axis=-1)
+    return xp.einsum("thn,nd->thd", e, keys) / den[:, :, None]
+
+
+def grouped_output(xp, heads, out_a_groups, out_b):
+    """Group g projects heads g·H/G … (g+1)·H/G−1 through its own low-rank slice, then out_b mixes all."""
+    T, H, D = heads.shape
+    G = len(out_a_groups)
+    flat = heads.reshape(T, G, (H // G) * D)
+    low = xp.concatenate([out_a_groups[g](flat[:, g, :]) for g in range(G)], axis=-1)
+    return out_b(low)

@@ -1,0 +1,44 @@
+"""Hyper-connections: the n_hc-stream residual state (spec §3.1, §3.2, §3.11).
+
+State ``X [T, n_hc, E]``. Before each sublayer a mixer reads the RMS-normalized flat state and yields
+pre weights (collapse the streams into the sublayer input), post gates (spread the output back) and a
+Sinkhorn-normalized n_hc×n_hc combine matrix (mix the streams).
+"""
+
+from __future__ import annotations
+
+from .functional import rmsnorm, sigmoid, softmax
+
+
+def sinkhorn(xp, logits, iters: int, eps: float):
+    """Row softmax + eps, one column normalization, then ``iters − 1`` (row, column) normalizations."""
+    m = softmax(xp, logits, axis=-1) + eps
+    m = m / (m.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(axis=-1, keepdims=True) + eps)
+        m = m / (m.sum(axis=-2, keepdims=True) + eps)
+    return m
+
+
+def hc_pre(xp, X, fn, scale, base, *, iters: int, eps: float, norm_eps: float):
+    """Returns ``(x_in [T,E], post [T,n], comb [T,n,n])``; ``comb[t, s, o]`` maps input stream s to output o."""
+    T, n, E = X.shape
+    mix = fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps))
+    pre = sigmoid(xp, mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * sigmoid(xp, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = sinkhorn(xp, (mix[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(T, n, n), iters, eps)
+    x_in = (pre[:, :, None] * X).sum(axis=1)
+    return x_in, post, comb
+
+
+def hc_post(xp, y, X, post, comb):
+    """X_new[o] = post[o]·y + Σ_s comb[s, o]·X[s]  (the output stream indexes columns, §3.2)."""
+    return post[:, :, None] * y[:, None, :] + xp.einsum("tso,tsd->tod", comb, X)
+
+
+def hc_head(xp, X, fn, scale, base, *, eps: float, norm_eps: float):
+    """The output head's stream collapse: sigmoid weights + eps, no post, no Sinkhorn (§3.11)."""
+    T, n, E = X.shape
+    pre = fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps))
+    w = sigmoid(xp, pre * scale[0] + base) + eps
+    return (w[:, :, None] * X).sum(axis=1)

@@ -1,0 +1,47 @@
+"""Mixture of experts: sqrt-softplus router, hash or top-k selection, clamped SwiGLU experts (§3.10)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .functional import silu, softplus
+
+ROUTER_SUM_FLOOR = 2.0 ** -14
+
+
+def router_probs(xp, logits):
+    return xp.sqrt(softplus(xp, logits))
+
+
+def select_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Top-k expert ids per row in descending score, ties toward the lower id (a stable sort)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def route_weights(xp, probs, selected, scale: float):
+    """w_i = p[sel_i] / max(Σ_j p[sel_j], 2^-14) · scale, from the unbiased probabilities."""
+    p = xp.take_along_axis(probs, selected, axis=-1)
+    return p / xp.maximum(p.sum(axis=-1, keepdims=True), ROUTER_SUM_FLOOR) * scale
+
+
+def swiglu(xp, gate, up, clamp: float):
+    """The gate is clamped only from above, up on both sides."""
+    return silu(xp, xp.minimum(gate, clamp)) * xp.clip(up, -clamp, clamp)
+
+
+def routed_experts(backend, f, selected: np.ndarray, weights, experts, clamp: float):
+    """Σ over each token's selected experts of w·down(swiglu(gate·f, up·f)).
+
+    ``experts(e)`` returns the (gate, up, down) linears of expert e, built on demand from the GGUF
+    blocks of that expert only. The route weight multiplies ``mid`` before the down projection.
+    """
+    xp = backend.xp
+    out = xp.zeros(f.shape, dtype=backend.dtype)
+    for e in np.unique(selected):
+        hit = selected == e
+        rows = np.nonzero(hit.any(axis=1))[0]
+        w = (weights * backend.asarray(hit)).sum(axis=1)[backend.xp.array(rows)]
+        gate, up, down = experts(int(e))
+        x = f[backend.xp.array(rows)]
+        out = backend.index_add(out, rows, down(swiglu(xp, gate(x), up(x), clamp) * w[:, None]))
+    return out
