@@ -354,12 +354,12 @@ PRESETS = {"flash": FLASH, "nano": NANO}
 
 
 def replace(cfg: ModelConfig, **changes) -> ModelConfig:
-    """A copy of ``cfg`` with fields changed; per-layer lists are extended/trimmed to ``n_layer``."""
+    """A copy of ``cfg`` with fields changed; a new ``n_layer`` rebuilds the per-layer lists (ds4's ratio
+    schedule, the first clamp) unless they are given too."""
     n = changes.get("n_layer", cfg.n_layer)
-    if "compress_ratios" not in changes:
-        changes["compress_ratios"] = tuple(ds4_ratio(il) for il in range(n))
-    if "swiglu_clamp" not in changes:
-        changes["swiglu_clamp"] = (cfg.swiglu_clamp[0],) * n
+    if n != cfg.n_layer:
+        changes.setdefault("compress_ratios", tuple(ds4_ratio(il) for il in range(n)))
+        changes.setdefault("swiglu_clamp", (cfg.swiglu_clamp[0],) * n)
     out = dataclasses.replace(cfg, **changes)
     out.check()
     return out

@@ -1,0 +1,214 @@
+"""Random ds4 model files for tests and demos.
+
+``make_model`` writes a GGUF with ds4's tensor names, shapes and per-tensor types (spec/DS4_MODEL.md
+§2.2-2.3) for any :class:`ModelConfig`, filled with seeded random weights scaled so activations stay
+O(1) through the network, plus a small byte-level BPE tokenizer trained on real text.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Collection, Literal, NamedTuple
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from .config import ModelConfig
+from .gguf_file import write_gguf
+from .quants import quantize, random_blocks
+from .tokenizer import BOS, EOS, train_bpe
+
+_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+_TEXT_CHARS = 300_000
+
+_DENSE_TYPES = frozenset({Q.Q8_0, Q.F16, Q.BF16, Q.F32})
+_EXPERT_TYPES = frozenset({Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.F32})
+_BLOCK_TYPES = frozenset({Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # made with quants.random_blocks
+
+# Used when the repository's data directory is not there (an installed wheel). It has enough distinct
+# words for the merges of a vocabulary of ~1000 tokens.
+_FALLBACK_TEXT = """\
+The keeper of the northern light climbed the spiral stairs each evening before sunset, carrying a can
+of oil, a rag, and a notebook bound in faded green cloth. He wrote down the colour of the sky, the
+direction of the wind, the height of the swell against the rocks, and the names of any ships that
+passed close enough to read. Over forty winters the notebook became a small library: shelves of
+identical volumes, their spines darkened by salt and the warmth of his hands.
+
+Visitors were rare. Once a botanist arrived by the supply boat, hoping to catalogue the mosses that grew
+in the cracks of the seaward wall. She stayed for three weeks, measuring, sketching, pressing delicate
+specimens between sheets of blotting paper, and asking questions about everything: why the lamp turned
+clockwise, how the lens had been ground, whether the gulls returned to the same ledges every spring.
+He answered slowly, because nobody had asked him such things before, and discovered that he knew far
+more than he had imagined.
+
+In the village across the bay people argued about the harbour, the price of fish, the new schoolteacher
+and the broken clock on the church tower. Children raced bicycles along the quay; a baker sold warm
+bread with caraway seeds; an old fiddler played jigs outside the tavern whenever the weather allowed.
+Merchants brought copper kettles, woollen blankets, lanterns, rope, tobacco, and newspapers that were
+always a week out of date. Nobody minded: news travelled slowly there, and most of it was forgotten
+before it could matter.
+
+Winter storms were another matter entirely. Waves thundered against the cliffs, spray froze on the
+windows, and the whole tower seemed to shudder under the weight of the gale. On such nights the keeper
+did not sleep. He trimmed the wick, polished the brass, checked the clockwork that rotated the great
+lens, and watched the darkness for the faint glimmer of a masthead lamp. Twice he saw a vessel driven
+toward the reef; twice the beam turned her away just in time, and in the morning he recorded both
+events in careful, unhurried handwriting, as though they were ordinary weather.
+
+Numbers fascinated him as well. He counted the steps (one hundred and twelve), the panes of glass in
+the lantern room (twenty-four), the days between supply boats (usually nine, sometimes eleven), and the
+seconds between flashes (exactly seven). Arithmetic, he said, was a quiet companion: it never complained,
+never exaggerated, and always gave the same answer when questioned politely.
+
+When at last a younger keeper came to replace him, the old man handed over the keys, the oil can, and
+the most recent notebook, then walked down the hill without looking back. Years later a historian
+found the collection in a damp cellar, dried every page, and published a thick volume describing
+half a century of tides, birds, shipwrecks avoided, quarrels overheard, recipes exchanged, and the
+slow, patient work of keeping a single light burning above a dangerous sea.
+"""
+
+
+def make_model(
+    config: ModelConfig,
+    path: str | os.PathLike,
+    seed: int = 0,
+    *,
+    dense_type: str = "Q8_0",
+    expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
+    router_bias_layers: Literal["auto"] | Collection[int] = "auto",
+    tokenizer_text: str | None = None,
+) -> Path:
+    """Write a ds4 GGUF for ``config`` with seeded random weights; the same arguments give the same bytes.
+
+    ``dense_type`` (Q8_0, F16, BF16 or F32) is used for the projections the real file stores as Q8_0;
+    ``expert_types`` are (gate/up, down) for the routed experts (IQ2_XXS, Q2_K, Q4_K, Q8_0, F16 or F32).
+    ``router_bias_layers`` lists the layers that get ``exp_probs_b.bias``; "auto" gives it to every
+    other non-hash layer starting with the first, so both router paths (with and without bias) exist.
+    The tokenizer is trained on ``tokenizer_text`` (default: the start of tinyshakespeare).
+    """
+    dense = _qtype(dense_type, _DENSE_TYPES, "dense_type")
+    experts = (_qtype(expert_types[0], _EXPERT_TYPES, "expert_types[0]"),
+               _qtype(expert_types[1], _EXPERT_TYPES, "expert_types[1]"))
+    if router_bias_layers == "auto":
+        bias_layers = set(range(config.n_hash_layer, config.n_layer, 2))
+    else:
+        bias_layers = set(router_bias_layers)
+    tensors = []
+    for name, (shape, _, required) in config.tensor_specs().items():
+        if not required and _layer(name) not in bias_layers:
+            continue
+        qtype, dist = _plan(_key(name), shape[0], dense, experts)
+        _check_rows(name, shape[0], qtype)
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # independent of the other tensors
+        tensors.append((name, shape, qtype, _tensor_bytes(qtype, dist, shape, config, rng)))
+    text = default_tokenizer_text() if tokenizer_text is None else tokenizer_text
+    return write_gguf(path, _metadata(config, seed, text), tensors)
+
+
+@functools.cache
+def default_tokenizer_text() -> str:
+    """The first ~300 KB of tinyshakespeare, or a built-in paragraph where the data directory is absent."""
+    path = _DATA_DIR / "tinyshakespeare.txt"
+    if not path.is_file():
+        return _FALLBACK_TEXT
+    with path.open(encoding="utf-8") as f:
+        return f.read(_TEXT_CHARS)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(text: str, vocab_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    tokens, merges = train_bpe(text, vocab_size)
+    return tuple(tokens), tuple(merges)
+
+
+def _metadata(config: ModelConfig, seed: int, text: str) -> dict:
+    tokens, merges = _tokenizer(text, config.n_vocab)
+    meta = config.to_metadata()
+    meta["general.name"] = (f"ds4lab random {config.n_layer}-layer model (seed {seed})", "STRING")
+    meta["tokenizer.ggml.model"] = ("gpt2", "STRING")
+    meta["tokenizer.ggml.tokens"] = (list(tokens), "ARRAY[STRING]")
+    meta["tokenizer.ggml.merges"] = (list(merges), "ARRAY[STRING]")
+    meta["tokenizer.ggml.bos_token_id"] = (tokens.index(BOS), "UINT32")
+    meta["tokenizer.ggml.eos_token_id"] = (tokens.index(EOS), "UINT32")
+    return meta
+
+
+# -- per-tensor type and initialisation --------------------------------------------------------------
+
+class _Dist(NamedTuple):
+    kind: Literal["normal", "uniform", "tid2eid"]
+    a: float = 0.0  # mean or low
+    b: float = 0.0  # std or high
+
+
+def _plan(key: str, ne0: int, dense: Q, experts: tuple[Q, Q]) -> tuple[Q, _Dist]:
+    """Type and distribution of a tensor, from its name without the ``blk.N.`` prefix."""
+    fan_in = _Dist("normal", 0.0, 1 / math.sqrt(ne0))
+    if key == "token_embd.weight":
+        return Q.F16, _Dist("normal", 0.0, 1.0)
+    if key.endswith("norm.weight"):
+        return Q.F32, _Dist("normal", 1.0, 0.1)
+    if "hc_" in key:
+        # The HC mixer input is RMS-normalised, so rows of std 0.5/sqrt(hc_dim) give mixes of std ~0.5.
+        if key.endswith("_fn.weight"):
+            return Q.F16, _Dist("normal", 0.0, 0.5 / math.sqrt(ne0))
+        if key.endswith("_scale.weight"):
+            return Q.F32, _Dist("uniform", 0.5, 1.5)
+        return Q.F32, _Dist("normal", 0.0, 0.5)  # _base
+    if key == "attn_sinks.weight":
+        return Q.F32, _Dist("normal", 0.0, 1.0)
+    if key == "exp_probs_b.bias":
+        return Q.F32, _Dist("normal", 0.0, 0.1)
+    if key == "ffn_gate_tid2eid.weight":
+        return Q.I32, _Dist("tid2eid")
+    if key.endswith("compressor_ape.weight"):
+        return Q.F16, _Dist("normal", 0.0, 0.5)
+    if "compressor_" in key or key.startswith("indexer.") or key == "ffn_gate_inp.weight":
+        return Q.F16, fan_in
+    if key in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+        return experts[0], fan_in
+    if key == "ffn_down_exps.weight":
+        return experts[1], fan_in
+    return dense, fan_in  # attn_q_a/q_b/kv/output_a/output_b, shared expert, output.weight
+
+
+def _tensor_bytes(qtype: Q, dist: _Dist, shape: tuple[int, ...], config: ModelConfig,
+                  rng: np.random.Generator) -> np.ndarray:
+    rows, ne0 = tuple(reversed(shape[1:])), shape[0]
+    if dist.kind == "tid2eid":
+        # Per token (row), n_expert_used distinct expert ids: the first columns of a random permutation.
+        order = np.argsort(rng.random((*rows, config.n_expert)), axis=-1)
+        return order[..., :ne0].astype("<i4").view(np.uint8)
+    if qtype in _BLOCK_TYPES:
+        return random_blocks(qtype, rows, ne0, rng, dist.b)
+    if dist.kind == "uniform":
+        values = rng.uniform(dist.a, dist.b, size=(*rows, ne0))
+    else:
+        values = dist.a + dist.b * rng.standard_normal((*rows, ne0), dtype=np.float32)
+    return quantize(values, qtype)
+
+
+def _check_rows(name: str, ne0: int, qtype: Q) -> None:
+    block = GGML_QUANT_SIZES[qtype][0]
+    if ne0 % block:
+        raise ValueError(f"tensor {name}: ne0 = {ne0} is not a multiple of the {qtype.name} block size {block}")
+
+
+def _qtype(name: str, allowed: frozenset, what: str) -> Q:
+    qtype = Q[name] if isinstance(name, str) else Q(name)
+    if qtype not in allowed:
+        raise ValueError(f"{what} {qtype.name} is not one of {', '.join(sorted(t.name for t in allowed))}")
+    return qtype
+
+
+def _key(name: str) -> str:
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+def _layer(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blk.") else None

@@ -1,0 +1,390 @@
+"""GGUF reading, writing and checking (ds4lab.gguf_file) and random test models (ds4lab.testing)."""
+
+import math
+import mmap
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ds4lab import config, gguf_file, testing
+from ds4lab.config import ModelFileError
+from ds4lab.gguf_file import GGUFModelFile, load_model_file, tensor_byte_shape, write_gguf
+from ds4lab.quants import dequantize
+from ds4lab.testing import make_model
+from ds4lab.tokenizer import BOS, EOS
+
+SMALL_METADATA = {
+    "general.architecture": ("deepseek4", "STRING"),
+    "general.name": ("small", "STRING"),
+    "t.u8": (200, "UINT8"),
+    "t.i8": (-5, "INT8"),
+    "t.u16": (60000, "UINT16"),
+    "t.i16": (-30000, "INT16"),
+    "t.u32": (4_000_000_000, "UINT32"),
+    "t.i32": (-7, "INT32"),
+    "t.u64": (2**40, "UINT64"),
+    "t.i64": (-(2**40), "INT64"),
+    "t.f32": (1e-6, "FLOAT32"),
+    "t.f64": (0.1, "FLOAT64"),
+    "t.bool": (False, "BOOL"),
+    "t.str": ("héllo ｜ wörld", "STRING"),
+    "t.u32s": ([0, 0, 4, 128], "ARRAY[UINT32]"),
+    "t.i32s": ([-1, 2], "ARRAY[INT32]"),
+    "t.f32s": ([10.0, 0.1, -2.5], "ARRAY[FLOAT32]"),
+    "t.strs": (["a", "b c", "<｜User｜>"], "ARRAY[STRING]"),
+}
+SMALL_SHAPES = [
+    ("f32.weight", (8,), Q.F32),
+    ("f16.weight", (16, 3), Q.F16),
+    ("bf16.weight", (8, 2), Q.BF16),
+    ("q8_0.weight", (64, 2), Q.Q8_0),
+    ("q2_k.weight", (256, 2), Q.Q2_K),
+    ("q4_k.weight", (256, 1, 2), Q.Q4_K),
+    ("iq2_xxs.weight", (256, 3, 2), Q.IQ2_XXS),
+    ("i32.weight", (2, 5), Q.I32),
+]
+
+
+def small_tensors(seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [(name, shape, qtype, rng.integers(0, 256, math.prod(tensor_byte_shape(shape, qtype)), dtype=np.uint8))
+            for name, shape, qtype in SMALL_SHAPES]
+
+
+def write_small(path: Path, tensors: list | None = None) -> Path:
+    return write_gguf(path, SMALL_METADATA, small_tensors() if tensors is None else tensors)
+
+
+@pytest.fixture(scope="module")
+def nano_path(tmp_path_factory) -> Path:
+    return make_model(config.NANO, tmp_path_factory.mktemp("nano") / "nano.gguf", seed=3)
+
+
+def raises_for(path: Path, *parts: str):
+    """Expect a ModelFileError whose message starts with the path and contains every regex in ``parts``."""
+    return pytest.raises(ModelFileError, match="(?s)^" + re.escape(str(path)) + "".join(f"(?=.*{p})" for p in parts))
+
+
+def rewrite(src: Path, dst: Path, *, drop: tuple = (), meta: dict | None = None, tensors: dict | None = None) -> Path:
+    """Copy a GGUF through open + write_gguf, dropping or replacing metadata keys and tensors."""
+    f = GGUFModelFile.open(src)
+    metadata = {k: v for k, v in f.metadata.items() if k not in drop} | (meta or {})
+    entries = [(n, t.shape, t.qtype, t.data) for n, t in f.tensors.items() if n not in drop]
+    entries = [(tensors or {}).get(e[0], e) for e in entries]
+    return write_gguf(dst, metadata, entries)
+
+
+# -- round trips -------------------------------------------------------------------------------------
+
+
+def test_small_file_round_trip(tmp_path):
+    tensors = small_tensors()
+    f = GGUFModelFile.open(write_small(tmp_path / "small.gguf", tensors))
+    assert f.metadata == SMALL_METADATA
+    assert list(f.tensors) == [name for name, *_ in tensors]
+    for name, shape, qtype, raw in tensors:
+        t = f.tensors[name]
+        assert (t.name, t.shape, t.qtype) == (name, shape, qtype)
+        assert t.data.dtype == np.uint8 and t.data.shape == tensor_byte_shape(shape, qtype)
+        assert t.nbytes == raw.size and t.data.tobytes() == raw.tobytes()
+    assert f.alignment == 32 and f.file_size == (tmp_path / "small.gguf").stat().st_size
+
+
+def test_data_shape_rule():
+    assert tensor_byte_shape((8,), Q.F32) == (32,)
+    assert tensor_byte_shape((4096, 129280), Q.F16) == (129280, 8192)
+    assert tensor_byte_shape((4096, 2048, 256), Q.IQ2_XXS) == (256, 2048, 16 * 66)
+    assert tensor_byte_shape((6, 129280), Q.I32) == (129280, 24)
+
+
+def test_custom_alignment_round_trip(tmp_path):
+    meta = SMALL_METADATA | {"general.alignment": (64, "UINT32")}
+    f = GGUFModelFile.open(write_gguf(tmp_path / "a.gguf", meta, small_tensors()))
+    assert f.alignment == 64 and f.metadata == meta
+    assert all(t.data.ctypes.data % 64 == (f.tensors["f32.weight"].data.ctypes.data % 64) for t in f.tensors.values())
+
+
+def test_nano_loads_as_nano(nano_path):
+    cfg, f = load_model_file(nano_path)
+    assert cfg == config.NANO
+    specs = cfg.tensor_specs()
+    assert set(f.tensors) == {n for n, (_, _, required) in specs.items() if required} | {
+        "blk.3.exp_probs_b.bias", "blk.5.exp_probs_b.bias"}
+    assert all(t.shape == specs[n][0] for n, t in f.tensors.items())
+    types = {n: f.tensors[n].qtype for n in (
+        "token_embd.weight", "output.weight", "output_norm.weight", "blk.2.indexer.proj.weight",
+        "blk.0.ffn_gate_tid2eid.weight", "blk.4.ffn_up_exps.weight", "blk.4.ffn_down_exps.weight")}
+    assert types == {"token_embd.weight": Q.F16, "output.weight": Q.Q8_0, "output_norm.weight": Q.F32,
+                     "blk.2.indexer.proj.weight": Q.F16, "blk.0.ffn_gate_tid2eid.weight": Q.I32,
+                     "blk.4.ffn_up_exps.weight": Q.IQ2_XXS, "blk.4.ffn_down_exps.weight": Q.Q2_K}
+
+
+def test_rewriting_an_opened_file_reproduces_it(nano_path, tmp_path):
+    copy = rewrite(nano_path, tmp_path / "copy.gguf")
+    assert copy.read_bytes() == nano_path.read_bytes()
+
+
+def test_tensor_data_is_a_view_of_the_mapped_file(nano_path):
+    _, f = load_model_file(nano_path)
+    t = f.tensors["blk.1.ffn_gate_exps.weight"]
+    assert t.data.shape == (8, 256, 66) and not t.data.flags.owndata and not t.data.flags.writeable
+    base = t.data
+    while not isinstance(base, mmap.mmap):
+        assert base is not None, "TensorInfo.data does not lead back to the file mapping"
+        base = base.base
+
+
+# -- refused files -----------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with raises_for(tmp_path / "nope.gguf", "no such file"):
+        GGUFModelFile.open(tmp_path / "nope.gguf")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file"),
+    (b"GGML" + bytes(60), "not a GGUF file"),
+    (b"GG", "not a GGUF file"),
+    (b"GGUF\x03\x00\x00\x00", "truncated GGUF header"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 2**40, 2**50) + bytes(100), "more than 124 bytes can hold"),
+])
+def test_refused_headers(tmp_path, content, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with raises_for(path, message):
+        GGUFModelFile.open(path)
+
+
+def test_version_2_is_refused(tmp_path):
+    path = write_small(tmp_path / "v2.gguf")
+    blob = bytearray(path.read_bytes())
+    blob[4:8] = struct.pack("<I", 2)
+    path.write_bytes(blob)
+    with raises_for(path, "version 2"):
+        GGUFModelFile.open(path)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_garbage_after_a_valid_header(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 3, 5) + rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    with raises_for(path, "damaged or truncated"):
+        GGUFModelFile.open(path)
+
+
+def test_corrupted_bytes_never_escape_as_raw_errors(tmp_path):
+    good = write_small(tmp_path / "good.gguf").read_bytes()
+    rng = np.random.default_rng(0)
+    path = tmp_path / "corrupt.gguf"
+    for _ in range(200):
+        blob = bytearray(good)
+        for at in rng.integers(4, 900, size=3):  # header, metadata and tensor directory
+            blob[at] = rng.integers(0, 256)
+        path.write_bytes(blob)
+        try:
+            GGUFModelFile.open(path)
+        except ModelFileError as e:
+            assert str(e).startswith(str(path))
+
+
+def test_truncated_tensor_data(nano_path, tmp_path):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(nano_path.read_bytes()[:-1000])
+    with raises_for(path, "truncated", r"blk\.5\.ffn_down_shexp\.weight"):
+        GGUFModelFile.open(path)
+
+
+@pytest.mark.parametrize("keep, message", [
+    (30, "more than 30 bytes can hold"),  # the counts are intact but nothing else is
+    (5000, "damaged or truncated"),  # inside the tokenizer strings
+    (40000, r"token_embd\.weight.*truncated"),  # inside the first tensor
+])
+def test_truncated_header(nano_path, tmp_path, keep, message):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(nano_path.read_bytes()[:keep])
+    with raises_for(path, message):
+        GGUFModelFile.open(path)
+
+
+def patch_entry(path: Path, name: str, *, ne0: int | None = None, type_id: int | None = None) -> None:
+    """Edit a tensor's directory entry in place (name, n_dims u32, dims u64..., type u32, offset u64)."""
+    blob = bytearray(path.read_bytes())
+    at = blob.index(name.encode()) + len(name)
+    n_dims = struct.unpack_from("<I", blob, at)[0]
+    if ne0 is not None:
+        struct.pack_into("<Q", blob, at + 4, ne0)
+    if type_id is not None:
+        struct.pack_into("<I", blob, at + 4 + 8 * n_dims, type_id)
+    path.write_bytes(blob)
+
+
+def test_unknown_type_id(tmp_path):
+    path = write_small(tmp_path / "t.gguf")
+    patch_entry(path, "q8_0.weight", type_id=99)
+    with raises_for(path, r"q8_0\.weight", "unknown GGML type id 99"):
+        GGUFModelFile.open(path)
+
+
+def test_unsupported_type(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", SMALL_METADATA, [("q4_0.weight", (32, 2), Q.Q4_0, np.zeros(36, np.uint8))])
+    with raises_for(path, r"q4_0\.weight", "Q4_0"):
+        GGUFModelFile.open(path)
+
+
+def test_row_not_a_whole_number_of_blocks(tmp_path):
+    path = write_small(tmp_path / "t.gguf")
+    patch_entry(path, "q8_0.weight", ne0=65)
+    with raises_for(path, r"q8_0\.weight", "block size"):
+        GGUFModelFile.open(path)
+
+
+def test_size_that_disagrees_with_the_next_tensor(tmp_path):
+    path = write_small(tmp_path / "t.gguf")
+    patch_entry(path, "f32.weight", ne0=16)  # 64 bytes, but f16.weight starts 32 bytes later
+    with raises_for(path, r"f32\.weight", r"f16\.weight"):
+        GGUFModelFile.open(path)
+
+
+# -- load_model_file checks --------------------------------------------------------------------------
+
+
+def test_missing_metadata_key(nano_path, tmp_path):
+    path = rewrite(nano_path, tmp_path / "m.gguf", drop=("deepseek4.expert_count",))
+    with raises_for(path, r"deepseek4\.expert_count"):
+        load_model_file(path)
+
+
+def test_wrong_tensor_shape(nano_path, tmp_path):
+    bad = ("blk.1.attn_sinks.weight", (5,), Q.F32, np.zeros(20, np.uint8))
+    path = rewrite(nano_path, tmp_path / "m.gguf", tensors={bad[0]: bad})
+    with raises_for(path, r"blk\.1\.attn_sinks\.weight", r"\(5,\)", r"\(4,\)"):
+        load_model_file(path)
+
+
+def test_missing_tensor(nano_path, tmp_path):
+    path = rewrite(nano_path, tmp_path / "m.gguf", drop=("blk.2.indexer_compressor_kv.weight",))
+    with raises_for(path, r"blk\.2\.indexer_compressor_kv\.weight", "missing"):
+        load_model_file(path)
+
+
+def test_token_count_must_equal_vocab_size(nano_path, tmp_path):
+    tokens, type_name = GGUFModelFile.open(nano_path).metadata["tokenizer.ggml.tokens"]
+    path = rewrite(nano_path, tmp_path / "m.gguf", meta={"tokenizer.ggml.tokens": (tokens[:-1], type_name)})
+    with raises_for(path, r"tokenizer\.ggml\.tokens", "1023", "1024"):
+        load_model_file(path)
+
+
+def test_merges_are_required(nano_path, tmp_path):
+    path = rewrite(nano_path, tmp_path / "m.gguf", drop=("tokenizer.ggml.merges",))
+    with raises_for(path, r"tokenizer\.ggml\.merges", "missing"):
+        load_model_file(path)
+
+
+# -- atomic writes -----------------------------------------------------------------------------------
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"x\.weight.*31 bytes"):
+        write_gguf(tmp_path / "m.gguf", SMALL_METADATA, [("x.weight", (8,), "F32", np.zeros(31, np.uint8))])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"old")
+
+    def disk_full(self, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf_file.GGUFWriter, "write_tensors_to_file", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        write_small(path)
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"old"
+
+
+def test_bad_metadata_type_name(tmp_path):
+    with pytest.raises(ValueError, match=r"t\.x.*'ARRAY'"):
+        write_gguf(tmp_path / "m.gguf", SMALL_METADATA | {"t.x": ([1], "ARRAY")}, [])
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- make_model --------------------------------------------------------------------------------------
+
+
+def test_make_model_is_deterministic(nano_path, tmp_path):
+    again = make_model(config.NANO, tmp_path / "again.gguf", seed=3)
+    other = make_model(config.NANO, tmp_path / "other.gguf", seed=4)
+    assert again.read_bytes() == nano_path.read_bytes()
+    assert other.read_bytes() != nano_path.read_bytes()
+
+
+def test_make_model_types_and_router_bias(tmp_path):
+    path = make_model(config.NANO, tmp_path / "m.gguf", dense_type="F16", expert_types=("Q8_0", "F32"),
+                      router_bias_layers=(0, 4))
+    cfg, f = load_model_file(path)
+    assert cfg == config.NANO
+    assert f.tensors["blk.3.attn_q_b.weight"].qtype == Q.F16 and f.tensors["output.weight"].qtype == Q.F16
+    assert f.tensors["blk.3.ffn_gate_exps.weight"].qtype == Q.Q8_0
+    assert f.tensors["blk.3.ffn_down_exps.weight"].qtype == Q.F32
+    assert sorted(n for n in f.tensors if n.endswith("exp_probs_b.bias")) == [
+        "blk.0.exp_probs_b.bias", "blk.4.exp_probs_b.bias"]
+
+
+def test_make_model_refuses_partial_blocks(tmp_path):
+    cfg = config.replace(config.NANO, ff_exp=128)  # Q2_K down projection rows of 128
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight.*Q2_K"):
+        make_model(cfg, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hash_routing_table(nano_path):
+    cfg, f = load_model_file(nano_path)
+    for il in range(cfg.n_hash_layer):
+        ids = f.tensors[f"blk.{il}.ffn_gate_tid2eid.weight"].data.view("<i4")
+        assert ids.shape == (cfg.n_vocab, cfg.n_expert_used)
+        assert ids.min() >= 0 and ids.max() < cfg.n_expert
+        assert all(len(set(row)) == cfg.n_expert_used for row in ids.tolist())
+        assert len(np.unique(ids[:, 0])) == cfg.n_expert  # ids are spread over all experts
+
+
+@pytest.mark.parametrize("name, mean, std", [
+    ("token_embd.weight", 0.0, 1.0),
+    ("output.weight", 0.0, 1 / 16),
+    ("blk.2.attn_q_b.weight", 0.0, 1 / math.sqrt(128)),
+    ("blk.4.ffn_gate_exps.weight", 0.0, 1 / 16),
+    ("blk.4.ffn_down_exps.weight", 0.0, 1 / 16),
+    ("blk.1.hc_attn_fn.weight", 0.0, 0.5 / 32),
+    ("blk.3.attn_compressor_kv.weight", 0.0, 1 / 16),
+    ("blk.3.ffn_norm.weight", 1.0, 0.1),
+])
+def test_weight_scales(nano_path, name, mean, std):
+    t = GGUFModelFile.open(nano_path).tensors[name]
+    x = dequantize(np.asarray(t.data), t.qtype, t.shape[0])
+    assert abs(x.mean() - mean) < 0.05 * std + 4 * std / math.sqrt(x.size)
+    assert abs(x.std() - std) < 0.05 * std + 4 * std / math.sqrt(2 * x.size)
+
+
+def test_tokenizer_metadata(nano_path):
+    meta = GGUFModelFile.open(nano_path).metadata
+    tokens = meta["tokenizer.ggml.tokens"][0]
+    assert meta["tokenizer.ggml.model"] == ("gpt2", "STRING")
+    assert len(tokens) == 1024 and len(meta["tokenizer.ggml.merges"][0]) == 1024 - 256 - 7
+    assert tokens[meta["tokenizer.ggml.bos_token_id"][0]] == BOS
+    assert tokens[meta["tokenizer.ggml.eos_token_id"][0]] == EOS
+
+
+def test_builtin_text_when_the_data_directory_is_absent(tmp_path, monkeypatch):
+    monkeypatch.setattr(testing, "_DATA_DIR", tmp_path / "absent")
+    testing.default_tokenizer_text.cache_clear()
+    try:
+        assert testing.default_tokenizer_text() == testing._FALLBACK_TEXT
+        cfg, _ = load_model_file(make_model(config.NANO, tmp_path / "m.gguf"))
+        assert cfg == config.NANO
+    finally:
+        testing.default_tokenizer_text.cache_clear()
