@@ -8,7 +8,7 @@ result because every rule below is written per query position (§3.12).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -35,10 +35,24 @@ class LayerCache:
     index_state: CompressorState | None = None
 
 
+    def map_arrays(self, fn) -> "LayerCache":
+        def one(x):
+            if isinstance(x, CompressorState):
+                return CompressorState(fn(x.kv), fn(x.sc), x.start_window)
+            return None if x is None else fn(x)
+
+        return LayerCache(**{f.name: one(getattr(self, f.name)) for f in fields(self)})
+
+
 @dataclass(frozen=True)
 class Cache:
     layers: tuple[LayerCache, ...]
     n_past: int = 0
+
+    def to_backend(self, backend) -> "Cache":
+        """The same state as arrays of ``backend`` (e.g. a float64 reference state continued in MLX)."""
+        convert = lambda x: backend.asarray(np.asarray(x))  # noqa: E731
+        return replace(self, layers=tuple(layer.map_arrays(convert) for layer in self.layers))
 
 
 class Transformer:
