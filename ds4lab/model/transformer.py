@@ -65,6 +65,12 @@ class Transformer:
         self.numerics = numerics
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
         self._weights: dict[str, object] = {}
+        # Called as observer(name, value) at the named points below when set; the seed of the capture API.
+        self.observer = None
+
+    def _emit(self, name: str, value) -> None:
+        if self.observer is not None:
+            self.observer(name, value)
 
     # -- weights -------------------------------------------------------------------------------------
     def _info(self, name):
@@ -192,6 +198,10 @@ class Transformer:
         qr = rmsnorm(xp, self.linear(p + "attn_q_a.weight")(a), eps, self.vector(p + "attn_q_a_norm.weight"))
         q = rmsnorm(xp, self.linear(p + "attn_q_b.weight")(qr).reshape(T, cfg.n_head, cfg.head_dim), eps)
         kv = rmsnorm(xp, self.linear(p + "attn_kv.weight")(a), eps, self.vector(p + "attn_kv_a_norm.weight"))
+        self._emit(p + "attn_norm", a)
+        self._emit(p + "attn.q_lora", qr)
+        self._emit(p + "attn.q", q)
+        self._emit(p + "attn.kv_in", kv)
         cos, sin = self._rope(il, positions)
         q = rope_tail(xp, q, cos, sin)
         kv = self.store_kv(rope_tail(xp, kv, cos, sin))
@@ -216,6 +226,7 @@ class Transformer:
                 n_visible = (positions + 1) // R
                 if n_visible.max() > cfg.idx_topk:
                     score = self._indexer_scores(il, qr, a, cos, sin, index)
+                    self._emit(p + "indexer.scores", score)
                     comp_visible = indexer_allowed(xp, score, comp_visible, n_visible, cfg.idx_topk)
             keys = xp.concatenate([raw, comp], axis=0)
             visible = xp.concatenate([xp.array(visible), comp_visible], axis=1)
@@ -224,6 +235,7 @@ class Transformer:
 
         out = attend_with_sinks(xp, q, keys, visible, self.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         heads = rope_tail(xp, out, cos, sin, inverse=True)
+        self._emit(p + "attn.heads", heads)
         y = grouped_output(xp, heads, self.out_a_groups(il), self.linear(p + "attn_output_b.weight"))
         return hc_post(xp, y, X, post, comb), new_cache
 
@@ -234,6 +246,8 @@ class Transformer:
         ape = self.table(p + "ape.weight")  # [R, W]: the score bias of each slot in the window
         kv = self.linear(p + "kv.weight")(a)
         sc = self.linear(p + "gate.weight")(a) + ape[xp.array(positions % R)]
+        self._emit(p.rstrip("_") + ".kv", kv)
+        self._emit(p.rstrip("_") + ".score", sc)
         pooled, first, state = compress(xp, state, kv, sc, int(positions[-1]) + 1, R)
         if pooled is None:
             return rows, state
@@ -262,6 +276,7 @@ class Transformer:
             bias = p + "exp_probs_b.bias"
             scores = probs + self.vector(bias) if bias in self.file.tensors else probs
             selected = select_topk(b.to_numpy(scores), cfg.n_expert_used)
+        self._emit(p + "moe.experts", selected)
         weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
         clamp = cfg.swiglu_clamp[il]
         moe = routed_experts(b, f, selected, weights, lambda e: self.expert(il, e), clamp)

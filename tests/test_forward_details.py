@@ -1,0 +1,138 @@
+"""Focused checks of spec §10's pitfalls inside the real forward pass, on the numpy float64 backend,
+recomputing each quantity independently from activations recorded at the named points."""
+
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab.model import numerics as nx
+from ds4lab.model.rope import RopeParams
+from ds4lab.quants import dequantize
+
+
+@pytest.fixture(scope="module")
+def nano_exact(model_paths):
+    return ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
+
+
+@pytest.fixture(scope="module")
+def nano_ds4(model_paths):
+    return ds4lab.load(model_paths["nano"], backend="numpy", numerics="ds4")
+
+
+def weight(model, name):
+    t = model.file.tensors[name]
+    return dequantize(t.data, t.qtype, t.shape[0]).astype(np.float64)
+
+
+def run_recorded(model, ids):
+    rec = {}
+    t = model.transformer
+    t.observer = lambda name, value: rec.setdefault(name, np.array(value))
+    try:
+        X, cache = t.forward(np.asarray(ids), t.new_cache())
+    finally:
+        t.observer = None
+    return rec, X, cache
+
+
+def rms(x, w=None):
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+    return y if w is None else y * w
+
+
+def test_gguf_weight_orientation(nano_exact):
+    # ne0 is the input dim: the numpy weight is reshape(ne1, ne0) and y = W·x.
+    t = nano_exact.file.tensors["blk.0.attn_q_a.weight"]
+    assert t.shape == (256, 128)
+    W = weight(nano_exact, "blk.0.attn_q_a.weight")
+    assert W.shape == (128, 256)
+    x = np.random.default_rng(0).normal(size=(3, 256))
+    np.testing.assert_allclose(nano_exact.transformer.linear("blk.0.attn_q_a.weight")(x), x @ W.T, rtol=1e-12)
+
+
+def test_q_and_kv_norms(nano_exact):
+    rec, _, _ = run_recorded(nano_exact, [5, 9, 200])
+    a, qr, q, kv = (rec[f"blk.1.{k}"] for k in ("attn_norm", "attn.q_lora", "attn.q", "attn.kv_in"))
+    m = nano_exact
+    np.testing.assert_allclose(qr, rms(a @ weight(m, "blk.1.attn_q_a.weight").T, weight(m, "blk.1.attn_q_a_norm.weight")), rtol=1e-10)
+    # per-head, unweighted RMSNorm of q over head_dim
+    q_raw = (qr @ weight(m, "blk.1.attn_q_b.weight").T).reshape(3, 4, 128)
+    np.testing.assert_allclose(q, rms(q_raw), rtol=1e-10)
+    np.testing.assert_allclose(kv, rms(a @ weight(m, "blk.1.attn_kv.weight").T, weight(m, "blk.1.attn_kv_a_norm.weight")), rtol=1e-10)
+
+
+def test_inverse_rope_on_attention_output(nano_exact):
+    # One token alone attends only to itself: its output is its own (rotated) kv row. q·k is
+    # rotation invariant, so after the inverse RoPE the heads are the same at any position.
+    t = nano_exact.transformer
+    rec, heads = {}, {}
+    t.observer = lambda name, value: rec.__setitem__(name, np.array(value))
+    X = np.broadcast_to(t.embed(np.array([17]))[:, None, :], (1, 4, 256))
+    try:
+        for pos in (0, 301):
+            t.attention_block(0, X, np.array([pos]), t.new_cache().layers[0])  # layer 0: raw window only
+            heads[pos] = rec["blk.0.attn.heads"]
+    finally:
+        t.observer = None
+    # tolerance: the cos/sin tables are float32 (ds4's recipe), so a rotation and its inverse cancel to ~1e-7
+    np.testing.assert_allclose(heads[301], heads[0], rtol=1e-6, atol=1e-9)
+    assert np.abs(heads[0][..., -64:]).max() > 1e-3
+
+
+def test_compressor_ape_on_score_only_and_rope_at_window_start(nano_exact):
+    m, il, R = nano_exact, 3, 128  # a ratio-128 layer
+    ids = np.random.default_rng(3).integers(0, 1000, 256)
+    rec, _, cache = run_recorded(m, ids)
+    p = f"blk.{il}.attn_compressor"
+    a = rec[f"blk.{il}.attn_norm"]
+    ape = weight(m, p + "_ape.weight")  # [R, W]
+    np.testing.assert_allclose(rec[p + ".kv"], a @ weight(m, p + "_kv.weight").T, rtol=1e-10)
+    np.testing.assert_allclose(rec[p + ".score"], a @ weight(m, p + "_gate.weight").T + ape[np.arange(256) % R], rtol=1e-10)
+    # recompute row 1 (window 128..255): per-channel softmax pooling, norm, RoPE at position 128
+    kv, sc = rec[p + ".kv"][128:], rec[p + ".score"][128:]
+    w = np.exp(sc - sc.max(0)) / np.exp(sc - sc.max(0)).sum(0)
+    row = rms((w * kv).sum(0), weight(m, p + "_norm.weight"))
+    cos, sin = RopeParams.for_layer(m.config, il).tables(np.array([128]))
+    t0, t1 = row[64::2].copy(), row[65::2].copy()
+    row[64::2], row[65::2] = t0 * cos[0] - t1 * sin[0], t0 * sin[0] + t1 * cos[0]
+    np.testing.assert_allclose(cache.layers[il].comp[1], row, rtol=1e-6, atol=1e-9)
+
+
+def test_indexer_uses_normalized_q_lora_and_attn_norm(nano_exact):
+    m, il = nano_exact, 2
+    ids = np.random.default_rng(4).integers(0, 1000, 100)
+    rec, _, cache = run_recorded(m, ids)
+    qr, a = rec[f"blk.{il}.attn.q_lora"], rec[f"blk.{il}.attn_norm"]
+    q = (qr @ weight(m, f"blk.{il}.indexer.attn_q_b.weight").T).reshape(100, 4, 128)
+    cos, sin = RopeParams.for_layer(m.config, il).tables(np.arange(100))
+    t0, t1 = q[..., 64::2].copy(), q[..., 65::2].copy()
+    q[..., 64::2] = t0 * cos[:, None] - t1 * sin[:, None]
+    q[..., 65::2] = t0 * sin[:, None] + t1 * cos[:, None]
+    w = a @ weight(m, f"blk.{il}.indexer.proj.weight").T / np.sqrt(4 * 128)
+    K = cache.layers[il].index
+    want = (np.maximum(np.einsum("thd,cd->thc", q, K), 0) * w[:, :, None]).sum(1)
+    np.testing.assert_allclose(rec[f"blk.{il}.indexer.scores"], want, rtol=1e-8, atol=1e-10)
+
+
+def test_hash_layers_route_by_token_id(nano_exact):
+    ids = [3, 500, 3, 77]
+    rec, _, _ = run_recorded(nano_exact, ids)
+    for il in range(3):
+        table = nano_exact.file.tensors[f"blk.{il}.ffn_gate_tid2eid.weight"]
+        want = dequantize(table.data, table.qtype, table.shape[0])[ids]
+        np.testing.assert_array_equal(rec[f"blk.{il}.moe.experts"], want)
+    assert rec["blk.3.moe.experts"].shape == (4, 2)  # a top-k layer selects n_expert_used
+
+
+def test_stored_rows_carry_ds4_numerics(nano_ds4):
+    ids = np.random.default_rng(5).integers(0, 1000, 140)
+    _, _, cache = run_recorded(nano_ds4, ids)
+    layer = cache.layers[2]
+    for rows in (layer.raw, layer.comp, layer.index):
+        np.testing.assert_array_equal(nx.f16_round(np, rows), rows)  # F16-exact
+    # attention rows: FP8-exact on the 64 non-RoPE dims, per 64-block
+    for rows in (layer.raw, layer.comp):
+        np.testing.assert_array_equal(nx.fp8_kv_sim(np, rows, 64), rows)
+    # indexer rows: FP4 grid values in the Hadamard domain
+    np.testing.assert_array_equal(nx.fp4_sim(np, layer.index), layer.index)
