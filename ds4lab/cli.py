@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
 import time
 from pathlib import Path
@@ -24,13 +25,14 @@ def _run(args) -> int:
     prefill_s = time.perf_counter() - start
     sys.stdout.write(args.prompt)
     generated = []
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # tokens may split a UTF-8 character
     start = time.perf_counter()
     for _ in range(args.tokens):
         token = int(np.argmax(logits))
         if token == model.tokenizer.eos_id:
             break
         generated.append(token)
-        sys.stdout.write(model.tokenizer.decode([token]))
+        sys.stdout.write(text.decode(model.tokenizer.token_bytes(token)))
         sys.stdout.flush()
         X, cache = t.forward(np.array([token]), cache)
         logits = model.backend.to_numpy(t.head(X))[0]
