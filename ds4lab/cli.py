@@ -20,7 +20,7 @@ def _run(args) -> int:
         raise ValueError("the prompt is empty after tokenization")
     t = model.transformer
     start = time.perf_counter()
-    X, cache = t.forward(np.array(ids), t.new_cache())
+    X, cache = t.forward(np.array(ids), model.new_state(len(ids) + args.tokens + 1, len(ids)))
     logits = model.backend.to_numpy(t.head(X[-1:]))[0]
     prefill_s = time.perf_counter() - start
     sys.stdout.write(args.prompt)

@@ -10,6 +10,7 @@ import numpy as np
 from .backends import get_backend
 from .config import ModelConfig
 from .gguf_file import load_model_file
+from .model.state import Geometry, new_state
 from .model.transformer import Transformer
 from .tokenizer import Tokenizer
 
@@ -48,13 +49,26 @@ class Model:
             raise ValueError("expected a non-empty 1-D sequence of integer token ids (or a string)")
         return ids.astype(np.int64)
 
+    def new_state(self, ctx: int, prefill_chunk: int | None = None):
+        """An empty KV state sized for ``ctx`` tokens (see :class:`Geometry`)."""
+        return new_state(self.config, self.backend, Geometry.for_context(self.config, ctx, prefill_chunk))
+
     def logits(self, tokens) -> np.ndarray:
-        """Logits ``[T, vocab]`` (float32) for every position of a one-shot prefill of ``tokens``."""
+        """Logits ``[T, vocab]`` (float32) for every position of a prefill of ``tokens`` from zero.
+
+        The prompt runs as one chunk unless the raw ring cannot hold it (more than 8192 tokens, or a
+        smaller ``DS4_METAL_GRAPH_RAW_CAP``); chunked and one-shot prefills give the same logits.
+        """
+        ids = self.token_ids(tokens)
         t = self.transformer
-        X, _ = t.forward(self.token_ids(tokens), t.new_cache())
-        out = t.head(X)
-        self.backend.eval(out)
-        return np.asarray(self.backend.to_numpy(out), dtype=np.float32)
+        state = self.new_state(len(ids) + 1, len(ids))
+        out = []
+        for start in range(0, len(ids), state.geometry.chunk):
+            X, state = t.forward(ids[start:start + state.geometry.chunk], state)
+            logits = t.head(X)
+            self.backend.eval(logits)
+            out.append(np.asarray(self.backend.to_numpy(logits), dtype=np.float32))
+        return np.concatenate(out)
 
 
 def load(path: str | Path | None = None, backend: str = "mlx", numerics: str = "ds4",

@@ -30,7 +30,7 @@ def run_recorded(model, ids):
     t = model.transformer
     t.observer = lambda name, value: rec.setdefault(name, np.array(value))
     try:
-        X, cache = t.forward(np.asarray(ids), t.new_cache())
+        X, cache = t.forward(np.asarray(ids), model.new_state(len(ids) + 1, len(ids)))
     finally:
         t.observer = None
     return rec, X, cache
@@ -48,7 +48,7 @@ def test_gguf_weight_orientation(nano_exact):
     W = weight(nano_exact, "blk.0.attn_q_a.weight")
     assert W.shape == (128, 256)
     x = np.random.default_rng(0).normal(size=(3, 256))
-    np.testing.assert_allclose(nano_exact.transformer.linear("blk.0.attn_q_a.weight")(x), x @ W.T, rtol=1e-12)
+    np.testing.assert_allclose(nano_exact.transformer.w.linear("blk.0.attn_q_a.weight")(x), x @ W.T, rtol=1e-12)
 
 
 def test_q_and_kv_norms(nano_exact):
@@ -62,22 +62,33 @@ def test_q_and_kv_norms(nano_exact):
     np.testing.assert_allclose(kv, rms(a @ weight(m, "blk.1.attn_kv.weight").T, weight(m, "blk.1.attn_kv_a_norm.weight")), rtol=1e-10)
 
 
-def test_inverse_rope_on_attention_output(nano_exact):
-    # One token alone attends only to itself: its output is its own (rotated) kv row. q·k is
-    # rotation invariant, so after the inverse RoPE the heads are the same at any position.
-    t = nano_exact.transformer
-    rec, heads = {}, {}
-    t.observer = lambda name, value: rec.__setitem__(name, np.array(value))
-    X = np.broadcast_to(t.embed(np.array([17]))[:, None, :], (1, 4, 256))
-    try:
-        for pos in (0, 301):
-            t.attention_block(0, X, np.array([pos]), t.new_cache().layers[0])  # layer 0: raw window only
-            heads[pos] = rec["blk.0.attn.heads"]
-    finally:
-        t.observer = None
-    # tolerance: the cos/sin tables are float32 (ds4's recipe), so a rotation and its inverse cancel to ~1e-7
-    np.testing.assert_allclose(heads[301], heads[0], rtol=1e-6, atol=1e-9)
-    assert np.abs(heads[0][..., -64:]).max() > 1e-3
+def rotate(x, pos, params, sign=1.0):
+    """RoPE by hand: interleaved pairs of the last 64 dims, angle from the layer's tables."""
+    cos, sin = (t.astype(np.float64) for t in params.tables(np.atleast_1d(pos)))
+    y = x.copy()
+    t0, t1 = x[..., 64::2], x[..., 65::2]
+    c = cos.reshape(cos.shape[0], *([1] * (x.ndim - 2)), 32) if x.ndim > 1 else cos[0]
+    s = sign * (sin.reshape(sin.shape[0], *([1] * (x.ndim - 2)), 32) if x.ndim > 1 else sin[0])
+    y[..., 64::2], y[..., 65::2] = t0 * c - t1 * s, t0 * s + t1 * c
+    return y
+
+
+def test_attention_output_is_inverse_roped(nano_exact):
+    # Recompute layer 0's attention at position 39 (window of 32 raw rows, sinks) from the recorded
+    # q and kv, and check that the heads handed to the output projection are rotated back by −θ(39).
+    m = nano_exact
+    ids = np.random.default_rng(6).integers(0, 1000, 40)
+    rec, _, _ = run_recorded(m, ids)
+    params = RopeParams.for_layer(m.config, 0)
+    q = rotate(rec["blk.0.attn.q"][39], 39, params)  # [H, D]
+    keys = rotate(rec["blk.0.attn.kv_in"][8:40], np.arange(8, 40), params)  # exact numerics: stored as is
+    sinks = weight(m, "blk.0.attn_sinks.weight")
+    s = q @ keys.T / np.sqrt(128)
+    mx_ = np.maximum(s.max(1), sinks)
+    e = np.exp(s - mx_[:, None])
+    out = e @ keys / (np.exp(sinks - mx_) + e.sum(1))[:, None]
+    np.testing.assert_allclose(rec["blk.0.attn.heads"][39], rotate(out, 39, params, sign=-1.0), rtol=1e-9, atol=1e-12)
+    assert np.abs(out[:, 64:] - rec["blk.0.attn.heads"][39][:, 64:]).max() > 1e-3  # the inverse rotation matters
 
 
 def test_compressor_ape_on_score_only_and_rope_at_window_start(nano_exact):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from ds4lab.config import FLASH, NANO
-from ds4lab.model.attention import (attend_with_sinks, compressed_visibility, grouped_output, indexer_allowed,
-                                    indexer_scores, raw_visibility)
-from ds4lab.model.compressor import compress, initial_state
+from ds4lab.model.attention import (attend_with_sinks, grouped_output, indexer_allowed, indexer_scores,
+                                    raw_visibility, visible_rows)
+from ds4lab.model.compressor import compress_chunk, initial_state
 from ds4lab.model.functional import softplus, topk_mask
 from ds4lab.model.hc import hc_head, hc_post, hc_pre, sinkhorn
 from ds4lab.model.moe import route_weights, router_probs, routed_experts, select_topk, swiglu
@@ -198,22 +198,43 @@ def naive_compress_rows(kv, sc, R):
     return np.array(rows).reshape(-1, D)
 
 
-@pytest.mark.parametrize("R,W,T", [(4, 6, 23), (128, 3, 300)])
-@pytest.mark.parametrize("chunks", [[None], [1, 2, 5], [3], [7], [64]])
-def test_compressor_pooling_chunked(R, W, T, chunks):
-    kv, sc = rng.normal(size=(T, W)), rng.normal(size=(T, W)) * 2
-    want = naive_compress_rows(kv, sc, R)
-    state, rows, pos, i = initial_state(B, R, W), [], 0, 0
+def run_compressor(kv, sc, R, chunks, pad=0):
+    """Feed the rows chunk by chunk (each padded with ``pad`` garbage rows); collect emitted rows."""
+    T, W = kv.shape
+    state_kv, state_sc = initial_state(B, R, W)
+    rows, pos, i = {}, 0, 0
     while pos < T:
         step = chunks[i % len(chunks)] or T
-        end = min(T, pos + step)
-        pooled, first, state = compress(np, state, kv[pos:end], sc[pos:end], end, R)
-        if pooled is not None:
-            assert first == len(rows)
-            rows.extend(pooled)
-        pos, i = end, i + 1
-    np.testing.assert_allclose(np.array(rows).reshape(-1, want.shape[1]), want, rtol=1e-12, atol=1e-12)
+        n = min(T - pos, step)
+        junk = rng.normal(size=(pad, W)) * 50
+        pooled, state_kv, state_sc = compress_chunk(np, state_kv, state_sc, np.concatenate([kv[pos:pos + n], junk]),
+                                                    np.concatenate([sc[pos:pos + n], junk]), pos, n, R)
+        for k in range(pooled.shape[0]):  # pooled[k] is window pos // R + k; keep the completed ones
+            w = pos // R + k
+            if w < (pos + n) // R:
+                assert w not in rows
+                rows[w] = pooled[k]
+        pos, i = pos + n, i + 1
+    return np.array([rows[w] for w in range(len(rows))]), state_kv, state_sc
+
+
+@pytest.mark.parametrize("R,W,T", [(4, 6, 23), (128, 3, 300)])
+@pytest.mark.parametrize("chunks", [[None], [1, 2, 5], [3], [7], [64]])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_compressor_pooling_chunked(R, W, T, chunks, pad):
+    kv, sc = rng.normal(size=(T, W)), rng.normal(size=(T, W)) * 2
+    want = naive_compress_rows(kv, sc, R)
+    rows, state_kv, state_sc = run_compressor(kv, sc, R, chunks, pad)
+    np.testing.assert_allclose(rows.reshape(-1, want.shape[1]), want, rtol=1e-12, atol=1e-12)
     assert len(rows) == T // R
+    # the pending state has ds4's layout: (previous window,) current window by slot, unused slots cleared
+    c = 2 if R == 4 else 1
+    cur = T // R * R
+    np.testing.assert_array_equal(state_kv[(c - 1) * R:(c - 1) * R + T - cur], kv[cur:])
+    np.testing.assert_array_equal(state_sc[(c - 1) * R + T - cur:], -1e30)
+    np.testing.assert_array_equal(state_kv[(c - 1) * R + T - cur:], 0.0)
+    if R == 4:
+        np.testing.assert_array_equal(state_kv[:4], kv[cur - 4:cur])
 
 
 def test_ratio4_first_window_uses_only_current_second_half():
@@ -221,20 +242,19 @@ def test_ratio4_first_window_uses_only_current_second_half():
     kv[:, 2:] = [[1, 10], [2, 20], [3, 30], [4, 40]]
     sc = np.zeros((4, 4))
     sc[:, :2] = 100.0  # first halves would dominate if window 0 looked at them
-    pooled, first, _ = compress(np, initial_state(B, 4, 4), kv, sc, 4, 4)
-    np.testing.assert_allclose(pooled, [[2.5, 25.0]])  # equal scores → the mean of the 4 second halves
-    assert first == 0
+    rows, _, _ = run_compressor(kv, sc, 4, [None])
+    np.testing.assert_allclose(rows, [[2.5, 25.0]])  # equal scores → the mean of the 4 second halves
 
 
 # --------------------------------------------------------------------------------------- attention
 def test_visibility_rules():
     q = np.array([0, 3, 4, 130])
-    vis = raw_visibility(q, np.arange(131), 128)
+    vis = raw_visibility(np, q, np.arange(131), 128)
     assert vis[0].nonzero()[0].tolist() == [0]
     assert vis[3].nonzero()[0].tolist() == list(range(3, 131))  # q − 128 < k ≤ q
-    comp = compressed_visibility(q, 40, 4)
-    assert comp.sum(1).tolist() == [0, 1, 1, 32]  # row c visible iff (c+1)·4 ≤ q+1
-    assert compressed_visibility(np.array([126, 127]), 2, 128).sum(1).tolist() == [0, 1]
+    assert not raw_visibility(np, q, np.array([-5]), 128).any()  # an empty ring slot
+    assert visible_rows(q, 4).tolist() == [0, 1, 1, 32]  # row c visible iff (c+1)·4 ≤ q+1
+    assert visible_rows(np.array([126, 127]), 128).tolist() == [0, 1]
 
 
 def test_attention_sinks_join_the_denominator():

@@ -3,12 +3,14 @@
 The model is written against an array namespace ``xp`` (the common subset of numpy and mlx.core) plus
 the few operations below whose spelling differs between libraries or that touch quantized weights.
 
-    name, xp, dtype                   the library, its float type (float64 for numpy, float32 for mlx)
+    name, xp, dtype, np_dtype         the library, its float type (float64 for numpy, float32 for mlx)
     asarray(np_array)                 host → backend, cast to ``dtype``
     to_numpy(x)                       backend → host
     linear(raw, qtype, ne0)           a callable ``x -> x @ Wᵀ`` over a GGUF weight ``raw [out, row_bytes]``
     index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
+    can_compile, compile(fn)          whether and how a function of arrays is traced once and reused
+    scalar(int)                       an integer as the backend passes it into compiled functions
 """
 
 from __future__ import annotations

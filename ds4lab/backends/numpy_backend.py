@@ -10,6 +10,7 @@ from ..quants import dequantize
 class NumpyBackend:
     name = "numpy"
     xp = np
+    np_dtype = np.float64
     dtype = np.float64
 
     def asarray(self, a):
@@ -25,6 +26,11 @@ class NumpyBackend:
     def index_add(self, acc, rows, values):
         acc[rows] += values
         return acc
+
+    can_compile = False
+
+    def scalar(self, v: int):
+        return int(v)
 
     def eval(self, *xs):
         pass

@@ -7,15 +7,15 @@ import numpy as np
 from .functional import topk_mask
 
 
-def raw_visibility(q_pos: np.ndarray, k_pos: np.ndarray, window: int) -> np.ndarray:
-    """Raw key k is visible to query q iff q − window < k ≤ q."""
-    d = q_pos[:, None] - k_pos[None, :]
-    return (d >= 0) & (d < window)
+def raw_visibility(xp, q_pos, k_pos, window: int):
+    """Raw key at position k is visible to query q iff q − window < k ≤ q (k < 0: an empty slot)."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    return (k >= 0) & (k <= q) & (k > q - window)
 
 
-def compressed_visibility(q_pos: np.ndarray, n_rows: int, ratio: int) -> np.ndarray:
-    """Compressed row c is visible to query q iff (c+1)·R ≤ q+1, i.e. c < floor((q+1)/R)."""
-    return np.arange(n_rows)[None, :] < ((q_pos + 1) // ratio)[:, None]
+def visible_rows(q_pos, ratio: int):
+    """How many compressed rows query q sees: row c iff (c+1)·R ≤ q+1, i.e. c < floor((q+1)/R)."""
+    return (q_pos + 1) // ratio
 
 
 def indexer_scores(xp, q_idx, w_idx, k_idx):
@@ -28,8 +28,7 @@ def indexer_allowed(xp, score, visible, n_visible: np.ndarray, top_k: int):
     """Rows each query may attend: its top-k by score among visible rows when more than k are visible."""
     masked = xp.where(visible, score, -float("inf"))
     selected = topk_mask(xp, masked, top_k)
-    crowded = xp.array((n_visible > top_k)[:, None])
-    return xp.where(crowded, selected & visible, visible)
+    return xp.where((n_visible > top_k)[:, None], selected & visible, visible)
 
 
 def attend_with_sinks(xp, q, keys, visible, sinks, scale: float):

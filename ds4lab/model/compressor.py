@@ -7,68 +7,68 @@ its candidates' scores of their kv values.
 
 Ratio 128: the candidates are the window's 128 tokens. Ratio 4 overlaps: the projections are 2·D wide
 and window w pools the first halves of window w−1's tokens with the second halves of window w's
-(8 candidates); before window 0 there is a virtual window of masked candidates.
+(8 candidates); before window 0 the previous-window candidates are masked (score −1e30).
 
-A chunk of tokens is processed at once: the pending rows of the unfinished window (and, for ratio 4,
-the previous window) are prepended, every window completed inside the chunk is pooled in bulk, and
-the rows of the windows still open are kept as the new pending state.
+The pending state has ds4's fixed layout (spec/DS4_RUNTIME.md §2.4): ``coff·R`` rows, for ratio 4 the
+previous window's 4 rows then the current window's 4 (slot = position mod 4), for ratio 128 the
+current window's 128; slots not yet written hold (kv 0, score −1e30).
+
+A chunk is processed with fixed shapes so that its start position can be a traced input: the state's
+rows and the chunk's rows are laid out on a timeline of whole windows, every window of the timeline is
+pooled, and the caller keeps only the windows that completed inside the chunk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .functional import NEG_INF, softmax
 
 
-@dataclass
-class CompressorState:
-    """Projected rows of the windows still needed, starting at window ``start_window`` (−1 = virtual)."""
-
-    kv: object  # [n, W]
-    sc: object  # [n, W]
-    start_window: int
+def coff(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
 
 
-def initial_state(backend, ratio: int, width: int) -> CompressorState:
-    if ratio == 4:
-        xp = backend.xp
-        return CompressorState(xp.zeros((ratio, width), dtype=backend.dtype),
-                               xp.full((ratio, width), NEG_INF, dtype=backend.dtype), -1)
-    return CompressorState(backend.xp.zeros((0, width), dtype=backend.dtype),
-                           backend.xp.zeros((0, width), dtype=backend.dtype), 0)
+def initial_state(backend, ratio: int, width: int):
+    xp = backend.xp
+    rows = coff(ratio) * ratio
+    return xp.zeros((rows, width), dtype=backend.dtype), xp.full((rows, width), NEG_INF, dtype=backend.dtype)
 
 
-def compress(xp, state: CompressorState, kv, sc, end_pos: int, ratio: int):
-    """Append the chunk's ``kv``/``sc`` rows (ending before ``end_pos``) and pool completed windows.
+def n_blocks(ratio: int, chunk: int) -> int:
+    """Windows on the timeline of a chunk: the state's windows plus every window the chunk can touch."""
+    return coff(ratio) + chunk // ratio + 1
 
-    Returns ``(pooled [n_new, D], first_new_window, new_state)``.
+
+def compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
+    """Pool the windows of the timeline ``state ∥ chunk``; returns ``(pooled, new_kv, new_sc)``.
+
+    ``kv``/``sc`` are ``[C, W]`` for positions ``pos0 …`` of which the first ``n_valid`` are real.
+    ``pooled[k]`` is window ``pos0 // R + k``; only windows ending before ``pos0 + n_valid`` are complete.
     """
-    KV = xp.concatenate([state.kv, kv], axis=0)
-    SC = xp.concatenate([state.sc, sc], axis=0)
-    width = KV.shape[1]
-    n_done = end_pos // ratio  # windows complete after this chunk
-    n_complete = n_done - state.start_window  # complete windows held in KV
-    if ratio == 4:
-        half = width // 2
-        first_new = state.start_window + 1
-        n_new = max(0, n_complete - 1)
-        keep_from = max(state.start_window, n_done - 1)
-    else:
-        first_new = state.start_window
-        n_new = max(0, n_complete)
-        keep_from = max(state.start_window, n_done)
-    offset = (keep_from - state.start_window) * ratio
-    new_state = CompressorState(KV[offset:], SC[offset:], keep_from)
-    if n_new == 0:
-        return None, first_new, new_state
+    R, c = ratio, coff(ratio)
+    C, W = kv.shape
+    nb = n_blocks(R, C)
+    start = (c - 1) * R + pos0 % R  # timeline index of the chunk's first row
+    j = xp.arange(nb * R)
+    src = xp.where(j < start, j, c * R + j - start)
+    src = xp.minimum(src, c * R + C - 1)
+    blocks_kv = xp.concatenate([state_kv, kv], axis=0)[src].reshape(nb, R, W)
+    blocks_sc = xp.concatenate([state_sc, sc], axis=0)[src].reshape(nb, R, W)
 
-    blocks_kv = KV[: n_complete * ratio].reshape(n_complete, ratio, width)
-    blocks_sc = SC[: n_complete * ratio].reshape(n_complete, ratio, width)
-    if ratio == 4:
+    if R == 4:
+        half = W // 2
         cand_kv = xp.concatenate([blocks_kv[:-1, :, :half], blocks_kv[1:, :, half:]], axis=1)
         cand_sc = xp.concatenate([blocks_sc[:-1, :, :half], blocks_sc[1:, :, half:]], axis=1)
     else:
         cand_kv, cand_sc = blocks_kv, blocks_sc
     pooled = (softmax(xp, cand_sc, axis=1) * cand_kv).sum(axis=1)
-    return pooled, first_new, new_state
+
+    # The new state: the window the next token falls in (and, for ratio 4, the one before it),
+    # with the slots after the last real token cleared.
+    end = pos0 + n_valid
+    current = end // R - pos0 // R + (c - 1)  # block index of the window holding position `end`
+    keep = current - (c - 1) + xp.arange(c)
+    new_kv = blocks_kv[keep].reshape(c * R, W)
+    new_sc = blocks_sc[keep].reshape(c * R, W)
+    filled = (xp.arange(c * R) < (c - 1) * R + end % R)[:, None]
+    return pooled, xp.where(filled, new_kv, 0.0), xp.where(filled, new_sc, NEG_INF)
+

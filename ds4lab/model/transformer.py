@@ -1,124 +1,64 @@
 """The DS4 forward pass over a chunk of tokens (spec §3), written once over a backend.
 
-``forward(tokens, cache)`` runs positions ``cache.n_past …`` through every layer and returns the final
-HC state and a new cache; the input cache is never modified, so a failed chunk leaves nothing half
-updated. One chunk holding the whole prompt is the one-shot prefill; chunk after chunk gives the same
-result because every rule below is written per query position (§3.12).
+``forward(tokens, state)`` runs positions ``state.n_past …`` through every layer and returns the final
+HC state and a new :class:`KVState`; the input state is never modified, so a failed chunk leaves
+nothing half updated. Every rule is written per query position (§3.12), so one chunk holding the whole
+prompt (one-shot prefill) and chunk after chunk give the same result.
+
+The attention half of a layer works on fixed shapes — the chunk size and the state's capacities — with
+the chunk's start position and its number of real tokens as array inputs: on MLX it is compiled once
+per layer and chunk size and reused for every chunk, the last partial one included (padded and
+masked). The FFN half runs eagerly because the routed experts it evaluates are chosen on the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..quants import dequantize
 from . import numerics as nx
-from .attention import (attend_with_sinks, compressed_visibility, grouped_output, indexer_allowed,
-                        indexer_scores, raw_visibility)
-from .compressor import CompressorState, compress, initial_state
+from .attention import (attend_with_sinks, grouped_output, indexer_allowed, indexer_scores, raw_visibility,
+                        visible_rows)
+from .compressor import coff, compress_chunk, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post, hc_pre
 from .moe import route_weights, router_probs, routed_experts, select_topk, swiglu
 from .rope import RopeParams, rope_tail
+from .state import KVState, LayerState
+from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
 
 
 @dataclass(frozen=True)
-class LayerCache:
-    raw: object  # [≤ swa−1, D] the raw rows a later query can still see, oldest first
-    comp: object | None = None  # [n_comp, D] compressed attention rows
-    comp_state: CompressorState | None = None
-    index: object | None = None  # [n_comp, idx_dim] compressed indexer rows (ratio 4)
-    index_state: CompressorState | None = None
+class ChunkTables:
+    """Host-computed RoPE tables for one chunk: per layer kind, the chunk's positions and the start
+    positions of the compressed windows the chunk can complete."""
 
-
-    def map_arrays(self, fn) -> "LayerCache":
-        def one(x):
-            if isinstance(x, CompressorState):
-                return CompressorState(fn(x.kv), fn(x.sc), x.start_window)
-            return None if x is None else fn(x)
-
-        return LayerCache(**{f.name: one(getattr(self, f.name)) for f in fields(self)})
-
-
-@dataclass(frozen=True)
-class Cache:
-    layers: tuple[LayerCache, ...]
-    n_past: int = 0
-
-    def to_backend(self, backend) -> "Cache":
-        """The same state as arrays of ``backend`` (e.g. a float64 reference state continued in MLX)."""
-        convert = lambda x: backend.asarray(np.asarray(x))  # noqa: E731
-        return replace(self, layers=tuple(layer.map_arrays(convert) for layer in self.layers))
+    rope: dict  # RopeParams -> (cos, sin) [C, n_rot/2]
+    windows: dict  # (RopeParams, ratio) -> (cos, sin) [n_windows, n_rot/2]
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, file, backend, numerics: str = "ds4"):
+    def __init__(self, config: ModelConfig, file, backend, numerics: str = "ds4", compile: bool | None = None):
         if numerics not in NUMERICS:
             raise ValueError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
         self.cfg = config
-        self.file = file
         self.backend = backend
         self.numerics = numerics
+        self.w = Weights(file, backend, config.o_groups, config.o_lora)
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
-        self._weights: dict[str, object] = {}
-        # Called as observer(name, value) at the named points below when set; the seed of the capture API.
+        # Called as observer(name, value) at the named points below when set (eager runs only).
         self.observer = None
+        self.compile = backend.can_compile if compile is None else compile
+        self._compiled: dict[tuple[int, int], object] = {}
+        self.trace_count = 0  # attention-step traces: one per (layer, chunk size) when compiled
 
     def _emit(self, name: str, value) -> None:
         if self.observer is not None:
             self.observer(name, value)
-
-    # -- weights -------------------------------------------------------------------------------------
-    def _info(self, name):
-        return self.file.tensors[name]
-
-    def linear(self, name: str):
-        if name not in self._weights:
-            t = self._info(name)
-            self._weights[name] = self.backend.linear(t.data, t.qtype, t.shape[0])
-        return self._weights[name]
-
-    def vector(self, name: str):
-        if name not in self._weights:
-            t = self._info(name)
-            self._weights[name] = self.backend.asarray(dequantize(t.data, t.qtype, t.shape[0]).reshape(-1))
-        return self._weights[name]
-
-    def table(self, name: str):
-        """A small 2-D tensor as a dense ``[ne1, ne0]`` backend array (compressor APE)."""
-        if name not in self._weights:
-            t = self._info(name)
-            self._weights[name] = self.backend.asarray(dequantize(t.data, t.qtype, t.shape[0]))
-        return self._weights[name]
-
-    def out_a_groups(self, il: int):
-        key = f"blk.{il}.attn_output_a.groups"
-        if key not in self._weights:
-            t = self._info(f"blk.{il}.attn_output_a.weight")
-            rows = self.cfg.o_lora
-            self._weights[key] = [self.backend.linear(t.data[g * rows:(g + 1) * rows], t.qtype, t.shape[0])
-                                  for g in range(self.cfg.o_groups)]
-        return self._weights[key]
-
-    def expert(self, il: int, e: int):
-        """Gate, up and down of routed expert ``e``, dequantized from that expert's blocks only."""
-        def one(kind):
-            t = self._info(f"blk.{il}.ffn_{kind}_exps.weight")
-            return self.backend.linear(t.data[e], t.qtype, t.shape[0])
-
-        return one("gate"), one("up"), one("down")
-
-    def hash_table(self, il: int) -> np.ndarray:
-        t = self._info(f"blk.{il}.ffn_gate_tid2eid.weight")
-        return dequantize(t.data, t.qtype, t.shape[0])
-
-    def embed(self, tokens: np.ndarray):
-        t = self._info("token_embd.weight")
-        return self.backend.asarray(dequantize(t.data[tokens], t.qtype, t.shape[0]))
 
     # -- numerics (spec §4.1) -------------------------------------------------------------------------
     def store_kv(self, x):
@@ -134,152 +74,196 @@ class Transformer:
     def store_index(self, x):
         return x if self.numerics == "exact" else nx.f16_round(self.backend.xp, self.indexer_quant(x))
 
-    # -- cache ----------------------------------------------------------------------------------------
-    def new_cache(self) -> Cache:
-        cfg, b = self.cfg, self.backend
-        empty = lambda d: b.xp.zeros((0, d), dtype=b.dtype)  # noqa: E731
-        layers = []
-        for il in range(cfg.n_layer):
-            R = cfg.ratio(il)
-            layer = LayerCache(raw=empty(cfg.head_dim))
-            if R:
-                layer = replace(layer, comp=empty(cfg.head_dim),
-                                comp_state=initial_state(b, R, cfg.compressor_width(il, cfg.head_dim)))
-            if cfg.has_indexer(il):
-                layer = replace(layer, index=empty(cfg.idx_dim),
-                                index_state=initial_state(b, R, cfg.compressor_width(il, cfg.idx_dim)))
-            layers.append(layer)
-        return Cache(tuple(layers), 0)
-
     # -- forward --------------------------------------------------------------------------------------
-    def forward(self, tokens, cache: Cache):
-        """Run ``tokens`` at positions ``cache.n_past …``; returns ``(X [T, n_hc, E], new cache)``."""
-        cfg, xp = self.cfg, self.backend.xp
+    def tables(self, pos0: int, chunk: int) -> ChunkTables:
+        b = self.backend
+        positions = pos0 + np.arange(chunk)
+        rope, windows = {}, {}
+        for il, params in enumerate(self.ropes):
+            if params not in rope:
+                rope[params] = tuple(map(b.asarray, params.tables(positions)))
+            R = self.cfg.ratio(il)
+            if R and (params, R) not in windows:
+                n = n_blocks(R, chunk) - (coff(R) - 1)
+                windows[params, R] = tuple(map(b.asarray, params.tables((pos0 // R + np.arange(n)) * R)))
+        return ChunkTables(rope, windows)
+
+    def forward(self, tokens, state: KVState, pad_to: int | None = None):
+        """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
+
+        With ``pad_to`` the chunk is padded to that many rows (masked), so every chunk of a prefill
+        has the same shapes; the returned X has the real rows only.
+        """
+        cfg, b = self.cfg, self.backend
+        xp = b.xp
         tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.ndim != 1 or len(tokens) == 0:
+        n = len(tokens)
+        if tokens.ndim != 1 or n == 0:
             raise ValueError("forward needs a non-empty 1-D sequence of token ids")
         if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
             bad = int(tokens[(tokens < 0) | (tokens >= cfg.n_vocab)][0])
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.n_vocab})")
-        positions = cache.n_past + np.arange(len(tokens))
-        e = self.embed(tokens)
-        X = xp.broadcast_to(e[:, None, :], (len(tokens), cfg.n_hc, cfg.n_embd))
+        geo, pos0 = state.geometry, state.n_past
+        C = max(n, pad_to or n)
+        if pos0 + n > geo.ctx:
+            raise ValueError(f"positions {pos0}…{pos0 + n - 1} exceed the context of {geo.ctx} tokens")
+        if n > geo.chunk and geo.raw_cap < geo.ctx:
+            raise ValueError(f"a chunk of {n} tokens exceeds the session's chunk size {geo.chunk}")
+        padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
+        X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
+        tabs = self.tables(pos0, C)
         layers = []
         for il in range(cfg.n_layer):
-            X, layer = self.attention_block(il, X, positions, cache.layers[il])
-            X = self.ffn_block(il, X, tokens)
+            X, layer = self._attention(il, X, pos0, n, tabs, state.layers[il])
+            X = self.ffn_block(il, X[:n], tokens) if C == n else xp.concatenate(
+                [self.ffn_block(il, X[:n], tokens), X[n:]], axis=0)
             layers.append(layer)
-        return X, Cache(tuple(layers), cache.n_past + len(tokens))
+        return X[:n], KVState(tuple(layers), pos0 + n, geo)
 
     def head(self, X):
         """Logits ``[T, vocab]`` from the final HC state (§3.11)."""
-        cfg, xp = self.cfg, self.backend.xp
-        emb = hc_head(xp, X, self.linear("output_hc_fn.weight"), self.vector("output_hc_scale.weight"),
-                      self.vector("output_hc_base.weight"), eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
-        return self.linear("output.weight")(rmsnorm(xp, emb, cfg.rms_eps, self.vector("output_norm.weight")))
+        cfg, xp, w = self.cfg, self.backend.xp, self.w
+        emb = hc_head(xp, X, w.linear("output_hc_fn.weight"), w.vector("output_hc_scale.weight"),
+                      w.vector("output_hc_base.weight"), eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
+        return w.linear("output.weight")(rmsnorm(xp, emb, cfg.rms_eps, w.vector("output_norm.weight")))
 
     def _hc_pre(self, il: int, sub: str, X):
-        p = f"blk.{il}.hc_{sub}_"
-        return hc_pre(self.backend.xp, X, self.linear(p + "fn.weight"), self.vector(p + "scale.weight"),
-                      self.vector(p + "base.weight"), iters=self.cfg.sinkhorn_iters, eps=self.cfg.hc_eps,
+        p, w = f"blk.{il}.hc_{sub}_", self.w
+        return hc_pre(self.backend.xp, X, w.linear(p + "fn.weight"), w.vector(p + "scale.weight"),
+                      w.vector(p + "base.weight"), iters=self.cfg.sinkhorn_iters, eps=self.cfg.hc_eps,
                       norm_eps=self.cfg.rms_eps)
 
-    def _rope(self, il: int, positions: np.ndarray):
-        cos, sin = self.ropes[il].tables(positions)
-        return self.backend.asarray(cos), self.backend.asarray(sin)
+    # -- attention half -------------------------------------------------------------------------------
+    def _attention(self, il: int, X, pos0: int, n_valid: int, tabs: ChunkTables, st: LayerState):
+        params, R = self.ropes[il], self.cfg.ratio(il)
+        rope = tabs.rope[params]
+        win = tabs.windows[params, R] if R else (None, None)
+        if not (self.compile and self.observer is None):
+            return self.attention_block(il, X, pos0, n_valid, rope, win, st)
+        key = (il, X.shape[0])
+        if key not in self._compiled:
+            self._compiled[key] = self.backend.compile(self._attention_arrays(il))
+        out = self._compiled[key](X, self.backend.scalar(pos0), self.backend.scalar(n_valid), *rope,
+                                  *(win if R else ()), *[a for a in st.arrays() if a is not None])
+        return out[0], self._unflatten(il, out[1:])
 
-    def attention_block(self, il: int, X, positions: np.ndarray, cache: LayerCache):
-        cfg, b = self.cfg, self.backend
-        xp, eps, p = b.xp, cfg.rms_eps, f"blk.{il}."
-        T, R = len(positions), cfg.ratio(il)
+    def _unflatten(self, il: int, arrays) -> LayerState:
+        """A layer's state from its present arrays: raw; + compressor (R ≠ 0); + indexer (R = 4)."""
+        R = self.cfg.ratio(il)
+        present = (True,) + (R != 0,) * 3 + (R == 4,) * 3
+        it = iter(arrays)
+        return LayerState.from_arrays([next(it) if p else None for p in present])
+
+    def _attention_arrays(self, il: int):
+        """The attention block as a function of arrays only, for ``mx.compile``."""
+        R = self.cfg.ratio(il)
+
+        def step(X, pos0, n_valid, cos, sin, *rest):
+            self.trace_count += 1  # runs once per trace, not once per call
+            wcos, wsin, arrays = (rest[0], rest[1], rest[2:]) if R else (None, None, rest)
+            X, new = self.attention_block(il, X, pos0, n_valid, (cos, sin), (wcos, wsin), self._unflatten(il, arrays))
+            return (X, *[a for a in new.arrays() if a is not None])
+
+        return step
+
+    def attention_block(self, il: int, X, pos0, n_valid, rope, windows, st: LayerState):
+        cfg, w = self.cfg, self.w
+        xp, eps, p = self.backend.xp, cfg.rms_eps, f"blk.{il}."
+        C, R = X.shape[0], cfg.ratio(il)
+        pos = pos0 + xp.arange(C)
+        end = pos0 + n_valid
 
         x_in, post, comb = self._hc_pre(il, "attn", X)
-        a = rmsnorm(xp, x_in, eps, self.vector(p + "attn_norm.weight"))
-        qr = rmsnorm(xp, self.linear(p + "attn_q_a.weight")(a), eps, self.vector(p + "attn_q_a_norm.weight"))
-        q = rmsnorm(xp, self.linear(p + "attn_q_b.weight")(qr).reshape(T, cfg.n_head, cfg.head_dim), eps)
-        kv = rmsnorm(xp, self.linear(p + "attn_kv.weight")(a), eps, self.vector(p + "attn_kv_a_norm.weight"))
+        a = rmsnorm(xp, x_in, eps, w.vector(p + "attn_norm.weight"))
+        qr = rmsnorm(xp, w.linear(p + "attn_q_a.weight")(a), eps, w.vector(p + "attn_q_a_norm.weight"))
+        q = rmsnorm(xp, w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps)
+        kv = rmsnorm(xp, w.linear(p + "attn_kv.weight")(a), eps, w.vector(p + "attn_kv_a_norm.weight"))
         self._emit(p + "attn_norm", a)
         self._emit(p + "attn.q_lora", qr)
         self._emit(p + "attn.q", q)
         self._emit(p + "attn.kv_in", kv)
-        cos, sin = self._rope(il, positions)
+        cos, sin = rope
         q = rope_tail(xp, q, cos, sin)
         kv = self.store_kv(rope_tail(xp, kv, cos, sin))
 
-        # Raw window: earlier rows still in reach, then this chunk's rows (pushed before attention).
-        raw = xp.concatenate([cache.raw, kv], axis=0)
-        raw_pos = positions[0] - cache.raw.shape[0] + np.arange(raw.shape[0])
-        keys, visible = raw, raw_visibility(positions, raw_pos, cfg.swa)
-        new_cache = replace(cache, raw=raw[max(0, raw.shape[0] - (cfg.swa - 1)):])
+        # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
+        # the latest position ≡ s written so far; a query sees positions in (q − window, q].
+        raw_cap = st.raw.shape[0]
+        slot_pos = (end - 1) - ((end - 1 - xp.arange(raw_cap)) % raw_cap)
+        written = slot_pos >= pos0
+        raw = xp.where(written[:, None], kv[xp.clip(slot_pos - pos0, 0, C - 1)], st.raw)
+        visible = raw_visibility(xp, pos, slot_pos, cfg.swa)
+        keys, new = raw, LayerState(raw=raw)
 
         if R:
-            # Rows of windows that end inside the chunk are emitted before the chunk's attention.
-            comp, comp_state = self._compress(il, "attn_compressor_", a, positions, cache.comp, cache.comp_state,
-                                              cfg.head_dim, self.store_kv)
-            new_cache = replace(new_cache, comp=comp, comp_state=comp_state)
-            comp_visible = compressed_visibility(positions, comp.shape[0], R)
-            comp_visible = xp.array(comp_visible)
+            # Rows of windows that end inside the chunk are written before the chunk's attention.
+            comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", a, pos0, n_valid, windows,
+                                                    st.comp, st.comp_kv, st.comp_sc, self.store_kv)
+            new = LayerState(raw=raw, comp=comp, comp_kv=comp_kv, comp_sc=comp_sc)
+            n_vis = visible_rows(xp.minimum(pos, end - 1), R)  # padded queries look like the last real one
+            comp_visible = xp.arange(comp.shape[0])[None, :] < n_vis[:, None]
             if cfg.has_indexer(il):
-                index, index_state = self._compress(il, "indexer_compressor_", a, positions, cache.index,
-                                                    cache.index_state, cfg.idx_dim, self.store_index)
-                new_cache = replace(new_cache, index=index, index_state=index_state)
-                n_visible = (positions + 1) // R
-                if n_visible.max() > cfg.idx_topk:
+                index, index_kv, index_sc = self._compress(il, "indexer_compressor", a, pos0, n_valid, windows,
+                                                           st.index, st.index_kv, st.index_sc, self.store_index)
+                new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
+                if index.shape[0] > cfg.idx_topk:  # otherwise no query can have more rows than top-k
                     score = self._indexer_scores(il, qr, a, cos, sin, index)
                     self._emit(p + "indexer.scores", score)
-                    comp_visible = indexer_allowed(xp, score, comp_visible, n_visible, cfg.idx_topk)
+                    comp_visible = indexer_allowed(xp, score, comp_visible, n_vis, cfg.idx_topk)
             keys = xp.concatenate([raw, comp], axis=0)
-            visible = xp.concatenate([xp.array(visible), comp_visible], axis=1)
-        else:
-            visible = xp.array(visible)
+            visible = xp.concatenate([visible, comp_visible], axis=1)
 
-        out = attend_with_sinks(xp, q, keys, visible, self.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
+        out = attend_with_sinks(xp, q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         heads = rope_tail(xp, out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
-        y = grouped_output(xp, heads, self.out_a_groups(il), self.linear(p + "attn_output_b.weight"))
-        return hc_post(xp, y, X, post, comb), new_cache
+        y = grouped_output(xp, heads, w.out_a_groups(il), w.linear(p + "attn_output_b.weight"))
+        return hc_post(xp, y, X, post, comb), new
 
-    def _compress(self, il, prefix, a, positions, rows, state, dim, store):
-        """Project the chunk for one compressor, pool finished windows, normalize, RoPE at the window start."""
-        cfg, xp, p = self.cfg, self.backend.xp, f"blk.{il}.{prefix}"
-        R = cfg.ratio(il)
-        ape = self.table(p + "ape.weight")  # [R, W]: the score bias of each slot in the window
-        kv = self.linear(p + "kv.weight")(a)
-        sc = self.linear(p + "gate.weight")(a) + ape[xp.array(positions % R)]
-        self._emit(p.rstrip("_") + ".kv", kv)
-        self._emit(p.rstrip("_") + ".score", sc)
-        pooled, first, state = compress(xp, state, kv, sc, int(positions[-1]) + 1, R)
-        if pooled is None:
-            return rows, state
-        c = rmsnorm(xp, pooled, cfg.rms_eps, self.vector(p + "norm.weight"))
-        cos, sin = self._rope(il, (first + np.arange(pooled.shape[0])) * R)
-        c = store(rope_tail(xp, c, cos, sin))
-        return xp.concatenate([rows, c], axis=0), state
+    def _compress(self, il, name, a, pos0, n_valid, windows, rows, state_kv, state_sc, store):
+        """Project the chunk for one compressor, pool windows, normalize, RoPE at the window start, and
+        append the rows of windows completed in the chunk."""
+        cfg, xp, w, p = self.cfg, self.backend.xp, self.w, f"blk.{il}.{name}_"
+        C, R = a.shape[0], cfg.ratio(il)
+        pos = pos0 + xp.arange(C)
+        ape = w.table(p + "ape.weight")  # [R, W]: the score bias of each slot in the window
+        kv = w.linear(p + "kv.weight")(a)
+        sc = w.linear(p + "gate.weight")(a) + ape[pos % R]
+        self._emit(f"blk.{il}.{name}.kv", kv)
+        self._emit(f"blk.{il}.{name}.score", sc)
+        pooled, new_kv, new_sc = compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, R)
+        c = rmsnorm(xp, pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
+        c = store(rope_tail(xp, c, *windows))
+        r = xp.arange(rows.shape[0])
+        k = r - pos0 // R  # pooled[k] is window pos0 // R + k
+        emitted = (k >= 0) & (r < (pos0 + n_valid) // R)
+        rows = xp.where(emitted[:, None], c[xp.clip(k, 0, c.shape[0] - 1)], rows)
+        return rows, new_kv, new_sc
 
     def _indexer_scores(self, il, qr, a, cos, sin, index_rows):
-        cfg, xp, p = self.cfg, self.backend.xp, f"blk.{il}.indexer."
-        T = qr.shape[0]
-        q = self.linear(p + "attn_q_b.weight")(qr).reshape(T, cfg.idx_heads, cfg.idx_dim)
+        cfg, xp, w, p = self.cfg, self.backend.xp, self.w, f"blk.{il}.indexer."
+        C = qr.shape[0]
+        q = w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.idx_heads, cfg.idx_dim)
         q = self.indexer_quant(rope_tail(xp, q, cos, sin))
-        w = self.linear(p + "proj.weight")(a) * (cfg.idx_heads * cfg.idx_dim) ** -0.5
-        return indexer_scores(xp, q, w, index_rows)
+        weights = w.linear(p + "proj.weight")(a) * (cfg.idx_heads * cfg.idx_dim) ** -0.5
+        return indexer_scores(xp, q, weights, index_rows)
 
+    # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens: np.ndarray):
-        cfg, b = self.cfg, self.backend
+        cfg, b, w = self.cfg, self.backend, self.w
         xp, p = b.xp, f"blk.{il}."
         x_in, post, comb = self._hc_pre(il, "ffn", X)
-        f = rmsnorm(xp, x_in, cfg.rms_eps, self.vector(p + "ffn_norm.weight"))
-        probs = router_probs(xp, self.linear(p + "ffn_gate_inp.weight")(f))
+        f = rmsnorm(xp, x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
+        probs = router_probs(xp, w.linear(p + "ffn_gate_inp.weight")(f))
         if cfg.is_hash_layer(il):
-            selected = self.hash_table(il)[tokens].astype(np.int64)
+            selected = w.hash_table(il)[tokens].astype(np.int64)
         else:
             bias = p + "exp_probs_b.bias"
-            scores = probs + self.vector(bias) if bias in self.file.tensors else probs
+            scores = probs + w.vector(bias) if bias in w else probs
             selected = select_topk(b.to_numpy(scores), cfg.n_expert_used)
         self._emit(p + "moe.experts", selected)
         weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
         clamp = cfg.swiglu_clamp[il]
-        moe = routed_experts(b, f, selected, weights, lambda e: self.expert(il, e), clamp)
-        shared = self.linear(p + "ffn_down_shexp.weight")(
-            swiglu(xp, self.linear(p + "ffn_gate_shexp.weight")(f), self.linear(p + "ffn_up_shexp.weight")(f), clamp))
+        moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
+        shared = w.linear(p + "ffn_down_shexp.weight")(
+            swiglu(xp, w.linear(p + "ffn_gate_shexp.weight")(f), w.linear(p + "ffn_up_shexp.weight")(f), clamp))
         return hc_post(xp, moe + shared, X, post, comb)

@@ -1,0 +1,24 @@
+"""KV/session state of a ds4 session (spec DS4_RUNTIME.md §2-3)."""
+
+from .payload import (
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    LayerState,
+    Payload,
+    PayloadError,
+    comp_cap_for,
+    decode_payload,
+    encode_payload,
+    expected_row_counts,
+    graph_caps,
+    layer_comp_cap,
+    layer_state_shapes,
+    payload_nbytes,
+)
+
+__all__ = [
+    "HEADER_BYTES", "MAGIC", "VERSION", "LayerState", "Payload", "PayloadError", "comp_cap_for",
+    "decode_payload", "encode_payload", "expected_row_counts", "graph_caps", "layer_comp_cap",
+    "layer_state_shapes", "payload_nbytes",
+]

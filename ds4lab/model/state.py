@@ -1,0 +1,129 @@
+"""The KV state of every layer, in ds4's fixed-capacity layout (spec/DS4_RUNTIME.md §2).
+
+Per layer: the raw ring (``raw_cap`` rows, position p in slot p mod raw_cap), append-only compressed
+rows (capacity ctx/R + 2), in ratio-4 layers append-only indexer rows (ctx/4 + 2), and the pending
+compressor state of each compressor. Row counts are not stored: after T tokens a ratio-R layer holds
+⌊T/R⌋ rows. Rows beyond the count are zero. States are immutable values; a step returns a new one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+
+from ..config import ModelConfig
+from .compressor import initial_state
+
+DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA
+RAW_CAP_MAX = 8192
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Context size, prefill chunk and raw-ring capacity, sized as ds4 sizes them (§1.2, §2.1)."""
+
+    ctx: int
+    chunk: int
+    raw_cap: int
+    window: int
+
+    @classmethod
+    def for_context(cls, cfg: ModelConfig, ctx: int, chunk: int | None = None, raw_cap: int | None = None) -> "Geometry":
+        if ctx < 2:
+            raise ValueError(f"ctx must be at least 2, got {ctx}")
+        if chunk is None:
+            chunk = chunk_from_env(ctx)
+        if chunk < 1:
+            raise ValueError(f"prefill_chunk must be positive, got {chunk}")
+        chunk = min(chunk, ctx)
+        window = min(cfg.swa, ctx)
+        if raw_cap is None:
+            raw_cap = raw_cap_from_env()
+        if raw_cap is None:
+            raw_cap = max(window, min(_align_up(min(window + chunk, ctx), 256), RAW_CAP_MAX, ctx))
+        else:
+            raw_cap = max(window, min(raw_cap, ctx, RAW_CAP_MAX))
+        # A chunk's rows and the window before it must fit in the ring together.
+        if raw_cap < ctx:
+            chunk = min(chunk, raw_cap - window)
+        return cls(ctx=ctx, chunk=chunk, raw_cap=raw_cap, window=window)
+
+    def comp_cap(self, ratio: int) -> int:
+        return self.ctx // ratio + 2
+
+
+def chunk_from_env(ctx: int) -> int:
+    """ds4_default_prefill_cap_for_prompt(ctx): DS4_METAL_PREFILL_CHUNK or 2048, ds4's quirks included."""
+    env = os.environ.get("DS4_METAL_PREFILL_CHUNK")
+    if env is None:
+        return DEFAULT_CHUNK if ctx > DEFAULT_CHUNK else ctx
+    try:
+        v = int(env)
+    except ValueError:
+        return ctx  # a non-numeric value disables chunking (ds4 skips the default too)
+    return min(v, ctx) if v > 0 else ctx
+
+
+def raw_cap_from_env() -> int | None:
+    env = os.environ.get("DS4_METAL_GRAPH_RAW_CAP")
+    if env is None:
+        return None
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"DS4_METAL_GRAPH_RAW_CAP must be an integer, got {env!r}") from None
+
+
+@dataclass(frozen=True)
+class LayerState:
+    raw: object  # [raw_cap, head_dim] ring
+    comp: object | None = None  # [ctx/R + 2, head_dim]
+    comp_kv: object | None = None  # [coff·R, coff·head_dim] pending kv
+    comp_sc: object | None = None  # [coff·R, coff·head_dim] pending scores (gate + APE)
+    index: object | None = None  # [ctx/4 + 2, idx_dim]
+    index_kv: object | None = None  # [8, 2·idx_dim]
+    index_sc: object | None = None
+
+    def arrays(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def from_arrays(cls, arrays) -> "LayerState":
+        return cls(*arrays)
+
+
+@dataclass(frozen=True)
+class KVState:
+    layers: tuple[LayerState, ...]
+    n_past: int
+    geometry: Geometry
+
+    def to_backend(self, backend) -> "KVState":
+        """The same state as arrays of ``backend`` (e.g. a float64 reference state continued in MLX)."""
+        def convert(x):
+            return None if x is None else backend.asarray(np.asarray(x))
+
+        layers = tuple(LayerState.from_arrays([convert(a) for a in layer.arrays()]) for layer in self.layers)
+        return replace(self, layers=layers)
+
+
+def new_state(cfg: ModelConfig, backend, geometry: Geometry) -> KVState:
+    xp, dt = backend.xp, backend.dtype
+    layers = []
+    for il in range(cfg.n_layer):
+        R = cfg.ratio(il)
+        layer = LayerState(raw=xp.zeros((geometry.raw_cap, cfg.head_dim), dtype=dt))
+        if R:
+            kv, sc = initial_state(backend, R, cfg.compressor_width(il, cfg.head_dim))
+            layer = replace(layer, comp=xp.zeros((geometry.comp_cap(R), cfg.head_dim), dtype=dt), comp_kv=kv, comp_sc=sc)
+        if cfg.has_indexer(il):
+            kv, sc = initial_state(backend, R, cfg.compressor_width(il, cfg.idx_dim))
+            layer = replace(layer, index=xp.zeros((geometry.comp_cap(R), cfg.idx_dim), dtype=dt), index_kv=kv, index_sc=sc)
+        layers.append(layer)
+    return KVState(tuple(layers), 0, geometry)

@@ -1,0 +1,81 @@
+"""Tensors of a DS4 GGUF bound to a backend, converted on first use and kept."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ..quants import dequantize
+
+
+EXPERT_CACHE_BYTES = 512 << 20
+
+
+class Weights:
+    """Dense tensors are converted once; routed experts are converted one expert at a time when the
+    router selects them and kept in a least-recently-used cache of ``expert_cache_bytes`` (float
+    bytes), so the 256-expert tensors are never expanded whole."""
+
+    def __init__(self, file, backend, o_groups: int, o_lora: int, expert_cache_bytes: int = EXPERT_CACHE_BYTES):
+        self.file = file
+        self.backend = backend
+        self.o_groups, self.o_lora = o_groups, o_lora
+        self._cache: dict[str, object] = {}
+        self._experts: OrderedDict[tuple[int, int], tuple] = OrderedDict()
+        self._expert_bytes = 0
+        self.expert_cache_bytes = expert_cache_bytes
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file.tensors
+
+    def _dense(self, name: str):
+        t = self.file.tensors[name]
+        return dequantize(t.data, t.qtype, t.shape[0])
+
+    def _memo(self, key: str, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def linear(self, name: str):
+        """``x -> x @ Wᵀ`` with W = the tensor as ``[ne1, ne0]`` (ne0 is the input dim, spec §10.1)."""
+        t = self.file.tensors[name]
+        return self._memo(name, lambda: self.backend.linear(t.data, t.qtype, t.shape[0]))
+
+    def vector(self, name: str):
+        return self._memo(name, lambda: self.backend.asarray(self._dense(name).reshape(-1)))
+
+    def table(self, name: str):
+        """A small 2-D tensor as a dense ``[ne1, ne0]`` backend array (compressor APE)."""
+        return self._memo(name, lambda: self.backend.asarray(self._dense(name)))
+
+    def out_a_groups(self, il: int):
+        """attn_output_a split by output group: group g owns rows g·o_lora … (g+1)·o_lora − 1."""
+        t = self.file.tensors[f"blk.{il}.attn_output_a.weight"]
+        rows = self.o_lora
+        return self._memo(f"blk.{il}.attn_output_a.groups", lambda: [
+            self.backend.linear(t.data[g * rows:(g + 1) * rows], t.qtype, t.shape[0]) for g in range(self.o_groups)])
+
+    def expert(self, il: int, e: int):
+        """Gate, up and down of routed expert ``e``, built from that expert's blocks only."""
+        key = (il, e)
+        if key in self._experts:
+            self._experts.move_to_end(key)
+            return self._experts[key][0]
+        tensors = [self.file.tensors[f"blk.{il}.ffn_{kind}_exps.weight"] for kind in ("gate", "up", "down")]
+        mats = tuple(self.backend.linear(t.data[e], t.qtype, t.shape[0]) for t in tensors)
+        size = sum(t.shape[0] * t.shape[1] for t in tensors) * np.dtype(self.backend.np_dtype).itemsize
+        self._experts[key] = (mats, size)
+        self._expert_bytes += size
+        while self._expert_bytes > self.expert_cache_bytes and len(self._experts) > 1:
+            _, (_, dropped) = self._experts.popitem(last=False)
+            self._expert_bytes -= dropped
+        return mats
+
+    def hash_table(self, il: int) -> np.ndarray:
+        return self._memo(f"blk.{il}.tid2eid", lambda: self._dense(f"blk.{il}.ffn_gate_tid2eid.weight"))
+
+    def embed(self, tokens: np.ndarray):
+        t = self.file.tensors["token_embd.weight"]
+        return self.backend.asarray(dequantize(t.data[tokens], t.qtype, t.shape[0]))
