@@ -2,6 +2,9 @@
 
 from .config import FLASH, NANO, ModelConfig, ModelFileError
 from .engine import Model, default_model_path, load
+from .kv.checkpoint import Checkpoint
+from .session import Decode, DecodeStep, Prefill, PrefillChunk, Session
 
-__all__ = ["FLASH", "NANO", "Model", "ModelConfig", "ModelFileError", "default_model_path", "load"]
+__all__ = ["FLASH", "NANO", "Checkpoint", "Decode", "DecodeStep", "Model", "ModelConfig", "ModelFileError",
+           "Prefill", "PrefillChunk", "Session", "default_model_path", "load"]
 __version__ = "0.1.0"

@@ -53,6 +53,15 @@ class Model:
         """An empty KV state sized for ``ctx`` tokens (see :class:`Geometry`)."""
         return new_state(self.config, self.backend, Geometry.for_context(self.config, ctx, prefill_chunk))
 
+    def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16):
+        """A live timeline with step-wise prefill and decode (see :class:`ds4lab.session.Session`).
+
+        ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 2048 when ctx > 2048.
+        """
+        from .session import Session
+
+        return Session(self, ctx=ctx, prefill_chunk=prefill_chunk, max_checkpoints=max_checkpoints)
+
     def logits(self, tokens) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32) for every position of a prefill of ``tokens`` from zero.
 
@@ -63,8 +72,8 @@ class Model:
         t = self.transformer
         state = self.new_state(len(ids) + 1, len(ids))
         out = []
-        for start in range(0, len(ids), state.geometry.chunk):
-            X, state = t.forward(ids[start:start + state.geometry.chunk], state)
+        for start in range(0, len(ids), state.geometry.step):
+            X, state = t.forward(ids[start:start + state.geometry.step], state)
             logits = t.head(X)
             self.backend.eval(logits)
             out.append(np.asarray(self.backend.to_numpy(logits), dtype=np.float32))

@@ -11,7 +11,7 @@ import pytest
 
 from ds4lab.config import FLASH, NANO, replace
 from ds4lab.kv.payload import (
-    LayerState,
+    LayerPayload,
     graph_caps,
     Payload,
     PayloadError,
@@ -44,7 +44,7 @@ def random_payload(cfg, T, ctx=4096, prefill_cap=2048, seed=0):
     layers = []
     for il in range(cfg.n_layer):
         R = cfg.compress_ratios[il]
-        st = LayerState(raw=f32(min(T, window), cfg.head_dim))
+        st = LayerPayload(raw=f32(min(T, window), cfg.head_dim))
         if R:
             coff = 2 if R == 4 else 1
             st.comp = f32(T // R, cfg.head_dim)
@@ -194,7 +194,7 @@ def test_hand_built_ratio0_payload():
     raw = np.arange(3 * 128, dtype=np.float32).reshape(3, 128) / 7
     logits = np.linspace(-1, 1, 8, dtype=np.float32)
     p = Payload(ctx=16, prefill_cap=4, raw_cap=16, raw_window=16, comp_cap=3,
-                tokens=np.array([5, 0, 7], dtype=np.uint32), logits=logits, layers=[LayerState(raw=raw)])
+                tokens=np.array([5, 0, 7], dtype=np.uint32), logits=logits, layers=[LayerPayload(raw=raw)])
     want = (struct.pack("<13I", MAGIC, 1, 16, 4, 16, 16, 3, 3, 1, 128, 128, 8, 3)
             + struct.pack("<3I", 5, 0, 7)
             + struct.pack("<8f", *logits.tolist())
@@ -216,7 +216,7 @@ def test_hand_built_compressed_layers_order():
     ]
     layers, body = [], b""
     for il, fields in enumerate(shapes):
-        st = LayerState(raw=None)
+        st = LayerPayload(raw=None)
         for k, (name, shape) in enumerate(fields):
             value = 10.0 * il + k + 0.5
             setattr(st, name, np.full(shape, value, dtype=np.float32))

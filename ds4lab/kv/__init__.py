@@ -4,7 +4,7 @@ from .payload import (
     HEADER_BYTES,
     MAGIC,
     VERSION,
-    LayerState,
+    LayerPayload,
     Payload,
     PayloadError,
     comp_cap_for,
@@ -18,7 +18,7 @@ from .payload import (
 )
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "VERSION", "LayerState", "Payload", "PayloadError", "comp_cap_for",
+    "HEADER_BYTES", "MAGIC", "VERSION", "LayerPayload", "Payload", "PayloadError", "comp_cap_for",
     "decode_payload", "encode_payload", "expected_row_counts", "graph_caps", "layer_comp_cap",
     "layer_state_shapes", "payload_nbytes",
 ]

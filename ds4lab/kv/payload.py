@@ -28,6 +28,7 @@ MAGIC = 0x34565344  # "DSV4" little-endian
 VERSION = 1
 HEADER_FIELDS = 13
 HEADER_BYTES = 4 * HEADER_FIELDS
+RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
 STATE_SCORE_INIT = -1e30  # initial value of the *_state_score tensors (§2.4); kv states start at 0
 
 # The seven per-layer arrays in file order.
@@ -49,7 +50,7 @@ class PayloadError(ValueError):
 
 
 @dataclass
-class LayerState:
+class LayerPayload:
     """The saved state of one layer; float32 arrays, ``None`` where the layer kind has no such state.
 
     ``raw [raw_live, head_dim]`` holds positions T−raw_live … T−1 in that order. Ratio ≠ 0 layers have
@@ -78,7 +79,7 @@ class Payload:
     comp_cap: int
     tokens: np.ndarray  # uint32 [T]
     logits: np.ndarray  # float32 [vocab]
-    layers: list[LayerState]
+    layers: list[LayerPayload]
 
     @property
     def n_tokens(self) -> int:
@@ -108,7 +109,7 @@ def graph_caps(cfg, ctx: int, prefill_cap: int) -> tuple[int, int, int]:
     ctx = max(int(ctx), 1)
     raw_window = max(min(cfg.swa, ctx), 1)
     wanted = max(min(raw_window + max(int(prefill_cap), 1), ctx), 1)
-    wanted = min((wanted + 255) // 256 * 256, 8192)
+    wanted = min((wanted + 255) // 256 * 256, RAW_CAP_MAX)
     raw_cap = min(max(wanted, raw_window), ctx)
     return raw_cap, raw_window, comp_cap_for(cfg, ctx)
 
@@ -216,8 +217,8 @@ def encode_payload(p: Payload, cfg) -> bytes:
     counts = np.zeros((2, cfg.n_layer), dtype="<u4")
     body = []
     for il, layer in enumerate(p.layers):
-        if not isinstance(layer, LayerState):
-            raise ValueError(f"layer {il} is a {type(layer).__name__}, expected LayerState")
+        if not isinstance(layer, LayerPayload):
+            raise ValueError(f"layer {il} is a {type(layer).__name__}, expected LayerPayload")
         shapes = layer_state_shapes(cfg, il, T, raw_live)
         counts[0, il], counts[1, il] = expected_row_counts(cfg, il, T)
         for field in LAYER_FIELDS:
@@ -339,7 +340,7 @@ def decode_payload(data, cfg, ctx: int, prefill_cap: int) -> Payload:
     for il in range(n_layer):
         shapes = layer_state_shapes(cfg, il, T, s_raw_live)
         arrays = {f: (None if s is None else r.f32s(s, f"layer {il} {f}")) for f, s in shapes.items()}
-        layers.append(LayerState(**arrays))
+        layers.append(LayerPayload(**arrays))
     if r.remaining:  # ds4.c:16640
         raise PayloadError(f"KV checkpoint has trailing payload bytes: {r.remaining} bytes after offset {r.off}, "
                            f"expected 0", "trailing", r.remaining, 0)

@@ -14,14 +14,10 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from ..config import ModelConfig
+from ..kv.payload import RAW_CAP_MAX, graph_caps, layer_comp_cap
 from .compressor import initial_state
 
 DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA
-RAW_CAP_MAX = 8192
-
-
-def _align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True)
@@ -29,9 +25,10 @@ class Geometry:
     """Context size, prefill chunk and raw-ring capacity, sized as ds4 sizes them (§1.2, §2.1)."""
 
     ctx: int
-    chunk: int
+    chunk: int  # the prefill chunk the session was created with (the payload's prefill_cap)
     raw_cap: int
     window: int
+    comp_cap: int  # the payload header's session-wide compressed capacity
 
     @classmethod
     def for_context(cls, cfg: ModelConfig, ctx: int, chunk: int | None = None, raw_cap: int | None = None) -> "Geometry":
@@ -42,20 +39,17 @@ class Geometry:
         if chunk < 1:
             raise ValueError(f"prefill_chunk must be positive, got {chunk}")
         chunk = min(chunk, ctx)
-        window = min(cfg.swa, ctx)
+        default_cap, window, comp_cap = graph_caps(cfg, ctx, chunk)
         if raw_cap is None:
             raw_cap = raw_cap_from_env()
-        if raw_cap is None:
-            raw_cap = max(window, min(_align_up(min(window + chunk, ctx), 256), RAW_CAP_MAX, ctx))
-        else:
-            raw_cap = max(window, min(raw_cap, ctx, RAW_CAP_MAX))
-        # A chunk's rows and the window before it must fit in the ring together.
-        if raw_cap < ctx:
-            chunk = min(chunk, raw_cap - window)
-        return cls(ctx=ctx, chunk=chunk, raw_cap=raw_cap, window=window)
+        raw_cap = default_cap if raw_cap is None else max(window, min(raw_cap, ctx, RAW_CAP_MAX))
+        return cls(ctx=ctx, chunk=chunk, raw_cap=raw_cap, window=window, comp_cap=comp_cap)
 
-    def comp_cap(self, ratio: int) -> int:
-        return self.ctx // ratio + 2
+    @property
+    def step(self) -> int:
+        """The most tokens one forward call may take: a chunk's rows and the window before it must
+        fit in the ring together (ds4 caps resumed chunks at raw_cap the same way)."""
+        return self.chunk if self.raw_cap >= self.ctx else min(self.chunk, self.raw_cap - self.window)
 
 
 def chunk_from_env(ctx: int) -> int:
@@ -121,9 +115,11 @@ def new_state(cfg: ModelConfig, backend, geometry: Geometry) -> KVState:
         layer = LayerState(raw=xp.zeros((geometry.raw_cap, cfg.head_dim), dtype=dt))
         if R:
             kv, sc = initial_state(backend, R, cfg.compressor_width(il, cfg.head_dim))
-            layer = replace(layer, comp=xp.zeros((geometry.comp_cap(R), cfg.head_dim), dtype=dt), comp_kv=kv, comp_sc=sc)
+            rows = layer_comp_cap(cfg, il, geometry.ctx)
+            layer = replace(layer, comp=xp.zeros((rows, cfg.head_dim), dtype=dt), comp_kv=kv, comp_sc=sc)
         if cfg.has_indexer(il):
             kv, sc = initial_state(backend, R, cfg.compressor_width(il, cfg.idx_dim))
-            layer = replace(layer, index=xp.zeros((geometry.comp_cap(R), cfg.idx_dim), dtype=dt), index_kv=kv, index_sc=sc)
+            rows = layer_comp_cap(cfg, il, geometry.ctx)
+            layer = replace(layer, index=xp.zeros((rows, cfg.idx_dim), dtype=dt), index_kv=kv, index_sc=sc)
         layers.append(layer)
     return KVState(tuple(layers), 0, geometry)

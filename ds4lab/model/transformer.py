@@ -107,8 +107,8 @@ class Transformer:
         C = max(n, pad_to or n)
         if pos0 + n > geo.ctx:
             raise ValueError(f"positions {pos0}…{pos0 + n - 1} exceed the context of {geo.ctx} tokens")
-        if n > geo.chunk and geo.raw_cap < geo.ctx:
-            raise ValueError(f"a chunk of {n} tokens exceeds the session's chunk size {geo.chunk}")
+        if n > geo.step:
+            raise ValueError(f"a chunk of {n} tokens exceeds the {geo.step} tokens one step can take")
         padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
         X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
         tabs = self.tables(pos0, C)

@@ -1,0 +1,107 @@
+"""Checkpoints: a session's state at one token boundary, in memory or as ds4's ``DSV4`` payload.
+
+A live :class:`Checkpoint` holds the (immutable) backend state itself, so taking one copies nothing
+and restoring it is exact. ``to_bytes`` writes the ``DSV4`` payload (float32 rows: exact for the MLX
+backend, rounded for the float64 numpy backend); ``from_bytes`` validates one against its own header,
+and restoring it validates it again against the session (ds4's loader rules: same chunk size, a context
+at least as large, ...) and rebuilds the fixed-capacity state, raw rows scattered back into the ring at
+``pos mod raw_cap``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..model.state import Geometry, KVState, LayerState, new_state
+from .payload import HEADER_BYTES, MAGIC, LayerPayload, Payload, PayloadError, decode_payload, encode_payload
+
+_STATE_FIELDS = (("comp_kv", "comp_state_kv"), ("comp_sc", "comp_state_score"),
+                 ("index_kv", "index_state_kv"), ("index_sc", "index_state_score"))
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """Tokens, next-token logits and KV state at one boundary: a live ``state`` or payload ``data``."""
+
+    tokens: tuple[int, ...]
+    logits: np.ndarray | None
+    state: KVState | None = None
+    data: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        kind = "live" if self.state is not None else "payload"
+        return f"Checkpoint({len(self.tokens)} tokens, {kind})"
+
+    def to_bytes(self, config: ModelConfig, backend) -> bytes:
+        if self.data is not None:
+            return self.data
+        return encode_payload(state_to_payload(config, backend, self.state, self.tokens, self.logits), config)
+
+    def state_for(self, config: ModelConfig, backend, geometry: Geometry) -> KVState:
+        """The state to restore into a session of ``geometry`` (a payload is validated against it)."""
+        if self.state is not None and self.state.geometry == geometry:
+            return self.state
+        data = self.to_bytes(config, backend)
+        return payload_to_state(config, backend, decode_payload(data, config, geometry.ctx, geometry.chunk), geometry)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, config: ModelConfig) -> "Checkpoint":
+        """Parse a ``DSV4`` payload, validated against its own header's ctx and chunk and ``config``."""
+        if len(data) < HEADER_BYTES:
+            raise PayloadError(f"KV checkpoint is truncated: {len(data)} bytes, the header alone is {HEADER_BYTES}",
+                               "header", len(data), HEADER_BYTES)
+        magic, _, ctx, prefill_cap = struct.unpack_from("<4I", data)
+        if magic != MAGIC:
+            raise PayloadError(f"not a DSV4 payload: magic {magic:#x}, expected {MAGIC:#x}", "magic", magic, MAGIC)
+        payload = decode_payload(data, config, ctx=ctx, prefill_cap=prefill_cap)
+        return cls(tuple(int(t) for t in payload.tokens), payload.logits, data=bytes(data))
+
+
+def state_to_payload(cfg: ModelConfig, backend, state: KVState, tokens, logits) -> Payload:
+    """The ``DSV4`` view of a state: the last raw_live raw rows in position order, counted rows."""
+    geo, T = state.geometry, state.n_past
+    live = min(geo.window, geo.raw_cap, T)
+    slots = np.arange(T - live, T) % geo.raw_cap
+    f32 = lambda x: np.asarray(backend.to_numpy(x), dtype=np.float32)  # noqa: E731
+    layers = []
+    for il, layer in enumerate(state.layers):
+        R = cfg.ratio(il)
+        saved = LayerPayload(raw=f32(layer.raw)[slots])
+        if R:
+            saved.comp = f32(layer.comp)[: T // R]
+            saved.comp_state_kv, saved.comp_state_score = f32(layer.comp_kv), f32(layer.comp_sc)
+        if cfg.has_indexer(il):
+            saved.index = f32(layer.index)[: T // R]
+            saved.index_state_kv, saved.index_state_score = f32(layer.index_kv), f32(layer.index_sc)
+        layers.append(saved)
+    return Payload(ctx=geo.ctx, prefill_cap=geo.chunk, raw_cap=geo.raw_cap, raw_window=geo.window,
+                   comp_cap=geo.comp_cap, tokens=np.asarray(tokens, dtype=np.uint32),
+                   logits=np.asarray(logits, dtype=np.float32), layers=layers)
+
+
+def payload_to_state(cfg: ModelConfig, backend, payload: Payload, geometry: Geometry) -> KVState:
+    """Rebuild a state of ``geometry`` from a payload that ``decode_payload`` accepted for it."""
+    T = payload.n_tokens
+    empty = new_state(cfg, backend, geometry)
+    layers = []
+    for layer, saved in zip(empty.layers, payload.layers):
+        arrays = {name: backend.to_numpy(getattr(layer, name)).copy() if getattr(layer, name) is not None else None
+                  for name in ("raw", "comp", "comp_kv", "comp_sc", "index", "index_kv", "index_sc")}
+        live = saved.raw.shape[0]
+        arrays["raw"][np.arange(T - live, T) % geometry.raw_cap] = saved.raw
+        if saved.comp is not None:
+            arrays["comp"][: len(saved.comp)] = saved.comp
+        if saved.index is not None:
+            arrays["index"][: len(saved.index)] = saved.index
+        for ours, theirs in _STATE_FIELDS:
+            if getattr(saved, theirs) is not None:
+                arrays[ours] = getattr(saved, theirs)
+        layers.append(LayerState(**{k: None if v is None else backend.asarray(v) for k, v in arrays.items()}))
+    return KVState(tuple(layers), T, geometry)

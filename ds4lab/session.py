@@ -1,0 +1,314 @@
+"""Sessions: one live timeline of tokens, logits and KV state, advanced by step objects.
+
+``sess.prefill(prompt)`` returns a :class:`Prefill` that evaluates one chunk per step (chunks end on
+absolute multiples of the chunk size, as ds4 schedules them) and yields a :class:`PrefillChunk` record
+per chunk; ``sess.decoder(...)`` returns a :class:`Decode` that samples with ds4's rules and evaluates
+one token per step; ``sess.sync(tokens)`` brings the session to any prompt reusing what it can.
+
+Every step computes a new state and only then replaces the session's (tokens, logits, state) in one
+assignment, so an exception or a KeyboardInterrupt leaves the session at its last consistent point.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .kv.checkpoint import Checkpoint, state_to_payload
+from .kv.payload import payload_nbytes
+from .kv.view import KVView
+from .model.state import Geometry, KVState, new_state
+from .sampling import (DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Rng, sample,
+                       token_logprob, top_logprobs)
+
+RESUME_PREFILL_MIN = 4  # ds4: suffixes at least this long are prefilled in batch, shorter ones decoded
+
+
+def resume_prefill_min() -> int:
+    env = os.environ.get("DS4_METAL_RESUME_PREFILL_MIN")
+    if env is None:
+        return RESUME_PREFILL_MIN
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"DS4_METAL_RESUME_PREFILL_MIN must be an integer, got {env!r}") from None
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    start: int  # absolute token range [start, end)
+    end: int
+    seconds: float
+    kv_bytes: int  # DSV4 payload size of the state after the chunk
+    rows: dict  # layer -> {"raw": n, "comp": n, "index": n} rows written by this chunk
+    checkpoint: Checkpoint
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    token: int
+    text: str  # the text this token completes (UTF-8 characters split across tokens wait for the rest)
+    logprob: float
+    top: list  # [(token, logprob)] of the most likely alternatives, best first
+    position: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    source: str  # "live", "checkpoint" or "cold": where the reused prefix came from
+    reused: int  # tokens not evaluated again
+    evaluated: int
+
+
+class Session:
+    """A live timeline on a model: ``tokens``, ``logits`` (for the next token) and the KV state."""
+
+    def __init__(self, model, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16):
+        self.model = model
+        self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk)
+        self._state: KVState = new_state(model.config, model.backend, self.geometry)
+        self.tokens: list[int] = []
+        self.logits: np.ndarray | None = None
+        self.checkpoints: deque[Checkpoint] = deque(maxlen=max_checkpoints)
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return f"Session({len(self.tokens)}/{g.ctx} tokens, chunk {g.chunk}, raw ring {g.raw_cap})"
+
+    @property
+    def ctx(self) -> int:
+        return self.geometry.ctx
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.geometry.chunk
+
+    # -- state ----------------------------------------------------------------------------------------
+    def _commit(self, tokens: list[int], logits, state: KVState) -> None:
+        self.tokens, self.logits, self._state = tokens, logits, state
+
+    def _eval(self, tokens: list[int], pad_to: int | None = None):
+        """Run ``tokens`` after the live state; returns (logits of the last token, new state)."""
+        t, b = self.model.transformer, self.model.backend
+        X, state = t.forward(np.asarray(tokens), self._state, pad_to=pad_to)
+        logits = t.head(X[-1:])
+        b.eval(logits)
+        return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state
+
+    def checkpoint(self) -> Checkpoint:
+        """The current state (nothing is copied: states are immutable values); also kept for ``sync``."""
+        cp = Checkpoint(tuple(self.tokens), self.logits, self._state)
+        self.checkpoints.append(cp)
+        return cp
+
+    def restore(self, cp: Checkpoint) -> None:
+        state = cp.state_for(self.model.config, self.model.backend, self.geometry)
+        self._commit(list(cp.tokens), None if cp.logits is None else np.array(cp.logits), state)
+
+    def reset(self) -> None:
+        self._commit([], None, new_state(self.model.config, self.model.backend, self.geometry))
+
+    @property
+    def kv(self) -> KVView:
+        payload = state_to_payload(self.model.config, self.model.backend, self._state, self.tokens,
+                                   self.logits if self.logits is not None else np.zeros(self.model.config.n_vocab))
+        return KVView(self.model.config, payload)
+
+    @property
+    def kv_bytes(self) -> int:
+        return payload_nbytes(self.model.config, len(self.tokens), self.geometry.window, self.geometry.raw_cap)
+
+    # -- prefill and sync -----------------------------------------------------------------------------
+    def _ids(self, prompt) -> list[int]:
+        ids = self.model.token_ids(prompt).tolist()
+        if len(ids) >= self.ctx:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx} and one slot "
+                             "must stay free to generate")
+        return ids
+
+    def prefill(self, prompt) -> "Prefill":
+        """Prefill ``prompt`` (ids, or text tokenized plain) from the live state if it is a prefix of it,
+        otherwise from zero."""
+        ids = self._ids(prompt)
+        if ids[: len(self.tokens)] != self.tokens:
+            self.reset()
+        return Prefill(self, ids)
+
+    def sync(self, prompt) -> SyncResult:
+        """Bring the session to exactly ``prompt``, as ds4 does, and better: extend the live state when
+        it is a prefix (batched from ds4's resume threshold, token by token below it); otherwise restore
+        the longest kept checkpoint that is a prefix and extend that; otherwise prefill from zero."""
+        ids = self._ids(prompt)
+        source = "live"
+        if ids[: len(self.tokens)] != self.tokens or not self.tokens:
+            best = max((cp for cp in self.checkpoints if 0 < len(cp) <= len(ids) and list(cp.tokens) == ids[: len(cp)]
+                        and cp.logits is not None), key=len, default=None)
+            if best is not None:
+                self.restore(best)
+                source = "checkpoint"
+            else:
+                self.reset()
+                source = "cold"
+        reused = len(self.tokens)
+        suffix = ids[reused:]
+        if not suffix:
+            if self.logits is None:  # an exact match of a state without logits: evaluate the last token
+                raise ValueError("the session has no logits for this prompt")
+            return SyncResult(source, reused, 0)
+        threshold = resume_prefill_min()
+        if threshold > 0 and len(suffix) >= threshold or not self.tokens:
+            Prefill(self, ids).run(progress=False)
+        else:
+            for token in suffix:
+                logits, state = self._eval([token])
+                self._commit(self.tokens + [token], logits, state)
+        return SyncResult(source, reused, len(suffix))
+
+    # -- generation -----------------------------------------------------------------------------------
+    def decoder(self, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K,
+                top_p: float = DEFAULT_TOP_P, min_p: float = DEFAULT_MIN_P, seed: int | None = None,
+                top: int = 5) -> "Decode":
+        return Decode(self, temperature, top_k, top_p, min_p, seed, top)
+
+    def generate(self, prompt, max_tokens: int = 128, chat: bool = True, think: bool | str = False,
+                 system: str | None = None, progress: bool = False, **sampling) -> str:
+        """Sync to ``prompt`` (a string is rendered as one user chat turn unless ``chat=False``; token
+        ids are used as given) and return the text of up to ``max_tokens`` sampled tokens."""
+        if isinstance(prompt, str) and chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            prompt = self.model.tokenizer.render_chat(messages, think=think)
+        self.sync(prompt)
+        decode = self.decoder(**sampling)
+        steps = decode.stream(max_tokens)
+        return "".join(step.text for step in (tqdm(steps, total=max_tokens, disable=not progress)))
+
+
+class Prefill:
+    """One prompt's prefill, one chunk per step. Iterate it, call ``step()``, or ``run()`` to finish."""
+
+    def __init__(self, session: Session, ids: list[int]):
+        self.session = session
+        self.ids = ids
+        self.chunks: list[PrefillChunk] = []
+
+    @property
+    def position(self) -> int:
+        return len(self.session.tokens)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.ids) - self.position
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        """The chunks still to run: each ends at the next absolute multiple of the chunk size."""
+        step, out, pos = self.session.geometry.step, [], self.position
+        while pos < len(self.ids):
+            end = min(len(self.ids), (pos // step + 1) * step)
+            out.append((pos, end))
+            pos = end
+        return out
+
+    def __len__(self) -> int:
+        """Chunks in the whole prefill: those already run and those left."""
+        return len(self.chunks) + len(self._bounds())
+
+    def __iter__(self):
+        while self.remaining > 0:
+            yield self.step()
+
+    def step(self) -> PrefillChunk:
+        sess = self.session
+        if self.remaining <= 0:
+            raise StopIteration("the prefill is complete")
+        if self.ids[: self.position] != sess.tokens:
+            raise RuntimeError("the session moved on since this prefill was created; start a new one")
+        start, end = self._bounds()[0]
+        began = time.perf_counter()
+        logits, state = sess._eval(self.ids[start:end], pad_to=sess.geometry.step)
+        seconds = time.perf_counter() - began
+        sess._commit(self.ids[:end], logits, state)
+        cfg = sess.model.config
+        rows = {il: {"raw": end - start,
+                     "comp": end // cfg.ratio(il) - start // cfg.ratio(il) if cfg.ratio(il) else 0,
+                     "index": end // 4 - start // 4 if cfg.has_indexer(il) else 0} for il in range(cfg.n_layer)}
+        chunk = PrefillChunk(start, end, seconds, sess.kv_bytes, rows, sess.checkpoint())
+        self.chunks.append(chunk)
+        return chunk
+
+    def run(self, progress: bool = True) -> list[PrefillChunk]:
+        """Run the remaining chunks with a progress bar (tokens); returns every chunk record."""
+        with tqdm(total=len(self.ids), initial=self.position, unit="tok", disable=not progress,
+                  desc="prefill") as bar:
+            for chunk in self:
+                bar.update(chunk.n_tokens)
+        return self.chunks
+
+
+class Decode:
+    """Sampled generation from the session's logits, one token per ``step()``."""
+
+    def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int):
+        self.session = session
+        self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        self.rng = Rng(seed) if seed is not None else Rng.from_time()
+        self.top = top
+        self.stop_reason: str | None = None
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self) -> DecodeStep:
+        """Sample the next token and evaluate it. An EOS is returned but not evaluated, and ends the
+        decode (``stop_reason == "eos"``)."""
+        sess = self.session
+        if self.stop_reason is not None:
+            raise RuntimeError(f"this decode has stopped ({self.stop_reason})")
+        if sess.logits is None:
+            raise RuntimeError("the session has no logits yet: prefill or sync a prompt first")
+        if len(sess.tokens) >= sess.ctx:
+            self.stop_reason = "ctx"
+            raise RuntimeError(f"the context of {sess.ctx} tokens is full")
+        began = time.perf_counter()
+        current = sess.logits
+        rng_state = self.rng.state
+        token = sample(current, rng=self.rng, **self.params)
+        alternatives = top_logprobs(current, max(self.top, 1))
+        logprob = float(dict(alternatives).get(token, token_logprob(current, token)))
+        position = len(sess.tokens)
+        if token == sess.model.tokenizer.eos_id:
+            self.stop_reason = "eos"
+            return DecodeStep(token, "", logprob, alternatives[: self.top], position, time.perf_counter() - began)
+        try:
+            logits, state = sess._eval([token])
+        except BaseException:
+            self.rng.state = rng_state  # after an interrupt the same draw happens again
+            raise
+        sess._commit(sess.tokens + [token], logits, state)
+        text = self._text.decode(sess.model.tokenizer.token_bytes(token))
+        return DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began)
+
+    def stream(self, n: int):
+        """Up to ``n`` steps; stops at EOS (not yielded) and when the context is full."""
+        for _ in range(n):
+            if len(self.session.tokens) >= self.session.ctx:
+                self.stop_reason = "ctx"
+                return
+            step = self.step()
+            if self.stop_reason == "eos":
+                return
+            yield step
+        if self.stop_reason is None:
+            self.stop_reason = "length"

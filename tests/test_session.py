@@ -1,0 +1,270 @@
+"""Sessions: chunked prefill vs one-shot, decode vs one-shot, checkpoints, sync, failure atomicity,
+geometry rules and the one reusable compiled step."""
+
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab.kv.payload import PayloadError
+from ds4lab.model.state import Geometry, chunk_from_env
+
+PROMPT = np.random.default_rng(11).integers(0, 1000, 300).tolist()  # crosses 127/255 and the indexer at 67
+
+
+@pytest.fixture(scope="module")
+def nano_np(model_paths):
+    return ds4lab.load(model_paths["nano"], backend="numpy")
+
+
+@pytest.fixture(scope="module")
+def nano_mlx(model_paths):
+    return ds4lab.load(model_paths["nano"], backend="mlx")
+
+
+@pytest.fixture(scope="module")
+def one_shot(nano_np):
+    s = nano_np.session(ctx=400, prefill_chunk=len(PROMPT))
+    s.prefill(PROMPT).run(progress=False)
+    return s
+
+
+def layer_arrays(sess):
+    kv = sess.kv
+    out = {}
+    for lk in kv:
+        out[lk.layer, "raw"] = lk.raw
+        for name in ("comp", "index"):
+            if getattr(lk, name) is not None:
+                out[lk.layer, name] = getattr(lk, name)
+        for name in ("comp_pending", "index_pending"):
+            if getattr(lk, name) is not None:
+                out[lk.layer, name + "_kv"], out[lk.layer, name + "_score"] = getattr(lk, name)
+    return out
+
+
+# Chunk sizes that do and do not divide the compression ratios; float64 chunked and one-shot runs differ
+# only in BLAS summation order (~1e-16), far below any FP8/F16 rounding step.
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 100, 300, 512])
+def test_chunked_prefill_equals_one_shot(chunk, nano_np, one_shot):
+    s = nano_np.session(ctx=400, prefill_chunk=chunk)
+    chunks = s.prefill(PROMPT).run(progress=False)
+    assert [c.start for c in chunks] == list(range(0, 300, min(chunk, 300)))
+    np.testing.assert_allclose(s.logits, one_shot.logits, rtol=1e-9, atol=1e-9)
+    want = layer_arrays(one_shot)
+    got = layer_arrays(s)
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-9, atol=1e-9, err_msg=str(key))
+
+
+def test_one_shot_prefill_equals_model_logits(nano_np, one_shot):
+    np.testing.assert_allclose(one_shot.logits, nano_np.logits(PROMPT)[-1], rtol=1e-9, atol=1e-9)
+
+
+def test_decode_equals_one_shot_at_every_position(nano_np):
+    s = nano_np.session(ctx=400, prefill_chunk=64)
+    s.prefill(PROMPT[:200]).run(progress=False)
+    decode = s.decoder(temperature=0)
+    seen = [s.logits]
+    for step in decode.stream(24):
+        seen.append(s.logits)
+        assert step.position == len(s.tokens) - 1
+    full = nano_np.logits(s.tokens)
+    np.testing.assert_allclose(np.array(seen[:-1]), full[199:len(s.tokens) - 1], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(seen[-1], full[-1], rtol=1e-9, atol=1e-9)
+    assert [st for st in s.tokens[200:]] == [int(np.argmax(x)) for x in seen[:-1]]
+
+
+def test_prefill_record_fields(nano_np):
+    s = nano_np.session(ctx=400, prefill_chunk=64)
+    p = s.prefill(PROMPT)
+    assert len(p) == 5 and p.remaining == 300
+    c = p.step()
+    assert (c.start, c.end, c.n_tokens) == (0, 64, 64) and c.tokens_per_s > 0
+    assert c.rows[0] == {"raw": 64, "comp": 0, "index": 0}
+    assert c.rows[2] == {"raw": 64, "comp": 16, "index": 16}
+    assert c.rows[3] == {"raw": 64, "comp": 0, "index": 0}
+    assert c.kv_bytes == s.kv.nbytes
+    assert p.remaining == 236 and len(p) == 5
+    rest = list(p)
+    assert rest[0].rows[3]["comp"] == 1  # the first ratio-128 row ends at position 127, in 64–127
+    assert p.remaining == 0 and s.tokens == PROMPT
+
+
+def test_resumed_prefill_is_aligned_to_the_chunk_grid(nano_np):
+    s = nano_np.session(ctx=400, prefill_chunk=64)
+    s.prefill(PROMPT[:100]).run(progress=False)
+    chunks = s.prefill(PROMPT).run(progress=False)
+    assert [(c.start, c.end) for c in chunks] == [(100, 128), (128, 192), (192, 256), (256, 300)]
+
+
+def test_checkpoints_restore_exactly(nano_mlx):
+    s = nano_mlx.session(ctx=400, prefill_chunk=64)
+    chunks = s.prefill(PROMPT).run(progress=False)
+    cp = s.checkpoint()
+    logits = s.logits.copy()
+    kv = layer_arrays(s)
+    list(s.decoder(seed=5).stream(7))
+    s.restore(cp)
+    assert s.tokens == PROMPT and np.array_equal(s.logits, logits)
+    after = layer_arrays(s)
+    assert all(np.array_equal(after[k], kv[k]) for k in kv)
+    # through the DSV4 bytes (float32 rows: exact on MLX)
+    data = cp.to_bytes(nano_mlx.config, nano_mlx.backend)
+    assert len(data) == s.kv.nbytes
+    list(s.decoder(seed=5).stream(3))
+    s.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
+    assert s.tokens == PROMPT and np.array_equal(s.logits, logits)
+    after = layer_arrays(s)
+    assert all(np.array_equal(after[k], kv[k]) for k in kv)
+    # and generation continues identically from the restored state
+    a = [st.token for st in s.decoder(seed=9).stream(6)]
+    s.restore(cp)
+    assert a == [st.token for st in s.decoder(seed=9).stream(6)]
+    # every chunk's checkpoint restores its boundary
+    fresh = nano_mlx.session(ctx=400, prefill_chunk=64)
+    for c in chunks[:3]:
+        fresh.prefill(PROMPT[:c.end]).run(progress=False)
+        s.restore(c.checkpoint)
+        assert s.tokens == PROMPT[:c.end] and np.array_equal(s.logits, fresh.logits)
+
+
+def test_payload_from_another_geometry_is_refused(nano_mlx):
+    s = nano_mlx.session(ctx=400, prefill_chunk=64)
+    s.prefill(PROMPT[:70]).run(progress=False)
+    data = s.checkpoint().to_bytes(nano_mlx.config, nano_mlx.backend)
+    other = nano_mlx.session(ctx=400, prefill_chunk=32)
+    with pytest.raises(PayloadError, match="prefill_cap"):
+        other.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
+    assert other.tokens == []
+    with pytest.raises(PayloadError):
+        ds4lab.Checkpoint.from_bytes(data[:-3], nano_mlx.config)
+    with pytest.raises(PayloadError):
+        ds4lab.Checkpoint.from_bytes(data + b"\0", nano_mlx.config)
+    bigger = nano_mlx.session(ctx=800, prefill_chunk=64)  # a larger context accepts it (ds4's rule)
+    bigger.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
+    assert bigger.tokens == PROMPT[:70] and np.array_equal(bigger.logits, s.logits)
+
+
+def test_sync_cases(nano_np):
+    s = nano_np.session(ctx=400, prefill_chunk=64)
+    r = s.sync(PROMPT[:100])
+    assert (r.source, r.reused, r.evaluated) == ("cold", 0, 100)
+    for extra in (1, 3, 40):
+        n = len(s.tokens)
+        r = s.sync(PROMPT[: n + extra])
+        assert (r.source, r.reused, r.evaluated) == ("live", n, extra)
+    assert s.tokens == PROMPT[:144]
+    ref = nano_np.session(ctx=400, prefill_chunk=64)
+    ref.prefill(PROMPT[:144]).run(progress=False)
+    np.testing.assert_allclose(s.logits, ref.logits, rtol=1e-9, atol=1e-9)
+    # diverge inside the live tokens: the longest kept checkpoint that is a prefix is restored
+    fork = PROMPT[:130] + [5, 6, 7]
+    r = s.sync(fork)
+    assert r.source == "checkpoint" and r.reused == 128 and r.evaluated == 5  # the chunk boundary at 128
+    ref = nano_np.session(ctx=400, prefill_chunk=64)
+    ref.prefill(fork).run(progress=False)
+    np.testing.assert_allclose(s.logits, ref.logits, rtol=1e-9, atol=1e-9)
+    assert s.sync(fork).evaluated == 0
+    with pytest.raises(ValueError, match="non-empty"):
+        s.sync([])
+    with pytest.raises(ValueError, match="context holds 400"):
+        s.sync(PROMPT + PROMPT)
+    assert s.tokens == fork  # errors leave the session as it was
+
+
+def test_interrupted_step_leaves_the_session_consistent(nano_np, monkeypatch):
+    s = nano_np.session(ctx=400, prefill_chunk=64)
+    p = s.prefill(PROMPT[:200])
+    p.step()
+    tokens, logits = list(s.tokens), s.logits.copy()
+    t = nano_np.transformer
+    original = t.ffn_block
+
+    def interrupt(il, *args):
+        if il == 3:
+            raise KeyboardInterrupt
+        return original(il, *args)
+
+    monkeypatch.setattr(t, "ffn_block", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        p.step()
+    assert s.tokens == tokens and np.array_equal(s.logits, logits)
+    monkeypatch.setattr(t, "ffn_block", original)
+    p.run(progress=False)
+    ref = nano_np.session(ctx=400, prefill_chunk=64)
+    ref.prefill(PROMPT[:200]).run(progress=False)
+    np.testing.assert_allclose(s.logits, ref.logits, rtol=1e-9, atol=1e-9)
+
+
+def test_seeded_decoding_reproduces(nano_mlx):
+    s = nano_mlx.session(ctx=200, prefill_chunk=64)
+    s.sync(PROMPT[:50])
+    cp = s.checkpoint()
+    runs = []
+    for seed in (1, 1, 2):
+        s.restore(cp)
+        runs.append([st.token for st in s.decoder(seed=seed, temperature=1.0, min_p=0.0).stream(12)])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    step = s.decoder(seed=3).step()
+    assert step.top[0][1] >= step.top[-1][1] and step.logprob <= 0 and step.seconds > 0
+
+
+def test_decode_stops_at_the_context_limit(nano_np):
+    s = nano_np.session(ctx=40, prefill_chunk=16)
+    s.sync(PROMPT[:35])
+    d = s.decoder(temperature=0)
+    steps = list(d.stream(100))
+    assert len(s.tokens) == 40 and d.stop_reason == "ctx" and len(steps) == 5
+
+
+def test_generate_renders_chat(nano_np):
+    s = nano_np.session(ctx=256, prefill_chunk=64)
+    text = s.generate("Hello", max_tokens=5, temperature=0)
+    ids = nano_np.tokenizer.render_chat([{"role": "user", "content": "Hello"}], think=False)
+    assert s.tokens[: len(ids)] == ids and isinstance(text, str)
+
+
+def test_geometry_follows_ds4(nano_np, monkeypatch):
+    cfg = nano_np.config
+    monkeypatch.delenv("DS4_METAL_PREFILL_CHUNK", raising=False)
+    monkeypatch.delenv("DS4_METAL_GRAPH_RAW_CAP", raising=False)
+    assert chunk_from_env(4096) == 2048 and chunk_from_env(1000) == 1000
+    for env, want in (("512", 512), ("9999", 4096), ("0", 4096), ("-3", 4096), ("abc", 4096)):
+        monkeypatch.setenv("DS4_METAL_PREFILL_CHUNK", env)
+        assert chunk_from_env(4096) == want, env
+    monkeypatch.delenv("DS4_METAL_PREFILL_CHUNK")
+    g = Geometry.for_context(cfg, 4096)
+    assert (g.chunk, g.raw_cap, g.window) == (2048, 2304, 32)  # align_up(32 + 2048, 256)
+    assert Geometry.for_context(cfg, 100, 64).raw_cap == 100  # never more than ctx
+    monkeypatch.setenv("DS4_METAL_GRAPH_RAW_CAP", "300")
+    g = Geometry.for_context(cfg, 4096, 512)
+    assert g.raw_cap == 300 and g.step == 268  # a chunk and the window must fit the ring together
+    s = nano_np.session(ctx=1000, prefill_chunk=512)
+    assert s.geometry.raw_cap == 300
+    s.prefill(PROMPT).run(progress=False)
+    monkeypatch.delenv("DS4_METAL_GRAPH_RAW_CAP")
+    ref = nano_np.session(ctx=1000, prefill_chunk=512)
+    ref.prefill(PROMPT).run(progress=False)
+    np.testing.assert_allclose(s.logits, ref.logits, rtol=1e-9, atol=1e-9)
+
+
+def test_one_compiled_step_per_layer_and_chunk_size(model_paths):
+    model = ds4lab.load(model_paths["nano"], backend="mlx")
+    t = model.transformer
+    t.compile = True
+    s = model.session(ctx=400, prefill_chunk=64)
+    chunks = s.prefill(PROMPT[:250]).run(progress=False)
+    assert len(chunks) == 4 and chunks[-1].n_tokens == 58  # the last chunk is partial (padded)
+    assert t.trace_count == model.config.n_layer  # one trace per layer, shared by all four chunks
+    s.prefill(PROMPT).run(progress=False)  # a resumed chunk (250-256) and another: no new trace
+    assert t.trace_count == model.config.n_layer
+    list(s.decoder(temperature=0).stream(3))  # decode is its own shape: one more trace per layer
+    assert t.trace_count == 2 * model.config.n_layer
+    eager = ds4lab.load(model_paths["nano"], backend="mlx")
+    eager.transformer.compile = False
+    e = eager.session(ctx=400, prefill_chunk=64)
+    e.prefill(PROMPT).run(progress=False)
+    list(e.decoder(temperature=0).stream(3))
+    assert e.tokens == s.tokens
+    np.testing.assert_allclose(e.logits, s.logits, rtol=1e-4, atol=1e-4)
