@@ -268,3 +268,15 @@ def test_one_compiled_step_per_layer_and_chunk_size(model_paths):
     list(e.decoder(temperature=0).stream(3))
     assert e.tokens == s.tokens
     np.testing.assert_allclose(e.logits, s.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_stops_at_eos_without_evaluating_it(nano_np):
+    s = nano_np.session(ctx=200, prefill_chunk=64)
+    s.sync(PROMPT[:20])
+    s.logits = s.logits.copy()
+    s.logits[nano_np.tokenizer.eos_id] = 1e4  # make EOS the greedy choice
+    d = s.decoder(temperature=0)
+    assert list(d.stream(10)) == [] and d.stop_reason == "eos"
+    assert s.tokens == PROMPT[:20]
+    with pytest.raises(RuntimeError, match="stopped"):
+        d.step()
