@@ -3,8 +3,10 @@
 from .config import FLASH, NANO, ModelConfig, ModelFileError
 from .engine import Model, default_model_path, load
 from .kv.checkpoint import Checkpoint
+from .kv.kvfile import KVFile, KVFileError
+from .kv.store import KVStore, KVStoreWarning
 from .session import Decode, DecodeStep, Prefill, PrefillChunk, Session
 
-__all__ = ["FLASH", "NANO", "Checkpoint", "Decode", "DecodeStep", "Model", "ModelConfig", "ModelFileError",
-           "Prefill", "PrefillChunk", "Session", "default_model_path", "load"]
+__all__ = ["FLASH", "NANO", "Checkpoint", "Decode", "DecodeStep", "KVFile", "KVFileError", "KVStore", "KVStoreWarning",
+           "Model", "ModelConfig", "ModelFileError", "Prefill", "PrefillChunk", "Session", "default_model_path", "load"]
 __version__ = "0.1.0"

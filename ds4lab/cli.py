@@ -1,46 +1,749 @@
-"""The ``ds4lab`` command: ``run`` (greedy generation), ``make-model`` (seeded test models)."""
+"""The ``ds4lab`` command: ``run`` (one-shot or interactive chat), ``bench`` (ds4-bench's frontier sweep),
+``inspect`` (a GGUF or ``.kv`` file) and ``make-model`` (seeded test models).
+
+Flags follow ds4 and ds4-bench (spec/DS4_RUNTIME.md §7, §9.1). Exit codes: 0 on success, 2 for usage
+errors (unknown flags, invalid numbers, conflicting options), 1 for errors while working (a missing or
+unreadable file, a file that is not a model, a prompt longer than the context), 130 when interrupted
+outside generation. Every error is one line on stderr; ``DS4LAB_TRACEBACK=1`` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import codecs
+import math
+import os
+import struct
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-import numpy as np
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4_cli.c; an empty --system disables it
+DEFAULT_TOKENS = 50000  # ds4's -n default, clamped to the room left in the context
+DEFAULT_CTX = 32768  # ds4's --ctx default, capped at the model's trained context
+THINK_MAX_MIN_CTX = 393216  # ds4 downgrades Think Max to normal thinking below this context
+REPL_HELP = """Commands:
+  /help          Show this help.
+  /think         Use normal thinking mode.
+  /think-max     Use Think Max (only when the context is at least 393216 tokens).
+  /nothink       Disable thinking mode.
+  /ctx N         Start a new session of N tokens (the transcript is kept and prefilled again).
+  /read FILE     Read a prompt from FILE and run it as the next user message.
+  /stats         Show the session: tokens, KV bytes, and what the last turn reused.
+  /quit, /exit   Leave the prompt (Ctrl+D too).
+  Ctrl+C         Stop the current generation and return to the prompt."""
+
+
+class UsageError(Exception):
+    """Invalid arguments found after parsing (exit code 2)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Argument parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _ranged_float(lo: float, hi: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected a number in [{lo:g}, {hi:g}], got {text!r}")
+        return value
+
+    return parse
+
+
+def _seed(text: str) -> int:
+    value = _nonnegative_int(text)
+    if value >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"expected an unsigned 64-bit integer, got {text!r}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", type=Path, default=None, help="GGUF model file (default: the embedded model)")
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "numpy"],
+                   help="auto (default): mlx when MLX has a GPU (Metal or CUDA), numpy on CPUs, where it is faster")
+    p.add_argument("--device", default=None, choices=["cpu", "gpu"], help="MLX device (mlx backend only)")
+    p.add_argument("--numerics", default="ds4", choices=["ds4", "exact"],
+                   help="ds4 (default): FP8/FP4/F16 simulations as ds4 computes; exact: none")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
+                   help="prefill chunk (default: ds4's rule, DS4_METAL_PREFILL_CHUNK or 2048)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ds4lab", description="DeepSeek V4 Flash architecture, step by step.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,bench,inspect,make-model}")
+
+    run = sub.add_parser("run", help="generate from a prompt, or chat interactively without -p",
+                         description="One prompt (-p or --prompt-file), or an interactive chat that keeps one "
+                                     "session across turns. Text goes to stdout; progress and timings to stderr.")
+    _add_model_args(run)
+    src = run.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", default=None, help="prompt text (a user message unless --raw)")
+    src.add_argument("--prompt-file", type=Path, default=None, metavar="FILE", help="read the prompt from FILE")
+    run.add_argument("-sys", "--system", default=DEFAULT_SYSTEM,
+                     help=f"system prompt (default: {DEFAULT_SYSTEM!r}; an empty string disables it)")
+    think = run.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const="high",
+                       help="thinking mode (default, as in ds4)")
+    think.add_argument("--think-max", dest="think", action="store_const", const="max",
+                       help=f"Think Max when --ctx >= {THINK_MAX_MIN_CTX}, otherwise normal thinking")
+    think.add_argument("--nothink", dest="think", action="store_const", const="none",
+                       help="non-thinking mode: the assistant turn starts with </think>")
+    run.set_defaults(think="high")
+    style = run.add_mutually_exclusive_group()
+    style.add_argument("--raw", dest="raw", action="store_true", default=None,
+                       help="continue the prompt as plain text (no chat template, no system prompt); the default "
+                            "for models without a tokenizer.chat_template, such as the embedded one")
+    style.add_argument("--chat", dest="raw", action="store_false",
+                       help="render the prompt as a chat turn (the default for chat models, as in ds4)")
+    run.add_argument("-c", "--ctx", type=_positive_int, default=None, metavar="N",
+                     help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length)")
+    run.add_argument("-n", "--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
+                     help=f"most tokens to generate per turn (default {DEFAULT_TOKENS}, capped by the context)")
+    run.add_argument("--temp", type=_ranged_float(0, 100), default=1.0, metavar="F",
+                     help="temperature (default 1; 0 = greedy)")
+    run.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N", help="top-k (default 0: no cap)")
+    run.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F", help="nucleus mass (default 1)")
+    run.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F",
+                     help="keep tokens at least F times as likely as the top one (default 0.05)")
+    run.add_argument("--seed", type=_seed, default=None, metavar="N", help="sampling seed (default: time-based)")
+    run.set_defaults(func=_run)
+
+    bench = sub.add_parser("bench", help="ds4-bench's frontier sweep: prefill and generation speed against context",
+                           description="Prefill a fixed text to each frontier, time the interval, snapshot, time a "
+                                       "greedy generation probe, restore, continue. One CSV row per frontier.")
+    _add_model_args(bench)
+    bench.add_argument("--prompt-file", type=Path, default=None, metavar="FILE",
+                       help="raw benchmark text, no chat template (default: ../shared/data/promessi_sposi.txt "
+                            "when present, else a built-in text)")
+    bench.add_argument("--ctx-start", type=_positive_int, default=None, metavar="N",
+                       help="first frontier (default 2048, capped at --ctx-max)")
+    bench.add_argument("--ctx-max", type=_positive_int, default=None, metavar="N",
+                       help="last frontier (default 32768, capped at the model's context length)")
+    bench.add_argument("--ctx-alloc", type=_positive_int, default=None, metavar="N",
+                       help="session context (default ctx-max + gen-tokens + 1)")
+    bench.add_argument("--step-incr", type=_positive_int, default=2048, metavar="N",
+                       help="linear step when --step-mul is 1 (default 2048)")
+    bench.add_argument("--step-mul", type=_ranged_float(1, 1e6), default=1.0, metavar="F",
+                       help="multiplicative step (default 1)")
+    bench.add_argument("-n", "--gen-tokens", "--tokens", dest="gen_tokens", type=_positive_int, default=128,
+                       metavar="N", help="greedy tokens generated at each frontier (default 128)")
+    bench.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
+    bench.add_argument("--plot", type=Path, default=None, metavar="FILE",
+                       help="draw prefill and generation t/s against context with Altair (.png, .svg, .html)")
+    bench.set_defaults(func=_bench)
+
+    insp = sub.add_parser("inspect", help="describe a GGUF model file or a .kv cache file",
+                          description="GGUF: header, metadata, model config, tensor table with types and bytes. "
+                                      ".kv: the KV file's summary.")
+    insp.add_argument("file", type=Path)
+    insp.set_defaults(func=_inspect)
+
+    mk = sub.add_parser("make-model", help="write a GGUF with seeded random weights")
+    mk.add_argument("--preset", default="nano", choices=["nano"])
+    mk.add_argument("--seed", type=_nonnegative_int, default=0)
+    mk.add_argument("-o", "--output", required=True, type=Path)
+    mk.set_defaults(func=_make_model)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _err(message: str) -> None:
+    print(f"ds4lab: {message}", file=sys.stderr, flush=True)
+
+
+def _resolve_backend(name: str, device: str | None) -> str:
+    """``auto``: MLX when it has a GPU (Metal, or CUDA with mlx[cuda]) and ``--device`` is not cpu; NumPy
+    otherwise, because MLX's Linux CPU build multiplies matrices with a reference BLAS (measured 2.6x
+    slower than NumPy on the nano model's bench)."""
+    if name == "numpy" and device == "gpu":
+        raise UsageError("--device gpu needs the mlx backend (numpy runs on the CPU)")
+    if name == "numpy" or (name == "mlx" and device != "gpu"):
+        return name
+    if name == "auto" and device == "cpu":
+        return "numpy"
+    try:
+        import mlx.core as mx
+
+        has_gpu = (mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
+    except (ImportError, AttributeError):  # no MLX, or one without these queries
+        has_gpu = False
+    if device == "gpu" and not has_gpu:
+        raise RuntimeError("--device gpu: MLX has no GPU here (it needs Metal, or CUDA with mlx[cuda])")
+    return "mlx" if has_gpu else "numpy"
+
+
+def _load(args):
+    from . import load
+
+    backend = _resolve_backend(args.backend, args.device)
+    return load(args.model, backend=backend, numerics=args.numerics,
+                device=args.device if backend == "mlx" else None)
+
+
+def _describe(model) -> str:
+    b = model.backend
+    where = str(getattr(b, "device", "cpu"))
+    where = "gpu" if "gpu" in where else "cpu"
+    return f"{model.path.name} ({model.config.n_layer} layers, vocab {model.config.n_vocab}), {b.name} on {where}"
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except IsADirectoryError:
+        raise OSError(f"{path}: is a directory") from None
+    except OSError as e:
+        raise OSError(f"{path}: {e.strerror or e}") from None
+
+
+class _Progress:
+    """Prefill progress on stderr: one updating line on a terminal, one line per chunk otherwise."""
+
+    def __init__(self, total: int, stream=None):
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def update(self, done: int) -> None:
+        if self.total <= 0:
+            return
+        pct = 100.0 * done / self.total
+        line = f"prefill: {done}/{self.total} tokens ({pct:.1f}%)"
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K" + ("\n" if done >= self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _sync(sess, ids: list[int], progress: bool = True):
+    """``sess.sync(ids)`` with chunk progress: when the live state is a prefix and the suffix is long
+    enough to be batched (the path sync takes then), its prefill is iterated here chunk by chunk.
+    Returns (SyncResult, seconds)."""
+    from .session import SyncResult, resume_prefill_min
+
+    began = time.perf_counter()
+    live = list(sess.tokens)
+    suffix = len(ids) - len(live)
+    threshold = resume_prefill_min()
+    if ids[: len(live)] == live and suffix > 0 and (not live or 0 < threshold <= suffix):
+        prefill = sess.prefill(ids)  # the context check happens here
+        bar = _Progress(suffix) if progress else None
+        for chunk in prefill:
+            if bar:
+                bar.update(chunk.end - len(live))
+        result = SyncResult("live" if live else "cold", len(live), suffix)
+    else:
+        result = sess.sync(ids)
+    return result, time.perf_counter() - began
+
+
+class TextPrinter:
+    """Streams generated text; in thinking mode drops the ``<think>``/``</think>`` tags, shows the
+    reasoning grey on a terminal and ends it with a newline, as ds4's token printer does."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, out, thinking: bool, color: bool | None = None):
+        self.out = out
+        self.format = thinking
+        self.in_think = thinking
+        self.color = out.isatty() if color is None else color
+        self.grey = False
+        self.pending = ""
+        self.last_newline = True
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        if self.in_think and self.color and not self.grey:
+            self.out.write("\x1b[90m")
+            self.grey = True
+        self.out.write(text)
+        self.last_newline = text.endswith("\n")
+
+    def _reset(self) -> None:
+        if self.grey:
+            self.out.write("\x1b[0m")
+            self.grey = False
+
+    def write(self, text: str) -> None:
+        if not self.format:
+            self._emit(text)
+        else:
+            buf, self.pending = self.pending + text, ""
+            i = 0
+            while i < len(buf):
+                rest = buf[i:]
+                if rest.startswith(self.OPEN):
+                    self.in_think = True
+                    i += len(self.OPEN)
+                elif rest.startswith(self.CLOSE):
+                    self.in_think = False
+                    self._reset()
+                    if not self.last_newline:
+                        self._emit("\n")
+                    i += len(self.CLOSE)
+                elif rest[0] == "<" and (self.OPEN.startswith(rest) or self.CLOSE.startswith(rest)):
+                    self.pending = rest  # a tag may be split across tokens
+                    break
+                else:
+                    j = buf.find("<", i + 1)
+                    j = len(buf) if j < 0 else j
+                    self._emit(buf[i:j])
+                    i = j
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, ""
+            self._emit(pending)
+        self._reset()
+        if not self.last_newline:
+            self.out.write("\n")
+            self.last_newline = True
+        self.out.flush()
+
+
+@dataclass
+class Turn:
+    """One prompt's numbers: the sync and the generation."""
+
+    prompt_tokens: int
+    source: str
+    reused: int
+    evaluated: int
+    prefill_seconds: float
+    tokens: list
+    gen_seconds: float
+    stop: str
+    kv_bytes: int
+
+    def line(self) -> str:
+        prefill = self.evaluated / self.prefill_seconds if self.prefill_seconds > 0 and self.evaluated else 0.0
+        gen = len(self.tokens) / self.gen_seconds if self.gen_seconds > 0 and self.tokens else 0.0
+        return (f"prompt {self.prompt_tokens} tokens ({self.reused} reused, {self.source}; {self.evaluated} "
+                f"evaluated), prefill {prefill:.2f} t/s, generation {gen:.2f} t/s ({len(self.tokens)} tokens, "
+                f"{self.stop}), KV {self.kv_bytes} bytes")
+
+
+def _generate(sess, args, thinking: bool, out=None) -> tuple[list[int], float, str]:
+    """Sample up to ``args.tokens`` tokens (fewer if the context fills up) and stream their text.
+    Ctrl+C stops generation; the session keeps every token evaluated so far."""
+    out = out or sys.stdout
+    room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
+    n = max(0, min(args.tokens, room))
+    decode = sess.decoder(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, top=1)
+    printer = TextPrinter(out, thinking)
+    tokens: list[int] = []
+    began = time.perf_counter()
+    try:
+        for step in decode.stream(n):
+            tokens.append(step.token)
+            printer.write(step.text)
+        stop = decode.stop_reason or "length"
+        if stop == "length" and n < args.tokens:
+            stop = "ctx"
+    except KeyboardInterrupt:
+        stop = "interrupted"
+    seconds = time.perf_counter() - began
+    printer.finish()
+    return tokens, seconds, stop
+
+
+def _run_prompt(sess, ids: list[int], args, thinking: bool) -> Turn:
+    result, prefill_seconds = _sync(sess, ids)
+    tokens, gen_seconds, stop = _generate(sess, args, thinking)
+    return Turn(len(ids), result.source, result.reused, result.evaluated, prefill_seconds, tokens, gen_seconds,
+                stop, sess.kv_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# run
+
+
+def _effective_think(mode: str, ctx: int) -> str:
+    return "high" if mode == "max" and ctx < THINK_MAX_MIN_CTX else mode
+
+
+_RENDER = {"none": False, "high": True, "max": "max"}
+
+
+class Chat:
+    """The interactive transcript, as ds4's REPL keeps it: rendered turns plus the generated tokens and an
+    EOS after each reply, synced into one session per turn so only the new part is evaluated."""
+
+    def __init__(self, model, args, ctx: int):
+        self.model = model
+        self.tk = model.tokenizer
+        self.args = args
+        self.system = args.system
+        self.think = args.think
+        self.ctx = ctx
+        self.sess = model.session(ctx=ctx, prefill_chunk=args.prefill_chunk)
+        self.transcript = self._head()
+        self.last: Turn | None = None
+        self.turns = 0
+
+    @property
+    def mode(self) -> str:
+        return _effective_think(self.think, self.ctx)
+
+    def _head(self) -> list[int]:
+        """BOS, the Think Max prefix when active, the system prompt."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return self.tk.render_chat(system, think=_RENDER[self.mode], add_generation_prompt=False)
+
+    def _rehead(self, change) -> None:
+        old = self._head()
+        change()
+        self.transcript = self._head() + self.transcript[len(old):]
+
+    def set_think(self, mode: str) -> None:
+        self._rehead(lambda: setattr(self, "think", mode))
+
+    def set_ctx(self, ctx: int) -> None:
+        def change():
+            self.sess = self.model.session(ctx=ctx, prefill_chunk=self.args.prefill_chunk)
+            self.ctx = ctx
+
+        self._rehead(change)
+
+    def user_turn(self, text: str) -> Turn:
+        mode = _RENDER[self.mode]
+        rendered = self.tk.render_chat([{"role": "user", "content": text}], think=mode)
+        base = self.tk.render_chat([], think=mode, add_generation_prompt=False)
+        rollback = len(self.transcript)
+        ids = self.transcript + rendered[len(base):]
+        if self.sess.tokens and self.sess.logits is not None:
+            self.sess.checkpoint()  # free; lets a turn after an interrupted one restore instead of re-prefilling
+        try:
+            result, prefill_seconds = _sync(self.sess, ids)
+        except BaseException:
+            self.transcript = self.transcript[:rollback]
+            raise
+        tokens, gen_seconds, stop = _generate(self.sess, self.args, thinking=bool(mode))
+        if stop == "interrupted" and not tokens:
+            self.transcript = self.transcript[:rollback]  # as ds4: nothing of the turn is kept
+        else:
+            self.transcript = ids + tokens + [self.tk.eos_id]  # ds4 appends EOS to the transcript
+        self.turns += 1
+        self.last = Turn(len(ids), result.source, result.reused, result.evaluated, prefill_seconds, tokens,
+                         gen_seconds, stop, self.sess.kv_bytes)
+        return self.last
+
+    def stats(self) -> str:
+        s = self.sess
+        line = (f"session: {len(s.tokens)}/{s.ctx} tokens (prefill chunk {s.prefill_chunk}), KV {s.kv_bytes} bytes; "
+                f"transcript {len(self.transcript)} tokens; think {self.mode}")
+        if self.last is not None:
+            t = self.last
+            line += (f"; turn {self.turns}: reused {t.reused} ({t.source}), evaluated {t.evaluated}, "
+                     f"generated {len(t.tokens)} ({t.stop})")
+        return line
+
+
+def _one_shot_ids(model, args, text: str, ctx: int) -> list[int]:
+    tk = model.tokenizer
+    if args.raw:
+        return tk.encode(text)
+    if text.startswith("<｜begin▁of▁sentence｜>"):  # an already rendered chat prompt, as ds4 accepts it
+        return tk.encode_rendered(text)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": text})
+    return tk.render_chat(messages, think=_RENDER[_effective_think(args.think, ctx)])
 
 
 def _run(args) -> int:
-    from . import load
+    if args.raw and args.prompt is None and args.prompt_file is None:
+        raise UsageError("--raw needs -p or --prompt-file")
+    if args.ctx is not None and args.ctx < 2:
+        raise UsageError("--ctx must be at least 2")
+    text = args.prompt if args.prompt is not None else None
+    if args.prompt_file is not None:
+        text = _read_text(args.prompt_file)
+    if sys.stdout.encoding and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+    model = _load(args)
+    if args.raw is None:
+        args.raw = text is not None and not model.is_chat
+    ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
+    if args.think == "max" and ctx < THINK_MAX_MIN_CTX:
+        _err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
+    think = "none" if args.raw else _effective_think(args.think, ctx)
 
-    model = load(args.model, backend=args.backend, numerics=args.numerics)
-    ids = model.tokenizer.encode(args.prompt)
+    if text is None:
+        return _repl(model, args, ctx)
+
+    sess = model.session(ctx=ctx, prefill_chunk=args.prefill_chunk)
+    _err(f"{_describe(model)}, ctx {ctx}, prefill chunk {sess.prefill_chunk}, think {think}")
+    ids = _one_shot_ids(model, args, text, ctx)
     if not ids:
-        raise ValueError("the prompt is empty after tokenization")
-    t = model.transformer
-    start = time.perf_counter()
-    X, cache = t.forward(np.array(ids), model.new_state(len(ids) + args.tokens + 1, len(ids)))
-    logits = model.backend.to_numpy(t.head(X[-1:]))[0]
-    prefill_s = time.perf_counter() - start
-    sys.stdout.write(args.prompt)
-    generated = []
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # tokens may split a UTF-8 character
-    start = time.perf_counter()
-    for _ in range(args.tokens):
-        token = int(np.argmax(logits))
-        if token == model.tokenizer.eos_id:
-            break
-        generated.append(token)
-        sys.stdout.write(text.decode(model.tokenizer.token_bytes(token)))
-        sys.stdout.flush()
-        X, cache = t.forward(np.array([token]), cache)
-        logits = model.backend.to_numpy(t.head(X))[0]
-    gen_s = time.perf_counter() - start
-    print()
-    print(f"[{model.path.name} {model.backend.name}] prompt {len(ids)} tokens, prefill {len(ids) / prefill_s:.1f} t/s, "
-          f"generation {len(generated) / gen_s if generated else 0:.1f} t/s", file=sys.stderr)
+        raise ValueError("the prompt is empty")
+    turn = _run_prompt(sess, ids, args, thinking=think != "none" and not args.raw)
+    _err(turn.line())
     return 0
+
+
+def _repl(model, args, ctx: int) -> int:
+    chat = Chat(model, args, ctx)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    _err(f"{_describe(model)}, ctx {ctx}, prefill chunk {chat.sess.prefill_chunk}, think {chat.mode}")
+    print(REPL_HELP, flush=True)
+    while True:
+        try:
+            line = input("ds4lab> ")
+        except EOFError:
+            if interactive:
+                print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        cmd = line.strip()
+        if not cmd:
+            continue
+        word, _, rest = cmd.partition(" ")
+        rest = rest.strip()
+        try:
+            if cmd in ("/quit", "/exit"):
+                return 0
+            elif cmd == "/help":
+                print(REPL_HELP)
+            elif cmd == "/think":
+                chat.set_think("high")
+                print("Thinking mode: high.")
+            elif cmd == "/think-max":
+                chat.set_think("max")
+                if chat.mode == "max":
+                    print("Thinking mode: max.")
+                else:
+                    print(f"Thinking mode: high (Think Max needs ctx >= {THINK_MAX_MIN_CTX}).")
+            elif cmd == "/nothink":
+                chat.set_think("none")
+                print("Thinking mode: none.")
+            elif cmd == "/stats":
+                print(chat.stats())
+            elif word == "/ctx":
+                try:
+                    n = int(rest)
+                except ValueError:
+                    n = 0
+                if n < 2:
+                    _err(f"/ctx needs an integer of at least 2, got {rest!r}")
+                else:
+                    chat.set_ctx(n)
+                    print(f"New session: ctx {n}, prefill chunk {chat.sess.prefill_chunk}.")
+            elif word == "/read":
+                if not rest:
+                    _err("/read needs a file path")
+                else:
+                    _turn(chat, _read_text(Path(rest)))
+            elif cmd.startswith("/"):
+                _err(f"unknown command: {word} (type /help for commands)")
+            else:
+                _turn(chat, cmd)
+        except KeyboardInterrupt:
+            print()
+            _err("interrupted")
+        except (ValueError, OSError, RuntimeError) as e:
+            _err(f"error: {e}")
+        sys.stdout.flush()
+
+
+def _turn(chat: Chat, text: str) -> None:
+    turn = chat.user_turn(text)
+    _err(turn.line())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bench
+
+
+def _bench(args) -> int:
+    from . import bench
+
+    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".svg", ".html", ".json"):
+        raise UsageError(f"--plot needs a .png, .svg or .html file name, got {args.plot.name!r}")
+    if args.plot is not None:
+        bench._import_altair()  # fail before the sweep, not after it
+        if args.plot.suffix.lower() in (".png", ".svg"):
+            try:
+                import vl_convert  # noqa: F401
+            except ImportError:
+                raise bench.BenchError(f"--plot {args.plot.suffix} needs vl-convert-python: "
+                                       "pip install vl-convert-python (or use a .html file name)") from None
+    model = _load(args)
+    cap = model.config.context_length or bench.DEFAULT_CTX_MAX
+    ctx_max = args.ctx_max or min(bench.DEFAULT_CTX_MAX, cap)
+    ctx_start = args.ctx_start or min(bench.DEFAULT_CTX_START, ctx_max)
+    try:
+        ctx_alloc = bench.check_sweep(ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
+                                      args.ctx_alloc)
+        points = bench.frontiers(ctx_start, ctx_max, args.step_incr, args.step_mul)
+    except bench.BenchError as e:
+        raise UsageError(str(e)) from None
+    tokens, source = bench.prompt_tokens(model, args.prompt_file, min_tokens=ctx_max)
+    sess = model.session(ctx=ctx_alloc, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
+    _err(f"bench: {_describe(model)}, ctx {ctx_alloc}, prefill chunk {sess.prefill_chunk}, "
+         f"prompt {source} ({len(tokens)} tokens), {len(points)} frontiers {points[0]}..{points[-1]}, "
+         f"{args.gen_tokens} generated tokens each")
+    rows = bench.sweep(model, tokens, ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
+                       session=sess)
+    began = time.perf_counter()
+    if args.csv is None:
+        done = bench.write_csv(rows, sys.stdout)
+    else:
+        with open(args.csv, "w", encoding="utf-8") as out:
+            done = bench.write_csv(_echo_rows(rows), out)
+    _err(f"bench: {len(done)} frontiers in {time.perf_counter() - began:.1f} s"
+         + (f", CSV in {args.csv}" if args.csv else ""))
+    if args.plot is not None:
+        bench.save_plot(done, args.plot, title=f"{model.path.name} ({model.backend.name}), prefill chunk "
+                                               f"{sess.prefill_chunk}, {args.gen_tokens} generated tokens")
+        _err(f"bench: plot in {args.plot}")
+    return 0
+
+
+def _echo_rows(rows):
+    for row in rows:
+        _err(f"bench: ctx {row.ctx_tokens}: prefill {row.prefill_tps:.2f} t/s, generation {row.gen_tps:.2f} t/s, "
+             f"KV {row.kvcache_bytes} bytes")
+        yield row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inspect
+
+
+def _inspect(args) -> int:
+    path: Path = args.file
+    if not path.exists():
+        raise OSError(f"{path}: no such file")
+    if not path.is_file():
+        raise OSError(f"{path}: not a regular file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF" or path.suffix.lower() == ".gguf":
+        return _inspect_gguf(path)
+    return _inspect_kv(path)
+
+
+def _inspect_kv(path: Path) -> int:
+    try:
+        from .kv.store import KVFile
+    except ImportError:
+        raise RuntimeError(f"{path}: not a GGUF file, and this version of ds4lab cannot read .kv files "
+                           "(ds4lab.kv.store is missing)") from None
+    print(KVFile.open(path).summary())
+    return 0
+
+
+def _show_value(value, type_name: str) -> str:
+    if type_name.startswith("ARRAY"):
+        items = list(value)
+        shown = ", ".join(_short(v) for v in items[:6])
+        return f"[{shown}]" if len(items) <= 6 else f"{len(items)} items: [{shown}, ...]"
+    return _short(value)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _inspect_gguf(path: Path) -> int:
+    from .config import ModelConfig
+    from .gguf_file import GGUFModelFile
+
+    f = GGUFModelFile.open(path)  # refuses a damaged file with a one-line ModelFileError
+    with path.open("rb") as fh:
+        _, version = struct.unpack("<4sI", fh.read(8))
+    total = sum(t.nbytes for t in f.tensors.values())
+    print(f"{path}: GGUF v{version}, {f.file_size:,} bytes, {len(f.metadata)} metadata keys, "
+          f"{len(f.tensors)} tensors ({total:,} bytes of tensor data), alignment {f.alignment}")
+
+    print("\nmetadata")
+    width = max((len(k) for k in f.metadata), default=0)
+    for key, (value, type_name) in f.metadata.items():
+        print(f"  {key:<{width}}  {type_name:<14} {_show_value(value, type_name)}")
+
+    print("\nconfig")
+    problem = None
+    try:
+        cfg = ModelConfig.from_metadata(f.metadata, str(path))
+        cfg.validate_tensors({n: (t.shape, t.qtype) for n, t in f.tensors.items()}, str(path))
+    except ValueError as e:
+        problem = str(e)
+        print(f"  not a valid ds4 model: {problem}")
+    else:
+        for field in fields(cfg):
+            print(f"  {field.name:<26} {getattr(cfg, field.name)}")
+        ratios = [cfg.ratio(il) for il in range(cfg.n_layer)]
+        print(f"  {'(layer ratios)':<26} {ratios}")
+
+    print("\ntensors")
+    name_w = max((len(n) for n in f.tensors), default=4)
+    print(f"  {'name':<{name_w}}  {'type':<8} {'shape (ne0 first)':<22} {'bytes':>14}")
+    by_type: dict[str, list[int]] = {}
+    for name, t in f.tensors.items():
+        shape = " x ".join(str(d) for d in t.shape)
+        print(f"  {name:<{name_w}}  {t.qtype.name:<8} {shape:<22} {t.nbytes:>14,}")
+        acc = by_type.setdefault(t.qtype.name, [0, 0])
+        acc[0] += 1
+        acc[1] += t.nbytes
+    print("\nby type")
+    for type_name, (count, nbytes) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {type_name:<8} {count:5d} tensors {nbytes:>16,} bytes")
+    print(f"  {'total':<8} {len(f.tensors):5d} tensors {total:>16,} bytes")
+    if problem is not None:
+        _err(f"error: {problem}")
+        return EXIT_RUNTIME
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# make-model
 
 
 def _make_model(args) -> int:
@@ -52,33 +755,39 @@ def _make_model(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds4lab", description="DeepSeek V4 Flash architecture, step by step.")
-    sub = p.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------------------------------------------
 
-    run = sub.add_parser("run", help="generate text greedily from a prompt")
-    run.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
-    run.add_argument("-p", "--prompt", required=True)
-    run.add_argument("-n", "--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    run.add_argument("--backend", default="mlx", choices=["mlx", "numpy"])
-    run.add_argument("--numerics", default="ds4", choices=["ds4", "exact"])
-    run.set_defaults(func=_run)
 
-    mk = sub.add_parser("make-model", help="write a GGUF with seeded random weights")
-    mk.add_argument("--preset", default="nano", choices=["nano"])
-    mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument("-o", "--output", required=True, type=Path)
-    mk.set_defaults(func=_make_model)
-    return p
+def _message(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror and e.filename:
+        return f"{e.filename}: {e.strerror}"
+    text = str(e).strip().splitlines()
+    text = text[0] if text else ""
+    if isinstance(e, (ValueError, OSError, RuntimeError)):
+        return text or type(e).__name__
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors exit 2 here, with one line
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
-        print(f"ds4lab: error: {e}", file=sys.stderr)
-        return 1
+    except UsageError as e:
+        print(f"ds4lab {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        _err("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `ds4lab bench | head -3`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_RUNTIME
+    except Exception as e:
+        if os.environ.get("DS4LAB_TRACEBACK"):
+            raise
+        _err(f"error: {_message(e)}")
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

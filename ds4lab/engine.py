@@ -14,7 +14,7 @@ from .model.state import Geometry, new_state
 from .model.transformer import Transformer
 from .tokenizer import Tokenizer
 
-DEFAULT_MODEL = "nano.gguf"
+DEFAULT_MODEL = "shakespeare.gguf"
 
 
 def default_model_path() -> Path:
@@ -40,6 +40,13 @@ class Model:
         return (f"Model({self.path.name}: {c.n_layer} layers, n_embd {c.n_embd}, vocab {c.n_vocab}, "
                 f"backend={self.backend.name}, numerics={self.numerics})")
 
+    @property
+    def is_chat(self) -> bool:
+        """Whether the file declares a chat template (GGUF's ``tokenizer.chat_template``): chat models get
+        their prompts rendered as chat turns by default; others (the embedded Shakespeare model) continue
+        plain text."""
+        return "tokenizer.chat_template" in self.file.metadata
+
     def token_ids(self, tokens) -> np.ndarray:
         """Token ids from a list/array, or from a string tokenized as plain text (no chat rendering)."""
         if isinstance(tokens, str):
@@ -53,14 +60,15 @@ class Model:
         """An empty KV state sized for ``ctx`` tokens (see :class:`Geometry`)."""
         return new_state(self.config, self.backend, Geometry.for_context(self.config, ctx, prefill_chunk))
 
-    def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16):
+    def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16, kv_store=None):
         """A live timeline with step-wise prefill and decode (see :class:`ds4lab.session.Session`).
 
         ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 2048 when ctx > 2048.
+        ``kv_store`` (a :class:`ds4lab.KVStore`) adds ds4-server's disk checkpoints.
         """
         from .session import Session
 
-        return Session(self, ctx=ctx, prefill_chunk=prefill_chunk, max_checkpoints=max_checkpoints)
+        return Session(self, ctx=ctx, prefill_chunk=prefill_chunk, max_checkpoints=max_checkpoints, kv_store=kv_store)
 
     def logits(self, tokens) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32) for every position of a prefill of ``tokens`` from zero.

@@ -70,7 +70,7 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class SyncResult:
-    source: str  # "live", "checkpoint" or "cold": where the reused prefix came from
+    source: str  # "live", "checkpoint", "disk" or "cold": where the reused prefix came from
     reused: int  # tokens not evaluated again
     evaluated: int
 
@@ -78,8 +78,10 @@ class SyncResult:
 class Session:
     """A live timeline on a model: ``tokens``, ``logits`` (for the next token) and the KV state."""
 
-    def __init__(self, model, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16):
+    def __init__(self, model, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16,
+                 kv_store=None):
         self.model = model
+        self.kv_store = kv_store  # a ds4lab.KVStore: disk checkpoints as ds4-server writes and reads them
         self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk)
         self._state: KVState = new_state(model.config, model.backend, self.geometry)
         self.tokens: list[int] = []
@@ -146,13 +148,15 @@ class Session:
         otherwise from zero."""
         ids = self._ids(prompt)
         if ids[: len(self.tokens)] != self.tokens:
+            self._store_evicted()
             self.reset()
         return Prefill(self, ids)
 
     def sync(self, prompt) -> SyncResult:
         """Bring the session to exactly ``prompt``, as ds4 does, and better: extend the live state when
         it is a prefix (batched from ds4's resume threshold, token by token below it); otherwise restore
-        the longest kept checkpoint that is a prefix and extend that; otherwise prefill from zero."""
+        the longest kept checkpoint that is a prefix and extend that; otherwise, with a ``kv_store``, the
+        longest stored prefix on disk; otherwise prefill from zero."""
         ids = self._ids(prompt)
         source = "live"
         if ids[: len(self.tokens)] != self.tokens or not self.tokens:
@@ -162,8 +166,12 @@ class Session:
                 self.restore(best)
                 source = "checkpoint"
             else:
-                self.reset()
-                source = "cold"
+                self._store_evicted()
+                if self.kv_store is not None and self.kv_store.restore_prefix(self, ids):
+                    source = "disk"
+                else:
+                    self.reset()
+                    source = "cold"
         reused = len(self.tokens)
         suffix = ids[reused:]
         if not suffix:
@@ -177,7 +185,19 @@ class Session:
             for token in suffix:
                 logits, state = self._eval([token])
                 self._commit(self.tokens + [token], logits, state)
+                self._store_step()
         return SyncResult(source, reused, len(suffix))
+
+    # -- disk store (ds4-server's policy, spec §4.6; the policy itself lives in ds4lab.kv.store) -------
+    def _store_step(self) -> None:
+        """After every prefill chunk and decoded token: a "continued" checkpoint at the store's frontiers."""
+        if self.kv_store is not None:
+            self.kv_store.save_continued(self)
+
+    def _store_evicted(self) -> None:
+        """Before a cold prefill or a disk load replaces the live state: save it as "evict"."""
+        if self.kv_store is not None and self.tokens:
+            self.kv_store.save(self, reason="evict")
 
     # -- generation -----------------------------------------------------------------------------------
     def decoder(self, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K,
@@ -239,7 +259,10 @@ class Prefill:
             raise RuntimeError("the session moved on since this prefill was created; start a new one")
         start, end = self._bounds()[0]
         began = time.perf_counter()
-        logits, state = sess._eval(self.ids[start:end], pad_to=sess.geometry.step)
+        # A compiled step keeps one shape for every chunk (the last one padded and masked); eager
+        # backends run each chunk at its own length.
+        pad_to = sess.geometry.step if sess.model.transformer.compile else None
+        logits, state = sess._eval(self.ids[start:end], pad_to=pad_to)
         seconds = time.perf_counter() - began
         sess._commit(self.ids[:end], logits, state)
         cfg = sess.model.config
@@ -248,6 +271,7 @@ class Prefill:
                      "index": end // 4 - start // 4 if cfg.has_indexer(il) else 0} for il in range(cfg.n_layer)}
         chunk = PrefillChunk(start, end, seconds, sess.kv_bytes, rows, sess.checkpoint())
         self.chunks.append(chunk)
+        sess._store_step()
         return chunk
 
     def run(self, progress: bool = True) -> list[PrefillChunk]:
@@ -297,6 +321,7 @@ class Decode:
             self.rng.state = rng_state  # after an interrupt the same draw happens again
             raise
         sess._commit(sess.tokens + [token], logits, state)
+        sess._store_step()
         text = self._text.decode(sess.model.tokenizer.token_bytes(token))
         return DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began)
 

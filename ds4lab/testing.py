@@ -128,14 +128,42 @@ def _tokenizer(text: str, vocab_size: int) -> tuple[tuple[str, ...], tuple[str, 
 
 def _metadata(config: ModelConfig, seed: int, text: str) -> dict:
     tokens, merges = _tokenizer(text, config.n_vocab)
+    return model_metadata(config, f"ds4lab random {config.n_layer}-layer model (seed {seed})", tokens, merges)
+
+
+def model_metadata(config: ModelConfig, name: str, tokens, merges) -> dict:
+    """The GGUF metadata of a model: the config's keys, its name and its tokenizer."""
     meta = config.to_metadata()
-    meta["general.name"] = (f"ds4lab random {config.n_layer}-layer model (seed {seed})", "STRING")
+    meta["general.name"] = (name, "STRING")
     meta["tokenizer.ggml.model"] = ("gpt2", "STRING")
     meta["tokenizer.ggml.tokens"] = (list(tokens), "ARRAY[STRING]")
     meta["tokenizer.ggml.merges"] = (list(merges), "ARRAY[STRING]")
-    meta["tokenizer.ggml.bos_token_id"] = (tokens.index(BOS), "UINT32")
-    meta["tokenizer.ggml.eos_token_id"] = (tokens.index(EOS), "UINT32")
+    meta["tokenizer.ggml.bos_token_id"] = (list(tokens).index(BOS), "UINT32")
+    meta["tokenizer.ggml.eos_token_id"] = (list(tokens).index(EOS), "UINT32")
     return meta
+
+
+def write_model(config: ModelConfig, path: str | os.PathLike, params: dict, name: str, tokens, merges, *,
+                dense_type: str = "Q8_0", expert_types: tuple[str, str] = ("Q8_0", "Q8_0")) -> Path:
+    """Write given float weights (``name -> [ne1, ne0]`` arrays, experts ``[n_expert, out, in]``, the
+    I32 hash tables as integer arrays) as a GGUF with the same per-tensor types ``make_model`` uses."""
+    dense = _qtype(dense_type, _DENSE_TYPES, "dense_type")
+    experts = (_qtype(expert_types[0], _EXPERT_TYPES, "expert_types[0]"),
+               _qtype(expert_types[1], _EXPERT_TYPES, "expert_types[1]"))
+    tensors = []
+    for tname, (shape, _, required) in config.tensor_specs().items():
+        if tname not in params:
+            if required:
+                raise ValueError(f"write_model: tensor {tname} is missing from params")
+            continue
+        qtype, _ = _plan(_key(tname), shape[0], dense, experts)
+        _check_rows(tname, shape[0], qtype)
+        values = np.asarray(params[tname])
+        if values.shape != tuple(reversed(shape)):
+            raise ValueError(f"write_model: tensor {tname} has shape {values.shape}, expected {tuple(reversed(shape))}")
+        raw = values.astype("<i4").view(np.uint8) if qtype == Q.I32 else quantize(values.astype(np.float32), qtype)
+        tensors.append((tname, shape, qtype, raw))
+    return write_gguf(path, model_metadata(config, name, tokens, merges), tensors)
 
 
 # -- per-tensor type and initialisation --------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""KV/session state of a ds4 session (spec DS4_RUNTIME.md §2-3)."""
+"""KV/session state of a ds4 session (spec DS4_RUNTIME.md §2-4)."""
 
+from .kvfile import KVFile, KVFileError, KVHeader
 from .payload import (
     HEADER_BYTES,
     MAGIC,
@@ -18,7 +19,7 @@ from .payload import (
 )
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "VERSION", "LayerPayload", "Payload", "PayloadError", "comp_cap_for",
-    "decode_payload", "encode_payload", "expected_row_counts", "graph_caps", "layer_comp_cap",
-    "layer_state_shapes", "payload_nbytes",
+    "HEADER_BYTES", "MAGIC", "VERSION", "KVFile", "KVFileError", "KVHeader", "LayerPayload", "Payload",
+    "PayloadError", "comp_cap_for", "decode_payload", "encode_payload", "expected_row_counts", "graph_caps",
+    "layer_comp_cap", "layer_state_shapes", "payload_nbytes",
 ]

@@ -12,7 +12,10 @@ def rmsnorm(xp, x, eps: float, weight=None):
 
 
 def sigmoid(xp, z):
-    return 1.0 / (1.0 + xp.exp(-z))
+    # The library's own sigmoid where it has one (MLX): its gradient stays finite where exp(−z)
+    # overflows, which 1/(1 + exp(−z)) differentiated op by op does not.
+    fused = getattr(xp, "sigmoid", None)
+    return fused(z) if fused is not None else 1.0 / (1.0 + xp.exp(-z))
 
 
 def silu(xp, z):
@@ -27,7 +30,9 @@ def softmax(xp, z, axis: int = -1):
 def softplus(xp, x):
     """ds4's softplus: x above 20, exp(x) below −20, log1p(exp(x)) between."""
     mid = xp.log1p(xp.exp(xp.clip(x, -20.0, 20.0)))
-    return xp.where(x > 20.0, x, xp.where(x < -20.0, xp.exp(x), mid))
+    # Each branch is computed everywhere; bounding exp's argument keeps the unused branch (and its
+    # gradient) finite.
+    return xp.where(x > 20.0, x, xp.where(x < -20.0, xp.exp(xp.minimum(x, -20.0)), mid))
 
 
 def topk_mask(xp, score, k: int):

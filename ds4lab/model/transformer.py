@@ -42,13 +42,14 @@ class ChunkTables:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, file, backend, numerics: str = "ds4", compile: bool | None = None):
+    def __init__(self, config: ModelConfig, file, backend, numerics: str = "ds4", compile: bool | None = None,
+                 weights=None):
         if numerics not in NUMERICS:
             raise ValueError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
         self.cfg = config
         self.backend = backend
         self.numerics = numerics
-        self.w = Weights(file, backend, config.o_groups, config.o_lora)
+        self.w = weights if weights is not None else Weights(file, backend, config.o_groups, config.o_lora)
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
         # Called as observer(name, value) at the named points below when set (eager runs only).
         self.observer = None

@@ -79,3 +79,39 @@ class Weights:
     def embed(self, tokens: np.ndarray):
         t = self.file.tensors["token_embd.weight"]
         return self.backend.asarray(dequantize(t.data[tokens], t.qtype, t.shape[0]))
+
+
+class ArrayWeights:
+    """The same interface over named float arrays ``[ne1, ne0]`` (``[n_expert, out, in]`` for experts),
+    e.g. the parameters being trained; the hash-routing tables stay host integer arrays."""
+
+    def __init__(self, params: dict, hash_tables: dict[int, np.ndarray], xp, o_groups: int, o_lora: int):
+        self.p, self.hash_tables, self.xp = params, hash_tables, xp
+        self.o_groups, self.o_lora = o_groups, o_lora
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.p
+
+    def linear(self, name: str):
+        w = self.p[name]
+        return lambda x: x @ w.T
+
+    def vector(self, name: str):
+        return self.p[name].reshape(-1)
+
+    def table(self, name: str):
+        return self.p[name]
+
+    def out_a_groups(self, il: int):
+        w, rows = self.p[f"blk.{il}.attn_output_a.weight"], self.o_lora
+        return [lambda x, g=g: x @ w[g * rows:(g + 1) * rows].T for g in range(self.o_groups)]
+
+    def expert(self, il: int, e: int):
+        mats = [self.p[f"blk.{il}.ffn_{kind}_exps.weight"][e] for kind in ("gate", "up", "down")]
+        return tuple((lambda x, w=w: x @ w.T) for w in mats)
+
+    def hash_table(self, il: int) -> np.ndarray:
+        return self.hash_tables[il]
+
+    def embed(self, tokens: np.ndarray):
+        return self.p["token_embd.weight"][self.xp.array(tokens)]

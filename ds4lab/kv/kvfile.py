@@ -1,0 +1,548 @@
+"""ds4's ``KVC`` file, the on-disk checkpoint of ds4-server's KV store (spec DS4_RUNTIME.md §4.2).
+
+Layout, as ``ds4_kvstore_fill_header`` writes it and ``ds4_kvstore_read_header`` reads it
+(ds4_kvstore.c:379-422), all little-endian::
+
+     0 "KVC"          3 u8 version = 1      4 u8 routed-expert quant bits of the model (2 or 4)
+     5 u8 reason      6 u8 ext flags        7 reserved (0)
+     8 u32 tokens    12 u32 hits           16 u32 ctx_size      20 reserved (0)
+    24 u64 created   32 u64 last_used      40 u64 payload_bytes
+    48 u32 text_bytes, then the cache text, the payload (payload_bytes long), then optional trailers.
+
+A file is read only if the magic and version match, tokens != 0 and the quant byte is 2 or 4; reasons above 6
+read as "unknown" (ds4_kvstore.c:401-422). The payload is ds4's ``DSV4`` session payload (:mod:`.payload`).
+
+ds4 uses ext bits 0-2 (bit 0: the server's tool-id map trailer; bits 1-2: the key is visible transcript
+text). ds4lab adds four bits to the same byte; ds4 never tests them, so the header stays ds4's:
+
+* bit 3 ``EXT_CHECKSUM``: the file ends in an 8-byte trailer, "KCK", 1, u32 CRC-32 of everything before it with
+  the two fields that change in place (hits, last_used) read as zero. ds4 never reads past the payload
+  (past its own tool-map trailer when bit 0 is set), so it loads these files as usual. Without it a file is
+  byte for byte what ds4-server writes.
+* bit 4 ``EXT_Q8``: KV rows (raw, compressed and indexer rows) are 8-bit: per array, a f32 scale per row
+  (max |x| / 127) then the int8 rows. The pending compressor states and logits stay f32 (the scores hold
+  -1e30 sentinels). Its ``DSV4`` header says version ``Q8_PAYLOAD_VERSION``, so ds4's loader refuses it at
+  its first check instead of misreading it.
+* bit 5 ``EXT_ZLIB`` / bit 6 ``EXT_ZSTD``: the payload (after 8-bit packing, if bit 4 is set) is a u64 with
+  its unpacked size followed by a zlib (zstd) stream. ds4 refuses these at the payload magic.
+
+The quant byte keeps ds4's meaning (the model's routed experts, not the KV rows): ds4 refuses any other value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import mmap
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import FLASH, ModelConfig, ds4_ratio
+from .payload import _HEADER_NAMES as PAYLOAD_FIELDS
+from .payload import (
+    HEADER_BYTES,
+    LAYER_FIELDS,
+    MAGIC,
+    VERSION,
+    expected_row_counts,
+    layer_state_shapes,
+    raw_live_rows,
+)
+
+try:
+    import zstandard
+except ImportError:  # optional: zstd payloads need the zstandard package
+    zstandard = None
+_CODEC_ERRORS = (zlib.error, ValueError, MemoryError) + ((zstandard.ZstdError,) if zstandard else ())
+
+KVC_MAGIC = b"KVC"
+KVC_VERSION = 1
+FIXED_HEADER = 48
+PREFIX_BYTES = FIXED_HEADER + 4  # the fixed header and u32 text_bytes
+REASONS = ("unknown", "cold", "continued", "evict", "shutdown", "agent-system", "agent-session")
+QUANT_BITS = (2, 4)
+
+EXT_TOOL_MAP = 1 << 0
+EXT_RESPONSES_VISIBLE = 1 << 1
+EXT_THINKING_VISIBLE = 1 << 2
+EXT_CHECKSUM = 1 << 3
+EXT_Q8 = 1 << 4
+EXT_ZLIB = 1 << 5
+EXT_ZSTD = 1 << 6
+EXT_NAMES = {EXT_TOOL_MAP: "tool-map", EXT_RESPONSES_VISIBLE: "responses-visible",
+             EXT_THINKING_VISIBLE: "thinking-visible", EXT_CHECKSUM: "checksum", EXT_Q8: "q8",
+             EXT_ZLIB: "zlib", EXT_ZSTD: "zstd"}
+CODECS = {None: 0, "q8": EXT_Q8, "zlib": EXT_ZLIB, "zstd": EXT_ZSTD, "q8+zlib": EXT_Q8 | EXT_ZLIB,
+          "q8+zstd": EXT_Q8 | EXT_ZSTD}
+
+Q8_PAYLOAD_VERSION = 0x100 | VERSION
+CHECKSUM_MAGIC = b"KCK\x01"
+CHECKSUM_BYTES = 8
+ROW_FIELDS = ("raw", "comp", "index")  # the KV rows; the other LAYER_FIELDS are the pending compressor states
+STATE_FIELDS = tuple(f for f in LAYER_FIELDS if f not in ROW_FIELDS)
+
+_HEADER = struct.Struct("<3sBBBBBIIIIQQQI")
+_MUTABLE = ((12, 16), (32, 40))  # hits and last_used: rewritten in place on every disk hit
+_U64 = struct.Struct("<Q")
+
+
+class KVFileError(ValueError):
+    """A ``KVC`` file or payload that cannot be used; ``path``, ``field``, ``got``, ``expected`` say why."""
+
+    def __init__(self, path, field: str, got, expected, message: str | None = None):
+        text = message or f"{field} is {got}, expected {expected}"
+        super().__init__(f"{path}: {text}")
+        self.path, self.field, self.got, self.expected = path, field, got, expected
+
+
+def reason_code(reason: str) -> int:
+    if reason not in REASONS:
+        raise ValueError(f"unknown KV store reason {reason!r}; expected one of {', '.join(REASONS)}")
+    return REASONS.index(reason)
+
+
+def ext_names(flags: int) -> str:
+    names = [name for bit, name in EXT_NAMES.items() if flags & bit]
+    unknown = flags & ~sum(EXT_NAMES)
+    return ",".join(names + ([f"{unknown:#x}"] if unknown else [])) or "none"
+
+
+# -- fixed header ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVHeader:
+    quant_bits: int
+    reason: int
+    ext_flags: int
+    tokens: int
+    hits: int
+    ctx_size: int
+    created: int
+    last_used: int
+    payload_bytes: int
+    text_bytes: int
+    version: int = KVC_VERSION
+
+    def pack(self) -> bytes:
+        """The fixed header and ``text_bytes``, as ``ds4_kvstore_fill_header`` writes them (reserved bytes 0)."""
+        return _HEADER.pack(KVC_MAGIC, self.version, self.quant_bits, self.reason, self.ext_flags, 0, self.tokens,
+                            self.hits, self.ctx_size, 0, self.created, self.last_used, self.payload_bytes,
+                            self.text_bytes)
+
+    @classmethod
+    def unpack(cls, data, path) -> KVHeader:
+        """Parse the first 52 bytes with ds4's checks; :class:`KVFileError` names the field."""
+        if len(data) < PREFIX_BYTES:
+            raise KVFileError(path, "header", f"{len(data)} bytes", f"at least {PREFIX_BYTES}", "truncated header: "
+                              f"{len(data)} bytes, the fixed header and text length take {PREFIX_BYTES}")
+        (magic, version, quant, reason, ext, _, tokens, hits, ctx, _, created, last_used, payload_bytes,
+         text_bytes) = _HEADER.unpack_from(data)
+        if magic != KVC_MAGIC:
+            raise KVFileError(path, "magic", magic, KVC_MAGIC, f"not a KVC file: magic is {magic!r}, expected b'KVC'")
+        if version != KVC_VERSION:
+            raise KVFileError(path, "version", version, KVC_VERSION)
+        if quant not in QUANT_BITS:
+            raise KVFileError(path, "quant_bits", quant, "2 or 4 (the model's routed-expert bits)")
+        if tokens == 0:
+            raise KVFileError(path, "tokens", 0, "at least 1")
+        return cls(quant, reason if reason < len(REASONS) else 0, ext, tokens, hits, ctx, created, last_used,
+                   payload_bytes, text_bytes, version)
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of a file with this header (ds4: 52 + text + payload + trailers; ds4lab writes no tool map)."""
+        return PREFIX_BYTES + self.text_bytes + self.payload_bytes + (CHECKSUM_BYTES if self.ext_flags & EXT_CHECKSUM else 0)
+
+    def check_size(self, size: int, path) -> None:
+        """ds4 needs the file to hold the header, text and payload; without a tool-id map (whose length only
+        its own parser knows) ds4lab wants the exact size, so a stray or missing checksum trailer shows."""
+        want = self.file_bytes
+        if size < want or (size > want and not self.ext_flags & EXT_TOOL_MAP):
+            raise KVFileError(path, "file size", size, f"{want} = {PREFIX_BYTES} + text {self.text_bytes} + payload "
+                              f"{self.payload_bytes}" + (" + checksum 8" if self.ext_flags & EXT_CHECKSUM else ""))
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["reason"] = REASONS[self.reason]
+        return d
+
+
+def checksum(head, *parts) -> int:
+    """CRC-32 of a file's first 52 bytes (``head``, with the in-place fields hits and last_used read as zero)
+    followed by ``parts`` (the rest up to the trailer)."""
+    head = bytearray(head[:PREFIX_BYTES])
+    for lo, hi in _MUTABLE:
+        head[lo:hi] = bytes(hi - lo)
+    crc = zlib.crc32(head)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def checksum_trailer(crc: int) -> bytes:
+    return CHECKSUM_MAGIC + struct.pack("<I", crc)
+
+
+# -- payload layout -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Array:
+    """One float array of the payload: f32 rows, or (``q8``) a f32 scale per row then int8 rows."""
+
+    offset: int
+    rows: int
+    width: int
+    q8: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * (4 + self.width) if self.q8 else 4 * self.rows * self.width
+
+    def read(self, buf) -> np.ndarray:
+        if not self.q8:
+            return np.frombuffer(buf, "<f4", self.rows * self.width, self.offset).reshape(self.rows, self.width)
+        scale = np.frombuffer(buf, "<f4", self.rows, self.offset)
+        q = np.frombuffer(buf, np.int8, self.rows * self.width, self.offset + 4 * self.rows)
+        return q.reshape(self.rows, self.width) * scale[:, None]
+
+
+def _quantize(x: np.ndarray) -> bytes:
+    scale = (np.abs(x).max(axis=1) / 127).astype("<f4")
+    q = np.round(x / np.where(scale > 0, scale, 1)[:, None])
+    return scale.tobytes() + np.clip(q, -127, 127).astype(np.int8).tobytes()
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Where everything is in one ``DSV4`` payload (in a buffer, from ``base``); no array is read."""
+
+    header: dict  # the 13 DSV4 header fields by name
+    ratios: tuple[int, ...]
+    base: int
+    size: int
+    layers: tuple[dict[str, _Array | None], ...]  # LAYER_FIELDS -> array, per layer
+
+    @property
+    def tokens_offset(self) -> int:
+        return self.base + HEADER_BYTES
+
+    @property
+    def logits_offset(self) -> int:
+        return self.tokens_offset + 4 * self.header["n_tokens"]
+
+    @property
+    def counts_offset(self) -> int:
+        return self.logits_offset + 4 * self.header["vocab"]
+
+
+def _layout_config(n_layer: int, head_dim: int, idx_dim: int, vocab: int, ratios) -> ModelConfig:
+    """A ModelConfig carrying only what the payload depends on (the file does not store the ratios)."""
+    return dataclasses.replace(FLASH, n_layer=n_layer, head_dim=head_dim, idx_dim=idx_dim, n_vocab=vocab,
+                               compress_ratios=tuple(ratios))
+
+
+def _infer_ratios(T: int, n_comp, n_index) -> tuple[int, ...]:
+    """Per-layer compression ratios from the row counts; where they do not tell (no rows yet), ds4's schedule."""
+    out = []
+    for il, (nc, ni) in enumerate(zip(n_comp, n_index)):
+        if ni:
+            out.append(4)
+        elif nc:
+            out.append(128)
+        else:
+            possible = [0] + [r for r in (4, 128) if T < r]
+            out.append(ds4_ratio(il) if ds4_ratio(il) in possible else 0)
+    return tuple(out)
+
+
+def parse_payload(buf, base: int, size: int, path, config=None, q8: bool = False) -> PayloadLayout:
+    """Locate every array of the payload at ``buf[base:base+size]``, checking its header and every size
+    against the bytes available (so a corrupt header never makes us allocate or loop on garbage).
+
+    ``config`` gives the per-layer ratios; without it they are inferred from the row counts.
+    """
+    def fail(field, got, expected, message=None):
+        return KVFileError(path, f"payload {field}", got, expected, message)
+
+    if size < HEADER_BYTES:
+        raise fail("header", f"{size} bytes", f"at least {HEADER_BYTES}")
+    h = dict(zip(PAYLOAD_FIELDS, struct.unpack_from(f"<{len(PAYLOAD_FIELDS)}I", buf, base)))
+    if h["magic"] != MAGIC:
+        raise fail("magic", f"{h['magic']:#010x}", f"{MAGIC:#010x} ('DSV4')")
+    want_version = Q8_PAYLOAD_VERSION if q8 else VERSION
+    if h["version"] != want_version:
+        raise fail("version", h["version"], want_version)
+    T, n_layer = h["n_tokens"], h["n_layer"]
+    if config is not None:
+        for field, want in (("n_layer", config.n_layer), ("head_dim", config.head_dim),
+                            ("indexer_head_dim", config.idx_dim), ("vocab", config.n_vocab)):
+            if h[field] != want:
+                raise fail(field, h[field], f"{want} (the model's)")
+    if T == 0 or T >= h["ctx"]:
+        raise fail("n_tokens", T, f"1 … ctx−1 = {h['ctx'] - 1}")
+    if h["raw_window"] == 0 or h["raw_cap"] == 0:
+        raise fail("raw_window/raw_cap", (h["raw_window"], h["raw_cap"]), "positive values")
+    want_live = raw_live_rows(T, h["raw_window"], h["raw_cap"])
+    if h["raw_live"] != want_live:
+        raise fail("raw_live", h["raw_live"], f"{want_live} = min(n_tokens, raw_window, raw_cap)")
+    counts_at = HEADER_BYTES + 4 * T + 4 * h["vocab"]
+    if counts_at + 8 * n_layer > size:
+        raise fail("size", f"{size} bytes", f"at least {counts_at + 8 * n_layer} for the tokens, logits and row "
+                   f"counts of {T} tokens, vocab {h['vocab']}, {n_layer} layers")
+    counts = np.frombuffer(buf, "<u4", 2 * n_layer, base + counts_at).reshape(2, n_layer)
+    ratios = config.compress_ratios[:n_layer] if config is not None else _infer_ratios(T, counts[0], counts[1])
+    cfg = _layout_config(n_layer, h["head_dim"], h["indexer_head_dim"], h["vocab"], ratios)
+
+    offset = counts_at + 8 * n_layer
+    layers = []
+    for il in range(n_layer):
+        for kind, label in ((0, "compressed"), (1, "indexer")):
+            want = expected_row_counts(cfg, il, T)[kind]
+            if counts[kind, il] != want:
+                hint = "" if config is not None else " (inferred ratio; pass the model's config if it is not ds4's)"
+                raise fail(f"layer {il} {label} row count", int(counts[kind, il]),
+                           f"{want} for {T} tokens at ratio {cfg.ratio(il)}{hint}")
+        arrays = {}
+        for field, shape in layer_state_shapes(cfg, il, T, h["raw_live"]).items():
+            if shape is None:
+                arrays[field] = None
+                continue
+            arr = _Array(base + offset, shape[0], shape[1], q8 and field in ROW_FIELDS)
+            offset += arr.nbytes
+            if offset > size:
+                raise fail("size", f"{size} bytes", f"more: layer {il} {field} {shape} ends at byte {offset}")
+            arrays[field] = arr
+        layers.append(arrays)
+    if offset != size:
+        raise fail("size", f"{size} bytes", f"{offset}: {size - offset} trailing bytes after the last layer")
+    return PayloadLayout(h, tuple(ratios), base, size, tuple(layers))
+
+
+def _relayout(buf, layout: PayloadLayout, version: int, convert) -> bytes:
+    """Rewrite a payload with another header version, each KV-row array converted by ``convert(f32 rows)``."""
+    head = bytearray(buf[layout.base:layout.counts_offset + 8 * len(layout.ratios)])
+    struct.pack_into("<I", head, 4, version)
+    parts = [bytes(head)]
+    for arrays in layout.layers:
+        for field in LAYER_FIELDS:
+            arr = arrays[field]
+            if arr is None:
+                continue
+            if field in ROW_FIELDS:
+                parts.append(convert(arr.read(buf).astype(np.float32)))
+            else:
+                parts.append(bytes(buf[arr.offset:arr.offset + arr.nbytes]))
+    return b"".join(parts)
+
+
+def _compress(data: bytes, flags: int) -> bytes:
+    if flags & EXT_ZSTD:
+        if zstandard is None:
+            raise RuntimeError("zstd KV payloads need the zstandard package (pip install zstandard)")
+        return _U64.pack(len(data)) + zstandard.ZstdCompressor().compress(data)
+    return _U64.pack(len(data)) + zlib.compress(data)
+
+
+def _decompress(data, flags: int, path) -> bytes:
+    codec = "zstd" if flags & EXT_ZSTD else "zlib"
+    if len(data) < 8:
+        raise KVFileError(path, f"{codec} payload", f"{len(data)} bytes", "at least the 8-byte unpacked size")
+    (size,) = _U64.unpack_from(data)
+    if size < HEADER_BYTES:
+        raise KVFileError(path, f"{codec} unpacked size", size, f"at least the {HEADER_BYTES}-byte DSV4 header")
+    if flags & EXT_ZSTD and zstandard is None:
+        raise KVFileError(path, "ext flags", "zstd", "a codec this install reads (pip install zstandard)")
+    try:
+        if flags & EXT_ZSTD:
+            out = zstandard.ZstdDecompressor().decompress(bytes(data[8:]), max_output_size=size)
+        else:
+            d = zlib.decompressobj()
+            out = d.decompress(data[8:], size)
+            if not d.eof or d.unconsumed_tail or d.unused_data:
+                raise zlib.error("the stream does not end where the payload does")
+    except _CODEC_ERRORS as e:
+        raise KVFileError(path, f"{codec} payload", "undecodable", "a valid stream", f"{codec} payload: {e}") from None
+    if len(out) != size:
+        raise KVFileError(path, f"{codec} payload", f"{len(out)} bytes unpacked", f"{size} (its size field)")
+    return out
+
+
+def pack_payload(payload: bytes, config, flags: int) -> bytes:
+    """The stored form of a ``DSV4`` payload under the codec bits of ``flags`` (:data:`CODECS`)."""
+    if flags & EXT_Q8:
+        payload = _relayout(payload, parse_payload(payload, 0, len(payload), "<payload>", config),
+                            Q8_PAYLOAD_VERSION, _quantize)
+    if flags & (EXT_ZLIB | EXT_ZSTD):
+        payload = _compress(payload, flags)
+    return payload
+
+
+def _stamp(t: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+# -- the file -------------------------------------------------------------------------------------------
+
+class KVFileLayer:
+    """One layer's saved state; arrays are read from the file (f32 views, 8-bit rows dequantized) on access."""
+
+    def __init__(self, buf, index: int, ratio: int, arrays: dict[str, _Array | None]):
+        self._buf, self._arrays = buf, arrays
+        self.index, self.ratio = index, ratio
+        self.n_raw = arrays["raw"].rows
+        self.n_comp = arrays["comp"].rows if arrays["comp"] else 0
+        self.n_index = arrays["index"].rows if arrays["index"] else 0
+
+    def _read(self, field: str) -> np.ndarray | None:
+        arr = self._arrays[field]
+        return None if arr is None else arr.read(self._buf)
+
+    @property
+    def raw(self) -> np.ndarray:
+        """``[raw_live, head_dim]``: positions T−raw_live … T−1 in order."""
+        return self._read("raw")
+
+    @property
+    def compressed(self) -> np.ndarray | None:
+        return self._read("comp")
+
+    @property
+    def indexer(self) -> np.ndarray | None:
+        return self._read("index")
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The pending compressor state(s) by ``DSV4`` field name (empty on ratio-0 layers)."""
+        return {f: self._read(f) for f in STATE_FIELDS if self._arrays[f] is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values() if a is not None)
+
+    def __repr__(self) -> str:
+        return f"KVFileLayer({self.index}: ratio {self.ratio}, raw {self.n_raw}, comp {self.n_comp}, index {self.n_index})"
+
+
+class KVFile:
+    """A ``KVC`` file, opened without a model: fixed header, cache text, ``DSV4`` header and per-layer arrays.
+
+    ``KVFile.open(path)`` maps the file read-only and checks its structure (header, sizes, the payload's
+    header and row counts); arrays are read only when asked for, so a 1 GB file opens at once.
+    ``verify()`` checks the CRC-32 trailer, when the file has one. Compressed payloads are unpacked on open.
+    """
+
+    def __init__(self, buf, path, config=None):
+        self.path = path
+        self.file_size = len(buf)
+        hdr = KVHeader.unpack(buf, path)
+        hdr.check_size(self.file_size, path)
+        self._hdr = hdr
+        self._buf = buf
+        self.text_bytes = bytes(buf[PREFIX_BYTES:PREFIX_BYTES + hdr.text_bytes])
+        start = PREFIX_BYTES + hdr.text_bytes
+        codec = hdr.ext_flags & (EXT_ZLIB | EXT_ZSTD)
+        if codec:
+            data = _decompress(memoryview(buf)[start:start + hdr.payload_bytes], hdr.ext_flags, path)
+            self._payload_buf, base, size = data, 0, len(data)
+        else:
+            self._payload_buf, base, size = buf, start, hdr.payload_bytes
+        self._layout = parse_payload(self._payload_buf, base, size, path, config, q8=bool(hdr.ext_flags & EXT_Q8))
+        for field, payload_field in (("tokens", "n_tokens"), ("ctx_size", "ctx")):  # ds4 writes both from the session
+            if getattr(hdr, field) != self._layout.header[payload_field]:
+                raise KVFileError(path, field, getattr(hdr, field),
+                                  f"{self._layout.header[payload_field]} (the payload's {payload_field})")
+        self.layers = [KVFileLayer(self._payload_buf, il, r, a)
+                       for il, (r, a) in enumerate(zip(self._layout.ratios, self._layout.layers))]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, config=None) -> KVFile:
+        path = Path(path)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < PREFIX_BYTES:
+                return cls(f.read(), path, config)  # too short to map; the header check reports it
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return cls(buf, path, config)
+
+    @property
+    def header(self) -> dict:
+        return self._hdr.as_dict()
+
+    @property
+    def text(self) -> str:
+        return self.text_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def sha1(self) -> str:
+        """The store key: SHA-1 of the cache text (the file's name in a store)."""
+        return hashlib.sha1(self.text_bytes).hexdigest()
+
+    @property
+    def payload_header(self) -> dict:
+        return dict(self._layout.header)
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        return self._layout.ratios
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return np.frombuffer(self._payload_buf, "<u4", self._hdr.tokens, self._layout.tokens_offset)
+
+    @property
+    def logits(self) -> np.ndarray:
+        return np.frombuffer(self._payload_buf, "<f4", self._layout.header["vocab"], self._layout.logits_offset)
+
+    def payload(self) -> bytes:
+        """The ``DSV4`` payload as ds4 stores it (f32), unpacked from 8-bit rows and zlib/zstd if needed."""
+        if self._hdr.ext_flags & EXT_Q8:
+            return _relayout(self._payload_buf, self._layout, VERSION, lambda x: x.astype("<f4").tobytes())
+        base = self._layout.base
+        return bytes(self._payload_buf[base:base + self._layout.size])
+
+    def verify(self) -> None:
+        """Check the checksum trailer (reads the whole file); :class:`KVFileError` if it does not match."""
+        if not self._hdr.ext_flags & EXT_CHECKSUM:
+            return
+        end = self.file_size - CHECKSUM_BYTES
+        trailer = bytes(self._buf[end:])
+        if trailer[:4] != CHECKSUM_MAGIC:
+            raise KVFileError(self.path, "checksum trailer", trailer[:4], CHECKSUM_MAGIC)
+        stored = struct.unpack("<I", trailer[4:])[0]
+        actual = checksum(self._buf[:PREFIX_BYTES], memoryview(self._buf)[PREFIX_BYTES:end])
+        if stored != actual:
+            raise KVFileError(self.path, "checksum", f"{actual:#010x}", f"{stored:#010x} (stored)",
+                              f"checksum mismatch: the file's CRC-32 is {actual:#010x}, the trailer says {stored:#010x}")
+
+    def summary(self) -> str:
+        """What ``ds4lab inspect FILE.kv`` prints: header, sizes, the ``DSV4`` header, rows per layer, text."""
+        h, p = self._hdr, self._layout.header
+        codec = "+".join(n for bit, n in ((EXT_Q8, "8-bit rows"), (EXT_ZLIB, "zlib"), (EXT_ZSTD, "zstd"))
+                         if h.ext_flags & bit) or "raw f32"
+        if self._payload_buf is not self._buf:
+            codec += f", {len(self._payload_buf):,} unpacked"
+        trailer = f" + checksum {CHECKSUM_BYTES}" if h.ext_flags & EXT_CHECKSUM else ""
+        preview = self.text[:80].replace("\n", "\\n") + (" …" if len(self.text) > 80 else "")
+        lines = [
+            f"{self.path}: {self.file_size:,} bytes",
+            (f"KVC v{h.version}: reason {REASONS[h.reason]}, model experts {h.quant_bits}-bit, ext {h.ext_flags:#04x} "
+             f"({ext_names(h.ext_flags)}), tokens {h.tokens}, hits {h.hits}, ctx {h.ctx_size}"),
+            f"created {_stamp(h.created)}, last used {_stamp(h.last_used)}",
+            f"sizes: header {PREFIX_BYTES} + text {h.text_bytes:,} + payload {h.payload_bytes:,} ({codec}){trailer}",
+            "DSV4 " + ", ".join(f"{k} {v:#x}" if k == "magic" else f"{k} {v}" for k, v in p.items()),
+            "layer ratio  raw  comp index        bytes",
+            *(f"{lk.index:5d} {lk.ratio:5d} {lk.n_raw:4d} {lk.n_comp:5d} {lk.n_index:5d} {lk.nbytes:12,d}"
+              for lk in self.layers),
+            f"text: {preview!r}",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"KVFile({self.path}: {self._hdr.tokens} tokens, {len(self.layers)} layers, "
+                f"{REASONS[self._hdr.reason]}, {self.file_size:,} bytes)")

@@ -1,0 +1,494 @@
+"""The on-disk KV store: ds4-server's ``KVC`` directory (spec DS4_RUNTIME.md §4; ds4_kvstore.c, ds4_server.c).
+
+Files are ``<dir>/<sha1 of the cache text>.kv`` (:mod:`.kvfile`); the cache text is the stored tokens' bytes.
+A lookup re-lists the directory, keeps the entries whose text is a byte prefix of the prompt (SHA-1 of the
+prompt's first L bytes equals the name) and takes the longest, ties to more tokens; the stored token ids stay
+authoritative (§4.3). A load rewrites the header with hits + 1 and last_used = now, or deletes the file when it
+holds more than ``cold_max_tokens`` (the live session will store it again). Eviction removes the lowest
+``(eff + 1) · tokens / file_size`` first, ``eff = hits · 2^(−age/half_life)`` (0 below 0.01), until the
+files fit the budget; the file just written is protected (§4.4-4.5).
+
+Sessions created with ``kv_store=store`` save "continued" checkpoints when the live token count reaches a
+multiple of ``ceil(continued_interval / align) · align`` (align defaults to the session's chunk step, as
+ds4's 2048 is its chunk), save the live state as "evict" before a cold prefill or a disk load replaces it,
+and look here in ``sync`` when no in-memory checkpoint is a prefix (§4.6).
+
+Beyond ds4: writes are fsynced before the rename; files carry a CRC-32 trailer by default; payloads may be
+stored 8-bit and/or zlib/zstd compressed (``compression=``); a damaged file is reported (a
+:class:`KVStoreWarning` and ``stats().bad_files``) and skipped, and removed when loading proves it damaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGMLQuantizationType
+
+from .checkpoint import Checkpoint
+from .kvfile import (
+    CODECS,
+    EXT_CHECKSUM,
+    PREFIX_BYTES,
+    KVFile,
+    KVFileError,
+    KVHeader,
+    checksum_trailer,
+    pack_payload,
+    reason_code,
+)
+from .kvfile import checksum as file_checksum
+from .payload import PayloadError
+
+DEFAULT_BUDGET_MB = 4096  # DS4_KVSTORE_DEFAULT_MB
+HIT_HALF_LIFE_S = 6 * 60 * 60  # DS4_KVSTORE_HIT_HALF_LIFE_SECONDS
+MIN_EFFECTIVE_HITS = 0.01  # KV_CACHE_MIN_EFFECTIVE_HITS
+DEFAULT_MIN_TOKENS = 512
+DEFAULT_COLD_MAX_TOKENS = 30000
+DEFAULT_CONTINUED_INTERVAL = 10000
+
+_NAME = re.compile(r"([0-9a-fA-F]{40})\.kv")
+_TMP = re.compile(r"[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)")
+_LAYOUT_FIELDS = frozenset({"n_layer", "head_dim", "indexer_head_dim", "vocab"})  # another model's file
+
+
+class KVStoreWarning(UserWarning):
+    """A store file that was skipped or removed, or a save that failed."""
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    """One file of the store, as the directory scan read it (header only)."""
+
+    sha: str
+    path: Path
+    file_size: int
+    header: KVHeader
+
+    @property
+    def tokens(self) -> int:
+        return self.header.tokens
+
+    @property
+    def text_bytes(self) -> int:
+        return self.header.text_bytes
+
+
+def effective_hits(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_S) -> float:
+    """``hits · 2^(−(now − last_used)/half_life)``, 0 below 0.01 or without a timestamp (ds4_kvstore.c:498-506)."""
+    hits = float(entry.header.hits)
+    used_at = entry.header.last_used or entry.header.created
+    if used_at == 0:
+        return 0.0
+    if now > used_at:
+        hits *= 2.0 ** (-(now - used_at) / half_life_s)
+        if hits < MIN_EFFECTIVE_HITS:
+            return 0.0
+    return hits
+
+
+def eviction_score(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_S,
+                   protected: str | None = None) -> float:
+    """ds4's ``(eff + 1) · tokens / file_size``; lower goes first, ``protected`` (a sha) never
+    (``ds4_kvstore_entry_eviction_score``, ds4_kvstore.c:486-508)."""
+    if entry.file_size == 0:
+        return 0.0
+    if entry.sha == protected:
+        return math.inf
+    return (effective_hits(entry, now, half_life_s) + 1.0) * entry.header.tokens / entry.file_size
+
+
+def routed_quant_bits(model) -> int:
+    """The header's quant byte: 4 if layer 0's routed gate experts are Q4_K, else 2 (ds4.c:15980-15985)."""
+    gate = model.file.tensors["blk.0.ffn_gate_exps.weight"]
+    return 4 if gate.qtype == GGMLQuantizationType.Q4_K else 2
+
+
+def token_text(model, ids) -> bytes:
+    """The cache text of a token sequence: its tokens' bytes (``ds4_kvstore_render_tokens_text``)."""
+    return b"".join(model.tokenizer.token_bytes(int(t)) for t in ids)
+
+
+@dataclass(frozen=True)
+class KVStoreStats:
+    entries: int
+    bytes: int
+    budget_bytes: int
+    lookups: int  # requests that looked in the store
+    hits: int  # requests that found (lookup) or loaded (session sync) an entry
+    request_hit_rate: float  # hits / lookups
+    query_tokens: int  # prompt tokens of the lookups whose length in tokens is known
+    hit_tokens: int  # tokens those lookups found stored (vLLM's and llama.cpp's prefix-cache count)
+    token_hit_rate: float  # hit_tokens / query_tokens
+    effective_hits: dict  # sha -> decayed hits, now
+    saves: int  # files written
+    skipped: int  # saves refused for the budget (ds4's policy skips below min_tokens are not counted)
+    write_errors: int
+    evictions: int
+    bad_files: int  # damaged, foreign or incompatible files met (each reported once)
+
+
+class KVStore:
+    """A directory of ``KVC`` files with ds4-server's lookup, hit decay, eviction and write policy."""
+
+    def __init__(self, dir: str | os.PathLike, budget_mb: float = DEFAULT_BUDGET_MB, *,
+                 min_tokens: int = DEFAULT_MIN_TOKENS, cold_max_tokens: int = DEFAULT_COLD_MAX_TOKENS,
+                 continued_interval: int = DEFAULT_CONTINUED_INTERVAL, align: int | None = None,
+                 half_life_s: float = HIT_HALF_LIFE_S, reject_different_quant: bool = False,
+                 compression: str | None = None, checksum: bool = True):
+        if compression not in CODECS:
+            raise ValueError(f"compression must be one of {', '.join(map(repr, CODECS))}, got {compression!r}")
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        self.dir = Path(dir)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.budget_bytes = int((budget_mb or DEFAULT_BUDGET_MB) * 1024 * 1024)
+        self.min_tokens = min_tokens
+        self.cold_max_tokens = cold_max_tokens
+        self.continued_interval = continued_interval
+        self.align = align
+        self.half_life_s = half_life_s
+        self.reject_different_quant = reject_different_quant
+        self.codec_flags = CODECS[compression]
+        self.checksum = checksum
+        self._counts = dict.fromkeys(("lookups", "hits", "query_tokens", "hit_tokens", "saves", "skipped",
+                                      "write_errors", "evictions"), 0)
+        self._reported: set = set()
+        self._remove_stale_temporaries()
+        self.evict()
+
+    def __repr__(self) -> str:
+        return f"KVStore({self.dir}, budget {self.budget_bytes / 2**20:g} MiB)"
+
+    # -- scanning -------------------------------------------------------------------------------------
+    def entries(self) -> list[KVEntry]:
+        """Every usable file, from a fresh directory listing (ds4 re-lists on every lookup and eviction)."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError as e:
+            self._warn(f"{self.dir}: cannot list the KV store: {e}")
+            return []
+        out = []
+        for name in names:
+            m = _NAME.fullmatch(name)
+            if m is None:
+                continue
+            path = self.dir / name
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    header = KVHeader.unpack(f.read(PREFIX_BYTES), path)
+                header.check_size(size, path)
+            except FileNotFoundError:  # removed by another process since the listing
+                continue
+            except (KVFileError, OSError) as e:
+                self._bad(path, e)
+                continue
+            out.append(KVEntry(m.group(1).lower(), path, size, header))
+        return out
+
+    def _bad(self, path: Path, error: Exception) -> None:
+        try:
+            st = path.stat()
+            key = (path.name, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = (path.name, str(error))
+        if key not in self._reported:
+            self._reported.add(key)
+            self._warn(f"skipped KV store file: {error}")
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(message, KVStoreWarning, stacklevel=3)
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporaries of writers that died (a crash mid-write leaves ``<name>.tmp.<pid>``, never a real name)."""
+        for name in os.listdir(self.dir):
+            m = _TMP.fullmatch(name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                _unlink(self.dir / name)
+            except (PermissionError, OverflowError):
+                pass
+
+    # -- eviction -------------------------------------------------------------------------------------
+    def evict(self, protected: str | None = None) -> list[KVEntry]:
+        """Delete the lowest-scoring files until the rest fit the budget; returns them in deletion order
+        (``ds4_kvstore_evict``, ds4_kvstore.c:510-561). ``protected`` (a sha) goes last unless it alone is
+        over the budget."""
+        entries = self.entries()
+        total = sum(e.file_size for e in entries)
+        if any(e.sha == protected and e.file_size > self.budget_bytes for e in entries):
+            protected = None
+        now = int(time.time())
+        evicted = []
+        while total > self.budget_bytes and entries:
+            # min() keeps the first of equal keys, as ds4's scan does
+            victim = min(entries, key=lambda e: (eviction_score(e, now, self.half_life_s, protected),
+                                                 e.header.last_used))
+            entries.remove(victim)
+            try:
+                os.unlink(victim.path)
+            except FileNotFoundError:
+                pass  # another process removed it: it no longer counts either
+            except OSError as e:
+                self._warn(f"{victim.path}: cannot evict: {e}")
+                break
+            else:
+                evicted.append(victim)
+                self._counts["evictions"] += 1
+            total -= victim.file_size
+        return evicted
+
+    # -- writing --------------------------------------------------------------------------------------
+    def save(self, session, reason: str = "shutdown") -> KVEntry | None:
+        """Store the session's live state under the text of its tokens. Returns the entry (a compatible file
+        already stored for that text is kept as it is), or None: below ``min_tokens`` or without logits (ds4's
+        policy, silently), over the budget or on a write error (a :class:`KVStoreWarning` says why)."""
+        reason_code(reason)
+        if len(session.tokens) < self.min_tokens or session.logits is None:
+            return None
+        model = session.model
+        # The live state is an immutable value: reading it here copies nothing and cannot race a step.
+        cp = Checkpoint(tuple(session.tokens), session.logits, session._state)
+        payload = pack_payload(cp.to_bytes(model.config, model.backend), model.config, self.codec_flags)
+        return self.put(token_text(model, session.tokens), payload, tokens=len(cp), ctx=session.ctx,
+                        quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags)
+
+    def save_continued(self, session) -> KVEntry | None:
+        """ds4-server's "continued" rule: store when the live count is a multiple of the continued step and
+        at least ``min_tokens`` (``ds4_kvstore_continued_store_target``, ds4_kvstore.c:684-702). ds4 also
+        skips counts at or below its last store; here an existing file for the same text is kept instead."""
+        n = len(session.tokens)
+        align = self.align or session.geometry.step
+        step = -(-self.continued_interval // align) * align if self.continued_interval > 0 else 0
+        if step <= 0 or n < self.min_tokens or n % step:
+            return None
+        return self.save(session, "continued")
+
+    def put(self, text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int,
+            reason: str = "unknown", codec_flags: int = 0) -> KVEntry | None:
+        """Write one file atomically: temporary file, fsync, rename (``ds4_kvstore_store_live_prefix_text``,
+        ds4_kvstore.c:876-1079). ``payload`` is in its stored form, ``codec_flags`` (:data:`CODECS`) say which."""
+        flags = codec_flags | (EXT_CHECKSUM if self.checksum else 0)
+        header = KVHeader(quant_bits, reason_code(reason), flags, tokens, 0, ctx, 0, 0, len(payload), len(text))
+        size = header.file_bytes
+        if size + -(-size // 100) > self.budget_bytes:  # 1% headroom (ds4_kvstore.c:738-748)
+            self._counts["skipped"] += 1
+            self._warn(f"KV store skipped {tokens} tokens: the file would be {size / 2**20:.2f} MiB "
+                       f"({(size + -(-size // 100)) / 2**20:.2f} MiB with 1% headroom), over the budget of "
+                       f"{self.budget_bytes / 2**20:.2f} MiB")
+            return None
+        sha = hashlib.sha1(text).hexdigest()
+        path = self.dir / f"{sha}.kv"
+        existing = self._existing_compatible(path, sha, text, quant_bits, ctx)
+        if existing is not None:
+            return existing
+        now = int(time.time())
+        header = dataclasses.replace(header, created=now, last_used=now)
+        head = header.pack()
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(text)
+                f.write(payload)
+                if flags & EXT_CHECKSUM:
+                    f.write(checksum_trailer(file_checksum(head, text, payload)))
+                f.flush()
+                os.fsync(f.fileno())
+                written = os.fstat(f.fileno()).st_size
+            if written != size:
+                raise OSError(f"wrote {written} bytes, expected {size}")
+            os.replace(tmp, path)
+            _fsync_dir(self.dir)
+        except OSError as e:
+            _unlink(tmp)
+            self._counts["write_errors"] += 1
+            self._warn(f"{path}: KV store write failed, nothing stored: {e}")
+            return None
+        self._counts["saves"] += 1
+        self.evict(protected=sha)
+        return KVEntry(sha, path, size, header)
+
+    def _existing_compatible(self, path: Path, sha: str, text: bytes, quant_bits: int, ctx: int) -> KVEntry | None:
+        """ds4 keeps a file already stored for this text if its quant is acceptable, its ctx is at most ours
+        and its text is ours; otherwise it is replaced (``kv_cache_existing_compatible``, ds4_kvstore.c:797-818)."""
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                header = KVHeader.unpack(f.read(PREFIX_BYTES), path)
+                header.check_size(size, path)
+                stored = f.read(header.text_bytes)
+        except (KVFileError, OSError):  # absent or unreadable: the rename replaces it
+            return None
+        if ((self.reject_different_quant and header.quant_bits != quant_bits) or header.ctx_size > ctx
+                or stored != text):
+            _unlink(path)
+            return None
+        return KVEntry(sha, path, size, header)
+
+    # -- lookup and load ------------------------------------------------------------------------------
+    def candidates(self, text: bytes, ctx: int | None = None, quant_bits: int | None = None) -> list[KVEntry]:
+        """Entries whose text is a byte prefix of ``text``, best first: longest text, then most tokens
+        (``ds4_kvstore_find_text_prefix``, ds4_kvstore.c:1114-1136)."""
+        out = []
+        for e in self.entries():
+            h = e.header
+            if h.text_bytes > len(text) or h.tokens < self.min_tokens or (ctx is not None and h.ctx_size > ctx):
+                continue
+            if self.reject_different_quant and quant_bits is not None and h.quant_bits != quant_bits:
+                continue
+            if hashlib.sha1(text[:h.text_bytes]).hexdigest() == e.sha:
+                out.append(e)
+        return sorted(out, key=lambda e: (-e.header.text_bytes, -e.header.tokens))
+
+    def lookup(self, prompt, *, model=None, ctx: int | None = None) -> KVEntry | None:
+        """The entry with the longest stored prefix of ``prompt``: bytes, a string (UTF-8) or token ids
+        (rendered with ``model``'s tokenizer). ``ctx`` drops entries written for a larger context."""
+        text, n_tokens = self._prompt_text(prompt, model)
+        found = self.candidates(text, ctx, routed_quant_bits(model) if model is not None else None)
+        self._count(n_tokens, found[0].tokens if found else 0)
+        return found[0] if found else None
+
+    def load(self, entry: KVEntry, config) -> Checkpoint:
+        """Read and check one file (plain reads, as ds4) and return its checkpoint, counting no hit
+        (``restore_prefix`` and ``load_into`` do). A file proven damaged (structure, checksum, text hash,
+        token count) is removed, one written for another model is kept; both raise :class:`KVFileError`."""
+        try:
+            with open(entry.path, "rb") as f:
+                buf = f.read()
+            kf = KVFile(buf, entry.path, config)
+            if kf.sha1 != entry.sha:
+                raise KVFileError(entry.path, "text", f"SHA-1 {kf.sha1}", f"{entry.sha} (the file's name)")
+            kf.verify()
+            return Checkpoint.from_bytes(kf.payload(), config)
+        except (KVFileError, PayloadError) as e:
+            if e.field.removeprefix("payload ") not in _LAYOUT_FIELDS:  # another model's file is left alone
+                _unlink(entry.path)
+            self._bad(entry.path, e)
+            if isinstance(e, KVFileError):
+                raise
+            raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
+
+    def load_into(self, session, entry: KVEntry, prompt=None):
+        """Restore ``entry`` into ``session`` and, given ``prompt``, prefill only what follows the stored
+        prefix: the stored token ids, then ``prompt``'s own ids after them when they match, otherwise the
+        rendered-chat tokenization of the text after the stored bytes (ds4's rule, §4.3). Returns the
+        session's :class:`~ds4lab.session.SyncResult` with source "disk"."""
+        model = session.model
+        text = b""
+        if prompt is not None:
+            text, _ = self._prompt_text(prompt, model)
+            if entry.text_bytes > len(text) or hashlib.sha1(text[:entry.text_bytes]).hexdigest() != entry.sha:
+                raise ValueError(f"{entry.path}: its text is not a prefix of the prompt")
+        cp = self.load(entry, model.config)
+        session.restore(cp)
+        self._loaded(entry)
+        ids = list(cp.tokens)
+        if prompt is None:
+            suffix = []
+        elif not isinstance(prompt, (str, bytes)) and [int(t) for t in prompt[:len(ids)]] == ids:
+            suffix = [int(t) for t in prompt[len(ids):]]
+        else:
+            suffix = model.tokenizer.encode_rendered(text[entry.text_bytes:].decode("utf-8"))
+        return dataclasses.replace(session.sync(ids + suffix), source="disk")
+
+    def restore_prefix(self, session, ids: list[int]) -> bool:
+        """The session's disk path: restore the best stored prefix of ``ids`` whose token ids are exactly
+        ``ids``' own (sync keeps the prompt's ids); False when none loads."""
+        model = session.model
+        found = 0
+        for entry in self.candidates(token_text(model, ids), session.ctx, routed_quant_bits(model)):
+            if entry.tokens > len(ids):
+                continue
+            try:
+                cp = self.load(entry, model.config)
+                if list(cp.tokens) != ids[:len(cp)]:
+                    continue  # the same bytes tokenized differently
+                session.restore(cp)
+            except OSError:  # removed by another process, or unreadable
+                continue
+            except (KVFileError, PayloadError) as e:  # damaged (removed), or made for another geometry
+                if isinstance(e, PayloadError):
+                    self._bad(entry.path, e)
+                continue
+            self._loaded(entry)
+            found = len(cp)
+            break
+        self._count(len(ids), found)
+        return found > 0
+
+    def _loaded(self, entry: KVEntry) -> None:
+        """After a load: delete a file over ``cold_max_tokens`` (consumed), else hits + 1 and last_used = now
+        (ds4_kvstore.c:1236-1258, ``ds4_kvstore_touch_file`` :467-484)."""
+        if 0 < self.cold_max_tokens < entry.tokens:
+            _unlink(entry.path)
+            return
+        try:
+            with open(entry.path, "r+b") as f:
+                now = KVHeader.unpack(f.read(PREFIX_BYTES), entry.path)
+                same = (now.created, now.tokens, now.text_bytes, now.payload_bytes)
+                if same != (entry.header.created, entry.tokens, entry.text_bytes, entry.header.payload_bytes):
+                    return  # replaced by another writer since the scan
+                f.seek(0)
+                f.write(dataclasses.replace(now, hits=now.hits + 1, last_used=int(time.time())).pack()[:-4])
+        except (OSError, KVFileError):
+            pass
+
+    def _prompt_text(self, prompt, model) -> tuple[bytes, int | None]:
+        if isinstance(prompt, bytes):
+            return prompt, None
+        if isinstance(prompt, str):
+            return prompt.encode(), (len(model.tokenizer.encode(prompt)) if model is not None else None)
+        if model is None:
+            raise ValueError("a prompt of token ids needs model= to render its text")
+        ids = [int(t) for t in prompt]
+        return token_text(model, ids), len(ids)
+
+    def _count(self, query_tokens: int | None, hit_tokens: int) -> None:
+        c = self._counts
+        c["lookups"] += 1
+        c["hits"] += hit_tokens > 0
+        if query_tokens is not None:
+            c["query_tokens"] += query_tokens
+            c["hit_tokens"] += hit_tokens
+
+    # -- stats ----------------------------------------------------------------------------------------
+    def stats(self) -> KVStoreStats:
+        entries = self.entries()
+        c = self._counts
+        now = int(time.time())
+        return KVStoreStats(
+            entries=len(entries), bytes=sum(e.file_size for e in entries), budget_bytes=self.budget_bytes,
+            lookups=c["lookups"], hits=c["hits"], request_hit_rate=c["hits"] / c["lookups"] if c["lookups"] else 0.0,
+            query_tokens=c["query_tokens"], hit_tokens=c["hit_tokens"],
+            token_hit_rate=c["hit_tokens"] / c["query_tokens"] if c["query_tokens"] else 0.0,
+            effective_hits={e.sha: effective_hits(e, now, self.half_life_s) for e in entries},
+            saves=c["saves"], skipped=c["skipped"], write_errors=c["write_errors"], evictions=c["evictions"],
+            bad_files=len(self._reported))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,576 @@
+"""The on-disk KV store (spec DS4_RUNTIME.md §4): ds4's KVC layout, lookup, hit decay and eviction, the
+session policy, compressed payloads, KVFile inspection, and robustness (two processes, fuzzed files).
+
+Byte layouts, sizes and ds4's score are written out here from the spec, independently of ds4lab.kv.
+"""
+
+import errno
+import hashlib
+import multiprocessing
+import os
+import struct
+import subprocess
+import sys
+import time
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab.config import FLASH, NANO
+from ds4lab.kv.kvfile import (
+    EXT_Q8,
+    EXT_ZLIB,
+    KVFile,
+    KVFileError,
+    pack_payload,
+    zstandard,
+)
+from ds4lab.kv.payload import LayerPayload, Payload, encode_payload, graph_caps
+from ds4lab.kv.store import KVStore, KVStoreWarning, eviction_score
+
+PROMPT = np.random.default_rng(11).integers(0, 1000, 400).tolist()
+CTX, CHUNK = 512, 64
+H = 6 * 3600  # the hit half-life, ds4_kvstore.h:13
+
+
+# -- helpers (from the spec) ------------------------------------------------------------------------------
+
+def spec_header(tokens, payload_bytes, text_bytes, *, quant=2, reason=2, ext=0, hits=0, ctx=4096, created=0,
+                last_used=0) -> bytes:
+    """The 48-byte fixed header and u32 text length, field by field from the §4.2 table."""
+    h = bytearray(52)
+    h[0:3], h[3], h[4], h[5], h[6] = b"KVC", 1, quant, reason, ext
+    struct.pack_into("<III", h, 8, tokens, hits, ctx)
+    struct.pack_into("<QQQ", h, 24, created, last_used, payload_bytes)
+    struct.pack_into("<I", h, 48, text_bytes)
+    return bytes(h)
+
+
+def spec_crc(data: bytes) -> int:
+    """The checksum trailer's CRC-32: everything before it, hits (12..16) and last_used (32..40) as zero."""
+    masked = bytearray(data)
+    masked[12:16], masked[32:40] = bytes(4), bytes(8)
+    return zlib.crc32(masked)
+
+
+def flash_bytes(T: int) -> int:
+    """ds4's ``kvcache_bytes`` for the Flash model (§2.6), r = min(T, 128)."""
+    r = min(T, 128)
+    return (52 + 4 * T + 4 * 129280 + 2 * 43 * 4 + 43 * r * 2048
+            + 21 * ((T // 4) * (2048 + 512) + 2 * 32768 + 2 * 8192) + 20 * ((T // 128) * 2048 + 2 * 262144))
+
+
+def synth_payload(cfg, T, ctx, prefill_cap, rng=None) -> Payload:
+    """A payload of the right shapes: random rows with ``rng``, zeros without."""
+    def f32(*shape):
+        return rng.standard_normal(shape, dtype=np.float32) if rng is not None else np.zeros(shape, np.float32)
+
+    raw_cap, window, comp_cap = graph_caps(cfg, ctx, prefill_cap)
+    layers = []
+    for il in range(cfg.n_layer):
+        R = cfg.compress_ratios[il]
+        st = LayerPayload(raw=f32(min(T, window), cfg.head_dim))
+        if R:
+            coff = 2 if R == 4 else 1
+            st.comp = f32(T // R, cfg.head_dim)
+            st.comp_state_kv, st.comp_state_score = f32(coff * R, coff * cfg.head_dim), f32(coff * R, coff * cfg.head_dim)
+        if R == 4:
+            st.index = f32(T // 4, cfg.idx_dim)
+            st.index_state_kv, st.index_state_score = f32(8, 2 * cfg.idx_dim), f32(8, 2 * cfg.idx_dim)
+        layers.append(st)
+    tokens = np.arange(T, dtype=np.uint32) % cfg.n_vocab
+    return Payload(ctx=ctx, prefill_cap=prefill_cap, raw_cap=raw_cap, raw_window=window, comp_cap=comp_cap,
+                   tokens=tokens, logits=f32(cfg.n_vocab), layers=layers)
+
+
+def file_bytes(store: KVStore) -> int:
+    return sum(e.file_size for e in store.entries())
+
+
+def reasons(store: KVStore) -> dict:
+    return {e.tokens: KVFile.open(e.path).header["reason"] for e in store.entries()}
+
+
+def dsv4(sess) -> bytes:
+    return sess.checkpoint().to_bytes(sess.model.config, sess.model.backend)
+
+
+@pytest.fixture(scope="module")
+def nano_mlx(model_paths):
+    return ds4lab.load(model_paths["nano"], backend="mlx")
+
+
+@pytest.fixture(scope="module")
+def trained_live():
+    """The embedded (trained) model at 200 tokens of Shakespeare, and its next 16 greedy tokens' logits.
+    Logit drift after a quantized round trip is measured on it: a random model's logits are chaotic in
+    its KV rows, a trained model's are what a user sees."""
+    model = ds4lab.load(backend="mlx")
+    s = model.session(ctx=CTX, prefill_chunk=CHUNK)
+    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt").read_text()[:4000]
+    s.prefill(model.tokenizer.encode(text)[:200]).run(progress=False)
+    cp = s.checkpoint()
+    steps = [(st.token, s.logits.copy()) for st in s.decoder(temperature=0).stream(16)]
+    s.restore(cp)
+    return s, steps
+
+
+@pytest.fixture(scope="module")
+def live(nano_mlx):
+    """A live session at 200 tokens, with the logits of 16 greedy tokens decoded after it (one per step)."""
+    s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    s.prefill(PROMPT[:200]).run(progress=False)
+    cp = s.checkpoint()
+    steps = [(st.token, s.logits.copy()) for st in s.decoder(temperature=0).stream(16)]
+    s.restore(cp)
+    return s, steps
+
+
+# -- the file ------------------------------------------------------------------------------------------
+
+def test_kvc_file_is_ds4s_layout(live, tmp_path):
+    s, _ = live
+    text = b"".join(s.model.tokenizer.token_bytes(t) for t in s.tokens)
+    payload = dsv4(s)
+    for checksum in (False, True):
+        store = KVStore(tmp_path / str(checksum), min_tokens=64, checksum=checksum)
+        entry = store.save(s, reason="continued")
+        data = entry.path.read_bytes()
+        assert entry.path.name == hashlib.sha1(text).hexdigest() + ".kv"
+        created, last_used = struct.unpack_from("<QQ", data, 24)
+        assert abs(created - time.time()) < 60 and last_used == created
+        head = spec_header(200, len(payload), len(text), quant=2, reason=2, ext=8 if checksum else 0, ctx=CTX,
+                           created=created, last_used=last_used)
+        body = head + text + payload
+        # ds4-server's file exactly; with the checksum, plus "KCK" 1 and the CRC-32
+        assert data == (body + b"KCK\x01" + struct.pack("<I", spec_crc(body)) if checksum else body)
+        assert entry.file_size == len(data) == 52 + len(text) + len(payload) + 8 * checksum
+
+
+def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
+    """A KVC file built from the spec with Flash dimensions (43 layers, 512-wide rows, 129280 logits)."""
+    T, ctx, chunk = 300, 4096, 2048
+    rng = np.random.default_rng(5)
+    payload = synth_payload(FLASH, T, ctx, chunk)
+    payload.layers[2].raw[:] = rng.standard_normal((128, 512))
+    payload.layers[3].comp[:] = rng.standard_normal((2, 512))
+    payload.layers[42].index[:] = rng.standard_normal((75, 128))
+    payload.layers[42].index_state_score[:] = -1e30
+    payload.logits[:] = rng.standard_normal(129280)
+    body = encode_payload(payload, FLASH)
+    assert len(body) == flash_bytes(T)
+    text = "<｜begin▁of▁sentence｜>a Flash prompt".encode()
+    path = tmp_path / (hashlib.sha1(text).hexdigest() + ".kv")
+    path.write_bytes(spec_header(T, len(body), len(text), quant=2, reason=2, hits=3, ctx=ctx, created=1_700_000_000,
+                                 last_used=1_700_000_100) + text + body)
+
+    kf = KVFile.open(path)  # no model, no config: ds4's ratio schedule read back from the row counts
+    assert kf.file_size == 52 + len(text) + flash_bytes(T)
+    assert kf.header == {"version": 1, "quant_bits": 2, "reason": "continued", "ext_flags": 0, "tokens": T, "hits": 3, "ctx_size": ctx,
+                             "created": 1_700_000_000, "last_used": 1_700_000_100, "payload_bytes": flash_bytes(T),
+                             "text_bytes": len(text)}
+    assert kf.text_bytes == text and kf.sha1 == path.stem
+    assert kf.payload_header == {"magic": 0x34565344, "version": 1, "ctx": ctx, "prefill_cap": chunk, "raw_cap": 2304,
+                                     "raw_window": 128, "comp_cap": ctx // 4 + 2, "n_tokens": T, "n_layer": 43, "head_dim": 512,
+                                     "indexer_head_dim": 128, "vocab": 129280, "raw_live": 128}
+    assert kf.ratios == tuple(0 if il < 2 else 4 if il % 2 == 0 else 128 for il in range(43))
+    assert [(lk.n_raw, lk.n_comp, lk.n_index) for lk in kf.layers[:4]] == [(128, 0, 0), (128, 0, 0), (128, 75, 75),
+                                                                          (128, 2, 0)]
+    assert np.array_equal(kf.token_ids, payload.tokens) and np.array_equal(kf.logits, payload.logits)
+    assert np.array_equal(kf.layers[2].raw, payload.layers[2].raw)
+    assert np.array_equal(kf.layers[3].compressed, payload.layers[3].comp)
+    assert np.array_equal(kf.layers[42].indexer, payload.layers[42].index)
+    assert kf.layers[3].indexer is None and kf.layers[0].compressed is None and kf.layers[0].state == {}
+    assert set(kf.layers[42].state) == {"comp_state_kv", "comp_state_score", "index_state_kv", "index_state_score"}
+    assert np.all(kf.layers[42].state["index_state_score"] == -1e30)
+    assert kf.layers[3].state["comp_state_kv"].shape == (128, 512)
+    assert sum(lk.nbytes for lk in kf.layers) == flash_bytes(T) - (52 + 4 * T + 4 * 129280 + 8 * 43)
+
+    summary = kf.summary()
+    for needle in ("reason continued", "tokens 300", "hits 3", "ctx 4096", f"payload {flash_bytes(T):,} (raw f32)",
+                   "n_layer 43", "vocab 129280", "raw_live 128", "layer ratio  raw  comp index"):
+        assert needle in summary
+    rows = summary.splitlines()
+    assert rows[rows.index(next(r for r in rows if r.startswith("layer ratio"))) + 3].split()[:5] == ["2", "4", "128",
+                                                                                                       "75", "75"]
+
+
+def test_a_1gb_file_opens_at_once(tmp_path):
+    """T = 65536 is 926,033,292 bytes by ds4's formula (§2.6 table); the arrays are holes of a sparse file."""
+    T, ctx = 65536, 100_000
+    ratios = [0 if il < 2 else 4 if il % 2 == 0 else 128 for il in range(43)]
+    size = flash_bytes(T)
+    assert size == 926_033_292
+    head = struct.pack("<13I", 0x34565344, 1, ctx, 2048, 2304, 128, ctx // 4 + 2, T, 43, 512, 128, 129280, 128)
+    counts = struct.pack("<86I", *[T // r if r else 0 for r in ratios], *[T // 4 if r == 4 else 0 for r in ratios])
+    path = tmp_path / "big.kv"
+    with open(path, "wb") as f:
+        f.write(spec_header(T, size, 0, ctx=ctx) + head + np.arange(T, dtype="<u4").tobytes())
+        f.seek(52 + 52 + 4 * T + 4 * 129280)
+        f.write(counts)
+        f.truncate(52 + size)
+    began = time.perf_counter()
+    kf = KVFile.open(path)
+    assert time.perf_counter() - began < 0.5
+    assert kf.file_size == 52 + size and kf.layers[42].n_comp == T // 4 and kf.token_ids[-1] == T - 1
+
+
+# -- lookup, hits, eviction, budget ------------------------------------------------------------------
+
+def write_entry(dir, text: bytes, *, tokens, size, hits=0, created=0, last_used=0, ctx=4096, quant=2):
+    """A ds4-format file of exactly ``size`` bytes (an arbitrary payload: the scan reads only headers)."""
+    payload = size - 52 - len(text)
+    path = dir / (hashlib.sha1(text).hexdigest() + ".kv")
+    path.write_bytes(spec_header(tokens, payload, len(text), quant=quant, hits=hits, ctx=ctx, created=created,
+                                 last_used=last_used) + text + bytes(payload))
+    return path.stem
+
+
+def test_eviction_order_is_ds4s_score(tmp_path):
+    now = int(time.time())
+    files = {  # score = (eff + 1) · tokens / size, eff = hits · 2^(−age/6h), 0 below 0.01 or without timestamps
+        "A": {"tokens": 1000, "size": 100_000, "hits": 0, "created": now - H, "last_used": now - H},  # 0.01
+        "B": {"tokens": 1000, "size": 100_000, "hits": 3, "created": now, "last_used": now},  # ≈ 0.04
+        "C": {"tokens": 1000, "size": 100_000, "hits": 3, "created": now - 2 * H, "last_used": now - 2 * H},  # 1.75 · 0.01
+        "D": {"tokens": 1000, "size": 100_000, "hits": 100, "created": now - 20 * H, "last_used": now - 20 * H},  # 100·2^-20 → 0: 0.01
+        "E": {"tokens": 5000, "size": 100_000, "hits": 0, "created": now, "last_used": now},  # 0.05
+        "F": {"tokens": 500, "size": 25_000, "hits": 1, "created": now - H, "last_used": now - H},  # 1.5 · 0.02 = 0.03
+        "G": {"tokens": 2000, "size": 100_000, "hits": 50},  # no timestamp: eff 0, 0.02
+    }
+    sha = {name: write_entry(tmp_path, f"entry {name}".encode(), **kw) for name, kw in files.items()}
+    name = {v: k for k, v in sha.items()}
+    store = KVStore(tmp_path, budget_mb=1)  # 625,000 bytes fit: nothing goes at open
+    scores = {name[e.sha]: eviction_score(e, now) for e in store.entries()}
+    assert scores == pytest.approx({"A": 0.01, "B": 0.04, "C": 0.0175, "D": 0.01, "E": 0.05, "F": 0.03, "G": 0.02}, rel=1e-4)
+
+    # D and A tie at 0.01: the older last_used goes first. Down to 100,000 bytes: only E stays.
+    store.budget_bytes = 100_000
+    assert [name[e.sha] for e in store.evict()] == ["D", "A", "C", "G", "F", "B"]
+    assert [name[e.sha] for e in store.entries()] == ["E"] and store.stats().evictions == 6
+
+    for name_, kw in files.items():
+        write_entry(tmp_path, f"entry {name_}".encode(), **kw)
+    # a protected file (the one just written) is kept whatever its score ...
+    assert [name[e.sha] for e in store.evict(protected=sha["A"])] == ["D", "C", "G", "F", "B", "E"]
+    for name_, kw in files.items():
+        write_entry(tmp_path, f"entry {name_}".encode(), **kw)
+    # ... unless it alone is over the budget
+    store.budget_bytes = 50_000
+    assert [name[e.sha] for e in store.evict(protected=sha["A"])] == ["D", "A", "C", "G", "F", "B", "E"]
+
+
+def test_budget_is_never_exceeded_after_a_save(tmp_path):
+    payload = encode_payload(synth_payload(NANO, 40, 64, 16), NANO)
+    size = 52 + 12 + len(payload) + 8
+    store = KVStore(tmp_path, min_tokens=1)
+    store.budget_bytes = 3 * size + 10
+    for i in range(10):
+        entry = store.put(b"prompt %04d." % i, payload, tokens=40, ctx=64, quant_bits=2)
+        assert entry.file_size == size and entry.path.exists()  # the new file is protected
+        assert file_bytes(store) <= store.budget_bytes
+    assert len(store.entries()) == 3 and store.stats().evictions == 7
+    # ds4 wants 1% headroom: a file that fits only without it is not written
+    store.budget_bytes = size + -(-size // 100) - 1
+    with pytest.warns(KVStoreWarning, match="1% headroom"):
+        assert store.put(b"too big 0000", payload, tokens=40, ctx=64, quant_bits=2) is None
+    assert store.stats().skipped == 1 and not (tmp_path / (hashlib.sha1(b"too big 0000").hexdigest() + ".kv")).exists()
+    store.budget_bytes += 1
+    assert store.put(b"fits 0000000", payload, tokens=40, ctx=64, quant_bits=2).path.exists()
+    assert [e.text_bytes for e in store.entries()] == [12]  # alone, and within the budget
+
+
+def test_lookup_takes_the_longest_stored_prefix(tmp_path):
+    write_entry(tmp_path, b"The quick", tokens=600, size=2000)
+    write_entry(tmp_path, b"The quick brown", tokens=700, size=2000)
+    write_entry(tmp_path, b"The quick brown fox", tokens=800, size=2000, ctx=8192)  # needs ctx ≥ 8192
+    write_entry(tmp_path, b"The quick brown f", tokens=100, size=2000)  # below min_tokens (512)
+    write_entry(tmp_path, b"The quick brown fo", tokens=750, size=2000, quant=4)
+    write_entry(tmp_path, b"The slow", tokens=900, size=2000)
+    store = KVStore(tmp_path)
+    assert store.lookup(b"The quick brown fox jumps", ctx=8192).text_bytes == 19
+    assert store.lookup(b"The quick brown fox jumps", ctx=4096).text_bytes == 18  # cross-quant reuse (ds4 default)
+    strict = KVStore(tmp_path, reject_different_quant=True)
+    assert strict.candidates(b"The quick brown fox jumps", 4096, quant_bits=2)[0].text_bytes == 15
+    assert [e.text_bytes for e in store.candidates(b"The quick brown fox", 4096)] == [18, 15, 9]
+    assert store.lookup("The quick").text_bytes == 9 and store.lookup(b"The quic") is None
+    st = store.stats()
+    assert (st.lookups, st.hits, st.request_hit_rate) == (4, 3, 0.75)
+
+
+# -- sessions ------------------------------------------------------------------------------------------
+
+def test_session_saves_continued_and_evicted_states_and_syncs_from_disk(nano_mlx, tmp_path):
+    store = KVStore(tmp_path, min_tokens=64, continued_interval=100)  # step = ⌈100/64⌉·64 = 128
+    s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    s.prefill(PROMPT[:300]).run(progress=False)
+    assert reasons(store) == {128: "continued", 256: "continued"}
+    s.sync(PROMPT[:380])
+    list(s.decoder(temperature=0).stream(8))  # 380 → 388 passes 384 in a decode step
+    assert reasons(store)[384] == "continued" and len(s.tokens) == 388
+    lookups = store.stats().lookups
+    assert s.sync(PROMPT[:130] + [1, 2]).source == "checkpoint" and store.stats().lookups == lookups  # memory first
+
+    other = PROMPT[::-1][:100]
+    s.sync(PROMPT[:300])
+    r = s.sync(other)  # the live state (300 tokens) is saved before a cold prefill replaces it
+    assert (r.source, r.reused) == ("cold", 0) and reasons(store)[300] == "evict"
+
+    fresh = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    r = fresh.sync(PROMPT[:340])  # stored 300 (evict) is the longest prefix
+    assert (r.source, r.reused, r.evaluated) == ("disk", 300, 40)
+    ref = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)  # the same chunk schedule: 0-64-…-256-300-320-340
+    ref.prefill(PROMPT[:300]).run(progress=False)
+    ref.sync(PROMPT[:340])
+    assert np.array_equal(fresh.logits, ref.logits) and dsv4(fresh) == dsv4(ref)
+    hit = next(e for e in store.entries() if e.tokens == 300)
+    assert hit.header.hits == 1 and hit.header.last_used >= hit.header.created
+    st = store.stats()
+    assert (st.lookups - lookups, st.hits, st.query_tokens, st.hit_tokens) == (2, 1, 100 + 340, 300)
+    assert st.effective_hits[hit.sha] == pytest.approx(1, abs=1e-3)
+
+    # ds4 deletes ("consumes") a loaded file longer than cold_max_tokens: the live session stores it again
+    consuming = KVStore(tmp_path, min_tokens=64, cold_max_tokens=299)
+    assert nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=consuming).sync(PROMPT[:301]).source == "disk"
+    assert not hit.path.exists()
+    # a session of another chunk size cannot use these files (ds4's loader rule): reported, kept, cold
+    other_chunk = nano_mlx.session(ctx=CTX, prefill_chunk=32, kv_store=store)
+    with pytest.warns(KVStoreWarning, match="prefill_cap"):
+        assert other_chunk.sync(PROMPT[:140]).source == "cold"
+    assert 128 in reasons(store)
+
+
+def test_load_into_keeps_stored_ids_and_tokenizes_the_text_suffix(nano_mlx, tmp_path):
+    tok = nano_mlx.tokenizer
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 3
+    ids = tok.encode(text)
+    store = KVStore(tmp_path, min_tokens=16)
+    s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    s.prefill(ids[:40]).run(progress=False)
+    stored = store.save(s)
+    prompt = text + "<｜User｜>more"
+    entry = store.lookup(prompt, model=nano_mlx)
+    assert entry.path == stored.path
+    t = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    r = store.load_into(t, entry, prompt)
+    suffix = tok.encode_rendered(prompt.encode()[entry.text_bytes:].decode())
+    assert t.tokens == ids[:40] + suffix and tok.user_id in suffix
+    assert (r.source, r.reused, r.evaluated) == ("disk", 40, len(suffix))
+    with pytest.raises(ValueError, match="not a prefix"):
+        store.load_into(t, entry, "something else entirely")
+
+
+def _load_in_a_new_process(model_path, store_dir, out):
+    model = ds4lab.load(model_path, backend="mlx")
+    store = KVStore(store_dir, min_tokens=64, continued_interval=128)
+    a = model.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    r1 = a.sync(PROMPT[:200])
+    at200 = dsv4(a)
+    b = model.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    r2 = b.sync(PROMPT[:208])
+    np.savez(out, r1=[r1.source, r1.reused, r1.evaluated], r2=[r2.source, r2.reused, r2.evaluated],
+             at200=np.frombuffer(at200, np.uint8), at208=np.frombuffer(dsv4(b), np.uint8), logits=b.logits)
+
+
+def test_round_trip_through_a_new_process_is_exact(live, model_paths, tmp_path):
+    s, _ = live
+    store = KVStore(tmp_path, min_tokens=64, continued_interval=128)
+    store.save(s, reason="shutdown")
+    at200 = dsv4(s)
+    ref = s.model.session(ctx=CTX, prefill_chunk=CHUNK)
+    ref.restore(s.checkpoint())
+    ref.sync(PROMPT[:208])
+    proc = multiprocessing.get_context("spawn").Process(target=_load_in_a_new_process,
+                                                        args=(str(model_paths["nano"]), str(tmp_path), tmp_path / "o.npz"))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    got = np.load(tmp_path / "o.npz")
+    assert got["r1"].tolist() == ["disk", "200", "0"] and got["r2"].tolist() == ["disk", "200", "8"]
+    assert got["at200"].tobytes() == at200  # tokens, logits and every KV array, bit for bit
+    assert got["at208"].tobytes() == dsv4(ref) and np.array_equal(got["logits"], ref.logits)
+
+
+COMPRESSIONS = ["q8", "zlib", "q8+zlib"] + (["zstd"] if zstandard is not None else [])
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_compressed_payloads(compression, trained_live, tmp_path):
+    s, steps = trained_live
+    raw = KVStore(tmp_path / "raw", min_tokens=64).save(s)
+    store = KVStore(tmp_path / "c", min_tokens=64, compression=compression)
+    entry = store.save(s)
+    data = entry.path.read_bytes()
+    q8 = compression.startswith("q8")
+    assert data[6] == 8 | (16 if q8 else 0) | (32 if "zlib" in compression else 0) | (64 if "zstd" in compression else 0)
+    payload = data[52 + entry.text_bytes:]
+    assert payload[:8] != raw.path.read_bytes()[52 + entry.text_bytes:][:8]  # ds4's loader refuses it at once
+    assert entry.file_size < 0.8 * raw.file_size
+
+    a, b = KVFile.open(raw.path), KVFile.open(entry.path)
+    b.verify()
+    assert np.array_equal(a.logits, b.logits) and np.array_equal(a.token_ids, b.token_ids)
+    for la, lb in zip(a.layers, b.layers):
+        for name in ("raw", "compressed", "indexer"):
+            x, y = getattr(la, name), getattr(lb, name)
+            if x is None:
+                continue
+            bound = np.abs(x).max(axis=1, keepdims=True) / 254 * 1.0001 if q8 else 0  # half a step of max/127
+            assert np.all(np.abs(x - y) <= bound)
+        for key, value in la.state.items():
+            assert np.array_equal(value, lb.state[key])
+
+    t = s.model.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    assert t.sync(s.tokens).source == "disk"
+    assert np.array_equal(t.logits, s.logits)  # logits are stored f32
+    drift = []
+    for token, logits in steps:  # the live session's greedy tokens, one decode step each
+        t.sync(t.tokens + [token])
+        drift.append(np.abs(t.logits - logits).max() / np.abs(logits).max())
+    # measured on the trained model: 1.3e-3 (q8) over the 16 steps; exact for the lossless codecs
+    assert max(drift) < 5e-3 if q8 else max(drift) == 0
+
+
+# -- robustness ----------------------------------------------------------------------------------------
+
+def test_write_errors_and_stale_temporaries_leave_the_store_consistent(tmp_path, monkeypatch):
+    payload = encode_payload(synth_payload(NANO, 40, 64, 16), NANO)
+    store = KVStore(tmp_path, min_tokens=1)
+    first = store.put(b"kept", payload, tokens=40, ctx=64, quant_bits=2)
+    before = first.path.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.warns(KVStoreWarning, match="No space left"):
+        assert store.put(b"lost", payload, tokens=40, ctx=64, quant_bits=2) is None
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [first.path.name] and first.path.read_bytes() == before
+    assert store.stats().write_errors == 1
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{'a' * 40}.kv.tmp.{dead.pid}"
+    alive = tmp_path / f"{'b' * 40}.kv.tmp.{os.getppid()}"
+    stale.write_bytes(b"half a file")
+    alive.write_bytes(b"being written")
+    KVStore(tmp_path)
+    assert not stale.exists() and alive.exists()
+
+
+def test_foreign_and_damaged_files_are_reported_once_and_skipped(tmp_path):
+    (tmp_path / ("c" * 40 + ".kv")).write_bytes(b"GGUF" + bytes(100))
+    (tmp_path / "notes.txt").write_text("not a store file")
+    write_entry(tmp_path, b"fine", tokens=600, size=500)
+    with pytest.warns(KVStoreWarning, match="not a KVC file"):
+        store = KVStore(tmp_path)  # the eviction pass at open scans
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)
+        assert store.lookup(b"fine and more").tokens == 600  # the same file is not reported twice
+    assert store.stats().bad_files == 1 and store.stats().entries == 1
+    assert (tmp_path / ("c" * 40 + ".kv")).exists()  # not ours: left alone
+
+
+def _hammer(store_dir, seed, n, budget):
+    """One of two processes writing, looking up and loading entries of one directory."""
+    payload = encode_payload(synth_payload(NANO, 40, 64, 16, np.random.default_rng(seed)), NANO)
+    store = KVStore(store_dir, min_tokens=1)
+    store.budget_bytes = budget
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(n):
+            text = b"shared %d" % (i % 5) if i % 2 else b"process %d entry %d" % (seed, i)
+            store.put(text, payload, tokens=40, ctx=64, quant_bits=2)
+            found = store.lookup(text + b" and a suffix")
+            if found is not None:
+                try:
+                    cp = store.load(found, NANO)
+                except FileNotFoundError:  # evicted by the other process in between
+                    continue
+                assert len(cp) == 40
+    assert not seen, [str(w.message) for w in seen]
+
+
+def test_two_processes_share_one_store(tmp_path):
+    payload_size = len(encode_payload(synth_payload(NANO, 40, 64, 16), NANO))
+    budget = 4 * (payload_size + 100)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_hammer, args=(str(tmp_path), seed, 40, budget)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    names = os.listdir(tmp_path)
+    assert all(n.endswith(".kv") for n in names)  # no temporaries left behind
+    for n in names:
+        KVFile.open(tmp_path / n, NANO).verify()  # every file whole
+    store = KVStore(tmp_path, min_tokens=1)
+    store.budget_bytes = budget
+    assert 0 < file_bytes(store) <= budget and not store.evict()
+
+
+def _corruptions(good: bytes, text_len: int, structural: bool, rng) -> list[bytes]:
+    """Truncations at every header field (KVC and DSV4) and inside the payload, then either structural
+    edits (wrong magic, version, dims, counts, sizes) or random byte flips outside hits/last_used."""
+    p = 52 + text_len  # the DSV4 payload
+    cuts = [0, 1, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 51, 52, p - 1, p] + [p + 4 * k for k in range(1, 14)]
+    cuts += [p + 52 + 4 * 40 + 7, p + 52 + 4 * 40 + 4 * 1024 + 20, len(good) // 2, len(good) - 8, len(good) - 1]
+    out = [good[:c] for c in cuts]
+    out.append(good + b"\0")
+
+    def edit(offset, fmt, value):
+        bad = bytearray(good)
+        struct.pack_into(fmt, bad, offset, value)
+        return bytes(bad)
+
+    if structural:
+        out += [edit(0, "3s", b"KVD"), edit(3, "B", 2), edit(4, "B", 3), edit(8, "<I", 0), edit(8, "<I", 41),
+                edit(16, "<I", 63), edit(40, "<Q", len(good) - p + 1), edit(40, "<Q", len(good) - p - 1),
+                edit(48, "<I", text_len + 1), edit(6, "B", 8), edit(6, "B", 16), edit(6, "B", 32), edit(6, "B", 64)]
+        for field, value in ((0, 0x34565345), (1, 2), (2, 40), (4, 0), (5, 0), (7, 39), (7, 41), (8, 7), (9, 64),
+                             (10, 64), (11, 1000), (12, 31)):
+            out.append(edit(p + 4 * field, "<I", value))
+        counts = p + 52 + 4 * 40 + 4 * 1024
+        out += [edit(counts + 4 * 2, "<I", 11), edit(counts + 4 * 3, "<I", 1), edit(counts + 4 * (6 + 2), "<I", 9)]
+    else:
+        mutable = set(range(12, 16)) | set(range(32, 40))
+        headers = p + 52 + 4 * 40  # KVC header, text, DSV4 header and tokens: half the flips land there
+        for _ in range(150):
+            bad = bytearray(good)
+            for _ in range(int(rng.integers(1, 4))):
+                at = 12
+                while at in mutable:
+                    at = int(rng.integers(0, headers if rng.random() < 0.5 else len(good)))
+                bad[at] ^= int(rng.integers(1, 256))
+            out.append(bytes(bad))
+    return out
+
+
+def test_fuzzed_files_never_crash_and_never_load(tmp_path):
+    rng = np.random.default_rng(1234)
+    raw = encode_payload(synth_payload(NANO, 40, 64, 16, rng), NANO)
+    text = b"a stored prefix"
+    cases = 0
+    for codec, checksum in ((0, False), (0, True), (EXT_Q8, True), (EXT_ZLIB, True)):
+        store = KVStore(tmp_path / f"{codec}-{checksum}", min_tokens=1, checksum=checksum)
+        entry = store.put(text, pack_payload(raw, NANO, codec), tokens=40, ctx=64, quant_bits=2, codec_flags=codec)
+        good = entry.path.read_bytes()
+        assert len(store.load(entry, NANO)) == 40
+        for bad in _corruptions(good, len(text), structural=not checksum, rng=rng):
+            cases += 1
+            entry.path.write_bytes(bad)
+            with pytest.raises(KVFileError):
+                kf = KVFile.open(entry.path)
+                kf.verify()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", KVStoreWarning)
+                found = store.lookup(text + b"!")
+                if found is not None:
+                    with pytest.raises(KVFileError):
+                        store.load(found, NANO)
+    assert cases > 600
