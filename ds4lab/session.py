@@ -12,7 +12,6 @@ assignment, so an exception or a KeyboardInterrupt leaves the session at its las
 from __future__ import annotations
 
 import codecs
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 from .kv.checkpoint import Checkpoint, state_to_payload
 from .kv.payload import payload_nbytes
 from .kv.view import KVView
-from .model.state import Geometry, KVState, new_state
+from .model.state import Geometry, KVState, env_int, new_state
 from .sampling import (DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Rng, sample,
                        token_logprob, top_logprobs)
 
@@ -31,13 +30,8 @@ RESUME_PREFILL_MIN = 4  # ds4: suffixes at least this long are prefilled in batc
 
 
 def resume_prefill_min() -> int:
-    env = os.environ.get("DS4_METAL_RESUME_PREFILL_MIN")
-    if env is None:
-        return RESUME_PREFILL_MIN
-    try:
-        return int(env)
-    except ValueError:
-        raise ValueError(f"DS4_METAL_RESUME_PREFILL_MIN must be an integer, got {env!r}") from None
+    value = env_int("DS4_METAL_RESUME_PREFILL_MIN")
+    return RESUME_PREFILL_MIN if value is None else value
 
 
 @dataclass(frozen=True)
@@ -111,6 +105,13 @@ class Session:
         logits = t.head(X[-1:])
         b.eval(logits)
         return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state
+
+    def capture(self, points, layers=None, heads=None, queries=None):
+        """``with sess.capture(["blk.2.attn.scores", ...], layers=, heads=, queries=) as cap:`` records the
+        named hook points of the steps run inside it (see :mod:`ds4lab.hooks`)."""
+        from .hooks import Capture
+
+        return Capture(self, points, layers=layers, heads=heads, queries=queries)
 
     def checkpoint(self) -> Checkpoint:
         """The current state (nothing is copied: states are immutable values); also kept for ``sync``."""

@@ -34,11 +34,12 @@ def spec_caps(cfg, ctx, prefill_cap):
     return raw_cap, window, ctx // 4 + 2
 
 
-def random_payload(cfg, T, ctx=4096, prefill_cap=2048, seed=0):
-    rng = np.random.default_rng(seed)
+def random_payload(cfg, T, ctx=4096, prefill_cap=2048, seed: int | None = 0):
+    """A payload of the right shapes: seeded random rows and tokens, or zeros and 0, 1, 2, … with no seed."""
+    rng = None if seed is None else np.random.default_rng(seed)
 
     def f32(*shape):
-        return rng.standard_normal(shape, dtype=np.float32)
+        return rng.standard_normal(shape, dtype=np.float32) if rng is not None else np.zeros(shape, np.float32)
 
     raw_cap, window, comp_cap = spec_caps(cfg, ctx, prefill_cap)
     layers = []
@@ -55,7 +56,8 @@ def random_payload(cfg, T, ctx=4096, prefill_cap=2048, seed=0):
             st.index_state_kv = f32(8, 2 * cfg.idx_dim)
             st.index_state_score = f32(8, 2 * cfg.idx_dim)
         layers.append(st)
-    tokens = rng.integers(0, cfg.n_vocab, T, dtype=np.uint32)
+    tokens = (rng.integers(0, cfg.n_vocab, T, dtype=np.uint32) if rng is not None
+              else np.arange(T, dtype=np.uint32) % cfg.n_vocab)
     return Payload(ctx=ctx, prefill_cap=prefill_cap, raw_cap=raw_cap, raw_window=window, comp_cap=comp_cap,
                    tokens=tokens, logits=f32(cfg.n_vocab), layers=layers)
 

@@ -29,8 +29,9 @@ from ds4lab.kv.kvfile import (
     pack_payload,
     zstandard,
 )
-from ds4lab.kv.payload import LayerPayload, Payload, encode_payload, graph_caps
+from ds4lab.kv.payload import encode_payload
 from ds4lab.kv.store import KVStore, KVStoreWarning, eviction_score
+from tests.test_payload import random_payload
 
 PROMPT = np.random.default_rng(11).integers(0, 1000, 400).tolist()
 CTX, CHUNK = 512, 64
@@ -62,29 +63,6 @@ def flash_bytes(T: int) -> int:
     r = min(T, 128)
     return (52 + 4 * T + 4 * 129280 + 2 * 43 * 4 + 43 * r * 2048
             + 21 * ((T // 4) * (2048 + 512) + 2 * 32768 + 2 * 8192) + 20 * ((T // 128) * 2048 + 2 * 262144))
-
-
-def synth_payload(cfg, T, ctx, prefill_cap, rng=None) -> Payload:
-    """A payload of the right shapes: random rows with ``rng``, zeros without."""
-    def f32(*shape):
-        return rng.standard_normal(shape, dtype=np.float32) if rng is not None else np.zeros(shape, np.float32)
-
-    raw_cap, window, comp_cap = graph_caps(cfg, ctx, prefill_cap)
-    layers = []
-    for il in range(cfg.n_layer):
-        R = cfg.compress_ratios[il]
-        st = LayerPayload(raw=f32(min(T, window), cfg.head_dim))
-        if R:
-            coff = 2 if R == 4 else 1
-            st.comp = f32(T // R, cfg.head_dim)
-            st.comp_state_kv, st.comp_state_score = f32(coff * R, coff * cfg.head_dim), f32(coff * R, coff * cfg.head_dim)
-        if R == 4:
-            st.index = f32(T // 4, cfg.idx_dim)
-            st.index_state_kv, st.index_state_score = f32(8, 2 * cfg.idx_dim), f32(8, 2 * cfg.idx_dim)
-        layers.append(st)
-    tokens = np.arange(T, dtype=np.uint32) % cfg.n_vocab
-    return Payload(ctx=ctx, prefill_cap=prefill_cap, raw_cap=raw_cap, raw_window=window, comp_cap=comp_cap,
-                   tokens=tokens, logits=f32(cfg.n_vocab), layers=layers)
 
 
 def file_bytes(store: KVStore) -> int:
@@ -155,7 +133,7 @@ def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
     """A KVC file built from the spec with Flash dimensions (43 layers, 512-wide rows, 129280 logits)."""
     T, ctx, chunk = 300, 4096, 2048
     rng = np.random.default_rng(5)
-    payload = synth_payload(FLASH, T, ctx, chunk)
+    payload = random_payload(FLASH, T, ctx, chunk, seed=None)
     payload.layers[2].raw[:] = rng.standard_normal((128, 512))
     payload.layers[3].comp[:] = rng.standard_normal((2, 512))
     payload.layers[42].index[:] = rng.standard_normal((75, 128))
@@ -264,7 +242,7 @@ def test_eviction_order_is_ds4s_score(tmp_path):
 
 
 def test_budget_is_never_exceeded_after_a_save(tmp_path):
-    payload = encode_payload(synth_payload(NANO, 40, 64, 16), NANO)
+    payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO)
     size = 52 + 12 + len(payload) + 8
     store = KVStore(tmp_path, min_tokens=1)
     store.budget_bytes = 3 * size + 10
@@ -437,7 +415,7 @@ def test_compressed_payloads(compression, trained_live, tmp_path):
 # -- robustness ----------------------------------------------------------------------------------------
 
 def test_write_errors_and_stale_temporaries_leave_the_store_consistent(tmp_path, monkeypatch):
-    payload = encode_payload(synth_payload(NANO, 40, 64, 16), NANO)
+    payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO)
     store = KVStore(tmp_path, min_tokens=1)
     first = store.put(b"kept", payload, tokens=40, ctx=64, quant_bits=2)
     before = first.path.read_bytes()
@@ -477,7 +455,7 @@ def test_foreign_and_damaged_files_are_reported_once_and_skipped(tmp_path):
 
 def _hammer(store_dir, seed, n, budget):
     """One of two processes writing, looking up and loading entries of one directory."""
-    payload = encode_payload(synth_payload(NANO, 40, 64, 16, np.random.default_rng(seed)), NANO)
+    payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=seed), NANO)
     store = KVStore(store_dir, min_tokens=1)
     store.budget_bytes = budget
     with warnings.catch_warnings(record=True) as seen:
@@ -496,7 +474,7 @@ def _hammer(store_dir, seed, n, budget):
 
 
 def test_two_processes_share_one_store(tmp_path):
-    payload_size = len(encode_payload(synth_payload(NANO, 40, 64, 16), NANO))
+    payload_size = len(encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO))
     budget = 4 * (payload_size + 100)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_hammer, args=(str(tmp_path), seed, 40, budget)) for seed in (1, 2)]
@@ -553,7 +531,7 @@ def _corruptions(good: bytes, text_len: int, structural: bool, rng) -> list[byte
 
 def test_fuzzed_files_never_crash_and_never_load(tmp_path):
     rng = np.random.default_rng(1234)
-    raw = encode_payload(synth_payload(NANO, 40, 64, 16, rng), NANO)
+    raw = encode_payload(random_payload(NANO, 40, 64, 16, seed=1234), NANO)
     text = b"a stored prefix"
     cases = 0
     for codec, checksum in ((0, False), (0, True), (EXT_Q8, True), (EXT_ZLIB, True)):

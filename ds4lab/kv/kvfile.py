@@ -349,13 +349,17 @@ def _compress(data: bytes, flags: int) -> bytes:
     return _U64.pack(len(data)) + zlib.compress(data)
 
 
+MAX_UNPACKED_BYTES = 1 << 40  # far above a 1M-token Flash payload (12.8 GB); a larger size field is damage
+
+
 def _decompress(data, flags: int, path) -> bytes:
     codec = "zstd" if flags & EXT_ZSTD else "zlib"
     if len(data) < 8:
         raise KVFileError(path, f"{codec} payload", f"{len(data)} bytes", "at least the 8-byte unpacked size")
     (size,) = _U64.unpack_from(data)
-    if size < HEADER_BYTES:
-        raise KVFileError(path, f"{codec} unpacked size", size, f"at least the {HEADER_BYTES}-byte DSV4 header")
+    if not HEADER_BYTES <= size <= MAX_UNPACKED_BYTES:
+        raise KVFileError(path, f"{codec} unpacked size", size,
+                          f"between the {HEADER_BYTES}-byte DSV4 header and {MAX_UNPACKED_BYTES} bytes")
     if flags & EXT_ZSTD and zstandard is None:
         raise KVFileError(path, "ext flags", "zstd", "a codec this install reads (pip install zstandard)")
     try:

@@ -64,14 +64,19 @@ def chunk_from_env(ctx: int) -> int:
     return min(v, ctx) if v > 0 else ctx
 
 
-def raw_cap_from_env() -> int | None:
-    env = os.environ.get("DS4_METAL_GRAPH_RAW_CAP")
+def env_int(name: str) -> int | None:
+    """An integer environment variable (None when unset); anything else is an error naming it."""
+    env = os.environ.get(name)
     if env is None:
         return None
     try:
         return int(env)
     except ValueError:
-        raise ValueError(f"DS4_METAL_GRAPH_RAW_CAP must be an integer, got {env!r}") from None
+        raise ValueError(f"{name} must be an integer, got {env!r}") from None
+
+
+def raw_cap_from_env() -> int | None:
+    return env_int("DS4_METAL_GRAPH_RAW_CAP")
 
 
 @dataclass(frozen=True)

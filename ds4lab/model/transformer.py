@@ -174,7 +174,10 @@ class Transformer:
         pos = pos0 + xp.arange(C)
         end = pos0 + n_valid
 
+        self._emit(p + "span", (pos0, n_valid))  # the chunk's first position and real rows (ds4lab.hooks)
         x_in, post, comb = self._hc_pre(il, "attn", X)
+        self._emit(p + "hc_attn.post", post)
+        self._emit(p + "hc_attn.comb", comb)
         a = rmsnorm(xp, x_in, eps, w.vector(p + "attn_norm.weight"))
         qr = rmsnorm(xp, w.linear(p + "attn_q_a.weight")(a), eps, w.vector(p + "attn_q_a_norm.weight"))
         q = rmsnorm(xp, w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps)
@@ -203,6 +206,7 @@ class Transformer:
             new = LayerState(raw=raw, comp=comp, comp_kv=comp_kv, comp_sc=comp_sc)
             n_vis = visible_rows(xp.minimum(pos, end - 1), R)  # padded queries look like the last real one
             comp_visible = xp.arange(comp.shape[0])[None, :] < n_vis[:, None]
+            comp_candidates = comp_visible
             if cfg.has_indexer(il):
                 index, index_kv, index_sc = self._compress(il, "indexer_compressor", a, pos0, n_valid, windows,
                                                            st.index, st.index_kv, st.index_sc, self.store_index)
@@ -211,10 +215,16 @@ class Transformer:
                     score = self._indexer_scores(il, qr, a, cos, sin, index)
                     self._emit(p + "indexer.scores", score)
                     comp_visible = indexer_allowed(xp, score, comp_visible, n_vis, cfg.idx_topk)
+                    self._emit(p + "indexer.topk", comp_visible)
             keys = xp.concatenate([raw, comp], axis=0)
             visible = xp.concatenate([visible, comp_visible], axis=1)
 
+        if self.observer is not None:  # what ds4lab.hooks needs to materialise attention maps on request
+            self._emit(p + "attn.scores", dict(
+                q=q, keys=keys, visible=visible, sinks=w.vector(p + "attn_sinks.weight"), scale=cfg.head_dim ** -0.5,
+                slot_pos=slot_pos, n_raw=raw_cap, ratio=R, comp_candidates=comp_candidates if R else None))
         out = attend_with_sinks(xp, q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
+        self._emit(p + "attn.out", out)
         heads = rope_tail(xp, out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
         y = grouped_output(xp, heads, w.out_a_groups(il), w.linear(p + "attn_output_b.weight"))
@@ -238,6 +248,7 @@ class Transformer:
         k = r - pos0 // R  # pooled[k] is window pos0 // R + k
         emitted = (k >= 0) & (r < (pos0 + n_valid) // R)
         rows = xp.where(emitted[:, None], c[xp.clip(k, 0, c.shape[0] - 1)], rows)
+        self._emit(f"blk.{il}.{name}.rows", rows)
         return rows, new_kv, new_sc
 
     def _indexer_scores(self, il, qr, a, cos, sin, index_rows):
@@ -253,8 +264,11 @@ class Transformer:
         cfg, b, w = self.cfg, self.backend, self.w
         xp, p = b.xp, f"blk.{il}."
         x_in, post, comb = self._hc_pre(il, "ffn", X)
+        self._emit(p + "hc_ffn.post", post)
+        self._emit(p + "hc_ffn.comb", comb)
         f = rmsnorm(xp, x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
         probs = router_probs(xp, w.linear(p + "ffn_gate_inp.weight")(f))
+        self._emit(p + "moe.router", probs)
         if cfg.is_hash_layer(il):
             selected = w.hash_table(il)[tokens].astype(np.int64)
         else:
@@ -263,6 +277,7 @@ class Transformer:
             selected = select_topk(b.to_numpy(scores), cfg.n_expert_used)
         self._emit(p + "moe.experts", selected)
         weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
+        self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
         moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
         shared = w.linear(p + "ffn_down_shexp.weight")(
