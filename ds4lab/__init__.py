@@ -6,7 +6,9 @@ from .kv.checkpoint import Checkpoint
 from .kv.kvfile import KVFile, KVFileError
 from .kv.store import KVStore, KVStoreWarning
 from .session import Decode, DecodeStep, Prefill, PrefillChunk, Session
+from .tiers import Placement, TierMemory, TierSwitch
 
 __all__ = ["FLASH", "NANO", "Checkpoint", "Decode", "DecodeStep", "KVFile", "KVFileError", "KVStore", "KVStoreWarning",
-           "Model", "ModelConfig", "ModelFileError", "Prefill", "PrefillChunk", "Session", "default_model_path", "load"]
+           "Model", "ModelConfig", "ModelFileError", "Placement", "Prefill", "PrefillChunk", "Session", "TierMemory",
+           "TierSwitch", "default_model_path", "load"]
 __version__ = "0.1.0"

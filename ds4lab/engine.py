@@ -60,15 +60,18 @@ class Model:
         """An empty KV state sized for ``ctx`` tokens (see :class:`Geometry`)."""
         return new_state(self.config, self.backend, Geometry.for_context(self.config, ctx, prefill_chunk))
 
-    def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16, kv_store=None):
+    def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16, kv_store=None,
+                placement=None):
         """A live timeline with step-wise prefill and decode (see :class:`ds4lab.session.Session`).
 
         ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 2048 when ctx > 2048.
-        ``kv_store`` (a :class:`ds4lab.KVStore`) adds ds4-server's disk checkpoints.
+        ``kv_store`` (a :class:`ds4lab.KVStore`) adds ds4-server's disk checkpoints. ``placement`` (a
+        :class:`ds4lab.Placement`) splits the layers over tiers; the default is one tier.
         """
         from .session import Session
 
-        return Session(self, ctx=ctx, prefill_chunk=prefill_chunk, max_checkpoints=max_checkpoints, kv_store=kv_store)
+        return Session(self, ctx=ctx, prefill_chunk=prefill_chunk, max_checkpoints=max_checkpoints, kv_store=kv_store,
+                       placement=placement)
 
     def logits(self, tokens) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32) for every position of a prefill of ``tokens`` from zero.

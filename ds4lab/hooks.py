@@ -44,10 +44,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-POINTS = ("attn_norm", "attn.q_lora", "attn.q", "attn.kv_in", "attn.scores", "attn.out", "attn.heads",
-          "indexer.scores", "indexer.topk", "attn_compressor.kv", "attn_compressor.score", "attn_compressor.rows",
-          "indexer_compressor.kv", "indexer_compressor.score", "indexer_compressor.rows", "hc_attn.post",
-          "hc_attn.comb", "hc_ffn.post", "hc_ffn.comb", "moe.router", "moe.experts", "moe.weights")
+POINTS = (
+    "attn_norm",
+    "attn.q_lora",
+    "attn.q",
+    "attn.kv_in",
+    "attn.scores",
+    "attn.out",
+    "attn.heads",
+    "indexer.scores",
+    "indexer.topk",
+    "attn_compressor.kv",
+    "attn_compressor.score",
+    "attn_compressor.rows",
+    "indexer_compressor.kv",
+    "indexer_compressor.score",
+    "indexer_compressor.rows",
+    "hc_attn.post",
+    "hc_attn.comb",
+    "hc_ffn.post",
+    "hc_ffn.comb",
+    "moe.router",
+    "moe.experts",
+    "moe.weights",
+)
 HEAD_AXIS = ("attn.q", "attn.out", "attn.heads")  # per-token values whose axis 1 is the head
 NOT_PER_TOKEN = ("attn_compressor.rows", "indexer_compressor.rows")  # state, not one row per query
 
@@ -104,17 +124,22 @@ class AttentionMap:
 
     def labels(self) -> list[str]:
         """A short label per key column: ``t12`` (raw position), ``c3[8-15]`` (compressed row), ``sink``."""
-        return ([f"t{p}" for p in self.raw_positions]
-                + [f"c{c}[{a}-{b}]" for c, (a, b) in zip(self.comp_rows, self.comp_windows)] + ["sink"])
+        return (
+            [f"t{p}" for p in self.raw_positions]
+            + [f"c{c}[{a}-{b}]" for c, (a, b) in zip(self.comp_rows, self.comp_windows)]
+            + ["sink"]
+        )
 
     def output(self) -> np.ndarray:
         """Σ_k weights[q, h, k] · keys[k] → ``[Q, H, D]``: the attention output before inverse RoPE."""
         return np.einsum("qhk,kd->qhd", self.weights[..., :-1], self.keys)
 
     def __repr__(self) -> str:
-        return (f"AttentionMap(layer {self.layer}, heads {list(self.heads)}, {len(self.queries)} queries "
-                f"[{self.queries.min() if len(self.queries) else '-'}…{self.queries.max() if len(self.queries) else '-'}], "
-                f"keys: {self.n_raw} raw | {self.n_comp} compressed | sink)")
+        return (
+            f"AttentionMap(layer {self.layer}, heads {[int(h) for h in self.heads]}, {len(self.queries)} queries "
+            f"[{self.queries.min() if len(self.queries) else '-'}…{self.queries.max() if len(self.queries) else '-'}], "
+            f"keys: {self.n_raw} raw | {self.n_comp} compressed | sink)"
+        )
 
 
 def _select(spec, n: int) -> np.ndarray | None:
@@ -246,8 +271,17 @@ class Capture:
             sel = visible[:, n_raw:]
         else:
             cand = sel = np.zeros((len(idx), 0), bool)
-        part = dict(weights=w, keys=keys, n_raw=n_raw, slot_pos=self._np(d["slot_pos"]).astype(np.int64),
-                    visible=visible, candidates=cand, selected=sel, heads=heads, ratio=R)
+        part = dict(
+            weights=w,
+            keys=keys,
+            n_raw=n_raw,
+            slot_pos=self._np(d["slot_pos"]).astype(np.int64),
+            visible=visible,
+            candidates=cand,
+            selected=sel,
+            heads=heads,
+            ratio=R,
+        )
         return Record(name, self._step, pos, part)
 
     # -- reading --------------------------------------------------------------------------------------
@@ -309,23 +343,35 @@ class Capture:
             slots = np.nonzero(p["slot_pos"] >= 0)[0]
             slots = slots[np.isin(p["slot_pos"][slots], raw_positions)]
             cols = np.array([col_of[int(p["slot_pos"][s])] for s in slots], dtype=np.int64)
-            W[row:row + q, :, cols] = p["weights"][:, :, slots]
+            W[row : row + q, :, cols] = p["weights"][:, :, slots]
             K[cols] = p["keys"][slots]
             if nc:
-                W[row:row + q, :, nr:nr + nc] = p["weights"][:, :, p["n_raw"]:p["n_raw"] + nc]
-                K[nr:nr + nc] = p["keys"][p["n_raw"]:p["n_raw"] + nc]
-                cand[row:row + q] = p["candidates"][:, :nc]
-                sel[row:row + q] = p["selected"][:, :nc]
-            W[row:row + q, :, -1] = p["weights"][:, :, -1]
+                W[row : row + q, :, nr : nr + nc] = p["weights"][:, :, p["n_raw"] : p["n_raw"] + nc]
+                K[nr : nr + nc] = p["keys"][p["n_raw"] : p["n_raw"] + nc]
+                cand[row : row + q] = p["candidates"][:, :nc]
+                sel[row : row + q] = p["selected"][:, :nc]
+            W[row : row + q, :, -1] = p["weights"][:, :, -1]
             row += q
         groups = {"raw": slice(0, nr), "comp": slice(nr, nr + nc), "sink": slice(nr + nc, nr + nc + 1)}
-        return AttentionMap(layer, recs[0].value["ratio"], np.asarray(recs[0].value["heads"]), self.positions(
-            f"blk.{layer}.attn.scores"), raw_positions, comp_rows, W, K, cand, sel, groups)
+        return AttentionMap(
+            layer,
+            recs[0].value["ratio"],
+            np.asarray(recs[0].value["heads"], dtype=np.int64),
+            self.positions(f"blk.{layer}.attn.scores"),
+            raw_positions,
+            comp_rows,
+            W,
+            K,
+            cand,
+            sel,
+            groups,
+        )
 
     def __repr__(self) -> str:
         steps = self._step + 1
         return f"Capture({len(self._records)} records over {steps} forward calls: {', '.join(self.names[:6])}" + (
-            ", …)" if len(self.names) > 6 else ")")
+            ", …)" if len(self.names) > 6 else ")"
+        )
 
 
 def capture(session, points, layers=None, heads=None, queries=None) -> Capture:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import gguf.quants
+import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 

@@ -23,9 +23,19 @@ from .kv.checkpoint import Checkpoint, state_to_payload
 from .kv.payload import payload_nbytes
 from .kv.view import KVView
 from .model.state import Geometry, KVState, env_int, new_state
-from .sampling import (DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Rng, sample,
-                       token_logprob, top_logprobs)
+from .sampling import (
+    DEFAULT_MIN_P,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    Rng,
+    sample,
+    token_logprob,
+    top_logprobs,
+)
+from .tiers import Placement, TierRun, TierSwitch
 
+TIER_TRACE_MAX = 100_000  # session.tier_trace keeps the latest switches only
 RESUME_PREFILL_MIN = 4  # ds4: suffixes at least this long are prefilled in batch, shorter ones decoded
 
 
@@ -42,6 +52,15 @@ class PrefillChunk:
     kv_bytes: int  # DSV4 payload size of the state after the chunk
     rows: dict  # layer -> {"raw": n, "comp": n, "index": n} rows written by this chunk
     checkpoint: Checkpoint
+    tier_switches: tuple[TierSwitch, ...] = ()  # this chunk's switches (see session.tier_trace)
+
+    @property
+    def tier_bytes(self) -> int:
+        return sum(s.bytes for s in self.tier_switches)
+
+    @property
+    def tier_seconds(self) -> float:
+        return sum(s.seconds for s in self.tier_switches)
 
     @property
     def n_tokens(self) -> int:
@@ -60,6 +79,15 @@ class DecodeStep:
     top: list  # [(token, logprob)] of the most likely alternatives, best first
     position: int
     seconds: float
+    tier_switches: tuple[TierSwitch, ...] = ()  # this token's switches (none for an unevaluated EOS)
+
+    @property
+    def tier_bytes(self) -> int:
+        return sum(s.bytes for s in self.tier_switches)
+
+    @property
+    def tier_seconds(self) -> float:
+        return sum(s.seconds for s in self.tier_switches)
 
 
 @dataclass(frozen=True)
@@ -73,11 +101,16 @@ class Session:
     """A live timeline on a model: ``tokens``, ``logits`` (for the next token) and the KV state."""
 
     def __init__(self, model, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16,
-                 kv_store=None):
+                 kv_store=None, placement: Placement | None = None):
         self.model = model
         self.kv_store = kv_store  # a ds4lab.KVStore: disk checkpoints as ds4-server writes and reads them
         self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk)
         self._state: KVState = new_state(model.config, model.backend, self.geometry)
+        # The resolved plan; every step's switches go to tier_trace, steps counted from 0.
+        self.placement = (placement or Placement.single()).resolve(model, self._state)
+        self.tier_trace: deque[TierSwitch] = deque(maxlen=TIER_TRACE_MAX)
+        self._tier_step = 0
+        self._active_tier = self.placement.embed_tier
         self.tokens: list[int] = []
         self.logits: np.ndarray | None = None
         self.checkpoints: deque[Checkpoint] = deque(maxlen=max_checkpoints)
@@ -95,16 +128,23 @@ class Session:
         return self.geometry.chunk
 
     # -- state ----------------------------------------------------------------------------------------
-    def _commit(self, tokens: list[int], logits, state: KVState) -> None:
+    def _commit(self, tokens: list[int], logits, state: KVState, run: TierRun | None = None) -> None:
         self.tokens, self.logits, self._state = tokens, logits, state
+        if run is not None:
+            self.tier_trace.extend(run.switches)
+            self._active_tier = run.active
+            self._tier_step += 1
 
-    def _eval(self, tokens: list[int], pad_to: int | None = None):
-        """Run ``tokens`` after the live state; returns (logits of the last token, new state)."""
+    def _eval(self, tokens: list[int], mode: str, pad_to: int | None = None):
+        """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode" or "batch");
+        returns (logits of the last token, new state, the step's :class:`TierRun`)."""
         t, b = self.model.transformer, self.model.backend
-        X, state = t.forward(np.asarray(tokens), self._state, pad_to=pad_to)
-        logits = t.head(X[-1:])
-        b.eval(logits)
-        return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state
+        run = TierRun(self.placement, mode, self._tier_step, self._active_tier)
+        X, state = t.forward(np.asarray(tokens), self._state, pad_to=pad_to, tiers=run)
+        with run.scope():
+            logits = t.head(X[-1:])
+            b.eval(logits)
+        return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state, run
 
     def capture(self, points, layers=None, heads=None, queries=None):
         """``with sess.capture(["blk.2.attn.scores", ...], layers=, heads=, queries=) as cap:`` records the
@@ -184,8 +224,8 @@ class Session:
             Prefill(self, ids).run(progress=False)
         else:
             for token in suffix:
-                logits, state = self._eval([token])
-                self._commit(self.tokens + [token], logits, state)
+                logits, state, run = self._eval([token], "decode")
+                self._commit(self.tokens + [token], logits, state, run)
                 self._store_step()
         return SyncResult(source, reused, len(suffix))
 
@@ -263,14 +303,14 @@ class Prefill:
         # A compiled step keeps one shape for every chunk (the last one padded and masked); eager
         # backends run each chunk at its own length.
         pad_to = sess.geometry.step if sess.model.transformer.compile else None
-        logits, state = sess._eval(self.ids[start:end], pad_to=pad_to)
+        logits, state, run = sess._eval(self.ids[start:end], "batch", pad_to=pad_to)
         seconds = time.perf_counter() - began
-        sess._commit(self.ids[:end], logits, state)
+        sess._commit(self.ids[:end], logits, state, run)
         cfg = sess.model.config
         rows = {il: {"raw": end - start,
                      "comp": end // cfg.ratio(il) - start // cfg.ratio(il) if cfg.ratio(il) else 0,
                      "index": end // 4 - start // 4 if cfg.has_indexer(il) else 0} for il in range(cfg.n_layer)}
-        chunk = PrefillChunk(start, end, seconds, sess.kv_bytes, rows, sess.checkpoint())
+        chunk = PrefillChunk(start, end, seconds, sess.kv_bytes, rows, sess.checkpoint(), tuple(run.switches))
         self.chunks.append(chunk)
         sess._store_step()
         return chunk
@@ -317,14 +357,15 @@ class Decode:
             self.stop_reason = "eos"
             return DecodeStep(token, "", logprob, alternatives[: self.top], position, time.perf_counter() - began)
         try:
-            logits, state = sess._eval([token])
+            logits, state, run = sess._eval([token], "decode")
         except BaseException:
             self.rng.state = rng_state  # after an interrupt the same draw happens again
             raise
-        sess._commit(sess.tokens + [token], logits, state)
+        sess._commit(sess.tokens + [token], logits, state, run)
         sess._store_step()
         text = self._text.decode(sess.model.tokenizer.token_bytes(token))
-        return DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began)
+        return DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began,
+                          tuple(run.switches))
 
     def stream(self, n: int):
         """Up to ``n`` steps; stops at EOS (not yielded) and when the context is full."""

@@ -6,15 +6,21 @@ import math
 import numpy as np
 import pytest
 
+from ds4lab.backends.numpy_backend import NumpyBackend
 from ds4lab.config import FLASH, NANO
-from ds4lab.model.attention import (attend_with_sinks, grouped_output, indexer_allowed, indexer_scores,
-                                    raw_visibility, visible_rows)
+from ds4lab.model.attention import (
+    attend_with_sinks,
+    grouped_output,
+    indexer_allowed,
+    indexer_scores,
+    raw_visibility,
+    visible_rows,
+)
 from ds4lab.model.compressor import compress_chunk, initial_state
 from ds4lab.model.functional import softplus, topk_mask
 from ds4lab.model.hc import hc_head, hc_post, hc_pre, sinkhorn
-from ds4lab.model.moe import route_weights, router_probs, routed_experts, select_topk, swiglu
+from ds4lab.model.moe import route_weights, routed_experts, router_probs, select_topk, swiglu
 from ds4lab.model.rope import RopeParams, rope_tail
-from ds4lab.backends.numpy_backend import NumpyBackend
 
 rng = np.random.default_rng(1234)
 B = NumpyBackend()

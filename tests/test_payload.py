@@ -12,11 +12,11 @@ import pytest
 from ds4lab.config import FLASH, NANO, replace
 from ds4lab.kv.payload import (
     LayerPayload,
-    graph_caps,
     Payload,
     PayloadError,
     decode_payload,
     encode_payload,
+    graph_caps,
     payload_nbytes,
 )
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
+from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import (attend_with_sinks, grouped_output, indexer_allowed, indexer_scores, raw_visibility,
-                        visible_rows)
+from .attention import attend_with_sinks, grouped_output, indexer_allowed, indexer_scores, raw_visibility, visible_rows
 from .compressor import coff, compress_chunk, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post, hc_pre
-from .moe import route_weights, router_probs, routed_experts, select_topk, swiglu
+from .moe import route_weights, routed_experts, router_probs, select_topk, swiglu
 from .rope import RopeParams, rope_tail
 from .state import KVState, LayerState
 from .weights import Weights
@@ -89,11 +89,13 @@ class Transformer:
                 windows[params, R] = tuple(map(b.asarray, params.tables((pos0 // R + np.arange(n)) * R)))
         return ChunkTables(rope, windows)
 
-    def forward(self, tokens, state: KVState, pad_to: int | None = None):
+    def forward(self, tokens, state: KVState, pad_to: int | None = None, tiers: TierRun | None = None):
         """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
 
         With ``pad_to`` the chunk is padded to that many rows (masked), so every chunk of a prefill
-        has the same shapes; the returned X has the real rows only.
+        has the same shapes; the returned X has the real rows only. With ``tiers`` each layer runs on
+        its tier, the hidden state switching tiers (and recorded) where the placement changes; X is
+        returned on the output head's tier.
         """
         cfg, b = self.cfg, self.backend
         xp = b.xp
@@ -111,14 +113,20 @@ class Transformer:
         if n > geo.step:
             raise ValueError(f"a chunk of {n} tokens exceeds the {geo.step} tokens one step can take")
         padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
-        X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
-        tabs = self.tables(pos0, C)
+        tiers = NO_TIERS if tiers is None else tiers
+        tiers.start()
+        with tiers.scope():
+            X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
+            tabs = self.tables(pos0, C)
         layers = []
         for il in range(cfg.n_layer):
-            X, layer = self._attention(il, X, pos0, n, tabs, state.layers[il])
-            X = self.ffn_block(il, X[:n], tokens) if C == n else xp.concatenate(
-                [self.ffn_block(il, X[:n], tokens), X[n:]], axis=0)
+            X = tiers.enter(il, X)
+            with tiers.scope():
+                X, layer = self._attention(il, X, pos0, n, tabs, state.layers[il])
+                X = self.ffn_block(il, X[:n], tokens) if C == n else xp.concatenate(
+                    [self.ffn_block(il, X[:n], tokens), X[n:]], axis=0)
             layers.append(layer)
+        X = tiers.enter(cfg.n_layer, X)
         return X[:n], KVState(tuple(layers), pos0 + n, geo)
 
     def head(self, X):

@@ -8,7 +8,6 @@ import numpy as np
 
 from ..quants import dequantize
 
-
 EXPERT_CACHE_BYTES = 512 << 20
 
 

@@ -1,0 +1,389 @@
+"""Tier placement: the model's layers split over devices, with the switches between them recorded.
+
+A :class:`Placement` maps the embedding, every layer and the output head to a tier. When the next unit
+lives on another tier, the forward pass switches the active tier in one of three modes (the seed's
+``metal_graph_set_active_tier_*``; the real ds4 runs on one device, spec/DS4_RUNTIME.md §5):
+
+- ``decode``: copy the current token's hidden state, n_hc × n_embd floats;
+- ``batch``: copy the chunk's hidden states, chunk × n_hc × n_embd, once per tier boundary per chunk;
+- ``no-copy``: switch only. Used at the start of a step, where the embedding is allocated on its tier
+  and nothing is carried over, and between two tiers on one physical device (data already resident).
+
+Every switch becomes a :class:`TierSwitch` record. Without ``devices`` tiers are logical: each is its
+own "device", so a switch makes a real array copy and the bytes are real. With MLX, ``"cpu"`` and
+``"gpu"`` tiers run their layers on that device's stream. A tier is a small object with ``device``,
+``copy_in(x)`` and ``scope()``, so a CuPy GPU tier (peer copies under ``cupy.cuda.Device``) would be
+one more class.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+EMBED = -1  # the layer index records give the embedding; the output head is n_layer
+MODES = ("decode", "batch")  # what a step asks for; "no-copy" is decided per switch
+
+
+# -- devices ------------------------------------------------------------------------------------------
+class LogicalTier:
+    """A tier in the backend's own memory. Tiers with different ``device`` names are kept apart as if
+    they were devices (switching copies the array); tiers with the same name share their data."""
+
+    def __init__(self, device: str, backend):
+        self.backend = backend
+        self.device = device
+
+    def copy_in(self, x):
+        y = self.backend.xp.array(x)  # np.array and mx.array both copy the buffer
+        self.backend.eval(y)
+        return y
+
+    def scope(self):
+        return nullcontext()
+
+
+class MLXDeviceTier:
+    """MLX's cpu or gpu device: the tier's layers run on that device's default stream."""
+
+    def __init__(self, device: str, backend):
+        import mlx.core as mx
+
+        self.backend = backend
+        self.device = device
+        self._device = mx.cpu if device == "cpu" else mx.gpu
+        if not mx.is_available(self._device):
+            raise ValueError(f"MLX has no {device} device on this machine")
+
+    def copy_in(self, x):
+        import mlx.core as mx
+
+        with mx.stream(self._device):
+            y = mx.array(x)
+            mx.eval(y)
+        return y
+
+    def scope(self):
+        import mlx.core as mx
+
+        return mx.stream(self._device)
+
+
+def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int) -> tuple:
+    if devices is None:
+        return tuple(LogicalTier(f"logical:{t}", backend) for t in range(n_tiers))
+    known = ("cpu", "gpu") if backend.name == "mlx" else ("cpu",)
+    for d in devices:
+        if d not in known:
+            raise ValueError(f"unknown device {d!r} for the {backend.name} backend; use one of {', '.join(known)}")
+    if backend.name == "mlx":
+        return tuple(MLXDeviceTier(d, backend) for d in devices)
+    return tuple(LogicalTier(d, backend) for d in devices)
+
+
+# -- records ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierSwitch:
+    step: int  # the session's evaluation step
+    layer: int  # the unit about to run: EMBED (-1), a layer, or n_layer for the output head
+    from_tier: int
+    to_tier: int
+    mode: str  # "decode", "batch" or "no-copy"
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TierMemory:
+    tier: int
+    device: str
+    weights: int  # GGUF bytes of the tensors of the units on the tier
+    kv: int  # the KV state arrays of its layers
+    activations: int  # the chunk's hidden-state buffer (batch_cur_hc), if the tier runs anything
+    budget: int | None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.activations
+
+
+# -- the plan -----------------------------------------------------------------------------------------
+Plan = Callable[[int, list[int], int], list[int]]  # (n_layer, unit costs, activation bytes) -> unit tiers
+
+
+class Placement:
+    """Which tier runs the embedding, each layer and the output head.
+
+    ``Placement(layer_tiers=[0, 0, 1, 1, …])`` places the layers explicitly (the embedding goes with the
+    first layer and the head with the last unless ``embed_tier``/``head_tier`` say otherwise); see also
+    :meth:`single`, :meth:`even` and :meth:`by_memory`. A plan is resolved against a model and its KV
+    state by ``model.session(placement=...)``; the resolved plan (``session.placement``) has the
+    per-tier :attr:`memory` and the per-unit :meth:`table`.
+    """
+
+    def __init__(self, layer_tiers: Sequence[int], devices: Sequence[str] | None = None, *,
+                 embed_tier: int | None = None, head_tier: int | None = None,
+                 budgets: Sequence[int] | None = None):
+        tiers = [int(t) for t in layer_tiers]
+        if not tiers:
+            raise ValueError("layer_tiers is empty")
+
+        def explicit(n_layer: int, costs: list[int], act: int) -> list[int]:
+            if len(tiers) != n_layer:
+                raise ValueError(f"layer_tiers has {len(tiers)} entries; the model has {n_layer} layers")
+            embed = tiers[0] if embed_tier is None else embed_tier
+            return [embed, *tiers, tiers[-1] if head_tier is None else head_tier]
+
+        self._init(f"explicit {tiers}", explicit, devices, budgets)
+
+    def _init(self, rule: str, plan: Plan, devices, budgets) -> None:
+        self.rule = rule
+        self._plan = plan
+        self.devices = None if devices is None else tuple(devices)
+        self.budgets = None if budgets is None else tuple(int(b) for b in budgets)
+        if self.devices is not None and not self.devices:
+            raise ValueError("devices is empty; leave it None for logical tiers")
+        if self.budgets is not None and self.devices is not None and len(self.budgets) != len(self.devices):
+            raise ValueError(f"{len(self.budgets)} budgets for {len(self.devices)} devices")
+        self.unit_tiers: tuple[int, ...] | None = None  # embed, layers…, head once resolved
+        self.tiers: tuple = ()
+        self.memory: tuple[TierMemory, ...] = ()
+        self._weights: tuple[int, ...] = ()
+        self._kv: tuple[int, ...] = ()
+
+    @classmethod
+    def _rule(cls, rule: str, plan: Plan, devices, budgets=None) -> "Placement":
+        self = cls.__new__(cls)
+        self._init(rule, plan, devices, budgets)
+        return self
+
+    @classmethod
+    def single(cls, device: str | None = None) -> "Placement":
+        """Everything on one tier (the backend's device, or ``device``)."""
+        return cls._rule("single", lambda n, costs, act: [0] * (n + 2), None if device is None else [device])
+
+    @classmethod
+    def even(cls, n_tiers: int, devices: Sequence[str] | None = None) -> "Placement":
+        """Contiguous, equal runs of layers; the embedding on the first tier, the head on the last."""
+        if n_tiers < 1:
+            raise ValueError(f"n_tiers must be at least 1, got {n_tiers}")
+        if devices is not None and len(devices) != n_tiers:
+            raise ValueError(f"{len(devices)} devices for {n_tiers} tiers")
+
+        def plan(n_layer: int, costs: list[int], act: int) -> list[int]:
+            if n_tiers > n_layer:
+                raise ValueError(f"{n_tiers} tiers for {n_layer} layers: every tier needs a layer")
+            return [0, *(il * n_tiers // n_layer for il in range(n_layer)), n_tiers - 1]
+
+        return cls._rule(f"even({n_tiers})", plan, devices)
+
+    @classmethod
+    def by_memory(cls, budgets_bytes: Sequence[int], devices: Sequence[str] | None = None) -> "Placement":
+        """Contiguous runs sized in proportion to each tier's budget, counting every unit's weight and KV
+        bytes (as llama.cpp's tensor split does with its proportions); each tier must then fit its budget."""
+        budgets = [int(b) for b in budgets_bytes]
+        if not budgets or min(budgets) <= 0:
+            raise ValueError(f"budgets must be positive byte counts, got {list(budgets_bytes)}")
+
+        def plan(n_layer: int, costs: list[int], act: int) -> list[int]:
+            room = [b - act for b in budgets]
+            if min(room) <= 0:
+                t = room.index(min(room))
+                raise ValueError(f"tier {t}'s budget of {budgets[t]:,} bytes cannot hold the {act:,}-byte "
+                                 "hidden-state buffer of one chunk")
+            total, cap = sum(costs), sum(room)
+            if total > cap:
+                raise ValueError(f"the model needs {total:,} bytes of weights and KV; the budgets leave "
+                                 f"{cap:,} after each tier's {act:,}-byte hidden-state buffer")
+            bounds = np.cumsum(room) / cap * total
+            done, out = 0, []
+            for c in costs:  # a unit goes to the tier whose share holds its middle byte
+                out.append(min(int(np.searchsorted(bounds, done + c / 2, side="right")), len(budgets) - 1))
+                done += c
+            return out
+
+        return cls._rule(f"by_memory({len(budgets)} tiers)", plan, devices, budgets)
+
+    # -- resolving against a model --------------------------------------------------------------------
+    def resolve(self, model, state) -> "Placement":
+        """This plan for ``model`` with the KV ``state`` it will run (its arrays and chunk size are counted);
+        raises ``ValueError`` when a tier is unknown or a tier does not fit its budget."""
+        cfg, backend = model.config, model.backend
+        weights, kv = _unit_bytes(model, state)
+        act = state.geometry.step * cfg.n_hc * cfg.n_embd * np.dtype(backend.np_dtype).itemsize
+        unit_tiers = [int(t) for t in self._plan(cfg.n_layer, [w + k for w, k in zip(weights, kv)], act)]
+        n_tiers = len(self.devices or self.budgets or ()) or max(unit_tiers) + 1
+        for u, t in enumerate(unit_tiers):
+            if not 0 <= t < n_tiers:
+                raise ValueError(f"{_unit_name(u - 1, cfg.n_layer)} is on tier {t}, but the plan has tiers "
+                                 f"0…{n_tiers - 1}")
+        tiers = make_tiers(backend, self.devices, n_tiers)
+        memory = []
+        for t in range(n_tiers):
+            on = [u for u, ut in enumerate(unit_tiers) if ut == t]
+            memory.append(TierMemory(t, tiers[t].device, sum(weights[u] for u in on), sum(kv[u] for u in on),
+                                     act if on else 0, None if self.budgets is None else self.budgets[t]))
+        for m in memory:
+            if m.budget is not None and m.total > m.budget:
+                raise ValueError(f"tier {m.tier} ({m.device}) needs {m.total:,} bytes ({m.weights:,} weights + "
+                                 f"{m.kv:,} KV + {m.activations:,} activations) but its budget is {m.budget:,} bytes")
+        out = _copy(self)
+        out.unit_tiers, out.tiers, out.memory = tuple(unit_tiers), tiers, tuple(memory)
+        out._weights, out._kv = tuple(weights), tuple(kv)
+        return out
+
+    def _resolved(self) -> tuple[int, ...]:
+        if self.unit_tiers is None:
+            raise RuntimeError("this placement is not resolved yet: model.session(placement=...) resolves it")
+        return self.unit_tiers
+
+    @property
+    def n_layer(self) -> int:
+        return len(self._resolved()) - 2
+
+    def tier_of(self, layer: int) -> int:
+        """The tier of ``layer`` (EMBED for the embedding, n_layer for the head)."""
+        return self._resolved()[layer + 1]
+
+    @property
+    def embed_tier(self) -> int:
+        return self.tier_of(EMBED)
+
+    @property
+    def layer_tiers(self) -> tuple[int, ...]:
+        return self._resolved()[1:-1]
+
+    @property
+    def head_tier(self) -> int:
+        return self.tier_of(self.n_layer)
+
+    @property
+    def boundaries(self) -> int:
+        """Copying switches per step: consecutive units on tiers of different devices."""
+        u = self._resolved()
+        return sum(self.tiers[a].device != self.tiers[b].device for a, b in zip(u, u[1:]))
+
+    def table(self) -> list[dict]:
+        """One row per unit, embedding first and head last: layer, name, tier, device, weight and KV bytes."""
+        u = self._resolved()
+        return [dict(layer=i - 1, unit=_unit_name(i - 1, len(u) - 2), tier=t, device=self.tiers[t].device,
+                     weights=self._weights[i], kv=self._kv[i]) for i, t in enumerate(u)]
+
+    def __repr__(self) -> str:
+        if self.unit_tiers is None:
+            return f"Placement({self.rule}, devices={self.devices}, unresolved)"
+        units = [_ranges([r["layer"] for r in self.table() if r["tier"] == m.tier], self.n_layer) for m in self.memory]
+        wide = max(5, *map(len, units))
+        lines = [f"Placement {self.rule}: {self.n_layer} layers on {len(self.tiers)} tier(s), "
+                 f"{self.boundaries} copying switch(es) per step",
+                 f"{'tier':>4}  {'device':<10} {'units':<{wide}} {'weights':>12} {'KV':>12} {'activations':>12} "
+                 f"{'total':>12} {'budget':>12}"]
+        for m, names in zip(self.memory, units):
+            budget = "-" if m.budget is None else f"{m.budget:,}"
+            lines.append(f"{m.tier:>4}  {m.device:<10} {names:<{wide}} {m.weights:>12,} {m.kv:>12,} "
+                         f"{m.activations:>12,} {m.total:>12,} {budget:>12}")
+        return "\n".join(lines)
+
+
+def _copy(p: Placement) -> Placement:
+    out = Placement.__new__(Placement)
+    out.__dict__.update(p.__dict__)
+    return out
+
+
+def _unit_name(layer: int, n_layer: int) -> str:
+    return "embed" if layer == EMBED else "head" if layer == n_layer else f"layer {layer}"
+
+
+def _ranges(layers: list[int], n_layer: int) -> str:
+    """``embed, layers 0-2, head`` from the unit indices of one tier."""
+    parts, run = [], []
+    for il in layers + [None]:
+        if il is not None and 0 <= il < n_layer and (not run or il == run[-1] + 1):
+            run.append(il)
+            continue
+        if run:
+            parts.append(f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}")
+            run = []
+        if il is not None and 0 <= il < n_layer:
+            run = [il]
+        elif il is not None:
+            parts.append(_unit_name(il, n_layer))
+    return ", ".join(parts) or "-"
+
+
+def _unit_bytes(model, state) -> tuple[list[int], list[int]]:
+    """Weight (GGUF) and KV bytes of the embedding, each layer and the head."""
+    n = model.config.n_layer
+    weights = [0] * (n + 2)
+    for name, t in model.file.tensors.items():
+        if name.startswith("blk."):
+            u = int(name.split(".")[1]) + 1
+        else:
+            u = 0 if name.startswith("token_embd.") else n + 1
+        weights[u] += int(t.nbytes)
+    kv = [0, *(sum(int(a.nbytes) for a in layer.arrays() if a is not None) for layer in state.layers), 0]
+    return weights, kv
+
+
+# -- switching during a step --------------------------------------------------------------------------
+class TierRun:
+    """The tier switches of one evaluation step: ``forward`` calls :meth:`start`, :meth:`enter` before
+    every layer and the head, and computes inside :meth:`scope`."""
+
+    def __init__(self, placement: Placement, mode: str, step: int, active: int):
+        if mode not in MODES:
+            raise ValueError(f"unknown tier mode {mode!r}; use one of {', '.join(MODES)}")
+        self.placement, self.mode, self.step, self.active = placement, mode, step, active
+        self.switches: list[TierSwitch] = []
+
+    def start(self) -> None:
+        """Switch to the embedding's tier: the step's hidden state is allocated there, nothing is copied."""
+        self._switch(EMBED, None)
+
+    def enter(self, layer: int, x):
+        """Make ``layer``'s tier active and return ``x`` resident there."""
+        return self._switch(layer, x)
+
+    def scope(self):
+        return self.placement.tiers[self.active].scope()
+
+    def _switch(self, layer: int, x):
+        dst = self.placement.tier_of(layer)
+        src = self.active
+        if dst == src:
+            return x
+        tiers = self.placement.tiers
+        began = time.perf_counter()
+        if x is None or tiers[src].device == tiers[dst].device:
+            mode, nbytes = "no-copy", 0
+        else:
+            if self.mode == "decode" and x.shape[0] != 1:
+                raise ValueError(f"decode switches carry one token's hidden state, got {x.shape[0]} rows")
+            tiers[src].backend.eval(x)  # the layers before the boundary are not part of the switch time
+            began = time.perf_counter()
+            x = tiers[dst].copy_in(x)
+            mode, nbytes = self.mode, int(x.nbytes)
+        self.switches.append(TierSwitch(self.step, layer, src, dst, mode, nbytes, time.perf_counter() - began))
+        self.active = dst
+        return x
+
+
+class _Untiered:
+    """The forward pass without a placement: nothing switches."""
+
+    def start(self) -> None:
+        pass
+
+    def enter(self, layer: int, x):
+        return x
+
+    def scope(self):
+        return nullcontext()
+
+
+NO_TIERS = _Untiered()

@@ -1,0 +1,166 @@
+"""Tier placement: results independent of the plan, the bytes each switch mode moves, memory accounting,
+and the errors of plans that cannot run."""
+
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab import Placement
+from ds4lab.tiers import EMBED
+
+PROMPT = np.random.default_rng(5).integers(0, 1000, 90).tolist()  # crosses the indexer at 67
+CHUNK = 32
+N_DECODE = 3
+ALTERNATE = [0, 1] * 3
+
+
+@pytest.fixture(scope="module", params=["numpy", "mlx"])
+def model(request, model_paths):
+    return ds4lab.load(model_paths["nano"], backend=request.param)
+
+
+def run(model, placement, chunk=CHUNK, prompt=PROMPT, n_decode=N_DECODE):
+    sess = model.session(ctx=128, prefill_chunk=chunk, placement=placement)
+    chunks = sess.prefill(prompt).run(progress=False)
+    decode = sess.decoder(seed=3)
+    steps = [decode.step() for _ in range(n_decode)]
+    return sess, chunks, steps
+
+
+def state_arrays(sess):
+    b = sess.model.backend
+    return [b.to_numpy(a) for layer in sess._state.layers for a in layer.arrays() if a is not None]
+
+
+def hidden_bytes(model, rows=1):
+    cfg = model.config
+    return rows * cfg.n_hc * cfg.n_embd * np.dtype(model.backend.np_dtype).itemsize
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run(model, None)
+
+
+PLACEMENTS = {
+    "single": lambda: Placement.single(),
+    "even2": lambda: Placement.even(2),
+    "even3": lambda: Placement.even(3),
+    "by_memory": lambda: Placement.by_memory([12 << 20, 8 << 20]),
+    "alternate": lambda: Placement(layer_tiers=ALTERNATE),
+    "alternate_one_device": lambda: Placement(layer_tiers=ALTERNATE, devices=["cpu", "cpu"]),
+}
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_results_do_not_depend_on_the_placement(name, model, reference):
+    ref, ref_chunks, ref_steps = reference
+    sess, chunks, steps = run(model, PLACEMENTS[name]())
+    assert [s.token for s in steps] == [s.token for s in ref_steps]
+    assert np.array_equal(sess.logits, ref.logits)
+    for got, want in zip(state_arrays(sess), state_arrays(ref), strict=True):
+        assert np.array_equal(got, want)
+    if name != "single":
+        assert len(set(sess.placement.layer_tiers)) > 1
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 64])
+def test_batch_copies_the_chunk_once_per_boundary(chunk, model):
+    sess, chunks, _ = run(model, Placement(layer_tiers=ALTERNATE), chunk=chunk, prompt=PROMPT[:70], n_decode=0)
+    boundaries = sess.placement.boundaries
+    assert boundaries == 5  # embed 0 | 0 1 0 1 0 1 | head 1: a copy before layers 1…5
+    for c in chunks:
+        copies = [s for s in c.tier_switches if s.mode == "batch"]
+        assert [s.layer for s in copies] == [1, 2, 3, 4, 5]
+        assert all(s.bytes == hidden_bytes(model, c.n_tokens) for s in copies)
+        assert c.tier_bytes == boundaries * hidden_bytes(model, c.n_tokens)
+    # Every chunk after the first starts with the switch from the head's tier back to the embedding's.
+    starts = [s for c in chunks for s in c.tier_switches if s.mode == "no-copy"]
+    assert [(s.layer, s.from_tier, s.to_tier, s.bytes) for s in starts] == [(EMBED, 1, 0, 0)] * (len(chunks) - 1)
+    assert list(sess.tier_trace) == [s for c in chunks for s in c.tier_switches]
+    assert [s.step for s in sess.tier_trace] == sorted(s.step for s in sess.tier_trace)
+
+
+def test_decode_copies_one_token_per_boundary(model):
+    sess, _, steps = run(model, Placement.even(3))
+    for step in steps:
+        copies = [s for s in step.tier_switches if s.mode == "decode"]
+        assert [(s.layer, s.from_tier, s.to_tier) for s in copies] == [(2, 0, 1), (4, 1, 2)]
+        assert step.tier_bytes == 2 * hidden_bytes(model)
+        assert step.tier_seconds >= 0
+
+
+def test_no_copy_moves_nothing(model):
+    sess, chunks, steps = run(model, Placement(layer_tiers=ALTERNATE, devices=["cpu", "cpu"]))
+    assert sess.placement.boundaries == 0
+    assert sess.tier_trace and all(s.mode == "no-copy" and s.bytes == 0 for s in sess.tier_trace)
+    assert all(c.tier_bytes == 0 for c in chunks) and all(s.tier_bytes == 0 for s in steps)
+
+
+def test_single_tier_never_switches(model, reference):
+    ref, chunks, steps = reference
+    assert not ref.tier_trace and all(not c.tier_switches for c in chunks + steps)
+
+
+def test_memory_accounting(model):
+    sess = model.session(ctx=128, prefill_chunk=CHUNK, placement=Placement.even(2))
+    p = sess.placement
+    assert sum(m.weights for m in p.memory) == sum(t.nbytes for t in model.file.tensors.values())
+    itemsize = np.dtype(model.backend.np_dtype).itemsize
+    assert sum(m.kv for m in p.memory) == sum(a.size for a in state_arrays(sess)) * itemsize
+    assert [m.activations for m in p.memory] == [hidden_bytes(model, CHUNK)] * 2
+    rows = p.table()
+    assert [r["layer"] for r in rows] == list(range(-1, model.config.n_layer + 1))
+    assert [r["tier"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert "logical:1" in repr(p) and "layers 3-5, head" in repr(p)
+
+
+def test_by_memory_splits_in_proportion(model):
+    sess = model.session(ctx=128, prefill_chunk=CHUNK, placement=Placement.by_memory([30 << 20, 10 << 20]))
+    p = sess.placement
+    assert list(p.unit_tiers) == sorted(p.unit_tiers) and p.embed_tier == 0 and p.head_tier == 1
+    assert p.memory[0].total > 2 * p.memory[1].total
+
+
+@pytest.mark.parametrize("placement, message", [
+    (lambda: Placement(layer_tiers=[0, 1]), "has 2 entries; the model has 6 layers"),
+    (lambda: Placement(layer_tiers=[0, 0, 1, 1, 2, 2], devices=["cpu", "cpu"]), "layer 4 is on tier 2"),
+    (lambda: Placement(layer_tiers=[0, 0, 0, -1, 0, 0]), "layer 3 is on tier -1"),
+    (lambda: Placement(layer_tiers=[0] * 6, budgets=[1_000_000]), "tier 0 (logical:0) needs"),
+    (lambda: Placement.by_memory([1 << 20, 1 << 20]), "the budgets leave"),
+    (lambda: Placement.by_memory([20 << 20, 1000]), "tier 1's budget of 1,000 bytes"),
+    (lambda: Placement.even(7), "7 tiers for 6 layers"),
+    (lambda: Placement.single("tpu"), "unknown device 'tpu'"),
+])
+def test_plans_that_cannot_run_say_why(placement, message, model):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        model.session(ctx=128, prefill_chunk=CHUNK, placement=placement())
+
+
+def test_budget_error_names_the_bytes(model):
+    with pytest.raises(ValueError) as err:
+        model.session(ctx=128, prefill_chunk=CHUNK, placement=Placement(
+            layer_tiers=[0, 0, 0, 1, 1, 1], budgets=[100 << 20, 1 << 20]))
+    assert "tier 1" in str(err.value) and "budget is 1,048,576 bytes" in str(err.value)
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="n_tiers must be at least 1"):
+        Placement.even(0)
+    with pytest.raises(ValueError, match="3 devices for 2 tiers"):
+        Placement.even(2, devices=["cpu"] * 3)
+    with pytest.raises(ValueError, match="budgets must be positive"):
+        Placement.by_memory([0])
+    with pytest.raises(RuntimeError, match="not resolved"):
+        Placement.even(2).table()
+
+
+def test_mlx_cpu_and_gpu_tiers(model_paths):
+    mx = pytest.importorskip("mlx.core")
+    if not mx.is_available(mx.gpu):
+        pytest.skip("MLX has no GPU here")
+    m = ds4lab.load(model_paths["nano"], backend="mlx")
+    ref, _, _ = run(m, Placement.single("gpu"))
+    sess, _, _ = run(m, Placement(layer_tiers=ALTERNATE, devices=["gpu", "cpu"]))
+    assert sess.placement.boundaries == 5 and sess.tier_trace
+    np.testing.assert_allclose(sess.logits, ref.logits, rtol=1e-4, atol=1e-4)  # two devices' kernels differ

@@ -1,0 +1,134 @@
+"""Widget models in Python: traits after each step, the attention buffer against a reference reduction,
+static fallbacks in every mimebundle."""
+
+import base64
+import zlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("anywidget")
+import ds4lab  # noqa: E402
+from ds4lab.viz import AttentionView, KVCacheView, PrefillView  # noqa: E402
+from ds4lab.viz.reduce import maxpool, png_bytes, reduce_groups, to_uint8  # noqa: E402
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture(scope="module")
+def model(model_paths):
+    return ds4lab.load(model_paths["nano"], backend="numpy")
+
+
+def _ids(n, vocab):
+    return ((np.arange(n) * 7 + 3) % (vocab - 10) + 5).tolist()
+
+
+def test_static_files_exist():
+    from ds4lab.viz import views
+
+    for name in ("prefill.js", "kvcache.js", "attention.js", "views.css"):
+        assert (views.STATIC / name).is_file()
+        if name.endswith(".js"):
+            assert (
+                "export default" in (views.STATIC / name).read_text()
+                and "http" not in (views.STATIC / name).read_text()
+            )
+
+
+def test_prefill_and_kv_views_follow_steps(model):
+    sess = model.session(ctx=256, prefill_chunk=32)
+    kv = KVCacheView(sess)
+    assert kv.model.data["n_tokens"] == 0
+    view = PrefillView(sess, _ids(100, model.config.n_vocab), kv_view=kv)
+    m = view.model
+    assert m.bounds == [[0, 32], [32, 64], [64, 96], [96, 100]] and m.total == 100 and m.done == 0
+    assert len(m.tokens) == 100
+    view.step()
+    assert m.done == 32 and len(m.chunks) == 1 and m.selected == 0
+    d = kv.model.data
+    assert d["n_tokens"] == 32 and d["total_bytes"] == sess.kv.nbytes
+    view.run()
+    assert m.done == 100 and [c["end"] for c in m.chunks] == [32, 64, 96, 100]
+    assert m.chunks[-1]["kv_bytes"] == sess.kv_bytes
+    d = kv.model.data
+    assert d["n_tokens"] == 100
+    geo = sess.geometry
+    for L, lk in zip(d["layers"], sess.kv):
+        assert len(L["slots"]) == geo.raw_cap
+        assert all(p == -1 or p % geo.raw_cap == s for s, p in enumerate(L["slots"]))
+        assert L["live"] == [int(lk.raw_positions[0]), int(lk.raw_positions[-1])]
+        assert L["n_comp"] == lk.n_comp and L["bytes"] == lk.nbytes
+        if lk.ratio:
+            assert L["pending"] == list(range(100 - 100 % lk.ratio, 100))
+    # scrubbing to an earlier chunk shows its checkpoint and leaves the session alone
+    view.slider.value = 1
+    assert kv.model.data["n_tokens"] == 64 and len(sess.tokens) == 100
+    for v in (view, kv):
+        bundle = v._repr_mimebundle_()
+        assert WIDGET in bundle and "<table>" in bundle["text/html"]
+
+
+def test_attention_buffer_matches_reference_reduction(model):
+    sess = model.session(ctx=512, prefill_chunk=64)
+    il = next(i for i in range(model.config.n_layer) if model.config.has_indexer(i))
+    with sess.capture(["attn.scores"], layers=[il], heads=[1]) as cap:
+        sess.prefill(_ids(300, model.config.n_vocab)).run(progress=False)
+    view = AttentionView(cap, max_side=64)
+    m = view.model
+    amap = cap.attention(il)
+    w = amap.weights[:, 0, :]
+    # reference: pool each group on its own with a common column factor
+    fr = -(-w.shape[0] // 64)
+    assert (m.row_factor, m.rows) == (fr, -(-w.shape[0] // fr))
+    fc = m.col_factor
+    ref = np.concatenate(
+        [
+            maxpool(w[:, amap.groups["raw"]], fr, fc),
+            maxpool(w[:, amap.groups["comp"]], fr, fc),
+            maxpool(w[:, amap.groups["sink"]], fr, 1),
+        ],
+        axis=1,
+    )
+    assert m.rows <= 64 and m.cols <= 64 and ref.shape == (m.rows, m.cols)
+    buf = np.frombuffer(m.buf, np.uint8).reshape(m.rows, m.cols)
+    assert len(m.buf) == m.rows * m.cols and len(m.marks) == m.rows * m.cols
+    np.testing.assert_array_equal(buf, np.clip(np.rint(ref / ref.max() * 255), 0, 255).astype(np.uint8))
+    assert m.vmax == pytest.approx(ref.max())
+    assert [g["name"] for g in m.groups] == ["raw", "comp", "sink"] and m.groups[-1]["stop"] == m.cols
+    assert len(m.row_labels) == m.rows and len(m.col_labels) == m.cols
+    marks = np.frombuffer(m.marks, np.uint8).reshape(m.rows, m.cols)
+    comp = slice(m.groups[1]["start"], m.groups[1]["stop"])
+    assert (marks[:, comp] == 1).any() and (marks[:, comp] == 2).any()  # the indexer dropped rows
+    assert not marks[:, : m.groups[0]["stop"]].any()
+    bundle = view._repr_mimebundle_()
+    assert WIDGET in bundle and "data:image/png;base64," in bundle["text/html"]
+    png = base64.b64decode(bundle["text/html"].split("base64,")[1].split("'")[0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the full-resolution view needs no pooling
+    full = AttentionView(amap)
+    assert (full.model.row_factor, full.model.col_factor) == (1, 1)
+    assert full.model.cols == amap.weights.shape[-1]
+
+
+def test_reduce_helpers():
+    a = np.arange(35, dtype=float).reshape(5, 7)
+    np.testing.assert_array_equal(maxpool(a, 2, 3), [[9, 12, 13], [23, 26, 27], [30, 33, 34]])
+    red, fr, fc, spans = reduce_groups(np.ones((1000, 1300)), [("raw", 1000), ("comp", 299), ("sink", 1)])
+    assert red.shape[0] <= 512 and red.shape[1] <= 512 and spans[-1][2] - spans[-1][1] == 1
+    img, vmax = to_uint8(np.array([[0.0, 0.5, 1.0]]))
+    assert img.tolist() == [[0, 128, 255]] and vmax == 1.0
+    png = png_bytes(np.zeros((2, 3, 3), np.uint8))
+    assert zlib.decompress(png[png.index(b"IDAT") + 4 : -16]) == b"\x00" + bytes(9) + b"\x00" + bytes(9)
+
+
+def test_charts(model):
+    from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
+
+    sess = model.session(ctx=256, prefill_chunk=32)
+    chunks = sess.prefill(_ids(80, model.config.n_vocab)).run(progress=False)
+    spec = kv_bytes_chart(sess, chunks).to_dict()
+    assert len(spec["data"]["values"]) == len(chunks) * len(
+        {model.config.ratio(i) for i in range(model.config.n_layer)}
+    )
+    assert len(prefill_chunks_chart(chunks).to_dict()["data"]["values"]) == len(chunks)
