@@ -44,15 +44,8 @@ def resume_prefill_min() -> int:
     return RESUME_PREFILL_MIN if value is None else value
 
 
-@dataclass(frozen=True)
-class PrefillChunk:
-    start: int  # absolute token range [start, end)
-    end: int
-    seconds: float
-    kv_bytes: int  # DSV4 payload size of the state after the chunk
-    rows: dict  # layer -> {"raw": n, "comp": n, "index": n} rows written by this chunk
-    checkpoint: Checkpoint
-    tier_switches: tuple[TierSwitch, ...] = ()  # this chunk's switches (see session.tier_trace)
+class _TierTotals:
+    """Totals of a step's tier switches (``tier_switches``)."""
 
     @property
     def tier_bytes(self) -> int:
@@ -61,6 +54,17 @@ class PrefillChunk:
     @property
     def tier_seconds(self) -> float:
         return sum(s.seconds for s in self.tier_switches)
+
+
+@dataclass(frozen=True)
+class PrefillChunk(_TierTotals):
+    start: int  # absolute token range [start, end)
+    end: int
+    seconds: float
+    kv_bytes: int  # DSV4 payload size of the state after the chunk
+    rows: dict  # layer -> {"raw": n, "comp": n, "index": n} rows written by this chunk
+    checkpoint: Checkpoint
+    tier_switches: tuple[TierSwitch, ...] = ()  # this chunk's switches (see session.tier_trace)
 
     @property
     def n_tokens(self) -> int:
@@ -72,7 +76,7 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class DecodeStep:
+class DecodeStep(_TierTotals):
     token: int
     text: str  # the text this token completes (UTF-8 characters split across tokens wait for the rest)
     logprob: float
@@ -80,14 +84,6 @@ class DecodeStep:
     position: int
     seconds: float
     tier_switches: tuple[TierSwitch, ...] = ()  # this token's switches (none for an unevaluated EOS)
-
-    @property
-    def tier_bytes(self) -> int:
-        return sum(s.bytes for s in self.tier_switches)
-
-    @property
-    def tier_seconds(self) -> float:
-        return sum(s.seconds for s in self.tier_switches)
 
 
 @dataclass(frozen=True)
@@ -216,7 +212,7 @@ class Session:
         reused = len(self.tokens)
         suffix = ids[reused:]
         if not suffix:
-            if self.logits is None:  # an exact match of a state without logits: evaluate the last token
+            if self.logits is None:  # a restored payload without logits
                 raise ValueError("the session has no logits for this prompt")
             return SyncResult(source, reused, 0)
         threshold = resume_prefill_min()
@@ -295,7 +291,7 @@ class Prefill:
     def step(self) -> PrefillChunk:
         sess = self.session
         if self.remaining <= 0:
-            raise StopIteration("the prefill is complete")
+            raise RuntimeError("the prefill is complete")
         if self.ids[: self.position] != sess.tokens:
             raise RuntimeError("the session moved on since this prefill was created; start a new one")
         start, end = self._bounds()[0]

