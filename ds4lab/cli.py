@@ -251,24 +251,16 @@ class _Progress:
 
 
 def _sync(sess, ids: list[int], progress: bool = True):
-    """``sess.sync(ids)`` with chunk progress: when the live state is a prefix and the suffix is long
-    enough to be batched (the path sync takes then), its prefill is iterated here chunk by chunk.
+    """``sess.sync(ids)`` with prefill progress on stderr, counted from the first evaluated token.
     Returns (SyncResult, seconds)."""
-    from .session import SyncResult, resume_prefill_min
+    first: dict[str, int] = {}
+
+    def show(chunk) -> None:
+        start = first.setdefault("start", chunk.start)
+        _Progress(len(ids) - start).update(chunk.end - start)
 
     began = time.perf_counter()
-    live = list(sess.tokens)
-    suffix = len(ids) - len(live)
-    threshold = resume_prefill_min()
-    if ids[: len(live)] == live and suffix > 0 and (not live or 0 < threshold <= suffix):
-        prefill = sess.prefill(ids)  # the context check happens here
-        bar = _Progress(suffix) if progress else None
-        for chunk in prefill:
-            if bar:
-                bar.update(chunk.end - len(live))
-        result = SyncResult("live" if live else "cold", len(live), suffix)
-    else:
-        result = sess.sync(ids)
+    result = sess.sync(ids, on_chunk=show if progress else None)
     return result, time.perf_counter() - began
 
 

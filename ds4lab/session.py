@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .kv.checkpoint import Checkpoint, state_to_payload
-from .kv.payload import payload_nbytes
+from .kv.payload import expected_row_counts, payload_nbytes
 from .kv.view import KVView
 from .model.state import Geometry, KVState, env_int, new_state
 from .sampling import (
@@ -189,11 +189,12 @@ class Session:
             self.reset()
         return Prefill(self, ids)
 
-    def sync(self, prompt) -> SyncResult:
+    def sync(self, prompt, on_chunk=None) -> SyncResult:
         """Bring the session to exactly ``prompt``, as ds4 does, and better: extend the live state when
         it is a prefix (batched from ds4's resume threshold, token by token below it); otherwise restore
         the longest kept checkpoint that is a prefix and extend that; otherwise, with a ``kv_store``, the
-        longest stored prefix on disk; otherwise prefill from zero."""
+        longest stored prefix on disk; otherwise prefill from zero. ``on_chunk(PrefillChunk)`` is called
+        after each chunk of a batched prefill (for progress displays)."""
         ids = self._ids(prompt)
         source = "live"
         if ids[: len(self.tokens)] != self.tokens or not self.tokens:
@@ -217,7 +218,9 @@ class Session:
             return SyncResult(source, reused, 0)
         threshold = resume_prefill_min()
         if threshold > 0 and len(suffix) >= threshold or not self.tokens:
-            Prefill(self, ids).run(progress=False)
+            for chunk in Prefill(self, ids):
+                if on_chunk is not None:
+                    on_chunk(chunk)
         else:
             for token in suffix:
                 logits, state, run = self._eval([token], "decode")
@@ -303,9 +306,11 @@ class Prefill:
         seconds = time.perf_counter() - began
         sess._commit(self.ids[:end], logits, state, run)
         cfg = sess.model.config
-        rows = {il: {"raw": end - start,
-                     "comp": end // cfg.ratio(il) - start // cfg.ratio(il) if cfg.ratio(il) else 0,
-                     "index": end // 4 - start // 4 if cfg.has_indexer(il) else 0} for il in range(cfg.n_layer)}
+        rows = {}
+        for il in range(cfg.n_layer):
+            (comp_before, index_before), (comp_after, index_after) = (
+                expected_row_counts(cfg, il, n) for n in (start, end))
+            rows[il] = {"raw": end - start, "comp": comp_after - comp_before, "index": index_after - index_before}
         chunk = PrefillChunk(start, end, seconds, sess.kv_bytes, rows, sess.checkpoint(), tuple(run.switches))
         self.chunks.append(chunk)
         sess._store_step()
