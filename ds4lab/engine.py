@@ -25,13 +25,14 @@ def default_model_path() -> Path:
 class Model:
     """A DS4-architecture model. ``logits(ids)`` returns float32 ``[T, vocab]`` for every position."""
 
-    def __init__(self, path: Path, backend: str = "mlx", numerics: str = "ds4", device: str | None = None):
+    def __init__(self, path: Path, backend: str = "mlx", numerics: str = "ds4", device: str | None = None,
+                 kernels: bool | None = None):
         self.path = Path(path)
         config, file = load_model_file(self.path)
         self.config: ModelConfig = config
         self.file = file
         self.tokenizer = Tokenizer.from_metadata(file.metadata)
-        self.backend = get_backend(backend, device)
+        self.backend = get_backend(backend, device, kernels)
         self.numerics = numerics
         self.transformer = Transformer(config, file, self.backend, numerics)
 
@@ -92,6 +93,10 @@ class Model:
 
 
 def load(path: str | Path | None = None, backend: str = "mlx", numerics: str = "ds4",
-         device: str | None = None) -> Model:
-    """Load a DS4 GGUF (the embedded default model when ``path`` is None)."""
-    return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device)
+         device: str | None = None, kernels: bool | None = None) -> Model:
+    """Load a DS4 GGUF (the embedded default model when ``path`` is None).
+
+    ``backend``: "mlx" (CPU, Metal or CUDA), "numpy" (the float64 reference) or "cupy" (NVIDIA GPUs).
+    ``kernels``: on GPU backends, ds4lab's custom kernels (default on); False gives the plain-ops path.
+    """
+    return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels)

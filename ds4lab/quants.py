@@ -102,6 +102,12 @@ def _ksigns_iq2xs() -> np.ndarray:
 
 _IQ2XXS_GRID = _iq2xxs_grid()
 _KSIGNS = _ksigns_iq2xs()
+
+
+def iq2xxs_tables() -> np.ndarray:
+    """The IQ2_XXS lookup tables as one byte array for kernels: the grid (256 × 8), then the 128 signs."""
+    return np.concatenate([_IQ2XXS_GRID.reshape(-1), _KSIGNS])
+
 _IQ2_SIGN_SHIFTS = np.array([0, 7, 14, 21], dtype=np.uint32)
 _BIT_SHIFTS = np.arange(8, dtype=np.uint8)
 

@@ -11,20 +11,34 @@ the few operations below whose spelling differs between libraries or that touch 
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
     can_compile, compile(fn)          whether and how a function of arrays is traced once and reused
     scalar(int)                       an integer as the backend passes it into compiled functions
+
+GPU backends with ds4lab's kernels (``kernels``) add
+
+    attend(q, keys, visible, sinks, scale)    attention with sinks (the split-key kernel for a few queries)
+    stacked_linear(raw, qtype, ne0)           every routed expert of a tensor in block form on the device
 """
 
 from __future__ import annotations
 
-BACKENDS = ("mlx", "numpy")
+BACKENDS = ("mlx", "numpy", "cupy")
 
 
-def get_backend(name: str, device: str | None = None):
+def get_backend(name: str, device: str | None = None, kernels: bool | None = None):
+    """``kernels`` (GPU backends): use ds4lab's kernels; None means yes on a GPU."""
     if name == "numpy":
+        if kernels:
+            raise ValueError("the numpy backend has no kernels; kernels=True needs mlx on a GPU or cupy")
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
     if name == "mlx":
         from .mlx_backend import MLXBackend
 
-        return MLXBackend(device)
+        return MLXBackend(device, kernels)
+    if name == "cupy":
+        try:
+            from .cupy_backend import CupyBackend
+        except ImportError as e:
+            raise ValueError(f"the cupy backend needs CuPy and a CUDA GPU ({e}); install ds4lab[cuda]") from e
+        return CupyBackend(device, kernels is not False)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -3,6 +3,10 @@
 Q8_0 weights stay quantized: a Q8_0 block ``x = d·q`` (int8 q) is exactly MLX's 8-bit affine form
 ``x = d·(q+128) − 128·d`` with group size 32, so ``mx.quantized_matmul`` runs on the GGUF blocks
 without a float copy of the matrix.
+
+On a GPU (Metal, or CUDA with mlx[cuda]) ds4lab's kernels are on by default (``kernels=False`` turns
+them off): the K and IQ quant types run from their blocks, routed experts stay whole on the device in
+block form, and decode-sized attention uses the split-key kernel.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..quants import dequantize
+from .kernel_ops import BlockLinear, StackedBlockLinear, attend, kernel_types
 
 Q8_0_BLOCK_BYTES = 34
+BLOCK_KERNEL_TYPES = frozenset({Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # Q8_0 has quantized_matmul, F16/F32 are floats
 
 
 def _q8_0_affine(raw: np.ndarray, ne0: int):
@@ -30,12 +36,23 @@ class MLXBackend:
     np_dtype = np.float32
     dtype = mx.float32
 
-    def __init__(self, device: str | None = None):
+    def __init__(self, device: str | None = None, kernels: bool | None = None):
         if device is not None:
             if device not in ("cpu", "gpu"):
                 raise ValueError(f"unknown MLX device {device!r}; use 'cpu' or 'gpu'")
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.device = str(mx.default_device())
+        on_gpu = mx.default_device() == mx.gpu
+        if kernels and not on_gpu:
+            raise ValueError("MLX kernels need the GPU device (device='gpu')")
+        if kernels is None:
+            kernels = on_gpu
+        if kernels:
+            from ..mlx_kernels.mlx_ops import MLXKernels
+
+            self.kernels = MLXKernels()
+        else:
+            self.kernels = None
 
     def asarray(self, a):
         return mx.array(np.asarray(a, dtype=np.float32))
@@ -47,11 +64,22 @@ class MLXBackend:
         if qtype == Q.Q8_0:
             w, scales, biases = _q8_0_affine(raw, ne0)
             return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=8)
+        if self.kernels is not None and qtype in BLOCK_KERNEL_TYPES:
+            return BlockLinear(self.kernels, mx.array(raw), qtype, ne0, raw.shape[0])
         if qtype == Q.F16:
             weight = mx.array(dequantize(raw, qtype, ne0).astype(np.float16))
             return lambda x: x @ weight.astype(mx.float32).T
         weight_t = mx.array(dequantize(raw, qtype, ne0)).T
         return lambda x: x @ weight_t
+
+    def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
+        """Every expert of ``raw [n_expert, rows, row_bytes]`` in block form on the GPU (None: no kernel)."""
+        if self.kernels is None or Q(qtype) not in kernel_types():
+            return None
+        return StackedBlockLinear(self.kernels, mx.array(raw), qtype, ne0, raw.shape[1])
+
+    def attend(self, q, keys, visible, sinks, scale: float):
+        return attend(self.kernels, mx, q, keys, visible, sinks, scale)
 
     def index_add(self, acc, rows, values):
         return acc.at[mx.array(rows)].add(values)

@@ -45,3 +45,17 @@ def routed_experts(backend, f, selected: np.ndarray, weights, experts, clamp: fl
         x = f[backend.xp.array(rows)]
         out = backend.index_add(out, rows, down(swiglu(xp, gate(x), up(x), clamp) * w[:, None]))
     return out
+
+
+def routed_experts_gathered(xp, f, selected: np.ndarray, weights, stacked, clamp: float):
+    """The same sum with every (token, expert) pair in one product per projection.
+
+    ``stacked`` is (gate, up, down), each called as ``proj(x_pairs, experts)`` with row p of
+    ``x_pairs`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is.
+    """
+    T, k = selected.shape
+    experts = selected.reshape(-1)
+    x = f[xp.array(np.repeat(np.arange(T), k))]
+    gate, up, down = stacked
+    mid = swiglu(xp, gate(x, experts), up(x, experts), clamp) * weights.reshape(T * k, 1)
+    return down(mid, experts).reshape(T, k, -1).sum(axis=1)

@@ -14,6 +14,7 @@ masked). The FFN half runs eagerly because the routed experts it evaluates are c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -24,12 +25,13 @@ from .attention import attend_with_sinks, grouped_output, indexer_allowed, index
 from .compressor import coff, compress_chunk, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post, hc_pre
-from .moe import route_weights, routed_experts, router_probs, select_topk, swiglu
+from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk, swiglu
 from .rope import RopeParams, rope_tail
 from .state import KVState, LayerState
 from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
+GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which routed experts run gathered, when the backend can
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Transformer:
         self.numerics = numerics
         self.w = weights if weights is not None else Weights(file, backend, config.o_groups, config.o_lora)
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
+        self.attend = getattr(backend, "attend", partial(attend_with_sinks, backend.xp))  # kernels where they exist
         # Called as observer(name, value) at the named points below when set (eager runs only).
         self.observer = None
         self.compile = backend.can_compile if compile is None else compile
@@ -231,7 +234,7 @@ class Transformer:
             self._emit(p + "attn.scores", dict(
                 q=q, keys=keys, visible=visible, sinks=w.vector(p + "attn_sinks.weight"), scale=cfg.head_dim ** -0.5,
                 slot_pos=slot_pos, n_raw=raw_cap, ratio=R, comp_candidates=comp_candidates if R else None))
-        out = attend_with_sinks(xp, q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
+        out = self.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         self._emit(p + "attn.out", out)
         heads = rope_tail(xp, out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
@@ -287,7 +290,11 @@ class Transformer:
         weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
-        moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
+        stacked = w.stacked_experts(il) if selected.size <= GATHER_MAX_PAIRS else None
+        if stacked is not None:  # a decode step: every selected expert in one launch per projection
+            moe = routed_experts_gathered(xp, f, selected, weights, stacked, clamp)
+        else:
+            moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
         shared = w.linear(p + "ffn_down_shexp.weight")(
             swiglu(xp, w.linear(p + "ffn_gate_shexp.weight")(f), w.linear(p + "ffn_up_shexp.weight")(f), clamp))
         return hc_post(xp, moe + shared, X, post, comb)

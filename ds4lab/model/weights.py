@@ -56,13 +56,32 @@ class Weights:
         return self._memo(f"blk.{il}.attn_output_a.groups", lambda: [
             self.backend.linear(t.data[g * rows:(g + 1) * rows], t.qtype, t.shape[0]) for g in range(self.o_groups)])
 
+    def stacked_experts(self, il: int):
+        """(gate, up, down) over all experts of layer ``il`` in block form on the device, where the backend
+        has the kernels for it (see :func:`ds4lab.model.moe.routed_experts_gathered`); else None."""
+        def make():
+            stack = getattr(self.backend, "stacked_linear", None)
+            if stack is None:
+                return None
+            mats = tuple(stack(t.data, t.qtype, t.shape[0]) for t in self._expert_tensors(il))
+            return None if None in mats else mats
+
+        return self._memo(f"blk.{il}.experts", make)
+
+    def _expert_tensors(self, il: int):
+        return [self.file.tensors[f"blk.{il}.ffn_{kind}_exps.weight"] for kind in ("gate", "up", "down")]
+
     def expert(self, il: int, e: int):
-        """Gate, up and down of routed expert ``e``, built from that expert's blocks only."""
+        """Gate, up and down of routed expert ``e``, built from that expert's blocks only (a view of the
+        device-resident blocks where the backend keeps them whole)."""
+        stacked = self.stacked_experts(il)
+        if stacked is not None:
+            return tuple(s.expert(e) for s in stacked)
         key = (il, e)
         if key in self._experts:
             self._experts.move_to_end(key)
             return self._experts[key][0]
-        tensors = [self.file.tensors[f"blk.{il}.ffn_{kind}_exps.weight"] for kind in ("gate", "up", "down")]
+        tensors = self._expert_tensors(il)
         mats = tuple(self.backend.linear(t.data[e], t.qtype, t.shape[0]) for t in tensors)
         size = sum(t.shape[0] * t.shape[1] for t in tensors) * np.dtype(self.backend.np_dtype).itemsize
         self._experts[key] = (mats, size)

@@ -1,0 +1,62 @@
+"""What the GPU backends share around ds4lab's kernels: linears that keep a GGUF weight in its block
+form on the GPU, and the choice between the attention kernel and the plain path.
+
+A few rows (a decode step, a routed expert's tokens) go through ``qmatmul``, which decodes each weight
+row once per batch of up to eight rows of x; a chunk dequantizes the matrix into a transient float32
+buffer and uses the library's GEMM, which is the faster way once many rows share the weight. Nothing
+dequantized is kept.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ..mlx_kernels.specs import DECODERS
+from ..model.attention import attend_with_sinks
+
+KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
+ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
+
+
+def kernel_types() -> frozenset:
+    return frozenset(DECODERS)
+
+
+class BlockLinear:
+    """``x -> x @ Wᵀ`` for ``W`` = ``raw [rows, row_bytes]`` (device bytes) of ``qtype``, rows of ``ne0``."""
+
+    def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
+        self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
+
+    def __call__(self, x):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.ne0)
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernels.qmatmul(x2, self.raw, self.qtype, self.ne0, self.n_rows)
+        else:
+            out = x2 @ self.kernels.dequant(self.raw, self.qtype, self.ne0, self.n_rows).T
+        return out.reshape(tuple(lead) + (self.n_rows,))
+
+
+class StackedBlockLinear:
+    """All experts of one routed-expert tensor ``raw [n_expert, rows, row_bytes]`` on the device.
+
+    ``stacked(x_pairs, experts)`` gives row p of ``x_pairs`` times expert ``experts[p]``ᵀ in one launch;
+    ``stacked.expert(e)`` is expert e alone, a view of the same bytes."""
+
+    def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
+        self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
+
+    def __call__(self, x_pairs, experts: np.ndarray):
+        return self.kernels.qmatmul(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, np.asarray(experts))
+
+    def expert(self, e: int) -> BlockLinear:
+        return BlockLinear(self.kernels, self.raw[e], self.qtype, self.ne0, self.n_rows)
+
+
+def attend(kernels, xp, q, keys, visible, sinks, scale: float):
+    """Attention with sinks: the split-key kernel for a few queries, the plain ops (GEMMs) for a chunk."""
+    if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+        return kernels.attention(q, keys, visible, sinks, scale)
+    return attend_with_sinks(xp, q, keys, visible, sinks, scale)

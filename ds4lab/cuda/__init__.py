@@ -1,0 +1,5 @@
+"""The kernels of :mod:`ds4lab.mlx_kernels` compiled for CuPy (one ``RawModule``) and their launchers."""
+
+from .ops import CudaKernels
+
+__all__ = ["CudaKernels"]

@@ -1,0 +1,8 @@
+"""Custom GPU kernels for the hot paths, each body written once for MLX's two custom-kernel dialects.
+
+``sources/`` holds the bodies (``*.body``) and the helpers they share (``common.h``);
+:mod:`.dialects` maps the portable names onto CUDA or Metal; :mod:`.specs` lists the kernels and the
+host-side plans of their launches; :mod:`.mlx_ops` launches them through ``mx.fast.cuda_kernel`` or
+``mx.fast.metal_kernel``; :mod:`ds4lab.cuda` compiles the same sources for CuPy. The plain-ops path in
+:mod:`ds4lab.model` stays the reference the tests hold the kernels to.
+"""

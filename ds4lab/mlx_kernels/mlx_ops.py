@@ -1,0 +1,71 @@
+"""Launchers for MLX's GPU back-ends: ``mx.fast.cuda_kernel`` on CUDA, ``mx.fast.metal_kernel`` on Apple
+GPUs, both built from the same bodies. MLX's ``grid`` counts threads, not groups."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..quants import iq2xxs_tables
+from . import specs as S
+
+
+def gpu_dialect() -> str | None:
+    """"cuda" or "metal" when MLX has that GPU back-end, else None."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+class MLXKernels:
+    def __init__(self, dialect: str | None = None):
+        self.dialect = dialect or gpu_dialect()
+        if self.dialect is None:
+            raise RuntimeError("MLX has no GPU back-end here (neither Metal nor CUDA); custom kernels need one")
+        self._kernels: dict[str, object] = {}
+        self.aux = mx.array(iq2xxs_tables())
+
+    def _kernel(self, spec):
+        if spec.name not in self._kernels:
+            header, source = spec.mlx_source(self.dialect)
+            make = mx.fast.cuda_kernel if self.dialect == "cuda" else mx.fast.metal_kernel
+            self._kernels[spec.name] = make(name=spec.name, input_names=spec.input_names,
+                                            output_names=spec.output_names, source=source, header=header)
+        return self._kernels[spec.name]
+
+    def dequant(self, w, qtype, ne0: int, rows: int):
+        dims = mx.array(np.array([rows, ne0, S.row_bytes(qtype, ne0)], dtype=np.int32))
+        groups = -(-ne0 // S.DEQUANT_GROUP)
+        return self._kernel(S.dequant_spec(qtype))(
+            inputs=[w, self.aux, dims], grid=(groups * S.DEQUANT_GROUP, rows, 1), threadgroup=(S.DEQUANT_GROUP, 1, 1),
+            output_shapes=[(rows, ne0)], output_dtypes=[mx.float32])[0]
+
+    def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
+        P = x.shape[0]
+        order, batches = S.pair_batches(experts, P)
+        dims = np.array([ne0, n_rows, S.row_bytes(qtype, ne0), len(batches)], dtype=np.int32)
+        groups = -(-n_rows // S.QMATMUL_ROWS_PER_GROUP)
+        threads = 32 * S.QMATMUL_ROWS_PER_GROUP
+        return self._kernel(S.qmatmul_spec(qtype))(
+            inputs=[x.astype(mx.float32), w, self.aux, mx.array(order), mx.array(batches), mx.array(dims)],
+            grid=(groups * threads, len(batches), 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(P, n_rows)], output_dtypes=[mx.float32])[0]
+
+    def attention(self, q, keys, visible, sinks, scale: float):
+        T, H, D = q.shape
+        N = keys.shape[0]
+        dims = S.attn_dims(T, H, D, N)
+        splits = int(dims[4])
+        dims = mx.array(dims)
+        part_m, part_l, part_acc = self._kernel(S.ATTN_PARTIAL)(
+            inputs=[(q * scale).astype(mx.float32), keys.astype(mx.float32), visible.astype(mx.uint8), dims],
+            grid=(T * H * S.ATTN_GROUP, splits, 1), threadgroup=(S.ATTN_GROUP, 1, 1),
+            output_shapes=[(T * H, splits), (T * H, splits), (T * H, splits, D)],
+            output_dtypes=[mx.float32] * 3)
+        return self._kernel(S.ATTN_REDUCE)(
+            inputs=[part_m, part_l, part_acc, sinks.astype(mx.float32), dims],
+            grid=(T * H * S.ATTN_GROUP, 1, 1), threadgroup=(S.ATTN_GROUP, 1, 1),
+            output_shapes=[(T, H, D)], output_dtypes=[mx.float32])[0]

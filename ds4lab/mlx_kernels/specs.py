@@ -1,0 +1,81 @@
+"""The kernels and the host-side plans their launches need, shared by the MLX and CuPy launchers.
+
+``dequant_<type>``   GGUF rows → float32 rows (for chunk products through the library's GEMM)
+``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
+``attn_partial``     split-key attention with an online softmax per split
+``attn_reduce``      merge the splits with the sink logit
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from .dialects import KernelSpec
+
+DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
+            Q.IQ2_XXS: "dq_iq2_xxs"}
+MAX_PAIRS = 8  # pairs a qmatmul batch shares one decode of the weight row with
+QMATMUL_ROWS_PER_GROUP = 4  # SIMD groups (rows) per work-group
+ATTN_MAX_D = 512
+ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
+ATTN_KEYS_PER_SPLIT = 256
+DEQUANT_GROUP = 256
+
+
+def dequant_spec(qtype: Q) -> KernelSpec:
+    return KernelSpec(f"dequant_{Q(qtype).name.lower()}", "dequant.body",
+                      (("w", "uint8"), ("aux", "uint8"), ("dims", "int32")), (("out", "float32"),),
+                      {"DEQUANT": DECODERS[Q(qtype)]})
+
+
+def qmatmul_spec(qtype: Q) -> KernelSpec:
+    return KernelSpec(f"qmatmul_{Q(qtype).name.lower()}", "qmatmul.body",
+                      (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
+                       ("dims", "int32")),
+                      (("out", "float32"),), {"DEQUANT": DECODERS[Q(qtype)], "MAX_PAIRS": MAX_PAIRS})
+
+
+ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",
+                          (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32")),
+                          (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32")),
+                          {"MAX_D": ATTN_MAX_D, "MAX_SG": ATTN_GROUP // 32})
+ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
+                         (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"), ("sinks", "float32"),
+                          ("dims", "int32")),
+                         (("out", "float32"),))
+
+
+def all_specs() -> list[KernelSpec]:
+    return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE]
+
+
+def row_bytes(qtype: Q, ne0: int) -> int:
+    block, size = GGML_QUANT_SIZES[Q(qtype)]
+    return ne0 // block * size
+
+
+def pair_batches(experts: np.ndarray | None, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, batches)`` for qmatmul: pairs grouped by expert (stable), cut into batches of at most
+    MAX_PAIRS; ``experts`` None means one matrix for every pair (a dense linear)."""
+    if experts is None:
+        order = np.arange(n_pairs, dtype=np.int32)
+        experts = np.zeros(n_pairs, dtype=np.int64)
+    else:
+        order = np.argsort(experts, kind="stable").astype(np.int32)
+    sorted_e = np.asarray(experts)[order]
+    batches = []
+    starts = np.flatnonzero(np.r_[True, sorted_e[1:] != sorted_e[:-1]])
+    ends = np.r_[starts[1:], n_pairs]
+    for s, e in zip(starts, ends):
+        for first in range(s, e, MAX_PAIRS):
+            batches.append((int(sorted_e[s]), first, min(MAX_PAIRS, e - first)))
+    return order, np.asarray(batches, dtype=np.int32).reshape(-1, 3)
+
+
+def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
+    if D > ATTN_MAX_D:
+        raise ValueError(f"attention kernel: head_dim {D} exceeds {ATTN_MAX_D}")
+    splits = max(1, -(-N // ATTN_KEYS_PER_SPLIT))
+    return np.array([T, H, D, N, splits, ATTN_KEYS_PER_SPLIT], dtype=np.int32)

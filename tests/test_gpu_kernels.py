@@ -1,0 +1,190 @@
+"""ds4lab's GPU kernels against the plain path, and whole GPU models against the float64 reference.
+
+Every test runs once per GPU back-end found here: CuPy (the kernels compiled by NVRTC) and MLX's GPU
+back-end (the same bodies through ``mx.fast.cuda_kernel`` or ``metal_kernel``). Without a GPU they
+skip, saying which back-end is missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import ds4lab
+from ds4lab.model.attention import attend_with_sinks
+from ds4lab.quants import dequantize, quantize, random_blocks
+from tests.conftest import CONFIGS
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy_kernels():
+    try:
+        import cupy as cp
+
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return None, "CuPy finds no CUDA device"
+    except Exception as e:  # ImportError, or CUDA driver errors
+        return None, f"CuPy is unavailable: {e}"
+    from ds4lab.cuda import CudaKernels
+
+    return (CudaKernels(), cp.asarray, cp.asnumpy), None
+
+
+def _mlx_kernels():
+    try:
+        import mlx.core as mx
+
+        from ds4lab.mlx_kernels.mlx_ops import MLXKernels, gpu_dialect
+    except ImportError as e:
+        return None, f"MLX is unavailable: {e}"
+    if gpu_dialect() is None:
+        return None, "MLX has no GPU back-end here (neither Metal nor CUDA)"
+    mx.set_default_device(mx.gpu)
+    return (MLXKernels(), mx.array, np.array), None
+
+
+GPU_BACKENDS = {"cupy": _cupy_kernels, "mlx": _mlx_kernels}
+
+
+@pytest.fixture(scope="module", params=list(GPU_BACKENDS))
+def gpu(request):
+    found, why = GPU_BACKENDS[request.param]()
+    if found is None:
+        pytest.skip(f"{request.param}: {why}")
+    return request.param, *found
+
+
+def random_weight(qtype: Q, rows, ne0: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS):
+        return random_blocks(qtype, rows, ne0, rng, 0.05)
+    return quantize(rng.standard_normal((*rows, ne0)).astype(np.float32) * 0.05, qtype)
+
+
+KERNEL_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,ne0", [(3, 256), (37, 2048), (130, 4096)])
+def test_dequant_kernel_matches_the_reference_decoder(gpu, qtype, rows, ne0):
+    _, kernels, to_dev, to_host = gpu
+    raw = random_weight(qtype, (rows,), ne0, seed=rows)
+    got = to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows))
+    want = dequantize(raw, qtype, ne0)
+    # Same operations in the same order; only a fused multiply-add may round differently (≤ 1 ulp).
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n_pairs", [1, 3, 8, 9, 16])
+def test_qmatmul_from_blocks_matches_float64(gpu, qtype, n_pairs):
+    _, kernels, to_dev, to_host = gpu
+    rows, ne0 = 67, 1024
+    raw = random_weight(qtype, (rows,), ne0, seed=n_pairs)
+    x = np.random.default_rng(1).standard_normal((n_pairs, ne0)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype", (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0), ids=lambda q: q.name)
+def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
+    _, kernels, to_dev, to_host = gpu
+    n_expert, rows, ne0 = 7, 40, 512
+    raw = random_weight(qtype, (n_expert, rows), ne0, seed=3)
+    rng = np.random.default_rng(4)
+    experts = np.r_[np.full(11, 5), rng.integers(0, n_expert, 20)]  # 11 pairs of one expert: two batches
+    rng.shuffle(experts)
+    x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
+    W = dequantize(raw, qtype, ne0).astype(np.float64)
+    want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("T,H,D,N", [(1, 4, 128, 1), (1, 64, 512, 4100), (3, 2, 96, 37), (2, 8, 64, 700),
+                                     (16, 4, 128, 300)])
+def test_split_key_attention_matches_float64(gpu, T, H, D, N):
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(T * N)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    keys = rng.standard_normal((N, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32)
+    visible = rng.random((T, N)) < 0.6
+    visible[0] = False  # a query that sees nothing but the sink
+    if T > 1:
+        visible[1, : min(N, 300)] = True  # keys in the first split and no others
+        visible[1, 300:] = False
+    scale = D ** -0.5
+    want = attend_with_sinks(np, q.astype(np.float64), keys.astype(np.float64), visible, sinks.astype(np.float64), scale)
+    got = to_host(kernels.attention(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
+    assert np.abs(got[0]).max() == 0.0  # the sink carries no value
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_mlx_ops_the_engine_uses_agree_with_numpy_at_long_axes():
+    """A trap seen on MLX-CUDA: take_along_axis returned wrong rows once the axis reached 8192."""
+    found, why = _mlx_kernels()
+    if found is None:
+        pytest.skip(f"mlx: {why}")
+    import mlx.core as mx
+
+    rng = np.random.default_rng(0)
+    for n in (8191, 8192, 8193, 40000):
+        a = rng.standard_normal((3, n)).astype(np.float32)
+        idx = rng.integers(0, n, (3, 6)).astype(np.int32)
+        rows = rng.integers(0, n, 17)
+        x = mx.array(a)
+        assert np.array_equal(np.array(mx.take_along_axis(x, mx.array(idx), axis=-1)), np.take_along_axis(a, idx, -1))
+        assert np.array_equal(np.array(x[:, mx.array(rows)]), a[:, rows])
+        assert np.array_equal(np.array(mx.sort(x, axis=-1)), np.sort(a, axis=-1))
+        np.testing.assert_allclose(np.array(mx.cumsum(x, axis=-1)), np.cumsum(a, axis=-1, dtype=np.float64),
+                                   rtol=0, atol=1e-3)
+        assert np.array_equal(np.array(mx.where(x > 0, x, -x)), np.abs(a))
+
+
+# -- whole models ---------------------------------------------------------------------------------------
+def _gpu_model_or_skip(path, backend, numerics, kernels):
+    name = backend
+    if backend == "cupy":
+        found, why = _cupy_kernels()
+    else:
+        found, why = _mlx_kernels()
+    if found is None:
+        pytest.skip(f"{name}: {why}")
+    return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
+                       kernels=kernels)
+
+
+def rel_err(a, b):
+    return np.abs(a - b).max(axis=-1) / np.abs(b).max(axis=-1)
+
+
+@pytest.mark.parametrize("backend", list(GPU_BACKENDS))
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "plain"])
+@pytest.mark.parametrize("name", ["nano", "q4k", "mixed"])
+def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name):
+    """Exact numerics; a 96-token prefill in chunks of 32, then 12 decode steps (the kernels' path)."""
+    ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
+    gpu = _gpu_model_or_skip(model_paths[name], backend, "exact", kernels)
+    ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, 108)
+    logits = {}
+    for m in (ref, gpu):
+        sess = m.session(ctx=256, prefill_chunk=32)
+        sess.prefill(ids[:96]).run(progress=False)
+        steps = [sess.logits]
+        for end in range(97, len(ids) + 1):
+            assert sess.sync(ids[:end]).source == "live"  # one decode-sized step per token
+            steps.append(sess.logits)
+        logits[m.backend.name] = np.stack(steps)
+    err = rel_err(logits[gpu.backend.name], logits["numpy"])
+    assert err.max() < 1e-3, err
+    assert np.array_equal(logits[gpu.backend.name].argmax(-1), logits["numpy"].argmax(-1))
+
+
+def test_configs_cover_the_kernel_types():
+    used = {kw["expert_types"][0] for _, kw in CONFIGS.values()} | {kw["dense_type"] for _, kw in CONFIGS.values()}
+    assert {"IQ2_XXS", "Q4_K", "Q8_0", "F32", "F16"} <= used

@@ -1,0 +1,96 @@
+"""The kernel sources on a CPU: both dialects rendered from the same bodies and checked, the CUDA module
+compiled where nvcc exists, and the host-side launch plans."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from ds4lab.mlx_kernels import specs as S
+from ds4lab.mlx_kernels.dialects import _IDS, CUDA_ONLY, METAL_ONLY, SOURCES, cuda_module_source
+
+SPECS = S.all_specs()
+PORTABLE = [re.sub(r"[(].*", "", name) for name in _IDS["cuda"]]
+
+
+def code_only(src: str) -> str:
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", src, flags=re.S)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_metal_source_has_no_cuda_left(spec):
+    header, source = spec.mlx_source("metal")
+    text = code_only(header + source)
+    assert [tok for tok in CUDA_ONLY if tok in text] == []
+    # MLX adds Metal's thread attributes to the signature when the source names them.
+    used = {name for name in PORTABLE if name in code_only((SOURCES / spec.body).read_text())}
+    for name in used:
+        attr = _IDS["metal"][name if name != "GROUP_BARRIER" else "GROUP_BARRIER()"]
+        assert f"#define {name}" in source and attr in source
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_cuda_source_has_no_metal_left(spec):
+    header, source = spec.mlx_source("cuda")
+    text = code_only(header + source)
+    assert [tok for tok in METAL_ONLY if tok in text] == []
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_every_name_a_body_uses_is_defined(spec):
+    body = code_only((SOURCES / spec.body).read_text())
+    macros = set(re.findall(r"\b[A-Z][A-Z_0-9]{2,}\b", body))
+    for dialect in ("cuda", "metal"):
+        header, source = spec.mlx_source(dialect)
+        defined = set(re.findall(r"#define (\w+)", header + source))
+        assert macros <= defined, (dialect, macros - defined)
+        # every #define of the body is undone after it, so kernels can share one translation unit
+        assert set(re.findall(r"#define (\w+)", source)) == set(re.findall(r"#undef (\w+)", source))
+
+
+def test_cuda_module_compiles_with_nvcc(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here; the GPU tests compile the module with NVRTC instead")
+    src = tmp_path / "ds4lab_kernels.cu"
+    src.write_text(cuda_module_source(SPECS))
+    run = subprocess.run([nvcc, "-arch=sm_90", "-ptx", str(src), "-o", str(tmp_path / "k.ptx")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    for spec in SPECS:
+        assert f".entry {spec.name}(" in ptx
+
+
+def test_unknown_dialect_is_refused():
+    with pytest.raises(ValueError, match="unknown kernel dialect 'opencl'"):
+        SPECS[0].body_source("opencl")
+
+
+def test_pair_batches_group_by_expert_in_batches_of_at_most_max_pairs():
+    experts = np.array([3, 1, 3, 3, 0, 3, 3, 3, 3, 3, 3, 3, 1])
+    order, batches = S.pair_batches(experts, len(experts))
+    assert sorted(order.tolist()) == list(range(len(experts)))
+    seen = []
+    for e, first, count in batches:
+        assert 1 <= count <= S.MAX_PAIRS
+        pairs = order[first:first + count]
+        assert (experts[pairs] == e).all()
+        seen += pairs.tolist()
+    assert sorted(seen) == list(range(len(experts)))
+    assert [tuple(b) for b in batches] == [(0, 0, 1), (1, 1, 2), (3, 3, 8), (3, 11, 2)]
+    # a dense linear: one matrix, pairs in order
+    order, batches = S.pair_batches(None, 19)
+    assert order.tolist() == list(range(19)) and [tuple(b) for b in batches] == [(0, 0, 8), (0, 8, 8), (0, 16, 3)]
+
+
+def test_attention_splits_cover_every_key():
+    for n in (1, 255, 256, 257, 4100):
+        T, H, D, N, splits, per = S.attn_dims(2, 4, 128, n)
+        assert (splits - 1) * per < n <= splits * per
+    with pytest.raises(ValueError, match="head_dim 1024"):
+        S.attn_dims(1, 1, 1024, 10)
