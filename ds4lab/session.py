@@ -110,6 +110,10 @@ class Session:
         self.tokens: list[int] = []
         self.logits: np.ndarray | None = None
         self.checkpoints: deque[Checkpoint] = deque(maxlen=max_checkpoints)
+        # Called as fn(record) after every evaluated step, once the session holds its result: the
+        # PrefillChunk or DecodeStep, or None for a token that sync() appended without sampling. Views
+        # refresh themselves through it; an exception raised by one propagates to the step's caller.
+        self.step_observers: list = []
 
     def __repr__(self) -> str:
         g = self.geometry
@@ -130,6 +134,10 @@ class Session:
             self.tier_trace.extend(run.switches)
             self._active_tier = run.active
             self._tier_step += 1
+
+    def _stepped(self, record) -> None:
+        for observer in tuple(self.step_observers):
+            observer(record)
 
     def _eval(self, tokens: list[int], mode: str, pad_to: int | None = None):
         """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode" or "batch");
@@ -226,6 +234,7 @@ class Session:
                 logits, state, run = self._eval([token], "decode")
                 self._commit(self.tokens + [token], logits, state, run)
                 self._store_step()
+                self._stepped(None)
         return SyncResult(source, reused, len(suffix))
 
     # -- disk store (ds4-server's policy, spec §4.6; the policy itself lives in ds4lab.kv.store) -------
@@ -314,6 +323,7 @@ class Prefill:
         chunk = PrefillChunk(start, end, seconds, sess.kv_bytes, rows, sess.checkpoint(), tuple(run.switches))
         self.chunks.append(chunk)
         sess._store_step()
+        sess._stepped(chunk)
         return chunk
 
     def run(self, progress: bool = True) -> list[PrefillChunk]:
@@ -365,8 +375,10 @@ class Decode:
         sess._commit(sess.tokens + [token], logits, state, run)
         sess._store_step()
         text = self._text.decode(sess.model.tokenizer.token_bytes(token))
-        return DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began,
+        step = DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began,
                           tuple(run.switches))
+        sess._stepped(step)
+        return step
 
     def stream(self, n: int):
         """Up to ``n`` steps; stops at EOS (not yielded) and when the context is full."""

@@ -1,6 +1,12 @@
-"""Altair charts of a prefill (data reduced to one row per chunk and layer, far under Altair's row limit)."""
+"""Altair charts of a prefill and of the router (data reduced first, far under Altair's 5000-row limit)."""
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MAX_ROWS = 4000  # rows a chart's data may hold (Altair refuses more than 5000 by default)
 
 
 def _alt():
@@ -54,4 +60,53 @@ def kv_bytes_chart(session, chunks):
             tooltip=["tokens:Q", "kind:N", "bytes:Q"],
         )
         .properties(title="KV bytes by layer kind", width=320, height=160)
+    )
+
+
+def expert_load_rows(counts: dict, hash_layers=(), max_rows: int = MAX_ROWS) -> list[dict]:
+    """One row per layer and expert, or per layer and run of ``group`` consecutive experts (their counts
+    summed) when layers × experts would exceed ``max_rows``."""
+    if not counts:
+        return []
+    n_expert = len(next(iter(counts.values())))
+    group = max(1, math.ceil(len(counts) * n_expert / max_rows))
+    rows = []
+    for il, c in counts.items():
+        c = np.asarray(c)
+        label = f"layer {il}" + (" (hash)" if il in hash_layers else "")
+        for e in range(0, n_expert, group):
+            last = min(e + group, n_expert) - 1
+            rows.append(dict(layer=int(il), label=label, expert=e, expert_end=last + 1,
+                             experts=f"{e}" if last == e else f"{e}-{last}", tokens=int(c[e : last + 1].sum())))
+    return rows
+
+
+def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
+    """Tokens per expert and layer as a heatmap (hash-routed layers labelled) from an ``ExpertView``, a
+    ``Capture`` of ``moe.experts`` or a ``{layer: counts}`` dict; experts are grouped in runs when layers ×
+    experts exceed ``max_rows``."""
+    alt = _alt()
+    from .experts import expert_counts
+
+    if hasattr(source, "counts") and hasattr(source, "hash_layers"):
+        counts, hashed = source.counts, source.hash_layers
+    elif hasattr(source, "records") and hasattr(source, "cfg"):
+        counts = expert_counts(source)
+        hashed = [il for il in counts if source.cfg.is_hash_layer(il)]
+    else:
+        counts, hashed = dict(source), []
+    hashed = set(hashed if hash_layers is None else hash_layers)
+    rows = expert_load_rows(counts, hashed, max_rows)
+    order = [r["label"] for r in rows if r["expert"] == 0]
+    return (
+        alt.Chart(alt.Data(values=rows))
+        .mark_rect()
+        .encode(
+            x=alt.X("expert:Q", title="expert", scale=alt.Scale(nice=False)),
+            x2="expert_end:Q",
+            y=alt.Y("label:O", title=None, sort=order),
+            color=alt.Color("tokens:Q", title="tokens", scale=alt.Scale(scheme="blues")),
+            tooltip=["label:N", "experts:N", "tokens:Q"],
+        )
+        .properties(title="tokens routed to each expert", width=360, height=alt.Step(14))
     )

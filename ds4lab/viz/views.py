@@ -200,15 +200,28 @@ class KVCacheModel(anywidget.AnyWidget):
     data = t.Dict().tag(sync=True)
 
 
-class KVCacheView(_View):
-    """The session's KV state layer by layer. ``refresh()`` after a step (a linked :class:`PrefillView`
-    does it for you); ``show(checkpoint)`` or the slider scrubs through checkpoints without touching the
-    session."""
+def observe_steps(session, method) -> None:
+    """Call ``method(record)`` after every step of ``session`` (through ``session.step_observers``)."""
+    session.step_observers.append(method)
 
-    def __init__(self, session, checkpoints=None):
+
+def unobserve_steps(session, method) -> None:
+    """Stop calling ``method`` (every registration of it)."""
+    session.step_observers[:] = [f for f in session.step_observers if f != method]
+
+
+class KVCacheView(_View):
+    """The session's KV state layer by layer. With ``auto_refresh`` (the default) it refreshes itself after
+    every prefill chunk and decode step of its session (through ``session.step_observers``); otherwise call
+    ``refresh()``. ``show(checkpoint)`` or the slider scrubs through checkpoints without touching the session
+    (the next step shows the live state again). ``detach()`` stops the automatic refresh. A refresh reads the
+    whole state (``session.kv``): on a long context that can cost more than the step itself, so pass
+    ``auto_refresh=False`` (or ``detach()``) before a long generation."""
+
+    def __init__(self, session, checkpoints=None, auto_refresh: bool = True):
         self.session = session
         self._checkpoints = list(checkpoints or [])
-        self._last_n = 0
+        self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
         self.model = KVCacheModel()
         self.slider = W.IntSlider(
             value=0,
@@ -220,18 +233,38 @@ class KVCacheView(_View):
         self.slider.observe(lambda ch: self.scrub(ch["new"]), names="value")
         self.widget = W.VBox([self.slider, self.model])
         self.refresh()
+        self.auto_refresh = False
+        if auto_refresh:
+            observe_steps(session, self._on_step)
+            self.auto_refresh = True
 
     def __repr__(self) -> str:
         d = self.model.data
         return f"KVCacheView({d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes)"
 
+    def _on_step(self, record) -> None:
+        self.refresh()
+
+    def detach(self) -> None:
+        """Stop refreshing after the session's steps."""
+        unobserve_steps(self.session, self._on_step)
+        self.auto_refresh = False
+
+    def _new_from(self, tokens: tuple) -> int:
+        """First position to outline as new: the state on display again keeps its outline, an extension of
+        it outlines what it adds, anything else is new throughout."""
+        shown, new_from = self._shown
+        if tokens == shown:
+            return new_from
+        return len(shown) if tokens[: len(shown)] == shown else 0
+
     def refresh(self) -> None:
-        """Show the session's live state (the cells written since the last refresh outlined)."""
+        """Show the session's live state (the cells written since the state shown before outlined)."""
         sess = self.session
-        n = len(sess.tokens)
-        new_from = self._last_n if self._last_n <= n else 0
+        tokens = tuple(sess.tokens)
+        new_from = self._new_from(tokens)
         self.model.data = kv_summary(sess.model.config, sess.geometry, sess.kv, new_from, label="live")
-        self._last_n = n
+        self._shown = (tokens, new_from)
 
     def show(self, checkpoint, label: str = "") -> None:
         """Show a checkpoint's state (the session is not changed)."""
@@ -240,14 +273,12 @@ class KVCacheView(_View):
         state = checkpoint.state_for(cfg, b, sess.geometry)
         logits = checkpoint.logits if checkpoint.logits is not None else np.zeros(cfg.n_vocab)
         kv = KVView(cfg, state_to_payload(cfg, b, state, checkpoint.tokens, logits))
-        prev = self.model.data.get("n_tokens", 0)
+        tokens = tuple(checkpoint.tokens)
+        new_from = self._new_from(tokens)
         self.model.data = kv_summary(
-            cfg,
-            sess.geometry,
-            kv,
-            prev if prev <= len(checkpoint) else 0,
-            label=label or f"checkpoint at {len(checkpoint)} tokens",
+            cfg, sess.geometry, kv, new_from, label=label or f"checkpoint at {len(checkpoint)} tokens"
         )
+        self._shown = (tokens, new_from)
 
     def scrub_through(self, checkpoints) -> None:
         """Let the slider scrub through ``checkpoints`` (e.g. ``[c.checkpoint for c in prefill.chunks]``)."""

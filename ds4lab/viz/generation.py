@@ -1,0 +1,293 @@
+"""GenerationView: a sampled generation streamed token by token, each token coloured by its log-probability,
+its top-k alternatives on hover. The widget's front-end is ``static/generation.js``."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import math
+
+import anywidget
+import ipywidgets as W
+import traitlets as t
+
+from .views import CSS, STATIC, _View, token_texts
+
+STYLE = CSS.read_text() + (STATIC / "extra.css").read_text()
+CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
+
+# Background of a generated token by the probability it was sampled with: (lowest log-probability, colour),
+# the last entry for everything below. The front-end reads the same table (the ``scale`` trait).
+LOGPROB_SCALE = (
+    (math.log(0.5), "#c7e9c0"),
+    (math.log(0.2), "#fff7bc"),
+    (math.log(0.05), "#fdd49e"),
+    (math.log(0.01), "#fc9272"),
+    (None, "#ef6548"),
+)
+STATUS = {
+    "stop": "stopped (stop button or .stop())",
+    "error": "stopped by an error",
+    "eos": "end of sequence",
+    "ctx": "the context is full",
+    "interrupted": "interrupted (the session keeps every token generated before the interrupt)",
+}
+
+
+def logprob_colour(logprob: float) -> str:
+    for lowest, colour in LOGPROB_SCALE:
+        if lowest is None or logprob >= lowest:
+            return colour
+    return LOGPROB_SCALE[-1][1]
+
+
+def step_record(tokenizer, step) -> dict:
+    """What the front-end shows of one ``DecodeStep`` (JSON): the token, the text it completed, its own bytes
+    as text, its log-probability and its top-k alternatives (best first)."""
+    eos = step.token == tokenizer.eos_id
+    return dict(
+        token=int(step.token),
+        text=step.text,
+        piece=token_texts(tokenizer, [step.token])[0],
+        logprob=float(step.logprob),
+        position=int(step.position),
+        seconds=float(step.seconds),
+        eos=bool(eos),
+        top=[dict(token=int(tok), text=token_texts(tokenizer, [tok])[0], logprob=float(lp)) for tok, lp in step.top],
+    )
+
+
+def _bound(lowest) -> str:
+    return "lower" if lowest is None else f"p ≥ {math.exp(lowest):.2g}"
+
+
+def _alternatives(record: dict) -> str:
+    return ", ".join(f"{a['text']!r} {math.exp(a['logprob']):.2f}" for a in record["top"])
+
+
+class GenerationModel(anywidget.AnyWidget):
+    _esm = STATIC / "generation.js"
+    _css = STYLE
+    context = t.List(t.Unicode()).tag(sync=True)  # texts of the last context tokens, shown greyed
+    context_skipped = t.Int(0).tag(sync=True)  # earlier context tokens not shown
+    records = t.List(t.Dict()).tag(sync=True)  # one per generated token: see step_record
+    status = t.Unicode("").tag(sync=True)
+    scale = t.List().tag(sync=True)  # LOGPROB_SCALE as [[lowest logprob or null, colour], ...]
+
+
+class GenerationView(_View):
+    """Stream a sampled generation from ``session``: every token coloured by its log-probability, its top-k
+    alternatives (with probabilities) on hover.
+
+    ``prompt`` (text, or token ids) is synced onto the session before the first token (a string is rendered
+    as a chat turn when ``chat`` is true, by default when the model has a chat template, as the CLI does);
+    without one the generation continues the session's live state. ``sampling`` goes to
+    ``session.decoder(...)`` (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``top`` = how many
+    alternatives each step keeps). Python: ``.step()`` samples one token and returns its ``DecodeStep``,
+    ``.run(n)`` up to ``n`` tokens (``max_tokens`` by default) and returns their ``DecodeStep`` list,
+    ``.stop()`` asks a running loop to stop before its next token; ``.steps`` and ``.text`` hold everything
+    generated so far. The buttons do the same: run/continue, step, stop.
+
+    Stopping. ``.run(n)`` is synchronous: it runs in the kernel, which handles messages from the browser
+    only between cells and callbacks, so a click on stop during a ``run`` called from a cell waits until the
+    cell ends (``run`` clears the flag when it starts, so the late click does not stop the next run either).
+    The run button instead starts :meth:`arun` as a task on the kernel's event loop (ipykernel has one): it
+    yields after every token, the kernel handles the stop click (or any other message) in between, and the
+    run ends before its next token. Use ``await view.arun(n)`` in a cell for the same from Python. While such
+    a run goes, other cells run between its tokens; one that moves the session ends it with an error in the
+    status line. Where there is no event loop the run button runs synchronously. Interrupting the kernel (■)
+    during a synchronous ``run`` also stops it cleanly: the run catches the interrupt and keeps every token
+    generated before it (a step is atomic, so the session and the view stay consistent).
+    """
+
+    def __init__(self, session, prompt=None, max_tokens: int = 64, chat: bool | None = None, **sampling):
+        self.session = session
+        self.max_tokens = int(max_tokens)
+        tok = session.model.tokenizer
+        self.prompt_ids: list[int] | None = None
+        if prompt is not None:
+            if isinstance(prompt, str) and (session.model.is_chat if chat is None else chat):
+                prompt = tok.render_chat([{"role": "user", "content": prompt}])
+            self.prompt_ids = session._ids(prompt)
+        self.decode = session.decoder(**sampling)
+        self.steps: list = []
+        self.stop_reason: str | None = None  # why the last run ended: "length", "stop", "eos", "ctx", "interrupted"
+        self._stop = False
+        self._task = None  # the run the run button started, on the kernel's event loop
+        self._started = False
+        self._tokens_after: list[int] | None = None  # the session's tokens after this view's last step
+        self.model = GenerationModel(scale=[[lo, c] for lo, c in LOGPROB_SCALE])
+        self._show_context(self.prompt_ids if self.prompt_ids is not None else session.tokens)
+        self.n_input = W.BoundedIntText(value=self.max_tokens, min=1, max=session.ctx, description="tokens",
+                                        layout=W.Layout(width="180px"))
+        self.run_button = W.Button(description="run", tooltip="generate up to this many tokens")
+        self.step_button = W.Button(description="step", tooltip="generate one token")
+        self.stop_button = W.Button(description="stop", tooltip="stop a run before its next token")
+        self.run_button.on_click(lambda _: self._run_clicked())
+        self.step_button.on_click(lambda _: None if self.running else self._clicked(self.step))
+        self.stop_button.on_click(lambda _: self.stop())
+        self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input]), self.model])
+        self.model.status = "ready" if self.prompt_ids is not None or session.logits is not None else (
+            "the session has no logits: give a prompt, or prefill the session first")
+
+    def __repr__(self) -> str:
+        return f"GenerationView({len(self.steps)} tokens generated, {self.model.status})"
+
+    @property
+    def text(self) -> str:
+        """The generated text so far."""
+        return "".join(s.text for s in self.steps)
+
+    def _show_context(self, ids) -> None:
+        ids = list(ids)
+        with self.model.hold_sync():
+            self.model.context = token_texts(self.session.model.tokenizer, ids[-CONTEXT_SHOWN:])
+            self.model.context_skipped = max(0, len(ids) - CONTEXT_SHOWN)
+
+    def _clicked(self, action) -> None:
+        try:
+            action()
+        except RuntimeError as e:  # a stopped decode, a full context: say so in the view
+            self.model.status = str(e)
+
+    def _ready(self) -> None:
+        sess = self.session
+        if not self._started:
+            if self.prompt_ids is not None:
+                self.model.status = f"syncing the prompt ({len(self.prompt_ids)} tokens)"
+                sess.sync(self.prompt_ids)
+            self._show_context(sess.tokens)
+            self._started = True
+        elif sess.tokens != self._tokens_after:
+            raise RuntimeError("the session moved on since this view's last token; start a new GenerationView")
+
+    def _update_buttons(self) -> None:
+        done = self.decode.stop_reason is not None
+        self.run_button.disabled = self.step_button.disabled = done
+        self.run_button.description = "continue" if self.steps and not done else "run"
+
+    def step(self):
+        """Sample and evaluate one token; returns its ``DecodeStep`` (an EOS is returned, shown, and ends the
+        generation)."""
+        self._ready()
+        step = self.decode.step()
+        self._tokens_after = list(self.session.tokens)
+        self.steps.append(step)
+        m = self.model
+        with m.hold_sync():
+            m.records = m.records + [step_record(self.session.model.tokenizer, step)]
+            m.status = STATUS["eos"] if self.decode.stop_reason == "eos" else f"{len(self.steps)} tokens"
+        if self.decode.stop_reason == "eos":
+            self.stop_reason = "eos"
+        self._update_buttons()
+        return step
+
+    def stop(self) -> None:
+        """Ask a running ``run`` to stop before its next token."""
+        self._stop = True
+
+    def _steps(self, n: int | None, out: list):
+        """The generation loop shared by :meth:`run` and :meth:`arun`: appends each step to ``out`` and yields
+        after it."""
+        n = self.n_input.value if n is None else int(n)
+        sess = self.session
+        self._stop = False
+        self.stop_reason = None
+        self.model.status = "running"
+        try:
+            while len(out) < n:
+                if self._stop:
+                    self.stop_reason = "stop"
+                    break
+                if self.decode.stop_reason is not None:
+                    self.stop_reason = self.decode.stop_reason
+                    break
+                if self._started and len(sess.tokens) >= sess.ctx:
+                    self.stop_reason = "ctx"
+                    break
+                out.append(self.step())
+                yield
+            else:
+                self.stop_reason = "length"
+        except KeyboardInterrupt:
+            self.stop_reason = "interrupted"
+        except Exception as e:
+            self.stop_reason = "error"
+            self.model.status = f"{len(self.steps)} tokens; stopped by an error: {e}"
+            self._update_buttons()
+            raise
+        if self.decode.stop_reason == "eos":
+            self.stop_reason = "eos"
+        self.model.status = f"{len(self.steps)} tokens; " + STATUS.get(
+            self.stop_reason, f"ran {len(out)}: continue for more")
+        self._update_buttons()
+
+    def _check_idle(self) -> None:
+        if self.running:
+            raise RuntimeError("a run started by the run button is still going: stop it (button or .stop()) first")
+
+    @property
+    def running(self) -> bool:
+        """Whether a run started by the run button (a task on the kernel's event loop) is going."""
+        return self._task is not None and not self._task.done()
+
+    def run(self, n: int | None = None) -> list:
+        """Generate up to ``n`` tokens (the ``tokens`` box, ``max_tokens`` at first), stopping early at a stop
+        request, an EOS, a full context or a kernel interrupt; returns this run's ``DecodeStep`` list."""
+        self._check_idle()
+        out: list = []
+        for _ in self._steps(n, out):
+            pass
+        return out
+
+    async def arun(self, n: int | None = None) -> list:
+        """:meth:`run` as a coroutine that yields to the event loop after every token, so that the kernel
+        handles the stop button (and other cells) between tokens: ``await view.arun(100)`` in a cell, or what
+        the run button starts when the kernel runs an event loop."""
+        out: list = []
+        for _ in self._steps(n, out):
+            await asyncio.sleep(0)
+        return out
+
+    def _run_clicked(self) -> None:
+        if self.running:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a plain Python caller): run here
+            self._clicked(self.run)
+            return
+        self._task = loop.create_task(self._arun_quietly())
+
+    async def _arun_quietly(self) -> None:
+        try:
+            await self.arun()
+        except Exception:  # already shown in the status line; a task's exception would only be logged
+            pass
+
+    def static_html(self) -> str:
+        m = self.model
+        context = html.escape("".join(m.context))
+        spans = []
+        for r in m.records:
+            alts = "\n".join(f"{a['text']!r}  p={math.exp(a['logprob']):.3f}  (logprob {a['logprob']:.2f})"
+                             for a in r["top"])
+            title = (f"position {r['position']}: token {r['token']} {r['piece']!r}, p={math.exp(r['logprob']):.3f} "
+                     f"(logprob {r['logprob']:.2f})\n" + alts)
+            text = "⟨eos⟩" if r["eos"] else (r["text"] or "·")
+            spans.append(f"<span style='background:{logprob_colour(r['logprob'])}' title='{html.escape(title)}'>"
+                         f"{html.escape(text)}</span>")
+        legend = " ".join(f"<span style='background:{c}'>&nbsp;{_bound(lo)}&nbsp;</span>" for lo, c in LOGPROB_SCALE)
+        skipped = f"… {m.context_skipped} tokens … " if m.context_skipped else ""
+        rows = "".join(
+            f"<tr><td>{r['position']}</td><td>{html.escape(repr(r['piece']))}</td><td>{math.exp(r['logprob']):.3f}</td>"
+            f"<td style='text-align:left'>{html.escape(_alternatives(r))}</td></tr>"
+            for r in m.records[-20:]
+        )
+        return (
+            f"<div class='ds4-view' style='font:12px monospace'><b>Generation: {len(m.records)} tokens — "
+            f"{html.escape(m.status)}</b><br>{legend}"
+            "<div style='white-space:pre-wrap;max-height:16em;overflow:auto;border:1px solid #ddd;padding:4px'>"
+            f"<span style='color:#999'>{html.escape(skipped)}{context}</span>{''.join(spans)}</div>"
+            f"<table><tr><th>position</th><th>token</th><th>p</th><th>top alternatives</th></tr>{rows}</table></div>"
+        )

@@ -1,0 +1,53 @@
+// GenerationView: context (greyed), then each generated token coloured by its log-probability; hovering a
+// token lists its top-k alternatives with probabilities. Controls are ipywidgets; state comes from Python.
+const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+const colour = (scale, lp) => {
+  for (const [lowest, c] of scale) if (lowest === null || lp >= lowest) return c;
+  return scale.length ? scale[scale.length - 1][1] : "transparent";
+};
+const pct = (lp) => (Math.exp(lp) * 100).toFixed(lp > Math.log(0.001) ? 1 : 3) + "%";
+
+function render({ model, el }) {
+  el.classList.add("ds4-view");
+  const head = document.createElement("div"); head.className = "ds4-title";
+  const legend = document.createElement("div"); legend.className = "ds4-note";
+  const text = document.createElement("div"); text.className = "ds4-prompt ds4-gen";
+  const tip = document.createElement("div"); tip.className = "ds4-alts";
+  el.append(head, legend, text, tip);
+  const showTip = (i) => {
+    const r = model.get("records")[i];
+    if (!r) { tip.innerHTML = ""; return; }
+    const scale = model.get("scale");
+    let h = `<div><b>position ${r.position}</b>: token ${r.token} <code>${esc(JSON.stringify(r.piece))}</code> · ` +
+      `p ${pct(r.logprob)} (logprob ${r.logprob.toFixed(3)})${r.eos ? " · end of sequence" : ""}</div><table>`;
+    for (const a of r.top) {
+      const w = Math.max(1, Math.round(Math.exp(a.logprob) * 160));
+      h += `<tr class="${a.token === r.token ? "ds4-sel" : ""}"><td><code>${esc(JSON.stringify(a.text))}</code></td>` +
+        `<td>${pct(a.logprob)}</td><td style="text-align:left"><span class="ds4-pbar" style="width:${w}px;` +
+        `background:${colour(scale, a.logprob)}"></span></td></tr>`;
+    }
+    tip.innerHTML = h + "</table>";
+  };
+  const draw = () => {
+    const recs = model.get("records"), scale = model.get("scale");
+    head.textContent = `Generation: ${recs.length} tokens — ${model.get("status")}`;
+    legend.innerHTML = "colour = probability of the sampled token: " + scale.map(([lo, c]) =>
+      `<span class="ds4-tok" style="background:${c}">&nbsp;${lo === null ? "lower" : "p ≥ " + +Math.exp(lo).toPrecision(2)}&nbsp;</span>`).join(" ");
+    const skipped = model.get("context_skipped");
+    let h = `<span class="ds4-ctx">${skipped ? `… ${skipped} tokens … ` : ""}${esc(model.get("context").join(""))}</span>`;
+    recs.forEach((r, i) => {
+      const t = r.eos ? "⟨eos⟩" : r.text || "·";
+      h += `<span class="ds4-tok${r.text || r.eos ? "" : " ds4-partial"}" data-i="${i}" ` +
+        `style="background:${colour(scale, r.logprob)}">${esc(t)}</span>`;
+    });
+    text.innerHTML = h;
+    text.scrollTop = text.scrollHeight;
+  };
+  text.addEventListener("mouseover", (ev) => {
+    const i = ev.target.dataset ? ev.target.dataset.i : undefined;
+    if (i !== undefined) showTip(+i);
+  });
+  draw();
+  for (const k of ["records", "context", "status", "scale"]) model.on(`change:${k}`, draw);
+}
+export default { render };

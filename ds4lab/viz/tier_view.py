@@ -1,0 +1,210 @@
+"""TierView: the session's placement (embedding, layers, head coloured by tier), the tier switches of the
+last step, and the bytes each step moved between tiers against what a full chunk would move. Front-end:
+``static/tiers.js``."""
+
+from __future__ import annotations
+
+import html
+
+import anywidget
+import ipywidgets as W
+import numpy as np
+import traitlets as t
+
+from ..tiers import EMBED
+from .reduce import png_base64
+from .views import CSS, STATIC, _View, observe_steps, unobserve_steps
+
+STYLE = CSS.read_text() + (STATIC / "extra.css").read_text()
+TIER_PALETTE = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fc9272", "#d9d9d9", "#fdd0a2", "#c7e9c0"]
+MAX_STEPS = 200  # steps kept for the bytes-per-step chart
+
+
+def tier_colour(tier: int) -> str:
+    return TIER_PALETTE[tier % len(TIER_PALETTE)]
+
+
+def _budget(b) -> str:
+    return "-" if b is None else f"{b:,}"
+
+
+def _switch_record(s, n_layer: int) -> dict:
+    unit = "embed" if s.layer == EMBED else "head" if s.layer == n_layer else f"layer {s.layer}"
+    return dict(step=s.step, layer=s.layer, unit=unit, from_tier=s.from_tier, to_tier=s.to_tier, mode=s.mode,
+                bytes=int(s.bytes), seconds=float(s.seconds))
+
+
+class TierModel(anywidget.AnyWidget):
+    _esm = STATIC / "tiers.js"
+    _css = STYLE
+    rule = t.Unicode("").tag(sync=True)
+    units = t.List().tag(sync=True)  # placement.table() rows with their colour: embed, layers, head
+    tiers = t.List().tag(sync=True)  # per tier: device, weights, kv, activations, total, budget, colour
+    boundaries = t.Int(0).tag(sync=True)  # copying switches per step
+    row_bytes = t.Int(0).tag(sync=True)  # one token's hidden state: n_hc × n_embd floats
+    chunk = t.Int(0).tag(sync=True)  # the prefill chunk (rows of a batch switch at most)
+    last_step = t.Int(-1).tag(sync=True)
+    trace = t.List().tag(sync=True)  # the last step's switches
+    steps = t.List().tag(sync=True)  # per step: step, bytes, seconds, switches, copies, mode (latest MAX_STEPS)
+
+
+class TierView(_View):
+    """The layer stack of ``session.placement`` coloured by tier, the switch trace of the last step (from
+    ``session.tier_trace``) and the bytes moved per step, drawn against ``boundaries × chunk × row_bytes`` (a
+    batch step of a full chunk) and ``boundaries × row_bytes`` (a decode step).
+
+    ``refresh()`` reads the steps run since; with ``auto_refresh`` (the default) the view does it after every
+    step of its session. ``steps`` (the trait) holds the latest ``MAX_STEPS`` steps, including steps that
+    switched nothing (0 bytes).
+    """
+
+    def __init__(self, session, auto_refresh: bool = True):
+        self.session = session
+        p = session.placement
+        cfg = session.model.config
+        self.n_layer = cfg.n_layer
+        self._seen = -1  # last step read from the trace
+        self._totals: dict[int, dict] = {}
+        itemsize = np.dtype(session.model.backend.np_dtype).itemsize
+        self.model = TierModel(
+            rule=p.rule,
+            units=[dict(row, colour=tier_colour(row["tier"])) for row in p.table()],
+            tiers=[dict(tier=m.tier, device=m.device, weights=m.weights, kv=m.kv, activations=m.activations,
+                        total=m.total, budget=m.budget, colour=tier_colour(m.tier)) for m in p.memory],
+            boundaries=p.boundaries,
+            row_bytes=cfg.n_hc * cfg.n_embd * itemsize,
+            chunk=session.geometry.step,
+        )
+        self.refresh_button = W.Button(description="refresh", tooltip="read the steps run since")
+        self.refresh_button.on_click(lambda _: self.refresh())
+        self.widget = W.VBox([self.refresh_button, self.model])
+        self.refresh()
+        self.auto_refresh = False
+        if auto_refresh:
+            observe_steps(session, self._on_step)
+            self.auto_refresh = True
+
+    def __repr__(self) -> str:
+        m = self.model
+        return f"TierView({m.rule}: {len(m.tiers)} tier(s), {m.boundaries} boundaries, last step {m.last_step})"
+
+    def _on_step(self, record) -> None:
+        self.refresh()
+
+    def detach(self) -> None:
+        """Stop refreshing after the session's steps."""
+        unobserve_steps(self.session, self._on_step)
+        self.auto_refresh = False
+
+    @property
+    def batch_bound(self) -> int:
+        """Bytes a batch step of a full chunk copies: one chunk of hidden states per boundary."""
+        return self.model.boundaries * self.model.chunk * self.model.row_bytes
+
+    @property
+    def decode_bound(self) -> int:
+        """Bytes a decode step copies: one token's hidden state per boundary."""
+        return self.model.boundaries * self.model.row_bytes
+
+    def refresh(self) -> None:
+        """Read the switches of the steps run since the last refresh."""
+        sess = self.session
+        new = []
+        for s in reversed(sess.tier_trace):
+            if s.step <= self._seen:
+                break
+            new.append(s)
+        new.reverse()
+        last = getattr(sess, "_tier_step", None)
+        last = (last - 1) if last is not None else max([self._seen] + [s.step for s in new])
+        if last <= self._seen:
+            return
+        first = max(self._seen + 1, last + 1 - MAX_STEPS)
+        for step in range(first, last + 1):
+            self._totals[step] = dict(step=step, bytes=0, seconds=0.0, switches=0, copies=0, mode="none")
+        for s in new:
+            d = self._totals.get(s.step)
+            if d is None:
+                continue
+            d["bytes"] += int(s.bytes)
+            d["seconds"] += float(s.seconds)
+            d["switches"] += 1
+            if s.mode != "no-copy":
+                d["copies"] += 1
+                d["mode"] = s.mode
+            elif d["mode"] == "none":
+                d["mode"] = "no-copy"
+        for step in [k for k in self._totals if k < last + 1 - MAX_STEPS]:
+            del self._totals[step]
+        self._seen = last
+        m = self.model
+        with m.hold_sync():
+            m.last_step = last
+            m.trace = [_switch_record(s, self.n_layer) for s in new if s.step == last]
+            m.steps = [dict(d) for d in self._totals.values()]
+
+    def image(self, height: int = 60) -> np.ndarray:
+        """Bytes per step as bars (batch blue, decode green, nothing moved grey) under a red line at the
+        batch bound (the decode bound in orange)."""
+        steps = self.model.steps
+        bound = max(self.batch_bound, max((d["bytes"] for d in steps), default=0), 1)
+        bw = max(1, min(8, 600 // max(len(steps), 1)))
+        img = np.full((height + 1, max(len(steps), 1) * bw, 3), 255, np.uint8)
+        colours = {"batch": (49, 130, 189), "decode": (49, 163, 84)}
+        for i, d in enumerate(steps):
+            h = int(round(height * d["bytes"] / bound))
+            img[height - h : height, i * bw : i * bw + max(bw - (bw > 2), 1)] = colours.get(d["mode"], (200, 200, 200))
+        for b, colour in ((self.batch_bound, (222, 45, 38)), (self.decode_bound, (230, 85, 13))):
+            if b:
+                img[height - int(round(height * b / bound)), :] = colour
+        img[height, :] = (120, 120, 120)
+        return img
+
+    def stack_html(self) -> str:
+        """The units as coloured spans, in order, with the last step's switches between them."""
+        by_unit = {}
+        for s in self.model.trace:
+            by_unit.setdefault(s["layer"], []).append(s)
+        out = []
+        for u in self.model.units:
+            for s in by_unit.get(u["layer"], []):
+                out.append(f"<span style='color:#e6550d'> →{s['mode']} {s['bytes']:,} B→ </span>")
+            label = u["unit"] if u["layer"] in (EMBED, self.n_layer) else f"L{u['layer']}"
+            out.append(f"<span data-unit='{u['layer']}' data-tier='{u['tier']}' style='background:{u['colour']};"
+                       f"border:1px solid #999;padding:1px 4px' title='{html.escape(u['unit'])}: tier {u['tier']} "
+                       f"({html.escape(u['device'])})'>{html.escape(label)}</span>")
+        return " ".join(out)
+
+    def static_html(self) -> str:
+        m = self.model
+        tiers = "".join(
+            f"<tr><td><span style='background:{d['colour']}'>&nbsp;&nbsp;</span> {d['tier']}</td>"
+            f"<td>{html.escape(d['device'])}</td><td>{d['weights']:,}</td><td>{d['kv']:,}</td>"
+            f"<td>{d['activations']:,}</td><td>{d['total']:,}</td><td>{_budget(d['budget'])}</td></tr>"
+            for d in m.tiers
+        )
+        trace = "".join(
+            f"<tr><td>{s['unit']}</td><td>{s['from_tier']} → {s['to_tier']}</td><td>{s['mode']}</td>"
+            f"<td>{s['bytes']:,}</td><td>{s['seconds'] * 1e6:.0f}</td></tr>"
+            for s in m.trace
+        ) or "<tr><td colspan='5'>no switches</td></tr>"
+        steps = "".join(
+            f"<tr><td>{d['step']}</td><td>{d['mode']}</td><td>{d['copies']}</td><td>{d['bytes']:,}</td>"
+            f"<td>{d['bytes'] // (d['copies'] * m.row_bytes) if d['copies'] else 0}</td>"
+            f"<td>{d['bytes'] / self.batch_bound if self.batch_bound else 0:.3f}</td></tr>"
+            for d in m.steps[-12:]
+        )
+        return (
+            f"<div class='ds4-view' style='font:12px monospace'><b>Tiers: {html.escape(m.rule)}, "
+            f"{len(m.tiers)} tier(s), {m.boundaries} copying boundary(ies) per step</b>"
+            f"<div style='margin:4px 0;line-height:2'>{self.stack_html()}</div>"
+            "<table><tr><th>tier</th><th>device</th><th>weights</th><th>KV</th><th>activations</th><th>total</th>"
+            f"<th>budget</th></tr>{tiers}</table>"
+            f"<b>last step ({m.last_step}) switches</b><table><tr><th>before</th><th>tiers</th><th>mode</th>"
+            f"<th>bytes</th><th>µs</th></tr>{trace}</table>"
+            f"<b>bytes moved per step</b> (red line: a full chunk of {m.chunk} rows × {m.row_bytes:,} B per boundary = "
+            f"{self.batch_bound:,} B; orange: a decode step, {self.decode_bound:,} B)<br>"
+            f"<img alt='bytes per step' src='data:image/png;base64,{png_base64(self.image())}'/>"
+            "<table><tr><th>step</th><th>mode</th><th>copies</th><th>bytes</th><th>rows per copy</th>"
+            f"<th>of full chunk</th></tr>{steps}</table></div>"
+        )

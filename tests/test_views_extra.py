@@ -1,0 +1,362 @@
+"""GenerationView, ExpertView, TierView and KVCacheView's automatic refresh, on the embedded default model:
+traits against the step records and against independent computations (softmax of the session's logits,
+token-by-token counts of the captured experts, the hash table, hand-computed tier plans and copy sizes)."""
+
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("anywidget")
+import ds4lab  # noqa: E402
+from ds4lab.session import DecodeStep, PrefillChunk  # noqa: E402
+from ds4lab.tiers import Placement  # noqa: E402
+from ds4lab.viz import ExpertView, GenerationView, KVCacheView, TierView  # noqa: E402
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds4lab.load(backend="numpy")
+
+
+def _bundle_ok(view) -> str:
+    bundle = view._repr_mimebundle_()
+    assert WIDGET in bundle and bundle[WIDGET]["model_id"]
+    assert bundle["text/html"].startswith("<div class='ds4-view'")
+    return bundle["text/html"]
+
+
+def test_static_files():
+    from ds4lab.viz import views
+
+    for name in ("generation.js", "experts.js", "tiers.js"):
+        src = (views.STATIC / name).read_text()
+        assert "export default" in src and "http" not in src and "require(" not in src
+    assert ".ds4-gen" in (views.STATIC / "extra.css").read_text()
+
+
+# -- GenerationView ---------------------------------------------------------------------------------------
+def _log_softmax(logits):
+    a = np.asarray(logits, dtype=np.float64)
+    m = a.max()
+    return a - (m + np.log(np.exp(a - m).sum()))
+
+
+def test_generation_records_match_steps_and_logits(model):
+    sess = model.session(ctx=256, prefill_chunk=32)
+    sess.sync(PROMPT)
+    view = GenerationView(sess, max_tokens=4, seed=5, top=4)
+    assert view.model.records == [] and "".join(view.model.context) == PROMPT
+    steps, expected_lp = [], []
+    for _ in range(2):  # one token at a time: the logits it was sampled from are the session's before the step
+        lp = _log_softmax(sess.logits)
+        step = view.step()
+        steps.append(step)
+        expected_lp.append(lp)
+        assert len(view.model.records) == len(steps)
+    steps += view.run(3)
+    assert len(steps) == 5 and view.stop_reason == "length" and view.run_button.description == "continue"
+    records = view.model.records
+    assert len(records) == 5 and view.steps == steps
+    for r, s in zip(records, steps):
+        assert isinstance(s, DecodeStep)
+        assert (r["token"], r["text"], r["position"]) == (s.token, s.text, s.position)
+        assert r["logprob"] == s.logprob
+        assert [(a["token"], a["logprob"]) for a in r["top"]] == [(t, lp) for t, lp in s.top]
+        assert len(r["top"]) == 4
+        lps = [a["logprob"] for a in r["top"]]
+        assert lps == sorted(lps, reverse=True)
+        assert r["piece"] == model.tokenizer.token_bytes(s.token).decode("utf-8", "replace")
+    for r, lp in zip(records, expected_lp):  # independent: a float64 log-softmax of the logits
+        assert r["logprob"] == pytest.approx(lp[r["token"]], abs=1e-5)
+        assert [a["token"] for a in r["top"]] == np.argsort(-lp, kind="stable")[:4].tolist()
+        assert [a["logprob"] for a in r["top"]] == pytest.approx(np.sort(lp)[::-1][:4], abs=1e-5)
+    assert sess.tokens[-5:] == [s.token for s in steps]
+    assert view.text == "".join(r["text"] for r in records) == model.tokenizer.decode([s.token for s in steps])
+    # the same seed and prompt outside the view give the same tokens
+    ref = model.session(ctx=256, prefill_chunk=32)
+    ref.sync(PROMPT)
+    assert [s.token for s in ref.decoder(seed=5).stream(5)] == [s.token for s in steps]
+    # static fallback: one span per token, coloured by its probability
+    page = _bundle_ok(view)
+    colours = re.findall(r"<span style='background:(#[0-9a-f]{6})' title='position", page)
+    bands = [(0.5, "#c7e9c0"), (0.2, "#fff7bc"), (0.05, "#fdd49e"), (0.01, "#fc9272"), (0.0, "#ef6548")]
+    assert colours == [next(c for p, c in bands if math.exp(s.logprob) >= p) for s in steps]
+
+
+def test_generation_prompt_is_synced_lazily(model):
+    sess = model.session(ctx=256, prefill_chunk=16)
+    view = GenerationView(sess, PROMPT, max_tokens=3, seed=1)
+    assert sess.tokens == [] and view.model.status == "ready"  # nothing runs until the first token
+    view.run()
+    ids = model.tokenizer.encode(PROMPT)
+    assert sess.tokens[: len(ids)] == ids and len(sess.tokens) == len(ids) + 3
+    sess.sync(ids)  # someone else moves the session: the view refuses to continue on a foreign state
+    with pytest.raises(RuntimeError, match="moved on"):
+        view.step()
+
+
+def test_generation_stop_button_halts_a_run(model):
+    sess = model.session(ctx=256, prefill_chunk=32)
+    view = GenerationView(sess, PROMPT, seed=2)
+    calls = []
+
+    def click_stop_at_third(record):  # runs inside the loop, as a frontend click would if it were processed
+        calls.append(record)
+        if len(calls) == 3:
+            view.stop_button.click()
+
+    sess.sync(model.tokenizer.encode(PROMPT))
+    sess.step_observers.append(click_stop_at_third)
+    out = view.run(10)
+    assert len(out) == 3 and view.stop_reason == "stop" and len(view.model.records) == 3
+    assert "stopped" in view.model.status
+    out = view.run(2)  # a new run clears the flag and continues
+    assert len(out) == 2 and view.stop_reason == "length" and len(view.model.records) == 5
+    view.stop()  # .stop() before a run is forgotten when it starts; during one it ends it before its next token
+    assert len(view.run(1)) == 1
+
+
+def test_generation_interrupt_keeps_tokens(model, monkeypatch):
+    sess = model.session(ctx=256, prefill_chunk=32)
+    sess.sync(PROMPT)
+    view = GenerationView(sess, seed=9)
+    real, n = sess._eval, [0]
+
+    def flaky(*a, **k):
+        n[0] += 1
+        if n[0] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(sess, "_eval", flaky)
+    out = view.run(5)
+    assert len(out) == 2 and view.stop_reason == "interrupted" and len(view.model.records) == 2
+    out += view.run(2)  # the interrupted draw is made again
+    ref = model.session(ctx=256, prefill_chunk=32)
+    ref.sync(PROMPT)
+    assert [s.token for s in out] == [s.token for s in ref.decoder(seed=9).stream(4)]
+
+
+# -- ExpertView -------------------------------------------------------------------------------------------
+def test_expert_view_counts_and_hash_layers(model):
+    cfg = model.config
+    sess = model.session(ctx=256, prefill_chunk=8)
+    ids = model.tokenizer.encode(PROMPT)
+    with sess.capture(["moe.experts"]) as cap:
+        sess.prefill(ids).run(progress=False)
+    view = ExpertView(cap)
+    assert sorted(view.counts) == list(range(cfg.n_layer))
+    for il in range(cfg.n_layer):
+        chosen = cap[f"blk.{il}.moe.experts"]
+        assert chosen.shape == (len(ids), cfg.n_expert_used)
+        direct = [0] * cfg.n_expert
+        for row in chosen.tolist():
+            for e in set(row):
+                direct[e] += 1
+        assert view.counts[il].tolist() == direct
+        rec = view.model.layers[il]
+        assert rec["layer"] == il and rec["counts"] == direct and rec["n_tokens"] == len(ids)
+        # hovering: the most frequent token the expert got
+        e = int(np.argmax(direct))
+        got = [ids[p] for p, row in enumerate(chosen.tolist()) if e in row]
+        top_id = max(set(got), key=lambda i: (got.count(i), -got.index(i)))
+        assert rec["top"][e][0] == [model.tokenizer.token_bytes(top_id).decode("utf-8", "replace"), got.count(top_id)]
+    # hash layers: flagged, and their experts are the hash table's rows of the token ids
+    assert view.hash_layers == [il for il in range(cfg.n_layer) if il < cfg.n_hash_layer] == [0, 1, 2]
+    assert [L["hash"] for L in view.model.layers] == [il < 3 for il in range(cfg.n_layer)]
+    for il in range(cfg.n_layer):
+        table = model.transformer.w.hash_table(il) if il < 3 else None
+        if table is not None:
+            np.testing.assert_array_equal(cap[f"blk.{il}.moe.experts"], table[np.array(ids)])
+    # the convenience captures the same over a fresh session's prefill
+    again = ExpertView.from_prompt(model.session(ctx=256, prefill_chunk=32), PROMPT, layers=[1, 4])
+    assert sorted(again.counts) == [1, 4] and again.hash_layers == [1]
+    for il in (1, 4):
+        assert again.counts[il].tolist() == view.counts[il].tolist()
+    html = _bundle_ok(view)
+    assert html.count("data:image/png;base64,") == cfg.n_layer and html.count("<b>hash</b>") == 3
+
+
+def test_expert_load_chart_stays_under_the_row_limit(model):
+    from ds4lab.viz.charts import expert_load_chart, expert_load_rows
+
+    view = ExpertView.from_prompt(model.session(ctx=256), PROMPT)
+    rows = expert_load_chart(view).to_dict()["data"]["values"]
+    assert len(rows) == model.config.n_layer * model.config.n_expert
+    for r in rows:
+        assert r["tokens"] == view.counts[r["layer"]][r["expert"]]
+        assert r["label"].endswith("(hash)") == (r["layer"] < 3)
+    grouped = expert_load_chart(view, max_rows=12).to_dict()["data"]["values"]
+    assert len(grouped) <= 12
+    for il, c in view.counts.items():
+        assert sum(r["tokens"] for r in grouped if r["layer"] == il) == c.sum()
+    # the Flash shape (43 layers × 256 experts = 11008 cells) is grouped under Altair's 5000 rows
+    flash = {il: np.arange(256) for il in range(43)}
+    big = expert_load_rows(flash)
+    assert len(big) <= 4000 and sum(r["tokens"] for r in big) == 43 * sum(range(256))
+
+
+# -- TierView ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "placement, units",
+    [
+        (Placement.even(2), [0, 0, 0, 0, 1, 1, 1, 1]),  # embed, layers 0-5, head
+        (Placement([0, 1, 0, 1, 0, 1]), [0, 0, 1, 0, 1, 0, 1, 1]),
+    ],
+)
+def test_tier_view_colours_layers_by_tier(model, placement, units):
+    from ds4lab.viz.tier_view import TIER_PALETTE
+
+    sess = model.session(ctx=256, prefill_chunk=16, placement=placement)
+    view = TierView(sess)
+    p = sess.placement
+    layers = [-1, *range(6), 6]
+    assert [u["layer"] for u in view.model.units] == layers
+    assert [u["tier"] for u in view.model.units] == units == [p.tier_of(il) for il in layers]
+    assert [u["colour"] for u in view.model.units] == [TIER_PALETTE[t] for t in units]
+    html = _bundle_ok(view)
+    drawn = re.findall(r"data-unit='(-?\d+)' data-tier='(\d+)' style='background:(#[0-9a-f]{6})", html)
+    assert [(int(a), int(b), c) for a, b, c in drawn] == [(il, t, TIER_PALETTE[t]) for il, t in zip(layers, units)]
+
+
+def test_tier_view_bytes_per_step(model):
+    cfg = model.config
+    sess = model.session(ctx=256, prefill_chunk=16, placement=Placement([0, 1, 0, 1, 0, 1]))
+    view = TierView(sess)
+    manual = TierView(sess, auto_refresh=False)
+    assert view.model.steps == [] and view.model.last_step == -1
+    chunks = sess.prefill(model.tokenizer.encode(PROMPT * 3)[:40]).run(progress=False)
+    steps = list(sess.decoder(seed=3).stream(3))
+    row = cfg.n_hc * cfg.n_embd * 8  # one token's hidden state in float64
+    # five boundaries (L0→L1 … L4→L5), each copying the chunk's rows (batch) or one row (decode)
+    want = [5 * 16 * row, 5 * 16 * row, 5 * 8 * row, 5 * row, 5 * row, 5 * row]
+    got = view.model.steps
+    assert [d["step"] for d in got] == list(range(6)) and [d["bytes"] for d in got] == want
+    assert [d["bytes"] for d in got] == [r.tier_bytes for r in [*chunks, *steps]]
+    by_step = {}
+    for s in sess.tier_trace:
+        by_step[s.step] = by_step.get(s.step, 0) + s.bytes
+    assert [d["bytes"] for d in got] == [by_step[i] for i in range(6)]
+    assert [d["mode"] for d in got] == ["batch"] * 3 + ["decode"] * 3 and all(d["copies"] == 5 for d in got)
+    assert view.batch_bound == 5 * 16 * row and view.decode_bound == 5 * row
+    last = [s for s in sess.tier_trace if s.step == 5]
+    assert view.model.last_step == 5
+    assert [(t["layer"], t["mode"], t["bytes"]) for t in view.model.trace] == [(s.layer, s.mode, s.bytes) for s in last]
+    assert view.model.trace[0]["mode"] == "no-copy"  # head tier 1 → embedding tier 0 at the step's start
+    # without auto refresh nothing moves until refresh()
+    assert manual.model.steps == [] and manual.model.last_step == -1
+    manual.refresh()
+    assert manual.model.steps == got and manual.model.trace == view.model.trace
+    assert "data:image/png;base64," in _bundle_ok(view)
+
+
+def test_tier_view_single_tier_counts_empty_steps(model):
+    sess = model.session(ctx=256, prefill_chunk=16)
+    view = TierView(sess)
+    sess.prefill(model.tokenizer.encode(PROMPT)).run(progress=False)
+    assert [d["bytes"] for d in view.model.steps] == [0] * len(sess.tokens[::16]) and view.model.trace == []
+
+
+# -- KVCacheView auto refresh -----------------------------------------------------------------------------
+def test_kv_view_refreshes_itself(model):
+    sess = model.session(ctx=256, prefill_chunk=16)
+    kv = KVCacheView(sess)
+    seen = []
+    sess.step_observers.append(lambda r: seen.append((type(r).__name__, kv.model.data["n_tokens"],
+                                                      kv.model.data["new_from"])))
+    ids = model.tokenizer.encode(PROMPT * 3)[:40]
+    chunks = sess.prefill(ids).run(progress=False)
+    assert [c.end for c in chunks] == [16, 32, 40]
+    steps = list(sess.decoder(seed=4).stream(2))
+    assert seen == [("PrefillChunk", 16, 0), ("PrefillChunk", 32, 16), ("PrefillChunk", 40, 32),
+                    ("DecodeStep", 41, 40), ("DecodeStep", 42, 41)]
+    d = kv.model.data
+    assert d["total_bytes"] == sess.kv.nbytes and d["label"] == "live"
+    assert [L["live"][1] for L in d["layers"]] == [41] * model.config.n_layer
+    # sync's token-by-token extension (below the resume threshold) reports None records
+    sess.sync(sess.tokens + [steps[-1].token, 5])
+    assert seen[-2:] == [("NoneType", 43, 42), ("NoneType", 44, 43)]
+    # a GenerationView's steps refresh it too
+    gen = GenerationView(sess, seed=1)
+    gen.run(2)
+    assert kv.model.data["n_tokens"] == 46 and len(gen.model.records) == 2
+    kv.detach()
+    gen.step()
+    assert kv.model.data["n_tokens"] == 46 and len(sess.tokens) == 47
+    kv.refresh()
+    assert kv.model.data["n_tokens"] == 47 and kv.model.data["new_from"] == 46
+    _bundle_ok(kv)
+
+
+def test_detached_views_stop_observing(model):
+    sess = model.session(ctx=256, prefill_chunk=16)
+    kv, tv = KVCacheView(sess), TierView(sess)
+    assert sess.step_observers == [kv._on_step, tv._on_step]
+    kv.detach()
+    sess.prefill(model.tokenizer.encode(PROMPT)).run(progress=False)
+    assert sess.step_observers == [tv._on_step] and tv.model.last_step == 0 and kv.model.data["n_tokens"] == 0
+    tv.detach()
+    assert sess.step_observers == []
+
+
+def test_step_observers_get_the_records(model):
+    sess = model.session(ctx=256, prefill_chunk=16)
+    got = []
+    sess.step_observers.append(got.append)
+    chunks = sess.prefill(model.tokenizer.encode(PROMPT)).run(progress=False)
+    steps = list(sess.decoder(seed=0).stream(2))
+    assert got == [*chunks, *steps] and all(isinstance(c, PrefillChunk) for c in chunks)
+
+
+def test_generation_stop_button_in_a_kernel():
+    """In a real kernel the run button's run yields between tokens, so a stop click (a comm message, as the
+    browser sends it) ends it; cells run in between."""
+    jc = pytest.importorskip("jupyter_client.manager")
+    km, kc = jc.start_new_kernel(kernel_name="python3")
+
+    def execute(code: str) -> str:
+        msg_id, out = kc.execute(code), []
+        while True:
+            m = kc.get_iopub_msg(timeout=60)
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            if m["msg_type"] == "stream":
+                out.append(m["content"]["text"])
+            elif m["msg_type"] == "error":
+                raise AssertionError("\n".join(m["content"]["traceback"]))
+            elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                return "".join(out)
+
+    def click(comm_id: str) -> None:  # what the browser sends for a Button click
+        data = {"method": "custom", "content": {"event": "click"}}
+        kc.shell_channel.send(kc.session.msg("comm_msg", content={"comm_id": comm_id, "data": data}))
+
+    def wait_for(expr: str, seconds: float = 60) -> None:
+        end = time.monotonic() + seconds
+        while execute(f"print({expr})").strip() != "True":
+            assert time.monotonic() < end, f"timed out waiting for {expr}"
+            time.sleep(0.05)
+
+    try:
+        ids = execute(
+            "import ds4lab\nfrom ds4lab.viz import GenerationView\n"
+            "sess = ds4lab.load(backend='numpy').session(ctx=1024, prefill_chunk=64)\n"
+            f"view = GenerationView(sess, {PROMPT!r}, max_tokens=900, seed=1)\n"
+            "print(view.run_button.comm.comm_id, view.stop_button.comm.comm_id)"
+        ).split()
+        click(ids[0])
+        wait_for("len(view.steps) >= 3")  # cells run while the generation goes on
+        click(ids[1])
+        wait_for("not view.running")
+        n, reason, records = execute("print(len(view.steps), view.stop_reason, len(view.model.records))").split()
+        assert reason == "stop" and 3 <= int(n) < 900 and records == n
+        assert execute("print(sess.tokens[-len(view.steps):] == [s.token for s in view.steps])").strip() == "True"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
