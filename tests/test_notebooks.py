@@ -1,31 +1,88 @@
-"""Every teaching notebook runs top to bottom without an error (a kernel from this interpreter's environment)."""
+"""The teaching notebooks as saved: built from notebooks/_build.py, executed, views with static fallbacks.
 
+Running them is nbval's job: ``python -m pytest`` also collects notebooks/ (see notebooks/conftest.py), runs
+every cell in a fresh kernel and compares the outputs of the cells tagged ``nbval-check-output``.
+"""
+
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-pytest.importorskip("anywidget")
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
-
-
-def test_notebooks_exist():
-    assert NOTEBOOKS, "no notebooks found"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+CHECK = "nbval-check-output"
+WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, tmp_path):
-    nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    )
-    client.execute()  # raises CellExecutionError on the first failing cell
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
-    assert not errors
-    # the views left a live widget and a static fallback
-    bundles = [o["data"] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "data" in o]
-    widgets = [b for b in bundles if "application/vnd.jupyter.widget-view+json" in b]
-    assert widgets and all("text/html" in b for b in widgets)
+def _builder():
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = _builder()
+NAMES = list(BUILD.NOTEBOOKS)
+
+
+def _read(name):
+    return nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+
+
+def _code(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def test_every_notebook_comes_from_the_builder():
+    saved = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
+    assert saved == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_cells_match_the_builder(name):
+    """Edit notebooks/_build.py, then run it: the saved notebook must have the builder's cells."""
+    built, saved = BUILD.build(name), _read(name)
+    assert [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in saved.cells] == \
+        [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in built.cells], \
+        f"{name} is stale: run python notebooks/_build.py {name[:2]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_outputs(name):
+    nb = _read(name)
+    cells = _code(nb)
+    assert all(c.execution_count for c in cells), "not executed top to bottom: run python notebooks/_build.py"
+    assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
+    outputs = [o for c in cells for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert not [o for o in outputs if o.output_type == "stream" and o.name == "stderr"], "warnings or progress bars"
+    # every live widget carries a static fallback, so the saved notebook still shows it
+    bundles = [o.data for o in outputs if "data" in o]
+    assert all("text/html" in b for b in bundles if WIDGET in b)
+    # nbval compares the tagged cells: each has text to compare
+    checked = [c for c in cells if CHECK in c.metadata.get("tags", [])]
+    assert checked
+    for c in checked:
+        texts = [o for o in c.outputs if o.output_type == "stream" or "text/plain" in o.get("data", {})]
+        assert texts, f"checked cell without text output: {c.source[:60]!r}"
+
+
+def test_views_appear_in_the_notebooks():
+    bundles = [o.data for name in NAMES for c in _code(_read(name)) for o in c.outputs if "data" in o]
+    assert sum(WIDGET in b for b in bundles) >= 4
+
+
+def test_pytest_collects_every_notebook_cell_with_nbval():
+    pytest.importorskip("nbval")
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "notebooks"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in NAMES:
+        n_code = len(_code(_read(name)))
+        collected = [line for line in out.stdout.splitlines() if line.startswith(f"notebooks/{name}::Cell ")]
+        assert len(collected) == n_code, (name, collected)
