@@ -37,7 +37,8 @@ def main():
             ids = np.random.default_rng(0).integers(0, model.config.n_vocab - 7, args.tokens)
             s = best_seconds(model, ids, args.repeat)
             rates[backend] = args.tokens / s
-            print(f"{backend:6s} numerics={numerics:5s} {args.tokens} tokens in {s:.3f} s: {rates[backend]:8.1f} tokens/s")
+            print(f"{backend:6s} numerics={numerics:5s} {args.tokens} tokens in {s:.3f} s: "
+                  f"{rates[backend]:8.1f} tokens/s")
         print(f"mlx/numpy speed ratio ({numerics}): {rates['mlx'] / rates['numpy']:.2f}")
 
 

@@ -60,7 +60,8 @@ def main():
     d = s.decoder(temperature=0)
     began = time.perf_counter()
     n = sum(1 for _ in d.stream(args.decode))
-    print(f"decode {n} tokens: {n / (time.perf_counter() - began):.1f} tokens/s ({args.backend}, compile={args.compile})")
+    rate = n / (time.perf_counter() - began)
+    print(f"decode {n} tokens: {rate:.1f} tokens/s ({args.backend}, compile={args.compile})")
 
 
 if __name__ == "__main__":

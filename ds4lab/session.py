@@ -104,6 +104,7 @@ class Session:
         self._state: KVState = new_state(model.config, model.backend, self.geometry)
         # The resolved plan; every step's switches go to tier_trace, steps counted from 0.
         self.placement = (placement or Placement.single()).resolve(model, self._state)
+        self._state = self.placement.place_state(self._state)
         self.tier_trace: deque[TierSwitch] = deque(maxlen=TIER_TRACE_MAX)
         self._tier_step = 0
         self._active_tier = self.placement.embed_tier
@@ -129,7 +130,7 @@ class Session:
 
     # -- state ----------------------------------------------------------------------------------------
     def _commit(self, tokens: list[int], logits, state: KVState, run: TierRun | None = None) -> None:
-        self.tokens, self.logits, self._state = tokens, logits, state
+        self.tokens, self.logits, self._state = tokens, logits, self.placement.place_state(state)
         if run is not None:
             self.tier_trace.extend(run.switches)
             self._active_tier = run.active
@@ -259,7 +260,8 @@ class Session:
         """Sync to ``prompt`` (a string is rendered as one user chat turn unless ``chat=False``; token
         ids are used as given) and return the text of up to ``max_tokens`` sampled tokens."""
         if isinstance(prompt, str) and chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
             prompt = self.model.tokenizer.render_chat(messages, think=think)
         self.sync(prompt)
         decode = self.decoder(**sampling)

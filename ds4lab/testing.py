@@ -91,6 +91,26 @@ def make_model(
     other non-hash layer starting with the first, so both router paths (with and without bias) exist.
     The tokenizer is trained on ``tokenizer_text`` (default: the start of tinyshakespeare).
     """
+    tensors = model_tensors(config, seed, dense_type=dense_type, expert_types=expert_types,
+                            router_bias_layers=router_bias_layers)
+    text = default_tokenizer_text() if tokenizer_text is None else tokenizer_text
+    return write_gguf(path, _metadata(config, seed, text), tensors)
+
+
+def model_tensors(
+    config: ModelConfig,
+    seed: int = 0,
+    *,
+    dense_type: str = "Q8_0",
+    expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
+    router_bias_layers: Literal["auto"] | Collection[int] = "auto",
+    distinct_rows: int | None = None,
+) -> list[tuple[str, tuple[int, ...], Q, np.ndarray]]:
+    """``(name, shape, qtype, raw bytes)`` of every tensor :func:`make_model` writes.
+
+    ``distinct_rows`` (for full-width benchmark models) draws only that many leading rows (experts,
+    for expert tensors) at random and repeats them to the full size, which is much faster for the
+    gigabytes of a Flash layer and costs the same to evaluate."""
     dense = _qtype(dense_type, _DENSE_TYPES, "dense_type")
     experts = (_qtype(expert_types[0], _EXPERT_TYPES, "expert_types[0]"),
                _qtype(expert_types[1], _EXPERT_TYPES, "expert_types[1]"))
@@ -105,12 +125,16 @@ def make_model(
         qtype, dist = _plan(_key(name), shape[0], dense, experts)
         _check_rows(name, shape[0], qtype)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # independent of the other tensors
-        tensors.append((name, shape, qtype, _tensor_bytes(qtype, dist, shape, config, rng)))
-    text = default_tokenizer_text() if tokenizer_text is None else tokenizer_text
-    return write_gguf(path, _metadata(config, seed, text), tensors)
+        lead = shape[-1]
+        few = distinct_rows is not None and len(shape) >= 2 and lead > distinct_rows and dist.kind != "tid2eid"
+        drawn = (*shape[:-1], distinct_rows) if few else shape
+        raw = _tensor_bytes(qtype, dist, drawn, config, rng)
+        if drawn != shape:
+            raw = np.resize(raw, (lead, *raw.shape[1:]))  # np.resize repeats the drawn rows
+        tensors.append((name, shape, qtype, raw))
+    return tensors
 
 
-@functools.cache
 def default_tokenizer_text() -> str:
     """The first ~300 KB of tinyshakespeare, or a built-in paragraph where the data directory is absent."""
     path = _DATA_DIR / "tinyshakespeare.txt"

@@ -11,16 +11,16 @@ lives on another tier, the forward pass switches the active tier in one of three
 
 Every switch becomes a :class:`TierSwitch` record. Without ``devices`` tiers are logical: each is its
 own "device", so a switch makes a real array copy and the bytes are real. With MLX, ``"cpu"`` and
-``"gpu"`` tiers run their layers on that device's stream. A tier is a small object with ``device``,
-``copy_in(x)`` and ``scope()``, so a CuPy GPU tier (peer copies under ``cupy.cuda.Device``) would be
-one more class.
+``"gpu"`` tiers run their layers on that device's stream. With CuPy, ``"cuda:N"`` tiers keep their
+layers' weights and KV state on GPU N and switch with peer copies. A tier is a small object with
+``device``, ``copy_in(x)``, ``adopt(x)``, ``settle(x)`` and ``scope()``.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -42,6 +42,14 @@ class LogicalTier:
         y = self.backend.xp.array(x)  # np.array and mx.array both copy the buffer
         self.backend.eval(y)
         return y
+
+    def adopt(self, x):
+        """``x`` as this tier keeps it (a state array arriving from elsewhere); logical tiers share memory."""
+        return x
+
+    def settle(self, x):
+        """Finish the work that produces ``x`` (so a switch's time is the copy's alone)."""
+        self.backend.eval(x)
 
     def scope(self):
         return nullcontext()
@@ -67,15 +75,57 @@ class MLXDeviceTier:
             mx.eval(y)
         return y
 
+    def adopt(self, x):
+        return x  # unified memory: every device reads every array
+
+    def settle(self, x):
+        self.backend.eval(x)
+
     def scope(self):
         import mlx.core as mx
 
         return mx.stream(self._device)
 
 
+class CupyDeviceTier:
+    """CUDA GPU N (``"cuda:N"``): the tier's layers run, and their weights and KV state live, on that GPU;
+    a switch is a peer copy."""
+
+    def __init__(self, device: str, backend):
+        import cupy as cp
+
+        self.backend, self.device = backend, device
+        try:
+            self.index = int(device.removeprefix("cuda:"))
+        except ValueError:
+            raise ValueError(f"unknown CUDA device {device!r}; use 'cuda:N'") from None
+        if not 0 <= self.index < cp.cuda.runtime.getDeviceCount():
+            raise ValueError(f"no CUDA device {device!r} here ({cp.cuda.runtime.getDeviceCount()} GPUs)")
+        self._device = cp.cuda.Device(self.index)
+
+    def copy_in(self, x):
+        import cupy as cp
+
+        with self._device:
+            y = cp.array(x, copy=True)  # a peer copy when x is on another GPU
+            self._device.synchronize()
+        return y
+
+    def adopt(self, x):
+        return x if x is None or x.device.id == self.index else self.copy_in(x)
+
+    def settle(self, x):
+        x.device.synchronize()
+
+    def scope(self):
+        return self._device
+
+
 def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int) -> tuple:
     if devices is None:
         return tuple(LogicalTier(f"logical:{t}", backend) for t in range(n_tiers))
+    if backend.name == "cupy":
+        return tuple(CupyDeviceTier(d, backend) for d in devices)
     known = ("cpu", "gpu") if backend.name == "mlx" else ("cpu",)
     for d in devices:
         if d not in known:
@@ -236,6 +286,14 @@ class Placement:
         out._weights, out._kv = tuple(weights), tuple(kv)
         return out
 
+    def place_state(self, state):
+        """``state`` with each layer's arrays on that layer's tier (a no-op where tiers share memory)."""
+        layers = []
+        for il, layer in enumerate(state.layers):
+            tier = self.tiers[self.tier_of(il)]
+            layers.append(type(layer).from_arrays([None if a is None else tier.adopt(a) for a in layer.arrays()]))
+        return replace(state, layers=tuple(layers))
+
     def _resolved(self) -> tuple[int, ...]:
         if self.unit_tiers is None:
             raise RuntimeError("this placement is not resolved yet: model.session(placement=...) resolves it")
@@ -352,6 +410,11 @@ class TierRun:
     def scope(self):
         return self.placement.tiers[self.active].scope()
 
+    @property
+    def device(self) -> str:
+        """The active tier's device (arrays made for one tier's device serve every tier on it)."""
+        return self.placement.tiers[self.active].device
+
     def _switch(self, layer: int, x):
         dst = self.placement.tier_of(layer)
         src = self.active
@@ -364,7 +427,7 @@ class TierRun:
         else:
             if self.mode == "decode" and x.shape[0] != 1:
                 raise ValueError(f"decode switches carry one token's hidden state, got {x.shape[0]} rows")
-            tiers[src].backend.eval(x)  # the layers before the boundary are not part of the switch time
+            tiers[src].settle(x)  # the layers before the boundary are not part of the switch time
             began = time.perf_counter()
             x = tiers[dst].copy_in(x)
             mode, nbytes = self.mode, int(x.nbytes)
@@ -384,6 +447,8 @@ class _Untiered:
 
     def scope(self):
         return nullcontext()
+
+    device = None
 
 
 NO_TIERS = _Untiered()

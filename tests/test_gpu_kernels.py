@@ -119,7 +119,8 @@ def test_split_key_attention_matches_float64(gpu, T, H, D, N):
         visible[1, : min(N, 300)] = True  # keys in the first split and no others
         visible[1, 300:] = False
     scale = D ** -0.5
-    want = attend_with_sinks(np, q.astype(np.float64), keys.astype(np.float64), visible, sinks.astype(np.float64), scale)
+    f64 = [a.astype(np.float64) for a in (q, keys, sinks)]
+    want = attend_with_sinks(np, f64[0], f64[1], visible, f64[2], scale)
     got = to_host(kernels.attention(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
     assert np.abs(got[0]).max() == 0.0  # the sink carries no value
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
@@ -170,6 +171,7 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     """Exact numerics; a 96-token prefill in chunks of 32, then 12 decode steps (the kernels' path)."""
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     gpu = _gpu_model_or_skip(model_paths[name], backend, "exact", kernels)
+    gpu.transformer.compile = False  # MLX-CUDA takes minutes to compile 12 attention steps; eager is the same math
     ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, 108)
     logits = {}
     for m in (ref, gpu):
@@ -188,3 +190,59 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
 def test_configs_cover_the_kernel_types():
     used = {kw["expert_types"][0] for _, kw in CONFIGS.values()} | {kw["dense_type"] for _, kw in CONFIGS.values()}
     assert {"IQ2_XXS", "Q4_K", "Q8_0", "F32", "F16"} <= used
+
+
+# -- the fused elementwise kernels ------------------------------------------------------------------------
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130)])
+def test_hc_mixer_kernel_matches_float64(gpu, T, n, E):
+    from ds4lab.model.hc import hc_mix
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(T * n)
+    mix = rng.standard_normal((T, 2 * n + n * n)).astype(np.float32)
+    scale = rng.uniform(0.5, 1.5, 3).astype(np.float32)
+    base = (0.5 * rng.standard_normal(2 * n + n * n)).astype(np.float32)
+    X = rng.standard_normal((T, n, E)).astype(np.float32)
+    want = hc_mix(np, *(a.astype(np.float64) for a in (mix, scale, base, X)), iters=20, eps=1e-6)
+    got = kernels.hc_mix(*(to_dev(a) for a in (mix, scale, base, X)), 20, 1e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 1024), (3, 5, 96), (2, 16384)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rmsnorm_kernel_matches_float64(gpu, shape, weighted):
+    from ds4lab.model.functional import rmsnorm
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(len(shape))
+    x = (3 * rng.standard_normal(shape)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32) if weighted else None
+    want = rmsnorm(np, x.astype(np.float64), 1e-6, None if w is None else w.astype(np.float64))
+    got = to_host(kernels.rmsnorm(to_dev(x), 1e-6, None if w is None else to_dev(w)))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape,n_rot", [((3, 512), 64), ((40, 128), 64), ((2, 3, 192), 0)])
+def test_kv_store_kernel_equals_the_plain_fp8_f16_path(gpu, shape, n_rot):
+    from ds4lab.model import numerics as nx
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(shape[0])
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 50, shape[:-1] + (1,))).astype(np.float32)
+    x.reshape(-1)[:5] = [0.0, 1e-9, -1e-5, 448.0, -0.0]  # zero, tiny (FP8 subnormals), exact codes
+    want = nx.f16_round(np, nx.fp8_kv_sim(np, x, n_rot))  # the float32 plain path
+    got = to_host(kernels.kv_store(to_dev(x), n_rot))
+    assert np.array_equal(got, want), np.abs(got - want).max()  # power-of-two scalings: no rounding freedom
+
+
+@pytest.mark.parametrize("rows,n", [(1, 128), (64, 128), (9, 32), (3, 512)])
+def test_hadamard_fp4_kernel_equals_the_plain_path(gpu, rows, n):
+    from ds4lab.model import numerics as nx
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((rows, n)) * rng.uniform(0.01, 20, (rows, 1))).astype(np.float32)
+    want = nx.hadamard_fp4_sim(np, x)  # the float32 plain path: the same butterfly, the same sums
+    got = to_host(kernels.hadamard_fp4(to_dev(x)))
+    assert np.array_equal(got, want), np.abs(got - want).max()

@@ -13,10 +13,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..quants import dequantize
-from .kernel_ops import BlockLinear, StackedBlockLinear, attend, kernel_types
+from .kernel_ops import BlockLinear, KernelOps, StackedBlockLinear, kernel_types
 
 
-class CupyBackend:
+class CupyBackend(KernelOps):
     name = "cupy"
     xp = cp
     np_dtype = np.float32
@@ -30,12 +30,20 @@ class CupyBackend:
         self.cuda_device = cp.cuda.Device(index)
         self.cuda_device.use()
         self.device = f"cuda:{index}"
-        if kernels:
+        self.use_kernels = kernels
+        self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
+
+    @property
+    def kernels(self):
+        """The kernels of the current CUDA device, or None when they are switched off."""
+        if not self.use_kernels:
+            return None
+        index = cp.cuda.Device().id
+        if index not in self._kernels:
             from ..cuda import CudaKernels
 
-            self.kernels = CudaKernels()
-        else:
-            self.kernels = None
+            self._kernels[index] = CudaKernels()
+        return self._kernels[index]
 
     def asarray(self, a):
         return cp.asarray(np.asarray(a, dtype=np.float32))
@@ -58,9 +66,6 @@ class CupyBackend:
         if self.kernels is None or Q(qtype) not in kernel_types():
             return None
         return StackedBlockLinear(self.kernels, cp.asarray(raw), qtype, ne0, raw.shape[1])
-
-    def attend(self, q, keys, visible, sinks, scale: float):
-        return attend(self.kernels, cp, q, keys, visible, sinks, scale)
 
     def index_add(self, acc, rows, values):
         acc[cp.asarray(rows)] += values  # rows are distinct

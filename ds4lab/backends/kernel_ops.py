@@ -1,5 +1,6 @@
-"""What the GPU backends share around ds4lab's kernels: linears that keep a GGUF weight in its block
-form on the GPU, and the choice between the attention kernel and the plain path.
+"""What the backends share around ds4lab's kernels: :class:`KernelOps`, the ops a backend runs through a
+kernel when it has one and through the plain array ops otherwise, and linears that keep a GGUF weight
+in its block form on the GPU.
 
 A few rows (a decode step, a routed expert's tokens) go through ``qmatmul``, which decodes each weight
 row once per batch of up to eight rows of x; a chunk dequantizes the matrix into a transient float32
@@ -12,8 +13,11 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..mlx_kernels.specs import DECODERS
+from ..mlx_kernels.specs import DECODERS, HC_MAX
+from ..model import numerics as nx
 from ..model.attention import attend_with_sinks
+from ..model.functional import rmsnorm
+from ..model.hc import hc_mix
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
@@ -55,8 +59,37 @@ class StackedBlockLinear:
         return BlockLinear(self.kernels, self.raw[e], self.qtype, self.ne0, self.n_rows)
 
 
-def attend(kernels, xp, q, keys, visible, sinks, scale: float):
-    """Attention with sinks: the split-key kernel for a few queries, the plain ops (GEMMs) for a chunk."""
-    if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
-        return kernels.attention(q, keys, visible, sinks, scale)
-    return attend_with_sinks(xp, q, keys, visible, sinks, scale)
+
+class KernelOps:
+    """Model ops with a kernel behind them where ``self.kernels`` has one; the plain ops of ``self.xp``
+    (the reference the kernels are tested against) everywhere else."""
+
+    kernels = None
+
+    def attend(self, q, keys, visible, sinks, scale: float):
+        """Attention with sinks: the split-key kernel for a few queries, plain ops (GEMMs) for a chunk."""
+        if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+            return self.kernels.attention(q, keys, visible, sinks, scale)
+        return attend_with_sinks(self.xp, q, keys, visible, sinks, scale)
+
+    def hc_mix(self, mix, scale, base, X, iters: int, eps: float):
+        if self.kernels is not None and X.shape[1] <= HC_MAX:
+            return self.kernels.hc_mix(mix, scale, base, X, iters, eps)
+        return hc_mix(self.xp, mix, scale, base, X, iters=iters, eps=eps)
+
+    def rmsnorm(self, x, eps: float, weight=None):
+        if self.kernels is not None:
+            return self.kernels.rmsnorm(x, eps, weight)
+        return rmsnorm(self.xp, x, eps, weight)
+
+    def store_kv(self, x, n_rot: int):
+        """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored (§4.3)."""
+        if self.kernels is not None and (x.shape[-1] - n_rot) % nx.FP8_BLOCK == 0:
+            return self.kernels.kv_store(x, n_rot)
+        return nx.f16_round(self.xp, nx.fp8_kv_sim(self.xp, x, n_rot))
+
+    def hadamard_fp4(self, x):
+        n = x.shape[-1]
+        if self.kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0:
+            return self.kernels.hadamard_fp4(x)
+        return nx.hadamard_fp4_sim(self.xp, x)

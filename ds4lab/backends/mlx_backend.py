@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..quants import dequantize
-from .kernel_ops import BlockLinear, StackedBlockLinear, attend, kernel_types
+from .kernel_ops import BlockLinear, KernelOps, StackedBlockLinear, kernel_types
 
 Q8_0_BLOCK_BYTES = 34
 BLOCK_KERNEL_TYPES = frozenset({Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # Q8_0 has quantized_matmul, F16/F32 are floats
@@ -30,7 +30,7 @@ def _q8_0_affine(raw: np.ndarray, ne0: int):
     return mx.array(packed), mx.array(d), mx.array(-128.0 * d)
 
 
-class MLXBackend:
+class MLXBackend(KernelOps):
     name = "mlx"
     xp = mx
     np_dtype = np.float32
@@ -77,9 +77,6 @@ class MLXBackend:
         if self.kernels is None or Q(qtype) not in kernel_types():
             return None
         return StackedBlockLinear(self.kernels, mx.array(raw), qtype, ne0, raw.shape[1])
-
-    def attend(self, q, keys, visible, sinks, scale: float):
-        return attend(self.kernels, mx, q, keys, visible, sinks, scale)
 
     def index_add(self, acc, rows, values):
         return acc.at[mx.array(rows)].add(values)

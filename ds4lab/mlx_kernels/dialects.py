@@ -7,7 +7,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_THREADS              the group's size
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
-    simd_sum_f(x), load_half(p), DEVICE_FN    from the dialect header
+    simd_sum_f(x), simd_max_f(x), load_half(p), f16_round(x), DEVICE_FN    from the dialect header
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -39,12 +39,19 @@ DEVICE_FN float simd_sum_f(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
+DEVICE_FN float simd_max_f(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define DEVICE_FN inline
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
 DEVICE_FN float simd_sum_f(float x) { return simd_sum(x); }
+DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
+DEVICE_FN float f16_round(float x) { return float(half(x)); }
 """
 
 # Metal's ids are kernel attributes; MLX adds the ones a source mentions to the signature it writes.
@@ -70,7 +77,7 @@ _IDS = {
 # Spellings that must not survive into the other language's source (checked by the tests).
 CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim", "__shfl", "__half",
              "__device__", "__global__", "reinterpret_cast")
-METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "device ", "mem_flags")
+METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "device ", "mem_flags", "(half(")
 
 _C_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
 

@@ -69,3 +69,44 @@ class MLXKernels:
             inputs=[part_m, part_l, part_acc, sinks.astype(mx.float32), dims],
             grid=(T * H * S.ATTN_GROUP, 1, 1), threadgroup=(S.ATTN_GROUP, 1, 1),
             output_shapes=[(T, H, D)], output_dtypes=[mx.float32])[0]
+
+    def hc_mix(self, mix, scale, base, X, iters: int, eps: float):
+        T, n, E = X.shape
+        if n > S.HC_MAX:
+            raise ValueError(f"hc_mix kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
+        f32 = mx.float32
+        return tuple(self._kernel(S.HC_MIX)(
+            inputs=[mix.astype(f32), scale.astype(f32), base.astype(f32), X.astype(f32),
+                    mx.array(np.array([T, n, E, iters], dtype=np.int32)), mx.array(np.array([eps], dtype=np.float32))],
+            grid=(T * 128, 1, 1), threadgroup=(128, 1, 1),
+            output_shapes=[(T, E), (T, n), (T, n, n)], output_dtypes=[f32] * 3))
+
+    def rmsnorm(self, x, eps: float, weight=None):
+        D = x.shape[-1]
+        x2 = x.astype(mx.float32).reshape(-1, D)
+        R = x2.shape[0]
+        w = weight.astype(mx.float32) if weight is not None else x2
+        return self._kernel(S.RMSNORM)(
+            inputs=[x2, w, mx.array(np.array([R, D, int(weight is not None)], dtype=np.int32)),
+                    mx.array(np.array([eps], dtype=np.float32))],
+            grid=(R * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
+            output_shapes=[(R, D)], output_dtypes=[mx.float32])[0].reshape(x.shape)
+
+    def kv_store(self, x, n_rot: int):
+        D = x.shape[-1]
+        x2 = x.astype(mx.float32).reshape(-1, D)
+        R = x2.shape[0]
+        return self._kernel(S.KV_STORE)(
+            inputs=[x2, mx.array(np.array([R, D, n_rot], dtype=np.int32))],
+            grid=(R * 32, 1, 1), threadgroup=(32, 1, 1),
+            output_shapes=[(R, D)], output_dtypes=[mx.float32])[0].reshape(x.shape)
+
+    def hadamard_fp4(self, x):
+        n = x.shape[-1]
+        x2 = x.astype(mx.float32).reshape(-1, n)
+        R = x2.shape[0]
+        return self._kernel(S.HADAMARD_FP4)(
+            inputs=[x2, mx.array(np.array([R, n], dtype=np.int32)),
+                    mx.array(np.array([1.0 / n ** 0.5], dtype=np.float32))],
+            grid=(R * n, 1, 1), threadgroup=(n, 1, 1),
+            output_shapes=[(R, n)], output_dtypes=[mx.float32])[0].reshape(x.shape)

@@ -4,6 +4,10 @@
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
 ``attn_partial``     split-key attention with an online softmax per split
 ``attn_reduce``      merge the splits with the sink logit
+``hc_mix``           the hyper-connection mixer after its linear: pre, post, Sinkhorn combine, x_in
+``rmsnorm``          one row per work-group
+``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
+``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
 ATTN_KEYS_PER_SPLIT = 256
 DEQUANT_GROUP = 256
+HC_MAX = 8  # hyper-connection streams the mixer kernel handles
+ROW_GROUP = 256  # threads per rmsnorm work-group
 
 
 def dequant_spec(qtype: Q) -> KernelSpec:
@@ -47,8 +53,21 @@ ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
                          (("out", "float32"),))
 
 
+HC_MIX = KernelSpec("hc_mix", "hc_mix.body",
+                    (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("dims", "int32"),
+                     ("fparams", "float32")),
+                    (("x_in", "float32"), ("post", "float32"), ("comb", "float32")), {"HC_MAX": HC_MAX})
+RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body",
+                     (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32")),
+                     (("y", "float32"),))
+KV_STORE = KernelSpec("kv_store", "kv_store.body", (("x", "float32"), ("dims", "int32")), (("y", "float32"),))
+HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
+                          (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),))
+
+
 def all_specs() -> list[KernelSpec]:
-    return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE]
+    return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
+            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4]
 
 
 def row_bytes(qtype: Q, ne0: int) -> int:

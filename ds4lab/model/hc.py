@@ -23,7 +23,12 @@ def sinkhorn(xp, logits, iters: int, eps: float):
 def hc_pre(xp, X, fn, scale, base, *, iters: int, eps: float, norm_eps: float):
     """Returns ``(x_in [T,E], post [T,n], comb [T,n,n])``; ``comb[t, s, o]`` maps input stream s to output o."""
     T, n, E = X.shape
-    mix = fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps))
+    return hc_mix(xp, fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps)), scale, base, X, iters=iters, eps=eps)
+
+
+def hc_mix(xp, mix, scale, base, X, *, iters: int, eps: float):
+    """The mixer after its linear: ``mix [T, 2n + n²]`` → pre weights, post gates, Sinkhorn combine."""
+    T, n = X.shape[:2]
     pre = sigmoid(xp, mix[:, :n] * scale[0] + base[:n]) + eps
     post = 2.0 * sigmoid(xp, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb = sinkhorn(xp, (mix[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(T, n, n), iters, eps)

@@ -31,7 +31,8 @@ class Geometry:
     comp_cap: int  # the payload header's session-wide compressed capacity
 
     @classmethod
-    def for_context(cls, cfg: ModelConfig, ctx: int, chunk: int | None = None, raw_cap: int | None = None) -> "Geometry":
+    def for_context(cls, cfg: ModelConfig, ctx: int, chunk: int | None = None,
+                    raw_cap: int | None = None) -> "Geometry":
         if ctx < 2:
             raise ValueError(f"ctx must be at least 2, got {ctx}")
         if chunk is None:

@@ -14,17 +14,16 @@ masked). The FFN half runs eagerly because the routed experts it evaluates are c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import attend_with_sinks, grouped_output, indexer_allowed, indexer_scores, raw_visibility, visible_rows
+from .attention import grouped_output, indexer_allowed, indexer_scores, raw_visibility, visible_rows
 from .compressor import coff, compress_chunk, n_blocks
 from .functional import rmsnorm
-from .hc import hc_head, hc_post, hc_pre
+from .hc import hc_head, hc_post
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk, swiglu
 from .rope import RopeParams, rope_tail
 from .state import KVState, LayerState
@@ -53,12 +52,12 @@ class Transformer:
         self.numerics = numerics
         self.w = weights if weights is not None else Weights(file, backend, config.o_groups, config.o_lora)
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
-        self.attend = getattr(backend, "attend", partial(attend_with_sinks, backend.xp))  # kernels where they exist
         # Called as observer(name, value) at the named points below when set (eager runs only).
         self.observer = None
         self.compile = backend.can_compile if compile is None else compile
         self._compiled: dict[tuple[int, int], object] = {}
         self.trace_count = 0  # attention-step traces: one per (layer, chunk size) when compiled
+        self.gather_max_pairs = GATHER_MAX_PAIRS
 
     def _emit(self, name: str, value) -> None:
         if self.observer is not None:
@@ -67,13 +66,10 @@ class Transformer:
     # -- numerics (spec §4.1) -------------------------------------------------------------------------
     def store_kv(self, x):
         """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored."""
-        if self.numerics == "exact":
-            return x
-        xp = self.backend.xp
-        return nx.f16_round(xp, nx.fp8_kv_sim(xp, x, self.cfg.n_rot))
+        return x if self.numerics == "exact" else self.backend.store_kv(x, self.cfg.n_rot)
 
     def indexer_quant(self, x):
-        return x if self.numerics == "exact" else nx.hadamard_fp4_sim(self.backend.xp, x)
+        return x if self.numerics == "exact" else self.backend.hadamard_fp4(x)
 
     def store_index(self, x):
         return x if self.numerics == "exact" else nx.f16_round(self.backend.xp, self.indexer_quant(x))
@@ -120,12 +116,14 @@ class Transformer:
         tiers.start()
         with tiers.scope():
             X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
-            tabs = self.tables(pos0, C)
+            tabs = {tiers.device: self.tables(pos0, C)}  # per device: a tier reads its own copy
         layers = []
         for il in range(cfg.n_layer):
             X = tiers.enter(il, X)
             with tiers.scope():
-                X, layer = self._attention(il, X, pos0, n, tabs, state.layers[il])
+                if tiers.device not in tabs:
+                    tabs[tiers.device] = self.tables(pos0, C)
+                X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il])
                 X = self.ffn_block(il, X[:n], tokens) if C == n else xp.concatenate(
                     [self.ffn_block(il, X[:n], tokens), X[n:]], axis=0)
             layers.append(layer)
@@ -140,10 +138,12 @@ class Transformer:
         return w.linear("output.weight")(rmsnorm(xp, emb, cfg.rms_eps, w.vector("output_norm.weight")))
 
     def _hc_pre(self, il: int, sub: str, X):
-        p, w = f"blk.{il}.hc_{sub}_", self.w
-        return hc_pre(self.backend.xp, X, w.linear(p + "fn.weight"), w.vector(p + "scale.weight"),
-                      w.vector(p + "base.weight"), iters=self.cfg.sinkhorn_iters, eps=self.cfg.hc_eps,
-                      norm_eps=self.cfg.rms_eps)
+        """(x_in, post, comb) of the hyper-connection mixer before a sublayer (see :func:`.hc.hc_pre`)."""
+        p, w, b, cfg = f"blk.{il}.hc_{sub}_", self.w, self.backend, self.cfg
+        T, n, E = X.shape
+        mix = w.linear(p + "fn.weight")(b.rmsnorm(X.reshape(T, n * E), cfg.rms_eps))
+        return b.hc_mix(mix, w.vector(p + "scale.weight"), w.vector(p + "base.weight"), X, cfg.sinkhorn_iters,
+                        cfg.hc_eps)
 
     # -- attention half -------------------------------------------------------------------------------
     def _attention(self, il: int, X, pos0: int, n_valid: int, tabs: ChunkTables, st: LayerState):
@@ -189,10 +189,11 @@ class Transformer:
         x_in, post, comb = self._hc_pre(il, "attn", X)
         self._emit(p + "hc_attn.post", post)
         self._emit(p + "hc_attn.comb", comb)
-        a = rmsnorm(xp, x_in, eps, w.vector(p + "attn_norm.weight"))
-        qr = rmsnorm(xp, w.linear(p + "attn_q_a.weight")(a), eps, w.vector(p + "attn_q_a_norm.weight"))
-        q = rmsnorm(xp, w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps)
-        kv = rmsnorm(xp, w.linear(p + "attn_kv.weight")(a), eps, w.vector(p + "attn_kv_a_norm.weight"))
+        norm = self.backend.rmsnorm
+        a = norm(x_in, eps, w.vector(p + "attn_norm.weight"))
+        qr = norm(w.linear(p + "attn_q_a.weight")(a), eps, w.vector(p + "attn_q_a_norm.weight"))
+        q = norm(w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps)
+        kv = norm(w.linear(p + "attn_kv.weight")(a), eps, w.vector(p + "attn_kv_a_norm.weight"))
         self._emit(p + "attn_norm", a)
         self._emit(p + "attn.q_lora", qr)
         self._emit(p + "attn.q", q)
@@ -234,7 +235,7 @@ class Transformer:
             self._emit(p + "attn.scores", dict(
                 q=q, keys=keys, visible=visible, sinks=w.vector(p + "attn_sinks.weight"), scale=cfg.head_dim ** -0.5,
                 slot_pos=slot_pos, n_raw=raw_cap, ratio=R, comp_candidates=comp_candidates if R else None))
-        out = self.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
+        out = self.backend.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         self._emit(p + "attn.out", out)
         heads = rope_tail(xp, out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
@@ -253,7 +254,7 @@ class Transformer:
         self._emit(f"blk.{il}.{name}.kv", kv)
         self._emit(f"blk.{il}.{name}.score", sc)
         pooled, new_kv, new_sc = compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, R)
-        c = rmsnorm(xp, pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
+        c = self.backend.rmsnorm(pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
         c = store(rope_tail(xp, c, *windows))
         r = xp.arange(rows.shape[0])
         k = r - pos0 // R  # pooled[k] is window pos0 // R + k
@@ -277,7 +278,7 @@ class Transformer:
         x_in, post, comb = self._hc_pre(il, "ffn", X)
         self._emit(p + "hc_ffn.post", post)
         self._emit(p + "hc_ffn.comb", comb)
-        f = rmsnorm(xp, x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
+        f = b.rmsnorm(x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
         probs = router_probs(xp, w.linear(p + "ffn_gate_inp.weight")(f))
         self._emit(p + "moe.router", probs)
         if cfg.is_hash_layer(il):
@@ -290,7 +291,7 @@ class Transformer:
         weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
-        stacked = w.stacked_experts(il) if selected.size <= GATHER_MAX_PAIRS else None
+        stacked = w.stacked_experts(il) if selected.size <= self.gather_max_pairs else None
         if stacked is not None:  # a decode step: every selected expert in one launch per projection
             moe = routed_experts_gathered(xp, f, selected, weights, stacked, clamp)
         else:

@@ -1,0 +1,345 @@
+"""A full-width DeepSeek V4 Flash slice on a GPU: decode and prefill speed, where the time goes, and the
+decode roofline.
+
+The slice has the real dimensions (spec §1), 6 layers with the real ratio pattern 0,0,4,128,4,128 and
+3 hash layers, the embedding and the full 129,280-row output head, and seeded random weights in ds4's
+q2 layout (IQ2_XXS gate/up, Q2_K down, Q8_0 attention/shared/output, F16 elsewhere), built in memory
+(``ds4lab.testing.model_tensors`` with a few distinct rows repeated: the same bytes to read, much
+faster to make). Per-layer figures extrapolate to the full model as 43 × layer + head.
+
+Decode at a context C runs on a cache filled to C tokens with random rows (the same work as after a
+real prefill of C tokens, without spending minutes prefilling). Prefill runs real chunks of 2048.
+
+    python benchmarks/gpu_slice.py --backend cupy --json out.json
+    python benchmarks/gpu_slice.py --backend cupy --plain        # the plain-ops path (no kernels)
+    python benchmarks/gpu_slice.py --backend mlx                 # MLX's GPU back-end (CUDA or Metal)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace as dc_replace
+from types import SimpleNamespace
+
+import numpy as np
+
+from ds4lab.backends import get_backend
+from ds4lab.config import FLASH, NANO, replace
+from ds4lab.gguf_file import TensorInfo, tensor_byte_shape
+from ds4lab.model import transformer as transformer_module
+from ds4lab.model.state import Geometry, new_state
+from ds4lab.model.transformer import Transformer
+from ds4lab.testing import model_tensors
+
+SLICE = replace(FLASH, n_layer=6)  # ratios 0,0,4,128,4,128; the first 3 layers hash-routed
+FULL_LAYERS = FLASH.n_layer
+CHUNK = 2048
+
+
+def build(cfg, backend_name: str, kernels: bool, tensors) -> Transformer:
+    file = SimpleNamespace(tensors={n: TensorInfo(n, shape, q, raw.reshape(tensor_byte_shape(shape, q)))
+                                    for n, shape, q, raw in tensors})
+    backend = get_backend(backend_name, None, kernels)
+    t = Transformer(cfg, file, backend, numerics="ds4")
+    t.w.expert_cache_bytes = 48 << 30  # the plain path dequantizes experts on first use; keep them
+    return t
+
+
+def syncer(backend):
+    if backend.name == "cupy":
+        import cupy as cp
+
+        return lambda *xs: cp.cuda.get_current_stream().synchronize()
+    import mlx.core as mx
+
+    def sync(*xs):
+        mx.eval(*[x for x in xs if isinstance(x, mx.array)])
+        mx.synchronize()
+
+    return sync
+
+
+def gpu_memory(backend) -> dict:
+    if backend.name == "cupy":
+        import cupy as cp
+
+        free, total = cp.cuda.runtime.memGetInfo()
+        return {"pool_bytes": cp.get_default_memory_pool().total_bytes(), "device_used_bytes": total - free}
+    import mlx.core as mx
+
+    return {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory()}
+
+
+def copy_bandwidth(backend, nbytes: int = 2 << 30) -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy."""
+    sync = syncer(backend)
+    if backend.name == "cupy":
+        import cupy as cp
+
+        a, b = cp.ones(nbytes // 4, dtype=cp.float32), cp.empty(nbytes // 4, dtype=cp.float32)
+
+        def copy():
+            b[...] = a
+    else:
+        import mlx.core as mx
+
+        a = mx.ones((nbytes // 4,), dtype=mx.float32)
+        mx.eval(a)
+
+        def copy():
+            mx.eval(a + 0)
+    copy()
+    sync()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        copy()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times)
+
+
+def filled_state(t: Transformer, n_past: int, ctx: int, seed: int = 0):
+    """A cache holding ``n_past`` tokens of random rows (rows beyond the counts stay zero)."""
+    b, cfg = t.backend, t.cfg
+    state = new_state(cfg, b, Geometry.for_context(cfg, ctx, CHUNK))
+    rng = np.random.default_rng(seed)
+    layers = []
+    for il, layer in enumerate(state.layers):
+        R = cfg.ratio(il)
+
+        def rows(shape, filled):
+            a = np.zeros(shape, dtype=np.float32)
+            a[:filled] = rng.standard_normal((min(filled, shape[0]), shape[1]), dtype=np.float32)
+            return b.asarray(a)
+
+        new = dc_replace(layer, raw=rows(layer.raw.shape, layer.raw.shape[0]))
+        if R:
+            new = dc_replace(new, comp=rows(layer.comp.shape, n_past // R))
+        if cfg.has_indexer(il):
+            new = dc_replace(new, index=rows(layer.index.shape, n_past // R))
+        layers.append(new)
+    return dc_replace(state, layers=tuple(layers), n_past=n_past)
+
+
+def step(t: Transformer, tokens, state, sync):
+    X, state = t.forward(tokens, state)
+    logits = t.head(X[-1:])
+    sync(logits)
+    return state, logits
+
+
+def decode_speed(t: Transformer, context: int, steps: int, sync) -> dict:
+    state = filled_state(t, context, context + steps + 8)
+    rng = np.random.default_rng(1)
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        state, _ = step(t, rng.integers(0, t.cfg.n_vocab, 1), state, sync)
+        if i >= 2:  # the first steps upload weights and compile kernels
+            times.append(time.perf_counter() - t0)
+    return {"context": context, "step_s": statistics.median(times), "tokens_per_s": 1 / statistics.median(times)}
+
+
+def prefill_speed(t: Transformer, n_tokens: int, sync) -> dict:
+    state = new_state(t.cfg, t.backend, Geometry.for_context(t.cfg, n_tokens + 1, CHUNK))
+    ids = np.random.default_rng(2).integers(0, t.cfg.n_vocab, n_tokens)
+    chunks = []
+    for start in range(0, n_tokens, CHUNK):
+        t0 = time.perf_counter()
+        state, _ = step(t, ids[start:start + CHUNK], state, sync)
+        chunks.append(time.perf_counter() - t0)
+    return {"tokens": n_tokens, "seconds": sum(chunks), "tokens_per_s": n_tokens / sum(chunks), "chunk_s": chunks}
+
+
+class Profile:
+    """Synchronised timers around the parts of a step: attention core, the rest of the attention half
+    (projections, HC, compressor, indexer, RoPE, FP8/FP4 simulation), routed experts, the rest of the
+    FFN half (router, shared expert, HC), and the head."""
+
+    def __init__(self, t: Transformer, sync):
+        self.t, self.sync, self.totals = t, sync, {}
+        self._saved = {}
+
+    def _wrap(self, owner, name: str, label: str):
+        fn = getattr(owner, name)
+        self._saved[(owner, name)] = (fn, name in vars(owner))
+
+        def timed(*args, **kw):
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            self.sync(*(out if isinstance(out, tuple) else (out,)))
+            self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+            return out
+
+        setattr(owner, name, timed)
+
+    def __enter__(self):
+        t = self.t
+        self._compile, t.compile = t.compile, False  # MLX cannot synchronise inside a compiled function
+        self._wrap(t.backend, "attend", "attention core")
+        self._wrap(t, "_attention", "attention half")
+        self._wrap(transformer_module, "routed_experts_gathered", "routed experts")
+        self._wrap(transformer_module, "routed_experts", "routed experts")
+        self._wrap(t, "ffn_block", "ffn half")
+        self._wrap(t, "head", "head")
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), (fn, own) in self._saved.items():
+            if own:
+                setattr(owner, name, fn)
+            else:  # a method found on the class: drop the instance's wrapper
+                delattr(owner, name)
+        self.t.compile = self._compile
+
+    def breakdown(self) -> dict:
+        tot = self.totals
+        return {
+            "attention core": tot.get("attention core", 0.0),
+            "attention projections + HC + compressor + indexer": tot.get("attention half", 0.0)
+            - tot.get("attention core", 0.0),
+            "routed experts": tot.get("routed experts", 0.0),
+            "router + shared expert + HC": tot.get("ffn half", 0.0) - tot.get("routed experts", 0.0),
+            "head": tot.get("head", 0.0),
+        }
+
+
+def profiled_decode(t: Transformer, context: int, sync, steps: int = 4) -> dict:
+    state = filled_state(t, context, context + steps + 8)
+    rng = np.random.default_rng(3)
+    state, _ = step(t, rng.integers(0, t.cfg.n_vocab, 1), state, sync)
+    with Profile(t, sync) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, _ = step(t, rng.integers(0, t.cfg.n_vocab, 1), state, sync)
+        wall = (time.perf_counter() - t0) / steps
+    parts = {k: v / steps for k, v in prof.breakdown().items()}
+    parts["synchronised step"] = wall
+    return parts
+
+
+def decode_bytes(cfg, tensors, context: int) -> int:
+    """Bytes a decode step must read: every weight it uses in its stored type (the selected experts
+    only, one embedding row), plus the KV rows its attention reads (float32 here)."""
+    total = 0
+    for name, shape, _, raw in tensors:
+        if name == "token_embd.weight":
+            total += raw.nbytes // shape[-1]
+        elif "_exps." in name:
+            total += raw.nbytes // cfg.n_expert * cfg.n_expert_used
+        elif "tid2eid" in name:
+            total += raw.nbytes // shape[-1]
+        else:
+            total += raw.nbytes
+    D = cfg.head_dim
+    for il in range(cfg.n_layer):
+        R = cfg.ratio(il)
+        total += min(context, cfg.swa) * D * 4
+        if R == 4:
+            total += min(context // 4, cfg.idx_topk) * D * 4 + (context // 4) * cfg.idx_dim * 4
+        elif R:
+            total += (context // R) * D * 4
+    return total
+
+
+def per_layer(cfg, decode_step_s: float, head_s: float) -> dict:
+    layer = (decode_step_s - head_s) / cfg.n_layer
+    full = FULL_LAYERS * layer + head_s
+    return {"layer_ms": layer * 1e3, "full_model_step_ms": full * 1e3, "full_model_tokens_per_s": 1 / full}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="cupy", choices=("cupy", "mlx"))
+    p.add_argument("--plain", action="store_true", help="the plain-ops path (kernels off)")
+    p.add_argument("--decode-ctx", type=int, nargs="*", default=[4096, 32768])
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                   help="profile STEPS decode steps at the first --decode-ctx (cProfile), print the top, exit")
+    p.add_argument("--gather-all", action="store_true",
+                   help="prefill routed experts through the gathered qmatmul kernel too (not per-expert GEMMs)")
+    p.add_argument("--no-compile", action="store_true", help="MLX: run the attention step eagerly")
+    p.add_argument("--config", default="flash", choices=("flash", "nano"),
+                   help="nano: a small model of the same shape, to try the script on a CPU")
+    args = p.parse_args(argv)
+
+    t0 = time.perf_counter()
+    cfg = SLICE if args.config == "flash" else NANO
+    tensors = model_tensors(cfg, seed=0, distinct_rows=8)
+    built_s = time.perf_counter() - t0
+    t = build(cfg, args.backend, not args.plain, tensors)
+    if args.gather_all:
+        t.gather_max_pairs = float("inf")
+    if args.no_compile:
+        t.compile = False
+    sync = syncer(t.backend)
+    out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
+           "gather_all": args.gather_all, "compile": t.compile,
+           "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
+    out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
+    print(f"{args.backend} kernels={not args.plain} gather_all={args.gather_all} compile={t.compile}: "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    t0 = time.perf_counter()
+    first = new_state(cfg, t.backend, Geometry.for_context(cfg, CHUNK + 1, CHUNK))
+    step(t, np.arange(CHUNK) % cfg.n_vocab, first, sync)
+    out["first_chunk_s"] = time.perf_counter() - t0  # weight upload + kernel compilation + one chunk
+    print(f"first {CHUNK}-token chunk of this process: {out['first_chunk_s']:.1f} s", flush=True)
+
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        ctx = args.decode_ctx[0]
+        state = filled_state(t, ctx, ctx + args.cprofile + 8)
+        state, _ = step(t, np.array([1]), state, sync)
+        with cProfile.Profile() as prof:
+            for i in range(args.cprofile):
+                state, _ = step(t, np.array([i + 2]), state, sync)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        state = filled_state(t, CHUNK, 2 * CHUNK + 1)
+        with Profile(t, sync) as parts, cProfile.Profile() as prof:
+            t0 = time.perf_counter()
+            step(t, np.arange(CHUNK) % cfg.n_vocab, state, sync)
+            wall = time.perf_counter() - t0
+        print(f"one {CHUNK}-token prefill chunk: {wall:.3f} s;",
+              ", ".join(f"{k} {v:.3f} s" for k, v in parts.breakdown().items()))
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        return
+
+    out["decode"] = []
+    for ctx in args.decode_ctx:
+        d = decode_speed(t, ctx, args.decode_steps, sync)
+        prof = profiled_decode(t, ctx, sync)
+        need = decode_bytes(cfg, tensors, ctx)
+        d.update(profile_s=prof, bytes_read=need, roofline_s=need / bw, roofline_fraction=need / bw / d["step_s"])
+        d.update(per_layer(cfg, d["step_s"], prof["head"]))
+        out["decode"].append(d)
+        print(f"decode @ {ctx}: {d['tokens_per_s']:.1f} tok/s ({d['step_s'] * 1e3:.2f} ms; "
+              f"{d['layer_ms']:.3f} ms/layer; "
+              f"roofline {d['roofline_s'] * 1e3:.2f} ms = {100 * d['roofline_fraction']:.1f}%); 43 layers: "
+              f"{d['full_model_tokens_per_s']:.1f} tok/s", flush=True)
+        print("  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in prof.items()), flush=True)
+    out["prefill"] = []
+    for n in args.prefill:
+        r = prefill_speed(t, n, sync)
+        r["us_per_layer_token"] = r["seconds"] / n / cfg.n_layer * 1e6
+        out["prefill"].append(r)
+        print(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['us_per_layer_token']:.1f} us per layer per token, "
+              f"head included)", flush=True)
+    out["memory"] = gpu_memory(t.backend)
+    print("memory:", out["memory"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
