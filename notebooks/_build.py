@@ -294,14 +294,17 @@ def chunked_prefill():
 
         We step through a prefill with `PrefillView`, watch the ring and the compressors in `KVCacheView`,
         compare chunk sizes, and check that chunked and one-shot prefills give the same logits and KV arrays.
+        `offline_charts()` makes the Altair charts render without a network: JupyterLab draws them with the Vega it
+        ships (Altair's default HTML would load Vega from a CDN), and a saved notebook keeps a PNG of each.
         """),
         code("""
         import numpy as np
 
         import ds4lab
-        from ds4lab.viz import KVCacheView, PrefillView
+        from ds4lab.viz import KVCacheView, PrefillView, offline_charts
         from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
 
+        offline_charts()  # Altair charts drawn by JupyterLab's own Vega-Lite renderer (no CDN), PNG when saved
         model = ds4lab.load(backend="numpy")
         cfg = model.config
         print("compression ratio per layer:", [cfg.ratio(il) for il in range(cfg.n_layer)], "| window", cfg.swa)
@@ -385,7 +388,8 @@ def chunked_prefill():
         ## Finish and chart
 
         `run()` steps through the remaining chunks; the KV view's slider then scrubs through the checkpoints taken
-        after each chunk, without touching the session.
+        after each chunk, without touching the session. It starts on the last one, the state on display; after a
+        later step it reads "live" until it is moved.
         """),
         code("""
         prefill_view.run()
@@ -771,6 +775,9 @@ def compressed_attention():
         code("""
         import altair as alt
 
+        from ds4lab.viz import offline_charts
+
+        offline_charts()  # drawn by JupyterLab's own Vega-Lite renderer (no CDN); a PNG for saved notebooks
         # every 8th query from 128 on, one cell per visible row (the data travels inline with the chart)
         cells = [dict(q=int(p), r=int(r), kept="kept" if topk[i, r] else "dropped")
                  for i, p in enumerate(pos) if p >= 128 and p % 8 == 0 for r in range((p + 1) // 4)]
@@ -954,6 +961,9 @@ def tiers():
         code("""
         import altair as alt
 
+        from ds4lab.viz import offline_charts
+
+        offline_charts()  # drawn by JupyterLab's own Vega-Lite renderer (no CDN); a PNG for saved notebooks
         base = alt.Chart(alt.Data(values=sweep)).encode(x=alt.X("chunk:O", title="prefill_chunk"))
         base = base.properties(width=200, height=140)
         (base.mark_bar().encode(y=alt.Y("switches:Q", title="batch copies"))

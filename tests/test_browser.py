@@ -1,14 +1,19 @@
-"""The views in a real browser: JupyterLab (started here, on a free port with a token, rooted in a temp dir
-holding a copy of the notebook) runs the notebook that shows both KVCacheView and AttentionView through
-its own UI (Run > Run All Cells) in headless Chromium, driven by Playwright; then the DOM our ESM built
-is checked, the attention canvas is read back for painted pixels, and the console is checked for errors
-from the widgets. Screenshots of each view go to ``$DS4LAB_ARTIFACTS`` (default ``test-artifacts/``).
+"""The views in a real browser: JupyterLab (started here, on a free port with a token, rooted in a temp dir)
+runs a small notebook written by this test that shows every view (PrefillView, KVCacheView, AttentionView,
+ExpertView, GenerationView, TierView) and two Altair charts, through its own UI (Run > Run All Cells) in
+headless Chromium, driven by Playwright. Then the DOM our ESM built is checked view by view, the attention
+canvas and the charts are read back for painted pixels, hovers fill the tooltips, the charts are drawn by
+JupyterLab's own Vega-Lite renderer (``ds4lab.viz.offline_charts``, no CDN), the page asks nothing of any host
+but the server (no other host name resolves; a request to one fails the test), and the console holds no
+errors from the widgets.
+Screenshots of each view go to ``$DS4LAB_ARTIFACTS`` (default ``test-artifacts/``).
 
 Needs Debian's ``chromium`` (``/usr/bin/chromium``, or ``$DS4LAB_CHROMIUM``) and the ``browser`` extra
 (jupyterlab, playwright); Playwright's own browser downloads are not used. Skips, saying what is missing,
 when it cannot run. Deselect with ``-m "not browser"``.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -28,44 +33,72 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("DS4LAB_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("DS4LAB_ARTIFACTS") or ROOT / "test-artifacts")
 SERVER_START_S = 60  # JupyterLab answering /api/status
-RUN_ALL_S = 150  # every cell of the notebook run (about 15 s of kernel time here)
+RUN_ALL_S = 150  # every cell of the notebook run (about 10 s of kernel time here)
+NOTEBOOK = "views.ipynb"
 # console errors that come from the widgets: our ESM is imported from a blob: URL by anywidget
 OURS = re.compile(r"blob:|anywidget|ds4|jupyter-widgets|Error displaying widget", re.I)
+CHART = ".jp-OutputArea-output.jp-RenderedVegaLite"  # an output drawn by JupyterLab's Vega-Lite renderer
+# what the page may ask for: the server, and in-page data
+LOCAL = re.compile(r"^(?:https?|wss?)://127\.0\.0\.1[:/]|^(?:data|blob|about):")
 
 
-def _code_sources(path: Path) -> str:
-    try:
-        nb = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ""
-    return "\n".join("".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code")
+def _builder():
+    spec = importlib.util.spec_from_file_location("notebooks_build", ROOT / "notebooks" / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def pick_notebook() -> Path | None:
-    """The notebook to open: one named *quickstart* that shows both views, else the first that does."""
-    both = [p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
-            if all(name in _code_sources(p) for name in ("KVCacheView", "AttentionView"))]
-    quick = [p for p in both if "quickstart" in p.name.lower()]
-    return (quick or both or [None])[0]
+def notebook_cells() -> list[str]:
+    """The test's notebook: every view and two charts, on the embedded model and Coriolanus' first 320 tokens
+    (the prompt cell of notebooks 02 and 04)."""
+    return [
+        "import ds4lab\n"
+        "from ds4lab import Placement\n"
+        "from ds4lab.viz import (AttentionView, ExpertView, GenerationView, KVCacheView, PrefillView, TierView,\n"
+        "                        offline_charts)\n"
+        "from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart\n\n"
+        "offline_charts()\n"
+        'model = ds4lab.load(backend="numpy")',
+        _builder().CORIOLANUS,  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
+        "sess = model.session(ctx=512, prefill_chunk=64)\n"
+        "kv = KVCacheView(sess)\n"
+        "prefill = PrefillView(sess, ids, kv_view=kv)\n"
+        "prefill.step()\n"
+        "prefill",
+        "prefill.run()\n"
+        "kv.scrub_through(prefill.chunks)  # the slider goes to the last chunk's checkpoint: the state shown\n"
+        "kv",
+        "kv_bytes_chart(sess, prefill.chunks) | prefill_chunks_chart(prefill.chunks)",
+        "att = model.session(ctx=512, prefill_chunk=64)\n"
+        'with att.capture(["attn.scores"], layers=[2, 3], heads=[0, 1]) as cap:\n'
+        "    att.prefill(ids).run(progress=False)\n"
+        "AttentionView(cap, layer=2, head=0)",
+        "experts = ExpertView.from_prompt(model.session(ctx=512, prefill_chunk=64), ids)\n"
+        "experts",
+        "expert_load_chart(experts)",
+        "tiered = model.session(ctx=512, prefill_chunk=64, placement=Placement.even(2))\n"
+        "generation = GenerationView(tiered, ids[:100], max_tokens=12, temperature=0.8, seed=3)\n"
+        "steps = generation.run()\n"
+        "generation",
+        "TierView(tiered)",
+    ]
+
+
+def write_notebook(path: Path) -> int:
+    """The test's notebook, without outputs; its number of code cells."""
+    cells = [dict(cell_type="code", execution_count=None, metadata={}, outputs=[], source=src)
+             for src in notebook_cells()]
+    nb = dict(cells=cells, nbformat=4, nbformat_minor=4,
+              metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    path.write_text(json.dumps(nb, indent=1), encoding="utf-8")
+    return len(cells)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _clean_copy(src: Path, dst: Path) -> int:
-    """The notebook without saved outputs or widget state, so that every view on the page is from this run;
-    its number of code cells."""
-    nb = json.loads(src.read_text(encoding="utf-8"))
-    for c in nb["cells"]:
-        if c.get("cell_type") == "code":
-            c["outputs"], c["execution_count"] = [], None
-    nb.setdefault("metadata", {}).pop("widgets", None)
-    nb["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    dst.write_text(json.dumps(nb, indent=1), encoding="utf-8")
-    return sum(c.get("cell_type") == "code" for c in nb["cells"])
 
 
 def _settings(dir_: Path) -> None:
@@ -87,22 +120,20 @@ def _get(url: str, token: str):
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server rooted in a temp dir with a clean copy of the notebook: (base url, token, notebook
-    name, its number of code cells)."""
+    """A JupyterLab server rooted in a temp dir holding the test's notebook: (base url, token, notebook name, its
+    number of code cells)."""
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         pytest.skip(f"no Chromium binary at {CHROMIUM} (apt-get install chromium, or set DS4LAB_CHROMIUM)")
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[browser]')")
     pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (pip install -e '.[browser]')")
     pytest.importorskip("anywidget", reason="anywidget is not installed")
     pytest.importorskip("ipykernel", reason="ipykernel is not installed")
-    src = pick_notebook()
-    if src is None:
-        pytest.skip("no notebook under notebooks/ shows both KVCacheView and AttentionView")
+    pytest.importorskip("altair", reason="altair is not installed")
 
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "root"
     root.mkdir()
-    n_code = _clean_copy(src, root / src.name)
+    n_code = write_notebook(root / NOTEBOOK)
     _settings(tmp / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
@@ -130,7 +161,7 @@ def lab(tmp_path_factory):
                     pytest.skip(f"JupyterLab did not answer on {base} within {SERVER_START_S} s: "
                                 + (tmp / "server.log").read_text()[-1500:])
                 time.sleep(0.3)
-        yield base, token, src.name, n_code
+        yield base, token, NOTEBOOK, n_code
     finally:
         proc.terminate()
         try:
@@ -150,24 +181,27 @@ def _prompts(page) -> list[str]:
 
 @pytest.fixture(scope="module")
 def page(lab):
-    """The notebook opened in headless Chromium and run through Run > Run All Cells; the page, its console
-    errors and page errors."""
+    """The notebook opened in headless Chromium and run through Run > Run All Cells: the page, its console
+    messages, page errors and the requests it made to other hosts than the server (which fail)."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     base, token, name, n_code = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    console, errors = [], []
+    console, errors, remote = [], [], []
     with sync_playwright() as pw:
         try:
+            # no host name resolves but the server's: the page is as offline as it can be
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                         args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+                                         args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                                               "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
         except PlaywrightError as e:
             pytest.skip(f"Chromium at {CHROMIUM} did not start under Playwright: {str(e)[:500]}")
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 2000})
             pg.on("console", lambda m: console.append(m))
             pg.on("pageerror", lambda e: errors.append(e))
+            pg.on("request", lambda r: None if LOCAL.match(r.url) else remote.append(r.url))
             pg.goto(f"{base}/lab/tree/{name}?token={token}", wait_until="domcontentloaded", timeout=60_000)
             pg.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=60_000)
             # the kernel started by opening the notebook
@@ -196,16 +230,20 @@ def page(lab):
                     text = "\n".join(stderr.all_inner_texts())[-3000:]
                     pytest.fail(f"Run All did not run every cell: prompts {prompts}\n{text}")
                 time.sleep(0.5)
-            # the views draw once their models arrive; wait for both kinds
-            pg.wait_for_selector(".ds4-view .ds4-layer", timeout=20_000)
-            pg.wait_for_selector(".ds4-view canvas", timeout=20_000)
+            # the views draw once their models arrive, the charts once Vega is loaded: wait for every kind
+            for selector in (".ds4-view .ds4-prompt", ".ds4-view .ds4-layer", ".ds4-view canvas", ".ds4-view .ds4-hist",
+                             ".ds4-view .ds4-gen .ds4-tok", ".ds4-view .ds4-stack"):
+                pg.wait_for_selector(selector, timeout=20_000)
+            pg.wait_for_function(
+                f"() => document.querySelectorAll('{CHART} .vega-embed :is(canvas, svg)').length >= 2", timeout=20_000)
             pg.wait_for_timeout(500)
             pg.screenshot(path=str(ARTIFACTS / "notebook.png"))
-            yield pg, console, errors
+            yield pg, console, errors, remote
         finally:
             (ARTIFACTS / "browser-console.log").write_text(
                 "\n".join(f"{m.type}: {m.text} @ {m.location.get('url', '')}" for m in console)
-                + "\n" + "\n".join(f"pageerror: {e}" for e in errors) + "\n"
+                + "\n" + "\n".join(f"pageerror: {e}" for e in errors)
+                + "\n" + "\n".join(f"request elsewhere: {u}" for u in remote) + "\n"
             )
             browser.close()
 
@@ -215,35 +253,24 @@ def _output_of(view):
     return view.locator("xpath=ancestor::div[contains(@class, 'jp-OutputArea-output')][1]")
 
 
-def test_kvcache_view_renders(page):
-    pg, _, _ = page
-    views = pg.locator(".ds4-view:has(.ds4-layer)")
-    assert views.count() >= 1
-    view = views.last
-    assert re.match(r"KV cache: [1-9]\d* tokens, [\d,]+ bytes", view.locator(".ds4-title").inner_text())
-    n_layers = view.locator(".ds4-layer").count()
-    assert n_layers >= 2
-    assert view.locator(".ds4-strip").count() >= n_layers  # every layer's raw ring
-    for kind in ("live", "comp", "index"):
-        assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
-    cell = view.locator(".ds4-layer .ds4-cell.live").first
-    box = cell.bounding_box()
-    assert box and box["width"] > 0 and box["height"] > 0  # the CSS reached the page
-    assert re.fullmatch(r"slot \d+: position \d+", cell.get_attribute("title"))
-    out = _output_of(view)
-    assert out.locator(".widget-hslider").count() == 1  # the checkpoint slider from ipywidgets
-    out.screenshot(path=str(ARTIFACTS / "kvcache_view.png"))
+def _view(pg, title: str):
+    """The one view whose title (``.ds4-title``) starts with ``title``."""
+    views = pg.locator(".ds4-view").filter(has=pg.locator(".ds4-title", has_text=re.compile("^" + re.escape(title))))
+    assert views.count() == 1, f"{views.count()} views titled {title!r}"
+    return views.first
 
 
-def test_attention_view_renders(page):
-    pg, _, _ = page
-    views = pg.locator(".ds4-view:has(canvas)")
-    assert views.count() >= 1
-    view = views.first
-    assert "layer" in view.locator(".ds4-title").inner_text()
-    assert re.match(r"\d+×\d+ cells", view.locator(".ds4-note").inner_text())
-    canvas = view.locator("canvas")
-    stats = canvas.evaluate(
+def _hover_fills(pg, target, tip) -> str:
+    """Hover ``target`` and wait for ``tip`` to hold text; that text."""
+    target.scroll_into_view_if_needed()
+    target.hover()
+    pg.wait_for_function("(el) => el.textContent.trim().length > 0", arg=tip.element_handle(), timeout=5_000)
+    return tip.inner_text()
+
+
+def _painted(canvas) -> dict:
+    """Pixels of a canvas that are not blank (transparent or near-white), and its distinct colours."""
+    return canvas.evaluate(
         """(c) => {
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
             let painted = 0; const colours = new Set();
@@ -255,6 +282,55 @@ def test_attention_view_renders(page):
                      cssW: c.getBoundingClientRect().width };
         }"""
     )
+
+
+def test_prefill_view_renders(page):
+    pg, *_ = page
+    view = _view(pg, "Prefill:")
+    m = re.match(r"Prefill: (\d+)/(\d+) tokens, (\d+)/(\d+) chunks of ≤64", view.locator(".ds4-title").inner_text())
+    assert m and m[1] == m[2] and int(m[1]) > 256 and m[3] == m[4] == "5", view.locator(".ds4-title").inner_text()
+    assert view.locator("tr").count() == 1 + 5  # header + one row per chunk
+    toks = view.locator(".ds4-prompt .ds4-tok")
+    assert toks.count() == int(m[1]) and view.locator(".ds4-prompt .ds4-todo").count() == 0
+    assert re.fullmatch(r"position \d+, chunk \d", toks.last.get_attribute("title"))
+    assert view.locator(".ds4-bar > div").get_attribute("style").replace(" ", "").rstrip(";") == "width:100%"
+    out = _output_of(view)
+    assert out.locator(".widget-button").count() == 2 and out.locator(".widget-hslider").count() == 1
+    out.screenshot(path=str(ARTIFACTS / "prefill_view.png"))
+
+
+def test_kvcache_view_renders(page):
+    pg, *_ = page
+    view = _view(pg, "KV cache:")
+    title = view.locator(".ds4-title").inner_text()
+    assert re.match(r"KV cache: [1-9]\d* tokens, [\d,]+ bytes", title)
+    n_layers = view.locator(".ds4-layer").count()
+    assert n_layers >= 2
+    assert view.locator(".ds4-strip").count() >= n_layers  # every layer's raw ring
+    for kind in ("live", "comp", "index"):
+        assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
+    cell = view.locator(".ds4-layer .ds4-cell.live").first
+    box = cell.bounding_box()
+    assert box and box["width"] > 0 and box["height"] > 0  # the CSS reached the page
+    assert re.fullmatch(r"slot \d+: position \d+", cell.get_attribute("title"))
+    out = _output_of(view)
+    slider = out.locator(".widget-hslider")
+    assert slider.count() == 1  # the checkpoint slider from ipywidgets
+    # after scrub_through the slider names the state on display: the last of the 5 chunks' checkpoints
+    assert slider.locator(".widget-label").first.inner_text() == "checkpoint"
+    assert slider.locator(".widget-readout").inner_text().strip() == "4"
+    out.screenshot(path=str(ARTIFACTS / "kvcache_view.png"))
+
+
+def test_attention_view_renders(page):
+    pg, *_ = page
+    views = pg.locator(".ds4-view:has(canvas)")
+    assert views.count() == 1
+    view = views.first
+    assert view.locator(".ds4-title").inner_text().startswith("layer 2 (ratio 4), head 0:")
+    assert re.match(r"\d+×\d+ cells", view.locator(".ds4-note").inner_text())
+    canvas = view.locator("canvas")
+    stats = _painted(canvas)
     assert stats["w"] > 1 and stats["h"] > 1 and stats["cssW"] > 0, stats
     assert stats["painted"] > 0.01 * stats["w"] * stats["h"], f"attention canvas looks blank: {stats}"
     assert stats["colours"] >= 8, f"attention canvas has too few colours for a heatmap: {stats}"
@@ -269,11 +345,80 @@ def test_attention_view_renders(page):
     out.screenshot(path=str(ARTIFACTS / "attention_view.png"))
 
 
+def test_expert_view_renders(page):
+    pg, *_ = page
+    view = _view(pg, "router: tokens per expert")
+    assert re.match(r"router: tokens per expert, 6 layers × 8 experts", view.locator(".ds4-title").inner_text())
+    hists = view.locator(".ds4-hist")
+    assert hists.count() == 6
+    assert view.locator(".ds4-hist .ds4-badge").count() >= 1  # hash layers marked
+    for i in range(hists.count()):  # every layer has drawn bars
+        assert hists.nth(i).locator("svg rect[pointer-events='none']").count() > 0
+    tip = _hover_fills(pg, view.locator("svg rect[data-e]").nth(2), view.locator(".ds4-tip"))
+    assert re.match(r"layer 0 \(hash\), expert 2: \d+ of \d+ tokens", tip), tip
+    out = _output_of(view)
+    assert out.locator(".widget-dropdown").count() == 1 and out.locator(".widget-checkbox").count() == 1
+    out.screenshot(path=str(ARTIFACTS / "expert_view.png"))
+
+
+def test_generation_view_renders(page):
+    pg, *_ = page
+    view = _view(pg, "Generation:")
+    assert re.match(r"Generation: 12 tokens", view.locator(".ds4-title").inner_text())
+    assert view.locator(".ds4-gen .ds4-ctx").inner_text().startswith("First Citizen")
+    toks = view.locator(".ds4-gen .ds4-tok[data-i]")
+    assert toks.count() == 12
+    assert all(toks.nth(i).get_attribute("style").startswith("background:") for i in range(12))
+    tip = _hover_fills(pg, toks.nth(3), view.locator(".ds4-alts"))
+    assert re.match(r"position \d+: token \d+", tip), tip
+    assert view.locator(".ds4-alts tr").count() >= 2  # the sampled token and its alternatives
+    out = _output_of(view)
+    assert out.locator(".widget-button").count() == 3  # run, step, stop
+    out.screenshot(path=str(ARTIFACTS / "generation_view.png"))
+
+
+def test_tier_view_renders(page):
+    pg, *_ = page
+    view = _view(pg, "Tiers:")
+    assert re.search(r"2 tier\(s\), 1 copying boundary", view.locator(".ds4-title").inner_text())
+    units = view.locator(".ds4-stack .ds4-unit")
+    assert units.count() == 6 + 2  # embedding, 6 layers, head
+    assert {units.nth(i).inner_text() for i in range(units.count())} == {"embed", "head"} | {f"L{i}" for i in range(6)}
+    assert view.locator(".ds4-stack .ds4-arrow").count() >= 1  # the last step's switches
+    assert view.locator("table tr").count() == 1 + 2  # one row per tier
+    bars = view.locator("svg.ds4-steps rect[pointer-events='none']")
+    assert bars.count() == 2 + 12  # the prompt's 2 chunks, 12 decoded tokens
+    tip = _hover_fills(pg, view.locator("svg.ds4-steps rect[data-i]").first, view.locator(".ds4-tip"))
+    assert re.match(r"step 0: batch", tip), tip
+    _output_of(view).screenshot(path=str(ARTIFACTS / "tier_view.png"))
+
+
+def test_charts_render_offline(page):
+    """Both chart cells are drawn by JupyterLab's Vega-Lite renderer (painted canvas or SVG marks), with no
+    CDN, script or other remote request and no "Error loading script"."""
+    pg, console, errors, remote = page
+    outputs = pg.locator(CHART)
+    assert outputs.count() == 2
+    for i, name in enumerate(("charts_prefill.png", "chart_experts.png")):
+        out = outputs.nth(i)
+        if out.locator(".vega-embed canvas").count():
+            stats = _painted(out.locator(".vega-embed canvas").first)
+            assert stats["painted"] > 0.01 * stats["w"] * stats["h"] and stats["colours"] >= 4, stats
+        else:
+            assert out.locator(".vega-embed svg path, .vega-embed svg rect").count() > 4
+        out.screenshot(path=str(ARTIFACTS / name))
+    assert not pg.locator(".jp-OutputArea-output", has_text=re.compile("Error loading script|Javascript Error")).count()
+    assert not remote, f"the page asked other hosts than the server: {remote}"
+    cdn = [m.text for m in console if re.search(r"cdn|https?://(?!127\.0\.0\.1)", f"{m.text} {m.location.get('url')}")]
+    cdn += [str(e) for e in errors if re.search(r"cdn|https?://", str(e))]
+    assert not cdn, cdn
+
+
 def test_no_widget_errors_in_console(page):
-    pg, console, errors = page
+    pg, console, errors, _ = page
     ours = [f"{m.type}: {m.text} @ {m.location.get('url', '')}" for m in console
             if m.type == "error" and OURS.search(f"{m.text} {m.location.get('url', '')}")]
     ours += [f"pageerror: {e} {e.stack or ''}" for e in errors if OURS.search(f"{e} {e.stack or ''}")]
     assert not ours, "JS errors from the widgets:\n" + "\n".join(ours)
     assert pg.get_by_text("Error displaying widget").count() == 0
-    assert pg.locator(".ds4-view").count() >= 2
+    assert pg.locator(".ds4-view").count() == 6  # one element per view, each drawn by its ESM

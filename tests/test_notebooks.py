@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_views_charts import remote_scripts
+
 nbformat = pytest.importorskip("nbformat")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 CHECK = "nbval-check-output"
 WIDGET = "application/vnd.jupyter.widget-view+json"
+VEGALITE = "application/vnd.vegalite.v5+json"
 
 
 def _builder():
@@ -70,6 +73,20 @@ def test_saved_outputs(name):
     for c in checked:
         texts = [o for o in c.outputs if o.output_type == "stream" or "text/plain" in o.get("data", {})]
         assert texts, f"checked cell without text output: {c.source[:60]!r}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_outputs_load_nothing_from_the_network(name):
+    """No output loads a script from a CDN or any http(s) URL (DESIGN.md: no CDN): charts are Vega-Lite
+    mimebundles that JupyterLab draws itself (ds4lab.viz.offline_charts), with a PNG for saved notebooks."""
+    outputs = [o for c in _code(_read(name)) for o in c.outputs]
+    found = remote_scripts([dict(o) for o in outputs])
+    assert not found, f"{name}: outputs load scripts from the network: {found[:3]}"
+    for o in outputs:
+        data = o.get("data", {})
+        assert not any("vegalite" in k or "vega." in k for k in data) or VEGALITE in data, list(data)
+        if VEGALITE in data:
+            assert "text/html" not in data and "image/png" in data, list(data)
 
 
 def test_views_appear_in_the_notebooks():

@@ -69,6 +69,44 @@ def test_prefill_and_kv_views_follow_steps(model):
         assert WIDGET in bundle and "<table>" in bundle["text/html"]
 
 
+
+def test_kv_slider_agrees_with_the_state_shown(model):
+    """The checkpoint slider sits on the checkpoint whose state the view shows, whichever way it got there;
+    it reads "live" without a number when the state shown is none of its checkpoints."""
+    sess = model.session(ctx=256, prefill_chunk=32)
+    kv = KVCacheView(sess)
+    s = kv.slider
+    assert (s.description, s.disabled, s.readout) == ("checkpoint", True, True)
+    prefill = PrefillView(sess, _ids(100, model.config.n_vocab), kv_view=kv)
+    chunks = prefill.run()
+    assert kv.model.data["n_tokens"] == 100 and kv.model.data["label"].startswith("after chunk 3")
+    # notebook 02: run, then scrub through the chunks; the display is the live state = the last checkpoint
+    kv.scrub_through(chunks)
+    assert (s.max, s.value, s.disabled, s.readout, s.description) == (3, 3, False, True, "checkpoint")
+    assert kv.shown_checkpoint == 3 and kv.model.data["n_tokens"] == len(chunks[3].checkpoint) == 100
+    for i, n in ((1, 64), (0, 32), (2, 96)):
+        s.value = i  # the user drags the slider
+        assert kv.model.data["n_tokens"] == n and kv.model.data["label"] == f"checkpoint {i}"
+        assert kv.shown_checkpoint == i and s.value == i
+    kv.scrub(1)  # from Python
+    assert s.value == 1 and kv.model.data["n_tokens"] == 64
+    prefill.slider.value = 0  # the linked PrefillView's chunk slider moves this one too
+    assert s.value == 0 and kv.model.data["n_tokens"] == 32
+    kv.refresh()  # the live state again: that is checkpoint 3
+    assert s.value == 3 and kv.model.data["n_tokens"] == 100 and kv.model.data["label"] == "live"
+    # a decoded token: the live state is none of the checkpoints
+    sess.decoder(temperature=0).step()
+    assert kv.model.data["n_tokens"] == 101 and kv.shown_checkpoint is None
+    assert (s.description, s.readout) == ("live", False)
+    s.value = 2
+    assert kv.model.data["n_tokens"] == 96 and (s.description, s.readout) == ("checkpoint", True)
+    # checkpoints given at construction (chunks or their checkpoints) work alike
+    other = KVCacheView(sess, checkpoints=chunks, auto_refresh=False)
+    assert other.shown_checkpoint is None and other.slider.description == "live"
+    other.slider.value = 1
+    assert other.model.data["n_tokens"] == 64 and other.shown_checkpoint == 1
+    kv.detach()
+
 def test_attention_buffer_matches_reference_reduction(model):
     sess = model.session(ctx=512, prefill_chunk=64)
     il = next(i for i in range(model.config.n_layer) if model.config.has_indexer(i))

@@ -3,9 +3,11 @@
 ``PrefillView(session, prompt)``, ``KVCacheView(session)``, ``AttentionView(capture)``,
 ``GenerationView(session, prompt)``, ``ExpertView(capture)`` (or ``ExpertView.from_prompt(session, prompt)``),
 ``TierView(session)`` and Altair chart builders in :mod:`ds4lab.viz.charts`. The widgets' front-end (ESM +
-CSS) is ``ds4lab/viz/static``.
+CSS) is ``ds4lab/viz/static``. ``offline_charts()`` makes Altair charts render with no network (JupyterLab's own
+Vega-Lite renderer, a PNG fallback for saved notebooks) instead of Altair's HTML, which loads Vega from a CDN.
 """
 
+from .charts import chart_bundle, offline_charts
 from .experts import ExpertView, capture_prefill
 from .generation import GenerationView
 from .tier_view import TierView
@@ -19,5 +21,7 @@ __all__ = [
     "PrefillView",
     "TierView",
     "capture_prefill",
+    "chart_bundle",
     "kv_summary",
+    "offline_charts",
 ]

@@ -1,18 +1,81 @@
-"""Altair charts of a prefill and of the router (data reduced first, far under Altair's 5000-row limit)."""
+"""Altair charts of a prefill and of the router (data reduced first, far under Altair's 5000-row limit), and
+how they are shown without a network.
+
+Altair's default renderer writes HTML that loads Vega from a CDN, which fails in an offline JupyterLab
+("Error loading script"). :func:`offline_charts` switches this kernel to the ``ds4lab`` renderer: a chart is
+shown as a Vega-Lite mimebundle, which JupyterLab (and Notebook 7, VS Code) draws with the Vega it ships, plus a
+PNG made by vl-convert (when ``vl-convert-python`` is installed) that a saved notebook, nbviewer and GitHub show.
+No bundle holds a script or a URL to load one. :func:`chart_bundle` is the same bundle for one chart.
+"""
 
 from __future__ import annotations
 
+import base64
 import math
 
 import numpy as np
 
 MAX_ROWS = 4000  # rows a chart's data may hold (Altair refuses more than 5000 by default)
+RENDERER = "ds4lab"  # the name offline_charts() registers with Altair's renderers
+# JupyterLab 4's built-in renderer (@jupyterlab/vega5-extension, bundled Vega 5 / Vega-Lite 5) takes Vega-Lite
+# v3-v5 mimetypes; Altair 6 writes Vega-Lite 6 specs, whose marks and encodings used here Vega-Lite 5 reads alike.
+VEGALITE_MIME = "application/vnd.vegalite.v5+json"
+VEGALITE_SCHEMA = "https://vega.github.io/schema/vega-lite/v5.json"  # a schema id, never fetched
 
 
 def _alt():
     import altair as alt
 
     return alt
+
+
+def _png(spec: dict) -> bytes | None:
+    """The chart as a PNG drawn by vl-convert (offline, in-process), or None without vl-convert."""
+    try:
+        import vl_convert as vlc
+    except ImportError:
+        return None
+    version = str(spec.get("$schema", "")).rsplit("/v", 1)[-1].removesuffix(".json")
+    major_minor = ".".join(version.split(".")[:2])
+    kw = {"vl_version": major_minor} if major_minor in vlc.get_vegalite_versions() else {}
+    try:
+        return vlc.vegalite_to_png(spec, scale=1, **kw)
+    except Exception:  # a spec vl-convert cannot draw still has its live rendering
+        return None
+
+
+def chart_bundle(chart, png: bool | None = None) -> dict:
+    """The mimebundle ``offline_charts()`` displays for ``chart`` (an Altair chart or its ``to_dict()``):
+    the Vega-Lite spec under ``application/vnd.vegalite.v5+json``, a PNG (``image/png``, base64) when ``png`` is
+    true or, with ``png=None``, when vl-convert is installed, and ``text/plain``. No ``text/html``: JupyterLab
+    would prefer it to the Vega-Lite renderer."""
+    spec = chart if isinstance(chart, dict) else chart.to_dict()
+    live = dict(spec, **{"$schema": VEGALITE_SCHEMA})
+    title = spec.get("title")
+    title = title.get("text") if isinstance(title, dict) else title
+    bundle = {VEGALITE_MIME: live, "text/plain": f"<Vega-Lite chart{': ' + repr(title) if title else ''}>"}
+    if png is not False:
+        image = _png(spec)
+        if image is None and png:
+            raise RuntimeError("a PNG of the chart needs vl-convert-python (pip install vl-convert-python)")
+        if image is not None:
+            bundle["image/png"] = base64.b64encode(image).decode("ascii")
+    return bundle
+
+
+def _render(spec: dict, png: bool | None = None, **_options) -> dict:
+    return chart_bundle(spec, png=png)
+
+
+def offline_charts(png: bool | None = None):
+    """Show Altair charts in this kernel without a network: registers the ``ds4lab`` renderer (see
+    :func:`chart_bundle`) and enables it. Call it once, after importing altair; ds4lab's notebooks do. Returns
+    Altair's enabler, so ``with offline_charts(): ...`` enables it for a block only; ``alt.renderers.enable(
+    "default")`` goes back to Altair's HTML."""
+    alt = _alt()
+    if RENDERER not in alt.renderers.names():
+        alt.renderers.register(RENDERER, _render)
+    return alt.renderers.enable(RENDERER, png=png)
 
 
 def prefill_chunks_chart(chunks):

@@ -4,6 +4,7 @@ ipywidgets controls around them. Each view's ``_repr_mimebundle_`` carries the l
 
 from __future__ import annotations
 
+import contextlib
 import html
 from pathlib import Path
 
@@ -214,14 +215,17 @@ class KVCacheView(_View):
     """The session's KV state layer by layer. With ``auto_refresh`` (the default) it refreshes itself after
     every prefill chunk and decode step of its session (through ``session.step_observers``); otherwise call
     ``refresh()``. ``show(checkpoint)`` or the slider scrubs through checkpoints without touching the session
-    (the next step shows the live state again). ``detach()`` stops the automatic refresh. A refresh reads the
+    (the next step shows the live state again). The slider always names the state on display: it sits on the
+    checkpoint holding the tokens shown, and reads "live" (no number) when no checkpoint of its list does.
+    ``detach()`` stops the automatic refresh. A refresh reads the
     whole state (``session.kv``): on a long context that can cost more than the step itself, so pass
     ``auto_refresh=False`` (or ``detach()``) before a long generation."""
 
     def __init__(self, session, checkpoints=None, auto_refresh: bool = True):
         self.session = session
-        self._checkpoints = list(checkpoints or [])
+        self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints or []]
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
+        self._syncing = False  # the slider is being moved to the state on display: do not scrub
         self.model = KVCacheModel()
         self.slider = W.IntSlider(
             value=0,
@@ -230,7 +234,7 @@ class KVCacheView(_View):
             description="checkpoint",
             disabled=not self._checkpoints,
         )
-        self.slider.observe(lambda ch: self.scrub(ch["new"]), names="value")
+        self.slider.observe(self._slid, names="value")
         self.widget = W.VBox([self.slider, self.model])
         self.refresh()
         self.auto_refresh = False
@@ -265,6 +269,7 @@ class KVCacheView(_View):
         new_from = self._new_from(tokens)
         self.model.data = kv_summary(sess.model.config, sess.geometry, sess.kv, new_from, label="live")
         self._shown = (tokens, new_from)
+        self._sync_slider()
 
     def show(self, checkpoint, label: str = "") -> None:
         """Show a checkpoint's state (the session is not changed)."""
@@ -279,16 +284,58 @@ class KVCacheView(_View):
             cfg, sess.geometry, kv, new_from, label=label or f"checkpoint at {len(checkpoint)} tokens"
         )
         self._shown = (tokens, new_from)
+        self._sync_slider()
 
     def scrub_through(self, checkpoints) -> None:
-        """Let the slider scrub through ``checkpoints`` (e.g. ``[c.checkpoint for c in prefill.chunks]``)."""
+        """Let the slider scrub through ``checkpoints`` (e.g. ``prefill.chunks`` or their ``.checkpoint``); the
+        slider moves to the checkpoint of the state on display (after a prefill: the last chunk's)."""
         self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints]
-        self.slider.max = max(len(self._checkpoints) - 1, 0)
+        with self._quiet():
+            self.slider.max = max(len(self._checkpoints) - 1, 0)
         self.slider.disabled = not self._checkpoints
+        self._sync_slider()
+
+    @property
+    def shown_checkpoint(self) -> int | None:
+        """Index in the slider's checkpoints of the state on display (the slider's own when it holds those
+        tokens, else the last one that does), or None when none does."""
+        tokens, cps = self._shown[0], self._checkpoints
+
+        def holds(i):
+            return len(cps[i].tokens) == len(tokens) and tuple(cps[i].tokens) == tokens
+
+        if 0 <= self.slider.value < len(cps) and holds(self.slider.value):
+            return self.slider.value
+        return next((i for i in range(len(cps) - 1, -1, -1) if holds(i)), None)
+
+    @contextlib.contextmanager
+    def _quiet(self):
+        """Moves of the slider in this block follow the display: they do not scrub."""
+        was, self._syncing = self._syncing, True
+        try:
+            yield
+        finally:
+            self._syncing = was
+
+    def _sync_slider(self) -> None:
+        """Put the slider on the checkpoint on display, or mark it "live" when the display is none of them."""
+        i = self.shown_checkpoint
+        with self._quiet():
+            if i is not None:
+                self.slider.value = i
+            self.slider.description = "checkpoint" if i is not None or not self._checkpoints else "live"
+            self.slider.readout = i is not None or not self._checkpoints
+
+    def _slid(self, change) -> None:
+        if not self._syncing:
+            self.scrub(change["new"])
 
     def scrub(self, i: int) -> None:
+        """Show checkpoint ``i`` of the slider's list (and put the slider on it)."""
         if 0 <= i < len(self._checkpoints):
-            self.show(getattr(self._checkpoints[i], "checkpoint", self._checkpoints[i]), label=f"checkpoint {i}")
+            with self._quiet():
+                self.slider.value = i
+            self.show(self._checkpoints[i], label=f"checkpoint {i}")
 
     def static_html(self) -> str:
         d = self.model.data

@@ -1,0 +1,208 @@
+"""How large a context AttentionView stays interactive at, on the embedded model (NumPy backend).
+
+    python benchmarks/attention_view_scaling.py [--ctx 512 1024 2048 4096] [--chunk 512] [--heads 2]
+                                                [--text FILE] [--no-browser] [--full]
+
+For each context T the script prefills T − 1 tokens (one slot stays free to generate) of a text
+(tinyshakespeare by default) while capturing ``attn.scores`` of layers 2 (ratio 4, indexer) and 3 (ratio 128)
+for every query and ``--heads`` heads, then builds ``AttentionView(cap, layer=2)`` (max-pooled to 512 × 512,
+the default; with ``--full`` also unpooled). Columns:
+
+- ``prefill s``: the same prefill without a capture; ``capture s``: with it (the capture materialises every
+  chunk's weights next to the fused path);
+- ``view s``: ``AttentionView(...)``: the layer's map over all chunks, the max-pooled uint8 image and marks,
+  the labels; ``head s``: switching head (map cached); ``layer s``: switching to layer 3 (its map built);
+  ``static s``: the static HTML fallback (PNG) of the mimebundle;
+- ``map MB``: the float64 weights of one layer's map, ``[queries, heads, raw + compressed + 1]``;
+- ``cells``: the image sent, after max-pooling to at most 512 × 512; ``binary KB``: the buffers sent to the
+  browser (image + marks), ``json KB``: the rest of the widget state (labels, groups), ``html KB``: the
+  static fallback saved in the notebook;
+- with Chromium (Debian's ``/usr/bin/chromium`` or ``$DS4LAB_CHROMIUM``, and playwright), the front-end
+  (``ds4lab/viz/static/attention.js``) on a bare page with the same state: ``draw ms`` is ``render()`` (the
+  canvas filled; after a warm-up call), ``frame ms`` until the next frame is painted, ``hover ms`` the median /
+  max time the view's mousemove handler takes to fill the tooltip (Playwright's ``mouse.move``, 40 positions),
+  and ``hover frame ms`` the median time from the mouse event to the next painted frame (Chromium delivers
+  mouse moves aligned to frames, and the time is taken after two animation frames, so about 2 frames at
+  60 Hz is the floor). JupyterLab's own costs (the websocket message, the widget manager) are not in these;
+  with the default pooling the binary payload is at most 512 KB whatever T is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import ds4lab
+from ds4lab.viz import AttentionView
+from ds4lab.viz.views import STATIC
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = [ROOT / "shared/data/tinyshakespeare.txt", Path("/work/shared/data/tinyshakespeare.txt")]
+CHROMIUM = os.environ.get("DS4LAB_CHROMIUM", "/usr/bin/chromium")
+VIEWPORT = {"width": 1400, "height": 1200}
+
+
+def timed(f, *a, **kw):
+    began = time.perf_counter()
+    out = f(*a, **kw)
+    return out, time.perf_counter() - began
+
+
+def widget_payload(model) -> tuple[int, int, dict]:
+    """(bytes of binary buffers, bytes of the JSON state, the state) that the widget sends to the browser."""
+    state = {k: getattr(model, k) for k in model.keys if not k.startswith("_") and k not in ("layout", "comm")}
+    state = {k: v for k, v in state.items() if isinstance(v, (bytes, str, int, float, list, dict))}
+    binary = {k: v for k, v in state.items() if isinstance(v, bytes)}
+    rest = {k: v for k, v in state.items() if k not in binary}
+    return sum(map(len, binary.values())), len(json.dumps(rest).encode()), state
+
+
+def measure(model, ids, T, chunk, heads, sides):
+    """One row per max_side in ``sides`` (None: no pooling) for a capture of T − 1 tokens, and each row's state."""
+    sess = model.session(ctx=T, prefill_chunk=chunk)
+    _, t_prefill = timed(lambda: sess.prefill(ids[: T - 1]).run(progress=False))
+    sess = model.session(ctx=T, prefill_chunk=chunk)
+    with sess.capture(["attn.scores"], layers=[2, 3], heads=list(range(heads))) as cap:
+        _, t_capture = timed(lambda: sess.prefill(ids[: T - 1]).run(progress=False))
+    out = []
+    for side in sides:
+        view, t_view = timed(AttentionView, cap, layer=2, head=0, max_side=side or 1 << 30)
+        m = view.model
+        binary, js, state = widget_payload(m)
+        row = dict(
+            T=T, side=side or "none", prefill=t_prefill, capture=t_capture, view=t_view,
+            map_mb=view.map(2).weights.nbytes / 2**20, cells=f"{m.rows}×{m.cols}", binary_kb=binary / 1024,
+            json_kb=js / 1024,
+        )
+        bundle, row["static"] = timed(view._repr_mimebundle_)
+        row["html_kb"] = len(bundle["text/html"].encode()) / 1024
+        row["head"] = timed(view.show, 2, 1)[1] if heads > 1 else float("nan")
+        _, row["layer"] = timed(view.show, 3, 0)
+        view.show(2, 0)  # the state of layer 2, head 0 goes to the browser
+        row["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out.append((row, state))
+    return out
+
+
+PAGE_JS = """
+async ({state, buf, marks, moves}) => {
+  const dec = (s) => { const b = atob(s), a = new Uint8Array(b.length);
+                       for (let i = 0; i < b.length; i++) a[i] = b.charCodeAt(i); return new DataView(a.buffer); };
+  const st = {...state, buf: dec(buf), marks: dec(marks)};
+  const model = {get: (k) => st[k], on: () => {}};
+  const el = document.createElement("div");
+  document.body.replaceChildren(el);
+  const frame = () => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+  window.__attention.render({model, el: document.createElement("div")});  // warm up (JIT), off the page
+  await frame();
+  const t0 = performance.now();
+  window.__attention.render({model, el});
+  const t1 = performance.now();
+  await frame();
+  const t2 = performance.now();
+  const canvas = el.querySelector("canvas"), tip = el.querySelector(".ds4-tip");
+  const box = canvas.getBoundingClientRect();
+  window.__hover = [];
+  let start = 0;
+  canvas.addEventListener("mousemove", () => { start = performance.now(); }, {capture: true});  // before the view's
+  canvas.addEventListener("mousemove", (ev) => {   // after the view's own handler (added first)
+    const done = performance.now();
+    requestAnimationFrame(() => requestAnimationFrame(() =>
+      window.__hover.push({handler: done - start, frame: performance.now() - ev.timeStamp, tip: tip.textContent})));
+  });
+  return {draw: t1 - t0, frame: t2 - t0, x: box.left, y: box.top, w: box.width, h: box.height};
+}
+"""
+
+
+def browser_times(states, moves: int = 40) -> dict[int, dict] | str:
+    """Front-end timings per (context, max_side), or why there are none."""
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        return f"no Chromium at {CHROMIUM}"
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return "playwright is not installed"
+    js = (STATIC / "attention.js").read_text().replace("export default { render };", "window.__attention = { render };")
+    css = (STATIC / "views.css").read_text()
+    out = {}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_content(f"<html><head><style>{css}</style></head><body></body></html>")
+            page.add_script_tag(content=js)
+            for key, state in states.items():
+                plain = {k: v for k, v in state.items() if not isinstance(v, bytes)}
+                r = page.evaluate(PAGE_JS, dict(state=plain, buf=base64.b64encode(state["buf"]).decode(),
+                                                marks=base64.b64encode(state["marks"]).decode(), moves=moves))
+                # positions spread over the part of the canvas in the viewport (a full-resolution map is wider)
+                w, h = min(r["w"], VIEWPORT["width"] - r["x"] - 1), min(r["h"], VIEWPORT["height"] - r["y"] - 1)
+                for i in range(moves):
+                    fx, fy = (0.05 + 0.9 * ((i * 7) % moves) / moves), (0.05 + 0.9 * ((i * 13) % moves) / moves)
+                    page.mouse.move(r["x"] + fx * w, r["y"] + fy * h)
+                    page.wait_for_function(f"window.__hover.length >= {i + 1}", timeout=30_000)
+                hover = page.evaluate("window.__hover")
+                assert all("→" in h["tip"] for h in hover), hover[:2]
+                handler = [h["handler"] for h in hover]
+                out[key] = dict(draw=r["draw"], frame=r["frame"], hover=statistics.median(handler),
+                                hover_max=max(handler), hover_frame=statistics.median(h["frame"] for h in hover))
+        finally:
+            browser.close()
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=2, help="heads captured (the view switches between them)")
+    ap.add_argument("--text", type=Path, default=next((p for p in TEXTS if p.is_file()), None))
+    ap.add_argument("--no-browser", action="store_true")
+    ap.add_argument("--full", action="store_true", help="also measure views without max-pooling (max_side unbounded)")
+    args = ap.parse_args(argv)
+    if args.text is None:
+        sys.exit("no text: pass --text FILE")
+    model = ds4lab.load(backend="numpy")
+    limit = model.config.context_length
+    ids = model.tokenizer.encode(args.text.read_text(encoding="utf-8")[: 16 * max(args.ctx)])
+    ctxs = [T for T in args.ctx if T <= min(limit or T, len(ids))]
+    print(f"{model}; text {args.text.name}: {len(ids)} tokens; contexts {ctxs}; chunk {args.chunk}; "
+          f"{args.heads} heads of layers 2 and 3 captured", file=sys.stderr)
+    rows, states = [], {}
+    for T in ctxs:
+        for row, state in measure(model, ids, T, args.chunk, args.heads, [512] + [None] * args.full):
+            rows.append(row)
+            states[T, row["side"]] = state
+        print(f"  {T}: done ({row['capture']:.1f} s capture)", file=sys.stderr)
+    web = {} if args.no_browser else browser_times(states)
+    if isinstance(web, str):
+        print(f"browser: skipped ({web})", file=sys.stderr)
+        web = {}
+    head = ("ctx", "max_side", "prefill s", "capture s", "view s", "head s", "layer s", "static s", "map MB", "cells",
+            "binary KB", "json KB", "html KB", "draw ms", "frame ms", "hover ms (med/max)", "hover frame ms",
+            "max RSS MB")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        w = web.get((r["T"], r["side"]))
+        cells = [r["T"], r["side"], f"{r['prefill']:.2f}", f"{r['capture']:.2f}", f"{r['view']:.2f}",
+                 f"{r['head']:.3f}", f"{r['layer']:.2f}", f"{r['static']:.3f}", f"{r['map_mb']:.0f}", r["cells"],
+                 f"{r['binary_kb']:.0f}",
+                 f"{r['json_kb']:.0f}", f"{r['html_kb']:.0f}",
+                 f"{w['draw']:.1f}" if w else "-", f"{w['frame']:.1f}" if w else "-",
+                 f"{w['hover']:.2f} / {w['hover_max']:.2f}" if w else "-", f"{w['hover_frame']:.1f}" if w else "-",
+                 f"{r['rss_mb']:.0f}"]
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Altair charts without a network: ``offline_charts()`` / ``chart_bundle`` give JupyterLab's own Vega-Lite
+mimetype and a PNG fallback, never Altair's HTML that loads Vega from a CDN (see also test_notebooks.py for the
+saved notebooks and test_browser.py for the page)."""
+
+import base64
+import re
+
+import numpy as np
+import pytest
+
+import ds4lab
+
+# A script fetched from the network: a CDN, <script src="http...">, an http(s) URL in a <script> element,
+# import/require of a URL, a quoted .js URL; any URL at all in an application/javascript output.
+REMOTE_SCRIPT = re.compile(
+    r"cdn\.jsdelivr|unpkg\.com|cdnjs\.|esm\.sh|skypack"
+    r"|<script\b[^>]*\bsrc\s*=\s*[\"']?\s*(?:https?:)?//"
+    r"|<script\b[^>]*>(?:(?!</script>).)*?https?://"
+    r"|\b(?:import|from|require|requirejs)\s*\(?\s*\[?\s*[\"'](?:https?:)?//"
+    r"|[\"'](?:https?:)?//[^\"'\s]+\.m?js(?:\?[^\"'\s]*)?[\"']",
+    re.I | re.S,
+)
+URL = re.compile(r"(?:https?:)?//[\w.-]+", re.I)
+
+
+def _strings(obj, key=""):
+    """(mimetype or key above it, string) for every string in ``obj``."""
+    if isinstance(obj, str):
+        yield key, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(k, key)
+            yield from _strings(v, k if "/" in str(k) else key)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _strings(v, key)
+
+
+def remote_scripts(obj) -> list[str]:
+    """Every place in ``obj`` (a string, or the strings of nested dicts/lists: a mimebundle, a notebook output)
+    that loads a script from the network, with some context."""
+    found = []
+    for key, s in _strings(obj):
+        rx = URL if key == "application/javascript" else REMOTE_SCRIPT
+        found += [s[max(0, m.start() - 40) : m.end() + 40] for m in rx.finditer(s)]
+    return found
+
+
+def test_remote_script_detector():
+    assert remote_scripts({"text/html": '<script src="https://cdn.example.org/vega.js"></script>'})
+    assert remote_scripts(['<script>requirejs.config({paths: {"vega": "https://example.org/npm/vega@6?noext"}})'])
+    assert remote_scripts('import embed from "https://esm.example.org/vega-embed@7";')
+    assert remote_scripts('<script src="//example.org/x.js">')
+    assert remote_scripts('{"vega-embed": "https://cdn.jsdelivr.net/npm/vega-embed@7?noext"}')
+    assert remote_scripts({"application/javascript": "fetch('https://example.org/data')"})
+    assert not remote_scripts({"$schema": "https://vega.github.io/schema/vega-lite/v5.json", "text/html":
+                               "<a href='https://github.com/antirez/ds4'>ds4</a> <script>let a = 1 < 2;</script>"})
+
+
+@pytest.fixture(scope="module")
+def alt():
+    return pytest.importorskip("altair")
+
+
+@pytest.fixture(scope="module")
+def charts(alt, model_paths):
+    from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart
+
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    sess = model.session(ctx=256, prefill_chunk=32)
+    ids = ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
+    chunks = sess.prefill(ids).run(progress=False)
+    experts = expert_load_chart({0: np.arange(8), 1: np.ones(8, int)}, hash_layers=[0])
+    speed = prefill_chunks_chart(chunks)
+    return {
+        "prefill_chunks_chart": speed,
+        "kv_bytes_chart": kv_bytes_chart(sess, chunks),
+        "expert_load_chart": experts,
+        "hconcat": kv_bytes_chart(sess, chunks) | speed,
+        "plain altair": alt.Chart(alt.Data(values=[dict(a=1, b=2)])).mark_bar().encode(x="a:O", y="b:Q"),
+    }
+
+
+def test_altair_default_html_loads_vega_from_a_cdn(alt, charts):
+    """What offline_charts() replaces: Altair's default renderer, whose HTML fails in an offline JupyterLab."""
+    with alt.renderers.enable("default"):
+        bundle = charts["plain altair"]._repr_mimebundle_()
+    bundle = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert remote_scripts(bundle)
+
+
+@pytest.mark.parametrize("name", ["prefill_chunks_chart", "kv_bytes_chart", "expert_load_chart", "hconcat",
+                                  "plain altair"])
+def test_offline_chart_bundles(alt, charts, name):
+    from IPython.core.formatters import DisplayFormatter
+
+    from ds4lab.viz import chart_bundle, offline_charts
+    from ds4lab.viz.charts import RENDERER, VEGALITE_MIME
+
+    chart = charts[name]
+    before = alt.renderers.active
+    with offline_charts():
+        assert alt.renderers.active == RENDERER
+        data, _ = DisplayFormatter().format(chart)  # what IPython sends to the front-end
+    assert alt.renderers.active == before
+    assert not remote_scripts(data), remote_scripts(data)
+    assert VEGALITE_MIME in data and "text/html" not in data  # JupyterLab would prefer HTML to Vega-Lite
+    spec = data[VEGALITE_MIME]
+    assert spec["$schema"].endswith("/vega-lite/v5.json")
+    assert spec == dict(chart.to_dict(), **{"$schema": spec["$schema"]})
+    assert data["text/plain"].startswith("<Vega-Lite chart")
+    try:
+        import vl_convert  # noqa: F401
+    except ImportError:
+        assert "image/png" not in data
+    else:
+        assert base64.b64decode(data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "image/png" not in chart_bundle(chart, png=False)
+
+
+def test_png_required_without_vl_convert(alt, charts, monkeypatch):
+    import sys
+
+    from ds4lab.viz import chart_bundle
+
+    monkeypatch.setitem(sys.modules, "vl_convert", None)  # import fails
+    assert "image/png" not in chart_bundle(charts["plain altair"])
+    with pytest.raises(RuntimeError, match="vl-convert"):
+        chart_bundle(charts["plain altair"], png=True)
