@@ -90,8 +90,11 @@ def _seed(text: str) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None, help="GGUF model file (default: the embedded model)")
-    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "numpy"],
-                   help="auto (default): mlx when MLX has a GPU (Metal or CUDA), numpy on CPUs, where it is faster")
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "numpy", "cupy"],
+                   help="auto (default): mlx when MLX has a GPU (Metal or CUDA), else cupy when CuPy finds a CUDA "
+                        "GPU, else numpy (faster than MLX on CPUs)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="GPU backends: the plain-ops path instead of ds4lab's custom kernels")
     p.add_argument("--device", default=None, choices=["cpu", "gpu"], help="MLX device (mlx backend only)")
     p.add_argument("--numerics", default="ds4", choices=["ds4", "exact"],
                    help="ds4 (default): FP8/FP4/F16 simulations as ds4 computes; exact: none")
@@ -191,7 +194,9 @@ def _resolve_backend(name: str, device: str | None) -> str:
     slower than NumPy on the nano model's bench)."""
     if name == "numpy" and device == "gpu":
         raise UsageError("--device gpu needs the mlx backend (numpy runs on the CPU)")
-    if name == "numpy" or (name == "mlx" and device != "gpu"):
+    if name == "cupy" and device is not None:
+        raise UsageError("--device is for the mlx backend; cupy runs on the current CUDA GPU")
+    if name in ("numpy", "cupy") or (name == "mlx" and device != "gpu"):
         return name
     if name == "auto" and device == "cpu":
         return "numpy"
@@ -203,7 +208,20 @@ def _resolve_backend(name: str, device: str | None) -> str:
         has_gpu = False
     if device == "gpu" and not has_gpu:
         raise RuntimeError("--device gpu: MLX has no GPU here (it needs Metal, or CUDA with mlx[cuda])")
-    return "mlx" if has_gpu else "numpy"
+    if has_gpu:
+        return "mlx"
+    if name == "auto" and _cupy_has_gpu():
+        return "cupy"
+    return "numpy"
+
+
+def _cupy_has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or no CUDA driver/device
+        return False
 
 
 def _load(args):
@@ -211,7 +229,7 @@ def _load(args):
 
     backend = _resolve_backend(args.backend, args.device)
     return load(args.model, backend=backend, numerics=args.numerics,
-                device=args.device if backend == "mlx" else None)
+                device=args.device if backend == "mlx" else None, kernels=False if args.no_kernels else None)
 
 
 def _describe(model) -> str:

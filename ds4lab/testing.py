@@ -135,6 +135,7 @@ def model_tensors(
     return tensors
 
 
+@functools.cache
 def default_tokenizer_text() -> str:
     """The first ~300 KB of tinyshakespeare, or a built-in paragraph where the data directory is absent."""
     path = _DATA_DIR / "tinyshakespeare.txt"

@@ -235,6 +235,20 @@ def test_runtime_errors(nano, tmp_path):
         assert message in line, (args, line)
 
 
+def test_cupy_backend_without_a_cuda_gpu_is_one_clear_error(nano):
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a CUDA GPU is present: the cupy backend loads")
+    except Exception:
+        pass
+    line = one_error_line(ds4lab_cmd("run", "-m", nano, "-p", "x", "--backend", "cupy"), 1)
+    assert "the cupy backend needs CuPy and a CUDA GPU" in line
+    line = one_error_line(ds4lab_cmd("run", "-p", "x", "--backend", "cupy", "--device", "gpu"), 2)
+    assert "--device is for the mlx backend" in line
+
+
 # -- bench ----------------------------------------------------------------------------------------------
 
 def test_bench_sweep_256_to_4096(nano, nano_np, tmp_path):

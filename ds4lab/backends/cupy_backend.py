@@ -33,6 +33,9 @@ class CupyBackend(KernelOps):
         self.use_kernels = kernels
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
 
+    def device_key(self):
+        return cp.cuda.Device().id
+
     @property
     def kernels(self):
         """The kernels of the current CUDA device, or None when they are switched off."""

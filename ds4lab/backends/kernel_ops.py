@@ -66,6 +66,10 @@ class KernelOps:
 
     kernels = None
 
+    def device_key(self):
+        """Which device arrays made now land on (None: the backend has one memory)."""
+        return None
+
     def attend(self, q, keys, visible, sinks, scale: float):
         """Attention with sinks: the split-key kernel for a few queries, plain ops (GEMMs) for a chunk."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:

@@ -33,6 +33,7 @@ class Weights:
         return dequantize(t.data, t.qtype, t.shape[0])
 
     def _memo(self, key: str, make):
+        key = (self.backend.device_key(), key)  # one copy per device a tier runs on
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
@@ -77,7 +78,7 @@ class Weights:
         stacked = self.stacked_experts(il)
         if stacked is not None:
             return tuple(s.expert(e) for s in stacked)
-        key = (il, e)
+        key = (self.backend.device_key(), il, e)
         if key in self._experts:
             self._experts.move_to_end(key)
             return self._experts[key][0]
