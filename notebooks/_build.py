@@ -78,36 +78,8 @@ speak this in hunger for bread, not in thirst for revenge.
 """
 ids = model.tokenizer.encode(prompt)'''
 
-SHORT_PROMPT = '''prompt = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
-All:
-We know't, we know't.
-
-First Citizen:
-Let us kill him, and we'll have corn at our own price.
-Is't a verdict?
-
-All:
-No more talking on't; let it be done: away, away!
-
-Second Citizen:
-One word, good citizens.
-
-First Citizen:
-We are accounted poor citizens, the patricians good.
+# The same opening, cut after "the patricians good.": a shorter prompt.
+SHORT_PROMPT = CORIOLANUS.split("What authority surfeits")[0].rstrip("\n") + '''
 """
 ids = model.tokenizer.encode(prompt)'''
 

@@ -13,7 +13,7 @@ import traitlets as t
 
 from ..tiers import EMBED
 from .reduce import png_base64
-from .views import CSS, STATIC, _View, observe_steps, unobserve_steps
+from .views import CSS, STATIC, _FollowingView
 
 STYLE = CSS.read_text() + (STATIC / "extra.css").read_text()
 TIER_PALETTE = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fc9272", "#d9d9d9", "#fdd0a2", "#c7e9c0"]
@@ -48,7 +48,7 @@ class TierModel(anywidget.AnyWidget):
     steps = t.List().tag(sync=True)  # per step: step, bytes, seconds, switches, copies, mode (latest MAX_STEPS)
 
 
-class TierView(_View):
+class TierView(_FollowingView):
     """The layer stack of ``session.placement`` coloured by tier, the switch trace of the last step (from
     ``session.tier_trace``) and the bytes moved per step, drawn against ``boundaries × chunk × row_bytes`` (a
     batch step of a full chunk) and ``boundaries × row_bytes`` (a decode step).
@@ -79,22 +79,11 @@ class TierView(_View):
         self.refresh_button.on_click(lambda _: self.refresh())
         self.widget = W.VBox([self.refresh_button, self.model])
         self.refresh()
-        self.auto_refresh = False
-        if auto_refresh:
-            observe_steps(session, self._on_step)
-            self.auto_refresh = True
+        self._follow(auto_refresh)
 
     def __repr__(self) -> str:
         m = self.model
         return f"TierView({m.rule}: {len(m.tiers)} tier(s), {m.boundaries} boundaries, last step {m.last_step})"
-
-    def _on_step(self, record) -> None:
-        self.refresh()
-
-    def detach(self) -> None:
-        """Stop refreshing after the session's steps."""
-        unobserve_steps(self.session, self._on_step)
-        self.auto_refresh = False
 
     @property
     def batch_bound(self) -> int:

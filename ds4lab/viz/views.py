@@ -201,17 +201,24 @@ class KVCacheModel(anywidget.AnyWidget):
     data = t.Dict().tag(sync=True)
 
 
-def observe_steps(session, method) -> None:
-    """Call ``method(record)`` after every step of ``session`` (through ``session.step_observers``)."""
-    session.step_observers.append(method)
+class _FollowingView(_View):
+    """A view of ``self.session`` that can refresh itself after every step of it (``session.step_observers``)."""
+
+    def _follow(self, auto_refresh: bool) -> None:
+        self.auto_refresh = auto_refresh
+        if auto_refresh:
+            self.session.step_observers.append(self._on_step)
+
+    def _on_step(self, record) -> None:
+        self.refresh()
+
+    def detach(self) -> None:
+        """Stop refreshing after the session's steps."""
+        self.session.step_observers[:] = [f for f in self.session.step_observers if f != self._on_step]
+        self.auto_refresh = False
 
 
-def unobserve_steps(session, method) -> None:
-    """Stop calling ``method`` (every registration of it)."""
-    session.step_observers[:] = [f for f in session.step_observers if f != method]
-
-
-class KVCacheView(_View):
+class KVCacheView(_FollowingView):
     """The session's KV state layer by layer. With ``auto_refresh`` (the default) it refreshes itself after
     every prefill chunk and decode step of its session (through ``session.step_observers``); otherwise call
     ``refresh()``. ``show(checkpoint)`` or the slider scrubs through checkpoints without touching the session
@@ -237,22 +244,11 @@ class KVCacheView(_View):
         self.slider.observe(self._slid, names="value")
         self.widget = W.VBox([self.slider, self.model])
         self.refresh()
-        self.auto_refresh = False
-        if auto_refresh:
-            observe_steps(session, self._on_step)
-            self.auto_refresh = True
+        self._follow(auto_refresh)
 
     def __repr__(self) -> str:
         d = self.model.data
         return f"KVCacheView({d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes)"
-
-    def _on_step(self, record) -> None:
-        self.refresh()
-
-    def detach(self) -> None:
-        """Stop refreshing after the session's steps."""
-        unobserve_steps(self.session, self._on_step)
-        self.auto_refresh = False
 
     def _new_from(self, tokens: tuple) -> int:
         """First position to outline as new: the state on display again keeps its outline, an extension of
