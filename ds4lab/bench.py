@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-import numpy as np
-
 CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes",
                "peak_rss_bytes")
 
@@ -170,15 +168,12 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
 
         snapshot = sess.checkpoint()
         kvcache_bytes = sess.kv_bytes
-        decode = sess.decoder(temperature=0.0, seed=0, top=1)
+        decode = sess.decoder(temperature=0.0, seed=0, top=1, exclude=[eos])  # ds4_session_argmax_excluding(EOS)
         probe = []
         began = time.perf_counter()
         for _ in range(gen_tokens):
             if len(sess.tokens) + 1 >= sess.ctx:
                 raise BenchError(f"generation would exceed the allocated context at frontier {frontier}")
-            logits = np.array(sess.logits, dtype=np.float32)  # ds4_session_argmax_excluding(EOS)
-            logits[eos] = -np.inf
-            sess.logits = logits
             probe.append(decode.step().token)
         gen_seconds = time.perf_counter() - began
         sess.restore(snapshot)

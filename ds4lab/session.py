@@ -252,8 +252,10 @@ class Session:
     # -- generation -----------------------------------------------------------------------------------
     def decoder(self, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K,
                 top_p: float = DEFAULT_TOP_P, min_p: float = DEFAULT_MIN_P, seed: int | None = None,
-                top: int = 5) -> "Decode":
-        return Decode(self, temperature, top_k, top_p, min_p, seed, top)
+                top: int = 5, exclude=()) -> "Decode":
+        """A :class:`Decode` from the live state. ``exclude``: token ids never sampled (ds4-bench's
+        ``argmax_excluding(EOS)``); the reported logprobs stay those of the model."""
+        return Decode(self, temperature, top_k, top_p, min_p, seed, top, exclude)
 
     def generate(self, prompt, max_tokens: int = 128, chat: bool = True, think: bool | str = False,
                  system: str | None = None, progress: bool = False, **sampling) -> str:
@@ -340,8 +342,9 @@ class Prefill:
 class Decode:
     """Sampled generation from the session's logits, one token per ``step()``."""
 
-    def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int):
+    def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int, exclude=()):
         self.session = session
+        self.exclude = np.asarray(sorted(set(int(t) for t in exclude)), dtype=np.int64)
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         self.rng = Rng(seed) if seed is not None else Rng.from_time()
         self.top = top
@@ -362,7 +365,11 @@ class Decode:
         began = time.perf_counter()
         current = sess.logits
         rng_state = self.rng.state
-        token = sample(current, rng=self.rng, **self.params)
+        choices = current
+        if self.exclude.size:
+            choices = current.copy()
+            choices[self.exclude] = -np.inf
+        token = sample(choices, rng=self.rng, **self.params)
         alternatives = top_logprobs(current, max(self.top, 1))
         logprob = float(dict(alternatives).get(token, token_logprob(current, token)))
         position = len(sess.tokens)

@@ -280,3 +280,16 @@ def test_decode_stops_at_eos_without_evaluating_it(nano_np):
     assert s.tokens == PROMPT[:20]
     with pytest.raises(RuntimeError, match="stopped"):
         d.step()
+
+
+def test_decode_excludes_tokens_from_sampling_but_not_from_logprobs(nano_np):
+    s = nano_np.session(ctx=200, prefill_chunk=64)
+    s.sync(PROMPT[:20])
+    logits = s.logits.astype(np.float64)
+    order = np.argsort(-logits, kind="stable")
+    best, second = int(order[0]), int(order[1])
+    step = s.decoder(temperature=0, exclude=[best]).step()
+    assert step.token == second  # greedy among the rest
+    assert step.top[0][0] == best  # the reported alternatives are the model's own, best first
+    log_z = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+    assert abs(step.logprob - (logits[second] - log_z)) < 1e-5
