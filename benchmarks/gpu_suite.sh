@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything ds4lab measures on a lent NVIDIA GPU, in one device call (see ../shared/device/README.md).
+# Stage MLX first (two calls carrying .whl+.whlA, then .whlB; put the third wheel part and the py3.12
+# wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
+#     bash benchmarks/gpu_suite.sh [tests|slice|tiers|all]
+# Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
+# step cannot eat the call.
+set -u
+what=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -f /tmp/w/part_aa ] && [ -f /tmp/w/part_ab ] && [ -f .whlC/part_ac ]; then
+    cat /tmp/w/part_aa /tmp/w/part_ab .whlC/part_ac > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    rm -f /tmp/w/part_a*
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/w/*.whl .whlC/*.whl \
+    > "$OUT/install.log" 2>&1 || echo "install: see install.log"
+export PYTHONPATH=/tmp/site:$PWD
+n_gpu=$(nvidia-smi -L | wc -l)
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "   exit $?; $(tail -n 1 "$OUT/$name.log")"
+}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_kernel_sources.py -k "not mlx"
+    step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_tiers.py -k "mlx"
+    [ "$n_gpu" -ge 2 ] && step tests_tiers 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tiers.py
+fi
+if [ "$what" = slice ] || [ "$what" = all ]; then
+    step slice_cupy 200 python3 benchmarks/gpu_slice.py --backend cupy --json "$OUT/slice_cupy.json"
+    step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 --json "$OUT/slice_mlx.json"
+fi
+if { [ "$what" = tiers ] || [ "$what" = all ]; } && [ "$n_gpu" -ge 2 ]; then
+    step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
+fi
