@@ -10,14 +10,13 @@ at least as large, ...) and rebuilds the fixed-capacity state, raw rows scattere
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..model.state import Geometry, KVState, LayerState, new_state
-from .payload import HEADER_BYTES, MAGIC, LayerPayload, Payload, PayloadError, decode_payload, encode_payload
+from .payload import LayerPayload, Payload, decode_payload, encode_payload
 
 _STATE_FIELDS = (("comp_kv", "comp_state_kv"), ("comp_sc", "comp_state_score"),
                  ("index_kv", "index_state_kv"), ("index_sc", "index_state_score"))
@@ -54,13 +53,7 @@ class Checkpoint:
     @classmethod
     def from_bytes(cls, data: bytes, config: ModelConfig) -> "Checkpoint":
         """Parse a ``DSV4`` payload, validated against its own header's ctx and chunk and ``config``."""
-        if len(data) < HEADER_BYTES:
-            raise PayloadError(f"KV checkpoint is truncated: {len(data)} bytes, the header alone is {HEADER_BYTES}",
-                               "header", len(data), HEADER_BYTES)
-        magic, _, ctx, prefill_cap = struct.unpack_from("<4I", data)
-        if magic != MAGIC:
-            raise PayloadError(f"not a DSV4 payload: magic {magic:#x}, expected {MAGIC:#x}", "magic", magic, MAGIC)
-        payload = decode_payload(data, config, ctx=ctx, prefill_cap=prefill_cap)
+        payload = decode_payload(data, config)  # the header's own ctx and prefill_cap
         return cls(tuple(int(t) for t in payload.tokens), payload.logits, data=bytes(data))
 
 

@@ -43,16 +43,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import FLASH, ModelConfig, ds4_ratio
-from .payload import _HEADER_NAMES as PAYLOAD_FIELDS
 from .payload import (
     HEADER_BYTES,
     LAYER_FIELDS,
-    MAGIC,
+    Q8_PAYLOAD_VERSION,
+    ROW_FIELDS,
     VERSION,
-    expected_row_counts,
-    layer_state_shapes,
-    raw_live_rows,
+    ArrayAt,
+    PayloadError,
+    PayloadLayout,
+    parse_layout,
 )
 
 try:
@@ -81,10 +81,8 @@ EXT_NAMES = {EXT_TOOL_MAP: "tool-map", EXT_RESPONSES_VISIBLE: "responses-visible
 CODECS = {None: 0, "q8": EXT_Q8, "zlib": EXT_ZLIB, "zstd": EXT_ZSTD, "q8+zlib": EXT_Q8 | EXT_ZLIB,
           "q8+zstd": EXT_Q8 | EXT_ZSTD}
 
-Q8_PAYLOAD_VERSION = 0x100 | VERSION
 CHECKSUM_MAGIC = b"KCK\x01"
 CHECKSUM_BYTES = 8
-ROW_FIELDS = ("raw", "comp", "index")  # the KV rows; the other LAYER_FIELDS are the pending compressor states
 STATE_FIELDS = tuple(f for f in LAYER_FIELDS if f not in ROW_FIELDS)
 
 _HEADER = struct.Struct("<3sBBBBBIIIIQQQI")
@@ -189,139 +187,12 @@ def checksum_trailer(crc: int) -> bytes:
     return CHECKSUM_MAGIC + struct.pack("<I", crc)
 
 
-# -- payload layout -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Array:
-    """One float array of the payload: f32 rows, or (``q8``) a f32 scale per row then int8 rows."""
-
-    offset: int
-    rows: int
-    width: int
-    q8: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * (4 + self.width) if self.q8 else 4 * self.rows * self.width
-
-    def read(self, buf) -> np.ndarray:
-        if not self.q8:
-            return np.frombuffer(buf, "<f4", self.rows * self.width, self.offset).reshape(self.rows, self.width)
-        scale = np.frombuffer(buf, "<f4", self.rows, self.offset)
-        q = np.frombuffer(buf, np.int8, self.rows * self.width, self.offset + 4 * self.rows)
-        return q.reshape(self.rows, self.width) * scale[:, None]
-
+# -- payload codecs -------------------------------------------------------------------------------------
 
 def _quantize(x: np.ndarray) -> bytes:
     scale = (np.abs(x).max(axis=1) / 127).astype("<f4")
     q = np.round(x / np.where(scale > 0, scale, 1)[:, None])
     return scale.tobytes() + np.clip(q, -127, 127).astype(np.int8).tobytes()
-
-
-@dataclass(frozen=True)
-class PayloadLayout:
-    """Where everything is in one ``DSV4`` payload (in a buffer, from ``base``); no array is read."""
-
-    header: dict  # the 13 DSV4 header fields by name
-    ratios: tuple[int, ...]
-    base: int
-    size: int
-    layers: tuple[dict[str, _Array | None], ...]  # LAYER_FIELDS -> array, per layer
-
-    @property
-    def tokens_offset(self) -> int:
-        return self.base + HEADER_BYTES
-
-    @property
-    def logits_offset(self) -> int:
-        return self.tokens_offset + 4 * self.header["n_tokens"]
-
-    @property
-    def counts_offset(self) -> int:
-        return self.logits_offset + 4 * self.header["vocab"]
-
-
-def _layout_config(n_layer: int, head_dim: int, idx_dim: int, vocab: int, ratios) -> ModelConfig:
-    """A ModelConfig carrying only what the payload depends on (the file does not store the ratios)."""
-    return dataclasses.replace(FLASH, n_layer=n_layer, head_dim=head_dim, idx_dim=idx_dim, n_vocab=vocab,
-                               compress_ratios=tuple(ratios))
-
-
-def _infer_ratios(T: int, n_comp, n_index) -> tuple[int, ...]:
-    """Per-layer compression ratios from the row counts; where they do not tell (no rows yet), ds4's schedule."""
-    out = []
-    for il, (nc, ni) in enumerate(zip(n_comp, n_index)):
-        if ni:
-            out.append(4)
-        elif nc:
-            out.append(128)
-        else:
-            possible = [0] + [r for r in (4, 128) if T < r]
-            out.append(ds4_ratio(il) if ds4_ratio(il) in possible else 0)
-    return tuple(out)
-
-
-def parse_payload(buf, base: int, size: int, path, config=None, q8: bool = False) -> PayloadLayout:
-    """Locate every array of the payload at ``buf[base:base+size]``, checking its header and every size
-    against the bytes available (so a corrupt header never makes us allocate or loop on garbage).
-
-    ``config`` gives the per-layer ratios; without it they are inferred from the row counts.
-    """
-    def fail(field, got, expected, message=None):
-        return KVFileError(path, f"payload {field}", got, expected, message)
-
-    if size < HEADER_BYTES:
-        raise fail("header", f"{size} bytes", f"at least {HEADER_BYTES}")
-    h = dict(zip(PAYLOAD_FIELDS, struct.unpack_from(f"<{len(PAYLOAD_FIELDS)}I", buf, base)))
-    if h["magic"] != MAGIC:
-        raise fail("magic", f"{h['magic']:#010x}", f"{MAGIC:#010x} ('DSV4')")
-    want_version = Q8_PAYLOAD_VERSION if q8 else VERSION
-    if h["version"] != want_version:
-        raise fail("version", h["version"], want_version)
-    T, n_layer = h["n_tokens"], h["n_layer"]
-    if config is not None:
-        for field, want in (("n_layer", config.n_layer), ("head_dim", config.head_dim),
-                            ("indexer_head_dim", config.idx_dim), ("vocab", config.n_vocab)):
-            if h[field] != want:
-                raise fail(field, h[field], f"{want} (the model's)")
-    if T == 0 or T >= h["ctx"]:
-        raise fail("n_tokens", T, f"1 … ctx−1 = {h['ctx'] - 1}")
-    if h["raw_window"] == 0 or h["raw_cap"] == 0:
-        raise fail("raw_window/raw_cap", (h["raw_window"], h["raw_cap"]), "positive values")
-    want_live = raw_live_rows(T, h["raw_window"], h["raw_cap"])
-    if h["raw_live"] != want_live:
-        raise fail("raw_live", h["raw_live"], f"{want_live} = min(n_tokens, raw_window, raw_cap)")
-    counts_at = HEADER_BYTES + 4 * T + 4 * h["vocab"]
-    if counts_at + 8 * n_layer > size:
-        raise fail("size", f"{size} bytes", f"at least {counts_at + 8 * n_layer} for the tokens, logits and row "
-                   f"counts of {T} tokens, vocab {h['vocab']}, {n_layer} layers")
-    counts = np.frombuffer(buf, "<u4", 2 * n_layer, base + counts_at).reshape(2, n_layer)
-    ratios = config.compress_ratios[:n_layer] if config is not None else _infer_ratios(T, counts[0], counts[1])
-    cfg = _layout_config(n_layer, h["head_dim"], h["indexer_head_dim"], h["vocab"], ratios)
-
-    offset = counts_at + 8 * n_layer
-    layers = []
-    for il in range(n_layer):
-        for kind, label in ((0, "compressed"), (1, "indexer")):
-            want = expected_row_counts(cfg, il, T)[kind]
-            if counts[kind, il] != want:
-                hint = "" if config is not None else " (inferred ratio; pass the model's config if it is not ds4's)"
-                raise fail(f"layer {il} {label} row count", int(counts[kind, il]),
-                           f"{want} for {T} tokens at ratio {cfg.ratio(il)}{hint}")
-        arrays = {}
-        for field, shape in layer_state_shapes(cfg, il, T, h["raw_live"]).items():
-            if shape is None:
-                arrays[field] = None
-                continue
-            arr = _Array(base + offset, shape[0], shape[1], q8 and field in ROW_FIELDS)
-            offset += arr.nbytes
-            if offset > size:
-                raise fail("size", f"{size} bytes", f"more: layer {il} {field} {shape} ends at byte {offset}")
-            arrays[field] = arr
-        layers.append(arrays)
-    if offset != size:
-        raise fail("size", f"{size} bytes", f"{offset}: {size - offset} trailing bytes after the last layer")
-    return PayloadLayout(h, tuple(ratios), base, size, tuple(layers))
 
 
 def _relayout(buf, layout: PayloadLayout, version: int, convert) -> bytes:
@@ -380,8 +251,7 @@ def _decompress(data, flags: int, path) -> bytes:
 def pack_payload(payload: bytes, config, flags: int) -> bytes:
     """The stored form of a ``DSV4`` payload under the codec bits of ``flags`` (:data:`CODECS`)."""
     if flags & EXT_Q8:
-        payload = _relayout(payload, parse_payload(payload, 0, len(payload), "<payload>", config),
-                            Q8_PAYLOAD_VERSION, _quantize)
+        payload = _relayout(payload, parse_layout(payload, config), Q8_PAYLOAD_VERSION, _quantize)
     if flags & (EXT_ZLIB | EXT_ZSTD):
         payload = _compress(payload, flags)
     return payload
@@ -396,7 +266,7 @@ def _stamp(t: int) -> str:
 class KVFileLayer:
     """One layer's saved state; arrays are read from the file (f32 views, 8-bit rows dequantized) on access."""
 
-    def __init__(self, buf, index: int, ratio: int, arrays: dict[str, _Array | None]):
+    def __init__(self, buf, index: int, ratio: int, arrays: dict[str, ArrayAt | None]):
         self._buf, self._arrays = buf, arrays
         self.index, self.ratio = index, ratio
         self.n_raw = arrays["raw"].rows
@@ -456,7 +326,11 @@ class KVFile:
             self._payload_buf, base, size = data, 0, len(data)
         else:
             self._payload_buf, base, size = buf, start, hdr.payload_bytes
-        self._layout = parse_payload(self._payload_buf, base, size, path, config, q8=bool(hdr.ext_flags & EXT_Q8))
+        try:  # the DSV4 payload, checked against itself (and ``config``) by the one payload parser
+            q8 = bool(hdr.ext_flags & EXT_Q8)
+            self._layout = parse_layout(self._payload_buf, config, base=base, size=size, q8=q8)
+        except PayloadError as e:
+            raise KVFileError(path, f"payload {e.field}", e.got, e.expected, f"payload: {e}") from None
         for field, payload_field in (("tokens", "n_tokens"), ("ctx_size", "ctx")):  # ds4 writes both from the session
             if getattr(hdr, field) != self._layout.header[payload_field]:
                 raise KVFileError(path, field, getattr(hdr, field),
@@ -497,11 +371,11 @@ class KVFile:
 
     @property
     def token_ids(self) -> np.ndarray:
-        return np.frombuffer(self._payload_buf, "<u4", self._hdr.tokens, self._layout.tokens_offset)
+        return self._layout.tokens(self._payload_buf)
 
     @property
     def logits(self) -> np.ndarray:
-        return np.frombuffer(self._payload_buf, "<f4", self._layout.header["vocab"], self._layout.logits_offset)
+        return self._layout.logits(self._payload_buf)
 
     def payload(self) -> bytes:
         """The ``DSV4`` payload as ds4 stores it (f32), unpacked from 8-bit rows and zlib/zstd if needed."""

@@ -13,26 +13,35 @@ the indexer rows, ``index_state_kv``, ``index_state_score``. No field is added f
 header already carries every dimension the body depends on, and the per-layer compression ratios are
 not in the file (ds4 takes them from the model; here they come from ``cfg``), exactly as in ds4.
 
-The loader (:func:`decode_payload`) makes every check ds4's loader makes, with ds4's message first and
-then the field and both values, plus one stricter check ds4 does not make: each layer's row counts must
-be the ones the token count implies, ⌊T/ratio⌋ (0 where the layer has no such rows).
+One parser, :func:`parse_layout`, checks a payload and locates its arrays without reading or copying
+them; the loader (:func:`decode_payload`) and the ``KVC`` file reader (:class:`~ds4lab.kv.kvfile.KVFile`,
+lazily, on a memory map, 8-bit rows included) both use it. For a session it makes every check ds4's
+loader makes, with ds4's message first and then the field and both values, plus one stricter check ds4
+does not make: each layer's row counts must be the ones the token count implies, ⌊T/ratio⌋ (0 where the
+layer has no such rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..config import FLASH, ds4_ratio
 
 MAGIC = 0x34565344  # "DSV4" little-endian
 VERSION = 1
 HEADER_FIELDS = 13
 HEADER_BYTES = 4 * HEADER_FIELDS
+Q8_PAYLOAD_VERSION = 0x100 | VERSION  # ds4lab's payload with 8-bit KV rows (KVC ext bit 4); ds4 refuses it
 RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
 STATE_SCORE_INIT = -1e30  # initial value of the *_state_score tensors (§2.4); kv states start at 0
 
 # The seven per-layer arrays in file order.
 LAYER_FIELDS = ("raw", "comp", "comp_state_kv", "comp_state_score", "index", "index_state_kv", "index_state_score")
+ROW_FIELDS = ("raw", "comp", "index")  # the KV rows; the other LAYER_FIELDS are the pending compressor states
 
 _U32_MAX = 0xFFFFFFFF
 _HEADER_NAMES = ("magic", "version", "ctx", "prefill_cap", "raw_cap", "raw_window", "comp_cap", "n_tokens",
@@ -236,113 +245,253 @@ def encode_payload(p: Payload, cfg) -> bytes:
     return b"".join(parts)
 
 
-# -- loader -------------------------------------------------------------------------------------------
+# -- layout: the one parser ----------------------------------------------------------------------------
 
-class _Reader:
-    def __init__(self, data):
-        try:
-            self.mv = memoryview(data).cast("B")
-        except TypeError as e:
-            raise PayloadError(f"session payload is not a contiguous byte buffer: {e}") from None
-        self.off = 0
+@dataclass(frozen=True)
+class ArrayAt:
+    """One float array of a payload at ``offset`` in its buffer: f32 rows, or (``q8``) a f32 scale per row
+    then the int8 rows (the KV rows of ds4lab's 8-bit payloads, :data:`Q8_PAYLOAD_VERSION`)."""
+
+    offset: int
+    rows: int
+    width: int
+    q8: bool = False
 
     @property
-    def remaining(self) -> int:
-        return len(self.mv) - self.off
+    def nbytes(self) -> int:
+        return self.rows * (4 + self.width) if self.q8 else 4 * self.rows * self.width
 
-    def take(self, nbytes: int, what: str) -> memoryview:
-        # payload_read_bytes / payload_read_u32 (ds4.c:15795-15830) check the remaining byte count first.
-        if nbytes > self.remaining:
-            raise PayloadError(f"truncated session payload: {what} needs {nbytes} bytes at offset {self.off}, "
-                               f"only {self.remaining} left", what, self.remaining, nbytes)
-        out = self.mv[self.off:self.off + nbytes]
-        self.off += nbytes
-        return out
+    def read(self, buf) -> np.ndarray:
+        """A float32 ``[rows, width]`` view of ``buf`` (f32 rows), or the dequantized rows (``q8``)."""
+        if not self.q8:
+            return np.frombuffer(buf, "<f4", self.rows * self.width, self.offset).reshape(self.rows, self.width)
+        scale = np.frombuffer(buf, "<f4", self.rows, self.offset)
+        q = np.frombuffer(buf, np.int8, self.rows * self.width, self.offset + 4 * self.rows)
+        return q.reshape(self.rows, self.width) * scale[:, None]
 
-    def u32s(self, n: int, what: str) -> np.ndarray:
-        return np.frombuffer(self.take(4 * n, what), dtype="<u4").astype(np.uint32)
 
-    def f32s(self, shape, what: str) -> np.ndarray:
-        n = shape[0] * shape[1] if len(shape) == 2 else shape[0]
-        return np.frombuffer(self.take(4 * n, what), dtype="<f4").astype(np.float32).reshape(shape)
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Where everything is in one payload at ``buf[base:base + size]``, as :func:`parse_layout` found it."""
+
+    header: dict  # the 13 header fields by name (HEADER_NAMES)
+    ratios: tuple[int, ...]  # the per-layer compression ratios the row counts were checked against
+    base: int
+    size: int
+    layers: tuple[dict[str, ArrayAt | None], ...]  # LAYER_FIELDS -> array, per layer
+
+    @property
+    def tokens_offset(self) -> int:
+        return self.base + HEADER_BYTES
+
+    @property
+    def logits_offset(self) -> int:
+        return self.tokens_offset + 4 * self.header["n_tokens"]
+
+    @property
+    def counts_offset(self) -> int:
+        return self.logits_offset + 4 * self.header["vocab"]
+
+    def tokens(self, buf) -> np.ndarray:
+        return np.frombuffer(buf, "<u4", self.header["n_tokens"], self.tokens_offset)
+
+    def logits(self, buf) -> np.ndarray:
+        return np.frombuffer(buf, "<f4", self.header["vocab"], self.logits_offset)
 
 
 def _fail(msg: str, field: str, got, expected, relation: str = "expected") -> PayloadError:
     return PayloadError(f"{msg}: {field} is {got}, {relation} {expected}", field, got, expected)
 
 
-def decode_payload(data, cfg, ctx: int, prefill_cap: int) -> Payload:
-    """Parse a payload for a session of ``ctx`` tokens and chunk ``prefill_cap`` on model ``cfg``.
+def byte_view(data) -> memoryview:
+    """``data`` (bytes, bytearray, memoryview, mmap, numpy array or memmap) as flat bytes, without a copy."""
+    try:
+        return memoryview(data).cast("B")
+    except TypeError as e:
+        raise PayloadError(f"session payload is not a contiguous byte buffer: {e}") from None
 
-    Mirrors ``ds4_session_load_payload`` (graph path, ds4.c:16327-16656) check by check and raises
-    :class:`PayloadError` on the first failure; nothing is returned unless the whole buffer parsed.
+
+class _Cursor:
+    """Walks ``size`` bytes from ``base``; ``take`` returns where a field starts, or reports it truncated."""
+
+    def __init__(self, base: int, size: int):
+        self.base, self.size, self.off = base, size, 0
+
+    @property
+    def remaining(self) -> int:
+        return self.size - self.off
+
+    def take(self, nbytes: int, what: str) -> int:
+        # payload_read_bytes / payload_read_u32 (ds4.c:15795-15830) check the remaining byte count first.
+        if nbytes > self.remaining:
+            raise PayloadError(f"truncated session payload: {what} needs {nbytes} bytes at offset {self.off}, "
+                               f"only {self.remaining} left", what, self.remaining, nbytes)
+        at = self.base + self.off
+        self.off += nbytes
+        return at
+
+
+def _read_header(mv: memoryview, cur: _Cursor, q8: bool) -> dict:
+    h = dict(zip(_HEADER_NAMES, struct.unpack_from(f"<{HEADER_FIELDS}I", mv, cur.take(HEADER_BYTES, "header"))))
+    msg = "unsupported session payload version"  # ds4.c:16337
+    if h["magic"] != MAGIC:
+        raise _fail(msg, "magic", f"{h['magic']:#010x}", f"{MAGIC:#010x} ('DSV4')")
+    want = Q8_PAYLOAD_VERSION if q8 else VERSION
+    if h["version"] != want:
+        raise _fail(msg, "version", h["version"], want)
+    return h
+
+
+def payload_header(data, q8: bool = False) -> dict:
+    """The 13 header fields of a payload by name, after the size, magic and version checks."""
+    mv = byte_view(data)
+    return _read_header(mv, _Cursor(0, len(mv)), q8)
+
+
+def infer_ratios(n_tokens: int, n_comp, n_index) -> tuple[int, ...]:
+    """Per-layer compression ratios from the row counts (the file does not store them); where the counts do
+    not tell (no rows yet), ds4's schedule."""
+    out = []
+    for il, (nc, ni) in enumerate(zip(n_comp, n_index)):
+        if ni:
+            out.append(4)
+        elif nc:
+            out.append(128)
+        else:
+            possible = [0] + [r for r in (4, 128) if n_tokens < r]
+            out.append(ds4_ratio(il) if ds4_ratio(il) in possible else 0)
+    return tuple(out)
+
+
+def _count_field(index: int, n_layer: int) -> str:
+    kind, il = divmod(index, n_layer)
+    return f"layer {il} {('compressed', 'indexer')[kind]} row count"
+
+
+def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | None = None, base: int = 0,
+                 size: int | None = None, q8: bool = False) -> PayloadLayout:
+    """Check a payload at ``buf[base:base + size]`` (default: to the end) and locate every array in it.
+
+    Nothing is read but the header and the row counts, nothing is copied, and every size is checked
+    against the bytes available before it is used, so a damaged header never makes us allocate or loop
+    on garbage. Raises :class:`PayloadError` on the first failure.
+
+    With ``ctx`` and ``prefill_cap`` (and ``cfg``), the payload is checked for a session of that context
+    and chunk, as ``ds4_session_load_payload`` does (graph path, ds4.c:16327-16656), check by check.
+    Without them it is checked against itself: its own context, ring and compressed capacity.
+    ``cfg`` gives the layer dimensions and per-layer ratios; without it the ratios are inferred from the
+    row counts (:func:`infer_ratios`). ``q8``: a payload of version :data:`Q8_PAYLOAD_VERSION`, whose KV
+    rows (:data:`ROW_FIELDS`) are 8-bit.
     """
-    r = _Reader(data)
-    h = [int(v) for v in r.u32s(HEADER_FIELDS, "header")]
-    (magic, version, s_ctx, s_prefill, s_raw_cap, s_window, s_comp_cap, T,
-     n_layer, head_dim, idx_dim, vocab, s_raw_live) = h
+    session = ctx is not None or prefill_cap is not None
+    if session and (cfg is None or ctx is None or prefill_cap is None):
+        raise TypeError("checking a payload for a session needs cfg, ctx and prefill_cap")
+    mv = byte_view(buf)
+    cur = _Cursor(base, len(mv) - base if size is None else size)
+    h = _read_header(mv, cur, q8)
+    T, n_layer, s_ctx, s_window = h["n_tokens"], h["n_layer"], h["ctx"], h["raw_window"]
 
-    # ds4.c:16337
-    msg = "unsupported session payload version"
-    if magic != MAGIC:
-        raise _fail(msg, "magic", f"{magic:#010x}", f"{MAGIC:#010x} ('DSV4')")
-    if version != VERSION:
-        raise _fail(msg, "version", version, VERSION)
     # ds4.c:16487
     msg = "KV checkpoint does not fit current context"
-    if s_ctx > ctx:
+    if session and s_ctx > ctx:
         raise _fail(msg, "ctx", s_ctx, f"the current context {ctx}", "larger than")
-    if T >= ctx:
-        raise _fail(msg, "n_tokens", T, f"less than the current context {ctx}", "expected")
+    limit = ctx if session else s_ctx
+    if T >= limit:
+        raise _fail(msg, "n_tokens", T, f"less than the {'current' if session else 'saved'} context {limit}")
     # ds4.c:16491
-    msg = "KV checkpoint was written for a different DS4 layout"
-    for field, got, want in (("n_layer", n_layer, cfg.n_layer), ("head_dim", head_dim, cfg.head_dim),
-                             ("indexer_head_dim", idx_dim, cfg.idx_dim), ("vocab", vocab, cfg.n_vocab)):
-        if got != want:
-            raise _fail(msg, field, got, want)
-    # ds4.c:16497
-    msg = "KV checkpoint graph chunk layout does not match current runtime"
-    if s_prefill != prefill_cap:
-        raise _fail(msg, "prefill_cap", s_prefill, prefill_cap)
-    cur_raw_cap, cur_window, cur_comp_cap = graph_caps(cfg, ctx, prefill_cap)
-    if s_window != cur_window:
-        raise _fail(msg, "raw_window", s_window, f"{cur_window} = min(swa {cfg.swa}, ctx {ctx})")
+    if cfg is not None:
+        msg = "KV checkpoint was written for a different DS4 layout"
+        for field, want in (("n_layer", cfg.n_layer), ("head_dim", cfg.head_dim),
+                            ("indexer_head_dim", cfg.idx_dim), ("vocab", cfg.n_vocab)):
+            if h[field] != want:
+                raise _fail(msg, field, h[field], want)
+    ring, comp_cap = h["raw_cap"], h["comp_cap"]
+    if session:
+        # ds4.c:16497
+        msg = "KV checkpoint graph chunk layout does not match current runtime"
+        if h["prefill_cap"] != prefill_cap:
+            raise _fail(msg, "prefill_cap", h["prefill_cap"], prefill_cap)
+        cur_raw_cap, cur_window, cur_comp_cap = graph_caps(cfg, ctx, prefill_cap)
+        if s_window != cur_window:
+            raise _fail(msg, "raw_window", s_window, f"{cur_window} = min(swa {cfg.swa}, ctx {ctx})")
+        ring = min(ring, cur_raw_cap)
     # ds4.c:16504-16509; raw_live <= the current ring is implied (every ring holds >= raw_window rows).
     msg = "KV checkpoint raw ring layout does not match current context"
-    if s_raw_cap == 0:
-        raise _fail(msg, "raw_cap", 0, "at least 1")
-    want_live = min(T, s_window)
-    if s_raw_live != want_live:
-        raise _fail(msg, "raw_live", s_raw_live, f"{want_live} = min(n_tokens {T}, raw_window {s_window})")
-    if s_raw_live > s_raw_cap or s_raw_live > cur_raw_cap:
-        raise _fail(msg, "raw_live", s_raw_live, f"raw_cap {min(s_raw_cap, cur_raw_cap)}", "larger than")
+    for field in ("raw_cap", "raw_window"):
+        if h[field] == 0:
+            raise _fail(msg, field, 0, "at least 1")
+    raw_live, want_live = h["raw_live"], min(T, s_window)
+    if raw_live != want_live:
+        raise _fail(msg, "raw_live", raw_live, f"{want_live} = min(n_tokens {T}, raw_window {s_window})")
+    if raw_live > ring:
+        raise _fail(msg, "raw_live", raw_live, f"raw_cap {ring}", "larger than")
     # ds4.c:16511
-    if s_comp_cap > cur_comp_cap:
-        raise _fail("KV checkpoint compressed cache is larger than current context", "comp_cap", s_comp_cap,
+    if session and comp_cap > cur_comp_cap:
+        raise _fail("KV checkpoint compressed cache is larger than current context", "comp_cap", comp_cap,
                     f"the current capacity {cur_comp_cap}", "larger than")
 
-    tokens = r.u32s(T, "tokens")
-    logits = r.f32s((vocab,), "logits")
+    cur.take(4 * T, "tokens")
+    cur.take(4 * h["vocab"], "logits")
+    if 8 * n_layer > cur.remaining:  # name the first row count that is cut
+        fits = cur.remaining // 4
+        cur.take(4 * fits, "row counts")
+        cur.take(4, _count_field(fits, n_layer))
+    counts = np.frombuffer(mv, "<u4", 2 * n_layer, cur.take(8 * n_layer, "row counts")).reshape(2, n_layer)
+    inferred = cfg is None
+    if inferred:
+        # a config carrying only what the layout depends on (dataclasses.replace: no checks on file values)
+        cfg = dataclasses.replace(FLASH, n_layer=n_layer, head_dim=h["head_dim"], idx_dim=h["indexer_head_dim"],
+                                  n_vocab=h["vocab"], compress_ratios=infer_ratios(T, counts[0], counts[1]))
     for kind, label in ((0, "compressed"), (1, "indexer")):
         for il in range(n_layer):
-            field = f"layer {il} {label} row count"
-            n = int(r.u32s(1, field)[0])
-            cap = min(s_comp_cap, layer_comp_cap(cfg, il, ctx))
+            field, n = _count_field(kind * n_layer + il, n_layer), int(counts[kind, il])
+            cap = min(comp_cap, layer_comp_cap(cfg, il, limit))
             if n > cap:  # ds4.c:16538 / 16549
                 raise _fail(f"KV checkpoint has invalid {label} row count", field, n, f"capacity {cap}", "larger than")
             want = expected_row_counts(cfg, il, T)[kind]
             if n != want:  # stricter than ds4: the count must be the one T implies
                 R = cfg.ratio(il)
                 how = f"floor(n_tokens {T} / ratio {R})" if want else f"no {label} rows on a ratio-{R} layer"
+                if inferred:
+                    how += " (inferred ratio; pass the model's config if it is not ds4's)"
                 raise _fail(f"KV checkpoint has invalid {label} row count", field, n, f"{want} = {how}")
 
     layers = []
     for il in range(n_layer):
-        shapes = layer_state_shapes(cfg, il, T, s_raw_live)
-        arrays = {f: (None if s is None else r.f32s(s, f"layer {il} {f}")) for f, s in shapes.items()}
-        layers.append(LayerPayload(**arrays))
-    if r.remaining:  # ds4.c:16640
-        raise PayloadError(f"KV checkpoint has trailing payload bytes: {r.remaining} bytes after offset {r.off}, "
-                           f"expected 0", "trailing", r.remaining, 0)
-    return Payload(ctx=s_ctx, prefill_cap=s_prefill, raw_cap=s_raw_cap, raw_window=s_window, comp_cap=s_comp_cap,
-                   tokens=tokens, logits=logits, layers=layers)
+        arrays: dict[str, ArrayAt | None] = {}
+        for field, shape in layer_state_shapes(cfg, il, T, raw_live).items():
+            if shape is not None:
+                arr = ArrayAt(cur.base + cur.off, shape[0], shape[1], q8 and field in ROW_FIELDS)
+                cur.take(arr.nbytes, f"layer {il} {field}")
+            else:
+                arr = None
+            arrays[field] = arr
+        layers.append(arrays)
+    if cur.remaining:  # ds4.c:16640
+        raise PayloadError(f"KV checkpoint has trailing payload bytes: {cur.remaining} bytes after offset {cur.off}, "
+                           f"expected 0", "trailing", cur.remaining, 0)
+    return PayloadLayout(h, tuple(cfg.ratio(il) for il in range(n_layer)), base, cur.size, tuple(layers))
+
+
+# -- loader -------------------------------------------------------------------------------------------
+
+def decode_payload(data, cfg, ctx: int | None = None, prefill_cap: int | None = None) -> Payload:
+    """Parse a payload for a session of ``ctx`` tokens and chunk ``prefill_cap`` on model ``cfg`` (default:
+    the ones in its own header, i.e. the session that wrote it).
+
+    Mirrors ``ds4_session_load_payload`` (graph path, ds4.c:16327-16656) check by check (:func:`parse_layout`)
+    and raises :class:`PayloadError` on the first failure; nothing is returned unless the whole buffer parsed.
+    The arrays are copies: the result does not alias ``data``.
+    """
+    mv = byte_view(data)
+    if ctx is None or prefill_cap is None:
+        h = payload_header(mv)
+        ctx = h["ctx"] if ctx is None else ctx
+        prefill_cap = h["prefill_cap"] if prefill_cap is None else prefill_cap
+    lay = parse_layout(mv, cfg, ctx=ctx, prefill_cap=prefill_cap)
+    h = lay.header
+    layers = [LayerPayload(**{f: None if a is None else np.array(a.read(mv), dtype=np.float32)
+                              for f, a in arrays.items()}) for arrays in lay.layers]
+    return Payload(ctx=h["ctx"], prefill_cap=h["prefill_cap"], raw_cap=h["raw_cap"], raw_window=h["raw_window"],
+                   comp_cap=h["comp_cap"], tokens=lay.tokens(mv).astype(np.uint32),
+                   logits=lay.logits(mv).astype(np.float32), layers=layers)
