@@ -176,22 +176,28 @@ class ModelConfig:
             if kind == "u32" and field not in ("n_hash_layer", "expert_group_count", "expert_group_used") and v <= 0:
                 bad(key, f"must be positive, got {v}")
         if len(self.compress_ratios) < self.n_layer:
-            bad("attention.compress_ratios", f"has {len(self.compress_ratios)} entries, expected ≥ {self.n_layer} (block_count)")
+            bad("attention.compress_ratios",
+                f"has {len(self.compress_ratios)} entries, expected ≥ {self.n_layer} (block_count)")
         if len(self.swiglu_clamp) < self.n_layer:
-            bad("swiglu_clamp_exp", f"has {len(self.swiglu_clamp)} entries, expected ≥ {self.n_layer} (block_count)")
+            bad("swiglu_clamp_exp",
+                f"has {len(self.swiglu_clamp)} entries, expected ≥ {self.n_layer} (block_count)")
         for il in range(self.n_layer):
             if self.compress_ratios[il] not in (0, 4, 128):
-                bad("attention.compress_ratios", f"layer {il} has ratio {self.compress_ratios[il]}; ds4 layers use 0, 4 or 128")
+                bad("attention.compress_ratios",
+                    f"layer {il} has ratio {self.compress_ratios[il]}; ds4 layers use 0, 4 or 128")
         if self.n_head_kv != 1:
             bad("attention.head_count_kv", f"DS4 attention has one shared KV head, got {self.n_head_kv}")
         if self.value_dim != self.head_dim:
-            bad("attention.value_length", f"K and V are the same vector: value_length {self.value_dim} != key_length {self.head_dim}")
+            bad("attention.value_length",
+                f"K and V are the same vector: value_length {self.value_dim} != key_length {self.head_dim}")
         if self.n_rot % 2 or self.n_rot > self.head_dim or (self.head_dim - self.n_rot) % 64:
-            bad("rope.dimension_count", f"{self.n_rot}: head_dim − n_rot must be a multiple of 64 (FP8 blocks) and n_rot even")
+            bad("rope.dimension_count",
+                f"{self.n_rot}: head_dim − n_rot must be a multiple of 64 (FP8 blocks) and n_rot even")
         if self.n_rot > self.idx_dim and any(self.has_indexer(il) for il in range(self.n_layer)):
             bad("attention.indexer.key_length", f"{self.idx_dim} is smaller than the RoPE tail {self.n_rot}")
         if self.idx_dim % 32 or self.idx_dim & (self.idx_dim - 1):
-            bad("attention.indexer.key_length", f"{self.idx_dim} must be a power of two and a multiple of 32 (Hadamard, FP4 blocks)")
+            bad("attention.indexer.key_length",
+                f"{self.idx_dim} must be a power of two and a multiple of 32 (Hadamard, FP4 blocks)")
         if self.n_head % self.o_groups:
             bad("attention.output_group_count", f"{self.o_groups} does not divide head_count {self.n_head}")
         if self.n_expert_used > self.n_expert:
@@ -276,7 +282,8 @@ class ModelConfig:
                 continue
             got_shape, got_type = tensors[name]
             if tuple(got_shape) != shape:
-                raise ModelFileError(f"{source}: tensor {name} has shape {tuple(got_shape)}, expected {shape} from the metadata")
+                raise ModelFileError(
+                    f"{source}: tensor {name} has shape {tuple(got_shape)}, expected {shape} from the metadata")
             if got_type not in types:
                 allowed = ", ".join(sorted(t.name for t in types))
                 raise ModelFileError(f"{source}: tensor {name} has type {Q(got_type).name}, expected one of {allowed}")
@@ -284,7 +291,8 @@ class ModelConfig:
             g = tensors[f"blk.{il}.ffn_gate_exps.weight"][1]
             u = tensors[f"blk.{il}.ffn_up_exps.weight"][1]
             if g != u:
-                raise ModelFileError(f"{source}: tensor blk.{il}.ffn_up_exps.weight has type {Q(u).name} but gate has {Q(g).name}; they must match")
+                raise ModelFileError(f"{source}: tensor blk.{il}.ffn_up_exps.weight has type {Q(u).name} "
+                                     f"but gate has {Q(g).name}; they must match")
 
 
 def _get(meta: dict, key: str, source: str):

@@ -310,7 +310,9 @@ def sample(
         tp = np.float32(1.0)
     if mp < 0:
         mp = _F32_ZERO
-    draw = (lambda: np.float32((rng if rng is not None else _get_default_rng()).uniform()))
+
+    def draw():
+        return np.float32((rng if rng is not None else _get_default_rng()).uniform())
 
     if k <= 0:
         return _sample_full_vocab(a, t, tp, mp, draw)

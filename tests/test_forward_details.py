@@ -55,11 +55,13 @@ def test_q_and_kv_norms(nano_exact):
     rec, _, _ = run_recorded(nano_exact, [5, 9, 200])
     a, qr, q, kv = (rec[f"blk.1.{k}"] for k in ("attn_norm", "attn.q_lora", "attn.q", "attn.kv_in"))
     m = nano_exact
-    np.testing.assert_allclose(qr, rms(a @ weight(m, "blk.1.attn_q_a.weight").T, weight(m, "blk.1.attn_q_a_norm.weight")), rtol=1e-10)
+    np.testing.assert_allclose(
+        qr, rms(a @ weight(m, "blk.1.attn_q_a.weight").T, weight(m, "blk.1.attn_q_a_norm.weight")), rtol=1e-10)
     # per-head, unweighted RMSNorm of q over head_dim
     q_raw = (qr @ weight(m, "blk.1.attn_q_b.weight").T).reshape(3, 4, 128)
     np.testing.assert_allclose(q, rms(q_raw), rtol=1e-10)
-    np.testing.assert_allclose(kv, rms(a @ weight(m, "blk.1.attn_kv.weight").T, weight(m, "blk.1.attn_kv_a_norm.weight")), rtol=1e-10)
+    np.testing.assert_allclose(
+        kv, rms(a @ weight(m, "blk.1.attn_kv.weight").T, weight(m, "blk.1.attn_kv_a_norm.weight")), rtol=1e-10)
 
 
 def rotate(x, pos, params, sign=1.0):
@@ -99,7 +101,8 @@ def test_compressor_ape_on_score_only_and_rope_at_window_start(nano_exact):
     a = rec[f"blk.{il}.attn_norm"]
     ape = weight(m, p + "_ape.weight")  # [R, W]
     np.testing.assert_allclose(rec[p + ".kv"], a @ weight(m, p + "_kv.weight").T, rtol=1e-10)
-    np.testing.assert_allclose(rec[p + ".score"], a @ weight(m, p + "_gate.weight").T + ape[np.arange(256) % R], rtol=1e-10)
+    np.testing.assert_allclose(rec[p + ".score"], a @ weight(m, p + "_gate.weight").T + ape[np.arange(256) % R],
+                               rtol=1e-10)
     # recompute row 1 (window 128..255): per-channel softmax pooling, norm, RoPE at position 128
     kv, sc = rec[p + ".kv"][128:], rec[p + ".score"][128:]
     w = np.exp(sc - sc.max(0)) / np.exp(sc - sc.max(0)).sum(0)

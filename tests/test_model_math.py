@@ -127,7 +127,8 @@ def test_yarn_corr_dims_recomputed_from_config():
     p = RopeParams.for_layer(FLASH, 2)
     assert (float(p.corr_dims()[0]), float(p.corr_dims()[1])) == (15.0, 25.0)
     # recomputed for the nano config (same n_rot/base/ctx → same dims) and a different n_rot
-    q = RopeParams(n_rot=32, freq_base=160000, freq_scale=1 / 16, ext_factor=1, orig_ctx=65536, beta_fast=32, beta_slow=1)
+    q = RopeParams(n_rot=32, freq_base=160000, freq_scale=1 / 16, ext_factor=1, orig_ctx=65536, beta_fast=32,
+                   beta_slow=1)
     corr = lambda b: 32 * math.log(65536 / (b * 2 * math.pi)) / (2 * math.log(160000))  # noqa: E731
     assert tuple(map(float, q.corr_dims())) == (max(0, math.floor(corr(32))), min(31, math.ceil(corr(1))))
 

@@ -362,7 +362,8 @@ def test_encode_validates_shapes():
         encode_payload(p, CUSTOM)
     p = random_payload(CUSTOM, 20)
     p.layers[1].comp_state_kv = np.zeros((8, 256), np.float32)
-    with pytest.raises(ValueError, match=r"layer 1 \(ratio 128\) comp_state_kv has shape \(8, 256\), expected \(128, 128\)"):
+    with pytest.raises(ValueError,
+                       match=r"layer 1 \(ratio 128\) comp_state_kv has shape \(8, 256\), expected \(128, 128\)"):
         encode_payload(p, CUSTOM)
     p = random_payload(CUSTOM, 20)
     p.layers[2].comp = np.zeros((5, 128), np.float32)

@@ -148,13 +148,13 @@ def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
 
     kf = KVFile.open(path)  # no model, no config: ds4's ratio schedule read back from the row counts
     assert kf.file_size == 52 + len(text) + flash_bytes(T)
-    assert kf.header == {"version": 1, "quant_bits": 2, "reason": "continued", "ext_flags": 0, "tokens": T, "hits": 3, "ctx_size": ctx,
-                             "created": 1_700_000_000, "last_used": 1_700_000_100, "payload_bytes": flash_bytes(T),
-                             "text_bytes": len(text)}
+    assert kf.header == {"version": 1, "quant_bits": 2, "reason": "continued", "ext_flags": 0, "tokens": T, "hits": 3,
+                         "ctx_size": ctx, "created": 1_700_000_000, "last_used": 1_700_000_100,
+                         "payload_bytes": flash_bytes(T), "text_bytes": len(text)}
     assert kf.text_bytes == text and kf.sha1 == path.stem
     assert kf.payload_header == {"magic": 0x34565344, "version": 1, "ctx": ctx, "prefill_cap": chunk, "raw_cap": 2304,
-                                     "raw_window": 128, "comp_cap": ctx // 4 + 2, "n_tokens": T, "n_layer": 43, "head_dim": 512,
-                                     "indexer_head_dim": 128, "vocab": 129280, "raw_live": 128}
+                                 "raw_window": 128, "comp_cap": ctx // 4 + 2, "n_tokens": T, "n_layer": 43,
+                                 "head_dim": 512, "indexer_head_dim": 128, "vocab": 129280, "raw_live": 128}
     assert kf.ratios == tuple(0 if il < 2 else 4 if il % 2 == 0 else 128 for il in range(43))
     assert [(lk.n_raw, lk.n_comp, lk.n_index) for lk in kf.layers[:4]] == [(128, 0, 0), (128, 0, 0), (128, 75, 75),
                                                                           (128, 2, 0)]
@@ -213,8 +213,10 @@ def test_eviction_order_is_ds4s_score(tmp_path):
     files = {  # score = (eff + 1) · tokens / size, eff = hits · 2^(−age/6h), 0 below 0.01 or without timestamps
         "A": {"tokens": 1000, "size": 100_000, "hits": 0, "created": now - H, "last_used": now - H},  # 0.01
         "B": {"tokens": 1000, "size": 100_000, "hits": 3, "created": now, "last_used": now},  # ≈ 0.04
-        "C": {"tokens": 1000, "size": 100_000, "hits": 3, "created": now - 2 * H, "last_used": now - 2 * H},  # 1.75 · 0.01
-        "D": {"tokens": 1000, "size": 100_000, "hits": 100, "created": now - 20 * H, "last_used": now - 20 * H},  # 100·2^-20 → 0: 0.01
+        # 1.75 · 0.01
+        "C": {"tokens": 1000, "size": 100_000, "hits": 3, "created": now - 2 * H, "last_used": now - 2 * H},
+        # 100·2^-20 → 0: 0.01
+        "D": {"tokens": 1000, "size": 100_000, "hits": 100, "created": now - 20 * H, "last_used": now - 20 * H},
         "E": {"tokens": 5000, "size": 100_000, "hits": 0, "created": now, "last_used": now},  # 0.05
         "F": {"tokens": 500, "size": 25_000, "hits": 1, "created": now - H, "last_used": now - H},  # 1.5 · 0.02 = 0.03
         "G": {"tokens": 2000, "size": 100_000, "hits": 50},  # no timestamp: eff 0, 0.02
@@ -223,7 +225,8 @@ def test_eviction_order_is_ds4s_score(tmp_path):
     name = {v: k for k, v in sha.items()}
     store = KVStore(tmp_path, budget_mb=1)  # 625,000 bytes fit: nothing goes at open
     scores = {name[e.sha]: eviction_score(e, now) for e in store.entries()}
-    assert scores == pytest.approx({"A": 0.01, "B": 0.04, "C": 0.0175, "D": 0.01, "E": 0.05, "F": 0.03, "G": 0.02}, rel=1e-4)
+    assert scores == pytest.approx({"A": 0.01, "B": 0.04, "C": 0.0175, "D": 0.01, "E": 0.05, "F": 0.03, "G": 0.02},
+                                   rel=1e-4)
 
     # D and A tie at 0.01: the older last_used goes first. Down to 100,000 bytes: only E stays.
     store.budget_bytes = 100_000
@@ -361,8 +364,8 @@ def test_round_trip_through_a_new_process_is_exact(live, model_paths, tmp_path):
     ref = s.model.session(ctx=CTX, prefill_chunk=CHUNK)
     ref.restore(s.checkpoint())
     ref.sync(PROMPT[:208])
-    proc = multiprocessing.get_context("spawn").Process(target=_load_in_a_new_process,
-                                                        args=(str(model_paths["nano"]), str(tmp_path), tmp_path / "o.npz"))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_load_in_a_new_process, args=(str(model_paths["nano"]), str(tmp_path), tmp_path / "o.npz"))
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0
@@ -383,7 +386,8 @@ def test_compressed_payloads(compression, trained_live, tmp_path):
     entry = store.save(s)
     data = entry.path.read_bytes()
     q8 = compression.startswith("q8")
-    assert data[6] == 8 | (16 if q8 else 0) | (32 if "zlib" in compression else 0) | (64 if "zstd" in compression else 0)
+    codec_bits = (16 if q8 else 0) | (32 if "zlib" in compression else 0) | (64 if "zstd" in compression else 0)
+    assert data[6] == 8 | codec_bits
     payload = data[52 + entry.text_bytes:]
     assert payload[:8] != raw.path.read_bytes()[52 + entry.text_bytes:][:8]  # ds4's loader refuses it at once
     assert entry.file_size < 0.8 * raw.file_size

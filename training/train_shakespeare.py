@@ -190,7 +190,8 @@ def main():
         w = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_loss", "grad_norm", "lr", "seconds", "skipped"])
         w.writeheader()
         w.writerows(log)
-    print(json.dumps({k: metrics[k] for k in ("best_val_loss", "unigram_val_loss", "val_slice_2000_ppl", "train_seconds")}))
+    summary_keys = ("best_val_loss", "unigram_val_loss", "val_slice_2000_ppl", "train_seconds")
+    print(json.dumps({k: metrics[k] for k in summary_keys}))
 
 
 if __name__ == "__main__":

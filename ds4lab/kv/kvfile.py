@@ -155,7 +155,8 @@ class KVHeader:
     @property
     def file_bytes(self) -> int:
         """Size of a file with this header (ds4: 52 + text + payload + trailers; ds4lab writes no tool map)."""
-        return PREFIX_BYTES + self.text_bytes + self.payload_bytes + (CHECKSUM_BYTES if self.ext_flags & EXT_CHECKSUM else 0)
+        trailer = CHECKSUM_BYTES if self.ext_flags & EXT_CHECKSUM else 0
+        return PREFIX_BYTES + self.text_bytes + self.payload_bytes + trailer
 
     def check_size(self, size: int, path) -> None:
         """ds4 needs the file to hold the header, text and payload; without a tool-id map (whose length only
@@ -300,7 +301,8 @@ class KVFileLayer:
         return sum(a.nbytes for a in self._arrays.values() if a is not None)
 
     def __repr__(self) -> str:
-        return f"KVFileLayer({self.index}: ratio {self.ratio}, raw {self.n_raw}, comp {self.n_comp}, index {self.n_index})"
+        return (f"KVFileLayer({self.index}: ratio {self.ratio}, raw {self.n_raw}, comp {self.n_comp}, "
+                f"index {self.n_index})")
 
 
 class KVFile:
@@ -396,7 +398,8 @@ class KVFile:
         actual = checksum(self._buf[:PREFIX_BYTES], memoryview(self._buf)[PREFIX_BYTES:end])
         if stored != actual:
             raise KVFileError(self.path, "checksum", f"{actual:#010x}", f"{stored:#010x} (stored)",
-                              f"checksum mismatch: the file's CRC-32 is {actual:#010x}, the trailer says {stored:#010x}")
+                              f"checksum mismatch: the file's CRC-32 is {actual:#010x}, "
+                              f"the trailer says {stored:#010x}")
 
     def summary(self) -> str:
         """What ``ds4lab inspect FILE.kv`` prints: header, sizes, the ``DSV4`` header, rows per layer, text."""
