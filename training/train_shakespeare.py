@@ -115,7 +115,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         params, hashes = initial_params(train_text, Path(tmp))
-    backend = get_backend("mlx")
+    backend = get_backend("mlx", kernels=False)  # training differentiates the plain ops (kernels have no VJP)
     model = Transformer(CONFIG, None, backend, numerics="exact", compile=False,
                         weights=ArrayWeights(params, hashes, mx, CONFIG.o_groups, CONFIG.o_lora))
     from ds4lab.model.state import Geometry, new_state
