@@ -66,6 +66,55 @@ def test_cuda_module_compiles_with_nvcc(tmp_path):
         assert f".entry {spec.name}(" in ptx
 
 
+# The Metal Shading Language names a kernel body uses, as C++ declarations: enough for a C++ compiler to
+# check the rendered Metal source for undeclared names, wrong types and syntax (the semantics of threads,
+# SIMD groups and barriers are the GPU tests' job).
+METAL_SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#define device
+#define threadgroup
+#define kernel
+struct uint3 { unsigned int x, y, z; };
+typedef unsigned int uint;
+typedef _Float16 half;
+enum mem_flags { mem_threadgroup };
+inline void threadgroup_barrier(mem_flags) {}
+inline float simd_sum(float x) { return x; }
+inline float simd_max(float x) { return x; }
+using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
+using std::rint; using std::sqrt;
+inline float max(float a, float b) { return a > b ? a : b; }
+inline float min(float a, float b) { return a < b ? a : b; }
+inline uint max(uint a, uint b) { return a > b ? a : b; }
+inline uint min(uint a, uint b) { return a < b ? a : b; }
+"""
+_METAL_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
+
+
+def metal_translation_unit(spec) -> str:
+    """The rendered Metal source in the form MLX's metal_kernel gives it (header, then the signature
+    MLX writes from the input/output names, then the body), over the C++ shim."""
+    header, source = spec.mlx_source("metal")
+    args = [f"const device {_METAL_TYPES[t]}* {n}" for n, t in spec.inputs]
+    args += [f"device {_METAL_TYPES[t]}* {n}" for n, t in spec.outputs]
+    args += [f"uint3 {a}" for a in ("threadgroup_position_in_grid", "thread_position_in_threadgroup",
+                                    "threads_per_threadgroup")]
+    return f"{METAL_SHIM}\n{header}\nkernel void {spec.name}({', '.join(args)}) {{\n{source}\n}}\n"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_metal_source_compiles_as_cpp_over_a_metal_shim(spec, tmp_path):
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler here (g++ or clang++)")
+    src = tmp_path / f"{spec.name}.cpp"
+    src.write_text(metal_translation_unit(spec))
+    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Werror=return-type", str(src)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_unknown_dialect_is_refused():
     with pytest.raises(ValueError, match="unknown kernel dialect 'opencl'"):
         SPECS[0].body_source("opencl")
