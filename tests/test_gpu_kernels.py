@@ -1,8 +1,10 @@
-"""ds4lab's GPU kernels against the plain path, and whole GPU models against the float64 reference.
+"""ds4lab's GPU kernels against the plain path, and whole models running them against the float64
+reference.
 
-Every test runs once per GPU back-end found here: CuPy (the kernels compiled by NVRTC) and MLX's GPU
-back-end (the same bodies through ``mx.fast.cuda_kernel`` or ``metal_kernel``). Without a GPU they
-skip, saying which back-end is missing.
+Every test runs once per back-end: CuPy (the kernels compiled by NVRTC) and MLX's GPU back-end (the same
+bodies through ``mx.fast.cuda_kernel`` or ``metal_kernel``), marked ``gpu`` and skipped with the reason
+where there is no GPU; and the CPU emulator (the same bodies compiled as C++ with real threads and
+barriers), which runs wherever a C++20 compiler does, CI included.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import ds4lab
 from ds4lab.model.attention import attend_with_sinks
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS
-
-pytestmark = pytest.mark.gpu
 
 
 def _cupy_kernels():
@@ -45,15 +45,31 @@ def _mlx_kernels():
     return (MLXKernels(), mx.array, np.array), None
 
 
-GPU_BACKENDS = {"cupy": _cupy_kernels, "mlx": _mlx_kernels}
+def _emulated_kernels():
+    from ds4lab.mlx_kernels.cpu import CpuKernels, compiler
+
+    if compiler() is None:
+        return None, "no C++20 compiler here for the CPU kernel emulator"
+    return (CpuKernels(), np.asarray, np.asarray), None
 
 
-@pytest.fixture(scope="module", params=list(GPU_BACKENDS))
+GPU_BACKENDS = {"cupy": _cupy_kernels, "mlx": _mlx_kernels, "emulated": _emulated_kernels}
+KERNEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx", marks=pytest.mark.gpu), "emulated"]
+
+
+@pytest.fixture(scope="module", params=KERNEL_BACKENDS)
 def gpu(request):
     found, why = GPU_BACKENDS[request.param]()
     if found is None:
         pytest.skip(f"{request.param}: {why}")
     return request.param, *found
+
+
+def small_on_the_emulator(backend: str, work: int, limit: int) -> None:
+    """The CPU emulator runs a SIMD reduction as two barriers of 32 OS threads: it takes the smaller shapes
+    (the same code paths), GPUs take them all."""
+    if backend == "emulated" and work > limit:
+        pytest.skip(f"the CPU emulator runs the smaller shapes ({work:,} > {limit:,}); GPUs run this one")
 
 
 def random_weight(qtype: Q, rows, ne0: int, seed: int) -> np.ndarray:
@@ -69,7 +85,8 @@ KERNEL_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,ne0", [(3, 256), (37, 2048), (130, 4096)])
 def test_dequant_kernel_matches_the_reference_decoder(gpu, qtype, rows, ne0):
-    _, kernels, to_dev, to_host = gpu
+    name, kernels, to_dev, to_host = gpu
+    small_on_the_emulator(name, rows * ne0, 100_000)
     raw = random_weight(qtype, (rows,), ne0, seed=rows)
     got = to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows))
     want = dequantize(raw, qtype, ne0)
@@ -108,7 +125,8 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
 @pytest.mark.parametrize("T,H,D,N", [(1, 4, 128, 1), (1, 64, 512, 4100), (3, 2, 96, 37), (2, 8, 64, 700),
                                      (16, 4, 128, 300)])
 def test_split_key_attention_matches_float64(gpu, T, H, D, N):
-    _, kernels, to_dev, to_host = gpu
+    name, kernels, to_dev, to_host = gpu
+    small_on_the_emulator(name, T * H * N, 12_000)
     rng = np.random.default_rng(T * N)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     keys = rng.standard_normal((N, D)).astype(np.float32)
@@ -126,6 +144,7 @@ def test_split_key_attention_matches_float64(gpu, T, H, D, N):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.gpu
 def test_mlx_ops_the_engine_uses_agree_with_numpy_at_long_axes():
     """A trap seen on MLX-CUDA: take_along_axis returned wrong rows once the axis reached 8192."""
     found, why = _mlx_kernels()
@@ -147,6 +166,7 @@ def test_mlx_ops_the_engine_uses_agree_with_numpy_at_long_axes():
         assert np.array_equal(np.array(mx.where(x > 0, x, -x)), np.abs(a))
 
 
+@pytest.mark.gpu
 def test_mlx_float32_matmul_keeps_float32_precision():
     """ds4lab sets MLX_ENABLE_TF32=0 (unless the user chose): MLX's CUDA back-end otherwise runs float32
     GEMMs at TF32 precision (3.4e-4 relative error measured on the H200)."""
@@ -167,13 +187,17 @@ def test_mlx_float32_matmul_keeps_float32_precision():
 
 # -- whole models ---------------------------------------------------------------------------------------
 def _gpu_model_or_skip(path, backend, numerics, kernels):
-    name = backend
-    if backend == "cupy":
-        found, why = _cupy_kernels()
-    else:
-        found, why = _mlx_kernels()
+    found, why = GPU_BACKENDS[backend]()
     if found is None:
-        pytest.skip(f"{name}: {why}")
+        pytest.skip(f"{backend}: {why}")
+    if backend == "emulated":  # the numpy model with its transformer rebuilt on the emulator's backend
+        from ds4lab.backends.emulated_backend import EmulatedBackend
+        from ds4lab.model.transformer import Transformer
+
+        model = ds4lab.load(path, backend="numpy", numerics=numerics)
+        model.backend = EmulatedBackend(kernels)
+        model.transformer = Transformer(model.config, model.file, model.backend, numerics)
+        return model
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
                        kernels=kernels)
 
@@ -182,20 +206,29 @@ def rel_err(a, b):
     return np.abs(a - b).max(axis=-1) / np.abs(b).max(axis=-1)
 
 
-@pytest.mark.parametrize("backend", list(GPU_BACKENDS))
+MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx", marks=pytest.mark.gpu),
+                  "emulated"]
+
+
+@pytest.mark.parametrize("backend", MODEL_BACKENDS)
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "plain"])
 @pytest.mark.parametrize("name", ["nano", "q4k", "mixed"])
 def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name):
-    """Exact numerics; a 96-token prefill in chunks of 32, then 12 decode steps (the kernels' path)."""
+    """Exact numerics; a 96-token prefill in chunks of 32 (chunk products: dequantize + GEMM), then 12
+    decode steps (products from the blocks, gathered experts, the attention kernel). The CPU emulator runs
+    the nano model only, 40 tokens in chunks of 20 and 4 decode steps: the same paths, fewer launches."""
+    n_prefill, n_decode, chunk = (40, 4, 20) if backend == "emulated" else (96, 12, 32)
+    if backend == "emulated" and name != "nano":
+        pytest.skip("the CPU emulator runs the nano model only (each launch costs milliseconds there)")
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     gpu = _gpu_model_or_skip(model_paths[name], backend, "exact", kernels)
-    ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, 108)
+    ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, n_prefill + n_decode)
     logits = {}
     for m in (ref, gpu):
-        sess = m.session(ctx=256, prefill_chunk=32)
-        sess.prefill(ids[:96]).run(progress=False)
+        sess = m.session(ctx=256, prefill_chunk=chunk)
+        sess.prefill(ids[:n_prefill]).run(progress=False)
         steps = [sess.logits]
-        for end in range(97, len(ids) + 1):
+        for end in range(n_prefill + 1, len(ids) + 1):
             assert sess.sync(ids[:end]).source == "live"  # one decode-sized step per token
             steps.append(sess.logits)
         logits[m.backend.name] = np.stack(steps)

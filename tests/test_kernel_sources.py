@@ -44,7 +44,7 @@ def test_cuda_source_has_no_metal_left(spec):
 def test_every_name_a_body_uses_is_defined(spec):
     body = code_only((SOURCES / spec.body).read_text())
     macros = set(re.findall(r"\b[A-Z][A-Z_0-9]{2,}\b", body))
-    for dialect in ("cuda", "metal"):
+    for dialect in ("cuda", "metal", "cpu"):
         header, source = spec.mlx_source(dialect)
         defined = set(re.findall(r"#define (\w+)", header + source))
         assert macros <= defined, (dialect, macros - defined)

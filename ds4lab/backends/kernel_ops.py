@@ -18,6 +18,7 @@ from ..model import numerics as nx
 from ..model.attention import attend_with_sinks
 from ..model.functional import rmsnorm
 from ..model.hc import hc_mix
+from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
@@ -97,3 +98,44 @@ class KernelOps:
         if self.kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0:
             return self.kernels.hadamard_fp4(x)
         return nx.hadamard_fp4_sim(self.xp, x)
+
+
+class BlockBackend(KernelOps):
+    """A float32 backend over an array library ``xp`` whose ``kernels`` run GGUF weights in block form:
+    the CuPy backend, and the CPU emulator's backend the tests run the kernels' wiring with. Without
+    kernels (``kernels`` None) every weight is dequantized to float32 and every op is plain."""
+
+    np_dtype = np.float32
+    can_compile = False
+
+    def asarray(self, a):
+        return self.xp.asarray(np.asarray(a, dtype=np.float32))
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def linear(self, raw, qtype, ne0: int):
+        qtype, xp = Q(qtype), self.xp
+        if self.kernels is None or qtype not in kernel_types():
+            weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
+            return lambda x: x @ weight_t
+        if qtype == Q.F32:  # already floats: the bytes are the matrix
+            weight_t = xp.asarray(raw).view(xp.float32).reshape(raw.shape[0], ne0).T
+            return lambda x: x @ weight_t
+        return BlockLinear(self.kernels, xp.asarray(raw), qtype, ne0, raw.shape[0])
+
+    def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
+        """Every expert of ``raw [n_expert, rows, row_bytes]`` in block form (None: no kernel for it)."""
+        if self.kernels is None or Q(qtype) not in kernel_types():
+            return None
+        return StackedBlockLinear(self.kernels, self.xp.asarray(raw), qtype, ne0, raw.shape[1])
+
+    def index_add(self, acc, rows, values):
+        acc[self.xp.asarray(rows)] += values  # rows are distinct
+        return acc
+
+    def scalar(self, v: int):
+        return int(v)
+
+    def eval(self, *xs):
+        pass

@@ -16,7 +16,8 @@ casts, ``exp``/``max``/``min``, arrays, loops.
 
 ``KernelSpec.mlx_source(dialect)`` gives the (header, source) pair for ``mx.fast.cuda_kernel`` or
 ``mx.fast.metal_kernel`` (MLX writes the signature from the input and output names);
-``cuda_module_source(specs)`` gives one translation unit with full ``extern "C"`` signatures for CuPy.
+``cuda_module_source(specs)`` gives one translation unit with full ``extern "C"`` signatures for CuPy;
+``cpu_module_source(specs)`` the same bodies for the CPU emulator that runs them in the CPU test suite.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SOURCES = Path(__file__).parent / "sources"
-DIALECTS = ("cuda", "metal")
+DIALECTS = ("cuda", "metal", "cpu")
 
 _COMMON_HEADER = "#define NEG_BIG (-3.0e38f)\n"
 
@@ -54,6 +55,42 @@ DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
 DEVICE_FN float f16_round(float x) { return float(half(x)); }
 """
 
+# The CPU emulator (:mod:`.cpu`): a work-group's threads are OS threads sharing the kernel's static
+# locals, with barriers for the group and for each 32-thread SIMD group; groups run one after another.
+CPU_HEADER = _COMMON_HEADER + """#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define GLOBAL
+#define DEVICE_FN static inline
+typedef unsigned int uint;
+using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
+using std::rint; using std::sqrt;
+static inline float max(float a, float b) { return a > b ? a : b; }
+static inline float min(float a, float b) { return a < b ? a : b; }
+static inline uint max(uint a, uint b) { return a > b ? a : b; }
+static inline uint min(uint a, uint b) { return a < b ? a : b; }
+struct ThreadCtx {
+    uint gx, gy, tid, threads, lanes;
+    std::barrier<>* group;
+    std::barrier<>* simd;
+    float* slots;  // one float per lane of this thread's SIMD group
+};
+static thread_local ThreadCtx ctx;
+DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
+DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
+DEVICE_FN float simd_reduce(float x, bool take_max) {
+    ctx.slots[ctx.tid & 31u] = x;
+    ctx.simd->arrive_and_wait();
+    float r = ctx.slots[0];
+    for (uint i = 1; i < ctx.lanes; i++) r = take_max ? max(r, ctx.slots[i]) : r + ctx.slots[i];
+    ctx.simd->arrive_and_wait();
+    return r;
+}
+DEVICE_FN float simd_sum_f(float x) { return simd_reduce(x, false); }
+DEVICE_FN float simd_max_f(float x) { return simd_reduce(x, true); }
+"""
+
 # Metal's ids are kernel attributes; MLX adds the ones a source mentions to the signature it writes.
 _IDS = {
     "cuda": {
@@ -71,6 +108,14 @@ _IDS = {
         "GROUP_THREADS": "threads_per_threadgroup.x",
         "GROUP_SHARED": "threadgroup",
         "GROUP_BARRIER()": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+    },
+    "cpu": {
+        "GROUP_ID_X": "ctx.gx",
+        "GROUP_ID_Y": "ctx.gy",
+        "THREAD_IN_GROUP": "ctx.tid",
+        "GROUP_THREADS": "ctx.threads",
+        "GROUP_SHARED": "static",
+        "GROUP_BARRIER()": "ctx.group->arrive_and_wait()",
     },
 }
 
@@ -115,7 +160,7 @@ class KernelSpec:
 
 
 def header(dialect: str) -> str:
-    prelude = CUDA_HEADER if dialect == "cuda" else METAL_HEADER
+    prelude = {"cuda": CUDA_HEADER, "metal": METAL_HEADER, "cpu": CPU_HEADER}[dialect]
     return prelude + (SOURCES / "common.h").read_text()
 
 
@@ -126,4 +171,48 @@ def cuda_module_source(specs) -> str:
         args = [f"const {_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.inputs]
         args += [f"{_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.outputs]
         parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\n{spec.body_source("cuda")}}}\n')
+    return "\n".join(parts)
+
+
+_CPU_LAUNCH = """
+template <class Body> static void run_groups(uint gx, uint gy, uint threads, bool shared, Body body) {
+    std::barrier<> group(threads);
+    std::vector<std::unique_ptr<std::barrier<>>> simd;
+    for (uint g = 0; g < (threads + 31) / 32; g++)
+        simd.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * g)));
+    std::vector<float> slots(threads + 32);
+    std::vector<std::thread> pool;
+    for (uint t = 0; t < threads; t++) {
+        pool.emplace_back([&, t]() {
+            ctx = ThreadCtx{0, 0, t, threads, std::min(32u, threads - 32 * (t / 32)), &group, simd[t / 32].get(),
+                            slots.data() + 32 * (t / 32)};
+            for (uint y = 0; y < gy; y++)
+                for (uint x = 0; x < gx; x++) {
+                    ctx.gx = x;
+                    ctx.gy = y;
+                    body();
+                    if (shared) group.arrive_and_wait();  // the next group reuses the shared locals
+                }
+        });
+    }
+    for (auto& th : pool) th.join();
+}
+"""
+
+
+def cpu_module_source(specs) -> str:
+    """One C++20 translation unit: each kernel's body as a function of its arguments, and an
+    ``extern "C" launch_<name>(gx, gy, threads, args)`` that runs the grid (the CPU emulator)."""
+    parts = [header("cpu"), "#include <algorithm>\n#include <memory>\n#include <thread>\n#include <vector>\n",
+             _CPU_LAUNCH]
+    for spec in specs:
+        params = [(n, f"const {_C_TYPES[t]}*") for n, t in spec.inputs]
+        params += [(n, f"{_C_TYPES[t]}*") for n, t in spec.outputs]
+        args = ", ".join(f"{c} {n}" for n, c in params)
+        casts = ", ".join(f"({c}) a[{i}]" for i, (_, c) in enumerate(params))
+        shared = "GROUP_SHARED" in (SOURCES / spec.body).read_text()  # groups must then run in lockstep
+        parts.append(f"static void {spec.name}({args}) {{\n{spec.body_source('cpu')}}}\n"
+                     f'extern "C" void launch_{spec.name}(uint gx, uint gy, uint threads, void** a) {{\n'
+                     f"    run_groups(gx, gy, threads, {str(shared).lower()},\n"
+                     f"               [&]() {{ {spec.name}({casts}); }});\n}}\n")
     return "\n".join(parts)

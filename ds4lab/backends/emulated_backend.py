@@ -1,0 +1,21 @@
+"""NumPy float32 with ds4lab's GPU kernels executed by the CPU emulator (:mod:`ds4lab.mlx_kernels.cpu`):
+the same block-form linears, gathered experts and fused ops as the GPU backends, on any machine with a
+C++20 compiler. It exists to test the kernels and their wiring on CPUs; it is slow."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernel_ops import BlockBackend
+
+
+class EmulatedBackend(BlockBackend):
+    name = "emulated"
+    xp = np
+    dtype = np.float32
+    device = "cpu (emulated GPU kernels)"
+
+    def __init__(self, kernels: bool = True):
+        from ..mlx_kernels.cpu import CpuKernels
+
+        self.kernels = CpuKernels() if kernels else None
