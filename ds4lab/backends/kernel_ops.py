@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..mlx_kernels.specs import DECODERS, HC_MAX
+from ..model import compressor as cz
 from ..model import numerics as nx
 from ..model.attention import attend_with_sinks
 from ..model.functional import rmsnorm
@@ -92,6 +93,13 @@ class KernelOps:
         if self.kernels is not None and (x.shape[-1] - n_rot) % nx.FP8_BLOCK == 0:
             return self.kernels.kv_store(x, n_rot)
         return nx.f16_round(self.xp, nx.fp8_kv_sim(self.xp, x, n_rot))
+
+    def compress_chunk(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
+        """``(pooled, new_kv, new_sc)`` of :func:`ds4lab.model.compressor.compress_chunk`, pooling in a kernel."""
+        if self.kernels is None:
+            return cz.compress_chunk(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
+        pooled = self.kernels.compress_pool(state_kv, state_sc, kv, sc, cz.window_start(pos0, ratio), ratio)
+        return (pooled, *cz.next_state(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
 
     def hadamard_fp4(self, x):
         n = x.shape[-1]

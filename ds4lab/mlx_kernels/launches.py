@@ -113,3 +113,13 @@ class KernelLaunches:
         self._run(S.HADAMARD_FP4, (x2.shape[0], 1), n,
                   (x2, self._const(x2.shape[0], n), self._const(1.0 / n ** 0.5, dtype=np.float32), y))
         return y.reshape(x.shape)
+
+    def compress_pool(self, state_kv, state_sc, kv, sc, start: int, ratio: int):
+        """The compressor's pooled rows for a chunk whose first row is timeline row ``start``."""
+        (C, W), c = kv.shape, 2 if ratio == 4 else 1
+        n_out, width = S.pool_shape(ratio, C, W)
+        out = self.xp.empty((n_out, width), dtype=self.xp.float32)
+        self._run(S.COMPRESS_POOL, (-(-n_out * width // S.ROW_GROUP), 1), S.ROW_GROUP,
+                  (self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._const(int(start)),
+                   self._const(C, W, ratio, c, n_out), out))
+        return out

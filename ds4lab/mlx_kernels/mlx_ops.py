@@ -110,3 +110,15 @@ class MLXKernels:
                     mx.array(np.array([1.0 / n ** 0.5], dtype=np.float32))],
             grid=(R * n, 1, 1), threadgroup=(n, 1, 1),
             output_shapes=[(R, n)], output_dtypes=[mx.float32])[0].reshape(x.shape)
+
+    def compress_pool(self, state_kv, state_sc, kv, sc, start, ratio: int):
+        (C, W), c = kv.shape, 2 if ratio == 4 else 1
+        n_out, width = S.pool_shape(ratio, C, W)
+        start = mx.array([start], dtype=mx.int32) if isinstance(start, int) else start.astype(mx.int32).reshape(1)
+        groups = -(-n_out * width // S.ROW_GROUP)
+        f32 = mx.float32
+        return self._kernel(S.COMPRESS_POOL)(
+            inputs=[state_kv.astype(f32), state_sc.astype(f32), kv.astype(f32), sc.astype(f32), start,
+                    mx.array(np.array([C, W, ratio, c, n_out], dtype=np.int32))],
+            grid=(groups * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
+            output_shapes=[(n_out, width)], output_dtypes=[f32])[0]

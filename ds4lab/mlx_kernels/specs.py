@@ -8,6 +8,7 @@
 ``rmsnorm``          one row per work-group
 ``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
+``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
 """
 
 from __future__ import annotations
@@ -64,10 +65,15 @@ KV_STORE = KernelSpec("kv_store", "kv_store.body", (("x", "float32"), ("dims", "
 HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
                           (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),))
 
+COMPRESS_POOL = KernelSpec("compress_pool", "compress_pool.body",
+                           (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
+                            ("start", "int32"), ("dims", "int32")),
+                           (("out", "float32"),))
+
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
-            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4]
+            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL]
 
 
 def row_bytes(qtype: Q, ne0: int) -> int:
@@ -91,6 +97,12 @@ def pair_batches(experts: np.ndarray | None, n_pairs: int) -> tuple[np.ndarray, 
         for first in range(s, e, MAX_PAIRS):
             batches.append((int(sorted_e[s]), first, min(MAX_PAIRS, e - first)))
     return order, np.asarray(batches, dtype=np.int32).reshape(-1, 3)
+
+
+def pool_shape(ratio: int, C: int, W: int) -> tuple[int, int]:
+    """Rows and width of the pooled windows of a C-row chunk (see ``compressor.pool_windows``)."""
+    c = 2 if ratio == 4 else 1
+    return c + C // ratio + 1 - (c - 1), W // c
 
 
 def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:

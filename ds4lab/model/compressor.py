@@ -38,37 +38,53 @@ def n_blocks(ratio: int, chunk: int) -> int:
     return coff(ratio) + chunk // ratio + 1
 
 
-def compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
-    """Pool the windows of the timeline ``state ∥ chunk``; returns ``(pooled, new_kv, new_sc)``.
+def window_start(pos0, ratio: int):
+    """Timeline index of a chunk's first row: after the state's earlier windows and ``pos0 mod R`` rows."""
+    return (coff(ratio) - 1) * ratio + pos0 % ratio
 
-    ``kv``/``sc`` are ``[C, W]`` for positions ``pos0 …`` of which the first ``n_valid`` are real.
-    ``pooled[k]`` is window ``pos0 // R + k``; only windows ending before ``pos0 + n_valid`` are complete.
-    """
-    R, c = ratio, coff(ratio)
+
+def _timeline(xp, state, rows, j, start, ratio: int):
+    """Rows ``j`` of the timeline ``state ∥ chunk``: state row j before ``start``, chunk row j − start
+    after (clamped to the chunk's last row, which only padding windows reach)."""
+    c, C = coff(ratio), rows.shape[0]
+    src = xp.minimum(xp.where(j < start, j, c * ratio + j - start), c * ratio + C - 1)
+    return xp.concatenate([state, rows], axis=0)[src]
+
+
+def pool_windows(xp, state_kv, state_sc, kv, sc, pos0, ratio: int):
+    """``pooled[k]``, the row of window ``pos0 // R + k``, for every window of the chunk's timeline."""
+    R = ratio
     C, W = kv.shape
     nb = n_blocks(R, C)
-    start = (c - 1) * R + pos0 % R  # timeline index of the chunk's first row
-    j = xp.arange(nb * R)
-    src = xp.where(j < start, j, c * R + j - start)
-    src = xp.minimum(src, c * R + C - 1)
-    blocks_kv = xp.concatenate([state_kv, kv], axis=0)[src].reshape(nb, R, W)
-    blocks_sc = xp.concatenate([state_sc, sc], axis=0)[src].reshape(nb, R, W)
-
+    j, start = xp.arange(nb * R), window_start(pos0, R)
+    blocks_kv = _timeline(xp, state_kv, kv, j, start, R).reshape(nb, R, W)
+    blocks_sc = _timeline(xp, state_sc, sc, j, start, R).reshape(nb, R, W)
     if R == 4:
         half = W // 2
         cand_kv = xp.concatenate([blocks_kv[:-1, :, :half], blocks_kv[1:, :, half:]], axis=1)
         cand_sc = xp.concatenate([blocks_sc[:-1, :, :half], blocks_sc[1:, :, half:]], axis=1)
     else:
         cand_kv, cand_sc = blocks_kv, blocks_sc
-    pooled = (softmax(xp, cand_sc, axis=1) * cand_kv).sum(axis=1)
+    return (softmax(xp, cand_sc, axis=1) * cand_kv).sum(axis=1)
 
-    # The new state: the window the next token falls in (and, for ratio 4, the one before it),
-    # with the slots after the last real token cleared.
+
+def next_state(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
+    """The pending state after the chunk: the window the next token falls in (and, for ratio 4, the one
+    before it), with the slots after the last real token cleared."""
+    R, c = ratio, coff(ratio)
     end = pos0 + n_valid
-    current = end // R - pos0 // R + (c - 1)  # block index of the window holding position `end`
-    keep = current - (c - 1) + xp.arange(c)
-    new_kv = blocks_kv[keep].reshape(c * R, W)
-    new_sc = blocks_sc[keep].reshape(c * R, W)
+    j = (end // R - pos0 // R) * R + xp.arange(c * R)  # the timeline rows of those windows
+    start = window_start(pos0, R)
+    new_kv, new_sc = _timeline(xp, state_kv, kv, j, start, R), _timeline(xp, state_sc, sc, j, start, R)
     filled = (xp.arange(c * R) < (c - 1) * R + end % R)[:, None]
-    return pooled, xp.where(filled, new_kv, 0.0), xp.where(filled, new_sc, NEG_INF)
+    return xp.where(filled, new_kv, 0.0), xp.where(filled, new_sc, NEG_INF)
 
+
+def compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
+    """Pool the windows of the timeline ``state ∥ chunk``; returns ``(pooled, new_kv, new_sc)``.
+
+    ``kv``/``sc`` are ``[C, W]`` for positions ``pos0 …`` of which the first ``n_valid`` are real.
+    ``pooled[k]`` is window ``pos0 // R + k``; only windows ending before ``pos0 + n_valid`` are complete.
+    """
+    return (pool_windows(xp, state_kv, state_sc, kv, sc, pos0, ratio),
+            *next_state(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio))

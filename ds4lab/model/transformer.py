@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
 from .attention import grouped_output, indexer_allowed, indexer_scores, raw_visibility, visible_rows
-from .compressor import coff, compress_chunk, n_blocks
+from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk, swiglu
@@ -253,7 +253,7 @@ class Transformer:
         sc = w.linear(p + "gate.weight")(a) + ape[pos % R]
         self._emit(f"blk.{il}.{name}.kv", kv)
         self._emit(f"blk.{il}.{name}.score", sc)
-        pooled, new_kv, new_sc = compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, R)
+        pooled, new_kv, new_sc = self.backend.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
         c = self.backend.rmsnorm(pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
         c = store(rope_tail(xp, c, *windows))
         r = xp.arange(rows.shape[0])
