@@ -316,3 +316,19 @@ def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):
     assert got.shape == want.shape
     # float32 sums over up to 128 weighted candidates: worst case about 128 ulps of the largest term
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("T,H,Dq,N", [(1, 4, 128, 1), (1, 64, 128, 1030), (3, 2, 32, 17), (16, 4, 128, 70)])
+def test_indexer_scores_kernel_matches_float64(gpu, T, H, Dq, N):
+    from ds4lab.model.attention import indexer_scores
+
+    name, kernels, to_dev, to_host = gpu
+    small_on_the_emulator(name, T * N * H * Dq, 2_000_000)
+    rng = np.random.default_rng(N)
+    q = rng.standard_normal((T, H, Dq)).astype(np.float32)
+    w = rng.standard_normal((T, H)).astype(np.float32)
+    k = rng.standard_normal((N, Dq)).astype(np.float32)
+    want = indexer_scores(np, q.astype(np.float64), w.astype(np.float64), k.astype(np.float64))
+    got = to_host(kernels.indexer_scores(to_dev(q), to_dev(w), to_dev(k)))
+    # float32 sums of H·Dq products: about sqrt(H·Dq) ulps of their size
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

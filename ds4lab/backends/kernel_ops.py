@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from ..mlx_kernels.specs import DECODERS, HC_MAX
 from ..model import compressor as cz
 from ..model import numerics as nx
-from ..model.attention import attend_with_sinks
+from ..model.attention import attend_with_sinks, indexer_scores
 from ..model.functional import rmsnorm
 from ..model.hc import hc_mix
 from ..quants import dequantize
@@ -100,6 +100,12 @@ class KernelOps:
             return cz.compress_chunk(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
         pooled = self.kernels.compress_pool(state_kv, state_sc, kv, sc, cz.window_start(pos0, ratio), ratio)
         return (pooled, *cz.next_state(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
+
+    def indexer_scores(self, q, w, k):
+        """The indexer's scores (§3.9): the kernel for a few queries, plain ops (a GEMM) for a chunk."""
+        if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+            return self.kernels.indexer_scores(q, w, k)
+        return indexer_scores(self.xp, q, w, k)
 
     def hadamard_fp4(self, x):
         n = x.shape[-1]

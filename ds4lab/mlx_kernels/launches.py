@@ -123,3 +123,12 @@ class KernelLaunches:
                   (self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._const(int(start)),
                    self._const(C, W, ratio, c, n_out), out))
         return out
+
+    def indexer_scores(self, q, w, k):
+        """``score [T, N]`` of every compressed indexer row ``k [N, Dq]`` for queries ``q [T, H, Dq]``."""
+        T, H, Dq = q.shape
+        N = k.shape[0]
+        out = self.xp.empty((T, N), dtype=self.xp.float32)
+        self._run(S.INDEXER_SCORES, (-(-T * N // S.ROW_GROUP), 1), S.ROW_GROUP,
+                  (self._f32(q), self._f32(w), self._f32(k), self._const(T, H, Dq, N), out))
+        return out

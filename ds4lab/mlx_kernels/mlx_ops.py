@@ -122,3 +122,13 @@ class MLXKernels:
                     mx.array(np.array([C, W, ratio, c, n_out], dtype=np.int32))],
             grid=(groups * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
             output_shapes=[(n_out, width)], output_dtypes=[f32])[0]
+
+    def indexer_scores(self, q, w, k):
+        T, H, Dq = q.shape
+        N = k.shape[0]
+        f32 = mx.float32
+        groups = -(-T * N // S.ROW_GROUP)
+        return self._kernel(S.INDEXER_SCORES)(
+            inputs=[q.astype(f32), w.astype(f32), k.astype(f32), mx.array(np.array([T, H, Dq, N], dtype=np.int32))],
+            grid=(groups * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
+            output_shapes=[(T, N)], output_dtypes=[f32])[0]

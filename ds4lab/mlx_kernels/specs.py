@@ -9,6 +9,7 @@
 ``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
+``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 """
 
 from __future__ import annotations
@@ -70,10 +71,14 @@ COMPRESS_POOL = KernelSpec("compress_pool", "compress_pool.body",
                             ("start", "int32"), ("dims", "int32")),
                            (("out", "float32"),))
 
+INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
+                            (("q", "float32"), ("w", "float32"), ("k", "float32"), ("dims", "int32")),
+                            (("out", "float32"),))
+
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
-            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL]
+            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES]
 
 
 def row_bytes(qtype: Q, ne0: int) -> int:

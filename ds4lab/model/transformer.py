@@ -20,7 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import grouped_output, indexer_allowed, indexer_scores, raw_visibility, visible_rows
+from .attention import grouped_output, indexer_allowed, raw_visibility, visible_rows
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post
@@ -269,7 +269,7 @@ class Transformer:
         q = w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.idx_heads, cfg.idx_dim)
         q = self.indexer_quant(rope_tail(xp, q, cos, sin))
         weights = w.linear(p + "proj.weight")(a) * (cfg.idx_heads * cfg.idx_dim) ** -0.5
-        return indexer_scores(xp, q, weights, index_rows)
+        return self.backend.indexer_scores(q, weights, index_rows)
 
     # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens: np.ndarray):
