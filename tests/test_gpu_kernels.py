@@ -216,8 +216,9 @@ MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx
 def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name):
     """Exact numerics; a 96-token prefill in chunks of 32 (chunk products: dequantize + GEMM), then 12
     decode steps (products from the blocks, gathered experts, the attention kernel). The CPU emulator runs
-    the nano model only, 40 tokens in chunks of 20 and 4 decode steps: the same paths, fewer launches."""
-    n_prefill, n_decode, chunk = (40, 4, 20) if backend == "emulated" else (96, 12, 32)
+    the nano model only, 72 tokens in chunks of 24 and 3 decode steps (the indexer selects from token 67):
+    the same paths, fewer launches."""
+    n_prefill, n_decode, chunk = (72, 3, 24) if backend == "emulated" else (96, 12, 32)
     if backend == "emulated" and name != "nano":
         pytest.skip("the CPU emulator runs the nano model only (each launch costs milliseconds there)")
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
@@ -332,3 +333,23 @@ def test_indexer_scores_kernel_matches_float64(gpu, T, H, Dq, N):
     got = to_host(kernels.indexer_scores(to_dev(q), to_dev(w), to_dev(k)))
     # float32 sums of H·Dq products: about sqrt(H·Dq) ulps of their size
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("T,N,k,seed", [(1, 40, 16, 0), (3, 300, 32, 1), (2, 1030, 512, 2), (16, 70, 8, 3)])
+def test_indexer_topk_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
+    from ds4lab.model.attention import indexer_allowed
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(seed)
+    # Scores on a coarse grid, so that ties (and +0/−0) are common; some queries see few rows.
+    score = (np.round(rng.standard_normal((T, N)) * 4) / 4).astype(np.float32)
+    score[:, ::7] = -0.0
+    n_vis = rng.integers(1, N + 1, T)
+    n_vis[0] = N
+    if T > 1:
+        n_vis[1] = min(k, N)  # exactly k visible: no selection
+    visible = np.arange(N)[None, :] < n_vis[:, None]
+    want = indexer_allowed(np, score, visible, n_vis, k)
+    got = to_host(kernels.indexer_topk(to_dev(score), to_dev(visible), to_dev(n_vis.astype(np.int32)), k))
+    assert got.dtype == np.bool_ and np.array_equal(got, want)
+    assert (got.sum(axis=1) == np.minimum(n_vis, np.where(n_vis > k, k, n_vis))).all()

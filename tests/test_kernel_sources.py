@@ -72,6 +72,7 @@ def test_cuda_module_compiles_with_nvcc(tmp_path):
 METAL_SHIM = r"""
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #define device
 #define threadgroup
 #define kernel
@@ -82,6 +83,7 @@ enum mem_flags { mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }
 inline float simd_max(float x) { return x; }
+template <class T, class F> T as_type(F f) { T t; std::memcpy(&t, &f, sizeof t); return t; }
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
 using std::rint; using std::sqrt;
 inline float max(float a, float b) { return a > b ? a : b; }

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from ..mlx_kernels.specs import DECODERS, HC_MAX
 from ..model import compressor as cz
 from ..model import numerics as nx
-from ..model.attention import attend_with_sinks, indexer_scores
+from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores
 from ..model.functional import rmsnorm
 from ..model.hc import hc_mix
 from ..quants import dequantize
@@ -106,6 +106,12 @@ class KernelOps:
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.indexer_scores(q, w, k)
         return indexer_scores(self.xp, q, w, k)
+
+    def indexer_allowed(self, score, visible, n_visible, top_k: int):
+        """Rows each query may attend (see :func:`ds4lab.model.attention.indexer_allowed`)."""
+        if self.kernels is not None and score.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+            return self.kernels.indexer_topk(score, visible, n_visible, top_k)
+        return indexer_allowed(self.xp, score, visible, n_visible, top_k)
 
     def hadamard_fp4(self, x):
         n = x.shape[-1]

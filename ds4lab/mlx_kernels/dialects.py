@@ -7,7 +7,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_THREADS              the group's size
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
-    simd_sum_f(x), simd_max_f(x), load_half(p), f16_round(x), DEVICE_FN    from the dialect header
+    simd_sum_f(x), simd_max_f(x), load_half(p), f16_round(x), as_bits(x), DEVICE_FN   from the dialect header
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -45,6 +45,7 @@ DEVICE_FN float simd_max_f(float x) {
     return x;
 }
 DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
+DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
@@ -53,6 +54,7 @@ DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device
 DEVICE_FN float simd_sum_f(float x) { return simd_sum(x); }
 DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
 DEVICE_FN float f16_round(float x) { return float(half(x)); }
+DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 """
 
 # The CPU emulator (:mod:`.cpu`): a work-group's threads are OS threads sharing the kernel's static
@@ -79,6 +81,7 @@ struct ThreadCtx {
 static thread_local ThreadCtx ctx;
 DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
+DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float simd_reduce(float x, bool take_max) {
     ctx.slots[ctx.tid & 31u] = x;
     ctx.simd->arrive_and_wait();
@@ -122,7 +125,8 @@ _IDS = {
 # Spellings that must not survive into the other language's source (checked by the tests).
 CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim", "__shfl", "__half",
              "__device__", "__global__", "reinterpret_cast")
-METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "device ", "mem_flags", "(half(")
+METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "device ", "mem_flags", "(half(",
+              "as_type<")
 
 _C_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
 

@@ -132,3 +132,14 @@ class KernelLaunches:
         self._run(S.INDEXER_SCORES, (-(-T * N // S.ROW_GROUP), 1), S.ROW_GROUP,
                   (self._f32(q), self._f32(w), self._f32(k), self._const(T, H, Dq, N), out))
         return out
+
+    def indexer_topk(self, score, visible, n_visible, top_k: int):
+        """Boolean ``[T, N]``: each query's top-k visible rows when more than k are visible, else all visible."""
+        xp = self.xp
+        T, N = score.shape
+        allowed = xp.empty((T, N), dtype=xp.uint8)
+        vis = xp.ascontiguousarray(visible).view(xp.uint8) if visible.dtype == xp.bool_ else visible.astype(xp.uint8)
+        self._run(S.INDEXER_TOPK, (T, 1), S.ROW_GROUP,
+                  (self._f32(score), xp.ascontiguousarray(vis), xp.ascontiguousarray(n_visible, dtype=xp.int32),
+                   self._const(T, N, top_k), allowed))
+        return allowed.view(xp.bool_)

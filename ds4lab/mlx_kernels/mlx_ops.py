@@ -132,3 +132,11 @@ class MLXKernels:
             inputs=[q.astype(f32), w.astype(f32), k.astype(f32), mx.array(np.array([T, H, Dq, N], dtype=np.int32))],
             grid=(groups * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
             output_shapes=[(T, N)], output_dtypes=[f32])[0]
+
+    def indexer_topk(self, score, visible, n_visible, top_k: int):
+        T, N = score.shape
+        return self._kernel(S.INDEXER_TOPK)(
+            inputs=[score.astype(mx.float32), visible.astype(mx.uint8), n_visible.astype(mx.int32),
+                    mx.array(np.array([T, N, top_k], dtype=np.int32))],
+            grid=(T * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
+            output_shapes=[(T, N)], output_dtypes=[mx.uint8])[0].astype(mx.bool_)

@@ -10,6 +10,7 @@
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
+``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
 """
 
 from __future__ import annotations
@@ -75,10 +76,14 @@ INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             (("q", "float32"), ("w", "float32"), ("k", "float32"), ("dims", "int32")),
                             (("out", "float32"),))
 
+INDEXER_TOPK = KernelSpec("indexer_topk", "indexer_topk.body",
+                          (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
+                          (("allowed", "uint8"),))
+
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
-            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES]
+            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK]
 
 
 def row_bytes(qtype: Q, ne0: int) -> int:

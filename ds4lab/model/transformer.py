@@ -20,7 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import grouped_output, indexer_allowed, raw_visibility, visible_rows
+from .attention import grouped_output, raw_visibility, visible_rows
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post
@@ -226,7 +226,7 @@ class Transformer:
                 if index.shape[0] > cfg.idx_topk:  # otherwise no query can have more rows than top-k
                     score = self._indexer_scores(il, qr, a, cos, sin, index)
                     self._emit(p + "indexer.scores", score)
-                    comp_visible = indexer_allowed(xp, score, comp_visible, n_vis, cfg.idx_topk)
+                    comp_visible = self.backend.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
                     self._emit(p + "indexer.topk", comp_visible)
             keys = xp.concatenate([raw, comp], axis=0)
             visible = xp.concatenate([visible, comp_visible], axis=1)

@@ -57,3 +57,10 @@ DEVICE_FN float dq_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8
     uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
     return ((signs >> j) & 1u) ? -v : v;
 }
+
+// A float's bits as an unsigned key with the same order (−0 counted as +0), every key ≥ 1 so that 0 can
+// stand below all of them.
+DEVICE_FN uint order_key(float x) {
+    uint b = as_bits(x == 0.0f ? 0.0f : x);
+    return (b & 0x80000000u) != 0u ? ~b : (b | 0x80000000u);
+}
