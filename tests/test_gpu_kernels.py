@@ -353,3 +353,19 @@ def test_indexer_topk_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
     got = to_host(kernels.indexer_topk(to_dev(score), to_dev(visible), to_dev(n_vis.astype(np.int32)), k))
     assert got.dtype == np.bool_ and np.array_equal(got, want)
     assert (got.sum(axis=1) == np.minimum(n_vis, np.where(n_vis > k, k, n_vis))).all()
+
+
+@pytest.mark.parametrize("shape,n_rot", [((3, 128), 64), ((2, 4, 128), 64), ((5, 2, 96), 32), ((1, 64, 512), 64)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_kernel_equals_the_plain_rotation(gpu, shape, n_rot, inverse):
+    from ds4lab.model.rope import rope_tail
+
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(shape[0])
+    x = rng.standard_normal(shape).astype(np.float32)
+    angle = rng.uniform(-40, 40, (shape[0], n_rot // 2))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    want = rope_tail(np, x, cos, sin, inverse)  # the float32 plain path: the same products and sums
+    got = to_host(kernels.rope(to_dev(x), to_dev(cos), to_dev(sin), inverse))
+    # a GPU may fuse a·c − b·s into one FMA: one rounding fewer
+    np.testing.assert_allclose(got, want, rtol=0, atol=0 if name == "emulated" else 1e-6 * np.abs(want).max())

@@ -19,6 +19,7 @@ from ..model import numerics as nx
 from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores
 from ..model.functional import rmsnorm
 from ..model.hc import hc_mix
+from ..model.rope import rope_tail
 from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
@@ -82,6 +83,12 @@ class KernelOps:
         if self.kernels is not None and X.shape[1] <= HC_MAX:
             return self.kernels.hc_mix(mix, scale, base, X, iters, eps)
         return hc_mix(self.xp, mix, scale, base, X, iters=iters, eps=eps)
+
+    def rope(self, x, cos, sin, inverse: bool = False):
+        """RoPE on the tail dims (see :func:`ds4lab.model.rope.rope_tail`)."""
+        if self.kernels is not None:
+            return self.kernels.rope(x, cos, sin, inverse)
+        return rope_tail(self.xp, x, cos, sin, inverse)
 
     def rmsnorm(self, x, eps: float, weight=None):
         if self.kernels is not None:

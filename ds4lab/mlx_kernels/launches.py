@@ -143,3 +143,13 @@ class KernelLaunches:
                   (self._f32(score), xp.ascontiguousarray(vis), xp.ascontiguousarray(n_visible, dtype=xp.int32),
                    self._const(T, N, top_k), allowed))
         return allowed.view(xp.bool_)
+
+    def rope(self, x, cos, sin, inverse: bool = False):
+        """RoPE on the last ``2·cos.shape[-1]`` dims of ``x [T, ..., D]``."""
+        T, D = x.shape[0], x.shape[-1]
+        x3 = self._f32(x).reshape(T, -1, D)
+        y = self.xp.empty_like(x3)
+        self._run(S.ROPE, (-(-x3.size // S.ROW_GROUP), 1), S.ROW_GROUP,
+                  (x3, self._f32(cos), self._f32(sin), self._const(T, x3.shape[1], D, 2 * cos.shape[-1], int(inverse)),
+                   y))
+        return y.reshape(x.shape)

@@ -140,3 +140,13 @@ class MLXKernels:
                     mx.array(np.array([T, N, top_k], dtype=np.int32))],
             grid=(T * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
             output_shapes=[(T, N)], output_dtypes=[mx.uint8])[0].astype(mx.bool_)
+
+    def rope(self, x, cos, sin, inverse: bool = False):
+        T, D = x.shape[0], x.shape[-1]
+        x3 = x.astype(mx.float32).reshape(T, -1, D)
+        size = x3.size
+        return self._kernel(S.ROPE)(
+            inputs=[x3, cos.astype(mx.float32), sin.astype(mx.float32),
+                    mx.array(np.array([T, x3.shape[1], D, 2 * cos.shape[-1], int(inverse)], dtype=np.int32))],
+            grid=(-(-size // S.ROW_GROUP) * S.ROW_GROUP, 1, 1), threadgroup=(S.ROW_GROUP, 1, 1),
+            output_shapes=[x3.shape], output_dtypes=[mx.float32])[0].reshape(x.shape)

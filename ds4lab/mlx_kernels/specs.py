@@ -11,6 +11,7 @@
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 ``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
+``rope``             RoPE on the tail dims of rows (and its inverse)
 """
 
 from __future__ import annotations
@@ -80,10 +81,14 @@ INDEXER_TOPK = KernelSpec("indexer_topk", "indexer_topk.body",
                           (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
                           (("allowed", "uint8"),))
 
+ROPE = KernelSpec("rope", "rope.body",
+                  (("x", "float32"), ("cos_t", "float32"), ("sin_t", "float32"), ("dims", "int32")),
+                  (("y", "float32"),))
+
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
-            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK]
+            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
 
 
 def row_bytes(qtype: Q, ne0: int) -> int:

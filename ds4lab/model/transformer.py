@@ -25,7 +25,7 @@ from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk, swiglu
-from .rope import RopeParams, rope_tail
+from .rope import RopeParams
 from .state import KVState, LayerState
 from .weights import Weights
 
@@ -199,8 +199,8 @@ class Transformer:
         self._emit(p + "attn.q", q)
         self._emit(p + "attn.kv_in", kv)
         cos, sin = rope
-        q = rope_tail(xp, q, cos, sin)
-        kv = self.store_kv(rope_tail(xp, kv, cos, sin))
+        q = self.backend.rope(q, cos, sin)
+        kv = self.store_kv(self.backend.rope(kv, cos, sin))
 
         # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
         # the latest position ≡ s written so far; a query sees positions in (q − window, q].
@@ -237,7 +237,7 @@ class Transformer:
                 slot_pos=slot_pos, n_raw=raw_cap, ratio=R, comp_candidates=comp_candidates if R else None))
         out = self.backend.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         self._emit(p + "attn.out", out)
-        heads = rope_tail(xp, out, cos, sin, inverse=True)
+        heads = self.backend.rope(out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
         y = grouped_output(xp, heads, w.out_a_groups(il), w.linear(p + "attn_output_b.weight"))
         return hc_post(xp, y, X, post, comb), new
@@ -255,7 +255,7 @@ class Transformer:
         self._emit(f"blk.{il}.{name}.score", sc)
         pooled, new_kv, new_sc = self.backend.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
         c = self.backend.rmsnorm(pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
-        c = store(rope_tail(xp, c, *windows))
+        c = store(self.backend.rope(c, *windows))
         r = xp.arange(rows.shape[0])
         k = r - pos0 // R  # pooled[k] is window pos0 // R + k
         emitted = (k >= 0) & (r < (pos0 + n_valid) // R)
@@ -264,10 +264,10 @@ class Transformer:
         return rows, new_kv, new_sc
 
     def _indexer_scores(self, il, qr, a, cos, sin, index_rows):
-        cfg, xp, w, p = self.cfg, self.backend.xp, self.w, f"blk.{il}.indexer."
+        cfg, w, p = self.cfg, self.w, f"blk.{il}.indexer."
         C = qr.shape[0]
         q = w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.idx_heads, cfg.idx_dim)
-        q = self.indexer_quant(rope_tail(xp, q, cos, sin))
+        q = self.indexer_quant(self.backend.rope(q, cos, sin))
         weights = w.linear(p + "proj.weight")(a) * (cfg.idx_heads * cfg.idx_dim) ** -0.5
         return self.backend.indexer_scores(q, weights, index_rows)
 
