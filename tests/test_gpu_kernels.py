@@ -53,8 +53,39 @@ def _emulated_kernels():
     return (CpuKernels(), np.asarray, np.asarray), None
 
 
-GPU_BACKENDS = {"cupy": _cupy_kernels, "mlx": _mlx_kernels, "emulated": _emulated_kernels}
-KERNEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx", marks=pytest.mark.gpu), "emulated"]
+def _mlx_emulated_kernels():
+    """MLX's launcher (its host side: arrays, grids counted in threads, outputs) with each kernel call
+    answered by the CPU emulator instead of a GPU."""
+    try:
+        import mlx.core as mx
+
+        from ds4lab.mlx_kernels.mlx_ops import MLXKernels
+    except ImportError as e:
+        return None, f"MLX is unavailable: {e}"
+    found, why = _emulated_kernels()
+    if found is None:
+        return None, why
+    cpu = found[0]
+
+    class EmulatedMLXKernels(MLXKernels):
+        def _kernel(self, spec):
+            def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
+                assert grid[0] % threadgroup[0] == 0 and threadgroup[1:] == (1, 1)
+                outs = [np.empty(shape, dtype=str(dtype).rsplit(".", 1)[-1]) for shape, dtype in
+                        zip(output_shapes, output_dtypes)]
+                cpu._launch(spec, (grid[0] // threadgroup[0], grid[1]), threadgroup[0],
+                            (*[np.ascontiguousarray(np.array(x)) for x in inputs], *outs))
+                return [mx.array(o) for o in outs]
+
+            return call
+
+    return (EmulatedMLXKernels(dialect="metal"), mx.array, np.array), None
+
+
+GPU_BACKENDS = {"cupy": _cupy_kernels, "mlx": _mlx_kernels, "emulated": _emulated_kernels,
+                "mlx-emulated": _mlx_emulated_kernels}
+KERNEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx", marks=pytest.mark.gpu), "emulated",
+                   "mlx-emulated"]
 
 
 @pytest.fixture(scope="module", params=KERNEL_BACKENDS)
@@ -68,7 +99,7 @@ def gpu(request):
 def small_on_the_emulator(backend: str, work: int, limit: int) -> None:
     """The CPU emulator runs a SIMD reduction as two barriers of 32 OS threads: it takes the smaller shapes
     (the same code paths), GPUs take them all."""
-    if backend == "emulated" and work > limit:
+    if backend.endswith("emulated") and work > limit:
         pytest.skip(f"the CPU emulator runs the smaller shapes ({work:,} > {limit:,}); GPUs run this one")
 
 

@@ -9,7 +9,7 @@ import cupy as cp
 
 from ..mlx_kernels import specs as S
 from ..mlx_kernels.dialects import cuda_module_source
-from ..mlx_kernels.launches import KernelLaunches
+from ..mlx_kernels.launches import ArrayLaunches
 
 
 @lru_cache(maxsize=None)
@@ -20,7 +20,7 @@ def _module(device_id: int):
         return module
 
 
-class CudaKernels(KernelLaunches):
+class CudaKernels(ArrayLaunches):
     """Kernel launches on the current CuPy device."""
 
     xp = cp
@@ -31,7 +31,7 @@ class CudaKernels(KernelLaunches):
         self._functions: dict[str, object] = {}
         super().__init__()
 
-    def _run(self, spec, grid, threads, args):
+    def _launch(self, spec, groups, threads, args):
         if spec.name not in self._functions:
             self._functions[spec.name] = self.module.get_function(spec.name)
-        self._functions[spec.name](grid, (threads,), args)
+        self._functions[spec.name](groups, (threads,), args)

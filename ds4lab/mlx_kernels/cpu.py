@@ -18,7 +18,7 @@ import numpy as np
 
 from . import specs as S
 from .dialects import cpu_module_source
-from .launches import KernelLaunches
+from .launches import ArrayLaunches
 
 
 def compiler() -> str | None:
@@ -46,7 +46,7 @@ def _library() -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-class CpuKernels(KernelLaunches):
+class CpuKernels(ArrayLaunches):
     """The kernels' launches with NumPy arrays, executed by the CPU emulator."""
 
     xp = np
@@ -55,7 +55,7 @@ class CpuKernels(KernelLaunches):
         self.lib = _library()
         super().__init__()
 
-    def _run(self, spec, grid, threads, args):
+    def _launch(self, spec, grid, threads, args):
         if not all(a.flags.c_contiguous for a in args):  # the launchers pass contiguous arrays only
             raise ValueError(f"{spec.name}: every argument must be a C-contiguous array")
         pointers = (ctypes.c_void_p * len(args))(*[a.ctypes.data for a in args])
