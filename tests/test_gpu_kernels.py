@@ -221,12 +221,16 @@ def _gpu_model_or_skip(path, backend, numerics, kernels):
     found, why = GPU_BACKENDS[backend]()
     if found is None:
         pytest.skip(f"{backend}: {why}")
-    if backend == "emulated":  # the numpy model with its transformer rebuilt on the emulator's backend
+    if backend.endswith("emulated"):  # a CPU model whose transformer is rebuilt on emulated kernels
         from ds4lab.backends.emulated_backend import EmulatedBackend
         from ds4lab.model.transformer import Transformer
 
-        model = ds4lab.load(path, backend="numpy", numerics=numerics)
-        model.backend = EmulatedBackend(kernels)
+        if backend == "emulated":
+            model = ds4lab.load(path, backend="numpy", numerics=numerics)
+            model.backend = EmulatedBackend(kernels)
+        else:  # MLX on its CPU device, its kernels answered by the emulator
+            model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
+            model.backend.kernels = found[0] if kernels else None
         model.transformer = Transformer(model.config, model.file, model.backend, numerics)
         return model
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
@@ -238,7 +242,7 @@ def rel_err(a, b):
 
 
 MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx", marks=pytest.mark.gpu),
-                  "emulated"]
+                  "emulated", "mlx-emulated"]
 
 
 @pytest.mark.parametrize("backend", MODEL_BACKENDS)
@@ -249,8 +253,9 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     decode steps (products from the blocks, gathered experts, the attention kernel). The CPU emulator runs
     the nano model only, 72 tokens in chunks of 24 and 3 decode steps (the indexer selects from token 67):
     the same paths, fewer launches."""
-    n_prefill, n_decode, chunk = (72, 3, 24) if backend == "emulated" else (96, 12, 32)
-    if backend == "emulated" and name != "nano":
+    emulated = backend.endswith("emulated")
+    n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
+    if emulated and name != "nano":
         pytest.skip("the CPU emulator runs the nano model only (each launch costs milliseconds there)")
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     gpu = _gpu_model_or_skip(model_paths[name], backend, "exact", kernels)
