@@ -24,8 +24,9 @@ step() {  # step NAME SECONDS COMMAND...
     echo "   exit $?; $(tail -n 1 "$OUT/$name.log")"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_kernel_sources.py -k "not mlx"
-    step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_tiers.py -k "mlx"
+    step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k "cupy"
+    step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_tiers.py \
+        -k "mlx and not emulated"
     [ "$n_gpu" -ge 2 ] && step tests_tiers 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tiers.py
 fi
 if [ "$what" = slice ] || [ "$what" = all ]; then
