@@ -405,3 +405,17 @@ def test_rope_kernel_equals_the_plain_rotation(gpu, shape, n_rot, inverse):
     got = to_host(kernels.rope(to_dev(x), to_dev(cos), to_dev(sin), inverse))
     # a GPU may fuse a·c − b·s into one FMA: one rounding fewer
     np.testing.assert_allclose(got, want, rtol=0, atol=0 if name == "emulated" else 1e-6 * np.abs(want).max())
+
+
+def test_grouped_output_gathered_equals_the_group_by_group_projection():
+    from ds4lab.model.attention import grouped_output, grouped_output_gathered
+
+    rng = np.random.default_rng(0)
+    T, H, D, G, o_lora, E = 3, 8, 16, 4, 5, 7
+    heads = rng.standard_normal((T, H, D))
+    W = rng.standard_normal((G, o_lora, (H // G) * D))
+    out_b = rng.standard_normal((E, G * o_lora))
+    want = grouped_output(np, heads, [lambda x, g=g: x @ W[g].T for g in range(G)], lambda x: x @ out_b.T)
+    got = grouped_output_gathered(np, heads, lambda x, groups: np.einsum("pk,prk->pr", x, W[groups]), G,
+                                  lambda x: x @ out_b.T)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -51,3 +51,12 @@ def grouped_output(xp, heads, out_a_groups, out_b):
     flat = heads.reshape(T, G, (H // G) * D)
     low = xp.concatenate([out_a_groups[g](flat[:, g, :]) for g in range(G)], axis=-1)
     return out_b(low)
+
+
+def grouped_output_gathered(xp, heads, stacked, n_groups: int, out_b):
+    """The same projection with every (token, group) pair in one product: ``stacked(x_pairs, groups)``
+    multiplies row p by group ``groups[p]``'s low-rank slice; pairs are token-major."""
+    T, H, D = heads.shape
+    flat = heads.reshape(T * n_groups, (H // n_groups) * D)
+    low = stacked(flat, np.tile(np.arange(n_groups), T))
+    return out_b(low.reshape(T, -1))

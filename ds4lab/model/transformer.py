@@ -20,7 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import grouped_output, raw_visibility, visible_rows
+from .attention import grouped_output, grouped_output_gathered, raw_visibility, visible_rows
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post
@@ -239,7 +239,12 @@ class Transformer:
         self._emit(p + "attn.out", out)
         heads = self.backend.rope(out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
-        y = grouped_output(xp, heads, w.out_a_groups(il), w.linear(p + "attn_output_b.weight"))
+        out_b = w.linear(p + "attn_output_b.weight")
+        stacked = w.out_a_stacked(il) if C * cfg.o_groups <= self.gather_max_pairs else None
+        if stacked is not None:  # a decode step: every group's slice in one launch
+            y = grouped_output_gathered(xp, heads, stacked, cfg.o_groups, out_b)
+        else:
+            y = grouped_output(xp, heads, w.out_a_groups(il), out_b)
         return hc_post(xp, y, X, post, comb), new
 
     def _compress(self, il, name, a, pos0, n_valid, windows, rows, state_kv, state_sc, store):

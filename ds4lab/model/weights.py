@@ -57,6 +57,16 @@ class Weights:
         return self._memo(f"blk.{il}.attn_output_a.groups", lambda: [
             self.backend.linear(t.data[g * rows:(g + 1) * rows], t.qtype, t.shape[0]) for g in range(self.o_groups)])
 
+    def out_a_stacked(self, il: int):
+        """attn_output_a's groups as one stacked linear in block form (None where the backend has no kernel)."""
+        def make():
+            stack = getattr(self.backend, "stacked_linear", None)
+            t = self.file.tensors[f"blk.{il}.attn_output_a.weight"]
+            raw = t.data.reshape(self.o_groups, self.o_lora, t.data.shape[-1])
+            return None if stack is None else stack(raw, t.qtype, t.shape[0])
+
+        return self._memo(f"blk.{il}.attn_output_a.stacked", make)
+
     def stacked_experts(self, il: int):
         """(gate, up, down) over all experts of layer ``il`` in block form on the device, where the backend
         has the kernels for it (see :func:`ds4lab.model.moe.routed_experts_gathered`); else None."""
@@ -124,6 +134,12 @@ class ArrayWeights:
     def out_a_groups(self, il: int):
         w, rows = self.p[f"blk.{il}.attn_output_a.weight"], self.o_lora
         return [lambda x, g=g: x @ w[g * rows:(g + 1) * rows].T for g in range(self.o_groups)]
+
+    def out_a_stacked(self, il: int):
+        return None  # plain arrays: the groups run one by one
+
+    def stacked_experts(self, il: int):
+        return None
 
     def expert(self, il: int, e: int):
         mats = [self.p[f"blk.{il}.ffn_{kind}_exps.weight"][e] for kind in ("gate", "up", "down")]
