@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quants import iq2xxs_tables
+from ..quants import iq2xxs_tables, row_bytes
 from . import specs as S
 
 
@@ -59,7 +59,7 @@ class KernelLaunches:
 
     def dequant(self, w, qtype, ne0: int, rows: int):
         """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]``."""
-        dims = self._const(rows, ne0, S.row_bytes(qtype, ne0))
+        dims = self._const(rows, ne0, row_bytes(qtype, ne0))
         return self._run(S.dequant_spec(qtype), (-(-ne0 // S.DEQUANT_GROUP), rows), S.DEQUANT_GROUP,
                          [w, self.aux, dims], [((rows, ne0), "float32")])[0]
 
@@ -71,7 +71,7 @@ class KernelLaunches:
         else:
             order, batches = S.pair_batches(experts, P)
             order, batches, n_batches = self._array(order), self._array(batches), len(batches)
-        dims = self._const(ne0, n_rows, S.row_bytes(qtype, ne0), n_batches)
+        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches)
         return self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches),
                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                          [((P, n_rows), "float32")])[0]

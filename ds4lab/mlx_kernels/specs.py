@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from .dialects import KernelSpec
@@ -89,11 +88,6 @@ ROPE = KernelSpec("rope", "rope.body",
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
             HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
-
-
-def row_bytes(qtype: Q, ne0: int) -> int:
-    block, size = GGML_QUANT_SIZES[Q(qtype)]
-    return ne0 // block * size
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
