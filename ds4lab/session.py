@@ -130,7 +130,9 @@ class Session:
 
     # -- state ----------------------------------------------------------------------------------------
     def _commit(self, tokens: list[int], logits, state: KVState, run: TierRun | None = None) -> None:
-        self.tokens, self.logits, self._state = tokens, logits, self.placement.place_state(state)
+        if run is None:  # a state from elsewhere (restore, reset); a forward pass leaves layers on their tiers
+            state = self.placement.place_state(state)
+        self.tokens, self.logits, self._state = tokens, logits, state
         if run is not None:
             self.tier_trace.extend(run.switches)
             self._active_tier = run.active

@@ -12,10 +12,11 @@ the few operations below whose spelling differs between libraries or that touch 
     can_compile, compile(fn)          whether and how a function of arrays is traced once and reused
     scalar(int)                       an integer as the backend passes it into compiled functions
 
-GPU backends with ds4lab's kernels (``kernels``) add
+and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
+backend has them (``kernels``; GPU backends) and through plain ops elsewhere:
 
-    attend(q, keys, visible, sinks, scale)    attention with sinks (the split-key kernel for a few queries)
-    stacked_linear(raw, qtype, ne0)           every routed expert of a tensor in block form on the device
+    attend, rope, rmsnorm, hc_mix, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
+    stacked_linear(raw, qtype, ne0)           stacked matrices in block form, one launch (None: no kernel)
 """
 
 from __future__ import annotations

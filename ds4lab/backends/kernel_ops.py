@@ -24,10 +24,7 @@ from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
-
-
-def kernel_types() -> frozenset:
-    return frozenset(DECODERS)
+KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 
 
 class BlockLinear:
@@ -62,7 +59,6 @@ class StackedBlockLinear:
         return BlockLinear(self.kernels, self.raw[e], self.qtype, self.ne0, self.n_rows)
 
 
-
 class KernelOps:
     """Model ops with a kernel behind them where ``self.kernels`` has one; the plain ops of ``self.xp``
     (the reference the kernels are tested against) everywhere else."""
@@ -72,6 +68,17 @@ class KernelOps:
     def device_key(self):
         """Which device arrays made now land on (None: the backend has one memory)."""
         return None
+
+    def _blocks(self, raw):
+        """GGUF bytes as a device array for the kernels."""
+        return self.xp.asarray(raw)
+
+    def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
+        """Every matrix of ``raw [n, rows, row_bytes]`` (the experts of a routed-expert tensor, the groups of
+        attn_output_a) in block form on the device, multiplied in one launch; None without a kernel for it."""
+        if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
+            return None
+        return StackedBlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[1])
 
     def attend(self, q, keys, visible, sinks, scale: float):
         """Attention with sinks: the split-key kernel for a few queries, plain ops (GEMMs) for a chunk."""
@@ -143,19 +150,13 @@ class BlockBackend(KernelOps):
 
     def linear(self, raw, qtype, ne0: int):
         qtype, xp = Q(qtype), self.xp
-        if self.kernels is None or qtype not in kernel_types():
+        if self.kernels is None or qtype not in KERNEL_TYPES:
             weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
             return lambda x: x @ weight_t
         if qtype == Q.F32:  # already floats: the bytes are the matrix
             weight_t = xp.asarray(raw).view(xp.float32).reshape(raw.shape[0], ne0).T
             return lambda x: x @ weight_t
-        return BlockLinear(self.kernels, xp.asarray(raw), qtype, ne0, raw.shape[0])
-
-    def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
-        """Every expert of ``raw [n_expert, rows, row_bytes]`` in block form (None: no kernel for it)."""
-        if self.kernels is None or Q(qtype) not in kernel_types():
-            return None
-        return StackedBlockLinear(self.kernels, self.xp.asarray(raw), qtype, ne0, raw.shape[1])
+        return BlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[0])
 
     def index_add(self, acc, rows, values):
         acc[self.xp.asarray(rows)] += values  # rows are distinct

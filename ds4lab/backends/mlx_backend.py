@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..quants import dequantize
-from .kernel_ops import BlockLinear, KernelOps, StackedBlockLinear, kernel_types
+from .kernel_ops import BlockLinear, KernelOps
 
 Q8_0_BLOCK_BYTES = 34
 BLOCK_KERNEL_TYPES = frozenset({Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # Q8_0 has quantized_matmul, F16/F32 are floats
@@ -72,18 +72,15 @@ class MLXBackend(KernelOps):
             w, scales, biases = _q8_0_affine(raw, ne0)
             return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=8)
         if self.kernels is not None and qtype in BLOCK_KERNEL_TYPES:
-            return BlockLinear(self.kernels, mx.array(raw), qtype, ne0, raw.shape[0])
+            return BlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[0])
         if qtype == Q.F16:
             weight = mx.array(dequantize(raw, qtype, ne0).astype(np.float16))
             return lambda x: x @ weight.astype(mx.float32).T
         weight_t = mx.array(dequantize(raw, qtype, ne0)).T
         return lambda x: x @ weight_t
 
-    def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
-        """Every expert of ``raw [n_expert, rows, row_bytes]`` in block form on the GPU (None: no kernel)."""
-        if self.kernels is None or Q(qtype) not in kernel_types():
-            return None
-        return StackedBlockLinear(self.kernels, mx.array(raw), qtype, ne0, raw.shape[1])
+    def _blocks(self, raw):
+        return mx.array(raw)
 
     def index_add(self, acc, rows, values):
         return acc.at[mx.array(rows)].add(values)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model.compressor import coff
 from ..quants import iq2xxs_tables, row_bytes
 from . import specs as S
 
@@ -124,11 +125,11 @@ class KernelLaunches:
 
     def compress_pool(self, state_kv, state_sc, kv, sc, start, ratio: int):
         """The compressor's pooled rows for a chunk whose first row is timeline row ``start``."""
-        (C, W), c = kv.shape, 2 if ratio == 4 else 1
+        C, W = kv.shape
         n_out, width = S.pool_shape(ratio, C, W)
         return self._run(S.COMPRESS_POOL, (-(-n_out * width // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._i32(start),
-                          self._const(C, W, ratio, c, n_out)],
+                          self._const(C, W, ratio, coff(ratio), n_out)],
                          [((n_out, width), "float32")])[0]
 
     def indexer_scores(self, q, w, k):

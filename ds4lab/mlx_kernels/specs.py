@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ..model.compressor import coff, n_blocks
 from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
@@ -110,8 +111,8 @@ def pair_batches(experts: np.ndarray | None, n_pairs: int) -> tuple[np.ndarray, 
 
 def pool_shape(ratio: int, C: int, W: int) -> tuple[int, int]:
     """Rows and width of the pooled windows of a C-row chunk (see ``compressor.pool_windows``)."""
-    c = 2 if ratio == 4 else 1
-    return c + C // ratio + 1 - (c - 1), W // c
+    c = coff(ratio)
+    return n_blocks(ratio, C) - (c - 1), W // c
 
 
 def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:

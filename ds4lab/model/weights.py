@@ -60,10 +60,9 @@ class Weights:
     def out_a_stacked(self, il: int):
         """attn_output_a's groups as one stacked linear in block form (None where the backend has no kernel)."""
         def make():
-            stack = getattr(self.backend, "stacked_linear", None)
             t = self.file.tensors[f"blk.{il}.attn_output_a.weight"]
             raw = t.data.reshape(self.o_groups, self.o_lora, t.data.shape[-1])
-            return None if stack is None else stack(raw, t.qtype, t.shape[0])
+            return self.backend.stacked_linear(raw, t.qtype, t.shape[0])
 
         return self._memo(f"blk.{il}.attn_output_a.stacked", make)
 
@@ -71,10 +70,7 @@ class Weights:
         """(gate, up, down) over all experts of layer ``il`` in block form on the device, where the backend
         has the kernels for it (see :func:`ds4lab.model.moe.routed_experts_gathered`); else None."""
         def make():
-            stack = getattr(self.backend, "stacked_linear", None)
-            if stack is None:
-                return None
-            mats = tuple(stack(t.data, t.qtype, t.shape[0]) for t in self._expert_tensors(il))
+            mats = tuple(self.backend.stacked_linear(t.data, t.qtype, t.shape[0]) for t in self._expert_tensors(il))
             return None if None in mats else mats
 
         return self._memo(f"blk.{il}.experts", make)
