@@ -69,7 +69,7 @@ def test_hc_pre_matches_spec_loops():
     X = rng.normal(size=(1, n, E))
     fn = rng.normal(size=(2 * n + n * n, n * E)) * 0.3
     scale, base = rng.normal(size=3), rng.normal(size=2 * n + n * n)
-    x_in, post, comb = hc_pre(np, X, lambda x: x @ fn.T, scale, base, iters=20, eps=1e-6, norm_eps=1e-6)
+    x_in, post, comb = hc_pre(NumpyBackend(), X, lambda x: x @ fn.T, scale, base, iters=20, eps=1e-6, norm_eps=1e-6)
     ex, ep, em = naive_hc_pre(X[0], fn, scale, base)
     np.testing.assert_allclose(x_in[0], ex, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(post[0], ep, rtol=1e-12)

@@ -20,10 +20,12 @@ def sinkhorn(xp, logits, iters: int, eps: float):
     return m
 
 
-def hc_pre(xp, X, fn, scale, base, *, iters: int, eps: float, norm_eps: float):
-    """Returns ``(x_in [T,E], post [T,n], comb [T,n,n])``; ``comb[t, s, o]`` maps input stream s to output o."""
+def hc_pre(ops, X, fn, scale, base, *, iters: int, eps: float, norm_eps: float):
+    """Returns ``(x_in [T,E], post [T,n], comb [T,n,n])``; ``comb[t, s, o]`` maps input stream s to output o.
+
+    ``ops`` is a backend: its ``rmsnorm`` and ``hc_mix`` (:func:`hc_mix`, or a kernel where it has one)."""
     T, n, E = X.shape
-    return hc_mix(xp, fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps)), scale, base, X, iters=iters, eps=eps)
+    return ops.hc_mix(fn(ops.rmsnorm(X.reshape(T, n * E), norm_eps)), scale, base, X, iters, eps)
 
 
 def hc_mix(xp, mix, scale, base, X, *, iters: int, eps: float):
