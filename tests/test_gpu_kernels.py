@@ -68,6 +68,8 @@ def _mlx_emulated_kernels():
     cpu = found[0]
 
     class EmulatedMLXKernels(MLXKernels):
+        device = mx.cpu
+
         def _kernel(self, spec):
             def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
                 assert grid[0] % threadgroup[0] == 0 and threadgroup[1:] == (1, 1)
@@ -230,7 +232,7 @@ def _gpu_model_or_skip(path, backend, numerics, kernels):
             model.backend = EmulatedBackend(kernels)
         else:  # MLX on its CPU device, its kernels answered by the emulator
             model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
-            model.backend.kernels = found[0] if kernels else None
+            model.backend._kernels = found[0] if kernels else None
         model.transformer = Transformer(model.config, model.file, model.backend, numerics)
         return model
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",

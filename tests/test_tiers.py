@@ -164,3 +164,21 @@ def test_mlx_cpu_and_gpu_tiers(model_paths):
     sess, _, _ = run(m, Placement(layer_tiers=ALTERNATE, devices=["gpu", "cpu"]))
     assert sess.placement.boundaries == 5 and sess.tier_trace
     np.testing.assert_allclose(sess.logits, ref.logits, rtol=1e-4, atol=1e-4)  # two devices' kernels differ
+
+
+def test_mlx_kernels_stay_off_a_cpu_tier():
+    """A GPU model's "cpu" tier runs the plain ops: MLX's custom kernels exist only on GPUs (seen on the
+    H200 as "[custom_kernel] Only supports the GPU"), and its weights are its own float copies."""
+    mx = pytest.importorskip("mlx.core")
+    from ds4lab.backends.mlx_backend import MLXBackend
+
+    class GpuKernels:
+        device = mx.gpu
+
+    b = MLXBackend("cpu", kernels=False)
+    b._kernels = GpuKernels()
+    with mx.stream(mx.cpu):
+        assert b.kernels is None and b.device_key() == str(mx.Device(mx.cpu))
+    if mx.is_available(mx.gpu):
+        with mx.stream(mx.gpu):
+            assert b.kernels is b._kernels and b.device_key() == str(mx.Device(mx.gpu))

@@ -57,9 +57,20 @@ class MLXBackend(KernelOps):
         if kernels:
             from ..mlx_kernels.mlx_ops import MLXKernels
 
-            self.kernels = MLXKernels()
+            self._kernels = MLXKernels()
         else:
-            self.kernels = None
+            self._kernels = None
+
+    @property
+    def kernels(self):
+        """ds4lab's kernels while the current device is theirs; None on a "cpu" tier of a GPU model,
+        whose layers run the plain ops (MLX's custom kernels exist only on GPUs)."""
+        k = self._kernels
+        return k if k is not None and mx.default_device() == k.device else None
+
+    def device_key(self):
+        # With kernels, a GPU tier keeps block-form linears and a cpu tier float ones: one copy each.
+        return None if self._kernels is None else str(mx.default_device())
 
     def asarray(self, a):
         return mx.array(np.asarray(a, dtype=np.float32))

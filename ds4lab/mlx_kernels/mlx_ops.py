@@ -22,6 +22,8 @@ def gpu_dialect() -> str | None:
 class MLXKernels(KernelLaunches):
     """The launches of :class:`.launches.KernelLaunches` through MLX: outputs come back from the kernel."""
 
+    device = mx.gpu  # the MLX device the kernels run on
+
     def __init__(self, dialect: str | None = None):
         self.dialect = dialect or gpu_dialect()
         if self.dialect is None:
