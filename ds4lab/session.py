@@ -316,7 +316,7 @@ class Prefill:
         began = time.perf_counter()
         # A compiled step keeps one shape for every chunk (the last one padded and masked); eager
         # backends run each chunk at its own length.
-        pad_to = sess.geometry.step if sess.model.transformer.compile else None
+        pad_to = sess.geometry.step if sess.model.transformer.compiles(sess.geometry.step) else None
         logits, state, run = sess._eval(self.ids[start:end], "batch", pad_to=pad_to)
         seconds = time.perf_counter() - began
         sess._commit(self.ids[:end], logits, state, run)

@@ -421,3 +421,36 @@ def test_grouped_output_gathered_equals_the_group_by_group_projection():
     got = grouped_output_gathered(np, heads, lambda x, groups: np.einsum("pk,prk->pr", x, W[groups]), G,
                                   lambda x: x @ out_b.T)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
+def test_compiled_decode_equals_eager(model_paths, backend):
+    """The attention half as compiled backends run it gives the eager logits bit for bit. CuPy: a CUDA
+    graph per layer, run eagerly on the first decode-sized step, captured on the second, replayed after.
+    The emulator: the same function with its positions passed as device scalars, as a graph sees them."""
+    gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
+    t, b = gpu.transformer, gpu.backend
+    if backend == "emulated":
+        b.compiled_rows, b.compile, b.scalar = 16, (lambda fn: fn), (lambda v: np.asarray(v, dtype=np.int32))
+    n_decode = 2 if backend == "emulated" else 5
+    ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, 8 + n_decode)
+    logits, held = {}, None
+    for compiled in (False, True):
+        t.compile = compiled
+        t._compiled.clear()
+        sess = gpu.session(ctx=128, prefill_chunk=8)
+        sess.prefill(ids[:8]).run(progress=False)
+        steps = [sess.logits]
+        for end in range(9, len(ids) + 1):
+            sess.sync(ids[:end])
+            steps.append(sess.logits)
+            if compiled and end == 10:  # a state a checkpoint could hold, made by a replay
+                held_state = sess._state
+                held = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
+        logits[compiled] = np.stack(steps)
+    assert np.array_equal(logits[True], logits[False])
+    later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
+    assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
+    if backend == "cupy":
+        graphs = list(t._compiled.values())
+        assert graphs and all(g.captures == 1 and not g.failures for g in graphs), [g.failures for g in graphs]

@@ -2,7 +2,9 @@
 
 Weights stay on the GPU in their GGUF block form and run through ds4lab's kernels (``kernels=True``,
 the default); the routed experts of a layer are uploaded whole, once, and a decode step evaluates its
-selected experts in one launch per projection. ``kernels=False`` is the plain-ops path: every weight
+selected experts in one launch per projection. With kernels, the attention half of a decode step
+(up to ``compiled_rows`` tokens) is captured as a CUDA graph per layer and replayed (see
+:mod:`ds4lab.cuda.graphs`); ``Transformer(compile=False)`` launches it op by op. ``kernels=False`` is the plain-ops path: every weight
 dequantized to float32 on the GPU and every op a CuPy array op.
 """
 
@@ -27,6 +29,20 @@ class CupyBackend(BlockBackend):
         self.device = f"cuda:{index}"
         self.use_kernels = kernels
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
+
+    compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
+
+    @property
+    def can_compile(self) -> bool:
+        return self.use_kernels
+
+    def compile(self, fn):
+        from ..cuda.graphs import GraphStep
+
+        return GraphStep(fn)
+
+    def scalar(self, v: int):
+        return cp.asarray(v, dtype=cp.int32)
 
     def device_key(self):
         return cp.cuda.Device().id

@@ -104,6 +104,8 @@ class MLXBackend(KernelOps):
         # cold-start target, so CUDA runs eagerly.
         return mx.default_device() == mx.gpu and mx.metal.is_available()
 
+    compiled_rows = float("inf")  # every chunk size is compiled (the last chunk padded to the step)
+
     def scalar(self, v: int):
         return mx.array(v, dtype=mx.int32)
 

@@ -10,6 +10,8 @@ from ..model.compressor import coff
 from ..quants import iq2xxs_tables, row_bytes
 from . import specs as S
 
+PLANS_KEPT = 64
+
 
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul plans)
@@ -18,6 +20,7 @@ class KernelLaunches:
     def __init__(self):
         self.aux = self._array(iq2xxs_tables())
         self._consts: dict[tuple, object] = {}
+        self._gathered_plans: list[tuple] = []  # keys of the gathered qmatmul plans kept, oldest first
 
     # -- what a subclass provides ---------------------------------------------------------------------
     def _run(self, spec, groups: tuple[int, int], threads: int, inputs: list, outputs: list) -> list:
@@ -51,10 +54,17 @@ class KernelLaunches:
             self._consts[key] = self._array(np.array(values, dtype=dtype))
         return self._consts[key]
 
-    def _dense_plan(self, n_pairs: int):
-        key = ("plan", n_pairs)
+    def _pair_plan(self, experts: np.ndarray | None, n_pairs: int):
+        """qmatmul's ``(order, batches, n_batches)`` on the device. Plans are kept: one per size for dense
+        products, and the last PLANS_KEPT gathered ones (a decode step's output groups repeat every step,
+        and a CUDA graph capture may not copy from the host)."""
+        key = ("plan", n_pairs, None if experts is None else np.asarray(experts, dtype=np.int64).tobytes())
         if key not in self._consts:
-            order, batches = S.pair_batches(None, n_pairs)
+            if experts is not None:
+                self._gathered_plans.append(key)
+                if len(self._gathered_plans) > PLANS_KEPT:
+                    del self._consts[self._gathered_plans.pop(0)]
+            order, batches = S.pair_batches(experts, n_pairs)
             self._consts[key] = (self._array(order), self._array(batches), len(batches))
         return self._consts[key]
 
@@ -67,11 +77,7 @@ class KernelLaunches:
     def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
         """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix)."""
         P = x.shape[0]
-        if experts is None:
-            order, batches, n_batches = self._dense_plan(P)
-        else:
-            order, batches = S.pair_batches(experts, P)
-            order, batches, n_batches = self._array(order), self._array(batches), len(batches)
+        order, batches, n_batches = self._pair_plan(experts, P)
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches)
         return self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches),
                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],

@@ -148,7 +148,7 @@ class Transformer:
         params, R = self.ropes[il], self.cfg.ratio(il)
         rope = tabs.rope[params]
         win = tabs.windows[params, R] if R else (None, None)
-        if not (self.compile and self.observer is None):
+        if not (self.compiles(X.shape[0]) and self.observer is None):
             return self.attention_block(il, X, pos0, n_valid, rope, win, st)
         key = (il, X.shape[0])
         if key not in self._compiled:
@@ -156,6 +156,10 @@ class Transformer:
         out = self._compiled[key](X, self.backend.scalar(pos0), self.backend.scalar(n_valid), *rope,
                                   *(win if R else ()), *[a for a in st.arrays() if a is not None])
         return out[0], self._unflatten(il, out[1:])
+
+    def compiles(self, rows: int) -> bool:
+        """Whether a chunk of ``rows`` runs its attention half compiled (MLX) or as a CUDA graph (CuPy)."""
+        return self.compile and rows <= self.backend.compiled_rows
 
     def _unflatten(self, il: int, arrays) -> LayerState:
         """A layer's state from its present arrays: raw; + compressor (R ≠ 0); + indexer (R = 4)."""
