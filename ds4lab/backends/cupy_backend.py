@@ -4,8 +4,8 @@ Weights stay on the GPU in their GGUF block form and run through ds4lab's kernel
 the default); the routed experts of a layer are uploaded whole, once, and a decode step evaluates its
 selected experts in one launch per projection. With kernels, the attention half of a decode step
 (up to ``compiled_rows`` tokens) is captured as a CUDA graph per layer and replayed (see
-:mod:`ds4lab.cuda.graphs`); ``Transformer(compile=False)`` launches it op by op. ``kernels=False`` is the plain-ops path: every weight
-dequantized to float32 on the GPU and every op a CuPy array op.
+:mod:`ds4lab.cuda.graphs`); ``Transformer(compile=False)`` launches it op by op. ``kernels=False`` is
+the plain-ops path: every weight dequantized to float32 on the GPU and every op a CuPy array op.
 """
 
 from __future__ import annotations
