@@ -425,13 +425,15 @@ def test_grouped_output_gathered_equals_the_group_by_group_projection():
 
 @pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
 def test_compiled_decode_equals_eager(model_paths, backend):
-    """The attention half as compiled backends run it gives the eager logits bit for bit. CuPy: a CUDA
-    graph per layer, run eagerly on the first decode-sized step, captured on the second, replayed after.
-    The emulator: the same function with its positions passed as device scalars, as a graph sees them."""
+    """The attention and FFN halves as compiled backends run them give the eager logits bit for bit. CuPy:
+    CUDA graphs per layer, run eagerly on the first decode-sized step, captured on the second, replayed
+    after. The emulator: the same functions with positions and token ids passed as device arrays, as a
+    graph sees them."""
     gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
     t, b = gpu.transformer, gpu.backend
     if backend == "emulated":
-        b.compiled_rows, b.compile, b.scalar = 16, (lambda fn: fn), (lambda v: np.asarray(v, dtype=np.int32))
+        b.compiled_rows, b.compiles_ffn = 16, True
+        b.compile, b.scalar = (lambda fn: fn), (lambda v: np.asarray(v, dtype=np.int32))
     n_decode = 2 if backend == "emulated" else 5
     ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, 8 + n_decode)
     logits, held = {}, None

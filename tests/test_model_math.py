@@ -19,7 +19,7 @@ from ds4lab.model.attention import (
 from ds4lab.model.compressor import compress_chunk, initial_state
 from ds4lab.model.functional import softplus, topk_mask
 from ds4lab.model.hc import hc_head, hc_post, hc_pre, sinkhorn
-from ds4lab.model.moe import route_weights, routed_experts, router_probs, select_topk, swiglu
+from ds4lab.model.moe import route_weights, routed_experts, router_probs, select_topk, select_topk_on_device, swiglu
 from ds4lab.model.rope import RopeParams, rope_tail
 
 rng = np.random.default_rng(1234)
@@ -317,6 +317,19 @@ def test_router_sqrt_softplus_and_weights():
     tiny = np.full((1, 4), 1e-9)
     np.testing.assert_allclose(route_weights(np, tiny, np.array([[0, 1]]), 1.5), [[1e-9 / 2 ** -14 * 1.5] * 2])
     assert select_topk(np.array([[1.0, 2.0, 2.0, 2.0]]), 2).tolist() == [[1, 2]]  # ties → lower id
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", "mlx"])
+def test_device_topk_is_the_stable_host_topk(xp_name):
+    """Decode steps choose experts on the device by rank; the choice and its order equal the host's stable
+    sort, ties included (scores drawn from a few values, so most rows tie)."""
+    xp = np if xp_name == "numpy" else pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(3)
+    scores = rng.choice(np.array([0.5, 1.0, 1.25, 2.0, 0.0], dtype=np.float32), size=(7, 64))
+    scores[0] = 1.0  # every expert ties
+    want = select_topk(scores, 6)
+    got = np.array(select_topk_on_device(xp, xp.array(scores), 6))
+    assert np.array_equal(got, want)
 
 
 def test_softplus_branches():

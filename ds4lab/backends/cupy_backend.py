@@ -3,7 +3,7 @@
 Weights stay on the GPU in their GGUF block form and run through ds4lab's kernels (``kernels=True``,
 the default); the routed experts of a layer are uploaded whole, once, and a decode step evaluates its
 selected experts in one launch per projection. With kernels, the attention half of a decode step
-(up to ``compiled_rows`` tokens) is captured as a CUDA graph per layer and replayed (see
+(up to ``compiled_rows`` tokens) and its FFN half are captured as CUDA graphs per layer and replayed (see
 :mod:`ds4lab.cuda.graphs`); ``Transformer(compile=False)`` launches it op by op. ``kernels=False`` is
 the plain-ops path: every weight dequantized to float32 on the GPU and every op a CuPy array op.
 """
@@ -31,6 +31,7 @@ class CupyBackend(BlockBackend):
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
+    compiles_ffn = True  # decode routing stays on the device, so the FFN half is a graph too
 
     @property
     def can_compile(self) -> bool:

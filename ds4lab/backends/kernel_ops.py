@@ -52,8 +52,9 @@ class StackedBlockLinear:
     def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
         self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
 
-    def __call__(self, x_pairs, experts: np.ndarray):
-        return self.kernels.qmatmul(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, np.asarray(experts))
+    def __call__(self, x_pairs, experts):
+        """``experts``: host ids, or a device array of them (planned on the device, one pair per batch)."""
+        return self.kernels.qmatmul(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, experts)
 
     def expert(self, e: int) -> BlockLinear:
         return BlockLinear(self.kernels, self.raw[e], self.qtype, self.ne0, self.n_rows)

@@ -105,6 +105,7 @@ class MLXBackend(KernelOps):
         return mx.default_device() == mx.gpu and mx.metal.is_available()
 
     compiled_rows = float("inf")  # every chunk size is compiled (the last chunk padded to the step)
+    compiles_ffn = False  # the FFN half picks its prefill experts on the host
 
     def scalar(self, v: int):
         return mx.array(v, dtype=mx.int32)

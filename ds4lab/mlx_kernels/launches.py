@@ -15,7 +15,9 @@ PLANS_KEPT = 64
 
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul plans)
-    are made once and kept."""
+    are made once and kept. ``xp`` is the subclass's array library."""
+
+    xp = None
 
     def __init__(self):
         self.aux = self._array(iq2xxs_tables())
@@ -77,7 +79,12 @@ class KernelLaunches:
     def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
         """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix)."""
         P = x.shape[0]
-        order, batches, n_batches = self._pair_plan(experts, P)
+        if experts is None or isinstance(experts, np.ndarray):
+            order, batches, n_batches = self._pair_plan(experts, P)
+        else:  # ids on the device: each pair its own batch, the plan made there
+            order = self._const(*range(P))
+            batches = self.xp.stack([self._i32(experts), order, self._const(*(1,) * P)], axis=1)
+            n_batches = P
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches)
         return self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches),
                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
@@ -167,8 +174,6 @@ class KernelLaunches:
 class ArrayLaunches(KernelLaunches):
     """The array handling of libraries with NumPy's interface (NumPy, CuPy): outputs are allocated here
     and written by the kernel."""
-
-    xp = None
 
     def _launch(self, spec, groups, threads, args) -> None:
         raise NotImplementedError

@@ -23,6 +23,7 @@ class MLXKernels(KernelLaunches):
     """The launches of :class:`.launches.KernelLaunches` through MLX: outputs come back from the kernel."""
 
     device = mx.gpu  # the MLX device the kernels run on
+    xp = mx
 
     def __init__(self, dialect: str | None = None):
         self.dialect = dialect or gpu_dialect()

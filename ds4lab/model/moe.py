@@ -18,6 +18,17 @@ def select_topk(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
 
 
+def select_topk_on_device(xp, scores, k: int):
+    """:func:`select_topk` without leaving the device, for a few rows: an expert's rank is the number of
+    experts that come before it (a higher score, or an equal one and a lower id), so the ranks are
+    distinct and any sort of them gives the stable order."""
+    n = scores.shape[-1]
+    s_i, s_j = scores[:, :, None], scores[:, None, :]
+    lower_id = xp.arange(n)[None, :] < xp.arange(n)[:, None]  # [i, j]: j < i
+    rank = ((s_j > s_i) | ((s_j == s_i) & lower_id)).astype(xp.int32).sum(axis=-1)
+    return xp.argsort(rank, axis=-1)[:, :k]
+
+
 def route_weights(xp, probs, selected, scale: float):
     """w_i = p[sel_i] / max(Σ_j p[sel_j], 2^-14) · scale, from the unbiased probabilities."""
     p = xp.take_along_axis(probs, selected, axis=-1)
@@ -51,11 +62,12 @@ def routed_experts_gathered(xp, f, selected: np.ndarray, weights, stacked, clamp
     """The same sum with every (token, expert) pair in one product per projection.
 
     ``stacked`` is (gate, up, down), each called as ``proj(x_pairs, experts)`` with row p of
-    ``x_pairs`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is.
+    ``x_pairs`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may
+    be a host array or a device one.
     """
     T, k = selected.shape
-    experts = selected.reshape(-1)
-    x = f[xp.array(np.repeat(np.arange(T), k))]
+    experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
+    x = xp.repeat(f, k, axis=0)
     gate, up, down = stacked
     mid = swiglu(xp, gate(x, experts), up(x, experts), clamp) * weights.reshape(T * k, 1)
     return down(mid, experts).reshape(T, k, -1).sum(axis=1)

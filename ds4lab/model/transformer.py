@@ -24,13 +24,22 @@ from .attention import grouped_output, grouped_output_gathered, raw_visibility, 
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_post, hc_pre
-from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk, swiglu
+from .moe import (
+    route_weights,
+    routed_experts,
+    routed_experts_gathered,
+    router_probs,
+    select_topk,
+    select_topk_on_device,
+    swiglu,
+)
 from .rope import RopeParams
 from .state import KVState, LayerState
 from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which routed experts run gathered, when the backend can
+DEVICE_ROUTING_ROWS = 16  # up to this many tokens, gathered experts are also chosen on the device (no host sync)
 
 
 @dataclass(frozen=True)
@@ -124,8 +133,8 @@ class Transformer:
                 if tiers.device not in tabs:
                     tabs[tiers.device] = self.tables(pos0, C)
                 X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il])
-                X = self.ffn_block(il, X[:n], tokens) if C == n else xp.concatenate(
-                    [self.ffn_block(il, X[:n], tokens), X[n:]], axis=0)
+                X = self._ffn(il, X[:n], tokens) if C == n else xp.concatenate(
+                    [self._ffn(il, X[:n], tokens), X[n:]], axis=0)
             layers.append(layer)
         X = tiers.enter(cfg.n_layer, X)
         return X[:n], KVState(tuple(layers), pos0 + n, geo)
@@ -279,7 +288,17 @@ class Transformer:
         return self.backend.indexer_scores(q, weights, index_rows)
 
     # -- FFN half -------------------------------------------------------------------------------------
-    def ffn_block(self, il: int, X, tokens: np.ndarray):
+    def _ffn(self, il: int, X, tokens: np.ndarray):
+        """The FFN half; a decode-sized one as a CUDA graph where the backend graphs it (CuPy)."""
+        if not (self.compiles(X.shape[0]) and self.backend.compiles_ffn and self.observer is None):
+            return self.ffn_block(il, X, tokens)
+        key = ("ffn", il, X.shape[0])
+        if key not in self._compiled:
+            self._compiled[key] = self.backend.compile(lambda X, ids: (self.ffn_block(il, X, ids),))
+        return self._compiled[key](X, self.backend.xp.array(tokens.astype(np.int32)))[0]
+
+    def ffn_block(self, il: int, X, tokens):
+        """``tokens`` are host ids, or device ids where a compiled step passes them in."""
         cfg, b, w = self.cfg, self.backend, self.w
         xp, p = b.xp, f"blk.{il}."
         x_in, post, comb = self._hc_pre(il, "ffn", X)
@@ -288,18 +307,26 @@ class Transformer:
         f = b.rmsnorm(x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
         probs = router_probs(xp, w.linear(p + "ffn_gate_inp.weight")(f))
         self._emit(p + "moe.router", probs)
-        if cfg.is_hash_layer(il):
-            selected = w.hash_table(il)[tokens].astype(np.int64)
+        bias = p + "exp_probs_b.bias"
+        stacked = w.stacked_experts(il) if X.shape[0] * cfg.n_expert_used <= self.gather_max_pairs else None
+        scores = probs + w.vector(bias) if bias in w else probs
+        if stacked is not None and X.shape[0] <= DEVICE_ROUTING_ROWS:  # a decode step: routing stays on the device
+            if cfg.is_hash_layer(il):
+                selected = w.hash_table_on_device(il)[xp.array(tokens)]
+            else:
+                selected = select_topk_on_device(xp, scores, cfg.n_expert_used)
+            ids = selected
         else:
-            bias = p + "exp_probs_b.bias"
-            scores = probs + w.vector(bias) if bias in w else probs
-            selected = select_topk(b.to_numpy(scores), cfg.n_expert_used)
+            if cfg.is_hash_layer(il):
+                selected = w.hash_table(il)[tokens].astype(np.int64)
+            else:
+                selected = select_topk(b.to_numpy(scores), cfg.n_expert_used)
+            ids = xp.array(selected.astype(np.int32))
         self._emit(p + "moe.experts", selected)
-        weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
+        weights = route_weights(xp, probs, ids, cfg.expert_weight_scale)
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
-        stacked = w.stacked_experts(il) if selected.size <= self.gather_max_pairs else None
-        if stacked is not None:  # a decode step: every selected expert in one launch per projection
+        if stacked is not None:  # every selected expert in one launch per projection
             moe = routed_experts_gathered(xp, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)

@@ -101,6 +101,11 @@ class Weights:
     def hash_table(self, il: int) -> np.ndarray:
         return self._memo(f"blk.{il}.tid2eid", lambda: self._dense(f"blk.{il}.ffn_gate_tid2eid.weight"))
 
+    def hash_table_on_device(self, il: int):
+        """The hash layer's token → experts table as a device int32 array (routing that stays there)."""
+        return self._memo(f"blk.{il}.tid2eid.device",
+                          lambda: self.backend.xp.array(self.hash_table(il).astype(np.int32)))
+
     def embed(self, tokens: np.ndarray):
         t = self.file.tensors["token_embd.weight"]
         return self.backend.asarray(dequantize(t.data[tokens], t.qtype, t.shape[0]))
