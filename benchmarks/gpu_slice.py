@@ -132,6 +132,13 @@ def step(t: Transformer, tokens, state, sync):
     return state, logits
 
 
+def graph_report(t: Transformer) -> dict:
+    """How the compiled steps ran: CUDA graphs captured and capture failures (CuPy)."""
+    graphs = [g for g in t._compiled.values() if hasattr(g, "captures")]
+    return {"steps": len(graphs), "captures": sum(g.captures for g in graphs),
+            "failures": sorted({f for g in graphs for f in g.failures.values()})}
+
+
 def decode_speed(t: Transformer, context: int, steps: int, sync) -> dict:
     state = filled_state(t, context, context + steps + 8)
     rng = np.random.default_rng(1)
@@ -299,7 +306,9 @@ def main(argv=None):
 
         ctx = args.decode_ctx[0]
         state = filled_state(t, ctx, ctx + args.cprofile + 8)
-        state, _ = step(t, np.array([1]), state, sync)
+        for i in range(2):  # the first step runs eagerly, the second captures CUDA graphs (CuPy)
+            state, _ = step(t, np.array([i]), state, sync)
+        print("graphs:", graph_report(t))
         with cProfile.Profile() as prof:
             for i in range(args.cprofile):
                 state, _ = step(t, np.array([i + 2]), state, sync)
@@ -327,6 +336,8 @@ def main(argv=None):
               f"roofline {d['roofline_s'] * 1e3:.2f} ms = {100 * d['roofline_fraction']:.1f}%); 43 layers: "
               f"{d['full_model_tokens_per_s']:.1f} tok/s", flush=True)
         print("  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in prof.items()), flush=True)
+    out["graphs"] = graph_report(t)
+    print("graphs:", out["graphs"], flush=True)
     out["prefill"] = []
     for n in args.prefill:
         r = prefill_speed(t, n, sync)

@@ -454,5 +454,6 @@ def test_compiled_decode_equals_eager(model_paths, backend):
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
     if backend == "cupy":
-        graphs = list(t._compiled.values())
-        assert graphs and all(g.captures == 1 and not g.failures for g in graphs), [g.failures for g in graphs]
+        decode = [g for key, g in t._compiled.items() if key[-1] == 1]  # (layer, rows), ("ffn", layer, rows)
+        assert len(decode) == 2 * gpu.config.n_layer
+        assert all(g.captures == 1 and not g.failures for g in decode), [g.failures for g in decode]
