@@ -1,9 +1,9 @@
 """The CuPy backend (float32 on an NVIDIA GPU).
 
 Weights stay on the GPU in their GGUF block form and run through ds4lab's kernels (``kernels=True``,
-the default); the routed experts of a layer are uploaded whole, once, and a decode step evaluates its
-selected experts in one launch per projection. ``kernels=False`` is the plain-ops path: every weight
-dequantized to float32 on the GPU and every op a CuPy array op.
+the default); the routed experts of a layer are uploaded whole, once, and a step evaluates its selected
+experts in one launch per projection (qmatmul for a decode step, qgemm for a chunk). ``kernels=False``
+is the plain-ops path: every weight dequantized to float32 on the GPU and every op a CuPy array op.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from . import specs as S
 
 
 class KernelLaunches:
-    """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul plans)
+    """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept."""
 
     def __init__(self):
@@ -51,12 +51,16 @@ class KernelLaunches:
             self._consts[key] = self._array(np.array(values, dtype=dtype))
         return self._consts[key]
 
-    def _dense_plan(self, n_pairs: int):
-        key = ("plan", n_pairs)
-        if key not in self._consts:
-            order, batches = S.pair_batches(None, n_pairs)
-            self._consts[key] = (self._array(order), self._array(batches), len(batches))
-        return self._consts[key]
+    def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
+        """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`; a dense plan is kept."""
+        key = ("plan", n_pairs, size)
+        if experts is None and key in self._consts:
+            return self._consts[key]
+        order, batches = S.pair_batches(experts, n_pairs, size)
+        plan = (self._array(order), self._array(batches), len(batches))
+        if experts is None:
+            self._consts[key] = plan
+        return plan
 
     def dequant(self, w, qtype, ne0: int, rows: int):
         """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]``."""
@@ -67,14 +71,20 @@ class KernelLaunches:
     def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
         """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix)."""
         P = x.shape[0]
-        if experts is None:
-            order, batches, n_batches = self._dense_plan(P)
-        else:
-            order, batches = S.pair_batches(experts, P)
-            order, batches, n_batches = self._array(order), self._array(batches), len(batches)
+        order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches)
         return self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches),
                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
+                         [((P, n_rows), "float32")])[0]
+
+    def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
+        """The same product for many rows, tiled: ``x [P, ne0]``, ``raw [n_expert, n_rows, row_bytes]`` (or
+        ``[n_rows, row_bytes]`` with ``experts`` None: one matrix), ``experts`` a host array of P expert ids;
+        every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
+        P = x.shape[0]
+        order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
+        return self._run(S.qgemm_spec(qtype), (-(-n_rows // S.QGEMM_BN), n_tiles), S.QGEMM_THREADS,
+                         [self._f32(x), raw, self.aux, order, tiles, self._const(ne0, n_rows, row_bytes(qtype, ne0))],
                          [((P, n_rows), "float32")])[0]
 
     def attention(self, q, keys, visible, sinks, scale: float):

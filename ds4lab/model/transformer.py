@@ -30,7 +30,7 @@ from .state import KVState, LayerState
 from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
-GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which routed experts run gathered, when the backend can
+GATHER_MAX_PAIRS = 64  # (token, group) pairs up to which attn_output_a runs gathered, when the backend can
 
 
 @dataclass(frozen=True)
@@ -294,8 +294,8 @@ class Transformer:
         weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
-        stacked = w.stacked_experts(il) if selected.size <= self.gather_max_pairs else None
-        if stacked is not None:  # a decode step: every selected expert in one launch per projection
+        stacked = w.stacked_experts(il)
+        if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
             moe = routed_experts_gathered(xp, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
