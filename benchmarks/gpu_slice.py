@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ds4lab.backends import get_backend
+from ds4lab.backends.kernel_ops import BlockLinear
 from ds4lab.config import FLASH, NANO, replace
 from ds4lab.gguf_file import TensorInfo, tensor_byte_shape
 from ds4lab.model import transformer as transformer_module
@@ -271,7 +272,9 @@ def main(argv=None):
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                    help="profile STEPS decode steps at the first --decode-ctx (cProfile), print the top, exit")
     p.add_argument("--gather-all", action="store_true",
-                   help="prefill routed experts through the gathered qmatmul kernel too (not per-expert GEMMs)")
+                   help="prefill the attention output's groups gathered too (qgemm, not per-group GEMMs)")
+    p.add_argument("--dense-qgemm", action="store_true",
+                   help="prefill dense linears through qgemm (not dequantize + GEMM)")
     p.add_argument("--no-compile", action="store_true", help="MLX: run the attention step eagerly")
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
                    help="nano: a small model of the same shape, to try the script on a CPU")
@@ -284,14 +287,16 @@ def main(argv=None):
     t = build(cfg, args.backend, not args.plain, tensors)
     if args.gather_all:
         t.gather_max_pairs = float("inf")
+    BlockLinear.qgemm_chunks = args.dense_qgemm
     if args.no_compile:
         t.compile = False
     sync = syncer(t.backend)
     out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
-           "gather_all": args.gather_all, "compile": t.compile,
+           "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": t.compile,
            "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
     out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
-    print(f"{args.backend} kernels={not args.plain} gather_all={args.gather_all} compile={t.compile}: "
+    print(f"{args.backend} kernels={not args.plain} gather_all={args.gather_all} dense_qgemm={args.dense_qgemm} "
+          f"compile={t.compile}: "
           f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
 
     t0 = time.perf_counter()

@@ -155,6 +155,52 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+def test_pair_batches_cut_each_experts_run_of_slots():
+    from ds4lab.mlx_kernels.specs import pair_batches
+
+    order, batches = pair_batches(np.array([3, 1, 3, 3, 1, 0, 3]), 7, 2)
+    assert order.tolist() == [5, 1, 4, 0, 2, 3, 6]  # by expert, pairs of one expert in their order
+    assert batches.tolist() == [[0, 0, 1], [1, 1, 2], [3, 3, 2], [3, 5, 2]]
+    order, batches = pair_batches(None, 5, 2)  # one matrix
+    assert order.tolist() == [0, 1, 2, 3, 4] and batches.tolist() == [[0, 0, 2], [0, 2, 2], [0, 4, 1]]
+    order, batches = pair_batches(np.array([2, 2, 2]), 3, 8)
+    assert order.tolist() == [0, 1, 2] and batches.tolist() == [[2, 0, 3]]
+    order, batches = pair_batches(None, 0, 8)
+    assert order.shape == (0,) and batches.shape == (0, 3)
+
+
+QGEMM_K = {Q.F32: 100, Q.F16: 70, Q.Q8_0: 96, Q.Q2_K: 512, Q.Q4_K: 256, Q.IQ2_XXS: 256}  # F32/F16: K % BK ≠ 0
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_qgemm_gathers_each_pairs_expert(gpu, qtype):
+    """Expert 2 has more rows than one tile (QGEMM_BM = 64), expert 4 one row, expert 3 none; N = 70 is
+    not a multiple of QGEMM_BN. Float32 sums in another order than float64's: within 1e-5 of the scale."""
+    _, kernels, to_dev, to_host = gpu
+    n_expert, rows, ne0 = 5, 70, QGEMM_K[qtype]
+    raw = random_weight(qtype, (n_expert, rows), ne0, seed=5)
+    rng = np.random.default_rng(6)
+    experts = np.r_[np.full(70, 2), 4, rng.choice([0, 1], 12)]
+    rng.shuffle(experts)
+    x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
+    W = dequantize(raw, qtype, ne0).astype(np.float64)
+    want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
+    got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype", (Q.F16, Q.Q8_0, Q.IQ2_XXS), ids=lambda q: q.name)
+def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
+    _, kernels, to_dev, to_host = gpu
+    rows, ne0, P = 67, QGEMM_K[qtype], 130
+    raw = random_weight(qtype, (rows,), ne0, seed=7)
+    x = np.random.default_rng(8).standard_normal((P, ne0)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
+    got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("T,H,D,N", [(1, 4, 128, 1), (1, 64, 512, 4100), (3, 2, 96, 37), (2, 8, 64, 700),
                                      (16, 4, 128, 300)])
 def test_split_key_attention_matches_float64(gpu, T, H, D, N):
@@ -250,17 +296,26 @@ MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx
 @pytest.mark.parametrize("backend", MODEL_BACKENDS)
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "plain"])
 @pytest.mark.parametrize("name", ["nano", "q4k", "mixed"])
-def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name):
-    """Exact numerics; a 96-token prefill in chunks of 32 (chunk products: dequantize + GEMM), then 12
-    decode steps (products from the blocks, gathered experts, the attention kernel). The CPU emulator runs
-    the nano model only, 72 tokens in chunks of 24 and 3 decode steps (the indexer selects from token 67):
-    the same paths, fewer launches."""
+def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name, monkeypatch):
+    """Exact numerics; a 96-token prefill in chunks of 32 (dense products: dequantize + GEMM; routed
+    experts: qgemm), then 12 decode steps (products from the blocks, gathered experts, the attention
+    kernel). The CPU emulator runs the nano model only, 72 tokens in chunks of 24 and 3 decode steps (the
+    indexer selects from token 67): the same paths, fewer launches."""
     emulated = backend.endswith("emulated")
     n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
     if emulated and name != "nano":
         pytest.skip("the CPU emulator runs the nano model only (each launch costs milliseconds there)")
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     gpu = _gpu_model_or_skip(model_paths[name], backend, "exact", kernels)
+    if kernels:  # a chunk's routed experts: every (token, expert) pair in one qgemm per projection
+        qgemm_calls = []
+        qgemm = gpu.backend.kernels.qgemm
+
+        def counted(x, raw, qtype, ne0, n_rows, experts=None):
+            qgemm_calls.append((x.shape[0], n_rows))
+            return qgemm(x, raw, qtype, ne0, n_rows, experts)
+
+        monkeypatch.setattr(gpu.backend.kernels, "qgemm", counted)
     ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, n_prefill + n_decode)
     logits = {}
     for m in (ref, gpu):
@@ -273,6 +328,8 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
         logits[m.backend.name] = np.stack(steps)
     err = rel_err(logits[gpu.backend.name], logits["numpy"])
     assert err.max() < 1e-3, err
+    if kernels:
+        assert (chunk * ref.config.n_expert_used, ref.config.ff_exp) in qgemm_calls  # the gate or up projection
     assert np.array_equal(logits[gpu.backend.name].argmax(-1), logits["numpy"].argmax(-1))
 
 

@@ -2,10 +2,11 @@
 kernel when it has one and through the plain array ops otherwise, and linears that keep a GGUF weight
 in its block form on the GPU.
 
-A few rows (a decode step, a routed expert's tokens) go through ``qmatmul``, which decodes each weight
-row once per batch of up to eight rows of x; a chunk dequantizes the matrix into a transient float32
-buffer and uses the library's GEMM, which is the faster way once many rows share the weight. Nothing
-dequantized is kept.
+A few rows (a decode step) go through ``qmatmul``, which decodes each weight row once per batch of up to
+eight rows of x. A chunk's routed experts go through ``qgemm``: every (token, expert) pair of a projection
+in one tiled launch that decodes the blocks into shared memory, with no dequantized copy of any weight. A
+chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
+GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from ..model.hc import hc_mix
 from ..model.rope import rope_tail
 from ..quants import dequantize
 
-KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
+KERNEL_MAX_ROWS = 16  # up to this many rows of x (or pairs), qmatmul; beyond, qgemm or dequantize + GEMM
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 
 
 class BlockLinear:
     """``x -> x @ Wᵀ`` for ``W`` = ``raw [rows, row_bytes]`` (device bytes) of ``qtype``, rows of ``ne0``."""
+
+    qgemm_chunks = False  # chunks through qgemm instead of dequantize + GEMM (a benchmark's switch)
 
     def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
         self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
@@ -38,6 +41,8 @@ class BlockLinear:
         x2 = x.reshape(-1, self.ne0)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             out = self.kernels.qmatmul(x2, self.raw, self.qtype, self.ne0, self.n_rows)
+        elif self.qgemm_chunks:
+            out = self.kernels.qgemm(x2, self.raw, self.qtype, self.ne0, self.n_rows)
         else:
             out = x2 @ self.kernels.dequant(self.raw, self.qtype, self.ne0, self.n_rows).T
         return out.reshape(tuple(lead) + (self.n_rows,))
@@ -46,18 +51,16 @@ class BlockLinear:
 class StackedBlockLinear:
     """All experts of one routed-expert tensor ``raw [n_expert, rows, row_bytes]`` on the device.
 
-    ``stacked(x_pairs, experts)`` gives row p of ``x_pairs`` times expert ``experts[p]``ᵀ in one launch;
-    ``stacked.expert(e)`` is expert e alone, a view of the same bytes."""
+    ``stacked(x_pairs, experts)`` gives row p of ``x_pairs`` times expert ``experts[p]``ᵀ in one launch:
+    qmatmul for a few pairs, qgemm for a chunk's."""
 
     def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
         self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
 
     def __call__(self, x_pairs, experts):
-        """``experts``: host ids, or a device array of them (planned on the device, one pair per batch)."""
-        return self.kernels.qmatmul(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, experts)
-
-    def expert(self, e: int) -> BlockLinear:
-        return BlockLinear(self.kernels, self.raw[e], self.qtype, self.ne0, self.n_rows)
+        """``experts``: host ids, or a device array of them (a decode step's routing, planned there)."""
+        product = self.kernels.qmatmul if x_pairs.shape[0] <= KERNEL_MAX_ROWS else self.kernels.qgemm
+        return product(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, experts)
 
 
 class KernelOps:

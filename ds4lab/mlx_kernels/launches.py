@@ -14,7 +14,7 @@ PLANS_KEPT = 64
 
 
 class KernelLaunches:
-    """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul plans)
+    """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept. ``xp`` is the subclass's array library."""
 
     xp = None
@@ -56,17 +56,17 @@ class KernelLaunches:
             self._consts[key] = self._array(np.array(values, dtype=dtype))
         return self._consts[key]
 
-    def _pair_plan(self, experts: np.ndarray | None, n_pairs: int):
-        """qmatmul's ``(order, batches, n_batches)`` on the device. Plans are kept: one per size for dense
-        products, and the last PLANS_KEPT gathered ones (a decode step's output groups repeat every step,
-        and a CUDA graph capture may not copy from the host)."""
-        key = ("plan", n_pairs, None if experts is None else np.asarray(experts, dtype=np.int64).tobytes())
+    def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
+        """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Plans are kept: one per
+        size for dense products, and the last PLANS_KEPT gathered ones (a decode step's output groups
+        repeat every step, and a CUDA graph capture may not copy from the host)."""
+        key = ("plan", n_pairs, size, None if experts is None else np.asarray(experts, dtype=np.int64).tobytes())
         if key not in self._consts:
             if experts is not None:
                 self._gathered_plans.append(key)
                 if len(self._gathered_plans) > PLANS_KEPT:
                     del self._consts[self._gathered_plans.pop(0)]
-            order, batches = S.pair_batches(experts, n_pairs)
+            order, batches = S.pair_batches(experts, n_pairs, size)
             self._consts[key] = (self._array(order), self._array(batches), len(batches))
         return self._consts[key]
 
@@ -80,7 +80,7 @@ class KernelLaunches:
         """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix)."""
         P = x.shape[0]
         if experts is None or isinstance(experts, np.ndarray):
-            order, batches, n_batches = self._pair_plan(experts, P)
+            order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
         else:  # ids on the device: each pair its own batch, the plan made there
             order = self._const(*range(P))
             batches = self.xp.stack([self._i32(experts), order, self._const(*(1,) * P)], axis=1)
@@ -88,6 +88,16 @@ class KernelLaunches:
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches)
         return self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches),
                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
+                         [((P, n_rows), "float32")])[0]
+
+    def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
+        """The same product for many rows, tiled: ``x [P, ne0]``, ``raw [n_expert, n_rows, row_bytes]`` (or
+        ``[n_rows, row_bytes]`` with ``experts`` None: one matrix), ``experts`` a host array of P expert ids;
+        every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
+        P = x.shape[0]
+        order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
+        return self._run(S.qgemm_spec(qtype), (-(-n_rows // S.QGEMM_BN), n_tiles), S.QGEMM_THREADS,
+                         [self._f32(x), raw, self.aux, order, tiles, self._const(ne0, n_rows, row_bytes(qtype, ne0))],
                          [((P, n_rows), "float32")])[0]
 
     def attention(self, q, keys, visible, sinks, scale: float):

@@ -2,6 +2,7 @@
 
 ``dequant_<type>``   GGUF rows → float32 rows (for chunk products through the library's GEMM)
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
+``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``attn_partial``     split-key attention with an online softmax per split
 ``attn_reduce``      merge the splits with the sink logit
 ``hc_mix``           the hyper-connection mixer after its linear: pre, post, Sinkhorn combine, x_in
@@ -26,6 +27,10 @@ DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_
             Q.IQ2_XXS: "dq_iq2_xxs"}
 MAX_PAIRS = 8  # pairs a qmatmul batch shares one decode of the weight row with
 QMATMUL_ROWS_PER_GROUP = 4  # SIMD groups (rows) per work-group
+# qgemm's tiles: BM slots x BN rows of W per work-group, BK along K per shared-memory step, each thread a
+# TM x TN micro-tile. Shared memory: BK (BM + 1 + BN + 1) floats = 16.6 KB (Metal allows 32 KB).
+QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_TM, QGEMM_TN = 64, 64, 32, 4, 4
+QGEMM_THREADS = (QGEMM_BM // QGEMM_TM) * (QGEMM_BN // QGEMM_TN)
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
 ATTN_KEYS_PER_SPLIT = 256
@@ -45,6 +50,16 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),), {"DEQUANT": DECODERS[Q(qtype)], "MAX_PAIRS": MAX_PAIRS})
+
+
+def qgemm_spec(qtype: Q) -> KernelSpec:
+    return KernelSpec(f"qgemm_{Q(qtype).name.lower()}", "qgemm.body",
+                      (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"),
+                       ("dims", "int32")),
+                      (("out", "float32"),),
+                      {"DEQUANT": DECODERS[Q(qtype)], "BM": QGEMM_BM, "BN": QGEMM_BN, "BK": QGEMM_BK, "TM": QGEMM_TM,
+                       "TN": QGEMM_TN, "TX": QGEMM_BN // QGEMM_TN, "TY": QGEMM_BM // QGEMM_TM,
+                       "LOAD_ROWS": QGEMM_THREADS // QGEMM_BK})
 
 
 ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",
@@ -87,26 +102,28 @@ ROPE = KernelSpec("rope", "rope.body",
 
 
 def all_specs() -> list[KernelSpec]:
-    return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
+    return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
+            *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
             HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
 
 
-def pair_batches(experts: np.ndarray | None, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, batches)`` for qmatmul: pairs grouped by expert (stable), cut into batches of at most
-    MAX_PAIRS; ``experts`` None means one matrix for every pair (a dense linear)."""
+def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, batches)``: pairs grouped by expert (a stable sort), each expert's run of slots cut into
+    batches ``(expert, first slot, count)`` of at most ``size`` (MAX_PAIRS for qmatmul, QGEMM_BM for qgemm's
+    tiles); slot i holds pair ``order[i]``. ``experts`` None means one matrix for every pair (a dense linear)."""
     if experts is None:
         order = np.arange(n_pairs, dtype=np.int32)
-        experts = np.zeros(n_pairs, dtype=np.int64)
+        sorted_e = np.zeros(n_pairs, dtype=np.int64)
     else:
         order = np.argsort(experts, kind="stable").astype(np.int32)
-    sorted_e = np.asarray(experts)[order]
-    batches = []
+        sorted_e = np.asarray(experts)[order]
     starts = np.flatnonzero(np.r_[True, sorted_e[1:] != sorted_e[:-1]])
-    ends = np.r_[starts[1:], n_pairs]
-    for s, e in zip(starts, ends):
-        for first in range(s, e, MAX_PAIRS):
-            batches.append((int(sorted_e[s]), first, min(MAX_PAIRS, e - first)))
-    return order, np.asarray(batches, dtype=np.int32).reshape(-1, 3)
+    runs = np.r_[starts[1:], n_pairs] - starts
+    cuts = -(-runs // size)  # batches per run
+    run = np.repeat(np.arange(len(starts)), cuts)
+    first = starts[run] + size * (np.arange(len(run)) - np.repeat(np.cumsum(cuts) - cuts, cuts))
+    count = np.minimum(size, starts[run] + runs[run] - first)
+    return order, np.stack([sorted_e[starts[run]], first, count], axis=1).astype(np.int32).reshape(-1, 3)
 
 
 def pool_shape(ratio: int, C: int, W: int) -> tuple[int, int]:

@@ -38,8 +38,8 @@ from .state import KVState, LayerState
 from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
-GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which routed experts run gathered, when the backend can
-DEVICE_ROUTING_ROWS = 16  # up to this many tokens, gathered experts are also chosen on the device (no host sync)
+GATHER_MAX_PAIRS = 64  # (token, group) pairs up to which attn_output_a runs gathered, when the backend can
+DEVICE_ROUTING_ROWS = 16  # up to this many tokens, kernel backends choose experts on the device (no host sync)
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ class Transformer:
         probs = router_probs(xp, w.linear(p + "ffn_gate_inp.weight")(f))
         self._emit(p + "moe.router", probs)
         bias = p + "exp_probs_b.bias"
-        stacked = w.stacked_experts(il) if X.shape[0] * cfg.n_expert_used <= self.gather_max_pairs else None
+        stacked = w.stacked_experts(il)
         scores = probs + w.vector(bias) if bias in w else probs
         if stacked is not None and X.shape[0] <= DEVICE_ROUTING_ROWS:  # a decode step: routing stays on the device
             if cfg.is_hash_layer(il):
@@ -326,7 +326,7 @@ class Transformer:
         weights = route_weights(xp, probs, ids, cfg.expert_weight_scale)
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
-        if stacked is not None:  # every selected expert in one launch per projection
+        if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
             moe = routed_experts_gathered(xp, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)

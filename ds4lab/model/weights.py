@@ -79,11 +79,8 @@ class Weights:
         return [self.file.tensors[f"blk.{il}.ffn_{kind}_exps.weight"] for kind in ("gate", "up", "down")]
 
     def expert(self, il: int, e: int):
-        """Gate, up and down of routed expert ``e``, built from that expert's blocks only (a view of the
-        device-resident blocks where the backend keeps them whole)."""
-        stacked = self.stacked_experts(il)
-        if stacked is not None:
-            return tuple(s.expert(e) for s in stacked)
+        """Gate, up and down of routed expert ``e``, built from that expert's blocks only (for backends
+        without stacked experts: those with kernels run every expert in one launch per projection)."""
         key = (self.backend.device_key(), il, e)
         if key in self._experts:
             self._experts.move_to_end(key)
