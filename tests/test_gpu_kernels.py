@@ -355,6 +355,21 @@ def test_hc_mixer_kernel_matches_float64(gpu, T, n, E):
         np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
 
 
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130)])
+def test_hc_post_kernel_matches_float64(gpu, T, n, E):
+    from ds4lab.model.hc import hc_post
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(T + n)
+    y = rng.standard_normal((T, E)).astype(np.float32)
+    X = rng.standard_normal((T, n, E)).astype(np.float32)
+    post = rng.uniform(0, 2, (T, n)).astype(np.float32)
+    comb = rng.uniform(0, 1, (T, n, n)).astype(np.float32)
+    want = hc_post(np, *(a.astype(np.float64) for a in (y, X, post, comb)))
+    got = to_host(kernels.hc_post(*(to_dev(a) for a in (y, X, post, comb))))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("shape", [(1, 4096), (7, 1024), (3, 5, 96), (2, 16384)])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_rmsnorm_kernel_matches_float64(gpu, shape, weighted):

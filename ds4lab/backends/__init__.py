@@ -15,7 +15,7 @@ the few operations below whose spelling differs between libraries or that touch 
 and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
 backend has them (``kernels``; GPU backends) and through plain ops elsewhere:
 
-    attend, rope, rmsnorm, hc_mix, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
+    attend, rope, rmsnorm, hc_mix, hc_post, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
     stacked_linear(raw, qtype, ne0)           stacked matrices in block form, one launch (None: no kernel)
 """
 

@@ -2,7 +2,8 @@
 kernel when it has one and through the plain array ops otherwise, and linears that keep a GGUF weight
 in its block form on the GPU.
 
-A few rows (a decode step) go through ``qmatmul``, which decodes each weight row once per batch of up to
+A few rows (a decode step) go through ``qmatmul`` (F32 weights too, so a decode step calls no BLAS and
+can be captured as a CUDA graph), which decodes each weight row once per batch of up to
 eight rows of x. A chunk's routed experts go through ``qgemm``: every (token, expert) pair of a projection
 in one tiled launch that decodes the blocks into shared memory, with no dequantized copy of any weight. A
 chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
@@ -19,7 +20,7 @@ from ..model import compressor as cz
 from ..model import numerics as nx
 from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores
 from ..model.functional import rmsnorm
-from ..model.hc import hc_mix
+from ..model.hc import hc_mix, hc_post
 from ..model.rope import rope_tail
 from ..quants import dequantize
 
@@ -43,6 +44,8 @@ class BlockLinear:
             out = self.kernels.qmatmul(x2, self.raw, self.qtype, self.ne0, self.n_rows)
         elif self.qgemm_chunks:
             out = self.kernels.qgemm(x2, self.raw, self.qtype, self.ne0, self.n_rows)
+        elif self.qtype == Q.F32:  # already floats: the bytes are the matrix
+            out = x2 @ self.raw.view(np.float32).reshape(self.n_rows, self.ne0).T
         else:
             out = x2 @ self.kernels.dequant(self.raw, self.qtype, self.ne0, self.n_rows).T
         return out.reshape(tuple(lead) + (self.n_rows,))
@@ -94,6 +97,11 @@ class KernelOps:
         if self.kernels is not None and X.shape[1] <= HC_MAX:
             return self.kernels.hc_mix(mix, scale, base, X, iters, eps)
         return hc_mix(self.xp, mix, scale, base, X, iters=iters, eps=eps)
+
+    def hc_post(self, y, X, post, comb):
+        if self.kernels is not None:
+            return self.kernels.hc_post(y, X, post, comb)
+        return hc_post(self.xp, y, X, post, comb)
 
     def rope(self, x, cos, sin, inverse: bool = False):
         """RoPE on the tail dims (see :func:`ds4lab.model.rope.rope_tail`)."""
@@ -156,9 +164,6 @@ class BlockBackend(KernelOps):
         qtype, xp = Q(qtype), self.xp
         if self.kernels is None or qtype not in KERNEL_TYPES:
             weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
-            return lambda x: x @ weight_t
-        if qtype == Q.F32:  # already floats: the bytes are the matrix
-            weight_t = xp.asarray(raw).view(xp.float32).reshape(raw.shape[0], ne0).T
             return lambda x: x @ weight_t
         return BlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[0])
 

@@ -122,6 +122,13 @@ class KernelLaunches:
                                 self._const(T, n, E, iters), self._const(eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 
+    def hc_post(self, y, X, post, comb):
+        """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``."""
+        T, n, E = X.shape
+        return self._run(S.HC_POST, (-(-T * n * E // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         [self._f32(y), self._f32(X), self._f32(post), self._f32(comb), self._const(T, n, E)],
+                         [((T, n, E), "float32")])[0]
+
     def rmsnorm(self, x, eps: float, weight=None):
         D = x.shape[-1]
         x2 = self._f32(x).reshape(-1, D)

@@ -76,6 +76,9 @@ HC_MIX = KernelSpec("hc_mix", "hc_mix.body",
                     (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("dims", "int32"),
                      ("fparams", "float32")),
                     (("x_in", "float32"), ("post", "float32"), ("comb", "float32")), {"HC_MAX": HC_MAX})
+HC_POST = KernelSpec("hc_post", "hc_post.body",
+                     (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"), ("dims", "int32")),
+                     (("out", "float32"),))
 RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body",
                      (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32")),
                      (("y", "float32"),))
@@ -104,7 +107,7 @@ ROPE = KernelSpec("rope", "rope.body",
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
             *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
-            HC_MIX, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
+            HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

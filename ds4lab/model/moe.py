@@ -21,12 +21,13 @@ def select_topk(scores: np.ndarray, k: int) -> np.ndarray:
 def select_topk_on_device(xp, scores, k: int):
     """:func:`select_topk` without leaving the device, for a few rows: an expert's rank is the number of
     experts that come before it (a higher score, or an equal one and a lower id), so the ranks are
-    distinct and any sort of them gives the stable order."""
+    distinct and slot r takes the expert ranked r. No sort: a library's sort may wait for the GPU, which
+    a CUDA graph capture does not allow."""
     n = scores.shape[-1]
     s_i, s_j = scores[:, :, None], scores[:, None, :]
     lower_id = xp.arange(n)[None, :] < xp.arange(n)[:, None]  # [i, j]: j < i
     rank = ((s_j > s_i) | ((s_j == s_i) & lower_id)).astype(xp.int32).sum(axis=-1)
-    return xp.argsort(rank, axis=-1)[:, :k]
+    return (rank[:, None, :] == xp.arange(k)[:, None]).astype(xp.int32).argmax(axis=-1)
 
 
 def route_weights(xp, probs, selected, scale: float):

@@ -23,7 +23,7 @@ from . import numerics as nx
 from .attention import grouped_output, grouped_output_gathered, raw_visibility, visible_rows
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
-from .hc import hc_head, hc_post, hc_pre
+from .hc import hc_head, hc_pre
 from .moe import (
     route_weights,
     routed_experts,
@@ -256,7 +256,7 @@ class Transformer:
             y = grouped_output_gathered(xp, heads, stacked, cfg.o_groups, out_b)
         else:
             y = grouped_output(xp, heads, w.out_a_groups(il), out_b)
-        return hc_post(xp, y, X, post, comb), new
+        return self.backend.hc_post(y, X, post, comb), new
 
     def _compress(self, il, name, a, pos0, n_valid, windows, rows, state_kv, state_sc, store):
         """Project the chunk for one compressor, pool windows, normalize, RoPE at the window start, and
@@ -332,4 +332,4 @@ class Transformer:
             moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
         shared = w.linear(p + "ffn_down_shexp.weight")(
             swiglu(xp, w.linear(p + "ffn_gate_shexp.weight")(f), w.linear(p + "ffn_up_shexp.weight")(f), clamp))
-        return hc_post(xp, moe + shared, X, post, comb)
+        return self.backend.hc_post(moe + shared, X, post, comb)
