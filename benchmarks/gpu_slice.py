@@ -135,9 +135,12 @@ def step(t: Transformer, tokens, state, sync):
 
 def graph_report(t: Transformer) -> dict:
     """How the compiled steps ran: CUDA graphs captured and capture failures (CuPy)."""
-    graphs = [g for g in t._compiled.values() if hasattr(g, "captures")]
-    return {"steps": len(graphs), "captures": sum(g.captures for g in graphs),
-            "failures": sorted({f for g in graphs for f in g.failures.values()})}
+    graphs = {key: g for key, g in t._compiled.items() if hasattr(g, "captures")}
+    replays = {str(key): [round(s * 1e3, 4) for s in g.replay_seconds()] for key, g in graphs.items()}
+    return {"steps": len(graphs), "captures": sum(g.captures for g in graphs.values()),
+            "failures": sorted({f for g in graphs.values() for f in g.failures.values()}),
+            "replay_ms": replays,  # per step: its graphs' GPU time, one per set of shapes captured
+            "replay_ms_total": [round(sum(ms), 3) for ms in zip(*(r for r in replays.values() if r))]}
 
 
 def decode_speed(t: Transformer, context: int, steps: int, sync) -> dict:

@@ -72,3 +72,17 @@ class GraphStep:
             return self.fn(*args)
         self.captures += 1
         return captured(args)
+
+    def replay_seconds(self, repeats: int = 20) -> list[float]:
+        """GPU seconds of one bare replay (no argument copies) of each graph captured, replayed back to back
+        (a benchmark's view of the GPU work against the host's)."""
+        stream, seconds = cp.cuda.get_current_stream(), []
+        for captured in self._graphs.values():
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            for _ in range(repeats):
+                captured.graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            seconds.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats)
+        return seconds

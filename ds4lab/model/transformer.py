@@ -44,11 +44,15 @@ DEVICE_ROUTING_ROWS = 16  # up to this many tokens, kernel backends choose exper
 
 @dataclass(frozen=True)
 class ChunkTables:
-    """Host-computed RoPE tables for one chunk: per layer kind, the chunk's positions and the start
-    positions of the compressed windows the chunk can complete."""
+    """What every layer of a chunk reads, made on the host once per chunk and device: RoPE tables per
+    layer kind (the chunk's positions, and the start positions of the compressed windows the chunk can
+    complete), and for compiled steps the start, the count of real tokens and the ids as device arrays
+    (uploaded once here: an upload per layer would wait for the GPU each time)."""
 
     rope: dict  # RopeParams -> (cos, sin) [C, n_rot/2]
     windows: dict  # (RopeParams, ratio) -> (cos, sin) [n_windows, n_rot/2]
+    scalars: tuple  # (pos0, n_valid) as the backend passes them into compiled functions
+    ids: object  # the real tokens' ids, int32 on the device
 
 
 class Transformer:
@@ -84,7 +88,7 @@ class Transformer:
         return x if self.numerics == "exact" else nx.f16_round(self.backend.xp, self.indexer_quant(x))
 
     # -- forward --------------------------------------------------------------------------------------
-    def tables(self, pos0: int, chunk: int) -> ChunkTables:
+    def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
         b = self.backend
         positions = pos0 + np.arange(chunk)
         rope, windows = {}, {}
@@ -95,7 +99,9 @@ class Transformer:
             if R and (params, R) not in windows:
                 n = n_blocks(R, chunk) - (coff(R) - 1)
                 windows[params, R] = tuple(map(b.asarray, params.tables((pos0 // R + np.arange(n)) * R)))
-        return ChunkTables(rope, windows)
+        if not self.compiles(chunk):
+            return ChunkTables(rope, windows, (pos0, len(tokens)), None)
+        return ChunkTables(rope, windows, (b.scalar(pos0), b.scalar(len(tokens))), b.xp.array(tokens.astype(np.int32)))
 
     def forward(self, tokens, state: KVState, pad_to: int | None = None, tiers: TierRun | None = None):
         """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
@@ -125,16 +131,16 @@ class Transformer:
         tiers.start()
         with tiers.scope():
             X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
-            tabs = {tiers.device: self.tables(pos0, C)}  # per device: a tier reads its own copy
+            tabs = {tiers.device: self.tables(tokens, pos0, C)}  # per device: a tier reads its own copy
         layers = []
         for il in range(cfg.n_layer):
             X = tiers.enter(il, X)
             with tiers.scope():
                 if tiers.device not in tabs:
-                    tabs[tiers.device] = self.tables(pos0, C)
+                    tabs[tiers.device] = self.tables(tokens, pos0, C)
                 X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il])
-                X = self._ffn(il, X[:n], tokens) if C == n else xp.concatenate(
-                    [self._ffn(il, X[:n], tokens), X[n:]], axis=0)
+                X = self._ffn(il, X[:n], tokens, tabs[tiers.device]) if C == n else xp.concatenate(
+                    [self._ffn(il, X[:n], tokens, tabs[tiers.device]), X[n:]], axis=0)
             layers.append(layer)
         X = tiers.enter(cfg.n_layer, X)
         return X[:n], KVState(tuple(layers), pos0 + n, geo)
@@ -162,7 +168,7 @@ class Transformer:
         key = (il, X.shape[0])
         if key not in self._compiled:
             self._compiled[key] = self.backend.compile(self._attention_arrays(il))
-        out = self._compiled[key](X, self.backend.scalar(pos0), self.backend.scalar(n_valid), *rope,
+        out = self._compiled[key](X, *tabs.scalars, *rope,
                                   *(win if R else ()), *[a for a in st.arrays() if a is not None])
         return out[0], self._unflatten(il, out[1:])
 
@@ -288,14 +294,14 @@ class Transformer:
         return self.backend.indexer_scores(q, weights, index_rows)
 
     # -- FFN half -------------------------------------------------------------------------------------
-    def _ffn(self, il: int, X, tokens: np.ndarray):
+    def _ffn(self, il: int, X, tokens: np.ndarray, tabs: ChunkTables):
         """The FFN half; a decode-sized one as a CUDA graph where the backend graphs it (CuPy)."""
-        if not (self.compiles(X.shape[0]) and self.backend.compiles_ffn and self.observer is None):
+        if tabs.ids is None or not self.backend.compiles_ffn or self.observer is not None:
             return self.ffn_block(il, X, tokens)
         key = ("ffn", il, X.shape[0])
         if key not in self._compiled:
             self._compiled[key] = self.backend.compile(lambda X, ids: (self.ffn_block(il, X, ids),))
-        return self._compiled[key](X, self.backend.xp.array(tokens.astype(np.int32)))[0]
+        return self._compiled[key](X, tabs.ids)[0]
 
     def ffn_block(self, il: int, X, tokens):
         """``tokens`` are host ids, or device ids where a compiled step passes them in."""
