@@ -192,9 +192,10 @@ def chunk_mask(kind: str, T: int, N: int, rng) -> np.ndarray:
     return visible
 
 
-@pytest.mark.parametrize("T,H,D,N,kind", [(5, 3, 64, 37, "random"), (5, 3, 64, 37, "band"), (7, 17, 32, 45, "band+rows"),
-                                          (3, 2, 96, 130, "random"), (2, 4, 512, 300, "band+rows"),
-                                          (40, 64, 512, 1200, "band+rows"), (300, 64, 512, 4200, "random")])
+@pytest.mark.parametrize("T,H,D,N,kind", [(5, 3, 64, 37, "random"), (5, 3, 64, 37, "band"),
+                                          (7, 17, 32, 45, "band+rows"), (3, 2, 96, 130, "random"),
+                                          (2, 4, 512, 300, "band+rows"), (40, 64, 512, 1200, "band+rows"),
+                                          (300, 64, 512, 4200, "random")])
 def test_chunk_attention_matches_float64(gpu, T, H, D, N, kind):
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N, 12_000)

@@ -23,7 +23,8 @@ from ..model.rope import rope_tail
 from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
-ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
+ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks the chunk kernel
+ATTN_CHUNK_KERNEL = True  # False: chunks attend through the plain ops (GEMMs and a [T, H, N] score tensor)
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 
 
@@ -81,9 +82,12 @@ class KernelOps:
         return StackedBlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[1])
 
     def attend(self, q, keys, visible, sinks, scale: float):
-        """Attention with sinks: the split-key kernel for a few queries, plain ops (GEMMs) for a chunk."""
+        """Attention with sinks: the split-key kernel for a few queries (it spreads their keys over many
+        groups), the chunk kernel for a chunk (a group per query and block of heads)."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.attention(q, keys, visible, sinks, scale)
+        if self.kernels is not None and ATTN_CHUNK_KERNEL:
+            return self.kernels.attention_chunk(q, keys, visible, sinks, scale)
         return attend_with_sinks(self.xp, q, keys, visible, sinks, scale)
 
     def hc_mix(self, mix, scale, base, X, iters: int, eps: float):
