@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import ds4lab
+from ds4lab.backends import kernel_ops
 from ds4lab.model.attention import attend_with_sinks
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS
@@ -196,7 +197,7 @@ def chunk_mask(kind: str, T: int, N: int, rng) -> np.ndarray:
                                           (7, 17, 32, 45, "band+rows"), (3, 2, 96, 130, "random"),
                                           (2, 4, 512, 300, "band+rows"), (40, 64, 512, 1200, "band+rows"),
                                           (300, 64, 512, 4200, "random")])
-def test_chunk_attention_matches_float64(gpu, T, H, D, N, kind):
+def test_attn_chunk_matches_float64(gpu, T, H, D, N, kind):
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N, 12_000)
     rng = np.random.default_rng(T * N)
@@ -288,11 +289,12 @@ MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx
 @pytest.mark.parametrize("backend", MODEL_BACKENDS)
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "plain"])
 @pytest.mark.parametrize("name", ["nano", "q4k", "mixed"])
-def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name):
-    """Exact numerics; a 96-token prefill in chunks of 32 (chunk products: dequantize + GEMM), then 12
-    decode steps (products from the blocks, gathered experts, the attention kernel). The CPU emulator runs
-    the nano model only, 72 tokens in chunks of 24 and 3 decode steps (the indexer selects from token 67):
-    the same paths, fewer launches."""
+def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name, monkeypatch):
+    """Exact numerics; a 96-token prefill in chunks of 32 (chunk products: dequantize + GEMM, chunk
+    attention through attn_chunk), then 12 decode steps (products from the blocks, gathered experts, the
+    split-key attention kernel). The CPU emulator runs the nano model only, 72 tokens in chunks of 24 and
+    3 decode steps (the indexer selects from token 67): the same paths, fewer launches."""
+    monkeypatch.setattr(kernel_ops, "ATTN_CHUNK_KERNEL", True)  # off by default; the plain path is the reference
     emulated = backend.endswith("emulated")
     n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
     if emulated and name != "nano":

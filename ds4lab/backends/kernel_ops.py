@@ -6,6 +6,10 @@ A few rows (a decode step, a routed expert's tokens) go through ``qmatmul``, whi
 row once per batch of up to eight rows of x; a chunk dequantizes the matrix into a transient float32
 buffer and uses the library's GEMM, which is the faster way once many rows share the weight. Nothing
 dequantized is kept.
+
+Attention likewise: a few queries go through the split-key kernel; a chunk through the plain ops (GEMMs
+around a [T, H, N] score tensor), or, with ``ATTN_CHUNK_KERNEL``, through ``attn_chunk``, which never
+makes the scores (an online softmax over tiles of each query's visible keys).
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from ..model.rope import rope_tail
 from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x, qmatmul; beyond, dequantize + GEMM
-ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks the chunk kernel
-ATTN_CHUNK_KERNEL = True  # False: chunks attend through the plain ops (GEMMs and a [T, H, N] score tensor)
+ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
+# True: chunks attend through attn_chunk, which makes no [T, H, N] score tensor (4.4 GB a layer for a
+# 2048-token chunk at 32K context); False: through the plain ops, whose float32 GEMMs ran 1.7-2.2× faster
+# on the H200 (benchmarks/attn_chunk_bench.py) for as long as the scores fit in memory.
+ATTN_CHUNK_KERNEL = False
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 
 
@@ -83,7 +90,8 @@ class KernelOps:
 
     def attend(self, q, keys, visible, sinks, scale: float):
         """Attention with sinks: the split-key kernel for a few queries (it spreads their keys over many
-        groups), the chunk kernel for a chunk (a group per query and block of heads)."""
+        groups); for a chunk, the chunk kernel (a group per query and block of heads) if ATTN_CHUNK_KERNEL,
+        else the plain ops."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.attention(q, keys, visible, sinks, scale)
         if self.kernels is not None and ATTN_CHUNK_KERNEL:
