@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import ds4lab
+from ds4lab.backends import kernel_ops
 from ds4lab.model.attention import attend_with_sinks
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS
@@ -223,6 +224,44 @@ def test_split_key_attention_matches_float64(gpu, T, H, D, N):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
+def chunk_mask(kind: str, T: int, N: int, rng) -> np.ndarray:
+    """Visibility for the chunk kernel: a causal band (raw keys of a prefill), a band then compressed rows
+    visible by position (the model's layout), or random; every kind has a query that sees nothing."""
+    t, n = np.arange(T)[:, None], np.arange(N)[None, :]
+    if kind == "band":
+        visible = (n <= t + N - T) & (n > t + N - T - 16)
+    elif kind == "band+rows":
+        n_raw = N // 3
+        visible = np.where(n < n_raw, (n <= t + 3) & (n > t - 5), n - n_raw < (t + 1) * 2)
+    else:
+        visible = rng.random((T, N)) < 0.3
+    visible[T // 2] = False  # only the sink
+    return visible
+
+
+@pytest.mark.parametrize("T,H,D,N,kind", [(5, 3, 64, 37, "random"), (5, 3, 64, 37, "band"),
+                                          (7, 17, 32, 45, "band+rows"), (3, 2, 96, 130, "random"),
+                                          (2, 4, 512, 300, "band+rows"), (40, 64, 512, 1200, "band+rows"),
+                                          (300, 64, 512, 4200, "random")])
+def test_attn_chunk_matches_float64(gpu, T, H, D, N, kind):
+    name, kernels, to_dev, to_host = gpu
+    small_on_the_emulator(name, T * H * N, 12_000)
+    rng = np.random.default_rng(T * N)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    keys = rng.standard_normal((N, D)).astype(np.float32)
+    sinks = (2 * rng.standard_normal(H)).astype(np.float32)
+    visible = chunk_mask(kind, T, N, rng)
+    scale = D ** -0.5
+    f64 = [a.astype(np.float64) for a in (q, keys, sinks)]
+    want = attend_with_sinks(np, f64[0], f64[1], visible, f64[2], scale)
+    got = to_host(kernels.attention_chunk(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
+    assert got.shape == want.shape
+    assert np.abs(got[T // 2]).max() == 0.0  # the sink carries no value
+    # float32 dots of D terms and sums of up to N weights, against float64: ≤ 1e-5 of each row's largest value
+    err = np.abs(got - want).max(axis=-1) / np.maximum(np.abs(want).max(axis=-1), 1e-30)
+    assert err.max() <= 1e-5, err.max()
+
+
 @pytest.mark.gpu
 def test_mlx_ops_the_engine_uses_agree_with_numpy_at_long_axes():
     """A trap seen on MLX-CUDA: take_along_axis returned wrong rows once the axis reached 8192."""
@@ -298,9 +337,10 @@ MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx
 @pytest.mark.parametrize("name", ["nano", "q4k", "mixed"])
 def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name, monkeypatch):
     """Exact numerics; a 96-token prefill in chunks of 32 (dense products: dequantize + GEMM; routed
-    experts: qgemm), then 12 decode steps (products from the blocks, gathered experts, the attention
-    kernel). The CPU emulator runs the nano model only, 72 tokens in chunks of 24 and 3 decode steps (the
-    indexer selects from token 67): the same paths, fewer launches."""
+    experts: qgemm; chunk attention through attn_chunk), then 12 decode steps (products from the blocks,
+    gathered experts, the split-key attention kernel). The CPU emulator runs the nano model only, 72 tokens
+    in chunks of 24 and 3 decode steps (the indexer selects from token 67): the same paths, fewer launches."""
+    monkeypatch.setattr(kernel_ops, "ATTN_CHUNK_KERNEL", True)  # off by default; the plain path is the reference
     emulated = backend.endswith("emulated")
     n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
     if emulated and name != "nano":

@@ -145,3 +145,12 @@ def test_attention_splits_cover_every_key():
         assert (splits - 1) * per < n <= splits * per
     with pytest.raises(ValueError, match="head_dim 1024"):
         S.attn_dims(1, 1, 1024, 10)
+
+
+def test_chunk_attention_groups_cover_every_head():
+    heads = S.ATTN_CHUNK_ROWS * S.ATTN_CHUNK_GROUP // 32
+    for H in (1, heads, heads + 1, 64):
+        T, blocks = S.attn_chunk_groups(5, H, 512)
+        assert T == 5 and (blocks - 1) * heads < H <= blocks * heads
+    with pytest.raises(ValueError, match="head_dim 1024"):
+        S.attn_chunk_groups(1, 1, 1024)

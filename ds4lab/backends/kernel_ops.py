@@ -8,6 +8,10 @@ eight rows of x. A chunk's routed experts go through ``qgemm``: every (token, ex
 in one tiled launch that decodes the blocks into shared memory, with no dequantized copy of any weight. A
 chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
 GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept.
+
+Attention likewise: a few queries go through the split-key kernel; a chunk through the plain ops (GEMMs
+around a [T, H, N] score tensor), or, with ``ATTN_CHUNK_KERNEL``, through ``attn_chunk``, which never
+makes the scores (an online softmax over tiles of each query's visible keys).
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ from ..model.rope import rope_tail
 from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x (or pairs), qmatmul; beyond, qgemm or dequantize + GEMM
-ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks use GEMMs
+ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
+# True: chunks attend through attn_chunk, which makes no [T, H, N] score tensor (4.4 GB a layer for a
+# 2048-token chunk at 32K context); False: through the plain ops, whose float32 GEMMs ran 1.7-2.2× faster
+# on the H200 (benchmarks/attn_chunk_bench.py) for as long as the scores fit in memory.
+ATTN_CHUNK_KERNEL = False
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 
 
@@ -88,9 +96,13 @@ class KernelOps:
         return StackedBlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[1])
 
     def attend(self, q, keys, visible, sinks, scale: float):
-        """Attention with sinks: the split-key kernel for a few queries, plain ops (GEMMs) for a chunk."""
+        """Attention with sinks: the split-key kernel for a few queries (it spreads their keys over many
+        groups); for a chunk, the chunk kernel (a group per query and block of heads) if ATTN_CHUNK_KERNEL,
+        else the plain ops."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.attention(q, keys, visible, sinks, scale)
+        if self.kernels is not None and ATTN_CHUNK_KERNEL:
+            return self.kernels.attention_chunk(q, keys, visible, sinks, scale)
         return attend_with_sinks(self.xp, q, keys, visible, sinks, scale)
 
     def hc_mix(self, mix, scale, base, X, iters: int, eps: float):

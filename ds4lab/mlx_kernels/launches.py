@@ -112,6 +112,15 @@ class KernelLaunches:
         return self._run(S.ATTN_REDUCE, (T * H, 1), S.ATTN_GROUP, [*parts, self._f32(sinks), dims],
                          [((T, H, D), "float32")])[0]
 
+    def attention_chunk(self, q, keys, visible, sinks, scale: float):
+        """The same attention for a chunk of queries (prefill) in one pass: an online softmax over tiles of
+        each query's visible keys, shared by a block of heads; no [T, H, N] scores are made."""
+        T, H, D = q.shape
+        return self._run(S.ATTN_CHUNK, S.attn_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
+                         [self._f32(q), self._f32(keys), self._u8(visible), self._f32(sinks),
+                          self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
+                         [((T, H, D), "float32")])[0]
+
     def hc_mix(self, mix, scale, base, X, iters: int, eps: float):
         """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear output (spec §3.1)."""
         T, n, E = X.shape

@@ -5,7 +5,9 @@
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``attn_partial``     split-key attention with an online softmax per split
 ``attn_reduce``      merge the splits with the sink logit
+``attn_chunk``       attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
 ``hc_mix``           the hyper-connection mixer after its linear: pre, post, Sinkhorn combine, x_in
+``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
 ``rmsnorm``          one row per work-group
 ``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
@@ -34,6 +36,11 @@ QGEMM_THREADS = (QGEMM_BM // QGEMM_TM) * (QGEMM_BN // QGEMM_TN)
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
 ATTN_KEYS_PER_SPLIT = 256
+ATTN_CHUNK_GROUP = 128  # threads per chunk-attention work-group: 4 SIMD groups
+# Heads per SIMD group (sharing each key read from group-shared memory) and keys per tile (4 × 2 KB
+# staged): of the shapes tried on the H200, 2 and 4 (128 registers a thread, no spills) ran fastest.
+ATTN_CHUNK_ROWS = 2
+ATTN_CHUNK_TILE = 4
 DEQUANT_GROUP = 256
 HC_MAX = 8  # hyper-connection streams the mixer kernel handles
 ROW_GROUP = 256  # threads per rmsnorm work-group
@@ -70,6 +77,12 @@ ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
                          (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"), ("sinks", "float32"),
                           ("dims", "int32")),
                          (("out", "float32"),))
+ATTN_CHUNK = KernelSpec("attn_chunk", "attn_chunk.body",
+                        (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
+                         ("dims", "int32"), ("fparams", "float32")),
+                        (("out", "float32"),),
+                        {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_CHUNK_GROUP, "SIMD_GROUPS": ATTN_CHUNK_GROUP // 32,
+                         "ROWS": ATTN_CHUNK_ROWS, "TILE": ATTN_CHUNK_TILE})
 
 
 HC_MIX = KernelSpec("hc_mix", "hc_mix.body",
@@ -106,7 +119,7 @@ ROPE = KernelSpec("rope", "rope.body",
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
-            *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE,
+            *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
             HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
 
 
@@ -135,8 +148,18 @@ def pool_shape(ratio: int, C: int, W: int) -> tuple[int, int]:
     return n_blocks(ratio, C) - (c - 1), W // c
 
 
-def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
+def _check_head_dim(D: int) -> None:
     if D > ATTN_MAX_D:
         raise ValueError(f"attention kernel: head_dim {D} exceeds {ATTN_MAX_D}")
+
+
+def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
+    _check_head_dim(D)
     splits = max(1, -(-N // ATTN_KEYS_PER_SPLIT))
     return np.array([T, H, D, N, splits, ATTN_KEYS_PER_SPLIT], dtype=np.int32)
+
+
+def attn_chunk_groups(T: int, H: int, D: int) -> tuple[int, int]:
+    """The chunk kernel's grid: one work-group per query and block of heads."""
+    _check_head_dim(D)
+    return T, -(-H // (ATTN_CHUNK_ROWS * ATTN_CHUNK_GROUP // 32))
