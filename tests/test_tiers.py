@@ -16,7 +16,9 @@ ALTERNATE = [0, 1] * 3
 
 @pytest.fixture(scope="module", params=["numpy", "mlx"])
 def model(request, model_paths):
-    return ds4lab.load(model_paths["nano"], backend=request.param)
+    # MLX on its cpu device, as the "cpu" tiers of these plans: one device, so placements must not change
+    # a bit (a GPU model's cpu tiers run other code; test_mlx_cpu_and_gpu_tiers covers that).
+    return ds4lab.load(model_paths["nano"], backend=request.param, device="cpu" if request.param == "mlx" else None)
 
 
 def run(model, placement, chunk=CHUNK, prompt=PROMPT, n_decode=N_DECODE):
@@ -159,11 +161,14 @@ def test_mlx_cpu_and_gpu_tiers(model_paths):
     mx = pytest.importorskip("mlx.core")
     if not mx.is_available(mx.gpu):
         pytest.skip("MLX has no GPU here")
-    m = ds4lab.load(model_paths["nano"], backend="mlx")
+    m = ds4lab.load(model_paths["nano"], backend="mlx", device="gpu")
     ref, _, _ = run(m, Placement.single("gpu"))
     sess, _, _ = run(m, Placement(layer_tiers=ALTERNATE, devices=["gpu", "cpu"]))
     assert sess.placement.boundaries == 5 and sess.tier_trace
-    np.testing.assert_allclose(sess.logits, ref.logits, rtol=1e-4, atol=1e-4)  # two devices' kernels differ
+    # Two devices' code differs (GPU kernels, CPU plain ops) in summation order, and an FP8 row rounding
+    # can flip on it: the H200 showed 4.4e-4 at most on logits of magnitude ~3.
+    np.testing.assert_allclose(sess.logits, ref.logits, rtol=0, atol=1e-3 * np.abs(ref.logits).max())
+    assert sess.logits.argmax() == ref.logits.argmax()
 
 
 def test_mlx_kernels_stay_off_a_cpu_tier():
