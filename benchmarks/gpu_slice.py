@@ -163,7 +163,9 @@ def prefill_speed(t: Transformer, n_tokens: int, sync) -> dict:
         t0 = time.perf_counter()
         state, _ = step(t, ids[start:start + CHUNK], state, sync)
         chunks.append(time.perf_counter() - t0)
-    return {"tokens": n_tokens, "seconds": sum(chunks), "tokens_per_s": n_tokens / sum(chunks), "chunk_s": chunks}
+    steady = statistics.median(chunks[1:]) if len(chunks) > 1 else chunks[0]
+    return {"tokens": n_tokens, "seconds": sum(chunks), "tokens_per_s": n_tokens / sum(chunks), "chunk_s": chunks,
+            "steady_tokens_per_s": CHUNK / steady}  # a later chunk's rate: the first grows memory pools
 
 
 class Profile:
@@ -350,9 +352,11 @@ def main(argv=None):
     for n in args.prefill:
         r = prefill_speed(t, n, sync)
         r["us_per_layer_token"] = r["seconds"] / n / cfg.n_layer * 1e6
+        r["steady_us_per_layer_token"] = 1e6 / r["steady_tokens_per_s"] / cfg.n_layer
         out["prefill"].append(r)
         print(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['us_per_layer_token']:.1f} us per layer per token, "
-              f"head included)", flush=True)
+              f"head included); after the first chunk {r['steady_tokens_per_s']:.0f} tok/s "
+              f"({r['steady_us_per_layer_token']:.1f} us)", flush=True)
     out["memory"] = gpu_memory(t.backend)
     print("memory:", out["memory"], flush=True)
     if args.json:
