@@ -156,6 +156,74 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+def recorded_launches(kernels, monkeypatch) -> list:
+    """``(kernel name, groups)`` of each launch ``kernels`` makes from now on."""
+    launches, run = [], kernels._run
+
+    def recording(spec, groups, threads, inputs, outputs):
+        launches.append((spec.name, tuple(groups)))
+        return run(spec, groups, threads, inputs, outputs)
+
+    monkeypatch.setattr(kernels, "_run", recording)
+    return launches
+
+
+# Few rows, long K: K split (S of qmatmul_splits; K = 8448 drops an empty eighth split, K = 5000 ends
+# mid-block of 256 elements), the splits summed by qmatmul_reduce.
+@pytest.mark.parametrize("qtype,rows,ne0,splits", [(Q.F32, 24, 16384, 16), (Q.Q8_0, 64, 4096, 4),
+                                                   (Q.Q2_K, 64, 4096, 4), (Q.IQ2_XXS, 64, 4096, 4),
+                                                   (Q.F16, 64, 4096, 4), (Q.Q2_K, 24, 8448, 7),
+                                                   (Q.F16, 24, 5000, 4)],
+                         ids=lambda v: v.name if isinstance(v, Q) else str(v))
+@pytest.mark.parametrize("n_pairs", [1, 5, 9])  # 9: two batches of pairs
+def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_pairs):
+    _, kernels, to_dev, to_host = gpu
+    raw = random_weight(qtype, (rows,), ne0, seed=ne0)
+    x = np.random.default_rng(n_pairs).standard_normal((n_pairs, ne0)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
+    launches = recorded_launches(kernels, monkeypatch)
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    assert launches == [(f"qmatmul_{qtype.name.lower()}", (-(-rows // 4), -(-n_pairs // 8) * splits)),
+                        ("qmatmul_reduce", (-(-n_pairs * rows // 256), 1))]
+    assert got.shape == want.shape
+    # float32 sums of products within 1e-5 of the result's scale (about 1e-7 seen on the CPU)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
+    """Six pairs of four experts (host ids: four batches; device ids, where the launcher has them: six),
+    K split in four either way."""
+    _, kernels, to_dev, to_host = gpu
+    n_expert, rows, ne0, qtype = 5, 32, 4096, Q.Q8_0
+    raw = random_weight(qtype, (n_expert, rows), ne0, seed=9)
+    rng = np.random.default_rng(10)
+    experts = np.array([3, 0, 3, 4, 1, 0])
+    x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
+    W = dequantize(raw, qtype, ne0).astype(np.float64)
+    want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
+    launches = recorded_launches(kernels, monkeypatch)
+    for ids in (experts, to_dev(experts)):
+        got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    device_batches = 4 if isinstance(to_dev(experts), np.ndarray) else 6
+    assert launches == [("qmatmul_q8_0", (8, 4 * 4)), ("qmatmul_reduce", (1, 1)),
+                        ("qmatmul_q8_0", (8, device_batches * 4)), ("qmatmul_reduce", (1, 1))]
+
+
+def test_qmatmul_with_enough_rows_does_not_split(gpu, monkeypatch):
+    """N = 1024 rows fill QMATMUL_SIMD_GROUPS on their own: one pass writes out, as before the splits."""
+    _, kernels, to_dev, to_host = gpu
+    rows, ne0, qtype = 1024, 2048, Q.Q4_K
+    raw = to_dev(random_weight(qtype, (rows,), ne0, seed=11))
+    x = to_dev(np.random.default_rng(12).standard_normal((2, ne0)).astype(np.float32))
+    launches = recorded_launches(kernels, monkeypatch)
+    got = to_host(kernels.qmatmul(x, raw, qtype, ne0, rows))
+    assert launches == [("qmatmul_q4_k", (rows // 4, 1))]
+    np.testing.assert_array_equal(got, to_host(kernels.qmatmul(x, raw, qtype, ne0, rows)))
+    want = to_host(x).astype(np.float64) @ dequantize(to_host(raw), qtype, ne0).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 def test_pair_batches_cut_each_experts_run_of_slots():
     from ds4lab.mlx_kernels.specs import pair_batches
 

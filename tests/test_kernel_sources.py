@@ -139,6 +139,29 @@ def test_pair_batches_group_by_expert_in_batches_of_at_most_max_pairs():
     assert order.tolist() == list(range(19)) and [tuple(b) for b in batches] == [(0, 0, 8), (0, 8, 8), (0, 16, 3)]
 
 
+def test_qmatmul_splits_k_for_few_rows():
+    # the hyper-connection mixer, the router, the indexer's projection: split until 1024 SIMD groups or
+    # splits of 4 blocks of 256
+    assert S.qmatmul_splits(16384, 24, 1) == (16, 1024)
+    assert S.qmatmul_splits(4096, 256, 1) == (4, 1024)
+    assert S.qmatmul_splits(4096, 64, 1) == (4, 1024)
+    assert S.qmatmul_splits(4096, 256, 2) == (2, 2048)  # two batches of pairs: 1024 groups at two splits
+    assert S.qmatmul_splits(4096, 1024, 1)[0] == 1  # enough rows
+    assert S.qmatmul_splits(4096, 4096, 3)[0] == 1
+    assert S.qmatmul_splits(1024, 24, 1)[0] == 1  # too short to split
+    assert S.qmatmul_splits(2047, 24, 1)[0] == 1
+    assert S.qmatmul_splits(2048, 24, 1) == (2, 1024)
+    assert S.qmatmul_splits(8448, 24, 1) == (7, 1280)  # 8 splits of 5 blocks: the eighth would be empty
+    assert S.qmatmul_splits(5000, 24, 1) == (4, 1280)
+    for K in (1, 100, 256, 1000, 2048, 3000, 4096, 5000, 8448, 16384, 65536):
+        for N in (1, 24, 64, 256, 1024, 4096):
+            for n_batches in (1, 2, 6):
+                splits, chunk = S.qmatmul_splits(K, N, n_batches)
+                assert (splits - 1) * chunk < K <= splits * chunk  # every split holds some of K
+                assert chunk % S.QMATMUL_SPLIT_ALIGN == 0
+                assert splits == 1 or (chunk >= S.QMATMUL_MIN_SPLIT and N * n_batches < S.QMATMUL_SIMD_GROUPS)
+
+
 def test_attention_splits_cover_every_key():
     for n in (1, 255, 256, 257, 4100):
         T, H, D, N, splits, per = S.attn_dims(2, 4, 128, n)

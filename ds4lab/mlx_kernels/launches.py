@@ -77,7 +77,8 @@ class KernelLaunches:
                          [w, self.aux, dims], [((rows, ne0), "float32")])[0]
 
     def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
-        """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix)."""
+        """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix). Few
+        rows and a long K: K split over more SIMD groups (:func:`.specs.qmatmul_splits`), then summed."""
         P = x.shape[0]
         if experts is None or isinstance(experts, np.ndarray):
             order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
@@ -85,10 +86,15 @@ class KernelLaunches:
             order = self._const(*range(P))
             batches = self.xp.stack([self._i32(experts), order, self._const(*(1,) * P)], axis=1)
             n_batches = P
-        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches)
-        return self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches),
-                         32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
-                         [((P, n_rows), "float32")])[0]
+        splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches)
+        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk)
+        parts = self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches * splits),
+                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
+                          [((splits, P, n_rows), "float32")])[0]
+        if splits == 1:
+            return parts[0]
+        return self._run(S.QMATMUL_REDUCE, (-(-P * n_rows // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         [parts, self._const(P * n_rows, splits)], [((P, n_rows), "float32")])[0]
 
     def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
         """The same product for many rows, tiled: ``x [P, ne0]``, ``raw [n_expert, n_rows, row_bytes]`` (or

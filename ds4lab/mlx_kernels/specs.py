@@ -2,6 +2,7 @@
 
 ``dequant_<type>``   GGUF rows → float32 rows (for chunk products through the library's GEMM)
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
+``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``attn_partial``     split-key attention with an online softmax per split
 ``attn_reduce``      merge the splits with the sink logit
@@ -29,6 +30,13 @@ DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_
             Q.IQ2_XXS: "dq_iq2_xxs"}
 MAX_PAIRS = 8  # pairs a qmatmul batch shares one decode of the weight row with
 QMATMUL_ROWS_PER_GROUP = 4  # SIMD groups (rows) per work-group
+QMATMUL_UNROLL = 4  # k steps of 32 a lane loads before it adds them up
+# qmatmul splits K when rows x batches leave the GPU idle: into a power of two of splits, until there are
+# QMATMUL_SIMD_GROUPS SIMD groups or a split would hold fewer than QMATMUL_MIN_SPLIT elements. Splits start
+# at multiples of QMATMUL_SPLIT_ALIGN, so no GGUF block (32 or 256 elements) straddles two.
+QMATMUL_SIMD_GROUPS = 1024
+QMATMUL_SPLIT_ALIGN = 256
+QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 # qgemm's tiles: BM slots x BN rows of W per work-group, BK along K per shared-memory step, each thread a
 # TM x TN micro-tile. Shared memory: BK (BM + 1 + BN + 1) floats = 16.6 KB (Metal allows 32 KB).
 QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_TM, QGEMM_TN = 64, 64, 32, 4, 4
@@ -56,7 +64,23 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
     return KernelSpec(f"qmatmul_{Q(qtype).name.lower()}", "qmatmul.body",
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
-                      (("out", "float32"),), {"DEQUANT": DECODERS[Q(qtype)], "MAX_PAIRS": MAX_PAIRS})
+                      (("out", "float32"),),
+                      {"DEQUANT": DECODERS[Q(qtype)], "MAX_PAIRS": MAX_PAIRS, "UNROLL": QMATMUL_UNROLL})
+
+
+QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
+                            (("out", "float32"),))
+
+
+def qmatmul_splits(K: int, N: int, n_batches: int) -> tuple[int, int]:
+    """``(S, chunk)``: qmatmul's K splits (see QMATMUL_SIMD_GROUPS) and the elements of each but the last.
+    Rounding the chunk up to the alignment can leave the last splits of a power of two empty: those are
+    dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN."""
+    S = 1
+    while N * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
+        S *= 2
+    chunk = -(-K // (S * QMATMUL_SPLIT_ALIGN)) * QMATMUL_SPLIT_ALIGN
+    return -(-K // chunk), chunk
 
 
 def qgemm_spec(qtype: Q) -> KernelSpec:
@@ -119,7 +143,7 @@ ROPE = KernelSpec("rope", "rope.body",
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
-            *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
+            QMATMUL_REDUCE, *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
             HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
 
 
