@@ -4,7 +4,8 @@
 # wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
 #     bash benchmarks/gpu_suite.sh [tests|slice|tiers|all]
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
-# step cannot eat the call.
+# step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
+# "all" does not (a call may run 10 min).
 set -u
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -13,8 +14,9 @@ if [ -f /tmp/w/part_aa ] && [ -f /tmp/w/part_ab ] && [ -f .whlC/part_ac ]; then
     cat /tmp/w/part_aa /tmp/w/part_ab .whlC/part_ac > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
     rm -f /tmp/w/part_a*
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/w/*.whl .whlC/*.whl \
-    > "$OUT/install.log" 2>&1 || echo "install: see install.log"
+# Without the two staging calls (a CuPy-only run) there is no MLX wheel: the rest installs all the same.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    $(ls /tmp/w/*.whl 2>/dev/null) .whlC/*.whl > "$OUT/install.log" 2>&1 || echo "install: see install.log"
 export PYTHONPATH=/tmp/site:$PWD
 n_gpu=$(nvidia-smi -L | wc -l)
 step() {  # step NAME SECONDS COMMAND...
@@ -32,6 +34,7 @@ fi
 if [ "$what" = slice ] || [ "$what" = all ]; then
     step slice_cupy 200 python3 benchmarks/gpu_slice.py --backend cupy --json "$OUT/slice_cupy.json"
     step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 --json "$OUT/slice_mlx.json"
+    step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
 fi
 if { [ "$what" = tiers ] || [ "$what" = all ]; } && [ "$n_gpu" -ge 2 ]; then
     step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
