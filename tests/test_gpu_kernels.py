@@ -537,7 +537,8 @@ def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
-@pytest.mark.parametrize("T,H,Dq,N", [(1, 4, 128, 1), (1, 64, 128, 1030), (3, 2, 32, 17), (16, 4, 128, 70)])
+@pytest.mark.parametrize("T,H,Dq,N", [(1, 4, 128, 1), (1, 64, 128, 1030), (3, 2, 32, 17), (16, 4, 128, 70),
+                                     (2, 3, 40, 9), (1, 5, 20, 33)])
 def test_indexer_scores_kernel_matches_float64(gpu, T, H, Dq, N):
     from ds4lab.model.attention import indexer_scores
 

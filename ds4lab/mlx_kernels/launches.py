@@ -181,7 +181,7 @@ class KernelLaunches:
         """``score [T, N]`` of every compressed indexer row ``k [N, Dq]`` for queries ``q [T, H, Dq]``."""
         T, H, Dq = q.shape
         N = k.shape[0]
-        return self._run(S.INDEXER_SCORES, (-(-T * N // S.ROW_GROUP), 1), S.ROW_GROUP,
+        return self._run(S.INDEXER_SCORES, (-(-T * N // (S.ROW_GROUP // 32)), 1), S.ROW_GROUP,
                          [self._f32(q), self._f32(w), self._f32(k), self._const(T, H, Dq, N)],
                          [((T, N), "float32")])[0]
 
