@@ -8,7 +8,9 @@ prompt (one-shot prefill) and chunk after chunk give the same result.
 The attention half of a layer works on fixed shapes — the chunk size and the state's capacities — with
 the chunk's start position and its number of real tokens as array inputs: on MLX it is compiled once
 per layer and chunk size and reused for every chunk, the last partial one included (padded and
-masked). The FFN half runs eagerly because the routed experts it evaluates are chosen on the host.
+masked); on CuPy a decode-sized step replays it as a CUDA graph. A chunk's FFN half picks its routed
+experts on the host and runs eagerly; a decode step's picks them on the device (kernel backends), so
+CuPy replays that half as a graph too.
 """
 
 from __future__ import annotations
