@@ -10,6 +10,7 @@ the few operations below whose spelling differs between libraries or that touch 
     index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
     can_compile, compile(fn)          whether and how a function of arrays is traced once and reused
+    compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
     scalar(int)                       an integer as the backend passes it into compiled functions
 
 and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
