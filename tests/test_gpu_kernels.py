@@ -615,19 +615,19 @@ def test_compiled_decode_equals_eager(model_paths, backend):
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
         b.compile, b.scalar = (lambda fn: fn), (lambda v: np.asarray(v, dtype=np.int32))
-    n_decode = 2 if backend == "emulated" else 5
-    ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, 8 + n_decode)
+    n_prefill, n_decode = 72, 2 if backend == "emulated" else 5  # from position 68 the indexer drops rows
+    ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, n_prefill + n_decode)
     logits, held = {}, None
     for compiled in (False, True):
         t.compile = compiled
         t._compiled.clear()
-        sess = gpu.session(ctx=128, prefill_chunk=8)
-        sess.prefill(ids[:8]).run(progress=False)
+        sess = gpu.session(ctx=128, prefill_chunk=n_prefill)
+        sess.prefill(ids[:n_prefill]).run(progress=False)
         steps = [sess.logits]
-        for end in range(9, len(ids) + 1):
+        for end in range(n_prefill + 1, len(ids) + 1):
             sess.sync(ids[:end])
             steps.append(sess.logits)
-            if compiled and end == 10:  # a state a checkpoint could hold, made by a replay
+            if compiled and end == n_prefill + 2:  # a state a checkpoint could hold, made by a replay
                 held_state = sess._state
                 held = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
         logits[compiled] = np.stack(steps)
