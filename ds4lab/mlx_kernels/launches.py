@@ -4,13 +4,16 @@ one kernel; every method here plans a grid and the kernel's outputs."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from ..model.compressor import coff
 from ..quants import iq2xxs_tables, row_bytes
 from . import specs as S
 
-PLANS_KEPT = 64
+PLANS_KEPT = 64  # gathered plans of up to PLAN_KEPT_PAIRS pairs kept, the most recently used
+PLAN_KEPT_PAIRS = 64  # a decode step's sizes; a chunk's plans (thousands of pairs) never repeat
 
 
 class KernelLaunches:
@@ -22,7 +25,7 @@ class KernelLaunches:
     def __init__(self):
         self.aux = self._array(iq2xxs_tables())
         self._consts: dict[tuple, object] = {}
-        self._gathered_plans: list[tuple] = []  # keys of the gathered qmatmul plans kept, oldest first
+        self._gathered: OrderedDict[tuple, tuple] = OrderedDict()  # kept gathered plans, least recent first
 
     # -- what a subclass provides ---------------------------------------------------------------------
     def _run(self, spec, groups: tuple[int, int], threads: int, inputs: list, outputs: list) -> list:
@@ -57,18 +60,28 @@ class KernelLaunches:
         return self._consts[key]
 
     def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
-        """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Plans are kept: one per
-        size for dense products, and the last PLANS_KEPT gathered ones (a decode step's output groups
-        repeat every step, and a CUDA graph capture may not copy from the host)."""
-        key = ("plan", n_pairs, size, None if experts is None else np.asarray(experts, dtype=np.int64).tobytes())
-        if key not in self._consts:
-            if experts is not None:
-                self._gathered_plans.append(key)
-                if len(self._gathered_plans) > PLANS_KEPT:
-                    del self._consts[self._gathered_plans.pop(0)]
-            order, batches = S.pair_batches(experts, n_pairs, size)
-            self._consts[key] = (self._array(order), self._array(batches), len(batches))
-        return self._consts[key]
+        """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Kept: the dense plan of each
+        size, and the PLANS_KEPT most recent small gathered ones (a decode step's output groups repeat every
+        step, and a CUDA graph capture may not copy from the host)."""
+        if experts is None:
+            key = ("plan", n_pairs, size)
+            if key not in self._consts:
+                self._consts[key] = self._device_plan(None, n_pairs, size)
+            return self._consts[key]
+        if n_pairs > PLAN_KEPT_PAIRS:
+            return self._device_plan(experts, n_pairs, size)
+        key = (n_pairs, size, np.asarray(experts, dtype=np.int64).tobytes())
+        if key in self._gathered:
+            self._gathered.move_to_end(key)
+        else:
+            self._gathered[key] = self._device_plan(experts, n_pairs, size)
+            if len(self._gathered) > PLANS_KEPT:
+                self._gathered.popitem(last=False)
+        return self._gathered[key]
+
+    def _device_plan(self, experts, n_pairs: int, size: int):
+        order, batches = S.pair_batches(experts, n_pairs, size)
+        return self._array(order), self._array(batches), len(batches)
 
     def dequant(self, w, qtype, ne0: int, rows: int):
         """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]``."""

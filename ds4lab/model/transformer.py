@@ -54,7 +54,7 @@ class ChunkTables:
     rope: dict  # RopeParams -> (cos, sin) [C, n_rot/2]
     windows: dict  # (RopeParams, ratio) -> (cos, sin) [n_windows, n_rot/2]
     scalars: tuple  # (pos0, n_valid) as the backend passes them into compiled functions
-    ids: object  # the real tokens' ids, int32 on the device
+    ids: object  # the real tokens' ids, int32 on the device, where the backend compiles the FFN half
 
 
 class Transformer:
@@ -103,7 +103,8 @@ class Transformer:
                 windows[params, R] = tuple(map(b.asarray, params.tables((pos0 // R + np.arange(n)) * R)))
         if not self.compiles(chunk):
             return ChunkTables(rope, windows, (pos0, len(tokens)), None)
-        return ChunkTables(rope, windows, (b.scalar(pos0), b.scalar(len(tokens))), b.xp.array(tokens.astype(np.int32)))
+        ids = b.xp.array(tokens.astype(np.int32)) if b.compiles_ffn else None
+        return ChunkTables(rope, windows, (b.scalar(pos0), b.scalar(len(tokens))), ids)
 
     def forward(self, tokens, state: KVState, pad_to: int | None = None, tiers: TierRun | None = None):
         """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
@@ -298,7 +299,7 @@ class Transformer:
     # -- FFN half -------------------------------------------------------------------------------------
     def _ffn(self, il: int, X, tokens: np.ndarray, tabs: ChunkTables):
         """The FFN half; a decode-sized one as a CUDA graph where the backend graphs it (CuPy)."""
-        if tabs.ids is None or not self.backend.compiles_ffn or self.observer is not None:
+        if tabs.ids is None or self.observer is not None:
             return self.ffn_block(il, X, tokens)
         key = ("ffn", il, X.shape[0])
         if key not in self._compiled:
