@@ -260,11 +260,15 @@ def _view(pg, title: str):
     return views.first
 
 
-def _hover_fills(pg, target, tip) -> str:
-    """Hover ``target`` and wait for ``tip`` to hold text; that text."""
+def _hover_fills(pg, target, tip, position=None, until="el.textContent.trim().length > 0") -> str:
+    """Hover ``target`` (at ``position`` within it) and wait for ``tip`` to satisfy ``until``; its text."""
     target.scroll_into_view_if_needed()
-    target.hover()
-    pg.wait_for_function("(el) => el.textContent.trim().length > 0", arg=tip.element_handle(), timeout=5_000)
+    if position is None:
+        target.hover()
+    else:
+        box = target.bounding_box()
+        target.hover(position={"x": box["width"] * position[0], "y": box["height"] * position[1]})
+    pg.wait_for_function(f"(el) => {until}", arg=tip.element_handle(), timeout=5_000)
     return tip.inner_text()
 
 
@@ -335,11 +339,7 @@ def test_attention_view_renders(page):
     assert stats["painted"] > 0.01 * stats["w"] * stats["h"], f"attention canvas looks blank: {stats}"
     assert stats["colours"] >= 8, f"attention canvas has too few colours for a heatmap: {stats}"
     # hovering a cell fills the tooltip line: "query … → key …: weight"
-    canvas.scroll_into_view_if_needed()
-    box = canvas.bounding_box()
-    canvas.hover(position={"x": box["width"] * 0.5, "y": box["height"] * 0.5})
-    pg.wait_for_function("(el) => el.textContent.includes('→')", arg=view.locator(".ds4-tip").element_handle(),
-                         timeout=5_000)
+    _hover_fills(pg, canvas, view.locator(".ds4-tip"), position=(0.5, 0.5), until="el.textContent.includes('→')")
     out = _output_of(view)
     assert out.locator(".widget-dropdown").count() == 2  # layer and head pickers
     out.screenshot(path=str(ARTIFACTS / "attention_view.png"))
