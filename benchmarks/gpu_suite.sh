@@ -2,12 +2,12 @@
 # Everything ds4lab measures on a lent NVIDIA GPU, in one device call (see ../shared/device/README.md).
 # Stage MLX first (two calls carrying .whl+.whlA, then .whlB; put the third wheel part and the py3.12
 # wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
-#     bash benchmarks/gpu_suite.sh [tests|slice|tiers|all]
+#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice profile tiers all; steps: tests_cupy ...)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
 # "all" does not (a call may run 10 min).
 set -u
-what=${1:-all}
+what=" ${*:-all} "
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -f /tmp/w/part_aa ] && [ -f /tmp/w/part_ab ] && [ -f .whlC/part_ac ]; then
@@ -25,17 +25,18 @@ step() {  # step NAME SECONDS COMMAND...
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "   exit $?; $(tail -n 1 "$OUT/$name.log")"
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k "cupy"
-    step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_tiers.py \
-        -k "mlx and not emulated"
-    [ "$n_gpu" -ge 2 ] && step tests_tiers 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tiers.py
-fi
-if [ "$what" = slice ] || [ "$what" = all ]; then
-    step slice_cupy 200 python3 benchmarks/gpu_slice.py --backend cupy --json "$OUT/slice_cupy.json"
-    step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 --json "$OUT/slice_mlx.json"
-    step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
-fi
-if { [ "$what" = tiers ] || [ "$what" = all ]; } && [ "$n_gpu" -ge 2 ]; then
-    step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
-fi
+want() {  # want STEP GROUP: the step was asked for by its name, its group, or "all"
+    case " $what " in *" $1 "*|*" $2 "*|*" all "*) return 0;; esac; return 1
+}
+want tests_cupy tests && step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k "cupy"
+want tests_mlx tests && step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+    tests/test_tiers.py -k "mlx and not emulated"
+want tests_tiers tests && [ "$n_gpu" -ge 2 ] && step tests_tiers 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tiers.py
+want slice_cupy slice && step slice_cupy 200 python3 benchmarks/gpu_slice.py --backend cupy --json "$OUT/slice_cupy.json"
+want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 \
+    --json "$OUT/slice_mlx.json"
+want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
+want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 4x2 4x1 2x4 2x2 1x8 8x1 --json "$OUT/qmatmul.json"
+want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
+want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
+true

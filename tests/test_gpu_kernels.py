@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 import ds4lab
 from ds4lab.backends import kernel_ops
+from ds4lab.mlx_kernels import specs as S
 from ds4lab.model.attention import attend_with_sinks
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS
@@ -141,6 +142,20 @@ def test_qmatmul_from_blocks_matches_float64(gpu, qtype, n_pairs):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype,ne0", [(Q.F32, 1003), (Q.F16, 517), (Q.F32, 20), (Q.F16, 6)],
+                         ids=lambda v: v.name if isinstance(v, Q) else str(v))
+@pytest.mark.parametrize("n_pairs", [1, 3])
+def test_qmatmul_rows_not_a_multiple_of_8(gpu, qtype, ne0, n_pairs):
+    """K % 8 ≠ 0: each lane's 8-element steps, then the last elements one at a time, x read unaligned."""
+    _, kernels, to_dev, to_host = gpu
+    rows = 37
+    raw = random_weight(qtype, (rows,), ne0, seed=ne0)
+    x = np.random.default_rng(2).standard_normal((n_pairs, ne0)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("qtype", (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0), ids=lambda q: q.name)
 def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     _, kernels, to_dev, to_host = gpu
@@ -154,6 +169,9 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
     got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+GROUP_ROWS = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS  # rows a qmatmul work-group computes
 
 
 def recorded_launches(kernels, monkeypatch) -> list:
@@ -183,7 +201,7 @@ def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_
     want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
     launches = recorded_launches(kernels, monkeypatch)
     got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
-    assert launches == [(f"qmatmul_{qtype.name.lower()}", (-(-rows // 4), -(-n_pairs // 8) * splits)),
+    assert launches == [(f"qmatmul_{qtype.name.lower()}", (-(-rows // GROUP_ROWS), -(-n_pairs // 8) * splits)),
                         ("qmatmul_reduce", (-(-n_pairs * rows // 256), 1))]
     assert got.shape == want.shape
     # float32 sums of products within 1e-5 of the result's scale (about 1e-7 seen on the CPU)
@@ -206,19 +224,19 @@ def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
         got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     device_batches = 4 if isinstance(to_dev(experts), np.ndarray) else 6
-    assert launches == [("qmatmul_q8_0", (8, 4 * 4)), ("qmatmul_reduce", (1, 1)),
-                        ("qmatmul_q8_0", (8, device_batches * 4)), ("qmatmul_reduce", (1, 1))]
+    assert launches == [("qmatmul_q8_0", (32 // GROUP_ROWS, 4 * 4)), ("qmatmul_reduce", (1, 1)),
+                        ("qmatmul_q8_0", (32 // GROUP_ROWS, device_batches * 4)), ("qmatmul_reduce", (1, 1))]
 
 
 def test_qmatmul_with_enough_rows_does_not_split(gpu, monkeypatch):
-    """N = 1024 rows fill QMATMUL_SIMD_GROUPS on their own: one pass writes out, as before the splits."""
+    """Rows enough to fill QMATMUL_SIMD_GROUPS on their own: one pass writes out, as before the splits."""
     _, kernels, to_dev, to_host = gpu
-    rows, ne0, qtype = 1024, 2048, Q.Q4_K
+    rows, ne0, qtype = S.QMATMUL_SIMD_GROUPS * S.QMATMUL_SIMD_ROWS, 2048, Q.Q4_K
     raw = to_dev(random_weight(qtype, (rows,), ne0, seed=11))
     x = to_dev(np.random.default_rng(12).standard_normal((2, ne0)).astype(np.float32))
     launches = recorded_launches(kernels, monkeypatch)
     got = to_host(kernels.qmatmul(x, raw, qtype, ne0, rows))
-    assert launches == [("qmatmul_q4_k", (rows // 4, 1))]
+    assert launches == [("qmatmul_q4_k", (rows // GROUP_ROWS, 1))]
     np.testing.assert_array_equal(got, to_host(kernels.qmatmul(x, raw, qtype, ne0, rows)))
     want = to_host(x).astype(np.float64) @ dequantize(to_host(raw), qtype, ne0).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())

@@ -79,10 +79,13 @@ METAL_SHIM = r"""
 struct uint3 { unsigned int x, y, z; };
 typedef unsigned int uint;
 typedef _Float16 half;
+typedef unsigned short ushort;
+struct float4 { float x, y, z, w; };
 enum mem_flags { mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }
 inline float simd_max(float x) { return x; }
+inline float simd_shuffle(float x, ushort lane) { return x; }
 template <class T, class F> T as_type(F f) { T t; std::memcpy(&t, &f, sizeof t); return t; }
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
 using std::rint; using std::sqrt;
@@ -145,8 +148,9 @@ def test_qmatmul_splits_k_for_few_rows():
     assert S.qmatmul_splits(16384, 24, 1) == (16, 1024)
     assert S.qmatmul_splits(4096, 256, 1) == (4, 1024)
     assert S.qmatmul_splits(4096, 64, 1) == (4, 1024)
-    assert S.qmatmul_splits(4096, 256, 2) == (2, 2048)  # two batches of pairs: 1024 groups at two splits
-    assert S.qmatmul_splits(4096, 1024, 1)[0] == 1  # enough rows
+    R = S.QMATMUL_SIMD_ROWS  # rows per SIMD group
+    assert S.qmatmul_splits(4096, 256 * R, 2) == (2, 2048)  # two batches of pairs: 1024 groups at two splits
+    assert S.qmatmul_splits(4096, 1024 * R, 1)[0] == 1  # enough rows
     assert S.qmatmul_splits(4096, 4096, 3)[0] == 1
     assert S.qmatmul_splits(1024, 24, 1)[0] == 1  # too short to split
     assert S.qmatmul_splits(2047, 24, 1)[0] == 1
@@ -159,7 +163,8 @@ def test_qmatmul_splits_k_for_few_rows():
                 splits, chunk = S.qmatmul_splits(K, N, n_batches)
                 assert (splits - 1) * chunk < K <= splits * chunk  # every split holds some of K
                 assert chunk % S.QMATMUL_SPLIT_ALIGN == 0
-                assert splits == 1 or (chunk >= S.QMATMUL_MIN_SPLIT and N * n_batches < S.QMATMUL_SIMD_GROUPS)
+                groups = -(-N // S.QMATMUL_SIMD_ROWS) * n_batches
+                assert splits == 1 or (chunk >= S.QMATMUL_MIN_SPLIT and groups < S.QMATMUL_SIMD_GROUPS)
 
 
 def test_attention_splits_cover_every_key():

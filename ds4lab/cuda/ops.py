@@ -31,6 +31,10 @@ class CudaKernels(ArrayLaunches):
         self._functions: dict[str, object] = {}
         super().__init__()
 
+    def _f32(self, x):
+        x = super()._f32(x)
+        return x if x.data.ptr % 16 == 0 else x.copy()  # qmatmul reads rows of x 16 bytes at a time
+
     def _launch(self, spec, groups, threads, args):
         if spec.name not in self._functions:
             self._functions[spec.name] = self.module.get_function(spec.name)

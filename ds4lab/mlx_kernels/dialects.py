@@ -7,7 +7,9 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_THREADS              the group's size
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
-    simd_sum_f(x), simd_max_f(x), load_half(p), f16_round(x), as_bits(x), DEVICE_FN   from the dialect header
+    simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane), load_half(p), f16_round(x), as_bits(x), from_bits(u), DEVICE_FN
+                               from the dialect header
+    load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -36,6 +38,9 @@ CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 #define DEVICE_FN __device__ inline
 typedef unsigned int uint;
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
+DEVICE_FN uint load_u32(const uint8_t* p) { return *reinterpret_cast<const uint*>(p); }
+DEVICE_FN float4 load_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 DEVICE_FN float simd_sum_f(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
@@ -44,17 +49,24 @@ DEVICE_FN float simd_max_f(float x) {
     for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
+DEVICE_FN float simd_shuffle_f(float x, uint lane) { return __shfl_sync(0xffffffffu, x, int(lane)); }
 DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
+DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define DEVICE_FN inline
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
+DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
+DEVICE_FN uint load_u32(const device uint8_t* p) { return *(const device uint*)p; }
+DEVICE_FN float4 load_f4(const device float* p) { return *(const device float4*)p; }
 DEVICE_FN float simd_sum_f(float x) { return simd_sum(x); }
 DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
+DEVICE_FN float simd_shuffle_f(float x, uint lane) { return simd_shuffle(x, ushort(lane)); }
 DEVICE_FN float f16_round(float x) { return float(half(x)); }
 DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
+DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 """
 
 # The CPU emulator (:mod:`.cpu`): a work-group's threads are OS threads sharing the kernel's static
@@ -79,9 +91,14 @@ struct ThreadCtx {
     float* slots;  // one float per lane of this thread's SIMD group
 };
 static thread_local ThreadCtx ctx;
+struct float4 { float x, y, z, w; };
 DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
+DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, p, 4); return v; }
+DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, p, 16); return v; }
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
+DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
 DEVICE_FN float simd_reduce(float x, bool take_max) {
     ctx.slots[ctx.tid & 31u] = x;
     ctx.simd->arrive_and_wait();
@@ -91,6 +108,13 @@ DEVICE_FN float simd_reduce(float x, bool take_max) {
     return r;
 }
 DEVICE_FN float simd_sum_f(float x) { return simd_reduce(x, false); }
+DEVICE_FN float simd_shuffle_f(float x, uint lane) {
+    ctx.slots[ctx.tid & 31u] = x;
+    ctx.simd->arrive_and_wait();
+    float r = ctx.slots[lane];
+    ctx.simd->arrive_and_wait();
+    return r;
+}
 DEVICE_FN float simd_max_f(float x) { return simd_reduce(x, true); }
 """
 
@@ -125,7 +149,7 @@ _IDS = {
 # Spellings that must not survive into the other language's source (checked by the tests).
 CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim", "__shfl", "__half",
              "__device__", "__global__", "reinterpret_cast")
-METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "device ", "mem_flags", "(half(",
+METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "simd_shuffle(", "device ", "mem_flags", "(half(",
               "as_type<")
 
 _C_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}

@@ -101,8 +101,9 @@ class KernelLaunches:
             n_batches = P
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches)
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk)
-        parts = self._run(S.qmatmul_spec(qtype), (-(-n_rows // S.QMATMUL_ROWS_PER_GROUP), n_batches * splits),
-                          32 * S.QMATMUL_ROWS_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
+        group_rows = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS
+        parts = self._run(S.qmatmul_spec(qtype), (-(-n_rows // group_rows), n_batches * splits),
+                          32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]
         if splits == 1:
             return parts[0]
@@ -145,7 +146,7 @@ class KernelLaunches:
         T, n, E = X.shape
         if n > S.HC_MAX:
             raise ValueError(f"hc_mix kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
-        return tuple(self._run(S.HC_MIX, (T, 1), 128,
+        return tuple(self._run(S.HC_MIX, (T, 1), S.ROW_GROUP,
                                [self._f32(mix), self._f32(scale), self._f32(base), self._f32(X),
                                 self._const(T, n, E, iters), self._const(eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
@@ -162,7 +163,8 @@ class KernelLaunches:
         x2 = self._f32(x).reshape(-1, D)
         R = x2.shape[0]
         w = self._f32(weight) if weight is not None else x2
-        return self._run(S.RMSNORM, (R, 1), S.ROW_GROUP,
+        threads = S.ROW_GROUP if R >= S.RMSNORM_WIDE_ROWS else 4 * S.ROW_GROUP  # few rows: more threads each
+        return self._run(S.RMSNORM, (R, 1), threads,
                          [x2, w, self._const(R, D, int(weight is not None)), self._const(eps, dtype=np.float32)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 

@@ -27,10 +27,11 @@ from ..model.compressor import coff, n_blocks
 from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
-            Q.IQ2_XXS: "dq_iq2_xxs"}
+            Q.IQ2_XXS: "dq_iq2_xxs"}  # element k of a row; "dq8_..." decodes eight from k
 MAX_PAIRS = 8  # pairs a qmatmul batch shares one decode of the weight row with
-QMATMUL_ROWS_PER_GROUP = 4  # SIMD groups (rows) per work-group
-QMATMUL_UNROLL = 4  # k steps of 32 a lane loads before it adds them up
+QMATMUL_SIMD_PER_GROUP = 4  # SIMD groups per work-group
+QMATMUL_SIMD_ROWS = 4  # rows per SIMD group: they share each load of x
+QMATMUL_UNROLL = 2  # steps of 256 elements (8 a lane) a lane loads before it adds them up
 # qmatmul splits K when rows x batches leave the GPU idle: into a power of two of splits, until there are
 # QMATMUL_SIMD_GROUPS SIMD groups or a split would hold fewer than QMATMUL_MIN_SPLIT elements. Splits start
 # at multiples of QMATMUL_SPLIT_ALIGN, so no GGUF block (32 or 256 elements) straddles two.
@@ -50,8 +51,9 @@ ATTN_CHUNK_GROUP = 128  # threads per chunk-attention work-group: 4 SIMD groups
 ATTN_CHUNK_ROWS = 2
 ATTN_CHUNK_TILE = 4
 DEQUANT_GROUP = 256
-HC_MAX = 8  # hyper-connection streams the mixer kernel handles
+HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
+RMSNORM_WIDE_ROWS = 64  # under this many rows, rmsnorm gives each row 4 x ROW_GROUP threads
 
 
 def dequant_spec(qtype: Q) -> KernelSpec:
@@ -65,7 +67,8 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)], "MAX_PAIRS": MAX_PAIRS, "UNROLL": QMATMUL_UNROLL})
+                      {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": DECODERS[Q(qtype)].replace("dq_", "dq8_"),
+                       "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL})
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
@@ -77,7 +80,7 @@ def qmatmul_splits(K: int, N: int, n_batches: int) -> tuple[int, int]:
     Rounding the chunk up to the alignment can leave the last splits of a power of two empty: those are
     dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN."""
     S = 1
-    while N * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
+    while -(-N // QMATMUL_SIMD_ROWS) * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
         S *= 2
     chunk = -(-K // (S * QMATMUL_SPLIT_ALIGN)) * QMATMUL_SPLIT_ALIGN
     return -(-K // chunk), chunk

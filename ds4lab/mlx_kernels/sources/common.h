@@ -29,20 +29,20 @@ DEVICE_FN float dq_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t*
 }
 
 // Q4_K, 144-byte blocks of 256: sub-block 2c takes the low nibbles of qs[32c..], 2c+1 the high ones.
+// The 6-bit scale and min of sub-block sb, packed as scale | min << 8.
+DEVICE_FN uint q4_k_scale_min(const GLOBAL uint8_t* b, uint sb) {
+    if (sb < 4u) return (b[4u + sb] & 63u) | ((b[8u + sb] & 63u) << 8);
+    uint j = sb - 4u;
+    return ((b[12u + j] & 15u) | ((uint(b[4u + j]) >> 6) << 4))
+         | (((uint(b[12u + j]) >> 4) | ((uint(b[8u + j]) >> 6) << 4)) << 8);
+}
+
 DEVICE_FN float dq_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     const GLOBAL uint8_t* b = row + (k >> 8) * 144u;
     uint e = k & 255u, sb = e >> 5, c = sb >> 1, l = e & 31u;
     uint q = (uint(b[16u + 32u * c + l]) >> (4u * (sb & 1u))) & 15u;
-    uint s, m;
-    if (sb < 4u) {
-        s = b[4u + sb] & 63u;
-        m = b[8u + sb] & 63u;
-    } else {
-        uint j = sb - 4u;
-        s = (b[12u + j] & 15u) | ((uint(b[4u + j]) >> 6) << 4);
-        m = (uint(b[12u + j]) >> 4) | ((uint(b[8u + j]) >> 6) << 4);
-    }
-    return load_half(b) * float(s) * float(q) - load_half(b + 2) * float(m);
+    uint sm = q4_k_scale_min(b, sb);
+    return load_half(b) * float(sm & 255u) * float(q) - load_half(b + 2) * float(sm >> 8);
 }
 
 // IQ2_XXS, 66-byte blocks of 256: f16 d, then eight 8-byte sub-blocks (4 grid indices, then a
@@ -56,6 +56,103 @@ DEVICE_FN float dq_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8
     float v = scale * float(aux[uint(sub[g]) * 8u + j]);
     uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
     return ((signs >> j) & 1u) ? -v : v;
+}
+
+// Small integers as floats without an integer-to-float conversion (a quarter-rate instruction on
+// NVIDIA GPUs): 2^23 + u has u in its low mantissa bits, so subtracting 2^23 leaves u, exactly.
+DEVICE_FN float u8_float(uint u) { return from_bits(0x4B000000u | u) - 8388608.0f; }
+DEVICE_FN float i8_float(uint u) { return from_bits(0x4B000000u | (u ^ 128u)) - 8388736.0f; }  // u: the byte of an int8
+
+// Eight consecutive elements at once, k a multiple of 8: dq8_<type>(row, k, aux).v[i] is
+// dq_<type>(row, k + i, aux), the same values, from wider loads (a SIMD group's 32 lanes then cover 256
+// elements a step). Rows of Q8_0 and IQ2_XXS blocks start at even addresses, of Q2_K and Q4_K blocks
+// at multiples of 4.
+struct F8 { float v[8]; };
+
+DEVICE_FN F8 dq8_f32(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    F8 r;
+    for (uint i = 0; i < 8u; i++) r.v[i] = dq_f32(row, k + i, aux);
+    return r;
+}
+
+DEVICE_FN F8 dq8_f16(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    F8 r;
+    for (uint i = 0; i < 8u; i++) r.v[i] = load_half(row + 2u * (k + i));
+    return r;
+}
+
+DEVICE_FN F8 dq8_q8_0(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 5) * 34u;
+    const GLOBAL uint8_t* qs = b + 2u + (k & 31u);
+    float d = load_half(b);
+    F8 r;
+    for (uint i = 0; i < 8u; i += 2u) {
+        uint two = load_u16(qs + i);
+        r.v[i] = d * i8_float(two & 255u);
+        r.v[i + 1u] = d * i8_float(two >> 8);
+    }
+    return r;
+}
+
+DEVICE_FN F8 dq8_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 8) * 84u;
+    uint e = k & 255u, h = e >> 7, j = (e >> 5) & 3u, s = (e >> 4) & 1u, l = e & 15u;
+    uint sc = b[h * 8u + j * 2u + s];
+    float d = load_half(b + 80) * u8_float(sc & 15u), m = load_half(b + 82) * u8_float(sc >> 4);
+    const GLOBAL uint8_t* qs = b + 16u + h * 32u + s * 16u + l;
+    uint lo = load_u32(qs) >> (2u * j), hi = load_u32(qs + 4u) >> (2u * j);
+    F8 r;
+    for (uint i = 0; i < 4u; i++) {
+        r.v[i] = d * u8_float((lo >> (8u * i)) & 3u) - m;
+        r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & 3u) - m;
+    }
+    return r;
+}
+
+DEVICE_FN F8 dq8_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 8) * 144u;
+    uint e = k & 255u, sb = e >> 5, c = sb >> 1, l = e & 31u;
+    uint sm = q4_k_scale_min(b, sb);
+    float d = load_half(b) * u8_float(sm & 255u), m = load_half(b + 2) * u8_float(sm >> 8);
+    const GLOBAL uint8_t* qs = b + 16u + 32u * c + l;
+    uint lo = load_u32(qs) >> (4u * (sb & 1u)), hi = load_u32(qs + 4u) >> (4u * (sb & 1u));
+    F8 r;
+    for (uint i = 0; i < 4u; i++) {
+        r.v[i] = d * u8_float((lo >> (8u * i)) & 15u) - m;
+        r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & 15u) - m;
+    }
+    return r;
+}
+
+DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
+    uint e = k & 255u, g = (e >> 3) & 3u;
+    const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
+    uint a1 = load_u16(sub + 4u) | (load_u16(sub + 6u) << 16);
+    float scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    const GLOBAL uint8_t* grid = aux + uint(sub[g]) * 8u;
+    uint lo = load_u32(grid), hi = load_u32(grid + 4u);
+    uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
+    F8 r;
+    for (uint i = 0; i < 4u; i++) {
+        // the sign bit set straight in the float's bits, not by a select
+        r.v[i] = from_bits(as_bits(scale * u8_float((lo >> (8u * i)) & 255u)) ^ (((signs >> i) & 1u) << 31));
+        r.v[i + 4u] = from_bits(as_bits(scale * u8_float((hi >> (8u * i)) & 255u)) ^ (((signs >> (i + 4u)) & 1u) << 31));
+    }
+    return r;
+}
+
+// Eight floats from p: two 16-byte loads where p is 16-byte aligned (vec), else one at a time.
+DEVICE_FN F8 load_x8(const GLOBAL float* p, bool vec) {
+    F8 r;
+    if (vec) {
+        float4 a = load_f4(p), c = load_f4(p + 4);
+        r.v[0] = a.x; r.v[1] = a.y; r.v[2] = a.z; r.v[3] = a.w;
+        r.v[4] = c.x; r.v[5] = c.y; r.v[6] = c.z; r.v[7] = c.w;
+    } else {
+        for (uint i = 0; i < 8u; i++) r.v[i] = p[i];
+    }
+    return r;
 }
 
 // A float's bits as an unsigned key with the same order (−0 counted as +0), every key ≥ 1 so that 0 can

@@ -1,0 +1,107 @@
+"""Where the GPU time of the CuPy path goes, kernel by kernel, on the full-width Flash slice.
+
+Decode: steps at a context until every layer's halves are CUDA graphs, then each graph replayed alone
+under PyTorch's profiler (CUPTI sees every kernel of the process, CuPy's included; the lent H200's image
+has PyTorch, ds4lab does not need it). Per graph it prints the kernels' summed GPU time against the
+replay's (the difference is the gaps between nodes), the node count, and the kernels by time. Then
+the output head, and one 2048-token prefill chunk, the same way.
+
+    python benchmarks/kernel_profile.py --context 4096 --json profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import numpy as np
+from gpu_slice import CHUNK, SLICE, build, filled_state, step, syncer
+
+from ds4lab.config import NANO
+from ds4lab.model.state import Geometry, new_state
+from ds4lab.testing import model_tensors
+
+
+def kernel_times(run, repeats: int) -> dict:
+    """{kernel name: (launches, µs)} per call of ``run``, from ``repeats`` profiled calls."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as e:
+        raise SystemExit(f"kernel_profile needs PyTorch's profiler (CUPTI): {e}") from e
+    import cupy as cp
+
+    run()
+    cp.cuda.get_current_stream().synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        cp.cuda.get_current_stream().synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per[e.name][0] += 1
+            per[e.name][1] += e.time_range.end - e.time_range.start
+    if not per:
+        raise SystemExit("the profiler saw no GPU kernels (CUPTI could not trace this process)")
+    return {name: (n / repeats, us / repeats) for name, (n, us) in per.items()}
+
+
+def summary(label: str, kernels: dict, wall_us: float | None = None, top: int = 12) -> dict:
+    total = sum(us for _, us in kernels.values())
+    nodes = sum(n for n, _ in kernels.values())
+    line = f"{label}: {nodes:.0f} kernels, {total:.1f} us of kernel time"
+    if wall_us is not None:
+        line += f" in {wall_us:.1f} us of replay ({wall_us - total:.1f} us between kernels)"
+    print(line)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    for name, (n, us) in ranked[:top]:
+        print(f"    {us:9.1f} us  {n:4.0f}x  {name[:110]}")
+    return {"label": label, "kernels": nodes, "kernel_us": total, "replay_us": wall_us,
+            "by_kernel": {name: [n, us] for name, (n, us) in ranked}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--config", default="flash", choices=("flash", "nano"))
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    import cupy as cp
+
+    cfg = SLICE if args.config == "flash" else NANO
+    tensors = model_tensors(cfg, seed=0, distinct_rows=8)
+    t = build(cfg, "cupy", True, tensors)
+    sync = syncer(t.backend)
+    stream = cp.cuda.get_current_stream()
+    out = {"context": args.context, "graphs": []}
+
+    state = filled_state(t, args.context, args.context + 16)
+    for i in range(3):  # eager, capture, replay
+        state, _ = step(t, np.array([i]), state, sync)
+    for key, g in t._compiled.items():
+        for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
+            kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
+            out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
+
+    X, _ = t.forward(np.array([5]), state)
+    out["head"] = summary("head (eager)", kernel_times(lambda: t.head(X[-1:]), args.repeats))
+    t.compile = False
+    out["decode_eager"] = summary("decode step, eager", kernel_times(lambda: step(t, np.array([7]), state, sync), 3),
+                                  top=25)
+
+    chunk_state = new_state(cfg, t.backend, Geometry.for_context(cfg, 2 * CHUNK + 1, CHUNK))
+    chunk_state, _ = step(t, np.arange(CHUNK) % cfg.n_vocab, chunk_state, sync)
+    ids = (np.arange(CHUNK) * 7) % cfg.n_vocab
+    out["prefill_chunk"] = summary(f"prefill chunk of {CHUNK} at {CHUNK}",
+                                   kernel_times(lambda: step(t, ids, chunk_state, sync), 1), top=25)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""qmatmul for one decode token on the Flash shapes, against the copy bandwidth measured in the same run.
+
+A decode step reads its weights once; qmatmul's time for one row of x is that read. For each product
+(the output head, attention and shared-expert Q8_0, the routed experts' IQ2_XXS and Q2_K for 6 selected
+experts, F16 and F32 linears) it prints the GPU time of one launch, the bytes of weight read, and that
+rate as a fraction of the device-to-device copy's (read + write) bandwidth. The launches are replayed
+as a CUDA graph (no host time), each over other weights (other copies, other experts) until 256 MB are
+read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
+SIMD group x steps unrolled (the module recompiled for each).
+
+    python benchmarks/qmatmul_bench.py --variants 4x2 1x8 2x4 --json qmatmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ds4lab.mlx_kernels import specs as S
+from ds4lab.quants import quantize, random_blocks, row_bytes
+
+# (label, type, experts in the tensor, rows, K, selected experts (0: a dense matrix))
+SHAPES = [
+    ("output head", Q.Q8_0, 0, 129280, 4096, 0),
+    ("attn_q_b", Q.Q8_0, 0, 32768, 1024, 0),
+    ("attn_output_b", Q.Q8_0, 0, 4096, 8192, 0),
+    ("shared expert down", Q.Q8_0, 0, 4096, 2048, 0),
+    ("routed gate/up", Q.IQ2_XXS, 256, 2048, 4096, 6),
+    ("routed down", Q.Q2_K, 256, 4096, 2048, 6),
+    ("compressor kv (F16)", Q.F16, 0, 1024, 4096, 0),
+    ("HC mixer (F32)", Q.F32, 0, 24, 16384, 0),
+]
+
+
+READ_BYTES = 256 << 20  # read per replay, against the L2 cache
+
+
+def graph_seconds(calls, repeats: int) -> float:
+    """GPU seconds of one replay of ``calls`` (functions of no arguments) captured as one CUDA graph."""
+    from ds4lab.cuda.graphs import GraphStep
+
+    step = GraphStep(lambda: tuple(call() for call in calls))
+    step()  # eager: compiles, makes the launch constants
+    step()  # captures
+    return min(step.replay_seconds(repeats) for _ in range(3))[0]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    import cupy as cp
+
+    a, b = cp.ones(nbytes // 4, dtype=cp.float32), cp.empty(nbytes // 4, dtype=cp.float32)
+    return 2 * nbytes / graph_seconds([lambda: cp.copyto(b, a) or b], 10)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="*", default=[f"{S.QMATMUL_SIMD_ROWS}x{S.QMATMUL_UNROLL}"],
+                   help="ROWSxUNROLL: rows per SIMD group, steps of 256 elements unrolled")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    import cupy as cp
+
+    from ds4lab.cuda import ops
+
+    rng = np.random.default_rng(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    out = {"copy_bandwidth_Bps": bw, "runs": []}
+    tensors = []
+    for label, qtype, n_expert, rows, K, used in SHAPES:
+        per_call = rows * row_bytes(qtype, K) * max(used, 1)
+        copies = -(-READ_BYTES // per_call)
+        if used:  # one tensor of n_expert experts (8 distinct, repeated), other experts each call
+            distinct = random_blocks(qtype, (8, rows), K, rng, 0.02)
+            raws = [cp.asarray(np.tile(distinct, (n_expert // 8, 1, 1)))] * copies
+            ids = [cp.asarray(rng.choice(n_expert, used, replace=False).astype(np.int32)) for _ in range(copies)]
+        else:  # copies of one matrix
+            one = (random_blocks(qtype, (rows,), K, rng, 0.02) if qtype not in (Q.F16, Q.F32) else
+                   quantize(rng.standard_normal((rows, K), dtype=np.float32) * 0.02, qtype))
+            raws, ids = [cp.asarray(one) for _ in range(copies)], [None] * copies
+        x = cp.asarray(rng.standard_normal((max(used, 1), K), dtype=np.float32))
+        tensors.append((label, qtype, rows, K, raws, ids, x, per_call))
+    defaults = S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL
+    for variant in args.variants:
+        S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = map(int, variant.split("x"))
+        ops._module.cache_clear()
+        kernels = ops.CudaKernels()
+        for label, qtype, rows, K, raws, ids, x, read in tensors:
+            calls = [lambda raw=raw, e=e: kernels.qmatmul(x, raw, qtype, K, rows, e) for raw, e in zip(raws, ids)]
+            s = graph_seconds(calls, args.repeats) / len(calls)
+            r = {"variant": variant, "label": label, "type": qtype.name, "rows": rows, "K": K, "us": s * 1e6,
+                 "bytes": read, "fraction_of_copy_bw": read / s / bw}
+            out["runs"].append(r)
+            print(f"{variant}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: {s * 1e6:8.1f} us, "
+                  f"{read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = {100 * r['fraction_of_copy_bw']:.0f}% "
+                  f"of copy", flush=True)
+    S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = defaults
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
