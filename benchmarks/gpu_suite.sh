@@ -36,7 +36,8 @@ want slice_cupy slice && step slice_cupy 200 python3 benchmarks/gpu_slice.py --b
 want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 \
     --json "$OUT/slice_mlx.json"
 want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
-want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 4x2 4x1 2x4 2x2 1x8 8x1 --json "$OUT/qmatmul.json"
+want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
+want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x2s 8x2s 16x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 true

@@ -6,9 +6,9 @@ experts, F16 and F32 linears) it prints the GPU time of one launch, the bytes of
 rate as a fraction of the device-to-device copy's (read + write) bandwidth. The launches are replayed
 as a CUDA graph (no host time), each over other weights (other copies, other experts) until 256 MB are
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
-SIMD group x steps unrolled (the module recompiled for each).
+SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each).
 
-    python benchmarks/qmatmul_bench.py --variants 4x2 1x8 2x4 --json qmatmul.json
+    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s --json qmatmul.json
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", nargs="*", default=[f"{S.QMATMUL_SIMD_ROWS}x{S.QMATMUL_UNROLL}"],
-                   help="ROWSxUNROLL: rows per SIMD group, steps of 256 elements unrolled")
+    p.add_argument("--variants", nargs="*",
+                   default=[f"{S.QMATMUL_SIMD_ROWS}x{S.QMATMUL_UNROLL}{'s' * S.QMATMUL_SINGLE_PAIR}"],
+                   help="ROWSxUNROLL[s]: rows per SIMD group, steps of 256 elements unrolled, the single-pair loop")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -85,9 +86,11 @@ def main(argv=None):
             raws, ids = [cp.asarray(one) for _ in range(copies)], [None] * copies
         x = cp.asarray(rng.standard_normal((max(used, 1), K), dtype=np.float32))
         tensors.append((label, qtype, rows, K, raws, ids, x, per_call))
-    defaults = S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL
+    defaults = S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR
     for variant in args.variants:
-        S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = map(int, variant.split("x"))
+        rows_per_simd, unroll = variant.rstrip("s").split("x")
+        S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = int(rows_per_simd), int(unroll)
+        S.QMATMUL_SINGLE_PAIR = int(variant.endswith("s"))
         ops._module.cache_clear()
         kernels = ops.CudaKernels()
         for label, qtype, rows, K, raws, ids, x, read in tensors:
@@ -99,7 +102,7 @@ def main(argv=None):
             print(f"{variant}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: {s * 1e6:8.1f} us, "
                   f"{read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = {100 * r['fraction_of_copy_bw']:.0f}% "
                   f"of copy", flush=True)
-    S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = defaults
+    S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR = defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -127,18 +127,18 @@ def test_unknown_dialect_is_refused():
 
 def test_pair_batches_group_by_expert_in_batches_of_at_most_max_pairs():
     experts = np.array([3, 1, 3, 3, 0, 3, 3, 3, 3, 3, 3, 3, 1])
-    order, batches = S.pair_batches(experts, len(experts))
+    order, batches = S.pair_batches(experts, len(experts), 8)
     assert sorted(order.tolist()) == list(range(len(experts)))
     seen = []
     for e, first, count in batches:
-        assert 1 <= count <= S.MAX_PAIRS
+        assert 1 <= count <= 8
         pairs = order[first:first + count]
         assert (experts[pairs] == e).all()
         seen += pairs.tolist()
     assert sorted(seen) == list(range(len(experts)))
     assert [tuple(b) for b in batches] == [(0, 0, 1), (1, 1, 2), (3, 3, 8), (3, 11, 2)]
     # a dense linear: one matrix, pairs in order
-    order, batches = S.pair_batches(None, 19)
+    order, batches = S.pair_batches(None, 19, 8)
     assert order.tolist() == list(range(19)) and [tuple(b) for b in batches] == [(0, 0, 8), (0, 8, 8), (0, 16, 3)]
 
 

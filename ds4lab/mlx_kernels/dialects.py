@@ -7,8 +7,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_THREADS              the group's size
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
-    simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane), load_half(p), f16_round(x), as_bits(x), from_bits(u), DEVICE_FN
-                               from the dialect header
+    simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
+    load_half(p), f16_round(x), as_bits(x), from_bits(u), DEVICE_FN   from the dialect header too
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
@@ -149,8 +149,8 @@ _IDS = {
 # Spellings that must not survive into the other language's source (checked by the tests).
 CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim", "__shfl", "__half",
              "__device__", "__global__", "reinterpret_cast")
-METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "simd_shuffle(", "device ", "mem_flags", "(half(",
-              "as_type<")
+METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "simd_shuffle(", "device ", "mem_flags",
+              "(half(", "as_type<")
 
 _C_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
 

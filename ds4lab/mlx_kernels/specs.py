@@ -28,10 +28,11 @@ from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
             Q.IQ2_XXS: "dq_iq2_xxs"}  # element k of a row; "dq8_..." decodes eight from k
-MAX_PAIRS = 8  # pairs a qmatmul batch shares one decode of the weight row with
+MAX_PAIRS = 4  # pairs a qmatmul batch shares one decode of the weight row with
 QMATMUL_SIMD_PER_GROUP = 4  # SIMD groups per work-group
-QMATMUL_SIMD_ROWS = 4  # rows per SIMD group: they share each load of x
-QMATMUL_UNROLL = 2  # steps of 256 elements (8 a lane) a lane loads before it adds them up
+QMATMUL_SIMD_ROWS = 8  # rows per SIMD group: they share each load of x
+QMATMUL_UNROLL = 1  # steps of 256 elements (8 a lane) a lane loads before it adds them up
+QMATMUL_SINGLE_PAIR = 1  # a batch of one pair (a decode step) takes its own loop, with fewer registers
 # qmatmul splits K when rows x batches leave the GPU idle: into a power of two of splits, until there are
 # QMATMUL_SIMD_GROUPS SIMD groups or a split would hold fewer than QMATMUL_MIN_SPLIT elements. Splits start
 # at multiples of QMATMUL_SPLIT_ALIGN, so no GGUF block (32 or 256 elements) straddles two.
@@ -68,7 +69,8 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                        ("dims", "int32")),
                       (("out", "float32"),),
                       {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": DECODERS[Q(qtype)].replace("dq_", "dq8_"),
-                       "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL})
+                       "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL,
+                       "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),

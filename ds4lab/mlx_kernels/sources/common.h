@@ -71,12 +71,14 @@ struct F8 { float v[8]; };
 
 DEVICE_FN F8 dq8_f32(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     F8 r;
+    #pragma unroll
     for (uint i = 0; i < 8u; i++) r.v[i] = dq_f32(row, k + i, aux);
     return r;
 }
 
 DEVICE_FN F8 dq8_f16(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     F8 r;
+    #pragma unroll
     for (uint i = 0; i < 8u; i++) r.v[i] = load_half(row + 2u * (k + i));
     return r;
 }
@@ -86,6 +88,7 @@ DEVICE_FN F8 dq8_q8_0(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
     const GLOBAL uint8_t* qs = b + 2u + (k & 31u);
     float d = load_half(b);
     F8 r;
+    #pragma unroll
     for (uint i = 0; i < 8u; i += 2u) {
         uint two = load_u16(qs + i);
         r.v[i] = d * i8_float(two & 255u);
@@ -102,6 +105,7 @@ DEVICE_FN F8 dq8_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
     const GLOBAL uint8_t* qs = b + 16u + h * 32u + s * 16u + l;
     uint lo = load_u32(qs) >> (2u * j), hi = load_u32(qs + 4u) >> (2u * j);
     F8 r;
+    #pragma unroll
     for (uint i = 0; i < 4u; i++) {
         r.v[i] = d * u8_float((lo >> (8u * i)) & 3u) - m;
         r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & 3u) - m;
@@ -117,6 +121,7 @@ DEVICE_FN F8 dq8_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
     const GLOBAL uint8_t* qs = b + 16u + 32u * c + l;
     uint lo = load_u32(qs) >> (4u * (sb & 1u)), hi = load_u32(qs + 4u) >> (4u * (sb & 1u));
     F8 r;
+    #pragma unroll
     for (uint i = 0; i < 4u; i++) {
         r.v[i] = d * u8_float((lo >> (8u * i)) & 15u) - m;
         r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & 15u) - m;
@@ -134,6 +139,7 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
     uint lo = load_u32(grid), hi = load_u32(grid + 4u);
     uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
     F8 r;
+    #pragma unroll
     for (uint i = 0; i < 4u; i++) {
         // the sign bit set straight in the float's bits, not by a select
         r.v[i] = from_bits(as_bits(scale * u8_float((lo >> (8u * i)) & 255u)) ^ (((signs >> i) & 1u) << 31));
@@ -150,6 +156,7 @@ DEVICE_FN F8 load_x8(const GLOBAL float* p, bool vec) {
         r.v[0] = a.x; r.v[1] = a.y; r.v[2] = a.z; r.v[3] = a.w;
         r.v[4] = c.x; r.v[5] = c.y; r.v[6] = c.z; r.v[7] = c.w;
     } else {
+        #pragma unroll
         for (uint i = 0; i < 8u; i++) r.v[i] = p[i];
     }
     return r;
