@@ -623,12 +623,13 @@ def test_grouped_output_gathered_equals_the_group_by_group_projection():
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("whole_step", [True, False], ids=["whole step", "per layer"])
 @pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
-def test_compiled_decode_equals_eager(model_paths, backend):
-    """The attention and FFN halves as compiled backends run them give the eager logits bit for bit. CuPy:
-    CUDA graphs per layer, run eagerly on the first decode-sized step, captured on the second, replayed
-    after. The emulator: the same functions with positions and token ids passed as device arrays, as a
-    graph sees them."""
+def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
+    """Decode steps as compiled backends run them give the eager logits bit for bit. CuPy: one CUDA graph
+    for every layer of the step (whole_step), or one per half and layer (as tiers run), each run eagerly on
+    the first decode-sized step, captured on the second, replayed after. The emulator: the same functions
+    with positions and token ids passed as device arrays, as a graph sees them."""
     gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
     t, b = gpu.transformer, gpu.backend
     if backend == "emulated":
@@ -637,6 +638,7 @@ def test_compiled_decode_equals_eager(model_paths, backend):
     n_prefill, n_decode = 72, 2 if backend == "emulated" else 5  # from position 68 the indexer drops rows
     ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, n_prefill + n_decode)
     logits, held = {}, None
+    t.whole_step = whole_step
     for compiled in (False, True):
         t.compile = compiled
         t._compiled.clear()
@@ -654,6 +656,6 @@ def test_compiled_decode_equals_eager(model_paths, backend):
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
     if backend == "cupy":
-        decode = [g for key, g in t._compiled.items() if key[-1] == 1]  # (layer, rows), ("ffn", layer, rows)
-        assert len(decode) == 2 * gpu.config.n_layer
+        decode = [g for key, g in t._compiled.items() if key[-1] == 1]  # ("step", rows, real rows), or
+        assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)  # (layer, rows), ("ffn", layer, rows)
         assert all(g.captures == 1 and not g.failures for g in decode), [g.failures for g in decode]

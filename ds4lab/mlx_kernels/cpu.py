@@ -50,6 +50,7 @@ class CpuKernels(ArrayLaunches):
     """The kernels' launches with NumPy arrays, executed by the CPU emulator."""
 
     xp = np
+    wide_group = S.ROW_GROUP  # each thread is an OS thread here: wider groups cost time and test nothing new
 
     def __init__(self):
         self.lib = _library()

@@ -88,7 +88,8 @@ struct ThreadCtx {
     uint gx, gy, tid, threads, lanes;
     std::barrier<>* group;
     std::barrier<>* simd;
-    float* slots;  // one float per lane of this thread's SIMD group
+    float* slots;  // three floats per lane of this thread's SIMD group: simd_reduce's, two for shuffles
+    uint shuffles;  // shuffles so far: which of the two buffers the next one takes
 };
 static thread_local ThreadCtx ctx;
 struct float4 { float x, y, z, w; };
@@ -109,11 +110,12 @@ DEVICE_FN float simd_reduce(float x, bool take_max) {
 }
 DEVICE_FN float simd_sum_f(float x) { return simd_reduce(x, false); }
 DEVICE_FN float simd_shuffle_f(float x, uint lane) {
-    ctx.slots[ctx.tid & 31u] = x;
+    // Two buffers taken in turn need one barrier a shuffle: a thread writes a buffer again only after
+    // the next shuffle's barrier, which every thread reaches after reading this one.
+    float* buf = ctx.slots + 32u * (1u + (ctx.shuffles++ & 1u));
+    buf[ctx.tid & 31u] = x;
     ctx.simd->arrive_and_wait();
-    float r = ctx.slots[lane];
-    ctx.simd->arrive_and_wait();
-    return r;
+    return buf[lane];
 }
 DEVICE_FN float simd_max_f(float x) { return simd_reduce(x, true); }
 """
@@ -208,12 +210,12 @@ template <class Body> static void run_groups(uint gx, uint gy, uint threads, boo
     std::vector<std::unique_ptr<std::barrier<>>> simd;
     for (uint g = 0; g < (threads + 31) / 32; g++)
         simd.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * g)));
-    std::vector<float> slots(threads + 32);
+    std::vector<float> slots(3 * (threads + 32));
     std::vector<std::thread> pool;
     for (uint t = 0; t < threads; t++) {
         pool.emplace_back([&, t]() {
             ctx = ThreadCtx{0, 0, t, threads, std::min(32u, threads - 32 * (t / 32)), &group, simd[t / 32].get(),
-                            slots.data() + 32 * (t / 32)};
+                            slots.data() + 96 * (t / 32), 0};
             for (uint y = 0; y < gy; y++)
                 for (uint x = 0; x < gx; x++) {
                     ctx.gx = x;

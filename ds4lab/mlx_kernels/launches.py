@@ -21,6 +21,7 @@ class KernelLaunches:
     are made once and kept. ``xp`` is the subclass's array library."""
 
     xp = None
+    wide_group = 4 * S.ROW_GROUP  # threads of a row-wise kernel's group when rows are few (rmsnorm)
 
     def __init__(self):
         self.aux = self._array(iq2xxs_tables())
@@ -163,7 +164,7 @@ class KernelLaunches:
         x2 = self._f32(x).reshape(-1, D)
         R = x2.shape[0]
         w = self._f32(weight) if weight is not None else x2
-        threads = S.ROW_GROUP if R >= S.RMSNORM_WIDE_ROWS else 4 * S.ROW_GROUP  # few rows: more threads each
+        threads = S.ROW_GROUP if R >= S.RMSNORM_WIDE_ROWS else self.wide_group
         return self._run(S.RMSNORM, (R, 1), threads,
                          [x2, w, self._const(R, D, int(weight is not None)), self._const(eps, dtype=np.float32)],
                          [((R, D), "float32")])[0].reshape(x.shape)

@@ -54,7 +54,7 @@ ATTN_CHUNK_TILE = 4
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
-RMSNORM_WIDE_ROWS = 64  # under this many rows, rmsnorm gives each row 4 x ROW_GROUP threads
+RMSNORM_WIDE_ROWS = 64  # under this many rows, rmsnorm gives each row the launcher's wide_group of threads
 
 
 def dequant_spec(qtype: Q) -> KernelSpec:

@@ -8,9 +8,10 @@ prompt (one-shot prefill) and chunk after chunk give the same result.
 The attention half of a layer works on fixed shapes — the chunk size and the state's capacities — with
 the chunk's start position and its number of real tokens as array inputs: on MLX it is compiled once
 per layer and chunk size and reused for every chunk, the last partial one included (padded and
-masked); on CuPy a decode-sized step replays it as a CUDA graph. A chunk's FFN half picks its routed
-experts on the host and runs eagerly; a decode step's picks them on the device (kernel backends), so
-CuPy replays that half as a graph too.
+masked). A chunk's FFN half picks its routed experts on the host and runs eagerly; a decode step's picks
+them on the device (kernel backends). So on CuPy a decode-sized step runs every layer, both halves, as
+one CUDA graph (``whole_step``; or one graph per half and layer with it off): replaying it costs the
+host one launch where launching layer by layer cost more than the GPU's work.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Transformer:
         self._compiled: dict[tuple[int, int], object] = {}
         self.trace_count = 0  # attention-step traces: one per (layer, chunk size) when compiled
         self.gather_max_pairs = GATHER_MAX_PAIRS
+        self.whole_step = True  # where the backend compiles both halves: every layer in one compiled call
 
     def _emit(self, name: str, value) -> None:
         if self.observer is not None:
@@ -130,6 +132,8 @@ class Transformer:
         if n > geo.step:
             raise ValueError(f"a chunk of {n} tokens exceeds the {geo.step} tokens one step can take")
         padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
+        if tiers is None and self.whole_step and self.compiles(C) and b.compiles_ffn and self.observer is None:
+            return self._compiled_step(tokens, padded, state)
         tiers = NO_TIERS if tiers is None else tiers
         tiers.start()
         with tiers.scope():
@@ -142,11 +146,50 @@ class Transformer:
                 if tiers.device not in tabs:
                     tabs[tiers.device] = self.tables(tokens, pos0, C)
                 X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il])
-                X = self._ffn(il, X[:n], tokens, tabs[tiers.device]) if C == n else xp.concatenate(
-                    [self._ffn(il, X[:n], tokens, tabs[tiers.device]), X[n:]], axis=0)
+                X = self._real_rows(lambda Y: self._ffn(il, Y, tokens, tabs[tiers.device]), X, n)
             layers.append(layer)
         X = tiers.enter(cfg.n_layer, X)
         return X[:n], KVState(tuple(layers), pos0 + n, geo)
+
+    def _real_rows(self, fn, X, n: int):
+        """``fn`` (the FFN half) on the first ``n`` rows of X, the padded rows passed through."""
+        return fn(X) if X.shape[0] == n else self.backend.xp.concatenate([fn(X[:n]), X[n:]], axis=0)
+
+    def _compiled_step(self, tokens, padded, state: KVState):
+        """Every layer of a chunk as one compiled call (a CUDA graph on CuPy), keyed by the chunk's padded
+        and real sizes; the embedding is looked up on the host, the head left to the caller."""
+        n, C = len(tokens), len(padded)
+        tabs = self.tables(tokens, state.n_past, C)
+        key = ("step", C, n)
+        if key not in self._compiled:
+            self._compiled[key] = self.backend.compile(self._step_arrays(n, list(tabs.rope), list(tabs.windows)))
+        arrays = [a for layer in state.layers for a in layer.arrays() if a is not None]
+        out = self._compiled[key](self.w.embed(padded), *tabs.scalars, tabs.ids, *sum(tabs.rope.values(), ()),
+                                  *sum(tabs.windows.values(), ()), *arrays)
+        new = iter(out[1:])
+        layers = tuple(self._unflatten(il, new) for il in range(self.cfg.n_layer))
+        return out[0], KVState(layers, state.n_past + n, state.geometry)
+
+    def _step_arrays(self, n: int, rope_keys: list, window_keys: list):
+        """The whole chunk as a function of arrays only: (embedding, pos0, n_valid, ids, RoPE tables,
+        window tables, every layer's state arrays) -> (X of the real rows, every layer's new arrays)."""
+        cfg, xp = self.cfg, self.backend.xp
+
+        def step(emb, pos0, n_valid, ids, *rest):
+            it = iter(rest)
+            rope = {k: (next(it), next(it)) for k in rope_keys}
+            windows = {k: (next(it), next(it)) for k in window_keys}
+            X = xp.broadcast_to(emb[:, None, :], (emb.shape[0], cfg.n_hc, cfg.n_embd))
+            new = []
+            for il, params in enumerate(self.ropes):
+                R = cfg.ratio(il)
+                X, layer = self.attention_block(il, X, pos0, n_valid, rope[params],
+                                                windows[params, R] if R else (None, None), self._unflatten(il, it))
+                X = self._real_rows(lambda Y: self.ffn_block(il, Y, ids), X, n)
+                new += [a for a in layer.arrays() if a is not None]
+            return (X[:n], *new)
+
+        return step
 
     def head(self, X):
         """Logits ``[T, vocab]`` from the final HC state (§3.11)."""
@@ -180,7 +223,8 @@ class Transformer:
         return self.compile and rows <= self.backend.compiled_rows
 
     def _unflatten(self, il: int, arrays) -> LayerState:
-        """A layer's state from its present arrays: raw; + compressor (R ≠ 0); + indexer (R = 4)."""
+        """A layer's state from its present arrays: raw; + compressor (R ≠ 0); + indexer (R = 4). From an
+        iterator it takes just the layer's arrays."""
         R = self.cfg.ratio(il)
         present = (True,) + (R != 0,) * 3 + (R == 4,) * 3
         it = iter(arrays)
