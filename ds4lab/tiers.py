@@ -411,6 +411,11 @@ class TierRun:
         return self.placement.tiers[self.active].scope()
 
     @property
+    def one_tier(self) -> bool:
+        """Whether the step runs on one tier throughout (nothing switches)."""
+        return len(self.placement.tiers) == 1
+
+    @property
     def device(self) -> str:
         """The active tier's device (arrays made for one tier's device serve every tier on it)."""
         return self.placement.tiers[self.active].device
@@ -449,6 +454,7 @@ class _Untiered:
         return nullcontext()
 
     device = None
+    one_tier = True
 
 
 NO_TIERS = _Untiered()

@@ -132,9 +132,10 @@ class Transformer:
         if n > geo.step:
             raise ValueError(f"a chunk of {n} tokens exceeds the {geo.step} tokens one step can take")
         padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
-        if tiers is None and self.whole_step and self.compiles(C) and b.compiles_ffn and self.observer is None:
-            return self._compiled_step(tokens, padded, state)
         tiers = NO_TIERS if tiers is None else tiers
+        if tiers.one_tier and self.whole_step and self.compiles(C) and b.compiles_ffn and self.observer is None:
+            with tiers.scope():
+                return self._compiled_step(tokens, padded, state)
         tiers.start()
         with tiers.scope():
             X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
