@@ -97,20 +97,24 @@ DEVICE_FN F8 dq8_q8_0(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
     return r;
 }
 
+// Q2_K's and Q4_K's eight values d·q − m, q in the low bits (mask) of the bytes of lo, then of hi.
+DEVICE_FN F8 dq8_k_quant(uint lo, uint hi, uint mask, float d, float m) {
+    F8 r;
+    #pragma unroll
+    for (uint i = 0; i < 4u; i++) {
+        r.v[i] = d * u8_float((lo >> (8u * i)) & mask) - m;
+        r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & mask) - m;
+    }
+    return r;
+}
+
 DEVICE_FN F8 dq8_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     const GLOBAL uint8_t* b = row + (k >> 8) * 84u;
     uint e = k & 255u, h = e >> 7, j = (e >> 5) & 3u, s = (e >> 4) & 1u, l = e & 15u;
     uint sc = b[h * 8u + j * 2u + s];
     float d = load_half(b + 80) * u8_float(sc & 15u), m = load_half(b + 82) * u8_float(sc >> 4);
     const GLOBAL uint8_t* qs = b + 16u + h * 32u + s * 16u + l;
-    uint lo = load_u32(qs) >> (2u * j), hi = load_u32(qs + 4u) >> (2u * j);
-    F8 r;
-    #pragma unroll
-    for (uint i = 0; i < 4u; i++) {
-        r.v[i] = d * u8_float((lo >> (8u * i)) & 3u) - m;
-        r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & 3u) - m;
-    }
-    return r;
+    return dq8_k_quant(load_u32(qs) >> (2u * j), load_u32(qs + 4u) >> (2u * j), 3u, d, m);
 }
 
 DEVICE_FN F8 dq8_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
@@ -119,14 +123,7 @@ DEVICE_FN F8 dq8_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
     uint sm = q4_k_scale_min(b, sb);
     float d = load_half(b) * u8_float(sm & 255u), m = load_half(b + 2) * u8_float(sm >> 8);
     const GLOBAL uint8_t* qs = b + 16u + 32u * c + l;
-    uint lo = load_u32(qs) >> (4u * (sb & 1u)), hi = load_u32(qs + 4u) >> (4u * (sb & 1u));
-    F8 r;
-    #pragma unroll
-    for (uint i = 0; i < 4u; i++) {
-        r.v[i] = d * u8_float((lo >> (8u * i)) & 15u) - m;
-        r.v[i + 4u] = d * u8_float((hi >> (8u * i)) & 15u) - m;
-    }
-    return r;
+    return dq8_k_quant(load_u32(qs) >> (4u * (sb & 1u)), load_u32(qs + 4u) >> (4u * (sb & 1u)), 15u, d, m);
 }
 
 DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
