@@ -10,8 +10,9 @@ the chunk's start position and its number of real tokens as array inputs: on MLX
 per layer and chunk size and reused for every chunk, the last partial one included (padded and
 masked). A chunk's FFN half picks its routed experts on the host and runs eagerly; a decode step's picks
 them on the device (kernel backends). So on CuPy a decode-sized step runs every layer, both halves, as
-one CUDA graph (``whole_step``; or one graph per half and layer with it off): replaying it costs the
-host one launch where launching layer by layer cost more than the GPU's work.
+one CUDA graph (``whole_step``; one graph per half and layer where it is off or the placement has several
+tiers): replaying it costs the host one launch where launching layer by layer cost more than the GPU's
+work.
 """
 
 from __future__ import annotations
