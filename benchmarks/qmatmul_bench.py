@@ -18,7 +18,9 @@ import json
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from gpu_slice import copy_bandwidth
 
+from ds4lab.backends import get_backend
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.quants import quantize, random_blocks, row_bytes
 
@@ -48,13 +50,6 @@ def graph_seconds(calls, repeats: int) -> float:
     return min(step.replay_seconds(repeats) for _ in range(3))[0]
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    import cupy as cp
-
-    a, b = cp.ones(nbytes // 4, dtype=cp.float32), cp.empty(nbytes // 4, dtype=cp.float32)
-    return 2 * nbytes / graph_seconds([lambda: cp.copyto(b, a) or b], 10)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*",
@@ -69,7 +64,7 @@ def main(argv=None):
     from ds4lab.cuda import ops
 
     rng = np.random.default_rng(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(get_backend("cupy", None, True))  # as gpu_slice.py measures it
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     out = {"copy_bandwidth_Bps": bw, "runs": []}
     tensors = []
