@@ -127,8 +127,7 @@ def filled_state(t: Transformer, n_past: int, ctx: int, seed: int = 0):
 
 
 def step(t: Transformer, tokens, state, sync):
-    X, state = t.forward(tokens, state)
-    logits = t.head(X[-1:])
+    logits, state = t.forward_logits(tokens, state)
     sync(logits)
     return state, logits
 

@@ -2,7 +2,7 @@
 # Everything ds4lab measures on a lent NVIDIA GPU, in one device call (see ../shared/device/README.md).
 # Stage MLX first (two calls carrying .whl+.whlA, then .whlB; put the third wheel part and the py3.12
 # wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
-#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice profile tiers all; steps: tests_cupy ...)
+#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers all; steps: tests_cupy ...)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
 # "all" does not (a call may run 10 min).
@@ -33,11 +33,14 @@ want tests_mlx tests && step tests_mlx 240 python3 -m pytest -q -p no:cacheprovi
     tests/test_tiers.py -k "mlx and not emulated"
 want tests_tiers tests && [ "$n_gpu" -ge 2 ] && step tests_tiers 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tiers.py
 want slice_cupy slice && step slice_cupy 200 python3 benchmarks/gpu_slice.py --backend cupy --json "$OUT/slice_cupy.json"
+want decode_cupy decode && step decode_cupy 120 python3 benchmarks/gpu_slice.py --backend cupy --prefill \
+    --json "$OUT/decode_cupy.json"
+want hostprof decode && step hostprof 120 python3 benchmarks/gpu_slice.py --backend cupy --cprofile 50 --decode-ctx 4096
 want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 \
     --json "$OUT/slice_mlx.json"
 want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
-want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x2s 8x2s 16x1s --json "$OUT/qmatmul.json"
+want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 8x1 8x2s 4x2s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 true

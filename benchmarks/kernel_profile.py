@@ -1,6 +1,7 @@
 """Where the GPU time of the CuPy path goes, kernel by kernel, on the full-width Flash slice.
 
 Decode: steps at a context until every layer's halves are CUDA graphs, then each graph replayed alone
+(then the same for the whole step as one graph, the head included)
 under PyTorch's profiler (CUPTI sees every kernel of the process, CuPy's included; the lent H200's image
 has PyTorch, ds4lab does not need it). Per graph it prints the kernels' summed GPU time against the
 replay's (the difference is the gaps between nodes), the node count, and the kernels by time. Then
@@ -80,12 +81,15 @@ def main(argv=None):
     out = {"context": args.context, "graphs": []}
 
     state = filled_state(t, args.context, args.context + 16)
-    for i in range(3):  # eager, capture, replay
-        state, _ = step(t, np.array([i]), state, sync)
-    for key, g in t._compiled.items():
-        for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
-            kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
-            out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
+    for whole in (False, True):  # a graph per layer half (where the time goes), then the whole step's
+        t.whole_step = whole
+        t._compiled.clear()
+        for i in range(3):  # eager, capture, replay
+            state, _ = step(t, np.array([i]), state, sync)
+        for key, g in t._compiled.items():
+            for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
+                kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
+                out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
 
     X, _ = t.forward(np.array([5]), state)
     out["head"] = summary("head (eager)", kernel_times(lambda: t.head(X[-1:]), args.repeats))

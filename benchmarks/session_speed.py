@@ -21,8 +21,7 @@ def bare_prefill(model, ids, ctx, chunk):
     step = state.geometry.step
     began = time.perf_counter()
     for start in range(0, len(ids), step):
-        X, state = t.forward(ids[start:start + step], state, pad_to=step)
-        logits = t.head(X[-1:])
+        logits, state = t.forward_logits(ids[start:start + step], state, pad_to=step)
         b.eval(logits)
         np.asarray(b.to_numpy(logits))
     return time.perf_counter() - began

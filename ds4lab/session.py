@@ -147,9 +147,8 @@ class Session:
         returns (logits of the last token, new state, the step's :class:`TierRun`)."""
         t, b = self.model.transformer, self.model.backend
         run = TierRun(self.placement, mode, self._tier_step, self._active_tier)
-        X, state = t.forward(np.asarray(tokens), self._state, pad_to=pad_to, tiers=run)
+        logits, state = t.forward_logits(np.asarray(tokens), self._state, pad_to=pad_to, tiers=run)
         with run.scope():
-            logits = t.head(X[-1:])
             b.eval(logits)
         return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state, run
 

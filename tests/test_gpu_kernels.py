@@ -634,7 +634,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     t, b = gpu.transformer, gpu.backend
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
-        b.compile, b.scalar = (lambda fn: fn), (lambda v: np.asarray(v, dtype=np.int32))
+        b.compile = lambda fn: fn
     n_prefill, n_decode = 72, 2 if backend == "emulated" else 5  # from position 68 the indexer drops rows
     ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, n_prefill + n_decode)
     logits, held = {}, None
@@ -656,6 +656,67 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
     if backend == "cupy":
-        decode = [g for key, g in t._compiled.items() if key[-1] == 1]  # ("step", rows, real rows), or
-        assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)  # (layer, rows), ("ffn", layer, rows)
+        # keys: ("step", rows, real rows, head), or (layer, rows) and ("ffn", layer, rows)
+        decode = [g for key, g in t._compiled.items() if (key[1] if key[0] == "step" else key[-1]) == 1]
+        assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)
         assert all(g.captures == 1 and not g.failures for g in decode), [g.failures for g in decode]
+
+
+def test_packing_layout_and_views():
+    """Arrays packed at aligned offsets come back unchanged; the layout depends on byte sizes only, so a
+    run of arrays has the same relative offsets wherever it starts."""
+    from ds4lab.backends.packing import ALIGN, offsets, pack, views
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((3, 5)).astype(np.float32), np.int32(7) * np.ones((), np.int32),
+              rng.integers(0, 100, 300).astype(np.int32), np.zeros((0,), np.float32), np.ones((2, 2), bool)]
+    buf, offs = pack(arrays)
+    assert offs == [0, ALIGN, 2 * ALIGN, 2 * ALIGN + 1280, 2 * ALIGN + 1280] and buf.size == 3 * ALIGN + 1280
+    for got, want in zip(views(buf, arrays, offs), arrays):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+    tail, _ = offsets(a.nbytes for a in arrays[2:])
+    assert [o - offs[2] for o in offs[2:]] == tail
+
+
+@pytest.mark.gpu
+def test_cupy_graph_step_copies_runs_and_keeps_outputs():
+    """A CUDA graph replay gives the eager results whether its arguments sit in one buffer at the graph's
+    layout (one span copied: a replay's own outputs, a packed upload), at other offsets, or apart; and
+    outputs a caller holds are never overwritten by later replays."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.backends.packing import pack, views
+    from ds4lab.cuda.graphs import GraphStep
+
+    def fn(a, b, n):
+        return a * 2.0 + b[n], b + 1.0, n + 1
+
+    step = GraphStep(fn)
+    rng = np.random.default_rng(1)
+    a = cp.asarray(rng.standard_normal((4, 3)).astype(np.float32))
+    b = cp.asarray(rng.standard_normal((5, 3)).astype(np.float32))
+    n = cp.asarray(np.int32(2))
+    held, want = [], []
+    for i in range(6):
+        if i == 4:  # the same values, packed in one upload (a run at the graph's layout)
+            host = [cp.asnumpy(x) for x in (a, b, n)]
+            buf, offs = pack(host)
+            a, b, n = views(cp.asarray(buf), host, offs)
+        if i == 5:  # in one buffer, at other offsets than the layout's
+            big = cp.zeros(4096, dtype=cp.uint8)
+            a2, b2 = big[16:64].view(cp.float32).reshape(4, 3), big[528:588].view(cp.float32).reshape(5, 3)
+            a2[...], b2[...] = a, b
+            a, b = a2, b2
+        ref = [cp.asnumpy(x) for x in fn(a, b, int(n))]
+        out = step(a, b, n)
+        assert all(np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)), i
+        held.append(out)
+        want.append(ref)
+        a, b = out[0][:, :], out[1]  # the next call's arguments come out of this replay
+        n = cp.asarray(np.int32(int(out[2]) % 5))
+    assert step.captures == 1 and not step.failures
+    for out, ref in zip(held, want):
+        assert all(np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref))

@@ -11,7 +11,8 @@ the few operations below whose spelling differs between libraries or that touch 
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
     can_compile, compile(fn)          whether and how a function of arrays is traced once and reused
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
-    scalar(int)                       an integer as the backend passes it into compiled functions
+    upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
+                                      in one transfer where the backend can
 
 and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
 backend has them (``kernels``; GPU backends) and through plain ops elsewhere:

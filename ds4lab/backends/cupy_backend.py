@@ -12,8 +12,10 @@ op a CuPy array op.
 from __future__ import annotations
 
 import cupy as cp
+import numpy as np
 
 from .kernel_ops import BlockBackend
+from .packing import pack, views
 
 
 class CupyBackend(BlockBackend):
@@ -43,8 +45,11 @@ class CupyBackend(BlockBackend):
 
         return GraphStep(fn)
 
-    def scalar(self, v: int):
-        return cp.asarray(v, dtype=cp.int32)
+    def upload(self, arrays):
+        """One host-to-device transfer for all of them (a decode step's tables, positions and ids)."""
+        host = [np.asarray(a, dtype=np.float32 if a.dtype.kind == "f" else np.int32) for a in arrays]
+        buf, offs = pack(host)
+        return views(cp.asarray(buf), host, offs)
 
     def device_key(self):
         return cp.cuda.Device().id

@@ -95,6 +95,11 @@ class KernelOps:
             return None
         return StackedBlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[1])
 
+    def upload(self, arrays: list[np.ndarray]) -> list:
+        """Host arrays as backend arrays: floats as :meth:`asarray` makes them, integers as int32."""
+        return [self.asarray(a) if a.dtype.kind == "f" else self.xp.array(np.asarray(a, dtype=np.int32))
+                for a in arrays]
+
     def attend(self, q, keys, visible, sinks, scale: float):
         """Attention with sinks: the split-key kernel for a few queries (it spreads their keys over many
         groups); for a chunk, the chunk kernel (a group per query and block of heads) if ATTN_CHUNK_KERNEL,
@@ -182,9 +187,6 @@ class BlockBackend(KernelOps):
     def index_add(self, acc, rows, values):
         acc[self.xp.asarray(rows)] += values  # rows are distinct
         return acc
-
-    def scalar(self, v: int):
-        return int(v)
 
     def eval(self, *xs):
         pass

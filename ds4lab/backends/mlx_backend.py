@@ -107,9 +107,6 @@ class MLXBackend(KernelOps):
     compiled_rows = float("inf")  # every chunk size is compiled (the last chunk padded to the step)
     compiles_ffn = False  # the FFN half picks its prefill experts on the host
 
-    def scalar(self, v: int):
-        return mx.array(v, dtype=mx.int32)
-
     def compile(self, fn):
         return mx.compile(fn)
 

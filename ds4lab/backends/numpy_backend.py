@@ -30,8 +30,5 @@ class NumpyBackend(KernelOps):  # no kernels: every op is the plain one
 
     can_compile = False
 
-    def scalar(self, v: int):
-        return int(v)
-
     def eval(self, *xs):
         pass

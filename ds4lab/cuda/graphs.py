@@ -8,14 +8,17 @@ The first call with a set of shapes runs eagerly: it compiles the kernels and ma
 constant, so the capture that the second call makes copies nothing from the host. Every buffer the
 capture allocates comes from a memory pool of its own that nothing outside the graphs uses, so a replay
 never writes into memory someone else holds. A replay copies its arguments into the graph's input
-buffers and returns copies of its outputs: what a caller holds (a checkpoint's KV arrays, say) is never
-overwritten by a later replay. A function that cannot be captured (it syncs with the host) runs eagerly
+buffer and returns a copy of its outputs: what a caller holds (a checkpoint's KV arrays, say) is never
+overwritten by a later replay. Inputs and outputs are each one buffer, so a decode step whose state
+came out of the previous replay copies it in, and its new state out, as one span each. A function that cannot be captured (it syncs with the host) runs eagerly
 from then on; ``failures`` says why.
 """
 
 from __future__ import annotations
 
 import cupy as cp
+
+from ..backends.packing import offsets, views
 
 _POOLS: dict[int, cp.cuda.MemoryPool] = {}  # per device: the memory every captured graph allocates from
 
@@ -28,23 +31,51 @@ def _graph_pool() -> cp.cuda.MemoryPool:
 
 
 class _Captured:
+    """One captured graph. Its inputs and its outputs each live in one buffer, laid out by
+    :func:`ds4lab.backends.packing.offsets`: a run of arguments that sits in one buffer at those relative
+    offsets (a replay's outputs, CuPy's packed upload) is copied in as one span, and the outputs leave
+    as one copy whose views are returned."""
+
     def __init__(self, fn, args):
-        self.inputs = [a.copy() for a in args]
+        in_offs, size = offsets(a.nbytes for a in args)
+        self.in_offs = in_offs
+        self.in_buf = cp.empty(size, dtype=cp.uint8)
+        self.inputs = views(self.in_buf, args, in_offs)
+        for dst, src in zip(self.inputs, args):
+            dst[...] = src
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
         pool = _graph_pool()
         with cp.cuda.using_allocator(pool.malloc), stream:
             stream.begin_capture()
             try:
-                self.outputs = fn(*self.inputs)
+                outputs = fn(*self.inputs)
+                out_offs, out_size = offsets(o.nbytes for o in outputs)
+                self.out_buf = cp.empty(out_size, dtype=cp.uint8)
+                self.outputs = views(self.out_buf, outputs, out_offs)
+                for dst, src in zip(self.outputs, outputs):
+                    dst[...] = src
             finally:
                 self.graph = stream.end_capture()
+        self.out_offs = out_offs
+
+    def _copy_in(self, args, stream) -> None:
+        i, n = 0, len(args)
+        while i < n:  # the longest run from i that sits in one buffer at the input layout's offsets
+            j, mem, base = i + 1, args[i].data.mem, args[i].data.ptr - self.in_offs[i]
+            while j < n and args[j].data.mem is mem and args[j].data.ptr - self.in_offs[j] == base:
+                j += 1
+            end = self.in_offs[j - 1] + args[j - 1].nbytes
+            dst = self.in_buf.data + self.in_offs[i]
+            dst.copy_from_device_async(args[i].data, end - self.in_offs[i], stream)
+            i = j
 
     def __call__(self, args):
         stream = cp.cuda.get_current_stream()
-        for dst, src in zip(self.inputs, args):
-            dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+        self._copy_in(args, stream)
         self.graph.launch(stream)
-        return tuple(o.copy() for o in self.outputs)
+        out = cp.empty_like(self.out_buf)
+        out.data.copy_from_device_async(self.out_buf.data, self.out_buf.nbytes, stream)
+        return tuple(views(out, self.outputs, self.out_offs))
 
 
 class GraphStep:

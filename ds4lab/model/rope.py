@@ -15,6 +15,8 @@ import numpy as np
 from ..config import ModelConfig
 
 f32 = np.float32
+ROWS_MIN = 4096  # positions a cached table covers at first; it doubles when a later position needs it
+_ROWS: dict = {}  # RopeParams -> (cos, sin) for positions 0 … len − 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,15 @@ class RopeParams:
         lo = np.maximum(f32(0), np.floor(corr(self.beta_fast)))
         hi = np.minimum(f32(self.n_rot - 1), np.ceil(corr(self.beta_slow)))
         return f32(lo), f32(hi)
+
+    def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of :meth:`tables` for ``positions``, gathered from a table kept per parameters (each
+        row depends on its position only, so the values are the same; a step makes no angles)."""
+        need = int(np.max(positions)) + 1
+        cos, sin = _ROWS.get(self, ((), ()))
+        if len(cos) < need:
+            cos, sin = _ROWS[self] = self.tables(np.arange(max(ROWS_MIN, 1 << (need - 1).bit_length())))
+        return cos[positions], sin[positions]
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables ``[len(positions), n_rot/2]`` (float32), magnitude included."""

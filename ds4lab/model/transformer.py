@@ -94,20 +94,25 @@ class Transformer:
 
     # -- forward --------------------------------------------------------------------------------------
     def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
-        b = self.backend
-        positions = pos0 + np.arange(chunk)
-        rope, windows = {}, {}
-        for il, params in enumerate(self.ropes):
-            if params not in rope:
-                rope[params] = tuple(map(b.asarray, params.tables(positions)))
-            R = self.cfg.ratio(il)
-            if R and (params, R) not in windows:
-                n = n_blocks(R, chunk) - (coff(R) - 1)
-                windows[params, R] = tuple(map(b.asarray, params.tables((pos0 // R + np.arange(n)) * R)))
-        if not self.compiles(chunk):
+        b, cfg = self.backend, self.cfg
+        rope_keys = list(dict.fromkeys(self.ropes))
+        window_keys = list(dict.fromkeys((p, cfg.ratio(il)) for il, p in enumerate(self.ropes) if cfg.ratio(il)))
+        compiled = self.compiles(chunk)
+        host = []
+        if compiled:  # in the order a compiled step takes them, so that its graph copies them in as one span
+            host += [np.int32(pos0), np.int32(len(tokens))] + ([tokens.astype(np.int32)] if b.compiles_ffn else [])
+        n_ints = len(host)
+        host += [t for p in rope_keys for t in p.rows(pos0 + np.arange(chunk))]
+        for p, R in window_keys:
+            n = n_blocks(R, chunk) - (coff(R) - 1)
+            host += p.rows((pos0 // R + np.arange(n)) * R)
+        dev = b.upload(host)  # one transfer where the backend packs them (CuPy)
+        ints, dev = dev[:n_ints], iter(dev[n_ints:])
+        rope = {p: (next(dev), next(dev)) for p in rope_keys}
+        windows = {k: (next(dev), next(dev)) for k in window_keys}
+        if not compiled:
             return ChunkTables(rope, windows, (pos0, len(tokens)), None)
-        ids = b.xp.array(tokens.astype(np.int32)) if b.compiles_ffn else None
-        return ChunkTables(rope, windows, (b.scalar(pos0), b.scalar(len(tokens))), ids)
+        return ChunkTables(rope, windows, tuple(ints[:2]), ints[2] if b.compiles_ffn else None)
 
     def forward(self, tokens, state: KVState, pad_to: int | None = None, tiers: TierRun | None = None):
         """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
@@ -117,6 +122,16 @@ class Transformer:
         its tier, the hidden state switching tiers (and recorded) where the placement changes; X is
         returned on the output head's tier.
         """
+        X, state, _ = self._forward(tokens, state, pad_to, tiers, head=False)
+        return X, state
+
+    def forward_logits(self, tokens, state: KVState, pad_to: int | None = None, tiers: TierRun | None = None):
+        """:meth:`forward`, then the head on the last real token: ``(logits [1, vocab], new state)``. Where
+        the whole step is one compiled call, the head is part of it (no launches of its own)."""
+        _, state, logits = self._forward(tokens, state, pad_to, tiers, head=True)
+        return logits, state
+
+    def _forward(self, tokens, state: KVState, pad_to, tiers, head: bool):
         cfg, b = self.cfg, self.backend
         xp = b.xp
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -136,7 +151,7 @@ class Transformer:
         tiers = NO_TIERS if tiers is None else tiers
         if tiers.one_tier and self.whole_step and self.compiles(C) and b.compiles_ffn and self.observer is None:
             with tiers.scope():
-                return self._compiled_step(tokens, padded, state)
+                return self._compiled_step(tokens, padded, state, head)
         tiers.start()
         with tiers.scope():
             X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
@@ -150,31 +165,38 @@ class Transformer:
                 X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il])
                 X = self._real_rows(lambda Y: self._ffn(il, Y, tokens, tabs[tiers.device]), X, n)
             layers.append(layer)
-        X = tiers.enter(cfg.n_layer, X)
-        return X[:n], KVState(tuple(layers), pos0 + n, geo)
+        X = tiers.enter(cfg.n_layer, X)[:n]
+        logits = None
+        if head:
+            with tiers.scope():
+                logits = self.head(X[-1:])
+        return X, KVState(tuple(layers), pos0 + n, geo), logits
 
     def _real_rows(self, fn, X, n: int):
         """``fn`` (the FFN half) on the first ``n`` rows of X, the padded rows passed through."""
         return fn(X) if X.shape[0] == n else self.backend.xp.concatenate([fn(X[:n]), X[n:]], axis=0)
 
-    def _compiled_step(self, tokens, padded, state: KVState):
-        """Every layer of a chunk as one compiled call (a CUDA graph on CuPy), keyed by the chunk's padded
-        and real sizes; the embedding is looked up on the host, the head left to the caller."""
+    def _compiled_step(self, tokens, padded, state: KVState, head: bool):
+        """Every layer of a chunk (and with ``head`` the head on its last real token) as one compiled call
+        (a CUDA graph on CuPy), keyed by the chunk's padded and real sizes; the embedding is looked up on
+        the host. Returns ``(X, new state, logits or None)``."""
         n, C = len(tokens), len(padded)
         tabs = self.tables(tokens, state.n_past, C)
-        key = ("step", C, n)
+        key = ("step", C, n, head)
         if key not in self._compiled:
-            self._compiled[key] = self.backend.compile(self._step_arrays(n, list(tabs.rope), list(tabs.windows)))
+            self._compiled[key] = self.backend.compile(
+                self._step_arrays(n, list(tabs.rope), list(tabs.windows), head))
         arrays = [a for layer in state.layers for a in layer.arrays() if a is not None]
         out = self._compiled[key](self.w.embed(padded), *tabs.scalars, tabs.ids, *sum(tabs.rope.values(), ()),
                                   *sum(tabs.windows.values(), ()), *arrays)
         new = iter(out[1:])
         layers = tuple(self._unflatten(il, new) for il in range(self.cfg.n_layer))
-        return out[0], KVState(layers, state.n_past + n, state.geometry)
+        return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
 
-    def _step_arrays(self, n: int, rope_keys: list, window_keys: list):
+    def _step_arrays(self, n: int, rope_keys: list, window_keys: list, head: bool):
         """The whole chunk as a function of arrays only: (embedding, pos0, n_valid, ids, RoPE tables,
-        window tables, every layer's state arrays) -> (X of the real rows, every layer's new arrays)."""
+        window tables, every layer's state arrays) -> (X of the real rows, every layer's new arrays, and
+        with ``head`` the logits of the last real row)."""
         cfg, xp = self.cfg, self.backend.xp
 
         def step(emb, pos0, n_valid, ids, *rest):
@@ -189,7 +211,7 @@ class Transformer:
                                                 windows[params, R] if R else (None, None), self._unflatten(il, it))
                 X = self._real_rows(lambda Y: self.ffn_block(il, Y, ids), X, n)
                 new += [a for a in layer.arrays() if a is not None]
-            return (X[:n], *new)
+            return (X[:n], *new, self.head(X[n - 1:n])) if head else (X[:n], *new)
 
         return step
 
