@@ -511,7 +511,8 @@ def test_rmsnorm_kernel_matches_float64(gpu, shape, weighted):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("shape,n_rot", [((3, 512), 64), ((40, 128), 64), ((2, 3, 192), 0)])
+@pytest.mark.parametrize("shape,n_rot", [((3, 512), 64), ((40, 128), 64), ((2, 3, 192), 0), ((70, 512), 64),
+                                         ((1, 1088), 64)])  # 1 SIMD group a row; more blocks than groups
 def test_kv_store_kernel_equals_the_plain_fp8_f16_path(gpu, shape, n_rot):
     from ds4lab.model import numerics as nx
 

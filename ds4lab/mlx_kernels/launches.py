@@ -173,7 +173,8 @@ class KernelLaunches:
         D = x.shape[-1]
         x2 = self._f32(x).reshape(-1, D)
         R = x2.shape[0]
-        return self._run(S.KV_STORE, (R, 1), 32, [x2, self._const(R, D, n_rot)],
+        simd_groups = min(S.KV_STORE_SIMD_GROUPS, max(1, (D - n_rot) // 64)) if R < S.RMSNORM_WIDE_ROWS else 1
+        return self._run(S.KV_STORE, (R, 1), 32 * simd_groups, [x2, self._const(R, D, n_rot)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
     def hadamard_fp4(self, x):

@@ -55,6 +55,7 @@ DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
 RMSNORM_WIDE_ROWS = 64  # under this many rows, rmsnorm gives each row the launcher's wide_group of threads
+KV_STORE_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, kv_store gives each 64-block its SIMD group (up to 8)
 
 
 def dequant_spec(qtype: Q) -> KernelSpec:
