@@ -7,7 +7,6 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_THREADS              the group's size
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
-    SHARED_PTR                 the address space of a pointer into group-shared memory (``threadgroup`` in Metal)
     simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
     load_half(p), f16_round(x), as_bits(x), from_bits(u), DEVICE_FN   from the dialect header too
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
@@ -36,7 +35,6 @@ _COMMON_HEADER = "#define NEG_BIG (-3.0e38f)\n"
 
 CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 #define GLOBAL
-#define SHARED_PTR
 #define DEVICE_FN __device__ inline
 typedef unsigned int uint;
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
@@ -58,7 +56,6 @@ DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
-#define SHARED_PTR threadgroup
 #define DEVICE_FN inline
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
@@ -79,7 +76,6 @@ CPU_HEADER = _COMMON_HEADER + """#include <barrier>
 #include <cstdint>
 #include <cstring>
 #define GLOBAL
-#define SHARED_PTR
 #define DEVICE_FN static inline
 typedef unsigned int uint;
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;

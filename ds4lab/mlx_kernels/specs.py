@@ -69,8 +69,7 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)], "GRID_SHARED": int(Q(qtype) == Q.IQ2_XXS),
-                       "DEQUANT8": DECODERS[Q(qtype)].replace("dq_", "dq8_") + "_shared" * (Q(qtype) == Q.IQ2_XXS),
+                      {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": DECODERS[Q(qtype)].replace("dq_", "dq8_"),
                        "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL,
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
 

@@ -145,24 +145,6 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
     return r;
 }
 
-// The same eight values with the IQ2_XXS tables as floats in group-shared memory (qmatmul loads them once
-// per group): table[8i + j] is grid byte j of entry i as a float, table[2048 + s] sign byte s as the bits
-// of u8_float's 2^23 + s. No byte unpacking per element: of the integer work that bound this product,
-// what is left is the sign.
-DEVICE_FN F8 dq8_iq2_xxs_shared(const GLOBAL uint8_t* row, uint k, const SHARED_PTR float* table) {
-    const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
-    uint e = k & 255u, g = (e >> 3) & 3u;
-    const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
-    uint a1 = load_u16(sub + 4u) | (load_u16(sub + 6u) << 16);
-    float scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
-    const SHARED_PTR float* grid = table + uint(sub[g]) * 8u;
-    uint signs = as_bits(table[2048u + ((a1 >> (7u * g)) & 127u)]);
-    F8 r;
-    #pragma unroll
-    for (uint i = 0; i < 8u; i++) r.v[i] = from_bits(as_bits(scale * grid[i]) ^ ((signs << (31u - i)) & 0x80000000u));
-    return r;
-}
-
 // Eight floats from p: two 16-byte loads where p is 16-byte aligned (vec), else one at a time.
 DEVICE_FN F8 load_x8(const GLOBAL float* p, bool vec) {
     F8 r;
