@@ -6,9 +6,10 @@ experts, F16 and F32 linears) it prints the GPU time of one launch, the bytes of
 rate as a fraction of the device-to-device copy's (read + write) bandwidth. The launches are replayed
 as a CUDA graph (no host time), each over other weights (other copies, other experts) until 256 MB are
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
-SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each).
+SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each),
+and after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``).
 
-    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s --json qmatmul.json
+    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s 8x1s:4096 --json qmatmul.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ SHAPES = [
     ("output head", Q.Q8_0, 0, 129280, 4096, 0),
     ("attn_q_b", Q.Q8_0, 0, 32768, 1024, 0),
     ("attn_output_b", Q.Q8_0, 0, 4096, 8192, 0),
+    ("attn_output_a, 8 groups", Q.Q8_0, 8, 1024, 4096, 8),
+    ("attn_q_a", Q.Q8_0, 0, 1024, 4096, 0),
     ("shared expert down", Q.Q8_0, 0, 4096, 2048, 0),
     ("routed gate/up", Q.IQ2_XXS, 256, 2048, 4096, 6),
     ("routed down", Q.Q2_K, 256, 4096, 2048, 6),
@@ -54,7 +57,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*",
                    default=[f"{S.QMATMUL_SIMD_ROWS}x{S.QMATMUL_UNROLL}{'s' * S.QMATMUL_SINGLE_PAIR}"],
-                   help="ROWSxUNROLL[s]: rows per SIMD group, steps of 256 elements unrolled, the single-pair loop")
+                   help="ROWSxUNROLL[s][:GROUPS]: rows per SIMD group, steps of 256 elements unrolled, the "
+                        "single-pair loop, the SIMD groups under which K is split")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -81,11 +85,13 @@ def main(argv=None):
             raws, ids = [cp.asarray(one) for _ in range(copies)], [None] * copies
         x = cp.asarray(rng.standard_normal((max(used, 1), K), dtype=np.float32))
         tensors.append((label, qtype, rows, K, raws, ids, x, per_call))
-    defaults = S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR
+    defaults = S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS
     for variant in args.variants:
-        rows_per_simd, unroll = variant.rstrip("s").split("x")
+        shape, _, groups = variant.partition(":")
+        rows_per_simd, unroll = shape.rstrip("s").split("x")
         S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = int(rows_per_simd), int(unroll)
-        S.QMATMUL_SINGLE_PAIR = int(variant.endswith("s"))
+        S.QMATMUL_SINGLE_PAIR = int(shape.endswith("s"))
+        S.QMATMUL_SIMD_GROUPS = int(groups) if groups else defaults[3]
         ops._module.cache_clear()
         kernels = ops.CudaKernels()
         for label, qtype, rows, K, raws, ids, x, read in tensors:
@@ -97,7 +103,7 @@ def main(argv=None):
             print(f"{variant}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: {s * 1e6:8.1f} us, "
                   f"{read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = {100 * r['fraction_of_copy_bw']:.0f}% "
                   f"of copy", flush=True)
-    S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR = defaults
+    S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS = defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -143,15 +143,15 @@ def test_pair_batches_group_by_expert_in_batches_of_at_most_max_pairs():
 
 
 def test_qmatmul_splits_k_for_few_rows():
-    # the hyper-connection mixer, the router, the indexer's projection: split until 1024 SIMD groups or
-    # splits of 4 blocks of 256
+    # the hyper-connection mixer, the router, the indexer's projection: split until QMATMUL_SIMD_GROUPS
+    # SIMD groups or splits of 4 blocks of 256
     assert S.qmatmul_splits(16384, 24, 1) == (16, 1024)
     assert S.qmatmul_splits(4096, 256, 1) == (4, 1024)
     assert S.qmatmul_splits(4096, 64, 1) == (4, 1024)
-    R = S.QMATMUL_SIMD_ROWS  # rows per SIMD group
-    assert S.qmatmul_splits(4096, 256 * R, 2) == (2, 2048)  # two batches of pairs: 1024 groups at two splits
-    assert S.qmatmul_splits(4096, 1024 * R, 1)[0] == 1  # enough rows
-    assert S.qmatmul_splits(4096, 4096, 3)[0] == 1
+    R, G = S.QMATMUL_SIMD_ROWS, S.QMATMUL_SIMD_GROUPS  # rows per SIMD group, the SIMD groups wanted
+    assert S.qmatmul_splits(4096, G // 4 * R, 2) == (2, 2048)  # two batches of pairs: G/2 groups, two splits
+    assert S.qmatmul_splits(4096, G * R, 1)[0] == 1  # enough rows
+    assert S.qmatmul_splits(4096, -(-G // 3) * R, 3)[0] == 1
     assert S.qmatmul_splits(1024, 24, 1)[0] == 1  # too short to split
     assert S.qmatmul_splits(2047, 24, 1)[0] == 1
     assert S.qmatmul_splits(2048, 24, 1) == (2, 1024)
