@@ -610,6 +610,176 @@ def test_rope_kernel_equals_the_plain_rotation(gpu, shape, n_rot, inverse):
     np.testing.assert_allclose(got, want, rtol=0, atol=0 if name == "emulated" else 1e-6 * np.abs(want).max())
 
 
+# -- the FFN half's kernels: SwiGLU, routing, and the device-ids plan its projections share ------------------
+@pytest.mark.parametrize("P,F", [(6, 2048), (16, 2048), (1, 1), (3, 7), (5, 1031)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_swiglu_kernel_matches_the_plain_path(gpu, P, F, weighted):
+    from ds4lab.model.moe import swiglu
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(P * F)
+    gate = (8 * rng.standard_normal((P, F))).astype(np.float32)  # beyond the clamp of 10 on both sides
+    up = (8 * rng.standard_normal((P, F))).astype(np.float32)
+    edge = [10.0, 1e4, -1e4, -100.0, 0.0, -0.0, -10.0]  # at and past the clamp; exp(−z) overflowing
+    gate.reshape(-1)[:len(edge)] = edge[:gate.size]
+    up.reshape(-1)[:len(edge)] = edge[::-1][:up.size]
+    w = rng.uniform(0.01, 2.0, P).astype(np.float32) if weighted else None
+    got = to_host(kernels.swiglu(to_dev(gate), to_dev(up), 10.0, None if w is None else to_dev(w)))
+    with np.errstate(over="ignore"):
+        plain = swiglu(np, gate, up, 10.0)  # the float32 plain path, then the route weight, as the model runs it
+        exact = swiglu(np, gate.astype(np.float64), up.astype(np.float64), 10.0)
+    if w is not None:
+        plain, exact = plain * w[:, None], exact * w[:, None]
+    assert got.shape == (P, F) and got.dtype == np.float32
+    # The same float32 operations in the same order; only exp may differ (NumPy's and the C library's by up
+    # to 2 ulps, which the reciprocal can double): within 1e-6 relative, about 8 ulps. Below 1e-30 only
+    # where float32's exp(−z) overflows and float64's does not.
+    np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(got, exact, rtol=1e-6, atol=1e-30)
+
+
+def routed(kernels, to_dev, to_host, logits, bias, k, table=None, tokens=None):
+    out = kernels.moe_route(to_dev(logits), None if bias is None else to_dev(bias), k, 1.5,
+                            None if table is None else to_dev(table), None if tokens is None else to_dev(tokens))
+    return tuple(to_host(a) for a in out)
+
+
+def check_probs(probs, logits):
+    from ds4lab.model.moe import router_probs
+
+    # exp and log1p as NumPy's float32 and the C library compute them: 2 ulps seen, 1e-6 relative allowed
+    np.testing.assert_allclose(probs, router_probs(np, logits), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(probs, router_probs(np, logits.astype(np.float64)), rtol=1e-6, atol=0)
+
+
+def check_weights(name, weights, probs, selected, k):
+    from ds4lab.model.moe import route_weights
+
+    # Given the kernel's probabilities, the same float32 operations: NumPy adds fewer than eight in order, as
+    # the kernel does, so the emulator is exact there; elsewhere within 1e-6 relative (a GPU's sum or division).
+    want = route_weights(np, probs, selected.astype(np.int64), 1.5)
+    np.testing.assert_allclose(weights, want, rtol=0 if name == "emulated" and k < 8 else 1e-6, atol=0)
+
+
+@pytest.mark.parametrize("T,n,k", [(1, 256, 6), (16, 256, 6), (3, 8, 2), (2, 4, 3), (5, 37, 5), (2, 300, 8),
+                                   (1, 1024, 32)])
+@pytest.mark.parametrize("biased", [True, False])
+def test_moe_route_kernel_equals_the_plain_routing(gpu, T, n, k, biased):
+    from ds4lab.model.moe import router_probs, select_topk
+
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(T * n + k)
+    logits = (3 * rng.standard_normal((T, n))).astype(np.float32)
+    logits[0, :6] = [25.0, 20.0, -20.0, -25.0, 20.5, -19.5][:n]  # softplus's three branches and their edges
+    if T > 1:
+        logits[1] = -40.0 - rng.uniform(0, 5, n)  # every probability tiny: the weights' floor of 2^-14
+    bias = (0.5 * rng.standard_normal(n)).astype(np.float32) if biased else None
+    probs, selected, weights = routed(kernels, to_dev, to_host, logits, bias, k)
+    check_probs(probs, logits)
+    assert selected.dtype == np.int32 and selected.shape == (T, k)
+    with_bias = (lambda p: p) if bias is None else (lambda p: p + bias)
+    assert np.array_equal(selected, select_topk(with_bias(probs), k))  # the kernel's scores, select_topk's order
+    assert np.array_equal(selected, select_topk(with_bias(router_probs(np, logits)), k))  # the plain path's
+    check_weights(name, weights, probs, selected, k)
+    if T > 1:
+        assert k * probs[1].max() < 2.0 ** -14  # row 1's weights came through the floor
+
+
+@pytest.mark.parametrize("n,k", [(256, 6), (7, 3), (64, 6), (8, 2)])
+@pytest.mark.parametrize("biased", [True, False])
+def test_moe_route_kernel_breaks_ties_toward_the_lower_id(gpu, n, k, biased):
+    """Logits and biases from a few values, so most scores tie: the selection and its order equal the stable
+    sort's, ties going to the lower expert id."""
+    from ds4lab.model.moe import router_probs, select_topk
+
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(n + k)
+    logits = rng.choice(np.array([-30.0, -1.0, 0.0, 0.5, 2.0, 25.0], dtype=np.float32), size=(6, n))
+    logits[0] = 0.5  # every expert ties
+    logits[1] = np.where(np.arange(n) < n // 2, 2.0, 25.0)  # the high half ties: its first k
+    bias = rng.choice(np.array([0.0, 0.25], dtype=np.float32), size=n) if biased else np.zeros(n, np.float32)
+    probs, selected, weights = routed(kernels, to_dev, to_host, logits, bias if biased else None, k)
+    check_probs(probs, logits)
+    assert np.array_equal(selected, select_topk(router_probs(np, logits) + bias, k))
+    high = bias == bias.max()  # row 0: the experts with the higher bias, then the others, each in id order
+    assert selected[0].tolist() == np.r_[np.flatnonzero(high), np.flatnonzero(~high)][:k].tolist()
+    if not biased:
+        assert selected[1].tolist() == list(range(n // 2, n // 2 + k))
+    check_weights(name, weights, probs, selected, k)
+
+
+@pytest.mark.parametrize("T,n,k,V", [(1, 256, 6, 1000), (5, 4, 3, 50), (16, 8, 2, 300)])
+def test_moe_route_kernel_takes_a_hash_layers_experts_from_its_table(gpu, T, n, k, V):
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(V)
+    logits = (3 * rng.standard_normal((T, n))).astype(np.float32)
+    bias = (5 * rng.standard_normal(n)).astype(np.float32)  # ignored: the table decides
+    table = rng.integers(0, n, (V, k)).astype(np.int32)  # a row may name an expert twice
+    tokens = rng.integers(0, V, T).astype(np.int32)
+    tokens[-1] = V - 1
+    probs, selected, weights = routed(kernels, to_dev, to_host, logits, bias, k, table, tokens)
+    check_probs(probs, logits)
+    assert selected.dtype == np.int32 and np.array_equal(selected, table[tokens])
+    check_weights(name, weights, probs, selected, k)
+
+
+def test_qmatmul_makes_the_batches_of_device_ids_once_per_ids_array(gpu, monkeypatch):
+    """A decode step's gate, up and down projections take one array of expert ids on the device: its batches
+    are made once and shared; the next array of ids gets its own."""
+    name, kernels, to_dev, to_host = gpu
+    if isinstance(to_dev(np.zeros(1)), np.ndarray):
+        pytest.skip(f"{name}: its arrays are host arrays, so ids take the host plan")
+    n_expert, rows, ne0, qtype = 5, 32, 256, Q.Q8_0
+    rng = np.random.default_rng(13)
+    batches = []
+    run = kernels._run
+
+    def recording(spec, groups, threads, inputs, outputs):
+        if spec.name.startswith("qmatmul_q"):
+            batches.append(inputs[4])
+        return run(spec, groups, threads, inputs, outputs)
+
+    monkeypatch.setattr(kernels, "_run", recording)
+    for experts in (np.array([3, 0, 3, 4, 1, 0]), np.array([2, 2, 1, 4, 0, 3])):
+        ids = to_dev(experts.astype(np.int32))
+        for proj in range(3):
+            raw = random_weight(qtype, (n_expert, rows), ne0, seed=proj)
+            x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
+            W = dequantize(raw, qtype, ne0).astype(np.float64)
+            want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
+            got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids))
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert len(batches) == 6
+    assert batches[0] is batches[1] is batches[2] and batches[3] is batches[4] is batches[5]
+    assert batches[3] is not batches[0]
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["top-k", "hash"])
+def test_kernel_ops_routing_and_swiglu_kernels_equal_their_plain_ops(hashed):
+    """KernelOps.moe_route and .swiglu through the emulator's kernels and through the plain ops (the decode
+    routing the model ran before: select_topk_on_device, or a gather from the hash table by host ids)."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.mlx_kernels.cpu import compiler
+
+    if compiler() is None:
+        pytest.skip("no C++20 compiler here for the CPU kernel emulator")
+    rng = np.random.default_rng(int(hashed))
+    T, n, k, V = 3, 256, 6, 100
+    logits = (3 * rng.standard_normal((T, n))).astype(np.float32)
+    logits[2] = rng.choice(np.array([0.0, 1.0], dtype=np.float32), n)  # ties
+    bias = (0.5 * rng.standard_normal(n)).astype(np.float32)
+    table = rng.integers(0, n, (V, k)).astype(np.int32) if hashed else None
+    tokens = rng.integers(0, V, T)  # host ids (int64), as an eager step passes them
+    fused, plain = (b.moe_route(logits, bias, k, 1.5, table, tokens) for b in (EmulatedBackend(True),
+                                                                                EmulatedBackend(False)))
+    np.testing.assert_allclose(fused[0], plain[0], rtol=1e-6, atol=0)
+    assert np.array_equal(fused[1], plain[1])
+    np.testing.assert_allclose(fused[2], plain[2], rtol=1e-6, atol=0)
+    gate, up = (rng.standard_normal((T * k, 64)).astype(np.float32) * 8 for _ in range(2))
+    fused, plain = (b.swiglu(gate, up, 7.0, fused[2].reshape(-1)) for b in (EmulatedBackend(True),
+                                                                            EmulatedBackend(False)))
+    np.testing.assert_allclose(fused, plain, rtol=1e-6, atol=0)
+
 def test_grouped_output_gathered_equals_the_group_by_group_projection():
     from ds4lab.model.attention import grouped_output, grouped_output_gathered
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..mlx_kernels.specs import DECODERS, HC_MAX
+from ..mlx_kernels.specs import DECODERS, HC_MAX, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
 from ..model import compressor as cz
 from ..model import numerics as nx
 from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores
 from ..model.functional import rmsnorm
 from ..model.hc import hc_mix, hc_post
+from ..model.moe import route_weights, router_probs, select_topk_on_device, swiglu
 from ..model.rope import rope_tail
 from ..quants import dequantize
 
@@ -155,6 +156,31 @@ class KernelOps:
         if self.kernels is not None and score.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.indexer_topk(score, visible, n_visible, top_k)
         return indexer_allowed(self.xp, score, visible, n_visible, top_k)
+
+    def swiglu(self, gate, up, clamp: float, weights=None):
+        """:func:`ds4lab.model.moe.swiglu` of ``[P, F]`` rows, times ``weights [P]`` (a pair's route weight) per
+        row when given."""
+        if self.kernels is not None:
+            return self.kernels.swiglu(gate, up, clamp, weights)
+        mid = swiglu(self.xp, gate, up, clamp)
+        return mid if weights is None else mid * weights[:, None]
+
+    def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):
+        """A few tokens' routing without leaving the device (§3.10): ``(probs, selected, weights)`` from the
+        router's ``logits [T, n_expert]``. Experts are the top k of probs + ``bias`` (None: no bias) in
+        :func:`ds4lab.model.moe.select_topk`'s order or, given the hash ``table`` (a device array), its rows
+        of ``tokens`` (host or device ids)."""
+        xp = self.xp
+        if table is not None and isinstance(tokens, np.ndarray):  # host ids: an eager step
+            tokens = xp.array(tokens.astype(np.int32))
+        if self.kernels is not None and logits.shape[-1] <= ROUTE_MAX_EXPERTS and k <= ROUTE_MAX_K:
+            return self.kernels.moe_route(logits, bias, k, scale, table, tokens)
+        probs = router_probs(xp, logits)
+        if table is not None:
+            selected = table[tokens]
+        else:
+            selected = select_topk_on_device(xp, probs if bias is None else probs + bias, k)
+        return probs, selected, route_weights(xp, probs, selected, scale)
 
     def hadamard_fp4(self, x):
         n = x.shape[-1]

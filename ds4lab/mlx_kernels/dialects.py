@@ -8,7 +8,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
     simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
-    load_half(p), f16_round(x), as_bits(x), from_bits(u), DEVICE_FN   from the dialect header too
+    load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
@@ -53,6 +53,7 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) { return __shfl_sync(0xffffff
 DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
+DEVICE_FN float log1p_f(float x) { return log1pf(x); }
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
@@ -67,6 +68,11 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) { return simd_shuffle(x, usho
 DEVICE_FN float f16_round(float x) { return float(half(x)); }
 DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
+// Metal has no log1p: this is the one MLX's own kernels compute (Goldberg's, accurate to a few ulps).
+DEVICE_FN float log1p_f(float x) {
+    float u = 1.0f + x;
+    return u == 1.0f ? x : x * (log(u) / (u - 1.0f));
+}
 """
 
 # The CPU emulator (:mod:`.cpu`): a work-group's threads are OS threads sharing the kernel's static
@@ -100,6 +106,7 @@ DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, p, 16); ret
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
+DEVICE_FN float log1p_f(float x) { return std::log1p(x); }
 DEVICE_FN float simd_reduce(float x, bool take_max) {
     ctx.slots[ctx.tid & 31u] = x;
     ctx.simd->arrive_and_wait();

@@ -9,6 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..model.compressor import coff
+from ..model.moe import ROUTER_SUM_FLOOR
 from ..quants import iq2xxs_tables, row_bytes
 from . import specs as S
 
@@ -27,6 +28,7 @@ class KernelLaunches:
         self.aux = self._array(iq2xxs_tables())
         self._consts: dict[tuple, object] = {}
         self._gathered: OrderedDict[tuple, tuple] = OrderedDict()  # kept gathered plans, least recent first
+        self._device_batches = None  # (device ids, their batches): the last ones qmatmul made
 
     # -- what a subclass provides ---------------------------------------------------------------------
     def _run(self, spec, groups: tuple[int, int], threads: int, inputs: list, outputs: list) -> list:
@@ -84,6 +86,15 @@ class KernelLaunches:
         order, batches = S.pair_batches(experts, n_pairs, size)
         return self._array(order), self._array(batches), len(batches)
 
+    def _batches_on_device(self, experts, order):
+        """qmatmul's batches ``(expert, slot, 1)`` for ids on the device, made there. The last ids array's are
+        kept, so the projections that share one (a decode step's gate, up and down) make them once; an ids
+        array is never written after it is made, so the same object means the same ids."""
+        if self._device_batches is None or self._device_batches[0] is not experts:
+            batches = self.xp.stack([self._i32(experts), order, self._const(*(1,) * order.shape[0])], axis=1)
+            self._device_batches = (experts, batches)  # holding the ids keeps their id() from being reused
+        return self._device_batches[1]
+
     def dequant(self, w, qtype, ne0: int, rows: int):
         """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]``."""
         dims = self._const(rows, ne0, row_bytes(qtype, ne0))
@@ -98,8 +109,7 @@ class KernelLaunches:
             order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
         else:  # ids on the device: each pair its own batch, the plan made there
             order = self._const(*range(P))
-            batches = self.xp.stack([self._i32(experts), order, self._const(*(1,) * P)], axis=1)
-            n_batches = P
+            batches, n_batches = self._batches_on_device(experts, order), P
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches)
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk)
         group_rows = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS
@@ -218,6 +228,32 @@ class KernelLaunches:
                          [x3, self._f32(cos), self._f32(sin),
                           self._const(T, x3.shape[1], D, 2 * cos.shape[-1], int(inverse))],
                          [(x3.shape, "float32")])[0].reshape(x.shape)
+
+    def swiglu(self, gate, up, clamp: float, weights=None):
+        """silu(min(gate, clamp)) · clip(up, −clamp, clamp) of ``gate, up [P, F]``, times ``weights [P]`` (one
+        per row) when given."""
+        P, F = gate.shape
+        g = self._f32(gate)
+        return self._run(S.SWIGLU, (-(-P * F // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         [g, self._f32(up), g if weights is None else self._f32(weights),
+                          self._const(P, F, int(weights is not None)), self._const(clamp, dtype=np.float32)],
+                         [((P, F), "float32")])[0]
+
+    def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):
+        """``(probs [T, n], selected [T, k] int32, weights [T, k])`` from the router's ``logits [T, n]``: the top
+        k of probs (+ ``bias [n]``), or with ``table [V, k]`` its rows of the device ids ``tokens [T]``."""
+        T, n = logits.shape
+        if n > S.ROUTE_MAX_EXPERTS or k > S.ROUTE_MAX_K:
+            raise ValueError(f"moe_route kernel: {n} experts (at most {S.ROUTE_MAX_EXPERTS}), {k} a token "
+                             f"(at most {S.ROUTE_MAX_K})")
+        x, hashed = self._f32(logits), table is not None
+        return tuple(self._run(S.MOE_ROUTE, (T, 1), min(S.ROW_GROUP, 32 * -(-n // 32)),
+                               [x, x if bias is None else self._f32(bias),
+                                self._i32(table) if hashed else self._const(0),
+                                self._i32(tokens) if hashed else self._const(0),
+                                self._const(T, n, k, int(bias is not None), int(hashed)),
+                                self._const(scale, ROUTER_SUM_FLOOR, dtype=np.float32)],
+                               [((T, n), "float32"), ((T, k), "int32"), ((T, k), "float32")]))
 
 
 class ArrayLaunches(KernelLaunches):

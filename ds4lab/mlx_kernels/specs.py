@@ -16,6 +16,8 @@
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 ``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
 ``rope``             RoPE on the tail dims of rows (and its inverse)
+``swiglu``           the experts' clamped SwiGLU, times each pair's route weight when given
+``moe_route``        a few tokens' routing: sqrt-softplus probabilities, top-k (or hash) experts, their weights
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matri
 ROW_GROUP = 256  # threads per rmsnorm work-group
 RMSNORM_WIDE_ROWS = 64  # under this many rows, rmsnorm gives each row the launcher's wide_group of threads
 KV_STORE_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, kv_store gives each 64-block its SIMD group (up to 8)
+ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flash: 256)
+ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
 
 
 def dequant_spec(qtype: Q) -> KernelSpec:
@@ -147,11 +151,22 @@ ROPE = KernelSpec("rope", "rope.body",
                   (("x", "float32"), ("cos_t", "float32"), ("sin_t", "float32"), ("dims", "int32")),
                   (("y", "float32"),))
 
+SWIGLU = KernelSpec("swiglu", "swiglu.body",
+                    (("gate", "float32"), ("up", "float32"), ("w", "float32"), ("dims", "int32"),
+                     ("fparams", "float32")),
+                    (("out", "float32"),))
+MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
+                       (("logits", "float32"), ("bias", "float32"), ("table", "int32"), ("tokens", "int32"),
+                        ("dims", "int32"), ("fparams", "float32")),
+                       (("probs", "float32"), ("selected", "int32"), ("weights", "float32")),
+                       {"MAX_EXPERTS": ROUTE_MAX_EXPERTS, "MAX_K": ROUTE_MAX_K})
+
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
             QMATMUL_REDUCE, *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
-            HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE]
+            HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE,
+            SWIGLU, MOE_ROUTE]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

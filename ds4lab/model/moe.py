@@ -59,16 +59,17 @@ def routed_experts(backend, f, selected: np.ndarray, weights, experts, clamp: fl
     return out
 
 
-def routed_experts_gathered(xp, f, selected: np.ndarray, weights, stacked, clamp: float):
+def routed_experts_gathered(backend, f, selected, weights, stacked, clamp: float):
     """The same sum with every (token, expert) pair in one product per projection.
 
     ``stacked`` is (gate, up, down), each called as ``proj(x_pairs, experts)`` with row p of
     ``x_pairs`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may
-    be a host array or a device one.
+    be a host array or a device one. The SwiGLU and the route weights are ``backend.swiglu`` (one kernel
+    where the backend has it).
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
-    x = xp.repeat(f, k, axis=0)
+    x = backend.xp.repeat(f, k, axis=0)
     gate, up, down = stacked
-    mid = swiglu(xp, gate(x, experts), up(x, experts), clamp) * weights.reshape(T * k, 1)
+    mid = backend.swiglu(gate(x, experts), up(x, experts), clamp, weights.reshape(T * k))
     return down(mid, experts).reshape(T, k, -1).sum(axis=1)

@@ -28,15 +28,7 @@ from .attention import grouped_output, grouped_output_gathered, raw_visibility, 
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_pre
-from .moe import (
-    route_weights,
-    routed_experts,
-    routed_experts_gathered,
-    router_probs,
-    select_topk,
-    select_topk_on_device,
-    swiglu,
-)
+from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk
 from .rope import RopeParams
 from .state import KVState, LayerState
 from .weights import Weights
@@ -382,31 +374,28 @@ class Transformer:
         self._emit(p + "hc_ffn.post", post)
         self._emit(p + "hc_ffn.comb", comb)
         f = b.rmsnorm(x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
-        probs = router_probs(xp, w.linear(p + "ffn_gate_inp.weight")(f))
-        self._emit(p + "moe.router", probs)
-        bias = p + "exp_probs_b.bias"
+        logits = w.linear(p + "ffn_gate_inp.weight")(f)
+        bias = w.vector(p + "exp_probs_b.bias") if p + "exp_probs_b.bias" in w else None
         stacked = w.stacked_experts(il)
-        scores = probs + w.vector(bias) if bias in w else probs
         if stacked is not None and X.shape[0] <= DEVICE_ROUTING_ROWS:  # a decode step: routing stays on the device
-            if cfg.is_hash_layer(il):
-                selected = w.hash_table_on_device(il)[xp.array(tokens)]
-            else:
-                selected = select_topk_on_device(xp, scores, cfg.n_expert_used)
-            ids = selected
+            table = w.hash_table_on_device(il) if cfg.is_hash_layer(il) else None
+            probs, selected, weights = b.moe_route(logits, bias, cfg.n_expert_used, cfg.expert_weight_scale,
+                                                   table, tokens)
         else:
+            probs = router_probs(xp, logits)
             if cfg.is_hash_layer(il):
                 selected = w.hash_table(il)[tokens].astype(np.int64)
             else:
-                selected = select_topk(b.to_numpy(scores), cfg.n_expert_used)
-            ids = xp.array(selected.astype(np.int32))
+                selected = select_topk(b.to_numpy(probs if bias is None else probs + bias), cfg.n_expert_used)
+            weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
+        self._emit(p + "moe.router", probs)
         self._emit(p + "moe.experts", selected)
-        weights = route_weights(xp, probs, ids, cfg.expert_weight_scale)
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
         if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
-            moe = routed_experts_gathered(xp, f, selected, weights, stacked, clamp)
+            moe = routed_experts_gathered(b, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
         shared = w.linear(p + "ffn_down_shexp.weight")(
-            swiglu(xp, w.linear(p + "ffn_gate_shexp.weight")(f), w.linear(p + "ffn_up_shexp.weight")(f), clamp))
+            b.swiglu(w.linear(p + "ffn_gate_shexp.weight")(f), w.linear(p + "ffn_up_shexp.weight")(f), clamp))
         return self.backend.hc_post(moe + shared, X, post, comb)
