@@ -539,7 +539,7 @@ def test_hadamard_fp4_kernel_equals_the_plain_path(gpu, rows, n):
 @pytest.mark.parametrize("ratio,C,W,pos0", [(4, 1, 16, 0), (4, 7, 32, 5), (4, 64, 256, 130), (128, 1, 8, 3),
                                             (128, 40, 16, 250), (128, 300, 64, 4097)])
 def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):
-    from ds4lab.model.compressor import NEG_INF, coff, pool_windows, window_start
+    from ds4lab.model.compressor import NEG_INF, coff, pool_windows
 
     _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(C + pos0)
@@ -549,11 +549,11 @@ def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):
     state_sc[rows // 2:] = NEG_INF  # slots not written yet
     kv, sc = (rng.standard_normal((C, W)).astype(np.float32) for _ in range(2))
     want = pool_windows(np, *(a.astype(np.float64) for a in (state_kv, state_sc, kv, sc)), pos0, ratio)
-    got = to_host(kernels.compress_pool(*(to_dev(a) for a in (state_kv, state_sc, kv, sc)),
-                                        window_start(pos0, ratio), ratio))
-    assert got.shape == want.shape
-    # float32 sums over up to 128 weighted candidates: worst case about 128 ulps of the largest term
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+    for p0 in (pos0, to_dev(np.int32(pos0))):  # a host int, or a device scalar as compiled steps pass it
+        got = to_host(kernels.compress_pool(*(to_dev(a) for a in (state_kv, state_sc, kv, sc)), p0, ratio))
+        assert got.shape == want.shape
+        # float32 sums over up to 128 weighted candidates: worst case about 128 ulps of the largest term
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
 # The KV state's bookkeeping: pure data movement, so every kernel must equal the plain path exactly. Each

@@ -142,7 +142,7 @@ class KernelOps:
         makes the new state."""
         if self.kernels is None:
             return cz.compress_chunk(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
-        pooled = self.kernels.compress_pool(state_kv, state_sc, kv, sc, cz.window_start(pos0, ratio), ratio)
+        pooled = self.kernels.compress_pool(state_kv, state_sc, kv, sc, pos0, ratio)
         return (pooled, *self.kernels.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
 
     def add_ape(self, gate, ape, pos0):

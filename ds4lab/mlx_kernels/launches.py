@@ -198,12 +198,12 @@ class KernelLaunches:
                          [x2, self._const(R, n), self._const(1.0 / n ** 0.5, dtype=np.float32)],
                          [((R, n), "float32")])[0].reshape(x.shape)
 
-    def compress_pool(self, state_kv, state_sc, kv, sc, start, ratio: int):
-        """The compressor's pooled rows for a chunk whose first row is timeline row ``start``."""
+    def compress_pool(self, state_kv, state_sc, kv, sc, pos0, ratio: int):
+        """The compressor's pooled rows for a chunk at positions ``pos0 …`` (see ``compressor.pool_windows``)."""
         C, W = kv.shape
         n_out, width = S.pool_shape(ratio, C, W)
         return self._run(S.COMPRESS_POOL, (-(-n_out * width // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._i32(start),
+                         [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._i32(pos0),
                           self._const(C, W, ratio, coff(ratio), n_out)],
                          [((n_out, width), "float32")])[0]
 

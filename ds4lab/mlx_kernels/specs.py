@@ -135,7 +135,7 @@ HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
 
 COMPRESS_POOL = KernelSpec("compress_pool", "compress_pool.body",
                            (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
-                            ("start", "int32"), ("dims", "int32")),
+                            ("pos0", "int32"), ("dims", "int32")),
                            (("out", "float32"),))
 COMPRESS_STATE = KernelSpec("compress_state", "compress_state.body",
                             (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
