@@ -540,7 +540,7 @@ def test_hadamard_fp4_kernel_equals_the_plain_path(gpu, rows, n):
 @pytest.mark.parametrize("ratio,C,W,pos0", [(4, 1, 16, 0), (4, 7, 32, 5), (4, 64, 256, 130), (128, 1, 8, 3),
                                             (128, 40, 16, 250), (128, 300, 64, 4097)])
 def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):
-    from ds4lab.model.compressor import NEG_INF, coff, pool_windows, window_start
+    from ds4lab.model.compressor import NEG_INF, coff, pool_windows
 
     _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(C + pos0)
@@ -550,11 +550,123 @@ def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):
     state_sc[rows // 2:] = NEG_INF  # slots not written yet
     kv, sc = (rng.standard_normal((C, W)).astype(np.float32) for _ in range(2))
     want = pool_windows(np, *(a.astype(np.float64) for a in (state_kv, state_sc, kv, sc)), pos0, ratio)
-    got = to_host(kernels.compress_pool(*(to_dev(a) for a in (state_kv, state_sc, kv, sc)),
-                                        window_start(pos0, ratio), ratio))
-    assert got.shape == want.shape
-    # float32 sums over up to 128 weighted candidates: worst case about 128 ulps of the largest term
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+    for p0 in (pos0, to_dev(np.int32(pos0))):  # a host int, or a device scalar as compiled steps pass it
+        got = to_host(kernels.compress_pool(*(to_dev(a) for a in (state_kv, state_sc, kv, sc)), p0, ratio))
+        assert got.shape == want.shape
+        # float32 sums over up to 128 weighted candidates: worst case about 128 ulps of the largest term
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+# The KV state's bookkeeping: pure data movement, so every kernel must equal the plain path exactly. Each
+# case runs with pos0 and n_valid as host ints (eager steps) and as device int32 scalars (compiled steps).
+def state_scalars(to_dev, *values):
+    yield values
+    yield tuple(to_dev(np.int32(v)) for v in values)
+
+
+def one_launch(gpu, monkeypatch, name: str, fn, *args):
+    """``fn(*args)`` on ``gpu``'s kernels, checked to be one launch of kernel ``name``."""
+    _, kernels, _, to_host = gpu
+    launches = recorded_launches(kernels, monkeypatch)
+    out = getattr(kernels, fn)(*args)
+    assert [n for n, _ in launches] == [name]
+    return [to_host(o) for o in out] if isinstance(out, tuple) else to_host(out)
+
+
+# (ratio, chunk rows, width, pos0, n_valid): from position 0, inside a window, ending a window, starting
+# one, crossing windows, padded chunks, 2048-row chunks (narrow).
+STATE_CASES = [(4, 1, 16, 0, 1), (4, 1, 16, 3, 1), (4, 1, 16, 4, 1), (4, 1, 16, 6, 1), (4, 3, 8, 5, 3),
+               (4, 3, 8, 8, 2), (4, 8, 16, 6, 5), (4, 8, 16, 8, 8), (4, 2048, 4, 100, 2048), (4, 2048, 4, 4, 1999),
+               (128, 1, 8, 0, 1), (128, 1, 8, 127, 1), (128, 1, 8, 200, 1), (128, 3, 8, 126, 3), (128, 8, 8, 256, 7),
+               (128, 2048, 2, 300, 2048), (128, 2048, 2, 0, 1000), (128, 2048, 2, 128, 2048)]
+
+
+@pytest.mark.parametrize("ratio,C,W,pos0,n_valid", STATE_CASES)
+def test_compress_state_kernel_equals_the_plain_next_state(gpu, monkeypatch, ratio, C, W, pos0, n_valid):
+    from ds4lab.model.compressor import NEG_INF, coff, next_state
+
+    _, _, to_dev, _ = gpu
+    rng = np.random.default_rng(C + pos0)
+    rows, width = coff(ratio) * ratio, coff(ratio) * W
+    state_kv = rng.standard_normal((rows, width)).astype(np.float32)
+    state_sc = rng.standard_normal((rows, width)).astype(np.float32)
+    state_sc[pos0 % ratio + (coff(ratio) - 1) * ratio:] = NEG_INF  # slots not written yet
+    kv, sc = (rng.standard_normal((C, width)).astype(np.float32) for _ in range(2))
+    want = next_state(np, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
+    for p0, n in state_scalars(to_dev, pos0, n_valid):
+        got = one_launch(gpu, monkeypatch, "compress_state", "compress_state",
+                         *(to_dev(a) for a in (state_kv, state_sc, kv, sc)), p0, n, ratio)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("ratio,C,W,pos0", [(4, 1, 16, 0), (4, 1, 16, 7), (4, 3, 8, 2), (4, 8, 16, 6),
+                                            (4, 2048, 4, 3), (128, 1, 8, 127), (128, 3, 8, 126),
+                                            (128, 2048, 2, 300)])
+def test_ape_add_kernel_equals_the_plain_scores(gpu, monkeypatch, ratio, C, W, pos0):
+    from ds4lab.model.compressor import add_ape
+
+    _, _, to_dev, _ = gpu
+    rng = np.random.default_rng(C + pos0)
+    gate = rng.standard_normal((C, W)).astype(np.float32)
+    ape = rng.standard_normal((ratio, W)).astype(np.float32)
+    want = add_ape(np, gate, ape, pos0)
+    for (p0,) in state_scalars(to_dev, pos0):
+        got = one_launch(gpu, monkeypatch, "ape_add", "ape_add", to_dev(gate), to_dev(ape), p0)
+        assert np.array_equal(got, want)
+
+
+def test_host_positions_are_kept_only_while_recent(gpu):
+    """Eager steps pass positions as host ints: each becomes a device scalar, kept for the step's other
+    launches, but not one per position of a long decode."""
+    from ds4lab.mlx_kernels.launches import INTS_KEPT
+    from ds4lab.model.compressor import add_ape
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(0)
+    gate, ape = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((4, 8)).astype(np.float32)
+    consts = len(kernels._consts)
+    for pos0 in range(3 * INTS_KEPT):
+        assert np.array_equal(to_host(kernels.ape_add(to_dev(gate), to_dev(ape), pos0)), add_ape(np, gate, ape, pos0))
+    assert len(kernels._ints) <= INTS_KEPT and len(kernels._consts) <= consts + 1  # + the dims
+
+
+@pytest.mark.parametrize("ratio,C,W,pos0,n_valid", STATE_CASES + [(4, 1, 16, 127, 1), (128, 1, 8, 4095, 1)])
+def test_append_rows_kernel_equals_the_plain_append(gpu, monkeypatch, ratio, C, W, pos0, n_valid):
+    """The pooled rows of a chunk's windows (see pool_shape) into a layer's rows; the last two cases
+    complete the last window of the context."""
+    from ds4lab.model.compressor import append_rows
+
+    _, _, to_dev, _ = gpu
+    rng = np.random.default_rng(C + pos0)
+    N = max(pos0 + C, 128) // ratio + 2  # the rows of a context holding the chunk
+    rows = rng.standard_normal((N, W)).astype(np.float32)
+    pooled = rng.standard_normal((S.pool_shape(ratio, C, W)[0], W)).astype(np.float32)
+    want = append_rows(np, rows, pooled, pos0, n_valid, ratio)
+    assert np.array_equal(want, rows) == ((pos0 + n_valid) // ratio == pos0 // ratio)  # rows were appended
+    for p0, n in state_scalars(to_dev, pos0, n_valid):
+        got = one_launch(gpu, monkeypatch, "append_rows", "append_rows", to_dev(rows), to_dev(pooled), p0, n, ratio)
+        assert np.array_equal(got, want)
+
+
+# (ring slots, width, chunk rows, pos0, n_valid, window): the first token, inside the ring, wrapping around it
+# (pos0 + n > raw_cap), padded, starting at a multiple of raw_cap, a chunk filling all but the window, 2048-row
+# chunks (narrow) with and without padding.
+@pytest.mark.parametrize("cap,D,C,pos0,n_valid,window", [
+    (16, 8, 1, 0, 1, 8), (16, 8, 1, 5, 1, 8), (16, 8, 1, 31, 1, 16), (16, 8, 3, 14, 3, 8), (16, 8, 8, 12, 5, 8),
+    (16, 8, 8, 32, 8, 8), (16, 8, 8, 3, 8, 8), (24, 8, 16, 50, 16, 8), (256, 16, 1, 1000, 1, 128),
+    (2304, 4, 2048, 300, 2048, 128), (2304, 4, 2048, 2000, 1500, 128), (2304, 4, 2048, 0, 2048, 128)])
+def test_ring_write_kernel_equals_the_plain_ring(gpu, monkeypatch, cap, D, C, pos0, n_valid, window):
+    from ds4lab.model.attention import ring_write
+
+    _, _, to_dev, _ = gpu
+    rng = np.random.default_rng(C + pos0)
+    raw = rng.standard_normal((cap, D)).astype(np.float32)
+    kv = rng.standard_normal((C, D)).astype(np.float32)
+    want = ring_write(np, raw, kv, pos0, n_valid, window)
+    for p0, n in state_scalars(to_dev, pos0, n_valid):
+        got = one_launch(gpu, monkeypatch, "ring_write", "ring_write", to_dev(raw), to_dev(kv), p0, n, window)
+        assert got[1].dtype == np.int32 and got[2].dtype == np.bool_
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("T,H,Dq,N", [(1, 4, 128, 1), (1, 64, 128, 1030), (3, 2, 32, 17), (16, 4, 128, 70),

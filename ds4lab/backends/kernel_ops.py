@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from ..mlx_kernels.specs import DECODERS, HC_MAX, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
 from ..model import compressor as cz
 from ..model import numerics as nx
-from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores
+from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores, ring_write
 from ..model.functional import rmsnorm
 from ..model.hc import hc_mix, hc_post
 from ..model.moe import route_weights, router_probs, select_topk_on_device, swiglu
@@ -139,11 +139,30 @@ class KernelOps:
         return nx.f16_round(self.xp, nx.fp8_kv_sim(self.xp, x, n_rot))
 
     def compress_chunk(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
-        """``(pooled, new_kv, new_sc)`` of :func:`ds4lab.model.compressor.compress_chunk`, pooling in a kernel."""
+        """``(pooled, new_kv, new_sc)`` of :func:`ds4lab.model.compressor.compress_chunk`: a kernel pools, another
+        makes the new state."""
         if self.kernels is None:
             return cz.compress_chunk(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
-        pooled = self.kernels.compress_pool(state_kv, state_sc, kv, sc, cz.window_start(pos0, ratio), ratio)
-        return (pooled, *cz.next_state(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
+        pooled = self.kernels.compress_pool(state_kv, state_sc, kv, sc, pos0, ratio)
+        return (pooled, *self.kernels.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
+
+    def add_ape(self, gate, ape, pos0):
+        """The compressor's scores (:func:`ds4lab.model.compressor.add_ape`)."""
+        if self.kernels is None:
+            return cz.add_ape(self.xp, gate, ape, pos0)
+        return self.kernels.ape_add(gate, ape, pos0)
+
+    def append_rows(self, rows, pooled, pos0, n_valid, ratio: int):
+        """The compressed rows after a chunk (:func:`ds4lab.model.compressor.append_rows`)."""
+        if self.kernels is None:
+            return cz.append_rows(self.xp, rows, pooled, pos0, n_valid, ratio)
+        return self.kernels.append_rows(rows, pooled, pos0, n_valid, ratio)
+
+    def ring_write(self, raw, kv, pos0, n_valid, window: int):
+        """``(raw, slot_pos, visible)``: the raw ring after a chunk (:func:`ds4lab.model.attention.ring_write`)."""
+        if self.kernels is None:
+            return ring_write(self.xp, raw, kv, pos0, n_valid, window)
+        return self.kernels.ring_write(raw, kv, pos0, n_valid, window)
 
     def indexer_scores(self, q, w, k):
         """The indexer's scores (§3.9): the kernel for a few queries, plain ops (a GEMM) for a chunk."""

@@ -15,6 +15,7 @@ from . import specs as S
 
 PLANS_KEPT = 64  # gathered plans of up to PLAN_KEPT_PAIRS pairs kept, the most recently used
 PLAN_KEPT_PAIRS = 64  # a decode step's sizes; a chunk's plans (thousands of pairs) never repeat
+INTS_KEPT = 8  # host ints passed as kernel arguments (an eager step's position and length) kept, the most recent
 
 
 class KernelLaunches:
@@ -29,6 +30,7 @@ class KernelLaunches:
         self._consts: dict[tuple, object] = {}
         self._gathered: OrderedDict[tuple, tuple] = OrderedDict()  # kept gathered plans, least recent first
         self._device_batches = None  # (device ids, their batches): the last ones qmatmul made
+        self._ints: OrderedDict[int, object] = OrderedDict()  # kept host ints, least recent first
 
     # -- what a subclass provides ---------------------------------------------------------------------
     def _run(self, spec, groups: tuple[int, int], threads: int, inputs: list, outputs: list) -> list:
@@ -61,6 +63,18 @@ class KernelLaunches:
         if key not in self._consts:
             self._consts[key] = self._array(np.array(values, dtype=dtype))
         return self._consts[key]
+
+    def _host_int(self, value: int):
+        """A host int as an int32 device array of one element. Kept like a constant, but only the INTS_KEPT
+        most recent: the layers of an eager step share its position, and every position kept would grow
+        without bound."""
+        if value in self._ints:
+            self._ints.move_to_end(value)
+        else:
+            self._ints[value] = self._array(np.array([value], dtype=np.int32))
+            if len(self._ints) > INTS_KEPT:
+                self._ints.popitem(last=False)
+        return self._ints[value]
 
     def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
         """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Kept: the dense plan of each
@@ -195,14 +209,49 @@ class KernelLaunches:
                          [x2, self._const(R, n), self._const(1.0 / n ** 0.5, dtype=np.float32)],
                          [((R, n), "float32")])[0].reshape(x.shape)
 
-    def compress_pool(self, state_kv, state_sc, kv, sc, start, ratio: int):
-        """The compressor's pooled rows for a chunk whose first row is timeline row ``start``."""
+    def compress_pool(self, state_kv, state_sc, kv, sc, pos0, ratio: int):
+        """The compressor's pooled rows for a chunk at positions ``pos0 …`` (see ``compressor.pool_windows``)."""
         C, W = kv.shape
         n_out, width = S.pool_shape(ratio, C, W)
         return self._run(S.COMPRESS_POOL, (-(-n_out * width // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._i32(start),
+                         [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._i32(pos0),
                           self._const(C, W, ratio, coff(ratio), n_out)],
                          [((n_out, width), "float32")])[0]
+
+    def compress_state(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
+        """``(new_kv, new_sc)``: the compressor's pending state after ``kv, sc [C, W]`` at ``pos0`` with
+        ``n_valid`` real rows (host ints, or device scalars in a compiled step)."""
+        C, W = kv.shape
+        rows = coff(ratio) * ratio
+        return tuple(self._run(S.COMPRESS_STATE, (-(-rows * W // S.ROW_GROUP), 1), S.ROW_GROUP,
+                               [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc),
+                                self._i32(pos0), self._i32(n_valid), self._const(C, W, ratio, coff(ratio))],
+                               [((rows, W), "float32"), ((rows, W), "float32")]))
+
+    def ape_add(self, gate, ape, pos0):
+        """``gate [C, W]`` plus the row of ``ape [R, W]`` of each position ``pos0 + t`` mod R."""
+        C, W = gate.shape
+        return self._run(S.APE_ADD, (-(-C * W // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         [self._f32(gate), self._f32(ape), self._i32(pos0), self._const(C, W, ape.shape[0])],
+                         [((C, W), "float32")])[0]
+
+    def append_rows(self, rows, pooled, pos0, n_valid, ratio: int):
+        """The compressed rows ``[N, D]`` with the windows a chunk completed taken from ``pooled``."""
+        N, D = rows.shape
+        return self._run(S.APPEND_ROWS, (-(-N * D // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         [self._f32(rows), self._f32(pooled), self._i32(pos0), self._i32(n_valid),
+                          self._const(N, D, pooled.shape[0], ratio)],
+                         [((N, D), "float32")])[0]
+
+    def ring_write(self, raw, kv, pos0, n_valid, window: int):
+        """``(raw, slot_pos, visible)`` of :func:`ds4lab.model.attention.ring_write`."""
+        cap, D = raw.shape
+        C = kv.shape[0]
+        out, slot_pos, visible = self._run(
+            S.RING_WRITE, (-(-max(cap * D, C * cap) // S.ROW_GROUP), 1), S.ROW_GROUP,
+            [self._f32(raw), self._f32(kv), self._i32(pos0), self._i32(n_valid), self._const(cap, D, C, window)],
+            [((cap, D), "float32"), ((cap,), "int32"), ((C, cap), "uint8")])
+        return out, slot_pos, self._bool(visible)
 
     def indexer_scores(self, q, w, k):
         """``score [T, N]`` of every compressed indexer row ``k [N, Dq]`` for queries ``q [T, H, Dq]``."""
@@ -282,7 +331,7 @@ class ArrayLaunches(KernelLaunches):
 
     def _i32(self, x):
         if isinstance(x, (int, np.integer)):
-            return self._const(int(x))
+            return self._host_int(int(x))
         return self.xp.ascontiguousarray(x, dtype=self.xp.int32)
 
     def _bool(self, x):

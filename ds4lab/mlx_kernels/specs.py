@@ -13,6 +13,10 @@
 ``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
+``compress_state``   the compressor's pending state after a chunk
+``ape_add``          the compressor's scores: the gate's output plus each position's APE row
+``append_rows``      the compressed rows after a chunk: the windows it completed appended
+``ring_write``       the raw ring after a chunk, each slot's position, and which slots each query sees
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 ``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
 ``rope``             RoPE on the tail dims of rows (and its inverse)
@@ -26,6 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..model.compressor import coff, n_blocks
+from ..model.functional import NEG_INF
 from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
@@ -136,8 +141,24 @@ HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
 
 COMPRESS_POOL = KernelSpec("compress_pool", "compress_pool.body",
                            (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
-                            ("start", "int32"), ("dims", "int32")),
+                            ("pos0", "int32"), ("dims", "int32")),
                            (("out", "float32"),))
+COMPRESS_STATE = KernelSpec("compress_state", "compress_state.body",
+                            (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
+                             ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
+                            (("new_kv", "float32"), ("new_sc", "float32")),
+                            {"NEG_INF": str(np.float32(NEG_INF)) + "f"})  # float32 NEG_INF, as the plain path stores it
+APE_ADD = KernelSpec("ape_add", "ape_add.body",
+                     (("gate", "float32"), ("ape", "float32"), ("pos0", "int32"), ("dims", "int32")),
+                     (("out", "float32"),))
+APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
+                         (("rows", "float32"), ("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
+                          ("dims", "int32")),
+                         (("out", "float32"),))
+RING_WRITE = KernelSpec("ring_write", "ring_write.body",
+                        (("raw", "float32"), ("kv", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
+                         ("dims", "int32")),
+                        (("out", "float32"), ("slot_pos", "int32"), ("visible", "uint8")))
 
 INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             (("q", "float32"), ("w", "float32"), ("k", "float32"), ("dims", "int32")),
@@ -165,8 +186,8 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
             QMATMUL_REDUCE, *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
-            HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, INDEXER_SCORES, INDEXER_TOPK, ROPE,
-            SWIGLU, MOE_ROUTE]
+            HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
+            APPEND_ROWS, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,19 @@ def raw_visibility(xp, q_pos, k_pos, window: int):
     return (k >= 0) & (k <= q) & (k > q - window)
 
 
+def ring_write(xp, raw, kv, pos0, n_valid, window: int):
+    """The raw ring ``[raw_cap, D]`` after a chunk ``kv [C, D]`` at positions ``pos0 …`` of which ``n_valid`` are
+    real: ``(raw, slot_pos, visible)``. Slot s holds the latest position ≡ s (mod raw_cap) before
+    ``pos0 + n_valid``, ``slot_pos[s]`` (negative while none was written), taken from the chunk where it is
+    one of its rows; ``visible [C, raw_cap]`` is :func:`raw_visibility` of every row's query."""
+    raw_cap, C = raw.shape[0], kv.shape[0]
+    end = pos0 + n_valid
+    slot_pos = (end - 1) - ((end - 1 - xp.arange(raw_cap)) % raw_cap)
+    written = slot_pos >= pos0
+    raw = xp.where(written[:, None], kv[xp.clip(slot_pos - pos0, 0, C - 1)], raw)
+    return raw, slot_pos, raw_visibility(xp, pos0 + xp.arange(C), slot_pos, window)
+
+
 def visible_rows(q_pos, ratio: int):
     """How many compressed rows query q sees: row c iff (c+1)·R ≤ q+1, i.e. c < floor((q+1)/R)."""
     return (q_pos + 1) // ratio

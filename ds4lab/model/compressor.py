@@ -38,6 +38,12 @@ def n_blocks(ratio: int, chunk: int) -> int:
     return coff(ratio) + chunk // ratio + 1
 
 
+def add_ape(xp, gate, ape, pos0):
+    """The scores of a chunk at positions ``pos0 …``: the gate's output ``[C, W]`` plus the APE row ``ape [R, W]``
+    of each position's slot in its window."""
+    return gate + ape[(pos0 + xp.arange(gate.shape[0])) % ape.shape[0]]
+
+
 def window_start(pos0, ratio: int):
     """Timeline index of a chunk's first row: after the state's earlier windows and ``pos0 mod R`` rows."""
     return (coff(ratio) - 1) * ratio + pos0 % ratio
@@ -88,3 +94,12 @@ def compress_chunk(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
     """
     return (pool_windows(xp, state_kv, state_sc, kv, sc, pos0, ratio),
             *next_state(xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
+
+
+def append_rows(xp, rows, pooled, pos0, n_valid, ratio: int):
+    """The compressed rows after a chunk: row ``pos0 // R + k`` becomes ``pooled[k]`` for every window that
+    ended inside the chunk; the other rows are kept."""
+    r = xp.arange(rows.shape[0])
+    k = r - pos0 // ratio  # pooled[k] is window pos0 // R + k
+    emitted = (k >= 0) & (r < (pos0 + n_valid) // ratio)
+    return xp.where(emitted[:, None], pooled[xp.clip(k, 0, pooled.shape[0] - 1)], rows)

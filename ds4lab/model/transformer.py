@@ -24,7 +24,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import grouped_output, grouped_output_gathered, raw_visibility, visible_rows
+from .attention import grouped_output, grouped_output_gathered, visible_rows
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head, hc_pre
@@ -262,8 +262,6 @@ class Transformer:
         cfg, w = self.cfg, self.w
         xp, eps, p = self.backend.xp, cfg.rms_eps, f"blk.{il}."
         C, R = X.shape[0], cfg.ratio(il)
-        pos = pos0 + xp.arange(C)
-        end = pos0 + n_valid
 
         self._emit(p + "span", (pos0, n_valid))  # the chunk's first position and real rows (ds4lab.hooks)
         x_in, post, comb = self._hc_pre(il, "attn", X)
@@ -284,11 +282,7 @@ class Transformer:
 
         # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
         # the latest position ≡ s written so far; a query sees positions in (q − window, q].
-        raw_cap = st.raw.shape[0]
-        slot_pos = (end - 1) - ((end - 1 - xp.arange(raw_cap)) % raw_cap)
-        written = slot_pos >= pos0
-        raw = xp.where(written[:, None], kv[xp.clip(slot_pos - pos0, 0, C - 1)], st.raw)
-        visible = raw_visibility(xp, pos, slot_pos, cfg.swa)
+        raw, slot_pos, visible = self.backend.ring_write(st.raw, kv, pos0, n_valid, cfg.swa)
         keys, new = raw, LayerState(raw=raw)
 
         if R:
@@ -296,7 +290,8 @@ class Transformer:
             comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", a, pos0, n_valid, windows,
                                                     st.comp, st.comp_kv, st.comp_sc, self.store_kv)
             new = LayerState(raw=raw, comp=comp, comp_kv=comp_kv, comp_sc=comp_sc)
-            n_vis = visible_rows(xp.minimum(pos, end - 1), R)  # padded queries look like the last real one
+            last = xp.minimum(pos0 + xp.arange(C), pos0 + n_valid - 1)  # padded queries look like the last real one
+            n_vis = visible_rows(last, R)
             comp_visible = xp.arange(comp.shape[0])[None, :] < n_vis[:, None]
             comp_candidates = comp_visible
             if cfg.has_indexer(il):
@@ -314,7 +309,7 @@ class Transformer:
         if self.observer is not None:  # what ds4lab.hooks needs to materialise attention maps on request
             self._emit(p + "attn.scores", dict(
                 q=q, keys=keys, visible=visible, sinks=w.vector(p + "attn_sinks.weight"), scale=cfg.head_dim ** -0.5,
-                slot_pos=slot_pos, n_raw=raw_cap, ratio=R, comp_candidates=comp_candidates if R else None))
+                slot_pos=slot_pos, n_raw=raw.shape[0], ratio=R, comp_candidates=comp_candidates if R else None))
         out = self.backend.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         self._emit(p + "attn.out", out)
         heads = self.backend.rope(out, cos, sin, inverse=True)
@@ -330,21 +325,17 @@ class Transformer:
     def _compress(self, il, name, a, pos0, n_valid, windows, rows, state_kv, state_sc, store):
         """Project the chunk for one compressor, pool windows, normalize, RoPE at the window start, and
         append the rows of windows completed in the chunk."""
-        cfg, xp, w, p = self.cfg, self.backend.xp, self.w, f"blk.{il}.{name}_"
-        C, R = a.shape[0], cfg.ratio(il)
-        pos = pos0 + xp.arange(C)
+        cfg, w, p = self.cfg, self.w, f"blk.{il}.{name}_"
+        R = cfg.ratio(il)
         ape = w.table(p + "ape.weight")  # [R, W]: the score bias of each slot in the window
         kv = w.linear(p + "kv.weight")(a)
-        sc = w.linear(p + "gate.weight")(a) + ape[pos % R]
+        sc = self.backend.add_ape(w.linear(p + "gate.weight")(a), ape, pos0)
         self._emit(f"blk.{il}.{name}.kv", kv)
         self._emit(f"blk.{il}.{name}.score", sc)
         pooled, new_kv, new_sc = self.backend.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
         c = self.backend.rmsnorm(pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
         c = store(self.backend.rope(c, *windows))
-        r = xp.arange(rows.shape[0])
-        k = r - pos0 // R  # pooled[k] is window pos0 // R + k
-        emitted = (k >= 0) & (r < (pos0 + n_valid) // R)
-        rows = xp.where(emitted[:, None], c[xp.clip(k, 0, c.shape[0] - 1)], rows)
+        rows = self.backend.append_rows(rows, c, pos0, n_valid, R)
         self._emit(f"blk.{il}.{name}.rows", rows)
         return rows, new_kv, new_sc
 

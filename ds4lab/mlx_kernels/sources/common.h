@@ -165,3 +165,10 @@ DEVICE_FN uint order_key(float x) {
     uint b = as_bits(x == 0.0f ? 0.0f : x);
     return (b & 0x80000000u) != 0u ? ~b : (b | 0x80000000u);
 }
+
+// The position slot s of a ring of cap slots holds once positions up to `last` are written: the latest
+// p ≤ last with p ≡ s (mod cap), negative while none was.
+DEVICE_FN int ring_slot_pos(int last, uint s, uint cap) {
+    int back = (last - int(s)) % int(cap);  // truncated: negative when last < s
+    return last - (back < 0 ? back + int(cap) : back);
+}
