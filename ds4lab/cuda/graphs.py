@@ -10,8 +10,8 @@ capture allocates comes from a memory pool of its own that nothing outside the g
 never writes into memory someone else holds. A replay copies its arguments into the graph's input
 buffer and returns a copy of its outputs: what a caller holds (a checkpoint's KV arrays, say) is never
 overwritten by a later replay. Inputs and outputs are each one buffer, so a decode step whose state
-came out of the previous replay copies it in, and its new state out, as one span each. A function that cannot be captured (it syncs with the host) runs eagerly
-from then on; ``failures`` says why.
+came out of the previous replay copies it in, and its new state out, as one span each. A function
+that cannot be captured (it syncs with the host) runs eagerly from then on; ``failures`` says why.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class GraphStep:
         self.captures = 0
 
     def __call__(self, *args):
-        args = [cp.ascontiguousarray(a) for a in args]
+        args = [a if a.flags.c_contiguous else cp.ascontiguousarray(a) for a in args]  # it makes 0-d 1-d
         key = (cp.cuda.Device().id, *((a.shape, a.dtype.str) for a in args))
         if key in self._graphs:
             return self._graphs[key](args)
