@@ -12,7 +12,7 @@ masked). A chunk's FFN half picks its routed experts on the host and runs eagerl
 them on the device (kernel backends). So on CuPy a decode-sized step runs every layer, both halves, as
 one CUDA graph (``whole_step``; one graph per half and layer where it is off or the placement has several
 tiers): replaying it costs the host one launch where launching layer by layer cost more than the GPU's
-work.
+work. ``forward_logits`` puts the head in that graph too.
 """
 
 from __future__ import annotations
