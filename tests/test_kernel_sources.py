@@ -3,15 +3,19 @@ compiled where nvcc exists, and the host-side launch plans."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from ds4lab.mlx_kernels import specs as S
-from ds4lab.mlx_kernels.dialects import _IDS, CUDA_ONLY, METAL_ONLY, SOURCES, cuda_module_source
+from ds4lab.mlx_kernels.cpu import compiler
+from ds4lab.mlx_kernels.dialects import _IDS, CUDA_ONLY, METAL_ONLY, SOURCES, cuda_module_source, header
+from ds4lab.quants import dequantize, iq2xxs_tables, quantize, random_blocks
 
 SPECS = S.all_specs()
 PORTABLE = [re.sub(r"[(].*", "", name) for name in _IDS["cuda"]]
@@ -182,3 +186,39 @@ def test_chunk_attention_groups_cover_every_head():
         assert T == 5 and (blocks - 1) * heads < H <= blocks * heads
     with pytest.raises(ValueError, match="head_dim 1024"):
         S.attn_chunk_groups(1, 1, 1024)
+
+
+EIGHT_VALUE_DECODERS = [(q, S.DECODERS[q].replace("dq_", "dq8_"), S.DECODERS[q]) for q in S.DECODERS]
+EIGHT_VALUE_DECODERS.append((Q.IQ2_XXS, "dq8_iq2_xxs_packed", "dq_iq2_xxs"))
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++20 compiler here")
+def test_eight_value_decoders_equal_the_element_decoders(tmp_path):
+    """dq8_<type>(row, k) gives dq_<type>(row, k + i) bit for bit, every variant qmatmul can select included
+    (the common header compiled as C++ through the CPU dialect)."""
+    funcs = "".join(
+        f'extern "C" void check_{eight}(const uint8_t* row, const uint8_t* aux, uint K, float* got, float* want) {{\n'
+        f"    for (uint k = 0; k + 8u <= K; k += 8u) {{\n"
+        f"        F8 r = {eight}(row, k, aux);\n"
+        f"        for (uint i = 0; i < 8u; i++) {{ got[k + i] = r.v[i]; want[k + i] = {one}(row, k + i, aux); }}\n"
+        f"    }}\n}}\n" for _, eight, one in EIGHT_VALUE_DECODERS)
+    src, lib = tmp_path / "decoders.cpp", tmp_path / "decoders.so"
+    src.write_text(header("cpu") + funcs)
+    run = subprocess.run([compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", str(src), "-o", str(lib)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    decoders = ctypes.CDLL(str(lib))
+    aux = iq2xxs_tables()
+    K = 1024
+    for qtype, eight, _ in EIGHT_VALUE_DECODERS:
+        rng = np.random.default_rng(int(qtype))
+        if qtype in (Q.F32, Q.F16):
+            row = quantize(rng.standard_normal((1, K)).astype(np.float32), qtype)[0]
+        else:
+            row = random_blocks(qtype, (1,), K, rng, 0.05)[0]
+        row = np.ascontiguousarray(row)
+        got, want = np.full(K, np.nan, np.float32), np.full(K, -1.0, np.float32)
+        pointers = [ctypes.c_void_p(a.ctypes.data) for a in (row, aux, got, want)]
+        getattr(decoders, f"check_{eight}")(*pointers[:2], ctypes.c_uint(K), *pointers[2:])
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), eight
+        assert np.array_equal(want, dequantize(row[None], qtype, K)[0]), eight  # the element decoders are right

@@ -40,6 +40,7 @@ QMATMUL_SIMD_PER_GROUP = 4  # SIMD groups per work-group
 QMATMUL_SIMD_ROWS = 8  # rows per SIMD group: they share each load of x
 QMATMUL_UNROLL = 1  # steps of 256 elements (8 a lane) a lane loads before it adds them up
 QMATMUL_SINGLE_PAIR = 1  # a batch of one pair (a decode step) takes its own loop, with fewer registers
+QMATMUL_IQ2_PACKED = 0  # IQ2_XXS rows decode through the grid's 2-bit codes (dq8_iq2_xxs_packed); not yet timed
 # qmatmul splits K when rows x batches leave the GPU idle (2048 ran attn_output_a/b 10-15% faster than 1024
 # on the H200, the rest within 2%): into a power of two of splits, until there are
 # QMATMUL_SIMD_GROUPS SIMD groups or a split would hold fewer than QMATMUL_MIN_SPLIT elements. Splits start
@@ -74,12 +75,19 @@ def dequant_spec(qtype: Q) -> KernelSpec:
                       {"DEQUANT": DECODERS[Q(qtype)]})
 
 
+def dq8_decoder(qtype: Q) -> str:
+    """The eight-value decoder qmatmul uses for ``qtype``."""
+    if Q(qtype) == Q.IQ2_XXS and QMATMUL_IQ2_PACKED:
+        return "dq8_iq2_xxs_packed"
+    return DECODERS[Q(qtype)].replace("dq_", "dq8_")
+
+
 def qmatmul_spec(qtype: Q) -> KernelSpec:
     return KernelSpec(f"qmatmul_{Q(qtype).name.lower()}", "qmatmul.body",
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": DECODERS[Q(qtype)].replace("dq_", "dq8_"),
+                      {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype),
                        "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL,
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
 

@@ -3,7 +3,7 @@
 //
 // Element decoders: dq_<type>(row, k, aux) is element k of a row of GGUF blocks, written as
 // ds4lab/quants.py decodes it (same operations in the same order). aux is the IQ2_XXS table block:
-// 256 grid entries of 8 bytes, then the 128 sign bytes (ksigns_iq2xs).
+// 256 grid entries of 8 bytes, the 128 sign bytes (ksigns_iq2xs), then the grid's entries as 16-bit codes.
 
 DEVICE_FN float dq_f32(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     return *(const GLOBAL float*)(row + 4u * k);
@@ -141,6 +141,25 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
         // the sign bit set straight in the float's bits, not by a select
         r.v[i] = from_bits(as_bits(scale * u8_float((lo >> (8u * i)) & 255u)) ^ (((signs >> i) & 1u) << 31));
         r.v[i + 4u] = from_bits(as_bits(scale * u8_float((hi >> (8u * i)) & 255u)) ^ (((signs >> (i + 4u)) & 1u) << 31));
+    }
+    return r;
+}
+
+// The same eight values from the grid's 2-bit codes (aux + 2176, 16 bits an entry): one 2-byte load from a
+// 512-byte table where dq8_iq2_xxs makes two 4-byte loads from a 2 KB one (qmatmul's QMATMUL_IQ2_PACKED).
+DEVICE_FN F8 dq8_iq2_xxs_packed(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
+    uint e = k & 255u, g = (e >> 3) & 3u;
+    const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
+    uint a1 = load_u16(sub + 4u) | (load_u16(sub + 6u) << 16);
+    float scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    uint codes = load_u16(aux + 2176u + 2u * uint(sub[g]));
+    uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
+    F8 r;
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) {
+        uint c = (codes >> (2u * i)) & 3u;
+        r.v[i] = from_bits(as_bits(scale * u8_float(8u + 17u * c + (c >> 1))) ^ (((signs >> i) & 1u) << 31));
     }
     return r;
 }
