@@ -126,21 +126,36 @@ DEVICE_FN F8 dq8_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
     return dq8_k_quant(load_u32(qs) >> (4u * (sb & 1u)), load_u32(qs + 4u) >> (4u * (sb & 1u)), 15u, d, m);
 }
 
-DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+// What an IQ2_XXS group of eight elements (k a multiple of 8) shares: its grid entry, its sign byte, its
+// sub-block's scale.
+struct IQ2Group { uint entry; uint signs; float scale; };
+
+DEVICE_FN IQ2Group iq2_xxs_group(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
     uint e = k & 255u, g = (e >> 3) & 3u;
     const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
     uint a1 = load_u16(sub + 4u) | (load_u16(sub + 6u) << 16);
-    float scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
-    const GLOBAL uint8_t* grid = aux + uint(sub[g]) * 8u;
+    IQ2Group r;
+    r.entry = uint(sub[g]);
+    r.signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
+    r.scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    return r;
+}
+
+// Element i of a group: scale times grid byte q, the sign bit set straight in the float's bits (no select).
+DEVICE_FN float iq2_xxs_value(IQ2Group grp, uint q, uint i) {
+    return from_bits(as_bits(grp.scale * u8_float(q)) ^ (((grp.signs >> i) & 1u) << 31));
+}
+
+DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    IQ2Group grp = iq2_xxs_group(row, k, aux);
+    const GLOBAL uint8_t* grid = aux + grp.entry * 8u;
     uint lo = load_u32(grid), hi = load_u32(grid + 4u);
-    uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
     F8 r;
     #pragma unroll
     for (uint i = 0; i < 4u; i++) {
-        // the sign bit set straight in the float's bits, not by a select
-        r.v[i] = from_bits(as_bits(scale * u8_float((lo >> (8u * i)) & 255u)) ^ (((signs >> i) & 1u) << 31));
-        r.v[i + 4u] = from_bits(as_bits(scale * u8_float((hi >> (8u * i)) & 255u)) ^ (((signs >> (i + 4u)) & 1u) << 31));
+        r.v[i] = iq2_xxs_value(grp, (lo >> (8u * i)) & 255u, i);
+        r.v[i + 4u] = iq2_xxs_value(grp, (hi >> (8u * i)) & 255u, i + 4u);
     }
     return r;
 }
@@ -148,18 +163,13 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
 // The same eight values from the grid's 2-bit codes (aux + 2176, 16 bits an entry): one 2-byte load from a
 // 512-byte table where dq8_iq2_xxs makes two 4-byte loads from a 2 KB one (qmatmul's QMATMUL_IQ2_PACKED).
 DEVICE_FN F8 dq8_iq2_xxs_packed(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
-    uint e = k & 255u, g = (e >> 3) & 3u;
-    const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
-    uint a1 = load_u16(sub + 4u) | (load_u16(sub + 6u) << 16);
-    float scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
-    uint codes = load_u16(aux + 2176u + 2u * uint(sub[g]));
-    uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
+    IQ2Group grp = iq2_xxs_group(row, k, aux);
+    uint codes = load_u16(aux + 2176u + 2u * grp.entry);
     F8 r;
     #pragma unroll
     for (uint i = 0; i < 8u; i++) {
         uint c = (codes >> (2u * i)) & 3u;
-        r.v[i] = from_bits(as_bits(scale * u8_float(8u + 17u * c + (c >> 1))) ^ (((signs >> i) & 1u) << 31));
+        r.v[i] = iq2_xxs_value(grp, 8u + 17u * c + (c >> 1), i);
     }
     return r;
 }
