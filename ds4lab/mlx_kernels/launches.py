@@ -18,6 +18,17 @@ PLAN_KEPT_PAIRS = 64  # a decode step's sizes; a chunk's plans (thousands of pai
 INTS_KEPT = 8  # host ints passed as kernel arguments (an eager step's position and length) kept, the most recent
 
 
+def _kept(cache: OrderedDict, key, make, limit: int):
+    """``cache[key]``, made by ``make()`` when missing; only the ``limit`` most recently used entries stay."""
+    if key in cache:
+        cache.move_to_end(key)
+    else:
+        cache[key] = make()
+        if len(cache) > limit:
+            cache.popitem(last=False)
+    return cache[key]
+
+
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept. ``xp`` is the subclass's array library."""
@@ -68,13 +79,7 @@ class KernelLaunches:
         """A host int as an int32 device array of one element. Kept like a constant, but only the INTS_KEPT
         most recent: the layers of an eager step share its position, and every position kept would grow
         without bound."""
-        if value in self._ints:
-            self._ints.move_to_end(value)
-        else:
-            self._ints[value] = self._array(np.array([value], dtype=np.int32))
-            if len(self._ints) > INTS_KEPT:
-                self._ints.popitem(last=False)
-        return self._ints[value]
+        return _kept(self._ints, value, lambda: self._array(np.array([value], dtype=np.int32)), INTS_KEPT)
 
     def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
         """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Kept: the dense plan of each
@@ -88,13 +93,7 @@ class KernelLaunches:
         if n_pairs > PLAN_KEPT_PAIRS:
             return self._device_plan(experts, n_pairs, size)
         key = (n_pairs, size, np.asarray(experts, dtype=np.int64).tobytes())
-        if key in self._gathered:
-            self._gathered.move_to_end(key)
-        else:
-            self._gathered[key] = self._device_plan(experts, n_pairs, size)
-            if len(self._gathered) > PLANS_KEPT:
-                self._gathered.popitem(last=False)
-        return self._gathered[key]
+        return _kept(self._gathered, key, lambda: self._device_plan(experts, n_pairs, size), PLANS_KEPT)
 
     def _device_plan(self, experts, n_pairs: int, size: int):
         order, batches = S.pair_batches(experts, n_pairs, size)
