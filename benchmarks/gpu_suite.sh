@@ -40,7 +40,7 @@ want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --bac
     --json "$OUT/slice_mlx.json"
 want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
-want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 8x1sp 4x1sp --json "$OUT/qmatmul.json"
+want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 true

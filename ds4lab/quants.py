@@ -105,12 +105,8 @@ _KSIGNS = _ksigns_iq2xs()
 
 
 def iq2xxs_tables() -> np.ndarray:
-    """The IQ2_XXS lookup tables as one byte array for kernels: the grid (256 × 8), the 128 signs, then the
-    grid again as 256 little-endian uint16 of 2-bit codes (every grid byte is 8, 25 or 43: code c stands
-    for 8 + 17c + (c >> 1))."""
-    codes = np.searchsorted(np.array([8, 25, 43]), _IQ2XXS_GRID).astype(np.uint16)
-    packed = (codes << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
-    return np.concatenate([_IQ2XXS_GRID.reshape(-1), _KSIGNS, packed.astype("<u2").view(np.uint8)])
+    """The IQ2_XXS lookup tables as one byte array for kernels: the grid (256 × 8), then the 128 signs."""
+    return np.concatenate([_IQ2XXS_GRID.reshape(-1), _KSIGNS])
 
 _IQ2_SIGN_SHIFTS = np.array([0, 7, 14, 21], dtype=np.uint32)
 _BIT_SHIFTS = np.arange(8, dtype=np.uint8)

@@ -189,7 +189,6 @@ def test_chunk_attention_groups_cover_every_head():
 
 
 EIGHT_VALUE_DECODERS = [(q, S.DECODERS[q].replace("dq_", "dq8_"), S.DECODERS[q]) for q in S.DECODERS]
-EIGHT_VALUE_DECODERS.append((Q.IQ2_XXS, "dq8_iq2_xxs_packed", "dq_iq2_xxs"))
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C++20 compiler here")

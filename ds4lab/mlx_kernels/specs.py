@@ -40,7 +40,6 @@ QMATMUL_SIMD_PER_GROUP = 4  # SIMD groups per work-group
 QMATMUL_SIMD_ROWS = 8  # rows per SIMD group: they share each load of x
 QMATMUL_UNROLL = 1  # steps of 256 elements (8 a lane) a lane loads before it adds them up
 QMATMUL_SINGLE_PAIR = 1  # a batch of one pair (a decode step) takes its own loop, with fewer registers
-QMATMUL_IQ2_PACKED = 0  # IQ2_XXS rows decode through the grid's 2-bit codes (dq8_iq2_xxs_packed); not yet timed
 # qmatmul splits K when rows x batches leave the GPU idle (2048 ran attn_output_a/b 10-15% faster than 1024
 # on the H200, the rest within 2%): into a power of two of splits, until there are
 # QMATMUL_SIMD_GROUPS SIMD groups or a split would hold fewer than QMATMUL_MIN_SPLIT elements. Splits start
@@ -76,9 +75,7 @@ def dequant_spec(qtype: Q) -> KernelSpec:
 
 
 def dq8_decoder(qtype: Q) -> str:
-    """The eight-value decoder qmatmul uses for ``qtype``."""
-    if Q(qtype) == Q.IQ2_XXS and QMATMUL_IQ2_PACKED:
-        return "dq8_iq2_xxs_packed"
+    """The eight-value decoder of ``qtype``: ``dq8_<type>``."""
     return DECODERS[Q(qtype)].replace("dq_", "dq8_")
 
 

@@ -160,20 +160,6 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
     return r;
 }
 
-// The same eight values from the grid's 2-bit codes (aux + 2176, 16 bits an entry): one 2-byte load from a
-// 512-byte table where dq8_iq2_xxs makes two 4-byte loads from a 2 KB one (qmatmul's QMATMUL_IQ2_PACKED).
-DEVICE_FN F8 dq8_iq2_xxs_packed(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    IQ2Group grp = iq2_xxs_group(row, k, aux);
-    uint codes = load_u16(aux + 2176u + 2u * grp.entry);
-    F8 r;
-    #pragma unroll
-    for (uint i = 0; i < 8u; i++) {
-        uint c = (codes >> (2u * i)) & 3u;
-        r.v[i] = iq2_xxs_value(grp, 8u + 17u * c + (c >> 1), i);
-    }
-    return r;
-}
-
 // Eight floats from p: two 16-byte loads where p is 16-byte aligned (vec), else one at a time.
 DEVICE_FN F8 load_x8(const GLOBAL float* p, bool vec) {
     F8 r;
