@@ -28,6 +28,7 @@ step() {  # step NAME SECONDS COMMAND...
 want() {  # want STEP GROUP: the step was asked for by its name, its group, or "all"
     case " $what " in *" $1 "*|*" $2 "*|*" all "*) return 0;; esac; return 1
 }
+want cold slice && step cold 120 python3 benchmarks/cold_start.py --json "$OUT/cold.json"
 want tests_cupy tests && step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k "cupy"
 want tests_mlx tests && step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
     tests/test_tiers.py -k "mlx and not emulated"

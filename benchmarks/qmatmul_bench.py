@@ -6,10 +6,10 @@ experts, F16 and F32 linears) it prints the GPU time of one launch, the bytes of
 rate as a fraction of the device-to-device copy's (read + write) bandwidth. The launches are replayed
 as a CUDA graph (no host time), each over other weights (other copies, other experts) until 256 MB are
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
-SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each), and after a colon the SIMD groups under which K is split
-(``QMATMUL_SIMD_GROUPS``).
+SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each),
+and after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``).
 
-    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s 8x1sp 8x1s:4096 --json qmatmul.json
+    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s 8x1s:4096 --json qmatmul.json
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv=None):
         S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = int(m[1]), int(m[2])
         S.QMATMUL_SINGLE_PAIR = int(bool(m[3]))
         S.QMATMUL_SIMD_GROUPS = int(m[4]) if m[4] else defaults[3]
-        ops._module.cache_clear()
+        ops._functions.cache_clear()
         kernels = ops.CudaKernels()
         for label, qtype, rows, K, raws, ids, x, read in tensors:
             calls = [lambda raw=raw, e=e: kernels.qmatmul(x, raw, qtype, K, rows, e) for raw, e in zip(raws, ids)]

@@ -1,4 +1,4 @@
-"""The kernels of :mod:`ds4lab.mlx_kernels` compiled for CuPy (one ``RawModule``) and their launchers."""
+"""The kernels of :mod:`ds4lab.mlx_kernels` compiled for CuPy (one ``RawModule`` per kernel) and their launchers."""
 
 from .ops import CudaKernels
 
