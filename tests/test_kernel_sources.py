@@ -80,6 +80,7 @@ METAL_SHIM = r"""
 #define device
 #define threadgroup
 #define kernel
+#define thread
 struct uint3 { unsigned int x, y, z; };
 typedef unsigned int uint;
 typedef _Float16 half;
@@ -97,6 +98,17 @@ inline float max(float a, float b) { return a > b ? a : b; }
 inline float min(float a, float b) { return a < b ? a : b; }
 inline uint max(uint a, uint b) { return a > b ? a : b; }
 inline uint min(uint a, uint b) { return a < b ? a : b; }
+struct ulong2 { unsigned long x, y; ulong2(unsigned long a, unsigned long b) : x(a), y(b) {} };
+template <class T, int C, int R> struct simdgroup_matrix {};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+template <class T, int C, int R> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T) { return {}; }
+template <class T, int C, int R>
+void simdgroup_load(simdgroup_matrix<T, C, R>&, const T*, unsigned long = C, ulong2 = ulong2(0, 0), bool = false) {}
+template <class T, int C, int R>
+void simdgroup_store(simdgroup_matrix<T, C, R>, T*, unsigned long = C, ulong2 = ulong2(0, 0), bool = false) {}
+template <class T, int C, int R>
+void simdgroup_multiply_accumulate(simdgroup_matrix<T, C, R>&, simdgroup_matrix<T, C, R>, simdgroup_matrix<T, C, R>,
+                                   simdgroup_matrix<T, C, R>) {}
 """
 _METAL_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
 

@@ -10,6 +10,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
     load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
+    MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
+        units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats (see MMA below)
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -54,6 +56,47 @@ DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 DEVICE_FN float log1p_f(float x) { return log1pf(x); }
+// Tensor cores (mma.sync m16n8k8, TF32 in, float32 accumulate) at float32 accuracy: each operand is split
+// into a TF32 part and the TF32 rounding of what is left (3xTF32: big*big + big*small + small*big, the
+// small products first). Fragment layout (PTX ISA): lane = 4 g + i holds A rows g, g + 8 at columns i,
+// i + 4; B column g at rows i, i + 4; C rows g, g + 8 at columns 2i, 2i + 1.
+struct MmaA { uint big[4]; uint small[4]; };
+struct MmaB { uint big[2]; uint small[2]; };
+struct MmaTile { float c[4]; };
+DEVICE_FN uint tf32_of(float x) {
+    uint r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+DEVICE_FN void tf32_split(float x, uint& big, uint& small) {
+    big = tf32_of(x);
+    small = tf32_of(x - __uint_as_float(big));
+}
+DEVICE_FN void mma_load_a(MmaA& f, const float* p, uint stride) {  // A[m][k] = p[m * stride + k]
+    uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
+    for (uint r = 0; r < 4u; r++)
+        tf32_split(p[(g + 8u * (r & 1u)) * stride + i + 4u * (r >> 1)], f.big[r], f.small[r]);
+}
+DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) {  // B[k][n] = p[n * stride + k]
+    uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
+    for (uint r = 0; r < 2u; r++) tf32_split(p[g * stride + i + 4u * r], f.big[r], f.small[r]);
+}
+DEVICE_FN void mma_zero(MmaTile& t) { for (uint r = 0; r < 4u; r++) t.c[r] = 0.0f; }
+DEVICE_FN void mma_tf32(MmaTile& t, const uint* a, const uint* b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(t.c[0]), "+f"(t.c[1]), "+f"(t.c[2]), "+f"(t.c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+DEVICE_FN void mma_step(MmaTile& t, const MmaA& a, const MmaB& b) {
+    mma_tf32(t, a.small, b.big);
+    mma_tf32(t, a.big, b.small);
+    mma_tf32(t, a.big, b.big);
+}
+DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {  // C[m][n] -> p[m * stride + n]
+    uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
+    for (uint r = 0; r < 4u; r++) p[(g + 8u * (r >> 1)) * stride + 2u * i + (r & 1u)] = t.c[r];
+}
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
@@ -72,6 +115,29 @@ DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 DEVICE_FN float log1p_f(float x) {
     float u = 1.0f + x;
     return u == 1.0f ? x : x * (log(u) / (u - 1.0f));
+}
+// The SIMD group's matrix units in float32: a 16 x 8 tile is two 8 x 8 simdgroup matrices.
+struct MmaA { simdgroup_float8x8 m[2]; };
+struct MmaB { simdgroup_float8x8 m; };
+struct MmaTile { simdgroup_float8x8 m[2]; };
+DEVICE_FN void mma_load_a(thread MmaA& f, const threadgroup float* p, uint stride) {
+    simdgroup_load(f.m[0], p, stride);
+    simdgroup_load(f.m[1], p + 8u * stride, stride);
+}
+DEVICE_FN void mma_load_b(thread MmaB& f, const threadgroup float* p, uint stride) {
+    simdgroup_load(f.m, p, stride, ulong2(0, 0), true);  // p holds B transposed: B[k][n] = p[n * stride + k]
+}
+DEVICE_FN void mma_zero(thread MmaTile& t) {
+    t.m[0] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    t.m[1] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
+DEVICE_FN void mma_step(thread MmaTile& t, thread const MmaA& a, thread const MmaB& b) {
+    simdgroup_multiply_accumulate(t.m[0], a.m[0], b.m, t.m[0]);
+    simdgroup_multiply_accumulate(t.m[1], a.m[1], b.m, t.m[1]);
+}
+DEVICE_FN void mma_store(thread const MmaTile& t, threadgroup float* p, uint stride) {
+    simdgroup_store(t.m[0], p, stride);
+    simdgroup_store(t.m[1], p + 8u * stride, stride);
 }
 """
 
@@ -125,6 +191,26 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) {
     return buf[lane];
 }
 DEVICE_FN float simd_max_f(float x) { return simd_reduce(x, true); }
+// The matrix units in plain float32, each lane owning the accumulators CUDA's mma.sync gives it (rows g,
+// g + 8 at columns 2i, 2i + 1 for lane 4g + i); the operands stay in group-shared memory until the
+// group's next barrier, so a fragment is where it lies.
+struct MmaA { const float* p; uint stride; };
+struct MmaB { const float* p; uint stride; };
+struct MmaTile { float c[4]; };
+DEVICE_FN void mma_load_a(MmaA& f, const float* p, uint stride) { f = MmaA{p, stride}; }
+DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) { f = MmaB{p, stride}; }
+DEVICE_FN void mma_zero(MmaTile& t) { for (uint r = 0; r < 4u; r++) t.c[r] = 0.0f; }
+DEVICE_FN void mma_step(MmaTile& t, const MmaA& a, const MmaB& b) {
+    uint g = (ctx.tid & 31u) >> 2, i = ctx.tid & 3u;
+    for (uint r = 0; r < 4u; r++) {
+        uint m = g + 8u * (r >> 1), n = 2u * i + (r & 1u);
+        for (uint k = 0; k < 8u; k++) t.c[r] += a.p[m * a.stride + k] * b.p[n * b.stride + k];
+    }
+}
+DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {
+    uint g = (ctx.tid & 31u) >> 2, i = ctx.tid & 3u;
+    for (uint r = 0; r < 4u; r++) p[(g + 8u * (r >> 1)) * stride + 2u * i + (r & 1u)] = t.c[r];
+}
 """
 
 # Metal's ids are kernel attributes; MLX adds the ones a source mentions to the signature it writes.
@@ -159,7 +245,7 @@ _IDS = {
 CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim", "__shfl", "__half",
              "__device__", "__global__", "reinterpret_cast")
 METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "simd_shuffle(", "device ", "mem_flags",
-              "(half(", "as_type<")
+              "(half(", "as_type<", "simdgroup_", "thread Mma")
 
 _C_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
 

@@ -47,10 +47,11 @@ QMATMUL_SINGLE_PAIR = 1  # a batch of one pair (a decode step) takes its own loo
 QMATMUL_SIMD_GROUPS = 2048
 QMATMUL_SPLIT_ALIGN = 256
 QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
-# qgemm's tiles: BM slots x BN rows of W per work-group, BK along K per shared-memory step, each thread a
-# TM x TN micro-tile. Shared memory: BK (BM + 1 + BN + 1) floats = 16.6 KB (Metal allows 32 KB).
-QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_TM, QGEMM_TN = 64, 64, 32, 4, 4
-QGEMM_THREADS = (QGEMM_BM // QGEMM_TM) * (QGEMM_BN // QGEMM_TN)
+# qgemm's tiles: BM slots x BN rows of W per work-group, BK along K per shared-memory step, on a grid of
+# WARPS_M x WARPS_N SIMD groups, each a (BM / WARPS_M) x (BN / WARPS_N) part of the tile on its matrix units.
+# Shared memory: max(BM + BN rows of BK + 4 floats, BM rows of BN + 4) = 18.4 KB (Metal allows 32 KB).
+QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 64, 32, 2, 2
+QGEMM_THREADS = 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
 ATTN_KEYS_PER_SPLIT = 256
@@ -109,9 +110,18 @@ def qgemm_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)], "BM": QGEMM_BM, "BN": QGEMM_BN, "BK": QGEMM_BK, "TM": QGEMM_TM,
-                       "TN": QGEMM_TN, "TX": QGEMM_BN // QGEMM_TN, "TY": QGEMM_BM // QGEMM_TM,
-                       "LOAD_ROWS": QGEMM_THREADS // QGEMM_BK})
+                      _qgemm_defines(qtype))
+
+
+def _qgemm_defines(qtype: Q) -> dict:
+    bm, bn, bk = QGEMM_BM, QGEMM_BN, QGEMM_BK
+    wm, wn = bm // QGEMM_WARPS_M, bn // QGEMM_WARPS_N
+    assert wm % 16 == 0 and wn % 8 == 0 and bk % 8 == 0 and QGEMM_THREADS % bk == 0 and bm % (QGEMM_THREADS // bk) == 0
+    lds, ldc = bk + 4, bn + 4
+    return {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,
+            "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": max((bm + bn) * lds, bm * ldc),
+            "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16, "NJ": wn // 8,
+            "LOAD_ROWS": QGEMM_THREADS // bk}
 
 
 ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",

@@ -3,7 +3,7 @@
 //
 // Element decoders: dq_<type>(row, k, aux) is element k of a row of GGUF blocks, written as
 // ds4lab/quants.py decodes it (same operations in the same order). aux is the IQ2_XXS table block:
-// 256 grid entries of 8 bytes, the 128 sign bytes (ksigns_iq2xs), then the grid's entries as 16-bit codes.
+// 256 grid entries of 8 bytes, then the 128 sign bytes (ksigns_iq2xs).
 
 DEVICE_FN float dq_f32(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     return *(const GLOBAL float*)(row + 4u * k);
