@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ds4lab.backends import get_backend
+from ds4lab.backends import get_backend, kernel_ops
 from ds4lab.backends.kernel_ops import BlockLinear
 from ds4lab.config import FLASH, NANO, replace
 from ds4lab.gguf_file import TensorInfo, tensor_byte_shape
@@ -294,6 +294,8 @@ def main(argv=None):
                    help="prefill the attention output's groups gathered too (qgemm, not per-group GEMMs)")
     p.add_argument("--dense-qgemm", action="store_true",
                    help="prefill dense linears through qgemm (not dequantize + GEMM)")
+    p.add_argument("--attn-chunk", action="store_true",
+                   help="prefill attention through attn_chunk (not the plain ops' GEMMs around a score tensor)")
     p.add_argument("--no-compile", action="store_true", help="MLX: run the attention step eagerly")
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
                    help="nano: a small model of the same shape, to try the script on a CPU")
@@ -307,11 +309,13 @@ def main(argv=None):
     if args.gather_all:
         t.gather_max_pairs = float("inf")
     BlockLinear.qgemm_chunks = args.dense_qgemm
+    kernel_ops.ATTN_CHUNK_KERNEL = args.attn_chunk or kernel_ops.ATTN_CHUNK_KERNEL
     if args.no_compile:
         t.compile = False
     sync = syncer(t.backend)
     out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
            "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": t.compile,
+           "attn_chunk": kernel_ops.ATTN_CHUNK_KERNEL,
            "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
     out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
     print(f"{args.backend} kernels={not args.plain} gather_all={args.gather_all} dense_qgemm={args.dense_qgemm} "

@@ -68,6 +68,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--config", default="flash", choices=("flash", "nano"))
+    p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunk only")
+    p.add_argument("--top", type=int, default=25, help="kernels listed for the eager step and the chunk")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -81,7 +83,8 @@ def main(argv=None):
     out = {"context": args.context, "graphs": []}
 
     state = filled_state(t, args.context, args.context + 16)
-    for whole in (False, True):  # a graph per layer half (where the time goes), then the whole step's
+    # a graph per layer half (where the time goes), then the whole step's
+    for whole in () if args.prefill_only else (False, True):
         t.whole_step = whole
         t._compiled.clear()
         for i in range(3):  # eager, capture, replay
@@ -91,17 +94,18 @@ def main(argv=None):
                 kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
                 out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
 
-    X, _ = t.forward(np.array([5]), state)
-    out["head"] = summary("head (eager)", kernel_times(lambda: t.head(X[-1:]), args.repeats))
-    t.compile = False
-    out["decode_eager"] = summary("decode step, eager", kernel_times(lambda: step(t, np.array([7]), state, sync), 3),
-                                  top=25)
+    if not args.prefill_only:
+        X, _ = t.forward(np.array([5]), state)
+        out["head"] = summary("head (eager)", kernel_times(lambda: t.head(X[-1:]), args.repeats))
+        t.compile = False
+        out["decode_eager"] = summary("decode step, eager",
+                                      kernel_times(lambda: step(t, np.array([7]), state, sync), 3), top=args.top)
 
     chunk_state = new_state(cfg, t.backend, Geometry.for_context(cfg, 2 * CHUNK + 1, CHUNK))
     chunk_state, _ = step(t, np.arange(CHUNK) % cfg.n_vocab, chunk_state, sync)
     ids = (np.arange(CHUNK) * 7) % cfg.n_vocab
     out["prefill_chunk"] = summary(f"prefill chunk of {CHUNK} at {CHUNK}",
-                                   kernel_times(lambda: step(t, ids, chunk_state, sync), 1), top=25)
+                                   kernel_times(lambda: step(t, ids, chunk_state, sync), 1), top=args.top)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -11,6 +11,10 @@ GEMM (cuBLAS on CuPy).
     python benchmarks/qgemm_bench.py                       # CuPy on the current GPU
     python benchmarks/qgemm_bench.py --backend mlx         # MLX's GPU back-end
     python benchmarks/qgemm_bench.py --backend emulated --config tiny   # the CPU emulator, tiny shapes
+    python benchmarks/qgemm_bench.py --tiles 64x64x32:2x2 64x128x32:2x4   # qgemm alone, other tile shapes
+
+``--tiles`` times qgemm alone under other tile shapes, BMxBNxBK:WARPS_MxWARPS_N (CuPy: the kernels are
+recompiled for each).
 
 (The emulator's times say nothing about a GPU's: it shows that the script runs.)
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -89,6 +94,7 @@ def main(argv=None):
     p.add_argument("--config", default="flash", choices=tuple(CONFIGS),
                    help="tiny: small shapes, to try the script on the CPU emulator")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tiles", nargs="*", metavar="BMxBNxBK:WMxWN", help="time qgemm alone with these tile shapes")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -98,6 +104,8 @@ def main(argv=None):
     experts = np.argsort(rng.random((T, n_expert)), axis=1)[:, :k].reshape(-1)  # k distinct experts a token
     P = len(experts)
     projections = [("gate", Q.IQ2_XXS, E, F), ("up", Q.IQ2_XXS, E, F), ("down", Q.Q2_K, F, E)]
+    if args.tiles:
+        return tile_shapes(args, projections, experts, (E, dense_rows, n_expert, distinct), rng)
     out = {"backend": args.backend, "config": args.config, "pairs": P, "experts": n_expert, "moe": [], "dense": {}}
 
     def report(name: str, qgemm_s: float, old_s: float, flops: float, old_label: str) -> dict:
@@ -129,6 +137,52 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def tile_shapes(args, projections, experts, sizes, rng):
+    from ds4lab.mlx_kernels import specs as S
+
+    E, dense_rows, n_expert, distinct = sizes
+    P = len(experts)
+    cases = [(f"{name} {q.name}", q, ne0, n_rows, weights(q, n_expert, n_rows, ne0, distinct, rng), P, experts)
+             for name, q, ne0, n_rows in projections]
+    dense = random_blocks(Q.Q8_0, (E,), E, rng, 0.02)
+    cases.append((f"dense Q8_0 x {dense_rows}", Q.Q8_0, E, E, dense, dense_rows, None))
+    defaults = S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N
+    runs, results = [], {}
+    for shape in args.tiles:
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+):(\d+)x(\d+)", shape)
+        if m is None:
+            raise SystemExit(f"tile shape {shape!r} is not BMxBNxBK:WARPS_MxWARPS_N")
+        S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = map(int, m.groups())
+        S.QGEMM_THREADS = 32 * S.QGEMM_WARPS_M * S.QGEMM_WARPS_N
+        if args.backend == "cupy":
+            from ds4lab.cuda import ops
+
+            ops._functions.cache_clear()
+        elif args.backend == "emulated":
+            from ds4lab.mlx_kernels import cpu
+
+            cpu._library.cache_clear()
+        else:
+            raise SystemExit("--tiles recompiles the kernels: CuPy or the emulator")
+        kernels, _, to_dev, sync = launcher(args.backend)
+        for label, q, ne0, n_rows, raw, rows, ids in cases:
+            raw_d, x = to_dev(raw), to_dev(np.random.default_rng(rows).standard_normal((rows, ne0), dtype=np.float32))
+            s = timed(lambda: kernels.qgemm(x, raw_d, q, ne0, n_rows, ids), sync, args.repeats)
+            got = np.asarray(kernels.qgemm(x, raw_d, q, ne0, n_rows, ids).get() if args.backend == "cupy" else
+                             kernels.qgemm(x, raw_d, q, ne0, n_rows, ids))
+            first = results.setdefault(label, got)
+            tflops = 2.0 * rows * ne0 * n_rows / s / 1e12
+            differs = float(np.abs(got - first).max() / np.abs(first).max())
+            runs.append({"tiles": shape, "case": label, "ms": s * 1e3, "tflops": tflops, "differs": differs})
+            print(f"{shape}: {label}: {s * 1e3:.3f} ms ({tflops:.3g} TFLOP/s), differs from the first shape's "
+                  f"by {differs:.1e} of the scale", flush=True)
+    S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = defaults
+    S.QGEMM_THREADS = 32 * S.QGEMM_WARPS_M * S.QGEMM_WARPS_N
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "tiles": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

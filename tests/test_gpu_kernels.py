@@ -427,7 +427,7 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     experts: qgemm; chunk attention through attn_chunk), then 12 decode steps (products from the blocks,
     gathered experts, the split-key attention kernel). The CPU emulator runs the nano model only, 72 tokens
     in chunks of 24 and 3 decode steps (the indexer selects from token 67): the same paths, fewer launches."""
-    monkeypatch.setattr(kernel_ops, "ATTN_CHUNK_KERNEL", True)  # off by default; the plain path is the reference
+    monkeypatch.setattr(kernel_ops, "ATTN_CHUNK_KERNEL", True)  # the default, pinned: this test covers attn_chunk
     emulated = backend.endswith("emulated")
     n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
     if emulated and name != "nano":

@@ -9,9 +9,9 @@ in one tiled launch that decodes the blocks into shared memory, with no dequanti
 chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
 GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept.
 
-Attention likewise: a few queries go through the split-key kernel; a chunk through the plain ops (GEMMs
-around a [T, H, N] score tensor), or, with ``ATTN_CHUNK_KERNEL``, through ``attn_chunk``, which never
-makes the scores (an online softmax over tiles of each query's visible keys).
+Attention likewise: a few queries go through the split-key kernel; a chunk through ``attn_chunk``, which
+never makes the scores (an online softmax over tiles of each query's visible keys), or, with
+``ATTN_CHUNK_KERNEL`` off, through the plain ops (GEMMs around a [T, H, N] score tensor).
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ from ..quants import dequantize
 
 KERNEL_MAX_ROWS = 16  # up to this many rows of x (or pairs), qmatmul; beyond, qgemm or dequantize + GEMM
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
-# True: chunks attend through attn_chunk, which makes no [T, H, N] score tensor (4.4 GB a layer for a
-# 2048-token chunk at 32K context); False: through the plain ops, whose float32 GEMMs ran 1.7-2.2× faster
-# on the H200 (benchmarks/attn_chunk_bench.py) for as long as the scores fit in memory.
-ATTN_CHUNK_KERNEL = False
+# True: chunks attend through attn_chunk, which makes no [T, H, N] score tensor and does work only for
+# the keys each query sees (a 128-key window, the indexer's top-k rows); False: through the plain ops'
+# float32 GEMMs over every key. On the H200's Flash slice attn_chunk took prefill at 8K from 43.7 to
+# 32.2 us per layer per token and its memory pool from 26.5 to 17.2 GB (benchmarks/gpu_slice.py
+# --attn-chunk); the GEMMs win only where most keys are visible (benchmarks/attn_chunk_bench.py).
+ATTN_CHUNK_KERNEL = True
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 
 
