@@ -55,9 +55,10 @@ QGEMM_THREADS = (QGEMM_BM // QGEMM_TM) * (QGEMM_BN // QGEMM_TN)
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
 # attn_partial's blocks: ATTN_ROWS heads per SIMD group, so ATTN_HEADS per work-group share each key it
-# stages, ATTN_TILE keys at a time (8 × 2 KB at D = 512). Its key splits: enough for about ATTN_GROUPS
-# work-groups, each of at least ATTN_MIN_SPLIT keys. The part_* rows it writes grow with the splits
-# (ATTN_GROUPS × ATTN_HEADS rows of D floats at most, 4 MB at D = 512), and attn_reduce reads them all.
+# stages, ATTN_TILE keys at a time (16 KB of group-shared memory; ATTN_MAX_D a multiple of ATTN_GROUP). Its
+# key splits: enough for about ATTN_GROUPS work-groups (two for each of the H200's 132 SMs), each of at least
+# ATTN_MIN_SPLIT keys. The part_* rows it writes grow with the splits (about ATTN_GROUPS × ATTN_HEADS rows of
+# D floats, 4 MB at D = 512), and attn_reduce reads them all.
 ATTN_ROWS = 2
 ATTN_HEADS = ATTN_ROWS * ATTN_GROUP // 32
 ATTN_TILE = 8
