@@ -289,19 +289,36 @@ def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("T,H,D,N", [(1, 4, 128, 1), (1, 64, 512, 4100), (3, 2, 96, 37), (2, 8, 64, 700),
-                                     (16, 4, 128, 300)])
+# attn_partial's blocks of ATTN_HEADS (8) heads: H = 20 and 9 end in a part block, D = 72 and 50 are no multiple
+# of 32; its splits: N = 1 and 37 one split, 300 at T = 16 nine splits of at most 34 keys, about 60% of them
+# visible (tiles partly filled); (1, 64, 512, 1200) Flash's decode step at 4K context (8 blocks × 32 splits).
+@pytest.mark.parametrize("T,H,D,N", [(1, 4, 128, 1), (1, 64, 512, 4100), (1, 64, 512, 1200), (3, 2, 96, 37),
+                                     (2, 8, 64, 700), (16, 4, 128, 300), (2, 20, 72, 100), (3, 9, 50, 130)])
 def test_split_key_attention_matches_float64(gpu, T, H, D, N):
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N, 12_000)
+    check_split_key_attention(kernels, to_dev, to_host, T, H, D, N)
+
+
+def test_split_key_attention_with_more_keys_a_split_than_a_group_has_threads(gpu, monkeypatch):
+    """One split (a grid aiming at one work-group) of 300 keys: three windows of ATTN_GROUP flags, the third
+    partial; 2 blocks of heads for each of the 2 queries."""
+    _, kernels, to_dev, to_host = gpu
+    monkeypatch.setattr(S, "ATTN_GROUPS", 1)
+    launches = recorded_launches(kernels, monkeypatch)
+    check_split_key_attention(kernels, to_dev, to_host, 2, 12, 64, 300)
+    assert launches == [("attn_partial", (2 * 2, 1)), ("attn_reduce", (2 * 12, 1))]
+
+
+def check_split_key_attention(kernels, to_dev, to_host, T, H, D, N):
     rng = np.random.default_rng(T * N)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     keys = rng.standard_normal((N, D)).astype(np.float32)
     sinks = rng.standard_normal(H).astype(np.float32)
     visible = rng.random((T, N)) < 0.6
     visible[0] = False  # a query that sees nothing but the sink
-    if T > 1:
-        visible[1, : min(N, 300)] = True  # keys in the first split and no others
+    if T > 1:  # a run of visible keys, then none (the raw window, then compressed rows not yet written)
+        visible[1, : min(N, 300)] = True
         visible[1, 300:] = False
     scale = D ** -0.5
     f64 = [a.astype(np.float64) for a in (q, keys, sinks)]

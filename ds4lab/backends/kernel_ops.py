@@ -9,9 +9,10 @@ in one tiled launch that decodes the blocks into shared memory, with no dequanti
 chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
 GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept.
 
-Attention likewise: a few queries go through the split-key kernel; a chunk through ``attn_chunk``, which
-never makes the scores (an online softmax over tiles of each query's visible keys), or, with
-``ATTN_CHUNK_KERNEL`` off, through the plain ops (GEMMs around a [T, H, N] score tensor).
+Attention likewise: a few queries go through the split-key kernel (blocks of heads sharing each key read);
+a chunk through ``attn_chunk``, which never makes the scores (an online softmax over tiles of each query's
+visible keys), or, with ``ATTN_CHUNK_KERNEL`` off, through the plain ops (GEMMs around a [T, H, N] score
+tensor).
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class KernelOps:
 
     def attend(self, q, keys, visible, sinks, scale: float):
         """Attention with sinks: the split-key kernel for a few queries (it spreads their keys over many
-        groups); for a chunk, the chunk kernel (a group per query and block of heads) if ATTN_CHUNK_KERNEL,
-        else the plain ops."""
+        groups, each a block of heads sharing its key reads); for a chunk, the chunk kernel (a group per query
+        and block of heads) if ATTN_CHUNK_KERNEL, else the plain ops."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.attention(q, keys, visible, sinks, scale)
         if self.kernels is not None and ATTN_CHUNK_KERNEL:

@@ -145,11 +145,12 @@ class KernelLaunches:
                          [((P, n_rows), "float32")])[0]
 
     def attention(self, q, keys, visible, sinks, scale: float):
-        """Softmax attention with sinks over visible keys (spec §3.8) in two passes: splits, then merge."""
+        """Softmax attention with sinks over visible keys (spec §3.8) in two passes: each key split's online
+        softmax for a block of heads sharing each key read (attn_partial), then the merge of the splits."""
         T, H, D = q.shape
         dims_host = S.attn_dims(T, H, D, keys.shape[0])
         dims, splits = self._const(*dims_host.tolist()), int(dims_host[4])
-        parts = self._run(S.ATTN_PARTIAL, (T * H, splits), S.ATTN_GROUP,
+        parts = self._run(S.ATTN_PARTIAL, (T * S.attn_head_blocks(H), splits), S.ATTN_GROUP,
                           [self._f32(q * scale), self._f32(keys), self._u8(visible), dims],
                           [((T * H, splits), "float32"), ((T * H, splits), "float32"),
                            ((T * H, splits, D), "float32")])

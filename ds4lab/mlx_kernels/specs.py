@@ -4,7 +4,7 @@
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
-``attn_partial``     split-key attention with an online softmax per split
+``attn_partial``     split-key attention with an online softmax per split, a block of heads sharing each key
 ``attn_reduce``      merge the splits with the sink logit
 ``attn_chunk``       attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
 ``hc_mix``           the hyper-connection mixer after its linear: pre, post, Sinkhorn combine, x_in
@@ -53,8 +53,17 @@ QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 64, 32, 2, 2
 QGEMM_THREADS = 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
 ATTN_MAX_D = 512
-ATTN_GROUP = 128  # threads per attention work-group: 4 SIMD groups
-ATTN_KEYS_PER_SPLIT = 256
+ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
+# attn_partial's blocks: ATTN_ROWS heads per SIMD group, so ATTN_HEADS per work-group share each key it
+# stages, ATTN_TILE keys at a time (16 KB of group-shared memory; ATTN_MAX_D a multiple of ATTN_GROUP). Its
+# key splits: enough for about ATTN_GROUPS work-groups (two for each of the H200's 132 SMs), each of at least
+# ATTN_MIN_SPLIT keys. The part_* rows it writes grow with the splits (about ATTN_GROUPS × ATTN_HEADS rows of
+# D floats, 4 MB at D = 512), and attn_reduce reads them all.
+ATTN_ROWS = 2
+ATTN_HEADS = ATTN_ROWS * ATTN_GROUP // 32
+ATTN_TILE = 8
+ATTN_GROUPS = 256
+ATTN_MIN_SPLIT = 32
 ATTN_CHUNK_GROUP = 128  # threads per chunk-attention work-group: 4 SIMD groups
 # Heads per SIMD group (sharing each key read from group-shared memory) and keys per tile (4 × 2 KB
 # staged): of the shapes tried on the H200, 2 and 4 (128 registers a thread, no spills) ran fastest.
@@ -127,7 +136,8 @@ def _qgemm_defines(qtype: Q) -> dict:
 ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",
                           (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32")),
                           (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32")),
-                          {"MAX_D": ATTN_MAX_D, "MAX_SG": ATTN_GROUP // 32})
+                          {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_GROUP, "SIMD_GROUPS": ATTN_GROUP // 32,
+                           "ROWS": ATTN_ROWS, "TILE": ATTN_TILE})
 ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
                          (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"), ("sinks", "float32"),
                           ("dims", "int32")),
@@ -236,9 +246,17 @@ def _check_head_dim(D: int) -> None:
 
 
 def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
+    """attn_partial's dims ``[T, H, D, N, splits, keys_per_split]``: split s holds the keys n ≡ s (mod splits),
+    at most keys_per_split of them; splits enough for about ATTN_GROUPS work-groups of ATTN_MIN_SPLIT keys or
+    more (one split when N is smaller)."""
     _check_head_dim(D)
-    splits = max(1, -(-N // ATTN_KEYS_PER_SPLIT))
-    return np.array([T, H, D, N, splits, ATTN_KEYS_PER_SPLIT], dtype=np.int32)
+    splits = max(1, min(-(-ATTN_GROUPS // (T * attn_head_blocks(H))), N // ATTN_MIN_SPLIT))
+    return np.array([T, H, D, N, splits, -(-N // splits)], dtype=np.int32)
+
+
+def attn_head_blocks(H: int) -> int:
+    """attn_partial's blocks of ATTN_HEADS heads: its grid is (T × blocks, splits)."""
+    return -(-H // ATTN_HEADS)
 
 
 def attn_chunk_groups(T: int, H: int, D: int) -> tuple[int, int]:
