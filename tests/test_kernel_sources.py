@@ -243,3 +243,14 @@ def test_eight_value_decoders_equal_the_element_decoders(tmp_path):
         getattr(decoders, f"check_{eight}")(*pointers[:2], ctypes.c_uint(K), *pointers[2:])
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), eight
         assert np.array_equal(want, dequantize(row[None], qtype, K)[0]), eight  # the element decoders are right
+
+
+def test_qgemm_tiles_are_checked(monkeypatch):
+    """Tile shapes that overflow Metal's 32 KB of group-shared memory, or do not split into the SIMD
+    groups' 16x8 tiles, are refused with the shape named."""
+    monkeypatch.setattr(S, "QGEMM_BN", 256)
+    with pytest.raises(ValueError, match="64x256x32 need more than 32768 bytes"):
+        S.qgemm_spec(Q.Q8_0)
+    monkeypatch.setattr(S, "QGEMM_BN", 72)
+    with pytest.raises(ValueError, match="whole 16x8 tiles"):
+        S.qgemm_spec(Q.Q8_0)
