@@ -154,7 +154,7 @@ class KernelLaunches:
                           [self._f32(q * scale), self._f32(keys), self._u8(visible), dims],
                           [((T * H, splits), "float32"), ((T * H, splits), "float32"),
                            ((T * H, splits, D), "float32")])
-        return self._run(S.ATTN_REDUCE, (T * H, 1), S.ATTN_GROUP, [*parts, self._f32(sinks), dims],
+        return self._run(S.ATTN_REDUCE, (T * H, -(-D // S.ATTN_GROUP)), S.ATTN_GROUP, [*parts, self._f32(sinks), dims],
                          [((T, H, D), "float32")])[0]
 
     def attention_chunk(self, q, keys, visible, sinks, scale: float):
