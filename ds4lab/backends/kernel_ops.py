@@ -83,6 +83,7 @@ class KernelOps:
     (the reference the kernels are tested against) everywhere else."""
 
     kernels = None
+    chunk_attention_kernel = True  # chunks attend through attn_chunk when ATTN_CHUNK_KERNEL is on too
 
     def device_key(self):
         """Which device arrays made now land on (None: the backend has one memory)."""
@@ -110,7 +111,7 @@ class KernelOps:
         and block of heads) if ATTN_CHUNK_KERNEL, else the plain ops."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.attention(q, keys, visible, sinks, scale)
-        if self.kernels is not None and ATTN_CHUNK_KERNEL:
+        if self.kernels is not None and ATTN_CHUNK_KERNEL and self.chunk_attention_kernel:
             return self.kernels.attention_chunk(q, keys, visible, sinks, scale)
         return attend_with_sinks(self.xp, q, keys, visible, sinks, scale)
 

@@ -42,6 +42,11 @@ class MLXBackend(KernelOps):
     xp = mx
     np_dtype = np.float32
     dtype = mx.float32
+    # Off on MLX for now: on the H200 (MLX-CUDA 0.32.4), a session whose layers alternate between the GPU
+    # and the CPU gave logits 4.6 away from the all-GPU run's with attn_chunk (test_tiers.py::
+    # test_mlx_cpu_and_gpu_tiers), though all-GPU runs with it agree with the float64 reference; the cause
+    # is not found yet.
+    chunk_attention_kernel = False
 
     def __init__(self, device: str | None = None, kernels: bool | None = None):
         if device is not None:
