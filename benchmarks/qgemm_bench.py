@@ -155,7 +155,6 @@ def tile_shapes(args, projections, experts, sizes, rng):
         if m is None:
             raise SystemExit(f"tile shape {shape!r} is not BMxBNxBK:WARPS_MxWARPS_N")
         S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = map(int, m.groups())
-        S.QGEMM_THREADS = 32 * S.QGEMM_WARPS_M * S.QGEMM_WARPS_N
         if args.backend == "cupy":
             from ds4lab.cuda import ops
 
@@ -179,7 +178,6 @@ def tile_shapes(args, projections, experts, sizes, rng):
             print(f"{shape}: {label}: {s * 1e3:.3f} ms ({tflops:.3g} TFLOP/s), differs from the first shape's "
                   f"by {differs:.1e} of the scale", flush=True)
     S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = defaults
-    S.QGEMM_THREADS = 32 * S.QGEMM_WARPS_M * S.QGEMM_WARPS_N
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "tiles": runs}, f, indent=1)

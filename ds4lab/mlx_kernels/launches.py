@@ -140,7 +140,7 @@ class KernelLaunches:
         every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
         P = x.shape[0]
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
-        return self._run(S.qgemm_spec(qtype), (-(-n_rows // S.QGEMM_BN), n_tiles), S.QGEMM_THREADS,
+        return self._run(S.qgemm_spec(qtype), (-(-n_rows // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
                          [self._f32(x), raw, self.aux, order, tiles, self._const(ne0, n_rows, row_bytes(qtype, ne0))],
                          [((P, n_rows), "float32")])[0]
 

@@ -53,7 +53,6 @@ QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 # experts 16-17% faster than 64x64x32 and the dense Q8_0 chunk 19%; 128x64 ran them 1.6x slower.
 QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 128, 32, 2, 2
 QGEMM_SHARED_BYTES = 32768  # Metal's limit for a work-group
-QGEMM_THREADS = 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
 # attn_partial's blocks: ATTN_ROWS heads per SIMD group, so ATTN_HEADS per work-group share each key it
@@ -124,20 +123,26 @@ def qgemm_spec(qtype: Q) -> KernelSpec:
                       _qgemm_defines(qtype))
 
 
+def qgemm_threads() -> int:
+    """Threads of a qgemm work-group: its WARPS_M x WARPS_N SIMD groups."""
+    return 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
+
+
 def _qgemm_defines(qtype: Q) -> dict:
-    bm, bn, bk = QGEMM_BM, QGEMM_BN, QGEMM_BK
+    bm, bn, bk, threads = QGEMM_BM, QGEMM_BN, QGEMM_BK, qgemm_threads()
     wm, wn = bm // QGEMM_WARPS_M, bn // QGEMM_WARPS_N
-    if wm % 16 or wn % 8 or bk % 8 or QGEMM_THREADS % bk or bm % (QGEMM_THREADS // bk):
+    if wm % 16 or wn % 8 or bk % 8 or threads % bk or bm % (threads // bk):
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} on {QGEMM_WARPS_M}x{QGEMM_WARPS_N} SIMD groups: each group's "
                          "part must be whole 16x8 tiles, and the loaders' rows must divide BM")
     lds = bk + 4
     ldc = bn + 4 if 4 * bm * (bn + 4) <= QGEMM_SHARED_BYTES else bn  # the padding only where it fits
-    if 4 * max((bm + bn) * lds, bm * ldc) > QGEMM_SHARED_BYTES:
+    smem_floats = max((bm + bn) * lds, bm * ldc)  # the slabs of x and W, then the output tile over them
+    if 4 * smem_floats > QGEMM_SHARED_BYTES:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} need more than {QGEMM_SHARED_BYTES} bytes of shared memory")
     return {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,
-            "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": max((bm + bn) * lds, bm * ldc),
+            "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": smem_floats,
             "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16, "NJ": wn // 8,
-            "LOAD_ROWS": QGEMM_THREADS // bk}
+            "LOAD_ROWS": threads // bk}
 
 
 ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",
