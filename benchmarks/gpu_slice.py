@@ -40,10 +40,10 @@ FULL_LAYERS = FLASH.n_layer
 CHUNK = 2048
 
 
-def build(cfg, backend_name: str, kernels: bool, tensors) -> Transformer:
+def build(cfg, backend_name: str, kernels: bool, tensors, prefill_matmul: str = "float32") -> Transformer:
     file = SimpleNamespace(tensors={n: TensorInfo(n, shape, q, raw.reshape(tensor_byte_shape(shape, q)))
                                     for n, shape, q, raw in tensors})
-    backend = get_backend(backend_name, None, kernels)
+    backend = get_backend(backend_name, None, kernels, prefill_matmul)
     t = Transformer(cfg, file, backend, numerics="ds4")
     t.w.expert_cache_bytes = 48 << 30  # the plain path dequantizes experts on first use; keep them
     return t
@@ -296,6 +296,7 @@ def main(argv=None):
                    help="prefill dense linears through qgemm (not dequantize + GEMM)")
     p.add_argument("--attn-chunk", action="store_true",
                    help="prefill attention through attn_chunk (not the plain ops' GEMMs around a score tensor)")
+    p.add_argument("--tf32", action="store_true", help="prefill_matmul='tf32' (chunk products on TF32 operands)")
     p.add_argument("--no-compile", action="store_true", help="MLX: run the attention step eagerly")
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
                    help="nano: a small model of the same shape, to try the script on a CPU")
@@ -305,7 +306,7 @@ def main(argv=None):
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
     built_s = time.perf_counter() - t0
-    t = build(cfg, args.backend, not args.plain, tensors)
+    t = build(cfg, args.backend, not args.plain, tensors, "tf32" if args.tf32 else "float32")
     if args.gather_all:
         t.gather_max_pairs = float("inf")
     BlockLinear.qgemm_chunks = args.dense_qgemm
@@ -315,10 +316,11 @@ def main(argv=None):
     sync = syncer(t.backend)
     out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
            "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": t.compile,
-           "attn_chunk": kernel_ops.ATTN_CHUNK_KERNEL,
+           "attn_chunk": kernel_ops.ATTN_CHUNK_KERNEL, "prefill_matmul": "tf32" if args.tf32 else "float32",
            "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
     out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
-    print(f"{args.backend} kernels={not args.plain} gather_all={args.gather_all} dense_qgemm={args.dense_qgemm} "
+    print(f"{args.backend} kernels={not args.plain} tf32={args.tf32} gather_all={args.gather_all} "
+          f"dense_qgemm={args.dense_qgemm} "
           f"compile={t.compile}: "
           f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
 

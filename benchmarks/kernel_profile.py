@@ -5,15 +5,20 @@ Decode: steps at a context until every layer's halves are CUDA graphs, then each
 under PyTorch's profiler (CUPTI sees every kernel of the process, CuPy's included; the lent H200's image
 has PyTorch, ds4lab does not need it). Per graph it prints the kernels' summed GPU time against the
 replay's (the difference is the gaps between nodes), the node count, and the kernels by time. Then
-the output head, and one 2048-token prefill chunk, the same way.
+the output head, and one 2048-token prefill chunk at context ``--prefill-at``, the same way, its kernel
+time against its wall time (``--host N``: and the top N host functions of the chunk, from cProfile).
 
     python benchmarks/kernel_profile.py --context 4096 --json profile.json
+    python benchmarks/kernel_profile.py --prefill-only --prefill-at 6144 --host 25 --tf32
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -68,7 +73,11 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--config", default="flash", choices=("flash", "nano"))
+    p.add_argument("--tf32", action="store_true", help="prefill_matmul='tf32' (chunk products on TF32 operands)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunk only")
+    p.add_argument("--prefill-at", type=int, default=CHUNK, help="context of the profiled chunk (a multiple of 2048)")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="also profile the chunk's host side (cProfile) and print the top N functions")
     p.add_argument("--top", type=int, default=25, help="kernels listed for the eager step and the chunk")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -77,7 +86,7 @@ def main(argv=None):
 
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
-    t = build(cfg, "cupy", True, tensors)
+    t = build(cfg, "cupy", True, tensors, "tf32" if args.tf32 else "float32")
     sync = syncer(t.backend)
     stream = cp.cuda.get_current_stream()
     out = {"context": args.context, "graphs": []}
@@ -101,11 +110,22 @@ def main(argv=None):
         out["decode_eager"] = summary("decode step, eager",
                                       kernel_times(lambda: step(t, np.array([7]), state, sync), 3), top=args.top)
 
-    chunk_state = new_state(cfg, t.backend, Geometry.for_context(cfg, 2 * CHUNK + 1, CHUNK))
-    chunk_state, _ = step(t, np.arange(CHUNK) % cfg.n_vocab, chunk_state, sync)
+    at = args.prefill_at
+    chunk_state = new_state(cfg, t.backend, Geometry.for_context(cfg, at + CHUNK + 1, CHUNK))
+    for start in range(0, at, CHUNK):
+        chunk_state, _ = step(t, np.arange(start, start + CHUNK) % cfg.n_vocab, chunk_state, sync)
     ids = (np.arange(CHUNK) * 7) % cfg.n_vocab
-    out["prefill_chunk"] = summary(f"prefill chunk of {CHUNK} at {CHUNK}",
-                                   kernel_times(lambda: step(t, ids, chunk_state, sync), 1), top=args.top)
+    kernels = kernel_times(lambda: step(t, ids, chunk_state, sync), 1)
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step(t, ids, chunk_state, sync)
+        walls.append(time.perf_counter() - t0)
+    out["prefill_chunk"] = summary(f"prefill chunk of {CHUNK} at {at}", kernels, min(walls) * 1e6, top=args.top)
+    if args.host:  # where the host's time goes in the same chunk
+        prof = cProfile.Profile()
+        prof.runcall(step, t, ids, chunk_state, sync)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.host)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -12,6 +12,7 @@ GEMM (cuBLAS on CuPy).
     python benchmarks/qgemm_bench.py --backend mlx         # MLX's GPU back-end
     python benchmarks/qgemm_bench.py --backend emulated --config tiny   # the CPU emulator, tiny shapes
     python benchmarks/qgemm_bench.py --tiles 64x64x32:2x2 64x128x32:2x4   # qgemm alone, other tile shapes
+    python benchmarks/qgemm_bench.py --tf32                # prefill_matmul="tf32": both paths on TF32 operands
 
 ``--tiles`` times qgemm alone under other tile shapes, BMxBNxBK:WARPS_MxWARPS_N (CuPy: the kernels are
 recompiled for each).
@@ -79,7 +80,7 @@ def per_expert(kernels, xp, x, raw, qtype, ne0: int, n_rows: int, experts: np.nd
     parts = []
     for s, e in zip(bounds[:-1], bounds[1:]):
         rows = to_dev(order[s:e].astype(np.int32))
-        parts.append(x[rows] @ kernels.dequant(raw[int(experts[order[s]])], qtype, ne0, n_rows).T)
+        parts.append(kernels.dense_product(x[rows], kernels.dequant(raw[int(experts[order[s]])], qtype, ne0, n_rows)))
     return xp.concatenate(parts, axis=0)[to_dev(np.argsort(order).astype(np.int32))]
 
 
@@ -94,19 +95,23 @@ def main(argv=None):
     p.add_argument("--config", default="flash", choices=tuple(CONFIGS),
                    help="tiny: small shapes, to try the script on the CPU emulator")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tf32", action="store_true",
+                   help="prefill_matmul='tf32': qgemm's _tf32 kernels, and cuBLAS on TF32 for dequant+GEMM")
     p.add_argument("--tiles", nargs="*", metavar="BMxBNxBK:WMxWN", help="time qgemm alone with these tile shapes")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     n_expert, T, k, E, F, dense_rows, distinct = CONFIGS[args.config]
     kernels, xp, to_dev, sync = launcher(args.backend)
+    kernels.chunk_tf32 = args.tf32
     rng = np.random.default_rng(0)
     experts = np.argsort(rng.random((T, n_expert)), axis=1)[:, :k].reshape(-1)  # k distinct experts a token
     P = len(experts)
     projections = [("gate", Q.IQ2_XXS, E, F), ("up", Q.IQ2_XXS, E, F), ("down", Q.Q2_K, F, E)]
     if args.tiles:
         return tile_shapes(args, projections, experts, (E, dense_rows, n_expert, distinct), rng)
-    out = {"backend": args.backend, "config": args.config, "pairs": P, "experts": n_expert, "moe": [], "dense": {}}
+    out = {"backend": args.backend, "config": args.config, "tf32": args.tf32, "pairs": P, "experts": n_expert,
+           "moe": [], "dense": {}}
 
     def report(name: str, qgemm_s: float, old_s: float, flops: float, old_label: str) -> dict:
         r = {"name": name, "qgemm_ms": qgemm_s * 1e3, "old_ms": old_s * 1e3, "qgemm_tflops": flops / qgemm_s / 1e12,
@@ -131,7 +136,7 @@ def main(argv=None):
     raw = to_dev(random_blocks(Q.Q8_0, (E,), E, rng, 0.02))
     x = to_dev(rng.standard_normal((dense_rows, E), dtype=np.float32))
     new = timed(lambda: kernels.qgemm(x, raw, Q.Q8_0, E, E), sync, args.repeats)
-    old = timed(lambda: x @ kernels.dequant(raw, Q.Q8_0, E, E).T, sync, args.repeats)
+    old = timed(lambda: kernels.dense_product(x, kernels.dequant(raw, Q.Q8_0, E, E)), sync, args.repeats)
     out["dense"] = report(f"dense Q8_0 {E}->{E} x {dense_rows} rows", new, old, 2.0 * dense_rows * E * E,
                           "dequant+GEMM")
     if args.json:

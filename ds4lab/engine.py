@@ -26,13 +26,13 @@ class Model:
     """A DS4-architecture model. ``logits(ids)`` returns float32 ``[T, vocab]`` for every position."""
 
     def __init__(self, path: Path, backend: str = "mlx", numerics: str = "ds4", device: str | None = None,
-                 kernels: bool | None = None):
+                 kernels: bool | None = None, prefill_matmul: str = "float32"):
         self.path = Path(path)
         config, file = load_model_file(self.path)
         self.config: ModelConfig = config
         self.file = file
         self.tokenizer = Tokenizer.from_metadata(file.metadata)
-        self.backend = get_backend(backend, device, kernels)
+        self.backend = get_backend(backend, device, kernels, prefill_matmul)
         self.numerics = numerics
         self.transformer = Transformer(config, file, self.backend, numerics)
 
@@ -93,10 +93,15 @@ class Model:
 
 
 def load(path: str | Path | None = None, backend: str = "mlx", numerics: str = "ds4",
-         device: str | None = None, kernels: bool | None = None) -> Model:
+         device: str | None = None, kernels: bool | None = None, prefill_matmul: str = "float32") -> Model:
     """Load a DS4 GGUF (the embedded default model when ``path`` is None).
 
     ``backend``: "mlx" (CPU, Metal or CUDA), "numpy" (the float64 reference) or "cupy" (NVIDIA GPUs).
     ``kernels``: on GPU backends, ds4lab's custom kernels (default on); False gives the plain-ops path.
+    ``prefill_matmul``: "float32" (default), or "tf32" (cupy with kernels): weight products over more than 16
+    rows (a prefill chunk's linears, its routed experts' token-expert pairs) take both operands rounded to
+    TF32 (10 mantissa bits) on the tensor cores, with float32 accumulation, as ds4's GPU prefill casts both
+    to half; decode steps stay float32. About a third of the tensor-core work of the float32 path.
     """
-    return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels)
+    return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
+                 prefill_matmul)

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 import ds4lab
 from ds4lab.backends import kernel_ops
 from ds4lab.mlx_kernels import specs as S
+from ds4lab.mlx_kernels.launches import tf32_round
 from ds4lab.model.attention import attend_with_sinks
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS
@@ -289,6 +290,61 @@ def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_tf32_round_keeps_ten_mantissa_bits_with_ties_away_from_zero():
+    ulp = 2.0 ** -10  # TF32's spacing in [1, 2)
+    x = np.array([1.0, 1 + ulp / 2, 1 + ulp / 2 - 2.0 ** -23, 1 + ulp / 4, -(1 + ulp / 2), 0.75 + ulp / 4, 1e-30, 0.0],
+                 dtype=np.float32)  # 0.75 + ulp / 4: a tie at [0.5, 1)'s spacing of ulp / 2
+    want = np.array([1.0, 1 + ulp, 1.0, 1.0, -(1 + ulp), 0.75 + ulp / 2, np.float32(1e-30), 0.0], dtype=np.float32)
+    got = tf32_round(np, x)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got[:6], want[:6])
+    assert abs(got[6] - want[6]) <= 2.0 ** -11 * 1e-30 and got[7] == 0.0
+
+
+@pytest.mark.parametrize("qtype", (Q.F16, Q.Q8_0, Q.IQ2_XXS, Q.Q2_K), ids=lambda q: q.name)
+def test_qgemm_tf32_rounds_both_operands(gpu, monkeypatch, qtype):
+    """``qgemm_<type>_tf32``: the products of TF32-rounded x and W (cvt.rna: ties away from zero) summed in
+    float32, within 1e-5 of the scale of float64's sum of the same rounded operands; the unrounded
+    product lies farther away than that, so the rounding is seen."""
+    _, kernels, to_dev, to_host = gpu
+    monkeypatch.setattr(kernels, "chunk_tf32", True)
+    n_expert, rows, ne0 = 3, 70, QGEMM_K[qtype]
+    raw = random_weight(qtype, (n_expert, rows), ne0, seed=11)
+    rng = np.random.default_rng(12)
+    experts = rng.integers(0, n_expert, 90)
+    x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
+    W = dequantize(raw, qtype, ne0)
+    want = np.einsum("pk,prk->pr", tf32_round(np, x).astype(np.float64), tf32_round(np, W).astype(np.float64)[experts])
+    exact = np.einsum("pk,prk->pr", x.astype(np.float64), W.astype(np.float64)[experts])
+    got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
+    tol = 1e-5 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    assert np.abs(exact - want).max() > 3 * tol
+
+
+def test_dense_product_tf32_rounds_both_operands(gpu, monkeypatch):
+    """A chunk's dense product (cuBLAS on CuPy) with ``chunk_tf32``: off, float32 (within 1e-5 of the
+    scale); on, within TF32's bound (each operand off by at most 2^-10 of itself even if cuBLAS truncates,
+    so each term by 2^-9) and farther from float64 than float32 gets, so the tensor cores' TF32 is in use."""
+    backend, kernels, to_dev, to_host = gpu
+    if backend.startswith("mlx"):
+        pytest.skip("prefill_matmul='tf32' is the cupy backend's (MLX multiplies chunks in float32)")
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((300, 1000)).astype(np.float32)
+    w = rng.standard_normal((200, 1000)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(exact).max()
+    bound = 2.0 ** -9 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-5 * scale
+    f32 = to_host(kernels.dense_product(to_dev(x), to_dev(w)))
+    np.testing.assert_allclose(f32, exact, rtol=0, atol=1e-5 * scale)
+    monkeypatch.setattr(kernels, "chunk_tf32", True)
+    got = to_host(kernels.dense_product(to_dev(x), to_dev(w)))
+    assert (np.abs(got - exact) <= bound).all()
+    assert np.abs(got - exact).max() > 5e-5 * scale
+    again = to_host(kernels.dense_product(to_dev(x), to_dev(w)))  # the same product: the switch is stable
+    np.testing.assert_array_equal(again, got)
+
+
 # attn_partial's blocks of ATTN_HEADS (8) heads: H = 20 and 9 end in a part block, D = 72 and 50 are no multiple
 # of 32; its splits: N = 1 and 37 one split, 300 at T = 16 nine splits of at most 34 keys, about 60% of them
 # visible (tiles partly filled); (1, 64, 512, 1200) Flash's decode step at 4K context (8 blocks × 32 splits).
@@ -476,6 +532,48 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     if kernels:
         assert (chunk * ref.config.n_expert_used, ref.config.ff_exp) in qgemm_calls  # the gate or up projection
     assert np.array_equal(logits[gpu.backend.name].argmax(-1), logits["numpy"].argmax(-1))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
+def test_tf32_prefill_stays_near_float64(model_paths, backend):
+    """prefill_matmul="tf32": a 72-token prefill in chunks of 24 (its linears and routed experts on TF32
+    operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the same
+    argmax, and farther than the float32 kernels' 1e-5, so the chunks' products did change precision."""
+    found, why = GPU_BACKENDS[backend]()
+    if found is None:
+        pytest.skip(f"{backend}: {why}")
+    ref = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
+    if backend == "emulated":
+        from ds4lab.backends.emulated_backend import EmulatedBackend
+        from ds4lab.model.transformer import Transformer
+
+        m = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
+        m.backend = EmulatedBackend(chunk_tf32=True)
+        m.transformer = Transformer(m.config, m.file, m.backend, "exact")
+    else:
+        m = ds4lab.load(model_paths["nano"], backend="cupy", numerics="exact", prefill_matmul="tf32")
+    ids = np.random.default_rng(9).integers(0, ref.config.n_vocab - 7, 75)
+    logits = []
+    for model in (ref, m):
+        sess = model.session(ctx=256, prefill_chunk=24)
+        sess.prefill(ids[:72]).run(progress=False)
+        steps = [sess.logits]
+        for end in range(73, 76):
+            sess.sync(ids[:end])
+            steps.append(sess.logits)
+        logits.append(np.stack(steps))
+    err = rel_err(logits[1], logits[0])
+    assert err.max() < 2e-3 and err[0] > 1e-5, err
+    assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+def test_prefill_matmul_is_checked():
+    with pytest.raises(ValueError, match="unknown prefill_matmul 'bf16'"):
+        ds4lab.load(backend="numpy", prefill_matmul="bf16")
+    with pytest.raises(ValueError, match="needs the cupy backend with its kernels"):
+        ds4lab.load(backend="numpy", prefill_matmul="tf32")
+    with pytest.raises(ValueError, match="backend='cupy', kernels=False"):
+        ds4lab.load(backend="cupy", kernels=False, prefill_matmul="tf32")
 
 
 def test_configs_cover_the_kernel_types():

@@ -26,10 +26,17 @@ backend has them (``kernels``; GPU backends) and through plain ops elsewhere:
 from __future__ import annotations
 
 BACKENDS = ("mlx", "numpy", "cupy")
+PREFILL_MATMULS = ("float32", "tf32")
 
 
-def get_backend(name: str, device: str | None = None, kernels: bool | None = None):
-    """``kernels`` (GPU backends): use ds4lab's kernels; None means yes on a GPU."""
+def get_backend(name: str, device: str | None = None, kernels: bool | None = None, prefill_matmul: str = "float32"):
+    """``kernels`` (GPU backends): use ds4lab's kernels; None means yes on a GPU. ``prefill_matmul``: see
+    :func:`ds4lab.load`."""
+    if prefill_matmul not in PREFILL_MATMULS:
+        raise ValueError(f"unknown prefill_matmul {prefill_matmul!r}; choose one of {', '.join(PREFILL_MATMULS)}")
+    if prefill_matmul != "float32" and (name != "cupy" or kernels is False):
+        raise ValueError(f"prefill_matmul={prefill_matmul!r} needs the cupy backend with its kernels "
+                         f"(got backend={name!r}, kernels={kernels!r})")
     if name == "numpy":
         if kernels:
             raise ValueError("the numpy backend has no kernels; kernels=True needs mlx on a GPU or cupy")
@@ -45,5 +52,5 @@ def get_backend(name: str, device: str | None = None, kernels: bool | None = Non
             from .cupy_backend import CupyBackend
         except ImportError as e:
             raise ValueError(f"the cupy backend needs CuPy and a CUDA GPU ({e}); install ds4lab[cuda]") from e
-        return CupyBackend(device, kernels is not False)
+        return CupyBackend(device, kernels is not False, prefill_matmul == "tf32")
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

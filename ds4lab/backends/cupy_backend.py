@@ -23,7 +23,7 @@ class CupyBackend(BlockBackend):
     xp = cp
     dtype = cp.float32
 
-    def __init__(self, device: str | int | None = None, kernels: bool = True):
+    def __init__(self, device: str | int | None = None, kernels: bool = True, chunk_tf32: bool = False):
         index = 0 if device in (None, "gpu", "cuda") else int(str(device).removeprefix("cuda:"))
         if not 0 <= index < cp.cuda.runtime.getDeviceCount():
             raise ValueError(f"CUDA device {device!r} does not exist here ({cp.cuda.runtime.getDeviceCount()} GPUs)")
@@ -31,8 +31,10 @@ class CupyBackend(BlockBackend):
         self.cuda_device.use()
         self.device = f"cuda:{index}"
         self.use_kernels = kernels
+        self.chunk_tf32 = chunk_tf32  # prefill_matmul="tf32" (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
 
+    embeds_on_device = True
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
     compiles_ffn = True  # decode routing stays on the device, so the FFN half is a graph too
 
@@ -63,7 +65,7 @@ class CupyBackend(BlockBackend):
         if index not in self._kernels:
             from ..cuda import CudaKernels
 
-            self._kernels[index] = CudaKernels()
+            self._kernels[index] = CudaKernels(self.chunk_tf32)
         return self._kernels[index]
 
     def to_numpy(self, x):

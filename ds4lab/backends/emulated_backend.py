@@ -14,8 +14,13 @@ class EmulatedBackend(BlockBackend):
     xp = np
     dtype = np.float32
     device = "cpu (emulated GPU kernels)"
+    embeds_on_device = True  # as the CuPy backend does, so the tests run that path
 
-    def __init__(self, kernels: bool = True):
+    def __init__(self, kernels: bool = True, chunk_tf32: bool = False):
         from ..mlx_kernels.cpu import CpuKernels
 
+        if chunk_tf32 and not kernels:
+            raise ValueError("chunk_tf32 (prefill_matmul='tf32') needs the kernels")
         self.kernels = CpuKernels() if kernels else None
+        if chunk_tf32:
+            self.kernels.chunk_tf32 = True

@@ -57,9 +57,9 @@ class BlockLinear:
         elif self.qgemm_chunks:
             out = self.kernels.qgemm(x2, self.raw, self.qtype, self.ne0, self.n_rows)
         elif self.qtype == Q.F32:  # already floats: the bytes are the matrix
-            out = x2 @ self.raw.view(np.float32).reshape(self.n_rows, self.ne0).T
+            out = self.kernels.dense_product(x2, self.raw.view(np.float32).reshape(self.n_rows, self.ne0))
         else:
-            out = x2 @ self.kernels.dequant(self.raw, self.qtype, self.ne0, self.n_rows).T
+            out = self.kernels.dense_product(x2, self.kernels.dequant(self.raw, self.qtype, self.ne0, self.n_rows))
         return out.reshape(tuple(lead) + (self.n_rows,))
 
 
@@ -84,6 +84,7 @@ class KernelOps:
 
     kernels = None
     chunk_attention_kernel = True  # chunks attend through attn_chunk when ATTN_CHUNK_KERNEL is on too
+    embeds_on_device = False  # a chunk's embedding rows decoded on the device (Weights.embed), the table kept there
 
     def device_key(self):
         """Which device arrays made now land on (None: the backend has one memory)."""

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import cupy as cp
+from cupy._core import _routines_linalg as cublas_types  # CuPy's switch of cuBLAS's compute type
 
 from ..mlx_kernels import specs as S
 from ..mlx_kernels.dialects import cuda_module_source
@@ -35,10 +36,23 @@ class CudaKernels(ArrayLaunches):
 
     xp = cp
 
-    def __init__(self):
+    def __init__(self, chunk_tf32: bool = False):
         self.device_id = cp.cuda.Device().id
         self._functions = _functions(self.device_id)
+        self.chunk_tf32 = chunk_tf32
         super().__init__()
+
+    def dense_product(self, x, w):
+        """cuBLAS in float32; with ``chunk_tf32`` on the tensor cores in TF32 (the compute type CuPy passes to
+        cuBLAS, set for this product only)."""
+        if not self.chunk_tf32:
+            return x @ w.T
+        before = cublas_types.get_compute_type(cp.float32)
+        cublas_types.set_compute_type(cp.float32, cublas_types.COMPUTE_TYPE_TF32)
+        try:
+            return x @ w.T
+        finally:
+            cublas_types.set_compute_type(cp.float32, before)
 
     def _f32(self, x):
         x = super()._f32(x)

@@ -11,7 +11,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
-        units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats (see MMA below)
+        units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
+        mma_step_tf32 the same product on operands rounded to TF32 (CUDA: a third of the tensor-core work)
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -93,6 +94,9 @@ DEVICE_FN void mma_step(MmaTile& t, const MmaA& a, const MmaB& b) {
     mma_tf32(t, a.big, b.small);
     mma_tf32(t, a.big, b.big);
 }
+// One product of the TF32 parts (the small ones are then never computed): operands with 10 mantissa bits,
+// float32 accumulation, as ds4's GPU prefill casts both operands of its products to half.
+DEVICE_FN void mma_step_tf32(MmaTile& t, const MmaA& a, const MmaB& b) { mma_tf32(t, a.big, b.big); }
 DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {  // C[m][n] -> p[m * stride + n]
     uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
     for (uint r = 0; r < 4u; r++) p[(g + 8u * (r >> 1)) * stride + 2u * i + (r & 1u)] = t.c[r];
@@ -135,6 +139,8 @@ DEVICE_FN void mma_step(thread MmaTile& t, thread const MmaA& a, thread const Mm
     simdgroup_multiply_accumulate(t.m[0], a.m[0], b.m, t.m[0]);
     simdgroup_multiply_accumulate(t.m[1], a.m[1], b.m, t.m[1]);
 }
+// Apple's float simdgroup matrices have no cheaper reduced-precision form: the float32 product.
+DEVICE_FN void mma_step_tf32(thread MmaTile& t, thread const MmaA& a, thread const MmaB& b) { mma_step(t, a, b); }
 DEVICE_FN void mma_store(thread const MmaTile& t, threadgroup float* p, uint stride) {
     simdgroup_store(t.m[0], p, stride);
     simdgroup_store(t.m[1], p + 8u * stride, stride);
@@ -200,13 +206,21 @@ struct MmaTile { float c[4]; };
 DEVICE_FN void mma_load_a(MmaA& f, const float* p, uint stride) { f = MmaA{p, stride}; }
 DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) { f = MmaB{p, stride}; }
 DEVICE_FN void mma_zero(MmaTile& t) { for (uint r = 0; r < 4u; r++) t.c[r] = 0.0f; }
-DEVICE_FN void mma_step(MmaTile& t, const MmaA& a, const MmaB& b) {
+DEVICE_FN float tf32_round(float x) {  // CUDA's cvt.rna.tf32.f32: 10 mantissa bits, ties away from zero
+    return from_bits((as_bits(x) + 0x1000u) & 0xffffe000u);
+}
+DEVICE_FN void mma_product(MmaTile& t, const MmaA& a, const MmaB& b, bool tf32) {
     uint g = (ctx.tid & 31u) >> 2, i = ctx.tid & 3u;
     for (uint r = 0; r < 4u; r++) {
         uint m = g + 8u * (r >> 1), n = 2u * i + (r & 1u);
-        for (uint k = 0; k < 8u; k++) t.c[r] += a.p[m * a.stride + k] * b.p[n * b.stride + k];
+        for (uint k = 0; k < 8u; k++) {
+            float av = a.p[m * a.stride + k], bv = b.p[n * b.stride + k];
+            t.c[r] += tf32 ? tf32_round(av) * tf32_round(bv) : av * bv;
+        }
     }
 }
+DEVICE_FN void mma_step(MmaTile& t, const MmaA& a, const MmaB& b) { mma_product(t, a, b, false); }
+DEVICE_FN void mma_step_tf32(MmaTile& t, const MmaA& a, const MmaB& b) { mma_product(t, a, b, true); }
 DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {
     uint g = (ctx.tid & 31u) >> 2, i = ctx.tid & 3u;
     for (uint r = 0; r < 4u; r++) p[(g + 8u * (r >> 1)) * stride + 2u * i + (r & 1u)] = t.c[r];

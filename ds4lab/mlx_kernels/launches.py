@@ -29,17 +29,29 @@ def _kept(cache: OrderedDict, key, make, limit: int):
     return cache[key]
 
 
+def tf32_round(xp, x):
+    """float32 ``x`` rounded to TF32 (10 mantissa bits, ties away from zero), as CUDA's ``cvt.rna.tf32``
+    rounds the operands of a tensor-core product (NumPy or CuPy arrays)."""
+    bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    return ((bits + xp.uint32(0x1000)) & xp.uint32(0xFFFFE000)).view(xp.float32)
+
+
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
-    are made once and kept. ``xp`` is the subclass's array library."""
+    are made once and kept. ``xp`` is the subclass's array library.
+
+    ``chunk_tf32`` (``prefill_matmul="tf32"``): a chunk's products (:meth:`qgemm`, :meth:`dense_product`)
+    take their operands rounded to TF32 and accumulate in float32; decode-sized products stay float32."""
 
     xp = None
+    chunk_tf32 = False
     wide_group = 4 * S.ROW_GROUP  # threads of a row-wise kernel's group when rows are few (rmsnorm)
 
     def __init__(self):
         self.aux = self._array(iq2xxs_tables())
         self._consts: dict[tuple, object] = {}
         self._gathered: OrderedDict[tuple, tuple] = OrderedDict()  # kept gathered plans, least recent first
+        self._chunk_plan: OrderedDict[tuple, tuple] = OrderedDict()  # the last large one: a layer's 3 projections
         self._device_batches = None  # (device ids, their batches): the last ones qmatmul made
         self._ints: OrderedDict[int, object] = OrderedDict()  # kept host ints, least recent first
 
@@ -84,16 +96,16 @@ class KernelLaunches:
     def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
         """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Kept: the dense plan of each
         size, and the PLANS_KEPT most recent small gathered ones (a decode step's output groups repeat every
-        step, and a CUDA graph capture may not copy from the host)."""
+        step, and a CUDA graph capture may not copy from the host), and the last large one (a chunk's gate, up
+        and down projections share their experts)."""
         if experts is None:
             key = ("plan", n_pairs, size)
             if key not in self._consts:
                 self._consts[key] = self._device_plan(None, n_pairs, size)
             return self._consts[key]
-        if n_pairs > PLAN_KEPT_PAIRS:
-            return self._device_plan(experts, n_pairs, size)
         key = (n_pairs, size, np.asarray(experts, dtype=np.int64).tobytes())
-        return _kept(self._gathered, key, lambda: self._device_plan(experts, n_pairs, size), PLANS_KEPT)
+        kept, limit = (self._chunk_plan, 1) if n_pairs > PLAN_KEPT_PAIRS else (self._gathered, PLANS_KEPT)
+        return _kept(kept, key, lambda: self._device_plan(experts, n_pairs, size), limit)
 
     def _device_plan(self, experts, n_pairs: int, size: int):
         order, batches = S.pair_batches(experts, n_pairs, size)
@@ -134,13 +146,19 @@ class KernelLaunches:
         return self._run(S.QMATMUL_REDUCE, (-(-P * n_rows // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [parts, self._const(P * n_rows, splits)], [((P, n_rows), "float32")])[0]
 
+    def dense_product(self, x, w):
+        """``x [P, K] @ w [N, K]ᵀ`` for a chunk through the array library's GEMM (``w`` dequantized or F32)."""
+        if self.chunk_tf32:
+            x, w = tf32_round(self.xp, x), tf32_round(self.xp, w)
+        return x @ w.T
+
     def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
         """The same product for many rows, tiled: ``x [P, ne0]``, ``raw [n_expert, n_rows, row_bytes]`` (or
         ``[n_rows, row_bytes]`` with ``experts`` None: one matrix), ``experts`` a host array of P expert ids;
         every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
         P = x.shape[0]
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
-        return self._run(S.qgemm_spec(qtype), (-(-n_rows // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
+        return self._run(S.qgemm_spec(qtype, self.chunk_tf32), (-(-n_rows // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
                          [self._f32(x), raw, self.aux, order, tiles, self._const(ne0, n_rows, row_bytes(qtype, ne0))],
                          [((P, n_rows), "float32")])[0]
 

@@ -4,6 +4,7 @@
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
+``qgemm_<type>_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
 ``attn_partial``     split-key attention with an online softmax per split, a block of heads sharing each key
 ``attn_reduce``      merge the splits with the sink logit
 ``attn_chunk``       attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
@@ -115,12 +116,13 @@ def qmatmul_splits(K: int, N: int, n_batches: int) -> tuple[int, int]:
     return -(-K // chunk), chunk
 
 
-def qgemm_spec(qtype: Q) -> KernelSpec:
-    return KernelSpec(f"qgemm_{Q(qtype).name.lower()}", "qgemm.body",
+def qgemm_spec(qtype: Q, tf32: bool = False) -> KernelSpec:
+    """``qgemm_<type>``, or with ``tf32`` ``qgemm_<type>_tf32``: its products on operands rounded to TF32."""
+    return KernelSpec(f"qgemm_{Q(qtype).name.lower()}" + ("_tf32" if tf32 else ""), "qgemm.body",
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      _qgemm_defines(qtype))
+                      {**_qgemm_defines(qtype), "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step"})
 
 
 def qgemm_threads() -> int:
@@ -222,7 +224,8 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
-            QMATMUL_REDUCE, *(qgemm_spec(q) for q in DECODERS), ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
+            QMATMUL_REDUCE, *(qgemm_spec(q, tf32) for tf32 in (False, True) for q in DECODERS),
+            ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
             HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
             APPEND_ROWS, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
 

@@ -35,7 +35,10 @@ from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
 GATHER_MAX_PAIRS = 64  # (token, group) pairs up to which attn_output_a runs gathered, when the backend can
-DEVICE_ROUTING_ROWS = 16  # up to this many tokens, kernel backends choose experts on the device (no host sync)
+# Up to this many tokens, kernel backends choose experts on the device with no host sync (a decode step can
+# be a CUDA graph). A longer chunk's top-k routing runs there too, and only the chosen ids come back for
+# qgemm's tiles: a host sort of the chunk's probabilities left the H200 idle about 20 ms a layer.
+DEVICE_ROUTING_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -368,10 +371,13 @@ class Transformer:
         logits = w.linear(p + "ffn_gate_inp.weight")(f)
         bias = w.vector(p + "exp_probs_b.bias") if p + "exp_probs_b.bias" in w else None
         stacked = w.stacked_experts(il)
-        if stacked is not None and X.shape[0] <= DEVICE_ROUTING_ROWS:  # a decode step: routing stays on the device
+        few = X.shape[0] <= DEVICE_ROUTING_ROWS
+        if stacked is not None and (few or not cfg.is_hash_layer(il)):
             table = w.hash_table_on_device(il) if cfg.is_hash_layer(il) else None
             probs, selected, weights = b.moe_route(logits, bias, cfg.n_expert_used, cfg.expert_weight_scale,
                                                    table, tokens)
+            if not few:  # a chunk: qgemm plans its tiles from host ids
+                selected = np.asarray(b.to_numpy(selected), dtype=np.int64)
         else:
             probs = router_probs(xp, logits)
             if cfg.is_hash_layer(il):
