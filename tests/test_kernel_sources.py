@@ -99,7 +99,7 @@ inline float min(float a, float b) { return a < b ? a : b; }
 inline uint max(uint a, uint b) { return a > b ? a : b; }
 inline uint min(uint a, uint b) { return a < b ? a : b; }
 struct ulong2 { unsigned long x, y; ulong2(unsigned long a, unsigned long b) : x(a), y(b) {} };
-template <class T, int C, int R> struct simdgroup_matrix {};
+template <class T, int C, int R> struct simdgroup_matrix { T e[2]; T* thread_elements() { return e; } };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 template <class T, int C, int R> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T) { return {}; }
 template <class T, int C, int R>
@@ -202,7 +202,7 @@ def test_attention_splits_cover_every_key():
 
 
 def test_chunk_attention_groups_cover_every_head():
-    heads = S.ATTN_CHUNK_ROWS * S.ATTN_CHUNK_GROUP // 32
+    heads = S.ATTN_CHUNK_HEADS
     for H in (1, heads, heads + 1, 64):
         T, blocks = S.attn_chunk_groups(5, H, 512)
         assert T == 5 and (blocks - 1) * heads < H <= blocks * heads

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..mlx_kernels.specs import DECODERS, HC_MAX, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
+from ..mlx_kernels.specs import DECODERS, HC_MAX, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
 from ..model import compressor as cz
 from ..model import numerics as nx
 from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores, ring_write
@@ -170,14 +170,18 @@ class KernelOps:
         return self.kernels.ring_write(raw, kv, pos0, n_valid, window)
 
     def indexer_scores(self, q, w, k):
-        """The indexer's scores (§3.9): the kernel for a few queries, plain ops (a GEMM) for a chunk."""
+        """The indexer's scores (§3.9): the kernel for a few queries; for a chunk the matrix-unit kernel where
+        the heads divide its tiles, else plain ops (a GEMM and a [T, H, N] tensor)."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.indexer_scores(q, w, k)
+        if self.kernels is not None and QGEMM_BM % q.shape[1] == 0:
+            return self.kernels.indexer_chunk(q, w, k)
         return indexer_scores(self.xp, q, w, k)
 
     def indexer_allowed(self, score, visible, n_visible, top_k: int):
-        """Rows each query may attend (see :func:`ds4lab.model.attention.indexer_allowed`)."""
-        if self.kernels is not None and score.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+        """Rows each query may attend (see :func:`ds4lab.model.attention.indexer_allowed`): one kernel
+        work-group per query where the backend has kernels."""
+        if self.kernels is not None:
             return self.kernels.indexer_topk(score, visible, n_visible, top_k)
         return indexer_allowed(self.xp, score, visible, n_visible, top_k)
 

@@ -12,7 +12,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
-        mma_step_tf32 the same product on operands rounded to TF32 (CUDA: a third of the tensor-core work)
+        mma_step_tf32 the same product on operands rounded to TF32 (CUDA: a third of the tensor-core work);
+        mma_load_b_rows (B stored k-major), mma_scale_rows(t, s, lane) (row m of C times s[m])
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -82,7 +83,15 @@ DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) {  // B[k][n] = 
     uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
     for (uint r = 0; r < 2u; r++) tf32_split(p[g * stride + i + 4u * r], f.big[r], f.small[r]);
 }
+DEVICE_FN void mma_load_b_rows(MmaB& f, const float* p, uint stride) {  // B[k][n] = p[k * stride + n]
+    uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
+    for (uint r = 0; r < 2u; r++) tf32_split(p[(i + 4u * r) * stride + g], f.big[r], f.small[r]);
+}
 DEVICE_FN void mma_zero(MmaTile& t) { for (uint r = 0; r < 4u; r++) t.c[r] = 0.0f; }
+DEVICE_FN void mma_scale_rows(MmaTile& t, const float* s, uint lane) {
+    float top = s[lane >> 2], bottom = s[(lane >> 2) + 8u];
+    t.c[0] *= top; t.c[1] *= top; t.c[2] *= bottom; t.c[3] *= bottom;
+}
 DEVICE_FN void mma_tf32(MmaTile& t, const uint* a, const uint* b) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
@@ -131,9 +140,21 @@ DEVICE_FN void mma_load_a(thread MmaA& f, const threadgroup float* p, uint strid
 DEVICE_FN void mma_load_b(thread MmaB& f, const threadgroup float* p, uint stride) {
     simdgroup_load(f.m, p, stride, ulong2(0, 0), true);  // p holds B transposed: B[k][n] = p[n * stride + k]
 }
+DEVICE_FN void mma_load_b_rows(thread MmaB& f, const threadgroup float* p, uint stride) {
+    simdgroup_load(f.m, p, stride);  // B[k][n] = p[k * stride + n]
+}
 DEVICE_FN void mma_zero(thread MmaTile& t) {
     t.m[0] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     t.m[1] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
+// A lane's two elements of an 8 x 8 simdgroup matrix share a row: (lane / 4 & 4) + (lane / 2) % 4, the
+// layout MLX's steel kernels rely on. Not run here (no Apple GPU): checked by rendering only.
+DEVICE_FN void mma_scale_rows(thread MmaTile& t, const threadgroup float* s, uint lane) {
+    uint row = ((lane >> 2) & 4u) + ((lane >> 1) & 3u);
+    for (uint h = 0; h < 2u; h++) {
+        t.m[h].thread_elements()[0] *= s[row + 8u * h];
+        t.m[h].thread_elements()[1] *= s[row + 8u * h];
+    }
 }
 DEVICE_FN void mma_step(thread MmaTile& t, thread const MmaA& a, thread const MmaB& b) {
     simdgroup_multiply_accumulate(t.m[0], a.m[0], b.m, t.m[0]);
@@ -198,14 +219,27 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) {
 }
 DEVICE_FN float simd_max_f(float x) { return simd_reduce(x, true); }
 // The matrix units in plain float32, each lane owning the accumulators CUDA's mma.sync gives it (rows g,
-// g + 8 at columns 2i, 2i + 1 for lane 4g + i); the operands stay in group-shared memory until the
-// group's next barrier, so a fragment is where it lies.
-struct MmaA { const float* p; uint stride; };
-struct MmaB { const float* p; uint stride; };
+// g + 8 at columns 2i, 2i + 1 for lane 4g + i); a lane's operand fragments are copies of whole tiles, so
+// they outlive the group-shared memory they were loaded from, as registers do.
+struct MmaA { float a[16][8]; };
+struct MmaB { float b[8][8]; };  // b[k][n]
 struct MmaTile { float c[4]; };
-DEVICE_FN void mma_load_a(MmaA& f, const float* p, uint stride) { f = MmaA{p, stride}; }
-DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) { f = MmaB{p, stride}; }
+DEVICE_FN void mma_load_a(MmaA& f, const float* p, uint stride) {
+    for (uint m = 0; m < 16u; m++)
+        for (uint k = 0; k < 8u; k++) f.a[m][k] = p[m * stride + k];
+}
+DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) {  // B[k][n] = p[n * stride + k]
+    for (uint k = 0; k < 8u; k++)
+        for (uint n = 0; n < 8u; n++) f.b[k][n] = p[n * stride + k];
+}
+DEVICE_FN void mma_load_b_rows(MmaB& f, const float* p, uint stride) {  // B[k][n] = p[k * stride + n]
+    for (uint k = 0; k < 8u; k++)
+        for (uint n = 0; n < 8u; n++) f.b[k][n] = p[k * stride + n];
+}
 DEVICE_FN void mma_zero(MmaTile& t) { for (uint r = 0; r < 4u; r++) t.c[r] = 0.0f; }
+DEVICE_FN void mma_scale_rows(MmaTile& t, const float* s, uint lane) {
+    for (uint r = 0; r < 4u; r++) t.c[r] *= s[(lane >> 2) + 8u * (r >> 1)];
+}
 DEVICE_FN float tf32_round(float x) {  // CUDA's cvt.rna.tf32.f32: 10 mantissa bits, ties away from zero
     return from_bits((as_bits(x) + 0x1000u) & 0xffffe000u);
 }
@@ -214,7 +248,7 @@ DEVICE_FN void mma_product(MmaTile& t, const MmaA& a, const MmaB& b, bool tf32) 
     for (uint r = 0; r < 4u; r++) {
         uint m = g + 8u * (r >> 1), n = 2u * i + (r & 1u);
         for (uint k = 0; k < 8u; k++) {
-            float av = a.p[m * a.stride + k], bv = b.p[n * b.stride + k];
+            float av = a.a[m][k], bv = b.b[k][n];
             t.c[r] += tf32 ? tf32_round(av) * tf32_round(bv) : av * bv;
         }
     }

@@ -40,8 +40,9 @@ class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept. ``xp`` is the subclass's array library.
 
-    ``chunk_tf32`` (``prefill_matmul="tf32"``): a chunk's products (:meth:`qgemm`, :meth:`dense_product`)
-    take their operands rounded to TF32 and accumulate in float32; decode-sized products stay float32."""
+    ``chunk_tf32`` (``prefill_matmul="tf32"``): a chunk's products (:meth:`qgemm`, :meth:`dense_product`,
+    :meth:`attention_chunk`) take their operands rounded to TF32 and accumulate in float32; decode-sized
+    products stay float32."""
 
     xp = None
     chunk_tf32 = False
@@ -176,10 +177,10 @@ class KernelLaunches:
                          [((T, H, D), "float32")])[0]
 
     def attention_chunk(self, q, keys, visible, sinks, scale: float):
-        """The same attention for a chunk of queries (prefill) in one pass: an online softmax over tiles of
-        each query's visible keys, shared by a block of heads; no [T, H, N] scores are made."""
+        """The same attention for a chunk of queries (prefill) in one pass on the matrix units: an online
+        softmax over tiles of each query's visible keys, for a block of 16 heads; no [T, H, N] scores are made."""
         T, H, D = q.shape
-        return self._run(S.ATTN_CHUNK, S.attn_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
+        return self._run(S.attn_chunk_spec(self.chunk_tf32), S.attn_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
                          [self._f32(q), self._f32(keys), self._u8(visible), self._f32(sinks),
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
@@ -277,6 +278,19 @@ class KernelLaunches:
         N = k.shape[0]
         return self._run(S.INDEXER_SCORES, (-(-T * N // (S.ROW_GROUP // 32)), 1), S.ROW_GROUP,
                          [self._f32(q), self._f32(w), self._f32(k), self._const(T, H, Dq, N)],
+                         [((T, N), "float32")])[0]
+
+    def indexer_chunk(self, q, w, k):
+        """The same scores for a chunk on the matrix units (qgemm's tiles, reduced over the heads in place):
+        the H heads of a query must divide a tile's S.QGEMM_BM rows."""
+        T, H, Dq = q.shape
+        N = k.shape[0]
+        if S.QGEMM_BM % H:
+            raise ValueError(f"indexer_chunk kernel: {H} heads do not divide a tile's {S.QGEMM_BM} rows")
+        order, tiles, n_tiles = self._plan(None, T * H, S.QGEMM_BM)
+        return self._run(S.indexer_chunk_spec(self.chunk_tf32), (-(-N // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
+                         [self._f32(q).reshape(T * H, Dq), self._f32(k).reshape(-1).view(self.xp.uint8), self.aux,
+                          order, tiles, self._const(Dq, N, 4 * Dq, H), self._f32(w)],
                          [((T, N), "float32")])[0]
 
     def indexer_topk(self, score, visible, n_visible, top_k: int):

@@ -8,6 +8,7 @@
 ``attn_partial``     split-key attention with an online softmax per split, a block of heads sharing each key
 ``attn_reduce``      merge the splits with the sink logit
 ``attn_chunk``       attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
+``attn_chunk_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
 ``hc_mix``           the hyper-connection mixer after its linear: pre, post, Sinkhorn combine, x_in
 ``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
 ``rmsnorm``          one row per work-group
@@ -19,6 +20,7 @@
 ``append_rows``      the compressed rows after a chunk: the windows it completed appended
 ``ring_write``       the raw ring after a chunk, each slot's position, and which slots each query sees
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
+``indexer_chunk``    the same for a chunk: qgemm's tiles on the matrix units, each reduced over the heads
 ``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
 ``rope``             RoPE on the tail dims of rows (and its inverse)
 ``swiglu``           the experts' clamped SwiGLU, times each pair's route weight when given
@@ -66,11 +68,11 @@ ATTN_HEADS = ATTN_ROWS * ATTN_GROUP // 32
 ATTN_TILE = 8
 ATTN_GROUPS = 256
 ATTN_MIN_SPLIT = 32
-ATTN_CHUNK_GROUP = 128  # threads per chunk-attention work-group: 4 SIMD groups
-# Heads per SIMD group (sharing each key read from group-shared memory) and keys per tile (4 × 2 KB
-# staged): of the shapes tried on the H200, 2 and 4 (128 registers a thread, no spills) ran fastest.
-ATTN_CHUNK_ROWS = 2
-ATTN_CHUNK_TILE = 4
+# attn_chunk on the matrix units: a work-group of 8 SIMD groups per query and 16 heads (one 16-row tile),
+# each SIMD group owning ATTN_MAX_D / 8 dims; keys 8 at a time (one 8-column tile, 16 KB staged).
+ATTN_CHUNK_GROUP = 256
+ATTN_CHUNK_HEADS = 16
+ATTN_CHUNK_KEYS = 8
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
@@ -116,13 +118,25 @@ def qmatmul_splits(K: int, N: int, n_batches: int) -> tuple[int, int]:
     return -(-K // chunk), chunk
 
 
+_QGEMM_INPUTS = (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"),
+                 ("dims", "int32"))
+
+
 def qgemm_spec(qtype: Q, tf32: bool = False) -> KernelSpec:
     """``qgemm_<type>``, or with ``tf32`` ``qgemm_<type>_tf32``: its products on operands rounded to TF32."""
-    return KernelSpec(f"qgemm_{Q(qtype).name.lower()}" + ("_tf32" if tf32 else ""), "qgemm.body",
-                      (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"),
-                       ("dims", "int32")),
+    return KernelSpec(f"qgemm_{Q(qtype).name.lower()}" + ("_tf32" if tf32 else ""), "qgemm.body", _QGEMM_INPUTS,
                       (("out", "float32"),),
-                      {**_qgemm_defines(qtype), "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step"})
+                      {**_qgemm_defines(qtype), "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step",
+                       "INDEXER_SCORES": 0})
+
+
+def indexer_chunk_spec(tf32: bool = False) -> KernelSpec:
+    """``indexer_chunk`` (``_tf32``): qgemm of the queries' head rows ``x [T·H, Dq]`` by the F32 indexer rows,
+    whose tile is reduced to the scores Σ_h hw[t, h] · relu(dot) in place of being stored."""
+    return KernelSpec("indexer_chunk" + ("_tf32" if tf32 else ""), "qgemm.body", (*_QGEMM_INPUTS, ("hw", "float32")),
+                      (("out", "float32"),),
+                      {**_qgemm_defines(Q.F32), "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step",
+                       "INDEXER_SCORES": 1})
 
 
 def qgemm_threads() -> int:
@@ -156,12 +170,21 @@ ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
                          (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"), ("sinks", "float32"),
                           ("dims", "int32")),
                          (("out", "float32"),))
-ATTN_CHUNK = KernelSpec("attn_chunk", "attn_chunk.body",
-                        (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
-                         ("dims", "int32"), ("fparams", "float32")),
-                        (("out", "float32"),),
-                        {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_CHUNK_GROUP, "SIMD_GROUPS": ATTN_CHUNK_GROUP // 32,
-                         "ROWS": ATTN_CHUNK_ROWS, "TILE": ATTN_CHUNK_TILE})
+def attn_chunk_spec(tf32: bool = False) -> KernelSpec:
+    """``attn_chunk``, or with ``tf32`` ``attn_chunk_tf32``: its two products on operands rounded to TF32."""
+    simd_groups, heads, kt, d = ATTN_CHUNK_GROUP // 32, ATTN_CHUNK_HEADS, ATTN_CHUNK_KEYS, ATTN_MAX_D
+    ldq, ldk, ldp = d // 2 + 4, d + 4, kt + 4  # paddings that spread a fragment's reads over the banks
+    k_floats = max(kt * ldk, heads * ldq)  # the key rows, or half of q's or out's rows (before and after)
+    part, p = k_floats, k_floats + simd_groups * heads * kt
+    scale = p + heads * ldp
+    return KernelSpec("attn_chunk" + ("_tf32" if tf32 else ""), "attn_chunk.body",
+                      (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
+                       ("dims", "int32"), ("fparams", "float32")),
+                      (("out", "float32"),),
+                      {"MAX_D": d, "THREADS": ATTN_CHUNK_GROUP, "SIMD_GROUPS": simd_groups, "HEADS": heads,
+                       "KT": kt, "DW": d // simd_groups, "HALF_D": d // 2, "LDQ": ldq, "LDK": ldk, "LDP": ldp,
+                       "K_OFF": 0, "PART_OFF": part, "P_OFF": p, "SCALE_OFF": scale, "SMEM_FLOATS": scale + heads,
+                       "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step"})
 
 
 HC_MIX = KernelSpec("hc_mix", "hc_mix.body",
@@ -225,7 +248,8 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
             QMATMUL_REDUCE, *(qgemm_spec(q, tf32) for tf32 in (False, True) for q in DECODERS),
-            ATTN_PARTIAL, ATTN_REDUCE, ATTN_CHUNK,
+            *(indexer_chunk_spec(tf32) for tf32 in (False, True)),
+            ATTN_PARTIAL, ATTN_REDUCE, attn_chunk_spec(False), attn_chunk_spec(True),
             HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
             APPEND_ROWS, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
 
@@ -277,4 +301,4 @@ def attn_head_blocks(H: int) -> int:
 def attn_chunk_groups(T: int, H: int, D: int) -> tuple[int, int]:
     """The chunk kernel's grid: one work-group per query and block of heads."""
     _check_head_dim(D)
-    return T, -(-H // (ATTN_CHUNK_ROWS * ATTN_CHUNK_GROUP // 32))
+    return T, -(-H // ATTN_CHUNK_HEADS)
