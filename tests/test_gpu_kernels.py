@@ -528,7 +528,6 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
         pytest.skip("the CPU emulator runs the nano model only (each launch costs milliseconds there)")
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     gpu = _gpu_model_or_skip(model_paths[name], backend, "exact", kernels)
-    monkeypatch.setattr(gpu.backend, "chunk_attention_kernel", True)  # MLX's too: all-GPU runs are right
     if kernels:  # a chunk's routed experts: every (token, expert) pair in one qgemm per projection
         qgemm_calls = []
         qgemm = gpu.backend.kernels.qgemm

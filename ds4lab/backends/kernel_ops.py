@@ -83,7 +83,6 @@ class KernelOps:
     (the reference the kernels are tested against) everywhere else."""
 
     kernels = None
-    chunk_attention_kernel = True  # chunks attend through attn_chunk when ATTN_CHUNK_KERNEL is on too
     embeds_on_device = False  # a chunk's embedding rows decoded on the device (Weights.embed), the table kept there
 
     def device_key(self):
@@ -112,7 +111,7 @@ class KernelOps:
         and block of heads) if ATTN_CHUNK_KERNEL, else the plain ops."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return self.kernels.attention(q, keys, visible, sinks, scale)
-        if self.kernels is not None and ATTN_CHUNK_KERNEL and self.chunk_attention_kernel:
+        if self.kernels is not None and ATTN_CHUNK_KERNEL:
             return self.kernels.attention_chunk(q, keys, visible, sinks, scale)
         return attend_with_sinks(self.xp, q, keys, visible, sinks, scale)
 

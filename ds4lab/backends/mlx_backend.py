@@ -6,7 +6,7 @@ without a float copy of the matrix.
 
 On a GPU (Metal, or CUDA with mlx[cuda]) ds4lab's kernels are on by default (``kernels=False`` turns
 them off): the K and IQ quant types run from their blocks, routed experts stay whole on the device in
-block form, and decode-sized attention uses the split-key kernel.
+block form, decode-sized attention uses the split-key kernel and a chunk's attention attn_chunk.
 """
 
 from __future__ import annotations
@@ -42,11 +42,6 @@ class MLXBackend(KernelOps):
     xp = mx
     np_dtype = np.float32
     dtype = mx.float32
-    # Off on MLX for now: on the H200 (MLX-CUDA 0.32.4), a session whose layers alternate between the GPU
-    # and the CPU gave logits 4.6 away from the all-GPU run's with attn_chunk (test_tiers.py::
-    # test_mlx_cpu_and_gpu_tiers), though all-GPU runs with it agree with the float64 reference; the cause
-    # is not found yet.
-    chunk_attention_kernel = False
 
     def __init__(self, device: str | None = None, kernels: bool | None = None):
         if device is not None:
