@@ -845,6 +845,14 @@ def test_indexer_chunk_kernel_matches_float64(gpu, monkeypatch, T, H, Dq, N, tf3
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_indexer_scores_kernel_refuses_a_head_dim_past_its_staging(gpu):
+    _, kernels, to_dev, _ = gpu
+    Dq = S.INDEXER_MAX_DQ + 8
+    with pytest.raises(ValueError, match=f"head dim {Dq} exceeds"):
+        kernels.indexer_scores(to_dev(np.zeros((1, 2, Dq), np.float32)), to_dev(np.zeros((1, 2), np.float32)),
+                               to_dev(np.zeros((3, Dq), np.float32)))
+
+
 def test_indexer_chunk_refuses_heads_that_split_a_tile(gpu):
     _, kernels, to_dev, _ = gpu
     with pytest.raises(ValueError, match="3 heads do not divide"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..mlx_kernels.specs import DECODERS, HC_MAX, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
+from ..mlx_kernels.specs import DECODERS, HC_MAX, INDEXER_MAX_DQ, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
 from ..model import compressor as cz
 from ..model import numerics as nx
 from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores, ring_write
@@ -171,7 +171,7 @@ class KernelOps:
     def indexer_scores(self, q, w, k):
         """The indexer's scores (§3.9): the kernel for a few queries; for a chunk the matrix-unit kernel where
         the heads divide its tiles, else plain ops (a GEMM and a [T, H, N] tensor)."""
-        if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+        if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES and q.shape[2] <= INDEXER_MAX_DQ:
             return self.kernels.indexer_scores(q, w, k)
         if self.kernels is not None and QGEMM_BM % q.shape[1] == 0:
             return self.kernels.indexer_chunk(q, w, k)

@@ -276,7 +276,9 @@ class KernelLaunches:
         """``score [T, N]`` of every compressed indexer row ``k [N, Dq]`` for queries ``q [T, H, Dq]``."""
         T, H, Dq = q.shape
         N = k.shape[0]
-        return self._run(S.INDEXER_SCORES, (-(-T * N // (S.ROW_GROUP // 32)), 1), S.ROW_GROUP,
+        if Dq > S.INDEXER_MAX_DQ:
+            raise ValueError(f"indexer_scores kernel: head dim {Dq} exceeds {S.INDEXER_MAX_DQ}")
+        return self._run(S.INDEXER_SCORES, (-(-N // S.INDEXER_ROWS), T), S.INDEXER_GROUP,
                          [self._f32(q), self._f32(w), self._f32(k), self._const(T, H, Dq, N)],
                          [((T, N), "float32")])[0]
 

@@ -222,9 +222,16 @@ RING_WRITE = KernelSpec("ring_write", "ring_write.body",
                          ("dims", "int32")),
                         (("out", "float32"), ("slot_pos", "int32"), ("visible", "uint8")))
 
+# indexer_scores: a work-group per query and INDEXER_ROWS compressed rows, q's head dim at most
+# INDEXER_MAX_DQ (Flash: 128; the q rows staged take MAX_DQ × 33 floats of group-shared memory).
+INDEXER_GROUP = 256
+INDEXER_ROWS = 16
+INDEXER_MAX_DQ = 128
 INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             (("q", "float32"), ("w", "float32"), ("k", "float32"), ("dims", "int32")),
-                            (("out", "float32"),))
+                            (("out", "float32"),),
+                            {"MAX_DQ": INDEXER_MAX_DQ, "ROWS": INDEXER_ROWS, "THREADS": INDEXER_GROUP,
+                             "SIMD_GROUPS": INDEXER_GROUP // 32})
 
 INDEXER_TOPK = KernelSpec("indexer_topk", "indexer_topk.body",
                           (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
