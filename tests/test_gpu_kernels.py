@@ -861,7 +861,7 @@ def test_indexer_chunk_refuses_heads_that_split_a_tile(gpu):
 
 
 @pytest.mark.parametrize("T,N,k,seed", [(1, 40, 16, 0), (3, 300, 32, 1), (2, 1030, 512, 2), (16, 70, 8, 3),
-                                        (40, 600, 64, 4)])
+                                        (40, 600, 64, 4), (2, 2500, 512, 5)])  # 2500: past the rows in registers
 def test_indexer_topk_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
     from ds4lab.model.attention import indexer_allowed
 

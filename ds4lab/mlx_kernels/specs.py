@@ -233,9 +233,10 @@ INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             {"MAX_DQ": INDEXER_MAX_DQ, "ROWS": INDEXER_ROWS, "THREADS": INDEXER_GROUP,
                              "SIMD_GROUPS": INDEXER_GROUP // 32})
 
+INDEXER_TOPK_CACHED = 8  # rows a thread of indexer_topk keeps in registers: all of them up to 8 × ROW_GROUP
 INDEXER_TOPK = KernelSpec("indexer_topk", "indexer_topk.body",
                           (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
-                          (("allowed", "uint8"),))
+                          (("allowed", "uint8"),), {"CACHED": INDEXER_TOPK_CACHED})
 
 ROPE = KernelSpec("rope", "rope.body",
                   (("x", "float32"), ("cos_t", "float32"), ("sin_t", "float32"), ("dims", "int32")),
