@@ -232,7 +232,7 @@ class KernelLaunches:
         """The compressor's pooled rows for a chunk at positions ``pos0 …`` (see ``compressor.pool_windows``)."""
         C, W = kv.shape
         n_out, width = S.pool_shape(ratio, C, W)
-        return self._run(S.COMPRESS_POOL, (-(-n_out * width // S.ROW_GROUP), 1), S.ROW_GROUP,
+        return self._run(S.COMPRESS_POOL, (-(-width // 32), n_out), 32 * S.COMPRESS_POOL_SLICES,
                          [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), self._i32(pos0),
                           self._const(C, W, ratio, coff(ratio), n_out)],
                          [((n_out, width), "float32")])[0]

@@ -201,10 +201,11 @@ KV_STORE = KernelSpec("kv_store", "kv_store.body", (("x", "float32"), ("dims", "
 HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
                           (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),))
 
+COMPRESS_POOL_SLICES = 8  # compress_pool's SIMD groups per output row and 32 channels, splitting the candidates
 COMPRESS_POOL = KernelSpec("compress_pool", "compress_pool.body",
                            (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
                             ("pos0", "int32"), ("dims", "int32")),
-                           (("out", "float32"),))
+                           (("out", "float32"),), {"SLICES": COMPRESS_POOL_SLICES})
 COMPRESS_STATE = KernelSpec("compress_state", "compress_state.body",
                             (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
                              ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
