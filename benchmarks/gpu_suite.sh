@@ -2,7 +2,7 @@
 # Everything ds4lab measures on a lent NVIDIA GPU, in one device call (see ../shared/device/README.md).
 # Stage MLX first (two calls carrying .whl+.whlA, then .whlB; put the third wheel part and the py3.12
 # wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
-#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers all; steps: tests_cupy ...)
+#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers ncu all; steps: tests_cupy ...)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
 # "all" does not (a call may run 10 min).
@@ -44,4 +44,12 @@ want resources profile && step resources 120 python3 benchmarks/kernel_resources
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
+# Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
+# occupancy, warp states, the busiest pipes. ncu runs the GPU at base clocks: read ratios, not times.
+NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
+    --section ComputeWorkloadAnalysis"
+want ncu ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_tf32 --launch-skip 2 --launch-count 1 \
+    $NCU_SECTIONS python3 benchmarks/qgemm_bench.py --tf32 --repeats 1
+want ncu ncu && step ncu_attn 200 ncu --kernel-name regex:attn_chunk_tf32 --launch-skip 8 --launch-count 1 \
+    $NCU_SECTIONS python3 benchmarks/gpu_slice.py --backend cupy --decode-ctx --prefill 4096 --tf32
 true
