@@ -122,21 +122,25 @@ _QGEMM_INPUTS = (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "
                  ("dims", "int32"))
 
 
+def _precision(name: str, tf32: bool) -> tuple[str, dict]:
+    """A matrix-unit kernel's name and MMA_STEP define: ``name`` with mma_step (3xTF32, float32 accuracy), or
+    ``name_tf32`` with mma_step_tf32 (operands rounded to TF32, ``prefill_matmul="tf32"``)."""
+    return (name + "_tf32", {"MMA_STEP": "mma_step_tf32"}) if tf32 else (name, {"MMA_STEP": "mma_step"})
+
+
 def qgemm_spec(qtype: Q, tf32: bool = False) -> KernelSpec:
     """``qgemm_<type>``, or with ``tf32`` ``qgemm_<type>_tf32``: its products on operands rounded to TF32."""
-    return KernelSpec(f"qgemm_{Q(qtype).name.lower()}" + ("_tf32" if tf32 else ""), "qgemm.body", _QGEMM_INPUTS,
-                      (("out", "float32"),),
-                      {**_qgemm_defines(qtype), "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step",
-                       "INDEXER_SCORES": 0})
+    name, step = _precision(f"qgemm_{Q(qtype).name.lower()}", tf32)
+    return KernelSpec(name, "qgemm.body", _QGEMM_INPUTS, (("out", "float32"),),
+                      {**_qgemm_defines(qtype), **step, "INDEXER_SCORES": 0})
 
 
 def indexer_chunk_spec(tf32: bool = False) -> KernelSpec:
     """``indexer_chunk`` (``_tf32``): qgemm of the queries' head rows ``x [T·H, Dq]`` by the F32 indexer rows,
     whose tile is reduced to the scores Σ_h hw[t, h] · relu(dot) in place of being stored."""
-    return KernelSpec("indexer_chunk" + ("_tf32" if tf32 else ""), "qgemm.body", (*_QGEMM_INPUTS, ("hw", "float32")),
-                      (("out", "float32"),),
-                      {**_qgemm_defines(Q.F32), "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step",
-                       "INDEXER_SCORES": 1})
+    name, step = _precision("indexer_chunk", tf32)
+    return KernelSpec(name, "qgemm.body", (*_QGEMM_INPUTS, ("hw", "float32")), (("out", "float32"),),
+                      {**_qgemm_defines(Q.F32), **step, "INDEXER_SCORES": 1})
 
 
 def qgemm_threads() -> int:
@@ -170,6 +174,8 @@ ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
                          (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"), ("sinks", "float32"),
                           ("dims", "int32")),
                          (("out", "float32"),))
+
+
 def attn_chunk_spec(tf32: bool = False) -> KernelSpec:
     """``attn_chunk``, or with ``tf32`` ``attn_chunk_tf32``: its two products on operands rounded to TF32."""
     simd_groups, heads, kt, d = ATTN_CHUNK_GROUP // 32, ATTN_CHUNK_HEADS, ATTN_CHUNK_KEYS, ATTN_MAX_D
@@ -177,14 +183,15 @@ def attn_chunk_spec(tf32: bool = False) -> KernelSpec:
     k_floats = max(kt * ldk, heads * ldq)  # the key rows, or half of q's or out's rows (before and after)
     part, p = k_floats, k_floats + simd_groups * heads * kt
     scale = p + heads * ldp
-    return KernelSpec("attn_chunk" + ("_tf32" if tf32 else ""), "attn_chunk.body",
+    name, step = _precision("attn_chunk", tf32)
+    return KernelSpec(name, "attn_chunk.body",
                       (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
                        ("dims", "int32"), ("fparams", "float32")),
                       (("out", "float32"),),
                       {"MAX_D": d, "THREADS": ATTN_CHUNK_GROUP, "SIMD_GROUPS": simd_groups, "HEADS": heads,
                        "KT": kt, "DW": d // simd_groups, "HALF_D": d // 2, "LDQ": ldq, "LDK": ldk, "LDP": ldp,
                        "K_OFF": 0, "PART_OFF": part, "P_OFF": p, "SCALE_OFF": scale, "SMEM_FLOATS": scale + heads,
-                       "MMA_STEP": "mma_step_tf32" if tf32 else "mma_step"})
+                       **step})
 
 
 HC_MIX = KernelSpec("hc_mix", "hc_mix.body",
