@@ -13,7 +13,8 @@ the few operations below whose spelling differs between libraries or that touch 
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
     upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
                                       in one transfer where the backend can
-    embeds_on_device                  whether a chunk's embedding rows are decoded on the device (CuPy)
+    embedding(raw, qtype, ne0)        a callable ``tokens -> rows`` of the token embedding (block backends decode
+                                      a chunk's rows on the device)
 
 and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
 backend has them (``kernels``; GPU backends) and through plain ops elsewhere:

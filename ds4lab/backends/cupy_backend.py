@@ -34,7 +34,6 @@ class CupyBackend(BlockBackend):
         self.chunk_tf32 = chunk_tf32  # prefill_matmul="tf32" (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
 
-    embeds_on_device = True
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
     compiles_ffn = True  # decode routing stays on the device, so the FFN half is a graph too
 

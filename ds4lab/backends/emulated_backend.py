@@ -14,7 +14,6 @@ class EmulatedBackend(BlockBackend):
     xp = np
     dtype = np.float32
     device = "cpu (emulated GPU kernels)"
-    embeds_on_device = True  # as the CuPy backend does, so the tests run that path
 
     def __init__(self, kernels: bool = True, chunk_tf32: bool = False):
         from ..mlx_kernels.cpu import CpuKernels

@@ -39,6 +39,7 @@ ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kern
 # --attn-chunk); the GEMMs win only where most keys are visible (benchmarks/attn_chunk_bench.py).
 ATTN_CHUNK_KERNEL = True
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
+EMBED_HOST_ROWS = 16  # up to this many tokens (a decode step), embedding rows are decoded on the host and uploaded
 
 
 class BlockLinear:
@@ -78,12 +79,30 @@ class StackedBlockLinear:
         return product(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, experts)
 
 
+class BlockEmbedding:
+    """``tokens -> rows`` of the token embedding for a block backend: a chunk's rows gathered from the table's
+    GGUF bytes on the device (uploaded on the first chunk) and decoded there; on the H200 the host's
+    dequantize and upload of 2048 rows took 32 ms, the GPU idle meanwhile. A few tokens take ``host``."""
+
+    def __init__(self, backend, raw, qtype: Q, ne0: int, host):
+        self.backend, self.kernels, self.raw, self.qtype, self.ne0, self.host = (
+            backend, backend.kernels, raw, Q(qtype), ne0, host)
+        self.table = None
+
+    def __call__(self, tokens):
+        if len(tokens) <= EMBED_HOST_ROWS:
+            return self.host(tokens)
+        if self.table is None:
+            self.table = self.backend._blocks(self.raw)
+        rows = self.table[self.backend.xp.asarray(np.asarray(tokens, dtype=np.int32))]
+        return self.kernels.dequant(rows, self.qtype, self.ne0, len(tokens))
+
+
 class KernelOps:
     """Model ops with a kernel behind them where ``self.kernels`` has one; the plain ops of ``self.xp``
     (the reference the kernels are tested against) everywhere else."""
 
     kernels = None
-    embeds_on_device = False  # a chunk's embedding rows decoded on the device (Weights.embed), the table kept there
 
     def device_key(self):
         """Which device arrays made now land on (None: the backend has one memory)."""
@@ -92,6 +111,10 @@ class KernelOps:
     def _blocks(self, raw):
         """GGUF bytes as a device array for the kernels."""
         return self.xp.asarray(raw)
+
+    def embedding(self, raw, qtype, ne0: int):
+        """``tokens -> rows`` of the token embedding ``raw [vocab, row_bytes]``: decoded on the host, uploaded."""
+        return lambda tokens: self.asarray(dequantize(raw[tokens], qtype, ne0))
 
     def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
         """Every matrix of ``raw [n, rows, row_bytes]`` (the experts of a routed-expert tensor, the groups of
@@ -236,6 +259,12 @@ class BlockBackend(KernelOps):
             weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
             return lambda x: x @ weight_t
         return BlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[0])
+
+    def embedding(self, raw, qtype, ne0: int):
+        host = super().embedding(raw, qtype, ne0)
+        if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
+            return host
+        return BlockEmbedding(self, raw, qtype, ne0, host)
 
     def index_add(self, acc, rows, values):
         acc[self.xp.asarray(rows)] += values  # rows are distinct

@@ -6,11 +6,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..backends.kernel_ops import KERNEL_TYPES
 from ..quants import dequantize
 
 EXPERT_CACHE_BYTES = 512 << 20
-EMBED_HOST_ROWS = 16  # up to this many tokens, embedding rows are decoded on the host and uploaded
 
 
 class Weights:
@@ -107,14 +105,7 @@ class Weights:
 
     def embed(self, tokens: np.ndarray):
         t = self.file.tensors["token_embd.weight"]
-        kernels = self.backend.kernels if self.backend.embeds_on_device else None
-        if kernels is not None and len(tokens) > EMBED_HOST_ROWS and t.qtype in KERNEL_TYPES:
-            # A chunk's rows gathered from the table's GGUF bytes kept on the device and decoded there: on the
-            # H200 the host's dequantize and upload of 2048 rows took 32 ms, the GPU idle meanwhile.
-            table = self._memo("token_embd.blocks", lambda: self.backend._blocks(t.data))
-            rows = table[self.backend.xp.asarray(np.asarray(tokens, dtype=np.int32))]
-            return kernels.dequant(rows, t.qtype, t.shape[0], len(tokens))
-        return self.backend.asarray(dequantize(t.data[tokens], t.qtype, t.shape[0]))
+        return self._memo("token_embd", lambda: self.backend.embedding(t.data, t.qtype, t.shape[0]))(tokens)
 
 
 class ArrayWeights:
