@@ -294,8 +294,8 @@ def main(argv=None):
                    help="prefill the attention output's groups gathered too (qgemm, not per-group GEMMs)")
     p.add_argument("--dense-qgemm", action="store_true",
                    help="prefill dense linears through qgemm (not dequantize + GEMM)")
-    p.add_argument("--attn-chunk", action="store_true",
-                   help="prefill attention through attn_chunk (not the plain ops' GEMMs around a score tensor)")
+    p.add_argument("--no-attn-chunk", action="store_true",
+                   help="prefill attention through the plain ops' GEMMs around a score tensor (not attn_chunk)")
     p.add_argument("--tf32", action="store_true", help="prefill_matmul='tf32' (chunk products on TF32 operands)")
     p.add_argument("--no-compile", action="store_true", help="MLX: run the attention step eagerly")
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
@@ -306,17 +306,18 @@ def main(argv=None):
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
     built_s = time.perf_counter() - t0
-    t = build(cfg, args.backend, not args.plain, tensors, "tf32" if args.tf32 else "float32")
+    prefill_matmul = "tf32" if args.tf32 else "float32"
+    t = build(cfg, args.backend, not args.plain, tensors, prefill_matmul)
     if args.gather_all:
         t.gather_max_pairs = float("inf")
     BlockLinear.qgemm_chunks = args.dense_qgemm
-    kernel_ops.ATTN_CHUNK_KERNEL = args.attn_chunk or kernel_ops.ATTN_CHUNK_KERNEL
+    kernel_ops.ATTN_CHUNK_KERNEL = not args.no_attn_chunk
     if args.no_compile:
         t.compile = False
     sync = syncer(t.backend)
     out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
            "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": t.compile,
-           "attn_chunk": kernel_ops.ATTN_CHUNK_KERNEL, "prefill_matmul": "tf32" if args.tf32 else "float32",
+           "attn_chunk": kernel_ops.ATTN_CHUNK_KERNEL, "prefill_matmul": prefill_matmul,
            "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
     out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
     print(f"{args.backend} kernels={not args.plain} tf32={args.tf32} gather_all={args.gather_all} "

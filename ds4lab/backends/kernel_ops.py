@@ -35,8 +35,8 @@ ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kern
 # True: chunks attend through attn_chunk, which makes no [T, H, N] score tensor and does work only for
 # the keys each query sees (a 128-key window, the indexer's top-k rows); False: through the plain ops'
 # float32 GEMMs over every key. On the H200's Flash slice attn_chunk took prefill at 8K from 43.7 to
-# 32.2 us per layer per token and its memory pool from 26.5 to 17.2 GB (benchmarks/gpu_slice.py
-# --attn-chunk); the GEMMs win only where most keys are visible (benchmarks/attn_chunk_bench.py).
+# 32.2 us per layer per token and its memory pool from 26.5 to 17.2 GB (benchmarks/gpu_slice.py, and
+# --no-attn-chunk for the GEMMs); the GEMMs win only where most keys are visible (attn_chunk_bench.py).
 ATTN_CHUNK_KERNEL = True
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 EMBED_HOST_ROWS = 16  # up to this many tokens (a decode step), embedding rows are decoded on the host and uploaded
