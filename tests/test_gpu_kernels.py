@@ -485,7 +485,7 @@ def test_mlx_float32_matmul_keeps_float32_precision():
 
 
 # -- whole models ---------------------------------------------------------------------------------------
-def _gpu_model_or_skip(path, backend, numerics, kernels):
+def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32"):
     found, why = GPU_BACKENDS[backend]()
     if found is None:
         pytest.skip(f"{backend}: {why}")
@@ -495,14 +495,14 @@ def _gpu_model_or_skip(path, backend, numerics, kernels):
 
         if backend == "emulated":
             model = ds4lab.load(path, backend="numpy", numerics=numerics)
-            model.backend = EmulatedBackend(kernels)
+            model.backend = EmulatedBackend(kernels, chunk_tf32=prefill_matmul == "tf32")
         else:  # MLX on its CPU device, its kernels answered by the emulator
             model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
             model.backend._kernels = found[0] if kernels else None
         model.transformer = Transformer(model.config, model.file, model.backend, numerics)
         return model
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
-                       kernels=kernels)
+                       kernels=kernels, prefill_matmul=prefill_matmul)
 
 
 def rel_err(a, b):
@@ -559,19 +559,8 @@ def test_tf32_prefill_stays_near_float64(model_paths, backend):
     """prefill_matmul="tf32": a 72-token prefill in chunks of 24 (its linears and routed experts on TF32
     operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the same
     argmax, and farther than the float32 kernels' 1e-5, so the chunks' products did change precision."""
-    found, why = GPU_BACKENDS[backend]()
-    if found is None:
-        pytest.skip(f"{backend}: {why}")
+    m = _gpu_model_or_skip(model_paths["nano"], backend, "exact", True, prefill_matmul="tf32")
     ref = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
-    if backend == "emulated":
-        from ds4lab.backends.emulated_backend import EmulatedBackend
-        from ds4lab.model.transformer import Transformer
-
-        m = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
-        m.backend = EmulatedBackend(chunk_tf32=True)
-        m.transformer = Transformer(m.config, m.file, m.backend, "exact")
-    else:
-        m = ds4lab.load(model_paths["nano"], backend="cupy", numerics="exact", prefill_matmul="tf32")
     ids = np.random.default_rng(9).integers(0, ref.config.n_vocab - 7, 75)
     logits = []
     for model in (ref, m):
