@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -118,10 +119,21 @@ def _get(url: str, token: str):
         return json.loads(r.read())
 
 
+def _kernel_states(base: str, token: str) -> list[str] | None:
+    """The execution states of the server's kernels, or None while the listing fails with a server error: jupyter_server
+    lists a kernel whose start is still pending before it has `last_activity`, and answers 500 for that moment."""
+    try:
+        return [k["execution_state"] for k in _get(f"{base}/api/kernels", token)]
+    except urllib.error.HTTPError as e:
+        if e.code >= 500:
+            return None
+        raise
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server rooted in a temp dir holding the test's notebook: (base url, token, notebook name, its
-    number of code cells)."""
+    number of code cells, the server's log file)."""
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         pytest.skip(f"no Chromium binary at {CHROMIUM} (apt-get install chromium, or set DS4LAB_CHROMIUM)")
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[browser]')")
@@ -161,7 +173,7 @@ def lab(tmp_path_factory):
                     pytest.skip(f"JupyterLab did not answer on {base} within {SERVER_START_S} s: "
                                 + (tmp / "server.log").read_text()[-1500:])
                 time.sleep(0.3)
-        yield base, token, NOTEBOOK, n_code
+        yield base, token, NOTEBOOK, n_code, tmp / "server.log"
     finally:
         proc.terminate()
         try:
@@ -186,7 +198,7 @@ def page(lab):
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
-    base, token, name, n_code = lab
+    base, token, name, n_code, server_log = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     console, errors, remote = [], [], []
     with sync_playwright() as pw:
@@ -206,8 +218,9 @@ def page(lab):
             pg.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=60_000)
             # the kernel started by opening the notebook
             deadline = time.monotonic() + 60
-            while not [k for k in _get(f"{base}/api/kernels", token) if k["execution_state"] == "idle"]:
-                assert time.monotonic() < deadline, "the notebook's kernel did not start"
+            while "idle" not in (_kernel_states(base, token) or []):
+                assert time.monotonic() < deadline, ("the notebook's kernel did not start within 60 s; the server's log "
+                                                     "ends:\n" + server_log.read_text()[-3000:])
                 time.sleep(0.3)
             # every cell is in the DOM (windowingMode none), so the prompts below cover the whole notebook
             assert pg.locator(".jp-Notebook .jp-CodeCell").count() == n_code
@@ -221,7 +234,8 @@ def page(lab):
                 prompts = _prompts(pg)
                 if len(prompts) == n_code and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
                     break
-                busy = any(k["execution_state"] != "idle" for k in _get(f"{base}/api/kernels", token))
+                states = _kernel_states(base, token)
+                busy = states is None or any(state != "idle" for state in states)
                 stopped = "[*]:" not in prompts and not busy
                 idle_since = (idle_since or time.monotonic()) if stopped else None
                 if (idle_since and time.monotonic() - idle_since > 5) or time.monotonic() > deadline:
