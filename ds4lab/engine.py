@@ -100,9 +100,9 @@ def load(path: str | Path | None = None, backend: str = "mlx", numerics: str = "
     ``kernels``: on GPU backends, ds4lab's custom kernels (default on); False gives the plain-ops path.
     ``prefill_matmul``: "float32" (default), or "tf32" (cupy with kernels): weight products over more than 16
     rows (a prefill chunk's linears, its routed experts' token-expert pairs), a chunk's attention and its
-    indexer scores take both operands rounded to TF32 (10 mantissa bits) on the tensor cores, with float32 accumulation, as
-    ds4's GPU prefill casts both to half; decode steps stay float32. About a third of the tensor-core work
-    of the float32 path.
+    indexer scores take both operands rounded to TF32 (10 mantissa bits) on the tensor cores, with float32
+    accumulation, as ds4's GPU prefill casts both to half; decode steps stay float32. About a third of the
+    tensor-core work of the float32 path.
     """
     return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
                  prefill_matmul)

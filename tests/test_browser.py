@@ -219,8 +219,8 @@ def page(lab):
             # the kernel started by opening the notebook
             deadline = time.monotonic() + 60
             while "idle" not in (_kernel_states(base, token) or []):
-                assert time.monotonic() < deadline, ("the notebook's kernel did not start within 60 s; the server's log "
-                                                     "ends:\n" + server_log.read_text()[-3000:])
+                assert time.monotonic() < deadline, ("the notebook's kernel did not start within 60 s; the server's "
+                                                     "log ends:\n" + server_log.read_text()[-3000:])
                 time.sleep(0.3)
             # every cell is in the DOM (windowingMode none), so the prompts below cover the whole notebook
             assert pg.locator(".jp-Notebook .jp-CodeCell").count() == n_code
