@@ -2,7 +2,8 @@
 # Everything ds4lab measures on a lent NVIDIA GPU, in one device call (see ../shared/device/README.md).
 # Stage MLX first (two calls carrying .whl+.whlA, then .whlB; put the third wheel part and the py3.12
 # wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
-#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers ncu all; steps: tests_cupy ...)
+#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers ncu all;
+#                                                      steps: tests_cupy ... compare)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
 # "all" does not (a call may run 10 min).
@@ -44,6 +45,20 @@ want resources profile && step resources 120 python3 benchmarks/kernel_resources
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
+# compare: the 4K decode step and qgemm_bench (float32 and tf32) of this tree, then of each tree staged under
+# .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one run.
+if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
+    for tree in "$PWD" "$PWD"/.trees/*/; do
+        [ -d "$tree/ds4lab" ] || continue
+        name=$(basename "$tree"); [ "$tree" = "$PWD" ] && name=this
+        step "decode_$name" 150 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/gpu_slice.py" --backend cupy \
+            --decode-ctx 4096 --prefill --json "$OUT/decode_$name.json"
+        step "qgemm_$name" 90 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qgemm_bench.py" --repeats 5 \
+            --json "$OUT/qgemm_$name.json"
+        step "qgemm_tf32_$name" 90 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qgemm_bench.py" --tf32 \
+            --repeats 5 --json "$OUT/qgemm_tf32_$name.json"
+    done
+fi
 # Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
 # occupancy, warp states, the busiest pipes. ncu runs the GPU at base clocks: read ratios, not times.
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
