@@ -45,14 +45,17 @@ want resources profile && step resources 120 python3 benchmarks/kernel_resources
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
-# compare: the 4K decode step and qgemm_bench (float32 and tf32) of this tree, then of each tree staged under
-# .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one run.
+# compare: the 4K decode step, qmatmul_bench and qgemm_bench (float32, tf32) of this tree, then of each tree staged
+# under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one
+# run. Each tree takes about 3-4 minutes: stage one or two branches a call.
 if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
     for tree in "$PWD" "$PWD"/.trees/*/; do
         [ -d "$tree/ds4lab" ] || continue
         name=$(basename "$tree"); [ "$tree" = "$PWD" ] && name=this
         step "decode_$name" 150 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/gpu_slice.py" --backend cupy \
             --decode-ctx 4096 --prefill --json "$OUT/decode_$name.json"
+        step "qmatmul_$name" 120 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qmatmul_bench.py" \
+            --json "$OUT/qmatmul_$name.json"
         step "qgemm_$name" 90 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qgemm_bench.py" --repeats 5 \
             --json "$OUT/qgemm_$name.json"
         step "qgemm_tf32_$name" 90 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qgemm_bench.py" --tf32 \
