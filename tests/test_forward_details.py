@@ -51,6 +51,23 @@ def test_gguf_weight_orientation(nano_exact):
     np.testing.assert_allclose(nano_exact.transformer.w.linear("blk.0.attn_q_a.weight")(x), x @ W.T, rtol=1e-12)
 
 
+def test_stacked_linears_match_each_weight(nano_exact):
+    # Weights.linears stacks the tensors of one type (Q8_0 q_a and kv; the F16 compressor and indexer weights)
+    # into one matrix per type: every output must still be its own weight's product.
+    m = nano_exact
+    il = next(i for i in range(m.config.n_layer) if m.config.has_indexer(i))
+    names = [f"blk.{il}.{n}.weight" for n in ("attn_q_a", "indexer_compressor_gate", "attn_kv", "attn_compressor_kv",
+                                              "indexer.proj")]
+    assert len({m.file.tensors[n].qtype for n in names}) == 2
+    x = np.random.default_rng(1).normal(size=(3, m.config.n_embd))
+    outs = m.transformer.w.linears(*names)(x)
+    assert len(outs) == len(names)
+    for name, y in zip(names, outs):
+        W = weight(m, name)
+        assert y.shape == (3, W.shape[0]), name
+        np.testing.assert_allclose(y, x @ W.T, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 def test_q_and_kv_norms(nano_exact):
     rec, _, _ = run_recorded(nano_exact, [5, 9, 200])
     a, qr, q, kv = (rec[f"blk.1.{k}"] for k in ("attn_norm", "attn.q_lora", "attn.q", "attn.kv_in"))

@@ -272,9 +272,11 @@ class Transformer:
         self._emit(p + "hc_attn.comb", comb)
         norm = self.backend.rmsnorm
         a = norm(x_in, eps, w.vector(p + "attn_norm.weight"))
-        qr = norm(w.linear(p + "attn_q_a.weight")(a), eps, w.vector(p + "attn_q_a_norm.weight"))
+        names = self._projections_of_a(il, st)
+        of_a = dict(zip(names, w.linears(*names)(a)))  # one product per weight type, not one per tensor
+        qr = norm(of_a[p + "attn_q_a.weight"], eps, w.vector(p + "attn_q_a_norm.weight"))
         q = norm(w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps)
-        kv = norm(w.linear(p + "attn_kv.weight")(a), eps, w.vector(p + "attn_kv_a_norm.weight"))
+        kv = norm(of_a[p + "attn_kv.weight"], eps, w.vector(p + "attn_kv_a_norm.weight"))
         self._emit(p + "attn_norm", a)
         self._emit(p + "attn.q_lora", qr)
         self._emit(p + "attn.q", q)
@@ -290,7 +292,7 @@ class Transformer:
 
         if R:
             # Rows of windows that end inside the chunk are written before the chunk's attention.
-            comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", a, pos0, n_valid, windows,
+            comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", of_a, pos0, n_valid, windows,
                                                     st.comp, st.comp_kv, st.comp_sc, self.store_kv)
             new = LayerState(raw=raw, comp=comp, comp_kv=comp_kv, comp_sc=comp_sc)
             last = xp.minimum(pos0 + xp.arange(C), pos0 + n_valid - 1)  # padded queries look like the last real one
@@ -298,11 +300,11 @@ class Transformer:
             comp_visible = xp.arange(comp.shape[0])[None, :] < n_vis[:, None]
             comp_candidates = comp_visible
             if cfg.has_indexer(il):
-                index, index_kv, index_sc = self._compress(il, "indexer_compressor", a, pos0, n_valid, windows,
+                index, index_kv, index_sc = self._compress(il, "indexer_compressor", of_a, pos0, n_valid, windows,
                                                            st.index, st.index_kv, st.index_sc, self.store_index)
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
-                if index.shape[0] > cfg.idx_topk:  # otherwise no query can have more rows than top-k
-                    score = self._indexer_scores(il, qr, a, cos, sin, index)
+                if self._indexer_selects(st):
+                    score = self._indexer_scores(il, qr, of_a[p + "indexer.proj.weight"], cos, sin, index)
                     self._emit(p + "indexer.scores", score)
                     comp_visible = self.backend.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
                     self._emit(p + "indexer.topk", comp_visible)
@@ -325,14 +327,31 @@ class Transformer:
             y = grouped_output(xp, heads, w.out_a_groups(il), out_b)
         return self.backend.hc_post(y, X, post, comb), new
 
-    def _compress(self, il, name, a, pos0, n_valid, windows, rows, state_kv, state_sc, store):
-        """Project the chunk for one compressor, pool windows, normalize, RoPE at the window start, and
-        append the rows of windows completed in the chunk."""
+    def _projections_of_a(self, il: int, st: LayerState) -> list[str]:
+        """The weights that multiply the attention's normed input ``a``: the query's and the KV row's, then the
+        compressor's kv and gate (R ≠ 0), the indexer compressor's and, once it selects, the indexer's head
+        weights (R = 4)."""
+        p, R = f"blk.{il}.", self.cfg.ratio(il)
+        names = [p + "attn_q_a.weight", p + "attn_kv.weight"]
+        if R:
+            names += [p + "attn_compressor_kv.weight", p + "attn_compressor_gate.weight"]
+        if R and self.cfg.has_indexer(il):
+            names += [p + "indexer_compressor_kv.weight", p + "indexer_compressor_gate.weight"]
+            names += [p + "indexer.proj.weight"] if self._indexer_selects(st) else []
+        return names
+
+    def _indexer_selects(self, st: LayerState) -> bool:
+        """Whether the indexer can leave a query out: not while no query can see more rows than its top-k."""
+        return st.index.shape[0] > self.cfg.idx_topk
+
+    def _compress(self, il, name, of_a, pos0, n_valid, windows, rows, state_kv, state_sc, store):
+        """Take one compressor's projections of the chunk (``of_a``: by weight name), pool windows, normalize,
+        RoPE at the window start, and append the rows of windows completed in the chunk."""
         cfg, w, p = self.cfg, self.w, f"blk.{il}.{name}_"
         R = cfg.ratio(il)
         ape = w.table(p + "ape.weight")  # [R, W]: the score bias of each slot in the window
-        kv = w.linear(p + "kv.weight")(a)
-        sc = self.backend.add_ape(w.linear(p + "gate.weight")(a), ape, pos0)
+        kv = of_a[p + "kv.weight"]
+        sc = self.backend.add_ape(of_a[p + "gate.weight"], ape, pos0)
         self._emit(f"blk.{il}.{name}.kv", kv)
         self._emit(f"blk.{il}.{name}.score", sc)
         pooled, new_kv, new_sc = self.backend.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
@@ -342,12 +361,13 @@ class Transformer:
         self._emit(f"blk.{il}.{name}.rows", rows)
         return rows, new_kv, new_sc
 
-    def _indexer_scores(self, il, qr, a, cos, sin, index_rows):
+    def _indexer_scores(self, il, qr, proj, cos, sin, index_rows):
+        """``proj``: the indexer's head weights before scaling, ``a`` times its proj weight."""
         cfg, w, p = self.cfg, self.w, f"blk.{il}.indexer."
         C = qr.shape[0]
         q = w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.idx_heads, cfg.idx_dim)
         q = self.indexer_quant(self.backend.rope(q, cos, sin))
-        weights = w.linear(p + "proj.weight")(a) * (cfg.idx_heads * cfg.idx_dim) ** -0.5
+        weights = proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
         return self.backend.indexer_scores(q, weights, index_rows)
 
     # -- FFN half -------------------------------------------------------------------------------------
@@ -393,6 +413,6 @@ class Transformer:
             moe = routed_experts_gathered(b, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
-        shared = w.linear(p + "ffn_down_shexp.weight")(
-            b.swiglu(w.linear(p + "ffn_gate_shexp.weight")(f), w.linear(p + "ffn_up_shexp.weight")(f), clamp))
+        gate, up = w.linears(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")(f)
+        shared = w.linear(p + "ffn_down_shexp.weight")(b.swiglu(gate, up, clamp))
         return self.backend.hc_post(moe + shared, X, post, comb)

@@ -43,6 +43,32 @@ class Weights:
         t = self.file.tensors[name]
         return self._memo(name, lambda: self.backend.linear(t.data, t.qtype, t.shape[0]))
 
+    def linears(self, *names: str):
+        """``x -> [x @ W_iᵀ for each name]``, the tensors of one type and input dim stacked into one matrix:
+        one product (a single launch on kernel backends) in place of one per tensor; outputs come back split."""
+        return self._memo("+".join(names), lambda: self._stacked_linears(names))
+
+    def _stacked_linears(self, names):
+        tensors = [self.file.tensors[n] for n in names]
+        groups: dict[tuple, list[int]] = {}  # (type, input dim) -> which names
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.qtype, t.shape[0]), []).append(i)
+        products = []
+        for (qtype, ne0), which in groups.items():
+            raw = np.concatenate([tensors[i].data for i in which]) if len(which) > 1 else tensors[which[0]].data
+            ends = np.cumsum([tensors[i].shape[1] for i in which])
+            products.append((which, self.backend.linear(raw, qtype, ne0), [0, *ends.tolist()]))
+
+        def apply(x):
+            out = [None] * len(names)
+            for which, product, bounds in products:
+                y = product(x)
+                for i, lo, hi in zip(which, bounds, bounds[1:]):
+                    out[i] = y[..., lo:hi]
+            return out
+
+        return apply
+
     def vector(self, name: str):
         return self._memo(name, lambda: self.backend.asarray(self._dense(name).reshape(-1)))
 
@@ -122,6 +148,10 @@ class ArrayWeights:
     def linear(self, name: str):
         w = self.p[name]
         return lambda x: x @ w.T
+
+    def linears(self, *names: str):
+        products = [self.linear(n) for n in names]
+        return lambda x: [f(x) for f in products]
 
     def vector(self, name: str):
         return self.p[name].reshape(-1)
