@@ -600,9 +600,12 @@ def test_hc_mixer_kernel_matches_float64(gpu, T, n, E):
     mix = rng.standard_normal((T, 2 * n + n * n)).astype(np.float32)
     scale = rng.uniform(0.5, 1.5, 3).astype(np.float32)
     base = (0.5 * rng.standard_normal(2 * n + n * n)).astype(np.float32)
-    X = rng.standard_normal((T, n, E)).astype(np.float32)
-    want = hc_mix(np, *(a.astype(np.float64) for a in (mix, scale, base, X)), iters=20, eps=1e-6)
-    got = kernels.hc_mix(*(to_dev(a) for a in (mix, scale, base, X)), 20, 1e-6)
+    X = (3.0 * rng.standard_normal((T, n, E))).astype(np.float32)  # an RMS far from 1, so a missed division shows
+    # mix is the linear's output on the flat state itself: the kernel divides it by that state's RMS
+    X64 = X.astype(np.float64)
+    rms = np.sqrt((X64.reshape(T, n * E) ** 2).mean(axis=1, keepdims=True) + 1e-6)
+    want = hc_mix(np, mix / rms, scale.astype(np.float64), base.astype(np.float64), X64, iters=20, eps=1e-6)
+    got = kernels.hc_mix(*(to_dev(a) for a in (mix, scale, base, X)), 20, 1e-6, 1e-6)
     for g, w in zip(got, want):
         np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
 

@@ -19,7 +19,7 @@ the few operations below whose spelling differs between libraries or that touch 
 and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
 backend has them (``kernels``; GPU backends) and through plain ops elsewhere:
 
-    attend, rope, rmsnorm, hc_mix, hc_post, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
+    attend, rope, rmsnorm, hc_pre, hc_post, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
     swiglu, moe_route                         the experts' SwiGLU; a decode step's routing on the device
     add_ape, append_rows, ring_write          the KV state's bookkeeping: one launch each with kernels
     stacked_linear(raw, qtype, ne0)           stacked matrices in block form, one launch (None: no kernel)

@@ -25,7 +25,7 @@ from ..model import compressor as cz
 from ..model import numerics as nx
 from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores, ring_write
 from ..model.functional import rmsnorm
-from ..model.hc import hc_mix, hc_post
+from ..model.hc import hc_post, hc_pre
 from ..model.moe import route_weights, router_probs, select_topk_on_device, swiglu
 from ..model.rope import rope_tail
 from ..quants import dequantize
@@ -138,10 +138,14 @@ class KernelOps:
             return self.kernels.attention_chunk(q, keys, visible, sinks, scale)
         return attend_with_sinks(self.xp, q, keys, visible, sinks, scale)
 
-    def hc_mix(self, mix, scale, base, X, iters: int, eps: float):
-        if self.kernels is not None and X.shape[1] <= HC_MAX:
-            return self.kernels.hc_mix(mix, scale, base, X, iters, eps)
-        return hc_mix(self.xp, mix, scale, base, X, iters=iters, eps=eps)
+    def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float):
+        """(x_in, post, comb) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`). The kernel takes
+        ``fn`` of the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is
+        linear), so no normalised copy is made: one launch fewer a sublayer."""
+        T, n, E = X.shape
+        if self.kernels is not None and n <= HC_MAX:
+            return self.kernels.hc_mix(fn(X.reshape(T, n * E)), scale, base, X, iters, eps, norm_eps)
+        return hc_pre(self, X, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
 
     def hc_post(self, y, X, post, comb):
         if self.kernels is not None:

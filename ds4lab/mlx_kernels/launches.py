@@ -185,14 +185,15 @@ class KernelLaunches:
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
 
-    def hc_mix(self, mix, scale, base, X, iters: int, eps: float):
-        """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear output (spec §3.1)."""
+    def hc_mix(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float):
+        """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear applied to the flat state ``X [T, n·E]``
+        itself, not to its RMS normalisation: the kernel divides by the RMS (spec §3.1)."""
         T, n, E = X.shape
         if n > S.HC_MAX:
             raise ValueError(f"hc_mix kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
         return tuple(self._run(S.HC_MIX, (T, 1), S.ROW_GROUP,
                                [self._f32(mix), self._f32(scale), self._f32(base), self._f32(X),
-                                self._const(T, n, E, iters), self._const(eps, dtype=np.float32)],
+                                self._const(T, n, E, iters), self._const(eps, norm_eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 
     def hc_post(self, y, X, post, comb):

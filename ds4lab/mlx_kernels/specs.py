@@ -9,7 +9,8 @@
 ``attn_reduce``      merge the splits with the sink logit
 ``attn_chunk``       attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
 ``attn_chunk_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
-``hc_mix``           the hyper-connection mixer after its linear: pre, post, Sinkhorn combine, x_in
+``hc_mix``           the hyper-connection mixer after its linear (on the flat state: it divides by the RMS): pre, post,
+                     Sinkhorn combine, x_in
 ``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
 ``rmsnorm``          one row per work-group
 ``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written

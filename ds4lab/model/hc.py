@@ -23,9 +23,9 @@ def sinkhorn(xp, logits, iters: int, eps: float):
 def hc_pre(ops, X, fn, scale, base, *, iters: int, eps: float, norm_eps: float):
     """Returns ``(x_in [T,E], post [T,n], comb [T,n,n])``; ``comb[t, s, o]`` maps input stream s to output o.
 
-    ``ops`` is a backend: its ``rmsnorm`` and ``hc_mix`` (:func:`hc_mix`, or a kernel where it has one)."""
+    ``ops`` is a backend (its ``xp`` and ``rmsnorm``); backends with kernels run this as their ``hc_pre``."""
     T, n, E = X.shape
-    return ops.hc_mix(fn(ops.rmsnorm(X.reshape(T, n * E), norm_eps)), scale, base, X, iters, eps)
+    return hc_mix(ops.xp, fn(ops.rmsnorm(X.reshape(T, n * E), norm_eps)), scale, base, X, iters=iters, eps=eps)
 
 
 def hc_mix(xp, mix, scale, base, X, *, iters: int, eps: float):

@@ -27,7 +27,7 @@ from . import numerics as nx
 from .attention import grouped_output, grouped_output_gathered, visible_rows
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
-from .hc import hc_head, hc_pre
+from .hc import hc_head
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk
 from .rope import RopeParams
 from .state import KVState, LayerState
@@ -220,8 +220,9 @@ class Transformer:
     def _hc_pre(self, il: int, sub: str, X):
         """(x_in, post, comb) of the hyper-connection mixer before a sublayer (see :func:`.hc.hc_pre`)."""
         p, w, cfg = f"blk.{il}.hc_{sub}_", self.w, self.cfg
-        return hc_pre(self.backend, X, w.linear(p + "fn.weight"), w.vector(p + "scale.weight"),
-                      w.vector(p + "base.weight"), iters=cfg.sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
+        return self.backend.hc_pre(X, w.linear(p + "fn.weight"), w.vector(p + "scale.weight"),
+                                   w.vector(p + "base.weight"), iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
+                                   norm_eps=cfg.rms_eps)
 
     # -- attention half -------------------------------------------------------------------------------
     def _attention(self, il: int, X, pos0: int, n_valid: int, tabs: ChunkTables, st: LayerState):
