@@ -776,6 +776,23 @@ def test_append_rows_kernel_equals_the_plain_append(gpu, monkeypatch, ratio, C, 
         assert np.array_equal(got, want)
 
 
+# (chunk rows, compressed rows, ratio, pos0, n_valid): a decode step before and once rows are visible, the row a
+# window completes, padded chunks (their padded queries see what the last real one sees), 2048-row chunks.
+@pytest.mark.parametrize("C,N,ratio,pos0,n_valid", [
+    (1, 8, 4, 0, 1), (1, 8, 4, 3, 1), (1, 8, 4, 13, 1), (1, 4, 128, 127, 1), (1, 4, 128, 300, 1), (8, 16, 4, 5, 3),
+    (8, 16, 4, 0, 8), (3, 2, 128, 126, 2), (2048, 520, 4, 0, 2048), (2048, 40, 128, 3000, 1700)])
+def test_compressed_visible_kernel_equals_the_plain_mask(gpu, monkeypatch, C, N, ratio, pos0, n_valid):
+    from ds4lab.model.attention import compressed_visible
+
+    _, _, to_dev, _ = gpu
+    want = compressed_visible(np, pos0, n_valid, C, N, ratio)
+    assert want[1].any() == (pos0 + n_valid >= ratio)  # rows are visible once the first window is complete
+    for p0, n in state_scalars(to_dev, pos0, n_valid):
+        got = one_launch(gpu, monkeypatch, "comp_visible", "compressed_visible", p0, n, C, N, ratio)
+        assert got[0].dtype == np.int32 and got[1].dtype == np.bool_
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
 # (ring slots, width, chunk rows, pos0, n_valid, window): the first token, inside the ring, wrapping around it
 # (pos0 + n > raw_cap), padded, starting at a multiple of raw_cap, a chunk filling all but the window, 2048-row
 # chunks (narrow) with and without padding.

@@ -21,7 +21,8 @@ backend has them (``kernels``; GPU backends) and through plain ops elsewhere:
 
     attend, rope, rmsnorm, hc_pre, hc_post, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
     swiglu, moe_route                         the experts' SwiGLU; a decode step's routing on the device
-    add_ape, append_rows, ring_write          the KV state's bookkeeping: one launch each with kernels
+    add_ape, append_rows, ring_write,         the KV state's bookkeeping: one launch each with kernels
+    compressed_visible
     stacked_linear(raw, qtype, ne0)           stacked matrices in block form, one launch (None: no kernel)
 """
 

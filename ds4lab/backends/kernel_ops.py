@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from ..mlx_kernels.specs import DECODERS, HC_MAX, INDEXER_MAX_DQ, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
 from ..model import compressor as cz
 from ..model import numerics as nx
-from ..model.attention import attend_with_sinks, indexer_allowed, indexer_scores, ring_write
+from ..model.attention import attend_with_sinks, compressed_visible, indexer_allowed, indexer_scores, ring_write
 from ..model.functional import rmsnorm
 from ..model.hc import hc_post, hc_pre
 from ..model.moe import route_weights, router_probs, select_topk_on_device, swiglu
@@ -188,6 +188,12 @@ class KernelOps:
         if self.kernels is None:
             return cz.append_rows(self.xp, rows, pooled, pos0, n_valid, ratio)
         return self.kernels.append_rows(rows, pooled, pos0, n_valid, ratio)
+
+    def compressed_visible(self, pos0, n_valid, C: int, n_rows: int, ratio: int):
+        """``(n_vis, visible)`` of :func:`ds4lab.model.attention.compressed_visible`: one launch with kernels."""
+        if self.kernels is None:
+            return compressed_visible(self.xp, pos0, n_valid, C, n_rows, ratio)
+        return self.kernels.compressed_visible(pos0, n_valid, C, n_rows, ratio)
 
     def ring_write(self, raw, kv, pos0, n_valid, window: int):
         """``(raw, slot_pos, visible)``: the raw ring after a chunk (:func:`ds4lab.model.attention.ring_write`)."""

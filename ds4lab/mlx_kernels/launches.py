@@ -170,7 +170,8 @@ class KernelLaunches:
         dims_host = S.attn_dims(T, H, D, keys.shape[0])
         dims, splits = self._const(*dims_host.tolist()), int(dims_host[4])
         parts = self._run(S.ATTN_PARTIAL, (T * S.attn_head_blocks(H), splits), S.ATTN_GROUP,
-                          [self._f32(q * scale), self._f32(keys), self._u8(visible), dims],
+                          [self._f32(q), self._f32(keys), self._u8(visible), dims,
+                           self._const(scale, dtype=np.float32)],
                           [((T * H, splits), "float32"), ((T * H, splits), "float32"),
                            ((T * H, splits, D), "float32")])
         return self._run(S.ATTN_REDUCE, (T * H, -(-D // S.ATTN_GROUP)), S.ATTN_GROUP, [*parts, self._f32(sinks), dims],
@@ -262,6 +263,13 @@ class KernelLaunches:
                          [self._f32(rows), self._f32(pooled), self._i32(pos0), self._i32(n_valid),
                           self._const(N, D, pooled.shape[0], ratio)],
                          [((N, D), "float32")])[0]
+
+    def compressed_visible(self, pos0, n_valid, C: int, n_rows: int, ratio: int):
+        """``(n_vis [C], visible [C, n_rows])`` of :func:`ds4lab.model.attention.compressed_visible`."""
+        n_vis, visible = self._run(S.COMP_VISIBLE, (-(-max(C * n_rows, C) // S.ROW_GROUP), 1), S.ROW_GROUP,
+                                   [self._i32(pos0), self._i32(n_valid), self._const(C, n_rows, ratio)],
+                                   [((C,), "int32"), ((C, n_rows), "uint8")])
+        return n_vis, self._bool(visible)
 
     def ring_write(self, raw, kv, pos0, n_valid, window: int):
         """``(raw, slot_pos, visible)`` of :func:`ds4lab.model.attention.ring_write`."""

@@ -19,6 +19,7 @@
 ``compress_state``   the compressor's pending state after a chunk
 ``ape_add``          the compressor's scores: the gate's output plus each position's APE row
 ``append_rows``      the compressed rows after a chunk: the windows it completed appended
+``comp_visible``     how many compressed rows each query of a chunk sees, and the mask of them
 ``ring_write``       the raw ring after a chunk, each slot's position, and which slots each query sees
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 ``indexer_chunk``    the same for a chunk: qgemm's tiles on the matrix units, each reduced over the heads
@@ -167,7 +168,8 @@ def _qgemm_defines(qtype: Q) -> dict:
 
 
 ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",
-                          (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32")),
+                          (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32"),
+                           ("fparams", "float32")),
                           (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32")),
                           {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_GROUP, "SIMD_GROUPS": ATTN_GROUP // 32,
                            "ROWS": ATTN_ROWS, "TILE": ATTN_TILE})
@@ -226,6 +228,9 @@ APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
                          (("rows", "float32"), ("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                           ("dims", "int32")),
                          (("out", "float32"),))
+COMP_VISIBLE = KernelSpec("comp_visible", "comp_visible.body",
+                          (("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
+                          (("n_vis", "int32"), ("visible", "uint8")))
 RING_WRITE = KernelSpec("ring_write", "ring_write.body",
                         (("raw", "float32"), ("kv", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                          ("dims", "int32")),
@@ -268,7 +273,7 @@ def all_specs() -> list[KernelSpec]:
             *(indexer_chunk_spec(tf32) for tf32 in (False, True)),
             ATTN_PARTIAL, ATTN_REDUCE, attn_chunk_spec(False), attn_chunk_spec(True),
             HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
-            APPEND_ROWS, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
+            APPEND_ROWS, COMP_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

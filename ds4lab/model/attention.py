@@ -31,6 +31,14 @@ def visible_rows(q_pos, ratio: int):
     return (q_pos + 1) // ratio
 
 
+def compressed_visible(xp, pos0, n_valid, C: int, n_rows: int, ratio: int):
+    """``(n_vis [C], visible [C, n_rows])``: how many compressed rows each query of a chunk sees, and which, before
+    the indexer chooses among them."""
+    last = xp.minimum(pos0 + xp.arange(C), pos0 + n_valid - 1)  # padded queries look like the last real one
+    n_vis = visible_rows(last, ratio)
+    return n_vis, xp.arange(n_rows)[None, :] < n_vis[:, None]
+
+
 def indexer_scores(xp, q_idx, w_idx, k_idx):
     """score[t, c] = Σ_h relu(q_idx[t,h]·k_idx[c]) · w_idx[t,h]."""
     dots = xp.einsum("thd,cd->thc", q_idx, k_idx)

@@ -24,7 +24,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
 from . import numerics as nx
-from .attention import grouped_output, grouped_output_gathered, visible_rows
+from .attention import grouped_output, grouped_output_gathered
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
 from .hc import hc_head
@@ -296,9 +296,7 @@ class Transformer:
             comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", of_a, pos0, n_valid, windows,
                                                     st.comp, st.comp_kv, st.comp_sc, self.store_kv)
             new = LayerState(raw=raw, comp=comp, comp_kv=comp_kv, comp_sc=comp_sc)
-            last = xp.minimum(pos0 + xp.arange(C), pos0 + n_valid - 1)  # padded queries look like the last real one
-            n_vis = visible_rows(last, R)
-            comp_visible = xp.arange(comp.shape[0])[None, :] < n_vis[:, None]
+            n_vis, comp_visible = self.backend.compressed_visible(pos0, n_valid, C, comp.shape[0], R)
             comp_candidates = comp_visible
             if cfg.has_indexer(il):
                 index, index_kv, index_sc = self._compress(il, "indexer_compressor", of_a, pos0, n_valid, windows,

@@ -187,3 +187,9 @@ DEVICE_FN int ring_slot_pos(int last, uint s, uint cap) {
     int back = (last - int(s)) % int(cap);  // truncated: negative when last < s
     return last - (back < 0 ? back + int(cap) : back);
 }
+// How many compressed rows of ratio R query t of a chunk sees (attention.visible_rows): its position is
+// first + t, or `last` (the chunk's last real position) for a padded query past it.
+DEVICE_FN int visible_compressed(int first, int last, uint t, int R) {
+    int q = first + int(t) < last ? first + int(t) : last;
+    return (q + 1) / R;
+}
