@@ -665,6 +665,22 @@ def test_hadamard_fp4_kernel_equals_the_plain_path(gpu, rows, n):
     assert np.array_equal(got, want), np.abs(got - want).max()
 
 
+def test_hadamard_fp4_kernel_rounds_stored_rows_to_f16(gpu):
+    # Rows small enough that their FP4 codes times the scale fall among f16's subnormals, and one large enough
+    # to overflow f16: the f16 rounding of a stored indexer row changes them, and must match the plain path's.
+    from ds4lab.model import numerics as nx
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((4, 128)) * np.array([[3e-7], [2e-6], [1.0], [2e5]])).astype(np.float32)
+    fp4 = nx.hadamard_fp4_sim(np, x)
+    with np.errstate(over="ignore"):
+        want = nx.f16_round(np, fp4)
+    assert not np.array_equal(want, fp4)  # the rounding is seen
+    got = to_host(kernels.hadamard_fp4(to_dev(x), f16=True))
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("ratio,C,W,pos0", [(4, 1, 16, 0), (4, 7, 32, 5), (4, 64, 256, 130), (128, 1, 8, 3),
                                             (128, 40, 16, 250), (128, 300, 64, 4097)])
 def test_compress_pool_kernel_matches_float64(gpu, ratio, C, W, pos0):

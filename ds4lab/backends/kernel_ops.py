@@ -242,11 +242,13 @@ class KernelOps:
             selected = select_topk_on_device(xp, probs if bias is None else probs + bias, k)
         return probs, selected, route_weights(xp, probs, selected, scale)
 
-    def hadamard_fp4(self, x):
+    def hadamard_fp4(self, x, f16: bool = False):
+        """The indexer's Hadamard + FP4 step (§4.4); with ``f16`` also the F16 rounding of a stored row."""
         n = x.shape[-1]
         if self.kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0:
-            return self.kernels.hadamard_fp4(x)
-        return nx.hadamard_fp4_sim(self.xp, x)
+            return self.kernels.hadamard_fp4(x, f16)
+        y = nx.hadamard_fp4_sim(self.xp, x)
+        return nx.f16_round(self.xp, y) if f16 else y
 
 
 class BlockBackend(KernelOps):

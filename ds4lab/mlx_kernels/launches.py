@@ -222,12 +222,14 @@ class KernelLaunches:
         return self._run(S.KV_STORE, (R, 1), 32 * simd_groups, [x2, self._const(R, D, n_rot)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
-    def hadamard_fp4(self, x):
+    def hadamard_fp4(self, x, f16: bool = False):
+        """The indexer's Hadamard + FP4 step on rows of ``x``; with ``f16`` the result is rounded to f16 too, as
+        stored rows are."""
         n = x.shape[-1]
         x2 = self._f32(x).reshape(-1, n)
         R = x2.shape[0]
         return self._run(S.HADAMARD_FP4, (R, 1), n,
-                         [x2, self._const(R, n), self._const(1.0 / n ** 0.5, dtype=np.float32)],
+                         [x2, self._const(R, n, int(f16)), self._const(1.0 / n ** 0.5, dtype=np.float32)],
                          [((R, n), "float32")])[0].reshape(x.shape)
 
     def compress_pool(self, state_kv, state_sc, kv, sc, pos0, ratio: int):

@@ -23,7 +23,6 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..tiers import NO_TIERS, TierRun
-from . import numerics as nx
 from .attention import grouped_output, grouped_output_gathered
 from .compressor import coff, n_blocks
 from .functional import rmsnorm
@@ -85,7 +84,8 @@ class Transformer:
         return x if self.numerics == "exact" else self.backend.hadamard_fp4(x)
 
     def store_index(self, x):
-        return x if self.numerics == "exact" else nx.f16_round(self.backend.xp, self.indexer_quant(x))
+        """Hadamard + FP4, then F16 rounding, as every indexer row is stored."""
+        return x if self.numerics == "exact" else self.backend.hadamard_fp4(x, f16=True)
 
     # -- forward --------------------------------------------------------------------------------------
     def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
