@@ -47,19 +47,22 @@ want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 # compare: the 4K decode step, qmatmul_bench and qgemm_bench (float32, tf32) of this tree, then of each tree staged
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one
-# run. Each tree takes about 3-4 minutes: stage one or two branches a call.
+# run. COMPARE picks the benchmarks (default "decode qmatmul qgemm qgemm_tf32"); a tree takes about 3-4 minutes
+# with all four, so stage one or two branches a call.
+in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree's ds4lab, if COMPARE names BENCH
+    local bench=$1 limit=$2; shift 2
+    [[ " ${COMPARE:-decode qmatmul qgemm qgemm_tf32} " == *" $bench "* ]] || return 0
+    step "${bench}_$name" "$limit" env PYTHONPATH="/tmp/site:$tree" python3 "$tree/$1" "${@:2}" \
+        --json "$OUT/${bench}_$name.json"
+}
 if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
     for tree in "$PWD" "$PWD"/.trees/*/; do
         [ -d "$tree/ds4lab" ] || continue
         name=$(basename "$tree"); [ "$tree" = "$PWD" ] && name=this
-        step "decode_$name" 150 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/gpu_slice.py" --backend cupy \
-            --decode-ctx 4096 --prefill --json "$OUT/decode_$name.json"
-        step "qmatmul_$name" 120 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qmatmul_bench.py" \
-            --json "$OUT/qmatmul_$name.json"
-        step "qgemm_$name" 90 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qgemm_bench.py" --repeats 5 \
-            --json "$OUT/qgemm_$name.json"
-        step "qgemm_tf32_$name" 90 env PYTHONPATH="/tmp/site:$tree" python3 "$tree/benchmarks/qgemm_bench.py" --tf32 \
-            --repeats 5 --json "$OUT/qgemm_tf32_$name.json"
+        in_tree decode 150 benchmarks/gpu_slice.py --backend cupy --decode-ctx 4096 --prefill
+        in_tree qmatmul 120 benchmarks/qmatmul_bench.py
+        in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5
+        in_tree qgemm_tf32 90 benchmarks/qgemm_bench.py --tf32 --repeats 5
     done
 fi
 # Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
