@@ -922,6 +922,34 @@ def test_rope_kernel_equals_the_plain_rotation(gpu, shape, n_rot, inverse):
     np.testing.assert_allclose(got, want, rtol=0, atol=0 if name == "emulated" else 1e-6 * np.abs(want).max())
 
 
+# q's heads (unweighted, several rows a position), a KV row and compressed rows (weighted), a row with no RoPE dims,
+# decode-sized and chunk-sized row counts (the wide and the narrow groups)
+@pytest.mark.parametrize("shape,n_rot,weighted", [((1, 64, 512), 64, False), ((5, 4, 96), 32, False),
+                                                  ((1, 512), 64, True), ((70, 512), 64, True), ((3, 40), 0, True)])
+def test_rmsnorm_rope_kernel_equals_rmsnorm_then_rope(gpu, monkeypatch, shape, n_rot, weighted):
+    from ds4lab.model.functional import rmsnorm
+
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(shape[-1])
+    x = (3 * rng.standard_normal(shape)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32) if weighted else None
+    angle = rng.uniform(-40, 40, (shape[0], n_rot // 2))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    wd = None if w is None else to_dev(w)
+    normed, turned = one_launch(gpu, monkeypatch, "rmsnorm_rope", "rmsnorm_rope", to_dev(x), 1e-6, wd, to_dev(cos),
+                                to_dev(sin))
+    # the two kernels it replaces give the same floats: the same sums and products in the same order (a GPU
+    # compiler may fuse RoPE's a·c − b·s into an FMA in one kernel and not the other: one rounding)
+    apart = to_host(kernels.rmsnorm(to_dev(x), 1e-6, wd))
+    np.testing.assert_array_equal(normed, apart)
+    then_rope = to_host(kernels.rope(to_dev(apart), to_dev(cos), to_dev(sin)))
+    tol = 0 if name == "emulated" else 1e-6 * np.abs(then_rope).max()
+    np.testing.assert_allclose(turned, then_rope, rtol=0, atol=tol)
+    want = rmsnorm(np, x.astype(np.float64), 1e-6, None if w is None else w.astype(np.float64))
+    np.testing.assert_allclose(normed, want, rtol=2e-6, atol=1e-7)
+    assert n_rot == 0 or not np.array_equal(turned, normed)  # the tail was turned
+
+
 # -- the FFN half's kernels: SwiGLU, routing, and the device-ids plan its projections share ------------------
 @pytest.mark.parametrize("P,F", [(6, 2048), (16, 2048), (1, 1), (3, 7), (5, 1031)])
 @pytest.mark.parametrize("weighted", [True, False])

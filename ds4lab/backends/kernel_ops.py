@@ -163,6 +163,13 @@ class KernelOps:
             return self.kernels.rmsnorm(x, eps, weight)
         return rmsnorm(self.xp, x, eps, weight)
 
+    def rmsnorm_rope(self, x, eps: float, weight, cos, sin):
+        """``(rmsnorm(x), its rows with RoPE on the tail)``: one launch with kernels (rmsnorm then rope take two)."""
+        if self.kernels is not None:
+            return self.kernels.rmsnorm_rope(x, eps, weight, cos, sin)
+        y = rmsnorm(self.xp, x, eps, weight)
+        return y, rope_tail(self.xp, y, cos, sin)
+
     def store_kv(self, x, n_rot: int):
         """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored (§4.3)."""
         if self.kernels is not None and (x.shape[-1] - n_rot) % nx.FP8_BLOCK == 0:

@@ -214,6 +214,19 @@ class KernelLaunches:
                          [x2, w, self._const(R, D, int(weight is not None)), self._const(eps, dtype=np.float32)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
+    def rmsnorm_rope(self, x, eps: float, weight, cos, sin):
+        """``(rmsnorm(x), rope(rmsnorm(x)))`` for ``x [T, ..., D]`` in one launch (:meth:`rmsnorm`, :meth:`rope`)."""
+        T, D = x.shape[0], x.shape[-1]
+        x2 = self._f32(x).reshape(-1, D)
+        R = x2.shape[0]
+        w = self._f32(weight) if weight is not None else x2
+        threads = S.ROW_GROUP if R >= S.RMSNORM_WIDE_ROWS else self.wide_group
+        dims = self._const(R, D, int(weight is not None), R // T, 2 * cos.shape[-1])
+        y, rot = self._run(S.RMSNORM_ROPE, (R, 1), threads,
+                           [x2, w, self._f32(cos), self._f32(sin), dims, self._const(eps, dtype=np.float32)],
+                           [((R, D), "float32"), ((R, D), "float32")])
+        return y.reshape(x.shape), rot.reshape(x.shape)
+
     def kv_store(self, x, n_rot: int):
         D = x.shape[-1]
         x2 = self._f32(x).reshape(-1, D)

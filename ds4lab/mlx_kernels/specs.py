@@ -13,6 +13,7 @@
                      Sinkhorn combine, x_in
 ``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
 ``rmsnorm``          one row per work-group
+``rmsnorm_rope``     the same, and the rows with RoPE on their tail too (one launch for rmsnorm then rope)
 ``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
@@ -206,7 +207,11 @@ HC_POST = KernelSpec("hc_post", "hc_post.body",
                      (("out", "float32"),))
 RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body",
                      (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32")),
-                     (("y", "float32"),))
+                     (("y", "float32"),), {"ROPE": 0})
+RMSNORM_ROPE = KernelSpec("rmsnorm_rope", "rmsnorm.body",
+                          (("x", "float32"), ("w", "float32"), ("cos_t", "float32"), ("sin_t", "float32"),
+                           ("dims", "int32"), ("fparams", "float32")),
+                          (("y", "float32"), ("rot", "float32")), {"ROPE": 1})
 KV_STORE = KernelSpec("kv_store", "kv_store.body", (("x", "float32"), ("dims", "int32")), (("y", "float32"),))
 HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
                           (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),))
@@ -272,7 +277,7 @@ def all_specs() -> list[KernelSpec]:
             QMATMUL_REDUCE, *(qgemm_spec(q, tf32) for tf32 in (False, True) for q in DECODERS),
             *(indexer_chunk_spec(tf32) for tf32 in (False, True)),
             ATTN_PARTIAL, ATTN_REDUCE, attn_chunk_spec(False), attn_chunk_spec(True),
-            HC_MIX, HC_POST, RMSNORM, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
+            HC_MIX, HC_POST, RMSNORM, RMSNORM_ROPE, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
             APPEND_ROWS, COMP_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
 
 

@@ -276,15 +276,17 @@ class Transformer:
         names = self._projections_of_a(il, st)
         of_a = dict(zip(names, w.linears(*names)(a)))  # one product per weight type, not one per tensor
         qr = norm(of_a[p + "attn_q_a.weight"], eps, w.vector(p + "attn_q_a_norm.weight"))
-        q = norm(w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps)
-        kv = norm(of_a[p + "attn_kv.weight"], eps, w.vector(p + "attn_kv_a_norm.weight"))
+        # q and the KV row normalised, and normalised then turned by RoPE (one launch each with kernels)
+        cos, sin = rope
+        norm_rope = self.backend.rmsnorm_rope
+        q, q_rot = norm_rope(w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None,
+                             cos, sin)
+        kv, kv_rot = norm_rope(of_a[p + "attn_kv.weight"], eps, w.vector(p + "attn_kv_a_norm.weight"), cos, sin)
         self._emit(p + "attn_norm", a)
         self._emit(p + "attn.q_lora", qr)
         self._emit(p + "attn.q", q)
         self._emit(p + "attn.kv_in", kv)
-        cos, sin = rope
-        q = self.backend.rope(q, cos, sin)
-        kv = self.store_kv(self.backend.rope(kv, cos, sin))
+        q, kv = q_rot, self.store_kv(kv_rot)
 
         # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
         # the latest position ≡ s written so far; a query sees positions in (q − window, q].
@@ -354,8 +356,8 @@ class Transformer:
         self._emit(f"blk.{il}.{name}.kv", kv)
         self._emit(f"blk.{il}.{name}.score", sc)
         pooled, new_kv, new_sc = self.backend.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
-        c = self.backend.rmsnorm(pooled, cfg.rms_eps, w.vector(p + "norm.weight"))
-        c = store(self.backend.rope(c, *windows))
+        _, c = self.backend.rmsnorm_rope(pooled, cfg.rms_eps, w.vector(p + "norm.weight"), *windows)
+        c = store(c)
         rows = self.backend.append_rows(rows, c, pos0, n_valid, R)
         self._emit(f"blk.{il}.{name}.rows", rows)
         return rows, new_kv, new_sc
