@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: $0 BRANCH ..." >&2; exit 2; }
 exclude="$(git rev-parse --git-path info/exclude)"
 grep -qx "/.trees/" "$exclude" 2>/dev/null || echo "/.trees/" >> "$exclude"
-for b in "$@"; do git rev-parse --verify -q "$b^{commit}" > /dev/null || { echo "no branch or commit $b" >&2; exit 2; }; done
+for b in "$@"; do
+    git rev-parse --verify -q "$b^{commit}" > /dev/null || { echo "no branch or commit $b" >&2; exit 2; }
+done
 rm -rf .trees && mkdir .trees
 for b in "$@"; do
     dir=".trees/${b//\//_}"

@@ -204,24 +204,25 @@ class KernelLaunches:
                          [self._f32(y), self._f32(X), self._f32(post), self._f32(comb), self._const(T, n, E)],
                          [((T, n, E), "float32")])[0]
 
-    def rmsnorm(self, x, eps: float, weight=None):
-        D = x.shape[-1]
-        x2 = self._f32(x).reshape(-1, D)
-        R = x2.shape[0]
+    def _norm_rows(self, x, weight):
+        """rmsnorm's rows ``x2 [R, D]``, its weight (x2 when there is none: the kernel then reads none) and its
+        group size."""
+        x2 = self._f32(x).reshape(-1, x.shape[-1])
         w = self._f32(weight) if weight is not None else x2
-        threads = S.ROW_GROUP if R >= S.RMSNORM_WIDE_ROWS else self.wide_group
+        return x2, w, S.ROW_GROUP if x2.shape[0] >= S.RMSNORM_WIDE_ROWS else self.wide_group
+
+    def rmsnorm(self, x, eps: float, weight=None):
+        x2, w, threads = self._norm_rows(x, weight)
+        R, D = x2.shape
         return self._run(S.RMSNORM, (R, 1), threads,
                          [x2, w, self._const(R, D, int(weight is not None)), self._const(eps, dtype=np.float32)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
     def rmsnorm_rope(self, x, eps: float, weight, cos, sin):
         """``(rmsnorm(x), rope(rmsnorm(x)))`` for ``x [T, ..., D]`` in one launch (:meth:`rmsnorm`, :meth:`rope`)."""
-        T, D = x.shape[0], x.shape[-1]
-        x2 = self._f32(x).reshape(-1, D)
-        R = x2.shape[0]
-        w = self._f32(weight) if weight is not None else x2
-        threads = S.ROW_GROUP if R >= S.RMSNORM_WIDE_ROWS else self.wide_group
-        dims = self._const(R, D, int(weight is not None), R // T, 2 * cos.shape[-1])
+        x2, w, threads = self._norm_rows(x, weight)
+        R, D = x2.shape
+        dims = self._const(R, D, int(weight is not None), R // x.shape[0], 2 * cos.shape[-1])
         y, rot = self._run(S.RMSNORM_ROPE, (R, 1), threads,
                            [x2, w, self._f32(cos), self._f32(sin), dims, self._const(eps, dtype=np.float32)],
                            [((R, D), "float32"), ((R, D), "float32")])
