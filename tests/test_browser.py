@@ -150,7 +150,8 @@ def lab(tmp_path_factory):
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                IPYTHONDIR=str(tmp / "ipython"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1")
-    log = open(tmp / "server.log", "w")
+    log_path = tmp / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
          "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
@@ -164,16 +165,16 @@ def lab(tmp_path_factory):
         while True:
             if proc.poll() is not None:
                 pytest.skip(f"JupyterLab exited with {proc.returncode} on start: "
-                            + (tmp / "server.log").read_text()[-1500:])
+                            + log_path.read_text()[-1500:])
             try:
                 _get(f"{base}/api/status", token)
                 break
             except OSError:
                 if time.monotonic() > deadline:
                     pytest.skip(f"JupyterLab did not answer on {base} within {SERVER_START_S} s: "
-                                + (tmp / "server.log").read_text()[-1500:])
+                                + log_path.read_text()[-1500:])
                 time.sleep(0.3)
-        yield base, token, NOTEBOOK, n_code, tmp / "server.log"
+        yield base, token, NOTEBOOK, n_code, log_path
     finally:
         proc.terminate()
         try:
