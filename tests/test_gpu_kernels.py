@@ -591,7 +591,8 @@ def test_configs_cover_the_kernel_types():
 
 
 # -- the fused elementwise kernels ------------------------------------------------------------------------
-@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130)])
+# x_in spread over 16 groups (4096), 4 with a short last span (1000), one group (64 tokens: 300)
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130), (2, 4, 1000), (64, 4, 300)])
 def test_hc_mixer_kernel_matches_float64(gpu, T, n, E):
     from ds4lab.model.hc import hc_mix
 

@@ -192,9 +192,10 @@ class KernelLaunches:
         T, n, E = X.shape
         if n > S.HC_MAX:
             raise ValueError(f"hc_mix kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
-        return tuple(self._run(S.HC_MIX, (T, 1), S.ROW_GROUP,
+        G = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1  # groups a token's x_in is spread over
+        return tuple(self._run(S.HC_MIX, (T, 1 + G), S.ROW_GROUP,
                                [self._f32(mix), self._f32(scale), self._f32(base), self._f32(X),
-                                self._const(T, n, E, iters), self._const(eps, norm_eps, dtype=np.float32)],
+                                self._const(T, n, E, iters, G), self._const(eps, norm_eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 
     def hc_post(self, y, X, post, comb):
