@@ -1217,6 +1217,8 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
             host = [cp.asnumpy(x) for x in (a, b, n)]
             buf, offs = pack(host)
             a, b, n = views(cp.asarray(buf), host, offs)
+            assert [(x.shape, x.dtype, np.array_equal(cp.asnumpy(x), h)) for x, h in zip((a, b, n), host)] == \
+                [(h.shape, h.dtype, True) for h in host]
         if i == 5:  # in one buffer, at other offsets than the layout's
             big = cp.zeros(4096, dtype=cp.uint8)
             a2, b2 = big[16:64].view(cp.float32).reshape(4, 3), big[528:588].view(cp.float32).reshape(5, 3)

@@ -29,5 +29,10 @@ def pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
 
 
 def views(buf, arrays, offs) -> list:
-    """The arrays of a packed buffer (any library with NumPy's slicing and ``view``), shaped like ``arrays``."""
+    """The arrays of a packed buffer (any library with NumPy's slicing and ``view``), shaped like ``arrays``.
+    A CuPy buffer's are made from its memory pointer, one constructor call each rather than a slice, a view
+    and a reshape: a decode step makes one per state array, on the host's side of the step."""
+    data = getattr(buf, "data", None)
+    if hasattr(data, "ptr"):  # a CuPy MemoryPointer (NumPy's data is a memoryview)
+        return [type(buf)(a.shape, a.dtype, memptr=data + o) for a, o in zip(arrays, offs)]
     return [buf[o:o + a.nbytes].view(a.dtype).reshape(a.shape) for a, o in zip(arrays, offs)]
