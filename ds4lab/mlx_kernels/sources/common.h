@@ -160,6 +160,21 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
     return r;
 }
 
+// Σ_{j<n} of the SIMD group's c at lanes first + j·stride (n ≤ 8), added in order of j; every lane of the
+// group calls it. The shuffles are issued together rather than each after the last add (hc_mix's Sinkhorn
+// normalisation, 20 rounds of a row and a column sum, was bound by that wait).
+DEVICE_FN float lane_line_sum(float c, uint first, uint stride, uint n) {
+    float v[8];
+    #pragma unroll
+    for (uint j = 0; j < 8u; j++) v[j] = simd_shuffle_f(c, (first + j * stride) & 31u);
+    float sum = 0.0f;
+    #pragma unroll
+    for (uint j = 0; j < 8u; j++) {
+        if (j < n) sum += v[j];
+    }
+    return sum;
+}
+
 // Eight floats from p: two 16-byte loads where p is 16-byte aligned (vec), else one at a time.
 DEVICE_FN F8 load_x8(const GLOBAL float* p, bool vec) {
     F8 r;
