@@ -142,9 +142,18 @@ def graph_report(t: Transformer) -> dict:
             "replay_ms_total": [round(sum(ms), 3) for ms in zip(*(r for r in replays.values() if r))]}
 
 
+def last_replay_s(t: Transformer, key) -> float | None:
+    """GPU seconds of one bare replay of the CUDA graph the compiled step ``key`` captured last (CuPy), or None
+    where the step is not a captured graph."""
+    g = t._compiled.get(key)
+    return g.replay_seconds()[-1] if getattr(g, "captures", 0) else None
+
+
 def decode_speed(t: Transformer, context: int, steps: int, sync) -> dict:
     """Median seconds of a decode step, and of the same step without the head (the head's share is the
-    difference: inside a CUDA graph it has no time of its own to measure)."""
+    difference: inside a CUDA graph it has no time of its own to measure). Where the steps are CUDA graphs,
+    also their GPU time alone (``gpu_step_s``, ``gpu_body_s`` without the head) and the host's share of a
+    step (``host_s``: the step's wall time less its graph's)."""
     state = filled_state(t, context, context + 2 * steps + 8)
     rng = np.random.default_rng(1)
 
@@ -166,7 +175,12 @@ def decode_speed(t: Transformer, context: int, steps: int, sync) -> dict:
         return st
 
     body_s = median_step(no_head)
-    return {"context": context, "step_s": step_s, "tokens_per_s": 1 / step_s, "head_s": step_s - body_s}
+    out = {"context": context, "step_s": step_s, "tokens_per_s": 1 / step_s, "head_s": step_s - body_s}
+    gpu_step_s, gpu_body_s = (last_replay_s(t, ("step", 1, 1, head)) for head in (True, False))
+    if gpu_step_s is not None and gpu_body_s is not None:
+        out.update(gpu_step_s=gpu_step_s, gpu_body_s=gpu_body_s, host_s=step_s - gpu_step_s,
+                   gpu_layer_ms=gpu_body_s / t.cfg.n_layer * 1e3)
+    return out
 
 
 def prefill_speed(t: Transformer, n_tokens: int, sync) -> dict:
@@ -366,6 +380,10 @@ def main(argv=None):
               f"{d['layer_ms']:.3f} ms/layer, head {d['head_s'] * 1e3:.2f} ms; "
               f"roofline {d['roofline_s'] * 1e3:.2f} ms = {100 * d['roofline_fraction']:.1f}%); 43 layers: "
               f"{d['full_model_tokens_per_s']:.1f} tok/s", flush=True)
+        if "gpu_step_s" in d:
+            print(f"  GPU time of the step's graph {d['gpu_step_s'] * 1e3:.2f} ms ({d['gpu_layer_ms']:.3f} ms/layer, "
+                  f"head {(d['gpu_step_s'] - d['gpu_body_s']) * 1e3:.2f} ms); the host's share "
+                  f"{d['host_s'] * 1e3:.2f} ms", flush=True)
         print("  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in prof.items()), flush=True)
     out["graphs"] = graph_report(t)
     print("graphs:", out["graphs"], flush=True)
