@@ -1,4 +1,6 @@
-"""Milliseconds per ``sample()`` call at the Flash vocabulary size (129280), per sampling mode.
+"""Milliseconds per ``sample()`` call at the Flash vocabulary size (129280), per sampling mode, and for the
+log-probabilities a :class:`ds4lab.session.Decode` step reports: the host's share of every generated
+token, on top of the step's GPU work (about 2 ms for the 6-layer slice on an H200).
 
     python benchmarks/sampling_speed.py
 """
@@ -7,20 +9,28 @@ import time
 
 import numpy as np
 
-from ds4lab.sampling import Rng, sample, top_logprobs
+from ds4lab.sampling import Rng, sample, token_and_top_logprobs
 
 CASES = [{}, {"min_p": 0.0}, {"top_p": 0.95}, {"top_p": 0.95, "min_p": 0.0}, {"top_k": 40},
          {"top_k": 1024, "top_p": 0.9, "min_p": 0.0}, {"temperature": 0.0}]
+REPEATS = 20
+
+
+def ms_per_call(fn) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(REPEATS):
+        fn()
+    return (time.perf_counter() - t0) / REPEATS * 1e3
+
 
 if __name__ == "__main__":
     logits = (np.random.default_rng(3).normal(size=129280) * 2.5).astype(np.float32)
     rng = Rng(1)
     for kw in CASES:
-        sample(logits, rng=rng, **kw)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            sample(logits, rng=rng, **kw)
-        print(f"{str(kw):45s} {(time.perf_counter() - t0) / 20 * 1e3:7.2f} ms")
-    t0 = time.perf_counter()
-    top_logprobs(logits, 20)
-    print(f"{'top_logprobs(k=20)':45s} {(time.perf_counter() - t0) * 1e3:7.2f} ms")
+        print(f"{str(kw):45s} {ms_per_call(lambda: sample(logits, rng=rng, **kw)):7.2f} ms")
+    token = int(np.argsort(logits)[-20])  # outside the top 5
+    logprobs = ms_per_call(lambda: token_and_top_logprobs(logits, token, 5))
+    print(f"{'token_and_top_logprobs(k=5)':45s} {logprobs:7.2f} ms")
+    step = ms_per_call(lambda: sample(logits, rng=rng)) + logprobs
+    print(f"{'a default Decode.step: sample + logprobs':45s} {step:7.2f} ms")

@@ -29,6 +29,7 @@ Public API::
     argmax(logits) -> int
     top_logprobs(logits, k) -> list[tuple[int, float]]
     token_logprob(logits, token) -> float
+    token_and_top_logprobs(logits, token, k) -> (float, list)   both, one log-sum-exp
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "Rng",
     "argmax",
     "sample",
+    "token_and_top_logprobs",
     "token_logprob",
     "top_logprobs",
 ]
@@ -174,6 +176,16 @@ def _as_f32(name: str, value) -> np.float32:
         raise TypeError(f"{name} must be a real number, got {value!r}") from None
     with np.errstate(over="ignore"):
         return np.float32(v)
+
+
+def _finite(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, a[ids])`` of the finite logits; without the gather where all are (a model's logits usually
+    are: at Flash's 129,280 the gather and ``flatnonzero`` cost more than the test)."""
+    finite = np.isfinite(a)
+    if finite.all():
+        return np.arange(a.size), a
+    ids = np.flatnonzero(finite)
+    return ids, a[ids]
 
 
 def _expf(x: np.ndarray) -> np.ndarray:
@@ -320,13 +332,24 @@ def sample(
     return _sample_top_k(a, t, k, tp, mp, draw)
 
 
+def _weight_candidates(vals: np.ndarray, max_logit: np.float32, t: np.float32, min_rel: np.float32) -> np.ndarray:
+    """Positions of ``vals`` (finite, at most ``max_logit``) in order, that include every one whose weight
+    ``expf((v - max_logit) / t)`` may reach ``min_rel``: the weights are monotone in v, and a v below
+    ``max_logit + t·(ln min_rel − 1)`` has a weight under min_rel/e, whatever the float32 roundings (each
+    relative, 2^-24). Rule 2 then weighs a few hundred logits, not the vocabulary."""
+    if not (min_rel > 0 and np.isfinite(t) and t > 0):
+        return np.arange(vals.size)  # no cut (NaN or infinite temperature, no min_p): every position
+    with np.errstate(over="ignore", divide="ignore"):
+        low = float(max_logit) + float(t) * (np.log(float(min_rel)) - 1.0)
+        low32 = np.nextafter(np.float32(low), np.float32(-np.inf))  # rounded down: a superset of positions
+    return np.flatnonzero(vals >= low32)
+
+
 def _sample_full_vocab(a: np.ndarray, t: np.float32, tp: np.float32, mp: np.float32, draw) -> int:
     """ds4.c sample_full_vocab (15149-15236)."""
-    finite = np.isfinite(a)
-    ids = np.flatnonzero(finite)
+    ids, vals = _finite(a)
     if ids.size == 0:
         return argmax(a)
-    vals = a[ids]
     # max_logit starts at DS4_NEG_INF (-1e30) and `best` at 0; strict `>` so the first maximal index wins.
     i_best = int(np.argmax(vals))
     if vals[i_best] > _NEG_INF32:
@@ -334,13 +357,14 @@ def _sample_full_vocab(a: np.ndarray, t: np.float32, tp: np.float32, mp: np.floa
     else:
         max_logit, best = _NEG_INF32, 0
 
-    probs = _weights(vals, max_logit, t)
     min_rel = mp if mp > 0 else _F32_ZERO  # NaN min_p -> 0
 
     if tp >= 1:
         # Rule 2: id order.  `if (p < min_rel) continue;` (a NaN weight is not skipped, and poisons the sum).
+        cand = _weight_candidates(vals, max_logit, t, min_rel)
+        probs = _weights(vals[cand], max_logit, t)
         keep = ~(probs < min_rel)
-        kept_ids = ids[keep]
+        kept_ids = ids[cand[keep]]
         kept = probs[keep]
         total = _seq_sum(kept)
         if total <= 0 or not np.isfinite(total):
@@ -350,6 +374,7 @@ def _sample_full_vocab(a: np.ndarray, t: np.float32, tp: np.float32, mp: np.floa
         return int(kept_ids[i]) if i >= 0 else best
 
     # Rule 3: the sum runs over *all* finite tokens in id order, before sorting and filtering.
+    probs = _weights(vals, max_logit, t)
     total = _seq_sum(probs)
     if total <= 0 or not np.isfinite(total):
         return best
@@ -379,10 +404,9 @@ def _sample_full_vocab(a: np.ndarray, t: np.float32, tp: np.float32, mp: np.floa
 
 def _sample_top_k(a: np.ndarray, t: np.float32, k: int, tp: np.float32, mp: np.float32, draw) -> int:
     """ds4.c sample_top_p_min_p, top_k > 0 branch (15250-15298)."""
-    ids = np.flatnonzero(np.isfinite(a))
+    ids, vals = _finite(a)
     if ids.size == 0:
         return argmax(a)
-    vals = a[ids]
     sel = ids[_top_sorted(vals, k)]  # ids[0..n): top-k by logit, ties by lower id
     sel_vals = a[sel]
     probs = _weights(sel_vals, sel_vals[0], t)  # max_logit = vals[0] (no -1e30 floor on this path)
@@ -397,12 +421,13 @@ def _sample_top_k(a: np.ndarray, t: np.float32, k: int, tp: np.float32, mp: np.f
     return int(sel[i if i >= 0 else filtered - 1])
 
 
-def _logsumexp_ds4(a: np.ndarray, finite: np.ndarray) -> float:
-    """``max_logit + log(sum(exp((double)v - (double)max_logit)))`` over finite logits, sequential double sum.
+def _logsumexp_ds4(finite_vals: np.ndarray) -> float:
+    """``max_logit + log(sum(exp((double)v - (double)max_logit)))`` over the finite logits (in id order),
+    sequential double sum.
 
     max_logit starts at DS4_NEG_INF (-1e30), as in ds4.c:17652 / 17683.
     """
-    vals = a[finite].astype(np.float64)
+    vals = finite_vals.astype(np.float64)
     max_logit = max(float(_NEG_INF32), float(vals.max())) if vals.size else float(_NEG_INF32)
     with np.errstate(over="ignore", under="ignore", divide="ignore"):
         s = float(np.add.accumulate(np.exp(vals - max_logit))[-1]) if vals.size else 0.0
@@ -428,13 +453,12 @@ def top_logprobs(logits, k: int) -> list[tuple[int, float]]:
     k = operator.index(k)
     if k <= 0:
         return []
-    finite = np.isfinite(a)
-    ids = np.flatnonzero(finite)
-    if ids.size == 0:
-        return []
-    sel = ids[_top_sorted(a[ids], min(k, a.size))]
-    logsum = _logsumexp_ds4(a, finite)
-    return [(int(i), _logprob(a[i], logsum)) for i in sel]
+    ids, vals = _finite(a)
+    return _top(a, ids, vals, k, _logsumexp_ds4(vals)) if ids.size else []
+
+
+def _top(a: np.ndarray, ids: np.ndarray, vals: np.ndarray, k: int, logsum: float) -> list[tuple[int, float]]:
+    return [(int(i), _logprob(a[i], logsum)) for i in ids[_top_sorted(vals, min(k, a.size))]]
 
 
 def token_logprob(logits, token: int) -> float:
@@ -443,8 +467,22 @@ def token_logprob(logits, token: int) -> float:
     A token whose logit is not finite gets ds4's DS4_NEG_INF (-1e30, see :data:`NEG_INF`), not -inf.
     """
     a = _as_logits(logits)
+    token = _token_index(token, a.size)
+    return _logprob(a[token], _logsumexp_ds4(_finite(a)[1]))
+
+
+def token_and_top_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """``(token_logprob(logits, token), top_logprobs(logits, k))`` with one log-sum-exp between them (what a
+    decode step reports: at Flash's vocabulary the sum is most of the cost of each)."""
+    a = _as_logits(logits)
+    token, k = _token_index(token, a.size), operator.index(k)
+    ids, vals = _finite(a)
+    logsum = _logsumexp_ds4(vals)
+    return _logprob(a[token], logsum), (_top(a, ids, vals, k, logsum) if ids.size and k > 0 else [])
+
+
+def _token_index(token, n_vocab: int) -> int:
     token = operator.index(token)
-    if token < 0 or token >= a.size:
-        raise ValueError(f"token {token} out of range for a vocabulary of {a.size}")
-    finite = np.isfinite(a)
-    return _logprob(a[token], _logsumexp_ds4(a, finite))
+    if token < 0 or token >= n_vocab:
+        raise ValueError(f"token {token} out of range for a vocabulary of {n_vocab}")
+    return token

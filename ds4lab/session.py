@@ -30,8 +30,7 @@ from .sampling import (
     DEFAULT_TOP_P,
     Rng,
     sample,
-    token_logprob,
-    top_logprobs,
+    token_and_top_logprobs,
 )
 from .tiers import Placement, TierRun, TierSwitch
 
@@ -371,12 +370,11 @@ class Decode:
             choices = current.copy()
             choices[self.exclude] = -np.inf
         token = sample(choices, rng=self.rng, **self.params)
-        alternatives = top_logprobs(current, max(self.top, 1))
-        logprob = float(dict(alternatives).get(token, token_logprob(current, token)))
+        logprob, alternatives = token_and_top_logprobs(current, token, self.top)
         position = len(sess.tokens)
         if token == sess.model.tokenizer.eos_id:
             self.stop_reason = "eos"
-            return DecodeStep(token, "", logprob, alternatives[: self.top], position, time.perf_counter() - began)
+            return DecodeStep(token, "", logprob, alternatives, position, time.perf_counter() - began)
         try:
             logits, state, run = sess._eval([token], "decode")
         except BaseException:
@@ -385,7 +383,7 @@ class Decode:
         sess._commit(sess.tokens + [token], logits, state, run)
         sess._store_step()
         text = self._text.decode(sess.model.tokenizer.token_bytes(token))
-        step = DecodeStep(token, text, logprob, alternatives[: self.top], position, time.perf_counter() - began,
+        step = DecodeStep(token, text, logprob, alternatives, position, time.perf_counter() - began,
                           tuple(run.switches))
         sess._stepped(step)
         return step

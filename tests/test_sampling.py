@@ -15,6 +15,7 @@ from ds4lab.sampling import (
     Rng,
     argmax,
     sample,
+    token_and_top_logprobs,
     token_logprob,
     top_logprobs,
 )
@@ -547,6 +548,30 @@ def test_top_logprobs_edges():
     assert top_logprobs(np.array([np.nan, -np.inf], np.float32), 3) == []
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Speed at the real vocabulary size
-# ----------------------------------------------------------------------------------------------------------
+
+def test_token_and_top_logprobs_is_both_at_once():
+    g = np.random.default_rng(3)
+    logits = (g.normal(size=3000) * 3).astype(np.float32)
+    for row in (logits, np.concatenate([logits, np.array([-np.inf, np.nan], np.float32)])):
+        for token, k in ((7, 5), (int(np.argmax(row)), 1), (2999, 0), (row.size - 1, 3)):
+            assert token_and_top_logprobs(row, token, k) == (token_logprob(row, token), top_logprobs(row, k))
+    with pytest.raises(ValueError):
+        token_and_top_logprobs(logits, 3000, 5)
+
+
+# Rule 2 weighs only the logits that can pass min_p (a bound from the largest logit and the temperature):
+# at a few thousand logits, against the literal port, with the draws steered onto the cumulative boundaries
+# and logits placed around the cut, expf((v - max)/T) = min_p, at one float step on either side.
+@pytest.mark.parametrize("temperature", [1.0, 0.05, 7.0, 1e-30, 3e38])
+@pytest.mark.parametrize("min_p", [0.05, 1e-30, 0.9, 1.0, 1.5, np.inf])
+def test_rule2_large_vocab_matches_c_port(temperature, min_p):
+    g = np.random.default_rng(int(temperature * 1e3) % 1000 + int(min(min_p, 9) * 100))
+    logits = (g.normal(size=3000) * 4).astype(np.float32)
+    top = logits.max()
+    if 0 < min_p < np.inf and temperature < 1e30:
+        cut = F32(top + F32(temperature) * F32(math.log(min_p)))
+        around = [cut, np.nextafter(cut, F32(np.inf)), np.nextafter(cut, F32(-np.inf))]
+        logits[g.choice(3000, 3, replace=False)] = np.array(around, np.float32).clip(None, top)
+    for u in (0.0, 0.3, 0.999, 0.5):
+        assert sample(logits, temperature, 0, 1.0, min_p, FixedU(u)) == \
+            ref_sample(logits, temperature, 0, 1.0, min_p, FixedU(u))
