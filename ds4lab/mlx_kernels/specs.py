@@ -82,7 +82,9 @@ ATTN_CHUNK_KEYS = 8
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
-RMSNORM_WIDE_ROWS = 64  # under this many rows, rmsnorm gives each row the launcher's wide_group of threads
+# Under this many rows, rmsnorm gives each row the launcher's wide_group of threads, and hc_mix spreads each
+# token's x_in over E / ROW_GROUP work-groups: rows too few to fill the GPU with a group each.
+RMSNORM_WIDE_ROWS = 64
 KV_STORE_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, kv_store gives each 64-block its SIMD group (up to 8)
 ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flash: 256)
 ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
