@@ -27,10 +27,9 @@ def ms_per_call(fn) -> float:
 if __name__ == "__main__":
     logits = (np.random.default_rng(3).normal(size=129280) * 2.5).astype(np.float32)
     rng = Rng(1)
-    for kw in CASES:
-        print(f"{str(kw):45s} {ms_per_call(lambda: sample(logits, rng=rng, **kw)):7.2f} ms")
+    ms = {str(kw): ms_per_call(lambda: sample(logits, rng=rng, **kw)) for kw in CASES}
     token = int(np.argsort(logits)[-20])  # outside the top 5
-    logprobs = ms_per_call(lambda: token_and_top_logprobs(logits, token, 5))
-    print(f"{'token_and_top_logprobs(k=5)':45s} {logprobs:7.2f} ms")
-    step = ms_per_call(lambda: sample(logits, rng=rng)) + logprobs
-    print(f"{'a default Decode.step: sample + logprobs':45s} {step:7.2f} ms")
+    ms["token_and_top_logprobs(k=5)"] = ms_per_call(lambda: token_and_top_logprobs(logits, token, 5))
+    ms["a default Decode.step: sample + logprobs"] = ms[str({})] + ms["token_and_top_logprobs(k=5)"]
+    for name, t in ms.items():
+        print(f"{name:45s} {t:7.2f} ms")
