@@ -1177,30 +1177,77 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
 def test_packing_layout_and_views():
     """Arrays packed at aligned offsets come back unchanged; the layout depends on byte sizes only, so a
     run of arrays has the same relative offsets wherever it starts."""
-    from ds4lab.backends.packing import ALIGN, offsets, pack, views
+    from ds4lab.backends.packing import ALIGN, offsets, views
 
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal((3, 5)).astype(np.float32), np.int32(7) * np.ones((), np.int32),
               rng.integers(0, 100, 300).astype(np.int32), np.zeros((0,), np.float32), np.ones((2, 2), bool)]
-    buf, offs = pack(arrays)
-    assert offs == [0, ALIGN, 2 * ALIGN, 2 * ALIGN + 1280, 2 * ALIGN + 1280] and buf.size == 3 * ALIGN + 1280
+    offs, size = offsets(a.nbytes for a in arrays)
+    assert offs == [0, ALIGN, 2 * ALIGN, 2 * ALIGN + 1280, 2 * ALIGN + 1280] and size == 3 * ALIGN + 1280
+    buf = np.zeros(size, np.uint8)
+    for dst, src in zip(views(buf, arrays, offs), arrays):
+        dst[...] = src
     for got, want in zip(views(buf, arrays, offs), arrays):
         assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+    assert np.array_equal(buf[offs[2]:offs[2] + 1200].view(np.int32), arrays[2])  # in the buffer, at its offset
     tail, _ = offsets(a.nbytes for a in arrays[2:])
     assert [o - offs[2] for o in offs[2:]] == tail
 
 
 @pytest.mark.gpu
-def test_cupy_graph_step_copies_runs_and_keeps_outputs():
-    """A CUDA graph replay gives the eager results whether its arguments sit in one buffer at the graph's
-    layout (one span copied: a replay's own outputs, a packed upload), at other offsets, or apart; and
-    outputs a caller holds are never overwritten by later replays."""
+def test_cupy_upload_reuses_its_buffers():
+    """CuPy's upload brings every array's values; the same layout again gives back the same arrays with the
+    new values (no array is made per step); past UPLOAD_LAYOUTS other layouts, the least recently used one
+    is made afresh, and arrays still held from it keep their values."""
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
     import cupy as cp
 
-    from ds4lab.backends.packing import pack, views
+    from ds4lab.backends import cupy_backend
+
+    b = cupy_backend.CupyBackend()
+    rng = np.random.default_rng(4)
+
+    def host(n):
+        return [np.int32(n), rng.standard_normal((n, 3)), rng.integers(0, 9, n)]  # float64 and int64 on purpose
+
+    def check(got, want):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            w = np.asarray(w)
+            assert g.dtype == (np.float32 if w.dtype.kind == "f" else np.int32) and g.shape == w.shape
+            assert np.array_equal(cp.asnumpy(g), w.astype(g.dtype))
+
+    first = host(5)
+    got = b.upload(first)
+    check(got, first)
+    again = host(5)
+    got2 = b.upload(again)
+    assert all(x is y for x, y in zip(got, got2))
+    check(got2, again)
+    for n in range(6, 6 + cupy_backend.UPLOAD_LAYOUTS):  # 16 other layouts: the one of 5 rows is forgotten
+        other = host(n)
+        check(b.upload(other), other)
+    fresh = host(5)
+    got3 = b.upload(fresh)
+    assert not any(x is y for x, y in zip(got, got3))
+    check(got3, fresh)
+    check(got2, again)  # the forgotten buffer's arrays are unchanged
+
+
+@pytest.mark.gpu
+def test_cupy_graph_step_copies_runs_and_keeps_outputs():
+    """A CUDA graph replay gives the eager results whether its arguments sit in one buffer at the graph's
+    layout (one span copied: a replay's own outputs, passed as arrays or as one Span of them, a packed
+    upload), at other offsets, or apart; and outputs a caller holds are never overwritten by later
+    replays."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.backends.cupy_backend import CupyBackend
     from ds4lab.cuda.graphs import GraphStep
 
     def fn(a, b, n):
@@ -1211,12 +1258,11 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
     a = cp.asarray(rng.standard_normal((4, 3)).astype(np.float32))
     b = cp.asarray(rng.standard_normal((5, 3)).astype(np.float32))
     n = cp.asarray(np.int32(2))
-    held, want = [], []
+    held, want, span = [], [], None
     for i in range(6):
         if i == 4:  # the same values, packed in one upload (a run at the graph's layout)
             host = [cp.asnumpy(x) for x in (a, b, n)]
-            buf, offs = pack(host)
-            a, b, n = views(cp.asarray(buf), host, offs)
+            a, b, n = CupyBackend().upload(host)
             assert [(x.shape, x.dtype, np.array_equal(cp.asnumpy(x), h)) for x, h in zip((a, b, n), host)] == \
                 [(h.shape, h.dtype, True) for h in host]
         if i == 5:  # in one buffer, at other offsets than the layout's
@@ -1225,12 +1271,14 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
             a2[...], b2[...] = a, b
             a, b = a2, b2
         ref = fn(*(cp.asnumpy(x) for x in (a, b, n)))  # float32 NumPy: the same roundings
-        out = step(a, b, n)
+        out = step(span, n) if i == 3 else step(a, b, n)  # 3: a and b as one Span of the last outputs
         assert [np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)] == [True] * 3, i
         held.append(out)
         want.append(ref)
         a, b = out[0][:, :], out[1]  # the next call's arguments come out of this replay
         n = out[2]
+        span = out[:2]
+        assert len(span) == 2 and span[-1] is out[1] and [x.shape for x in span] == [(4, 3), (5, 3)]
     assert step.captures == 1 and not step.failures
     for out, ref in zip(held, want):
         assert [np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)] == [True] * 3

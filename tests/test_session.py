@@ -293,3 +293,22 @@ def test_decode_excludes_tokens_from_sampling_but_not_from_logprobs(nano_np):
     assert step.top[0][0] == best  # the reported alternatives are the model's own, best first
     log_z = logits.max() + np.log(np.exp(logits - logits.max()).sum())
     assert abs(step.logprob - (logits[second] - log_z)) < 1e-5
+
+
+def test_packed_layers_unflatten_once_and_only_when_read():
+    """A compiled step's state (PackedLayers) makes its LayerStates on the first read, once; its length is
+    known before that, and it reads like the tuple it stands for."""
+    from ds4lab.model.state import LayerState, PackedLayers
+
+    calls = []
+
+    def unflatten(arrays):
+        calls.append(len(arrays))
+        return tuple(LayerState(raw=a) for a in arrays)
+
+    arrays = [np.full((2, 3), i, np.float32) for i in range(4)]
+    layers = PackedLayers(arrays, 4, unflatten)
+    assert len(layers) == 4 and calls == []
+    assert layers[-1].raw is arrays[3] and calls == [4]
+    assert all(la.raw is a for la, a in zip(layers, arrays, strict=True)) and calls == [4]
+    assert [id(la.raw) for la in layers[1:3]] == [id(a) for a in arrays[1:3]] and calls == [4]

@@ -9,7 +9,8 @@ the few operations below whose spelling differs between libraries or that touch 
     linear(raw, qtype, ne0)           a callable ``x -> x @ Wᵀ`` over a GGUF weight ``raw [out, row_bytes]``
     index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
-    can_compile, compile(fn)          whether and how a function of arrays is traced once and reused
+    can_compile, compile(fn)          whether and how a function of arrays is traced once and reused (a slice
+                                      of a CuPy graph's outputs that is not a tuple is one argument: a Span)
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
     upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
                                       in one transfer where the backend can

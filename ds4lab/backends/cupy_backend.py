@@ -15,7 +15,9 @@ import cupy as cp
 import numpy as np
 
 from .kernel_ops import BlockBackend
-from .packing import pack, views
+from .packing import offsets, views
+
+UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)
 
 
 class CupyBackend(BlockBackend):
@@ -33,6 +35,7 @@ class CupyBackend(BlockBackend):
         self.use_kernels = kernels
         self.chunk_tf32 = chunk_tf32  # prefill_matmul="tf32" (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
+        self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
     compiles_ffn = True  # decode routing stays on the device, so the FFN half is a graph too
@@ -47,10 +50,30 @@ class CupyBackend(BlockBackend):
         return GraphStep(fn)
 
     def upload(self, arrays):
-        """One host-to-device transfer for all of them (a decode step's tables, positions and ids)."""
-        host = [np.asarray(a, dtype=np.float32 if a.dtype.kind == "f" else np.int32) for a in arrays]
-        buf, offs = pack(host)
-        return views(cp.asarray(buf), host, offs)
+        """One host-to-device transfer for all of them (a step's tables, positions and ids), through a pinned
+        staging buffer into a device buffer, both kept per device and layout. The arrays returned are the same
+        objects each time (no array is made per step) and are rewritten by the next upload of the same shapes,
+        which the stream orders after every launch enqueued before it: a caller uses them within its step (a
+        CUDA graph replay copies them into its own buffer first)."""
+        key = (cp.cuda.runtime.getDevice(), *((a.shape, a.dtype) for a in arrays))
+        slot = self._uploads.pop(key, None)
+        if slot is None:
+            if len(self._uploads) >= UPLOAD_LAYOUTS:  # forget the least recently used layout
+                self._uploads.pop(next(iter(self._uploads)))[-1].synchronize()
+            host = [np.asarray(a, dtype=np.float32 if a.dtype.kind == "f" else np.int32) for a in arrays]
+            offs, size = offsets(a.nbytes for a in host)
+            staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
+            device = cp.empty(size, dtype=cp.uint8)
+            slot = (staging, views(staging, host, offs), device, views(device, host, offs), cp.cuda.Event())
+        self._uploads[key] = slot  # the most recently used last
+        staging, staged, device, on_device, copied = slot
+        copied.synchronize()  # the previous upload has left the staging buffer
+        for dst, a in zip(staged, arrays):
+            dst[...] = a  # cast to float32 or int32 as it is written
+        stream = cp.cuda.get_current_stream()
+        device.data.copy_from_host_async(staging.ctypes.data, staging.nbytes, stream)
+        copied.record(stream)
+        return on_device
 
     def device_key(self):
         return cp.cuda.Device().id

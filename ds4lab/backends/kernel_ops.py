@@ -7,7 +7,8 @@ can be captured as a CUDA graph), which decodes each weight row once per batch o
 eight rows of x. A chunk's routed experts go through ``qgemm``: every (token, expert) pair of a projection
 in one tiled launch that decodes the blocks into shared memory, with no dequantized copy of any weight. A
 chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
-GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept.
+GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept (but a
+token embedding of a type no kernel decodes, decoded once where a compiled step looks rows up on the device).
 
 Attention likewise: a few queries go through the split-key kernel (blocks of heads sharing each key read);
 a chunk through ``attn_chunk``, which never makes the scores (an online softmax over tiles of each query's
@@ -81,8 +82,10 @@ class StackedBlockLinear:
 
 class BlockEmbedding:
     """``tokens -> rows`` of the token embedding for a block backend: a chunk's rows gathered from the table's
-    GGUF bytes on the device (uploaded on the first chunk) and decoded there; on the H200 the host's
-    dequantize and upload of 2048 rows took 32 ms, the GPU idle meanwhile. A few tokens take ``host``."""
+    GGUF bytes on the device (uploaded on first use) and decoded there; on the H200 the host's dequantize and
+    upload of 2048 rows took 32 ms, the GPU idle meanwhile. A few tokens take ``host``, unless their ids are
+    on the device already (:meth:`on_device`: a compiled step's). A type with no kernel decoder is decoded
+    whole, once, into a float32 table on the device."""
 
     def __init__(self, backend, raw, qtype: Q, ne0: int, host):
         self.backend, self.kernels, self.raw, self.qtype, self.ne0, self.host = (
@@ -92,10 +95,16 @@ class BlockEmbedding:
     def __call__(self, tokens):
         if len(tokens) <= EMBED_HOST_ROWS:
             return self.host(tokens)
+        return self.on_device(self.backend.xp.asarray(np.asarray(tokens, dtype=np.int32)))
+
+    def on_device(self, ids):
+        """Rows of device int32 ``ids``."""
+        blocks = self.qtype in KERNEL_TYPES
         if self.table is None:
-            self.table = self.backend._blocks(self.raw)
-        rows = self.table[self.backend.xp.asarray(np.asarray(tokens, dtype=np.int32))]
-        return self.kernels.dequant(rows, self.qtype, self.ne0, len(tokens))
+            self.table = (self.backend._blocks(self.raw) if blocks
+                          else self.backend.asarray(dequantize(self.raw, self.qtype, self.ne0)))
+        rows = self.table[ids]
+        return self.kernels.dequant(rows, self.qtype, self.ne0, ids.shape[0]) if blocks else rows
 
 
 class KernelOps:
@@ -281,9 +290,7 @@ class BlockBackend(KernelOps):
 
     def embedding(self, raw, qtype, ne0: int):
         host = super().embedding(raw, qtype, ne0)
-        if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
-            return host
-        return BlockEmbedding(self, raw, qtype, ne0, host)
+        return host if self.kernels is None else BlockEmbedding(self, raw, qtype, ne0, host)
 
     def index_add(self, acc, rows, values):
         acc[self.xp.asarray(rows)] += values  # rows are distinct

@@ -5,8 +5,6 @@ sits at the same relative offsets in any other buffer laid out this way."""
 
 from __future__ import annotations
 
-import numpy as np
-
 ALIGN = 256  # bytes; every array starts at a multiple (CUDA allocations are aligned this way too)
 
 
@@ -19,20 +17,15 @@ def offsets(nbytes) -> tuple[list[int], int]:
     return out, max(end, ALIGN)
 
 
-def pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """Host arrays in one uint8 buffer; returns the buffer and each array's offset."""
-    offs, size = offsets(a.nbytes for a in arrays)
-    buf = np.zeros(size, dtype=np.uint8)
-    for a, o in zip(arrays, offs):
-        buf[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return buf, offs
-
-
 def views(buf, arrays, offs) -> list:
-    """The arrays of a packed buffer (any library with NumPy's slicing and ``view``), shaped like ``arrays``.
-    A CuPy buffer's are made from its memory pointer, one constructor call each rather than a slice, a view
-    and a reshape: a decode step makes one per state array, on the host's side of the step."""
-    data = getattr(buf, "data", None)
-    if hasattr(data, "ptr"):  # a CuPy MemoryPointer (NumPy's data is a memoryview)
-        return [type(buf)(a.shape, a.dtype, memptr=data + o) for a, o in zip(arrays, offs)]
+    """The arrays of a packed buffer (any library with NumPy's slicing and ``view``), shaped like ``arrays``."""
+    if hasattr(getattr(buf, "data", None), "ptr"):  # a CuPy MemoryPointer (NumPy's data is a memoryview)
+        return [view_at(buf, a.shape, a.dtype, o) for a, o in zip(arrays, offs)]
     return [buf[o:o + a.nbytes].view(a.dtype).reshape(a.shape) for a, o in zip(arrays, offs)]
+
+
+def view_at(buf, shape, dtype, offset: int):
+    """The array of ``shape`` and ``dtype`` at byte ``offset`` of a CuPy buffer, made from its memory pointer
+    in one constructor call rather than a slice, a view and a reshape (a decode step makes several on the
+    host's side of the step)."""
+    return type(buf)(shape, dtype, memptr=buf.data + offset)

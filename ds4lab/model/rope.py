@@ -57,11 +57,12 @@ class RopeParams:
     def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of :meth:`tables` for ``positions``, gathered from a table kept per parameters (each
         row depends on its position only, so the values are the same; a step makes no angles)."""
-        need = int(np.max(positions)) + 1
+        positions = np.asarray(positions)
+        need = int(positions.max()) + 1
         cos, sin = _ROWS.get(self, ((), ()))
         if len(cos) < need:
             cos, sin = _ROWS[self] = self.tables(np.arange(max(ROWS_MIN, 1 << (need - 1).bit_length())))
-        return cos[positions], sin[positions]
+        return cos.take(positions, axis=0), sin.take(positions, axis=0)  # take: a decode step's host time
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables ``[len(positions), n_rot/2]`` (float32), magnitude included."""

@@ -9,6 +9,7 @@ compressor state of each compressor. Row counts are not stored: after T tokens a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -98,9 +99,32 @@ class LayerState:
         return cls(*arrays)
 
 
+class PackedLayers(Sequence):
+    """Every layer's state as one run of arrays (a CUDA graph replay's outputs), made into
+    :class:`LayerState` values only when read. A compiled decode step hands the run to the next step
+    whole, so a step that nothing reads the layers of makes no object per layer and array."""
+
+    def __init__(self, arrays: Sequence, n_layer: int, unflatten: Callable[[Sequence], tuple[LayerState, ...]]):
+        self.arrays, self._n, self._unflatten, self._layers = arrays, n_layer, unflatten, None
+
+    def _get(self) -> tuple[LayerState, ...]:
+        if self._layers is None:
+            self._layers = self._unflatten(self.arrays)
+        return self._layers
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+
 @dataclass(frozen=True)
 class KVState:
-    layers: tuple[LayerState, ...]
+    layers: Sequence[LayerState]  # a tuple, or PackedLayers
     n_past: int
     geometry: Geometry
 

@@ -29,7 +29,7 @@ from .functional import rmsnorm
 from .hc import hc_head
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk
 from .rope import RopeParams
-from .state import KVState, LayerState
+from .state import KVState, LayerState, PackedLayers
 from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
@@ -51,6 +51,7 @@ class ChunkTables:
     windows: dict  # (RopeParams, ratio) -> (cos, sin) [n_windows, n_rot/2]
     scalars: tuple  # (pos0, n_valid) as the backend passes them into compiled functions
     ids: object  # the real tokens' ids, int32 on the device, where the backend compiles the FFN half
+    chunk_ids: object = None  # the same with the padded rows' (0), which a compiled step embeds on the device
 
 
 class Transformer:
@@ -63,6 +64,9 @@ class Transformer:
         self.numerics = numerics
         self.w = weights if weights is not None else Weights(file, backend, config.o_groups, config.o_lora)
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
+        self._rope_keys = list(dict.fromkeys(self.ropes))  # the distinct tables a chunk reads, in table order
+        self._window_keys = list(dict.fromkeys((p, config.ratio(il)) for il, p in enumerate(self.ropes)
+                                               if config.ratio(il)))
         # Called as observer(name, value) at the named points below when set (eager runs only).
         self.observer = None
         self.compile = backend.can_compile if compile is None else compile
@@ -89,13 +93,13 @@ class Transformer:
 
     # -- forward --------------------------------------------------------------------------------------
     def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
-        b, cfg = self.backend, self.cfg
-        rope_keys = list(dict.fromkeys(self.ropes))
-        window_keys = list(dict.fromkeys((p, cfg.ratio(il)) for il, p in enumerate(self.ropes) if cfg.ratio(il)))
+        b, rope_keys, window_keys = self.backend, self._rope_keys, self._window_keys
         compiled = self.compiles(chunk)
         host = []
         if compiled:  # in the order a compiled step takes them, so that its graph copies them in as one span
-            host += [np.int32(pos0), np.int32(len(tokens))] + ([tokens.astype(np.int32)] if b.compiles_ffn else [])
+            host += [np.int32(pos0), np.int32(len(tokens))]
+            if b.compiles_ffn:
+                host.append(tokens if len(tokens) == chunk else np.pad(tokens, (0, chunk - len(tokens))))
         n_ints = len(host)
         host += [t for p in rope_keys for t in p.rows(pos0 + np.arange(chunk))]
         for p, R in window_keys:
@@ -107,7 +111,11 @@ class Transformer:
         windows = {k: (next(dev), next(dev)) for k in window_keys}
         if not compiled:
             return ChunkTables(rope, windows, (pos0, len(tokens)), None)
-        return ChunkTables(rope, windows, tuple(ints[:2]), ints[2] if b.compiles_ffn else None)
+        if not b.compiles_ffn:
+            return ChunkTables(rope, windows, tuple(ints[:2]), None)
+        chunk_ids = ints[2]
+        return ChunkTables(rope, windows, tuple(ints[:2]), chunk_ids[:len(tokens)] if len(tokens) < chunk
+                           else chunk_ids, chunk_ids)
 
     def forward(self, tokens, state: KVState, pad_to: int | None = None, tiers: TierRun | None = None):
         """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
@@ -173,31 +181,40 @@ class Transformer:
 
     def _compiled_step(self, tokens, padded, state: KVState, head: bool):
         """Every layer of a chunk (and with ``head`` the head on its last real token) as one compiled call
-        (a CUDA graph on CuPy), keyed by the chunk's padded and real sizes; the embedding is looked up on
-        the host. Returns ``(X, new state, logits or None)``."""
+        (a CUDA graph on CuPy), keyed by the chunk's padded and real sizes; the embedding rows are looked
+        up and decoded on the device, inside it. Returns ``(X, new state, logits or None)``."""
         n, C = len(tokens), len(padded)
         tabs = self.tables(tokens, state.n_past, C)
         key = ("step", C, n, head)
         if key not in self._compiled:
             self._compiled[key] = self.backend.compile(
                 self._step_arrays(n, list(tabs.rope), list(tabs.windows), head))
-        arrays = [a for layer in state.layers for a in layer.arrays() if a is not None]
-        out = self._compiled[key](self.w.embed(padded), *tabs.scalars, tabs.ids, *sum(tabs.rope.values(), ()),
+        if isinstance(state.layers, PackedLayers):  # the previous step's outputs
+            arrays = state.layers.arrays
+            arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
+        else:
+            arrays = [a for layer in state.layers for a in layer.arrays() if a is not None]
+        out = self._compiled[key](*tabs.scalars, tabs.chunk_ids, *sum(tabs.rope.values(), ()),
                                   *sum(tabs.windows.values(), ()), *arrays)
-        new = iter(out[1:])
-        layers = tuple(self._unflatten(il, new) for il in range(self.cfg.n_layer))
+        layers = PackedLayers(out[1:-1] if head else out[1:], self.cfg.n_layer, self._unflatten_all)
         return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
 
+    def _unflatten_all(self, arrays) -> tuple[LayerState, ...]:
+        it = iter(arrays)
+        return tuple(self._unflatten(il, it) for il in range(self.cfg.n_layer))
+
     def _step_arrays(self, n: int, rope_keys: list, window_keys: list, head: bool):
-        """The whole chunk as a function of arrays only: (embedding, pos0, n_valid, ids, RoPE tables,
+        """The whole chunk as a function of arrays only: (pos0, n_valid, the chunk's ids, RoPE tables,
         window tables, every layer's state arrays) -> (X of the real rows, every layer's new arrays, and
         with ``head`` the logits of the last real row)."""
         cfg, xp = self.cfg, self.backend.xp
 
-        def step(emb, pos0, n_valid, ids, *rest):
+        def step(pos0, n_valid, chunk_ids, *rest):
             it = iter(rest)
             rope = {k: (next(it), next(it)) for k in rope_keys}
             windows = {k: (next(it), next(it)) for k in window_keys}
+            emb = self.w.embed_on_device(chunk_ids)
+            ids = chunk_ids[:n]
             X = xp.broadcast_to(emb[:, None, :], (emb.shape[0], cfg.n_hc, cfg.n_embd))
             new = []
             for il, params in enumerate(self.ropes):

@@ -130,8 +130,15 @@ class Weights:
                           lambda: self.backend.xp.array(self.hash_table(il).astype(np.int32)))
 
     def embed(self, tokens: np.ndarray):
+        return self._embedding()(tokens)
+
+    def embed_on_device(self, ids):
+        """Embedding rows of device int32 ids (a compiled step's), looked up and decoded on the device."""
+        return self._embedding().on_device(ids)
+
+    def _embedding(self):
         t = self.file.tensors["token_embd.weight"]
-        return self._memo("token_embd", lambda: self.backend.embedding(t.data, t.qtype, t.shape[0]))(tokens)
+        return self._memo("token_embd", lambda: self.backend.embedding(t.data, t.qtype, t.shape[0]))
 
 
 class ArrayWeights:
@@ -178,3 +185,6 @@ class ArrayWeights:
 
     def embed(self, tokens: np.ndarray):
         return self.p["token_embd.weight"][self.xp.array(tokens)]
+
+    def embed_on_device(self, ids):
+        return self.p["token_embd.weight"][ids]
