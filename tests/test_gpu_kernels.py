@@ -290,6 +290,26 @@ def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("tf32", (False, True), ids=("float32", "tf32"))
+@pytest.mark.parametrize("qtype", (Q.F16, Q.Q8_0), ids=lambda q: q.name)
+def test_grouped_product_matches_float64(gpu, monkeypatch, qtype, tf32):
+    """A chunk's attn_output_a: row t of group g times matrix g, in group order. x is a slice of a wider array
+    (its rows spaced wider than G·K, as CuPy's strided batched GEMM reads them in place). Float32: within 1e-5
+    of the scale of float64's sum; TF32 operands (10 mantissa bits): within 2e-3."""
+    backend, kernels, to_dev, to_host = gpu
+    if tf32 and backend.startswith("mlx"):
+        pytest.skip("prefill_matmul='tf32' is the CuPy backend's (ds4lab.load refuses it on MLX)")
+    monkeypatch.setattr(kernels, "chunk_tf32", tf32)
+    G, rows, ne0, T = 3, 40, QGEMM_K[qtype], 70
+    raw = random_weight(qtype, (G, rows), ne0, seed=21)
+    x = np.random.default_rng(22).standard_normal((T, G + 1, ne0)).astype(np.float32)
+    W = dequantize(raw, qtype, ne0).astype(np.float64).reshape(G, rows, ne0)
+    want = np.einsum("tgk,grk->tgr", x[:, :G].astype(np.float64), W).reshape(T, G * rows)
+    got = to_host(kernels.grouped_product(to_dev(x)[:, :G], to_dev(raw), qtype, ne0, rows))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=(2e-3 if tf32 else 1e-5) * np.abs(want).max())
+
+
 def test_tf32_round_keeps_ten_mantissa_bits_with_ties_away_from_zero():
     ulp = 2.0 ** -10  # TF32's spacing in [1, 2)
     x = np.array([1.0, 1 + ulp / 2, 1 + ulp / 2 - 2.0 ** -23, 1 + ulp / 4, -(1 + ulp / 2), 0.75 + ulp / 4, 1e-30, 0.0],

@@ -79,6 +79,11 @@ class StackedBlockLinear:
         product = self.kernels.qmatmul if x_pairs.shape[0] <= KERNEL_MAX_ROWS else self.kernels.qgemm
         return product(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, experts)
 
+    def grouped(self, x):
+        """``x [T, n, ne0]``: row t of group g times matrix g, as ``[T, n · rows]`` in group order (a chunk's
+        attn_output_a: every matrix dequantized, then one batched GEMM)."""
+        return self.kernels.grouped_product(x, self.raw, self.qtype, self.ne0, self.n_rows)
+
 
 class BlockEmbedding:
     """``tokens -> rows`` of the token embedding for a block backend: a chunk's rows gathered from the table's

@@ -10,7 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import cupy as cp
+import numpy as np
 from cupy._core import _routines_linalg as cublas_types  # CuPy's switch of cuBLAS's compute type
+from cupy_backends.cuda.api import runtime
+from cupy_backends.cuda.libs import cublas
 
 from ..mlx_kernels import specs as S
 from ..mlx_kernels.dialects import cuda_module_source
@@ -53,6 +56,28 @@ class CudaKernels(ArrayLaunches):
             return x @ w.T
         finally:
             cublas_types.set_compute_type(cp.float32, before)
+
+    def batched_dense_product(self, x, w):
+        """One strided batched cuBLAS GEMM (TF32 with ``chunk_tf32``) that reads each group's rows of ``x`` in
+        place (its rows may be spaced wider than G·K) and writes ``[T, G·N]`` directly: no copy of x's groups
+        and no concatenation of their products."""
+        T, G, K = x.shape
+        N = w.shape[1]
+        if x.strides[1:] != (4 * K, 4) or x.strides[0] < 4 * G * K or x.dtype != cp.float32:
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+        w = cp.ascontiguousarray(w, dtype=cp.float32)
+        out = cp.empty((T, G * N), dtype=cp.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        # column-major: out_gᵀ [N, T] (ld G·N) = w_g [K, N]ᵀ (ld K) · x_gᵀ [K, T] (ld = x's row stride)
+        cublas.gemmStridedBatchedEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, T, K, one.ctypes.data,
+            w.data.ptr, runtime.CUDA_R_32F, K, N * K, x.data.ptr, runtime.CUDA_R_32F, x.strides[0] // 4, K,
+            zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, G * N, N, G,
+            cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if self.chunk_tf32 else cublas.CUBLAS_COMPUTE_32F,
+            cublas.CUBLAS_GEMM_DEFAULT)
+        return out
 
     def _f32(self, x):
         x = super()._f32(x)

@@ -153,6 +153,20 @@ class KernelLaunches:
             x, w = tf32_round(self.xp, x), tf32_round(self.xp, w)
         return x @ w.T
 
+    def grouped_product(self, x, raw, qtype, ne0: int, n_rows: int):
+        """``x [T, G, ne0]``, row t of group g times matrix g of ``raw [G, n_rows, row_bytes]``: ``[T, G·n_rows]``
+        in group order (a chunk's attn_output_a). The matrices are dequantized in one launch, then multiplied
+        in one batched product."""
+        G = x.shape[1]
+        w = self.dequant(raw.reshape(G * n_rows, -1), qtype, ne0, G * n_rows)
+        return self.batched_dense_product(x, w.reshape(G, n_rows, ne0))
+
+    def batched_dense_product(self, x, w):
+        """``out[t, g] = x[t, g] @ w[g]ᵀ`` for ``x [T, G, K]`` and ``w [G, N, K]``, as ``[T, G·N]``."""
+        if self.chunk_tf32:
+            x, w = tf32_round(self.xp, x), tf32_round(self.xp, w)
+        return self.xp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(x.shape[0], -1)
+
     def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
         """The same product for many rows, tiled: ``x [P, ne0]``, ``raw [n_expert, n_rows, row_bytes]`` (or
         ``[n_rows, row_bytes]`` with ``experts`` None: one matrix), ``experts`` a host array of P expert ids;

@@ -338,9 +338,11 @@ class Transformer:
         heads = self.backend.rope(out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
         out_b = w.linear(p + "attn_output_b.weight")
-        stacked = w.out_a_stacked(il) if C * cfg.o_groups <= self.gather_max_pairs else None
-        if stacked is not None:  # a decode step: every group's slice in one launch
+        stacked = w.out_a_stacked(il)
+        if stacked is not None and C * cfg.o_groups <= self.gather_max_pairs:  # a decode step: one launch
             y = grouped_output_gathered(xp, heads, stacked, cfg.o_groups, out_b)
+        elif stacked is not None:  # a chunk: one batched GEMM over the groups
+            y = out_b(stacked.grouped(heads.reshape(C, cfg.o_groups, -1)))
         else:
             y = grouped_output(xp, heads, w.out_a_groups(il), out_b)
         return self.backend.hc_post(y, X, post, comb), new
