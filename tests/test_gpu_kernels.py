@@ -310,6 +310,17 @@ def test_grouped_product_matches_float64(gpu, monkeypatch, qtype, tf32):
     np.testing.assert_allclose(got, want, rtol=0, atol=(2e-3 if tf32 else 1e-5) * np.abs(want).max())
 
 
+@pytest.mark.parametrize("T, k, D", ((1, 6, 4096), (37, 6, 131), (5, 1, 70), (300, 6, 33)))
+def test_pair_sum_adds_each_tokens_rows_in_order(gpu, T, k, D):
+    """The routed experts' sum per token: NumPy's float32 sum over the pair axis (it adds the rows in order,
+    as the kernel does), bit for bit."""
+    _, kernels, to_dev, to_host = gpu
+    y = (np.random.default_rng(T + D).standard_normal((T * k, D)) * 10.0 ** np.arange(-3, 3)[np.arange(T * k) % 6,
+                                                                                            None]).astype(np.float32)
+    got = to_host(kernels.pair_sum(to_dev(y), k))
+    np.testing.assert_array_equal(got, y.reshape(T, k, D).sum(axis=1))
+
+
 def test_tf32_round_keeps_ten_mantissa_bits_with_ties_away_from_zero():
     ulp = 2.0 ** -10  # TF32's spacing in [1, 2)
     x = np.array([1.0, 1 + ulp / 2, 1 + ulp / 2 - 2.0 ** -23, 1 + ulp / 4, -(1 + ulp / 2), 0.75 + ulp / 4, 1e-30, 0.0],

@@ -246,6 +246,12 @@ class KernelOps:
         mid = swiglu(self.xp, gate, up, clamp)
         return mid if weights is None else mid * weights[:, None]
 
+    def pair_sum(self, y, k: int):
+        """``y [T·k, D]`` (a token's k routed-expert outputs in consecutive rows) summed per token: ``[T, D]``."""
+        if self.kernels is not None:
+            return self.kernels.pair_sum(y, k)
+        return y.reshape(-1, k, y.shape[-1]).sum(axis=1)
+
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):
         """A few tokens' routing without leaving the device (§3.10): ``(probs, selected, weights)`` from the
         router's ``logits [T, n_expert]``. Experts are the top k of probs + ``bias`` (None: no bias) in

@@ -287,6 +287,13 @@ class KernelLaunches:
                          [self._f32(gate), self._f32(ape), self._i32(pos0), self._const(C, W, ape.shape[0])],
                          [((C, W), "float32")])[0]
 
+    def pair_sum(self, y, k: int):
+        """``y [T·k, D]`` summed over each token's k rows in order: ``[T, D]``."""
+        P, D = y.shape
+        T = P // k
+        return self._run(S.PAIR_SUM, (-(-T * D // S.ROW_GROUP), 1), S.ROW_GROUP, [self._f32(y), self._const(T, k, D)],
+                         [((T, D), "float32")])[0]
+
     def append_rows(self, rows, pooled, pos0, n_valid, ratio: int):
         """The compressed rows ``[N, D]`` with the windows a chunk completed taken from ``pooled``."""
         N, D = rows.shape

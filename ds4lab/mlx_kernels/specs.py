@@ -27,6 +27,7 @@
 ``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
 ``rope``             RoPE on the tail dims of rows (and its inverse)
 ``swiglu``           the experts' clamped SwiGLU, times each pair's route weight when given
+``pair_sum``         the routed experts' outputs summed per token, in pair order
 ``moe_route``        a few tokens' routing: sqrt-softplus probabilities, top-k (or hash) experts, their weights
 """
 
@@ -234,6 +235,7 @@ COMPRESS_STATE = KernelSpec("compress_state", "compress_state.body",
 APE_ADD = KernelSpec("ape_add", "ape_add.body",
                      (("gate", "float32"), ("ape", "float32"), ("pos0", "int32"), ("dims", "int32")),
                      (("out", "float32"),))
+PAIR_SUM = KernelSpec("pair_sum", "pair_sum.body", (("y", "float32"), ("dims", "int32")), (("out", "float32"),))
 APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
                          (("rows", "float32"), ("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                           ("dims", "int32")),
@@ -283,7 +285,8 @@ def all_specs() -> list[KernelSpec]:
             *(indexer_chunk_spec(tf32) for tf32 in (False, True)),
             ATTN_PARTIAL, ATTN_REDUCE, attn_chunk_spec(False), attn_chunk_spec(True),
             HC_MIX, HC_POST, RMSNORM, RMSNORM_ROPE, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
-            APPEND_ROWS, COMP_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, MOE_ROUTE]
+            APPEND_ROWS, COMP_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, PAIR_SUM,
+            MOE_ROUTE]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

@@ -64,12 +64,12 @@ def routed_experts_gathered(backend, f, selected, weights, stacked, clamp: float
 
     ``stacked`` is (gate, up, down), each called as ``proj(x_pairs, experts)`` with row p of
     ``x_pairs`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may
-    be a host array or a device one. The SwiGLU and the route weights are ``backend.swiglu`` (one kernel
-    where the backend has it).
+    be a host array or a device one. The SwiGLU and the route weights are ``backend.swiglu``, the sum per
+    token ``backend.pair_sum`` (a kernel each where the backend has them).
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
     x = backend.xp.repeat(f, k, axis=0)
     gate, up, down = stacked
     mid = backend.swiglu(gate(x, experts), up(x, experts), clamp, weights.reshape(T * k))
-    return down(mid, experts).reshape(T, k, -1).sum(axis=1)
+    return backend.pair_sum(down(mid, experts), k)
