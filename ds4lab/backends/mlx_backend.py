@@ -11,17 +11,11 @@ block form, decode-sized attention uses the split-key kernel and a chunk's atten
 
 from __future__ import annotations
 
-import os
-
-# ds4lab's math is float32 (DESIGN "Numerics"); MLX runs float32 GEMMs at TF32 precision on CUDA (and
-# on M5-class Apple GPUs) unless told otherwise: measured on the H200, a 512×4096×1024 float32 matmul
-# came out with 3.4e-4 relative error (numpy: 5.4e-7). An explicit MLX_ENABLE_TF32 set by the user wins.
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
-
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ..mlx_kernels import mlx_ops  # noqa: F401  (it sets MLX_ENABLE_TF32's default before the first GEMM)
 from ..quants import dequantize
 from .kernel_ops import BlockLinear, KernelOps
 
