@@ -279,6 +279,22 @@ def test_qgemm_gathers_each_pairs_expert(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.IQ2_XXS), ids=lambda q: q.name)
+def test_qgemm_reads_each_tokens_row_for_its_pairs(gpu, qtype):
+    """``repeat = k``: pair p multiplies row p // k of x (a token's k experts share its row, which is never
+    repeated in memory): the same floats as the product of x's rows repeated, bit for bit."""
+    _, kernels, to_dev, to_host = gpu
+    n_expert, rows, ne0, T, k = 5, 70, QGEMM_K[qtype], 23, 6
+    raw = to_dev(random_weight(qtype, (n_expert, rows), ne0, seed=31))
+    rng = np.random.default_rng(32)
+    experts = rng.integers(0, n_expert, T * k)
+    x = rng.standard_normal((T, ne0)).astype(np.float32)
+    got = to_host(kernels.qgemm(to_dev(x), raw, qtype, ne0, rows, experts, k))
+    want = to_host(kernels.qgemm(to_dev(np.repeat(x, k, axis=0)), raw, qtype, ne0, rows, experts))
+    assert got.shape == (T * k, rows)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("qtype", (Q.F16, Q.Q8_0, Q.IQ2_XXS), ids=lambda q: q.name)
 def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
     _, kernels, to_dev, to_host = gpu

@@ -68,16 +68,19 @@ class BlockLinear:
 class StackedBlockLinear:
     """All experts of one routed-expert tensor ``raw [n_expert, rows, row_bytes]`` on the device.
 
-    ``stacked(x_pairs, experts)`` gives row p of ``x_pairs`` times expert ``experts[p]``ᵀ in one launch:
-    qmatmul for a few pairs, qgemm for a chunk's."""
+    ``stacked(x, experts, repeat)`` gives row p // repeat of ``x`` times expert ``experts[p]``ᵀ for every pair
+    p in one launch: qmatmul for a few pairs (on x's rows repeated), qgemm for a chunk's (which reads each row
+    of x for its ``repeat`` pairs: a token's k experts)."""
 
     def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
         self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
 
-    def __call__(self, x_pairs, experts):
+    def __call__(self, x, experts, repeat: int = 1):
         """``experts``: host ids, or a device array of them (a decode step's routing, planned there)."""
-        product = self.kernels.qmatmul if x_pairs.shape[0] <= KERNEL_MAX_ROWS else self.kernels.qgemm
-        return product(x_pairs, self.raw, self.qtype, self.ne0, self.n_rows, experts)
+        if x.shape[0] * repeat > KERNEL_MAX_ROWS:
+            return self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
+        x = x if repeat == 1 else self.kernels.xp.repeat(x, repeat, axis=0)
+        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts)
 
     def grouped(self, x):
         """``x [T, n, ne0]``: row t of group g times matrix g, as ``[T, n · rows]`` in group order (a chunk's

@@ -167,14 +167,16 @@ class KernelLaunches:
             x, w = tf32_round(self.xp, x), tf32_round(self.xp, w)
         return self.xp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(x.shape[0], -1)
 
-    def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
-        """The same product for many rows, tiled: ``x [P, ne0]``, ``raw [n_expert, n_rows, row_bytes]`` (or
-        ``[n_rows, row_bytes]`` with ``experts`` None: one matrix), ``experts`` a host array of P expert ids;
-        every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
-        P = x.shape[0]
+    def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
+        """The same product for many rows, tiled: ``x [P / repeat, ne0]`` (pair p reads row p // repeat: a
+        token's pairs share its row), ``raw [n_expert, n_rows, row_bytes]`` (or ``[n_rows, row_bytes]`` with
+        ``experts`` None: one matrix), ``experts`` a host array of P expert ids; every row in one launch, straight
+        from the blocks. Returns ``out [P, n_rows]``."""
+        P = x.shape[0] * repeat
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
         return self._run(S.qgemm_spec(qtype, self.chunk_tf32), (-(-n_rows // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
-                         [self._f32(x), raw, self.aux, order, tiles, self._const(ne0, n_rows, row_bytes(qtype, ne0))],
+                         [self._f32(x), raw, self.aux, order, tiles,
+                          self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
 
     def attention(self, q, keys, visible, sinks, scale: float):
@@ -339,7 +341,7 @@ class KernelLaunches:
         order, tiles, n_tiles = self._plan(None, T * H, S.QGEMM_BM)
         return self._run(S.indexer_chunk_spec(self.chunk_tf32), (-(-N // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
                          [self._f32(q).reshape(T * H, Dq), self._f32(k).reshape(-1).view(self.xp.uint8), self.aux,
-                          order, tiles, self._const(Dq, N, 4 * Dq, H), self._f32(w)],
+                          order, tiles, self._const(Dq, N, 4 * Dq, H, 1), self._f32(w)],
                          [((T, N), "float32")])[0]
 
     def indexer_topk(self, score, visible, n_visible, top_k: int):

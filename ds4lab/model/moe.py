@@ -62,14 +62,13 @@ def routed_experts(backend, f, selected: np.ndarray, weights, experts, clamp: fl
 def routed_experts_gathered(backend, f, selected, weights, stacked, clamp: float):
     """The same sum with every (token, expert) pair in one product per projection.
 
-    ``stacked`` is (gate, up, down), each called as ``proj(x_pairs, experts)`` with row p of
-    ``x_pairs`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may
-    be a host array or a device one. The SwiGLU and the route weights are ``backend.swiglu``, the sum per
+    ``stacked`` is (gate, up, down), each called as ``proj(x, experts, repeat)`` with row p // repeat of
+    ``x`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may be a
+    host array or a device one. The SwiGLU and the route weights are ``backend.swiglu``, the sum per
     token ``backend.pair_sum`` (a kernel each where the backend has them).
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
-    x = backend.xp.repeat(f, k, axis=0)
     gate, up, down = stacked
-    mid = backend.swiglu(gate(x, experts), up(x, experts), clamp, weights.reshape(T * k))
+    mid = backend.swiglu(gate(f, experts, k), up(f, experts, k), clamp, weights.reshape(T * k))
     return backend.pair_sum(down(mid, experts), k)
