@@ -579,9 +579,9 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
         qgemm_calls = []
         qgemm = gpu.backend.kernels.qgemm
 
-        def counted(x, raw, qtype, ne0, n_rows, experts=None):
-            qgemm_calls.append((x.shape[0], n_rows))
-            return qgemm(x, raw, qtype, ne0, n_rows, experts)
+        def counted(x, raw, qtype, ne0, n_rows, experts=None, repeat=1):
+            qgemm_calls.append((x.shape[0] * repeat, n_rows))  # pairs: a token's row serves its k experts
+            return qgemm(x, raw, qtype, ne0, n_rows, experts, repeat)
 
         monkeypatch.setattr(gpu.backend.kernels, "qgemm", counted)
     ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, n_prefill + n_decode)
