@@ -40,7 +40,7 @@ ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kern
 # --no-attn-chunk for the GEMMs); the GEMMs win only where most keys are visible (attn_chunk_bench.py).
 ATTN_CHUNK_KERNEL = True
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
-EMBED_HOST_ROWS = 16  # up to this many tokens (a decode step), embedding rows are decoded on the host and uploaded
+EMBED_HOST_ROWS = 16  # up to this many tokens, eager steps decode embedding rows on the host (graphs: on the GPU)
 
 
 class BlockLinear:
