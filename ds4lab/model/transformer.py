@@ -150,11 +150,11 @@ class Transformer:
             raise ValueError(f"positions {pos0}…{pos0 + n - 1} exceed the context of {geo.ctx} tokens")
         if n > geo.step:
             raise ValueError(f"a chunk of {n} tokens exceeds the {geo.step} tokens one step can take")
-        padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
         tiers = NO_TIERS if tiers is None else tiers
         if tiers.one_tier and self.whole_step and self.compiles(C) and b.compiles_ffn and self.observer is None:
             with tiers.scope():
-                return self._compiled_step(tokens, padded, state, head)
+                return self._compiled_step(tokens, C, state, head)
+        padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
         tiers.start()
         with tiers.scope():
             X = xp.broadcast_to(self.w.embed(padded)[:, None, :], (C, cfg.n_hc, cfg.n_embd))
@@ -179,11 +179,12 @@ class Transformer:
         """``fn`` (the FFN half) on the first ``n`` rows of X, the padded rows passed through."""
         return fn(X) if X.shape[0] == n else self.backend.xp.concatenate([fn(X[:n]), X[n:]], axis=0)
 
-    def _compiled_step(self, tokens, padded, state: KVState, head: bool):
+    def _compiled_step(self, tokens, C: int, state: KVState, head: bool):
         """Every layer of a chunk (and with ``head`` the head on its last real token) as one compiled call
         (a CUDA graph on CuPy), keyed by the chunk's padded and real sizes; the embedding rows are looked
-        up and decoded on the device, inside it. Returns ``(X, new state, logits or None)``."""
-        n, C = len(tokens), len(padded)
+        up and decoded on the device, inside it (:meth:`tables` pads the ids to ``C`` rows). Returns ``(X, new
+        state, logits or None)``."""
+        n = len(tokens)
         tabs = self.tables(tokens, state.n_past, C)
         key = ("step", C, n, head)
         if key not in self._compiled:
