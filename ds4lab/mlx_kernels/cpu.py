@@ -1,7 +1,7 @@
 """The kernels run on a CPU: the bodies rendered in the "cpu" dialect, compiled with a C++20 compiler
-into a shared library and launched through ctypes over NumPy arrays. A work-group's threads are real
-threads with real barriers, so the bodies' logic (indexing, SIMD reductions, barriers, the numerics)
-is tested on every CPU run of the suite; speed is not the point."""
+into a shared library and launched through ctypes over NumPy arrays. A work-group's threads are fibers
+with real barriers between them (see ``dialects._CPU_LAUNCH``), so the bodies' logic (indexing, SIMD
+reductions, barriers, the numerics) is tested on every CPU run of the suite; speed is not the point."""
 
 from __future__ import annotations
 
@@ -20,45 +20,58 @@ from . import specs as S
 from .dialects import cpu_module_source
 from .launches import ArrayLaunches
 
+# Fortified longjmp refuses to jump between stacks, which is how the emulator's fibers switch.
+FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-U_FORTIFY_SOURCE")
+
 
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
+def compile_module(specs) -> ctypes.CDLL:
+    """The emulator's library for ``specs``, compiled once per source and compiler (kept in the temp dir)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("the CPU kernel emulator needs a C++20 compiler (g++ or clang++; or set CXX)")
-    source = cpu_module_source(S.all_specs())
-    digest = hashlib.sha1((cxx + source).encode()).hexdigest()[:16]
+    source = cpu_module_source(specs)
+    digest = hashlib.sha1(" ".join([cxx, *FLAGS, source]).encode()).hexdigest()[:16]
     lib = Path(tempfile.gettempdir()) / f"ds4lab-cpu-kernels-{digest}.so"
     if not lib.exists():
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "kernels.cpp"
             src.write_text(source)
             out = Path(tmp) / "kernels.so"
-            run = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(src), "-o", str(out)],
-                                 capture_output=True, text=True)
+            run = subprocess.run([cxx, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
             if run.returncode:
                 raise RuntimeError(f"compiling the CPU kernels failed:\n{run.stderr[-4000:]}")
             os.replace(out, lib)  # atomic: a concurrent process sees the whole library or none
     return ctypes.CDLL(str(lib))
 
 
+def launch(lib: ctypes.CDLL, spec, grid, threads: int, args) -> None:
+    """Run ``spec``'s kernel over ``grid`` work-groups of ``threads`` threads; ``args`` are its inputs
+    then its outputs, C-contiguous NumPy arrays."""
+    if not all(a.flags.c_contiguous for a in args):  # the launchers pass contiguous arrays only
+        raise ValueError(f"{spec.name}: every argument must be a C-contiguous array")
+    pointers = (ctypes.c_void_p * len(args))(*[a.ctypes.data for a in args])
+    getattr(lib, f"launch_{spec.name}")(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(threads),
+                                        pointers)
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    return compile_module(S.all_specs())
+
+
 class CpuKernels(ArrayLaunches):
     """The kernels' launches with NumPy arrays, executed by the CPU emulator."""
 
     xp = np
-    wide_group = S.ROW_GROUP  # each thread is an OS thread here: wider groups cost time and test nothing new
+    wide_group = S.ROW_GROUP  # wider groups cost the emulator time and test nothing new
 
     def __init__(self):
         self.lib = _library()
         super().__init__()
 
     def _launch(self, spec, grid, threads, args):
-        if not all(a.flags.c_contiguous for a in args):  # the launchers pass contiguous arrays only
-            raise ValueError(f"{spec.name}: every argument must be a C-contiguous array")
-        pointers = (ctypes.c_void_p * len(args))(*[a.ctypes.data for a in args])
-        getattr(self.lib, f"launch_{spec.name}")(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                                                 ctypes.c_uint(threads), pointers)
+        launch(self.lib, spec, grid, threads, args)

@@ -168,9 +168,13 @@ DEVICE_FN void mma_store(thread const MmaTile& t, threadgroup float* p, uint str
 }
 """
 
-# The CPU emulator (:mod:`.cpu`): a work-group's threads are OS threads sharing the kernel's static
-# locals, with barriers for the group and for each 32-thread SIMD group; groups run one after another.
-CPU_HEADER = _COMMON_HEADER + """#include <barrier>
+# The CPU emulator (:mod:`.cpu`): a work-group's threads are fibers on one OS thread, sharing the
+# kernel's static locals, with barriers for the group and for each 32-thread SIMD group; groups run one
+# after another.
+CPU_HEADER = _COMMON_HEADER + """#if defined(__APPLE__)
+#define _XOPEN_SOURCE 600  // macOS declares the full ucontext_t only with it
+#endif
+#include <ucontext.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -183,10 +187,14 @@ static inline float max(float a, float b) { return a > b ? a : b; }
 static inline float min(float a, float b) { return a < b ? a : b; }
 static inline uint max(uint a, uint b) { return a > b ? a : b; }
 static inline uint min(uint a, uint b) { return a < b ? a : b; }
+struct Barrier {  // waits until `count` threads have arrived (defined with the launcher)
+    uint count, arrived, phase;
+    void arrive_and_wait();
+};
 struct ThreadCtx {
     uint gx, gy, tid, threads, lanes;
-    std::barrier<>* group;
-    std::barrier<>* simd;
+    Barrier* group;
+    Barrier* simd;
     float* slots;  // three floats per lane of this thread's SIMD group: simd_reduce's, two for shuffles
     uint shuffles;  // shuffles so far: which of the two buffers the next one takes
 };
@@ -219,22 +227,25 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) {
 }
 DEVICE_FN float simd_max_f(float x) { return simd_reduce(x, true); }
 // The matrix units in plain float32, each lane owning the accumulators CUDA's mma.sync gives it (rows g,
-// g + 8 at columns 2i, 2i + 1 for lane 4g + i); a lane's operand fragments are copies of whole tiles, so
-// they outlive the group-shared memory they were loaded from, as registers do.
-struct MmaA { float a[16][8]; };
-struct MmaB { float b[8][8]; };  // b[k][n]
+// g + 8 at columns 2i, 2i + 1 for lane 4g + i); a lane's operand fragments are copies of the rows and
+// columns it multiplies, so they outlive the group-shared memory they were loaded from, as registers do.
+struct MmaA { float a[2][8]; };  // the lane's rows g and g + 8
+struct MmaB { float b[8][2]; };  // b[k][j]: the lane's columns 2i + j
 struct MmaTile { float c[4]; };
 DEVICE_FN void mma_load_a(MmaA& f, const float* p, uint stride) {
-    for (uint m = 0; m < 16u; m++)
-        for (uint k = 0; k < 8u; k++) f.a[m][k] = p[m * stride + k];
+    uint g = (ctx.tid & 31u) >> 2;
+    for (uint h = 0; h < 2u; h++)
+        for (uint k = 0; k < 8u; k++) f.a[h][k] = p[(g + 8u * h) * stride + k];
 }
 DEVICE_FN void mma_load_b(MmaB& f, const float* p, uint stride) {  // B[k][n] = p[n * stride + k]
+    uint i = ctx.tid & 3u;
     for (uint k = 0; k < 8u; k++)
-        for (uint n = 0; n < 8u; n++) f.b[k][n] = p[n * stride + k];
+        for (uint j = 0; j < 2u; j++) f.b[k][j] = p[(2u * i + j) * stride + k];
 }
 DEVICE_FN void mma_load_b_rows(MmaB& f, const float* p, uint stride) {  // B[k][n] = p[k * stride + n]
+    uint i = ctx.tid & 3u;
     for (uint k = 0; k < 8u; k++)
-        for (uint n = 0; n < 8u; n++) f.b[k][n] = p[k * stride + n];
+        for (uint j = 0; j < 2u; j++) f.b[k][j] = p[k * stride + 2u * i + j];
 }
 DEVICE_FN void mma_zero(MmaTile& t) { for (uint r = 0; r < 4u; r++) t.c[r] = 0.0f; }
 DEVICE_FN void mma_scale_rows(MmaTile& t, const float* s, uint lane) {
@@ -244,11 +255,9 @@ DEVICE_FN float tf32_round(float x) {  // CUDA's cvt.rna.tf32.f32: 10 mantissa b
     return from_bits((as_bits(x) + 0x1000u) & 0xffffe000u);
 }
 DEVICE_FN void mma_product(MmaTile& t, const MmaA& a, const MmaB& b, bool tf32) {
-    uint g = (ctx.tid & 31u) >> 2, i = ctx.tid & 3u;
     for (uint r = 0; r < 4u; r++) {
-        uint m = g + 8u * (r >> 1), n = 2u * i + (r & 1u);
         for (uint k = 0; k < 8u; k++) {
-            float av = a.a[m][k], bv = b.b[k][n];
+            float av = a.a[r >> 1][k], bv = b.b[k][r & 1u];
             t.c[r] += tf32 ? tf32_round(av) * tf32_round(bv) : av * bv;
         }
     }
@@ -345,45 +354,150 @@ def cuda_module_source(specs) -> str:
     return "\n".join(parts)
 
 
-_CPU_LAUNCH = """
-template <class Body> static void run_groups(uint gx, uint gy, uint threads, bool shared, Body body) {
-    std::barrier<> group(threads);
-    std::vector<std::unique_ptr<std::barrier<>>> simd;
-    for (uint g = 0; g < (threads + 31) / 32; g++)
-        simd.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * g)));
-    std::vector<float> slots(3 * (threads + 32));
-    std::vector<std::thread> pool;
-    for (uint t = 0; t < threads; t++) {
-        pool.emplace_back([&, t]() {
-            ctx = ThreadCtx{0, 0, t, threads, std::min(32u, threads - 32 * (t / 32)), &group, simd[t / 32].get(),
-                            slots.data() + 96 * (t / 32), 0};
-            for (uint y = 0; y < gy; y++)
-                for (uint x = 0; x < gx; x++) {
-                    ctx.gx = x;
-                    ctx.gy = y;
-                    body();
-                    if (shared) group.arrive_and_wait();  // the next group reuses the shared locals
-                }
-        });
+_CPU_LAUNCH = r"""
+// A group's threads are fibers that one OS thread runs in turn: a thread runs until it waits at a barrier,
+// and a barrier's waiters run again once all of its threads have arrived. Odd groups take their threads
+// in reverse order, so a read that lacks its barrier sees another thread's write missing in one of them.
+// A kernel that never waits (no barrier, no SIMD exchange) runs its threads as plain calls.
+// The fibers live as long as the OS thread: makecontext starts each on its own stack once, and from then
+// on a switch is _setjmp/_longjmp between stacks that stay live (no system call, unlike swapcontext).
+struct Fiber {
+    jmp_buf at;
+    ThreadCtx ctx;
+    const Barrier* waiting;  // the barrier and the phase this fiber waits out, or null
+    uint phase;
+    bool done;
+};
+struct Fibers {
+    static constexpr size_t stack_size = 256 * 1024, guard = 64 * 1024;
+    std::vector<Fiber*> all;
+    jmp_buf scheduler;
+    Fiber* current = nullptr;  // null while a kernel runs its threads as plain calls
+    void (*run)(void*) = nullptr;
+    void* body = nullptr;
+    Fiber* get(uint i);
+};
+static thread_local Fibers fibers;
+static thread_local const char* kernel_name;
+
+[[noreturn]] static void emulator_fault(const char* what) {
+    fprintf(stderr, "ds4lab CPU kernel emulator, kernel %s: %s\n", kernel_name, what);
+    abort();
+}
+static void switch_to_scheduler(Fiber* f) {
+    f->ctx = ctx;
+    if (!_setjmp(f->at)) _longjmp(fibers.scheduler, 1);
+}
+void Barrier::arrive_and_wait() {
+    if (count == 1) return;
+    Fiber* f = fibers.current;
+    if (!f) emulator_fault("a barrier in a kernel launched without fibers (add its sync to _SYNCS)");
+    uint mine = phase;
+    if (++arrived == count) {
+        arrived = 0;
+        phase++;
+        return;
     }
-    for (auto& th : pool) th.join();
+    f->waiting = this;
+    f->phase = mine;
+    switch_to_scheduler(f);  // the scheduler restores ctx before it switches back
+}
+static void fiber_main() {  // a fiber's whole life: one thread of one group each time it is started
+    Fiber* f = fibers.current;
+    if (!_setjmp(f->at)) _longjmp(fibers.scheduler, 1);  // made: back to Fibers::get
+    for (;;) {
+        fibers.run(fibers.body);
+        f->done = true;
+        switch_to_scheduler(f);
+    }
+}
+Fiber* Fibers::get(uint i) {
+    while (all.size() <= i) {
+        char* p = (char*)mmap(nullptr, stack_size + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0);
+        if (p == (char*)MAP_FAILED || mprotect(p, guard, PROT_NONE)) emulator_fault("cannot map a fiber stack");
+        ucontext_t start;
+        getcontext(&start);
+        start.uc_stack.ss_sp = p + guard;
+        start.uc_stack.ss_size = stack_size;
+        start.uc_link = nullptr;
+        makecontext(&start, fiber_main, 0);
+        all.push_back(new Fiber{});
+        current = all.back();
+        if (!_setjmp(scheduler)) setcontext(&start);
+        current = nullptr;
+    }
+    return all[i];
+}
+
+template <class Body>
+static void run_groups(const char* name, uint gx, uint gy, uint threads, bool waits, Body body) {
+    kernel_name = name;
+    std::vector<Barrier> simd;
+    for (uint g = 0; g < (threads + 31) / 32; g++) simd.push_back(Barrier{std::min(32u, threads - 32 * g), 0, 0});
+    Barrier group{threads, 0, 0};
+    std::vector<float> slots(3 * (threads + 32));
+    auto thread_ctx = [&](uint x, uint y, uint t) {
+        return ThreadCtx{x, y, t, threads, std::min(32u, threads - 32 * (t / 32)), &group, &simd[t / 32],
+                         slots.data() + 96 * (t / 32), 0};
+    };
+    if (!waits) {
+        for (uint y = 0; y < gy; y++)
+            for (uint x = 0; x < gx; x++)
+                for (uint t = 0; t < threads; t++) {
+                    ctx = thread_ctx(x, y, t);
+                    body();
+                }
+        return;
+    }
+    std::vector<Fiber*> team(threads);
+    for (uint t = 0; t < threads; t++) team[t] = fibers.get(t);
+    fibers.run = [](void* b) { (*(Body*)b)(); };
+    fibers.body = &body;
+    for (uint y = 0; y < gy; y++)
+        for (uint x = 0; x < gx; x++) {
+            for (uint t = 0; t < threads; t++) {  // the fiber's jump buffer stays: it holds where the fiber waits
+                team[t]->ctx = thread_ctx(x, y, t);
+                team[t]->waiting = nullptr;
+                team[t]->done = false;
+            }
+            bool reverse = (x + y) & 1u;
+            for (uint live = threads; live;) {
+                bool ran = false;
+                for (uint i = 0; i < threads; i++) {
+                    Fiber* f = team[reverse ? threads - 1 - i : i];
+                    if (f->done || (f->waiting && f->waiting->phase == f->phase)) continue;
+                    f->waiting = nullptr;
+                    fibers.current = f;
+                    ctx = f->ctx;
+                    if (!_setjmp(fibers.scheduler)) _longjmp(f->at, 1);
+                    live -= f->done;
+                    ran = true;
+                }
+                if (!ran) emulator_fault("the group's threads wait at different barriers");
+            }
+        }
+    fibers.current = nullptr;
 }
 """
+
+# What makes a thread wait for others: a kernel whose body names none of these runs without fibers.
+_SYNCS = ("GROUP_BARRIER", "simd_sum_f", "simd_max_f", "simd_shuffle_f", "lane_line_sum")
 
 
 def cpu_module_source(specs) -> str:
     """One C++20 translation unit: each kernel's body as a function of its arguments, and an
     ``extern "C" launch_<name>(gx, gy, threads, args)`` that runs the grid (the CPU emulator)."""
-    parts = [header("cpu"), "#include <algorithm>\n#include <memory>\n#include <thread>\n#include <vector>\n",
-             _CPU_LAUNCH]
+    parts = [header("cpu"), "#include <algorithm>\n#include <cstdio>\n#include <cstdlib>\n#include <vector>\n"
+             "#include <setjmp.h>\n#include <sys/mman.h>\n", _CPU_LAUNCH]
     for spec in specs:
         params = [(n, f"const {_C_TYPES[t]}*") for n, t in spec.inputs]
         params += [(n, f"{_C_TYPES[t]}*") for n, t in spec.outputs]
         args = ", ".join(f"{c} {n}" for n, c in params)
         casts = ", ".join(f"({c}) a[{i}]" for i, (_, c) in enumerate(params))
-        shared = "GROUP_SHARED" in (SOURCES / spec.body).read_text()  # groups must then run in lockstep
+        body = (SOURCES / spec.body).read_text()
+        waits = any(name in body for name in _SYNCS)
         parts.append(f"static void {spec.name}({args}) {{\n{spec.body_source('cpu')}}}\n"
                      f'extern "C" void launch_{spec.name}(uint gx, uint gy, uint threads, void** a) {{\n'
-                     f"    run_groups(gx, gy, threads, {str(shared).lower()},\n"
+                     f'    run_groups("{spec.name}", gx, gy, threads, {str(waits).lower()},\n'
                      f"               [&]() {{ {spec.name}({casts}); }});\n}}\n")
     return "\n".join(parts)
