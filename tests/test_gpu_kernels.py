@@ -2,9 +2,10 @@
 reference.
 
 Every test runs once per back-end: CuPy (the kernels compiled by NVRTC) and MLX's GPU back-end (the same
-bodies through ``mx.fast.cuda_kernel`` or ``metal_kernel``), marked ``gpu`` and skipped with the reason
-where there is no GPU; and the CPU emulator (the same bodies compiled as C++, a work-group's threads as
-fibers with real barriers), which runs wherever a C++20 compiler does, CI included.
+bodies as NVRTC cubins through ``mx.fast.precompiled_cuda_kernel``, or ``metal_kernel``), marked ``gpu``
+and skipped with the reason where there is no GPU; and the CPU emulator (the same bodies compiled as C++,
+a work-group's threads as fibers with real barriers), which runs wherever a C++20 compiler does, CI
+included.
 """
 
 from __future__ import annotations

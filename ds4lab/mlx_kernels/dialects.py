@@ -20,9 +20,10 @@ group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everyth
 common subset of CUDA C++ and the Metal Shading Language: scalar types, ``uint``, ``float(x)``
 casts, ``exp``/``max``/``min``, arrays, loops.
 
-``KernelSpec.mlx_source(dialect)`` gives the (header, source) pair for ``mx.fast.cuda_kernel`` or
-``mx.fast.metal_kernel`` (MLX writes the signature from the input and output names);
-``cuda_module_source(specs)`` gives one translation unit with full ``extern "C"`` signatures for CuPy;
+``KernelSpec.mlx_source(dialect)`` gives the (header, source) pair for ``mx.fast.metal_kernel`` (MLX
+writes the signature from the input and output names; the tests render the "cuda" dialect the same way);
+``cuda_module_source(specs)`` gives one translation unit with full ``extern "C"`` signatures (CuPy, and
+the cubins MLX-CUDA launches);
 ``cpu_module_source(specs)`` the same bodies for the CPU emulator that runs them in the CPU test suite.
 """
 
@@ -335,7 +336,7 @@ class KernelSpec:
         return head + (SOURCES / self.body).read_text() + tail
 
     def mlx_source(self, dialect: str) -> tuple[str, str]:
-        """``(header, source)`` for ``mx.fast.cuda_kernel`` (dialect "cuda") or ``metal_kernel``."""
+        """``(header, source)`` for ``mx.fast.metal_kernel`` (or MLX's ``cuda_kernel``, dialect "cuda")."""
         return header(dialect), self.body_source(dialect)
 
 

@@ -1,9 +1,11 @@
-"""Launchers for MLX's GPU back-ends: ``mx.fast.cuda_kernel`` on CUDA, ``mx.fast.metal_kernel`` on Apple
-GPUs, both built from the same bodies. MLX's ``grid`` counts threads, not groups."""
+"""Launchers for MLX's GPU back-ends, both built from the same bodies: on CUDA the cubins of :mod:`.nvrtc`
+through ``mx.fast.precompiled_cuda_kernel``, on Apple GPUs ``mx.fast.metal_kernel``. MLX's ``grid`` counts
+threads, not groups."""
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 # ds4lab's math is float32 (DESIGN "Numerics"); MLX runs float32 GEMMs at TF32 precision on CUDA (and
 # on M5-class Apple GPUs) unless told otherwise: measured on the H200, a 512×4096×1024 float32 matmul
@@ -15,7 +17,9 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from . import specs as S
 from .launches import KernelLaunches
+from .nvrtc import cubins, device_arch
 
 
 def gpu_dialect() -> str | None:
@@ -39,14 +43,21 @@ class MLXKernels(KernelLaunches):
         if self.dialect is None:
             raise RuntimeError("MLX has no GPU back-end here (neither Metal nor CUDA); custom kernels need one")
         self._kernels: dict[str, object] = {}
+        # MLX's Python API does not say which CUDA device its GPU is; it is device 0 unless told otherwise.
+        self._cubins = cubins(S.all_specs(), device_arch(0)) if self.dialect == "cuda" else {}
         super().__init__()
 
     def _kernel(self, spec):
         if spec.name not in self._kernels:
-            header, source = spec.mlx_source(self.dialect)
-            make = mx.fast.cuda_kernel if self.dialect == "cuda" else mx.fast.metal_kernel
-            self._kernels[spec.name] = make(name=spec.name, input_names=spec.input_names,
-                                            output_names=spec.output_names, source=source, header=header)
+            if self.dialect == "cuda":  # MLX loads each cubin once per process, keyed by the kernel's name
+                self._kernels[spec.name] = partial(mx.fast.precompiled_cuda_kernel, name=spec.name,
+                                                   compiled_source=self._cubins[spec.name], scalars=[],
+                                                   ensure_row_contiguous=True)
+            else:
+                header, source = spec.mlx_source(self.dialect)
+                self._kernels[spec.name] = mx.fast.metal_kernel(
+                    name=spec.name, input_names=spec.input_names, output_names=spec.output_names, source=source,
+                    header=header)
         return self._kernels[spec.name]
 
     def _run(self, spec, groups, threads, inputs, outputs):
