@@ -4,6 +4,7 @@ compiled where nvcc exists, and the host-side launch plans."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -134,6 +135,34 @@ def test_metal_source_compiles_as_cpp_over_a_metal_shim(spec, tmp_path):
     run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Werror=return-type", str(src)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_mlx_cuda_cubins_are_kept_by_source_architecture_and_nvrtc(tmp_path, monkeypatch):
+    """MLX-CUDA's cubins (``nvrtc.cubins``) come from disk unless the kernel's source, the GPU architecture or
+    NVRTC changed; NVRTC itself is replaced here by a recorder."""
+    from ds4lab.mlx_kernels import nvrtc
+
+    compiled = []
+
+    def fake_compile(source, arch, what):
+        compiled.append((what, arch))
+        return f"{arch} {len(source)}".encode()
+
+    monkeypatch.setattr(nvrtc.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(nvrtc, "compile_cubin", fake_compile)
+    version = [(13, 0)]
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: version[0])
+    spec = SPECS[0]
+    first = nvrtc.cubins([spec], "sm_90")
+    assert nvrtc.cubins([spec], "sm_90") == first == {spec.name: b"sm_90 %d" % len(cuda_module_source([spec]))}
+    assert compiled == [(spec.name, "sm_90")]
+    changed = dataclasses.replace(spec, defines={**spec.defines, "UNUSED_CONSTANT": 1})
+    nvrtc.cubins([changed], "sm_90")
+    nvrtc.cubins([spec], "sm_89")
+    version[0] = (13, 1)
+    nvrtc.cubins([spec], "sm_90")
+    assert len(compiled) == 4
+    assert len(list(tmp_path.glob("ds4lab-cubin-*.cubin"))) == 4 and not list(tmp_path.glob("*.partial"))
 
 
 def test_unknown_dialect_is_refused():
