@@ -140,7 +140,7 @@ def test_metal_source_compiles_as_cpp_over_a_metal_shim(spec, tmp_path):
 def test_mlx_cuda_cubins_are_kept_by_source_architecture_and_nvrtc(tmp_path, monkeypatch):
     """MLX-CUDA's cubins (``nvrtc.cubins``) come from disk unless the kernel's source, the GPU architecture or
     NVRTC changed; NVRTC itself is replaced here by a recorder."""
-    from ds4lab.mlx_kernels import nvrtc
+    from ds4lab.mlx_kernels import build_cache, nvrtc
 
     compiled = []
 
@@ -148,7 +148,7 @@ def test_mlx_cuda_cubins_are_kept_by_source_architecture_and_nvrtc(tmp_path, mon
         compiled.append((what, arch))
         return f"{arch} {len(source)}".encode()
 
-    monkeypatch.setattr(nvrtc.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(build_cache.tempfile, "gettempdir", lambda: str(tmp_path))
     monkeypatch.setattr(nvrtc, "compile_cubin", fake_compile)
     version = [(13, 0)]
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: version[0])

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from . import specs as S
+from .build_cache import kept
 from .dialects import cpu_module_source
 from .launches import ArrayLaunches
 
@@ -29,23 +30,23 @@ def compiler() -> str | None:
 
 
 def compile_module(specs) -> ctypes.CDLL:
-    """The emulator's library for ``specs``, compiled once per source and compiler (kept in the temp dir)."""
+    """The emulator's library for ``specs``, compiled once per source, compiler and flags (:func:`kept`)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("the CPU kernel emulator needs a C++20 compiler (g++ or clang++; or set CXX)")
     source = cpu_module_source(specs)
     digest = hashlib.sha1(" ".join([cxx, *FLAGS, source]).encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"ds4lab-cpu-kernels-{digest}.so"
-    if not lib.exists():
+
+    def build() -> bytes:
         with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "kernels.cpp"
+            src, out = Path(tmp) / "kernels.cpp", Path(tmp) / "kernels.so"
             src.write_text(source)
-            out = Path(tmp) / "kernels.so"
             run = subprocess.run([cxx, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
             if run.returncode:
                 raise RuntimeError(f"compiling the CPU kernels failed:\n{run.stderr[-4000:]}")
-            os.replace(out, lib)  # atomic: a concurrent process sees the whole library or none
-    return ctypes.CDLL(str(lib))
+            return out.read_bytes()
+
+    return ctypes.CDLL(str(kept(f"ds4lab-cpu-kernels-{digest}.so", build)))
 
 
 def launch(lib: ctypes.CDLL, spec, grid, threads: int, args) -> None:

@@ -5,7 +5,7 @@ threads, not groups."""
 from __future__ import annotations
 
 import os
-from functools import partial
+from functools import lru_cache, partial
 
 # ds4lab's math is float32 (DESIGN "Numerics"); MLX runs float32 GEMMs at TF32 precision on CUDA (and
 # on M5-class Apple GPUs) unless told otherwise: measured on the H200, a 512×4096×1024 float32 matmul
@@ -32,6 +32,12 @@ def gpu_dialect() -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
+def _cuda_cubins(arch: str) -> dict[str, bytes]:
+    """Every kernel's cubin for ``arch``, read or compiled once per process."""
+    return cubins(S.all_specs(), arch)
+
+
 class MLXKernels(KernelLaunches):
     """The launches of :class:`.launches.KernelLaunches` through MLX: outputs come back from the kernel."""
 
@@ -44,7 +50,7 @@ class MLXKernels(KernelLaunches):
             raise RuntimeError("MLX has no GPU back-end here (neither Metal nor CUDA); custom kernels need one")
         self._kernels: dict[str, object] = {}
         # MLX's Python API does not say which CUDA device its GPU is; it is device 0 unless told otherwise.
-        self._cubins = cubins(S.all_specs(), device_arch(0)) if self.dialect == "cuda" else {}
+        self._cubins = _cuda_cubins(device_arch(0)) if self.dialect == "cuda" else {}
         super().__init__()
 
     def _kernel(self, spec):

@@ -15,11 +15,10 @@ import glob
 import hashlib
 import os
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from pathlib import Path
 
+from .build_cache import kept
 from .dialects import cuda_module_source
 
 _CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{MAJOR,MINOR}
@@ -111,22 +110,17 @@ def compile_cubin(source: str, arch: str, what: str = "ds4lab kernels") -> bytes
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def _cached_cubin(spec, arch: str) -> bytes:
-    source = cuda_module_source([spec])
-    key = hashlib.sha1(f"{arch} {nvrtc_version()} {source}".encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / f"ds4lab-cubin-{spec.name}-{key}.cubin"
-    if path.exists():
-        return path.read_bytes()
-    cubin = compile_cubin(source, arch, spec.name)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_bytes(cubin)
-    os.replace(partial, path)  # atomic: a concurrent process reads the whole cubin or compiles its own
-    return cubin
-
-
 def cubins(specs, arch: str) -> dict[str, bytes]:
-    """{kernel name: cubin} for ``specs``: from the disk cache, or compiled in parallel threads (ctypes lets
-    go of the GIL while NVRTC works)."""
+    """{kernel name: cubin} for ``specs``: kept on disk (:func:`.build_cache.kept`), or compiled in parallel
+    threads (ctypes lets go of the GIL while NVRTC works)."""
+    version = nvrtc_version()
+
+    def cubin(spec) -> bytes:
+        source = cuda_module_source([spec])
+        key = hashlib.sha1(f"{arch} {version} {source}".encode()).hexdigest()[:16]
+        path = kept(f"ds4lab-cubin-{spec.name}-{key}.cubin", lambda: compile_cubin(source, arch, spec.name))
+        return path.read_bytes()
+
     specs = list(specs)
     with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
-        return dict(zip((s.name for s in specs), pool.map(lambda s: _cached_cubin(s, arch), specs)))
+        return dict(zip((s.name for s in specs), pool.map(cubin, specs)))
