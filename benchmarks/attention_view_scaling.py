@@ -44,7 +44,7 @@ from ds4lab.viz import AttentionView
 from ds4lab.viz.views import STATIC
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = [ROOT / "shared/data/tinyshakespeare.txt", Path("/work/shared/data/tinyshakespeare.txt")]
+TEXT = ROOT / "data" / "tinyshakespeare.txt"  # the repository's own copy (data/README.md)
 CHROMIUM = os.environ.get("DS4LAB_CHROMIUM", "/usr/bin/chromium")
 VIEWPORT = {"width": 1400, "height": 1200}
 
@@ -165,12 +165,12 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--heads", type=int, default=2, help="heads captured (the view switches between them)")
-    ap.add_argument("--text", type=Path, default=next((p for p in TEXTS if p.is_file()), None))
+    ap.add_argument("--text", type=Path, default=TEXT, help="text to prefill (default: data/tinyshakespeare.txt)")
     ap.add_argument("--no-browser", action="store_true")
     ap.add_argument("--full", action="store_true", help="also measure views without max-pooling (max_side unbounded)")
     args = ap.parse_args(argv)
-    if args.text is None:
-        sys.exit("no text: pass --text FILE")
+    if not args.text.is_file():
+        sys.exit(f"{args.text}: no such file (pass --text FILE)")
     model = ds4lab.load(backend="numpy")
     limit = model.config.context_length
     ids = model.tokenizer.encode(args.text.read_text(encoding="utf-8")[: 16 * max(args.ctx)])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything ds4lab measures on a lent NVIDIA GPU, in one device call (see ../shared/device/README.md).
-# Stage MLX first (two calls carrying .whl+.whlA, then .whlB; put the third wheel part and the py3.12
-# wheels of gguf, tokenizers, tqdm, pyyaml and pytest in .whlC), then run, carrying .whlC:
+# Everything ds4lab measures on an NVIDIA GPU machine, in one command (docs/GPU.md says what each step needs).
+# On a machine without a package index, stage the wheels first (docs/GPU.md): the MLX wheel and the first two
+# parts of the MLX CUDA wheel in /tmp/w, its third part and the py3.12 wheels of gguf, tokenizers, tqdm, pyyaml
+# and pytest in .whlC. Then:
 #     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers ncu all;
 #                                                      steps: tests_cupy ... compare)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow

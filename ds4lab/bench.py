@@ -37,10 +37,11 @@ DEFAULT_CTX_MAX = 32768
 DEFAULT_STEP_INCR = 2048
 DEFAULT_STEP_MUL = 1.0
 DEFAULT_GEN_TOKENS = 128
+MAX_FRONTIERS = 100_000  # a sweep's points are listed before it runs
 
 # The opening of "I promessi sposi" (Manzoni, 1840; public domain): the built-in text when ds4's own
-# benchmark prompt, ../shared/data/promessi_sposi.txt, is not beside the package. It is repeated as
-# often as the sweep needs.
+# benchmark prompt, the whole novel in the checkout's data/promessi_sposi.txt, is not there (ds4lab
+# installed from a wheel). It is repeated as often as the sweep needs.
 BUILTIN_TEXT = (
     "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti, tutto a "
     "seni e a golfi, a seconda dello sporgere e del rientrare di quelli, vien, quasi a un tratto, a "
@@ -88,6 +89,9 @@ def frontiers(ctx_start: int, ctx_max: int, step_incr: int = DEFAULT_STEP_INCR,
     check_sweep(ctx_start, ctx_max, step_incr, step_mul, gen_tokens=1)
     out = [ctx_start]
     while out[-1] < ctx_max:
+        if len(out) == MAX_FRONTIERS:
+            raise BenchError(f"ctx_start {ctx_start} to ctx_max {ctx_max} (step_incr {step_incr}, step_mul "
+                             f"{step_mul}) makes more than {MAX_FRONTIERS:,} frontiers")
         cur = out[-1]
         nxt = cur + step_incr if step_mul == 1.0 else max(math.ceil(cur * step_mul), cur + 1)
         out.append(min(nxt, ctx_max))
@@ -113,9 +117,14 @@ def check_sweep(ctx_start: int, ctx_max: int, step_incr: int, step_mul: float, g
 
 
 def default_prompt_path() -> Path | None:
-    """ds4's benchmark prompt, ``../shared/data/promessi_sposi.txt`` beside the repository, if present."""
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "promessi_sposi.txt"
-    return path if path.is_file() else None
+    """ds4's benchmark prompt, ``data/promessi_sposi.txt`` of the checkout ds4lab runs from (an editable
+    install), or None where there is none (a wheel: the sweep then repeats :data:`BUILTIN_TEXT`)."""
+    from .testing import data_file
+
+    try:
+        return data_file("promessi_sposi.txt")
+    except FileNotFoundError:
+        return None
 
 
 def prompt_tokens(model, path: str | Path | None = None, min_tokens: int = 0) -> tuple[list[int], str]:

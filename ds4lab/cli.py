@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import stat
 import struct
 import sys
 import time
@@ -89,7 +90,7 @@ def _seed(text: str) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", type=Path, default=None, help="GGUF model file (default: the embedded model)")
+    p.add_argument("-m", "--model", type=_path, default=None, help="GGUF model file (default: the embedded model)")
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "numpy", "cupy"],
                    help="auto (default): mlx when MLX has a GPU (Metal or CUDA), else cupy when CuPy finds a CUDA "
                         "GPU, else numpy (faster than MLX on CPUs)")
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(run)
     src = run.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="prompt text (a user message unless --raw)")
-    src.add_argument("--prompt-file", type=Path, default=None, metavar="FILE", help="read the prompt from FILE")
+    src.add_argument("--prompt-file", type=_path, default=None, metavar="FILE", help="read the prompt from FILE")
     run.add_argument("-sys", "--system", default=DEFAULT_SYSTEM,
                      help=f"system prompt (default: {DEFAULT_SYSTEM!r}; an empty string disables it)")
     think = run.add_mutually_exclusive_group()
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Think Max when --ctx >= {THINK_MAX_MIN_CTX}, otherwise normal thinking")
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
                        help="non-thinking mode: the assistant turn starts with </think>")
-    run.set_defaults(think="high")
+    run.set_defaults(think=None)  # "high" (ds4's default) unless a flag says otherwise; None tells them apart
     style = run.add_mutually_exclusive_group()
     style.add_argument("--raw", dest="raw", action="store_true", default=None,
                        help="continue the prompt as plain text (no chat template, no system prompt); the default "
@@ -149,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Prefill a fixed text to each frontier, time the interval, snapshot, time a "
                                        "greedy generation probe, restore, continue. One CSV row per frontier.")
     _add_model_args(bench)
-    bench.add_argument("--prompt-file", type=Path, default=None, metavar="FILE",
-                       help="raw benchmark text, no chat template (default: ../shared/data/promessi_sposi.txt "
-                            "when present, else a built-in text)")
+    bench.add_argument("--prompt-file", type=_path, default=None, metavar="FILE",
+                       help="raw benchmark text, no chat template (default: ds4's prompt, data/promessi_sposi.txt "
+                            "of the checkout ds4lab runs from, else a built-in text)")
     bench.add_argument("--ctx-start", type=_positive_int, default=None, metavar="N",
                        help="first frontier (default 2048, capped at --ctx-max)")
     bench.add_argument("--ctx-max", type=_positive_int, default=None, metavar="N",
@@ -164,21 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multiplicative step (default 1)")
     bench.add_argument("-n", "--gen-tokens", "--tokens", dest="gen_tokens", type=_positive_int, default=128,
                        metavar="N", help="greedy tokens generated at each frontier (default 128)")
-    bench.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
-    bench.add_argument("--plot", type=Path, default=None, metavar="FILE",
+    bench.add_argument("--csv", type=_path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
+    bench.add_argument("--plot", type=_path, default=None, metavar="FILE",
                        help="draw prefill and generation t/s against context with Altair (.png, .svg, .html)")
     bench.set_defaults(func=_bench)
 
     insp = sub.add_parser("inspect", help="describe a GGUF model file or a .kv cache file",
                           description="GGUF: header, metadata, model config, tensor table with types and bytes. "
                                       ".kv: the KV file's summary.")
-    insp.add_argument("file", type=Path)
+    insp.add_argument("file", type=_path)
     insp.set_defaults(func=_inspect)
 
-    mk = sub.add_parser("make-model", help="write a GGUF with seeded random weights")
+    mk = sub.add_parser("make-model", help="write a GGUF with seeded random weights",
+                        description="Write a small GGUF model of the Flash architecture with seeded random weights "
+                                    "(ds4lab.testing.make_model): the same preset and seed give the same file. "
+                                    "For tests and experiments; it generates noise.")
     mk.add_argument("--preset", default="nano", choices=["nano"])
     mk.add_argument("--seed", type=_nonnegative_int, default=0)
-    mk.add_argument("-o", "--output", required=True, type=Path)
+    mk.add_argument("-o", "--output", required=True, type=_path)
     mk.set_defaults(func=_make_model)
     return p
 
@@ -191,56 +195,85 @@ def _err(message: str) -> None:
     print(f"ds4lab: {message}", file=sys.stderr, flush=True)
 
 
-def _resolve_backend(name: str, device: str | None) -> str:
-    """``auto``: MLX when it has a GPU (Metal, or CUDA with mlx[cuda]) and ``--device`` is not cpu; NumPy
-    otherwise, because MLX's Linux CPU build multiplies matrices with a reference BLAS (measured 2.6x
-    slower than NumPy on the nano model's bench)."""
+def _check_backend_flags(name: str, device: str | None) -> None:
+    """The flag combinations that make no sense (usage errors); the choice itself is
+    :func:`ds4lab.backends.resolve_backend`'s, the same rule as ``ds4lab.load(backend="auto")``."""
     if name == "numpy" and device == "gpu":
         raise UsageError("--device gpu needs the mlx backend (numpy runs on the CPU)")
     if name == "cupy" and device is not None:
         raise UsageError("--device is for the mlx backend; cupy runs on the current CUDA GPU")
-    if name in ("numpy", "cupy") or (name == "mlx" and device != "gpu"):
-        return name
-    if name == "auto" and device == "cpu":
-        return "numpy"
-    try:
-        import mlx.core as mx
-
-        has_gpu = (mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
-    except (ImportError, AttributeError):  # no MLX, or one without these queries
-        has_gpu = False
-    if device == "gpu" and not has_gpu:
-        raise RuntimeError("--device gpu: MLX has no GPU here (it needs Metal, or CUDA with mlx[cuda])")
-    if has_gpu:
-        return "mlx"
-    if name == "auto" and _cupy_has_gpu():
-        return "cupy"
-    return "numpy"
-
-
-def _cupy_has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, or no CUDA driver/device
-        return False
 
 
 def _load(args):
     from . import load
+    from .backends import resolve_backend
 
-    backend = _resolve_backend(args.backend, args.device)
+    _check_backend_flags(args.backend, args.device)
+    _check_input(args.model, "-m")
+    backend = resolve_backend(args.backend, args.device)
     return load(args.model, backend=backend, numerics=args.numerics,
                 device=args.device if backend == "mlx" else None, kernels=False if args.no_kernels else None,
                 prefill_matmul=args.prefill_matmul)
 
 
 def _describe(model) -> str:
-    b = model.backend
-    where = str(getattr(b, "device", "cpu"))
-    where = "gpu" if "gpu" in where else "cpu"
-    return f"{model.path.name} ({model.config.n_layer} layers, vocab {model.config.n_vocab}), {b.name} on {where}"
+    from .backends import device_label
+
+    return (f"{model.path.name} ({model.config.n_layer} layers, vocab {model.config.n_vocab}), {model.backend.name} "
+            f"on {device_label(model.backend)}")
+
+
+def _path(text: str) -> Path:
+    """A file argument; an empty one is refused by name (``Path("")`` would silently mean the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
+
+
+def _check_input(path: Path | None, flag: str) -> None:
+    """Refuse an input file that is missing, a folder or unreadable before any work, naming it."""
+    if path is None:
+        return
+    if not path.exists():
+        raise OSError(f"{flag} {path}: no such file")
+    if path.is_dir():
+        raise OSError(f"{flag} {path}: is a directory, not a file")
+    if not os.access(path, os.R_OK):
+        raise OSError(f"{flag} {path}: not readable (permission denied)")
+
+
+def _check_output(path: Path | None, flag: str) -> None:
+    """Refuse an output path before any work, naming it: a folder, a parent folder that is missing, not a folder
+    or not writable, or an existing file that refuses writes (such as /proc/version). Nothing is created or
+    truncated here."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise OSError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.parent
+    if not parent.exists():
+        raise OSError(f"{flag} {path}: the folder {parent} does not exist")
+    if not parent.is_dir():
+        raise OSError(f"{flag} {path}: {parent} is not a folder")
+    if not path.exists():
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OSError(f"{flag} {path}: cannot create a file in {parent} (permission denied)")
+        return
+    if stat.S_ISFIFO(path.stat().st_mode):
+        return  # a pipe: opening it to test would wait for a reader
+    try:  # opened without truncating; a zero-byte write reaches the file system's write (procfs refuses it)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OSError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _named(path: Path, e: OSError) -> OSError:
+    """``e`` as an error that names ``path`` (a write error such as EIO carries no file name)."""
+    return OSError(f"{path}: {e.strerror or e}") if not e.filename else e
 
 
 def _read_text(path: Path) -> str:
@@ -464,6 +497,8 @@ class Chat:
         base = self.tk.render_chat([], think=mode, add_generation_prompt=False)
         rollback = len(self.transcript)
         ids = self.transcript + rendered[len(base):]
+        if len(ids) >= self.ctx - 1:
+            raise ValueError(_no_room(len(ids), self.ctx, "this turn (the transcript and the new message)", "/ctx"))
         if self.sess.tokens and self.sess.logits is not None:
             self.sess.checkpoint()  # free; lets a turn after an interrupted one restore instead of re-prefilling
         try:
@@ -489,7 +524,32 @@ class Chat:
             t = self.last
             line += (f"; turn {self.turns}: reused {t.reused} ({t.source}), evaluated {t.evaluated}, "
                      f"generated {len(t.tokens)} ({t.stop})")
-        return line
+        note = self._difference()
+        return line + (f"\n  ({note})" if note else "")
+
+    def _difference(self) -> str:
+        """Why the session's token count and the transcript's differ, in words."""
+        held, kept = list(self.sess.tokens), self.transcript
+        if held == kept:
+            return ""
+        if kept[:len(held)] == held:
+            extra = len(kept) - len(held)
+            if not held and not self.turns:
+                return (f"the transcript's {extra} tokens (the start of the chat: BOS and the system prompt) are "
+                        "not in the KV cache yet: the first turn evaluates them with its message")
+            if not held:
+                return (f"the transcript's {extra} tokens are not in this session's KV cache yet (a new session "
+                        "started): the next turn evaluates them with its message")
+            if extra == 1 and kept[-1] == self.tk.eos_id:
+                return ("the transcript is 1 token longer: it ends with the end-of-sequence token that ds4 "
+                        "appends after each reply, and the KV cache holds only what the model has read so far; "
+                        "the next turn reads that token first")
+            return (f"the transcript's last {extra} tokens are not in the KV cache yet: the next turn evaluates "
+                    "them with its message")
+        common = next((i for i, (a, b) in enumerate(zip(held, kept)) if a != b), min(len(held), len(kept)))
+        return (f"the KV cache holds {len(held) - common} tokens that are not in the transcript (an interrupted "
+                f"turn, which the transcript drops as ds4 does); they share the first {common} tokens, and the "
+                "next turn brings the KV cache back to the transcript, from a checkpoint where it can")
 
 
 def _one_shot_ids(model, args, text: str, ctx: int) -> list[int]:
@@ -503,33 +563,56 @@ def _one_shot_ids(model, args, text: str, ctx: int) -> list[int]:
     return tk.render_chat(messages, think=_RENDER[_effective_think(args.think, ctx)])
 
 
+_THINK_FLAGS = {"none": "--nothink", "high": "--think", "max": "--think-max"}
+
+
+def _no_room(n: int, ctx: int, what: str = "the prompt", fix: str = "--ctx") -> str:
+    """The error for a prompt that leaves nothing to generate: as in ds4, generation stops one slot short of the
+    context (n_predict is clamped to ctx - prompt - 1), so a prompt of ctx - 1 or more tokens gets no token."""
+    return (f"{what} has {n} tokens and the context holds {ctx}: nothing is left to generate (ds4 keeps one slot "
+            f"free and generates at most ctx - prompt - 1 = {max(0, ctx - n - 1)} tokens); use {fix} {n + 2} or "
+            "more, or a shorter prompt")
+
+
 def _run(args) -> int:
     if args.raw and args.prompt is None and args.prompt_file is None:
         raise UsageError("--raw needs -p or --prompt-file")
     if args.ctx is not None and args.ctx < 2:
         raise UsageError("--ctx must be at least 2")
+    think_flag = args.think  # None: no thinking flag given
+    args.think = args.think or "high"
     text = args.prompt if args.prompt is not None else None
     if args.prompt_file is not None:
         text = _read_text(args.prompt_file)
     if sys.stdout.encoding and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     model = _load(args)
+    raw_by_default = args.raw is None
     if args.raw is None:
         args.raw = text is not None and not model.is_chat
     ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
-    if args.think == "max" and ctx < THINK_MAX_MIN_CTX:
-        _err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
-    think = "none" if args.raw else _effective_think(args.think, ctx)
+    if args.raw:
+        think = "none (plain text)"
+        if think_flag in ("high", "max"):
+            why = "the model has no chat template" if raw_by_default else "--raw"
+            _err(f"warning: {_THINK_FLAGS[think_flag]} has no effect: the prompt is continued as plain text ({why}); "
+                 "add --chat to render it as a chat turn with thinking")
+    else:
+        if args.think == "max" and ctx < THINK_MAX_MIN_CTX:
+            _err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
+        think = _effective_think(args.think, ctx)
 
     if text is None:
         return _repl(model, args, ctx)
 
-    sess = model.session(ctx=ctx, prefill_chunk=args.prefill_chunk)
-    _err(f"{_describe(model)}, ctx {ctx}, prefill chunk {sess.prefill_chunk}, think {think}")
     ids = _one_shot_ids(model, args, text, ctx)
     if not ids:
         raise ValueError("the prompt is empty")
-    turn = _run_prompt(sess, ids, args, thinking=think != "none" and not args.raw)
+    if len(ids) >= ctx - 1:
+        raise ValueError(_no_room(len(ids), ctx))
+    sess = model.session(ctx=ctx, prefill_chunk=args.prefill_chunk)
+    _err(f"{_describe(model)}, ctx {ctx}, prefill chunk {sess.prefill_chunk}, think {think}")
+    turn = _run_prompt(sess, ids, args, thinking=not args.raw and think != "none")
     _err(turn.line())
     return 0
 
@@ -619,6 +702,14 @@ def _bench(args) -> int:
 
     if args.plot is not None and args.plot.suffix.lower() not in (".png", ".svg", ".html", ".json"):
         raise UsageError(f"--plot needs a .png, .svg or .html file name, got {args.plot.name!r}")
+    # Every file before any work: the outputs can be written, the inputs read.
+    _check_output(args.csv, "--csv")
+    _check_output(args.plot, "--plot")
+    _check_input(args.model, "-m")
+    if args.prompt_file is not None:
+        _check_input(args.prompt_file, "--prompt-file")
+        if not _read_text(args.prompt_file).strip():
+            raise ValueError(f"--prompt-file {args.prompt_file}: the file is empty")
     if args.plot is not None:
         bench._import_altair()  # fail before the sweep, not after it
         if args.plot.suffix.lower() in (".png", ".svg"):
@@ -629,6 +720,9 @@ def _bench(args) -> int:
                                        "pip install vl-convert-python (or use a .html file name)") from None
     model = _load(args)
     cap = model.config.context_length or bench.DEFAULT_CTX_MAX
+    if model.config.context_length and args.ctx_max and args.ctx_max > cap:
+        raise UsageError(f"--ctx-max {args.ctx_max} is more than the model's context ({cap} tokens, "
+                         f"deepseek4.context_length)")
     ctx_max = args.ctx_max or min(bench.DEFAULT_CTX_MAX, cap)
     ctx_start = args.ctx_start or min(bench.DEFAULT_CTX_START, ctx_max)
     try:
@@ -638,6 +732,8 @@ def _bench(args) -> int:
     except bench.BenchError as e:
         raise UsageError(str(e)) from None
     tokens, source = bench.prompt_tokens(model, args.prompt_file, min_tokens=ctx_max)
+    if len(tokens) < ctx_max:  # before the CSV header, not after it
+        raise ValueError(f"{source}: the prompt has {len(tokens)} tokens, need at least ctx_max = {ctx_max}")
     sess = model.session(ctx=ctx_alloc, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
     _err(f"bench: {_describe(model)}, ctx {ctx_alloc}, prefill chunk {sess.prefill_chunk}, "
          f"prompt {source} ({len(tokens)} tokens), {len(points)} frontiers {points[0]}..{points[-1]}, "
@@ -648,15 +744,41 @@ def _bench(args) -> int:
     if args.csv is None:
         done = bench.write_csv(rows, sys.stdout)
     else:
-        with open(args.csv, "w", encoding="utf-8") as out:
-            done = bench.write_csv(_echo_rows(rows), out)
+        try:
+            out = open(args.csv, "w", encoding="utf-8")
+        except OSError as e:
+            raise _named(args.csv, e) from None
+        with out:
+            done = bench.write_csv(_echo_rows(rows), _NamedWrites(out, args.csv))
     _err(f"bench: {len(done)} frontiers in {time.perf_counter() - began:.1f} s"
          + (f", CSV in {args.csv}" if args.csv else ""))
     if args.plot is not None:
-        bench.save_plot(done, args.plot, title=f"{model.path.name} ({model.backend.name}), prefill chunk "
-                                               f"{sess.prefill_chunk}, {args.gen_tokens} generated tokens")
+        try:
+            bench.save_plot(done, args.plot, title=f"{model.path.name} ({model.backend.name}), prefill chunk "
+                                                   f"{sess.prefill_chunk}, {args.gen_tokens} generated tokens")
+        except OSError as e:
+            raise _named(args.plot, e) from None
         _err(f"bench: plot in {args.plot}")
     return 0
+
+
+class _NamedWrites:
+    """A text file whose write and flush errors name it (EIO from a write carries no file name)."""
+
+    def __init__(self, out, path: Path):
+        self.out, self.path = out, path
+
+    def write(self, text: str) -> int:
+        try:
+            return self.out.write(text)
+        except OSError as e:
+            raise _named(self.path, e) from None
+
+    def flush(self) -> None:
+        try:
+            self.out.flush()
+        except OSError as e:
+            raise _named(self.path, e) from None
 
 
 def _echo_rows(rows):
@@ -680,7 +802,10 @@ def _inspect(args) -> int:
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix.lower() == ".gguf":
         return _inspect_gguf(path)
-    return _inspect_kv(path)
+    if magic[:3] == b"KVC":
+        return _inspect_kv(path)
+    raise ValueError(f"{path}: neither a GGUF model nor a KVC cache file: it starts with {magic!r}, expected "
+                     "b'GGUF' (a model) or b'KVC' (a .kv file)")
 
 
 def _inspect_kv(path: Path) -> int:
@@ -764,7 +889,11 @@ def _make_model(args) -> int:
     from .config import PRESETS
     from .testing import make_model
 
-    path = make_model(PRESETS[args.preset], args.output, seed=args.seed)
+    _check_output(args.output, "-o")
+    try:
+        path = make_model(PRESETS[args.preset], args.output, seed=args.seed)
+    except OSError as e:  # the writer's error names its hidden temporary file: name the requested one
+        raise OSError(f"-o {args.output}: {e.strerror or e}") from None
     print(path)
     return 0
 
@@ -782,8 +911,26 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _unknown_leading_options(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Options given before the command that ``ds4lab`` itself does not take (it takes only -h): argparse would
+    report the missing command instead of naming them."""
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    unknown = []
+    for arg in argv:
+        if arg in commands or arg == "--":
+            break
+        if arg.startswith("-") and arg not in ("-h", "--help"):
+            unknown.append(arg)
+    return unknown
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # usage errors exit 2 here, with one line
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    unknown = _unknown_leading_options(parser, argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parser.parse_args(argv)  # usage errors exit 2 here, with one line
     try:
         return args.func(args)
     except UsageError as e:

@@ -8,6 +8,7 @@ configuration (§2.2-2.3) and names the file and tensor on any mismatch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
@@ -63,6 +64,20 @@ _OPTIONAL = [
     ("hc_eps", "hyper_connection.epsilon", "float", 1e-6),
     ("context_length", "context_length", "ctx", 0),
 ]
+
+
+# Open ranges of the float keys: outside them a model computes NaN, Inf or nonsense without an error.
+_FLOAT_RANGES = [
+    ("rope_freq_base", "rope.freq_base", (1.0, 1e12)),
+    ("compress_rope_freq_base", "attention.compress_rope_freq_base", (1.0, 1e12)),
+    ("rope_scale_factor", "rope.scaling.factor", (0.0, 1e6)),
+    ("yarn_beta_fast", "rope.scaling.yarn_beta_fast", (0.0, 1e6)),
+    ("yarn_beta_slow", "rope.scaling.yarn_beta_slow", (0.0, 1e6)),
+    ("expert_weight_scale", "expert_weights_scale", (0.0, 1e6)),
+    ("rms_eps", "attention.layer_norm_rms_epsilon", (0.0, 1.0)),
+    ("hc_eps", "hyper_connection.epsilon", (0.0, 1.0)),
+]
+MAX_SINKHORN_ITERS = 1000
 
 
 @dataclass(frozen=True)
@@ -175,6 +190,16 @@ class ModelConfig:
             v = getattr(self, field)
             if kind == "u32" and field not in ("n_hash_layer", "expert_group_count", "expert_group_used") and v <= 0:
                 bad(key, f"must be positive, got {v}")
+        for field, key, (low, high) in _FLOAT_RANGES:
+            v = getattr(self, field)
+            if not (math.isfinite(v) and low < v < high):
+                bad(key, f"is {v}, expected a finite value in ({low}, {high})")
+        for il, clamp in enumerate(self.swiglu_clamp[: self.n_layer]):
+            if not (math.isfinite(clamp) and clamp > 0):
+                bad("swiglu_clamp_exp", f"layer {il} has clamp {clamp}, expected a finite positive value")
+        if self.sinkhorn_iters > MAX_SINKHORN_ITERS:
+            bad("hyper_connection.sinkhorn_iterations",
+                f"{self.sinkhorn_iters} is more than {MAX_SINKHORN_ITERS} (ds4 runs 20 per token and layer)")
         if len(self.compress_ratios) < self.n_layer:
             bad("attention.compress_ratios",
                 f"has {len(self.compress_ratios)} entries, expected ≥ {self.n_layer} (block_count)")
@@ -274,8 +299,16 @@ class ModelConfig:
         return s
 
     def validate_tensors(self, tensors: dict[str, tuple[tuple[int, ...], Q]], source: str = "<tensors>") -> None:
-        """Check ``name -> (ne shape, GGML type)`` against :meth:`tensor_specs`; raise naming the tensor."""
-        for name, (shape, types, required) in self.tensor_specs().items():
+        """Check ``name -> (ne shape, GGML type)`` against :meth:`tensor_specs`; raise naming the tensor. A tensor
+        the configuration has no use for is refused too: it means the metadata and the tensors disagree (a
+        ``hash_layer_count`` lowered leaves hash tables no layer reads)."""
+        specs = self.tensor_specs()
+        for name in tensors:
+            if name not in specs:
+                raise ModelFileError(f"{source}: tensor {name} is not part of a ds4 model with this metadata "
+                                     f"({self.n_layer} layers, {self.n_hash_layer} hash layers); the metadata and "
+                                     f"the tensors disagree")
+        for name, (shape, types, required) in specs.items():
             if name not in tensors:
                 if required:
                     raise ModelFileError(f"{source}: tensor {name} is missing")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .backends import get_backend
-from .config import ModelConfig
+from .config import ModelConfig, ModelFileError
 from .gguf_file import load_model_file
 from .model.state import Geometry, new_state
 from .model.transformer import Transformer
@@ -25,13 +25,16 @@ def default_model_path() -> Path:
 class Model:
     """A DS4-architecture model. ``logits(ids)`` returns float32 ``[T, vocab]`` for every position."""
 
-    def __init__(self, path: Path, backend: str = "mlx", numerics: str = "ds4", device: str | None = None,
+    def __init__(self, path: Path, backend: str = "auto", numerics: str = "ds4", device: str | None = None,
                  kernels: bool | None = None, prefill_matmul: str = "float32"):
         self.path = Path(path)
         config, file = load_model_file(self.path)
         self.config: ModelConfig = config
         self.file = file
-        self.tokenizer = Tokenizer.from_metadata(file.metadata)
+        try:
+            self.tokenizer = Tokenizer.from_metadata(file.metadata)
+        except ValueError as e:  # a vocabulary without ds4's special tokens, a merge of unknown symbols, ...
+            raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
         self.backend = get_backend(backend, device, kernels, prefill_matmul)
         self.numerics = numerics
         self.transformer = Transformer(config, file, self.backend, numerics)
@@ -81,6 +84,7 @@ class Model:
         smaller ``DS4_METAL_GRAPH_RAW_CAP``); chunked and one-shot prefills give the same logits.
         """
         ids = self.token_ids(tokens)
+        self.file.check_unchanged()
         t = self.transformer
         state = self.new_state(len(ids) + 1, len(ids))
         out = []
@@ -92,11 +96,17 @@ class Model:
         return np.concatenate(out)
 
 
-def load(path: str | Path | None = None, backend: str = "mlx", numerics: str = "ds4",
+def load(path: str | Path | None = None, backend: str = "auto", numerics: str = "ds4",
          device: str | None = None, kernels: bool | None = None, prefill_matmul: str = "float32") -> Model:
     """Load a DS4 GGUF (the embedded default model when ``path`` is None).
 
-    ``backend``: "mlx" (CPU, Metal or CUDA), "numpy" (the float64 reference) or "cupy" (NVIDIA GPUs).
+    ``backend``: "auto" (default), "mlx" (float32 on CPU, Metal or CUDA), "numpy" (the float64 reference) or
+    "cupy" (float32 on NVIDIA GPUs). "auto" picks as ``ds4lab run --backend auto`` does, through the one rule
+    :func:`ds4lab.backends.resolve_backend`: "mlx" when MLX has a GPU (Metal, or CUDA with mlx[cuda]), else
+    "cupy" when CuPy finds a CUDA GPU, else "numpy" (on CPUs MLX's Linux wheel multiplies matrices with a
+    reference BLAS, slower than NumPy); ``device="cpu"`` makes it "numpy", ``device="gpu"`` "mlx".
+    ``model.backend.name`` (and ``repr(model)``) says which one it chose.
+    ``device``: for "mlx", "cpu" or "gpu" (default: MLX's default device); for "cupy", "cuda:N" (default 0).
     ``kernels``: on GPU backends, ds4lab's custom kernels (default on); False gives the plain-ops path.
     ``prefill_matmul``: "float32" (default), or "tf32" (cupy with kernels): weight products over more than 16
     rows (a prefill chunk's linears, its routed experts' token-expert pairs), a chunk's attention and its

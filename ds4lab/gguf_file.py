@@ -1,9 +1,12 @@
 """Reading and writing GGUF model files (spec/DS4_MODEL.md §2).
 
-``GGUFModelFile.open`` maps a file with ``gguf.GGUFReader`` and exposes its metadata as plain Python
-values and its tensors as raw bytes, without copying. ``load_model_file`` adds the ds4 checks: the
+``GGUFModelFile.open`` maps a file and reads its directory itself, every count bounded by the bytes
+left and every offset a Python int (files of 80+ GB), and exposes its metadata as plain Python values
+and its tensors as raw bytes, without copying. ``load_model_file`` adds the ds4 checks: the
 metadata must give a valid :class:`ModelConfig`, every tensor must have the shape and type that config
-implies, and the tokenizer must match the vocabulary. ``write_gguf`` writes a file atomically.
+implies, and the tokenizer must match the vocabulary. ``write_gguf`` writes a file atomically (with
+``gguf.GGUFWriter`` for the directory); a tensor given as None is left a hole of zeros, so a file of the
+real model's layout costs only its small tensors on disk.
 
 Tensor data layout (``TensorInfo.data``): a read-only ``uint8`` view of the mapped file with shape
 ``tensor_byte_shape(shape, qtype)`` = ``(ne[-1], ..., ne[1], row_bytes)``, the higher GGUF dims in
@@ -14,7 +17,10 @@ type, including F32, F16 and I32.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import mmap
 import os
 import re
 import secrets
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 
 from .config import ModelConfig, ModelFileError
@@ -36,8 +42,6 @@ _VERSION = 3
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata key count
 _TOKENS_KEY = "tokenizer.ggml.tokens"
 _MERGES_KEY = "tokenizer.ggml.merges"
-# Entries the reader adds to its field table that are header values, not metadata keys.
-_HEADER_FIELDS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"})
 
 
 class _Malformed(Exception):
@@ -72,6 +76,7 @@ class GGUFModelFile:
     tensors: dict[str, TensorInfo]
     alignment: int
     file_size: int
+    identity: tuple[int, int, int] = (0, 0, 0)  # (inode, size, mtime in ns) when opened
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GGUFModelFile":
@@ -79,15 +84,52 @@ class GGUFModelFile:
         path = Path(path)
         try:
             file_size = _check_header(path)
-            reader = _CheckedReader(path, "r")
-            metadata = {f.name: _field_value(f) for f in reader.fields.values() if f.name not in _HEADER_FIELDS}
-            tensors = {t.name: _tensor_info(reader, t) for t in reader.tensors}
+            with path.open("rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            metadata, entries, directory_end = _Directory(mapped, file_size).read()
+            alignment = _alignment(metadata)
+            tensors = _tensors(mapped, entries, _align(directory_end, alignment), alignment, file_size)
         except _Malformed as e:
             raise ModelFileError(f"{path}: {e}") from None
-        except Exception as e:  # whatever the reader trips over in a damaged file
-            raise ModelFileError(f"{path}: damaged or truncated GGUF metadata or tensor directory "
-                                 f"({type(e).__name__}: {e})") from e
-        return cls(path, metadata, tensors, int(reader.alignment), file_size)
+        except OSError as e:  # a failed open or mmap (no address space, I/O error) is not damage in the file
+            raise ModelFileError(f"{path}: cannot map the file ({e.strerror or e})") from e
+        return cls(path, metadata, tensors, alignment, file_size, _identity(path))
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`ModelFileError` if the file was truncated, replaced or written since it was opened: its
+        weights are read through the mapping, so a truncated file would kill the process (SIGBUS) on the next
+        read of a cut page, and one written in place would change the weights under a live KV state."""
+        try:
+            now = _identity(self.path)
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: the model file is gone since it was loaded ({e.strerror}); "
+                                 f"load it again") from None
+        if now != self.identity:
+            what = (f"its size went from {self.identity[1]:,} to {now[1]:,} bytes" if now[1] != self.identity[1]
+                    else "it was replaced" if now[0] != self.identity[0] else "it was written to")
+            raise ModelFileError(f"{self.path}: the model file changed since it was loaded ({what}); "
+                                 f"load it again to use the new file")
+
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of what makes this model this model: its metadata, its tensor directory and the first and last
+        64 bytes of every tensor's data (one tensor's end and the next one's start share a page). Two files of the
+        same configuration with other weights differ in it; checkpoints and the KV store carry it. Made on first
+        use: it touches a page or two of every tensor."""
+        h = hashlib.sha256()
+        h.update(repr(sorted(self.metadata.items())).encode())
+        for name, t in self.tensors.items():
+            flat = t.data.reshape(-1)
+            h.update(f"{name}:{t.shape}:{t.qtype.name}:{flat.size}".encode())
+            h.update(flat[:64].tobytes())
+            h.update(flat[-64:].tobytes())
+        return h.hexdigest()[:32]
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def load_model_file(path: str | os.PathLike) -> tuple[ModelConfig, GGUFModelFile]:
@@ -103,34 +145,56 @@ def load_model_file(path: str | os.PathLike) -> tuple[ModelConfig, GGUFModelFile
 def write_gguf(
     path: str | os.PathLike,
     metadata: Mapping[str, tuple[Any, str]],
-    tensors: Iterable[tuple[str, Sequence[int], Q | str, np.ndarray]],
+    tensors: Iterable[tuple[str, Sequence[int], Q | str, np.ndarray | None]],
 ) -> Path:
     """Write a GGUF v3 file atomically: to a temporary file next to ``path``, then renamed over it.
 
     ``metadata`` maps key -> (value, type name) as :attr:`GGUFModelFile.metadata` gives it, and must
     contain ``general.architecture``. Each tensor is (name, GGUF dims ne0 first, type, raw uint8 bytes
-    of size ``prod(tensor_byte_shape(dims, type))``, any shape). On failure nothing is left behind.
+    of size ``prod(tensor_byte_shape(dims, type))``, any shape), or None for a tensor of zero bytes left as
+    a hole in a sparse file. On failure nothing is left behind; a ``path`` that exists and is not a
+    regular file is refused.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path}: exists and is not a regular file; refusing to replace it")
     arch, arch_type = metadata.get("general.architecture", (None, None))
     if arch_type != "STRING":
         raise ValueError("metadata needs general.architecture as a STRING")
+    tensors = [_checked_tensor(*t) for t in tensors]
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     writer = GGUFWriter(tmp, arch)
     try:
         _add_metadata(writer, metadata)
-        for name, shape, qtype, raw in tensors:
-            _add_tensor(writer, name, shape, qtype, raw)
+        for name, qtype, byte_shape, _ in tensors:
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        _write_tensor_data(writer.fout[0], tensors, writer.data_alignment)
         writer.close()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         writer.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # numpy's "N requested and M written" names no file
+            raise OSError(e.errno, f"writing {path}: {e.strerror or e}") if e.errno else OSError(
+                f"writing {path}: {e}") from e
         raise
     return path
+
+
+def _write_tensor_data(f, tensors: list, alignment: int) -> None:
+    """The data section after the directory: each tensor at the next multiple of ``alignment``, as
+    ``GGUFWriter`` places it; a tensor without bytes is skipped by seeking, so it reads as zeros."""
+    start = _align(f.tell(), alignment)
+    at = 0
+    for _, _, byte_shape, raw in tensors:
+        if raw is not None:
+            f.seek(start + at)
+            raw.tofile(f)
+        at = _align(at + math.prod(byte_shape), alignment)
+    f.truncate(start + at)  # the padding after the last tensor; a trailing hole too
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -162,26 +226,151 @@ def _check_header(path: Path) -> int:
     return size
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that checks each tensor's type and extent before the base class maps its data.
+class _Directory:
+    """GGUF v3's metadata and tensor directory, read from the mapped bytes (spec/DS4_MODEL.md §2.1).
 
-    The base class would otherwise fail on a truncated file with a bare reshape error.
-    """
+    Every value is a Python int, float, bool or str from the moment it is read, so offsets past 4 GiB stay
+    exact; every count is checked against the bytes left in the file before anything is read for it, so a
+    damaged length fails at once instead of looping or allocating for ever."""
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        extents = sorted(_tensor_extent(f, start_offs, len(self.data), int(self.alignment)) for f in fields)
-        for (start_a, end_a, name_a), (start_b, _, name_b) in zip(extents, extents[1:]):
-            if start_b < end_a:
-                raise _Malformed(f"tensor {name_a} needs {end_a - start_a} bytes by its shape and type, "
-                                 f"but tensor {name_b} starts {start_b - start_a} bytes after it")
-        super()._build_tensors(start_offs, fields)
+    def __init__(self, mapped: mmap.mmap, size: int):
+        self.buf, self.size, self.at = mapped, size, _HEADER.size
+        self.where = "the header"  # what is being read, named by every error
+
+    def read(self) -> tuple[dict[str, tuple[Any, str]], list[tuple[str, tuple[int, ...], int, int]], int]:
+        """(metadata, tensor entries (name, dims, type id, offset), where the directory ends)."""
+        _, _, n_tensors, n_keys = _HEADER.unpack_from(self.buf, 0)
+        metadata: dict[str, tuple[Any, str]] = {}
+        for i in range(n_keys):
+            self.where = f"metadata key #{i}"
+            key = self.string()
+            self.where = f"metadata key {key}"
+            if key in metadata:
+                raise self.bad("appears twice")
+            metadata[key] = self.value(self.value_type())
+        entries, names = [], set()
+        for i in range(n_tensors):
+            self.where = f"tensor directory entry #{i}"
+            name = self.string()
+            self.where = f"tensor {name}"
+            if name in names:
+                raise self.bad("appears twice in the tensor directory")
+            names.add(name)
+            n_dims = self.scalar("<I")
+            if not 1 <= n_dims <= 4:
+                raise self.bad(f"has {n_dims} dimensions, expected 1 to 4")
+            dims = tuple(self.scalar("<Q") for _ in range(n_dims))
+            type_id, offset = self.scalar("<I"), self.scalar("<Q")
+            entries.append((name, dims, type_id, offset))
+        return metadata, entries, self.at
+
+    def bad(self, what: str) -> _Malformed:
+        return _Malformed(f"{self.where} {what}")
+
+    def take(self, n: int) -> int:
+        """Step over ``n`` bytes; returns where they start."""
+        if n > self.size - self.at:
+            raise self.bad(f"needs {n} bytes at offset {self.at}, but the file ends at {self.size}: "
+                           f"it is truncated or damaged")
+        at, self.at = self.at, self.at + n
+        return at
+
+    def scalar(self, fmt: str):
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        at = self.take(n)
+        try:
+            return self.buf[at:at + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.bad(f"holds a string that is not UTF-8 ({e.reason} at its byte {e.start})") from None
+
+    def value_type(self) -> GGUFValueType:
+        type_id = self.scalar("<I")
+        try:
+            return GGUFValueType(type_id)
+        except ValueError:
+            raise self.bad(f"has unknown value type id {type_id}") from None
+
+    def value(self, vtype: GGUFValueType) -> tuple[Any, str]:
+        if vtype == GGUFValueType.STRING:
+            return self.string(), vtype.name
+        if vtype != GGUFValueType.ARRAY:
+            return _python_value(vtype, self.scalar(_SCALAR_FORMATS[vtype])), vtype.name
+        elem, count = self.value_type(), self.scalar("<Q")
+        if elem == GGUFValueType.ARRAY:
+            raise self.bad("is an array of arrays, which no ds4 key is")
+        least = 8 if elem == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[elem])  # bytes an element
+        if count > (self.size - self.at) // least:
+            raise self.bad(f"claims {count} {elem.name} elements, more than the {self.size - self.at} bytes "
+                           f"left in the file can hold")
+        if elem == GGUFValueType.STRING:
+            values = [self.string() for _ in range(count)]
+        else:
+            raw = np.frombuffer(self.buf, np.dtype(_SCALAR_FORMATS[elem]), count, self.take(count * least))
+            values = [_python_value(elem, v) for v in raw.tolist()]
+        return values, f"ARRAY[{elem.name}]"
 
 
-def _tensor_extent(field, data_start: int, file_size: int, alignment: int) -> tuple[int, int, str]:
-    """(start, end, name) of a tensor directory entry; refuses unknown types and data past the end."""
-    _, name_data, _, dims, raw_type, offset = field.parts
-    name = bytes(name_data).decode("utf-8", errors="replace")
-    type_id = int(raw_type[0])
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<B",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+def _python_value(vtype: GGUFValueType, v):
+    if vtype == GGUFValueType.FLOAT32:
+        return _f32(v)
+    return bool(v) if vtype == GGUFValueType.BOOL else v
+
+
+def _alignment(metadata: Mapping[str, tuple[Any, str]]) -> int:
+    if "general.alignment" not in metadata:
+        return GGUF_DEFAULT_ALIGNMENT
+    value, vtype = metadata["general.alignment"]
+    if vtype != "UINT32":
+        raise _Malformed(f"metadata key general.alignment has type {vtype}, expected UINT32")
+    if value <= 0 or value & (value - 1):
+        raise _Malformed(f"metadata key general.alignment is {value}, expected a power of two")
+    return value
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _tensors(mapped: mmap.mmap, entries: list, data_start: int, alignment: int,
+             file_size: int) -> dict[str, TensorInfo]:
+    """Each entry's data as a read-only view of the mapping, once its type and extent are checked and the
+    tensors are known to tile the data section in directory order: each at the aligned end of the one before,
+    the file ending with the last. A type or shape changed in the directory leaves a gap or an overlap."""
+    whole = np.frombuffer(mapped, dtype=np.uint8)
+    tensors, expected, before = {}, 0, "the directory"
+    for name, dims, type_id, offset in entries:
+        qtype, byte_shape = _entry_layout(name, dims, type_id)
+        nbytes = math.prod(byte_shape)
+        if offset % alignment:
+            raise _Malformed(f"tensor {name}: data offset {offset} is not a multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + nbytes > file_size:
+            raise _Malformed(f"tensor {name}: data bytes {start}..{start + nbytes} extend past the end of the file "
+                             f"({file_size} bytes); the file is truncated")
+        if offset != expected:
+            raise _Malformed(f"tensor {name}: its data starts at offset {offset}, but tensor {before} before it ends "
+                             f"at {expected} by its shape and type: one of them disagrees with the data written")
+        expected, before = _align(offset + nbytes, alignment), name
+        tensors[name] = TensorInfo(name, dims, qtype, whole[start:start + nbytes].reshape(byte_shape))
+    end = data_start + expected
+    if file_size > end:
+        raise _Malformed(f"{file_size - end} bytes follow the last tensor's data (which ends at byte {end}): "
+                         f"a type or shape in the tensor directory disagrees with the data, or data was appended")
+    return tensors
+
+
+def _entry_layout(name: str, dims: tuple[int, ...], type_id: int) -> tuple[Q, tuple[int, ...]]:
+    """A directory entry's type and byte shape (:func:`tensor_byte_shape`), or the reason it has none."""
     try:
         qtype = Q(type_id)
     except ValueError:
@@ -189,43 +378,12 @@ def _tensor_extent(field, data_start: int, file_size: int, alignment: int) -> tu
     if qtype not in SUPPORTED_TYPES:
         names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
         raise _Malformed(f"tensor {name} has type {qtype.name}, which ds4lab does not read (supported: {names})")
-    shape = [int(d) for d in dims]
-    if not 1 <= len(shape) <= 4:
-        raise _Malformed(f"tensor {name} has {len(shape)} dimensions, expected 1 to 4")
+    if 0 in dims:
+        raise _Malformed(f"tensor {name} has an empty dimension: {dims}")
     try:
-        nbytes = math.prod(tensor_byte_shape(shape, qtype))
+        return qtype, tensor_byte_shape(dims, qtype)
     except ValueError as e:
         raise _Malformed(f"tensor {name}: {e}, so its byte size disagrees with its shape and type") from None
-    rel = int(offset[0])
-    if rel % alignment:
-        raise _Malformed(f"tensor {name}: data offset {rel} is not a multiple of the alignment {alignment}")
-    start = data_start + rel
-    if start + nbytes > file_size:
-        raise _Malformed(f"tensor {name}: data bytes {start}..{start + nbytes} extend past the end of the file "
-                         f"({file_size} bytes); the file is truncated")
-    return start, start + nbytes, name
-
-
-def _tensor_info(reader: GGUFReader, t) -> TensorInfo:
-    shape = tuple(int(d) for d in t.shape)
-    qtype = Q(t.tensor_type)
-    byte_shape = tensor_byte_shape(shape, qtype)
-    data = reader.data[t.data_offset:t.data_offset + math.prod(byte_shape)].reshape(byte_shape)
-    return TensorInfo(t.name, shape, qtype, data)
-
-
-def _field_value(field) -> tuple[Any, str]:
-    vtype = field.types[0]
-    if vtype == GGUFValueType.ARRAY:
-        # parts = [key length, key, value type, element type, count, ...]; reading the element type
-        # here (not from field.types) also works for empty arrays.
-        elem = GGUFValueType(int(field.parts[3][0]))
-        values = field.contents()
-        if elem == GGUFValueType.FLOAT32:
-            values = [_f32(v) for v in values]
-        return values, f"ARRAY[{elem.name}]"
-    value = field.contents()
-    return (_f32(value) if vtype == GGUFValueType.FLOAT32 else value), vtype.name
 
 
 def _f32(value: float) -> float:
@@ -275,18 +433,20 @@ def _add_metadata(writer: GGUFWriter, metadata: Mapping[str, tuple[Any, str]]) -
             writer.add_key_value(key, list(value) if sub_type else value, vtype, sub_type)
 
 
-def _add_tensor(writer: GGUFWriter, name: str, shape: Sequence[int], qtype: Q | str, raw: np.ndarray) -> None:
+def _checked_tensor(name: str, shape: Sequence[int], qtype: Q | str, raw: np.ndarray | None):
+    """``(name, type, byte shape, raw bytes in that shape or None)``, or a ValueError naming the tensor."""
     qtype = Q[qtype] if isinstance(qtype, str) else Q(qtype)
     shape = tuple(int(d) for d in shape)
-    raw = np.asarray(raw)
-    if raw.dtype != np.uint8:
-        raise ValueError(f"tensor {name}: data must be raw uint8 bytes, got {raw.dtype}")
     try:
         byte_shape = tensor_byte_shape(shape, qtype)
     except ValueError as e:
         raise ValueError(f"tensor {name}: {e}") from None
+    if raw is None:
+        return name, qtype, byte_shape, None
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+        raise ValueError(f"tensor {name}: data must be raw uint8 bytes, got {raw.dtype}")
     if raw.size != math.prod(byte_shape):
         raise ValueError(f"tensor {name}: {raw.size} bytes given, but shape {shape} of type {qtype.name} "
                          f"takes {math.prod(byte_shape)}")
-    # GGUFWriter takes the NumPy (reversed) byte shape and derives ne from it and raw_dtype.
-    writer.add_tensor(name, raw.reshape(byte_shape), raw_dtype=qtype)
+    return name, qtype, byte_shape, np.ascontiguousarray(raw).reshape(byte_shape)

@@ -145,6 +145,7 @@ class Session:
         """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode" or "batch");
         returns (logits of the last token, new state, the step's :class:`TierRun`)."""
         t, b = self.model.transformer, self.model.backend
+        self.model.file.check_unchanged()  # a stat a step: a cut file would SIGBUS, a rewritten one mislead
         run = TierRun(self.placement, mode, self._tier_step, self._active_tier)
         logits, state = t.forward_logits(np.asarray(tokens), self._state, pad_to=pad_to, tiers=run)
         with run.scope():
@@ -160,7 +161,8 @@ class Session:
 
     def checkpoint(self) -> Checkpoint:
         """The current state (nothing is copied: states are immutable values); also kept for ``sync``."""
-        cp = Checkpoint(tuple(self.tokens), self.logits, self._state)
+        cp = Checkpoint(tuple(self.tokens), self.logits, self._state, config=self.model.config,
+                        backend=self.model.backend)
         self.checkpoints.append(cp)
         return cp
 

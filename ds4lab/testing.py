@@ -8,11 +8,12 @@ O(1) through the network, plus a small byte-level BPE tokenizer trained on real 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import zlib
 from pathlib import Path
-from typing import Collection, Literal, NamedTuple
+from typing import Callable, Collection, Literal, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -21,16 +22,19 @@ from gguf import GGMLQuantizationType as Q
 from .config import ModelConfig
 from .gguf_file import write_gguf
 from .quants import quantize, random_blocks
-from .tokenizer import BOS, EOS, train_bpe
+from .tokenizer import BOS, BYTE_TO_UNICODE, EOS, SPECIAL_TOKENS, train_bpe
 
-_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The checkout's data/ (beside pyproject.toml, one level above this package); None in an installed wheel, whose
+# parent folder is site-packages. Tests point it elsewhere to see what a wheel does.
+_DATA_DIR = (Path(__file__).resolve().parents[1] / "data"
+             if (Path(__file__).resolve().parents[1] / "pyproject.toml").is_file() else None)
 _TEXT_CHARS = 300_000
 
 _DENSE_TYPES = frozenset({Q.Q8_0, Q.F16, Q.BF16, Q.F32})
 _EXPERT_TYPES = frozenset({Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.F32})
 _BLOCK_TYPES = frozenset({Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # made with quants.random_blocks
 
-# Used when the repository's data directory is not there (an installed wheel). It has enough distinct
+# Used when the repository's data/ folder is not there (an installed wheel). It has enough distinct
 # words for the merges of a vocabulary of ~1000 tokens.
 _FALLBACK_TEXT = """\
 The keeper of the northern light climbed the spiral stairs each evening before sunset, carrying a can
@@ -105,12 +109,14 @@ def model_tensors(
     expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
     router_bias_layers: Literal["auto"] | Collection[int] = "auto",
     distinct_rows: int | None = None,
-) -> list[tuple[str, tuple[int, ...], Q, np.ndarray]]:
+    filled: Callable[[str], bool] | None = None,
+) -> list[tuple[str, tuple[int, ...], Q, np.ndarray | None]]:
     """``(name, shape, qtype, raw bytes)`` of every tensor :func:`make_model` writes.
 
     ``distinct_rows`` (for full-width benchmark models) draws only that many leading rows (experts,
     for expert tensors) at random and repeats them to the full size, which is much faster for the
-    gigabytes of a Flash layer and costs the same to evaluate."""
+    gigabytes of a Flash layer and costs the same to evaluate. ``filled(name)`` False leaves a tensor's
+    bytes None: zeros, which :func:`ds4lab.gguf_file.write_gguf` writes as a hole (:func:`make_sparse_model`)."""
     dense = _qtype(dense_type, _DENSE_TYPES, "dense_type")
     experts = (_qtype(expert_types[0], _EXPERT_TYPES, "expert_types[0]"),
                _qtype(expert_types[1], _EXPERT_TYPES, "expert_types[1]"))
@@ -124,6 +130,9 @@ def model_tensors(
             continue
         qtype, dist = _plan(_key(name), shape[0], dense, experts)
         _check_rows(name, shape[0], qtype)
+        if filled is not None and not filled(name):
+            tensors.append((name, shape, qtype, None))
+            continue
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # independent of the other tensors
         lead = shape[-1]
         few = distinct_rows is not None and len(shape) >= 2 and lead > distinct_rows and dist.kind != "tid2eid"
@@ -135,11 +144,75 @@ def model_tensors(
     return tensors
 
 
+def data_dir() -> Path | None:
+    """The ``data/`` folder of the checkout ds4lab runs from (a clone with ``pip install -e .``), or None
+    where there is none (ds4lab installed from a wheel). It holds the public-domain texts that the tests,
+    the training script, the benchmarks and the bench's default prompt read (``data/README.md``)."""
+    return _DATA_DIR if _DATA_DIR is not None and _DATA_DIR.is_dir() else None
+
+
+def data_file(name: str) -> Path:
+    """``data/<name>`` of the checkout; FileNotFoundError, naming where it looked, where it is not there."""
+    folder = data_dir()
+    if folder is None:
+        raise FileNotFoundError(f"{name}: ds4lab is not running from a checkout with a data/ folder "
+                                f"(looked beside {Path(__file__).resolve().parent})")
+    path = folder / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file in the checkout's data/ folder")
+    return path
+
+
+def make_sparse_model(
+    config: ModelConfig,
+    path: str | os.PathLike,
+    seed: int = 0,
+    *,
+    filled: Callable[[str], bool] = lambda name: False,
+    alignment: int | None = None,
+    dense_type: str = "Q8_0",
+    expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
+    router_bias_layers: Literal["all"] | Collection[int] = "all",
+) -> Path:
+    """A GGUF of ``config``'s exact layout (the real Flash file's, with :data:`ds4lab.config.FLASH`) that costs
+    only the tensors ``filled(name)`` picks on disk: those hold :func:`make_model`'s seeded random weights,
+    every other tensor is a hole that reads as zeros. The vocabulary is :func:`layout_vocab`'s (no training
+    at 129,280 tokens); ``alignment`` sets ``general.alignment``; every non-hash layer has a router bias, as in
+    the real file, unless ``router_bias_layers`` says otherwise. Writing the 81 GiB Flash layout with only its
+    small tensors filled takes seconds."""
+    tokens, merges = layout_vocab(config.n_vocab)
+    meta = model_metadata(config, f"ds4lab sparse {config.n_layer}-layer layout (seed {seed})", tokens, merges)
+    if alignment is not None:
+        meta["general.alignment"] = (alignment, "UINT32")
+    if router_bias_layers == "all":
+        router_bias_layers = range(config.n_hash_layer, config.n_layer)
+    tensors = model_tensors(config, seed, dense_type=dense_type, expert_types=expert_types,
+                            router_bias_layers=router_bias_layers, filled=filled)
+    return write_gguf(path, meta, tensors)
+
+
+@functools.lru_cache(maxsize=2)
+def layout_vocab(n_vocab: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A byte-level BPE vocabulary of exactly ``n_vocab`` tokens made without training: the 256 byte symbols,
+    then every pair of them, then pairs followed by one more symbol, each with its merge, then the special
+    tokens. It tokenizes any text (every byte is a symbol), which is all a layout model needs."""
+    n_learned = n_vocab - 256 - len(SPECIAL_TOKENS)
+    if not 0 <= n_learned <= 256 ** 2 * 257:
+        raise ValueError(f"layout_vocab: {n_vocab} tokens is outside 263..{256 + 256 ** 2 * 257 + 7}")
+    symbols = list(BYTE_TO_UNICODE)
+    pairs = ((a, b) for a in symbols for b in symbols)
+    triples = ((a + b, c) for a in symbols for b in symbols for c in symbols)
+    merges = [f"{a} {b}" for a, b in itertools.islice(itertools.chain(pairs, triples), n_learned)]
+    tokens = symbols + [m.replace(" ", "") for m in merges] + list(SPECIAL_TOKENS)
+    return tuple(tokens), tuple(merges)
+
+
 @functools.cache
 def default_tokenizer_text() -> str:
-    """The first ~300 KB of tinyshakespeare, or a built-in paragraph where the data directory is absent."""
-    path = _DATA_DIR / "tinyshakespeare.txt"
-    if not path.is_file():
+    """The first ~300 KB of tinyshakespeare (``data/``), or a built-in paragraph outside a checkout."""
+    try:
+        path = data_file("tinyshakespeare.txt")
+    except FileNotFoundError:
         return _FALLBACK_TEXT
     with path.open(encoding="utf-8") as f:
         return f.read(_TEXT_CHARS)

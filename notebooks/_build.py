@@ -114,9 +114,9 @@ def quickstart():
         model
         """, check=True),
         md("""
-        `backend="numpy"` is the float64 reference the test suite trusts. The default, `backend="mlx"`, computes
-        in float32 on Apple GPUs (Metal), NVIDIA GPUs (CUDA) or the CPU; on Linux CPUs MLX's wheel is slower than
-        NumPy, so these notebooks use NumPy everywhere.
+        `backend="numpy"` is the float64 reference the test suite trusts. The default, `backend="auto"`, picks MLX
+        (float32) on Apple GPUs or NVIDIA GPUs with mlx[cuda], CuPy on other NVIDIA GPUs, and NumPy on CPUs, where
+        MLX's Linux wheel is slower; these notebooks name NumPy everywhere, so they give the same numbers anywhere.
 
         ## The layers
 
@@ -539,9 +539,9 @@ def kv_checkpoints():
         a session with the same chunk size and at least the same context restores it.
         """),
         code("""
-        data = cp.to_bytes(model.config, model.backend)
+        data = cp.to_bytes()
         print(data[:4], f"{len(data):,} bytes")
-        cp2 = ds4lab.Checkpoint.from_bytes(data, model.config)
+        cp2 = ds4lab.Checkpoint.from_bytes(data)
         s2 = model.session(ctx=512, prefill_chunk=64)
         s2.restore(cp2)
         print(cp2, "| tokens identical:", s2.tokens == list(cp.tokens),

@@ -9,12 +9,11 @@ every later position, so over a whole prompt the two backends drift apart and ne
 ``SPAN`` tokens: each span measures what one backend's arithmetic does to the same state.
 """
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import ds4lab
+from ds4lab.testing import data_file
 from tests.conftest import CONFIGS
 
 N_TOKENS = 320
@@ -108,7 +107,7 @@ def test_chunked_forward_equals_one_shot(name, chunk, model_paths):
 def test_ds4_numerics_agree_over_a_whole_prompt_on_the_trained_model():
     # A trained model is not chaotic in its KV rows: over a whole 400-token prefill of held-out text
     # the float32 backend stays with the float64 reference (measured: median 7e-7, max 9e-6).
-    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt").read_text()
+    text = data_file("tinyshakespeare.txt").read_text()
     ref = ds4lab.load(backend="numpy")
     ids = ref.tokenizer.encode(text[-20000:])[:400]
     want, got = ref.logits(ids), ds4lab.load(backend="mlx").logits(ids)

@@ -254,7 +254,7 @@ def test_cupy_backend_without_a_cuda_gpu_is_one_clear_error(nano):
 # -- bench ----------------------------------------------------------------------------------------------
 
 def test_bench_sweep_256_to_4096(nano, nano_np, tmp_path):
-    """The acceptance sweep; prints its wall time (ds4's promessi_sposi.txt when shared/ is present)."""
+    """The acceptance sweep; prints its wall time (on ds4's prompt, the checkout's data/promessi_sposi.txt)."""
     out = tmp_path / "bench.csv"
     began = time.perf_counter()
     proc = ds4lab_cmd("bench", "-m", nano, "--ctx-start", 256, "--ctx-max", 4096, "--step-mul", 2, "--gen-tokens", 16,
@@ -289,7 +289,7 @@ def test_bench_library_agrees_with_a_session(nano_np):
     for row in rows:
         ref.sync(tokens[:row.ctx_tokens])
         cp = ref.checkpoint()
-        assert row.kvcache_bytes == ref.kv.nbytes == len(cp.to_bytes(cfg, nano_np.backend)) == ref.kv_bytes
+        assert row.kvcache_bytes == ref.kv.nbytes == len(cp.to_bytes()) == ref.kv_bytes
         probe = []
         for _ in range(6):
             logits = ref.logits.copy()
@@ -322,7 +322,7 @@ def test_bench_csv_on_stdout_from_a_prompt_file(nano, tmp_path, monkeypatch, nan
                                                                                        (100, 28, 2)]
     short = one_error_line(ds4lab_cmd("bench", "-m", nano, "--prompt-file", text, "--ctx-max", 4096, *FAST), 1)
     assert "need at least ctx_max = 4096" in short
-    # Without shared/, the built-in text repeats to the length the sweep needs.
+    # Without the checkout's data/ (a wheel), the built-in text repeats to the length the sweep needs.
     monkeypatch.setattr(bench, "default_prompt_path", lambda: None)
     ids, source = bench.prompt_tokens(nano_np, None, min_tokens=5000)
     assert len(ids) >= 5000 and "built-in" in source
@@ -373,7 +373,7 @@ def test_inspect_kv_file(nano_np, tmp_path):
     sess = nano_np.session(ctx=128, prefill_chunk=64)
     text = "To be, or not to be"
     sess.sync(nano_np.tokenizer.encode(text))
-    payload = sess.checkpoint().to_bytes(nano_np.config, nano_np.backend)
+    payload = sess.checkpoint().to_bytes()
     raw = text.encode()
     # KVC file (spec/DS4_RUNTIME.md §4.2): 48-byte header, text length and text, DSV4 payload.
     header = b"KVC" + bytes([1, 2, 1, 0, 0]) + struct.pack("<IIIIQQQ", len(sess.tokens), 0, 128, 0, 1, 1, len(payload))

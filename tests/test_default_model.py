@@ -3,14 +3,14 @@ model card records."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 import ds4lab
 from ds4lab.evaluate import held_out_split, next_token_loss
+from ds4lab.testing import data_file
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DATA = data_file("tinyshakespeare.txt")
 RECORD = json.loads((ds4lab.default_model_path().parent / "shakespeare.json").read_text())
 
 

@@ -135,7 +135,7 @@ def test_tensor_data_is_a_view_of_the_mapped_file(nano_path):
     base = t.data
     while not isinstance(base, mmap.mmap):
         assert base is not None, "TensorInfo.data does not lead back to the file mapping"
-        base = base.base
+        base = base.obj if isinstance(base, memoryview) else base.base
 
 
 # -- refused files -----------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_garbage_after_a_valid_header(tmp_path, seed):
     rng = np.random.default_rng(seed)
     path = tmp_path / "garbage.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 3, 5) + rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
-    with raises_for(path, "damaged or truncated"):
+    with raises_for(path, "metadata key #0", "needs [0-9]+ bytes at offset 32", "file ends at 4024"):
         GGUFModelFile.open(path)
 
 
@@ -202,7 +202,7 @@ def test_truncated_tensor_data(nano_path, tmp_path):
 
 @pytest.mark.parametrize("keep, message", [
     (30, "more than 30 bytes can hold"),  # the counts are intact but nothing else is
-    (5000, "damaged or truncated"),  # inside the tokenizer strings
+    (5000, r"tokenizer\.ggml\.tokens claims 1024 STRING elements"),  # inside the tokenizer strings
     (40000, r"token_embd\.weight.*truncated"),  # inside the first tensor
 ])
 def test_truncated_header(nano_path, tmp_path, keep, message):
@@ -302,7 +302,7 @@ def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
     def disk_full(self, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(gguf_file.GGUFWriter, "write_tensors_to_file", disk_full)
+    monkeypatch.setattr(gguf_file.GGUFWriter, "write_ti_data_to_file", disk_full)
     with pytest.raises(OSError, match="disk full"):
         write_small(path)
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"old"
@@ -388,3 +388,144 @@ def test_builtin_text_when_the_data_directory_is_absent(tmp_path, monkeypatch):
         assert cfg == config.NANO
     finally:
         testing.default_tokenizer_text.cache_clear()
+
+
+# -- hostile files: every count bounded, every value checked, the data section tiled --------------------
+
+
+def key_entry_at(blob: bytes, key: str) -> int:
+    """Offset just past a metadata key's name (where its u32 value type starts)."""
+    return blob.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
+
+
+@pytest.mark.parametrize("count", [2**31, 2**40, 2**63, 2**64 - 1])
+def test_an_array_length_past_the_file_is_refused_at_once(nano_path, tmp_path, count):
+    """A damaged u64 length once made the reader loop for ever, growing ~15 MB/s."""
+    blob = bytearray(nano_path.read_bytes())
+    at = key_entry_at(blob, "deepseek4.attention.compress_ratios")  # type ARRAY, elem UINT32, then the count
+    struct.pack_into("<Q", blob, at + 8, count)
+    path = tmp_path / "long.gguf"
+    path.write_bytes(blob)
+    with raises_for(path, r"deepseek4\.attention\.compress_ratios", f"claims {count} UINT32 elements"):
+        GGUFModelFile.open(path)
+
+
+def test_an_array_of_arrays_is_refused(nano_path, tmp_path):
+    blob = bytearray(nano_path.read_bytes())
+    at = key_entry_at(blob, "deepseek4.attention.compress_ratios")
+    struct.pack_into("<I", blob, at + 4, 9)  # element type ARRAY
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(blob)
+    with raises_for(path, r"deepseek4\.attention\.compress_ratios", "array of arrays"):
+        GGUFModelFile.open(path)
+
+
+def test_a_type_shrunk_in_the_directory_leaves_a_gap_and_is_refused(tmp_path):
+    """F32 → F16 halves a tensor's bytes: the next tensor no longer starts where this one ends."""
+    tensors = [("big.weight", (4096,), Q.F32, np.zeros(16384, np.uint8)), *small_tensors()]
+    path = write_small(tmp_path / "t.gguf", tensors)
+    patch_entry(path, "big.weight", type_id=int(Q.F16))
+    with raises_for(path, r"f32\.weight", r"big\.weight", "disagrees"):
+        GGUFModelFile.open(path)
+
+
+def test_the_last_tensor_shrunk_or_data_appended_is_refused(tmp_path):
+    path = write_small(tmp_path / "t.gguf")
+    with path.open("ab") as f:
+        f.write(bytes(4096))
+    with raises_for(path, "4096 bytes follow the last tensor"):
+        GGUFModelFile.open(path)
+
+
+def test_a_sparse_file_of_zeros_after_the_header_is_refused(nano_path, tmp_path):
+    """nano's first 64 KiB, then zeros to 8 GiB, once loaded with all-zero logits."""
+    path = tmp_path / "big.gguf"
+    with path.open("wb") as f:
+        f.write(nano_path.read_bytes()[:65536])
+        f.truncate(8 << 30)
+    with raises_for(path, "bytes follow the last tensor"):
+        GGUFModelFile.open(path)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("deepseek4.rope.freq_base", float("nan")), ("deepseek4.rope.freq_base", 0.0),
+    ("deepseek4.attention.layer_norm_rms_epsilon", -1e-6), ("deepseek4.attention.layer_norm_rms_epsilon", 0.0),
+    ("deepseek4.hyper_connection.epsilon", float("inf")), ("deepseek4.expert_weights_scale", 0.0),
+    ("deepseek4.rope.scaling.yarn_beta_fast", float("nan")), ("deepseek4.rope.scaling.yarn_beta_slow", -1.0),
+    ("deepseek4.attention.compress_rope_freq_base", float("-inf")), ("deepseek4.rope.scaling.factor", 0.0),
+])
+def test_float_keys_out_of_range_are_refused(nano_path, tmp_path, key, value):
+    path = rewrite(nano_path, tmp_path / "m.gguf", meta={key: (value, "FLOAT32")})
+    with raises_for(path, re.escape(key), "expected a finite value"):
+        load_model_file(path)
+
+
+@pytest.mark.parametrize("clamp", [float("nan"), 0.0, -10.0, float("inf")])
+def test_swiglu_clamps_out_of_range_are_refused(nano_path, tmp_path, clamp):
+    path = rewrite(nano_path, tmp_path / "m.gguf",
+                   meta={"deepseek4.swiglu_clamp_exp": ([10.0, 10.0, clamp, 10.0, 10.0, 10.0], "ARRAY[FLOAT32]")})
+    with raises_for(path, r"swiglu_clamp_exp", "layer 2"):
+        load_model_file(path)
+
+
+def test_sinkhorn_iterations_are_bounded(nano_path, tmp_path):
+    key = "deepseek4.hyper_connection.sinkhorn_iterations"
+    path = rewrite(nano_path, tmp_path / "m.gguf", meta={key: (2**31, "UINT32")})
+    with raises_for(path, r"sinkhorn_iterations", "2147483648"):
+        load_model_file(path)
+
+
+def test_a_tensor_the_metadata_has_no_use_for_is_refused(nano_path, tmp_path):
+    """hash_layer_count lowered from 3 to 2 leaves blk.2's hash table unread."""
+    path = rewrite(nano_path, tmp_path / "m.gguf", meta={"deepseek4.hash_layer_count": (2, "UINT32")})
+    with raises_for(path, r"blk\.2\.ffn_gate_tid2eid\.weight", "not part of"):
+        load_model_file(path)
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
+def test_write_gguf_refuses_to_replace_what_is_not_a_regular_file(tmp_path):
+    for target in (Path("/dev/null"), tmp_path):
+        with pytest.raises(ValueError, match="not a regular file"):
+            write_small(target)
+    assert Path("/dev/null").is_char_device() and list(tmp_path.iterdir()) == []
+
+
+def test_holes_read_as_zeros_and_cost_no_disk(tmp_path):
+    shapes = [("a.weight", (1 << 20,), Q.F32), ("b.weight", (8,), Q.F32), ("c.weight", (1 << 20,), Q.F16)]
+    b = np.arange(8, dtype="<f4").view(np.uint8)
+    path = write_gguf(tmp_path / "sparse.gguf", SMALL_METADATA,
+                      [(n, s, q, b if n == "b.weight" else None) for n, s, q in shapes])
+    f = GGUFModelFile.open(path)
+    assert not f.tensors["a.weight"].data.any() and not f.tensors["c.weight"].data.any()
+    assert f.tensors["b.weight"].data.tobytes() == b.tobytes()
+    assert path.stat().st_size > 6 << 20 and path.stat().st_blocks * 512 < 1 << 20
+
+
+def test_the_fingerprint_tells_models_of_one_configuration_apart(nano_path, tmp_path):
+    other = make_model(config.NANO, tmp_path / "other.gguf", seed=4)
+    copy = rewrite(nano_path, tmp_path / "copy.gguf")
+    one = rewrite(nano_path, tmp_path / "one.gguf", tensors={"blk.5.ffn_norm.weight": (
+        "blk.5.ffn_norm.weight", (256,), Q.F32, np.ones(256, "<f4").view(np.uint8))})
+    prints = [GGUFModelFile.open(p).fingerprint for p in (nano_path, copy, other, one)]
+    assert prints[0] == prints[1] and len(set(prints)) == 3 and len(prints[0]) == 32
+
+
+def test_a_vocabulary_without_a_special_token_names_the_file(nano_path, tmp_path):
+    tokens, type_name = GGUFModelFile.open(nano_path).metadata["tokenizer.ggml.tokens"]
+    renamed = [t if t != BOS else "not-bos" for t in tokens]
+    path = rewrite(nano_path, tmp_path / "m.gguf", meta={"tokenizer.ggml.tokens": (renamed, type_name)})
+    import ds4lab
+
+    with raises_for(path, "tokenizer"):
+        ds4lab.load(path, backend="numpy")
+
+
+def test_a_failed_data_write_names_the_file(tmp_path, monkeypatch):
+    """numpy's tofile on a full disk says only "34816 requested and 576 written"."""
+    def full(*args):
+        raise OSError("34816 requested and 576 written")
+
+    monkeypatch.setattr(gguf_file, "_write_tensor_data", full)
+    with pytest.raises(OSError, match=f"writing {re.escape(str(tmp_path / 'm.gguf'))}: 34816 requested"):
+        write_small(tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []

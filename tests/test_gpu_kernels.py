@@ -1331,3 +1331,26 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
     assert step.captures == 1 and not step.failures
     for out, ref in zip(held, want):
         assert [np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)] == [True] * 3
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu),
+                                     pytest.param("mlx", marks=pytest.mark.gpu), "emulated"])
+def test_every_short_chunk_length_runs(model_paths, backend):
+    """A first chunk of every length 1…40, then a second chunk of the same length: up to DEVICE_ROUTING_ROWS
+    tokens route on the device, and once tokens × experts passes KERNEL_MAX_ROWS their pairs must not go to a
+    launch planned from host ids (CuPy raised on ``np.asarray`` of the device ids; the emulator marks its
+    device arrays so it raises too). Each chunk's next-token logits against float64's one-shot logits. The
+    emulator (3.4 s a chunk) runs the lengths around the edges for nano's 2 experts a token: 8 tokens make 16
+    pairs, 16 tokens are the most that route on the device."""
+    ref = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
+    gpu = _gpu_model_or_skip(model_paths["nano"], backend, "exact", True)
+    ids = np.random.default_rng(11).integers(0, ref.config.n_vocab - 7, 80)
+    want = ref.logits(ids)
+    for n in (1, 8, 9, 16, 17) if backend == "emulated" else range(1, 41):
+        sess = gpu.session(ctx=128, prefill_chunk=64)
+        sess.prefill(ids[:n]).run(progress=False)
+        got = [sess.logits]
+        sess.sync(ids[:2 * n])  # a chat turn's n more tokens: a chunk that extends the live state
+        got.append(sess.logits)
+        err = rel_err(np.stack(got), want[[n - 1, 2 * n - 1]])
+        assert err.max() < 1e-3, (n, err)

@@ -110,7 +110,7 @@ def test_checkpoints_restore_exactly(nano_mlx):
     after = layer_arrays(s)
     assert all(np.array_equal(after[k], kv[k]) for k in kv)
     # through the DSV4 bytes (float32 rows: exact on MLX)
-    data = cp.to_bytes(nano_mlx.config, nano_mlx.backend)
+    data = cp.to_bytes()
     assert len(data) == s.kv.nbytes
     list(s.decoder(seed=5).stream(3))
     s.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
@@ -129,10 +129,30 @@ def test_checkpoints_restore_exactly(nano_mlx):
         assert s.tokens == PROMPT[:c.end] and np.array_equal(s.logits, fresh.logits)
 
 
+def test_checkpoints_serialize_without_model_arguments(nano_mlx):
+    """``cp.to_bytes()`` and ``Checkpoint.from_bytes(b)``: a checkpoint knows its model's configuration, and a
+    payload's header and row counts give the layout without one."""
+    s = nano_mlx.session(ctx=256, prefill_chunk=32)
+    s.prefill(PROMPT[:150]).run(progress=False)
+    cp = s.checkpoint()
+    data = cp.to_bytes()
+    back = ds4lab.Checkpoint.from_bytes(data)
+    assert back.tokens == cp.tokens and np.array_equal(back.logits, cp.logits) and back.to_bytes() == data
+    assert ds4lab.Checkpoint.from_bytes(data, nano_mlx.config).to_bytes() == data
+    fresh = nano_mlx.session(ctx=256, prefill_chunk=32)
+    fresh.restore(back)
+    assert fresh.tokens == s.tokens and np.array_equal(fresh.logits, s.logits)
+    assert fresh.kv.nbytes == s.kv.nbytes and all(
+        np.array_equal(a, b) for a, b in zip(layer_arrays(fresh).values(), layer_arrays(s).values()))
+    bare = ds4lab.Checkpoint(cp.tokens, cp.logits, cp.state)  # made by hand, without its model
+    with pytest.raises(ValueError, match="Session.checkpoint"):
+        bare.to_bytes()
+
+
 def test_payload_from_another_geometry_is_refused(nano_mlx):
     s = nano_mlx.session(ctx=400, prefill_chunk=64)
     s.prefill(PROMPT[:70]).run(progress=False)
-    data = s.checkpoint().to_bytes(nano_mlx.config, nano_mlx.backend)
+    data = s.checkpoint().to_bytes()
     other = nano_mlx.session(ctx=400, prefill_chunk=32)
     with pytest.raises(PayloadError, match="prefill_cap"):
         other.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
@@ -312,3 +332,32 @@ def test_packed_layers_unflatten_once_and_only_when_read():
     assert layers[-1].raw is arrays[3] and calls == [4]
     assert all(la.raw is a for la, a in zip(layers, arrays, strict=True)) and calls == [4]
     assert [id(la.raw) for la in layers[1:3]] == [id(a) for a in arrays[1:3]] and calls == [4]
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten", "replaced"])
+def test_a_model_file_changed_under_a_session_is_a_clear_error(model_paths, tmp_path, change):
+    """A weight read from a truncated mapping kills the process with SIGBUS; one written in place would be used
+    under the live KV state. The session checks the file before each step."""
+    import os
+    import shutil
+
+    from ds4lab.config import ModelFileError
+
+    path = shutil.copy(model_paths["nano"], tmp_path / "m.gguf")
+    sess = ds4lab.load(path, backend="numpy").session(ctx=128, prefill_chunk=32)
+    sess.prefill(PROMPT[:40]).run(progress=False)
+    blob = open(path, "rb").read()
+    if change == "truncated":
+        os.truncate(path, len(blob) // 2)
+    elif change == "rewritten":  # same size, same inode, new bytes (and a new mtime)
+        with open(path, "r+b") as f:
+            f.seek(len(blob) - 4096)
+            f.write(bytes(4096))
+        os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 1_000_000))
+    else:
+        (tmp_path / "new.gguf").write_bytes(blob)
+        os.replace(tmp_path / "new.gguf", path)
+    before = list(sess.tokens)
+    with pytest.raises(ModelFileError, match=f"(?s){path}.*changed since it was loaded"):
+        sess.sync(PROMPT[:41])
+    assert sess.tokens == before

@@ -14,7 +14,6 @@ import sys
 import time
 import warnings
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from ds4lab.kv.kvfile import (
 )
 from ds4lab.kv.payload import encode_payload
 from ds4lab.kv.store import KVStore, KVStoreWarning, eviction_score
+from ds4lab.testing import data_file
 from tests.test_payload import random_payload
 
 PROMPT = np.random.default_rng(11).integers(0, 1000, 400).tolist()
@@ -74,7 +74,7 @@ def reasons(store: KVStore) -> dict:
 
 
 def dsv4(sess) -> bytes:
-    return sess.checkpoint().to_bytes(sess.model.config, sess.model.backend)
+    return sess.checkpoint().to_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def trained_live():
     its KV rows, a trained model's are what a user sees."""
     model = ds4lab.load(backend="mlx")
     s = model.session(ctx=CTX, prefill_chunk=CHUNK)
-    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt").read_text()[:4000]
+    text = data_file("tinyshakespeare.txt").read_text()[:4000]
     s.prefill(model.tokenizer.encode(text)[:200]).run(progress=False)
     cp = s.checkpoint()
     steps = [(st.token, s.logits.copy()) for st in s.decoder(temperature=0).stream(16)]

@@ -1,7 +1,6 @@
-from pathlib import Path
-
 import pytest
 
+from ds4lab.testing import data_file
 from ds4lab.tokenizer import (
     BYTE_TO_UNICODE,
     REASONING_EFFORT_MAX_PREFIX,
@@ -12,12 +11,11 @@ from ds4lab.tokenizer import (
     train_bpe,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DATA_FILES = ["tinyshakespeare.txt", "promessi_sposi.txt"]
 
 
 def read_data(name: str) -> str:
-    return (DATA / name).read_text(encoding="utf-8")
+    return data_file(name).read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------------

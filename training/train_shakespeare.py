@@ -40,7 +40,8 @@ from ds4lab.quants import dequantize
 from ds4lab.testing import make_model, write_model
 from ds4lab.tokenizer import Tokenizer, train_bpe
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+# The repository's own copy (data/README.md), found from this script, so it is there however ds4lab is installed.
+DATA = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
 
 # The nano architecture with a Shakespeare-sized vocabulary and a 64-token raw window: ratio-4 rows
 # every 4 tokens with the indexer choosing 32 once more are visible (from position 131), ratio-128
@@ -90,7 +91,7 @@ def evaluate(loss_fn, params, windows) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--data", type=Path, default=DATA, help="tinyshakespeare.txt")
+    ap.add_argument("--data", type=Path, default=DATA, help="training text (default: data/tinyshakespeare.txt)")
     ap.add_argument("--steps", type=int, default=220)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--accum", type=int, default=2, help="sequences per optimizer step")

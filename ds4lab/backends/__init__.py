@@ -33,14 +33,85 @@ BACKENDS = ("mlx", "numpy", "cupy")
 PREFILL_MATMULS = ("float32", "tf32")
 
 
-def get_backend(name: str, device: str | None = None, kernels: bool | None = None, prefill_matmul: str = "float32"):
-    """``kernels`` (GPU backends): use ds4lab's kernels; None means yes on a GPU. ``prefill_matmul``: see
-    :func:`ds4lab.load`."""
+def resolve_backend(name: str = "auto", device: str | None = None) -> str:
+    """The backend that ``name`` means here: ``"auto"`` (the default of :func:`ds4lab.load` and of the
+    ``--backend`` flag) becomes "mlx" when MLX has a GPU (Metal, or CUDA with mlx[cuda]), else "cupy" when
+    CuPy finds a CUDA GPU, else "numpy": MLX's Linux CPU build multiplies matrices with a reference BLAS
+    (measured 2.6x slower than NumPy on the nano model's bench), so CPUs get NumPy. ``device`` steers it:
+    "cpu" gives "numpy", "gpu" gives "mlx" (and needs MLX's GPU), "cuda:N" gives "cupy". Other names are
+    returned as they are (checked: one of :data:`BACKENDS`), except that "mlx" with ``device="gpu"`` needs
+    MLX's GPU."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if name in ("numpy", "cupy") or (name == "mlx" and device != "gpu"):
+        return name
+    if name == "auto" and device == "cpu":
+        return "numpy"
+    if name == "auto" and isinstance(device, str) and device.startswith("cuda"):
+        return "cupy"
+    has_gpu = mlx_has_gpu()
+    if device == "gpu" and not has_gpu:
+        raise RuntimeError("device 'gpu': MLX has no GPU here (it needs Metal, or CUDA with mlx[cuda])")
+    if has_gpu:
+        return "mlx"
+    if name == "auto" and cupy_has_gpu():
+        return "cupy"
+    return "numpy"
+
+
+def mlx_has_gpu() -> bool:
+    """Whether MLX is installed and has a GPU (Metal, or CUDA with mlx[cuda])."""
+    try:
+        import mlx.core as mx
+
+        return bool(mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
+    except (ImportError, AttributeError):  # no MLX, or one without these queries
+        return False
+
+
+def cupy_has_gpu() -> bool:
+    """Whether CuPy is installed and finds a CUDA GPU."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or no CUDA driver/device
+        return False
+
+
+def cuda_device_label(index: int, name: str | bytes | None) -> str:
+    """How a run names CUDA GPU ``index``: ``cuda:0 (NVIDIA H200)`` (``name`` as the CUDA runtime reports it,
+    bytes or text; just ``cuda:0`` without one)."""
+    if isinstance(name, bytes):
+        name = name.split(b"\0", 1)[0].decode("utf-8", errors="replace")
+    name = (name or "").strip()
+    return f"cuda:{index} ({name})" if name else f"cuda:{index}"
+
+
+def device_label(backend) -> str:
+    """Where ``backend`` computes, for a run's header: its ``device_label`` when it has one (CuPy:
+    ``cuda:0 (NVIDIA H200)``), "gpu" for MLX's GPU device, else "cpu"."""
+    label = getattr(backend, "device_label", None)
+    if label:
+        return str(label)
+    where = str(getattr(backend, "device", "cpu")).lower()
+    if "gpu" in where:
+        return "gpu"
+    return where if where.startswith("cuda") else "cpu"
+
+
+def get_backend(name: str = "auto", device: str | None = None, kernels: bool | None = None,
+                prefill_matmul: str = "float32"):
+    """The backend ``name`` (see :func:`resolve_backend` for "auto"). ``kernels`` (GPU backends): use
+    ds4lab's kernels; None means yes on a GPU. ``prefill_matmul``: see :func:`ds4lab.load`."""
+    asked = name
+    name = resolve_backend(name, device)
     if prefill_matmul not in PREFILL_MATMULS:
         raise ValueError(f"unknown prefill_matmul {prefill_matmul!r}; choose one of {', '.join(PREFILL_MATMULS)}")
     if prefill_matmul != "float32" and (name != "cupy" or kernels is False):
+        chose = f" (auto chose {name})" if asked != name else ""
         raise ValueError(f"prefill_matmul={prefill_matmul!r} needs the cupy backend with its kernels "
-                         f"(got backend={name!r}, kernels={kernels!r})")
+                         f"(got backend={name!r}{chose}, kernels={kernels!r})")
     if name == "numpy":
         if kernels:
             raise ValueError("the numpy backend has no kernels; kernels=True needs mlx on a GPU or cupy")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from . import cuda_device_label
 from .kernel_ops import BlockBackend
 from .packing import offsets, views
 
@@ -32,6 +33,11 @@ class CupyBackend(BlockBackend):
         self.cuda_device = cp.cuda.Device(index)
         self.cuda_device.use()
         self.device = f"cuda:{index}"
+        try:  # what a run's header shows: "cuda:0 (NVIDIA H200)"
+            name = cp.cuda.runtime.getDeviceProperties(index)["name"]
+        except Exception:  # a runtime without the query: the index alone
+            name = None
+        self.device_label = cuda_device_label(index, name)
         self.use_kernels = kernels
         self.chunk_tf32 = chunk_tf32  # prefill_matmul="tf32" (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)

@@ -76,8 +76,9 @@ class StackedBlockLinear:
         self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
 
     def __call__(self, x, experts, repeat: int = 1):
-        """``experts``: host ids, or a device array of them (a decode step's routing, planned there)."""
-        if x.shape[0] * repeat > KERNEL_MAX_ROWS:
+        """``experts``: host ids, or a device array of them (the routing of a step of up to DEVICE_ROUTING_ROWS
+        tokens, which never leaves the device: qmatmul plans it there, however many pairs it makes)."""
+        if x.shape[0] * repeat > KERNEL_MAX_ROWS and self.kernels.on_host(experts):
             return self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
         x = x if repeat == 1 else self.kernels.xp.repeat(x, repeat, axis=0)
         return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts)

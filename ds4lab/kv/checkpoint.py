@@ -10,7 +10,7 @@ at least as large, ...) and rebuilds the fixed-capacity state, raw rows scattere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,12 +24,15 @@ _STATE_FIELDS = (("comp_kv", "comp_state_kv"), ("comp_sc", "comp_state_score"),
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """Tokens, next-token logits and KV state at one boundary: a live ``state`` or payload ``data``."""
+    """Tokens, next-token logits and KV state at one boundary: a live ``state`` or payload ``data``. A live one
+    knows the ``config`` and ``backend`` of the model whose state it holds, so it serializes on its own."""
 
     tokens: tuple[int, ...]
     logits: np.ndarray | None
     state: KVState | None = None
     data: bytes | None = None
+    config: ModelConfig | None = field(default=None, repr=False)
+    backend: object = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -38,23 +41,31 @@ class Checkpoint:
         kind = "live" if self.state is not None else "payload"
         return f"Checkpoint({len(self.tokens)} tokens, {kind})"
 
-    def to_bytes(self, config: ModelConfig, backend) -> bytes:
+    def to_bytes(self) -> bytes:
+        """ds4's ``DSV4`` payload of this checkpoint (a payload checkpoint's own bytes)."""
         if self.data is not None:
             return self.data
-        return encode_payload(state_to_payload(config, backend, self.state, self.tokens, self.logits), config)
+        if self.config is None or self.backend is None:
+            raise ValueError("this checkpoint holds a live state but not the model it came from; "
+                             "take checkpoints with Session.checkpoint()")
+        return encode_payload(state_to_payload(self.config, self.backend, self.state, self.tokens, self.logits),
+                              self.config)
 
     def state_for(self, config: ModelConfig, backend, geometry: Geometry) -> KVState:
-        """The state to restore into a session of ``geometry`` (a payload is validated against it)."""
+        """The state to restore into a session of ``geometry`` on (``config``, ``backend``): the live state
+        itself where it fits, else the payload validated against the session and rebuilt."""
         if self.state is not None and self.state.geometry == geometry:
             return self.state
-        data = self.to_bytes(config, backend)
+        data = self.to_bytes()
         return payload_to_state(config, backend, decode_payload(data, config, geometry.ctx, geometry.chunk), geometry)
 
     @classmethod
-    def from_bytes(cls, data: bytes, config: ModelConfig) -> "Checkpoint":
-        """Parse a ``DSV4`` payload, validated against its own header's ctx and chunk and ``config``."""
-        payload = decode_payload(data, config)  # the header's own ctx and prefill_cap
-        return cls(tuple(int(t) for t in payload.tokens), payload.logits, data=bytes(data))
+    def from_bytes(cls, data: bytes, config: ModelConfig | None = None) -> "Checkpoint":
+        """Parse a ``DSV4`` payload, validated against its own header's ctx and chunk and, given, the model's
+        ``config`` (without one, the layer layout is inferred from the header and row counts, as ``inspect``
+        does); restoring it into a session validates it again against that session's model."""
+        payload = decode_payload(data, config)
+        return cls(tuple(int(t) for t in payload.tokens), payload.logits, data=bytes(data), config=config)
 
 
 def state_to_payload(cfg: ModelConfig, backend, state: KVState, tokens, logits) -> Payload:

@@ -409,10 +409,12 @@ class KVFile:
         if self._payload_buf is not self._buf:
             codec += f", {len(self._payload_buf):,} unpacked"
         trailer = f" + checksum {CHECKSUM_BYTES}" if h.ext_flags & EXT_CHECKSUM else ""
-        preview = self.text[:80].replace("\n", "\\n") + (" …" if len(self.text) > 80 else "")
+        preview = repr(self.text[:80]) + (" …" if len(self.text) > 80 else "")  # escaped once, by repr
+        quant = "Q4_K routed experts" if h.quant_bits == 4 else "routed experts not Q4_K"
         lines = [
             f"{self.path}: {self.file_size:,} bytes",
-            (f"KVC v{h.version}: reason {REASONS[h.reason]}, model experts {h.quant_bits}-bit, ext {h.ext_flags:#04x} "
+            (f"KVC v{h.version}: reason {REASONS[h.reason]}, model quant byte {h.quant_bits} ({quant}: ds4 writes "
+             f"4 for Q4_K experts, 2 for any other type), ext {h.ext_flags:#04x} "
              f"({ext_names(h.ext_flags)}), tokens {h.tokens}, hits {h.hits}, ctx {h.ctx_size}"),
             f"created {_stamp(h.created)}, last used {_stamp(h.last_used)}",
             f"sizes: header {PREFIX_BYTES} + text {h.text_bytes:,} + payload {h.payload_bytes:,} ({codec}){trailer}",
@@ -420,7 +422,7 @@ class KVFile:
             "layer ratio  raw  comp index        bytes",
             *(f"{lk.index:5d} {lk.ratio:5d} {lk.n_raw:4d} {lk.n_comp:5d} {lk.n_index:5d} {lk.nbytes:12,d}"
               for lk in self.layers),
-            f"text: {preview!r}",
+            f"text: {preview}",
         ]
         return "\n".join(lines)
 

@@ -436,7 +436,8 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
         fits = cur.remaining // 4
         cur.take(4 * fits, "row counts")
         cur.take(4, _count_field(fits, n_layer))
-    counts = np.frombuffer(mv, "<u4", 2 * n_layer, cur.take(8 * n_layer, "row counts")).reshape(2, n_layer)
+    # Python ints: a count in arithmetic must not wrap as a uint32 would
+    counts = np.frombuffer(mv, "<u4", 2 * n_layer, cur.take(8 * n_layer, "row counts")).reshape(2, n_layer).tolist()
     inferred = cfg is None
     if inferred:
         # a config carrying only what the layout depends on (dataclasses.replace: no checks on file values)
@@ -444,7 +445,7 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
                                   n_vocab=h["vocab"], compress_ratios=infer_ratios(T, counts[0], counts[1]))
     for kind, label in ((0, "compressed"), (1, "indexer")):
         for il in range(n_layer):
-            field, n = _count_field(kind * n_layer + il, n_layer), int(counts[kind, il])
+            field, n = _count_field(kind * n_layer + il, n_layer), counts[kind][il]
             cap = min(comp_cap, layer_comp_cap(cfg, il, limit))
             if n > cap:  # ds4.c:16538 / 16549
                 raise _fail(f"KV checkpoint has invalid {label} row count", field, n, f"capacity {cap}", "larger than")
@@ -477,18 +478,24 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
 
 def decode_payload(data, cfg, ctx: int | None = None, prefill_cap: int | None = None) -> Payload:
     """Parse a payload for a session of ``ctx`` tokens and chunk ``prefill_cap`` on model ``cfg`` (default:
-    the ones in its own header, i.e. the session that wrote it).
+    the ones in its own header, i.e. the session that wrote it). ``cfg`` None infers the layer layout from
+    the header and row counts (:func:`infer_ratios`).
 
     Mirrors ``ds4_session_load_payload`` (graph path, ds4.c:16327-16656) check by check (:func:`parse_layout`)
     and raises :class:`PayloadError` on the first failure; nothing is returned unless the whole buffer parsed.
     The arrays are copies: the result does not alias ``data``.
     """
     mv = byte_view(data)
-    if ctx is None or prefill_cap is None:
-        h = payload_header(mv)
-        ctx = h["ctx"] if ctx is None else ctx
-        prefill_cap = h["prefill_cap"] if prefill_cap is None else prefill_cap
-    lay = parse_layout(mv, cfg, ctx=ctx, prefill_cap=prefill_cap)
+    if cfg is None:  # the layout inferred from the payload itself, checked against its own header
+        if ctx is not None or prefill_cap is not None:
+            raise TypeError("checking a payload for a session of another ctx or prefill_cap needs the model's cfg")
+        lay = parse_layout(mv)
+    else:
+        if ctx is None or prefill_cap is None:
+            h = payload_header(mv)
+            ctx = h["ctx"] if ctx is None else ctx
+            prefill_cap = h["prefill_cap"] if prefill_cap is None else prefill_cap
+        lay = parse_layout(mv, cfg, ctx=ctx, prefill_cap=prefill_cap)
     h = lay.header
     layers = [LayerPayload(**{f: None if a is None else np.array(a.read(mv), dtype=np.float32)
                               for f, a in arrays.items()}) for arrays in lay.layers]

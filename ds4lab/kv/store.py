@@ -260,8 +260,9 @@ class KVStore:
             return None
         model = session.model
         # The live state is an immutable value: reading it here copies nothing and cannot race a step.
-        cp = Checkpoint(tuple(session.tokens), session.logits, session._state)
-        payload = pack_payload(cp.to_bytes(model.config, model.backend), model.config, self.codec_flags)
+        cp = Checkpoint(tuple(session.tokens), session.logits, session._state, config=model.config,
+                        backend=model.backend)
+        payload = pack_payload(cp.to_bytes(), model.config, self.codec_flags)
         return self.put(token_text(model, session.tokens), payload, tokens=len(cp), ctx=session.ctx,
                         quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags)
 

@@ -64,6 +64,11 @@ def _library() -> ctypes.CDLL:
     return compile_module(S.all_specs())
 
 
+class DeviceArray(np.ndarray):
+    """A kernel's output: NumPy, but marked as "on the device", so that code which may only take host arrays
+    (a launch plan, ``np.asarray`` on CuPy) fails on the emulator as it fails on a GPU."""
+
+
 class CpuKernels(ArrayLaunches):
     """The kernels' launches with NumPy arrays, executed by the CPU emulator."""
 
@@ -76,3 +81,6 @@ class CpuKernels(ArrayLaunches):
 
     def _launch(self, spec, grid, threads, args):
         launch(self.lib, spec, grid, threads, args)
+
+    def _run(self, spec, groups, threads, inputs, outputs):
+        return [out.view(DeviceArray) for out in super()._run(spec, groups, threads, inputs, outputs)]

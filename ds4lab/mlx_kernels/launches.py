@@ -94,11 +94,19 @@ class KernelLaunches:
         without bound."""
         return _kept(self._ints, value, lambda: self._array(np.array([value], dtype=np.int32)), INTS_KEPT)
 
+    @staticmethod
+    def on_host(ids) -> bool:
+        """Whether expert ids are a host array (NumPy's own type; the emulator marks its device arrays)."""
+        return type(ids) is np.ndarray
+
     def _plan(self, experts: np.ndarray | None, n_pairs: int, size: int):
-        """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`. Kept: the dense plan of each
-        size, and the PLANS_KEPT most recent small gathered ones (a decode step's output groups repeat every
-        step, and a CUDA graph capture may not copy from the host), and the last large one (a chunk's gate, up
-        and down projections share their experts)."""
+        """Device ``(order, batches, n_batches)`` of :func:`.specs.pair_batches`, planned on the host from host
+        ids. Kept: the dense plan of each size, and the PLANS_KEPT most recent small gathered ones (a decode
+        step's output groups repeat every step, and a CUDA graph capture may not copy from the host), and the
+        last large one (a chunk's gate, up and down projections share their experts)."""
+        if experts is not None and not self.on_host(experts):
+            raise TypeError(f"a launch plan needs host expert ids, got a {type(experts).__name__}; ids on the "
+                            f"device go through qmatmul, which plans there")
         if experts is None:
             key = ("plan", n_pairs, size)
             if key not in self._consts:
@@ -131,7 +139,7 @@ class KernelLaunches:
         """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix). Few
         rows and a long K: K split over more SIMD groups (:func:`.specs.qmatmul_splits`), then summed."""
         P = x.shape[0]
-        if experts is None or isinstance(experts, np.ndarray):
+        if experts is None or self.on_host(experts):
             order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
         else:  # ids on the device: each pair its own batch, the plan made there
             order = self._const(*range(P))
@@ -170,8 +178,8 @@ class KernelLaunches:
     def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
         """The same product for many rows, tiled: ``x [P / repeat, ne0]`` (pair p reads row p // repeat: a
         token's pairs share its row), ``raw [n_expert, n_rows, row_bytes]`` (or ``[n_rows, row_bytes]`` with
-        ``experts`` None: one matrix), ``experts`` a host array of P expert ids; every row in one launch, straight
-        from the blocks. Returns ``out [P, n_rows]``."""
+        ``experts`` None: one matrix), ``experts`` a host array of P expert ids (its tiles are planned from them);
+        every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
         P = x.shape[0] * repeat
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
         return self._run(S.qgemm_spec(qtype, self.chunk_tf32), (-(-n_rows // S.QGEMM_BN), n_tiles), S.qgemm_threads(),

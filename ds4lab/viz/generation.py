@@ -31,6 +31,7 @@ STATUS = {
     "eos": "end of sequence",
     "ctx": "the context is full",
     "interrupted": "interrupted (the session keeps every token generated before the interrupt)",
+    "length": "paused: run or step for more",
 }
 
 
@@ -115,6 +116,7 @@ class GenerationView(_View):
         self._stop = False
         self._task = None  # the run the run button started, on the kernel's event loop
         self._started = False
+        self._in_run = False  # inside run()/arun(): a step leaves the status at "running"
         self._tokens_after: list[int] | None = None  # the session's tokens after this view's last step
         self.model = GenerationModel(scale=[[lo, c] for lo, c in LOGPROB_SCALE])
         self._show_context(self.prompt_ids if self.prompt_ids is not None else session.tokens)
@@ -156,6 +158,8 @@ class GenerationView(_View):
             if self.prompt_ids is not None:
                 self.model.status = f"syncing the prompt ({len(self.prompt_ids)} tokens)"
                 sess.sync(self.prompt_ids)
+                if self._in_run:
+                    self.model.status = "running"
             self._show_context(sess.tokens)
             self._started = True
         elif sess.tokens != self._tokens_after:
@@ -176,7 +180,11 @@ class GenerationView(_View):
         m = self.model
         with m.hold_sync():
             m.records = m.records + [step_record(self.session.model.tokenizer, step)]
-            m.status = STATUS["eos"] if self.decode.stop_reason == "eos" else f"{len(self.steps)} tokens"
+            # the title counts the tokens ("Generation: 44 tokens — <status>"): the status says what goes on
+            if self.decode.stop_reason == "eos":
+                m.status = STATUS["eos"]
+            else:
+                m.status = "running" if self._in_run else STATUS["length"]
         if self.decode.stop_reason == "eos":
             self.stop_reason = "eos"
         self._update_buttons()
@@ -194,6 +202,7 @@ class GenerationView(_View):
         self._stop = False
         self.stop_reason = None
         self.model.status = "running"
+        self._in_run = True
         try:
             while len(out) < n:
                 if self._stop:
@@ -213,13 +222,14 @@ class GenerationView(_View):
             self.stop_reason = "interrupted"
         except Exception as e:
             self.stop_reason = "error"
-            self.model.status = f"{len(self.steps)} tokens; stopped by an error: {e}"
+            self.model.status = f"stopped by an error: {e}"
             self._update_buttons()
             raise
+        finally:
+            self._in_run = False
         if self.decode.stop_reason == "eos":
             self.stop_reason = "eos"
-        self.model.status = f"{len(self.steps)} tokens; " + STATUS.get(
-            self.stop_reason, f"ran {len(out)}: continue for more")
+        self.model.status = STATUS.get(self.stop_reason, STATUS["length"])
         self._update_buttons()
 
     def _check_idle(self) -> None:

@@ -1,0 +1,328 @@
+"""Command-line papercuts of issue 21 (items 3, 5 and 7), each held by a test that failed before its fix.
+
+Most cases run ``ds4lab`` on the embedded default model with the NumPy backend (small and fast); the errors
+expected before any work are checked to come before the run's header line and with nothing on stdout.
+"""
+
+import inspect
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import ds4lab
+import ds4lab.backends as backends
+from ds4lab import cli
+from ds4lab.backends import cuda_device_label, device_label, resolve_backend
+from ds4lab.cli import DEFAULT_SYSTEM
+from tests.test_cli import FAST, STATS, ds4lab_cmd, one_error_line
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds4lab.load(backend="numpy")
+
+
+def no_work_started(proc):
+    """The error came before the model ran: no header line, no CSV, no progress."""
+    assert proc.stdout == "", proc.stdout
+    assert "prefill:" not in proc.stderr and "bench: " not in proc.stderr, proc.stderr
+
+
+# -- item 3: the run header names the GPU -----------------------------------------------------------------
+
+def _fake_model(backend):
+    return SimpleNamespace(path=Path("flash.gguf"), config=SimpleNamespace(n_layer=43, n_vocab=129280),
+                           backend=backend)
+
+
+def test_run_header_names_the_cuda_gpu():
+    cupy = SimpleNamespace(name="cupy", device="cuda:0", device_label=cuda_device_label(0, b"NVIDIA H200"))
+    assert cli._describe(_fake_model(cupy)).endswith("cupy on cuda:0 (NVIDIA H200)")
+    # a backend with the device index only, MLX's GPU and CPU devices, NumPy
+    assert cli._describe(_fake_model(SimpleNamespace(name="cupy", device="cuda:1"))).endswith("cupy on cuda:1")
+    assert device_label(SimpleNamespace(name="mlx", device="Device(gpu, 0)")) == "gpu"
+    assert device_label(SimpleNamespace(name="mlx", device="Device(cpu, 0)")) == "cpu"
+    assert device_label(SimpleNamespace(name="numpy")) == "cpu"
+
+
+def test_cuda_device_label_formats_index_and_name():
+    """What CupyBackend stores as ``device_label`` from the CUDA runtime's (index, name)."""
+    assert cuda_device_label(0, b"NVIDIA H200") == "cuda:0 (NVIDIA H200)"
+    assert cuda_device_label(3, "NVIDIA H200\0\0\0".encode()) == "cuda:3 (NVIDIA H200)"
+    assert cuda_device_label(1, " Tesla T4 ") == "cuda:1 (Tesla T4)"
+    assert cuda_device_label(2, None) == cuda_device_label(2, b"") == "cuda:2"
+
+
+# -- item 5: one backend rule for load() and the command line -------------------------------------------
+
+def test_load_defaults_to_auto_like_the_command_line(model):
+    assert inspect.signature(ds4lab.load).parameters["backend"].default == "auto"
+    assert "auto" in ds4lab.load.__doc__ and "resolve_backend" in ds4lab.load.__doc__
+    assert not hasattr(cli, "_resolve_backend") and not hasattr(cli, "_cupy_has_gpu")
+    chosen = resolve_backend("auto")
+    m = ds4lab.load()
+    assert m.backend.name == chosen and f"backend={chosen}," in repr(m)
+    assert ds4lab.load(backend="auto").backend.name == chosen
+    assert ds4lab.load(device="cpu").backend.name == "numpy"  # the CLI's --device cpu rule
+
+
+@pytest.mark.parametrize("mlx_gpu, cupy_gpu, device, want", [
+    (False, False, None, "numpy"),
+    (False, True, None, "cupy"),
+    (True, True, None, "mlx"),
+    (True, False, "cpu", "numpy"),
+    (True, False, "gpu", "mlx"),
+    (False, False, "cuda:1", "cupy"),
+])
+def test_auto_resolution(monkeypatch, mlx_gpu, cupy_gpu, device, want):
+    monkeypatch.setattr(backends, "mlx_has_gpu", lambda: mlx_gpu)
+    monkeypatch.setattr(backends, "cupy_has_gpu", lambda: cupy_gpu)
+    assert resolve_backend("auto", device) == want
+    for name in ("numpy", "cupy"):
+        assert resolve_backend(name) == name
+    assert resolve_backend("mlx", "cpu") == "mlx"
+
+
+def test_auto_resolution_errors(monkeypatch):
+    monkeypatch.setattr(backends, "mlx_has_gpu", lambda: False)
+    with pytest.raises(ValueError, match="unknown backend 'bogus'; choose auto or one of mlx, numpy, cupy"):
+        resolve_backend("bogus")
+    with pytest.raises(RuntimeError, match="MLX has no GPU here"):
+        resolve_backend("mlx", "gpu")
+
+
+def test_the_command_line_resolves_through_the_same_function(monkeypatch, capsys):
+    calls = []
+    real = backends.resolve_backend
+
+    def spy(name="auto", device=None):
+        calls.append((name, device))
+        return real("numpy", None)
+
+    monkeypatch.setattr(backends, "resolve_backend", spy)
+    assert cli.main(["run", "-p", "ROMEO:", "-n", "1", "--temp", "0", "--ctx", "64"]) == 0
+    assert calls[0] == ("auto", None)
+    assert "numpy on cpu" in capsys.readouterr().err
+
+
+# -- item 7: files checked before any work, errors that name them -----------------------------------------
+
+def test_bench_plot_into_a_missing_folder_fails_before_the_sweep(tmp_path):
+    target = tmp_path / "missing" / "x.html"
+    proc = ds4lab_cmd("bench", "--plot", target, *FAST)
+    line = one_error_line(proc, 1)
+    assert f"--plot {target}: the folder {target.parent} does not exist" in line
+    no_work_started(proc)
+
+
+@pytest.mark.parametrize("case", ["directory", "missing-folder", "proc"])
+def test_bench_csv_path_is_checked_first_and_named(case, tmp_path):
+    target = {"directory": tmp_path, "missing-folder": tmp_path / "nope" / "out.csv",
+              "proc": Path("/proc/version")}[case]
+    if case == "proc" and not target.is_file():
+        pytest.skip("no /proc/version here")
+    proc = ds4lab_cmd("bench", "--csv", target, *FAST)
+    line = one_error_line(proc, 1)
+    assert f"--csv {target}: " in line
+    why = {"directory": "is a directory", "missing-folder": "does not exist", "proc": "cannot write there"}[case]
+    assert why in line
+    no_work_started(proc)
+
+
+def test_csv_write_errors_name_the_file(tmp_path):
+    class Broken:
+        def write(self, text):
+            raise OSError(5, "Input/output error")
+
+        def flush(self):
+            raise OSError(5, "Input/output error")
+
+    out = cli._NamedWrites(Broken(), tmp_path / "x.csv")
+    with pytest.raises(OSError, match=re.escape(f"{tmp_path / 'x.csv'}: Input/output error")):
+        out.write("a,b\n")
+
+
+@pytest.mark.parametrize("content", ["", "  \n", "ROMEO: too short"])
+def test_bench_prompt_file_problems_come_before_the_csv_header(content, tmp_path):
+    text = tmp_path / "prompt.txt"
+    text.write_text(content)
+    proc = ds4lab_cmd("bench", "--prompt-file", text, "--ctx-start", 32, "--ctx-max", 64, "-n", 2, *FAST)
+    line = one_error_line(proc, 1)
+    assert str(text) in line
+    assert ("the file is empty" if not content.strip() else "need at least ctx_max = 64") in line
+    assert proc.stdout == ""  # no CSV header before the error
+
+
+def test_bench_missing_prompt_file_and_model_are_named(tmp_path):
+    for flag in ("--prompt-file", "-m"):
+        proc = ds4lab_cmd("bench", flag, tmp_path / "absent", *FAST)
+        assert f"{flag} {tmp_path / 'absent'}: no such file" in one_error_line(proc, 1)
+        no_work_started(proc)
+
+
+def test_prompt_that_leaves_nothing_to_generate_is_an_error(model):
+    n = len(model.tokenizer.encode("ROMEO:"))
+    ctx = n + 1  # the prompt fits, but ds4 keeps the last slot free: nothing would be generated
+    proc = ds4lab_cmd("run", "-p", "ROMEO:", "--ctx", ctx, "--temp", 0, *FAST)
+    line = one_error_line(proc, 1)
+    assert f"the prompt has {n} tokens and the context holds {ctx}: nothing is left to generate" in line
+    assert f"use --ctx {n + 2} or more" in line
+    assert proc.stdout == ""
+    # one more slot: one token, as the message says
+    proc = ds4lab_cmd("run", "-p", "ROMEO:", "--ctx", n + 2, "--temp", 0, *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert STATS.search(proc.stderr).group(5) == "1"
+    # longer prompts get the same message
+    assert "the context holds 3: nothing is left" in one_error_line(
+        ds4lab_cmd("run", "-p", "ROMEO: a longer prompt", "--ctx", 3, *FAST), 1)
+
+
+def test_interactive_turn_that_leaves_nothing_to_generate(model):
+    ids = model.tokenizer.render_chat([{"role": "system", "content": DEFAULT_SYSTEM},
+                                       {"role": "user", "content": "Hello"}], think=True)
+    proc = ds4lab_cmd("run", "--ctx", len(ids) + 1, "-n", 2, *FAST, input="Hello\n/stats\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert (f"this turn (the transcript and the new message) has {len(ids)} tokens and the context holds "
+            f"{len(ids) + 1}: nothing is left to generate") in proc.stderr
+    assert f"use /ctx {len(ids) + 2} or more" in proc.stderr
+    assert f"session: 0/{len(ids) + 1} tokens" in proc.stdout  # the turn was refused before the prefill
+
+
+def test_inspect_a_file_that_is_neither_gguf_nor_kvc(tmp_path):
+    path = tmp_path / "notes.md"
+    path.write_text("# doc\n")
+    line = one_error_line(ds4lab_cmd("inspect", path), 1)
+    assert f"{path}: neither a GGUF model nor a KVC cache file" in line
+    assert "b'GGUF'" in line and "b'KVC'" in line and "b'# do'" in line
+
+
+def test_kv_summary_says_what_the_quant_byte_means_and_escapes_the_text_once(model, tmp_path):
+    from ds4lab.kv.store import routed_quant_bits
+
+    text = "First Citizen:\nBefore we proceed any further, hear me speak."
+    sess = model.session(ctx=128, prefill_chunk=64)
+    sess.sync(model.tokenizer.encode(text))
+    # the embedded model's routed experts are Q8_0: ds4 (and KVStore) write quant byte 2 for them
+    assert model.file.tensors["blk.0.ffn_gate_exps.weight"].qtype.name == "Q8_0" and routed_quant_bits(model) == 2
+    entry = ds4lab.KVStore(tmp_path, min_tokens=1).save(sess)
+    proc = ds4lab_cmd("inspect", entry.path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "2-bit" not in out
+    assert "model quant byte 2 (routed experts not Q4_K: ds4 writes 4 for Q4_K experts, 2 for any other type)" in out
+    assert f"text: {text!r}\n" in out  # 'First Citizen:\nBefore…': one backslash
+    assert "\\\\n" not in out
+
+
+def test_make_model_error_names_the_requested_path(tmp_path):
+    target = tmp_path / "missing" / "x.gguf"
+    line = one_error_line(ds4lab_cmd("make-model", "-o", target), 1)
+    assert str(target) in line and ".tmp" not in line
+
+
+def test_every_subcommand_help_has_a_description(capsys):
+    parser = cli.build_parser()
+    commands = next(a.choices for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(commands) == {"run", "bench", "inspect", "make-model"}
+    for name, sub in commands.items():
+        assert sub.description, name
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert " ".join(sub.description.split()) in help_text, name
+
+
+@pytest.mark.parametrize("argv, named", [(["--bogus"], "--bogus"), (["--bogus", "run", "-p", "x"], "--bogus"),
+                                         (["-x", "--also"], "-x --also")])
+def test_unknown_options_before_the_command_are_named(argv, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {named} (see --help)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_think_max_on_plain_text_says_so(capsys):
+    assert cli.main(["run", "-p", "ROMEO:", "--think-max", "-n", "1", "--temp", "0", "--ctx", "64", *FAST]) == 0
+    err = capsys.readouterr().err
+    header = next(line for line in err.splitlines() if "prefill chunk" in line)
+    assert header.endswith("think none (plain text)"), header
+    assert "--think-max has no effect: the prompt is continued as plain text (the model has no chat template)" in err
+    assert "add --chat" in err
+    # rendered as a chat turn, Think Max below its context falls back to normal thinking, and says so
+    assert cli.main(["run", "-p", "ROMEO:", "--chat", "--think-max", "-n", "1", "--temp", "0", "--ctx", "64",
+                     *FAST]) == 0
+    err = capsys.readouterr().err
+    assert "ctx=64 uses normal thinking" in err and ", think high" in err
+
+
+def test_stats_explains_the_transcript_and_kv_difference():
+    proc = ds4lab_cmd("run", "--nothink", "--temp", 0, "-n", 4, "--ctx", 256, *FAST,
+                      input="/stats\nHello\n/stats\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    stats = [i for i, line in enumerate(lines) if "> session: " in line]
+    assert len(stats) == 2
+    # before the first turn: the chat's start is in the transcript only
+    numbers = re.compile(r"session: (\d+)/\d+ .*transcript (\d+) tokens")
+    held, transcript = (int(x) for x in numbers.search(lines[stats[0]]).groups())
+    assert held == 0 and transcript > 0
+    assert f"the transcript's {transcript} tokens (the start of the chat" in lines[stats[0] + 1]
+    # after it: the EOS that ds4 appends to the transcript is not in the KV cache yet
+    held, transcript = (int(x) for x in numbers.search(lines[stats[1]]).groups())
+    assert transcript == held + 1
+    assert "the transcript is 1 token longer: it ends with the end-of-sequence token" in lines[stats[1] + 1]
+
+
+def test_generation_view_title_does_not_repeat_the_count(model):
+    pytest.importorskip("anywidget")
+    from ds4lab.viz import GenerationView
+
+    sess = model.session(ctx=128, prefill_chunk=32)
+    view = GenerationView(sess, "ROMEO:", max_tokens=3, seed=1)
+    titles = []
+    sess.step_observers.append(lambda record: titles.append(re.search(r"<b>(.*?)</b>", view.static_html()).group(1)))
+    view.run(3)
+    # while a run goes the title counts the tokens and says it is running (an observer sees the step before the
+    # view records it: the title shows the tokens before it)
+    assert titles[-3:] == [f"Generation: {n} tokens — running" for n in (0, 1, 2)], titles
+    view.step()
+    title = re.search(r"<b>(.*?)</b>", view.static_html()).group(1)
+    assert title == "Generation: 4 tokens — paused: run or step for more", title
+    assert repr(view) == "GenerationView(4 tokens generated, paused: run or step for more)"
+    view.run(2)
+    title = re.search(r"<b>(.*?)</b>", view.static_html()).group(1)
+    assert title == "Generation: 6 tokens — paused: run or step for more"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+
+
+# -- issue 22's command-line cases --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["run", "-m", "", "-p", "x"], ["inspect", ""], ["make-model", "-o", ""]])
+def test_an_empty_path_is_refused_by_name(argv, capsys):
+    """``Path("")`` is the current folder: ``-m ''`` once reported ``. : not a regular file``."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and "an empty path" in capsys.readouterr().err
+
+
+def test_bench_ctx_max_past_the_model_context_is_refused_first():
+    """--ctx-max 2^40 once listed 536M frontiers before failing with MemoryError."""
+    proc = ds4lab_cmd("bench", "--backend", "numpy", "--ctx-max", 1 << 40, timeout=60)
+    line = one_error_line(proc, 2)
+    assert "--ctx-max 1099511627776" in line and "context" in line
+    assert proc.stdout == "" and "prefill" not in proc.stderr
+
+
+def test_a_sweep_of_too_many_frontiers_is_refused():
+    from ds4lab import bench
+
+    with pytest.raises(bench.BenchError, match="more than 100,000 frontiers"):
+        bench.frontiers(1, 1 << 40, 1)
