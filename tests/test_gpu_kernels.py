@@ -1354,3 +1354,30 @@ def test_every_short_chunk_length_runs(model_paths, backend):
         got.append(sess.logits)
         err = rel_err(np.stack(got), want[[n - 1, 2 * n - 1]])
         assert err.max() < 1e-3, (n, err)
+
+
+def test_a_graph_capture_holds_the_plans_it_reads():
+    """A captured CUDA graph reads its launch plans at every replay; the launchers' caches evict them (64 small
+    plans, the last large one), and a plan freed under a graph made the H200 fault ("illegal address") once
+    chunks of many lengths had run in one process. ``holding`` collects what a capture reads, evictions
+    included."""
+    from ds4lab.mlx_kernels import launches
+
+    found, why = _emulated_kernels()
+    if found is None:
+        pytest.skip(why)
+    kernels = found[0]
+    with launches.holding() as held:
+        small = kernels._plan(np.array([3, 1, 3]), 3, 8)
+        large = kernels._plan(np.arange(100) % 5, 100, 8)
+    for e in range(launches.PLANS_KEPT + 1):  # evict both from the caches
+        kernels._plan(np.array([e]), 1, 8)
+    kernels._plan(np.arange(100) % 7, 100, 8)
+    assert all(v is not small for v in kernels._gathered.values())
+    assert all(v is not large for v in kernels._chunk_plan.values())
+    assert any(h is small for h in held) and any(h is large for h in held)
+    with launches.holding() as outer:
+        kernels._host_int(123456)
+        with launches.holding() as inner:
+            kernels._host_int(7)
+    assert len(inner) == 1 and len(outer) == 1 and launches._held is None

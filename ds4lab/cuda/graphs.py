@@ -5,9 +5,10 @@ the bottleneck (milliseconds per layer against microseconds of GPU work). Replay
 launches all of them at once.
 
 The first call with a set of shapes runs eagerly: it compiles the kernels and makes every launch
-constant, so the capture that the second call makes copies nothing from the host. Every buffer the
-capture allocates comes from a memory pool of its own that nothing outside the graphs uses, so a replay
-never writes into memory someone else holds. A replay copies its arguments into the graph's input
+constant, so the capture that the second call makes copies nothing from the host; the graph holds the
+launch plans it reads, which the launchers' caches may later drop (:func:`ds4lab.mlx_kernels.launches.holding`).
+Every buffer the capture allocates comes from a memory pool of its own that nothing outside the graphs
+uses, so a replay never writes into memory someone else holds. A replay copies its arguments into the graph's input
 buffer and returns a copy of its outputs: what a caller holds (a checkpoint's KV arrays, say) is never
 overwritten by a later replay. Inputs and outputs are each one buffer, so a decode step whose state
 came out of the previous replay copies it in, and its new state out, as one span each; the outputs are
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import cupy as cp
 
 from ..backends.packing import offsets, view_at, views
+from ..mlx_kernels.launches import holding
 
 _POOLS: dict[int, cp.cuda.MemoryPool] = {}  # per device: the memory every captured graph allocates from
 
@@ -120,7 +122,7 @@ class _Captured:
             dst[...] = src
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
         pool = _graph_pool()
-        with cp.cuda.using_allocator(pool.malloc), stream:
+        with cp.cuda.using_allocator(pool.malloc), stream, holding() as self.held:
             stream.begin_capture()
             try:
                 outputs = fn(*self.inputs)

@@ -5,6 +5,7 @@ one kernel; every method here plans a grid and the kernel's outputs."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -18,14 +19,33 @@ PLAN_KEPT_PAIRS = 64  # a decode step's sizes; a chunk's plans (thousands of pai
 INTS_KEPT = 8  # host ints passed as kernel arguments (an eager step's position and length) kept, the most recent
 
 
+_held: list | None = None  # while a CUDA graph is captured: the kept arrays its launches read (see holding)
+
+
+@contextmanager
+def holding():
+    """Collect every kept launch array (plans, host ints) that launches read meanwhile. A captured CUDA graph
+    reads them at each replay, long after the caches may have evicted them (a plan freed under a graph made the
+    next replay fault), so the graph holds what this collects."""
+    global _held
+    outer, _held = _held, []
+    try:
+        yield _held
+    finally:
+        _held = outer
+
+
 def _kept(cache: OrderedDict, key, make, limit: int):
-    """``cache[key]``, made by ``make()`` when missing; only the ``limit`` most recently used entries stay."""
+    """``cache[key]``, made by ``make()`` when missing; only the ``limit`` most recently used entries stay
+    (and whatever a graph being captured reads: :func:`holding`)."""
     if key in cache:
         cache.move_to_end(key)
     else:
         cache[key] = make()
         if len(cache) > limit:
             cache.popitem(last=False)
+    if _held is not None:
+        _held.append(cache[key])
     return cache[key]
 
 
