@@ -36,8 +36,8 @@ PREFILL_MATMULS = ("float32", "tf32")
 def resolve_backend(name: str = "auto", device: str | None = None) -> str:
     """The backend that ``name`` means here: ``"auto"`` (the default of :func:`ds4lab.load` and of the
     ``--backend`` flag) becomes "mlx" when MLX has a GPU (Metal, or CUDA with mlx[cuda]), else "cupy" when
-    CuPy finds a CUDA GPU, else "numpy": MLX's Linux CPU build multiplies matrices with a reference BLAS
-    (measured 2.6x slower than NumPy on the nano model's bench), so CPUs get NumPy. ``device`` steers it:
+    CuPy finds a CUDA GPU, else "numpy": MLX's Linux CPU build multiplies matrices with a reference BLAS,
+    slower than NumPy's, so CPUs get NumPy. ``device`` steers it:
     "cpu" gives "numpy", "gpu" gives "mlx" (and needs MLX's GPU), "cuda:N" gives "cupy". Other names are
     returned as they are (checked: one of :data:`BACKENDS`), except that "mlx" with ``device="gpu"`` needs
     MLX's GPU."""

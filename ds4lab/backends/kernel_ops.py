@@ -35,9 +35,9 @@ KERNEL_MAX_ROWS = 16  # up to this many rows of x (or pairs), qmatmul; beyond, q
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
 # True: chunks attend through attn_chunk, which makes no [T, H, N] score tensor and does work only for
 # the keys each query sees (a 128-key window, the indexer's top-k rows); False: through the plain ops'
-# float32 GEMMs over every key. On the H200's Flash slice attn_chunk took prefill at 8K from 43.7 to
-# 32.2 us per layer per token and its memory pool from 26.5 to 17.2 GB (benchmarks/gpu_slice.py, and
-# --no-attn-chunk for the GEMMs); the GEMMs win only where most keys are visible (attn_chunk_bench.py).
+# float32 GEMMs over every key. On the Flash slice attn_chunk makes prefill faster and its memory pool
+# smaller (benchmarks/gpu_slice.py, and --no-attn-chunk for the GEMMs; figures in benchmarks/README.md);
+# the GEMMs win only where most keys are visible (attn_chunk_bench.py).
 ATTN_CHUNK_KERNEL = True
 KERNEL_TYPES = frozenset(DECODERS)  # the GGUF types the kernels read straight from their blocks
 EMBED_HOST_ROWS = 16  # up to this many tokens, eager steps decode embedding rows on the host (graphs: on the GPU)
@@ -91,8 +91,8 @@ class StackedBlockLinear:
 
 class BlockEmbedding:
     """``tokens -> rows`` of the token embedding for a block backend: a chunk's rows gathered from the table's
-    GGUF bytes on the device (uploaded on first use) and decoded there; on the H200 the host's dequantize and
-    upload of 2048 rows took 32 ms, the GPU idle meanwhile. A few tokens take ``host``, unless their ids are
+    GGUF bytes on the device (uploaded on first use) and decoded there: the host's dequantize and upload of a
+    chunk's rows left the GPU idle. A few tokens take ``host``, unless their ids are
     on the device already (:meth:`on_device`: a compiled step's). A type with no kernel decoder is decoded
     whole, once, into a float32 table on the device."""
 

@@ -92,10 +92,10 @@ class MLXBackend(KernelOps):
 
     @property
     def can_compile(self) -> bool:
-        # Tracing costs about a second per layer; on the CPU the compiled step gains ~15%, so only Apple
-        # GPUs compile by default (Transformer(compile=True) forces it). On MLX's CUDA back-end the
-        # first compiled chunk of the full-width Flash slice took 201 s (H200), against a 10 s
-        # cold-start target, so CUDA runs eagerly.
+        # Tracing is slow and the compiled step gains little on the CPU, so only Apple GPUs compile by
+        # default (Transformer(compile=True) forces it). On MLX's CUDA back-end tracing put the full-width
+        # Flash slice's first chunk minutes past a 10 s cold-start target, so CUDA runs eagerly (figures:
+        # benchmarks/README.md).
         return mx.default_device() == mx.gpu and mx.metal.is_available()
 
     compiled_rows = float("inf")  # every chunk size is compiled (the last chunk padded to the step)

@@ -8,8 +8,8 @@ import os
 from functools import lru_cache, partial
 
 # ds4lab's math is float32 (DESIGN "Numerics"); MLX runs float32 GEMMs at TF32 precision on CUDA (and
-# on M5-class Apple GPUs) unless told otherwise: measured on the H200, a 512×4096×1024 float32 matmul
-# came out with 3.4e-4 relative error (numpy: 5.4e-7). MLX reads this at its first GEMM; the MLX backend
+# on M5-class Apple GPUs) unless told otherwise, far from float32's accuracy (the error measured on the H200:
+# benchmarks/README.md). MLX reads this at its first GEMM; the MLX backend
 # and these launchers (whose dense products are GEMMs) both import this module. An explicit
 # MLX_ENABLE_TF32 set by the user wins.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")

@@ -3,7 +3,7 @@ the GPU, in parallel threads, and kept on disk by a digest of its source, the ar
 version, so only the first process after a change compiles.
 
 ``mx.fast.cuda_kernel`` would compile each kernel in the first launch that uses it, one after another,
-with MLX's own headers: about 2.3 s a kernel on an H200, 44 s before the first chunk of a fresh process.
+with MLX's own headers, again in every fresh process (its cost on an H200: benchmarks/README.md).
 The cubins here go to ``mx.fast.precompiled_cuda_kernel`` instead. MLX-CUDA needs NVRTC and the driver
 itself, so both libraries are there wherever this runs."""
 

@@ -36,7 +36,7 @@ NUMERICS = ("ds4", "exact")
 GATHER_MAX_PAIRS = 64  # (token, group) pairs up to which attn_output_a runs gathered, when the backend can
 # Up to this many tokens, kernel backends choose experts on the device with no host sync (a decode step can
 # be a CUDA graph). A longer chunk's top-k routing runs there too, and only the chosen ids come back for
-# qgemm's tiles: a host sort of the chunk's probabilities left the H200 idle about 20 ms a layer.
+# qgemm's tiles: sorting the chunk's probabilities on the host left the GPU idle (benchmarks/README.md).
 DEVICE_ROUTING_ROWS = 16
 
 
