@@ -21,15 +21,6 @@ import numpy as np
 import ds4lab
 from ds4lab import config, testing
 
-# Big tensors left as holes: routed experts and the Q8_0 projections (what a decode step mostly reads).
-HOLES = ("_exps.weight", "_shexp.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight",
-         "attn_output_a.weight", "attn_output_b.weight", "output.weight")
-
-
-def filled(name: str) -> bool:
-    return not name.endswith(HOLES)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
@@ -39,7 +30,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     began = time.perf_counter()
     if not args.path.exists():
-        testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=filled)
+        testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=testing.routing_filled)
     written = time.perf_counter()
     model = ds4lab.load(args.path, backend=args.backend)
     print(f"{model!r}: file written in {written - began:.1f} s, loaded in {time.perf_counter() - written:.1f} s",

@@ -3,7 +3,7 @@
 # On a machine without a package index, stage the wheels first (docs/GPU.md): the MLX wheel and the first two
 # parts of the MLX CUDA wheel in /tmp/w, its third part and the py3.12 wheels of gguf, tokenizers, tqdm, pyyaml
 # and pytest in .whlC. Then:
-#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile tiers ncu all;
+#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile flash tiers ncu all;
 #                                                      steps: tests_cupy ... compare)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
@@ -45,6 +45,9 @@ want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
+want flash_f32 flash && step flash_f32 300 python3 benchmarks/flash_full.py --json "$OUT/flash_f32.json"
+want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py --prefill-matmul tf32 \
+    --json "$OUT/flash_tf32.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 # compare: the 4K decode step, qmatmul_bench and qgemm_bench (float32, tf32) of this tree, then of each tree staged
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one

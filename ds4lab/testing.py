@@ -191,6 +191,18 @@ def make_sparse_model(
     return write_gguf(path, meta, tensors)
 
 
+# The tensors a decode step mostly reads (routed experts, the Q8_0 projections, the head): holes in a layout
+# model made for speed, where their values do not change the work. What decides routing stays random.
+BIG_PROJECTIONS = ("_exps.weight", "_shexp.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight",
+                   "attn_output_a.weight", "attn_output_b.weight", "output.weight")
+
+
+def routing_filled(name: str) -> bool:
+    """``filled`` for :func:`make_sparse_model`: embeddings, routers, norms, hyper-connection and indexer
+    weights random (routing differs per token), :data:`BIG_PROJECTIONS` holes."""
+    return not name.endswith(BIG_PROJECTIONS)
+
+
 @functools.lru_cache(maxsize=2)
 def layout_vocab(n_vocab: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A byte-level BPE vocabulary of exactly ``n_vocab`` tokens made without training: the 256 byte symbols,
