@@ -21,6 +21,7 @@ import numpy as np
 import ds4lab
 from ds4lab import config, testing
 
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
