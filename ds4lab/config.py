@@ -66,10 +66,12 @@ _OPTIONAL = [
 ]
 
 
-# Open ranges of the float keys: outside them a model computes NaN, Inf or nonsense without an error.
+# Open ranges of the float keys: outside them a model computes NaN, Inf or nonsense without an error. Float
+# keys may be stored as integers (as ds4 accepts): the bits of a float32 of 1e-6 or more read as an integer
+# are at least 8.9e8, so the bounds below also refuse a FLOAT32 key whose type id was damaged into an integer.
 _FLOAT_RANGES = [
-    ("rope_freq_base", "rope.freq_base", (1.0, 1e12)),
-    ("compress_rope_freq_base", "attention.compress_rope_freq_base", (1.0, 1e12)),
+    ("rope_freq_base", "rope.freq_base", (1.0, 1e8)),
+    ("compress_rope_freq_base", "attention.compress_rope_freq_base", (1.0, 1e8)),
     ("rope_scale_factor", "rope.scaling.factor", (0.0, 1e6)),
     ("yarn_beta_fast", "rope.scaling.yarn_beta_fast", (0.0, 1e6)),
     ("yarn_beta_slow", "rope.scaling.yarn_beta_slow", (0.0, 1e6)),

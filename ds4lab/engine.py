@@ -34,7 +34,8 @@ class Model:
         try:
             self.tokenizer = Tokenizer.from_metadata(file.metadata)
         except ValueError as e:  # a vocabulary without ds4's special tokens, a merge of unknown symbols, ...
-            raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
+            raise ModelFileError(f"{self.path}: metadata keys tokenizer.ggml.tokens and tokenizer.ggml.merges "
+                                 f"do not make a ds4 tokenizer: {e}") from None
         self.backend = get_backend(backend, device, kernels, prefill_matmul)
         self.numerics = numerics
         self.transformer = Transformer(config, file, self.backend, numerics)

@@ -35,6 +35,10 @@ from gguf import GGMLQuantizationType as Q
 
 from .config import ModelConfig, ModelFileError
 
+# The largest metadata arrays are a vocabulary's tokens and merges (129,280 in Flash; 262,144 in the largest
+# open models); a count far past that is damage, and reading it one element at a time would take minutes.
+MAX_ARRAY_ELEMENTS = 1 << 22
+SHORT_FLOATS = 4096  # FLOAT32 arrays up to this long read as their shortest decimals (1e-6, not 9.99999997e-07)
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.I32})
 
 _MAGIC = b"GGUF"
@@ -305,11 +309,17 @@ class _Directory:
         if count > (self.size - self.at) // least:
             raise self.bad(f"claims {count} {elem.name} elements, more than the {self.size - self.at} bytes "
                            f"left in the file can hold")
+        if count > MAX_ARRAY_ELEMENTS:  # zeros (a sparse file's holes) would read as billions of empty strings
+            raise self.bad(f"claims {count} {elem.name} elements; ds4lab reads metadata arrays of at most "
+                           f"{MAX_ARRAY_ELEMENTS:,} (a vocabulary is about 130,000)")
         if elem == GGUFValueType.STRING:
             values = [self.string() for _ in range(count)]
         else:
             raw = np.frombuffer(self.buf, np.dtype(_SCALAR_FORMATS[elem]), count, self.take(count * least))
-            values = [_python_value(elem, v) for v in raw.tolist()]
+            if count > SHORT_FLOATS and elem == GGUFValueType.FLOAT32:  # exact values; no time per element
+                values = raw.tolist()
+            else:
+                values = [_python_value(elem, v) for v in raw.tolist()]
         return values, f"ARRAY[{elem.name}]"
 
 

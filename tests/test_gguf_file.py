@@ -529,3 +529,30 @@ def test_a_failed_data_write_names_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=f"writing {re.escape(str(tmp_path / 'm.gguf'))}: 34816 requested"):
         write_small(tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_huge_array_count_within_the_file_is_refused_quickly(nano_path, tmp_path):
+    """A count that the bytes left could hold (the tensor data read as elements) but that no ds4 key has; zeros
+    of a sparse file would otherwise read as billions of empty strings."""
+    import time
+
+    blob = bytearray(nano_path.read_bytes())
+    at = key_entry_at(blob, "deepseek4.swiglu_clamp_exp")
+    struct.pack_into("<Q", blob, at + 8, 4_200_000)
+    path = tmp_path / "long.gguf"
+    path.write_bytes(blob + bytes(17_000_000))
+    began = time.perf_counter()
+    with raises_for(path, r"swiglu_clamp_exp", "claims 4200000 FLOAT32 elements", "at most"):
+        GGUFModelFile.open(path)
+    assert time.perf_counter() - began < 2
+
+
+def test_a_float_key_whose_type_id_became_an_integer_is_refused(nano_path, tmp_path):
+    """FLOAT32 → INT32 in the type id reads the same 4 bytes as 1176256512 for a base of 10000."""
+    blob = bytearray(nano_path.read_bytes())
+    at = key_entry_at(blob, "deepseek4.rope.freq_base")
+    struct.pack_into("<I", blob, at, 5)  # INT32
+    path = tmp_path / "retyped.gguf"
+    path.write_bytes(blob)
+    with raises_for(path, r"deepseek4\.rope\.freq_base", "1176256512"):
+        load_model_file(path)
