@@ -809,13 +809,47 @@ def _inspect(args) -> int:
 
 
 def _inspect_kv(path: Path) -> int:
+    """Print a ``.kv`` file's summary and its checksum verdict (ok / mismatch / none). A mismatch, or a file whose
+    structure does not parse, exits non-zero after printing what can be read (the header, the checksum)."""
     try:
-        from .kv.store import KVFile
+        from .kv.kvfile import KVFile, KVFileError
     except ImportError:
         raise RuntimeError(f"{path}: not a GGUF file, and this version of ds4lab cannot read .kv files "
-                           "(ds4lab.kv.store is missing)") from None
-    print(KVFile.open(path).summary())
+                           "(ds4lab.kv.kvfile is missing)") from None
+    try:
+        kf = KVFile.open(path)
+    except KVFileError:
+        _inspect_kv_damaged(path)
+        raise  # one error line, exit 1
+    print(kf.summary())
+    state, verdict = kf.checksum_status()
+    print(f"checksum: {verdict}")
+    if state == "mismatch":
+        _err(f"error: {path}: checksum mismatch: the file is damaged (ds4lab's store would remove it)")
+        return EXIT_RUNTIME
     return 0
+
+
+def _inspect_kv_damaged(path: Path) -> None:
+    """What a ``.kv`` file that does not parse still shows: its size, fixed header and checksum verdict."""
+    import mmap
+
+    from .kv.kvfile import KVFileError, KVHeader, checksum_status, open_regular
+
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except (OSError, KVFileError, ValueError):
+        return
+    print(f"{path}: {size:,} bytes (damaged: see the error below)")
+    try:
+        header = KVHeader.unpack(data, path)
+    except KVFileError:
+        pass
+    else:
+        print("KVC header: " + ", ".join(f"{k} {v}" for k, v in header.as_dict().items()))
+    print(f"checksum: {checksum_status(data, path)[1]}")
 
 
 def _show_value(value, type_name: str) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from .kv.checkpoint import Checkpoint, state_to_payload
+from .kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
 from .kv.payload import expected_row_counts, payload_nbytes
 from .kv.view import KVView
 from .model.state import Geometry, KVState, env_int, new_state
@@ -162,12 +162,16 @@ class Session:
     def checkpoint(self) -> Checkpoint:
         """The current state (nothing is copied: states are immutable values); also kept for ``sync``."""
         cp = Checkpoint(tuple(self.tokens), self.logits, self._state, config=self.model.config,
-                        backend=self.model.backend)
+                        backend=self.model.backend, fingerprint=model_fingerprint(self.model))
         self.checkpoints.append(cp)
         return cp
 
     def restore(self, cp: Checkpoint) -> None:
-        state = cp.state_for(self.model.config, self.model.backend, self.geometry)
+        """Make ``cp`` the live state. A checkpoint of another model (another layer count or config, or another
+        model fingerprint where the checkpoint knows one) is refused with a :class:`PayloadError` naming both
+        values, and a payload is checked against this session (ds4's loader rules); the session is unchanged
+        on any refusal."""
+        state = cp.state_for(self.model.config, self.model.backend, self.geometry, model_fingerprint(self.model))
         self._commit(list(cp.tokens), None if cp.logits is None else np.array(cp.logits), state)
 
     def reset(self) -> None:
@@ -185,6 +189,10 @@ class Session:
 
     # -- prefill and sync -----------------------------------------------------------------------------
     def _ids(self, prompt) -> list[int]:
+        """The prompt's token ids, checked before anything touches the session: integers, each in
+        ``[0, n_vocab)`` (a ValueError names the first bad one and its position), fewer than ``ctx``."""
+        if not isinstance(prompt, str):
+            _check_token_ids(prompt, self.model.config.n_vocab)
         ids = self.model.token_ids(prompt).tolist()
         if len(ids) >= self.ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx} and one slot "
@@ -271,6 +279,29 @@ class Session:
         decode = self.decoder(**sampling)
         steps = decode.stream(max_tokens)
         return "".join(step.text for step in (tqdm(steps, total=max_tokens, disable=not progress)))
+
+
+def _check_token_ids(prompt, n_vocab: int) -> None:
+    """Raise ValueError naming the first element of ``prompt`` that is not an integer token id below ``n_vocab``."""
+    arr = np.asarray(prompt) if not isinstance(prompt, np.ndarray) else prompt
+    if arr.ndim != 1 or arr.size == 0:
+        return  # Model.token_ids reports the shape
+    if np.issubdtype(arr.dtype, np.integer):  # fast path: one comparison per id, no Python ints
+        bad = np.flatnonzero((arr < 0) | (arr >= n_vocab))
+        if not bad.size:
+            return
+        i = int(bad[0])
+        value = repr(int(arr[i]))
+    else:  # floats, strings, objects (e.g. ints beyond 64 bits): the first element that is not a valid id
+        items = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)  # as given, not as numpy casts
+        i, value = next(((i, t) for i, t in enumerate(items)
+                         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab),
+                        (None, None))
+        if i is None:
+            return
+        value = repr(value)
+    raise ValueError(f"token {i} is {value}: token ids are integers in [0, {n_vocab}) for this model's vocabulary "
+                     f"of {n_vocab}; nothing was evaluated")
 
 
 class Prefill:

@@ -278,7 +278,7 @@ def test_bench_sweep_256_to_4096(nano, nano_np, tmp_path):
 
 def test_bench_library_agrees_with_a_session(nano_np):
     """Each row's KV bytes and greedy probe against a second session walked by hand through sync()."""
-    cfg, eos = nano_np.config, nano_np.tokenizer.eos_id
+    eos = nano_np.tokenizer.eos_id
     tokens, _ = bench.prompt_tokens(nano_np, None, min_tokens=200)
     sess = nano_np.session(ctx=200 + 6 + 1, prefill_chunk=32, max_checkpoints=2)
     rows = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=200, step_incr=80, gen_tokens=6, session=sess))
@@ -375,7 +375,7 @@ def test_inspect_kv_file(nano_np, tmp_path):
     sess.sync(nano_np.tokenizer.encode(text))
     payload = sess.checkpoint().to_bytes()
     raw = text.encode()
-    # KVC file (spec/DS4_RUNTIME.md §4.2): 48-byte header, text length and text, DSV4 payload.
+    # KVC file (docs/FORMATS.md, "KVC files and the KV store"): 48-byte header, text length and text, DSV4 payload.
     header = b"KVC" + bytes([1, 2, 1, 0, 0]) + struct.pack("<IIIIQQQ", len(sess.tokens), 0, 128, 0, 1, 1, len(payload))
     path = tmp_path / "cache.kv"
     path.write_bytes(header + struct.pack("<I", len(raw)) + raw + payload)

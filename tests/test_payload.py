@@ -226,9 +226,9 @@ def test_hand_built_compressed_layers_order():
             body += struct.pack(f"<{n}f", *([value] * n))
         layers.append(st)
     p = Payload(ctx=64, prefill_cap=16, raw_cap=64, raw_window=32, comp_cap=18,
-                tokens=np.arange(T, dtype=np.uint32), logits=np.ones(4, np.float32), layers=layers)
+                tokens=np.arange(T, dtype=np.uint32) % 4, logits=np.ones(4, np.float32), layers=layers)  # ids < vocab
     want = (struct.pack("<13I", MAGIC, 1, 64, 16, 64, 32, 18, T, 2, hd, ix, 4, 9)
-            + struct.pack(f"<{T}I", *range(T)) + struct.pack("<4f", 1, 1, 1, 1)
+            + struct.pack(f"<{T}I", *(t % 4 for t in range(T))) + struct.pack("<4f", 1, 1, 1, 1)
             + struct.pack("<2I", 2, 0) + struct.pack("<2I", 2, 0) + body)
     assert encode_payload(p, cfg) == want
     assert_same(decode_payload(want, cfg, ctx=64, prefill_cap=16), p)

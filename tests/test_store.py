@@ -121,12 +121,13 @@ def test_kvc_file_is_ds4s_layout(live, tmp_path):
         assert entry.path.name == hashlib.sha1(text).hexdigest() + ".kv"
         created, last_used = struct.unpack_from("<QQ", data, 24)
         assert abs(created - time.time()) < 60 and last_used == created
-        head = spec_header(200, len(payload), len(text), quant=2, reason=2, ext=8 if checksum else 0, ctx=CTX,
-                           created=created, last_used=last_used)
-        body = head + text + payload
-        # ds4-server's file exactly; with the checksum, plus "KCK" 1 and the CRC-32
+        head = spec_header(200, len(payload), len(text), quant=2, reason=2, ext=0x80 | (8 if checksum else 0),
+                           ctx=CTX, created=created, last_used=last_used)
+        # ds4-server's file (header, text, payload: all ds4 reads), then the model fingerprint trailer ("KFP" 1 and
+        # 16 bytes) and, with the checksum, "KCK" 1 and the CRC-32
+        body = head + text + payload + b"KFP\x01" + bytes.fromhex(s.model.file.fingerprint)
         assert data == (body + b"KCK\x01" + struct.pack("<I", spec_crc(body)) if checksum else body)
-        assert entry.file_size == len(data) == 52 + len(text) + len(payload) + 8 * checksum
+        assert entry.file_size == len(data) == 52 + len(text) + len(payload) + 20 + 8 * checksum
 
 
 def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
@@ -387,7 +388,7 @@ def test_compressed_payloads(compression, trained_live, tmp_path):
     data = entry.path.read_bytes()
     q8 = compression.startswith("q8")
     codec_bits = (16 if q8 else 0) | (32 if "zlib" in compression else 0) | (64 if "zstd" in compression else 0)
-    assert data[6] == 8 | codec_bits
+    assert data[6] == 0x80 | 8 | codec_bits  # the fingerprint and checksum trailers, and the codec
     payload = data[52 + entry.text_bytes:]
     assert payload[:8] != raw.path.read_bytes()[52 + entry.text_bytes:][:8]  # ds4's loader refuses it at once
     assert entry.file_size < 0.8 * raw.file_size
@@ -469,9 +470,8 @@ def _hammer(store_dir, seed, n, budget):
             store.put(text, payload, tokens=40, ctx=64, quant_bits=2)
             found = store.lookup(text + b" and a suffix")
             if found is not None:
-                try:
-                    cp = store.load(found, NANO)
-                except FileNotFoundError:  # evicted by the other process in between
+                cp = store.load(found, NANO)
+                if cp is None:  # evicted by the other process in between: a miss
                     continue
                 assert len(cp) == 40
     assert not seen, [str(w.message) for w in seen]

@@ -10,22 +10,34 @@ at least as large, ...) and rebuilds the fixed-capacity state, raw rows scattere
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..model.state import Geometry, KVState, LayerState, new_state
-from .payload import LayerPayload, Payload, decode_payload, encode_payload
+from .payload import LayerPayload, Payload, PayloadError, decode_payload, encode_payload
 
 _STATE_FIELDS = (("comp_kv", "comp_state_kv"), ("comp_sc", "comp_state_score"),
                  ("index_kv", "index_state_kv"), ("index_sc", "index_state_score"))
 
 
+def model_fingerprint(model) -> str | None:
+    """``model.file.fingerprint`` (a 32-hex digest of the GGUF's metadata, tensor directory and data samples), or
+    None for a model without a file."""
+    return getattr(getattr(model, "file", None), "fingerprint", None)
+
+
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
     """Tokens, next-token logits and KV state at one boundary: a live ``state`` or payload ``data``. A live one
-    knows the ``config`` and ``backend`` of the model whose state it holds, so it serializes on its own."""
+    knows the ``config`` and ``backend`` of the model whose state it holds, so it serializes on its own.
+
+    ``fingerprint`` is the model file's fingerprint (``model.file.fingerprint``) where known: checkpoints taken
+    by a session carry it, and so do those the KV store loads from files ds4lab wrote. Restoring refuses a
+    checkpoint of another model (another config, or another fingerprint: the same config with other weights).
+    A bare ``DSV4`` payload has no field for it (ds4's format), so ``from_bytes`` knows it only when told; a
+    checkpoint without one is checked on its layout alone."""
 
     tokens: tuple[int, ...]
     logits: np.ndarray | None
@@ -33,6 +45,7 @@ class Checkpoint:
     data: bytes | None = None
     config: ModelConfig | None = field(default=None, repr=False)
     backend: object = field(default=None, repr=False)
+    fingerprint: str | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -51,21 +64,46 @@ class Checkpoint:
         return encode_payload(state_to_payload(self.config, self.backend, self.state, self.tokens, self.logits),
                               self.config)
 
-    def state_for(self, config: ModelConfig, backend, geometry: Geometry) -> KVState:
-        """The state to restore into a session of ``geometry`` on (``config``, ``backend``): the live state
-        itself where it fits, else the payload validated against the session and rebuilt."""
+    def check_model(self, config: ModelConfig, fingerprint: str | None = None) -> None:
+        """Refuse a checkpoint of another model (:class:`PayloadError` naming the field and both values): its layer
+        count, then any other config field, then the model fingerprint when both are known."""
+        msg = "KV checkpoint was written for a different DS4 layout"
+        n_layer = (self.config.n_layer if self.config is not None
+                   else len(self.state.layers) if self.state is not None else None)
+        if n_layer is not None and n_layer != config.n_layer:
+            raise PayloadError(f"{msg}: n_layer is {n_layer}, expected {config.n_layer} (this model's)", "n_layer",
+                               n_layer, config.n_layer)
+        if self.config is not None and self.config != config:
+            name = next((f.name for f in fields(config) if getattr(self.config, f.name) != getattr(config, f.name)),
+                        "config")
+            got, want = getattr(self.config, name, self.config), getattr(config, name, config)
+            raise PayloadError(f"KV checkpoint was written for another model configuration: {name} is {got!r}, "
+                               f"expected {want!r} (this model's)", name, got, want)
+        if self.fingerprint and fingerprint and self.fingerprint != fingerprint:
+            raise PayloadError(f"KV checkpoint was written by another model: its model fingerprint is "
+                               f"{self.fingerprint}, this model's is {fingerprint}", "model fingerprint",
+                               self.fingerprint, fingerprint)
+
+    def state_for(self, config: ModelConfig, backend, geometry: Geometry, fingerprint: str | None = None) -> KVState:
+        """The state to restore into a session of ``geometry`` on (``config``, ``backend``) whose model file has
+        ``fingerprint``: the live state itself where it fits, else the payload validated against the session and
+        rebuilt. A checkpoint of another model is refused first (:meth:`check_model`)."""
+        self.check_model(config, fingerprint)
         if self.state is not None and self.state.geometry == geometry:
             return self.state
         data = self.to_bytes()
         return payload_to_state(config, backend, decode_payload(data, config, geometry.ctx, geometry.chunk), geometry)
 
     @classmethod
-    def from_bytes(cls, data: bytes, config: ModelConfig | None = None) -> "Checkpoint":
+    def from_bytes(cls, data: bytes, config: ModelConfig | None = None,
+                   fingerprint: str | None = None) -> "Checkpoint":
         """Parse a ``DSV4`` payload, validated against its own header's ctx and chunk and, given, the model's
         ``config`` (without one, the layer layout is inferred from the header and row counts, as ``inspect``
-        does); restoring it into a session validates it again against that session's model."""
+        does); restoring it into a session validates it again against that session's model. ``fingerprint``:
+        the model file's fingerprint the bytes were written by, where known (the payload cannot carry it)."""
         payload = decode_payload(data, config)
-        return cls(tuple(int(t) for t in payload.tokens), payload.logits, data=bytes(data), config=config)
+        return cls(tuple(int(t) for t in payload.tokens), payload.logits, data=bytes(data), config=config,
+                   fingerprint=fingerprint)
 
 
 def state_to_payload(cfg: ModelConfig, backend, state: KVState, tokens, logits) -> Payload:

@@ -25,6 +25,18 @@ text). ds4lab adds four bits to the same byte; ds4 never tests them, so the head
   its first check instead of misreading it.
 * bit 5 ``EXT_ZLIB`` / bit 6 ``EXT_ZSTD``: the payload (after 8-bit packing, if bit 4 is set) is a u64 with
   its unpacked size followed by a zlib (zstd) stream. ds4 refuses these at the payload magic.
+* bit 7 ``EXT_FINGERPRINT``: a 20-byte trailer right after the payload, "KFP", 1, then the 16 bytes of the
+  writing model's fingerprint (``model.file.fingerprint``, 32 hex digits: a digest of the GGUF's metadata,
+  tensor directory and data samples). Two models of one configuration write payloads of the same shapes, so
+  nothing else in ds4's format tells their files apart. It sits where the checksum does, after everything
+  ds4 reads (ds4 accepts a file at least 52 + text + payload long and never reads further unless bit 0 is
+  set), and before the checksum trailer, which covers it. Not in the header: ds4 rewrites the header (hits,
+  last_used) through ``ds4_kvstore_fill_header``, which zeroes the reserved bytes; not in a sidecar file:
+  ds4's eviction and another process's rename would not move it with the ``.kv``. A file without it (what
+  ds4-server writes) cannot be checked against a model; the store loads it on ds4's rules and says so.
+
+Trailers, in file order: the fingerprint (bit 7), then the checksum (bit 3). ds4lab writes no tool-id map
+(bit 0); ds4-server may rewrite a file's trailers only to add one, which ds4lab then cannot locate.
 
 The quant byte keeps ds4's meaning (the model's routed experts, not the KV rows): ds4 refuses any other value.
 """
@@ -35,6 +47,7 @@ import dataclasses
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import time
 import zlib
@@ -75,14 +88,19 @@ EXT_CHECKSUM = 1 << 3
 EXT_Q8 = 1 << 4
 EXT_ZLIB = 1 << 5
 EXT_ZSTD = 1 << 6
+EXT_FINGERPRINT = 1 << 7
 EXT_NAMES = {EXT_TOOL_MAP: "tool-map", EXT_RESPONSES_VISIBLE: "responses-visible",
              EXT_THINKING_VISIBLE: "thinking-visible", EXT_CHECKSUM: "checksum", EXT_Q8: "q8",
-             EXT_ZLIB: "zlib", EXT_ZSTD: "zstd"}
+             EXT_ZLIB: "zlib", EXT_ZSTD: "zstd", EXT_FINGERPRINT: "fingerprint"}
 CODECS = {None: 0, "q8": EXT_Q8, "zlib": EXT_ZLIB, "zstd": EXT_ZSTD, "q8+zlib": EXT_Q8 | EXT_ZLIB,
           "q8+zstd": EXT_Q8 | EXT_ZSTD}
 
 CHECKSUM_MAGIC = b"KCK\x01"
 CHECKSUM_BYTES = 8
+TOOL_MAP_MAGIC = b"KTM\x01"  # ds4-server's tool-id map trailer (ds4_server.c:8179-8181), version 1
+FINGERPRINT_MAGIC = b"KFP\x01"
+FINGERPRINT_DIGEST = 16  # the 32-hex model fingerprint, as bytes
+FINGERPRINT_BYTES = len(FINGERPRINT_MAGIC) + FINGERPRINT_DIGEST
 STATE_FIELDS = tuple(f for f in LAYER_FIELDS if f not in ROW_FIELDS)
 
 _HEADER = struct.Struct("<3sBBBBBIIIIQQQI")
@@ -153,18 +171,26 @@ class KVHeader:
                    payload_bytes, text_bytes, version)
 
     @property
+    def payload_end(self) -> int:
+        """Where the payload ends: ds4 reads nothing after it (but its tool-id map, bit 0)."""
+        return PREFIX_BYTES + self.text_bytes + self.payload_bytes
+
+    @property
     def file_bytes(self) -> int:
         """Size of a file with this header (ds4: 52 + text + payload + trailers; ds4lab writes no tool map)."""
-        trailer = CHECKSUM_BYTES if self.ext_flags & EXT_CHECKSUM else 0
-        return PREFIX_BYTES + self.text_bytes + self.payload_bytes + trailer
+        trailers = ((FINGERPRINT_BYTES if self.ext_flags & EXT_FINGERPRINT else 0)
+                    + (CHECKSUM_BYTES if self.ext_flags & EXT_CHECKSUM else 0))
+        return self.payload_end + trailers
 
     def check_size(self, size: int, path) -> None:
         """ds4 needs the file to hold the header, text and payload; without a tool-id map (whose length only
-        its own parser knows) ds4lab wants the exact size, so a stray or missing checksum trailer shows."""
+        its own parser knows) ds4lab wants the exact size, so a stray or missing trailer shows."""
         want = self.file_bytes
         if size < want or (size > want and not self.ext_flags & EXT_TOOL_MAP):
             raise KVFileError(path, "file size", size, f"{want} = {PREFIX_BYTES} + text {self.text_bytes} + payload "
-                              f"{self.payload_bytes}" + (" + checksum 8" if self.ext_flags & EXT_CHECKSUM else ""))
+                              f"{self.payload_bytes}"
+                              + (f" + fingerprint {FINGERPRINT_BYTES}" if self.ext_flags & EXT_FINGERPRINT else "")
+                              + (f" + checksum {CHECKSUM_BYTES}" if self.ext_flags & EXT_CHECKSUM else ""))
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -186,6 +212,85 @@ def checksum(head, *parts) -> int:
 
 def checksum_trailer(crc: int) -> bytes:
     return CHECKSUM_MAGIC + struct.pack("<I", crc)
+
+
+def verify_checksum(buf, path) -> None:
+    """Check the 8-byte checksum trailer at the end of a whole file ``buf``; :class:`KVFileError` naming the field
+    if it is missing or does not match."""
+    if len(buf) < PREFIX_BYTES + CHECKSUM_BYTES:
+        raise KVFileError(path, "checksum trailer", f"a {len(buf)}-byte file", f"at least {PREFIX_BYTES + 8} bytes")
+    end = len(buf) - CHECKSUM_BYTES
+    trailer = bytes(buf[end:])
+    if trailer[:4] != CHECKSUM_MAGIC:
+        raise KVFileError(path, "checksum trailer", trailer[:4], CHECKSUM_MAGIC)
+    stored = struct.unpack("<I", trailer[4:])[0]
+    actual = checksum(buf[:PREFIX_BYTES], memoryview(buf)[PREFIX_BYTES:end])
+    if stored != actual:
+        raise KVFileError(path, "checksum", f"{actual:#010x}", f"{stored:#010x} (stored)",
+                          f"checksum mismatch: the file's CRC-32 is {actual:#010x}, the trailer says {stored:#010x}")
+
+
+def checksum_status(buf, path) -> tuple[str, str]:
+    """The checksum of a whole file ``buf`` (its ext byte says whether it has one), for ``inspect``: ``("ok", …)``,
+    ``("mismatch", …)`` or ``("none", …)``. Needs only the first 7 bytes to parse; never raises."""
+    if len(buf) < 7 or not buf[6] & EXT_CHECKSUM:
+        return "none", ("none (the ext flags have no checksum bit: ds4-server's files have no checksum, nor do "
+                        "files written with checksum=False; the contents were not verified)")
+    try:
+        verify_checksum(buf, path)
+    except KVFileError as e:
+        detail = str(e).removeprefix(f"{path}: ")
+        return "mismatch", f"MISMATCH: {detail} (the file is damaged)"
+    crc = struct.unpack("<I", bytes(buf[-4:]))[0]
+    return "ok", f"ok (CRC-32 {crc:#010x} of everything before the trailer, hits and last_used read as zero)"
+
+
+def fingerprint_trailer(fingerprint: str) -> bytes:
+    """The ``EXT_FINGERPRINT`` trailer of a model fingerprint (32 hex digits)."""
+    try:
+        digest = bytes.fromhex(fingerprint)
+    except (TypeError, ValueError):
+        digest = b""
+    if len(digest) != FINGERPRINT_DIGEST:
+        raise ValueError(f"a model fingerprint is {2 * FINGERPRINT_DIGEST} hex digits, got {fingerprint!r}")
+    return FINGERPRINT_MAGIC + digest
+
+
+def parse_fingerprint(trailer: bytes, path) -> str:
+    """The fingerprint in a 20-byte ``EXT_FINGERPRINT`` trailer; :class:`KVFileError` if it is not one."""
+    if len(trailer) != FINGERPRINT_BYTES or trailer[:4] != FINGERPRINT_MAGIC:
+        raise KVFileError(path, "fingerprint trailer", bytes(trailer[:4]), FINGERPRINT_MAGIC)
+    return bytes(trailer[4:]).hex()
+
+
+def read_fingerprint(fd: int, header: KVHeader, path) -> str | None:
+    """The model fingerprint of an open file whose header is ``header`` (None without the trailer)."""
+    if not header.ext_flags & EXT_FINGERPRINT:
+        return None
+    return parse_fingerprint(os.pread(fd, FINGERPRINT_BYTES, header.payload_end), path)
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path, mode: str = "rb"):
+    """Open ``path`` (``mode`` "rb" or "r+b") as a file object only if it is a regular file (a symlink to one is
+    fine). The open never blocks (O_NONBLOCK: a FIFO without a writer would wait for one) and the type is
+    checked on the open descriptor before anything is read: a FIFO, a device such as ``/dev/zero`` (which
+    never ends) or a directory raises :class:`KVFileError` naming the file and its type."""
+    flags = (os.O_RDWR if mode == "r+b" else os.O_RDONLY) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), f"mode {st.st_mode:#o}")
+            raise KVFileError(path, "file type", kind, "a regular file",
+                              f"not a regular file: it is {kind}; a KV cache file is a regular file")
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # -- payload codecs -------------------------------------------------------------------------------------
@@ -259,7 +364,14 @@ def pack_payload(payload: bytes, config, flags: int) -> bytes:
 
 
 def _stamp(t: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    """A Unix time as local date and time; a value no date can show (the fields are u64, outside the checksum:
+    anything may be there) is printed raw with a note."""
+    if not t:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return f"{t} (raw value, not a date: out of range for this platform's clock)"
 
 
 # -- the file -------------------------------------------------------------------------------------------
@@ -318,6 +430,15 @@ class KVFile:
         self.file_size = len(buf)
         hdr = KVHeader.unpack(buf, path)
         hdr.check_size(self.file_size, path)
+        if hdr.ext_flags & EXT_TOOL_MAP and self.file_size > hdr.file_bytes:
+            # what follows must be ds4-server's map, not bytes that bit 0 (one damaged ext byte) lets pass unread
+            at = hdr.file_bytes
+            magic = bytes(buf[at:at + len(TOOL_MAP_MAGIC)])
+            if magic != TOOL_MAP_MAGIC or self.file_size - at < 8:
+                raise KVFileError(path, "tool map trailer", magic, TOOL_MAP_MAGIC,
+                                  f"tool map trailer: the ext flags' bit 0 says ds4-server's tool-id map follows at "
+                                  f"byte {at}, but it starts with {magic!r} ({self.file_size - at} bytes), expected "
+                                  f"{TOOL_MAP_MAGIC!r} and a u32 count")
         self._hdr = hdr
         self._buf = buf
         self.text_bytes = bytes(buf[PREFIX_BYTES:PREFIX_BYTES + hdr.text_bytes])
@@ -339,14 +460,21 @@ class KVFile:
                                   f"{self._layout.header[payload_field]} (the payload's {payload_field})")
         self.layers = [KVFileLayer(self._payload_buf, il, r, a)
                        for il, (r, a) in enumerate(zip(self._layout.ratios, self._layout.layers))]
+        self.fingerprint: str | None = None
+        """The writing model's fingerprint (``EXT_FINGERPRINT``), or None: a file ds4-server wrote, which cannot
+        be checked against a model."""
+        if hdr.ext_flags & EXT_FINGERPRINT:
+            end = hdr.payload_end
+            self.fingerprint = parse_fingerprint(bytes(buf[end:end + FINGERPRINT_BYTES]), path)
 
     @classmethod
     def open(cls, path: str | os.PathLike, config=None) -> KVFile:
+        """Open and check a file; anything but a regular file (a FIFO, a device) is refused without blocking."""
         path = Path(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < PREFIX_BYTES:
-                return cls(f.read(), path, config)  # too short to map; the header check reports it
+                return cls(f.read(size), path, config)  # too short to map; the header check reports it
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return cls(buf, path, config)
 
@@ -390,16 +518,11 @@ class KVFile:
         """Check the checksum trailer (reads the whole file); :class:`KVFileError` if it does not match."""
         if not self._hdr.ext_flags & EXT_CHECKSUM:
             return
-        end = self.file_size - CHECKSUM_BYTES
-        trailer = bytes(self._buf[end:])
-        if trailer[:4] != CHECKSUM_MAGIC:
-            raise KVFileError(self.path, "checksum trailer", trailer[:4], CHECKSUM_MAGIC)
-        stored = struct.unpack("<I", trailer[4:])[0]
-        actual = checksum(self._buf[:PREFIX_BYTES], memoryview(self._buf)[PREFIX_BYTES:end])
-        if stored != actual:
-            raise KVFileError(self.path, "checksum", f"{actual:#010x}", f"{stored:#010x} (stored)",
-                              f"checksum mismatch: the file's CRC-32 is {actual:#010x}, "
-                              f"the trailer says {stored:#010x}")
+        verify_checksum(self._buf, self.path)
+
+    def checksum_status(self) -> tuple[str, str]:
+        """``("ok" | "mismatch" | "none", what to print)``: the checksum verified (reads the whole file)."""
+        return checksum_status(self._buf, self.path)
 
     def summary(self) -> str:
         """What ``ds4lab inspect FILE.kv`` prints: header, sizes, the ``DSV4`` header, rows per layer, text."""
@@ -408,7 +531,10 @@ class KVFile:
                          if h.ext_flags & bit) or "raw f32"
         if self._payload_buf is not self._buf:
             codec += f", {len(self._payload_buf):,} unpacked"
-        trailer = f" + checksum {CHECKSUM_BYTES}" if h.ext_flags & EXT_CHECKSUM else ""
+        trailer = ((f" + fingerprint {FINGERPRINT_BYTES}" if h.ext_flags & EXT_FINGERPRINT else "")
+                   + (f" + checksum {CHECKSUM_BYTES}" if h.ext_flags & EXT_CHECKSUM else ""))
+        fingerprint = self.fingerprint or ("none (no fingerprint trailer, as in ds4-server's files: which model "
+                                           "wrote it cannot be checked)")
         preview = repr(self.text[:80]) + (" …" if len(self.text) > 80 else "")  # escaped once, by repr
         quant = "Q4_K routed experts" if h.quant_bits == 4 else "routed experts not Q4_K"
         lines = [
@@ -418,6 +544,7 @@ class KVFile:
              f"({ext_names(h.ext_flags)}), tokens {h.tokens}, hits {h.hits}, ctx {h.ctx_size}"),
             f"created {_stamp(h.created)}, last used {_stamp(h.last_used)}",
             f"sizes: header {PREFIX_BYTES} + text {h.text_bytes:,} + payload {h.payload_bytes:,} ({codec}){trailer}",
+            f"model fingerprint {fingerprint}",
             "DSV4 " + ", ".join(f"{k} {v:#x}" if k == "magic" else f"{k} {v}" for k, v in p.items()),
             "layer ratio  raw  comp index        bytes",
             *(f"{lk.index:5d} {lk.ratio:5d} {lk.n_raw:4d} {lk.n_comp:5d} {lk.n_index:5d} {lk.nbytes:12,d}"

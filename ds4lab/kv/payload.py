@@ -16,9 +16,17 @@ not in the file (ds4 takes them from the model; here they come from ``cfg``), ex
 One parser, :func:`parse_layout`, checks a payload and locates its arrays without reading or copying
 them; the loader (:func:`decode_payload`) and the ``KVC`` file reader (:class:`~ds4lab.kv.kvfile.KVFile`,
 lazily, on a memory map, 8-bit rows included) both use it. For a session it makes every check ds4's
-loader makes, with ds4's message first and then the field and both values, plus one stricter check ds4
-does not make: each layer's row counts must be the ones the token count implies, ⌊T/ratio⌋ (0 where the
-layer has no such rows).
+loader makes, with ds4's message first and then the field and both values, plus checks ds4 does not
+make: each layer's row counts must be the ones the token count implies, ⌊T/ratio⌋ (0 where the layer has no
+such rows), every token id must be below ``vocab`` and every logit finite (:func:`check_values`), and, when
+the arrays are read (:func:`decode_payload`), every KV row and compressor state value finite. The writer
+applies the same checks, so ds4lab never writes a payload it would refuse.
+
+A full context is a legal state: ds4-server decodes until ``T == ctx`` and may store it then. ds4's loader
+refuses ``T >= ctx`` of the *session* it loads into (one slot must stay free to generate, ds4.c:16487), and
+so does :func:`parse_layout` for a session; it never compares ``T`` with the payload's own ``ctx``, so a
+full-context payload loads into any larger session that passes the other checks. Checked against itself
+(no session), a payload may hold up to its own ``ctx`` tokens.
 """
 
 from __future__ import annotations
@@ -167,7 +175,7 @@ def payload_nbytes(cfg, n_tokens: int, raw_window: int | None = None, raw_cap: i
     """Serialized size of a checkpoint of ``n_tokens`` tokens, from the config alone (§2.6).
 
     raw_live = min(raw_window, raw_cap, T); raw_window defaults to ``cfg.swa`` (ds4 uses min(swa, ctx),
-    which gives the same raw_live since T < ctx), raw_cap to no limit (ds4's rings hold ≥ raw_window).
+    which gives the same raw_live since T ≤ ctx), raw_cap to no limit (ds4's rings hold ≥ raw_window).
     Equals ``ds4_session_payload_bytes`` (ds4.c:16107) with ⌊T/R⌋ rows per layer.
     """
     T = int(n_tokens)
@@ -196,7 +204,18 @@ def _f32_bytes(arr, shape, what: str) -> bytes:
         raise ValueError(f"{what} has shape {arr.shape}, expected {tuple(shape)}")
     if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{what} has dtype {arr.dtype}, expected float32")
-    return np.ascontiguousarray(arr, dtype="<f4").tobytes()
+    out = np.ascontiguousarray(arr, dtype="<f4")
+    _check_finite(out, what, ValueError)  # the loader refuses a non-finite value: never write one
+    return out.tobytes()
+
+
+def _check_finite(arr: np.ndarray, what: str, error=PayloadError) -> None:
+    """Raise ``error`` naming ``what[row, col]`` (or ``what[i]``) at the first NaN or infinity of ``arr``."""
+    if arr.size and not np.isfinite(arr).all():
+        at = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+        field = f"{what}[{', '.join(map(str, at))}]"
+        raise _err(error, f"KV checkpoint has a non-finite value: {field} is {float(arr[at])}, expected a finite "
+                          f"value", field, float(arr[at]), "a finite value")
 
 
 def encode_payload(p: Payload, cfg) -> bytes:
@@ -221,8 +240,9 @@ def encode_payload(p: Payload, cfg) -> bytes:
               cfg.n_layer, cfg.head_dim, cfg.idx_dim, cfg.n_vocab, raw_live]
     header = [_u32(v, name) for v, name in zip(header, _HEADER_NAMES)]
 
-    parts = [np.asarray(header, dtype="<u4").tobytes(), tokens.astype("<u4").tobytes(),
-             _f32_bytes(p.logits, (cfg.n_vocab,), "logits")]
+    check_values(tokens, np.zeros(0, np.float32), cfg.n_vocab)  # never write what the loader refuses
+    logits = _f32_bytes(p.logits, (cfg.n_vocab,), "logits")
+    parts = [np.asarray(header, dtype="<u4").tobytes(), tokens.astype("<u4").tobytes(), logits]
     counts = np.zeros((2, cfg.n_layer), dtype="<u4")
     body = []
     for il, layer in enumerate(p.layers):
@@ -369,7 +389,7 @@ def _count_field(index: int, n_layer: int) -> str:
 
 
 def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | None = None, base: int = 0,
-                 size: int | None = None, q8: bool = False) -> PayloadLayout:
+                 size: int | None = None, q8: bool = False, full_ok: bool = False) -> PayloadLayout:
     """Check a payload at ``buf[base:base + size]`` (default: to the end) and locate every array in it.
 
     Nothing is read but the header and the row counts, nothing is copied, and every size is checked
@@ -381,7 +401,8 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     Without them it is checked against itself: its own context, ring and compressed capacity.
     ``cfg`` gives the layer dimensions and per-layer ratios; without it the ratios are inferred from the
     row counts (:func:`infer_ratios`). ``q8``: a payload of version :data:`Q8_PAYLOAD_VERSION`, whose KV
-    rows (:data:`ROW_FIELDS`) are 8-bit.
+    rows (:data:`ROW_FIELDS`) are 8-bit. ``full_ok``: the session is the one that wrote it (its own ctx), which
+    held ``T == ctx`` legally; ds4's rule (``T < ctx``) is for a session that is to go on generating.
     """
     session = ctx is not None or prefill_cap is not None
     if session and (cfg is None or ctx is None or prefill_cap is None):
@@ -396,8 +417,10 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     if session and s_ctx > ctx:
         raise _fail(msg, "ctx", s_ctx, f"the current context {ctx}", "larger than")
     limit = ctx if session else s_ctx
-    if T >= limit:
-        raise _fail(msg, "n_tokens", T, f"less than the {'current' if session else 'saved'} context {limit}")
+    if session and T >= ctx and not (full_ok and T == ctx == s_ctx):  # ds4's rule: one slot stays free
+        raise _fail(msg, "n_tokens", T, f"less than the current context {ctx}")
+    if T > limit:  # checked against itself: a full context (T = ctx) is a state a session reaches
+        raise _fail(msg, "n_tokens", T, f"at most the saved context {limit}")
     # ds4.c:16491
     if cfg is not None:
         msg = "KV checkpoint was written for a different DS4 layout"
@@ -471,15 +494,40 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     if cur.remaining:  # ds4.c:16640
         raise PayloadError(f"KV checkpoint has trailing payload bytes: {cur.remaining} bytes after offset {cur.off}, "
                            f"expected 0", "trailing", cur.remaining, 0)
-    return PayloadLayout(h, tuple(cfg.ratio(il) for il in range(n_layer)), base, cur.size, tuple(layers))
+    lay = PayloadLayout(h, tuple(cfg.ratio(il) for il in range(n_layer)), base, cur.size, tuple(layers))
+    check_values(lay.tokens(mv), lay.logits(mv), h["vocab"], PayloadError)
+    return lay
+
+
+def check_values(tokens, logits, vocab: int, error=ValueError) -> None:
+    """Beyond ds4 (which trusts them): every token id below ``vocab`` and every logit finite. The first bad
+    one is named by its index (``tokens[i]``, ``logits[i]``); reads 4·(T + vocab) bytes, nothing else."""
+    tokens, logits = np.asarray(tokens), np.asarray(logits)
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab)) if tokens.size else ()
+    if len(bad):
+        i = int(bad[0])
+        field = f"tokens[{i}]"
+        raise _err(error, f"KV checkpoint has an invalid token id: {field} is {int(tokens[i])}, expected less than "
+                          f"vocab {vocab}", field, int(tokens[i]), f"less than vocab {vocab}")
+    bad = np.flatnonzero(~np.isfinite(logits))
+    if len(bad):
+        i = int(bad[0])
+        field = f"logits[{i}]"
+        raise _err(error, f"KV checkpoint has an invalid logit: {field} is {float(logits[i])}, expected a finite "
+                          f"value", field, float(logits[i]), "a finite value")
+
+
+def _err(error, message: str, field: str, got, expected) -> Exception:
+    return PayloadError(message, field, got, expected) if error is PayloadError else error(message)
 
 
 # -- loader -------------------------------------------------------------------------------------------
 
 def decode_payload(data, cfg, ctx: int | None = None, prefill_cap: int | None = None) -> Payload:
     """Parse a payload for a session of ``ctx`` tokens and chunk ``prefill_cap`` on model ``cfg`` (default:
-    the ones in its own header, i.e. the session that wrote it). ``cfg`` None infers the layer layout from
-    the header and row counts (:func:`infer_ratios`).
+    the ones in its own header, i.e. the session that wrote it, which may have held a full context: ``T == ctx``
+    passes then, and only then). ``cfg`` None infers the layer layout from the header and row counts
+    (:func:`infer_ratios`).
 
     Mirrors ``ds4_session_load_payload`` (graph path, ds4.c:16327-16656) check by check (:func:`parse_layout`)
     and raises :class:`PayloadError` on the first failure; nothing is returned unless the whole buffer parsed.
@@ -491,14 +539,19 @@ def decode_payload(data, cfg, ctx: int | None = None, prefill_cap: int | None = 
             raise TypeError("checking a payload for a session of another ctx or prefill_cap needs the model's cfg")
         lay = parse_layout(mv)
     else:
+        own = ctx is None  # checked against the session that wrote it: a full context is what it held
         if ctx is None or prefill_cap is None:
             h = payload_header(mv)
             ctx = h["ctx"] if ctx is None else ctx
             prefill_cap = h["prefill_cap"] if prefill_cap is None else prefill_cap
-        lay = parse_layout(mv, cfg, ctx=ctx, prefill_cap=prefill_cap)
+        lay = parse_layout(mv, cfg, ctx=ctx, prefill_cap=prefill_cap, full_ok=own)
     h = lay.header
     layers = [LayerPayload(**{f: None if a is None else np.array(a.read(mv), dtype=np.float32)
                               for f, a in arrays.items()}) for arrays in lay.layers]
+    for il, layer in enumerate(layers):  # beyond ds4: a NaN or infinity in a KV row or state would spread
+        for f in LAYER_FIELDS:
+            if getattr(layer, f) is not None:
+                _check_finite(getattr(layer, f), f"layer {il} {f}")
     return Payload(ctx=h["ctx"], prefill_cap=h["prefill_cap"], raw_cap=h["raw_cap"], raw_window=h["raw_window"],
                    comp_cap=h["comp_cap"], tokens=lay.tokens(mv).astype(np.uint32),
                    logits=lay.logits(mv).astype(np.float32), layers=layers)

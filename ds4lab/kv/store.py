@@ -16,6 +16,14 @@ and look here in ``sync`` when no in-memory checkpoint is a prefix (§4.6).
 Beyond ds4: writes are fsynced before the rename; files carry a CRC-32 trailer by default; payloads may be
 stored 8-bit and/or zlib/zstd compressed (``compression=``); a damaged file is reported (a
 :class:`KVStoreWarning` and ``stats().bad_files``) and skipped, and removed when loading proves it damaged.
+Only regular files are entries (a FIFO or a device named like one is reported and never opened for reading
+in a way that blocks). A file replacing another for the same text is written, fsynced and renamed over it:
+a failed write leaves the old file as it was.
+
+Files carry the writing model's fingerprint (``model.file.fingerprint``, the ``EXT_FINGERPRINT`` trailer of
+:mod:`.kvfile`): a lookup for a model skips the files of another model, and loading one for a model refuses
+it (kept: it is not damaged). A file without one, as ds4-server writes them, cannot be checked: it is
+loaded on ds4's rules (layout, quant byte, chunk layout) with a :class:`KVStoreWarning`, once per file.
 """
 
 from __future__ import annotations
@@ -32,16 +40,20 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, model_fingerprint
 from .kvfile import (
     CODECS,
     EXT_CHECKSUM,
+    EXT_FINGERPRINT,
     PREFIX_BYTES,
     KVFile,
     KVFileError,
     KVHeader,
     checksum_trailer,
+    fingerprint_trailer,
+    open_regular,
     pack_payload,
+    read_fingerprint,
     reason_code,
 )
 from .kvfile import checksum as file_checksum
@@ -57,6 +69,8 @@ DEFAULT_CONTINUED_INTERVAL = 10000
 _NAME = re.compile(r"([0-9a-fA-F]{40})\.kv")
 _TMP = re.compile(r"[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)")
 _LAYOUT_FIELDS = frozenset({"n_layer", "head_dim", "indexer_head_dim", "vocab"})  # another model's file
+_KEEP_FIELDS = _LAYOUT_FIELDS | {"model fingerprint", "file type"}  # refused but not damaged: left alone
+_U32_MAX = 0xFFFFFFFF
 
 
 class KVStoreWarning(UserWarning):
@@ -71,6 +85,7 @@ class KVEntry:
     path: Path
     file_size: int
     header: KVHeader
+    fingerprint: str | None = None  # the writing model's (None: a ds4-server file, which cannot be checked)
 
     @property
     def tokens(self) -> int:
@@ -161,6 +176,7 @@ class KVStore:
         self._counts = dict.fromkeys(("lookups", "hits", "query_tokens", "hit_tokens", "saves", "skipped",
                                       "write_errors", "evictions"), 0)
         self._reported: set = set()
+        self._unverified: set = set()  # files without a fingerprint already reported as such
         self._remove_stale_temporaries()
         self.evict()
 
@@ -182,16 +198,17 @@ class KVStore:
                 continue
             path = self.dir / name
             try:
-                with open(path, "rb") as f:
+                with open_regular(path) as f:  # a FIFO or a device is refused before any read
                     size = os.fstat(f.fileno()).st_size
                     header = KVHeader.unpack(f.read(PREFIX_BYTES), path)
-                header.check_size(size, path)
+                    header.check_size(size, path)
+                    fingerprint = read_fingerprint(f.fileno(), header, path)
             except FileNotFoundError:  # removed by another process since the listing
                 continue
             except (KVFileError, OSError) as e:
                 self._bad(path, e)
                 continue
-            out.append(KVEntry(m.group(1).lower(), path, size, header))
+            out.append(KVEntry(m.group(1).lower(), path, size, header, fingerprint))
         return out
 
     def _bad(self, path: Path, error: Exception) -> None:
@@ -202,7 +219,8 @@ class KVStore:
             key = (path.name, str(error))
         if key not in self._reported:
             self._reported.add(key)
-            self._warn(f"skipped KV store file: {error}")
+            text = str(error)
+            self._warn(f"skipped KV store file: {text if str(path) in text else f'{path}: {text}'}")
 
     @staticmethod
     def _warn(message: str) -> None:
@@ -259,12 +277,19 @@ class KVStore:
         if len(session.tokens) < self.min_tokens or session.logits is None:
             return None
         model = session.model
+        fingerprint = model_fingerprint(model)
         # The live state is an immutable value: reading it here copies nothing and cannot race a step.
         cp = Checkpoint(tuple(session.tokens), session.logits, session._state, config=model.config,
-                        backend=model.backend)
-        payload = pack_payload(cp.to_bytes(), model.config, self.codec_flags)
+                        backend=model.backend, fingerprint=fingerprint)
+        try:
+            payload = pack_payload(cp.to_bytes(), model.config, self.codec_flags)
+        except ValueError as e:  # e.g. a non-finite logit: never write what the loader refuses
+            self._counts["write_errors"] += 1
+            self._warn(f"KV store did not save {len(cp)} tokens: {e}")
+            return None
         return self.put(token_text(model, session.tokens), payload, tokens=len(cp), ctx=session.ctx,
-                        quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags)
+                        quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags,
+                        fingerprint=fingerprint)
 
     def save_continued(self, session) -> KVEntry | None:
         """ds4-server's "continued" rule: store when the live count is a multiple of the continued step and
@@ -278,10 +303,16 @@ class KVStore:
         return self.save(session, "continued")
 
     def put(self, text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int,
-            reason: str = "unknown", codec_flags: int = 0) -> KVEntry | None:
+            reason: str = "unknown", codec_flags: int = 0, fingerprint: str | None = None) -> KVEntry | None:
         """Write one file atomically: temporary file, fsync, rename (``ds4_kvstore_store_live_prefix_text``,
-        ds4_kvstore.c:876-1079). ``payload`` is in its stored form, ``codec_flags`` (:data:`CODECS`) say which."""
-        flags = codec_flags | (EXT_CHECKSUM if self.checksum else 0)
+        ds4_kvstore.c:876-1079). ``payload`` is in its stored form, ``codec_flags`` (:data:`CODECS`) say which.
+        ``fingerprint``: the writing model's (``model.file.fingerprint``), kept in a trailer ds4 never reads.
+
+        A file already stored for the text is kept when compatible (ds4's rule, plus: written by the same model,
+        or by an unknown one); otherwise the new file is renamed over it only once it is written and synced, so
+        a failed write leaves it as it was (ds4 deletes it first)."""
+        fp_trailer = fingerprint_trailer(fingerprint) if fingerprint is not None else b""
+        flags = codec_flags | (EXT_CHECKSUM if self.checksum else 0) | (EXT_FINGERPRINT if fp_trailer else 0)
         header = KVHeader(quant_bits, reason_code(reason), flags, tokens, 0, ctx, 0, 0, len(payload), len(text))
         size = header.file_bytes
         if size + -(-size // 100) > self.budget_bytes:  # 1% headroom (ds4_kvstore.c:738-748)
@@ -292,7 +323,7 @@ class KVStore:
             return None
         sha = hashlib.sha1(text).hexdigest()
         path = self.dir / f"{sha}.kv"
-        existing = self._existing_compatible(path, sha, text, quant_bits, ctx)
+        existing = self._existing_compatible(path, sha, text, quant_bits, ctx, fingerprint)
         if existing is not None:
             return existing
         now = int(time.time())
@@ -304,8 +335,9 @@ class KVStore:
                 f.write(head)
                 f.write(text)
                 f.write(payload)
+                f.write(fp_trailer)
                 if flags & EXT_CHECKSUM:
-                    f.write(checksum_trailer(file_checksum(head, text, payload)))
+                    f.write(checksum_trailer(file_checksum(head, text, payload, fp_trailer)))
                 f.flush()
                 os.fsync(f.fileno())
                 written = os.fstat(f.fileno()).st_size
@@ -316,39 +348,47 @@ class KVStore:
         except OSError as e:
             _unlink(tmp)
             self._counts["write_errors"] += 1
-            self._warn(f"{path}: KV store write failed, nothing stored: {e}")
+            kept = "; the file already stored for this text is kept as it was" if os.path.lexists(path) else ""
+            self._warn(f"{path}: KV store write failed, nothing stored{kept}: {e}")
             return None
         self._counts["saves"] += 1
         self.evict(protected=sha)
-        return KVEntry(sha, path, size, header)
+        return KVEntry(sha, path, size, header, fingerprint)
 
-    def _existing_compatible(self, path: Path, sha: str, text: bytes, quant_bits: int, ctx: int) -> KVEntry | None:
+    def _existing_compatible(self, path: Path, sha: str, text: bytes, quant_bits: int, ctx: int,
+                             fingerprint: str | None = None) -> KVEntry | None:
         """ds4 keeps a file already stored for this text if its quant is acceptable, its ctx is at most ours
-        and its text is ours; otherwise it is replaced (``kv_cache_existing_compatible``, ds4_kvstore.c:797-818)."""
+        and its text is ours (``kv_cache_existing_compatible``, ds4_kvstore.c:797-818); here also only if no
+        other model wrote it. Otherwise None: the caller's rename replaces it once the new file is written
+        (ds4 unlinks it first, so a failed write would lose both)."""
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 header = KVHeader.unpack(f.read(PREFIX_BYTES), path)
                 header.check_size(size, path)
                 stored = f.read(header.text_bytes)
+                theirs = read_fingerprint(f.fileno(), header, path)
         except (KVFileError, OSError):  # absent or unreadable: the rename replaces it
             return None
         if ((self.reject_different_quant and header.quant_bits != quant_bits) or header.ctx_size > ctx
-                or stored != text):
-            _unlink(path)
+                or stored != text or (fingerprint is not None and theirs is not None and theirs != fingerprint)):
             return None
-        return KVEntry(sha, path, size, header)
+        return KVEntry(sha, path, size, header, theirs)
 
     # -- lookup and load ------------------------------------------------------------------------------
-    def candidates(self, text: bytes, ctx: int | None = None, quant_bits: int | None = None) -> list[KVEntry]:
+    def candidates(self, text: bytes, ctx: int | None = None, quant_bits: int | None = None,
+                   fingerprint: str | None = None) -> list[KVEntry]:
         """Entries whose text is a byte prefix of ``text``, best first: longest text, then most tokens
-        (``ds4_kvstore_find_text_prefix``, ds4_kvstore.c:1114-1136)."""
+        (``ds4_kvstore_find_text_prefix``, ds4_kvstore.c:1114-1136). With ``fingerprint`` (the model's), files
+        another model wrote are left out; files without a fingerprint (ds4-server's) stay in."""
         out = []
         for e in self.entries():
             h = e.header
             if h.text_bytes > len(text) or h.tokens < self.min_tokens or (ctx is not None and h.ctx_size > ctx):
                 continue
             if self.reject_different_quant and quant_bits is not None and h.quant_bits != quant_bits:
+                continue
+            if fingerprint is not None and e.fingerprint is not None and e.fingerprint != fingerprint:
                 continue
             if hashlib.sha1(text[:h.text_bytes]).hexdigest() == e.sha:
                 out.append(e)
@@ -358,43 +398,72 @@ class KVStore:
         """The entry with the longest stored prefix of ``prompt``: bytes, a string (UTF-8) or token ids
         (rendered with ``model``'s tokenizer). ``ctx`` drops entries written for a larger context."""
         text, n_tokens = self._prompt_text(prompt, model)
-        found = self.candidates(text, ctx, routed_quant_bits(model) if model is not None else None)
+        found = self.candidates(text, ctx, routed_quant_bits(model) if model is not None else None,
+                                model_fingerprint(model) if model is not None else None)
         self._count(n_tokens, found[0].tokens if found else 0)
         return found[0] if found else None
 
-    def load(self, entry: KVEntry, config) -> Checkpoint:
+    def load(self, entry: KVEntry, config, fingerprint: str | None = None) -> Checkpoint | None:
         """Read and check one file (plain reads, as ds4) and return its checkpoint, counting no hit
-        (``restore_prefix`` and ``load_into`` do). A file proven damaged (structure, checksum, text hash,
-        token count) is removed, one written for another model is kept; both raise :class:`KVFileError`."""
+        (``restore_prefix`` and ``load_into`` do), or None when the file is gone (another process evicted or
+        consumed it since the lookup: a miss). A file proven damaged (structure, checksum, text hash, token
+        count, values) is removed; one written for another model (layout, or ``fingerprint``: the loading
+        model's, refused when the file carries another) is kept; both raise :class:`KVFileError`. A file
+        without a fingerprint (ds4-server's) cannot be checked: it loads, with a :class:`KVStoreWarning` the
+        first time when ``fingerprint`` is given. The checkpoint carries the file's fingerprint."""
         try:
-            with open(entry.path, "rb") as f:
-                buf = f.read()
+            try:
+                with open_regular(entry.path) as f:
+                    buf = f.read()
+            except FileNotFoundError:
+                return None
             kf = KVFile(buf, entry.path, config)
             if kf.sha1 != entry.sha:
                 raise KVFileError(entry.path, "text", f"SHA-1 {kf.sha1}", f"{entry.sha} (the file's name)")
             kf.verify()
-            return Checkpoint.from_bytes(kf.payload(), config)
+            if fingerprint is not None and kf.fingerprint is not None and kf.fingerprint != fingerprint:
+                raise KVFileError(entry.path, "model fingerprint", kf.fingerprint, f"{fingerprint} (this model's)",
+                                  f"written by another model: its model fingerprint is {kf.fingerprint}, this "
+                                  f"model's is {fingerprint}")
+            cp = Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
         except (KVFileError, PayloadError) as e:
-            if e.field.removeprefix("payload ") not in _LAYOUT_FIELDS:  # another model's file is left alone
+            if e.field.removeprefix("payload ") not in _KEEP_FIELDS:  # another model's file is left alone
                 _unlink(entry.path)
             self._bad(entry.path, e)
             if isinstance(e, KVFileError):
                 raise
             raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
+        if fingerprint is not None and kf.fingerprint is None:
+            self._unverifiable(entry)
+        return cp
+
+    def _unverifiable(self, entry: KVEntry) -> None:
+        key = (entry.path.name, entry.header.created, entry.file_size)
+        if key not in self._unverified:
+            self._unverified.add(key)
+            self._warn(f"{entry.path}: loaded a KV cache file with no model fingerprint (as ds4-server writes "
+                       f"them): ds4lab cannot check which model wrote it; it was checked on ds4's rules only "
+                       f"(layout, quant byte, chunk layout)")
 
     def load_into(self, session, entry: KVEntry, prompt=None):
         """Restore ``entry`` into ``session`` and, given ``prompt``, prefill only what follows the stored
         prefix: the stored token ids, then ``prompt``'s own ids after them when they match, otherwise the
         rendered-chat tokenization of the text after the stored bytes (ds4's rule, §4.3). Returns the
-        session's :class:`~ds4lab.session.SyncResult` with source "disk"."""
+        session's :class:`~ds4lab.session.SyncResult` with source "disk", or None, the session untouched, when
+        the file is gone (evicted by another process since the lookup: a miss). A refusal names the file."""
         model = session.model
         text = b""
         if prompt is not None:
             text, _ = self._prompt_text(prompt, model)
             if entry.text_bytes > len(text) or hashlib.sha1(text[:entry.text_bytes]).hexdigest() != entry.sha:
                 raise ValueError(f"{entry.path}: its text is not a prefix of the prompt")
-        cp = self.load(entry, model.config)
-        session.restore(cp)
+        cp = self.load(entry, model.config, model_fingerprint(model))
+        if cp is None:
+            return None
+        try:
+            session.restore(cp)
+        except PayloadError as e:  # made for another session geometry or model
+            raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
         self._loaded(entry)
         ids = list(cp.tokens)
         if prompt is None:
@@ -409,20 +478,22 @@ class KVStore:
         """The session's disk path: restore the best stored prefix of ``ids`` whose token ids are exactly
         ``ids``' own (sync keeps the prompt's ids); False when none loads."""
         model = session.model
+        fingerprint = model_fingerprint(model)
         found = 0
-        for entry in self.candidates(token_text(model, ids), session.ctx, routed_quant_bits(model)):
+        for entry in self.candidates(token_text(model, ids), session.ctx, routed_quant_bits(model), fingerprint):
             if entry.tokens > len(ids):
                 continue
             try:
-                cp = self.load(entry, model.config)
-                if list(cp.tokens) != ids[:len(cp)]:
-                    continue  # the same bytes tokenized differently
+                cp = self.load(entry, model.config, fingerprint)
+                if cp is None or list(cp.tokens) != ids[:len(cp)]:
+                    continue  # removed since the scan; or the same bytes tokenized differently
                 session.restore(cp)
-            except OSError:  # removed by another process, or unreadable
+            except OSError:  # unreadable
                 continue
-            except (KVFileError, PayloadError) as e:  # damaged (removed), or made for another geometry
-                if isinstance(e, PayloadError):
-                    self._bad(entry.path, e)
+            except KVFileError:  # damaged (removed) or another model's (kept): reported by load
+                continue
+            except PayloadError as e:  # made for another session geometry (ds4's loader rules): kept
+                self._bad(entry.path, KVFileError(entry.path, e.field, e.got, e.expected, str(e)))
                 continue
             self._loaded(entry)
             found = len(cp)
@@ -437,13 +508,15 @@ class KVStore:
             _unlink(entry.path)
             return
         try:
-            with open(entry.path, "r+b") as f:
+            with open_regular(entry.path, "r+b") as f:
                 now = KVHeader.unpack(f.read(PREFIX_BYTES), entry.path)
                 same = (now.created, now.tokens, now.text_bytes, now.payload_bytes)
                 if same != (entry.header.created, entry.tokens, entry.text_bytes, entry.header.payload_bytes):
                     return  # replaced by another writer since the scan
                 f.seek(0)
-                f.write(dataclasses.replace(now, hits=now.hits + 1, last_used=int(time.time())).pack()[:-4])
+                # hits saturates at the u32 maximum (ds4's u32 wraps to 0); the field is outside the checksum
+                hits = min(now.hits + 1, _U32_MAX)
+                f.write(dataclasses.replace(now, hits=hits, last_used=int(time.time())).pack()[:-4])
         except (OSError, KVFileError):
             pass
 

@@ -1,0 +1,493 @@
+"""Hostile and edge-case KV state (issue 22, KV side): non-regular files in a store, counters outside the
+checksum at their limits, a full context, failed replacements, two models sharing one store, invalid token
+ids, damaged files under ``inspect``, huge timestamps, another model's checkpoint, out-of-range payload
+values and entries evicted between lookup and load. Every refusal names the file (where there is one) and
+the field."""
+
+import errno
+import hashlib
+import os
+import re
+import resource
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab import cli
+from ds4lab.config import NANO
+from ds4lab.kv.kvfile import KVFile, KVFileError
+from ds4lab.kv.payload import PayloadError, decode_payload, encode_payload
+from ds4lab.kv.store import KVStore, KVStoreWarning
+from ds4lab.testing import make_model
+from tests.test_payload import random_payload
+from tests.test_store import spec_header
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = np.random.default_rng(22).integers(0, 1000, 80).tolist()
+U32_MAX, U64_MAX = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+@pytest.fixture(scope="module")
+def emb():
+    """The embedded model: 6 layers, vocab 2048, window 64."""
+    return ds4lab.load(backend="numpy")
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """Two models of the same configuration (NANO) with other weights."""
+    root = tmp_path_factory.mktemp("twins")
+    return tuple(ds4lab.load(make_model(NANO, root / f"{name}.gguf", seed=seed), backend="numpy")
+                 for name, seed in (("a", 101), ("b", 202)))
+
+
+def nano_payload(T=40, ctx=64, chunk=16, seed=1) -> bytes:
+    return encode_payload(random_payload(NANO, T, ctx, chunk, seed=seed), NANO)
+
+
+def run_isolated(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``code`` in a child process with 4 GiB of address space: a read that never ends fails there quickly,
+    a blocking open times out (subprocess.TimeoutExpired fails the test)."""
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit, cwd=ROOT)
+
+
+# -- 2: only regular files are entries; KVFile.open refuses anything else without blocking -------------
+
+def test_fifo_and_device_in_a_store_block_nothing(tmp_path):
+    store = KVStore(tmp_path, min_tokens=1)
+    good = store.put(b"a good entry", nano_payload(), tokens=40, ctx=64, quant_bits=2)
+    fifo, zero = tmp_path / ("a" * 40 + ".kv"), tmp_path / ("b" * 40 + ".kv")
+    os.mkfifo(fifo)
+    os.symlink("/dev/zero", zero)
+    code = f"""
+import warnings
+from pathlib import Path
+from ds4lab.kv.store import KVStore
+from ds4lab.kv.kvfile import KVFile, KVFileError
+d = Path({str(tmp_path)!r})
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    store = KVStore(d, min_tokens=1)
+    print("ENTRIES", sorted(e.path.name for e in store.entries()))
+    print("LOOKUP", store.lookup(b"a good entry and more").path.name)
+    store.put(b"another entry", open({str(good.path)!r}, "rb").read()[52 + 12:-8], tokens=40, ctx=64, quant_bits=2)
+    print("ENTRIES", len(store.entries()))
+for w in seen:
+    print("WARN", w.message)
+for p in ({str(fifo)!r}, {str(zero)!r}):
+    try:
+        KVFile.open(p)
+        print("OPENED", p)
+    except KVFileError as e:
+        print("REFUSED", e.field, "|", e)
+"""
+    proc = run_isolated(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert f"ENTRIES {[good.path.name]}" in out and "ENTRIES 2" in out
+    assert f"LOOKUP {good.path.name}" in out
+    refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2 and "OPENED" not in out
+    for line, path, kind in zip(refused, (fifo, zero), ("FIFO", "character device")):
+        assert line.startswith("REFUSED file type |") and str(path) in line and kind in line, line
+        assert "regular file" in line
+    warned = [line for line in out.splitlines() if line.startswith("WARN")]
+    assert any(fifo.name in w and "regular file" in w for w in warned), warned
+
+
+# -- 3: hits and last_used (outside the checksum) may hold any value -----------------------------------
+
+def test_counters_outside_the_checksum_never_crash(emb, tmp_path):
+    store = KVStore(tmp_path, min_tokens=16)
+    s = emb.session(ctx=64, prefill_chunk=16)
+    s.sync(IDS[:40])
+    entry = store.save(s)
+    for hits in (U32_MAX, U32_MAX - 1, 2**31, 0):
+        for last_used in (U64_MAX, 2**63, 2**62, 0):
+            with open(entry.path, "r+b") as f:
+                f.seek(12)
+                f.write(struct.pack("<I", hits))
+                f.seek(32)
+                f.write(struct.pack("<Q", last_used))
+            kf = KVFile.open(entry.path)
+            kf.verify()  # both fields are outside the CRC
+            assert str(last_used) in kf.summary()
+            assert store.evict() == [] and np.isfinite(store.stats().effective_hits[entry.sha])
+            assert store.lookup(IDS[:41], model=emb).path == entry.path
+            t = emb.session(ctx=64, prefill_chunk=16, kv_store=store)
+            assert t.sync(IDS[:41]).source == "disk"  # loads and counts a hit: hits + 1 saturates
+            header = KVFile.open(entry.path).header
+            assert header["hits"] == min(hits + 1, U32_MAX)
+            assert abs(header["last_used"] - time.time()) < 60
+    assert entry.path.exists()
+
+
+# -- 4: a full context is saved and loaded ------------------------------------------------------------
+
+def test_a_full_context_is_saved_and_loaded(emb, tmp_path):
+    """ds4's loader refuses T ≥ the *current* ctx only (ds4.c:16487); it never compares T with the saved ctx.
+    A full state (T = ctx) therefore loads as a file and restores into a larger session, as in ds4."""
+    store = KVStore(tmp_path, min_tokens=16, continued_interval=64)  # a continued save at 64 tokens
+    s = emb.session(ctx=64, prefill_chunk=16, kv_store=store)
+    s.sync(IDS[:56])
+    d = s.decoder(temperature=0)
+    list(d.stream(20))
+    assert len(s.tokens) == 64 and d.stop_reason == "ctx"
+    full = s.checkpoint()
+    (entry,) = [e for e in store.entries() if e.tokens == 64]
+    assert KVFile.open(entry.path).header["reason"] == "continued"
+    KVFile.open(entry.path, emb.config).verify()
+    cp = store.load(entry, emb.config)
+    assert len(cp) == 64 and entry.path.exists()  # loaded, not refused and deleted
+    assert len(ds4lab.Checkpoint.from_bytes(full.to_bytes(), emb.config)) == 64
+    assert store.save(s, reason="shutdown").path == entry.path  # kept: a compatible file for the same text
+
+    nxt = int(np.argmax(s.logits))
+    bigger = emb.session(ctx=128, prefill_chunk=16, kv_store=store)
+    r = bigger.sync(s.tokens + [nxt])
+    assert (r.source, r.reused, r.evaluated) == ("disk", 64, 1)
+    ref = emb.session(ctx=128, prefill_chunk=16)
+    ref.restore(full)  # through the payload: another geometry
+    ref.sync(s.tokens + [nxt])
+    assert np.array_equal(bigger.logits, ref.logits)
+    assert entry.path.exists()
+
+    same = emb.session(ctx=64, prefill_chunk=16)
+    same.restore(full)  # the live state itself
+    assert same.tokens == s.tokens
+    # ds4's rule for a session of the same ctx: one slot must stay free (kept; the store never offers it there)
+    with pytest.raises(PayloadError, match="n_tokens is 64, expected less than the current context 64"):
+        emb.session(ctx=64, prefill_chunk=16).restore(cp)
+
+
+# -- 5: write, then rename: a failed replacement keeps the old file ------------------------------------
+
+def test_a_failed_replacement_keeps_the_old_entry(tmp_path, monkeypatch):
+    store = KVStore(tmp_path, min_tokens=1)
+    old = store.put(b"the same text", nano_payload(ctx=128), tokens=40, ctx=128, quant_bits=2)
+    before = old.path.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.warns(KVStoreWarning, match="No space left"):  # a smaller-ctx save replaces it (ds4's rule)
+        assert store.put(b"the same text", nano_payload(ctx=64), tokens=40, ctx=64, quant_bits=2) is None
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [old.path.name] and old.path.read_bytes() == before
+    new = store.put(b"the same text", nano_payload(ctx=64), tokens=40, ctx=64, quant_bits=2)
+    assert new.path == old.path and KVFile.open(new.path).header["ctx_size"] == 64
+    assert sorted(os.listdir(tmp_path)) == [old.path.name]
+
+
+def test_a_replacement_killed_mid_write_keeps_the_old_entry(tmp_path):
+    """SIGKILL while the replacing file is being written: the old file is whole, the temporary goes at the next open."""
+    store = KVStore(tmp_path, min_tokens=1)
+    old = store.put(b"the same text", nano_payload(ctx=128), tokens=40, ctx=128, quant_bits=2)
+    before = old.path.read_bytes()
+    ready = tmp_path.parent / f"{tmp_path.name}.ready"
+    code = f"""
+import os, time
+from pathlib import Path
+from ds4lab.kv.store import KVStore
+from tests.test_hostile_kv import nano_payload
+
+def stall(fd):
+    Path({str(ready)!r}).touch()
+    time.sleep(120)
+
+os.fsync = stall
+KVStore({str(tmp_path)!r}, min_tokens=1).put(b"the same text", nano_payload(ctx=64), tokens=40, ctx=64, quant_bits=2)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the writer did not reach its fsync"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert old.path.read_bytes() == before
+    assert any(".tmp." in n for n in os.listdir(tmp_path))  # it died mid-write
+    store = KVStore(tmp_path, min_tokens=1)
+    assert sorted(os.listdir(tmp_path)) == [old.path.name]
+    assert len(store.load(old, NANO)) == 40
+
+
+# -- 8: the model fingerprint in store files and live checkpoints ---------------------------------------
+
+def test_a_store_shared_by_two_models_of_one_config_serves_each_its_own(twins, tmp_path):
+    a, b = twins
+    assert a.config == b.config and a.file.fingerprint != b.file.fingerprint
+    store = KVStore(tmp_path, min_tokens=16)
+    sa = a.session(ctx=64, prefill_chunk=16)
+    sa.sync(IDS[:40])
+    entry = store.save(sa)
+    kf = KVFile.open(entry.path, a.config)
+    kf.verify()
+    assert kf.fingerprint == entry.fingerprint == a.file.fingerprint
+    assert a.file.fingerprint in kf.summary()
+    # ds4's file first (header, text, payload: what ds4 reads), then ds4lab's trailers, which ds4 never reads
+    data = entry.path.read_bytes()
+    end = 52 + entry.text_bytes + entry.header.payload_bytes
+    assert data[52 + entry.text_bytes:end] == sa.checkpoint().to_bytes()
+    assert data[end:] [:4] == b"KFP\x01" and data[end + 4:end + 20] == bytes.fromhex(a.file.fingerprint)
+    assert len(data) == end + 20 + 8 and data[-8:-4] == b"KCK\x01"
+
+    assert store.lookup(IDS[:40], model=b) is None and store.lookup(IDS[:40], model=a).path == entry.path
+    sb = b.session(ctx=64, prefill_chunk=16, kv_store=store)
+    r = sb.sync(IDS[:41])
+    ref = b.session(ctx=64, prefill_chunk=16)
+    ref.sync(IDS[:41])
+    assert r.source == "cold" and np.array_equal(sb.logits, ref.logits)
+    with pytest.warns(KVStoreWarning, match="another model"), \
+            pytest.raises(KVFileError, match=f"{a.file.fingerprint}.*{b.file.fingerprint}") as ei:
+        store.load(entry, b.config, fingerprint=b.file.fingerprint)
+    assert ei.value.field == "model fingerprint" and str(entry.path) in str(ei.value)
+    assert entry.path.exists()  # another model's file is left alone
+    assert a.session(ctx=64, prefill_chunk=16, kv_store=store).sync(IDS[:41]).source == "disk"
+
+
+def test_live_checkpoints_and_payloads_refuse_another_models_state(twins):
+    a, b = twins
+    sa = a.session(ctx=64, prefill_chunk=16)
+    chunks = sa.prefill(IDS[:40]).run(progress=False)
+    sb = b.session(ctx=64, prefill_chunk=16)
+    sb.sync(IDS[:20])
+    tokens = list(sb.tokens)
+    for cp in (sa.checkpoint(), chunks[0].checkpoint,
+               ds4lab.Checkpoint.from_bytes(sa.checkpoint().to_bytes(), a.config, fingerprint=a.file.fingerprint)):
+        assert cp.fingerprint == a.file.fingerprint
+        with pytest.raises(PayloadError, match=f"{a.file.fingerprint}.*{b.file.fingerprint}") as ei:
+            sb.restore(cp)
+        assert ei.value.field == "model fingerprint" and sb.tokens == tokens
+        with pytest.raises(PayloadError, match="model fingerprint"):
+            cp.state_for(b.config, b.backend, sb.geometry, fingerprint=b.file.fingerprint)
+    # bare DSV4 bytes carry no fingerprint (ds4's format has no field for it): they cannot be checked
+    bare = ds4lab.Checkpoint.from_bytes(sa.checkpoint().to_bytes(), a.config)
+    assert bare.fingerprint is None
+    sb.restore(bare)
+    assert sb.tokens == IDS[:40]
+
+
+def test_a_ds4_server_file_without_fingerprint_loads_with_a_warning(twins, tmp_path):
+    a, b = twins
+    sa = a.session(ctx=64, prefill_chunk=16)
+    sa.sync(IDS[:40])
+    text = b"".join(a.tokenizer.token_bytes(t) for t in IDS[:40])
+    store = KVStore(tmp_path, min_tokens=16, checksum=False)
+    entry = store.put(text, sa.checkpoint().to_bytes(), tokens=40, ctx=64, quant_bits=2)  # ds4-server's bytes
+    assert entry.fingerprint is None and KVFile.open(entry.path).fingerprint is None
+    assert len(entry.path.read_bytes()) == 52 + len(text) + entry.header.payload_bytes
+    sb = b.session(ctx=64, prefill_chunk=16, kv_store=store)
+    with pytest.warns(KVStoreWarning, match="no model fingerprint.*cannot check") as seen:
+        assert sb.sync(IDS[:40]).source == "disk"
+    assert any(entry.path.name in str(w.message) for w in seen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)  # said once per file
+        assert b.session(ctx=64, prefill_chunk=16, kv_store=store).sync(IDS[:40]).source == "disk"
+    assert "none" in KVFile.open(entry.path).summary().split("model fingerprint")[1].splitlines()[0]
+
+
+# -- 11: invalid token ids are refused before the session is touched -----------------------------------
+
+@pytest.mark.parametrize("bad,position,shown", [
+    ([5, -1], 1, "-1"), ([7, 2048], 1, "2048"), ([3, 4, 2**40], 2, str(2**40)), ([1, 2.5], 1, "2.5"),
+    ([1, "x"], 1, "'x'"), ([0, 2**70], 1, str(2**70)), (np.array([9, 2**64 - 1], dtype=np.uint64), 1, str(2**64 - 1)),
+])
+def test_invalid_token_ids_leave_the_session_alone(emb, tmp_path, bad, position, shown):
+    store = KVStore(tmp_path, min_tokens=16)
+    s = emb.session(ctx=64, prefill_chunk=16, kv_store=store)
+    s.sync(IDS[:30])
+    tokens, logits = list(s.tokens), s.logits.copy()
+    for call in (s.sync, s.prefill):
+        with pytest.raises(ValueError, match=rf"token {position} is {re.escape(shown)}(?![0-9])") as ei:
+            call(bad)
+        assert "2048" in str(ei.value)  # the vocabulary size
+        assert s.tokens == tokens and np.array_equal(s.logits, logits)
+    assert store.entries() == []  # and nothing was saved as "evict" either
+
+
+# -- 12 and 13: inspect verifies the checksum and prints any timestamp ---------------------------------
+
+def inspect(path, capsys):
+    code = cli.main(["inspect", str(path)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect_verifies_the_checksum(tmp_path, capsys):
+    store = KVStore(tmp_path / "c", min_tokens=1)
+    entry = store.put(b"inspected text", nano_payload(), tokens=40, ctx=64, quant_bits=2)
+    code, out, _ = inspect(entry.path, capsys)
+    assert code == 0 and "checksum: ok" in out
+    data = bytearray(entry.path.read_bytes())
+    data[-9] ^= 0x40  # the last payload byte: the structure still parses
+    entry.path.write_bytes(bytes(data))
+    code, out, err = inspect(entry.path, capsys)
+    assert code != 0 and "tokens 40" in out and "layer ratio" in out  # printed what it could
+    assert "checksum: MISMATCH" in out and "Traceback" not in err
+    plain = KVStore(tmp_path / "p", min_tokens=1, checksum=False)
+    entry = plain.put(b"inspected text", nano_payload(), tokens=40, ctx=64, quant_bits=2)
+    code, out, _ = inspect(entry.path, capsys)
+    assert code == 0 and "checksum: none" in out
+
+
+def test_huge_timestamps_are_printed_raw(tmp_path, capsys):
+    payload = nano_payload()
+    text = b"from the far future"
+    path = tmp_path / (hashlib.sha1(text).hexdigest() + ".kv")
+    for created, last_used in ((2**62, U64_MAX), (2**63, 2**62), (U64_MAX, 0)):
+        path.write_bytes(spec_header(40, len(payload), len(text), ctx=64, created=created, last_used=last_used)
+                         + text + payload)
+        summary = KVFile.open(path).summary()
+        assert f"created {created} (" in summary and "not a date" in summary
+        code, out, _ = inspect(path, capsys)
+        assert code == 0 and f"created {created} (" in out
+    store = KVStore(tmp_path, min_tokens=1)
+    assert len(store.load(store.lookup(text + b"!"), NANO)) == 40
+
+
+# -- 14: another model's layer count is a clear error --------------------------------------------------
+
+def test_a_checkpoint_of_another_layer_count_is_a_clear_error(emb, model_paths):
+    four = ds4lab.load(model_paths["q4k"], backend="numpy")
+    s = emb.session(ctx=24, prefill_chunk=8)
+    s.sync(IDS[:15])
+    t = four.session(ctx=24, prefill_chunk=8)
+    assert s.geometry == t.geometry and four.config.n_layer == 4 and emb.config.n_layer == 6
+    cp = s.checkpoint()
+    for checkpoint in (cp, ds4lab.Checkpoint(cp.tokens, cp.logits, cp.state)):  # with and without its config
+        with pytest.raises(PayloadError, match="n_layer is 6, expected 4") as ei:
+            t.restore(checkpoint)
+        assert ei.value.field == "n_layer" and t.tokens == []
+
+
+# -- 16: token ids and logits are checked ---------------------------------------------------------------
+
+def test_payload_values_out_of_range_are_refused(tmp_path):
+    good = nano_payload()
+    tokens_at, logits_at = 52, 52 + 4 * 40
+    bad_token = bytearray(good)
+    struct.pack_into("<I", bad_token, tokens_at + 4 * 3, 1024)  # NANO's vocab is 1024
+    bad_logit = bytearray(good)
+    struct.pack_into("<f", bad_logit, logits_at + 4 * 5, float("nan"))
+    inf_logit = bytearray(good)
+    struct.pack_into("<f", inf_logit, logits_at + 4 * 7, float("inf"))
+    text = b"out of range"
+    for data, field, got in ((bad_token, "tokens[3]", "1024"), (bad_logit, "logits[5]", "nan"),
+                             (inf_logit, "logits[7]", "inf")):
+        data = bytes(data)
+        for load in (lambda d: decode_payload(d, NANO), lambda d: decode_payload(d, None),
+                     lambda d: ds4lab.Checkpoint.from_bytes(d, NANO)):
+            with pytest.raises(PayloadError, match=rf"{field.replace('[', '.').replace(']', '.')} is {got}") as ei:
+                load(data)
+            assert ei.value.field == field
+        path = tmp_path / "bad.kv"  # a .kv file without the checksum: only the value checks catch it
+        path.write_bytes(spec_header(40, len(data), len(text), ctx=64) + text + data)
+        with pytest.raises(KVFileError, match=str(path)) as ei:
+            KVFile.open(path)
+        assert ei.value.field == f"payload {field}"
+    p = random_payload(NANO, 40, 64, 16)
+    p.tokens[3] = 1024
+    with pytest.raises(ValueError, match=r"tokens\[3\] is 1024"):
+        encode_payload(p, NANO)
+    p = random_payload(NANO, 40, 64, 16)
+    p.logits[5] = np.nan
+    with pytest.raises(ValueError, match=r"logits\[5\] is nan"):
+        encode_payload(p, NANO)
+
+
+# -- 15: a refusal met by the store names the file and the field ---------------------------------------
+
+def test_a_store_refusal_names_the_file_and_the_field(emb, tmp_path):
+    store = KVStore(tmp_path, min_tokens=16)
+    s = emb.session(ctx=64, prefill_chunk=16)
+    s.sync(IDS[:40])
+    entry = store.save(s)
+    other = emb.session(ctx=64, prefill_chunk=8, kv_store=store)  # ds4's rule: another chunk cannot load it
+    with pytest.warns(KVStoreWarning) as seen:
+        assert other.sync(IDS[:41]).source == "cold"
+    assert any(str(entry.path) in str(w.message) and "prefill_cap" in str(w.message) for w in seen), \
+        [str(w.message) for w in seen]
+    assert entry.path.exists()
+
+
+# -- 19: an entry evicted between lookup and load is a miss --------------------------------------------
+
+def test_an_entry_removed_between_lookup_and_load_is_a_miss(emb, tmp_path):
+    store = KVStore(tmp_path, min_tokens=16)
+    s = emb.session(ctx=64, prefill_chunk=16)
+    s.sync(IDS[:40])
+    store.save(s)
+    entry = store.lookup(IDS[:45], model=emb)
+    os.unlink(entry.path)  # another process evicted it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)
+        assert store.load(entry, emb.config) is None
+        t = emb.session(ctx=64, prefill_chunk=16)
+        t.sync(IDS[:10])
+        assert store.load_into(t, entry, IDS[:45]) is None
+    assert t.tokens == IDS[:10]
+
+
+# -- beyond the list, found by tests/test_fuzz_files.py: non-finite KV values, a damaged ext byte ----------
+
+def test_non_finite_kv_rows_and_states_are_refused():
+    from ds4lab.kv.payload import parse_layout
+
+    good = nano_payload()
+    lay = parse_layout(good, NANO)
+    for il, field, at, value in ((0, "raw", (2, 3), float("nan")), (2, "comp", (1, 0), float("inf")),
+                                 (2, "index_state_score", (5, 7), float("-inf"))):
+        arr = lay.layers[il][field]
+        bad = bytearray(good)
+        struct.pack_into("<f", bad, arr.offset + 4 * (at[0] * arr.width + at[1]), value)
+        name = f"layer {il} {field}[{at[0]}, {at[1]}]"
+        for load in (lambda d: decode_payload(d, NANO), lambda d: ds4lab.Checkpoint.from_bytes(d, NANO)):
+            with pytest.raises(PayloadError, match=re.escape(f"{name} is {value}")) as ei:
+                load(bytes(bad))
+            assert ei.value.field == name
+    p = random_payload(NANO, 40, 64, 16)
+    p.layers[0].raw[2, 3] = np.inf
+    with pytest.raises(ValueError, match=re.escape("raw[2, 3] is inf")):
+        encode_payload(p, NANO)
+
+
+def test_a_damaged_ext_byte_cannot_turn_the_checksum_off(tmp_path):
+    """Bit 0 (ds4-server's tool map) lets bytes follow the payload; with bit 3 cleared the checksum trailer would
+    pass as a map and nothing would be verified. The map must start with ds4's "KTM" 1."""
+    store = KVStore(tmp_path, min_tokens=1)
+    entry = store.put(b"a checked file", nano_payload(), tokens=40, ctx=64, quant_bits=2, fingerprint="ab" * 16)
+    data = bytearray(entry.path.read_bytes())
+    data[52 + entry.text_bytes + 52 + 8] ^= 1  # damage inside the CRC region: token 2 (still below vocab)
+    for ext in (1, 3):
+        data[6] = ext
+        entry.path.write_bytes(bytes(data))
+        with pytest.raises(KVFileError, match="tool map trailer") as ei:
+            KVFile.open(entry.path)
+        assert ei.value.field == "tool map trailer" and str(entry.path) in str(ei.value)
+        with pytest.warns(KVStoreWarning), pytest.raises(KVFileError, match="tool map"):
+            store.load(store.entries()[0], NANO)
+        store = KVStore(tmp_path, min_tokens=1)
+    # ds4-server's own map after its payload is fine
+    ds4 = tmp_path / "ds4"
+    ds4.mkdir()
+    payload, text = nano_payload(), b"with a tool map"
+    path = ds4 / (hashlib.sha1(text).hexdigest() + ".kv")
+    path.write_bytes(spec_header(40, len(payload), len(text), ctx=64, ext=1) + text + payload
+                     + b"KTM\x01" + struct.pack("<I", 0))
+    assert len(KVFile.open(path).token_ids) == 40
