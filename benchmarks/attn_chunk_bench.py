@@ -3,8 +3,8 @@ GEMMs around a materialised [C, H, n_keys] score tensor), at DeepSeek V4 Flash's
 
 A chunk of C queries is the last C positions of a context of ``n_comp · ratio`` tokens; its keys are a
 raw ring of ``--raw`` slots (the latest positions, seen in a causal band of the 128-token window) and
-``n_comp`` compressed rows, each seen by the queries its window has ended for (spec §3.8, §3.12), as
-the model builds them. Times are medians after a warm-up, the device synchronised around each call;
+``n_comp`` compressed rows, each seen by the queries its window has ended for (docs/MODEL.md, "Attention"),
+as the model builds them. Times are medians after a warm-up, the device synchronised around each call;
 GFLOP/s count the useful work (4·D flops per visible (query, key) pair and head), bytes the least a
 pass must move (q, keys, mask, out) and the plain path's score tensor.
 

@@ -1,11 +1,11 @@
 """A full-width DeepSeek V4 Flash slice on a GPU: decode and prefill speed, where the time goes, and the
 decode roofline.
 
-The slice has the real dimensions (spec §1), 6 layers with the real ratio pattern 0,0,4,128,4,128 and
-3 hash layers, the embedding and the full 129,280-row output head, and seeded random weights in ds4's
-q2 layout (IQ2_XXS gate/up, Q2_K down, Q8_0 attention/shared/output, F16 elsewhere), built in memory
-(``ds4lab.testing.model_tensors`` with a few distinct rows repeated: the same bytes to read, much
-faster to make). Per-layer figures extrapolate to the full model as 43 × layer + head.
+The slice has the real dimensions (docs/FORMATS.md, "GGUF model files"), 6 layers with the real ratio
+pattern 0,0,4,128,4,128 and 3 hash layers, the embedding and the full 129,280-row output head, and seeded
+random weights in ds4's q2 layout (IQ2_XXS gate/up, Q2_K down, Q8_0 attention/shared/output, F16
+elsewhere), built in memory (``ds4lab.testing.model_tensors`` with a few distinct rows repeated: the same
+bytes to read, much faster to make). Per-layer figures extrapolate to the full model as 43 × layer + head.
 
 Decode at a context C runs on a cache filled to C tokens with random rows (the same work as after a
 real prefill of C tokens, without spending minutes prefilling). Prefill runs real chunks of 2048.

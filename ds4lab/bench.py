@@ -1,4 +1,5 @@
-"""ds4-bench's frontier sweep (spec/DS4_RUNTIME.md §7) as a library: ``sweep()`` yields one row per frontier.
+"""ds4-bench's frontier sweep (ds4's ds4_bench.c; README.md, "Command line") as a library: ``sweep()`` yields
+one row per frontier.
 
 One session of ``ctx_alloc`` tokens walks a fixed token sequence to frontiers ``ctx_start``, then
 ``+step_incr`` (or ``ceil(cur·step_mul)``) up to ``ctx_max``. At each frontier:

@@ -1,10 +1,10 @@
 """The ``ds4lab`` command: ``run`` (one-shot or interactive chat), ``bench`` (ds4-bench's frontier sweep),
 ``inspect`` (a GGUF or ``.kv`` file) and ``make-model`` (seeded test models).
 
-Flags follow ds4 and ds4-bench (spec/DS4_RUNTIME.md §7, §9.1). Exit codes: 0 on success, 2 for usage
-errors (unknown flags, invalid numbers, conflicting options), 1 for errors while working (a missing or
-unreadable file, a file that is not a model, a prompt longer than the context), 130 when interrupted
-outside generation. Every error is one line on stderr; ``DS4LAB_TRACEBACK=1`` shows the traceback.
+Flags follow ds4 and ds4-bench (ds4's ds4_cli.c and ds4_bench.c; README.md, "Command line"). Exit codes:
+0 on success, 2 for usage errors (unknown flags, invalid numbers, conflicting options), 1 for errors while
+working (a missing or unreadable file, a file that is not a model, a prompt longer than the context), 130
+when interrupted outside generation. Every error is one line on stderr; ``DS4LAB_TRACEBACK=1`` shows the traceback.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Model configuration, read from GGUF metadata (spec/DS4_MODEL.md §2.1, §9).
+"""Model configuration, read from GGUF metadata (docs/FORMATS.md, "GGUF model files").
 
 Every dimension comes from the ``deepseek4.*`` keys, so the real 284B Flash file and tiny models of the
 same architecture go through the same code. ``validate_tensors`` checks a tensor directory against the
-configuration (§2.2-2.3) and names the file and tensor on any mismatch.
+configuration (the same section's tensor table) and names the file and tensor on any mismatch.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ _KEYS = [
     ("rms_eps", "attention.layer_norm_rms_epsilon", "float"),
     ("expert_weights_norm", "expert_weights_norm", "bool"),
 ]
-# Optional keys with their defaults (ds4 reads the group counts optionally and hard-codes the HC eps, §11.2).
+# Optional keys with their defaults (ds4 reads the group counts optionally and hard-codes the HC eps;
+# docs/FORMATS.md, "GGUF model files").
 _OPTIONAL = [
     ("expert_group_count", "expert_group_count", "u32", 0),
     ("expert_group_used", "expert_group_used_count", "u32", 0),
@@ -143,7 +144,8 @@ class ModelConfig:
         return self.compress_ratios[il]
 
     def compressor_width(self, il: int, dim: int) -> int:
-        """W = coff·D: ratio-4 compressors project twice as wide (the overlapping halves, §3.6)."""
+        """W = coff·D: ratio-4 compressors project twice as wide (the overlapping halves;
+        docs/MODEL.md, "Attention")."""
         return (2 if self.ratio(il) == 4 else 1) * dim
 
     def has_indexer(self, il: int) -> bool:
@@ -184,7 +186,8 @@ class ModelConfig:
         return out
 
     def check(self, source: str = "<config>") -> None:
-        """Refuse inconsistent dimensions with a message naming the key (spec §9 constraints)."""
+        """Refuse inconsistent dimensions with a message naming the key (the constraints in
+        docs/FORMATS.md, "GGUF model files")."""
         def bad(key, msg):
             raise ModelFileError(f"{source}: {ARCH}.{key}: {msg}")
 
@@ -238,10 +241,11 @@ class ModelConfig:
 
     # -- tensors ------------------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], frozenset, bool]]:
-        """``name -> (ne shape, allowed GGML types, required)`` for every tensor of the model (§2.2-2.3).
+        """``name -> (ne shape, allowed GGML types, required)`` for every tensor of the model
+        (docs/FORMATS.md, "GGUF model files").
 
-        Dense projections may be stored in any type the loader reads (the real Flash file uses the
-        types in the spec's tables); routed experts accept the K-/IQ-quants plus F32/F16/Q8_0 for
+        Dense projections may be stored in any type the loader reads (the real Flash files use the
+        types that section names); routed experts accept the K-/IQ-quants plus F32/F16/Q8_0 for
         tiny models whose rows are not multiples of 256.
         """
         E, V, H, HD = self.n_embd, self.n_vocab, self.n_head, self.head_dim

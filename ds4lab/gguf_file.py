@@ -1,4 +1,4 @@
-"""Reading and writing GGUF model files (spec/DS4_MODEL.md §2).
+"""Reading and writing GGUF model files (docs/FORMATS.md, "GGUF model files").
 
 ``GGUFModelFile.open`` maps a file and reads its directory itself, every count bounded by the bytes
 left and every offset a Python int (files of 80+ GB), and exposes its metadata as plain Python values
@@ -231,7 +231,7 @@ def _check_header(path: Path) -> int:
 
 
 class _Directory:
-    """GGUF v3's metadata and tensor directory, read from the mapped bytes (spec/DS4_MODEL.md §2.1).
+    """GGUF v3's metadata and tensor directory, read from the mapped bytes (docs/FORMATS.md, "GGUF model files").
 
     Every value is a Python int, float, bool or str from the moment it is read, so offsets past 4 GiB stay
     exact; every count is checked against the bytes left in the file before anything is read for it, so a

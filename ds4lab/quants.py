@@ -1,6 +1,6 @@
-"""GGML block quant formats used by DeepSeek V4 Flash files (spec/DS4_MODEL.md §7).
+"""GGML block quant formats used by DeepSeek V4 Flash files (docs/FORMATS.md, "GGUF model files").
 
-``dequantize`` decodes rows of F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (and I32) with the spec's
+``dequantize`` decodes rows of F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (and I32) with that section's
 formulas, left to right in float32; that is also gguf's order, so the results match its decoders bit
 for bit, and it is the reference the GPU kernels mirror. ``quantize`` covers
 the types test models are written in directly; ``random_blocks`` makes seeded, valid K/IQ/Q8_0 blocks
@@ -71,7 +71,8 @@ def _dequant_q2_k(b: _Blocks) -> np.ndarray:
 
 
 def _q4_k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unpack the 12 scale bytes into eight 6-bit (scale, min) pairs, sm(0..7) of the spec."""
+    """Unpack the 12 scale bytes into eight 6-bit (scale, min) pairs, one per sub-block
+    (docs/FORMATS.md, "GGUF model files")."""
     lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     s = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
     m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)

@@ -1,4 +1,5 @@
-"""Token sampling, exactly as ds4 does it (DS4_RUNTIME.md §6.2; ds4.c ``sample_*`` and ``ds4_session_*logprob*``).
+"""Token sampling, exactly as ds4 does it (docs/MODEL.md, "Sampling"; ds4.c ``sample_*`` and
+``ds4_session_*logprob*``).
 
 ds4's sampler works in C ``float`` throughout; only the log-probability helpers use ``double``.  This module
 reproduces that arithmetic with ``np.float32`` / ``np.float64`` so that the chosen token is the same as the
@@ -302,7 +303,7 @@ def sample(
 ) -> int:
     """Pick the next token like ds4's ``ds4_session_sample`` (ds4.c:17639 -> sample_top_p_min_p, 15238).
 
-    Rules (DS4_RUNTIME.md §6.2), in ds4's order:
+    Rules (docs/MODEL.md, "Sampling"), in ds4's order:
 
     1. ``temperature <= 0`` -> :func:`argmax` (no RNG draw).  Then out-of-range parameters are fixed:
        ``top_p`` not in (0, 1] -> 1; ``min_p < 0`` -> 0; ``top_k > 1024`` -> 1024; ``top_k > vocab`` -> vocab.

@@ -248,7 +248,7 @@ class Session:
                 self._stepped(None)
         return SyncResult(source, reused, len(suffix))
 
-    # -- disk store (ds4-server's policy, spec §4.6; the policy itself lives in ds4lab.kv.store) -------
+    # -- disk store (ds4-server's policy, docs/FORMATS.md, "KVC files and the KV store"; in ds4lab.kv.store) --
     def _store_step(self) -> None:
         """After every prefill chunk and decoded token: a "continued" checkpoint at the store's frontiers."""
         if self.kv_store is not None:

@@ -1,8 +1,8 @@
 """Random ds4 model files for tests and demos.
 
-``make_model`` writes a GGUF with ds4's tensor names, shapes and per-tensor types (spec/DS4_MODEL.md
-§2.2-2.3) for any :class:`ModelConfig`, filled with seeded random weights scaled so activations stay
-O(1) through the network, plus a small byte-level BPE tokenizer trained on real text.
+``make_model`` writes a GGUF with ds4's tensor names, shapes and per-tensor types
+(docs/FORMATS.md, "GGUF model files") for any :class:`ModelConfig`, filled with seeded random weights scaled so
+activations stay O(1) through the network, plus a small byte-level BPE tokenizer trained on real text.
 """
 
 from __future__ import annotations

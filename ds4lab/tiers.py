@@ -1,8 +1,9 @@
 """Tier placement: the model's layers split over devices, with the switches between them recorded.
 
 A :class:`Placement` maps the embedding, every layer and the output head to a tier. When the next unit
-lives on another tier, the forward pass switches the active tier in one of three modes (the seed's
-``metal_graph_set_active_tier_*``; the real ds4 runs on one device, spec/DS4_RUNTIME.md §5):
+lives on another tier, the forward pass switches the active tier in one of three modes
+(``metal_graph_set_active_tier_*`` of the articles ds4lab was described from; the real ds4 runs on one device:
+``ds4_gpu_init`` in ds4's ds4_cuda.cu selects device 0):
 
 - ``decode``: copy the current token's hidden state, n_hc × n_embd floats;
 - ``batch``: copy the chunk's hidden states, chunk × n_hc × n_embd, once per tier boundary per chunk;

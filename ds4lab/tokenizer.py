@@ -1,4 +1,5 @@
-"""ds4's tokenizer: GPT-2 byte-level BPE behind the hand-written JoyAI pre-tokenizer (spec/DS4_MODEL.md §5).
+"""ds4's tokenizer: GPT-2 byte-level BPE behind the hand-written JoyAI pre-tokenizer
+(docs/MODEL.md, "The tokenizer").
 
 ``pretokenize`` splits text into pieces, each piece is mapped byte by byte through the GPT-2 table and merged
 by BPE rank, and the chat helpers insert the special tokens by id around BPE-encoded text. ``train_bpe``
@@ -99,7 +100,8 @@ def _skip_letters(text: str, pos: int) -> int:
 
 
 def pretokenize(text: str) -> list[str]:
-    """Split ``text`` into BPE pieces with ds4's JoyAI rules 1-9 (spec §5); the pieces concatenate to ``text``."""
+    """Split ``text`` into BPE pieces with ds4's JoyAI rules 1-9 (docs/MODEL.md, "The tokenizer"); the pieces
+    concatenate to ``text``."""
     pieces = []
     n = len(text)
     pos = 0

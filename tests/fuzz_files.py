@@ -158,9 +158,10 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def gguf_layout(data: bytes) -> Layout:
-    """Every field of a (valid) GGUF v3 file, parsed here from the spec: header, each metadata key's length,
-    name, type and value (array element type, count and elements; each string's length and bytes), each tensor
-    entry's name length, name, n_dims, dims, type and offset, the padding and the tensor data."""
+    """Every field of a (valid) GGUF v3 file, parsed here from the format
+    (docs/FORMATS.md, "GGUF model files"): header, each metadata key's length, name, type and value (array
+    element type, count and elements; each string's length and bytes), each tensor entry's name length, name,
+    n_dims, dims, type and offset, the padding and the tensor data."""
     from ds4lab.tokenizer import SPECIAL_TOKENS
 
     fields: list[Field] = []

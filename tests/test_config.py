@@ -1,7 +1,7 @@
-"""ModelConfig against the full DeepSeek V4 Flash GGUF contract (spec/DS4_MODEL.md §2.1-2.3).
+"""ModelConfig against the full DeepSeek V4 Flash GGUF contract (docs/FORMATS.md, "GGUF model files").
 
-The metadata and the tensor directory are written out here from the spec's tables, independently of
-config.FLASH and ModelConfig.tensor_specs, so the test checks the code against the spec.
+The metadata and the tensor directory are written out here from that section's tables, independently of
+config.FLASH and ModelConfig.tensor_specs, so the test checks the code against the documented contract.
 """
 
 import copy
@@ -56,7 +56,7 @@ FLASH_METADATA = {
     "deepseek4.expert_weights_norm": (True, "BOOL"),
 }
 
-# §2.2 and §2.3 as the q2 file has them: (name, type, ne).
+# The tensor table of docs/FORMATS.md, "GGUF model files", as the q2 file has them: (name, type, ne).
 GLOBAL_TENSORS = [
     ("token_embd.weight", Q.F16, (4096, 129280)),
     ("output_hc_base.weight", Q.F32, (4,)),

@@ -1,5 +1,6 @@
-"""Focused checks of spec §10's pitfalls inside the real forward pass, on the numpy float64 backend,
-recomputing each quantity independently from activations recorded at the named points."""
+"""Focused checks, inside the real forward pass, of the details of docs/MODEL.md easiest to get wrong, on
+the numpy float64 backend, recomputing each quantity independently from activations recorded at the named
+points."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
-"""The formulas of spec/DS4_MODEL.md §3 against hand-worked values and naive scalar loops written
-straight from the spec text (independent of the vectorised model code)."""
+"""The formulas of docs/MODEL.md against hand-worked values and naive scalar loops written
+straight from its text (independent of the vectorised model code)."""
 
 import math
 
@@ -32,7 +32,7 @@ def sigmoid(z):
 
 # ---------------------------------------------------------------------------------------------- HC
 def naive_hc_pre(X, fn, scale, base, eps=1e-6):
-    """Spec §3.1 step by step, scalar loops, one token."""
+    """docs/MODEL.md, "Hyper-connections and Sinkhorn", step by step, scalar loops, one token."""
     n, E = X.shape
     flat = X.reshape(-1)
     r = 1 / math.sqrt(sum(v * v for v in flat) / len(flat) + 1e-6)
@@ -184,7 +184,8 @@ def test_rope_float32_angle_recipe():
 
 # -------------------------------------------------------------------------------------- compressor
 def naive_compress_rows(kv, sc, R):
-    """Spec §3.6 per window and channel, as loops over the full token history."""
+    """docs/MODEL.md, "Attention" (compressed rows), per window and channel, as loops over the full token
+    history."""
     T, W = kv.shape
     D = W // 2 if R == 4 else W
     rows = []

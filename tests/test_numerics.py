@@ -1,4 +1,4 @@
-"""FP8 E4M3, FP4 E2M1, Hadamard-128 and F16 rounding (spec §4.3-4.5) against hand-worked values and
+"""FP8 E4M3, FP4 E2M1, Hadamard-128 and F16 rounding (docs/MODEL.md, "Numerics") against hand-worked values and
 a brute-force nearest-code search over the full code tables, on both backends."""
 
 import mlx.core as mx
@@ -15,7 +15,7 @@ def to_xp(xp, a):
 
 
 def e4m3_codes():
-    """The 127 non-negative E4M3FN code values, index = code (spec §4.3)."""
+    """The 127 non-negative E4M3FN code values, index = code (docs/MODEL.md, "Numerics")."""
     vals = []
     for i in range(127):
         e, m = i >> 3, i & 7

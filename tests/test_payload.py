@@ -1,6 +1,6 @@
-"""The ds4 session payload, DSV4 version 1 (spec DS4_RUNTIME.md §2.4, §2.6, §3.2; ds4.c:15736-16660).
+"""The ds4 session payload, DSV4 version 1 (docs/FORMATS.md, "The DSV4 session payload"; ds4.c:15736-16660).
 
-Shapes, sizes and byte layouts are written out here from the spec, independently of ds4lab.kv.payload.
+Shapes, sizes and byte layouts are written out here from that section, independently of ds4lab.kv.payload.
 """
 
 import struct
@@ -24,10 +24,10 @@ MAGIC = 0x34565344
 CUSTOM = replace(NANO, n_layer=4, compress_ratios=(4, 128, 0, 4), swiglu_clamp=(10.0,) * 4)
 
 
-# -- helpers (from the spec, not from the module) ---------------------------------------------------
+# -- helpers (from docs/FORMATS.md, not from the module) --------------------------------------------
 
 def spec_caps(cfg, ctx, prefill_cap):
-    """(raw_cap, raw_window, comp_cap) of a graph session, §2.1/§2.6."""
+    """(raw_cap, raw_window, comp_cap) of a graph session (docs/FORMATS.md, "The DSV4 session payload")."""
     window = min(cfg.swa, ctx)
     wanted = min(window + prefill_cap, ctx)
     raw_cap = min(max(min(-(-wanted // 256) * 256, 8192), window), ctx)
@@ -89,7 +89,7 @@ def patch_u32(data, index, value):
 # -- sizes ------------------------------------------------------------------------------------------
 
 def spec_flash_bytes(T):
-    """§2.6, written out."""
+    """The size that docs/FORMATS.md, "The DSV4 session payload", gives, written out."""
     r = min(T, 128)
     return (52 + 4 * T + 4 * 129280 + 2 * 43 * 4
             + 43 * r * 2048
@@ -208,7 +208,8 @@ def test_hand_built_ratio0_payload():
 
 
 def test_hand_built_compressed_layers_order():
-    """Ratio 4 then ratio 128: every field filled with its own constant, assembled in the §3.2 order."""
+    """Ratio 4 then ratio 128: every field filled with its own constant, assembled in the order of
+    docs/FORMATS.md, "The DSV4 session payload"."""
     cfg = replace(NANO, n_layer=2, compress_ratios=(4, 128), swiglu_clamp=(10.0,) * 2, n_hash_layer=0, n_vocab=4)
     T, hd, ix = 9, 128, 128
     shapes = [

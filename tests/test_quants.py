@@ -1,4 +1,4 @@
-"""Quant formats (spec/DS4_MODEL.md §7): our decoders against gguf's and against hand-worked blocks."""
+"""Quant formats (docs/FORMATS.md, "GGUF model files"): our decoders against gguf's and against hand-worked blocks."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def test_iq2_xxs_hand_block():
 
 
 def test_iq2_xxs_tables_match_ggml():
-    # ksigns derived from the spec formula vs the literal ggml table that gguf carries.
+    # ksigns derived from the formula in docs/FORMATS.md, "GGUF model files", vs the literal ggml table that gguf
+    # carries.
     assert quants._KSIGNS.tobytes() == gguf.quants.IQ2_XXS.ksigns
     grid = quants._IQ2XXS_GRID
     assert grid.shape == (256, 8) and set(np.unique(grid)) == {8, 25, 43}

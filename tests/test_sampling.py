@@ -1,4 +1,4 @@
-"""ds4lab.sampling against ds4's sampler (DS4_RUNTIME.md §6.2, ds4.c:15089-15298, 17643-17703)."""
+"""ds4lab.sampling against ds4's sampler (docs/MODEL.md, "Sampling"; ds4.c:15089-15298, 17643-17703)."""
 
 import math
 

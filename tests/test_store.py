@@ -1,7 +1,8 @@
-"""The on-disk KV store (spec DS4_RUNTIME.md §4): ds4's KVC layout, lookup, hit decay and eviction, the
-session policy, compressed payloads, KVFile inspection, and robustness (two processes, fuzzed files).
+"""The on-disk KV store (docs/FORMATS.md, "KVC files and the KV store"): ds4's KVC layout, lookup, hit decay
+and eviction, the session policy, compressed payloads, KVFile inspection, and robustness (two processes, fuzzed
+files).
 
-Byte layouts, sizes and ds4's score are written out here from the spec, independently of ds4lab.kv.
+Byte layouts, sizes and ds4's score are written out here from docs/FORMATS.md, independently of ds4lab.kv.
 """
 
 import errno
@@ -38,11 +39,12 @@ CTX, CHUNK = 512, 64
 H = 6 * 3600  # the hit half-life, ds4_kvstore.h:13
 
 
-# -- helpers (from the spec) ------------------------------------------------------------------------------
+# -- helpers (from docs/FORMATS.md) -----------------------------------------------------------------------
 
 def spec_header(tokens, payload_bytes, text_bytes, *, quant=2, reason=2, ext=0, hits=0, ctx=4096, created=0,
                 last_used=0) -> bytes:
-    """The 48-byte fixed header and u32 text length, field by field from the §4.2 table."""
+    """The 48-byte fixed header and u32 text length, field by field from the layout in
+    docs/FORMATS.md, "KVC files and the KV store"."""
     h = bytearray(52)
     h[0:3], h[3], h[4], h[5], h[6] = b"KVC", 1, quant, reason, ext
     struct.pack_into("<III", h, 8, tokens, hits, ctx)
@@ -59,7 +61,7 @@ def spec_crc(data: bytes) -> int:
 
 
 def flash_bytes(T: int) -> int:
-    """ds4's ``kvcache_bytes`` for the Flash model (§2.6), r = min(T, 128)."""
+    """ds4's ``kvcache_bytes`` for the Flash model (docs/FORMATS.md, "The DSV4 session payload"), r = min(T, 128)."""
     r = min(T, 128)
     return (52 + 4 * T + 4 * 129280 + 2 * 43 * 4 + 43 * r * 2048
             + 21 * ((T // 4) * (2048 + 512) + 2 * 32768 + 2 * 8192) + 20 * ((T // 128) * 2048 + 2 * 262144))
@@ -131,7 +133,7 @@ def test_kvc_file_is_ds4s_layout(live, tmp_path):
 
 
 def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
-    """A KVC file built from the spec with Flash dimensions (43 layers, 512-wide rows, 129280 logits)."""
+    """A KVC file built from docs/FORMATS.md with Flash dimensions (43 layers, 512-wide rows, 129280 logits)."""
     T, ctx, chunk = 300, 4096, 2048
     rng = np.random.default_rng(5)
     payload = random_payload(FLASH, T, ctx, chunk, seed=None)
@@ -179,7 +181,8 @@ def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
 
 
 def test_a_1gb_file_opens_at_once(tmp_path):
-    """T = 65536 is 926,033,292 bytes by ds4's formula (§2.6 table); the arrays are holes of a sparse file."""
+    """T = 65536 is 926,033,292 bytes by ds4's formula (docs/FORMATS.md, "The DSV4 session payload"); the arrays
+    are holes of a sparse file."""
     T, ctx = 65536, 100_000
     ratios = [0 if il < 2 else 4 if il % 2 == 0 else 128 for il in range(43)]
     size = flash_bytes(T)

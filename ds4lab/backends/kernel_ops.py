@@ -189,7 +189,8 @@ class KernelOps:
         return y, rope_tail(self.xp, y, cos, sin)
 
     def store_kv(self, x, n_rot: int):
-        """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored (§4.3)."""
+        """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored
+        (docs/MODEL.md, "Numerics")."""
         if self.kernels is not None and (x.shape[-1] - n_rot) % nx.FP8_BLOCK == 0:
             return self.kernels.kv_store(x, n_rot)
         return nx.f16_round(self.xp, nx.fp8_kv_sim(self.xp, x, n_rot))
@@ -227,8 +228,8 @@ class KernelOps:
         return self.kernels.ring_write(raw, kv, pos0, n_valid, window)
 
     def indexer_scores(self, q, w, k):
-        """The indexer's scores (§3.9): the kernel for a few queries; for a chunk the matrix-unit kernel where
-        the heads divide its tiles, else plain ops (a GEMM and a [T, H, N] tensor)."""
+        """The indexer's scores (docs/MODEL.md, "Attention"): the kernel for a few queries; for a chunk the
+        matrix-unit kernel where the heads divide its tiles, else plain ops (a GEMM and a [T, H, N] tensor)."""
         if self.kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES and q.shape[2] <= INDEXER_MAX_DQ:
             return self.kernels.indexer_scores(q, w, k)
         if self.kernels is not None and QGEMM_BM % q.shape[1] == 0:
@@ -257,10 +258,10 @@ class KernelOps:
         return y.reshape(-1, k, y.shape[-1]).sum(axis=1)
 
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):
-        """A few tokens' routing without leaving the device (§3.10): ``(probs, selected, weights)`` from the
-        router's ``logits [T, n_expert]``. Experts are the top k of probs + ``bias`` (None: no bias) in
-        :func:`ds4lab.model.moe.select_topk`'s order or, given the hash ``table`` (a device array), its rows
-        of ``tokens`` (host or device ids)."""
+        """A few tokens' routing without leaving the device (docs/MODEL.md, "Mixture of experts"):
+        ``(probs, selected, weights)`` from the router's ``logits [T, n_expert]``. Experts are the top k of
+        probs + ``bias`` (None: no bias) in :func:`ds4lab.model.moe.select_topk`'s order or, given the hash
+        ``table`` (a device array), its rows of ``tokens`` (host or device ids)."""
         xp = self.xp
         if table is not None and isinstance(tokens, np.ndarray):  # host ids: an eager step
             tokens = xp.array(tokens.astype(np.int32))
@@ -274,7 +275,8 @@ class KernelOps:
         return probs, selected, route_weights(xp, probs, selected, scale)
 
     def hadamard_fp4(self, x, f16: bool = False):
-        """The indexer's Hadamard + FP4 step (§4.4); with ``f16`` also the F16 rounding of a stored row."""
+        """The indexer's Hadamard + FP4 step (docs/MODEL.md, "Numerics"); with ``f16`` also the F16 rounding
+        of a stored row."""
         n = x.shape[-1]
         if self.kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0:
             return self.kernels.hadamard_fp4(x, f16)

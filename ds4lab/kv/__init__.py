@@ -1,4 +1,5 @@
-"""KV/session state of a ds4 session (spec DS4_RUNTIME.md §2-4)."""
+"""KV/session state of a ds4 session (docs/MODEL.md, "Where the KV state lives"; the formats in
+docs/FORMATS.md, "The DSV4 session payload", and docs/FORMATS.md, "KVC files and the KV store")."""
 
 from .kvfile import KVFile, KVFileError, KVHeader
 from .payload import (

@@ -1,4 +1,5 @@
-"""ds4's ``KVC`` file, the on-disk checkpoint of ds4-server's KV store (spec DS4_RUNTIME.md §4.2).
+"""ds4's ``KVC`` file, the on-disk checkpoint of ds4-server's KV store
+(docs/FORMATS.md, "KVC files and the KV store").
 
 Layout, as ``ds4_kvstore_fill_header`` writes it and ``ds4_kvstore_read_header`` reads it
 (ds4_kvstore.c:379-422), all little-endian::

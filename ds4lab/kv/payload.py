@@ -1,7 +1,8 @@
 """The ds4 session payload (``DSV4``, version 1): the saved KV state of one checkpoint.
 
-Spec: DS4_RUNTIME.md §2 (state per layer, §2.4 pending compressor state, §2.6 byte sizes) and §3.2
-(the payload). ds4 reference: ds4.c:15736-15761 (constants), 15836-15880 (state and payload sizes),
+Documented in docs/MODEL.md, "Where the KV state lives" (the state per layer, the pending compressor
+state) and docs/FORMATS.md, "The DSV4 session payload" (the payload, its byte sizes). ds4 reference:
+ds4.c:15736-15761 (constants), 15836-15880 (state and payload sizes),
 16107-16320 (``ds4_session_payload_bytes`` and the writer), 16327-16656 (the loader).
 
 The format is byte-identical to ds4's version 1 for every config, Flash or tiny: 13 little-endian u32
@@ -45,7 +46,8 @@ HEADER_FIELDS = 13
 HEADER_BYTES = 4 * HEADER_FIELDS
 Q8_PAYLOAD_VERSION = 0x100 | VERSION  # ds4lab's payload with 8-bit KV rows (KVC ext bit 4); ds4 refuses it
 RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
-STATE_SCORE_INIT = -1e30  # initial value of the *_state_score tensors (§2.4); kv states start at 0
+# Initial value of the *_state_score tensors; kv states start at 0 (docs/FORMATS.md, "The DSV4 session payload").
+STATE_SCORE_INIT = -1e30
 
 # The seven per-layer arrays in file order.
 LAYER_FIELDS = ("raw", "comp", "comp_state_kv", "comp_state_score", "index", "index_state_kv", "index_state_score")
@@ -172,7 +174,8 @@ def layer_state_shapes(cfg, il: int, n_tokens: int, raw_live: int) -> dict[str, 
 
 
 def payload_nbytes(cfg, n_tokens: int, raw_window: int | None = None, raw_cap: int | None = None) -> int:
-    """Serialized size of a checkpoint of ``n_tokens`` tokens, from the config alone (§2.6).
+    """Serialized size of a checkpoint of ``n_tokens`` tokens, from the config alone
+    (docs/FORMATS.md, "The DSV4 session payload").
 
     raw_live = min(raw_window, raw_cap, T); raw_window defaults to ``cfg.swa`` (ds4 uses min(swa, ctx),
     which gives the same raw_live since T ≤ ctx), raw_cap to no limit (ds4's rings hold ≥ raw_window).

@@ -1,17 +1,19 @@
-"""The on-disk KV store: ds4-server's ``KVC`` directory (spec DS4_RUNTIME.md §4; ds4_kvstore.c, ds4_server.c).
+"""The on-disk KV store: ds4-server's ``KVC`` directory (docs/FORMATS.md, "KVC files and the KV store";
+ds4's ds4_kvstore.c, ds4_server.c).
 
 Files are ``<dir>/<sha1 of the cache text>.kv`` (:mod:`.kvfile`); the cache text is the stored tokens' bytes.
 A lookup re-lists the directory, keeps the entries whose text is a byte prefix of the prompt (SHA-1 of the
 prompt's first L bytes equals the name) and takes the longest, ties to more tokens; the stored token ids stay
-authoritative (§4.3). A load rewrites the header with hits + 1 and last_used = now, or deletes the file when it
-holds more than ``cold_max_tokens`` (the live session will store it again). Eviction removes the lowest
+authoritative. A load rewrites the header with hits + 1 and last_used = now, or deletes the file when it holds
+more than ``cold_max_tokens`` (the live session will store it again). Eviction removes the lowest
 ``(eff + 1) · tokens / file_size`` first, ``eff = hits · 2^(−age/half_life)`` (0 below 0.01), until the
-files fit the budget; the file just written is protected (§4.4-4.5).
+files fit the budget; the file just written is protected. (All as docs/FORMATS.md, "KVC files and the KV store",
+describes it.)
 
 Sessions created with ``kv_store=store`` save "continued" checkpoints when the live token count reaches a
 multiple of ``ceil(continued_interval / align) · align`` (align defaults to the session's chunk step, as
 ds4's 2048 is its chunk), save the live state as "evict" before a cold prefill or a disk load replaces it,
-and look here in ``sync`` when no in-memory checkpoint is a prefix (§4.6).
+and look here in ``sync`` when no in-memory checkpoint is a prefix (ds4-server's policy, the same section).
 
 Beyond ds4: writes are fsynced before the rename; files carry a CRC-32 trailer by default; payloads may be
 stored 8-bit and/or zlib/zstd compressed (``compression=``); a damaged file is reported (a
@@ -448,7 +450,8 @@ class KVStore:
     def load_into(self, session, entry: KVEntry, prompt=None):
         """Restore ``entry`` into ``session`` and, given ``prompt``, prefill only what follows the stored
         prefix: the stored token ids, then ``prompt``'s own ids after them when they match, otherwise the
-        rendered-chat tokenization of the text after the stored bytes (ds4's rule, §4.3). Returns the
+        rendered-chat tokenization of the text after the stored bytes (ds4's rule;
+        docs/FORMATS.md, "KVC files and the KV store"). Returns the
         session's :class:`~ds4lab.session.SyncResult` with source "disk", or None, the session untouched, when
         the file is gone (evicted by another process since the lookup: a miss). A refusal names the file."""
         model = session.model

@@ -208,8 +208,9 @@ class KernelLaunches:
                          [((P, n_rows), "float32")])[0]
 
     def attention(self, q, keys, visible, sinks, scale: float):
-        """Softmax attention with sinks over visible keys (spec §3.8) in two passes: each key split's online
-        softmax for a block of heads sharing each key read (attn_partial), then the merge of the splits."""
+        """Softmax attention with sinks over visible keys (docs/MODEL.md, "Attention") in two passes: each
+        key split's online softmax for a block of heads sharing each key read (attn_partial), then the merge of
+        the splits."""
         T, H, D = q.shape
         dims_host = S.attn_dims(T, H, D, keys.shape[0])
         dims, splits = self._const(*dims_host.tolist()), int(dims_host[4])
@@ -232,7 +233,8 @@ class KernelLaunches:
 
     def hc_mix(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float):
         """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear applied to the flat state ``X [T, n·E]``
-        itself, not to its RMS normalisation: the kernel divides by the RMS (spec §3.1)."""
+        itself, not to its RMS normalisation: the kernel divides by the RMS
+        (docs/MODEL.md, "Hyper-connections and Sinkhorn")."""
         T, n, E = X.shape
         if n > S.HC_MAX:
             raise ValueError(f"hc_mix kernel: {n} hyper-connection streams exceed {S.HC_MAX}")

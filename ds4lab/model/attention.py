@@ -1,4 +1,5 @@
-"""Attention: visibility, the indexer's row selection, softmax with sinks, grouped output (§3.7-3.9, §3.12)."""
+"""Attention: visibility, the indexer's row selection, softmax with sinks, grouped output
+(docs/MODEL.md, "Attention")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The KV compressor: pool every R tokens into one row (spec §3.6).
+"""The KV compressor: pool every R tokens into one row (docs/MODEL.md, "Attention").
 
 Used twice per compressed layer: for attention rows (D = head_dim) and, in ratio-4 layers, for the
 indexer's rows (D = idx_dim). Each token projects ``kv`` and a gate score ``sc`` (the APE is added to the
@@ -9,7 +9,7 @@ Ratio 128: the candidates are the window's 128 tokens. Ratio 4 overlaps: the pro
 and window w pools the first halves of window w−1's tokens with the second halves of window w's
 (8 candidates); before window 0 the previous-window candidates are masked (score −1e30).
 
-The pending state has ds4's fixed layout (spec/DS4_RUNTIME.md §2.4): ``coff·R`` rows, for ratio 4 the
+The pending state has ds4's fixed layout (docs/MODEL.md, "Attention"): ``coff·R`` rows, for ratio 4 the
 previous window's 4 rows then the current window's 4 (slot = position mod 4), for ratio 128 the
 current window's 128; slots not yet written hold (kv 0, score −1e30).
 

@@ -1,4 +1,5 @@
-"""Hyper-connections: the n_hc-stream residual state (spec §3.1, §3.2, §3.11).
+"""Hyper-connections: the n_hc-stream residual state (docs/MODEL.md, "Hyper-connections and Sinkhorn";
+docs/MODEL.md, "The head").
 
 State ``X [T, n_hc, E]``. Before each sublayer a mixer reads the RMS-normalized flat state and yields
 pre weights (collapse the streams into the sublayer input), post gates (spread the output back) and a
@@ -39,12 +40,13 @@ def hc_mix(xp, mix, scale, base, X, *, iters: int, eps: float):
 
 
 def hc_post(xp, y, X, post, comb):
-    """X_new[o] = post[o]·y + Σ_s comb[s, o]·X[s]  (the output stream indexes columns, §3.2)."""
+    """X_new[o] = post[o]·y + Σ_s comb[s, o]·X[s]  (the output stream indexes columns;
+    docs/MODEL.md, "Hyper-connections and Sinkhorn")."""
     return post[:, :, None] * y[:, None, :] + xp.einsum("tso,tsd->tod", comb, X)
 
 
 def hc_head(xp, X, fn, scale, base, *, eps: float, norm_eps: float):
-    """The output head's stream collapse: sigmoid weights + eps, no post, no Sinkhorn (§3.11)."""
+    """The output head's stream collapse: sigmoid weights + eps, no post, no Sinkhorn (docs/MODEL.md, "The head")."""
     T, n, E = X.shape
     pre = fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps))
     w = sigmoid(xp, pre * scale[0] + base) + eps

@@ -1,4 +1,5 @@
-"""Mixture of experts: sqrt-softplus router, hash or top-k selection, clamped SwiGLU experts (§3.10)."""
+"""Mixture of experts: sqrt-softplus router, hash or top-k selection, clamped SwiGLU experts
+(docs/MODEL.md, "Mixture of experts")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The rounding simulations that are part of the DS4 model (spec §4.1, §4.3, §4.4).
+"""The rounding simulations that are part of the DS4 model (docs/MODEL.md, "Numerics").
 
 Written once over an array namespace ``xp`` (numpy or mlx.core). Each rounding is "scale by a power of
 two, snap to the nearest representable value with ties to the even code, scale back"; the snapping is
@@ -39,7 +39,8 @@ def e2m1_round(xp, a):
 
 
 def fp8_kv_sim(xp, x, n_rot: int):
-    """FP8 E4M3 round trip of the non-RoPE dims of KV rows, per 64-block with a power-of-two scale (§4.3)."""
+    """FP8 E4M3 round trip of the non-RoPE dims of KV rows, per 64-block with a power-of-two scale
+    (docs/MODEL.md, "Numerics")."""
     d = x.shape[-1]
     n_nope = d - n_rot
     head = x[..., :n_nope].reshape(*x.shape[:-1], n_nope // FP8_BLOCK, FP8_BLOCK)
@@ -64,7 +65,7 @@ def hadamard(xp, x):
 
 
 def fp4_sim(xp, x):
-    """FP4 E2M1 round trip per 32-block with a power-of-two scale (§4.4)."""
+    """FP4 E2M1 round trip per 32-block with a power-of-two scale (docs/MODEL.md, "Numerics")."""
     lead, n = x.shape[:-1], x.shape[-1]
     blocks = x.reshape(*lead, n // FP4_BLOCK, FP4_BLOCK)
     amax = xp.maximum(xp.abs(blocks).max(axis=-1, keepdims=True), FP4_AMAX_FLOOR)
@@ -74,5 +75,5 @@ def fp4_sim(xp, x):
 
 
 def hadamard_fp4_sim(xp, x):
-    """The indexer's quantization-aware step on q and on compressed indexer rows (§4.4)."""
+    """The indexer's quantization-aware step on q and on compressed indexer rows (docs/MODEL.md, "Numerics")."""
     return fp4_sim(xp, hadamard(xp, x))

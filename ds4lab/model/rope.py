@@ -1,4 +1,4 @@
-"""RoPE with YaRN on the tail dims of each head (spec §3.4).
+"""RoPE with YaRN on the tail dims of each head (docs/MODEL.md, "RoPE with YaRN").
 
 The angles are computed on the host with ds4's CPU recipe, in float32: θ starts at the position and is
 multiplied by ``powf(base, -2/n_rot)`` once per pair; compressed layers blend the interpolated and

@@ -1,4 +1,4 @@
-"""The KV state of every layer, in ds4's fixed-capacity layout (spec/DS4_RUNTIME.md §2).
+"""The KV state of every layer, in ds4's fixed-capacity layout (docs/MODEL.md, "Where the KV state lives").
 
 Per layer: the raw ring (``raw_cap`` rows, position p in slot p mod raw_cap), append-only compressed
 rows (capacity ctx/R + 2), in ratio-4 layers append-only indexer rows (ctx/4 + 2), and the pending
@@ -23,7 +23,8 @@ DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA
 
 @dataclass(frozen=True)
 class Geometry:
-    """Context size, prefill chunk and raw-ring capacity, sized as ds4 sizes them (§1.2, §2.1)."""
+    """Context size, prefill chunk and raw-ring capacity, sized as ds4 sizes them
+    (docs/MODEL.md, "Where the KV state lives")."""
 
     ctx: int
     chunk: int  # the prefill chunk the session was created with (the payload's prefill_cap)

@@ -1,9 +1,9 @@
-"""The DS4 forward pass over a chunk of tokens (spec §3), written once over a backend.
+"""The DS4 forward pass over a chunk of tokens (docs/MODEL.md, "Overview"), written once over a backend.
 
 ``forward(tokens, state)`` runs positions ``state.n_past …`` through every layer and returns the final
 HC state and a new :class:`KVState`; the input state is never modified, so a failed chunk leaves
-nothing half updated. Every rule is written per query position (§3.12), so one chunk holding the whole
-prompt (one-shot prefill) and chunk after chunk give the same result.
+nothing half updated. Every rule is written per query position, as that section states them, so one chunk
+holding the whole prompt (one-shot prefill) and chunk after chunk give the same result.
 
 The attention half of a layer works on fixed shapes — the chunk size and the state's capacities — with
 the chunk's start position and its number of real tokens as array inputs: on MLX it is compiled once
@@ -79,7 +79,7 @@ class Transformer:
         if self.observer is not None:
             self.observer(name, value)
 
-    # -- numerics (spec §4.1) -------------------------------------------------------------------------
+    # -- numerics (docs/MODEL.md, "Numerics") ----------------------------------------------------------
     def store_kv(self, x):
         """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored."""
         return x if self.numerics == "exact" else self.backend.store_kv(x, self.cfg.n_rot)
@@ -229,7 +229,7 @@ class Transformer:
         return step
 
     def head(self, X):
-        """Logits ``[T, vocab]`` from the final HC state (§3.11)."""
+        """Logits ``[T, vocab]`` from the final HC state (docs/MODEL.md, "The head")."""
         cfg, xp, w = self.cfg, self.backend.xp, self.w
         emb = hc_head(xp, X, w.linear("output_hc_fn.weight"), w.vector("output_hc_scale.weight"),
                       w.vector("output_hc_base.weight"), eps=cfg.hc_eps, norm_eps=cfg.rms_eps)

@@ -39,7 +39,8 @@ class Weights:
         return self._cache[key]
 
     def linear(self, name: str):
-        """``x -> x @ Wᵀ`` with W = the tensor as ``[ne1, ne0]`` (ne0 is the input dim, spec §10.1)."""
+        """``x -> x @ Wᵀ`` with W = the tensor as ``[ne1, ne0]`` (ne0 is the input dim;
+        docs/MODEL.md, "Notation")."""
         t = self.file.tensors[name]
         return self._memo(name, lambda: self.backend.linear(t.data, t.qtype, t.shape[0]))
 
