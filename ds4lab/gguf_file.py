@@ -38,6 +38,7 @@ from .config import ModelConfig, ModelFileError
 # The largest metadata arrays are a vocabulary's tokens and merges (129,280 in Flash; 262,144 in the largest
 # open models); a count far past that is damage, and reading it one element at a time would take minutes.
 MAX_ARRAY_ELEMENTS = 1 << 22
+MAX_STRING_BYTES = 1 << 24  # a chat template is a few KB; a token a few bytes
 SHORT_FLOATS = 4096  # FLOAT32 arrays up to this long read as their shortest decimals (1e-6, not 9.99999997e-07)
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.I32})
 
@@ -86,18 +87,25 @@ class GGUFModelFile:
     def open(cls, path: str | os.PathLike) -> "GGUFModelFile":
         """Map ``path`` read-only; raise :class:`ModelFileError` naming the file if it is not usable."""
         path = Path(path)
+        mapped, problem = None, None
         try:
-            file_size = _check_header(path)
-            with path.open("rb") as f:
+            _check_header(path)
+            with path.open("rb") as f:  # one open: the size, the identity and the mapping are of one file
+                st = os.fstat(f.fileno())
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            file_size, identity = len(mapped), (st.st_ino, st.st_size, st.st_mtime_ns)
             metadata, entries, directory_end = _Directory(mapped, file_size).read()
             alignment = _alignment(metadata)
             tensors = _tensors(mapped, entries, _align(directory_end, alignment), alignment, file_size)
         except _Malformed as e:
-            raise ModelFileError(f"{path}: {e}") from None
+            problem = str(e)
         except OSError as e:  # a failed open or mmap (no address space, I/O error) is not damage in the file
-            raise ModelFileError(f"{path}: cannot map the file ({e.strerror or e})") from e
-        return cls(path, metadata, tensors, alignment, file_size, _identity(path))
+            problem = f"cannot map the file ({e.strerror or e})"
+        if problem is not None:  # raised outside the handler, so no frame keeps the mapping alive
+            if mapped is not None:
+                mapped.close()
+            raise ModelFileError(f"{path}: {problem}")
+        return cls(path, metadata, tensors, alignment, file_size, identity)
 
     def check_unchanged(self) -> None:
         """Raise :class:`ModelFileError` if the file was truncated, replaced or written since it was opened: its
@@ -179,7 +187,10 @@ def write_gguf(
         writer.close()
         os.replace(tmp, path)
     except BaseException as e:
-        writer.close()
+        try:
+            writer.close()  # flushes what is buffered: on a full disk it fails again
+        except OSError:
+            pass
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.filename is None:  # numpy's "N requested and M written" names no file
             raise OSError(e.errno, f"writing {path}: {e.strerror or e}") if e.errno else OSError(
@@ -284,6 +295,8 @@ class _Directory:
 
     def string(self) -> str:
         n = self.scalar("<Q")
+        if n > MAX_STRING_BYTES:  # zeros of a sparse file are valid UTF-8: a damaged length would read GBs
+            raise self.bad(f"holds a string of {n} bytes; ds4lab reads strings of at most {MAX_STRING_BYTES:,}")
         at = self.take(n)
         try:
             return self.buf[at:at + n].decode("utf-8")

@@ -174,7 +174,7 @@ def test_garbage_after_a_valid_header(tmp_path, seed):
     rng = np.random.default_rng(seed)
     path = tmp_path / "garbage.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 3, 5) + rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
-    with raises_for(path, "metadata key #0", "needs [0-9]+ bytes at offset 32", "file ends at 4024"):
+    with raises_for(path, "metadata key #0", "(needs [0-9]+ bytes at offset 32|holds a string of [0-9]+ bytes)"):
         GGUFModelFile.open(path)
 
 
@@ -556,3 +556,23 @@ def test_a_float_key_whose_type_id_became_an_integer_is_refused(nano_path, tmp_p
     path.write_bytes(blob)
     with raises_for(path, r"deepseek4\.rope\.freq_base", "1176256512"):
         load_model_file(path)
+
+
+def test_a_string_length_past_the_cap_is_refused_before_reading(tmp_path):
+    """Zeros of a sparse file are valid UTF-8: a damaged key length of 256 MiB once read (and tripled) it all."""
+    path = write_small(tmp_path / "s.gguf")
+    blob = bytearray(path.read_bytes())
+    struct.pack_into("<Q", blob, 24, 256 << 20)  # the first key's length
+    path.write_bytes(bytes(blob))
+    with path.open("r+b") as f:
+        f.truncate(300 << 20)
+    with raises_for(path, "metadata key #0", "string of 268435456 bytes"):
+        GGUFModelFile.open(path)
+
+
+def test_a_refused_file_leaves_no_mapping_behind(tmp_path):
+    path = write_small(tmp_path / "t.gguf")
+    patch_entry(path, "q8_0.weight", type_id=99)
+    with pytest.raises(ModelFileError) as e:
+        GGUFModelFile.open(path)
+    assert e.value.__context__ is None and e.value.__cause__ is None

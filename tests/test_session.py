@@ -361,3 +361,16 @@ def test_a_model_file_changed_under_a_session_is_a_clear_error(model_paths, tmp_
     with pytest.raises(ModelFileError, match=f"(?s){path}.*changed since it was loaded"):
         sess.sync(PROMPT[:41])
     assert sess.tokens == before
+
+
+def test_a_live_checkpoint_of_another_backend_restores_through_its_bytes(model_paths):
+    """Same file, same geometry, another backend: its arrays are not this backend's, so the state is rebuilt
+    from the payload (the arrays used as they were broke every later step)."""
+    a = ds4lab.load(model_paths["nano"], backend="numpy").session(ctx=128, prefill_chunk=32)
+    b = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu").session(ctx=128, prefill_chunk=32)
+    a.sync(PROMPT[:40])
+    b.restore(a.checkpoint())
+    b.sync(PROMPT[:41])
+    ref = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu").session(ctx=128, prefill_chunk=32)
+    ref.sync(PROMPT[:41])
+    assert np.abs(b.logits - ref.logits).max() < 1e-3 * np.abs(ref.logits).max()

@@ -43,6 +43,8 @@ def resolve_backend(name: str = "auto", device: str | None = None) -> str:
     MLX's GPU."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if name == "numpy" and device not in (None, "cpu"):
+        raise ValueError(f"device {device!r}: the numpy backend runs on the CPU")
     if name in ("numpy", "cupy") or (name == "mlx" and device != "gpu"):
         return name
     if name == "auto" and device == "cpu":
@@ -65,7 +67,7 @@ def mlx_has_gpu() -> bool:
         import mlx.core as mx
 
         return bool(mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
-    except (ImportError, AttributeError):  # no MLX, or one without these queries
+    except Exception:  # no MLX, one without these queries, or a CUDA query that fails: no GPU for auto
         return False
 
 

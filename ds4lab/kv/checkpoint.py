@@ -89,7 +89,8 @@ class Checkpoint:
         ``fingerprint``: the live state itself where it fits, else the payload validated against the session and
         rebuilt. A checkpoint of another model is refused first (:meth:`check_model`)."""
         self.check_model(config, fingerprint)
-        if self.state is not None and self.state.geometry == geometry:
+        same_arrays = self.backend is None or self.backend is backend  # another backend's arrays go through bytes
+        if self.state is not None and self.state.geometry == geometry and same_arrays:
             return self.state
         data = self.to_bytes()
         return payload_to_state(config, backend, decode_payload(data, config, geometry.ctx, geometry.chunk), geometry)

@@ -14,12 +14,13 @@ A file is read only if the magic and version match, tokens != 0 and the quant by
 read as "unknown" (ds4_kvstore.c:401-422). The payload is ds4's ``DSV4`` session payload (:mod:`.payload`).
 
 ds4 uses ext bits 0-2 (bit 0: the server's tool-id map trailer; bits 1-2: the key is visible transcript
-text). ds4lab adds four bits to the same byte; ds4 never tests them, so the header stays ds4's:
+text). ds4lab adds five bits to the same byte (3-7; bit 7 is the model fingerprint trailer, which a KVStore
+always writes); ds4 never tests them, so the header stays ds4's:
 
 * bit 3 ``EXT_CHECKSUM``: the file ends in an 8-byte trailer, "KCK", 1, u32 CRC-32 of everything before it with
   the two fields that change in place (hits, last_used) read as zero. ds4 never reads past the payload
-  (past its own tool-map trailer when bit 0 is set), so it loads these files as usual. Without it a file is
-  byte for byte what ds4-server writes.
+  (past its own tool-map trailer when bit 0 is set), so it loads these files as usual. Without bits 3-7 a
+  file is byte for byte what ds4-server writes.
 * bit 4 ``EXT_Q8``: KV rows (raw, compressed and indexer rows) are 8-bit: per array, a f32 scale per row
   (max |x| / 127) then the int8 rows. The pending compressor states and logits stay f32 (the scores hold
   -1e30 sentinels). Its ``DSV4`` header says version ``Q8_PAYLOAD_VERSION``, so ds4's loader refuses it at

@@ -346,13 +346,16 @@ class KVStore:
             if written != size:
                 raise OSError(f"wrote {written} bytes, expected {size}")
             os.replace(tmp, path)
-            _fsync_dir(self.dir)
         except OSError as e:
             _unlink(tmp)
             self._counts["write_errors"] += 1
             kept = "; the file already stored for this text is kept as it was" if os.path.lexists(path) else ""
             self._warn(f"{path}: KV store write failed, nothing stored{kept}: {e}")
             return None
+        try:  # the rename is durable once the folder is synced; the file is in place either way
+            _fsync_dir(self.dir)
+        except OSError as e:
+            self._warn(f"{self.dir}: the KV store folder could not be synced after writing {path.name}: {e}")
         self._counts["saves"] += 1
         self.evict(protected=sha)
         return KVEntry(sha, path, size, header, fingerprint)
