@@ -491,3 +491,29 @@ def test_a_damaged_ext_byte_cannot_turn_the_checksum_off(tmp_path):
     path.write_bytes(spec_header(40, len(payload), len(text), ctx=64, ext=1) + text + payload
                      + b"KTM\x01" + struct.pack("<I", 0))
     assert len(KVFile.open(path).token_ids) == 40
+
+
+def test_a_zlib_bomb_is_refused_by_its_header_before_it_is_unpacked(tmp_path):
+    """A small zlib .kv whose size field claims far more than its DSV4 header's dimensions allow once unpacked
+    about a GB before the payload was checked."""
+    import zlib
+
+    from ds4lab.kv.kvfile import EXT_ZLIB, KVFileError, _decompress
+    from ds4lab.kv.payload import HEADER_BYTES
+
+    model = ds4lab.load(backend="numpy")
+    sess = model.session(ctx=128, prefill_chunk=64)
+    sess.sync(list(range(40)))
+    entry = ds4lab.KVStore(tmp_path / "store", min_tokens=1, compression="zlib").save(sess)
+    good = entry.path.read_bytes()
+    (payload_bytes,), (text_bytes,) = struct.unpack_from("<Q", good, 40), struct.unpack_from("<I", good, 48)
+    start = 52 + text_bytes
+    stored = good[start:start + payload_bytes]
+    payload_head = zlib.decompress(stored[8:])[:HEADER_BYTES]
+    claimed = 600 << 20
+    bomb = struct.pack("<Q", claimed) + zlib.compress(payload_head + bytes(claimed - HEADER_BYTES), 9)
+    assert len(bomb) < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(KVFileError, match="zlib unpacked size.*largest payload"):
+        _decompress(bomb, EXT_ZLIB, tmp_path / "bomb.kv")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KB: nothing unpacked

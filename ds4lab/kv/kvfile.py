@@ -68,6 +68,7 @@ from .payload import (
     PayloadError,
     PayloadLayout,
     parse_layout,
+    payload_header,
 )
 
 try:
@@ -344,9 +345,14 @@ def _decompress(data, flags: int, path) -> bytes:
     try:
         if flags & EXT_ZSTD:
             out = zstandard.ZstdDecompressor().decompress(bytes(data[8:]), max_output_size=size)
-        else:
+        else:  # the DSV4 header first: a size field past what its dimensions allow is refused before a zlib bomb
             d = zlib.decompressobj()
-            out = d.decompress(data[8:], size)
+            head = d.decompress(data[8:], HEADER_BYTES)
+            bound = _payload_bound(head, bool(flags & EXT_Q8), path)
+            if size > bound:
+                raise KVFileError(path, f"{codec} unpacked size", size,
+                                  f"at most {bound}, the largest payload its header's dimensions allow")
+            out = head + d.decompress(d.unconsumed_tail, size - len(head))
             if not d.eof or d.unconsumed_tail or d.unused_data:
                 raise zlib.error("the stream does not end where the payload does")
     except _CODEC_ERRORS as e:
@@ -354,6 +360,18 @@ def _decompress(data, flags: int, path) -> bytes:
     if len(out) != size:
         raise KVFileError(path, f"{codec} payload", f"{len(out)} bytes unpacked", f"{size} (its size field)")
     return out
+
+
+def _payload_bound(head: bytes, q8: bool, path) -> int:
+    """The most bytes a payload with this ``DSV4`` header can take: every layer counted with the largest
+    arrays any ratio gives (ratio-4 rows and indexer rows, ratio-128 pending states)."""
+    try:
+        h = payload_header(head, q8)
+    except PayloadError as e:
+        raise KVFileError(path, f"payload {e.field}", e.got, e.expected, f"payload: {e}") from None
+    T, L, D, Di = h["n_tokens"], h["n_layer"], h["head_dim"], h["indexer_head_dim"]
+    layer = 4 * h["raw_live"] * D + 4 * (T // 4) * (D + Di) + 1024 * D + 128 * Di
+    return HEADER_BYTES + 4 * T + 4 * h["vocab"] + 8 * L + L * layer
 
 
 def pack_payload(payload: bytes, config, flags: int) -> bytes:
