@@ -93,7 +93,7 @@ class GGUFModelFile:
             with path.open("rb") as f:  # one open: the size, the identity and the mapping are of one file
                 st = os.fstat(f.fileno())
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            file_size, identity = len(mapped), (st.st_ino, st.st_size, st.st_mtime_ns)
+            file_size, identity = len(mapped), _identity(st)
             metadata, entries, directory_end = _Directory(mapped, file_size).read()
             alignment = _alignment(metadata)
             tensors = _tensors(mapped, entries, _align(directory_end, alignment), alignment, file_size)
@@ -112,7 +112,7 @@ class GGUFModelFile:
         weights are read through the mapping, so a truncated file would kill the process (SIGBUS) on the next
         read of a cut page, and one written in place would change the weights under a live KV state."""
         try:
-            now = _identity(self.path)
+            now = _identity(self.path.stat())
         except OSError as e:
             raise ModelFileError(f"{self.path}: the model file is gone since it was loaded ({e.strerror}); "
                                  f"load it again") from None
@@ -139,8 +139,8 @@ class GGUFModelFile:
         return h.hexdigest()[:32]
 
 
-def _identity(path: Path) -> tuple[int, int, int]:
-    st = path.stat()
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells a file's contents apart over time: inode, size, modification time (ns)."""
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 

@@ -159,10 +159,15 @@ class Session:
 
         return Capture(self, points, layers=layers, heads=heads, queries=queries)
 
+    def snapshot(self) -> Checkpoint:
+        """The current state as a :class:`Checkpoint` of this model, not kept for ``sync`` (nothing is copied:
+        states are immutable values, so a step cannot change it)."""
+        return Checkpoint(tuple(self.tokens), self.logits, self._state, config=self.model.config,
+                          backend=self.model.backend, fingerprint=model_fingerprint(self.model))
+
     def checkpoint(self) -> Checkpoint:
-        """The current state (nothing is copied: states are immutable values); also kept for ``sync``."""
-        cp = Checkpoint(tuple(self.tokens), self.logits, self._state, config=self.model.config,
-                        backend=self.model.backend, fingerprint=model_fingerprint(self.model))
+        """The current state (:meth:`snapshot`), also kept for ``sync``."""
+        cp = self.snapshot()
         self.checkpoints.append(cp)
         return cp
 

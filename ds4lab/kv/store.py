@@ -278,11 +278,7 @@ class KVStore:
         reason_code(reason)
         if len(session.tokens) < self.min_tokens or session.logits is None:
             return None
-        model = session.model
-        fingerprint = model_fingerprint(model)
-        # The live state is an immutable value: reading it here copies nothing and cannot race a step.
-        cp = Checkpoint(tuple(session.tokens), session.logits, session._state, config=model.config,
-                        backend=model.backend, fingerprint=fingerprint)
+        model, cp = session.model, session.snapshot()
         try:
             payload = pack_payload(cp.to_bytes(), model.config, self.codec_flags)
         except ValueError as e:  # e.g. a non-finite logit: never write what the loader refuses
@@ -291,7 +287,7 @@ class KVStore:
             return None
         return self.put(token_text(model, session.tokens), payload, tokens=len(cp), ctx=session.ctx,
                         quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags,
-                        fingerprint=fingerprint)
+                        fingerprint=cp.fingerprint)
 
     def save_continued(self, session) -> KVEntry | None:
         """ds4-server's "continued" rule: store when the live count is a multiple of the continued step and
