@@ -32,8 +32,8 @@ def main(argv=None):
     import numpy as np
     from gpu_slice import CHUNK, SLICE, build, step, syncer
 
+    from ds4lab.kv.layout import Geometry, new_state
     from ds4lab.mlx_kernels.specs import all_specs
-    from ds4lab.model.state import Geometry, new_state
     from ds4lab.testing import model_tensors
 
     compiles, lock = [], threading.Lock()

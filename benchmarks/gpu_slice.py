@@ -30,8 +30,8 @@ from ds4lab.backends import get_backend, kernel_ops
 from ds4lab.backends.kernel_ops import BlockLinear
 from ds4lab.config import FLASH, NANO, replace
 from ds4lab.gguf_file import TensorInfo, tensor_byte_shape
+from ds4lab.kv.layout import Geometry, new_state
 from ds4lab.model import transformer as transformer_module
-from ds4lab.model.state import Geometry, new_state
 from ds4lab.model.transformer import Transformer
 from ds4lab.testing import model_tensors
 

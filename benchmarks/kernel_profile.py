@@ -25,7 +25,7 @@ import numpy as np
 from gpu_slice import CHUNK, SLICE, build, filled_state, step, syncer
 
 from ds4lab.config import NANO
-from ds4lab.model.state import Geometry, new_state
+from ds4lab.kv.layout import Geometry, new_state
 from ds4lab.testing import model_tensors
 
 

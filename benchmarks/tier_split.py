@@ -20,7 +20,7 @@ from gpu_slice import CHUNK, SLICE, build, filled_state, syncer  # noqa: E402
 
 from ds4lab import Placement  # noqa: E402
 from ds4lab.config import NANO  # noqa: E402
-from ds4lab.model.state import Geometry, new_state  # noqa: E402
+from ds4lab.kv.layout import Geometry, new_state  # noqa: E402
 from ds4lab.testing import model_tensors  # noqa: E402
 from ds4lab.tiers import TierRun  # noqa: E402
 

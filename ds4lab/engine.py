@@ -10,7 +10,7 @@ import numpy as np
 from .backends import get_backend
 from .config import ModelConfig, ModelFileError
 from .gguf_file import load_model_file
-from .model.state import Geometry, new_state
+from .kv.layout import Geometry, new_state
 from .model.transformer import Transformer
 from .tokenizer import Tokenizer
 

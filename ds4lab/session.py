@@ -20,9 +20,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
-from .kv.payload import expected_row_counts, payload_nbytes
+from .kv.layout import Geometry, KVState, env_int, expected_row_counts, new_state
+from .kv.payload import payload_nbytes
 from .kv.view import KVView
-from .model.state import Geometry, KVState, env_int, new_state
 from .sampling import (
     DEFAULT_MIN_P,
     DEFAULT_TEMPERATURE,

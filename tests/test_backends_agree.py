@@ -99,7 +99,7 @@ def test_chunked_forward_equals_one_shot(name, chunk, model_paths):
         # the rings differ in size; the last `window` positions agree
         ring = lambda layer: layer.raw[(np.arange(len(ids) - window, len(ids))) % layer.raw.shape[0]]  # noqa: E731
         np.testing.assert_allclose(ring(a), ring(b), rtol=1e-9, atol=1e-9)
-        for f in ("comp", "comp_kv", "comp_sc", "index", "index_kv", "index_sc"):
+        for f in ("comp", "comp_state_kv", "comp_state_score", "index", "index_state_kv", "index_state_score"):
             if getattr(b, f) is not None:
                 np.testing.assert_allclose(getattr(a, f), getattr(b, f), rtol=1e-9, atol=1e-9, err_msg=f)
 

@@ -22,8 +22,8 @@ import pytest
 import ds4lab
 from ds4lab import bench
 from ds4lab.cli import DEFAULT_SYSTEM, TextPrinter
+from ds4lab.kv.layout import Geometry
 from ds4lab.kv.payload import payload_nbytes
-from ds4lab.model.state import Geometry
 
 FAST = ["--backend", "numpy", "--prefill-chunk", "64"]
 STATS = re.compile(r"prompt (\d+) tokens \((\d+) reused, (\w+); (\d+) evaluated\), prefill [\d.]+ t/s, "

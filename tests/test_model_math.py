@@ -8,6 +8,7 @@ import pytest
 
 from ds4lab.backends.numpy_backend import NumpyBackend
 from ds4lab.config import FLASH, NANO
+from ds4lab.kv.layout import pending_state
 from ds4lab.model.attention import (
     attend_with_sinks,
     grouped_output,
@@ -16,7 +17,7 @@ from ds4lab.model.attention import (
     raw_visibility,
     visible_rows,
 )
-from ds4lab.model.compressor import compress_chunk, initial_state
+from ds4lab.model.compressor import compress_chunk
 from ds4lab.model.functional import softplus, topk_mask
 from ds4lab.model.hc import hc_head, hc_post, hc_pre, sinkhorn
 from ds4lab.model.moe import route_weights, routed_experts, router_probs, select_topk, select_topk_on_device, swiglu
@@ -209,7 +210,7 @@ def naive_compress_rows(kv, sc, R):
 def run_compressor(kv, sc, R, chunks, pad=0):
     """Feed the rows chunk by chunk (each padded with ``pad`` garbage rows); collect emitted rows."""
     T, W = kv.shape
-    state_kv, state_sc = initial_state(B, R, W)
+    state_kv, state_sc = pending_state(B, R, W)
     rows, pos, i = {}, 0, 0
     while pos < T:
         step = chunks[i % len(chunks)] or T

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from ds4lab.config import FLASH, NANO, replace
+from ds4lab.kv.layout import graph_caps
 from ds4lab.kv.payload import (
     LayerPayload,
     Payload,
     PayloadError,
     decode_payload,
     encode_payload,
-    graph_caps,
     payload_nbytes,
 )
 

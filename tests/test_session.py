@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import ds4lab
+from ds4lab.kv.layout import Geometry, chunk_from_env
 from ds4lab.kv.payload import PayloadError
-from ds4lab.model.state import Geometry, chunk_from_env
 
 PROMPT = np.random.default_rng(11).integers(0, 1000, 300).tolist()  # crosses 127/255 and the indexer at 67
 
@@ -318,7 +318,7 @@ def test_decode_excludes_tokens_from_sampling_but_not_from_logprobs(nano_np):
 def test_packed_layers_unflatten_once_and_only_when_read():
     """A compiled step's state (PackedLayers) makes its LayerStates on the first read, once; its length is
     known before that, and it reads like the tuple it stands for."""
-    from ds4lab.model.state import LayerState, PackedLayers
+    from ds4lab.kv.layout import LayerState, PackedLayers
 
     calls = []
 

@@ -119,7 +119,7 @@ def main():
     backend = get_backend("mlx", kernels=False)  # training differentiates the plain ops (kernels have no VJP)
     model = Transformer(CONFIG, None, backend, numerics="exact", compile=False,
                         weights=ArrayWeights(params, hashes, mx, CONFIG.o_groups, CONFIG.o_lora))
-    from ds4lab.model.state import Geometry, new_state
+    from ds4lab.kv.layout import Geometry, new_state
 
     def fresh_state(n):
         return new_state(CONFIG, backend, Geometry.for_context(CONFIG, n + 1, n))

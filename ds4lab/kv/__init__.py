@@ -2,6 +2,7 @@
 docs/FORMATS.md, "The DSV4 session payload", and docs/FORMATS.md, "KVC files and the KV store")."""
 
 from .kvfile import KVFile, KVFileError, KVHeader
+from .layout import comp_cap_for, expected_row_counts, graph_caps, layer_comp_cap, layer_state_shapes
 from .payload import (
     HEADER_BYTES,
     MAGIC,
@@ -9,13 +10,8 @@ from .payload import (
     LayerPayload,
     Payload,
     PayloadError,
-    comp_cap_for,
     decode_payload,
     encode_payload,
-    expected_row_counts,
-    graph_caps,
-    layer_comp_cap,
-    layer_state_shapes,
     payload_nbytes,
 )
 

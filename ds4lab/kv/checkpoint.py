@@ -15,11 +15,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..config import ModelConfig
-from ..model.state import Geometry, KVState, LayerState, new_state
+from .layout import LAYER_FIELDS, Geometry, KVState, LayerState, new_state
 from .payload import LayerPayload, Payload, PayloadError, decode_payload, encode_payload
-
-_STATE_FIELDS = (("comp_kv", "comp_state_kv"), ("comp_sc", "comp_state_score"),
-                 ("index_kv", "index_state_kv"), ("index_sc", "index_state_score"))
 
 
 def model_fingerprint(model) -> str | None:
@@ -119,10 +116,10 @@ def state_to_payload(cfg: ModelConfig, backend, state: KVState, tokens, logits) 
         saved = LayerPayload(raw=f32(layer.raw)[slots])
         if R:
             saved.comp = f32(layer.comp)[: T // R]
-            saved.comp_state_kv, saved.comp_state_score = f32(layer.comp_kv), f32(layer.comp_sc)
+            saved.comp_state_kv, saved.comp_state_score = f32(layer.comp_state_kv), f32(layer.comp_state_score)
         if cfg.has_indexer(il):
             saved.index = f32(layer.index)[: T // R]
-            saved.index_state_kv, saved.index_state_score = f32(layer.index_kv), f32(layer.index_sc)
+            saved.index_state_kv, saved.index_state_score = f32(layer.index_state_kv), f32(layer.index_state_score)
         layers.append(saved)
     return Payload(ctx=geo.ctx, prefill_cap=geo.chunk, raw_cap=geo.raw_cap, raw_window=geo.window,
                    comp_cap=geo.comp_cap, tokens=np.asarray(tokens, dtype=np.uint32),
@@ -136,15 +133,15 @@ def payload_to_state(cfg: ModelConfig, backend, payload: Payload, geometry: Geom
     layers = []
     for layer, saved in zip(empty.layers, payload.layers):
         arrays = {name: backend.to_numpy(getattr(layer, name)).copy() if getattr(layer, name) is not None else None
-                  for name in ("raw", "comp", "comp_kv", "comp_sc", "index", "index_kv", "index_sc")}
+                  for name in LAYER_FIELDS}
         live = saved.raw.shape[0]
         arrays["raw"][np.arange(T - live, T) % geometry.raw_cap] = saved.raw
         if saved.comp is not None:
             arrays["comp"][: len(saved.comp)] = saved.comp
         if saved.index is not None:
             arrays["index"][: len(saved.index)] = saved.index
-        for ours, theirs in _STATE_FIELDS:
-            if getattr(saved, theirs) is not None:
-                arrays[ours] = getattr(saved, theirs)
+        for name in ("comp_state_kv", "comp_state_score", "index_state_kv", "index_state_score"):
+            if getattr(saved, name) is not None:
+                arrays[name] = getattr(saved, name)
         layers.append(LayerState(**{k: None if v is None else backend.asarray(v) for k, v in arrays.items()}))
     return KVState(tuple(layers), T, geometry)

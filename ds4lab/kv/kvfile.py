@@ -58,11 +58,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .layout import LAYER_FIELDS, ROW_FIELDS
 from .payload import (
     HEADER_BYTES,
-    LAYER_FIELDS,
     Q8_PAYLOAD_VERSION,
-    ROW_FIELDS,
     VERSION,
     ArrayAt,
     PayloadError,

@@ -39,19 +39,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import FLASH, ds4_ratio
+from .layout import (
+    LAYER_FIELDS,
+    ROW_FIELDS,
+    expected_row_counts,
+    graph_caps,
+    layer_comp_cap,
+    layer_state_shapes,
+    raw_live_rows,
+)
 
 MAGIC = 0x34565344  # "DSV4" little-endian
 VERSION = 1
 HEADER_FIELDS = 13
 HEADER_BYTES = 4 * HEADER_FIELDS
 Q8_PAYLOAD_VERSION = 0x100 | VERSION  # ds4lab's payload with 8-bit KV rows (KVC ext bit 4); ds4 refuses it
-RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
-# Initial value of the *_state_score tensors; kv states start at 0 (docs/FORMATS.md, "The DSV4 session payload").
-STATE_SCORE_INIT = -1e30
 
-# The seven per-layer arrays in file order.
-LAYER_FIELDS = ("raw", "comp", "comp_state_kv", "comp_state_score", "index", "index_state_kv", "index_state_score")
-ROW_FIELDS = ("raw", "comp", "index")  # the KV rows; the other LAYER_FIELDS are the pending compressor states
 
 _U32_MAX = 0xFFFFFFFF
 _HEADER_NAMES = ("magic", "version", "ctx", "prefill_cap", "raw_cap", "raw_window", "comp_cap", "n_tokens",
@@ -111,67 +114,6 @@ class Payload:
 
 
 # -- sizes and shapes ---------------------------------------------------------------------------------
-
-def raw_live_rows(n_tokens: int, raw_window: int, raw_cap: int | None = None) -> int:
-    rows = raw_window
-    if raw_cap is not None:
-        rows = min(rows, raw_cap)
-    return min(rows, n_tokens)
-
-
-def graph_caps(cfg, ctx: int, prefill_cap: int) -> tuple[int, int, int]:
-    """``(raw_cap, raw_window, comp_cap)`` of a graph session (ds4.c:13946-13977, 8697-8718).
-
-    raw_window = min(swa, ctx); raw_cap = min(align_up(min(raw_window + prefill_cap, ctx), 256), 8192),
-    at least raw_window and at most ctx; comp_cap = ctx / smallest nonzero ratio + 2.
-    """
-    ctx = max(int(ctx), 1)
-    raw_window = max(min(cfg.swa, ctx), 1)
-    wanted = max(min(raw_window + max(int(prefill_cap), 1), ctx), 1)
-    wanted = min((wanted + 255) // 256 * 256, RAW_CAP_MAX)
-    raw_cap = min(max(wanted, raw_window), ctx)
-    return raw_cap, raw_window, comp_cap_for(cfg, ctx)
-
-
-def comp_cap_for(cfg, ctx: int) -> int:
-    """The session-wide compressed capacity ``comp_cap`` (ds4.c:8711-8718): ctx / min nonzero ratio + 2."""
-    ratios = [cfg.ratio(il) for il in range(cfg.n_layer) if cfg.ratio(il)]
-    min_ratio = min(ratios) if ratios else max(ctx, 1)
-    return max(ctx // min_ratio + 2, 2)
-
-
-def layer_comp_cap(cfg, il: int, ctx: int) -> int:
-    """Rows one layer can hold (``layer_comp_cap``, ds4.c:8719-8726): ctx / ratio + 2, or 0 for ratio 0."""
-    R = cfg.ratio(il)
-    return max(ctx // R + 2, 2) if R else 0
-
-
-def expected_row_counts(cfg, il: int, n_tokens: int) -> tuple[int, int]:
-    """``(n_comp, n_index)`` after ``n_tokens`` tokens: ⌊T/R⌋ compressed rows, ⌊T/4⌋ indexer rows on ratio 4."""
-    R = cfg.ratio(il)
-    n_comp = n_tokens // R if R else 0
-    n_index = n_tokens // R if cfg.has_indexer(il) else 0
-    return n_comp, n_index
-
-
-def layer_state_shapes(cfg, il: int, n_tokens: int, raw_live: int) -> dict[str, tuple[int, int] | None]:
-    """The shape of each of :data:`LAYER_FIELDS` for layer ``il`` (``None`` where the layer has none).
-
-    State shapes follow ``layer_attn_state_bytes``/``layer_index_state_bytes`` (ds4.c:15836-15844).
-    """
-    R = cfg.ratio(il)
-    n_comp, n_index = expected_row_counts(cfg, il, n_tokens)
-    coff = 2 if R == 4 else 1
-    shapes: dict[str, tuple[int, int] | None] = dict.fromkeys(LAYER_FIELDS)
-    shapes["raw"] = (raw_live, cfg.head_dim)
-    if R:
-        shapes["comp"] = (n_comp, cfg.head_dim)
-        shapes["comp_state_kv"] = shapes["comp_state_score"] = (coff * R, cfg.compressor_width(il, cfg.head_dim))
-    if cfg.has_indexer(il):
-        shapes["index"] = (n_index, cfg.idx_dim)
-        shapes["index_state_kv"] = shapes["index_state_score"] = (coff * R, cfg.compressor_width(il, cfg.idx_dim))
-    return shapes
-
 
 def payload_nbytes(cfg, n_tokens: int, raw_window: int | None = None, raw_cap: int | None = None) -> int:
     """Serialized size of a checkpoint of ``n_tokens`` tokens, from the config alone

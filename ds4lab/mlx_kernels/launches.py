@@ -9,8 +9,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..model.compressor import coff
-from ..model.moe import ROUTER_SUM_FLOOR
+from ..arch import ROUTER_SUM_FLOOR, coff
 from ..quants import iq2xxs_tables, row_bytes
 from . import specs as S
 

@@ -36,8 +36,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..model.compressor import coff, n_blocks
-from ..model.functional import NEG_INF
+from ..arch import NEG_INF, coff, n_blocks
 from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",

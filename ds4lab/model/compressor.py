@@ -20,22 +20,8 @@ pooled, and the caller keeps only the windows that completed inside the chunk.
 
 from __future__ import annotations
 
-from .functional import NEG_INF, softmax
-
-
-def coff(ratio: int) -> int:
-    return 2 if ratio == 4 else 1
-
-
-def initial_state(backend, ratio: int, width: int):
-    xp = backend.xp
-    rows = coff(ratio) * ratio
-    return xp.zeros((rows, width), dtype=backend.dtype), xp.full((rows, width), NEG_INF, dtype=backend.dtype)
-
-
-def n_blocks(ratio: int, chunk: int) -> int:
-    """Windows on the timeline of a chunk: the state's windows plus every window the chunk can touch."""
-    return coff(ratio) + chunk // ratio + 1
+from ..arch import NEG_INF, coff, n_blocks
+from .functional import softmax
 
 
 def add_ape(xp, gate, ape, pos0):

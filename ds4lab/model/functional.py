@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-NEG_INF = -1e30  # ds4's "minus infinity" for masked compressor candidates
-
 
 def rmsnorm(xp, x, eps: float, weight=None):
     """x · 1/sqrt(mean(x²) + eps) over the last axis, times ``weight`` when given."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arch import ROUTER_SUM_FLOOR
 from .functional import silu, softplus
-
-ROUTER_SUM_FLOOR = 2.0 ** -14
 
 
 def router_probs(xp, logits):

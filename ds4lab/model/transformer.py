@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
+from ..kv.layout import KVState, LayerState, PackedLayers
 from ..tiers import NO_TIERS, TierRun
 from .attention import grouped_output, grouped_output_gathered
 from .compressor import coff, n_blocks
@@ -29,7 +30,6 @@ from .functional import rmsnorm
 from .hc import hc_head
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk
 from .rope import RopeParams
-from .state import KVState, LayerState, PackedLayers
 from .weights import Weights
 
 NUMERICS = ("ds4", "exact")
@@ -314,13 +314,14 @@ class Transformer:
         if R:
             # Rows of windows that end inside the chunk are written before the chunk's attention.
             comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", of_a, pos0, n_valid, windows,
-                                                    st.comp, st.comp_kv, st.comp_sc, self.store_kv)
-            new = LayerState(raw=raw, comp=comp, comp_kv=comp_kv, comp_sc=comp_sc)
+                                                    st.comp, st.comp_state_kv, st.comp_state_score, self.store_kv)
+            new = LayerState(raw=raw, comp=comp, comp_state_kv=comp_kv, comp_state_score=comp_sc)
             n_vis, comp_visible = self.backend.compressed_visible(pos0, n_valid, C, comp.shape[0], R)
             comp_candidates = comp_visible
             if cfg.has_indexer(il):
-                index, index_kv, index_sc = self._compress(il, "indexer_compressor", of_a, pos0, n_valid, windows,
-                                                           st.index, st.index_kv, st.index_sc, self.store_index)
+                index, index_kv, index_sc = self._compress(
+                    il, "indexer_compressor", of_a, pos0, n_valid, windows, st.index, st.index_state_kv,
+                    st.index_state_score, self.store_index)
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
                 if self._indexer_selects(st):
                     score = self._indexer_scores(il, qr, of_a[p + "indexer.proj.weight"], cos, sin, index)

@@ -14,11 +14,17 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from ..arch import NEG_INF, coff
 from ..config import ModelConfig
-from ..kv.payload import RAW_CAP_MAX, graph_caps, layer_comp_cap
-from .compressor import initial_state
 
 DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA
+RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
+# Initial value of the *_state_score arrays; kv states start at 0 (docs/FORMATS.md, "The DSV4 session payload").
+STATE_SCORE_INIT = NEG_INF
+
+# A layer's seven arrays, in the order the DSV4 payload stores them; the same names in LayerState and LayerPayload.
+LAYER_FIELDS = ("raw", "comp", "comp_state_kv", "comp_state_score", "index", "index_state_kv", "index_state_score")
+ROW_FIELDS = ("raw", "comp", "index")  # the KV rows; the other LAYER_FIELDS are the pending compressor states
 
 
 @dataclass(frozen=True)
@@ -82,15 +88,84 @@ def raw_cap_from_env() -> int | None:
     return env_int("DS4_METAL_GRAPH_RAW_CAP")
 
 
+def pending_state(backend, ratio: int, width: int):
+    """A compressor's pending state before any token: ``coff·R`` rows of kv 0 and score −1e30."""
+    xp, rows = backend.xp, coff(ratio) * ratio
+    return (xp.zeros((rows, width), dtype=backend.dtype),
+            xp.full((rows, width), STATE_SCORE_INIT, dtype=backend.dtype))
+
+
+# -- sizes and shapes (docs/FORMATS.md, "The DSV4 session payload") ----------------------------------
+
+def raw_live_rows(n_tokens: int, raw_window: int, raw_cap: int | None = None) -> int:
+    rows = raw_window
+    if raw_cap is not None:
+        rows = min(rows, raw_cap)
+    return min(rows, n_tokens)
+
+
+def graph_caps(cfg, ctx: int, prefill_cap: int) -> tuple[int, int, int]:
+    """``(raw_cap, raw_window, comp_cap)`` of a graph session (ds4.c:13946-13977, 8697-8718).
+
+    raw_window = min(swa, ctx); raw_cap = min(align_up(min(raw_window + prefill_cap, ctx), 256), 8192),
+    at least raw_window and at most ctx; comp_cap = ctx / smallest nonzero ratio + 2.
+    """
+    ctx = max(int(ctx), 1)
+    raw_window = max(min(cfg.swa, ctx), 1)
+    wanted = max(min(raw_window + max(int(prefill_cap), 1), ctx), 1)
+    wanted = min((wanted + 255) // 256 * 256, RAW_CAP_MAX)
+    raw_cap = min(max(wanted, raw_window), ctx)
+    return raw_cap, raw_window, comp_cap_for(cfg, ctx)
+
+
+def comp_cap_for(cfg, ctx: int) -> int:
+    """The session-wide compressed capacity ``comp_cap`` (ds4.c:8711-8718): ctx / min nonzero ratio + 2."""
+    ratios = [cfg.ratio(il) for il in range(cfg.n_layer) if cfg.ratio(il)]
+    min_ratio = min(ratios) if ratios else max(ctx, 1)
+    return max(ctx // min_ratio + 2, 2)
+
+
+def layer_comp_cap(cfg, il: int, ctx: int) -> int:
+    """Rows one layer can hold (``layer_comp_cap``, ds4.c:8719-8726): ctx / ratio + 2, or 0 for ratio 0."""
+    R = cfg.ratio(il)
+    return max(ctx // R + 2, 2) if R else 0
+
+
+def expected_row_counts(cfg, il: int, n_tokens: int) -> tuple[int, int]:
+    """``(n_comp, n_index)`` after ``n_tokens`` tokens: ⌊T/R⌋ compressed rows, ⌊T/4⌋ indexer rows on ratio 4."""
+    R = cfg.ratio(il)
+    n_comp = n_tokens // R if R else 0
+    n_index = n_tokens // R if cfg.has_indexer(il) else 0
+    return n_comp, n_index
+
+
+def layer_state_shapes(cfg, il: int, n_tokens: int, raw_live: int) -> dict[str, tuple[int, int] | None]:
+    """The shape of each of :data:`LAYER_FIELDS` for layer ``il`` (``None`` where the layer has none).
+
+    State shapes follow ``layer_attn_state_bytes``/``layer_index_state_bytes`` (ds4.c:15836-15844).
+    """
+    R = cfg.ratio(il)
+    n_comp, n_index = expected_row_counts(cfg, il, n_tokens)
+    shapes: dict[str, tuple[int, int] | None] = dict.fromkeys(LAYER_FIELDS)
+    shapes["raw"] = (raw_live, cfg.head_dim)
+    if R:
+        shapes["comp"] = (n_comp, cfg.head_dim)
+        shapes["comp_state_kv"] = shapes["comp_state_score"] = (coff(R) * R, cfg.compressor_width(il, cfg.head_dim))
+    if cfg.has_indexer(il):
+        shapes["index"] = (n_index, cfg.idx_dim)
+        shapes["index_state_kv"] = shapes["index_state_score"] = (coff(R) * R, cfg.compressor_width(il, cfg.idx_dim))
+    return shapes
+
+
 @dataclass(frozen=True)
 class LayerState:
     raw: object  # [raw_cap, head_dim] ring
     comp: object | None = None  # [ctx/R + 2, head_dim]
-    comp_kv: object | None = None  # [coff·R, coff·head_dim] pending kv
-    comp_sc: object | None = None  # [coff·R, coff·head_dim] pending scores (gate + APE)
+    comp_state_kv: object | None = None  # [coff·R, coff·head_dim] pending kv
+    comp_state_score: object | None = None  # [coff·R, coff·head_dim] pending scores (gate + APE)
     index: object | None = None  # [ctx/4 + 2, idx_dim]
-    index_kv: object | None = None  # [8, 2·idx_dim]
-    index_sc: object | None = None
+    index_state_kv: object | None = None  # [8, 2·idx_dim]
+    index_state_score: object | None = None
 
     def arrays(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -145,12 +220,14 @@ def new_state(cfg: ModelConfig, backend, geometry: Geometry) -> KVState:
         R = cfg.ratio(il)
         layer = LayerState(raw=xp.zeros((geometry.raw_cap, cfg.head_dim), dtype=dt))
         if R:
-            kv, sc = initial_state(backend, R, cfg.compressor_width(il, cfg.head_dim))
+            kv, sc = pending_state(backend, R, cfg.compressor_width(il, cfg.head_dim))
             rows = layer_comp_cap(cfg, il, geometry.ctx)
-            layer = replace(layer, comp=xp.zeros((rows, cfg.head_dim), dtype=dt), comp_kv=kv, comp_sc=sc)
+            layer = replace(layer, comp=xp.zeros((rows, cfg.head_dim), dtype=dt), comp_state_kv=kv,
+                            comp_state_score=sc)
         if cfg.has_indexer(il):
-            kv, sc = initial_state(backend, R, cfg.compressor_width(il, cfg.idx_dim))
+            kv, sc = pending_state(backend, R, cfg.compressor_width(il, cfg.idx_dim))
             rows = layer_comp_cap(cfg, il, geometry.ctx)
-            layer = replace(layer, index=xp.zeros((rows, cfg.idx_dim), dtype=dt), index_kv=kv, index_sc=sc)
+            layer = replace(layer, index=xp.zeros((rows, cfg.idx_dim), dtype=dt), index_state_kv=kv,
+                            index_state_score=sc)
         layers.append(layer)
     return KVState(tuple(layers), 0, geometry)
