@@ -193,7 +193,7 @@ class Session:
         return payload_nbytes(self.model.config, len(self.tokens), self.geometry.window, self.geometry.raw_cap)
 
     # -- prefill and sync -----------------------------------------------------------------------------
-    def _ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
         """The prompt's token ids, checked before anything touches the session: integers, each in
         ``[0, n_vocab)`` (a ValueError names the first bad one and its position), fewer than ``ctx``."""
         if not isinstance(prompt, str):
@@ -207,7 +207,7 @@ class Session:
     def prefill(self, prompt) -> "Prefill":
         """Prefill ``prompt`` (ids, or text tokenized plain) from the live state if it is a prefix of it,
         otherwise from zero."""
-        ids = self._ids(prompt)
+        ids = self.prompt_ids(prompt)
         if ids[: len(self.tokens)] != self.tokens:
             self._store_evicted()
             self.reset()
@@ -219,7 +219,7 @@ class Session:
         the longest kept checkpoint that is a prefix and extend that; otherwise, with a ``kv_store``, the
         longest stored prefix on disk; otherwise prefill from zero. ``on_chunk(PrefillChunk)`` is called
         after each chunk of a batched prefill (for progress displays)."""
-        ids = self._ids(prompt)
+        ids = self.prompt_ids(prompt)
         source = "live"
         if ids[: len(self.tokens)] != self.tokens or not self.tokens:
             best = max((cp for cp in self.checkpoints if 0 < len(cp) <= len(ids) and list(cp.tokens) == ids[: len(cp)]
@@ -325,7 +325,7 @@ class Prefill:
     def remaining(self) -> int:
         return len(self.ids) - self.position
 
-    def _bounds(self) -> list[tuple[int, int]]:
+    def chunk_bounds(self) -> list[tuple[int, int]]:
         """The chunks still to run: each ends at the next absolute multiple of the chunk size."""
         step, out, pos = self.session.geometry.step, [], self.position
         while pos < len(self.ids):
@@ -336,7 +336,7 @@ class Prefill:
 
     def __len__(self) -> int:
         """Chunks in the whole prefill: those already run and those left."""
-        return len(self.chunks) + len(self._bounds())
+        return len(self.chunks) + len(self.chunk_bounds())
 
     def __iter__(self):
         while self.remaining > 0:
@@ -348,7 +348,7 @@ class Prefill:
             raise RuntimeError("the prefill is complete")
         if self.ids[: self.position] != sess.tokens:
             raise RuntimeError("the session moved on since this prefill was created; start a new one")
-        start, end = self._bounds()[0]
+        start, end = self.chunk_bounds()[0]
         began = time.perf_counter()
         # A compiled step keeps one shape for every chunk (the last one padded and masked); eager
         # backends run each chunk at its own length.

@@ -109,7 +109,7 @@ class GenerationView(_View):
         if prompt is not None:
             if isinstance(prompt, str) and (session.model.is_chat if chat is None else chat):
                 prompt = tok.render_chat([{"role": "user", "content": prompt}])
-            self.prompt_ids = session._ids(prompt)
+            self.prompt_ids = session.prompt_ids(prompt)
         self.decode = session.decoder(**sampling)
         self.steps: list = []
         self.stop_reason: str | None = None  # why the last run ended: "length", "stop", "eos", "ctx", "interrupted"

@@ -65,7 +65,7 @@ class PrefillView(_View):
         self.prefill = session.prefill(prompt)
         self.kv_view = kv_view
         ids = self.prefill.ids
-        bounds = [[s, e] for s, e in self.prefill._bounds()]
+        bounds = [[s, e] for s, e in self.prefill.chunk_bounds()]
         self.model = PrefillModel(
             tokens=token_texts(session.model.tokenizer, ids),
             first=self.prefill.position,
