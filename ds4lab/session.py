@@ -12,6 +12,7 @@ assignment, so an exception or a KeyboardInterrupt leaves the session at its las
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
+from .kv.kvfile import KVFileError
 from .kv.layout import Geometry, KVState, env_int, expected_row_counts, new_state
-from .kv.payload import payload_nbytes
+from .kv.payload import PayloadError, payload_nbytes
+from .kv.store import prompt_text
 from .kv.view import KVView
 from .sampling import (
     DEFAULT_MIN_P,
@@ -229,7 +232,7 @@ class Session:
                 source = "checkpoint"
             else:
                 self._store_evicted()
-                if self.kv_store is not None and self.kv_store.restore_prefix(self, ids):
+                if self._store_restore(ids):
                     source = "disk"
                 else:
                     self.reset()
@@ -255,14 +258,67 @@ class Session:
 
     # -- disk store (ds4-server's policy, docs/FORMATS.md, "KVC files and the KV store"; in ds4lab.kv.store) --
     def _store_step(self) -> None:
-        """After every prefill chunk and decoded token: a "continued" checkpoint at the store's frontiers."""
-        if self.kv_store is not None:
-            self.kv_store.save_continued(self)
+        """After every prefill chunk and decoded token: a "continued" checkpoint whenever the token count is a
+        multiple of the store's continued step (aligned to this session's chunk step unless the store says)."""
+        store = self.kv_store
+        if store is None:
+            return
+        step = store.continued_step(self.geometry.step)
+        if step > 0 and len(self.tokens) % step == 0:
+            store.save(self.snapshot(), self.model, reason="continued")  # none below the store's min_tokens
 
     def _store_evicted(self) -> None:
         """Before a cold prefill or a disk load replaces the live state: save it as "evict"."""
         if self.kv_store is not None and self.tokens:
-            self.kv_store.save(self, reason="evict")
+            self.kv_store.save(self.snapshot(), self.model, reason="evict")
+
+    def _store_restore(self, ids: list[int]) -> bool:
+        """``sync``'s disk path: restore the longest stored prefix of ``ids`` whose token ids are ``ids``' own
+        (the store's :meth:`~ds4lab.kv.store.KVStore.best_prefix`); False when there is none."""
+        store = self.kv_store
+        found = store.best_prefix(ids, self.model, self.geometry) if store is not None else None
+        if found is None:
+            return False
+        entry, cp = found
+        self.restore(cp)
+        store.mark_loaded(entry)
+        return True
+
+    def load(self, entry, prompt=None, *, store=None) -> SyncResult | None:
+        """Restore a stored ``entry`` (a :class:`~ds4lab.kv.store.KVEntry` of ``store``, default this session's
+        ``kv_store``) and, given ``prompt`` (token ids, a string or bytes), prefill only what follows the stored
+        prefix: the stored token ids, then ``prompt``'s own ids after them when they match, otherwise the
+        rendered-chat tokenization of the text after the stored bytes (ds4's rule; docs/FORMATS.md, "KVC files
+        and the KV store"). Returns the :class:`SyncResult` with source "disk", or None, the session untouched,
+        when the file is gone (evicted by another process since the lookup: a miss). A refusal names the file:
+        a ValueError when the entry's text is not a prefix of ``prompt``'s, a :class:`~ds4lab.KVFileError` when
+        the file is damaged, another model's, not restorable here (ds4's loader rules), or its text is not the
+        text of its token ids; the session is unchanged on any refusal."""
+        store = self.kv_store if store is None else store
+        if store is None:
+            raise ValueError("no KV store to load from: pass store= or create the session with kv_store=")
+        model = self.model
+        text = b""
+        if prompt is not None:
+            text = prompt_text(prompt, model.tokenizer)
+            if not entry.prefix_of(text):
+                raise ValueError(f"{entry.path}: its text is not a prefix of the prompt")
+        cp = store.load(entry, model.config, model_fingerprint(model), tokenizer=model.tokenizer)
+        if cp is None:
+            return None
+        try:
+            self.restore(cp)
+        except PayloadError as e:  # made for another session geometry or model
+            raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
+        store.mark_loaded(entry)
+        ids = list(cp.tokens)
+        if prompt is None:
+            suffix = []
+        elif not isinstance(prompt, (str, bytes)) and [int(t) for t in prompt[:len(ids)]] == ids:
+            suffix = [int(t) for t in prompt[len(ids):]]
+        else:
+            suffix = model.tokenizer.encode_rendered(text[entry.text_bytes:].decode("utf-8"))
+        return dataclasses.replace(self.sync(ids + suffix), source="disk")
 
     # -- generation -----------------------------------------------------------------------------------
     def decoder(self, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K,

@@ -565,7 +565,8 @@ def kv_checkpoints():
         the SHA-1 of its text (the tokens' bytes), written atomically (temporary file, then rename), evicted by
         ds4's score (hits decayed with a half-life, per byte) when the files exceed the budget. Files hold a
         fixed header, the text, the `DSV4` payload and, in ds4lab's files, a CRC-32 trailer. ds4-server stores
-        prompts of at least 512 tokens; ours is shorter, so we lower `min_tokens`.
+        prompts of at least 512 tokens; ours is shorter, so we lower `min_tokens`. `store.save(checkpoint, model)`
+        writes a checkpoint (the model gives the tokenizer that renders its text and the header's quant byte).
         """),
         code("""
         import tempfile
@@ -573,8 +574,7 @@ def kv_checkpoints():
 
         tmp = Path(tempfile.mkdtemp(prefix="ds4lab-kv-"))
         store = ds4lab.KVStore(tmp, budget_mb=64, min_tokens=32)
-        sess.restore(cp)
-        entry = store.save(sess, reason="shutdown")
+        entry = store.save(cp, model, reason="shutdown")
         print(entry.path.name, f"{entry.file_size:,} bytes,", entry.tokens, "tokens")
         """, check=True),
         md("""
@@ -596,7 +596,9 @@ def kv_checkpoints():
         ## Resume from disk
 
         A new session created with `kv_store=store` has no checkpoints in memory; its `sync` finds the longest
-        stored prefix of the prompt on disk, restores it and evaluates only the rest.
+        stored prefix of the prompt on disk, restores it and evaluates only the rest. `sess.load(entry, prompt,
+        store=store)` restores an entry of your choosing instead (one `store.lookup(prompt, model=model)` found, say)
+        and evaluates the rest of the prompt.
         """),
         code("""
         fresh = model.session(ctx=512, prefill_chunk=64, kv_store=store)
@@ -615,7 +617,7 @@ def kv_checkpoints():
         """),
         code("""
         for codec in (None, "q8", "q8+zlib"):
-            e = ds4lab.KVStore(tmp / str(codec), budget_mb=64, min_tokens=32, compression=codec).save(sess)
+            e = ds4lab.KVStore(tmp / str(codec), budget_mb=64, min_tokens=32, compression=codec).save(cp, model)
             print(f"{str(codec):8} {e.file_size:>9,} bytes")
         """),
         code("""

@@ -7,7 +7,7 @@ How it works
 ------------
 * **Seeds** (:func:`prepare`): GGUFs written by ``ds4lab.testing.make_model`` (a tiny config, the same with a
   ``general.alignment`` key, ``NANO`` with ``seed=3`` and, in the long run, the test suite's configs) and the
-  embedded model; ``.kv`` files written by ``KVStore(dir).save(session)`` after a short prefill on
+  embedded model; ``.kv`` files written by ``KVStore(dir).save(session.snapshot(), model)`` after a short prefill on
   backend="numpy" (raw f32 with the CRC trailer, 8-bit rows, zlib, and ds4's own format without a checksum);
   raw payloads from ``session.checkpoint().to_bytes()``.
 * **Layouts** (:func:`gguf_layout`, :func:`kvc_layout`, :func:`payload_layout`): each seed is parsed here,
@@ -28,7 +28,7 @@ How it works
   a time limit; a worker killed by a signal is a crash, one past the limit a hang, and both are respawned.
   A GGUF case runs ``ds4lab inspect`` and ``ds4lab.load(path, backend="numpy")``, then (unless the config and
   every tensor are the seed's) the logits of an 8-token prompt; a ``.kv`` case runs ``ds4lab inspect``,
-  ``KVFile.verify`` and ``KVStore.entries`` + ``load_into`` a fresh session; a payload case
+  ``KVFile.verify`` and ``KVStore.entries`` + ``Session.load`` into a fresh session; a payload case
   ``Checkpoint.from_bytes`` + ``Session.restore``.
 * **Classification** (per case): ``refused`` (ModelFileError / KVFileError / PayloadError; ``named`` when the
   message starts with the file's path and names a key, tensor or field), ``unchanged`` (it loaded and gives
@@ -691,7 +691,8 @@ def prepare(root: Path, long: bool = False) -> list[Seed]:
             codecs = codecs[:1]
         for codec_name, codec, checksum in codecs:
             d = root / f"kv-{model_name}-{codec_name}"
-            entry = ds4lab.KVStore(d, min_tokens=1, checksum=checksum, compression=codec).save(sess)
+            store = ds4lab.KVStore(d, min_tokens=1, checksum=checksum, compression=codec)
+            entry = store.save(sess.snapshot(), sess.model)
             seed = Seed(f"kv-{model_name}-{codec_name}", "kv", str(entry.path), 3 if codec_name == "raw" else 1,
                         str(model_path), ctx, chunk, filename=entry.path.name)
             seed.baseline = str(d.with_suffix(".baseline"))
@@ -752,7 +753,7 @@ def _snapshot(session) -> bytes:
 
 
 def kv_load(model, seed: Seed, case_dir: Path, file_bytes: bytes | None) -> bytes:
-    """The store's way in: list the directory, load the entry into a fresh session (``load_into``)."""
+    """The store's way in: list the directory, load the entry into a fresh session (``Session.load``)."""
     import warnings
 
     import ds4lab
@@ -764,7 +765,7 @@ def kv_load(model, seed: Seed, case_dir: Path, file_bytes: bytes | None) -> byte
         store = ds4lab.KVStore(case_dir, min_tokens=1)
         entry = next(e for e in store.entries() if e.path.name == seed.filename)
         session = model.session(ctx=seed.ctx, prefill_chunk=seed.chunk)
-        store.load_into(session, entry)
+        session.load(entry, store=store)
     return _snapshot(session)
 
 
@@ -932,7 +933,7 @@ class Worker:
                     return _result("refused", "scan", message=text or "(skipped without a warning)",
                                    error="KVStoreWarning", named=named)
                 session = self.session(model, seed, m)
-                store.load_into(session, entries[0])
+                session.load(entries[0], store=store)
         except (KVFileError, PayloadError) as e:
             return _result("refused", "load", e, named=_named(str(e), str(path), e.field, "kv"),
                            exact=not hit.owner or hit.owner in str(e))

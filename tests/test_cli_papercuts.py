@@ -207,7 +207,7 @@ def test_kv_summary_says_what_the_quant_byte_means_and_escapes_the_text_once(mod
     sess.sync(model.tokenizer.encode(text))
     # the embedded model's routed experts are Q8_0: ds4 (and KVStore) write quant byte 2 for them
     assert model.file.tensors["blk.0.ffn_gate_exps.weight"].qtype.name == "Q8_0" and routed_quant_bits(model) == 2
-    entry = ds4lab.KVStore(tmp_path, min_tokens=1).save(sess)
+    entry = ds4lab.KVStore(tmp_path, min_tokens=1).save(sess.snapshot(), sess.model)
     proc = ds4lab_cmd("inspect", entry.path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

@@ -68,7 +68,8 @@ REGRESSIONS = {
     # (checksum) clear, the 8 trailer bytes pass as a tool map and nothing is verified
     "kv-ext-flags-checksum-off": ("kv-tiny-raw", Mutation("set", "kvc.ext", 0, 1)),
     "kv-ext-flags-3": ("kv-embedded-raw", Mutation("set", "kvc.ext", 0, 3)),
-    # crash: load_into rewrites the header with hits + 1, which does not fit a u32 (struct.error)
+    # crash: a load (KVStore.load_into, now Session.load) rewrote the header with hits + 1, which does not fit a
+    # u32 (struct.error)
     "kv-hits-max": ("kv-tiny-raw", Mutation("set", "kvc.hits", 0, 2**32 - 1)),
     # crash: `ds4lab inspect` (KVFile.summary) formats created / last_used with time.localtime (OSError, OverflowError)
     "kv-created-2^62": ("kv-tiny-raw", Mutation("set", "kvc.created", 0, 2**62)),
@@ -89,7 +90,7 @@ REGRESSIONS = {
     "kv-logit-nan-ds4": ("kv-tiny-ds4", Mutation("set", "payload.logits", 0, float("nan"))),
     "kv-q8-scale-nan-recrc": ("kv-tiny-q8", Mutation("set", "payload.layer[1].index.scale", 0, float("nan"),
                                                     recrc=True)),
-    # refused without naming the file: KVStore.load_into lets the session's PayloadError through without the path
+    # refused without naming the file: KVStore.load_into (now Session.load) let the session's PayloadError through
     "kv-other-chunk": ("kv-tiny-raw", Mutation("other-session", "", 0, (256, 32))),
     "kv-prefill-cap-recrc": ("kv-tiny-raw", Mutation("set", "payload.prefill_cap", 0, 32, recrc=True)),
 }

@@ -113,7 +113,7 @@ def test_counters_outside_the_checksum_never_crash(emb, tmp_path):
     store = KVStore(tmp_path, min_tokens=16)
     s = emb.session(ctx=64, prefill_chunk=16)
     s.sync(IDS[:40])
-    entry = store.save(s)
+    entry = store.save(s.snapshot(), s.model)
     for hits in (U32_MAX, U32_MAX - 1, 2**31, 0):
         for last_used in (U64_MAX, 2**63, 2**62, 0):
             with open(entry.path, "r+b") as f:
@@ -152,7 +152,8 @@ def test_a_full_context_is_saved_and_loaded(emb, tmp_path):
     cp = store.load(entry, emb.config)
     assert len(cp) == 64 and entry.path.exists()  # loaded, not refused and deleted
     assert len(ds4lab.Checkpoint.from_bytes(full.to_bytes(), emb.config)) == 64
-    assert store.save(s, reason="shutdown").path == entry.path  # kept: a compatible file for the same text
+    # kept: a compatible file for the same text
+    assert store.save(s.snapshot(), s.model, reason="shutdown").path == entry.path
 
     nxt = int(np.argmax(s.logits))
     bigger = emb.session(ctx=128, prefill_chunk=16, kv_store=store)
@@ -235,7 +236,7 @@ def test_a_store_shared_by_two_models_of_one_config_serves_each_its_own(twins, t
     store = KVStore(tmp_path, min_tokens=16)
     sa = a.session(ctx=64, prefill_chunk=16)
     sa.sync(IDS[:40])
-    entry = store.save(sa)
+    entry = store.save(sa.snapshot(), sa.model)
     kf = KVFile.open(entry.path, a.config)
     kf.verify()
     assert kf.fingerprint == entry.fingerprint == a.file.fingerprint
@@ -417,7 +418,7 @@ def test_a_store_refusal_names_the_file_and_the_field(emb, tmp_path):
     store = KVStore(tmp_path, min_tokens=16)
     s = emb.session(ctx=64, prefill_chunk=16)
     s.sync(IDS[:40])
-    entry = store.save(s)
+    entry = store.save(s.snapshot(), s.model)
     other = emb.session(ctx=64, prefill_chunk=8, kv_store=store)  # ds4's rule: another chunk cannot load it
     with pytest.warns(KVStoreWarning) as seen:
         assert other.sync(IDS[:41]).source == "cold"
@@ -432,7 +433,7 @@ def test_an_entry_removed_between_lookup_and_load_is_a_miss(emb, tmp_path):
     store = KVStore(tmp_path, min_tokens=16)
     s = emb.session(ctx=64, prefill_chunk=16)
     s.sync(IDS[:40])
-    store.save(s)
+    store.save(s.snapshot(), s.model)
     entry = store.lookup(IDS[:45], model=emb)
     os.unlink(entry.path)  # another process evicted it
     with warnings.catch_warnings():
@@ -440,7 +441,7 @@ def test_an_entry_removed_between_lookup_and_load_is_a_miss(emb, tmp_path):
         assert store.load(entry, emb.config) is None
         t = emb.session(ctx=64, prefill_chunk=16)
         t.sync(IDS[:10])
-        assert store.load_into(t, entry, IDS[:45]) is None
+        assert t.load(entry, IDS[:45], store=store) is None
     assert t.tokens == IDS[:10]
 
 
@@ -504,7 +505,7 @@ def test_a_zlib_bomb_is_refused_by_its_header_before_it_is_unpacked(tmp_path):
     model = ds4lab.load(backend="numpy")
     sess = model.session(ctx=128, prefill_chunk=64)
     sess.sync(list(range(40)))
-    entry = ds4lab.KVStore(tmp_path / "store", min_tokens=1, compression="zlib").save(sess)
+    entry = ds4lab.KVStore(tmp_path / "store", min_tokens=1, compression="zlib").save(sess.snapshot(), model)
     good = entry.path.read_bytes()
     (payload_bytes,), (text_bytes,) = struct.unpack_from("<Q", good, 40), struct.unpack_from("<I", good, 48)
     start = 52 + text_bytes

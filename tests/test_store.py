@@ -118,7 +118,7 @@ def test_kvc_file_is_ds4s_layout(live, tmp_path):
     payload = dsv4(s)
     for checksum in (False, True):
         store = KVStore(tmp_path / str(checksum), min_tokens=64, checksum=checksum)
-        entry = store.save(s, reason="continued")
+        entry = store.save(s.snapshot(), s.model, reason="continued")
         data = entry.path.read_bytes()
         assert entry.path.name == hashlib.sha1(text).hexdigest() + ".kv"
         created, last_used = struct.unpack_from("<QQ", data, 24)
@@ -335,17 +335,17 @@ def test_load_into_keeps_stored_ids_and_tokenizes_the_text_suffix(nano_mlx, tmp_
     store = KVStore(tmp_path, min_tokens=16)
     s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
     s.prefill(ids[:40]).run(progress=False)
-    stored = store.save(s)
+    stored = store.save(s.snapshot(), s.model)
     prompt = text + "<｜User｜>more"
     entry = store.lookup(prompt, model=nano_mlx)
     assert entry.path == stored.path
     t = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
-    r = store.load_into(t, entry, prompt)
+    r = t.load(entry, prompt, store=store)
     suffix = tok.encode_rendered(prompt.encode()[entry.text_bytes:].decode())
     assert t.tokens == ids[:40] + suffix and tok.user_id in suffix
     assert (r.source, r.reused, r.evaluated) == ("disk", 40, len(suffix))
     with pytest.raises(ValueError, match="not a prefix"):
-        store.load_into(t, entry, "something else entirely")
+        t.load(entry, "something else entirely", store=store)
 
 
 def _load_in_a_new_process(model_path, store_dir, out):
@@ -363,7 +363,7 @@ def _load_in_a_new_process(model_path, store_dir, out):
 def test_round_trip_through_a_new_process_is_exact(live, model_paths, tmp_path):
     s, _ = live
     store = KVStore(tmp_path, min_tokens=64, continued_interval=128)
-    store.save(s, reason="shutdown")
+    store.save(s.snapshot(), s.model, reason="shutdown")
     at200 = dsv4(s)
     ref = s.model.session(ctx=CTX, prefill_chunk=CHUNK)
     ref.restore(s.checkpoint())
@@ -385,9 +385,9 @@ COMPRESSIONS = ["q8", "zlib", "q8+zlib"] + (["zstd"] if zstandard is not None el
 @pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_compressed_payloads(compression, trained_live, tmp_path):
     s, steps = trained_live
-    raw = KVStore(tmp_path / "raw", min_tokens=64).save(s)
+    raw = KVStore(tmp_path / "raw", min_tokens=64).save(s.snapshot(), s.model)
     store = KVStore(tmp_path / "c", min_tokens=64, compression=compression)
-    entry = store.save(s)
+    entry = store.save(s.snapshot(), s.model)
     data = entry.path.read_bytes()
     q8 = compression.startswith("q8")
     codec_bits = (16 if q8 else 0) | (32 if "zlib" in compression else 0) | (64 if "zstd" in compression else 0)

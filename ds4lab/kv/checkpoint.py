@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from .layout import LAYER_FIELDS, Geometry, KVState, LayerState, new_state
-from .payload import LayerPayload, Payload, PayloadError, decode_payload, encode_payload
+from .payload import LayerPayload, Payload, PayloadError, decode_payload, encode_payload, parse_layout, payload_header
 
 
 def model_fingerprint(model) -> str | None:
@@ -51,6 +51,11 @@ class Checkpoint:
         kind = "live" if self.state is not None else "payload"
         return f"Checkpoint({len(self.tokens)} tokens, {kind})"
 
+    @property
+    def ctx(self) -> int:
+        """The context of the session it was taken in (a payload's ``ctx``)."""
+        return self.state.geometry.ctx if self.state is not None else payload_header(self.data)["ctx"]
+
     def to_bytes(self) -> bytes:
         """ds4's ``DSV4`` payload of this checkpoint (a payload checkpoint's own bytes)."""
         if self.data is not None:
@@ -80,6 +85,16 @@ class Checkpoint:
             raise PayloadError(f"KV checkpoint was written by another model: its model fingerprint is "
                                f"{self.fingerprint}, this model's is {fingerprint}", "model fingerprint",
                                self.fingerprint, fingerprint)
+
+    def check_fits(self, config: ModelConfig, geometry: Geometry, fingerprint: str | None = None) -> None:
+        """Refuse, as :meth:`state_for` would, a checkpoint that cannot be restored into a session of ``geometry``
+        on ``config`` whose model file has ``fingerprint`` (:class:`PayloadError` naming the field): another model
+        (:meth:`check_model`), then ds4's loader rules (same chunk, a context at least as large, ...), checked on
+        the payload's header and row counts without building a state."""
+        self.check_model(config, fingerprint)
+        if self.state is not None and self.state.geometry == geometry:
+            return
+        parse_layout(self.to_bytes(), config, ctx=geometry.ctx, prefill_cap=geometry.chunk)
 
     def state_for(self, config: ModelConfig, backend, geometry: Geometry, fingerprint: str | None = None) -> KVState:
         """The state to restore into a session of ``geometry`` on (``config``, ``backend``) whose model file has

@@ -10,10 +10,16 @@ more than ``cold_max_tokens`` (the live session will store it again). Eviction r
 files fit the budget; the file just written is protected. (All as docs/FORMATS.md, "KVC files and the KV store",
 describes it.)
 
-Sessions created with ``kv_store=store`` save "continued" checkpoints when the live token count reaches a
-multiple of ``ceil(continued_interval / align) · align`` (align defaults to the session's chunk step, as
-ds4's 2048 is its chunk), save the live state as "evict" before a cold prefill or a disk load replaces it,
-and look here in ``sync`` when no in-memory checkpoint is a prefix (ds4-server's policy, the same section).
+The store deals in checkpoints (:class:`~.checkpoint.Checkpoint`), their token ids and text, and entries; it
+never sees a session. :meth:`KVStore.save` stores a checkpoint, :meth:`KVStore.best_prefix` finds the stored
+checkpoint to resume token ids from, :meth:`KVStore.load` reads one entry, :meth:`KVStore.mark_loaded` records a
+restore (hits, or consuming a long file). What it needs of the model (tokenizer, routed quant bits, config,
+fingerprint) is passed in, or comes from the checkpoint (tokens, context, fingerprint). Sessions created with
+``kv_store=store`` hold ds4-server's policy (docs/FORMATS.md, the same section): they save "continued"
+checkpoints when the live token count reaches a multiple of :meth:`KVStore.continued_step`
+(``ceil(continued_interval / align) · align``, align defaulting to the session's chunk step, as ds4's 2048 is
+its chunk), save the live state as "evict" before a cold prefill or a disk load replaces it, and look here in
+``sync`` when no in-memory checkpoint is a prefix; ``Session.load(entry, prompt)`` restores a chosen entry.
 
 Beyond ds4: writes are fsynced before the rename; files carry a CRC-32 trailer by default; payloads may be
 stored 8-bit and/or zlib/zstd compressed (``compression=``); a damaged file is reported (a
@@ -47,6 +53,8 @@ from .kvfile import (
     CODECS,
     EXT_CHECKSUM,
     EXT_FINGERPRINT,
+    EXT_RESPONSES_VISIBLE,
+    EXT_THINKING_VISIBLE,
     PREFIX_BYTES,
     KVFile,
     KVFileError,
@@ -59,6 +67,7 @@ from .kvfile import (
     reason_code,
 )
 from .kvfile import checksum as file_checksum
+from .layout import Geometry
 from .payload import PayloadError
 
 DEFAULT_BUDGET_MB = 4096  # DS4_KVSTORE_DEFAULT_MB
@@ -71,7 +80,9 @@ DEFAULT_CONTINUED_INTERVAL = 10000
 _NAME = re.compile(r"([0-9a-fA-F]{40})\.kv")
 _TMP = re.compile(r"[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)")
 _LAYOUT_FIELDS = frozenset({"n_layer", "head_dim", "indexer_head_dim", "vocab"})  # another model's file
-_KEEP_FIELDS = _LAYOUT_FIELDS | {"model fingerprint", "file type"}  # refused but not damaged: left alone
+# refused but not damaged: left alone ("token text": ids another tokenizer renders differently)
+_KEEP_FIELDS = _LAYOUT_FIELDS | {"model fingerprint", "file type", "token text"}
+_VISIBLE_TEXT = EXT_RESPONSES_VISIBLE | EXT_THINKING_VISIBLE  # ds4's key is visible transcript, not token text
 _U32_MAX = 0xFFFFFFFF
 
 
@@ -96,6 +107,11 @@ class KVEntry:
     @property
     def text_bytes(self) -> int:
         return self.header.text_bytes
+
+    def prefix_of(self, text: bytes) -> bool:
+        """Whether this entry's text is a byte prefix of ``text`` (the SHA-1 of its first ``text_bytes`` bytes is
+        the entry's name)."""
+        return self.text_bytes <= len(text) and hashlib.sha1(text[:self.text_bytes]).hexdigest() == self.sha
 
 
 def effective_hits(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_S) -> float:
@@ -128,9 +144,30 @@ def routed_quant_bits(model) -> int:
     return 4 if gate.qtype == GGMLQuantizationType.Q4_K else 2
 
 
-def token_text(model, ids) -> bytes:
+def token_text(tokenizer, ids) -> bytes:
     """The cache text of a token sequence: its tokens' bytes (``ds4_kvstore_render_tokens_text``)."""
-    return b"".join(model.tokenizer.token_bytes(int(t)) for t in ids)
+    return b"".join(tokenizer.token_bytes(int(t)) for t in ids)
+
+
+def prompt_text(prompt, tokenizer=None) -> bytes:
+    """The cache text of a prompt: bytes as they are, a string's UTF-8, token ids rendered with ``tokenizer``."""
+    if isinstance(prompt, bytes):
+        return prompt
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if tokenizer is None:
+        raise ValueError("a prompt of token ids needs model= to render its text")
+    return token_text(tokenizer, prompt)
+
+
+def _check_token_text(path: Path, stored: bytes, rendered: bytes, n_tokens: int) -> None:
+    """Refuse a file whose text is not the text of its token ids (:class:`KVFileError`, field "token text")."""
+    if stored == rendered:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(stored, rendered)) if a != b), min(len(stored), len(rendered)))
+    raise KVFileError(path, "token text", f"{len(stored)} bytes", f"the {len(rendered)} bytes of its token ids",
+                      f"token text: the file's text ({len(stored)} bytes) is not the text of its {n_tokens} token "
+                      f"ids ({len(rendered)} bytes with this model's tokenizer), first differing at byte {at}")
 
 
 @dataclass(frozen=True)
@@ -139,7 +176,7 @@ class KVStoreStats:
     bytes: int
     budget_bytes: int
     lookups: int  # requests that looked in the store
-    hits: int  # requests that found (lookup) or loaded (session sync) an entry
+    hits: int  # requests that found an entry (lookup, best_prefix: a session's sync)
     request_hit_rate: float  # hits / lookups
     query_tokens: int  # prompt tokens of the lookups whose length in tokens is known
     hit_tokens: int  # tokens those lookups found stored (vLLM's and llama.cpp's prefix-cache count)
@@ -271,39 +308,40 @@ class KVStore:
         return evicted
 
     # -- writing --------------------------------------------------------------------------------------
-    def save(self, session, reason: str = "shutdown") -> KVEntry | None:
-        """Store the session's live state under the text of its tokens. Returns the entry (a compatible file
-        already stored for that text is kept as it is), or None: below ``min_tokens`` or without logits (ds4's
-        policy, silently), over the budget or on a write error (a :class:`KVStoreWarning` says why)."""
+    def continued_step(self, chunk_step: int) -> int:
+        """ds4-server's spacing of "continued" checkpoints: ``⌈continued_interval / align⌉ · align`` tokens,
+        ``align`` defaulting to ``chunk_step`` (the session's chunk step, as ds4's 2048 is its chunk); 0 when
+        ``continued_interval`` is 0 (none). A session stores one whenever its token count is a multiple of it
+        (``ds4_kvstore_continued_store_target``, ds4_kvstore.c:684-702)."""
+        align = self.align or chunk_step
+        return -(-self.continued_interval // align) * align if self.continued_interval > 0 else 0
+
+    def save(self, checkpoint: Checkpoint, model, reason: str = "shutdown") -> KVEntry | None:
+        """Store ``checkpoint`` (e.g. ``Session.snapshot()``) of ``model`` under the text of its tokens (rendered
+        with ``model``'s tokenizer), in the store's codec, with ``model``'s routed quant byte, the checkpoint's
+        context and model fingerprint. Returns the entry (a compatible file already stored for that text is kept
+        as it is), or None: below ``min_tokens`` or without logits (ds4's policy, silently), over the budget or
+        on a write error (a :class:`KVStoreWarning` says why)."""
         reason_code(reason)
-        if len(session.tokens) < self.min_tokens or session.logits is None:
+        cp = checkpoint
+        if len(cp) < self.min_tokens or cp.logits is None:
             return None
-        model, cp = session.model, session.snapshot()
         try:
             payload = pack_payload(cp.to_bytes(), model.config, self.codec_flags)
         except ValueError as e:  # e.g. a non-finite logit: never write what the loader refuses
             self._counts["write_errors"] += 1
             self._warn(f"KV store did not save {len(cp)} tokens: {e}")
             return None
-        return self.put(token_text(model, session.tokens), payload, tokens=len(cp), ctx=session.ctx,
+        return self.put(token_text(model.tokenizer, cp.tokens), payload, tokens=len(cp), ctx=cp.ctx,
                         quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags,
                         fingerprint=cp.fingerprint)
-
-    def save_continued(self, session) -> KVEntry | None:
-        """ds4-server's "continued" rule: store when the live count is a multiple of the continued step and
-        at least ``min_tokens`` (``ds4_kvstore_continued_store_target``, ds4_kvstore.c:684-702). ds4 also
-        skips counts at or below its last store; here an existing file for the same text is kept instead."""
-        n = len(session.tokens)
-        align = self.align or session.geometry.step
-        step = -(-self.continued_interval // align) * align if self.continued_interval > 0 else 0
-        if step <= 0 or n < self.min_tokens or n % step:
-            return None
-        return self.save(session, "continued")
 
     def put(self, text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int,
             reason: str = "unknown", codec_flags: int = 0, fingerprint: str | None = None) -> KVEntry | None:
         """Write one file atomically: temporary file, fsync, rename (``ds4_kvstore_store_live_prefix_text``,
-        ds4_kvstore.c:876-1079). ``payload`` is in its stored form, ``codec_flags`` (:data:`CODECS`) say which.
+        ds4_kvstore.c:876-1079); the store's one writer (:meth:`save` packs a checkpoint and calls it; call it
+        for a payload already in stored form, e.g. ds4-server's bytes). ``payload`` is in its stored form,
+        ``codec_flags`` (:data:`CODECS`) say which.
         ``fingerprint``: the writing model's (``model.file.fingerprint``), kept in a trailer ds4 never reads.
 
         A file already stored for the text is kept when compatible (ds4's rule, plus: written by the same model,
@@ -385,33 +423,74 @@ class KVStore:
         out = []
         for e in self.entries():
             h = e.header
-            if h.text_bytes > len(text) or h.tokens < self.min_tokens or (ctx is not None and h.ctx_size > ctx):
+            if h.tokens < self.min_tokens or (ctx is not None and h.ctx_size > ctx):
                 continue
             if self.reject_different_quant and quant_bits is not None and h.quant_bits != quant_bits:
                 continue
             if fingerprint is not None and e.fingerprint is not None and e.fingerprint != fingerprint:
                 continue
-            if hashlib.sha1(text[:h.text_bytes]).hexdigest() == e.sha:
+            if e.prefix_of(text):
                 out.append(e)
         return sorted(out, key=lambda e: (-e.header.text_bytes, -e.header.tokens))
 
     def lookup(self, prompt, *, model=None, ctx: int | None = None) -> KVEntry | None:
         """The entry with the longest stored prefix of ``prompt``: bytes, a string (UTF-8) or token ids
         (rendered with ``model``'s tokenizer). ``ctx`` drops entries written for a larger context."""
-        text, n_tokens = self._prompt_text(prompt, model)
+        tokenizer = model.tokenizer if model is not None else None
+        text = prompt_text(prompt, tokenizer)
+        if isinstance(prompt, bytes):
+            n_tokens = None
+        elif isinstance(prompt, str):
+            n_tokens = len(tokenizer.encode(prompt)) if tokenizer is not None else None
+        else:
+            n_tokens = len(prompt)
         found = self.candidates(text, ctx, routed_quant_bits(model) if model is not None else None,
                                 model_fingerprint(model) if model is not None else None)
         self._count(n_tokens, found[0].tokens if found else 0)
         return found[0] if found else None
 
-    def load(self, entry: KVEntry, config, fingerprint: str | None = None) -> Checkpoint | None:
-        """Read and check one file (plain reads, as ds4) and return its checkpoint, counting no hit
-        (``restore_prefix`` and ``load_into`` do), or None when the file is gone (another process evicted or
-        consumed it since the lookup: a miss). A file proven damaged (structure, checksum, text hash, token
-        count, values) is removed; one written for another model (layout, or ``fingerprint``: the loading
-        model's, refused when the file carries another) is kept; both raise :class:`KVFileError`. A file
-        without a fingerprint (ds4-server's) cannot be checked: it loads, with a :class:`KVStoreWarning` the
-        first time when ``fingerprint`` is given. The checkpoint carries the file's fingerprint."""
+    def best_prefix(self, ids, model, geometry: Geometry) -> tuple[KVEntry, Checkpoint] | None:
+        """The stored checkpoint to resume ``ids`` from in a session of ``geometry`` on ``model``: the longest
+        stored prefix (:meth:`candidates` of the ids' text) that loads, whose token ids are exactly ``ids``' own
+        and that such a session can restore (:meth:`Checkpoint.check_fits`, ds4's loader rules); None when none
+        does. Counts a lookup (and its tokens); the caller restores the checkpoint and then calls
+        :meth:`mark_loaded`. Files that cannot serve are skipped: damaged ones removed, another model's or
+        another session geometry's kept, all reported (:class:`KVStoreWarning`)."""
+        ids = [int(t) for t in ids]
+        fingerprint = model_fingerprint(model)
+        found = None
+        for entry in self.candidates(token_text(model.tokenizer, ids), geometry.ctx, routed_quant_bits(model),
+                                     fingerprint):
+            if entry.tokens > len(ids):
+                continue
+            try:
+                cp = self.load(entry, model.config, fingerprint, tokenizer=model.tokenizer)
+                if cp is None or list(cp.tokens) != ids[:len(cp)]:
+                    continue  # removed since the scan; or the same bytes tokenized differently
+                cp.check_fits(model.config, geometry, fingerprint)
+            except OSError:  # unreadable
+                continue
+            except KVFileError:  # damaged (removed) or another model's (kept): reported by load
+                continue
+            except PayloadError as e:  # made for another session geometry (ds4's loader rules): kept
+                self._bad(entry.path, KVFileError(entry.path, e.field, e.got, e.expected, str(e)))
+                continue
+            found = entry, cp
+            break
+        self._count(len(ids), len(found[1]) if found else 0)
+        return found
+
+    def load(self, entry: KVEntry, config, fingerprint: str | None = None, *, tokenizer=None) -> Checkpoint | None:
+        """Read and check one file (plain reads, as ds4) and return its checkpoint, counting no hit (the caller
+        does, with :meth:`mark_loaded`, once it has restored it), or None when the file is gone (another process
+        evicted or consumed it since the lookup: a miss). A file proven damaged (structure, checksum, text hash,
+        token count, values) is removed; one written for another model (layout, or ``fingerprint``: the loading
+        model's, refused when the file carries another) is kept; both raise :class:`KVFileError`. With
+        ``tokenizer`` (the loading model's), the file's text must be the text of its token ids (ds4-server's
+        key, unless the file says its key is visible transcript text), else it is refused and kept (its
+        tokens may be another tokenizer's). A file without a fingerprint (ds4-server's) cannot be checked: it
+        loads, with a :class:`KVStoreWarning` the first time when ``fingerprint`` is given. The checkpoint
+        carries the file's fingerprint."""
         try:
             try:
                 with open_regular(entry.path) as f:
@@ -427,6 +506,8 @@ class KVStore:
                                   f"written by another model: its model fingerprint is {kf.fingerprint}, this "
                                   f"model's is {fingerprint}")
             cp = Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
+            if tokenizer is not None and not kf.header["ext_flags"] & _VISIBLE_TEXT:
+                _check_token_text(entry.path, kf.text_bytes, token_text(tokenizer, cp.tokens), len(cp))
         except (KVFileError, PayloadError) as e:
             if e.field.removeprefix("payload ") not in _KEEP_FIELDS:  # another model's file is left alone
                 _unlink(entry.path)
@@ -446,66 +527,10 @@ class KVStore:
                        f"them): ds4lab cannot check which model wrote it; it was checked on ds4's rules only "
                        f"(layout, quant byte, chunk layout)")
 
-    def load_into(self, session, entry: KVEntry, prompt=None):
-        """Restore ``entry`` into ``session`` and, given ``prompt``, prefill only what follows the stored
-        prefix: the stored token ids, then ``prompt``'s own ids after them when they match, otherwise the
-        rendered-chat tokenization of the text after the stored bytes (ds4's rule;
-        docs/FORMATS.md, "KVC files and the KV store"). Returns the
-        session's :class:`~ds4lab.session.SyncResult` with source "disk", or None, the session untouched, when
-        the file is gone (evicted by another process since the lookup: a miss). A refusal names the file."""
-        model = session.model
-        text = b""
-        if prompt is not None:
-            text, _ = self._prompt_text(prompt, model)
-            if entry.text_bytes > len(text) or hashlib.sha1(text[:entry.text_bytes]).hexdigest() != entry.sha:
-                raise ValueError(f"{entry.path}: its text is not a prefix of the prompt")
-        cp = self.load(entry, model.config, model_fingerprint(model))
-        if cp is None:
-            return None
-        try:
-            session.restore(cp)
-        except PayloadError as e:  # made for another session geometry or model
-            raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
-        self._loaded(entry)
-        ids = list(cp.tokens)
-        if prompt is None:
-            suffix = []
-        elif not isinstance(prompt, (str, bytes)) and [int(t) for t in prompt[:len(ids)]] == ids:
-            suffix = [int(t) for t in prompt[len(ids):]]
-        else:
-            suffix = model.tokenizer.encode_rendered(text[entry.text_bytes:].decode("utf-8"))
-        return dataclasses.replace(session.sync(ids + suffix), source="disk")
-
-    def restore_prefix(self, session, ids: list[int]) -> bool:
-        """The session's disk path: restore the best stored prefix of ``ids`` whose token ids are exactly
-        ``ids``' own (sync keeps the prompt's ids); False when none loads."""
-        model = session.model
-        fingerprint = model_fingerprint(model)
-        found = 0
-        for entry in self.candidates(token_text(model, ids), session.ctx, routed_quant_bits(model), fingerprint):
-            if entry.tokens > len(ids):
-                continue
-            try:
-                cp = self.load(entry, model.config, fingerprint)
-                if cp is None or list(cp.tokens) != ids[:len(cp)]:
-                    continue  # removed since the scan; or the same bytes tokenized differently
-                session.restore(cp)
-            except OSError:  # unreadable
-                continue
-            except KVFileError:  # damaged (removed) or another model's (kept): reported by load
-                continue
-            except PayloadError as e:  # made for another session geometry (ds4's loader rules): kept
-                self._bad(entry.path, KVFileError(entry.path, e.field, e.got, e.expected, str(e)))
-                continue
-            self._loaded(entry)
-            found = len(cp)
-            break
-        self._count(len(ids), found)
-        return found > 0
-
-    def _loaded(self, entry: KVEntry) -> None:
-        """After a load: delete a file over ``cold_max_tokens`` (consumed), else hits + 1 and last_used = now
-        (ds4_kvstore.c:1236-1258, ``ds4_kvstore_touch_file`` :467-484)."""
+    def mark_loaded(self, entry: KVEntry) -> None:
+        """Record that ``entry``'s checkpoint was restored: delete a file over ``cold_max_tokens`` (consumed: the
+        live session stores it again), else hits + 1 and last_used = now (ds4_kvstore.c:1236-1258,
+        ``ds4_kvstore_touch_file`` :467-484)."""
         if 0 < self.cold_max_tokens < entry.tokens:
             _unlink(entry.path)
             return
@@ -521,16 +546,6 @@ class KVStore:
                 f.write(dataclasses.replace(now, hits=hits, last_used=int(time.time())).pack()[:-4])
         except (OSError, KVFileError):
             pass
-
-    def _prompt_text(self, prompt, model) -> tuple[bytes, int | None]:
-        if isinstance(prompt, bytes):
-            return prompt, None
-        if isinstance(prompt, str):
-            return prompt.encode(), (len(model.tokenizer.encode(prompt)) if model is not None else None)
-        if model is None:
-            raise ValueError("a prompt of token ids needs model= to render its text")
-        ids = [int(t) for t in prompt]
-        return token_text(model, ids), len(ids)
 
     def _count(self, query_tokens: int | None, hit_tokens: int) -> None:
         c = self._counts
