@@ -328,7 +328,7 @@ def test_session_saves_continued_and_evicted_states_and_syncs_from_disk(nano_mlx
     assert 128 in reasons(store)
 
 
-def test_load_into_keeps_stored_ids_and_tokenizes_the_text_suffix(nano_mlx, tmp_path):
+def test_session_load_keeps_stored_ids_and_tokenizes_the_text_suffix(nano_mlx, tmp_path):
     tok = nano_mlx.tokenizer
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 3
     ids = tok.encode(text)
@@ -346,6 +346,79 @@ def test_load_into_keeps_stored_ids_and_tokenizes_the_text_suffix(nano_mlx, tmp_
     assert (r.source, r.reused, r.evaluated) == ("disk", 40, len(suffix))
     with pytest.raises(ValueError, match="not a prefix"):
         t.load(entry, "something else entirely", store=store)
+    with pytest.raises(ValueError, match="no KV store"):
+        t.load(entry, prompt)  # a session made without kv_store= needs store=
+
+
+def test_the_store_takes_checkpoints_and_the_session_holds_the_policy(nano_mlx, tmp_path):
+    """The store's API knows checkpoints, token ids and entries: a payload checkpoint stores the same file as the
+    live one it came from, best_prefix finds (entry, checkpoint) for token ids and a session geometry and counts
+    the lookup, and the hit is recorded only by mark_loaded, once the caller has restored it."""
+    s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    s.prefill(PROMPT[:100]).run(progress=False)
+    live = s.snapshot()
+    bare = ds4lab.Checkpoint.from_bytes(live.to_bytes(), nano_mlx.config, fingerprint=live.fingerprint)
+    assert live.ctx == bare.ctx == CTX
+    assert KVStore(tmp_path / "a", continued_interval=100).continued_step(64) == 128  # ⌈100/64⌉·64
+    assert KVStore(tmp_path / "a", continued_interval=100, align=48).continued_step(64) == 144
+    assert KVStore(tmp_path / "a", continued_interval=0).continued_step(64) == 0  # none
+
+    store = KVStore(tmp_path / "s", min_tokens=64)
+    first = store.save(bare, nano_mlx, reason="continued").path.read_bytes()
+    entry = store.save(live, nano_mlx, reason="continued")  # kept: a compatible file for the same text
+    assert entry.path.read_bytes() == first
+    os.unlink(entry.path)
+    entry = store.save(live, nano_mlx, reason="continued")
+    second = entry.path.read_bytes()
+    assert second[:24] + second[40:] == first[:24] + first[40:]  # the same file but for created / last_used
+    assert store.save(nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK).snapshot(), nano_mlx) is None  # no tokens
+
+    found, cp = store.best_prefix(PROMPT[:110], nano_mlx, s.geometry)
+    assert found.path == entry.path and list(cp.tokens) == PROMPT[:100] and cp.fingerprint == live.fingerprint
+    st = store.stats()
+    assert (st.lookups, st.hits, st.query_tokens, st.hit_tokens) == (1, 1, 110, 100)
+    assert store.entries()[0].header.hits == 0  # not restored yet
+    t = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    t.restore(cp)
+    store.mark_loaded(found)
+    assert store.entries()[0].header.hits == 1 and dsv4(t) == dsv4(s)
+    assert store.best_prefix(PROMPT[:99], nano_mlx, s.geometry) is None  # longer than the ids
+    other = nano_mlx.session(ctx=CTX, prefill_chunk=32).geometry  # ds4's loader rule: another chunk cannot
+    with pytest.warns(KVStoreWarning, match="prefill_cap"):
+        assert store.best_prefix(PROMPT[:110], nano_mlx, other) is None
+    assert entry.path.exists() and store.stats().lookups == 3
+
+
+def test_a_file_whose_text_is_not_its_token_ids_text_is_refused_and_kept(nano_mlx, tmp_path):
+    """ds4-server keys a file by its token ids' text; one whose text says more (or else) than its ids is refused
+    by name (Session.load) and skipped by sync, and kept: another tokenizer may render its ids so. A file whose
+    key is visible transcript text (ds4's ext bits 1-2) is not checked."""
+    s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    s.prefill(PROMPT[:100]).run(progress=False)
+    cp = s.snapshot()
+    text = b"".join(nano_mlx.tokenizer.token_bytes(t) for t in PROMPT[:101])  # one token more than it holds
+    store = KVStore(tmp_path, min_tokens=64)
+    entry = store.put(text, cp.to_bytes(), tokens=100, ctx=CTX, quant_bits=2, fingerprint=cp.fingerprint)
+    t = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    t.sync(PROMPT[:20])
+    with pytest.warns(KVStoreWarning, match="token text"), pytest.raises(KVFileError, match="token text") as ei:
+        t.load(entry, PROMPT[:110])
+    assert ei.value.field == "token text" and str(ei.value).startswith(f"{entry.path}: token text: ")
+    assert "is not the text of its 100 token ids" in str(ei.value) and t.tokens == PROMPT[:20]
+    assert entry.path.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)  # reported once
+        r = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store).sync(PROMPT[:110])
+    assert r.source == "cold" and entry.path.exists() and store.stats().bad_files == 1
+
+    payload = cp.to_bytes()
+    visible = b"a visible transcript"
+    path = tmp_path / (hashlib.sha1(visible).hexdigest() + ".kv")
+    path.write_bytes(spec_header(100, len(payload), len(visible), ext=2, ctx=CTX) + visible + payload)
+    u = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK)
+    with pytest.warns(KVStoreWarning, match="no model fingerprint"):
+        r = u.load(next(e for e in store.entries() if e.path == path), store=store)
+    assert (r.source, r.reused, r.evaluated) == ("disk", 100, 0) and u.tokens == PROMPT[:100]
 
 
 def _load_in_a_new_process(model_path, store_dir, out):
