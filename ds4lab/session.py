@@ -293,7 +293,7 @@ class Session:
         when the file is gone (evicted by another process since the lookup: a miss). A refusal names the file:
         a ValueError when the entry's text is not a prefix of ``prompt``'s, a :class:`~ds4lab.KVFileError` when
         the file is damaged, another model's, not restorable here (ds4's loader rules), or its text is not the
-        text of its token ids; the session is unchanged on any refusal."""
+        text of its token ids; a refused entry leaves the session unchanged."""
         store = self.kv_store if store is None else store
         if store is None:
             raise ValueError("no KV store to load from: pass store= or create the session with kv_store=")

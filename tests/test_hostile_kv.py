@@ -260,6 +260,9 @@ def test_a_store_shared_by_two_models_of_one_config_serves_each_its_own(twins, t
     assert ei.value.field == "model fingerprint" and str(entry.path) in str(ei.value)
     assert entry.path.exists()  # another model's file is left alone
     assert a.session(ctx=64, prefill_chunk=16, kv_store=store).sync(IDS[:41]).source == "disk"
+    with pytest.raises(PayloadError, match=f"{a.file.fingerprint}.*{b.file.fingerprint}") as ei:
+        store.save(sa.snapshot(), b)  # a's checkpoint is not stored as b's
+    assert ei.value.field == "model fingerprint" and [e.path for e in store.entries()] == [entry.path]
 
 
 def test_live_checkpoints_and_payloads_refuse_another_models_state(twins):

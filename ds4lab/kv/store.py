@@ -321,9 +321,11 @@ class KVStore:
         with ``model``'s tokenizer), in the store's codec, with ``model``'s routed quant byte, the checkpoint's
         context and model fingerprint. Returns the entry (a compatible file already stored for that text is kept
         as it is), or None: below ``min_tokens`` or without logits (ds4's policy, silently), over the budget or
-        on a write error (a :class:`KVStoreWarning` says why)."""
+        on a write error (a :class:`KVStoreWarning` says why). A checkpoint of another model is refused
+        (:class:`~.payload.PayloadError` naming the field, :meth:`Checkpoint.check_model`)."""
         reason_code(reason)
         cp = checkpoint
+        cp.check_model(model.config, model_fingerprint(model))
         if len(cp) < self.min_tokens or cp.logits is None:
             return None
         try:
