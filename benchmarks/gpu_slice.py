@@ -26,8 +26,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ds4lab.backends import get_backend, kernel_ops
-from ds4lab.backends.kernel_ops import BlockLinear
+from ds4lab import ops
+from ds4lab.backends import get_backend
+from ds4lab.backends.block_weights import BlockLinear
 from ds4lab.config import FLASH, NANO, replace
 from ds4lab.gguf_file import TensorInfo, tensor_byte_shape
 from ds4lab.kv.layout import Geometry, new_state
@@ -222,7 +223,7 @@ class Profile:
     def __enter__(self):
         t = self.t
         self._compile, t.compile = t.compile, False  # MLX cannot synchronise inside a compiled function
-        self._wrap(t.backend, "attend", "attention core")
+        self._wrap(t.ops, "attend", "attention core")
         self._wrap(t, "_attention", "attention half")
         self._wrap(transformer_module, "routed_experts_gathered", "routed experts")
         self._wrap(transformer_module, "routed_experts", "routed experts")
@@ -317,7 +318,7 @@ def main(argv=None):
     p.add_argument("--dense-qgemm", action="store_true",
                    help="prefill dense linears through qgemm (not dequantize + GEMM)")
     p.add_argument("--no-attn-chunk", action="store_true",
-                   help="prefill attention through the plain ops' GEMMs around a score tensor (not attn_chunk)")
+                   help="prefill attention through the plain ops' GEMMs around a score tensor (not attend_chunk)")
     p.add_argument("--tf32", action="store_true", help="prefill_matmul='tf32' (chunk products on TF32 operands)")
     p.add_argument("--no-compile", action="store_true", help="MLX: run the attention step eagerly")
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
@@ -333,13 +334,13 @@ def main(argv=None):
     if args.gather_all:
         t.gather_max_pairs = float("inf")
     BlockLinear.qgemm_chunks = args.dense_qgemm
-    kernel_ops.ATTN_CHUNK_KERNEL = not args.no_attn_chunk
+    ops.ATTN_CHUNK_KERNEL = not args.no_attn_chunk
     if args.no_compile:
         t.compile = False
     sync = syncer(t.backend)
     out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
            "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": t.compile,
-           "attn_chunk": kernel_ops.ATTN_CHUNK_KERNEL, "prefill_matmul": prefill_matmul,
+           "attn_chunk": ops.ATTN_CHUNK_KERNEL, "prefill_matmul": prefill_matmul,
            "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
     out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
     print(f"{args.backend} kernels={not args.plain} tf32={args.tf32} gather_all={args.gather_all} "

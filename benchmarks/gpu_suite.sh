@@ -75,6 +75,6 @@ NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStat
     --section ComputeWorkloadAnalysis"
 want ncu ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_tf32 --launch-skip 2 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/qgemm_bench.py --tf32 --repeats 1
-want ncu ncu && step ncu_attn 200 ncu --kernel-name regex:attn_chunk_tf32 --launch-skip 8 --launch-count 1 \
+want ncu ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32 --launch-skip 8 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/gpu_slice.py --backend cupy --decode-ctx --prefill 4096 --tf32
 true

@@ -48,12 +48,14 @@ def launcher(name: str):
     if name == "mlx":
         import mlx.core as mx
 
-        from ds4lab.mlx_kernels.mlx_ops import MLXKernels
+        from ds4lab.backends.mlx_backend import float32_gemms
+        from ds4lab.mlx_kernels.fast import MLXKernels
 
         def sync(x):
             mx.eval(x)
             mx.synchronize()
 
+        float32_gemms()  # the dense products' GEMMs at float32 precision, as the backend keeps them
         mx.set_default_device(mx.gpu)
         return MLXKernels(), mx, mx.array, sync
     from ds4lab.mlx_kernels.cpu import CpuKernels
@@ -161,9 +163,9 @@ def tile_shapes(args, projections, experts, sizes, rng):
             raise SystemExit(f"tile shape {shape!r} is not BMxBNxBK:WARPS_MxWARPS_N")
         S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = map(int, m.groups())
         if args.backend == "cupy":
-            from ds4lab.cuda import ops
+            from ds4lab.cuda import kernels as cuda_kernels
 
-            ops._functions.cache_clear()
+            cuda_kernels._functions.cache_clear()
         elif args.backend == "emulated":
             from ds4lab.mlx_kernels import cpu
 

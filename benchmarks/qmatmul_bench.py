@@ -66,7 +66,7 @@ def main(argv=None):
 
     import cupy as cp
 
-    from ds4lab.cuda import ops
+    from ds4lab.cuda import kernels as cuda_kernels
 
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(get_backend("cupy", None, True))  # as gpu_slice.py measures it
@@ -94,8 +94,8 @@ def main(argv=None):
         S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = int(m[1]), int(m[2])
         S.QMATMUL_SINGLE_PAIR = int(bool(m[3]))
         S.QMATMUL_SIMD_GROUPS = int(m[4]) if m[4] else defaults[3]
-        ops._functions.cache_clear()
-        kernels = ops.CudaKernels()
+        cuda_kernels._functions.cache_clear()
+        kernels = cuda_kernels.CudaKernels()
         for label, qtype, rows, K, raws, ids, x, read in tensors:
             calls = [lambda raw=raw, e=e: kernels.qmatmul(x, raw, qtype, K, rows, e) for raw, e in zip(raws, ids)]
             s = graph_seconds(calls, args.repeats) / len(calls)

@@ -15,10 +15,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import ds4lab
-from ds4lab.backends import kernel_ops
+from ds4lab import ops
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.mlx_kernels.launches import tf32_round
-from ds4lab.model.attention import attend_with_sinks
+from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS
 
@@ -40,11 +40,13 @@ def _mlx_kernels():
     try:
         import mlx.core as mx
 
-        from ds4lab.mlx_kernels.mlx_ops import MLXKernels, gpu_dialect
+        from ds4lab.backends.mlx_backend import float32_gemms
+        from ds4lab.mlx_kernels.fast import MLXKernels, gpu_dialect
     except ImportError as e:
         return None, f"MLX is unavailable: {e}"
     if gpu_dialect() is None:
         return None, "MLX has no GPU back-end here (neither Metal nor CUDA)"
+    float32_gemms()  # the launchers' dense products are GEMMs: float32 precision, as the backend keeps them
     mx.set_default_device(mx.gpu)
     return (MLXKernels(), mx.array, np.array), None
 
@@ -63,7 +65,7 @@ def _mlx_emulated_kernels():
     try:
         import mlx.core as mx
 
-        from ds4lab.mlx_kernels.mlx_ops import MLXKernels
+        from ds4lab.mlx_kernels.fast import MLXKernels
     except ImportError as e:
         return None, f"MLX is unavailable: {e}"
     found, why = _emulated_kernels()
@@ -396,7 +398,7 @@ def test_dense_product_tf32_rounds_both_operands(gpu, monkeypatch):
     np.testing.assert_array_equal(again, got)
 
 
-# attn_partial's blocks of ATTN_HEADS (8) heads: H = 20 and 9 end in a part block, D = 72 and 50 are no multiple
+# attend_partial's blocks of ATTN_HEADS (8) heads: H = 20 and 9 end in a part block, D = 72 and 50 are no multiple
 # of 32; its splits: N = 1 and 37 one split, 300 at T = 16 nine splits of at most 34 keys, about 60% of them
 # visible (tiles partly filled); (1, 64, 512, 1200) Flash's decode step at 4K context (8 blocks × 32 splits).
 @pytest.mark.parametrize("T,H,D,N", [(1, 4, 128, 1), (1, 64, 512, 4100), (1, 64, 512, 1200), (3, 2, 96, 37),
@@ -414,7 +416,7 @@ def test_split_key_attention_with_more_keys_a_split_than_a_group_has_threads(gpu
     monkeypatch.setattr(S, "ATTN_GROUPS", 1)
     launches = recorded_launches(kernels, monkeypatch)
     check_split_key_attention(kernels, to_dev, to_host, 2, 12, 64, 300)
-    assert launches == [("attn_partial", (2 * 2, 1)), ("attn_reduce", (2 * 12, 1))]
+    assert launches == [("attend_partial", (2 * 2, 1)), ("attend_reduce", (2 * 12, 1))]
 
 
 def check_split_key_attention(kernels, to_dev, to_host, T, H, D, N):
@@ -429,8 +431,8 @@ def check_split_key_attention(kernels, to_dev, to_host, T, H, D, N):
         visible[1, 300:] = False
     scale = D ** -0.5
     f64 = [a.astype(np.float64) for a in (q, keys, sinks)]
-    want = attend_with_sinks(np, f64[0], f64[1], visible, f64[2], scale)
-    got = to_host(kernels.attention(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
+    want = attend(np, f64[0], f64[1], visible, f64[2], scale)
+    got = to_host(kernels.attend(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
     assert np.abs(got[0]).max() == 0.0  # the sink carries no value
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
@@ -455,7 +457,7 @@ def chunk_mask(kind: str, T: int, N: int, rng) -> np.ndarray:
                                           (4, 5, 50, 270, "random"),
                                           (2, 4, 512, 300, "band+rows"), (40, 64, 512, 1200, "band+rows"),
                                           (300, 64, 512, 4200, "random")])
-def test_attn_chunk_matches_float64(gpu, T, H, D, N, kind):
+def test_attend_chunk_matches_float64(gpu, T, H, D, N, kind):
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N)
     rng = np.random.default_rng(T * N)
@@ -465,8 +467,8 @@ def test_attn_chunk_matches_float64(gpu, T, H, D, N, kind):
     visible = chunk_mask(kind, T, N, rng)
     scale = D ** -0.5
     f64 = [a.astype(np.float64) for a in (q, keys, sinks)]
-    want = attend_with_sinks(np, f64[0], f64[1], visible, f64[2], scale)
-    got = to_host(kernels.attention_chunk(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
+    want = attend(np, f64[0], f64[1], visible, f64[2], scale)
+    got = to_host(kernels.attend_chunk(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), scale))
     assert got.shape == want.shape
     assert np.abs(got[T // 2]).max() == 0.0  # the sink carries no value
     # float32 dots of D terms and sums of up to N weights on the matrix units, whose 3xTF32 operands carry 22
@@ -477,8 +479,8 @@ def test_attn_chunk_matches_float64(gpu, T, H, D, N, kind):
 
 
 @pytest.mark.parametrize("T,H,D,N,kind", [(7, 17, 32, 45, "band+rows"), (40, 64, 512, 1200, "band+rows")])
-def test_attn_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind):
-    """attn_chunk_tf32: scores and weighted sums on TF32 operands, within 3e-3 of each row's largest value
+def test_attend_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind):
+    """attend_chunk_tf32: scores and weighted sums on TF32 operands, within 3e-3 of each row's largest value
     of float64's, and farther than the float32 kernel's 1e-5: the rounding is seen."""
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N)
@@ -487,9 +489,9 @@ def test_attn_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind):
     q, keys = rng.standard_normal((T, H, D)).astype(np.float32), rng.standard_normal((N, D)).astype(np.float32)
     sinks = (2 * rng.standard_normal(H)).astype(np.float32)
     visible = chunk_mask(kind, T, N, rng)
-    want = attend_with_sinks(np, q.astype(np.float64), keys.astype(np.float64), visible, sinks.astype(np.float64),
+    want = attend(np, q.astype(np.float64), keys.astype(np.float64), visible, sinks.astype(np.float64),
                              D ** -0.5)
-    got = to_host(kernels.attention_chunk(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), D ** -0.5))
+    got = to_host(kernels.attend_chunk(to_dev(q), to_dev(keys), to_dev(visible), to_dev(sinks), D ** -0.5))
     err = np.abs(got - want).max(axis=-1) / np.maximum(np.abs(want).max(axis=-1), 1e-30)
     assert 1e-5 < err.max() <= 3e-3, err.max()
 
@@ -525,7 +527,9 @@ def test_mlx_float32_matmul_keeps_float32_precision():
         pytest.skip(f"mlx: {why}")
     import mlx.core as mx
 
-    import ds4lab.backends.mlx_backend  # noqa: F401  (sets the default before the first GEMM)
+    from ds4lab.backends.mlx_backend import MLXBackend
+
+    MLXBackend("gpu", kernels=False)  # making the backend sets the default before the first GEMM
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((512, 4096)).astype(np.float32)
@@ -569,10 +573,10 @@ MODEL_BACKENDS = [pytest.param("cupy", marks=pytest.mark.gpu), pytest.param("mlx
 @pytest.mark.parametrize("name", ["nano", "q4k", "mixed"])
 def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels, name, monkeypatch):
     """Exact numerics; a 96-token prefill in chunks of 32 (dense products: dequantize + GEMM; routed
-    experts: qgemm; chunk attention through attn_chunk), then 12 decode steps (products from the blocks,
+    experts: qgemm; chunk attention through attend_chunk), then 12 decode steps (products from the blocks,
     gathered experts, the split-key attention kernel). The CPU emulator runs 72 tokens in chunks of 24 and 3
     decode steps (the indexer selects from token 67): the same paths, fewer launches."""
-    monkeypatch.setattr(kernel_ops, "ATTN_CHUNK_KERNEL", True)  # the default, pinned: this test covers attn_chunk
+    monkeypatch.setattr(ops, "ATTN_CHUNK_KERNEL", True)  # the default, pinned: this test covers attend_chunk
     emulated = backend.endswith("emulated")
     n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
@@ -642,7 +646,7 @@ def test_configs_cover_the_kernel_types():
 # -- the fused elementwise kernels ------------------------------------------------------------------------
 # x_in spread over 16 groups (4096), 4 with a short last span (1000), one group (64 tokens: 300)
 @pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130), (2, 4, 1000), (64, 4, 300)])
-def test_hc_mixer_kernel_matches_float64(gpu, T, n, E):
+def test_hc_pre_kernel_matches_float64(gpu, T, n, E):
     from ds4lab.model.hc import hc_mix
 
     _, kernels, to_dev, to_host = gpu
@@ -655,7 +659,7 @@ def test_hc_mixer_kernel_matches_float64(gpu, T, n, E):
     X64 = X.astype(np.float64)
     rms = np.sqrt((X64.reshape(T, n * E) ** 2).mean(axis=1, keepdims=True) + 1e-6)
     want = hc_mix(np, mix / rms, scale.astype(np.float64), base.astype(np.float64), X64, iters=20, eps=1e-6)
-    got = kernels.hc_mix(*(to_dev(a) for a in (mix, scale, base, X)), 20, 1e-6, 1e-6)
+    got = kernels.hc_pre(*(to_dev(a) for a in (mix, scale, base, X)), 20, 1e-6, 1e-6)
     for g, w in zip(got, want):
         np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
 
@@ -691,7 +695,7 @@ def test_rmsnorm_kernel_matches_float64(gpu, shape, weighted):
 
 @pytest.mark.parametrize("shape,n_rot", [((3, 512), 64), ((40, 128), 64), ((2, 3, 192), 0), ((70, 512), 64),
                                          ((1, 1088), 64)])  # 1 SIMD group a row; more blocks than groups
-def test_kv_store_kernel_equals_the_plain_fp8_f16_path(gpu, shape, n_rot):
+def test_store_kv_kernel_equals_the_plain_fp8_f16_path(gpu, shape, n_rot):
     from ds4lab.model import numerics as nx
 
     _, kernels, to_dev, to_host = gpu
@@ -699,7 +703,7 @@ def test_kv_store_kernel_equals_the_plain_fp8_f16_path(gpu, shape, n_rot):
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 50, shape[:-1] + (1,))).astype(np.float32)
     x.reshape(-1)[:5] = [0.0, 1e-9, -1e-5, 448.0, -0.0]  # zero, tiny (FP8 subnormals), exact codes
     want = nx.f16_round(np, nx.fp8_kv_sim(np, x, n_rot))  # the float32 plain path
-    got = to_host(kernels.kv_store(to_dev(x), n_rot))
+    got = to_host(kernels.store_kv(to_dev(x), n_rot))
     assert np.array_equal(got, want), np.abs(got - want).max()  # power-of-two scalings: no rounding freedom
 
 
@@ -796,7 +800,7 @@ def test_compress_state_kernel_equals_the_plain_next_state(gpu, monkeypatch, rat
 @pytest.mark.parametrize("ratio,C,W,pos0", [(4, 1, 16, 0), (4, 1, 16, 7), (4, 3, 8, 2), (4, 8, 16, 6),
                                             (4, 2048, 4, 3), (128, 1, 8, 127), (128, 3, 8, 126),
                                             (128, 2048, 2, 300)])
-def test_ape_add_kernel_equals_the_plain_scores(gpu, monkeypatch, ratio, C, W, pos0):
+def test_add_ape_kernel_equals_the_plain_scores(gpu, monkeypatch, ratio, C, W, pos0):
     from ds4lab.model.compressor import add_ape
 
     _, _, to_dev, _ = gpu
@@ -805,7 +809,7 @@ def test_ape_add_kernel_equals_the_plain_scores(gpu, monkeypatch, ratio, C, W, p
     ape = rng.standard_normal((ratio, W)).astype(np.float32)
     want = add_ape(np, gate, ape, pos0)
     for (p0,) in state_scalars(to_dev, pos0):
-        got = one_launch(gpu, monkeypatch, "ape_add", "ape_add", to_dev(gate), to_dev(ape), p0)
+        got = one_launch(gpu, monkeypatch, "add_ape", "add_ape", to_dev(gate), to_dev(ape), p0)
         assert np.array_equal(got, want)
 
 
@@ -820,7 +824,7 @@ def test_host_positions_are_kept_only_while_recent(gpu):
     gate, ape = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((4, 8)).astype(np.float32)
     consts = len(kernels._consts)
     for pos0 in range(3 * INTS_KEPT):
-        assert np.array_equal(to_host(kernels.ape_add(to_dev(gate), to_dev(ape), pos0)), add_ape(np, gate, ape, pos0))
+        assert np.array_equal(to_host(kernels.add_ape(to_dev(gate), to_dev(ape), pos0)), add_ape(np, gate, ape, pos0))
     assert len(kernels._ints) <= INTS_KEPT and len(kernels._consts) <= consts + 1  # + the dims
 
 
@@ -854,7 +858,7 @@ def test_compressed_visible_kernel_equals_the_plain_mask(gpu, monkeypatch, C, N,
     want = compressed_visible(np, pos0, n_valid, C, N, ratio)
     assert want[1].any() == (pos0 + n_valid >= ratio)  # rows are visible once the first window is complete
     for p0, n in state_scalars(to_dev, pos0, n_valid):
-        got = one_launch(gpu, monkeypatch, "comp_visible", "compressed_visible", p0, n, C, N, ratio)
+        got = one_launch(gpu, monkeypatch, "compressed_visible", "compressed_visible", p0, n, C, N, ratio)
         assert got[0].dtype == np.int32 and got[1].dtype == np.bool_
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
@@ -937,7 +941,7 @@ def test_indexer_chunk_refuses_heads_that_split_a_tile(gpu):
 
 @pytest.mark.parametrize("T,N,k,seed", [(1, 40, 16, 0), (3, 300, 32, 1), (2, 1030, 512, 2), (16, 70, 8, 3),
                                         (40, 600, 64, 4), (2, 2500, 512, 5)])  # 2500: past the rows in registers
-def test_indexer_topk_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
+def test_indexer_allowed_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
     from ds4lab.model.attention import indexer_allowed
 
     _, kernels, to_dev, to_host = gpu
@@ -951,7 +955,7 @@ def test_indexer_topk_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
         n_vis[1] = min(k, N)  # exactly k visible: no selection
     visible = np.arange(N)[None, :] < n_vis[:, None]
     want = indexer_allowed(np, score, visible, n_vis, k)
-    got = to_host(kernels.indexer_topk(to_dev(score), to_dev(visible), to_dev(n_vis.astype(np.int32)), k))
+    got = to_host(kernels.indexer_allowed(to_dev(score), to_dev(visible), to_dev(n_vis.astype(np.int32)), k))
     assert got.dtype == np.bool_ and np.array_equal(got, want)
     assert (got.sum(axis=1) == np.minimum(n_vis, np.where(n_vis > k, k, n_vis))).all()
 
@@ -959,14 +963,14 @@ def test_indexer_topk_kernel_equals_the_plain_selection(gpu, T, N, k, seed):
 @pytest.mark.parametrize("shape,n_rot", [((3, 128), 64), ((2, 4, 128), 64), ((5, 2, 96), 32), ((1, 64, 512), 64)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_kernel_equals_the_plain_rotation(gpu, shape, n_rot, inverse):
-    from ds4lab.model.rope import rope_tail
+    from ds4lab.model.rope import rope
 
     name, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(shape[0])
     x = rng.standard_normal(shape).astype(np.float32)
     angle = rng.uniform(-40, 40, (shape[0], n_rot // 2))
     cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
-    want = rope_tail(np, x, cos, sin, inverse)  # the float32 plain path: the same products and sums
+    want = rope(np, x, cos, sin, inverse)  # the float32 plain path: the same products and sums
     got = to_host(kernels.rope(to_dev(x), to_dev(cos), to_dev(sin), inverse))
     # a GPU may fuse a·c − b·s into one FMA: one rounding fewer
     np.testing.assert_allclose(got, want, rtol=0, atol=0 if name == "emulated" else 1e-6 * np.abs(want).max())
@@ -1150,8 +1154,8 @@ def test_qmatmul_makes_the_batches_of_device_ids_once_per_ids_array(gpu, monkeyp
 
 
 @pytest.mark.parametrize("hashed", [False, True], ids=["top-k", "hash"])
-def test_kernel_ops_routing_and_swiglu_kernels_equal_their_plain_ops(hashed):
-    """KernelOps.moe_route and .swiglu through the emulator's kernels and through the plain ops (the decode
+def test_ops_routing_and_swiglu_kernels_equal_their_plain_ops(hashed):
+    """Ops.moe_route and .swiglu through the emulator's kernels and through the plain ops (the decode
     routing the model ran before: select_topk_on_device, or a gather from the hash table by host ids)."""
     from ds4lab.backends.emulated_backend import EmulatedBackend
     from ds4lab.mlx_kernels.cpu import compiler
@@ -1165,14 +1169,14 @@ def test_kernel_ops_routing_and_swiglu_kernels_equal_their_plain_ops(hashed):
     bias = (0.5 * rng.standard_normal(n)).astype(np.float32)
     table = rng.integers(0, n, (V, k)).astype(np.int32) if hashed else None
     tokens = rng.integers(0, V, T)  # host ids (int64), as an eager step passes them
-    fused, plain = (b.moe_route(logits, bias, k, 1.5, table, tokens) for b in (EmulatedBackend(True),
-                                                                                EmulatedBackend(False)))
+    fused, plain = (o.moe_route(logits, bias, k, 1.5, table, tokens) for o in (ops.Ops(EmulatedBackend(True)),
+                                                                                ops.Ops(EmulatedBackend(False))))
     np.testing.assert_allclose(fused[0], plain[0], rtol=1e-6, atol=0)
     assert np.array_equal(fused[1], plain[1])
     np.testing.assert_allclose(fused[2], plain[2], rtol=1e-6, atol=0)
     gate, up = (rng.standard_normal((T * k, 64)).astype(np.float32) * 8 for _ in range(2))
-    fused, plain = (b.swiglu(gate, up, 7.0, fused[2].reshape(-1)) for b in (EmulatedBackend(True),
-                                                                            EmulatedBackend(False)))
+    fused, plain = (o.swiglu(gate, up, 7.0, fused[2].reshape(-1)) for o in (ops.Ops(EmulatedBackend(True)),
+                                                                            ops.Ops(EmulatedBackend(False))))
     np.testing.assert_allclose(fused, plain, rtol=1e-6, atol=0)
 
 def test_grouped_output_gathered_equals_the_group_by_group_projection():

@@ -215,28 +215,29 @@ def test_qmatmul_splits_k_for_few_rows():
 def test_attention_splits_cover_every_key():
     """Split s holds the keys n ≡ s (mod splits): at most keys_per_split of them, ATTN_MIN_SPLIT or more; the
     splits bring the grid to ATTN_GROUPS work-groups where N has the keys for them."""
-    assert S.attn_head_blocks(64) == 64 // S.ATTN_HEADS and S.attn_head_blocks(S.ATTN_HEADS + 1) == 2
-    assert S.attn_dims(1, 64, 512, 1200).tolist() == [1, 64, 512, 1200, 32, 38]  # Flash's decode at 4K context
+    blocks = S.attend_partial_head_blocks
+    assert blocks(64) == 64 // S.ATTN_HEADS and blocks(S.ATTN_HEADS + 1) == 2
+    assert S.attend_partial_dims(1, 64, 512, 1200).tolist() == [1, 64, 512, 1200, 32, 38]  # Flash's decode, 4K context
     for T in (1, 2, 16):
         for H in (1, 4, 20, 64):
             for n in (1, 31, 32, 255, 257, 1200, 4100, 70000):
-                _, _, _, N, splits, per = S.attn_dims(T, H, 128, n)
+                _, _, _, N, splits, per = S.attend_partial_dims(T, H, 128, n)
                 assert (per - 1) * splits < n <= per * splits
                 assert splits == 1 or n // splits >= S.ATTN_MIN_SPLIT
-                groups = T * S.attn_head_blocks(H)
+                groups = T * S.attend_partial_head_blocks(H)
                 assert groups * (splits - 1) < S.ATTN_GROUPS
                 assert groups * splits >= S.ATTN_GROUPS or splits == max(1, n // S.ATTN_MIN_SPLIT)
     with pytest.raises(ValueError, match="head_dim 1024"):
-        S.attn_dims(1, 1, 1024, 10)
+        S.attend_partial_dims(1, 1, 1024, 10)
 
 
 def test_chunk_attention_groups_cover_every_head():
     heads = S.ATTN_CHUNK_HEADS
     for H in (1, heads, heads + 1, 64):
-        T, blocks = S.attn_chunk_groups(5, H, 512)
+        T, blocks = S.attend_chunk_groups(5, H, 512)
         assert T == 5 and (blocks - 1) * heads < H <= blocks * heads
     with pytest.raises(ValueError, match="head_dim 1024"):
-        S.attn_chunk_groups(1, 1, 1024)
+        S.attend_chunk_groups(1, 1, 1024)
 
 
 EIGHT_VALUE_DECODERS = [(q, S.DECODERS[q].replace("dq_", "dq8_"), S.DECODERS[q]) for q in S.DECODERS]

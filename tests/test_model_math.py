@@ -10,7 +10,7 @@ from ds4lab.backends.numpy_backend import NumpyBackend
 from ds4lab.config import FLASH, NANO
 from ds4lab.kv.layout import pending_state
 from ds4lab.model.attention import (
-    attend_with_sinks,
+    attend,
     grouped_output,
     indexer_allowed,
     indexer_scores,
@@ -21,7 +21,8 @@ from ds4lab.model.compressor import compress_chunk
 from ds4lab.model.functional import softplus, topk_mask
 from ds4lab.model.hc import hc_head, hc_post, hc_pre, sinkhorn
 from ds4lab.model.moe import route_weights, routed_experts, router_probs, select_topk, select_topk_on_device, swiglu
-from ds4lab.model.rope import RopeParams, rope_tail
+from ds4lab.model.rope import RopeParams, rope
+from ds4lab.ops import Ops
 
 rng = np.random.default_rng(1234)
 B = NumpyBackend()
@@ -70,7 +71,8 @@ def test_hc_pre_matches_spec_loops():
     X = rng.normal(size=(1, n, E))
     fn = rng.normal(size=(2 * n + n * n, n * E)) * 0.3
     scale, base = rng.normal(size=3), rng.normal(size=2 * n + n * n)
-    x_in, post, comb = hc_pre(NumpyBackend(), X, lambda x: x @ fn.T, scale, base, iters=20, eps=1e-6, norm_eps=1e-6)
+    x_in, post, comb = hc_pre(Ops(NumpyBackend()), X, lambda x: x @ fn.T, scale, base, iters=20, eps=1e-6,
+                              norm_eps=1e-6)
     ex, ep, em = naive_hc_pre(X[0], fn, scale, base)
     np.testing.assert_allclose(x_in[0], ex, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(post[0], ep, rtol=1e-12)
@@ -156,20 +158,20 @@ def test_rope_tables_follow_yarn_ramp():
     np.testing.assert_allclose(cos[0] ** 2 + sin[0] ** 2, 1, atol=1e-6)
 
 
-def test_rope_tail_interleaved_and_inverse():
+def test_rope_interleaved_and_inverse():
     D, n_rot = 128, 64
     x = rng.normal(size=(3, 2, D))
     p = RopeParams.for_layer(NANO, 0)
     pos = np.array([0, 5, 300])
     cos, sin = (t.astype(np.float64) for t in p.tables(pos))
-    y = rope_tail(np, x, cos, sin)
+    y = rope(np, x, cos, sin)
     np.testing.assert_array_equal(y[..., : D - n_rot], x[..., : D - n_rot])  # head dims untouched
     t, h, k = 1, 1, 3  # pair k rotates elements (2k, 2k+1) of the tail
     th = 5 * 10000.0 ** (-2 * k / 64)
     a, b = x[t, h, D - n_rot + 2 * k], x[t, h, D - n_rot + 2 * k + 1]
     np.testing.assert_allclose(y[t, h, D - n_rot + 2 * k: D - n_rot + 2 * k + 2],
                                [a * math.cos(th) - b * math.sin(th), a * math.sin(th) + b * math.cos(th)], rtol=1e-6)
-    np.testing.assert_allclose(rope_tail(np, y, cos, sin, inverse=True), x, atol=1e-12)
+    np.testing.assert_allclose(rope(np, y, cos, sin, inverse=True), x, atol=1e-12)
     np.testing.assert_array_equal(y[0], x[0])  # position 0 is the identity
 
 
@@ -271,7 +273,7 @@ def test_attention_sinks_join_the_denominator():
     keys = rng.normal(size=(3, 4))
     sinks = np.array([0.5, -1.0])
     vis = np.array([[True, False, True]])
-    out = attend_with_sinks(np, q, keys, vis, sinks, 0.5)
+    out = attend(np, q, keys, vis, sinks, 0.5)
     for h in range(2):
         s = [q[0, h] @ keys[r] * 0.5 for r in (0, 2)]
         den = math.exp(sinks[h]) + sum(math.exp(v) for v in s)
@@ -354,7 +356,7 @@ def test_routed_experts_weight_before_down_and_duplicates():
     experts = lambda e: tuple((lambda x, m=m: x @ m.T) for m in mats[e])  # noqa: E731
     sel = np.array([[0, 1], [2, 0], [1, 1]])  # token 2 picks expert 1 twice (possible in a hash table)
     w = np.array([[0.5, 1.0], [2.0, 0.25], [0.3, 0.7]])
-    got = routed_experts(B, f, sel, w, experts, 10.0)
+    got = routed_experts(Ops(B), f, sel, w, experts, 10.0)
     for t in range(T):
         want = np.zeros(E)
         for j in range(2):

@@ -1,12 +1,17 @@
-"""Backends: one small ops protocol, several array libraries.
+"""Backends: several array libraries behind one small protocol.
 
 The model is written against an array namespace ``xp`` (the common subset of numpy and mlx.core) plus
-the few operations below whose spelling differs between libraries or that touch quantized weights.
+the few members below whose spelling differs between libraries or that touch quantized weights. Which
+model op runs a kernel and which its reference formula is not a backend's business: :class:`ds4lab.ops.Ops`
+decides that, from ``kernels``.
 
     name, xp, dtype, np_dtype         the library, its float type (float64 for numpy, float32 for mlx)
     asarray(np_array)                 host → backend, cast to ``dtype``
     to_numpy(x)                       backend → host
     linear(raw, qtype, ne0)           a callable ``x -> x @ Wᵀ`` over a GGUF weight ``raw [out, row_bytes]``
+    stacked_linear(raw, qtype, ne0)   stacked matrices in block form, one launch (None: no kernel for them)
+    embedding(raw, qtype, ne0)        a callable ``tokens -> rows`` of the token embedding (block backends decode
+                                      a chunk's rows on the device)
     index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
     can_compile, compile(fn)          whether and how a function of arrays is traced once and reused (a slice
@@ -14,17 +19,14 @@ the few operations below whose spelling differs between libraries or that touch 
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
     upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
                                       in one transfer where the backend can
-    embedding(raw, qtype, ne0)        a callable ``tokens -> rows`` of the token embedding (block backends decode
-                                      a chunk's rows on the device)
+    device_key()                      which device arrays made now land on (None: one memory), for weight caches
+    device_bytes(raw)                 GGUF bytes as a device array, for the kernels that read blocks
+    kernels                           ds4lab's kernels on the current device (a
+                                      :class:`ds4lab.mlx_kernels.launches.KernelLaunches`), or None
 
-and, from :class:`.kernel_ops.KernelOps`, the model ops that run through ds4lab's kernels where the
-backend has them (``kernels``; GPU backends) and through plain ops elsewhere:
-
-    attend, rope, rmsnorm, hc_pre, hc_post, store_kv, hadamard_fp4, compress_chunk, indexer_scores, indexer_allowed
-    swiglu, moe_route                         the experts' SwiGLU; a decode step's routing on the device
-    add_ape, append_rows, ring_write,         the KV state's bookkeeping: one launch each with kernels
-    compressed_visible
-    stacked_linear(raw, qtype, ne0)           stacked matrices in block form, one launch (None: no kernel)
+:mod:`.base` holds the defaults (:class:`.base.Backend`) and the block-form float32 backend CuPy and the
+CPU emulator share (:class:`.base.BlockBackend`); :mod:`.block_weights` the weights kept on the device in
+GGUF block form (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). No backend imports the model.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import cupy as cp
 import numpy as np
 
 from . import cuda_device_label
-from .kernel_ops import BlockBackend
+from .base import BlockBackend
 from .packing import offsets, views
 
 UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_ops import BlockBackend
+from .base import BlockBackend
 
 
 class EmulatedBackend(BlockBackend):

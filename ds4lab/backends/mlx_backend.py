@@ -6,18 +6,22 @@ without a float copy of the matrix.
 
 On a GPU (Metal, or CUDA with mlx[cuda]) ds4lab's kernels are on by default (``kernels=False`` turns
 them off): the K and IQ quant types run from their blocks, routed experts stay whole on the device in
-block form, decode-sized attention uses the split-key kernel and a chunk's attention attn_chunk.
+block form, decode-sized attention uses the split-key kernel and a chunk's attention attend_chunk.
+
+Making the backend sets ``MLX_ENABLE_TF32``'s default to "0" (:func:`float32_gemms`).
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..mlx_kernels import mlx_ops  # noqa: F401  (it sets MLX_ENABLE_TF32's default before the first GEMM)
 from ..quants import dequantize
-from .kernel_ops import BlockLinear, KernelOps
+from .base import Backend
+from .block_weights import BlockLinear
 
 Q8_0_BLOCK_BYTES = 34
 BLOCK_KERNEL_TYPES = frozenset({Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # Q8_0 has quantized_matmul, F16/F32 are floats
@@ -31,13 +35,26 @@ def _q8_0_affine(raw: np.ndarray, ne0: int):
     return mx.array(packed), mx.array(d), mx.array(-128.0 * d)
 
 
-class MLXBackend(KernelOps):
+def float32_gemms() -> None:
+    """Keep MLX's float32 GEMMs at float32 precision, unless the user chose otherwise.
+
+    ds4lab's math is float32 (docs/MODEL.md, "Numerics"); MLX runs float32 GEMMs at TF32 precision on CUDA
+    (and on M5-class Apple GPUs) unless ``MLX_ENABLE_TF32`` is "0", far from float32's accuracy (the error
+    measured on the H200: benchmarks/README.md). MLX reads the variable at its first GEMM, so this sets its
+    default before any: when the backend is made, before its first product, and in code that makes the
+    kernels' launchers (:class:`ds4lab.mlx_kernels.fast.MLXKernels`, whose dense products are GEMMs) without
+    the backend. An explicit ``MLX_ENABLE_TF32`` set by the user wins."""
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+
+class MLXBackend(Backend):
     name = "mlx"
     xp = mx
     np_dtype = np.float32
     dtype = mx.float32
 
     def __init__(self, device: str | None = None, kernels: bool | None = None):
+        float32_gemms()
         if device is not None:
             if device not in ("cpu", "gpu"):
                 raise ValueError(f"unknown MLX device {device!r}; use 'cpu' or 'gpu'")
@@ -49,7 +66,7 @@ class MLXBackend(KernelOps):
         if kernels is None:
             kernels = on_gpu
         if kernels:
-            from ..mlx_kernels.mlx_ops import MLXKernels
+            from ..mlx_kernels.fast import MLXKernels
 
             self._kernels = MLXKernels()
         else:
@@ -77,14 +94,14 @@ class MLXBackend(KernelOps):
             w, scales, biases = _q8_0_affine(raw, ne0)
             return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=8)
         if self.kernels is not None and qtype in BLOCK_KERNEL_TYPES:
-            return BlockLinear(self.kernels, self._blocks(raw), qtype, ne0, raw.shape[0])
+            return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
         if qtype == Q.F16:
             weight = mx.array(dequantize(raw, qtype, ne0).astype(np.float16))
             return lambda x: x @ weight.astype(mx.float32).T
         weight_t = mx.array(dequantize(raw, qtype, ne0)).T
         return lambda x: x @ weight_t
 
-    def _blocks(self, raw):
+    def device_bytes(self, raw):
         return mx.array(raw)
 
     def index_add(self, acc, rows, values):

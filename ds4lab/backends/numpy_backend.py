@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..quants import dequantize
-from .kernel_ops import KernelOps
+from .base import Backend
 
 
-class NumpyBackend(KernelOps):  # no kernels: every op is the plain one
+class NumpyBackend(Backend):  # no kernels: every op is the plain one
     name = "numpy"
     xp = np
     np_dtype = np.float64

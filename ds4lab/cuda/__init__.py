@@ -1,5 +1,6 @@
-"""The kernels of :mod:`ds4lab.mlx_kernels` compiled for CuPy (one ``RawModule`` per kernel) and their launchers."""
+"""The kernels of :mod:`ds4lab.mlx_kernels` compiled for CuPy (one ``RawModule`` per kernel) and their launchers
+(:mod:`.kernels`), and CUDA graphs of a step (:mod:`.graphs`)."""
 
-from .ops import CudaKernels
+from .kernels import CudaKernels
 
 __all__ = ["CudaKernels"]

@@ -1,5 +1,5 @@
-"""Kernel launches written once: the host side shared by the CuPy launcher (:mod:`ds4lab.cuda`), MLX's
-(:mod:`.mlx_ops`) and the CPU emulator (:mod:`.cpu`). A subclass says how to make arrays and how to run
+"""Kernel launches written once: the host side shared by the CuPy launcher (:mod:`ds4lab.cuda.kernels`), MLX's
+(:mod:`.fast`) and the CPU emulator (:mod:`.cpu`). A subclass says how to make arrays and how to run
 one kernel; every method here plans a grid and the kernel's outputs."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class KernelLaunches:
     are made once and kept. ``xp`` is the subclass's array library.
 
     ``chunk_tf32`` (``prefill_matmul="tf32"``): a chunk's products (:meth:`qgemm`, :meth:`dense_product`,
-    :meth:`attention_chunk`) take their operands rounded to TF32 and accumulate in float32; decode-sized
+    :meth:`attend_chunk`) take their operands rounded to TF32 and accumulate in float32; decode-sized
     products stay float32."""
 
     xp = None
@@ -206,39 +206,39 @@ class KernelLaunches:
                           self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
 
-    def attention(self, q, keys, visible, sinks, scale: float):
-        """Softmax attention with sinks over visible keys (docs/MODEL.md, "Attention") in two passes: each
-        key split's online softmax for a block of heads sharing each key read (attn_partial), then the merge of
-        the splits."""
+    def attend(self, q, keys, visible, sinks, scale: float):
+        """Softmax attention with sinks over visible keys (docs/MODEL.md, "Attention") for a few queries, in two
+        passes: each key split's online softmax for a block of heads sharing each key read (attend_partial), then
+        the merge of the splits (attend_reduce)."""
         T, H, D = q.shape
-        dims_host = S.attn_dims(T, H, D, keys.shape[0])
+        dims_host = S.attend_partial_dims(T, H, D, keys.shape[0])
         dims, splits = self._const(*dims_host.tolist()), int(dims_host[4])
-        parts = self._run(S.ATTN_PARTIAL, (T * S.attn_head_blocks(H), splits), S.ATTN_GROUP,
+        parts = self._run(S.ATTEND_PARTIAL, (T * S.attend_partial_head_blocks(H), splits), S.ATTN_GROUP,
                           [self._f32(q), self._f32(keys), self._u8(visible), dims,
                            self._const(scale, dtype=np.float32)],
                           [((T * H, splits), "float32"), ((T * H, splits), "float32"),
                            ((T * H, splits, D), "float32")])
-        return self._run(S.ATTN_REDUCE, (T * H, -(-D // S.ATTN_GROUP)), S.ATTN_GROUP, [*parts, self._f32(sinks), dims],
-                         [((T, H, D), "float32")])[0]
+        return self._run(S.ATTEND_REDUCE, (T * H, -(-D // S.ATTN_GROUP)), S.ATTN_GROUP,
+                         [*parts, self._f32(sinks), dims], [((T, H, D), "float32")])[0]
 
-    def attention_chunk(self, q, keys, visible, sinks, scale: float):
+    def attend_chunk(self, q, keys, visible, sinks, scale: float):
         """The same attention for a chunk of queries (prefill) in one pass on the matrix units: an online
         softmax over tiles of each query's visible keys, for a block of 16 heads; no [T, H, N] scores are made."""
         T, H, D = q.shape
-        return self._run(S.attn_chunk_spec(self.chunk_tf32), S.attn_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
+        return self._run(S.attend_chunk_spec(self.chunk_tf32), S.attend_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
                          [self._f32(q), self._f32(keys), self._u8(visible), self._f32(sinks),
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
 
-    def hc_mix(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float):
+    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float):
         """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear applied to the flat state ``X [T, n·E]``
         itself, not to its RMS normalisation: the kernel divides by the RMS
         (docs/MODEL.md, "Hyper-connections and Sinkhorn")."""
         T, n, E = X.shape
         if n > S.HC_MAX:
-            raise ValueError(f"hc_mix kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
+            raise ValueError(f"hc_pre kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
         G = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1  # groups a token's x_in is spread over
-        return tuple(self._run(S.HC_MIX, (T, 1 + G), S.ROW_GROUP,
+        return tuple(self._run(S.HC_PRE, (T, 1 + G), S.ROW_GROUP,
                                [self._f32(mix), self._f32(scale), self._f32(base), self._f32(X),
                                 self._const(T, n, E, iters, G), self._const(eps, norm_eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
@@ -274,12 +274,14 @@ class KernelLaunches:
                            [((R, D), "float32"), ((R, D), "float32")])
         return y.reshape(x.shape), rot.reshape(x.shape)
 
-    def kv_store(self, x, n_rot: int):
+    def store_kv(self, x, n_rot: int):
+        """Rows ``x [..., D]`` as ds4 stores them: FP8 on the non-RoPE dims, then F16 rounding (``fp8_kv_sim`` and
+        ``f16_round`` of model/numerics.py)."""
         D = x.shape[-1]
         x2 = self._f32(x).reshape(-1, D)
         R = x2.shape[0]
-        simd_groups = min(S.KV_STORE_SIMD_GROUPS, max(1, (D - n_rot) // 64)) if R < S.RMSNORM_WIDE_ROWS else 1
-        return self._run(S.KV_STORE, (R, 1), 32 * simd_groups, [x2, self._const(R, D, n_rot)],
+        simd_groups = min(S.STORE_KV_SIMD_GROUPS, max(1, (D - n_rot) // 64)) if R < S.RMSNORM_WIDE_ROWS else 1
+        return self._run(S.STORE_KV, (R, 1), 32 * simd_groups, [x2, self._const(R, D, n_rot)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
     def hadamard_fp4(self, x, f16: bool = False):
@@ -311,10 +313,10 @@ class KernelLaunches:
                                 self._i32(pos0), self._i32(n_valid), self._const(C, W, ratio, coff(ratio))],
                                [((rows, W), "float32"), ((rows, W), "float32")]))
 
-    def ape_add(self, gate, ape, pos0):
+    def add_ape(self, gate, ape, pos0):
         """``gate [C, W]`` plus the row of ``ape [R, W]`` of each position ``pos0 + t`` mod R."""
         C, W = gate.shape
-        return self._run(S.APE_ADD, (-(-C * W // S.ROW_GROUP), 1), S.ROW_GROUP,
+        return self._run(S.ADD_APE, (-(-C * W // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [self._f32(gate), self._f32(ape), self._i32(pos0), self._const(C, W, ape.shape[0])],
                          [((C, W), "float32")])[0]
 
@@ -334,14 +336,15 @@ class KernelLaunches:
                          [((N, D), "float32")])[0]
 
     def compressed_visible(self, pos0, n_valid, C: int, n_rows: int, ratio: int):
-        """``(n_vis [C], visible [C, n_rows])`` of :func:`ds4lab.model.attention.compressed_visible`."""
-        n_vis, visible = self._run(S.COMP_VISIBLE, (-(-max(C * n_rows, C) // S.ROW_GROUP), 1), S.ROW_GROUP,
+        """``(n_vis [C], visible [C, n_rows])``: how many compressed rows each query of a chunk sees, and which
+        (``compressed_visible`` of model/attention.py)."""
+        n_vis, visible = self._run(S.COMPRESSED_VISIBLE, (-(-max(C * n_rows, C) // S.ROW_GROUP), 1), S.ROW_GROUP,
                                    [self._i32(pos0), self._i32(n_valid), self._const(C, n_rows, ratio)],
                                    [((C,), "int32"), ((C, n_rows), "uint8")])
         return n_vis, self._bool(visible)
 
     def ring_write(self, raw, kv, pos0, n_valid, window: int):
-        """``(raw, slot_pos, visible)`` of :func:`ds4lab.model.attention.ring_write`."""
+        """``(raw, slot_pos, visible)``: the raw ring after a chunk (``ring_write`` of model/attention.py)."""
         cap, D = raw.shape
         C = kv.shape[0]
         out, slot_pos, visible = self._run(
@@ -373,10 +376,10 @@ class KernelLaunches:
                           order, tiles, self._const(Dq, N, 4 * Dq, H, 1), self._f32(w)],
                          [((T, N), "float32")])[0]
 
-    def indexer_topk(self, score, visible, n_visible, top_k: int):
+    def indexer_allowed(self, score, visible, n_visible, top_k: int):
         """Boolean ``[T, N]``: each query's top-k visible rows when more than k are visible, else all visible."""
         T, N = score.shape
-        allowed = self._run(S.INDEXER_TOPK, (T, 1), S.ROW_GROUP,
+        allowed = self._run(S.INDEXER_ALLOWED, (T, 1), S.ROW_GROUP,
                             [self._f32(score), self._u8(visible), self._i32(n_visible), self._const(T, N, top_k)],
                             [((T, N), "uint8")])[0]
         return self._bool(allowed)

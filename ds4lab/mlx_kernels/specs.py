@@ -5,26 +5,26 @@
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``qgemm_<type>_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
-``attn_partial``     split-key attention with an online softmax per split, a block of heads sharing each key
-``attn_reduce``      merge the splits with the sink logit
-``attn_chunk``       attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
-``attn_chunk_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
-``hc_mix``           the hyper-connection mixer after its linear (on the flat state: it divides by the RMS): pre, post,
+``attend_partial``   split-key attention with an online softmax per split, a block of heads sharing each key
+``attend_reduce``    merge the splits with the sink logit
+``attend_chunk``     attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
+``attend_chunk_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
+``hc_pre``           the hyper-connection mixer after its linear (on the flat state: it divides by the RMS): pre, post,
                      Sinkhorn combine, x_in
 ``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
 ``rmsnorm``          one row per work-group
 ``rmsnorm_rope``     the same, and the rows with RoPE on their tail too (one launch for rmsnorm then rope)
-``kv_store``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
+``store_kv``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
 ``compress_state``   the compressor's pending state after a chunk
-``ape_add``          the compressor's scores: the gate's output plus each position's APE row
+``add_ape``          the compressor's scores: the gate's output plus each position's APE row
 ``append_rows``      the compressed rows after a chunk: the windows it completed appended
-``comp_visible``     how many compressed rows each query of a chunk sees, and the mask of them
+``compressed_visible``  how many compressed rows each query of a chunk sees, and the mask of them
 ``ring_write``       the raw ring after a chunk, each slot's position, and which slots each query sees
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 ``indexer_chunk``    the same for a chunk: qgemm's tiles on the matrix units, each reduced over the heads
-``indexer_topk``     the rows each query may attend: its top-k visible rows, ties to the lower row
+``indexer_allowed``  the rows each query may attend: its top-k visible rows, ties to the lower row
 ``rope``             RoPE on the tail dims of rows (and its inverse)
 ``swiglu``           the experts' clamped SwiGLU, times each pair's route weight when given
 ``pair_sum``         the routed experts' outputs summed per token, in pair order
@@ -64,17 +64,17 @@ QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 128, 32, 2, 2
 QGEMM_SHARED_BYTES = 32768  # Metal's limit for a work-group
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
-# attn_partial's blocks: ATTN_ROWS heads per SIMD group, so ATTN_HEADS per work-group share each key it
+# attend_partial's blocks: ATTN_ROWS heads per SIMD group, so ATTN_HEADS per work-group share each key it
 # stages, ATTN_TILE keys at a time (16 KB of group-shared memory; ATTN_MAX_D a multiple of ATTN_GROUP). Its
 # key splits: enough for about ATTN_GROUPS work-groups (two for each of the H200's 132 SMs), each of at least
 # ATTN_MIN_SPLIT keys. The part_* rows it writes grow with the splits (about ATTN_GROUPS × ATTN_HEADS rows of
-# D floats, 4 MB at D = 512), and attn_reduce reads them all.
+# D floats, 4 MB at D = 512), and attend_reduce reads them all.
 ATTN_ROWS = 2
 ATTN_HEADS = ATTN_ROWS * ATTN_GROUP // 32
 ATTN_TILE = 8
 ATTN_GROUPS = 256
 ATTN_MIN_SPLIT = 32
-# attn_chunk on the matrix units: a work-group of 8 SIMD groups per query and 16 heads (one 16-row tile),
+# attend_chunk on the matrix units: a work-group of 8 SIMD groups per query and 16 heads (one 16-row tile),
 # each SIMD group owning ATTN_MAX_D / 8 dims; keys 8 at a time (one 8-column tile, 16 KB staged).
 ATTN_CHUNK_GROUP = 256
 ATTN_CHUNK_HEADS = 16
@@ -82,10 +82,10 @@ ATTN_CHUNK_KEYS = 8
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
-# Under this many rows, rmsnorm gives each row the launcher's wide_group of threads, and hc_mix spreads each
+# Under this many rows, rmsnorm gives each row the launcher's wide_group of threads, and hc_pre spreads each
 # token's x_in over E / ROW_GROUP work-groups: rows too few to fill the GPU with a group each.
 RMSNORM_WIDE_ROWS = 64
-KV_STORE_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, kv_store gives each 64-block its SIMD group (up to 8)
+STORE_KV_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, store_kv gives each 64-block its SIMD group (up to 8)
 ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flash: 256)
 ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
 
@@ -173,27 +173,27 @@ def _qgemm_defines(qtype: Q) -> dict:
             "LOAD_ROWS": threads // bk}
 
 
-ATTN_PARTIAL = KernelSpec("attn_partial", "attn_partial.body",
-                          (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32"),
-                           ("fparams", "float32")),
-                          (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32")),
-                          {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_GROUP, "SIMD_GROUPS": ATTN_GROUP // 32,
-                           "ROWS": ATTN_ROWS, "TILE": ATTN_TILE})
-ATTN_REDUCE = KernelSpec("attn_reduce", "attn_reduce.body",
-                         (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"), ("sinks", "float32"),
-                          ("dims", "int32")),
-                         (("out", "float32"),))
+ATTEND_PARTIAL = KernelSpec("attend_partial", "attend_partial.body",
+                            (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32"),
+                             ("fparams", "float32")),
+                            (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32")),
+                            {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_GROUP, "SIMD_GROUPS": ATTN_GROUP // 32,
+                             "ROWS": ATTN_ROWS, "TILE": ATTN_TILE})
+ATTEND_REDUCE = KernelSpec("attend_reduce", "attend_reduce.body",
+                           (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"),
+                            ("sinks", "float32"), ("dims", "int32")),
+                           (("out", "float32"),))
 
 
-def attn_chunk_spec(tf32: bool = False) -> KernelSpec:
-    """``attn_chunk``, or with ``tf32`` ``attn_chunk_tf32``: its two products on operands rounded to TF32."""
+def attend_chunk_spec(tf32: bool = False) -> KernelSpec:
+    """``attend_chunk``, or with ``tf32`` ``attend_chunk_tf32``: its two products on operands rounded to TF32."""
     simd_groups, heads, kt, d = ATTN_CHUNK_GROUP // 32, ATTN_CHUNK_HEADS, ATTN_CHUNK_KEYS, ATTN_MAX_D
     ldq, ldk, ldp = d // 2 + 4, d + 4, kt + 4  # paddings that spread a fragment's reads over the banks
     k_floats = max(kt * ldk, heads * ldq)  # the key rows, or half of q's or out's rows (before and after)
     part, p = k_floats, k_floats + simd_groups * heads * kt
     scale = p + heads * ldp
-    name, step = _precision("attn_chunk", tf32)
-    return KernelSpec(name, "attn_chunk.body",
+    name, step = _precision("attend_chunk", tf32)
+    return KernelSpec(name, "attend_chunk.body",
                       (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
                        ("dims", "int32"), ("fparams", "float32")),
                       (("out", "float32"),),
@@ -203,7 +203,7 @@ def attn_chunk_spec(tf32: bool = False) -> KernelSpec:
                        **step})
 
 
-HC_MIX = KernelSpec("hc_mix", "hc_mix.body",
+HC_PRE = KernelSpec("hc_pre", "hc_pre.body",
                     (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("dims", "int32"),
                      ("fparams", "float32")),
                     (("x_in", "float32"), ("post", "float32"), ("comb", "float32")), {"HC_MAX": HC_MAX})
@@ -217,7 +217,7 @@ RMSNORM_ROPE = KernelSpec("rmsnorm_rope", "rmsnorm.body",
                           (("x", "float32"), ("w", "float32"), ("cos_t", "float32"), ("sin_t", "float32"),
                            ("dims", "int32"), ("fparams", "float32")),
                           (("y", "float32"), ("rot", "float32")), {"ROPE": 1})
-KV_STORE = KernelSpec("kv_store", "kv_store.body", (("x", "float32"), ("dims", "int32")), (("y", "float32"),))
+STORE_KV = KernelSpec("store_kv", "store_kv.body", (("x", "float32"), ("dims", "int32")), (("y", "float32"),))
 HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
                           (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),))
 
@@ -231,7 +231,7 @@ COMPRESS_STATE = KernelSpec("compress_state", "compress_state.body",
                              ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
                             (("new_kv", "float32"), ("new_sc", "float32")),
                             {"NEG_INF": str(np.float32(NEG_INF)) + "f"})  # float32 NEG_INF, as the plain path stores it
-APE_ADD = KernelSpec("ape_add", "ape_add.body",
+ADD_APE = KernelSpec("add_ape", "add_ape.body",
                      (("gate", "float32"), ("ape", "float32"), ("pos0", "int32"), ("dims", "int32")),
                      (("out", "float32"),))
 PAIR_SUM = KernelSpec("pair_sum", "pair_sum.body", (("y", "float32"), ("dims", "int32")), (("out", "float32"),))
@@ -239,9 +239,9 @@ APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
                          (("rows", "float32"), ("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                           ("dims", "int32")),
                          (("out", "float32"),))
-COMP_VISIBLE = KernelSpec("comp_visible", "comp_visible.body",
-                          (("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
-                          (("n_vis", "int32"), ("visible", "uint8")))
+COMPRESSED_VISIBLE = KernelSpec("compressed_visible", "compressed_visible.body",
+                                (("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
+                                (("n_vis", "int32"), ("visible", "uint8")))
 RING_WRITE = KernelSpec("ring_write", "ring_write.body",
                         (("raw", "float32"), ("kv", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                          ("dims", "int32")),
@@ -258,10 +258,10 @@ INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             {"MAX_DQ": INDEXER_MAX_DQ, "ROWS": INDEXER_ROWS, "THREADS": INDEXER_GROUP,
                              "SIMD_GROUPS": INDEXER_GROUP // 32})
 
-INDEXER_TOPK_CACHED = 8  # rows a thread of indexer_topk keeps in registers: all of them up to 8 × ROW_GROUP
-INDEXER_TOPK = KernelSpec("indexer_topk", "indexer_topk.body",
-                          (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
-                          (("allowed", "uint8"),), {"CACHED": INDEXER_TOPK_CACHED})
+INDEXER_ALLOWED_CACHED = 8  # rows a thread of indexer_allowed keeps in registers: all of them up to 8 × ROW_GROUP
+INDEXER_ALLOWED = KernelSpec("indexer_allowed", "indexer_allowed.body",
+                             (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
+                             (("allowed", "uint8"),), {"CACHED": INDEXER_ALLOWED_CACHED})
 
 ROPE = KernelSpec("rope", "rope.body",
                   (("x", "float32"), ("cos_t", "float32"), ("sin_t", "float32"), ("dims", "int32")),
@@ -282,9 +282,9 @@ def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
             QMATMUL_REDUCE, *(qgemm_spec(q, tf32) for tf32 in (False, True) for q in DECODERS),
             *(indexer_chunk_spec(tf32) for tf32 in (False, True)),
-            ATTN_PARTIAL, ATTN_REDUCE, attn_chunk_spec(False), attn_chunk_spec(True),
-            HC_MIX, HC_POST, RMSNORM, RMSNORM_ROPE, KV_STORE, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, APE_ADD,
-            APPEND_ROWS, COMP_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_TOPK, ROPE, SWIGLU, PAIR_SUM,
+            ATTEND_PARTIAL, ATTEND_REDUCE, attend_chunk_spec(False), attend_chunk_spec(True),
+            HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
+            APPEND_ROWS, COMPRESSED_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM,
             MOE_ROUTE]
 
 
@@ -318,21 +318,21 @@ def _check_head_dim(D: int) -> None:
         raise ValueError(f"attention kernel: head_dim {D} exceeds {ATTN_MAX_D}")
 
 
-def attn_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
-    """attn_partial's dims ``[T, H, D, N, splits, keys_per_split]``: split s holds the keys n ≡ s (mod splits),
+def attend_partial_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
+    """attend_partial's dims ``[T, H, D, N, splits, keys_per_split]``: split s holds the keys n ≡ s (mod splits),
     at most keys_per_split of them; splits enough for about ATTN_GROUPS work-groups of ATTN_MIN_SPLIT keys or
     more (one split when N is smaller)."""
     _check_head_dim(D)
-    splits = max(1, min(-(-ATTN_GROUPS // (T * attn_head_blocks(H))), N // ATTN_MIN_SPLIT))
+    splits = max(1, min(-(-ATTN_GROUPS // (T * attend_partial_head_blocks(H))), N // ATTN_MIN_SPLIT))
     return np.array([T, H, D, N, splits, -(-N // splits)], dtype=np.int32)
 
 
-def attn_head_blocks(H: int) -> int:
-    """attn_partial's blocks of ATTN_HEADS heads: its grid is (T × blocks, splits)."""
+def attend_partial_head_blocks(H: int) -> int:
+    """attend_partial's blocks of ATTN_HEADS heads: its grid is (T × blocks, splits)."""
     return -(-H // ATTN_HEADS)
 
 
-def attn_chunk_groups(T: int, H: int, D: int) -> tuple[int, int]:
+def attend_chunk_groups(T: int, H: int, D: int) -> tuple[int, int]:
     """The chunk kernel's grid: one work-group per query and block of heads."""
     _check_head_dim(D)
     return T, -(-H // ATTN_CHUNK_HEADS)

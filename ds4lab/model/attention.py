@@ -53,7 +53,7 @@ def indexer_allowed(xp, score, visible, n_visible: np.ndarray, top_k: int):
     return xp.where((n_visible > top_k)[:, None], selected & visible, visible)
 
 
-def attend_with_sinks(xp, q, keys, visible, sinks, scale: float):
+def attend(xp, q, keys, visible, sinks, scale: float):
     """Softmax over visible keys plus a per-head sink logit that takes mass but carries no value.
 
     q [T,H,D], keys [N,D] (keys are also the values), visible [T,N] bool, sinks [H] → [T,H,D].

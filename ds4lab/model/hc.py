@@ -24,7 +24,8 @@ def sinkhorn(xp, logits, iters: int, eps: float):
 def hc_pre(ops, X, fn, scale, base, *, iters: int, eps: float, norm_eps: float):
     """Returns ``(x_in [T,E], post [T,n], comb [T,n,n])``; ``comb[t, s, o]`` maps input stream s to output o.
 
-    ``ops`` is a backend (its ``xp`` and ``rmsnorm``); backends with kernels run this as their ``hc_pre``."""
+    ``ops`` is a :class:`ds4lab.ops.Ops` (its ``xp`` and ``rmsnorm``), whose ``hc_pre`` runs this where it has
+    no kernel for it."""
     T, n, E = X.shape
     return hc_mix(ops.xp, fn(ops.rmsnorm(X.reshape(T, n * E), norm_eps)), scale, base, X, iters=iters, eps=eps)
 

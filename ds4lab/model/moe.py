@@ -41,34 +41,35 @@ def swiglu(xp, gate, up, clamp: float):
     return silu(xp, xp.minimum(gate, clamp)) * xp.clip(up, -clamp, clamp)
 
 
-def routed_experts(backend, f, selected: np.ndarray, weights, experts, clamp: float):
+def routed_experts(ops, f, selected: np.ndarray, weights, experts, clamp: float):
     """Σ over each token's selected experts of w·down(swiglu(gate·f, up·f)).
 
     ``experts(e)`` returns the (gate, up, down) linears of expert e, built on demand from the GGUF
-    blocks of that expert only. The route weight multiplies ``mid`` before the down projection.
+    blocks of that expert only. The route weight multiplies ``mid`` before the down projection. ``ops``:
+    a :class:`ds4lab.ops.Ops` (its ``xp``, ``dtype``, ``asarray`` and ``index_add``; a backend has them too).
     """
-    xp = backend.xp
-    out = xp.zeros(f.shape, dtype=backend.dtype)
+    xp = ops.xp
+    out = xp.zeros(f.shape, dtype=ops.dtype)
     for e in np.unique(selected):
         hit = selected == e
         rows = np.nonzero(hit.any(axis=1))[0]
-        w = (weights * backend.asarray(hit)).sum(axis=1)[backend.xp.array(rows)]
+        w = (weights * ops.asarray(hit)).sum(axis=1)[xp.array(rows)]
         gate, up, down = experts(int(e))
-        x = f[backend.xp.array(rows)]
-        out = backend.index_add(out, rows, down(swiglu(xp, gate(x), up(x), clamp) * w[:, None]))
+        x = f[xp.array(rows)]
+        out = ops.index_add(out, rows, down(swiglu(xp, gate(x), up(x), clamp) * w[:, None]))
     return out
 
 
-def routed_experts_gathered(backend, f, selected, weights, stacked, clamp: float):
+def routed_experts_gathered(ops, f, selected, weights, stacked, clamp: float):
     """The same sum with every (token, expert) pair in one product per projection.
 
     ``stacked`` is (gate, up, down), each called as ``proj(x, experts, repeat)`` with row p // repeat of
     ``x`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may be a
-    host array or a device one. The SwiGLU and the route weights are ``backend.swiglu``, the sum per
-    token ``backend.pair_sum`` (a kernel each where the backend has them).
+    host array or a device one. The SwiGLU and the route weights are ``ops.swiglu``, the sum per token
+    ``ops.pair_sum`` of a :class:`ds4lab.ops.Ops` (a kernel each where the backend has them).
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
     gate, up, down = stacked
-    mid = backend.swiglu(gate(f, experts, k), up(f, experts, k), clamp, weights.reshape(T * k))
-    return backend.pair_sum(down(mid, experts), k)
+    mid = ops.swiglu(gate(f, experts, k), up(f, experts, k), clamp, weights.reshape(T * k))
+    return ops.pair_sum(down(mid, experts), k)

@@ -89,7 +89,7 @@ class RopeParams:
         return np.cos(angle) * mscale, np.sin(angle) * mscale
 
 
-def rope_tail(xp, x, cos, sin, inverse: bool = False):
+def rope(xp, x, cos, sin, inverse: bool = False):
     """Rotate interleaved pairs of the last ``2·cos.shape[-1]`` dims of ``x [T, ..., D]``.
 
     ``cos``/``sin`` are ``[T, n_rot/2]`` backend arrays; heads between T and D broadcast.

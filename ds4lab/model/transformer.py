@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kv.layout import KVState, LayerState, PackedLayers
+from ..ops import Ops
 from ..tiers import NO_TIERS, TierRun
 from .attention import grouped_output, grouped_output_gathered
 from .compressor import coff, n_blocks
@@ -61,6 +62,7 @@ class Transformer:
             raise ValueError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
         self.cfg = config
         self.backend = backend
+        self.ops = Ops(backend)
         self.numerics = numerics
         self.w = weights if weights is not None else Weights(file, backend, config.o_groups, config.o_lora)
         self.ropes = [RopeParams.for_layer(config, il) for il in range(config.n_layer)]
@@ -82,14 +84,14 @@ class Transformer:
     # -- numerics (docs/MODEL.md, "Numerics") ----------------------------------------------------------
     def store_kv(self, x):
         """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored."""
-        return x if self.numerics == "exact" else self.backend.store_kv(x, self.cfg.n_rot)
+        return x if self.numerics == "exact" else self.ops.store_kv(x, self.cfg.n_rot)
 
     def indexer_quant(self, x):
-        return x if self.numerics == "exact" else self.backend.hadamard_fp4(x)
+        return x if self.numerics == "exact" else self.ops.hadamard_fp4(x)
 
     def store_index(self, x):
         """Hadamard + FP4, then F16 rounding, as every indexer row is stored."""
-        return x if self.numerics == "exact" else self.backend.hadamard_fp4(x, f16=True)
+        return x if self.numerics == "exact" else self.ops.hadamard_fp4(x, f16=True)
 
     # -- forward --------------------------------------------------------------------------------------
     def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
@@ -238,7 +240,7 @@ class Transformer:
     def _hc_pre(self, il: int, sub: str, X):
         """(x_in, post, comb) of the hyper-connection mixer before a sublayer (see :func:`.hc.hc_pre`)."""
         p, w, cfg = f"blk.{il}.hc_{sub}_", self.w, self.cfg
-        return self.backend.hc_pre(X, w.linear(p + "fn.weight"), w.vector(p + "scale.weight"),
+        return self.ops.hc_pre(X, w.linear(p + "fn.weight"), w.vector(p + "scale.weight"),
                                    w.vector(p + "base.weight"), iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
                                    norm_eps=cfg.rms_eps)
 
@@ -289,14 +291,14 @@ class Transformer:
         x_in, post, comb = self._hc_pre(il, "attn", X)
         self._emit(p + "hc_attn.post", post)
         self._emit(p + "hc_attn.comb", comb)
-        norm = self.backend.rmsnorm
+        norm = self.ops.rmsnorm
         a = norm(x_in, eps, w.vector(p + "attn_norm.weight"))
         names = self._projections_of_a(il, st)
         of_a = dict(zip(names, w.linears(*names)(a)))  # one product per weight type, not one per tensor
         qr = norm(of_a[p + "attn_q_a.weight"], eps, w.vector(p + "attn_q_a_norm.weight"))
         # q and the KV row normalised, and normalised then turned by RoPE (one launch each with kernels)
         cos, sin = rope
-        norm_rope = self.backend.rmsnorm_rope
+        norm_rope = self.ops.rmsnorm_rope
         q, q_rot = norm_rope(w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None,
                              cos, sin)
         kv, kv_rot = norm_rope(of_a[p + "attn_kv.weight"], eps, w.vector(p + "attn_kv_a_norm.weight"), cos, sin)
@@ -308,7 +310,7 @@ class Transformer:
 
         # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
         # the latest position ≡ s written so far; a query sees positions in (q − window, q].
-        raw, slot_pos, visible = self.backend.ring_write(st.raw, kv, pos0, n_valid, cfg.swa)
+        raw, slot_pos, visible = self.ops.ring_write(st.raw, kv, pos0, n_valid, cfg.swa)
         keys, new = raw, LayerState(raw=raw)
 
         if R:
@@ -316,7 +318,7 @@ class Transformer:
             comp, comp_kv, comp_sc = self._compress(il, "attn_compressor", of_a, pos0, n_valid, windows,
                                                     st.comp, st.comp_state_kv, st.comp_state_score, self.store_kv)
             new = LayerState(raw=raw, comp=comp, comp_state_kv=comp_kv, comp_state_score=comp_sc)
-            n_vis, comp_visible = self.backend.compressed_visible(pos0, n_valid, C, comp.shape[0], R)
+            n_vis, comp_visible = self.ops.compressed_visible(pos0, n_valid, C, comp.shape[0], R)
             comp_candidates = comp_visible
             if cfg.has_indexer(il):
                 index, index_kv, index_sc = self._compress(
@@ -326,7 +328,7 @@ class Transformer:
                 if self._indexer_selects(st):
                     score = self._indexer_scores(il, qr, of_a[p + "indexer.proj.weight"], cos, sin, index)
                     self._emit(p + "indexer.scores", score)
-                    comp_visible = self.backend.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
+                    comp_visible = self.ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
                     self._emit(p + "indexer.topk", comp_visible)
             keys = xp.concatenate([raw, comp], axis=0)
             visible = xp.concatenate([visible, comp_visible], axis=1)
@@ -335,9 +337,9 @@ class Transformer:
             self._emit(p + "attn.scores", dict(
                 q=q, keys=keys, visible=visible, sinks=w.vector(p + "attn_sinks.weight"), scale=cfg.head_dim ** -0.5,
                 slot_pos=slot_pos, n_raw=raw.shape[0], ratio=R, comp_candidates=comp_candidates if R else None))
-        out = self.backend.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
+        out = self.ops.attend(q, keys, visible, w.vector(p + "attn_sinks.weight"), cfg.head_dim ** -0.5)
         self._emit(p + "attn.out", out)
-        heads = self.backend.rope(out, cos, sin, inverse=True)
+        heads = self.ops.rope(out, cos, sin, inverse=True)
         self._emit(p + "attn.heads", heads)
         out_b = w.linear(p + "attn_output_b.weight")
         stacked = w.out_a_stacked(il)
@@ -347,7 +349,7 @@ class Transformer:
             y = out_b(stacked.grouped(heads.reshape(C, cfg.o_groups, -1)))
         else:
             y = grouped_output(xp, heads, w.out_a_groups(il), out_b)
-        return self.backend.hc_post(y, X, post, comb), new
+        return self.ops.hc_post(y, X, post, comb), new
 
     def _projections_of_a(self, il: int, st: LayerState) -> list[str]:
         """The weights that multiply the attention's normed input ``a``: the query's and the KV row's, then the
@@ -373,13 +375,13 @@ class Transformer:
         R = cfg.ratio(il)
         ape = w.table(p + "ape.weight")  # [R, W]: the score bias of each slot in the window
         kv = of_a[p + "kv.weight"]
-        sc = self.backend.add_ape(of_a[p + "gate.weight"], ape, pos0)
+        sc = self.ops.add_ape(of_a[p + "gate.weight"], ape, pos0)
         self._emit(f"blk.{il}.{name}.kv", kv)
         self._emit(f"blk.{il}.{name}.score", sc)
-        pooled, new_kv, new_sc = self.backend.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
-        _, c = self.backend.rmsnorm_rope(pooled, cfg.rms_eps, w.vector(p + "norm.weight"), *windows)
+        pooled, new_kv, new_sc = self.ops.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
+        _, c = self.ops.rmsnorm_rope(pooled, cfg.rms_eps, w.vector(p + "norm.weight"), *windows)
         c = store(c)
-        rows = self.backend.append_rows(rows, c, pos0, n_valid, R)
+        rows = self.ops.append_rows(rows, c, pos0, n_valid, R)
         self._emit(f"blk.{il}.{name}.rows", rows)
         return rows, new_kv, new_sc
 
@@ -388,9 +390,9 @@ class Transformer:
         cfg, w, p = self.cfg, self.w, f"blk.{il}.indexer."
         C = qr.shape[0]
         q = w.linear(p + "attn_q_b.weight")(qr).reshape(C, cfg.idx_heads, cfg.idx_dim)
-        q = self.indexer_quant(self.backend.rope(q, cos, sin))
+        q = self.indexer_quant(self.ops.rope(q, cos, sin))
         weights = proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
-        return self.backend.indexer_scores(q, weights, index_rows)
+        return self.ops.indexer_scores(q, weights, index_rows)
 
     # -- FFN half -------------------------------------------------------------------------------------
     def _ffn(self, il: int, X, tokens: np.ndarray, tabs: ChunkTables):
@@ -409,14 +411,14 @@ class Transformer:
         x_in, post, comb = self._hc_pre(il, "ffn", X)
         self._emit(p + "hc_ffn.post", post)
         self._emit(p + "hc_ffn.comb", comb)
-        f = b.rmsnorm(x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
+        f = self.ops.rmsnorm(x_in, cfg.rms_eps, w.vector(p + "ffn_norm.weight"))
         logits = w.linear(p + "ffn_gate_inp.weight")(f)
         bias = w.vector(p + "exp_probs_b.bias") if p + "exp_probs_b.bias" in w else None
         stacked = w.stacked_experts(il)
         few = X.shape[0] <= DEVICE_ROUTING_ROWS
         if stacked is not None and (few or not cfg.is_hash_layer(il)):
             table = w.hash_table_on_device(il) if cfg.is_hash_layer(il) else None
-            probs, selected, weights = b.moe_route(logits, bias, cfg.n_expert_used, cfg.expert_weight_scale,
+            probs, selected, weights = self.ops.moe_route(logits, bias, cfg.n_expert_used, cfg.expert_weight_scale,
                                                    table, tokens)
             if not few:  # a chunk: qgemm plans its tiles from host ids
                 selected = np.asarray(b.to_numpy(selected), dtype=np.int64)
@@ -432,9 +434,9 @@ class Transformer:
         self._emit(p + "moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
         if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
-            moe = routed_experts_gathered(b, f, selected, weights, stacked, clamp)
+            moe = routed_experts_gathered(self.ops, f, selected, weights, stacked, clamp)
         else:
-            moe = routed_experts(b, f, selected, weights, lambda e: w.expert(il, e), clamp)
+            moe = routed_experts(self.ops, f, selected, weights, lambda e: w.expert(il, e), clamp)
         gate, up = w.linears(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")(f)
-        shared = w.linear(p + "ffn_down_shexp.weight")(b.swiglu(gate, up, clamp))
-        return self.backend.hc_post(moe + shared, X, post, comb)
+        shared = w.linear(p + "ffn_down_shexp.weight")(self.ops.swiglu(gate, up, clamp))
+        return self.ops.hc_post(moe + shared, X, post, comb)

@@ -161,7 +161,7 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
 }
 
 // Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; eight loads are issued
-// before the first is used. One at a time, each waited on its load: hc_mix took 19 µs a Flash decode token
+// before the first is used. One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token
 // on the H200 that way (85% of its warp cycles stalled on L1TEX), 8 µs this way.
 DEVICE_FN float strided_sum_squares(const GLOBAL float* x, uint n, uint tid, uint threads) {
     float ss = 0.0f;
@@ -176,7 +176,7 @@ DEVICE_FN float strided_sum_squares(const GLOBAL float* x, uint n, uint tid, uin
 }
 
 // Σ_{j<n} of the SIMD group's c at lanes first + j·stride (n ≤ 8), added in order of j; every lane of the
-// group calls it. The shuffles are issued together rather than each after the last add (hc_mix's Sinkhorn
+// group calls it. The shuffles are issued together rather than each after the last add (hc_pre's Sinkhorn
 // normalisation, 20 rounds of a row and a column sum, was bound by that wait).
 DEVICE_FN float lane_line_sum(float c, uint first, uint stride, uint n) {
     float v[8];

@@ -1,21 +1,18 @@
-"""Launchers for MLX's GPU back-ends, both built from the same bodies: on CUDA the cubins of :mod:`.nvrtc`
-through ``mx.fast.precompiled_cuda_kernel``, on Apple GPUs ``mx.fast.metal_kernel``. MLX's ``grid`` counts
-threads, not groups."""
+"""The kernels' launchers for MLX's GPU back-ends (MLX's ``mx.fast`` custom kernels), both built from the
+same bodies: on CUDA the cubins of :mod:`.nvrtc` through ``mx.fast.precompiled_cuda_kernel``, on Apple GPUs
+``mx.fast.metal_kernel``. MLX's ``grid`` counts threads, not groups.
+
+Importing this module changes nothing in the process. MLX's float32 GEMMs (the launchers' dense products
+among them) keep float32 precision on CUDA only where ``MLX_ENABLE_TF32`` is "0" by the first GEMM: the MLX
+backend sets that default when it is made (:func:`ds4lab.backends.mlx_backend.float32_gemms`); code that
+makes :class:`MLXKernels` without the backend calls that function first."""
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache, partial
 
-# ds4lab's math is float32 (DESIGN "Numerics"); MLX runs float32 GEMMs at TF32 precision on CUDA (and
-# on M5-class Apple GPUs) unless told otherwise, far from float32's accuracy (the error measured on the H200:
-# benchmarks/README.md). MLX reads this at its first GEMM; the MLX backend
-# and these launchers (whose dense products are GEMMs) both import this module. An explicit
-# MLX_ENABLE_TF32 set by the user wins.
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import mlx.core as mx
+import numpy as np
 
 from . import specs as S
 from .launches import KernelLaunches

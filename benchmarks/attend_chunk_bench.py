@@ -1,4 +1,4 @@
-"""Prefill attention with sinks: the ``attn_chunk`` kernel against the plain ops (``attend_with_sinks``:
+"""Prefill attention with sinks: the ``attend_chunk`` kernel against the plain ops (``model.attention.attend``:
 GEMMs around a materialised [C, H, n_keys] score tensor), at DeepSeek V4 Flash's shapes.
 
 A chunk of C queries is the last C positions of a context of ``n_comp · ratio`` tokens; its keys are a
@@ -8,10 +8,10 @@ as the model builds them. Times are medians after a warm-up, the device synchron
 GFLOP/s count the useful work (4·D flops per visible (query, key) pair and head), bytes the least a
 pass must move (q, keys, mask, out) and the plain path's score tensor.
 
-    python benchmarks/attn_chunk_bench.py                        # CuPy on a GPU, Flash shapes
-    python benchmarks/attn_chunk_bench.py --backend mlx          # MLX's GPU back-end (CUDA or Metal)
-    python benchmarks/attn_chunk_bench.py --config tiny          # the CPU emulator, in seconds
-    python benchmarks/attn_chunk_bench.py --json out.json
+    python benchmarks/attend_chunk_bench.py                        # CuPy on a GPU, Flash shapes
+    python benchmarks/attend_chunk_bench.py --backend mlx          # MLX's GPU back-end (CUDA or Metal)
+    python benchmarks/attend_chunk_bench.py --config tiny          # the CPU emulator, in seconds
+    python benchmarks/attend_chunk_bench.py --json out.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from ds4lab.model.attention import attend_with_sinks, raw_visibility, visible_rows
+from ds4lab.model.attention import attend, raw_visibility, visible_rows
 
 CONFIGS = {
     "flash": dict(C=2048, H=64, D=512, window=128, ratio=4, comp=(1024, 8192), repeat=5),
@@ -52,8 +52,10 @@ def backend(name: str):
     if name == "mlx":
         import mlx.core as mx
 
-        import ds4lab.backends.mlx_backend  # noqa: F401  (float32 GEMMs at float32 precision)
-        from ds4lab.mlx_kernels.mlx_ops import MLXKernels
+        from ds4lab.backends.mlx_backend import float32_gemms
+        from ds4lab.mlx_kernels.fast import MLXKernels
+
+        float32_gemms()  # the plain path's GEMMs at float32 precision, as the backend keeps them
 
         def sync(out):
             mx.eval(out)
@@ -83,8 +85,8 @@ def run_case(kernels, to_dev, to_host, sync, xp, C, H, D, n_raw, n_comp, ratio, 
     sinks = to_dev(rng.standard_normal(H).astype(np.float32))
     mask = prefill_mask(C, n_raw, n_comp, ratio, window)
     visible, scale, N = to_dev(mask), D ** -0.5, n_raw + n_comp
-    kernel_ms, got = timed(lambda: kernels.attention_chunk(q, keys, visible, sinks, scale), sync, repeat)
-    plain_ms, want = timed(lambda: attend_with_sinks(xp, q, keys, visible, sinks, scale), sync, repeat)
+    kernel_ms, got = timed(lambda: kernels.attend_chunk(q, keys, visible, sinks, scale), sync, repeat)
+    plain_ms, want = timed(lambda: attend(xp, q, keys, visible, sinks, scale), sync, repeat)
     got, want = to_host(got), to_host(want)
     flops = 4.0 * H * D * float(mask.sum())
     io_bytes = 4 * (2 * C * H * D + N * D) + C * N

@@ -1,0 +1,76 @@
+"""What the backends share: :class:`Backend`, the defaults of the backend protocol (see :mod:`ds4lab.backends`),
+and :class:`BlockBackend`, the float32 backend whose kernels run GGUF weights in their block form (CuPy, and
+the CPU emulator's backend). A backend is an array library with linears, compilation and uploads; which op
+runs a kernel is :mod:`ds4lab.ops`'s choice, not the backend's."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ..quants import dequantize
+from .block_weights import KERNEL_TYPES, BlockEmbedding, BlockLinear, StackedBlockLinear
+
+
+class Backend:
+    """The protocol's defaults. ``kernels`` is None here: a backend with ds4lab's kernels has them there
+    (an object of :class:`ds4lab.mlx_kernels.launches.KernelLaunches`)."""
+
+    kernels = None
+
+    def device_key(self):
+        """Which device arrays made now land on (None: the backend has one memory)."""
+        return None
+
+    def device_bytes(self, raw):
+        """GGUF bytes ``raw`` (uint8, host) as a device array, for the kernels that read weights in block form."""
+        return self.xp.asarray(raw)
+
+    def embedding(self, raw, qtype, ne0: int):
+        """``tokens -> rows`` of the token embedding ``raw [vocab, row_bytes]``: decoded on the host, uploaded."""
+        return lambda tokens: self.asarray(dequantize(raw[tokens], qtype, ne0))
+
+    def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
+        """Every matrix of ``raw [n, rows, row_bytes]`` (the experts of a routed-expert tensor, the groups of
+        attn_output_a) in block form on the device, multiplied in one launch; None without a kernel for it."""
+        if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
+            return None
+        return StackedBlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[1])
+
+    def upload(self, arrays: list[np.ndarray]) -> list:
+        """Host arrays as backend arrays: floats as :meth:`asarray` makes them, integers as int32."""
+        return [self.asarray(a) if a.dtype.kind == "f" else self.xp.array(np.asarray(a, dtype=np.int32))
+                for a in arrays]
+
+
+class BlockBackend(Backend):
+    """A float32 backend over an array library ``xp`` whose ``kernels`` run GGUF weights in block form:
+    the CuPy backend, and the CPU emulator's backend the tests run the kernels' wiring with. Without
+    kernels (``kernels`` None) every weight is dequantized to float32 and every op is plain."""
+
+    np_dtype = np.float32
+    can_compile = False
+
+    def asarray(self, a):
+        return self.xp.asarray(np.asarray(a, dtype=np.float32))
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def linear(self, raw, qtype, ne0: int):
+        qtype, xp = Q(qtype), self.xp
+        if self.kernels is None or qtype not in KERNEL_TYPES:
+            weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
+            return lambda x: x @ weight_t
+        return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
+
+    def embedding(self, raw, qtype, ne0: int):
+        host = super().embedding(raw, qtype, ne0)
+        return host if self.kernels is None else BlockEmbedding(self, raw, qtype, ne0, host)
+
+    def index_add(self, acc, rows, values):
+        acc[self.xp.asarray(rows)] += values  # rows are distinct
+        return acc
+
+    def eval(self, *xs):
+        pass
