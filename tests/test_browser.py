@@ -60,7 +60,8 @@ def notebook_cells() -> list[str]:
         "                        offline_charts)\n"
         "from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart\n\n"
         "offline_charts()\n"
-        'model = ds4lab.load(backend="numpy")',
+        'model = ds4lab.load(backend="numpy")\n'
+        "print(ds4lab.__file__)",
         _builder().CORIOLANUS,  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
         "sess = model.session(ctx=512, prefill_chunk=64)\n"
         "kv = KVCacheView(sess)\n"
@@ -148,8 +149,11 @@ def lab(tmp_path_factory):
     n_code = write_notebook(root / NOTEBOOK)
     _settings(tmp / "settings")
     port, token = _free_port(), secrets.token_hex(16)
+    # the kernel imports this checkout's ds4lab (it runs in the temp root, where an installed ds4lab, maybe of
+    # another checkout, would come first otherwise)
+    path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-               IPYTHONDIR=str(tmp / "ipython"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1")
+               IPYTHONDIR=str(tmp / "ipython"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     log_path = tmp / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
@@ -301,6 +305,13 @@ def _painted(canvas) -> dict:
                      cssW: c.getBoundingClientRect().width };
         }"""
     )
+
+
+def test_the_kernel_runs_this_checkout(page):
+    """The notebook's kernel imported the ds4lab of the checkout under test (so the views' front-end is its own)."""
+    pg, *_ = page
+    first = pg.locator(".jp-Notebook .jp-CodeCell").first.locator(".jp-OutputArea-output").inner_text().strip()
+    assert Path(first) == ROOT / "ds4lab" / "__init__.py"
 
 
 def test_prefill_view_renders(page):

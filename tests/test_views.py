@@ -24,15 +24,15 @@ def _ids(n, vocab):
     return ((np.arange(n) * 7 + 3) % (vocab - 10) + 5).tolist()
 
 
-def test_static_files_exist():
-    from ds4lab.viz import views
+def test_front_end_files_exist():
+    from ds4lab.viz.base import STYLESHEET, widgets_dir
 
-    for name in ("prefill.js", "kvcache.js", "attention.js", "views.css"):
-        assert (views.STATIC / name).is_file()
+    for name in ("prefill.js", "kvcache.js", "attention.js", STYLESHEET):
+        assert (widgets_dir() / name).is_file()
         if name.endswith(".js"):
             assert (
-                "export default" in (views.STATIC / name).read_text()
-                and "http" not in (views.STATIC / name).read_text()
+                "export default" in (widgets_dir() / name).read_text()
+                and "http" not in (widgets_dir() / name).read_text()
             )
 
 

@@ -31,13 +31,13 @@ def _bundle_ok(view) -> str:
     return bundle["text/html"]
 
 
-def test_static_files():
-    from ds4lab.viz import views
+def test_front_end_files():
+    from ds4lab.viz.base import STYLESHEET, widgets_dir
 
     for name in ("generation.js", "experts.js", "tiers.js"):
-        src = (views.STATIC / name).read_text()
+        src = (widgets_dir() / name).read_text()
         assert "export default" in src and "http" not in src and "require(" not in src
-    assert ".ds4-gen" in (views.STATIC / "extra.css").read_text()
+    assert ".ds4-gen" in (widgets_dir() / STYLESHEET).read_text()
 
 
 # -- GenerationView ---------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 ``PrefillView(session, prompt)``, ``KVCacheView(session)``, ``AttentionView(capture)``,
 ``GenerationView(session, prompt)``, ``ExpertView(capture)`` (or ``ExpertView.from_prompt(session, prompt)``),
-``TierView(session)`` and Altair chart builders in :mod:`ds4lab.viz.charts`. The widgets' front-end (ESM +
-CSS) is ``ds4lab/viz/static``. ``offline_charts()`` makes Altair charts render with no network (JupyterLab's own
+``TierView(session)`` and Altair chart builders in :mod:`ds4lab.viz.charts`. The widgets' front-end (an ESM per
+view, one shared stylesheet) is ``widgets/`` at the repository root, shipped in the wheel as ``ds4lab.widgets``;
+:mod:`ds4lab.viz.base` finds it and holds what the views share (``View``, ``FollowingView``, ``ViewModel``).
+``offline_charts()`` makes Altair charts render with no network (JupyterLab's own
 Vega-Lite renderer, a PNG fallback for saved notebooks) instead of Altair's HTML, which loads Vega from a CDN.
 """
 

@@ -1,21 +1,19 @@
 """ExpertView: the router's choices layer by layer, as a histogram of tokens per expert, from a capture of
 ``blk.{il}.moe.experts``. Hash layers (the first ``n_hash_layer``) route by a fixed table indexed by the token
-id, the others by the learned router's top-k; the view marks which is which. Front-end: ``static/experts.js``."""
+id, the others by the learned router's top-k; the view marks which is which. Front-end: ``widgets/experts.js``."""
 
 from __future__ import annotations
 
 import html
 from collections import Counter
 
-import anywidget
 import ipywidgets as W
 import numpy as np
 import traitlets as t
 
+from .base import View, ViewModel, token_texts, widget_file
 from .reduce import png_base64
-from .views import CSS, STATIC, _View, token_texts
 
-STYLE = CSS.read_text() + (STATIC / "extra.css").read_text()
 HASH_COLOUR, LEARNED_COLOUR = (230, 85, 13), (49, 130, 189)  # hash-routed layers orange, learned blue
 
 
@@ -43,9 +41,8 @@ def capture_prefill(session, prompt, layers=None):
     return cap
 
 
-class ExpertModel(anywidget.AnyWidget):
-    _esm = STATIC / "experts.js"
-    _css = STYLE
+class ExpertModel(ViewModel):
+    _esm = widget_file("experts.js")
     title = t.Unicode("").tag(sync=True)
     n_expert = t.Int(0).tag(sync=True)
     k = t.Int(0).tag(sync=True)  # experts per token
@@ -54,7 +51,7 @@ class ExpertModel(anywidget.AnyWidget):
     common_scale = t.Bool(True).tag(sync=True)  # one y scale for every layer, or each layer its own
 
 
-class ExpertView(_View):
+class ExpertView(View):
     """Tokens routed to each expert, one histogram per layer (hash-routed layers marked), from a
     :class:`ds4lab.hooks.Capture` of ``moe.experts``; or give a session and a ``prompt`` to capture over a
     prefill of it (see :func:`capture_prefill`, and :meth:`from_prompt`).

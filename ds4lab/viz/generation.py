@@ -1,5 +1,5 @@
 """GenerationView: a sampled generation streamed token by token, each token coloured by its log-probability,
-its top-k alternatives on hover. The widget's front-end is ``static/generation.js``."""
+its top-k alternatives on hover. The widget's front-end is ``widgets/generation.js``."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import asyncio
 import html
 import math
 
-import anywidget
 import ipywidgets as W
 import traitlets as t
 
-from .views import CSS, STATIC, _View, token_texts
+from .base import View, ViewModel, token_texts, widget_file
 
-STYLE = CSS.read_text() + (STATIC / "extra.css").read_text()
 CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
 
 # Background of a generated token by the probability it was sampled with: (lowest log-probability, colour),
@@ -66,9 +64,8 @@ def _alternatives(record: dict) -> str:
     return ", ".join(f"{a['text']!r} {math.exp(a['logprob']):.2f}" for a in record["top"])
 
 
-class GenerationModel(anywidget.AnyWidget):
-    _esm = STATIC / "generation.js"
-    _css = STYLE
+class GenerationModel(ViewModel):
+    _esm = widget_file("generation.js")
     context = t.List(t.Unicode()).tag(sync=True)  # texts of the last context tokens, shown greyed
     context_skipped = t.Int(0).tag(sync=True)  # earlier context tokens not shown
     records = t.List(t.Dict()).tag(sync=True)  # one per generated token: see step_record
@@ -76,7 +73,7 @@ class GenerationModel(anywidget.AnyWidget):
     scale = t.List().tag(sync=True)  # LOGPROB_SCALE as [[lowest logprob or null, colour], ...]
 
 
-class GenerationView(_View):
+class GenerationView(View):
     """Stream a sampled generation from ``session``: every token coloured by its log-probability, its top-k
     alternatives (with probabilities) on hover.
 

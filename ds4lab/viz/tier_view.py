@@ -1,21 +1,19 @@
 """TierView: the session's placement (embedding, layers, head coloured by tier), the tier switches of the
 last step, and the bytes each step moved between tiers against what a full chunk would move. Front-end:
-``static/tiers.js``."""
+``widgets/tiers.js``."""
 
 from __future__ import annotations
 
 import html
 
-import anywidget
 import ipywidgets as W
 import numpy as np
 import traitlets as t
 
 from ..tiers import EMBED
+from .base import FollowingView, ViewModel, widget_file
 from .reduce import png_base64
-from .views import CSS, STATIC, _FollowingView
 
-STYLE = CSS.read_text() + (STATIC / "extra.css").read_text()
 TIER_PALETTE = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fc9272", "#d9d9d9", "#fdd0a2", "#c7e9c0"]
 MAX_STEPS = 200  # steps kept for the bytes-per-step chart
 
@@ -34,9 +32,8 @@ def _switch_record(s, n_layer: int) -> dict:
                 bytes=int(s.bytes), seconds=float(s.seconds))
 
 
-class TierModel(anywidget.AnyWidget):
-    _esm = STATIC / "tiers.js"
-    _css = STYLE
+class TierModel(ViewModel):
+    _esm = widget_file("tiers.js")
     rule = t.Unicode("").tag(sync=True)
     units = t.List().tag(sync=True)  # placement.table() rows with their colour: embed, layers, head
     tiers = t.List().tag(sync=True)  # per tier: device, weights, kv, activations, total, budget, colour
@@ -48,7 +45,7 @@ class TierModel(anywidget.AnyWidget):
     steps = t.List().tag(sync=True)  # per step: step, bytes, seconds, switches, copies, mode (latest MAX_STEPS)
 
 
-class TierView(_FollowingView):
+class TierView(FollowingView):
     """The layer stack of ``session.placement`` coloured by tier, the switch trace of the last step (from
     ``session.tier_trace``) and the bytes moved per step, drawn against ``boundaries × chunk × row_bytes`` (a
     batch step of a full chunk) and ``boundaries × row_bytes`` (a decode step).

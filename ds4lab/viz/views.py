@@ -1,4 +1,4 @@
-"""Notebook views: anywidget models (front-end ESM/CSS in ``ds4lab/viz/static``, shipped in the wheel) with
+"""Notebook views: anywidget models (front-end ESM/CSS in ``widgets/``, shipped in the wheel) with
 ipywidgets controls around them. Each view's ``_repr_mimebundle_`` carries the live widget and a static
 ``text/html`` fallback (tables, coloured text, an inline PNG), so a saved notebook still shows it."""
 
@@ -6,46 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import html
-from pathlib import Path
 
-import anywidget
 import ipywidgets as W
 import numpy as np
 import traitlets as t
 
 from ..kv.checkpoint import state_to_payload
 from ..kv.view import KVView
+from .base import FollowingView, View, ViewModel, token_texts, widget_file
 from .reduce import MAX_SIDE, colormap, png_base64, reduce_groups, to_uint8
 
-STATIC = Path(__file__).parent / "static"
-CSS = STATIC / "views.css"
 PALETTE = ["#c6dbef", "#c7e9c0", "#fdd0a2", "#dadaeb", "#fcbba1", "#d9d9d9", "#9ecae1", "#a1d99b"]
 
 
-def token_texts(tokenizer, ids) -> list[str]:
-    return [tokenizer.token_bytes(int(i)).decode("utf-8", "replace") for i in ids]
-
-
-class _View:
-    """A composite view: ``widget`` (what Jupyter renders live) plus a static HTML fallback."""
-
-    widget: W.Widget
-
-    def static_html(self) -> str:
-        raise NotImplementedError
-
-    def _repr_mimebundle_(self, **kwargs):
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        data = dict(bundle[0] if isinstance(bundle, tuple) else bundle)
-        data["text/html"] = self.static_html()
-        data["text/plain"] = repr(self)
-        return data
-
-
 # -- PrefillView ----------------------------------------------------------------------------------------
-class PrefillModel(anywidget.AnyWidget):
-    _esm = STATIC / "prefill.js"
-    _css = CSS
+class PrefillModel(ViewModel):
+    _esm = widget_file("prefill.js")
     tokens = t.List(t.Unicode()).tag(sync=True)
     first = t.Int(0).tag(sync=True)  # position the prefill starts from (earlier tokens were reused)
     bounds = t.List().tag(sync=True)  # [[start, end], ...] of every chunk, run or planned
@@ -56,7 +32,7 @@ class PrefillModel(anywidget.AnyWidget):
     selected = t.Int(-1).tag(sync=True)
 
 
-class PrefillView(_View):
+class PrefillView(View):
     """Step a chunked prefill chunk by chunk: ``.step()``, ``.run()`` (or the buttons); a slider selects a
     chunk (and scrubs a linked :class:`KVCacheView` to its checkpoint)."""
 
@@ -195,30 +171,12 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
     )
 
 
-class KVCacheModel(anywidget.AnyWidget):
-    _esm = STATIC / "kvcache.js"
-    _css = CSS
+class KVCacheModel(ViewModel):
+    _esm = widget_file("kvcache.js")
     data = t.Dict().tag(sync=True)
 
 
-class _FollowingView(_View):
-    """A view of ``self.session`` that can refresh itself after every step of it (``session.step_observers``)."""
-
-    def _follow(self, auto_refresh: bool) -> None:
-        self.auto_refresh = auto_refresh
-        if auto_refresh:
-            self.session.step_observers.append(self._on_step)
-
-    def _on_step(self, record) -> None:
-        self.refresh()
-
-    def detach(self) -> None:
-        """Stop refreshing after the session's steps."""
-        self.session.step_observers[:] = [f for f in self.session.step_observers if f != self._on_step]
-        self.auto_refresh = False
-
-
-class KVCacheView(_FollowingView):
+class KVCacheView(FollowingView):
     """The session's KV state layer by layer. With ``auto_refresh`` (the default) it refreshes itself after
     every prefill chunk and decode step of its session (through ``session.step_observers``); otherwise call
     ``refresh()``. ``show(checkpoint)`` or the slider scrubs through checkpoints without touching the session
@@ -351,9 +309,8 @@ class KVCacheView(_FollowingView):
 
 
 # -- AttentionView --------------------------------------------------------------------------------------
-class AttentionModel(anywidget.AnyWidget):
-    _esm = STATIC / "attention.js"
-    _css = CSS
+class AttentionModel(ViewModel):
+    _esm = widget_file("attention.js")
     title = t.Unicode("").tag(sync=True)
     buf = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols], weight / vmax · 255, max-pooled
     marks = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols]: 1 dropped by the indexer, 2 selected
@@ -371,7 +328,7 @@ def _span_label(items, f, fmt) -> list[str]:
     return [fmt(items[i : i + f]) for i in range(0, len(items), f)]
 
 
-class AttentionView(_View):
+class AttentionView(View):
     """Heatmap of one layer and head of a :class:`ds4lab.hooks.Capture` (or an ``AttentionMap``): queries
     down, keys across in three groups (raw window | compressed rows | sink); max-pooled to at most
     ``max_side`` × ``max_side`` and sent as a uint8 buffer."""

@@ -31,6 +31,11 @@ function render({ model, el }) {
     el.innerHTML = html + "</div>";
   };
   draw();
-  for (const k of ["tokens", "bounds", "chunks", "done", "selected"]) model.on(`change:${k}`, draw);
+  const events = ["tokens", "bounds", "chunks", "done", "selected"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => {
+    for (const e of events) model.off(e, draw);
+  };
 }
 export default { render };

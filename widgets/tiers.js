@@ -48,7 +48,7 @@ function render({ model, el }) {
       `<svg class="ds4-steps" width="${n * bw}" height="${H + 1}">${svg}</svg>`;
     body.innerHTML = h;
   };
-  body.addEventListener("mouseover", (ev) => {
+  const hover = (ev) => {
     const i = ev.target.dataset ? ev.target.dataset.i : undefined;
     if (i === undefined) return;
     const d = model.get("steps")[+i], rb = model.get("row_bytes");
@@ -56,8 +56,15 @@ function render({ model, el }) {
     tip.textContent = `step ${d.step}: ${d.mode}, ${d.switches} switch(es), ${d.copies} copy(ies), ${fmt(d.bytes)} bytes` +
       (d.copies ? ` = ${d.copies} × ${Math.round(d.bytes / d.copies / rb)} rows × ${fmt(rb)} B` : "") +
       `, ${(d.seconds * 1e6).toFixed(0)} µs`;
-  });
+  };
   draw();
-  for (const k of ["units", "tiers", "trace", "steps", "last_step"]) model.on(`change:${k}`, draw);
+  const events = ["units", "tiers", "trace", "steps", "last_step"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
+  body.addEventListener("mouseover", hover);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => {
+    for (const e of events) model.off(e, draw);
+    body.removeEventListener("mouseover", hover);
+  };
 }
 export default { render };

@@ -42,5 +42,7 @@ function render({ model, el }) {
   };
   draw();
   model.on("change:data", draw);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => model.off("change:data", draw);
 }
 export default { render };

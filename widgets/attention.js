@@ -34,15 +34,22 @@ function render({ model, el }) {
       ` · colour: weight 0…${model.get("vmax").toPrecision(3)} · groups: ` +
       model.get("groups").map((g) => `${g.name} ${g.stop - g.start}`).join(" | ") + " · peach: compressed row dropped by the indexer";
   };
-  canvas.addEventListener("mousemove", (ev) => {
+  const hover = (ev) => {
     const rect = canvas.getBoundingClientRect();
     const c = Math.floor(((ev.clientX - rect.left) / rect.width) * model.get("cols"));
     const r = Math.floor(((ev.clientY - rect.top) / rect.height) * model.get("rows"));
     const buf = bytes(model.get("buf")), i = r * model.get("cols") + c;
     const rl = model.get("row_labels")[r] ?? "", cl = model.get("col_labels")[c] ?? "";
     tip.textContent = `${rl} → ${cl}: ${(((buf[i] || 0) / 255) * model.get("vmax")).toPrecision(3)}`;
-  });
+  };
   draw();
-  for (const k of ["buf", "marks", "rows", "cols", "groups", "title"]) model.on(`change:${k}`, draw);
+  const events = ["buf", "marks", "rows", "cols", "groups", "title"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
+  canvas.addEventListener("mousemove", hover);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => {
+    for (const e of events) model.off(e, draw);
+    canvas.removeEventListener("mousemove", hover);
+  };
 }
 export default { render };

@@ -43,11 +43,18 @@ function render({ model, el }) {
     text.innerHTML = h;
     text.scrollTop = text.scrollHeight;
   };
-  text.addEventListener("mouseover", (ev) => {
+  const hover = (ev) => {
     const i = ev.target.dataset ? ev.target.dataset.i : undefined;
     if (i !== undefined) showTip(+i);
-  });
+  };
   draw();
-  for (const k of ["records", "context", "status", "scale"]) model.on(`change:${k}`, draw);
+  const events = ["records", "context", "status", "scale"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
+  text.addEventListener("mouseover", hover);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => {
+    for (const e of events) model.off(e, draw);
+    text.removeEventListener("mouseover", hover);
+  };
 }
 export default { render };

@@ -30,7 +30,7 @@ function render({ model, el }) {
     }
     body.innerHTML = h;
   };
-  body.addEventListener("mouseover", (ev) => {
+  const hover = (ev) => {
     const d = ev.target.dataset;
     if (!d || d.e === undefined) return;
     const L = model.get("layers").find((x) => x.layer === +d.l), e = +d.e;
@@ -39,8 +39,15 @@ function render({ model, el }) {
     tip.innerHTML = `layer ${L.layer}${L.hash ? " (hash)" : ""}, expert ${e}: ${c} of ${L.n_tokens} tokens ` +
       `(${L.n_tokens ? ((100 * c) / L.n_tokens).toFixed(1) : 0}%)` +
       (top.length ? " · most often: " + top.map(([t, k]) => `<code>${esc(JSON.stringify(t))}</code> ×${k}`).join(", ") : "");
-  });
+  };
   draw();
-  for (const k of ["layers", "show", "common_scale", "title"]) model.on(`change:${k}`, draw);
+  const events = ["layers", "show", "common_scale", "title"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
+  body.addEventListener("mouseover", hover);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => {
+    for (const e of events) model.off(e, draw);
+    body.removeEventListener("mouseover", hover);
+  };
 }
 export default { render };

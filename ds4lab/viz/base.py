@@ -1,0 +1,84 @@
+"""What every notebook view shares: :class:`View` (a live widget plus its static HTML fallback),
+:class:`FollowingView` (a view that refreshes after every step of its session), :func:`token_texts`, and the
+front-end: :func:`widgets_dir` finds the views' ESM and CSS (``widgets/`` at the repository root, the package
+``ds4lab.widgets`` once installed), :func:`widget_file` hands one of its files to an anywidget model, and
+:class:`ViewModel`, the base of every view's model, carries the one stylesheet they share."""
+
+from __future__ import annotations
+
+import importlib.resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+import anywidget
+import ipywidgets as W
+
+WIDGETS_PACKAGE = "ds4lab.widgets"  # what the wheel installs widgets/ as (pyproject.toml, [tool.setuptools])
+STYLESHEET = "views.css"  # the style of every view
+
+
+def widgets_dir() -> Traversable:
+    """The folder of the views' front-end sources. In a source checkout (the repository root on ``sys.path``, or
+    an editable install of it) it is ``widgets/`` beside the ``ds4lab`` package imported, so that a checkout
+    never shows another checkout's front-end; elsewhere (a wheel) it is the installed package ``ds4lab.widgets``,
+    found by :mod:`importlib.resources`."""
+    root = Path(__file__).resolve().parents[2]  # ds4lab/viz/base.py -> the folder holding the ds4lab package
+    if (root / "pyproject.toml").is_file() and (root / "widgets" / "__init__.py").is_file():
+        return root / "widgets"
+    return importlib.resources.files(WIDGETS_PACKAGE)
+
+
+def widget_file(name: str) -> Path | str:
+    """The front-end file ``name`` of :func:`widgets_dir`, as an anywidget model's ``_esm`` or ``_css`` takes it:
+    its path when it is a file on disk (anywidget reads it, and with ``ANYWIDGET_HMR=1`` reloads it when it
+    changes), else its text."""
+    res = widgets_dir() / name
+    if isinstance(res, Path):
+        if not res.is_file():
+            raise FileNotFoundError(f"no front-end file {name!r} in {res.parent}")
+        return res
+    return res.read_text(encoding="utf-8")
+
+
+class ViewModel(anywidget.AnyWidget):
+    """The base of every view's anywidget model: the shared stylesheet. A view's model names its ESM
+    (``_esm = widget_file("prefill.js")``) and its synced traits."""
+
+    _css = widget_file(STYLESHEET)
+
+
+def token_texts(tokenizer, ids) -> list[str]:
+    return [tokenizer.token_bytes(int(i)).decode("utf-8", "replace") for i in ids]
+
+
+class View:
+    """A composite view: ``widget`` (what Jupyter renders live) plus a static HTML fallback."""
+
+    widget: W.Widget
+
+    def static_html(self) -> str:
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        data = dict(bundle[0] if isinstance(bundle, tuple) else bundle)
+        data["text/html"] = self.static_html()
+        data["text/plain"] = repr(self)
+        return data
+
+
+class FollowingView(View):
+    """A view of ``self.session`` that can refresh itself after every step of it (``session.step_observers``)."""
+
+    def _follow(self, auto_refresh: bool) -> None:
+        self.auto_refresh = auto_refresh
+        if auto_refresh:
+            self.session.step_observers.append(self._on_step)
+
+    def _on_step(self, record) -> None:
+        self.refresh()
+
+    def detach(self) -> None:
+        """Stop refreshing after the session's steps."""
+        self.session.step_observers[:] = [f for f in self.session.step_observers if f != self._on_step]
+        self.auto_refresh = False

@@ -1,0 +1,191 @@
+"""Each view's ESM (widgets/*.js) in headless Chromium, without JupyterLab: imported as anywidget imports it (a
+blob: URL), its ``render`` given a stand-in model that holds the state of a real view (made here on the nano
+model) and an element in the page. The ESM must draw, survive a change of every trait it listens to, and return
+its cleanup, which anywidget calls when the view is removed: after it, nothing that render registered is left
+(model listeners, DOM listeners anywhere, intervals, pending timeouts and animation frames, observers).
+
+Needs Debian's ``chromium`` (or ``$DS4LAB_CHROMIUM``) and playwright, as tests/test_browser.py does; skips,
+saying what is missing, without them.
+"""
+
+import base64
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("anywidget")
+import ds4lab  # noqa: E402
+from ds4lab.tiers import Placement  # noqa: E402
+from ds4lab.viz import AttentionView, ExpertView, GenerationView, KVCacheView, PrefillView, TierView  # noqa: E402
+from ds4lab.viz.base import ViewModel  # noqa: E402
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = os.environ.get("DS4LAB_CHROMIUM", "/usr/bin/chromium")
+
+# Instruments the page before the ESM is imported: every registration render can make is counted until undone.
+INSTRUMENT = """
+() => {
+  const live = { dom: new Map(), intervals: new Set(), timeouts: new Set(), frames: new Set(), observers: new Set() };
+  window.__live = live;
+  const key = (t, type, fn, opts) => [t, type, fn, !!(typeof opts === "boolean" ? opts : opts && opts.capture)];
+  const domKeys = [];
+  const find = (k) => domKeys.findIndex((x) => x.every((v, i) => v === k[i]));
+  const add = EventTarget.prototype.addEventListener, remove = EventTarget.prototype.removeEventListener;
+  EventTarget.prototype.addEventListener = function (type, fn, opts) {
+    const k = key(this, type, fn, opts);
+    if (window.__recording && find(k) < 0) domKeys.push(k);
+    return add.call(this, type, fn, opts);
+  };
+  EventTarget.prototype.removeEventListener = function (type, fn, opts) {
+    const i = find(key(this, type, fn, opts));
+    if (i >= 0) domKeys.splice(i, 1);
+    return remove.call(this, type, fn, opts);
+  };
+  live.domCount = () => domKeys.length;
+  live.domList = () => domKeys.map(([t, type]) => `${t.constructor.name}.${type}`);
+  const [si, ci, st, ct, raf, caf] = [setInterval, clearInterval, setTimeout, clearTimeout,
+                                      requestAnimationFrame, cancelAnimationFrame];
+  window.setInterval = (...a) => { const id = si(...a); if (window.__recording) live.intervals.add(id); return id; };
+  window.clearInterval = (id) => { live.intervals.delete(id); ci(id); };
+  window.setTimeout = (fn, ...a) => {
+    const run = (...b) => { live.timeouts.delete(id); return typeof fn === "function" ? fn(...b) : undefined; };
+    const id = st(run, ...a);
+    if (window.__recording) live.timeouts.add(id);
+    return id;
+  };
+  window.clearTimeout = (id) => { live.timeouts.delete(id); ct(id); };
+  window.requestAnimationFrame = (fn) => {
+    const id = raf((t) => { live.frames.delete(id); fn(t); });
+    if (window.__recording) live.frames.add(id);
+    return id;
+  };
+  window.cancelAnimationFrame = (id) => { live.frames.delete(id); caf(id); };
+  for (const name of ["ResizeObserver", "MutationObserver", "IntersectionObserver"]) {
+    const Base = window[name];
+    window[name] = class extends Base {
+      observe(...a) { if (window.__recording) live.observers.add(this); return super.observe(...a); }
+      disconnect() { live.observers.delete(this); return super.disconnect(); }
+    };
+  }
+}
+"""
+
+# Imports the ESM, renders it into a fresh element with a stand-in model, fires every event it listens to, calls
+# its cleanup; reports what was registered before and what is left after.
+RENDER = """
+async ([src, state]) => {
+  const decode = (v) => (v && v.__bytes__ !== undefined)
+    ? new DataView(Uint8Array.from(atob(v.__bytes__), (c) => c.charCodeAt(0)).buffer) : v;
+  const values = Object.fromEntries(Object.entries(state).map(([k, v]) => [k, decode(v)]));
+  const handlers = new Map();
+  const model = {
+    get: (k) => values[k],
+    set: (k, v) => { values[k] = v; },
+    save_changes: () => {},
+    send: () => {},
+    on: (name, fn) => { if (!handlers.has(name)) handlers.set(name, new Set()); handlers.get(name).add(fn); },
+    off: (name, fn) => {
+      if (name === undefined || name === null) { handlers.clear(); return; }
+      if (fn === undefined) { handlers.delete(name); return; }
+      if (handlers.has(name)) handlers.get(name).delete(fn);
+    },
+  };
+  const count = () => [...handlers.values()].reduce((n, s) => n + s.size, 0);
+  const live = window.__live;
+  const snapshot = () => ({ model: count(), dom: live.domCount(), domList: live.domList(),
+    intervals: live.intervals.size, timeouts: live.timeouts.size, frames: live.frames.size,
+    observers: live.observers.size });
+  const url = URL.createObjectURL(new Blob([src], { type: "text/javascript" }));
+  const mod = await import(url);
+  const el = document.createElement("div");
+  document.body.append(el);
+  window.__recording = true;
+  const cleanup = await mod.default.render({ model, el });
+  const events = [...handlers.keys()];
+  for (const [, fns] of handlers) for (const fn of [...fns]) fn();  // as a change of that trait does
+  const drawn = el.innerHTML.length;
+  const during = snapshot();
+  if (typeof cleanup === "function") await cleanup();
+  window.__recording = false;
+  return { cleanup: typeof cleanup, drawn, events, during, after: snapshot(), rootClass: el.className };
+}
+"""
+
+
+def _view_traits(widget) -> list[str]:
+    """The synced traits a view's model adds to every widget's."""
+    return sorted(set(widget.traits(sync=True)) - set(ViewModel.class_traits(sync=True)) - {"_esm", "_css"})
+
+
+def _json_state(widget) -> dict:
+    """The view's traits of an anywidget model, bytes as {"__bytes__": base64}."""
+    out = {}
+    for name in _view_traits(widget):
+        v = getattr(widget, name)
+        out[name] = {"__bytes__": base64.b64encode(bytes(v)).decode()} if isinstance(v, bytes) else v
+    return json.loads(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def models(model_paths):
+    """One real view of each kind, on the nano model: {esm file: its anywidget model}."""
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    ids = ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
+    sess = model.session(ctx=256, prefill_chunk=32)
+    kv = KVCacheView(sess)
+    prefill = PrefillView(sess, ids, kv_view=kv)
+    prefill.run()
+    att = model.session(ctx=256, prefill_chunk=32)
+    with att.capture(["attn.scores"], layers=[2], heads=[0]) as cap:
+        att.prefill(ids).run(progress=False)
+    tiered = model.session(ctx=256, prefill_chunk=32, placement=Placement.even(2))
+    generation = GenerationView(tiered, ids[:40], max_tokens=4, seed=3)
+    generation.run()
+    views = [prefill, kv, AttentionView(cap, layer=2), ExpertView.from_prompt(model.session(ctx=256), ids),
+             generation, TierView(tiered)]
+    names = ["prefill.js", "kvcache.js", "attention.js", "experts.js", "generation.js", "tiers.js"]
+    return {name: v.model for name, v in zip(names, views)}
+
+
+@pytest.fixture
+def page():
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"no Chromium binary at {CHROMIUM} (apt-get install chromium, or set DS4LAB_CHROMIUM)")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[browser]')")
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        try:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        except PlaywrightError as e:
+            pytest.skip(f"Chromium at {CHROMIUM} did not start under Playwright: {str(e)[:500]}")
+        try:
+            pg = browser.new_page()
+            errors = []
+            pg.on("pageerror", lambda e: errors.append(e))
+            pg.set_content("<!doctype html><html><body></body></html>")
+            pg.evaluate(INSTRUMENT)
+            yield pg, errors
+        finally:
+            browser.close()
+
+
+@pytest.mark.parametrize("name", ["prefill.js", "kvcache.js", "attention.js", "experts.js", "generation.js",
+                                  "tiers.js"])
+def test_render_returns_a_cleanup_that_undoes_it(page, models, name):
+    pg, errors = page
+    widget = models[name]
+    r = pg.evaluate(RENDER, [widget._esm, _json_state(widget)])
+    assert not errors, errors
+    assert r["cleanup"] == "function", f"{name}: render returns {r['cleanup']}, not its cleanup"
+    assert r["drawn"] > 0 and "ds4-view" in r["rootClass"]
+    # render listened to the model (the instrumentation sees it), and to its traits only
+    assert r["during"]["model"] > 0
+    assert all(e.startswith("change:") and e[len("change:"):] in _view_traits(widget) for e in r["events"]), r
+    left = {k: v for k, v in r["after"].items() if k != "domList" and v}
+    assert not left, f"{name}: left behind after its cleanup: {left} {r['after']['domList']}"
