@@ -4,9 +4,10 @@
 left and every offset a Python int (files of 80+ GB), and exposes its metadata as plain Python values
 and its tensors as raw bytes, without copying. ``load_model_file`` adds the ds4 checks: the
 metadata must give a valid :class:`ModelConfig`, every tensor must have the shape and type that config
-implies, and the tokenizer must match the vocabulary. ``write_gguf`` writes a file atomically (with
-``gguf.GGUFWriter`` for the directory); a tensor given as None is left a hole of zeros, so a file of the
-real model's layout costs only its small tensors on disk.
+implies, and the tokenizer must match the vocabulary. ``GGUFModelFile.print_summary`` is what
+``ds4lab inspect`` prints of a GGUF. ``write_gguf`` writes a file atomically (with ``gguf.GGUFWriter``
+for the directory); a tensor given as None is left a hole of zeros, so a file of the real model's
+layout costs only its small tensors on disk.
 
 Tensor data layout (``TensorInfo.data``): a read-only ``uint8`` view of the mapped file with shape
 ``tensor_byte_shape(shape, qtype)`` = ``(ne[-1], ..., ne[1], row_bytes)``, the higher GGUF dims in
@@ -25,9 +26,9 @@ import os
 import re
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TextIO
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType, GGUFWriter
@@ -137,6 +138,54 @@ class GGUFModelFile:
             h.update(flat[:64].tobytes())
             h.update(flat[-64:].tobytes())
         return h.hexdigest()[:32]
+
+    def print_summary(self, out: TextIO | None = None) -> str | None:
+        """What ``ds4lab inspect FILE.gguf`` prints (to ``out``, default stdout): the header, every metadata key,
+        the model config the metadata gives, the tensor table with types and bytes, the bytes by type. Returns why
+        the file is not a valid ds4 model (its config or tensors do not fit), or None."""
+
+        def say(text: str = "") -> None:
+            print(text, file=out)
+
+        total = sum(t.nbytes for t in self.tensors.values())
+        # open() refuses every version but _VERSION
+        say(f"{self.path}: GGUF v{_VERSION}, {self.file_size:,} bytes, {len(self.metadata)} metadata keys, "
+            f"{len(self.tensors)} tensors ({total:,} bytes of tensor data), alignment {self.alignment}")
+
+        say("\nmetadata")
+        width = max((len(k) for k in self.metadata), default=0)
+        for key, (value, type_name) in self.metadata.items():
+            say(f"  {key:<{width}}  {type_name:<14} {_show_value(value, type_name)}")
+
+        say("\nconfig")
+        problem = None
+        try:
+            cfg = ModelConfig.from_metadata(self.metadata, str(self.path))
+            cfg.validate_tensors({n: (t.shape, t.qtype) for n, t in self.tensors.items()}, str(self.path))
+        except ValueError as e:
+            problem = str(e)
+            say(f"  not a valid ds4 model: {problem}")
+        else:
+            for field in fields(cfg):
+                say(f"  {field.name:<26} {getattr(cfg, field.name)}")
+            ratios = [cfg.ratio(il) for il in range(cfg.n_layer)]
+            say(f"  {'(layer ratios)':<26} {ratios}")
+
+        say("\ntensors")
+        name_w = max((len(n) for n in self.tensors), default=4)
+        say(f"  {'name':<{name_w}}  {'type':<8} {'shape (ne0 first)':<22} {'bytes':>14}")
+        by_type: dict[str, list[int]] = {}
+        for name, t in self.tensors.items():
+            shape = " x ".join(str(d) for d in t.shape)
+            say(f"  {name:<{name_w}}  {t.qtype.name:<8} {shape:<22} {t.nbytes:>14,}")
+            acc = by_type.setdefault(t.qtype.name, [0, 0])
+            acc[0] += 1
+            acc[1] += t.nbytes
+        say("\nby type")
+        for type_name, (count, nbytes) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+            say(f"  {type_name:<8} {count:5d} tensors {nbytes:>16,} bytes")
+        say(f"  {'total':<8} {len(self.tensors):5d} tensors {total:>16,} bytes")
+        return problem
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
@@ -424,6 +473,23 @@ def _check_tokenizer(meta: Mapping[str, tuple[Any, str]], n_vocab: int, source: 
     if n_tokens != n_vocab:
         raise ModelFileError(f"{source}: metadata key {_TOKENS_KEY} has {n_tokens} tokens, "
                              f"but deepseek4.vocab_size is {n_vocab}")
+
+
+# -- the summary -------------------------------------------------------------------------------------
+
+
+def _show_value(value, type_name: str) -> str:
+    """A metadata value in one short cell of the summary: an array as its length and first six items."""
+    if type_name.startswith("ARRAY"):
+        items = list(value)
+        shown = ", ".join(_short(v) for v in items[:6])
+        return f"[{shown}]" if len(items) <= 6 else f"{len(items)} items: [{shown}, ...]"
+    return _short(value)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- writing -----------------------------------------------------------------------------------------

@@ -997,13 +997,13 @@ def _inspect(path: Path) -> dict | None:
     Its refusals (ModelFileError, KVFileError, and the CLI's own ValueError / OSError) must start with the path."""
     from argparse import Namespace
 
-    from ds4lab import cli
+    from ds4lab.cli.inspect_file import inspect_command
     from ds4lab.config import ModelFileError
     from ds4lab.kv.kvfile import KVFileError
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            cli._inspect(Namespace(file=path))
+            inspect_command(Namespace(file=path))
     except (ModelFileError, KVFileError) as e:
         if not str(e).startswith(f"{path}: "):
             return _result("refused", "inspect", e, named=False)

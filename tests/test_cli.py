@@ -21,7 +21,8 @@ import pytest
 
 import ds4lab
 from ds4lab import bench
-from ds4lab.cli import DEFAULT_SYSTEM, TextPrinter
+from ds4lab.cli import DEFAULT_SYSTEM
+from ds4lab.cli.generate import TextPrinter
 from ds4lab.kv.layout import Geometry
 from ds4lab.kv.payload import payload_nbytes
 

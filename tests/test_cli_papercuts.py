@@ -17,6 +17,9 @@ import ds4lab.backends as backends
 from ds4lab import cli
 from ds4lab.backends import cuda_device_label, device_label, resolve_backend
 from ds4lab.cli import DEFAULT_SYSTEM
+from ds4lab.cli import common as cli_common
+from ds4lab.cli.bench import _NamedWrites
+from ds4lab.cli.common import describe
 from tests.test_cli import FAST, STATS, ds4lab_cmd, one_error_line
 
 
@@ -40,9 +43,9 @@ def _fake_model(backend):
 
 def test_run_header_names_the_cuda_gpu():
     cupy = SimpleNamespace(name="cupy", device="cuda:0", device_label=cuda_device_label(0, b"NVIDIA H200"))
-    assert cli._describe(_fake_model(cupy)).endswith("cupy on cuda:0 (NVIDIA H200)")
+    assert describe(_fake_model(cupy)).endswith("cupy on cuda:0 (NVIDIA H200)")
     # a backend with the device index only, MLX's GPU and CPU devices, NumPy
-    assert cli._describe(_fake_model(SimpleNamespace(name="cupy", device="cuda:1"))).endswith("cupy on cuda:1")
+    assert describe(_fake_model(SimpleNamespace(name="cupy", device="cuda:1"))).endswith("cupy on cuda:1")
     assert device_label(SimpleNamespace(name="mlx", device="Device(gpu, 0)")) == "gpu"
     assert device_label(SimpleNamespace(name="mlx", device="Device(cpu, 0)")) == "cpu"
     assert device_label(SimpleNamespace(name="numpy")) == "cpu"
@@ -61,7 +64,8 @@ def test_cuda_device_label_formats_index_and_name():
 def test_load_defaults_to_auto_like_the_command_line(model):
     assert inspect.signature(ds4lab.load).parameters["backend"].default == "auto"
     assert "auto" in ds4lab.load.__doc__ and "resolve_backend" in ds4lab.load.__doc__
-    assert not hasattr(cli, "_resolve_backend") and not hasattr(cli, "_cupy_has_gpu")
+    for module in (cli, cli_common):  # the package and the module that loads the model
+        assert not hasattr(module, "_resolve_backend") and not hasattr(module, "_cupy_has_gpu")
     chosen = resolve_backend("auto")
     m = ds4lab.load()
     assert m.backend.name == chosen and f"backend={chosen}," in repr(m)
@@ -140,7 +144,7 @@ def test_csv_write_errors_name_the_file(tmp_path):
         def flush(self):
             raise OSError(5, "Input/output error")
 
-    out = cli._NamedWrites(Broken(), tmp_path / "x.csv")
+    out = _NamedWrites(Broken(), tmp_path / "x.csv")
     with pytest.raises(OSError, match=re.escape(f"{tmp_path / 'x.csv'}: Input/output error")):
         out.write("a,b\n")
 

@@ -1,0 +1,106 @@
+"""``ds4lab bench``: ds4-bench's frontier sweep (:mod:`ds4lab.bench`) from the command line: every file and the
+sweep's numbers checked before any work, one CSV row per frontier to stdout or ``--csv``, an optional plot."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from .common import UsageError, check_input, check_output, describe, err, load_model, read_text
+
+
+def bench_command(args) -> int:
+    from .. import bench
+
+    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".svg", ".html", ".json"):
+        raise UsageError(f"--plot needs a .png, .svg or .html file name, got {args.plot.name!r}")
+    # Every file before any work: the outputs can be written, the inputs read.
+    check_output(args.csv, "--csv")
+    check_output(args.plot, "--plot")
+    check_input(args.model, "-m")
+    if args.prompt_file is not None:
+        check_input(args.prompt_file, "--prompt-file")
+        if not read_text(args.prompt_file).strip():
+            raise ValueError(f"--prompt-file {args.prompt_file}: the file is empty")
+    if args.plot is not None:
+        bench._import_altair()  # fail before the sweep, not after it
+        if args.plot.suffix.lower() in (".png", ".svg"):
+            try:
+                import vl_convert  # noqa: F401
+            except ImportError:
+                raise bench.BenchError(f"--plot {args.plot.suffix} needs vl-convert-python: "
+                                       "pip install vl-convert-python (or use a .html file name)") from None
+    model = load_model(args)
+    cap = model.config.context_length or bench.DEFAULT_CTX_MAX
+    if model.config.context_length and args.ctx_max and args.ctx_max > cap:
+        raise UsageError(f"--ctx-max {args.ctx_max} is more than the model's context ({cap} tokens, "
+                         f"deepseek4.context_length)")
+    ctx_max = args.ctx_max or min(bench.DEFAULT_CTX_MAX, cap)
+    ctx_start = args.ctx_start or min(bench.DEFAULT_CTX_START, ctx_max)
+    try:
+        ctx_alloc = bench.check_sweep(ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
+                                      args.ctx_alloc)
+        points = bench.frontiers(ctx_start, ctx_max, args.step_incr, args.step_mul)
+    except bench.BenchError as e:
+        raise UsageError(str(e)) from None
+    tokens, source = bench.prompt_tokens(model, args.prompt_file, min_tokens=ctx_max)
+    if len(tokens) < ctx_max:  # before the CSV header, not after it
+        raise ValueError(f"{source}: the prompt has {len(tokens)} tokens, need at least ctx_max = {ctx_max}")
+    sess = model.session(ctx=ctx_alloc, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
+    err(f"bench: {describe(model)}, ctx {ctx_alloc}, prefill chunk {sess.prefill_chunk}, "
+        f"prompt {source} ({len(tokens)} tokens), {len(points)} frontiers {points[0]}..{points[-1]}, "
+        f"{args.gen_tokens} generated tokens each")
+    rows = bench.sweep(model, tokens, ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
+                       session=sess)
+    began = time.perf_counter()
+    if args.csv is None:
+        done = bench.write_csv(rows, sys.stdout)
+    else:
+        try:
+            out = open(args.csv, "w", encoding="utf-8")
+        except OSError as e:
+            raise _named(args.csv, e) from None
+        with out:
+            done = bench.write_csv(_echo_rows(rows), _NamedWrites(out, args.csv))
+    err(f"bench: {len(done)} frontiers in {time.perf_counter() - began:.1f} s"
+        + (f", CSV in {args.csv}" if args.csv else ""))
+    if args.plot is not None:
+        try:
+            bench.save_plot(done, args.plot, title=f"{model.path.name} ({model.backend.name}), prefill chunk "
+                                                   f"{sess.prefill_chunk}, {args.gen_tokens} generated tokens")
+        except OSError as e:
+            raise _named(args.plot, e) from None
+        err(f"bench: plot in {args.plot}")
+    return 0
+
+
+class _NamedWrites:
+    """A text file whose write and flush errors name it (EIO from a write carries no file name)."""
+
+    def __init__(self, out, path: Path):
+        self.out, self.path = out, path
+
+    def write(self, text: str) -> int:
+        try:
+            return self.out.write(text)
+        except OSError as e:
+            raise _named(self.path, e) from None
+
+    def flush(self) -> None:
+        try:
+            self.out.flush()
+        except OSError as e:
+            raise _named(self.path, e) from None
+
+
+def _echo_rows(rows):
+    for row in rows:
+        err(f"bench: ctx {row.ctx_tokens}: prefill {row.prefill_tps:.2f} t/s, generation {row.gen_tps:.2f} t/s, "
+            f"KV {row.kvcache_bytes} bytes")
+        yield row
+
+
+def _named(path: Path, e: OSError) -> OSError:
+    """``e`` as an error that names ``path`` (a write error such as EIO carries no file name)."""
+    return OSError(f"{path}: {e.strerror or e}") if not e.filename else e

@@ -1,0 +1,113 @@
+"""What the ``ds4lab`` commands share: exit codes and defaults, the thinking modes, the usage error, the one-line
+error on stderr, the checks of input and output files before any work, and loading the model the flags name."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4_cli.c; an empty --system disables it
+DEFAULT_TOKENS = 50000  # ds4's -n default, clamped to the room left in the context
+DEFAULT_CTX = 32768  # ds4's --ctx default, capped at the model's trained context
+THINK_MAX_MIN_CTX = 393216  # ds4 downgrades Think Max to normal thinking below this context
+
+
+class UsageError(Exception):
+    """Invalid arguments found after parsing (exit code 2)."""
+
+
+def err(message: str) -> None:
+    print(f"ds4lab: {message}", file=sys.stderr, flush=True)
+
+
+def _check_backend_flags(name: str, device: str | None) -> None:
+    """The flag combinations that make no sense (usage errors); the choice itself is
+    :func:`ds4lab.backends.resolve_backend`'s, the same rule as ``ds4lab.load(backend="auto")``."""
+    if name == "numpy" and device == "gpu":
+        raise UsageError("--device gpu needs the mlx backend (numpy runs on the CPU)")
+    if name == "cupy" and device is not None:
+        raise UsageError("--device is for the mlx backend; cupy runs on the current CUDA GPU")
+
+
+def load_model(args):
+    from .. import load
+    from ..backends import resolve_backend
+
+    _check_backend_flags(args.backend, args.device)
+    check_input(args.model, "-m")
+    backend = resolve_backend(args.backend, args.device)
+    return load(args.model, backend=backend, numerics=args.numerics,
+                device=args.device if backend == "mlx" else None, kernels=False if args.no_kernels else None,
+                prefill_matmul=args.prefill_matmul)
+
+
+def describe(model) -> str:
+    from ..backends import device_label
+
+    return (f"{model.path.name} ({model.config.n_layer} layers, vocab {model.config.n_vocab}), {model.backend.name} "
+            f"on {device_label(model.backend)}")
+
+
+def check_input(path: Path | None, flag: str) -> None:
+    """Refuse an input file that is missing, a folder or unreadable before any work, naming it."""
+    if path is None:
+        return
+    if not path.exists():
+        raise OSError(f"{flag} {path}: no such file")
+    if path.is_dir():
+        raise OSError(f"{flag} {path}: is a directory, not a file")
+    if not os.access(path, os.R_OK):
+        raise OSError(f"{flag} {path}: not readable (permission denied)")
+
+
+def check_output(path: Path | None, flag: str) -> None:
+    """Refuse an output path before any work, naming it: a folder, a parent folder that is missing, not a folder
+    or not writable, or an existing file that refuses writes (such as /proc/version). Nothing is created or
+    truncated here."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise OSError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.parent
+    if not parent.exists():
+        raise OSError(f"{flag} {path}: the folder {parent} does not exist")
+    if not parent.is_dir():
+        raise OSError(f"{flag} {path}: {parent} is not a folder")
+    if not path.exists():
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OSError(f"{flag} {path}: cannot create a file in {parent} (permission denied)")
+        return
+    if stat.S_ISFIFO(path.stat().st_mode):
+        return  # a pipe: opening it to test would wait for a reader
+    try:  # opened without truncating; a zero-byte write reaches the file system's write (procfs refuses it)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OSError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def read_text(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except IsADirectoryError:
+        raise OSError(f"{path}: is a directory") from None
+    except OSError as e:
+        raise OSError(f"{path}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Thinking modes: the one asked for, the one a context allows, and how the chat template renders it
+
+
+def effective_think(mode: str, ctx: int) -> str:
+    return "high" if mode == "max" and ctx < THINK_MAX_MIN_CTX else mode
+
+
+RENDER = {"none": False, "high": True, "max": "max"}
+
