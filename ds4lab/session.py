@@ -127,6 +127,11 @@ class Session:
         return self.geometry.ctx
 
     @property
+    def tier_steps(self) -> int:
+        """Steps evaluated so far, counted as ``tier_trace`` numbers them (the next step is this number)."""
+        return self._tier_step
+
+    @property
     def prefill_chunk(self) -> int:
         return self.geometry.chunk
 

@@ -101,8 +101,7 @@ class TierView(FollowingView):
                 break
             new.append(s)
         new.reverse()
-        last = getattr(sess, "_tier_step", None)
-        last = (last - 1) if last is not None else max([self._seen] + [s.step for s in new])
+        last = sess.tier_steps - 1
         if last <= self._seen:
             return
         first = max(self._seen + 1, last + 1 - MAX_STEPS)
