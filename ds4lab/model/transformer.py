@@ -52,7 +52,7 @@ class Transformer:
             raise ValueError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
         self.cfg = config
         self.backend = backend  # the array library (xp, to_numpy)
-        self.ops = backend  # the model's ops: attend, rope, rmsnorm, hc_pre, ... (see ds4lab.backends)
+        self.ops = backend  # the model's ops (attend, rope, rmsnorm, hc_pre, ...): made here, the one place
         self.xp = backend.xp
         self.numerics = numerics
         # How attn_output_a is multiplied (the same product, as one gathered launch or a batched GEMM): a

@@ -217,21 +217,21 @@ class _Tensor:
         return getattr(group.source, self.kind)(*group.names[self.attr])
 
 
-def linear(suffix: str) -> _Tensor:
+def _linear(suffix: str) -> _Tensor:
     """``x -> x @ Wᵀ`` (:meth:`Weights.linear`)."""
     return _Tensor("linear", suffix)
 
 
-def linears(*suffixes: str) -> _Tensor:
+def _linears(*suffixes: str) -> _Tensor:
     """``x -> [x @ W_iᵀ ...]``, stacked into one product where the types allow (:meth:`Weights.linears`)."""
     return _Tensor("linears", *suffixes)
 
 
-def vector(suffix: str) -> _Tensor:
+def _vector(suffix: str) -> _Tensor:
     return _Tensor("vector", suffix)
 
 
-def table(suffix: str) -> _Tensor:
+def _table(suffix: str) -> _Tensor:
     return _Tensor("table", suffix)
 
 
@@ -248,17 +248,17 @@ class _Named:
 class HCWeights(_Named):
     """A hyper-connection mixer's weights (``hc_attn_*`` before the attention, ``hc_ffn_*`` before the FFN)."""
 
-    fn = linear("fn.weight")
-    scale = vector("scale.weight")
-    base = vector("base.weight")
+    fn = _linear("fn.weight")
+    scale = _vector("scale.weight")
+    base = _vector("base.weight")
 
 
 class CompressorWeights(_Named):
     """One compressor's APE and norm (``attn_compressor_*`` or ``indexer_compressor_*``); its kv and gate
     projections run in the layer's product of ``a`` (:meth:`LayerWeights.projections_of_a`)."""
 
-    ape = table("ape.weight")  # [R, W]: the score bias of each slot in the window
-    norm = vector("norm.weight")
+    ape = _table("ape.weight")  # [R, W]: the score bias of each slot in the window
+    norm = _vector("norm.weight")
 
 
 class ProjectionsOfA(NamedTuple):
@@ -278,17 +278,17 @@ class ProjectionsOfA(NamedTuple):
 class LayerWeights(_Named):
     """Layer ``il``'s weights (``blk.{il}.*``), by their GGUF names less the prefix."""
 
-    attn_norm = vector("attn_norm.weight")
-    attn_q_a_norm = vector("attn_q_a_norm.weight")
-    attn_q_b = linear("attn_q_b.weight")
-    attn_kv_a_norm = vector("attn_kv_a_norm.weight")
-    attn_sinks = vector("attn_sinks.weight")
-    attn_output_b = linear("attn_output_b.weight")
-    indexer_attn_q_b = linear("indexer.attn_q_b.weight")
-    ffn_norm = vector("ffn_norm.weight")
-    ffn_gate_inp = linear("ffn_gate_inp.weight")  # the router
-    ffn_gate_up_shexp = linears("ffn_gate_shexp.weight", "ffn_up_shexp.weight")
-    ffn_down_shexp = linear("ffn_down_shexp.weight")
+    attn_norm = _vector("attn_norm.weight")
+    attn_q_a_norm = _vector("attn_q_a_norm.weight")
+    attn_q_b = _linear("attn_q_b.weight")
+    attn_kv_a_norm = _vector("attn_kv_a_norm.weight")
+    attn_sinks = _vector("attn_sinks.weight")
+    attn_output_b = _linear("attn_output_b.weight")
+    indexer_attn_q_b = _linear("indexer.attn_q_b.weight")
+    ffn_norm = _vector("ffn_norm.weight")
+    ffn_gate_inp = _linear("ffn_gate_inp.weight")  # the router
+    ffn_gate_up_shexp = _linears("ffn_gate_shexp.weight", "ffn_up_shexp.weight")
+    ffn_down_shexp = _linear("ffn_down_shexp.weight")
 
     def __init__(self, source, config, il: int):
         p = f"blk.{il}."
@@ -352,11 +352,11 @@ class LayerWeights(_Named):
 class HeadWeights(_Named):
     """The output head's weights."""
 
-    output_hc_fn = linear("output_hc_fn.weight")
-    output_hc_scale = vector("output_hc_scale.weight")
-    output_hc_base = vector("output_hc_base.weight")
-    output_norm = vector("output_norm.weight")
-    output = linear("output.weight")
+    output_hc_fn = _linear("output_hc_fn.weight")
+    output_hc_scale = _vector("output_hc_scale.weight")
+    output_hc_base = _vector("output_hc_base.weight")
+    output_norm = _vector("output_norm.weight")
+    output = _linear("output.weight")
 
     def __init__(self, source):
         super().__init__(source, "")
