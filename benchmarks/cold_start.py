@@ -49,11 +49,11 @@ def main(argv=None):
 
     compiler._compile_module_with_cache = timed
     tensors = model_tensors(SLICE, seed=0, distinct_rows=8)
-    t = build(SLICE, "cupy", True, tensors)
-    sync = syncer(t.backend)
+    rt = build(SLICE, "cupy", True, tensors)
+    sync = syncer(rt.backend)
     t0 = time.perf_counter()
-    state = new_state(SLICE, t.backend, Geometry.for_context(SLICE, CHUNK + 1, CHUNK))
-    step(t, np.arange(CHUNK) % SLICE.n_vocab, state, sync)
+    state = new_state(SLICE, rt.backend, Geometry.for_context(SLICE, CHUNK + 1, CHUNK))
+    step(rt, np.arange(CHUNK) % SLICE.n_vocab, state, sync)
     wall = time.perf_counter() - t0
     kernel_names = {s.name for s in all_specs()}
     ours = [c for c in compiles if c[1] in kernel_names]

@@ -34,6 +34,8 @@ from ds4lab.gguf_file import TensorInfo, tensor_byte_shape
 from ds4lab.kv.layout import Geometry, new_state
 from ds4lab.model import transformer as transformer_module
 from ds4lab.model.transformer import Transformer
+from ds4lab.model.weights import Weights
+from ds4lab.runtime import Runtime
 from ds4lab.testing import model_tensors
 
 SLICE = replace(FLASH, n_layer=6)  # ratios 0,0,4,128,4,128; the first 3 layers hash-routed
@@ -41,13 +43,14 @@ FULL_LAYERS = FLASH.n_layer
 CHUNK = 2048
 
 
-def build(cfg, backend_name: str, kernels: bool, tensors, prefill_matmul: str = "float32") -> Transformer:
+def build(cfg, backend_name: str, kernels: bool, tensors, prefill_matmul: str = "float32") -> Runtime:
+    """The slice's model and the runtime that runs it (``rt.model`` is the :class:`Transformer`)."""
     file = SimpleNamespace(tensors={n: TensorInfo(n, shape, q, raw.reshape(tensor_byte_shape(shape, q)))
                                     for n, shape, q, raw in tensors})
     backend = get_backend(backend_name, None, kernels, prefill_matmul)
-    t = Transformer(cfg, file, backend, numerics="ds4")
-    t.w.expert_cache_bytes = 48 << 30  # the plain path dequantizes experts on first use; keep them
-    return t
+    # the plain path dequantizes experts on first use; keep them
+    weights = Weights(file, backend, cfg.o_groups, cfg.o_lora, expert_cache_bytes=48 << 30)
+    return Runtime(Transformer(cfg, weights, ops.Ops(backend), numerics="ds4"), backend)
 
 
 def syncer(backend):
@@ -104,9 +107,9 @@ def copy_bandwidth(backend, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / min(times)
 
 
-def filled_state(t: Transformer, n_past: int, ctx: int, seed: int = 0):
+def filled_state(rt: Runtime, n_past: int, ctx: int, seed: int = 0):
     """A cache holding ``n_past`` tokens of random rows (rows beyond the counts stay zero)."""
-    b, cfg = t.backend, t.cfg
+    b, cfg = rt.backend, rt.model.cfg
     state = new_state(cfg, b, Geometry.for_context(cfg, ctx, CHUNK))
     rng = np.random.default_rng(seed)
     layers = []
@@ -127,15 +130,15 @@ def filled_state(t: Transformer, n_past: int, ctx: int, seed: int = 0):
     return dc_replace(state, layers=tuple(layers), n_past=n_past)
 
 
-def step(t: Transformer, tokens, state, sync):
-    logits, state = t.forward_logits(tokens, state)
+def step(rt: Runtime, tokens, state, sync):
+    logits, state = rt.forward_logits(tokens, state)
     sync(logits)
     return state, logits
 
 
-def graph_report(t: Transformer) -> dict:
+def graph_report(rt: Runtime) -> dict:
     """How the compiled steps ran: CUDA graphs captured and capture failures (CuPy)."""
-    graphs = {key: g for key, g in t._compiled.items() if hasattr(g, "captures")}
+    graphs = {key: g for key, g in rt.compiled.items() if hasattr(g, "captures")}
     replays = {str(key): [round(s * 1e3, 4) for s in g.replay_seconds()] for key, g in graphs.items()}
     return {"steps": len(graphs), "captures": sum(g.captures for g in graphs.values()),
             "failures": sorted({f for g in graphs.values() for f in g.failures.values()}),
@@ -143,54 +146,56 @@ def graph_report(t: Transformer) -> dict:
             "replay_ms_total": [round(sum(ms), 3) for ms in zip(*(r for r in replays.values() if r))]}
 
 
-def last_replay_s(t: Transformer, key) -> float | None:
+def last_replay_s(rt: Runtime, key) -> float | None:
     """GPU seconds of one bare replay of the CUDA graph the compiled step ``key`` captured last (CuPy), or None
     where the step is not a captured graph."""
-    g = t._compiled.get(key)
+    g = rt.compiled.get(key)
     return g.replay_seconds()[-1] if getattr(g, "captures", 0) else None
 
 
-def decode_speed(t: Transformer, context: int, steps: int, sync) -> dict:
+def decode_speed(rt: Runtime, context: int, steps: int, sync) -> dict:
     """Median seconds of a decode step, and of the same step without the head (the head's share is the
     difference: inside a CUDA graph it has no time of its own to measure). Where the steps are CUDA graphs,
     also their GPU time alone (``gpu_step_s``, ``gpu_body_s`` without the head) and the host's share of a
     step (``host_s``: the step's wall time less its graph's)."""
-    state = filled_state(t, context, context + 2 * steps + 8)
+    state = filled_state(rt, context, context + 2 * steps + 8)
     rng = np.random.default_rng(1)
+    cfg = rt.model.cfg
 
     def median_step(run) -> float:
         nonlocal state
         times = []
         for i in range(steps + 2):
             t0 = time.perf_counter()
-            state = run(rng.integers(0, t.cfg.n_vocab, 1), state)
+            state = run(rng.integers(0, cfg.n_vocab, 1), state)
             if i >= 2:  # the first steps upload weights, compile kernels and capture graphs
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    step_s = median_step(lambda ids, st: step(t, ids, st, sync)[0])
+    step_s = median_step(lambda ids, st: step(rt, ids, st, sync)[0])
 
     def no_head(ids, st):
-        X, st = t.forward(ids, st)
+        X, st = rt.forward(ids, st)
         sync(X)
         return st
 
     body_s = median_step(no_head)
     out = {"context": context, "step_s": step_s, "tokens_per_s": 1 / step_s, "head_s": step_s - body_s}
-    gpu_step_s, gpu_body_s = (last_replay_s(t, ("step", 1, 1, head)) for head in (True, False))
+    gpu_step_s, gpu_body_s = (last_replay_s(rt, ("step", 1, 1, head)) for head in (True, False))
     if gpu_step_s is not None and gpu_body_s is not None:
         out.update(gpu_step_s=gpu_step_s, gpu_body_s=gpu_body_s, host_s=step_s - gpu_step_s,
-                   gpu_layer_ms=gpu_body_s / t.cfg.n_layer * 1e3)
+                   gpu_layer_ms=gpu_body_s / cfg.n_layer * 1e3)
     return out
 
 
-def prefill_speed(t: Transformer, n_tokens: int, sync) -> dict:
-    state = new_state(t.cfg, t.backend, Geometry.for_context(t.cfg, n_tokens + 1, CHUNK))
-    ids = np.random.default_rng(2).integers(0, t.cfg.n_vocab, n_tokens)
+def prefill_speed(rt: Runtime, n_tokens: int, sync) -> dict:
+    cfg = rt.model.cfg
+    state = new_state(cfg, rt.backend, Geometry.for_context(cfg, n_tokens + 1, CHUNK))
+    ids = np.random.default_rng(2).integers(0, cfg.n_vocab, n_tokens)
     chunks = []
     for start in range(0, n_tokens, CHUNK):
         t0 = time.perf_counter()
-        state, _ = step(t, ids[start:start + CHUNK], state, sync)
+        state, _ = step(rt, ids[start:start + CHUNK], state, sync)
         chunks.append(time.perf_counter() - t0)
     steady = statistics.median(chunks[1:]) if len(chunks) > 1 else chunks[0]
     return {"tokens": n_tokens, "seconds": sum(chunks), "tokens_per_s": n_tokens / sum(chunks), "chunk_s": chunks,
@@ -202,8 +207,8 @@ class Profile:
     (projections, HC, compressor, indexer, RoPE, FP8/FP4 simulation), routed experts, the rest of the
     FFN half (router, shared expert, HC), and the head."""
 
-    def __init__(self, t: Transformer, sync):
-        self.t, self.sync, self.totals = t, sync, {}
+    def __init__(self, rt: Runtime, sync):
+        self.rt, self.sync, self.totals = rt, sync, {}
         self._saved = {}
 
     def _wrap(self, owner, name: str, label: str):
@@ -221,10 +226,10 @@ class Profile:
         setattr(owner, name, timed)
 
     def __enter__(self):
-        t = self.t
-        self._compile, t.compile = t.compile, False  # MLX cannot synchronise inside a compiled function
+        rt, t = self.rt, self.rt.model
+        self._compile, rt.compile = rt.compile, False  # MLX cannot synchronise inside a compiled function
         self._wrap(t.ops, "attend", "attention core")
-        self._wrap(t, "_attention", "attention half")
+        self._wrap(t, "attention_block", "attention half")
         self._wrap(transformer_module, "routed_experts_gathered", "routed experts")
         self._wrap(transformer_module, "routed_experts", "routed experts")
         self._wrap(t, "ffn_block", "ffn half")
@@ -237,7 +242,7 @@ class Profile:
                 setattr(owner, name, fn)
             else:  # a method found on the class: drop the instance's wrapper
                 delattr(owner, name)
-        self.t.compile = self._compile
+        self.rt.compile = self._compile
 
     def breakdown(self) -> dict:
         tot = self.totals
@@ -251,14 +256,15 @@ class Profile:
         }
 
 
-def profiled_decode(t: Transformer, context: int, sync, steps: int = 4) -> dict:
-    state = filled_state(t, context, context + steps + 8)
+def profiled_decode(rt: Runtime, context: int, sync, steps: int = 4) -> dict:
+    state = filled_state(rt, context, context + steps + 8)
     rng = np.random.default_rng(3)
-    state, _ = step(t, rng.integers(0, t.cfg.n_vocab, 1), state, sync)
-    with Profile(t, sync) as prof:
+    n_vocab = rt.model.cfg.n_vocab
+    state, _ = step(rt, rng.integers(0, n_vocab, 1), state, sync)
+    with Profile(rt, sync) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            state, _ = step(t, rng.integers(0, t.cfg.n_vocab, 1), state, sync)
+            state, _ = step(rt, rng.integers(0, n_vocab, 1), state, sync)
         wall = (time.perf_counter() - t0) / steps
     parts = {k: v / steps for k, v in prof.breakdown().items()}
     parts["synchronised step"] = wall
@@ -330,27 +336,27 @@ def main(argv=None):
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
     built_s = time.perf_counter() - t0
     prefill_matmul = "tf32" if args.tf32 else "float32"
-    t = build(cfg, args.backend, not args.plain, tensors, prefill_matmul)
+    rt = build(cfg, args.backend, not args.plain, tensors, prefill_matmul)
     if args.gather_all:
-        t.gather_max_pairs = float("inf")
+        rt.model.gather_max_pairs = float("inf")
     BlockLinear.qgemm_chunks = args.dense_qgemm
     ops.ATTN_CHUNK_KERNEL = not args.no_attn_chunk
     if args.no_compile:
-        t.compile = False
-    sync = syncer(t.backend)
-    out = {"backend": args.backend, "device": getattr(t.backend, "device", "?"), "kernels": not args.plain,
-           "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": t.compile,
+        rt.compile = False
+    sync = syncer(rt.backend)
+    out = {"backend": args.backend, "device": getattr(rt.backend, "device", "?"), "kernels": not args.plain,
+           "gather_all": args.gather_all, "dense_qgemm": args.dense_qgemm, "compile": rt.compile,
            "attn_chunk": ops.ATTN_CHUNK_KERNEL, "prefill_matmul": prefill_matmul,
            "weights_bytes": int(sum(r.nbytes for *_, r in tensors)), "build_s": built_s}
-    out["copy_bandwidth_Bps"] = bw = copy_bandwidth(t.backend)
+    out["copy_bandwidth_Bps"] = bw = copy_bandwidth(rt.backend)
     print(f"{args.backend} kernels={not args.plain} tf32={args.tf32} gather_all={args.gather_all} "
           f"dense_qgemm={args.dense_qgemm} "
-          f"compile={t.compile}: "
+          f"compile={rt.compile}: "
           f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
 
     t0 = time.perf_counter()
-    first = new_state(cfg, t.backend, Geometry.for_context(cfg, CHUNK + 1, CHUNK))
-    step(t, np.arange(CHUNK) % cfg.n_vocab, first, sync)
+    first = new_state(cfg, rt.backend, Geometry.for_context(cfg, CHUNK + 1, CHUNK))
+    step(rt, np.arange(CHUNK) % cfg.n_vocab, first, sync)
     out["first_chunk_s"] = time.perf_counter() - t0  # weight upload + kernel compilation + one chunk
     print(f"first {CHUNK}-token chunk of this process: {out['first_chunk_s']:.1f} s", flush=True)
 
@@ -359,18 +365,18 @@ def main(argv=None):
         import pstats
 
         ctx = args.decode_ctx[0]
-        state = filled_state(t, ctx, ctx + args.cprofile + 8)
+        state = filled_state(rt, ctx, ctx + args.cprofile + 8)
         for i in range(2):  # the first step runs eagerly, the second captures CUDA graphs (CuPy)
-            state, _ = step(t, np.array([i]), state, sync)
-        print("graphs:", graph_report(t))
+            state, _ = step(rt, np.array([i]), state, sync)
+        print("graphs:", graph_report(rt))
         with cProfile.Profile() as prof:
             for i in range(args.cprofile):
-                state, _ = step(t, np.array([i + 2]), state, sync)
+                state, _ = step(rt, np.array([i + 2]), state, sync)
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        state = filled_state(t, CHUNK, 2 * CHUNK + 1)
-        with Profile(t, sync) as parts, cProfile.Profile() as prof:
+        state = filled_state(rt, CHUNK, 2 * CHUNK + 1)
+        with Profile(rt, sync) as parts, cProfile.Profile() as prof:
             t0 = time.perf_counter()
-            step(t, np.arange(CHUNK) % cfg.n_vocab, state, sync)
+            step(rt, np.arange(CHUNK) % cfg.n_vocab, state, sync)
             wall = time.perf_counter() - t0
         print(f"one {CHUNK}-token prefill chunk: {wall:.3f} s;",
               ", ".join(f"{k} {v:.3f} s" for k, v in parts.breakdown().items()))
@@ -379,8 +385,8 @@ def main(argv=None):
 
     out["decode"] = []
     for ctx in args.decode_ctx:
-        d = decode_speed(t, ctx, args.decode_steps, sync)
-        prof = profiled_decode(t, ctx, sync)
+        d = decode_speed(rt, ctx, args.decode_steps, sync)
+        prof = profiled_decode(rt, ctx, sync)
         need = decode_bytes(cfg, tensors, ctx)
         d.update(profile_s=prof, bytes_read=need, roofline_s=need / bw, roofline_fraction=need / bw / d["step_s"])
         d.update(per_layer(cfg, d))
@@ -395,18 +401,18 @@ def main(argv=None):
                   f"head {(d['gpu_step_s'] - d['gpu_body_s']) * 1e3:.2f} ms); the host's share "
                   f"{d['host_s'] * 1e3:.2f} ms", flush=True)
         print("  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in prof.items()), flush=True)
-    out["graphs"] = graph_report(t)
+    out["graphs"] = graph_report(rt)
     print("graphs:", out["graphs"], flush=True)
     out["prefill"] = []
     for n in args.prefill:
-        r = prefill_speed(t, n, sync)
+        r = prefill_speed(rt, n, sync)
         r["us_per_layer_token"] = r["seconds"] / n / cfg.n_layer * 1e6
         r["steady_us_per_layer_token"] = 1e6 / r["steady_tokens_per_s"] / cfg.n_layer
         out["prefill"].append(r)
         print(f"prefill {n}: {r['tokens_per_s']:.0f} tok/s ({r['us_per_layer_token']:.1f} us per layer per token, "
               f"head included); after the first chunk {r['steady_tokens_per_s']:.0f} tok/s "
               f"({r['steady_us_per_layer_token']:.1f} us)", flush=True)
-    out["memory"] = gpu_memory(t.backend)
+    out["memory"] = gpu_memory(rt.backend)
     print("memory:", out["memory"], flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -86,45 +86,45 @@ def main(argv=None):
 
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
-    t = build(cfg, "cupy", True, tensors, "tf32" if args.tf32 else "float32")
-    sync = syncer(t.backend)
+    rt = build(cfg, "cupy", True, tensors, "tf32" if args.tf32 else "float32")
+    sync = syncer(rt.backend)
     stream = cp.cuda.get_current_stream()
     out = {"context": args.context, "graphs": []}
 
-    state = filled_state(t, args.context, args.context + 16)
+    state = filled_state(rt, args.context, args.context + 16)
     # a graph per layer half (where the time goes), then the whole step's
     for whole in () if args.prefill_only else (False, True):
-        t.whole_step = whole
-        t._compiled.clear()
+        rt.whole_step = whole
+        rt.compiled.clear()
         for i in range(3):  # eager, capture, replay
-            state, _ = step(t, np.array([i]), state, sync)
-        for key, g in t._compiled.items():
+            state, _ = step(rt, np.array([i]), state, sync)
+        for key, g in rt.compiled.items():
             for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
                 kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
                 out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
 
     if not args.prefill_only:
-        X, _ = t.forward(np.array([5]), state)
-        out["head"] = summary("head (eager)", kernel_times(lambda: t.head(X[-1:]), args.repeats))
-        t.compile = False
+        X, _ = rt.forward(np.array([5]), state)
+        out["head"] = summary("head (eager)", kernel_times(lambda: rt.model.head(X[-1:]), args.repeats))
+        rt.compile = False
         out["decode_eager"] = summary("decode step, eager",
-                                      kernel_times(lambda: step(t, np.array([7]), state, sync), 3), top=args.top)
+                                      kernel_times(lambda: step(rt, np.array([7]), state, sync), 3), top=args.top)
 
     at = args.prefill_at
-    chunk_state = new_state(cfg, t.backend, Geometry.for_context(cfg, at + CHUNK + 1, CHUNK))
+    chunk_state = new_state(cfg, rt.backend, Geometry.for_context(cfg, at + CHUNK + 1, CHUNK))
     for start in range(0, at, CHUNK):
-        chunk_state, _ = step(t, np.arange(start, start + CHUNK) % cfg.n_vocab, chunk_state, sync)
+        chunk_state, _ = step(rt, np.arange(start, start + CHUNK) % cfg.n_vocab, chunk_state, sync)
     ids = (np.arange(CHUNK) * 7) % cfg.n_vocab
-    kernels = kernel_times(lambda: step(t, ids, chunk_state, sync), 1)
+    kernels = kernel_times(lambda: step(rt, ids, chunk_state, sync), 1)
     walls = []
     for _ in range(3):
         t0 = time.perf_counter()
-        step(t, ids, chunk_state, sync)
+        step(rt, ids, chunk_state, sync)
         walls.append(time.perf_counter() - t0)
     out["prefill_chunk"] = summary(f"prefill chunk of {CHUNK} at {at}", kernels, min(walls) * 1e6, top=args.top)
     if args.host:  # where the host's time goes in the same chunk
         prof = cProfile.Profile()
-        prof.runcall(step, t, ids, chunk_state, sync)
+        prof.runcall(step, rt, ids, chunk_state, sync)
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.host)
     if args.json:
         with open(args.json, "w") as f:

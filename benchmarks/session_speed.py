@@ -2,8 +2,8 @@
 
     python benchmarks/session_speed.py [--backend mlx] [--chunk 512] [--tokens 2048] [--decode 64]
 
-The overhead is measured against a bare loop that calls the same step (``Transformer.forward`` on the
-same padded chunk shapes, plus the head on the last row) without the Prefill/PrefillChunk machinery:
+The overhead is measured against a bare loop that calls the same step (``Runtime.forward_logits`` on the
+same chunks, padded as a prefill's, the head on the last row) without the Prefill/PrefillChunk machinery:
 checkpoint handles, row accounting, KV byte accounting and tqdm.
 """
 
@@ -16,12 +16,12 @@ import ds4lab
 
 
 def bare_prefill(model, ids, ctx, chunk):
-    t, b = model.transformer, model.backend
+    rt, b = model.runtime, model.backend
     state = model.session(ctx=ctx, prefill_chunk=chunk)._state
     step = state.geometry.step
     began = time.perf_counter()
     for start in range(0, len(ids), step):
-        logits, state = t.forward_logits(ids[start:start + step], state, pad_to=step)
+        logits, state = rt.forward_logits(ids[start:start + step], state, prefill=True)
         b.eval(logits)
         np.asarray(b.to_numpy(logits))
     return time.perf_counter() - began
@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="compile the attention step (MLX)")
     args = ap.parse_args()
     model = ds4lab.load(backend=args.backend)
-    model.transformer.compile = args.compile
+    model.runtime.compile = args.compile
     ids = np.random.default_rng(0).integers(0, model.config.n_vocab - 7, args.tokens)
     ctx = args.tokens + args.decode + 1
 

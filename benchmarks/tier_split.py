@@ -25,17 +25,17 @@ from ds4lab.testing import model_tensors  # noqa: E402
 from ds4lab.tiers import TierRun  # noqa: E402
 
 
-def run_steps(t, placement, state, batches, mode, sync):
-    """Evaluate each token batch in turn with ``placement``; returns per-step logits, seconds, switch
-    seconds and bytes."""
-    b = t.backend
+def run_steps(rt, placement, state, batches, mode, sync):
+    """Evaluate each token batch in turn with ``placement`` on the runtime ``rt``; returns per-step logits,
+    seconds, switch seconds and bytes."""
+    b = rt.backend
     state = placement.place_state(state)
     active, out = placement.embed_tier, []
     for i, tokens in enumerate(batches):
         run = TierRun(placement, mode, i, active)
         sync()
         t0 = time.perf_counter()
-        logits, state = t.forward_logits(tokens, state, tiers=run)
+        logits, state = rt.forward_logits(tokens, state, tiers=run, prefill=mode == "batch")
         with run.scope():
             sync(logits)
         seconds = time.perf_counter() - t0
@@ -62,14 +62,14 @@ def main(argv=None):
     chunk_tokens = [rng.integers(0, cfg.n_vocab, CHUNK) for _ in range(args.chunks)]
     results = {}
     for name, plan in plans.items():
-        t = build(cfg, "cupy", True, tensors)
-        sync = syncer(t.backend)
-        model = SimpleNamespace(config=cfg, backend=t.backend, file=t.w.file)
-        dstate = filled_state(t, args.decode_ctx, args.decode_ctx + len(decode_tokens) + 8)
+        rt = build(cfg, "cupy", True, tensors)
+        sync = syncer(rt.backend)
+        model = SimpleNamespace(config=cfg, backend=rt.backend, file=rt.model.weights.file)
+        dstate = filled_state(rt, args.decode_ctx, args.decode_ctx + len(decode_tokens) + 8)
         placement = plan.resolve(model, dstate)
-        decode = run_steps(t, placement, dstate, decode_tokens, "decode", sync)[2:]  # after upload/compile
-        pstate = new_state(cfg, t.backend, Geometry.for_context(cfg, CHUNK * args.chunks + 1, CHUNK))
-        prefill = run_steps(t, placement, pstate, chunk_tokens, "batch", sync)[1:]
+        decode = run_steps(rt, placement, dstate, decode_tokens, "decode", sync)[2:]  # after upload/compile
+        pstate = new_state(cfg, rt.backend, Geometry.for_context(cfg, CHUNK * args.chunks + 1, CHUNK))
+        prefill = run_steps(rt, placement, pstate, chunk_tokens, "batch", sync)[1:]
         results[name] = dict(placement=repr(placement), decode=decode, prefill=prefill)
         print(placement, flush=True)
         for kind, steps in (("decode", decode), ("prefill chunk", prefill)):
@@ -77,7 +77,7 @@ def main(argv=None):
             sw = np.median([x["switch_s"] for x in steps])
             print(f"  {kind}: step {s * 1e3:.2f} ms, switches {sw * 1e3:.3f} ms = {100 * sw / s:.2f}% "
                   f"({steps[0]['switches']} switch(es), {steps[0]['bytes']:,} bytes)", flush=True)
-        del t
+        del rt
     one, two = results["one GPU"], results["two GPUs"]
     summary = {}
     for kind in ("decode", "prefill"):

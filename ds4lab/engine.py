@@ -12,6 +12,9 @@ from .config import ModelConfig, ModelFileError
 from .gguf_file import load_model_file
 from .kv.layout import Geometry, new_state
 from .model.transformer import Transformer
+from .model.weights import Weights
+from .ops import Ops
+from .runtime import Runtime
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "shakespeare.gguf"
@@ -23,7 +26,11 @@ def default_model_path() -> Path:
 
 
 class Model:
-    """A DS4-architecture model. ``logits(ids)`` returns float32 ``[T, vocab]`` for every position."""
+    """A DS4-architecture model. ``logits(ids)`` returns float32 ``[T, vocab]`` for every position.
+
+    ``transformer`` is the math (:class:`ds4lab.model.transformer.Transformer`, over the file's weights);
+    ``runtime`` runs chunks of it (:class:`ds4lab.runtime.Runtime`: compiled calls, padding, tiers).
+    """
 
     def __init__(self, path: Path, backend: str = "auto", numerics: str = "ds4", device: str | None = None,
                  kernels: bool | None = None, prefill_matmul: str = "float32"):
@@ -38,7 +45,9 @@ class Model:
                                  f"do not make a ds4 tokenizer: {e}") from None
         self.backend = get_backend(backend, device, kernels, prefill_matmul)
         self.numerics = numerics
-        self.transformer = Transformer(config, file, self.backend, numerics)
+        weights = Weights(file, self.backend, config.o_groups, config.o_lora)
+        self.transformer = Transformer(config, weights, Ops(self.backend), numerics)
+        self.runtime = Runtime(self.transformer, self.backend)
 
     def __repr__(self) -> str:
         c = self.config
@@ -86,12 +95,11 @@ class Model:
         """
         ids = self.token_ids(tokens)
         self.file.check_unchanged()
-        t = self.transformer
         state = self.new_state(len(ids) + 1, len(ids))
         out = []
         for start in range(0, len(ids), state.geometry.step):
-            X, state = t.forward(ids[start:start + state.geometry.step], state)
-            logits = t.head(X)
+            X, state = self.runtime.forward(ids[start:start + state.geometry.step], state)
+            logits = self.transformer.head(X)
             self.backend.eval(logits)
             out.append(np.asarray(self.backend.to_numpy(logits), dtype=np.float32))
         return np.concatenate(out)

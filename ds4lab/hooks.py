@@ -1,9 +1,11 @@
 """Named hook points and capture: look inside a prefill or decode step, and only where asked.
 
-The transformer calls ``observer(name, value)`` at named points (``Transformer._emit``); with no
-observer set nothing is recorded and the compiled attention step runs as usual. A :class:`Capture`
-sets the observer for the duration of a ``with`` block, runs the model eagerly, and keeps what was
-selected::
+The model's blocks call ``emit(name, value)`` at named points when a call is given an observer
+(:class:`ds4lab.runtime.Runtime`, ``observer=``); without one nothing is emitted and the compiled steps run
+as usual. A :class:`Capture` registers its observer on its session (``Session.hook_observer``) for the
+duration of a ``with`` block; the session's steps run eagerly then, and the capture keeps what was
+selected. Other sessions of the same model are not affected, and a capture inside another's ``with``
+block passes every point on to the outer one as well::
 
     with sess.capture(["attn.scores", "moe.experts", "head.logits"], layers=[2, 4], heads=[0],
                       queries=range(200, 264)) as cap:
@@ -179,26 +181,13 @@ class Capture:
 
     # -- context manager ------------------------------------------------------------------------------
     def __enter__(self) -> "Capture":
-        t = self.session.model.transformer
-        if t.observer is not None:
-            self._prev_observer = t.observer
-        t.observer = self._observe
-        if any(fnmatch.fnmatchcase("head.logits", p) for p in self.patterns):
-            original = type(t).head.__get__(t)
-
-            def head(X):
-                logits = original(X)
-                self._record_head(logits)
-                return logits
-
-            t.head = head
+        self._prev_observer = self.session.hook_observer
+        self.session.hook_observer = self._observe
         self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        t = self.session.model.transformer
-        t.observer = self._prev_observer
-        t.__dict__.pop("head", None)
+        self.session.hook_observer = self._prev_observer
         self._active = False
 
     # -- recording ------------------------------------------------------------------------------------
@@ -218,6 +207,10 @@ class Capture:
     def _observe(self, name: str, value) -> None:
         if self._prev_observer is not None:
             self._prev_observer(name, value)
+        if name == "head.logits":
+            if self._wanted(name):
+                self._record_head(value)
+            return
         parts = name.split(".")
         il, point = int(parts[1]), ".".join(parts[2:])
         if point == "span":

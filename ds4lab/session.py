@@ -149,20 +149,25 @@ class Session:
         for observer in tuple(self.step_observers):
             observer(record)
 
-    def _eval(self, tokens: list[int], mode: str, pad_to: int | None = None):
-        """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode" or "batch");
-        returns (logits of the last token, new state, the step's :class:`TierRun`)."""
-        t, b = self.model.transformer, self.model.backend
+    # Called as fn(name, value) at the hook points of every step this session runs while set (ds4lab.hooks.Capture
+    # sets it for its with block); each step hands it to the model's runtime, so sessions capture independently.
+    hook_observer = None
+
+    def _eval(self, tokens: list[int], mode: str):
+        """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode", or "batch": a prefill
+        chunk); returns (logits of the last token, new state, the step's :class:`TierRun`)."""
+        b = self.model.backend
         self.model.file.check_unchanged()  # a stat a step: a cut file would SIGBUS, a rewritten one mislead
         run = TierRun(self.placement, mode, self._tier_step, self._active_tier)
-        logits, state = t.forward_logits(np.asarray(tokens), self._state, pad_to=pad_to, tiers=run)
+        logits, state = self.model.runtime.forward_logits(np.asarray(tokens), self._state, tiers=run,
+                                                          observer=self.hook_observer, prefill=mode == "batch")
         with run.scope():
             b.eval(logits)
         return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state, run
 
     def capture(self, points, layers=None, heads=None, queries=None):
         """``with sess.capture(["blk.2.attn.scores", ...], layers=, heads=, queries=) as cap:`` records the
-        named hook points of the steps run inside it (see :mod:`ds4lab.hooks`)."""
+        named hook points of this session's steps run inside it (see :mod:`ds4lab.hooks`)."""
         from .hooks import Capture
 
         return Capture(self, points, layers=layers, heads=heads, queries=queries)
@@ -411,10 +416,7 @@ class Prefill:
             raise RuntimeError("the session moved on since this prefill was created; start a new one")
         start, end = self.chunk_bounds()[0]
         began = time.perf_counter()
-        # A compiled step keeps one shape for every chunk (the last one padded and masked); eager
-        # backends run each chunk at its own length.
-        pad_to = sess.geometry.step if sess.model.transformer.compiles(sess.geometry.step) else None
-        logits, state, run = sess._eval(self.ids[start:end], "batch", pad_to=pad_to)
+        logits, state, run = sess._eval(self.ids[start:end], "batch")  # the runtime pads where chunks compile
         seconds = time.perf_counter() - began
         sess._commit(self.ids[:end], logits, state, run)
         cfg = sess.model.config

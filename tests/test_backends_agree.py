@@ -36,9 +36,9 @@ def span_forced_logits(path, numerics, ids):
     want, got = [], []
     for start in range(0, len(ids), SPAN):
         span = ids[start:start + SPAN]
-        X_fast, _ = fast.transformer.forward(span, cache.to_backend(fast.backend))
+        X_fast, _ = fast.runtime.forward(span, cache.to_backend(fast.backend))
         got.append(np.asarray(fast.transformer.head(X_fast), dtype=np.float32))
-        X_ref, cache = ref.transformer.forward(span, cache)
+        X_ref, cache = ref.runtime.forward(span, cache)
         want.append(ref.transformer.head(X_ref))
     return np.concatenate(want), np.concatenate(got)
 
@@ -87,11 +87,11 @@ def test_numerics_modes_differ(name, compared):
 def test_chunked_forward_equals_one_shot(name, chunk, model_paths):
     model = ds4lab.load(model_paths[name], backend="numpy")
     ids = prompt_ids(model, 260)
-    t = model.transformer
-    X_all, full = t.forward(ids, model.new_state(len(ids) + 1, len(ids)))
+    rt = model.runtime
+    X_all, full = rt.forward(ids, model.new_state(len(ids) + 1, len(ids)))
     cache, outs = model.new_state(len(ids) + 1, chunk), []
     for start in range(0, len(ids), chunk):
-        X, cache = t.forward(ids[start:start + chunk], cache, pad_to=chunk)
+        X, cache = rt.forward(ids[start:start + chunk], cache, pad_to=chunk)
         outs.append(X)
     np.testing.assert_allclose(np.concatenate(outs), X_all, rtol=1e-9, atol=1e-9)
     window = model.config.swa

@@ -28,12 +28,8 @@ def weight(model, name):
 
 def run_recorded(model, ids):
     rec = {}
-    t = model.transformer
-    t.observer = lambda name, value: rec.setdefault(name, np.array(value))
-    try:
-        X, cache = t.forward(np.asarray(ids), model.new_state(len(ids) + 1, len(ids)))
-    finally:
-        t.observer = None
+    X, cache = model.runtime.forward(np.asarray(ids), model.new_state(len(ids) + 1, len(ids)),
+                                     observer=lambda name, value: rec.setdefault(name, np.array(value)))
     return rec, X, cache
 
 
@@ -49,7 +45,7 @@ def test_gguf_weight_orientation(nano_exact):
     W = weight(nano_exact, "blk.0.attn_q_a.weight")
     assert W.shape == (128, 256)
     x = np.random.default_rng(0).normal(size=(3, 256))
-    np.testing.assert_allclose(nano_exact.transformer.w.linear("blk.0.attn_q_a.weight")(x), x @ W.T, rtol=1e-12)
+    np.testing.assert_allclose(nano_exact.transformer.weights.linear("blk.0.attn_q_a.weight")(x), x @ W.T, rtol=1e-12)
 
 
 def test_stacked_linears_match_each_weight(nano_exact):
@@ -61,7 +57,7 @@ def test_stacked_linears_match_each_weight(nano_exact):
                                               "indexer.proj")]
     assert len({m.file.tensors[n].qtype for n in names}) == 2
     x = np.random.default_rng(1).normal(size=(3, m.config.n_embd))
-    outs = m.transformer.w.linears(*names)(x)
+    outs = m.transformer.weights.linears(*names)(x)
     assert len(outs) == len(names)
     for name, y in zip(names, outs):
         W = weight(m, name)

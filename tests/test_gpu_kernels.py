@@ -544,9 +544,11 @@ def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32
     found, why = GPU_BACKENDS[backend]()
     if found is None:
         pytest.skip(f"{backend}: {why}")
-    if backend.endswith("emulated"):  # a CPU model whose transformer is rebuilt on emulated kernels
+    if backend.endswith("emulated"):  # a CPU model rebuilt on emulated kernels
         from ds4lab.backends.emulated_backend import EmulatedBackend
         from ds4lab.model.transformer import Transformer
+        from ds4lab.model.weights import Weights
+        from ds4lab.runtime import Runtime
 
         if backend == "emulated":
             model = ds4lab.load(path, backend="numpy", numerics=numerics)
@@ -554,7 +556,10 @@ def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32
         else:  # MLX on its CPU device, its kernels answered by the emulator
             model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
             model.backend._kernels = found[0] if kernels else None
-        model.transformer = Transformer(model.config, model.file, model.backend, numerics)
+        cfg = model.config
+        weights = Weights(model.file, model.backend, cfg.o_groups, cfg.o_lora)
+        model.transformer = Transformer(cfg, weights, ops.Ops(model.backend), numerics)
+        model.runtime = Runtime(model.transformer, model.backend)
         return model
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
                        kernels=kernels, prefill_matmul=prefill_matmul)
@@ -1201,17 +1206,17 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     the first decode-sized step, captured on the second, replayed after. The emulator: the same functions
     with positions and token ids passed as device arrays, as a graph sees them."""
     gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
-    t, b = gpu.transformer, gpu.backend
+    rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
         b.compile = lambda fn: fn
     n_prefill, n_decode = 72, 2 if backend == "emulated" else 5  # from position 68 the indexer drops rows
     ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, n_prefill + n_decode)
     logits, held = {}, None
-    t.whole_step = whole_step
+    rt.whole_step = whole_step
     for compiled in (False, True):
-        t.compile = compiled
-        t._compiled.clear()
+        rt.compile = compiled
+        rt.compiled.clear()
         sess = gpu.session(ctx=128, prefill_chunk=n_prefill)
         sess.prefill(ids[:n_prefill]).run(progress=False)
         steps = [sess.logits]
@@ -1227,7 +1232,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
     if backend == "cupy":
         # keys: ("step", rows, real rows, head), or (layer, rows) and ("ffn", layer, rows)
-        decode = [g for key, g in t._compiled.items() if (key[1] if key[0] == "step" else key[-1]) == 1]
+        decode = [g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-1]) == 1]
         assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)
         assert all(g.captures == 1 and not g.failures for g in decode), [g.failures for g in decode]
 

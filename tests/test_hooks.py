@@ -18,9 +18,60 @@ def _prompt(n, vocab):
 def test_no_observer_outside_capture(model):
     sess = model.session(ctx=256, prefill_chunk=32)
     with sess.capture(["attn.scores", "head.logits"]):
-        assert model.transformer.observer is not None
-        assert "head" in model.transformer.__dict__
-    assert model.transformer.observer is None and "head" not in model.transformer.__dict__
+        assert sess.hook_observer is not None
+        # the capture is the session's: the model (shared by every session) is left as it was
+        assert not hasattr(model.transformer, "observer") and "head" not in vars(model.transformer)
+        assert model.session(ctx=64, prefill_chunk=32).hook_observer is None
+    assert sess.hook_observer is None and "head" not in vars(model.transformer)
+
+
+def test_nested_captures_both_record(model):
+    cfg = model.config
+    sess = model.session(ctx=256, prefill_chunk=32)
+    with sess.capture(["moe.experts", "head.logits"], layers=[1]) as outer:
+        sess.prefill(_prompt(40, cfg.n_vocab)).step()
+        with sess.capture(["attn.q", "head.logits"], layers=[2]) as inner:
+            sess.prefill(_prompt(70, cfg.n_vocab)).step()
+        assert sess.hook_observer == outer._observe
+    assert sess.hook_observer is None
+    assert inner.names == ["blk.2.attn.q", "head.logits"] and outer.names == ["blk.1.moe.experts", "head.logits"]
+    assert np.array_equal(outer.positions("head.logits"), [31, 63])
+    assert np.array_equal(inner.positions("head.logits"), [63])
+    assert np.array_equal(outer["head.logits"][1], inner["head.logits"][0])
+
+
+def test_two_sessions_on_one_model_capture_what_each_asked_for(model):
+    """Each session's capture sees its own steps only, with its own selection, while both are open and their
+    steps interleave; what each records equals a capture of that session's steps alone."""
+    cfg = model.config
+    ids_a, ids_b = _prompt(60, cfg.n_vocab), _prompt(40, cfg.n_vocab)[::-1].copy()
+    a, b = model.session(ctx=256, prefill_chunk=32), model.session(ctx=256, prefill_chunk=32)
+    pre_a, pre_b = a.prefill(ids_a), b.prefill(ids_b)
+    with a.capture(["moe.experts", "attn.scores"], layers=[1], heads=[0], queries=range(10, 50)) as cap_a, \
+            b.capture(["attn.q", "head.logits"], layers=[3]) as cap_b:
+        while pre_a.remaining or pre_b.remaining:
+            for pre in (pre_a, pre_b):
+                if pre.remaining:
+                    pre.step()
+    assert cap_a.names == ["blk.1.attn.scores", "blk.1.moe.experts"]
+    assert cap_b.names == ["blk.3.attn.q", "head.logits"]
+    assert np.array_equal(cap_a.positions("blk.1.moe.experts"), np.arange(10, 50))
+    assert np.array_equal(cap_b.positions("blk.3.attn.q"), np.arange(40))
+    assert np.array_equal(cap_b.positions("head.logits"), [31, 39])
+    np.testing.assert_array_equal(cap_b["head.logits"][-1].astype(np.float32), b.logits)
+    for sess, ids, cap, points, kw in ((a, ids_a, cap_a, ["moe.experts", "attn.scores"],
+                                        dict(layers=[1], heads=[0], queries=range(10, 50))),
+                                       (b, ids_b, cap_b, ["attn.q", "head.logits"], dict(layers=[3]))):
+        alone = model.session(ctx=256, prefill_chunk=32)
+        with alone.capture(points, **kw) as ref:
+            alone.prefill(ids).run(progress=False)
+        assert ref.names == cap.names
+        for name in cap.names:
+            if name.endswith(".attn.scores"):
+                np.testing.assert_array_equal(cap.attention(1).weights, ref.attention(1).weights)
+            else:
+                np.testing.assert_array_equal(cap[name], ref[name])
+        np.testing.assert_array_equal(sess.logits, alone.logits)
 
 
 @pytest.mark.parametrize("chunk", [32, 48])

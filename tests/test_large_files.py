@@ -82,7 +82,7 @@ def test_load_keeps_the_weights_mapped(flash_layout):
     code = ("import resource, sys, numpy as np, ds4lab\n"
             "m = ds4lab.load(sys.argv[1], backend='numpy')\n"
             "print(m.config.n_layer, m.config.n_vocab, m.config.n_expert)\n"
-            "print(np.asarray(m.transformer.w.vector('blk.42.ffn_norm.weight')).astype('<f4').tobytes().hex())\n"
+            "print(np.asarray(m.transformer.layers[42].ffn_norm).astype('<f4').tobytes().hex())\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n")
     run = subprocess.run([sys.executable, "-c", code, str(flash_layout)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -271,18 +271,18 @@ def test_geometry_follows_ds4(nano_np, monkeypatch):
 
 def test_one_compiled_step_per_layer_and_chunk_size(model_paths):
     model = ds4lab.load(model_paths["nano"], backend="mlx")
-    t = model.transformer
-    t.compile = True
+    rt = model.runtime
+    rt.compile = True
     s = model.session(ctx=400, prefill_chunk=64)
     chunks = s.prefill(PROMPT[:250]).run(progress=False)
     assert len(chunks) == 4 and chunks[-1].n_tokens == 58  # the last chunk is partial (padded)
-    assert t.trace_count == model.config.n_layer  # one trace per layer, shared by all four chunks
+    assert rt.trace_count == model.config.n_layer  # one trace per layer, shared by all four chunks
     s.prefill(PROMPT).run(progress=False)  # a resumed chunk (250-256) and another: no new trace
-    assert t.trace_count == model.config.n_layer
+    assert rt.trace_count == model.config.n_layer
     list(s.decoder(temperature=0).stream(3))  # decode is its own shape: one more trace per layer
-    assert t.trace_count == 2 * model.config.n_layer
+    assert rt.trace_count == 2 * model.config.n_layer
     eager = ds4lab.load(model_paths["nano"], backend="mlx")
-    eager.transformer.compile = False
+    eager.runtime.compile = False
     e = eager.session(ctx=400, prefill_chunk=64)
     e.prefill(PROMPT).run(progress=False)
     list(e.decoder(temperature=0).stream(3))

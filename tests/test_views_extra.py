@@ -171,7 +171,7 @@ def test_expert_view_counts_and_hash_layers(model):
     assert view.hash_layers == [il for il in range(cfg.n_layer) if il < cfg.n_hash_layer] == [0, 1, 2]
     assert [L["hash"] for L in view.model.layers] == [il < 3 for il in range(cfg.n_layer)]
     for il in range(cfg.n_layer):
-        table = model.transformer.w.hash_table(il) if il < 3 else None
+        table = model.transformer.layers[il].hash_table if il < 3 else None
         if table is not None:
             np.testing.assert_array_equal(cap[f"blk.{il}.moe.experts"], table[np.array(ids)])
     # the convenience captures the same over a fresh session's prefill

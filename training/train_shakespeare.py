@@ -36,7 +36,9 @@ from ds4lab.evaluate import held_out_split, next_token_loss
 from ds4lab.gguf_file import load_model_file
 from ds4lab.model.transformer import Transformer
 from ds4lab.model.weights import ArrayWeights
+from ds4lab.ops import Ops
 from ds4lab.quants import dequantize
+from ds4lab.runtime import Runtime
 from ds4lab.testing import make_model, write_model
 from ds4lab.tokenizer import Tokenizer, train_bpe
 
@@ -73,10 +75,10 @@ def initial_params(tokens_text: str, workdir: Path):
     return params, hashes
 
 
-def make_loss(model: Transformer, hashes, geometry_for):
+def make_loss(model: Transformer, runtime: Runtime, hashes, geometry_for):
     def loss(params, ids: np.ndarray):
-        model.w = ArrayWeights(params, hashes, mx, CONFIG.o_groups, CONFIG.o_lora)
-        X, _ = model.forward(ids[:-1], geometry_for(len(ids) - 1))
+        model.weights = ArrayWeights(params, hashes, mx, CONFIG.o_groups, CONFIG.o_lora)
+        X, _ = runtime.forward(ids[:-1], geometry_for(len(ids) - 1))
         logits = model.head(X)
         target = mx.array(ids[1:, None].astype(np.int32))
         return (mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target, axis=-1)[:, 0]).mean()
@@ -117,14 +119,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         params, hashes = initial_params(train_text, Path(tmp))
     backend = get_backend("mlx", kernels=False)  # training differentiates the plain ops (kernels have no VJP)
-    model = Transformer(CONFIG, None, backend, numerics="exact", compile=False,
-                        weights=ArrayWeights(params, hashes, mx, CONFIG.o_groups, CONFIG.o_lora))
+    model = Transformer(CONFIG, ArrayWeights(params, hashes, mx, CONFIG.o_groups, CONFIG.o_lora), Ops(backend),
+                        numerics="exact")
+    runtime = Runtime(model, backend, compile=False)  # eager: autodiff through the plain ops
     from ds4lab.kv.layout import Geometry, new_state
 
     def fresh_state(n):
         return new_state(CONFIG, backend, Geometry.for_context(CONFIG, n + 1, n))
 
-    loss_fn = make_loss(model, hashes, fresh_state)
+    loss_fn = make_loss(model, runtime, hashes, fresh_state)
     grad_fn = mx.value_and_grad(loss_fn)
     n_params = sum(v.size for _, v in tree_flatten(params))
     schedule = optim.join_schedules([optim.linear_schedule(1e-5, args.lr, args.warmup),

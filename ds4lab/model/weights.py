@@ -1,8 +1,17 @@
-"""Tensors of a DS4 GGUF bound to a backend, converted on first use and kept."""
+"""Tensors of a DS4 GGUF bound to a backend, converted on first use and kept; and the model's view of them,
+one object per layer with one named attribute per tensor.
+
+:class:`Weights` (a GGUF file's tensors) and :class:`ArrayWeights` (named float arrays, e.g. parameters
+being trained) look tensors up by their GGUF names. :class:`LayerWeights` and :class:`HeadWeights` are
+made once per model over either (the names are joined once, there); an attribute reads its tensor through
+the source when used, so nothing is converted before a step needs it and a converted tensor is kept by the
+source (one copy per device a tier runs on).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -189,3 +198,165 @@ class ArrayWeights:
 
     def embed_on_device(self, ids):
         return self.p["token_embd.weight"][ids]
+
+
+# -- the model's view: one object per layer, one attribute per tensor -------------------------------------
+class _Tensor:
+    """A weight attribute of a :class:`_Named` group: the source's ``kind`` (``linear``, ``vector``, ``table``
+    or ``linears``) of the tensors named by the group's prefix and ``suffixes``, read when the attribute is."""
+
+    def __init__(self, kind: str, *suffixes: str):
+        self.kind, self.suffixes = kind, suffixes
+
+    def __set_name__(self, owner, attr: str):
+        self.attr = attr
+
+    def __get__(self, group, owner=None):
+        if group is None:
+            return self
+        return getattr(group.source, self.kind)(*group.names[self.attr])
+
+
+def _linear(suffix: str) -> _Tensor:
+    """``x -> x @ Wᵀ`` (:meth:`Weights.linear`)."""
+    return _Tensor("linear", suffix)
+
+
+def _linears(*suffixes: str) -> _Tensor:
+    """``x -> [x @ W_iᵀ ...]``, stacked into one product where the types allow (:meth:`Weights.linears`)."""
+    return _Tensor("linears", *suffixes)
+
+
+def _vector(suffix: str) -> _Tensor:
+    return _Tensor("vector", suffix)
+
+
+def _table(suffix: str) -> _Tensor:
+    return _Tensor("table", suffix)
+
+
+class _Named:
+    """Weights under one GGUF name prefix: ``names`` maps each :class:`_Tensor` attribute of the class to its
+    tensors' full names, joined once here."""
+
+    def __init__(self, source, prefix: str):
+        self.source = source
+        self.names = {attr: tuple(prefix + s for s in t.suffixes)
+                      for cls in type(self).__mro__ for attr, t in vars(cls).items() if isinstance(t, _Tensor)}
+
+
+class HCWeights(_Named):
+    """A hyper-connection mixer's weights (``hc_attn_*`` before the attention, ``hc_ffn_*`` before the FFN)."""
+
+    fn = _linear("fn.weight")
+    scale = _vector("scale.weight")
+    base = _vector("base.weight")
+
+
+class CompressorWeights(_Named):
+    """One compressor's APE and norm (``attn_compressor_*`` or ``indexer_compressor_*``); its kv and gate
+    projections run in the layer's product of ``a`` (:meth:`LayerWeights.projections_of_a`)."""
+
+    ape = _table("ape.weight")  # [R, W]: the score bias of each slot in the window
+    norm = _vector("norm.weight")
+
+
+class ProjectionsOfA(NamedTuple):
+    """The products of the attention's normed input ``a``: the query's and the KV row's; the compressor's kv
+    and gate (ratio ≠ 0); the indexer compressor's and, once the indexer selects, the indexer's head weights
+    (ratio 4). None where the layer has no such weight."""
+
+    q_a: object
+    kv: object
+    comp_kv: object = None
+    comp_gate: object = None
+    index_kv: object = None
+    index_gate: object = None
+    index_proj: object = None
+
+
+class LayerWeights(_Named):
+    """Layer ``il``'s weights (``blk.{il}.*``), by their GGUF names less the prefix."""
+
+    attn_norm = _vector("attn_norm.weight")
+    attn_q_a_norm = _vector("attn_q_a_norm.weight")
+    attn_q_b = _linear("attn_q_b.weight")
+    attn_kv_a_norm = _vector("attn_kv_a_norm.weight")
+    attn_sinks = _vector("attn_sinks.weight")
+    attn_output_b = _linear("attn_output_b.weight")
+    indexer_attn_q_b = _linear("indexer.attn_q_b.weight")
+    ffn_norm = _vector("ffn_norm.weight")
+    ffn_gate_inp = _linear("ffn_gate_inp.weight")  # the router
+    ffn_gate_up_shexp = _linears("ffn_gate_shexp.weight", "ffn_up_shexp.weight")
+    ffn_down_shexp = _linear("ffn_down_shexp.weight")
+
+    def __init__(self, source, config, il: int):
+        p = f"blk.{il}."
+        super().__init__(source, p)
+        self.il = il
+        R = config.ratio(il)
+        indexed = bool(R) and config.has_indexer(il)
+        self.hc_attn = HCWeights(source, p + "hc_attn_")
+        self.hc_ffn = HCWeights(source, p + "hc_ffn_")
+        self.attn_compressor = CompressorWeights(source, p + "attn_compressor_") if R else None
+        self.indexer_compressor = CompressorWeights(source, p + "indexer_compressor_") if indexed else None
+        of_a = [p + "attn_q_a.weight", p + "attn_kv.weight"]
+        if R:
+            of_a += [p + "attn_compressor_kv.weight", p + "attn_compressor_gate.weight"]
+        if indexed:
+            of_a += [p + "indexer_compressor_kv.weight", p + "indexer_compressor_gate.weight"]
+        # without and with the indexer's head weights (while no query can see more rows than the indexer's
+        # top-k, it selects nothing and they are not multiplied)
+        self._of_a = (tuple(of_a), tuple(of_a + [p + "indexer.proj.weight"]) if indexed else tuple(of_a))
+        bias = p + "exp_probs_b.bias"
+        self._router_bias = bias if bias in source else None
+
+    def projections_of_a(self, a, indexer_selects: bool) -> ProjectionsOfA:
+        """Every weight that multiplies ``a``, one product per weight type (not one per tensor)."""
+        return ProjectionsOfA(*self.source.linears(*self._of_a[bool(indexer_selects)])(a))
+
+    @property
+    def exp_probs_b(self):
+        """The router's selection bias, or None where the layer has none."""
+        return None if self._router_bias is None else self.source.vector(self._router_bias)
+
+    @property
+    def attn_output_a_stacked(self):
+        """attn_output_a's groups as one stacked linear in block form (None where the backend has no kernel)."""
+        return self.source.out_a_stacked(self.il)
+
+    @property
+    def attn_output_a_groups(self):
+        """attn_output_a split by output group, a linear each."""
+        return self.source.out_a_groups(self.il)
+
+    @property
+    def experts_stacked(self):
+        """(gate, up, down) over every routed expert in block form, or None (:meth:`Weights.stacked_experts`)."""
+        return self.source.stacked_experts(self.il)
+
+    def expert(self, e: int):
+        """Routed expert ``e``'s (gate, up, down) linears, made from its own blocks (:meth:`Weights.expert`)."""
+        return self.source.expert(self.il, e)
+
+    @property
+    def hash_table(self) -> np.ndarray:
+        """A hash layer's token → experts table (``ffn_gate_tid2eid``), on the host."""
+        return self.source.hash_table(self.il)
+
+    @property
+    def hash_table_on_device(self):
+        return self.source.hash_table_on_device(self.il)
+
+
+class HeadWeights(_Named):
+    """The output head's weights."""
+
+    output_hc_fn = _linear("output_hc_fn.weight")
+    output_hc_scale = _vector("output_hc_scale.weight")
+    output_hc_base = _vector("output_hc_base.weight")
+    output_norm = _vector("output_norm.weight")
+    output = _linear("output.weight")
+
+    def __init__(self, source):
+        super().__init__(source, "")

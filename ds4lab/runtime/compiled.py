@@ -1,0 +1,76 @@
+"""The model's blocks as functions of arrays only, for a backend to compile (``mx.compile``; a CUDA graph on
+CuPy, :mod:`ds4lab.cuda.graphs`): one layer's attention half, one layer's FFN half, and the whole step (every
+layer, and optionally the head). Their arguments are the HC state, the chunk's start and real-row count, its
+ids and RoPE tables as device arrays, and the layers' state arrays, flattened (only the arrays a layer has)."""
+
+from __future__ import annotations
+
+from ..kv.layout import LayerState
+
+
+def present(layer: LayerState) -> list:
+    """A layer's state arrays, flattened: those it has (raw; + compressor, R ≠ 0; + indexer, R = 4)."""
+    return [a for a in layer.arrays() if a is not None]
+
+
+def layer_state(cfg, il: int, arrays) -> LayerState:
+    """Layer ``il``'s state from its :func:`present` arrays. From an iterator it takes just the layer's arrays."""
+    R = cfg.ratio(il)
+    has = (True,) + (R != 0,) * 3 + (R == 4,) * 3
+    it = iter(arrays)
+    return LayerState.from_arrays([next(it) if h else None for h in has])
+
+
+def layer_states(cfg, arrays) -> tuple[LayerState, ...]:
+    """Every layer's state from the run of their :func:`present` arrays (a whole step's outputs)."""
+    it = iter(arrays)
+    return tuple(layer_state(cfg, il, it) for il in range(cfg.n_layer))
+
+
+def real_rows(xp, fn, X, n: int):
+    """``fn`` (the FFN half) on the first ``n`` rows of X, the padded rows passed through."""
+    return fn(X) if X.shape[0] == n else xp.concatenate([fn(X[:n]), X[n:]], axis=0)
+
+
+def attention_half(model, il: int, traced):
+    """Layer ``il``'s attention block: (X, pos0, n_valid, cos, sin[, window cos, window sin], state arrays) ->
+    (X, new state arrays). ``traced()`` is called once per trace (not once per call)."""
+    R = model.cfg.ratio(il)
+
+    def step(X, pos0, n_valid, cos, sin, *rest):
+        traced()
+        wcos, wsin, arrays = (rest[0], rest[1], rest[2:]) if R else (None, None, rest)
+        st = layer_state(model.cfg, il, arrays)
+        X, new = model.attention_block(il, X, pos0, n_valid, (cos, sin), (wcos, wsin), st)
+        return (X, *present(new))
+
+    return step
+
+
+def ffn_half(model, il: int):
+    """Layer ``il``'s FFN block: (X, device ids) -> (X,)."""
+    return lambda X, ids: (model.ffn_block(il, X, ids),)
+
+
+def whole_step(model, n: int, rope_keys: list, window_keys: list, head: bool):
+    """The whole chunk of ``n`` real rows: (pos0, n_valid, the chunk's ids padded to C rows, RoPE tables, window
+    tables, every layer's state arrays) -> (X of the real rows, every layer's new arrays, and with ``head`` the
+    logits of the last real row). The embedding rows are looked up and decoded on the device, inside it."""
+    cfg, xp = model.cfg, model.xp
+
+    def step(pos0, n_valid, chunk_ids, *rest):
+        it = iter(rest)
+        rope = {k: (next(it), next(it)) for k in rope_keys}
+        windows = {k: (next(it), next(it)) for k in window_keys}
+        X = model.embed_on_device(chunk_ids)
+        ids = chunk_ids[:n]
+        new = []
+        for il, params in enumerate(model.ropes):
+            R = cfg.ratio(il)
+            X, layer = model.attention_block(il, X, pos0, n_valid, rope[params],
+                                             windows[params, R] if R else (None, None), layer_state(cfg, il, it))
+            X = real_rows(xp, lambda Y: model.ffn_block(il, Y, ids), X, n)
+            new += present(layer)
+        return (X[:n], *new, model.head(X[n - 1:n])) if head else (X[:n], *new)
+
+    return step

@@ -1,0 +1,174 @@
+"""How a chunk runs on a model: :class:`Runtime`.
+
+``forward(tokens, state)`` runs positions ``state.n_past …`` through every layer of the model
+(:class:`ds4lab.model.transformer.Transformer`) and returns the final HC state and a new :class:`KVState`;
+the input state is never modified, so a failed chunk leaves nothing half updated. The runtime checks the
+tokens and positions, makes the chunk's RoPE tables, pads, switches tiers, and decides what runs compiled:
+
+- On MLX a layer's attention half works on fixed shapes — the chunk size and the state's capacities — with
+  the chunk's start position and its number of real tokens as array inputs: it is compiled once per layer
+  and chunk size and reused for every chunk; a prefill's chunks are padded to the state's step (masked) so
+  that the last, partial one reuses it too. Its FFN half picks its routed experts on the host and runs
+  eagerly.
+- On CuPy a decode-sized step routes its experts on the device, so it runs every layer, both halves, as one
+  CUDA graph (``whole_step``; one graph per half and layer where it is off or the placement has several
+  tiers): replaying it costs the host one launch where launching layer by layer cost more than the GPU's
+  work. ``forward_logits`` puts the head in that graph too.
+
+With an ``observer`` (``observer(name, value)`` at the hook points of :mod:`ds4lab.hooks`, ``head.logits``
+included) the chunk runs eagerly and the observer sees every point; it is an argument of the call, so two
+sessions on one model can observe different points at the same time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kv.layout import KVState, PackedLayers
+from ..tiers import NO_TIERS, TierRun
+from .compiled import attention_half, ffn_half, layer_state, layer_states, present, real_rows, whole_step
+from .tables import ChunkTables, chunk_tables, rope_keys
+
+
+class Runtime:
+    """Runs chunks of ``model`` on ``backend``. Knobs: ``compile`` (default: whether the backend compiles by
+    default), ``whole_step`` (where the backend compiles both halves: every layer in one compiled call).
+    ``compiled`` holds the compiled calls by key — ``(layer, rows)`` for an attention half, ``("ffn", layer,
+    rows)`` for an FFN half, ``("step", rows, real rows, head)`` for a whole step — and ``trace_count`` counts
+    the attention halves' traces (one per layer and chunk size)."""
+
+    def __init__(self, model, backend, compile: bool | None = None):
+        self.model = model
+        self.backend = backend
+        self.compile = backend.can_compile if compile is None else compile
+        self.whole_step = True
+        self.compiled: dict[tuple, object] = {}
+        self.trace_count = 0
+        self._keys = rope_keys(model)
+
+    def compiles(self, rows: int) -> bool:
+        """Whether a chunk of ``rows`` runs its attention half compiled (MLX) or as a CUDA graph (CuPy)."""
+        return self.compile and rows <= self.backend.compiled_rows
+
+    def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
+        return chunk_tables(self.backend, self._keys, tokens, pos0, chunk, self.compiles(chunk))
+
+    # -- a chunk ----------------------------------------------------------------------------------------
+    def forward(self, tokens, state: KVState, *, tiers: TierRun | None = None, observer=None,
+                prefill: bool = False, pad_to: int | None = None):
+        """Run ``tokens`` at positions ``state.n_past …``; returns ``(X [T, n_hc, E], new state)``.
+
+        ``prefill``: the chunk is one of a chunked prefill; where chunks run compiled it is padded to the
+        state's step (masked), so that every chunk has the same shapes. ``pad_to`` pads it to that many rows
+        whatever runs. The returned X has the real rows only. With ``tiers`` each layer runs on its tier, the
+        hidden state switching tiers (and recorded) where the placement changes; X is returned on the output
+        head's tier. ``observer``: see the module's docstring.
+        """
+        X, state, _ = self._run(tokens, state, tiers, observer, prefill, pad_to, head=False)
+        return X, state
+
+    def forward_logits(self, tokens, state: KVState, *, tiers: TierRun | None = None, observer=None,
+                       prefill: bool = False, pad_to: int | None = None):
+        """:meth:`forward`, then the head on the last real token: ``(logits [1, vocab], new state)``. Where
+        the whole step is one compiled call, the head is part of it (no launches of its own)."""
+        _, state, logits = self._run(tokens, state, tiers, observer, prefill, pad_to, head=True)
+        return logits, state
+
+    def _checked(self, tokens, state: KVState) -> np.ndarray:
+        """``tokens`` as int64 ids, once they are known to fit the vocabulary, the context and one step."""
+        n_vocab = self.model.cfg.n_vocab
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        if tokens.ndim != 1 or n == 0:
+            raise ValueError("forward needs a non-empty 1-D sequence of token ids")
+        if tokens.min() < 0 or tokens.max() >= n_vocab:
+            bad = int(tokens[(tokens < 0) | (tokens >= n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
+        geo, pos0 = state.geometry, state.n_past
+        if pos0 + n > geo.ctx:
+            raise ValueError(f"positions {pos0}…{pos0 + n - 1} exceed the context of {geo.ctx} tokens")
+        if n > geo.step:
+            raise ValueError(f"a chunk of {n} tokens exceeds the {geo.step} tokens one step can take")
+        return tokens
+
+    def _rows(self, n: int, state: KVState, prefill: bool, pad_to: int | None) -> int:
+        """The rows a chunk of ``n`` tokens runs as: padded to the step for a compiled prefill chunk."""
+        step = state.geometry.step
+        if pad_to is None and prefill and self.compiles(step):
+            pad_to = step
+        return max(n, pad_to or n)
+
+    def _run(self, tokens, state: KVState, tiers, observer, prefill: bool, pad_to, head: bool):
+        model, b = self.model, self.backend
+        tokens = self._checked(tokens, state)
+        n, pos0, C = len(tokens), state.n_past, self._rows(len(tokens), state, prefill, pad_to)
+        tiers = NO_TIERS if tiers is None else tiers
+        if observer is None and tiers.one_tier and self.whole_step and self.compiles(C) and b.compiles_ffn:
+            with tiers.scope():
+                return self._whole_step(tokens, C, state, head)
+        padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
+        tiers.start()
+        with tiers.scope():
+            X = model.embed(padded)
+            tabs = {tiers.device: self.tables(tokens, pos0, C)}  # per device: a tier reads its own copy
+        layers = []
+        for il in range(model.cfg.n_layer):
+            X = tiers.enter(il, X)
+            with tiers.scope():
+                if tiers.device not in tabs:
+                    tabs[tiers.device] = self.tables(tokens, pos0, C)
+                X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il], observer)
+                X = real_rows(model.xp, lambda Y: self._ffn(il, Y, tokens, tabs[tiers.device], observer), X, n)
+            layers.append(layer)
+        X = tiers.enter(model.cfg.n_layer, X)[:n]
+        logits = None
+        if head:
+            with tiers.scope():
+                logits = model.head(X[-1:], observer)
+        return X, KVState(tuple(layers), pos0 + n, state.geometry), logits
+
+    # -- compiled calls -------------------------------------------------------------------------------
+    def _compiled(self, key: tuple, make):
+        """The compiled call ``key``, compiling ``make()`` the first time."""
+        if key not in self.compiled:
+            self.compiled[key] = self.backend.compile(make())
+        return self.compiled[key]
+
+    def _whole_step(self, tokens, C: int, state: KVState, head: bool):
+        """Every layer of a chunk (and with ``head`` the head on its last real token) as one compiled call (a
+        CUDA graph on CuPy), keyed by the chunk's padded and real sizes. Returns ``(X, new state, logits or
+        None)``."""
+        cfg, n = self.model.cfg, len(tokens)
+        tabs = self.tables(tokens, state.n_past, C)  # pads the ids to C rows
+        step = self._compiled(("step", C, n, head),
+                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head))
+        if isinstance(state.layers, PackedLayers):  # the previous step's outputs
+            arrays = state.layers.arrays
+            arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
+        else:
+            arrays = [a for layer in state.layers for a in present(layer)]
+        out = step(*tabs.scalars, tabs.chunk_ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ()),
+                   *arrays)
+        layers = PackedLayers(out[1:-1] if head else out[1:], cfg.n_layer, lambda a: layer_states(cfg, a))
+        return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
+
+    def _attention(self, il: int, X, pos0: int, n_valid: int, tabs: ChunkTables, st, observer):
+        """Layer ``il``'s attention half: compiled per layer and chunk size where it compiles and nothing observes."""
+        model = self.model
+        params, R = model.ropes[il], model.cfg.ratio(il)
+        rope = tabs.rope[params]
+        win = tabs.windows[params, R] if R else (None, None)
+        if observer is not None or not self.compiles(X.shape[0]):
+            return model.attention_block(il, X, pos0, n_valid, rope, win, st, observer)
+        half = self._compiled((il, X.shape[0]), lambda: attention_half(model, il, self._traced))
+        out = half(X, *tabs.scalars, *rope, *(win if R else ()), *present(st))
+        return out[0], layer_state(model.cfg, il, out[1:])
+
+    def _traced(self) -> None:
+        self.trace_count += 1
+
+    def _ffn(self, il: int, X, tokens: np.ndarray, tabs: ChunkTables, observer):
+        """The FFN half; a decode-sized one as a CUDA graph where the backend graphs it (CuPy)."""
+        if tabs.ids is None or observer is not None:
+            return self.model.ffn_block(il, X, tokens, observer)
+        return self._compiled(("ffn", il, X.shape[0]), lambda: ffn_half(self.model, il))(X, tabs.ids)[0]

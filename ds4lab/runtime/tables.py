@@ -1,0 +1,59 @@
+"""What every layer of a chunk reads, made on the host once per chunk and device: :class:`ChunkTables`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arch import coff, n_blocks
+
+
+@dataclass(frozen=True)
+class ChunkTables:
+    """RoPE tables per layer kind (the chunk's positions, and the start positions of the compressed windows
+    the chunk can complete), and for compiled calls the start, the count of real tokens and the ids as device
+    arrays (uploaded once here: an upload per layer would wait for the GPU each time)."""
+
+    rope: dict  # RopeParams -> (cos, sin) [C, n_rot/2]
+    windows: dict  # (RopeParams, ratio) -> (cos, sin) [n_windows, n_rot/2]
+    scalars: tuple  # (pos0, n_valid) as the backend passes them into compiled functions
+    ids: object  # the real tokens' ids, int32 on the device, where the backend compiles the FFN half
+    chunk_ids: object = None  # the same with the padded rows' (0), which a compiled step embeds on the device
+
+
+def rope_keys(model) -> tuple[list, list]:
+    """The distinct RoPE tables a chunk of ``model`` reads, in table order: per layer kind, and per (kind,
+    ratio) of the compressed layers' windows."""
+    cfg = model.cfg
+    return (list(dict.fromkeys(model.ropes)),
+            list(dict.fromkeys((p, cfg.ratio(il)) for il, p in enumerate(model.ropes) if cfg.ratio(il))))
+
+
+def chunk_tables(backend, keys: tuple[list, list], tokens: np.ndarray, pos0: int, chunk: int,
+                 compiled: bool) -> ChunkTables:
+    """The tables of ``tokens`` at positions ``pos0 …`` padded to ``chunk`` rows, on the backend's current
+    device; with ``compiled`` also the scalars (and, where the backend compiles the FFN half, the ids) that
+    compiled calls take as device arrays."""
+    rope_keys, window_keys = keys
+    host = []
+    if compiled:  # in the order a compiled step takes them, so that its graph copies them in as one span
+        host += [np.int32(pos0), np.int32(len(tokens))]
+        if backend.compiles_ffn:
+            host.append(tokens if len(tokens) == chunk else np.pad(tokens, (0, chunk - len(tokens))))
+    n_ints = len(host)
+    host += [t for p in rope_keys for t in p.rows(pos0 + np.arange(chunk))]
+    for p, R in window_keys:
+        n = n_blocks(R, chunk) - (coff(R) - 1)
+        host += p.rows((pos0 // R + np.arange(n)) * R)
+    dev = backend.upload(host)  # one transfer where the backend packs them (CuPy)
+    ints, dev = dev[:n_ints], iter(dev[n_ints:])
+    rope = {p: (next(dev), next(dev)) for p in rope_keys}
+    windows = {k: (next(dev), next(dev)) for k in window_keys}
+    if not compiled:
+        return ChunkTables(rope, windows, (pos0, len(tokens)), None)
+    if not backend.compiles_ffn:
+        return ChunkTables(rope, windows, tuple(ints[:2]), None)
+    chunk_ids = ints[2]
+    return ChunkTables(rope, windows, tuple(ints[:2]), chunk_ids[:len(tokens)] if len(tokens) < chunk else chunk_ids,
+                       chunk_ids)
