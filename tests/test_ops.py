@@ -1,10 +1,9 @@
-"""The ops protocol's shape: ``ds4lab.ops.Ops`` decides kernel or reference for every op, the backends and
-the kernels import no model, the reference formulas import neither, and an op's kernels, launcher and body
-carry its name."""
+"""The ops protocol's shape: ``ds4lab.ops.Ops`` decides kernel or reference for every op, and an op's kernels,
+launcher and body carry its name (that backends and kernels import no model, and the model no ops, kernels or
+backends, is import-linter's contracts: tests/test_layering.py)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,26 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ds4lab"
 OPS = ("attend", "hc_pre", "hc_post", "rope", "rmsnorm", "rmsnorm_rope", "store_kv", "compress_chunk", "add_ape",
        "append_rows", "compressed_visible", "ring_write", "indexer_scores", "indexer_allowed", "swiglu", "pair_sum",
        "moe_route", "hadamard_fp4")
-REFERENCE_FILES = ("attention", "compressor", "functional", "hc", "moe", "numerics", "rope")
 
-
-def _sources(*folders):
-    for folder in folders:
-        yield from (p for p in sorted((PACKAGE / folder).rglob("*")) if p.suffix in (".py", ".body", ".h"))
-
-
-def test_backends_and_kernels_import_no_model():
-    found = [f"{p.relative_to(PACKAGE)}:{i}" for p in _sources("backends", "mlx_kernels", "cuda")
-             for i, line in enumerate(p.read_text().splitlines(), 1)
-             if re.search(r"from \.\.model|ds4lab\.model", line)]
-    assert not found, found
-
-
-def test_the_reference_formulas_import_neither_the_ops_nor_the_kernels():
-    for name in REFERENCE_FILES:
-        text = (PACKAGE / "model" / f"{name}.py").read_text()
-        imports = re.findall(r"^\s*(?:from|import) (\S+)", text, flags=re.M)
-        assert not [m for m in imports if re.search(r"ops|kernels|backends|cuda", m)], (name, imports)
 
 
 def test_every_op_is_a_method_of_ops():
