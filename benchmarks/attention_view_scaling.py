@@ -18,7 +18,7 @@ the default; with ``--full`` also unpooled). Columns:
   browser (image + marks), ``json KB``: the rest of the widget state (labels, groups), ``html KB``: the
   static fallback saved in the notebook;
 - with Chromium (Debian's ``/usr/bin/chromium`` or ``$DS4LAB_CHROMIUM``, and playwright), the front-end
-  (``ds4lab/viz/static/attention.js``) on a bare page with the same state: ``draw ms`` is ``render()`` (the
+  (``widgets/attention.js``) on a bare page with the same state: ``draw ms`` is ``render()`` (the
   canvas filled; after a warm-up call), ``frame ms`` until the next frame is painted, ``hover ms`` the median /
   max time the view's mousemove handler takes to fill the tooltip (Playwright's ``mouse.move``, 40 positions),
   and ``hover frame ms`` the median time from the mouse event to the next painted frame (Chromium delivers
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import ds4lab
 from ds4lab.viz import AttentionView
-from ds4lab.viz.views import STATIC
+from ds4lab.viz.base import STYLESHEET, widgets_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "data" / "tinyshakespeare.txt"  # the repository's own copy (data/README.md)
@@ -130,8 +130,9 @@ def browser_times(states, moves: int = 40) -> dict[int, dict] | str:
         from playwright.sync_api import sync_playwright
     except ImportError:
         return "playwright is not installed"
-    js = (STATIC / "attention.js").read_text().replace("export default { render };", "window.__attention = { render };")
-    css = (STATIC / "views.css").read_text()
+    js = (widgets_dir() / "attention.js").read_text()
+    js = js.replace("export default { render };", "window.__attention = { render };")
+    css = (widgets_dir() / STYLESHEET).read_text()
     out = {}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,

@@ -110,7 +110,7 @@ class MLXBackend(Backend):
     @property
     def can_compile(self) -> bool:
         # Tracing is slow and the compiled step gains little on the CPU, so only Apple GPUs compile by
-        # default (Transformer(compile=True) forces it). On MLX's CUDA back-end tracing put the full-width
+        # default (Runtime(..., compile=True) forces it). On MLX's CUDA back-end tracing put the full-width
         # Flash slice's first chunk minutes past a 10 s cold-start target, so CUDA runs eagerly (figures:
         # benchmarks/README.md).
         return mx.default_device() == mx.gpu and mx.metal.is_available()
