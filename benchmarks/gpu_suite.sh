@@ -52,7 +52,8 @@ want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 bench
 # compare: the 4K decode step, qmatmul_bench and qgemm_bench (float32, tf32) of this tree, then of each tree staged
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one
 # run. COMPARE picks the benchmarks (default "decode qmatmul qgemm qgemm_tf32"); a tree takes about 3-4 minutes
-# with all four, so stage one or two branches a call.
+# with all four, so stage one or two branches a call. COMPARE=flash: the full 43-layer Flash model's frontiers
+# 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file).
 in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree's ds4lab, if COMPARE names BENCH
     local bench=$1 limit=$2; shift 2
     [[ " ${COMPARE:-decode qmatmul qgemm qgemm_tf32} " == *" $bench "* ]] || return 0
@@ -67,6 +68,7 @@ if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" le
         in_tree qmatmul 120 benchmarks/qmatmul_bench.py
         in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5
         in_tree qgemm_tf32 90 benchmarks/qgemm_bench.py --tf32 --repeats 5
+        in_tree flash 140 benchmarks/flash_full.py --ctx-max 4096 --gen-tokens 64
     done
 fi
 # Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
