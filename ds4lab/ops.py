@@ -1,6 +1,7 @@
 """The model's ops: for each, the one place that decides between ds4lab's kernel and the reference formula.
 
-:class:`Ops` is made over a backend, ``Ops(backend)`` (the transformer makes one, ``transformer.ops``). Each
+:class:`Ops` is made over a backend, ``Ops(backend)``, by the model's owner (``ds4lab.load`` does) and given to the
+Transformer (``transformer.ops``). Each
 method runs the backend's kernel for its op where the backend has kernels (``backend.kernels``: the GPU
 backends and the CPU emulator's) and the kernel's limits allow, and otherwise the reference formula of
 :mod:`ds4lab.model`, the plain array ops the kernels are tested against. The reference formulas that take
@@ -58,8 +59,7 @@ ATTN_CHUNK_KERNEL = True
 class Ops:
     """The model's ops over ``backend``: its kernels where it has them (``kernels``, read from the backend at
     each call: it may change with the current device), the reference formulas over ``xp`` elsewhere. The
-    array members the reference formulas use (``dtype``, ``asarray``, ``to_numpy``, ``index_add``) are the
-    backend's."""
+    array members the reference formulas use (``dtype``, ``asarray``, ``index_add``) are the backend's."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -74,9 +74,6 @@ class Ops:
     # -- the backend's array members, for the reference formulas ---------------------------------------
     def asarray(self, a):
         return self.backend.asarray(a)
-
-    def to_numpy(self, x):
-        return self.backend.to_numpy(x)
 
     def index_add(self, acc, rows, values):
         return self.backend.index_add(acc, rows, values)

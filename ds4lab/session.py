@@ -300,13 +300,17 @@ class Session:
         prefix: the stored token ids, then ``prompt``'s own ids after them when they match, otherwise the
         rendered-chat tokenization of the text after the stored bytes (ds4's rule; docs/FORMATS.md, "KVC files
         and the KV store"). Returns the :class:`SyncResult` with source "disk", or None, the session untouched,
-        when the file is gone (evicted by another process since the lookup: a miss). A refusal names the file:
+        when there is nothing to load: ``entry`` None (``store.lookup`` found no prefix) or its file gone (evicted
+        by another process since the lookup). The live state is saved as "evict" first, as before a disk load
+        in ``sync``, when ``store`` is this session's ``kv_store``. A refusal names the file:
         a ValueError when the entry's text is not a prefix of ``prompt``'s, a :class:`~ds4lab.KVFileError` when
         the file is damaged, another model's, not restorable here (ds4's loader rules), or its text is not the
         text of its token ids; a refused entry leaves the session unchanged."""
         store = self.kv_store if store is None else store
         if store is None:
             raise ValueError("no KV store to load from: pass store= or create the session with kv_store=")
+        if entry is None:
+            return None
         model = self.model
         text = b""
         if prompt is not None:
@@ -316,6 +320,8 @@ class Session:
         cp = store.load(entry, model.config, model_fingerprint(model), tokenizer=model.tokenizer)
         if cp is None:
             return None
+        if store is self.kv_store:
+            self._store_evicted()
         try:
             self.restore(cp)
         except PayloadError as e:  # made for another session geometry or model

@@ -24,6 +24,7 @@ from ds4lab.config import FLASH, NANO
 from ds4lab.kv.kvfile import (
     EXT_Q8,
     EXT_ZLIB,
+    REASONS,
     KVFile,
     KVFileError,
     pack_payload,
@@ -348,6 +349,25 @@ def test_session_load_keeps_stored_ids_and_tokenizes_the_text_suffix(nano_mlx, t
         t.load(entry, "something else entirely", store=store)
     with pytest.raises(ValueError, match="no KV store"):
         t.load(entry, prompt)  # a session made without kv_store= needs store=
+
+
+def test_session_load_of_a_miss_is_none_and_a_load_saves_the_live_state_first(nano_mlx, tmp_path):
+    """``sess.load(store.lookup(prompt), prompt)`` as the README writes it: a miss (lookup None) loads nothing and
+    leaves the session as it was; a load into a session of this store saves its live state as "evict" first, as
+    sync's disk path does (ds4-server's policy, docs/FORMATS.md)."""
+    store = KVStore(tmp_path, min_tokens=16)
+    s = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    s.prefill(PROMPT[:40]).run(progress=False)
+    assert store.lookup(PROMPT[:10], model=nano_mlx) is None
+    assert s.load(None, PROMPT[:10]) is None and s.tokens == PROMPT[:40]
+    entry = store.save(s.snapshot(), nano_mlx)
+    t = nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=store)
+    t.prefill(PROMPT[100:130]).run(progress=False)  # another live state, not a prefix of the stored one
+    assert len(store.entries()) == 1
+    r = t.load(entry, PROMPT[:50])
+    assert (r.source, r.reused, t.tokens) == ("disk", 40, PROMPT[:50])
+    kept = sorted((e.tokens, REASONS[e.header.reason]) for e in store.entries())
+    assert kept == [(30, "evict"), (40, "shutdown")], kept
 
 
 def test_the_store_takes_checkpoints_and_the_session_holds_the_policy(nano_mlx, tmp_path):
