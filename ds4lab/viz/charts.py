@@ -126,6 +126,30 @@ def kv_bytes_chart(session, chunks):
     )
 
 
+def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20), bytes_per_value: int = 2):
+    """KV cache size against context for a model shaped as ``config`` (e.g. ``ds4lab.FLASH``): DS4's compressed
+    cache beside the dense caches of the same shape (:mod:`ds4lab.kv.sizes` says how each is counted), both axes
+    logarithmic, in GiB at ``bytes_per_value`` bytes a cached value."""
+    alt = _alt()
+    from ..kv.sizes import SCHEMES, cache_table
+
+    rows = [dict(r, gib=r["bytes"] / 2**30) for r in cache_table(config, contexts, bytes_per_value)]
+    return (
+        alt.Chart(alt.Data(values=rows))
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("tokens:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
+                    axis=alt.Axis(values=list(contexts), labelExpr=(
+                        "datum.value >= 1048576 ? datum.value / 1048576 + 'M' : datum.value / 1024 + 'K'"))),
+            y=alt.Y("gib:Q", title=f"KV cache (GiB, {bytes_per_value} bytes a value)", scale=alt.Scale(type="log")),
+            color=alt.Color("scheme:N", title="cache", sort=list(SCHEMES)),
+            tooltip=["scheme:N", "tokens:Q", alt.Tooltip("gib:Q", format=".3~f", title="GiB")],
+        )
+        .properties(title=f"KV cache by context: DS4 against dense caches ({config.n_layer} layers)", width=360,
+                    height=220)
+    )
+
+
 def expert_load_rows(counts: dict, hash_layers=(), max_rows: int = MAX_ROWS) -> list[dict]:
     """One row per layer and expert, or per layer and run of ``group`` consecutive experts (their counts
     summed) when layers × experts would exceed ``max_rows``."""
