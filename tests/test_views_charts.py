@@ -127,3 +127,18 @@ def test_png_required_without_vl_convert(alt, charts, monkeypatch):
     assert "image/png" not in chart_bundle(charts["plain altair"])
     with pytest.raises(RuntimeError, match="vl-convert"):
         chart_bundle(charts["plain altair"], png=True)
+
+
+def test_expert_ticks_sit_in_the_middle_of_their_cells():
+    """Expert e's cell spans [e, e + 1): its tick is at e + 0.5 (labelled e), never on an edge, so 8 experts get
+    ticks 0-7 and no "8"; 256 experts get one every 16."""
+    pytest.importorskip("altair")
+    from ds4lab.viz.charts import expert_load_chart
+
+    axis = expert_load_chart({0: np.arange(8), 1: np.ones(8)}).to_dict()["encoding"]["x"]["axis"]
+    assert axis["values"] == [e + 0.5 for e in range(8)] and axis["labelExpr"] == "floor(datum.value)"
+    big = expert_load_chart({il: np.arange(256) for il in range(43)}).to_dict()  # grouped: 43 × 256 > MAX_ROWS
+    values = big["encoding"]["x"]["axis"]["values"]
+    assert values == [e + 0.5 for e in range(0, 256, 16)]
+    rows = big["data"]["values"]
+    assert all(any(r["expert"] <= v < r["expert_end"] for r in rows if r["layer"] == 0) for v in values)

@@ -185,11 +185,16 @@ def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
     hashed = set(hashed if hash_layers is None else hash_layers)
     rows = expert_load_rows(counts, hashed, max_rows)
     order = [r["label"] for r in rows if r["expert"] == 0]
+    # Expert e spans [e, e + 1): its tick goes at e + 0.5, labelled e, every 2^k experts (at most 16 ticks).
+    n_expert = max((r["expert_end"] for r in rows), default=0)
+    every = 1 << max(0, math.ceil(math.log2(max(n_expert, 1) / 16)))
+    ticks = [e + 0.5 for e in range(0, n_expert, every)]
     return (
         alt.Chart(alt.Data(values=rows))
         .mark_rect()
         .encode(
-            x=alt.X("expert:Q", title="expert", scale=alt.Scale(nice=False)),
+            x=alt.X("expert:Q", title="expert", scale=alt.Scale(nice=False),
+                    axis=alt.Axis(values=ticks, labelExpr="floor(datum.value)", grid=False)),
             x2="expert_end:Q",
             y=alt.Y("label:O", title=None, sort=order),
             color=alt.Color("tokens:Q", title="tokens", scale=alt.Scale(scheme="blues")),
