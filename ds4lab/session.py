@@ -325,7 +325,7 @@ class Session:
         try:
             self.restore(cp)
         except PayloadError as e:  # made for another session geometry or model
-            raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
+            raise KVFileError.of_payload(entry.path, e) from e
         store.mark_loaded(entry)
         ids = list(cp.tokens)
         if prompt is None:

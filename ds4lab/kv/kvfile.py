@@ -118,6 +118,11 @@ class KVFileError(ValueError):
         super().__init__(f"{path}: {text}")
         self.path, self.field, self.got, self.expected = path, field, got, expected
 
+    @classmethod
+    def of_payload(cls, path, error) -> "KVFileError":
+        """The payload refusal ``error`` (a :class:`~ds4lab.kv.payload.PayloadError`) of the file at ``path``."""
+        return cls(path, error.field, error.got, error.expected, str(error))
+
 
 def reason_code(reason: str) -> int:
     if reason not in REASONS:

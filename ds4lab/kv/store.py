@@ -475,7 +475,7 @@ class KVStore:
             except KVFileError:  # damaged (removed) or another model's (kept): reported by load
                 continue
             except PayloadError as e:  # made for another session geometry (ds4's loader rules): kept
-                self._bad(entry.path, KVFileError(entry.path, e.field, e.got, e.expected, str(e)))
+                self._bad(entry.path, KVFileError.of_payload(entry.path, e))
                 continue
             found = entry, cp
             break
@@ -516,7 +516,7 @@ class KVStore:
             self._bad(entry.path, e)
             if isinstance(e, KVFileError):
                 raise
-            raise KVFileError(entry.path, e.field, e.got, e.expected, str(e)) from e
+            raise KVFileError.of_payload(entry.path, e) from e
         if fingerprint is not None and kf.fingerprint is None:
             self._unverifiable(entry)
         return cp
