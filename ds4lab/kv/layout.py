@@ -157,6 +157,13 @@ def layer_state_shapes(cfg, il: int, n_tokens: int, raw_live: int) -> dict[str, 
     return shapes
 
 
+def state_values(cfg, n_tokens: int, raw_live: int) -> int:
+    """Values every layer's arrays hold after ``n_tokens`` tokens with ``raw_live`` raw rows (the sum of
+    :func:`layer_state_shapes` over the layers): what a DSV4 payload stores besides its header, tokens and logits."""
+    return sum(shape[0] * shape[1] for il in range(cfg.n_layer)
+               for shape in layer_state_shapes(cfg, il, n_tokens, raw_live).values() if shape is not None)
+
+
 @dataclass(frozen=True)
 class LayerState:
     raw: object  # [raw_cap, head_dim] ring

@@ -47,6 +47,7 @@ from .layout import (
     layer_comp_cap,
     layer_state_shapes,
     raw_live_rows,
+    state_values,
 )
 
 MAGIC = 0x34565344  # "DSV4" little-endian
@@ -125,12 +126,7 @@ def payload_nbytes(cfg, n_tokens: int, raw_window: int | None = None, raw_cap: i
     """
     T = int(n_tokens)
     raw_live = raw_live_rows(T, cfg.swa if raw_window is None else raw_window, raw_cap)
-    total = HEADER_BYTES + 4 * T + 4 * cfg.n_vocab + 2 * 4 * cfg.n_layer
-    for il in range(cfg.n_layer):
-        for shape in layer_state_shapes(cfg, il, T, raw_live).values():
-            if shape is not None:
-                total += 4 * shape[0] * shape[1]
-    return total
+    return HEADER_BYTES + 4 * T + 4 * cfg.n_vocab + 2 * 4 * cfg.n_layer + 4 * state_values(cfg, T, raw_live)
 
 
 # -- writer -------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ the number formats:
 
 from __future__ import annotations
 
-from .layout import layer_state_shapes, raw_live_rows
+from .layout import raw_live_rows, state_values
 
 SCHEMES = ("ds4", "shared row", "MLA", "GQA", "MHA")
 GQA_HEADS = 8  # a common choice (Llama 3 70B's eight KV heads)
@@ -26,9 +26,7 @@ GQA_HEADS = 8  # a common choice (Llama 3 70B's eight KV heads)
 def ds4_values(cfg, n_tokens: int) -> int:
     """Values DS4 caches after ``n_tokens`` tokens: every layer's live raw rows, compressed and indexer rows and
     pending compressor states, as a checkpoint's payload holds them (its header and logits aside)."""
-    raw = raw_live_rows(n_tokens, cfg.swa)
-    return sum(shape[0] * shape[1] for il in range(cfg.n_layer)
-               for shape in layer_state_shapes(cfg, il, n_tokens, raw).values() if shape is not None)
+    return state_values(cfg, n_tokens, raw_live_rows(n_tokens, cfg.swa))
 
 
 def cache_bytes(cfg, n_tokens: int, bytes_per_value: int = 2, gqa_heads: int = GQA_HEADS) -> dict[str, int]:
