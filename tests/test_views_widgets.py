@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("anywidget")
+from ds4lab.viz.attention_view import AttentionModel  # noqa: E402
 from ds4lab.viz.base import STYLESHEET, WIDGETS_PACKAGE, widgets_dir  # noqa: E402
 from ds4lab.viz.experts import ExpertModel  # noqa: E402
 from ds4lab.viz.generation import GenerationModel  # noqa: E402
+from ds4lab.viz.kv_view import KVCacheModel  # noqa: E402
+from ds4lab.viz.prefill_view import PrefillModel  # noqa: E402
 from ds4lab.viz.tier_view import TierModel  # noqa: E402
-from ds4lab.viz.views import AttentionModel, KVCacheModel, PrefillModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDGETS = ROOT / "widgets"
@@ -38,8 +40,10 @@ import ds4lab
 from ds4lab.viz.base import STYLESHEET, widgets_dir
 from ds4lab.viz.experts import ExpertModel
 from ds4lab.viz.generation import GenerationModel
+from ds4lab.viz.attention_view import AttentionModel
+from ds4lab.viz.kv_view import KVCacheModel
+from ds4lab.viz.prefill_view import PrefillModel
 from ds4lab.viz.tier_view import TierModel
-from ds4lab.viz.views import AttentionModel, KVCacheModel, PrefillModel
 models = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel,
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
 d = widgets_dir()

@@ -9,11 +9,13 @@ view, one shared stylesheet) is ``widgets/`` at the repository root, shipped in 
 Vega-Lite renderer, a PNG fallback for saved notebooks) instead of Altair's HTML, which loads Vega from a CDN.
 """
 
+from .attention_view import AttentionView
 from .charts import chart_bundle, offline_charts
 from .experts import ExpertView, capture_prefill
 from .generation import GenerationView
+from .kv_view import KVCacheView, kv_summary
+from .prefill_view import PrefillView
 from .tier_view import TierView
-from .views import AttentionView, KVCacheView, PrefillView, kv_summary
 
 __all__ = [
     "AttentionView",
