@@ -85,8 +85,26 @@ def test_generation_records_match_steps_and_logits(model):
     # static fallback: one span per token, coloured by its probability
     page = _bundle_ok(view)
     colours = re.findall(r"<span style='background:(#[0-9a-f]{6})' title='position", page)
-    bands = [(0.5, "#c7e9c0"), (0.2, "#fff7bc"), (0.05, "#fdd49e"), (0.01, "#fc9272"), (0.0, "#ef6548")]
+    bands = [(0.3, "#74c476"), (0.1, "#c7e9c0"), (0.03, "#fff7bc"), (0.01, "#fdd49e"), (0.003, "#fc9272"),
+             (0.0, "#ef6548")]
     assert colours == [next(c for p, c in bands if math.exp(s.logprob) >= p) for s in steps]
+
+
+def test_generation_colours_spread_over_a_sampled_text(model):
+    """A seeded 60-token generation of the embedded model (default sampling) uses at least five of the six
+    colours, none for more than 40% of the tokens; the legend names each bin's range of probabilities."""
+    from ds4lab.viz.generation import LOGPROB_SCALE, logprob_colour
+
+    sess = model.session(ctx=256, prefill_chunk=64)
+    view = GenerationView(sess, PROMPT, max_tokens=60, seed=5)
+    steps = view.run(60)
+    colours = [logprob_colour(s.logprob) for s in steps]
+    counts = {c: colours.count(c) for c in set(colours)}
+    assert len(counts) >= 5 and max(counts.values()) <= 0.4 * len(steps), counts
+    labels = [label for _, _, label in view.model.scale]
+    assert labels == ["≥ 30%", "10%–30%", "3%–10%", "1%–3%", "0.3%–1%", "< 0.3%"]
+    assert [c for _, c, _ in view.model.scale] == [c for _, c in LOGPROB_SCALE]
+    assert all(label in _bundle_ok(view) for label in labels)
 
 
 def test_generation_prompt_is_synced_lazily(model):

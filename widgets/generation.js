@@ -31,8 +31,8 @@ function render({ model, el }) {
   const draw = () => {
     const recs = model.get("records"), scale = model.get("scale");
     head.textContent = `Generation: ${recs.length} tokens — ${model.get("status")}`;
-    legend.innerHTML = "colour = probability of the sampled token: " + scale.map(([lo, c]) =>
-      `<span class="ds4-tok" style="background:${c}">&nbsp;${lo === null ? "lower" : "p ≥ " + +Math.exp(lo).toPrecision(2)}&nbsp;</span>`).join(" ");
+    legend.innerHTML = "colour: the probability the model gave each sampled token (hover: its alternatives) " +
+      scale.map(([, c, label]) => `<span class="ds4-tok" style="background:${c}">&nbsp;${esc(label)}&nbsp;</span>`).join(" ");
     const skipped = model.get("context_skipped");
     let h = `<span class="ds4-ctx">${skipped ? `… ${skipped} tokens … ` : ""}${esc(model.get("context").join(""))}</span>`;
     recs.forEach((r, i) => {

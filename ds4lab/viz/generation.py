@@ -14,15 +14,20 @@ from .base import View, ViewModel, token_texts, widget_file
 
 CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
 
-# Background of a generated token by the probability it was sampled with: (lowest log-probability, colour),
-# the last entry for everything below. The front-end reads the same table (the ``scale`` trait).
+# Background of a generated token by the probability the model gave it: (lowest log-probability, colour), the last
+# entry for everything below. Sampled text is mostly made of tokens the model found plausible but not certain (a
+# seeded generation of the embedded model: median p 0.03, 90% of tokens under 0.15), so the bins are spaced by
+# half decades from 30% down to 0.3%, green (likely) to red (surprising). The front-end reads the same table
+# (the ``scale`` trait).
 LOGPROB_SCALE = (
-    (math.log(0.5), "#c7e9c0"),
-    (math.log(0.2), "#fff7bc"),
-    (math.log(0.05), "#fdd49e"),
-    (math.log(0.01), "#fc9272"),
+    (math.log(0.3), "#74c476"),
+    (math.log(0.1), "#c7e9c0"),
+    (math.log(0.03), "#fff7bc"),
+    (math.log(0.01), "#fdd49e"),
+    (math.log(0.003), "#fc9272"),
     (None, "#ef6548"),
 )
+LEGEND_TITLE = "colour: the probability the model gave each sampled token (hover: its alternatives) "
 STATUS = {
     "stop": "stopped (stop button or .stop())",
     "error": "stopped by an error",
@@ -56,8 +61,20 @@ def step_record(tokenizer, step) -> dict:
     )
 
 
-def _bound(lowest) -> str:
-    return "lower" if lowest is None else f"p ≥ {math.exp(lowest):.2g}"
+def _percent(logprob: float) -> str:
+    return f"{100 * math.exp(logprob):.2g}%"
+
+
+def scale_labels(scale=LOGPROB_SCALE) -> list[str]:
+    """The legend's label of each bin of ``scale``: "≥ 30%", "10–30%", …, "< 0.3%"."""
+    out, above = [], None
+    for lowest, _ in scale:
+        if lowest is None:
+            out.append(f"< {_percent(above)}")
+        else:
+            out.append(f"≥ {_percent(lowest)}" if above is None else f"{_percent(lowest)}–{_percent(above)}")
+        above = lowest
+    return out
 
 
 def _alternatives(record: dict) -> str:
@@ -70,7 +87,7 @@ class GenerationModel(ViewModel):
     context_skipped = t.Int(0).tag(sync=True)  # earlier context tokens not shown
     records = t.List(t.Dict()).tag(sync=True)  # one per generated token: see step_record
     status = t.Unicode("").tag(sync=True)
-    scale = t.List().tag(sync=True)  # LOGPROB_SCALE as [[lowest logprob or null, colour], ...]
+    scale = t.List().tag(sync=True)  # LOGPROB_SCALE as [[lowest logprob or null, colour, legend label], ...]
 
 
 class GenerationView(View):
@@ -115,7 +132,8 @@ class GenerationView(View):
         self._started = False
         self._in_run = False  # inside run()/arun(): a step leaves the status at "running"
         self._tokens_after: list[int] | None = None  # the session's tokens after this view's last step
-        self.model = GenerationModel(scale=[[lo, c] for lo, c in LOGPROB_SCALE])
+        self.model = GenerationModel(scale=[[lo, c, label] for (lo, c), label in
+                                                  zip(LOGPROB_SCALE, scale_labels())])
         self._show_context(self.prompt_ids if self.prompt_ids is not None else session.tokens)
         self.n_input = W.BoundedIntText(value=self.max_tokens, min=1, max=session.ctx, description="tokens",
                                         layout=W.Layout(width="180px"))
@@ -284,7 +302,8 @@ class GenerationView(View):
             text = "⟨eos⟩" if r["eos"] else (r["text"] or "·")
             spans.append(f"<span style='background:{logprob_colour(r['logprob'])}' title='{html.escape(title)}'>"
                          f"{html.escape(text)}</span>")
-        legend = " ".join(f"<span style='background:{c}'>&nbsp;{_bound(lo)}&nbsp;</span>" for lo, c in LOGPROB_SCALE)
+        legend = LEGEND_TITLE + " ".join(f"<span style='background:{c}'>&nbsp;{label}&nbsp;</span>"
+                                         for (_, c), label in zip(LOGPROB_SCALE, scale_labels()))
         skipped = f"… {m.context_skipped} tokens … " if m.context_skipped else ""
         rows = "".join(
             f"<tr><td>{r['position']}</td><td>{html.escape(repr(r['piece']))}</td><td>{math.exp(r['logprob']):.3f}</td>"
