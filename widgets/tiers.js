@@ -3,6 +3,50 @@
 const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 const fmt = (n) => (n === null || n === undefined ? "-" : n.toLocaleString());
 
+// Bytes with a binary unit: 1.5 MiB, 12 KiB, 300 B.
+const bytes = (b) => {
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (b >= 1024 && i < units.length - 1) { b /= 1024; i++; }
+  return `${+b.toPrecision(3)} ${units[i]}`;
+};
+// Round tick values for [0, vmax]: about four, at 1, 2, 4 or 8 × a power of two bytes.
+const ticks = (vmax) => {
+  const raw = vmax / 4, p = Math.pow(2, Math.floor(Math.log2(raw)));
+  const step = [1, 2, 4, 8].map((m) => m * p).find((s) => s >= raw) || raw;
+  const out = [];
+  for (let v = 0; v <= vmax * 1.0001; v += step) out.push(v);
+  return out;
+};
+const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 12 };
+
+// The bytes-per-step chart: a bar per step on a y axis of bytes and an x axis of step numbers.
+function stepsChart(steps, batch, decode) {
+  const { w, h, left, bottom, top, right } = PLOT, n = Math.max(steps.length, 1), bw = w / n;
+  const vmax = Math.max(batch, 1, ...steps.map((d) => d.bytes)) * 1.05;
+  const y = (b) => top + h - (h * b) / vmax;
+  let svg = `<g transform="translate(${left},0)">`;
+  for (const v of ticks(vmax)) svg += `<line x1="-4" x2="${w}" y1="${y(v)}" y2="${y(v)}" stroke="#eee"/>` +
+    `<text x="-6" y="${y(v) + 4}" text-anchor="end">${bytes(v)}</text>`;
+  steps.forEach((d, i) => {
+    const fill = d.mode === "batch" ? "#3182bd" : d.mode === "decode" ? "#31a354" : "#ccc";
+    svg += `<rect data-i="${i}" x="${i * bw}" y="${top}" width="${bw}" height="${h}" fill="transparent"/>` +
+      `<rect x="${i * bw + (bw > 3 ? 1 : 0)}" y="${y(d.bytes)}" width="${Math.max(bw - (bw > 3 ? 2 : 0), 1)}" ` +
+      `height="${top + h - y(d.bytes)}" fill="${fill}" pointer-events="none"/>`;
+  });
+  if (batch) svg += `<line x1="0" x2="${w}" y1="${y(batch)}" y2="${y(batch)}" stroke="#de2d26" stroke-dasharray="4 2"/>`;
+  if (decode) svg += `<line x1="0" x2="${w}" y1="${y(decode)}" y2="${y(decode)}" stroke="#e6550d" stroke-dasharray="2 2"/>`;
+  const every = Math.max(1, Math.ceil(n / 10));
+  steps.forEach((d, i) => {
+    if (i % every === 0) svg += `<text x="${(i + 0.5) * bw}" y="${top + h + 14}" text-anchor="middle">${d.step}</text>`;
+  });
+  svg += `<line x1="0" x2="${w}" y1="${top + h}" y2="${top + h}" stroke="#666"/>` +
+    `<line x1="0" x2="0" y1="${top}" y2="${top + h}" stroke="#666"/>` +
+    `<text x="${w / 2}" y="${top + h + 30}" text-anchor="middle">step</text></g>` +
+    `<text transform="translate(12,${top + h / 2}) rotate(-90)" text-anchor="middle">bytes moved</text>`;
+  return `<svg class="ds4-steps" width="${left + w + right}" height="${top + h + bottom}">${svg}</svg>`;
+}
+
 function render({ model, el }) {
   el.classList.add("ds4-view");
   const body = document.createElement("div");
@@ -31,21 +75,9 @@ function render({ model, el }) {
         `<td>${fmt(d.weights)}</td><td>${fmt(d.kv)}</td><td>${fmt(d.activations)}</td><td>${fmt(d.total)}</td><td>${fmt(d.budget)}</td></tr>`;
     h += `</table><div><b>step ${model.get("last_step")}</b>: ` + (trace.length ? trace.map((s) =>
       `before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B`).join("; ") : "no switches") + `</div>`;
-    // bytes per step: bars, with the batch (full chunk) and decode bounds as lines
-    const W = 640, H = 80, n = Math.max(steps.length, 1), bw = Math.max(1, Math.min(12, Math.floor(W / n)));
-    const vmax = Math.max(batch, 1, ...steps.map((d) => d.bytes));
-    const y = (b) => H - (H * b) / vmax;
-    let svg = "";
-    steps.forEach((d, i) => {
-      const fill = d.mode === "batch" ? "#3182bd" : d.mode === "decode" ? "#31a354" : "#ccc";
-      svg += `<rect data-i="${i}" x="${i * bw}" y="0" width="${bw}" height="${H}" fill="transparent"/>` +
-        `<rect x="${i * bw}" y="${y(d.bytes)}" width="${Math.max(bw - 1, 1)}" height="${H - y(d.bytes)}" fill="${fill}" pointer-events="none"/>`;
-    });
-    if (batch) svg += `<line x1="0" x2="${n * bw}" y1="${y(batch)}" y2="${y(batch)}" stroke="#de2d26" stroke-dasharray="4 2"/>`;
-    if (decode) svg += `<line x1="0" x2="${n * bw}" y1="${y(decode)}" y2="${y(decode)}" stroke="#e6550d" stroke-dasharray="2 2"/>`;
+    // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
     h += `<div class="ds4-note">bytes moved per step (blue batch, green decode, grey none); red: a full chunk of ${chunk} rows × ` +
-      `${fmt(rb)} B per boundary = ${fmt(batch)} B; orange: a decode step, ${fmt(decode)} B</div>` +
-      `<svg class="ds4-steps" width="${n * bw}" height="${H + 1}">${svg}</svg>`;
+      `${fmt(rb)} B per boundary = ${fmt(batch)} B; orange: a decode step, ${fmt(decode)} B</div>` + stepsChart(steps, batch, decode);
     body.innerHTML = h;
   };
   const hover = (ev) => {

@@ -78,23 +78,93 @@ def offline_charts(png: bool | None = None):
     return alt.renderers.enable(RENDERER, png=png)
 
 
-def prefill_chunks_chart(chunks):
-    """Tokens/s per chunk (bars) for a list of ``PrefillChunk``."""
+def _own_legend(chart):
+    """``chart`` with a colour scale of its own, so that its legend sits beside it when it is concatenated with
+    another chart (``a | b``); a shared legend would go to the right of the whole row."""
+    return _alt().layer(chart).resolve_scale(color="independent")
+
+
+def _median(values) -> float:
+    return float(np.median(np.asarray(values, dtype=np.float64)))
+
+
+def prefill_chunks_chart(chunks, config=None, types=None):
+    """Tokens/s of each chunk of a prefill (a list of ``PrefillChunk``), as points. Chunks of one size are repeats
+    of the same work, so their median is drawn as a rule and their range as a band: on a shared CPU the spread is
+    the machine's noise. With the model's ``config`` (and its tensors' ``types``, :func:`ds4lab.costs.file_types`),
+    a line shows each chunk's speed predicted from its FLOPs (:mod:`ds4lab.costs`) at the median FLOP rate of the
+    chunks: where the points leave the line, the machine varied, not the work."""
     alt = _alt()
-    rows = [
-        dict(chunk=i, start=c.start, end=c.end, tokens=c.n_tokens, tokens_per_s=c.tokens_per_s, ms=c.seconds * 1e3)
-        for i, c in enumerate(chunks)
+    rows = [dict(chunk=i, start=c.start, end=c.end, tokens=c.n_tokens, tokens_per_s=c.tokens_per_s,
+                 ms=c.seconds * 1e3) for i, c in enumerate(chunks)]
+    size = max(r["tokens"] for r in rows) if rows else 0
+    full = [r["tokens_per_s"] for r in rows if r["tokens"] == size]
+    spread = [dict(low=min(full), high=max(full), median=_median(full), label=f"median of {len(full)} chunks of {size}")
+              ] if full else []
+    x = alt.X("chunk:Q", title="chunk", axis=alt.Axis(tickMinStep=1, format="d"))
+    y = alt.Y("tokens_per_s:Q", title="tokens/s (measured)")
+    layers = [
+        alt.Chart(alt.Data(values=spread)).mark_rect(opacity=0.15, color="#3182bd").encode(y="low:Q", y2="high:Q"),
+        alt.Chart(alt.Data(values=spread)).mark_rule(color="#3182bd").encode(y="median:Q", tooltip=["label:N",
+                                                                                                     "median:Q"]),
+        alt.Chart(alt.Data(values=rows)).mark_point(filled=True, size=40, color="#3182bd").encode(
+            x=x, y=y, tooltip=["chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q"]),
     ]
-    return (
-        alt.Chart(alt.Data(values=rows))
-        .mark_bar()
-        .encode(
-            x=alt.X("chunk:O", title="chunk"),
-            y=alt.Y("tokens_per_s:Q", title="tokens/s"),
-            tooltip=["chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q"],
-        )
-        .properties(title="prefill speed per chunk", width=320, height=160)
-    )
+    title = "prefill speed per chunk (band: range of the full chunks, rule: their median)"
+    if config is not None and rows:
+        from ..costs import chunk_cost
+
+        flops = [chunk_cost(config, c.start, c.n_tokens, types, ctx=chunks[-1].end).total_flops for c in chunks]
+        rate = _median([f / c.seconds for f, c in zip(flops, chunks)])  # FLOP/s of the median chunk
+        predicted = [dict(chunk=i, predicted=c.n_tokens * rate / f, gflop=f / 1e9)
+                     for i, (c, f) in enumerate(zip(chunks, flops))]
+        layers.append(alt.Chart(alt.Data(values=predicted)).mark_line(color="#e6550d", strokeDash=[4, 2]).encode(
+            x="chunk:Q", y="predicted:Q", tooltip=["chunk:O", "gflop:Q", "predicted:Q"]))
+        title = (f"prefill speed per chunk; dashed: predicted from FLOPs at the median rate "
+                 f"({rate / 1e9:.2f} GFLOP/s)")
+    return alt.layer(*layers).properties(title=title, width=320, height=160)
+
+
+def prefill_cost_chart(runs, config, types=None):
+    """A chunk-size sweep, measured beside predicted. ``runs``: ``{prefill_chunk: [chunks of a prefill, ...]}``,
+    the same prompt prefilled once or more per chunk size (each a list of ``PrefillChunk``). Left: each repeat's
+    prefill time (points), their median (tick) and range (rule); right: what :mod:`ds4lab.costs` predicts for the
+    prefill at that chunk size (GFLOP, and MiB of weights read: a chunk reads every weight once, so fewer,
+    bigger chunks read less), which no machine's noise changes."""
+    alt = _alt()
+    from ..costs import prefill_costs
+
+    if not runs:
+        raise ValueError("prefill_cost_chart needs at least one chunk size with one prefill")
+    measured, spread, predicted = [], [], []
+    for chunk, repeats in runs.items():
+        if not repeats:
+            raise ValueError(f"chunk size {chunk} has no prefill")
+        seconds = [sum(c.seconds for c in chunks) for chunks in repeats]
+        measured += [dict(chunk=str(chunk), repeat=i, seconds=t) for i, t in enumerate(seconds)]
+        spread.append(dict(chunk=str(chunk), low=min(seconds), high=max(seconds), median=_median(seconds),
+                           repeats=len(seconds)))
+        n_tokens, ctx = repeats[0][-1].end, repeats[0][-1].end
+        costs = prefill_costs(config, n_tokens, int(chunk), types, ctx=ctx)
+        predicted += [dict(chunk=str(chunk), measure="GFLOP", value=sum(c.total_flops for c in costs) / 1e9),
+                      dict(chunk=str(chunk), measure="weights read (MiB)",
+                           value=sum(c.weight_bytes for c in costs) / 2**20)]
+    order = [str(c) for c in runs]
+    x = alt.X("chunk:N", sort=order, title="prefill_chunk")
+    times = alt.layer(
+        alt.Chart(alt.Data(values=spread)).mark_rule(color="#3182bd").encode(x=x, y="low:Q", y2="high:Q"),
+        alt.Chart(alt.Data(values=spread)).mark_tick(color="#08519c", thickness=2, size=18).encode(
+            x=x, y=alt.Y("median:Q", title="prefill seconds (measured)"), tooltip=["chunk:N", "median:Q", "low:Q",
+                                                                                   "high:Q", "repeats:Q"]),
+        alt.Chart(alt.Data(values=measured)).mark_point(color="#3182bd", opacity=0.6).encode(
+            x=x, y="seconds:Q", tooltip=["chunk:N", "repeat:Q", "seconds:Q"]),
+    ).properties(title="measured: each repeat, median (tick), range", width=220, height=160)
+    costs = alt.Chart(alt.Data(values=predicted)).mark_bar(color="#e6550d").encode(
+        x=x, y=alt.Y("value:Q", title=None), tooltip=["chunk:N", "measure:N", alt.Tooltip("value:Q", format=",.1f")],
+    ).properties(width=160, height=160).facet(column=alt.Facet("measure:N", title="predicted (ds4lab.costs)")
+                                               ).resolve_scale(y="independent")
+    n_tokens = next(iter(runs.values()))[0][-1].end
+    return alt.hconcat(times, costs).properties(title=f"prefill of {n_tokens} tokens by chunk size")
 
 
 def kv_bytes_chart(session, chunks):
@@ -113,7 +183,7 @@ def kv_bytes_chart(session, chunks):
             kind = f"ratio {lk.ratio}" if lk.ratio else "raw only"
             by_kind[kind] = by_kind.get(kind, 0) + lk.nbytes
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
-    return (
+    return _own_legend(
         alt.Chart(alt.Data(values=rows))
         .mark_line(point=True)
         .encode(

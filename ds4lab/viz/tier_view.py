@@ -128,22 +128,27 @@ class TierView(FollowingView):
             m.trace = [_switch_record(s, self.n_layer) for s in new if s.step == last]
             m.steps = [dict(d) for d in self._totals.values()]
 
-    def image(self, height: int = 60) -> np.ndarray:
+    def image(self, height: int = 120, width: int = 480) -> np.ndarray:
         """Bytes per step as bars (batch blue, decode green, nothing moved grey) under a red line at the
-        batch bound (the decode bound in orange)."""
+        batch bound (the decode bound in orange), ``width`` pixels shared by the steps; the y axis runs from 0 to
+        :meth:`image_top` bytes."""
         steps = self.model.steps
-        bound = max(self.batch_bound, max((d["bytes"] for d in steps), default=0), 1)
-        bw = max(1, min(8, 600 // max(len(steps), 1)))
+        top = self.image_top()
+        bw = max(1, width // max(len(steps), 1))
         img = np.full((height + 1, max(len(steps), 1) * bw, 3), 255, np.uint8)
         colours = {"batch": (49, 130, 189), "decode": (49, 163, 84)}
         for i, d in enumerate(steps):
-            h = int(round(height * d["bytes"] / bound))
+            h = int(round(height * d["bytes"] / top))
             img[height - h : height, i * bw : i * bw + max(bw - (bw > 2), 1)] = colours.get(d["mode"], (200, 200, 200))
         for b, colour in ((self.batch_bound, (222, 45, 38)), (self.decode_bound, (230, 85, 13))):
             if b:
-                img[height - int(round(height * b / bound)), :] = colour
+                img[height - int(round(height * b / top)), :] = colour
         img[height, :] = (120, 120, 120)
         return img
+
+    def image_top(self) -> int:
+        """The bytes at the top of :meth:`image`'s y axis: the batch bound or the largest step."""
+        return max(self.batch_bound, max((d["bytes"] for d in self.model.steps), default=0), 1)
 
     def stack_html(self) -> str:
         """The units as coloured spans, in order, with the last step's switches between them."""
@@ -189,7 +194,10 @@ class TierView(FollowingView):
             f"<th>bytes</th><th>µs</th></tr>{trace}</table>"
             f"<b>bytes moved per step</b> (red line: a full chunk of {m.chunk} rows × {m.row_bytes:,} B per boundary = "
             f"{self.batch_bound:,} B; orange: a decode step, {self.decode_bound:,} B)<br>"
-            f"<img alt='bytes per step' src='data:image/png;base64,{png_base64(self.image())}'/>"
+            f"<div style='display:flex;align-items:stretch;gap:4px'><div style='display:flex;flex-direction:column;"
+            f"justify-content:space-between;text-align:right'><span>{self.image_top():,} B</span><span>bytes moved"
+            f"</span><span>0</span></div><img alt='bytes per step' src='data:image/png;base64,{png_base64(self.image())}'/>"
+            f"</div><div>steps {m.steps[0]['step'] if m.steps else 0} … {m.last_step}, one bar each</div>"
             "<table><tr><th>step</th><th>mode</th><th>copies</th><th>bytes</th><th>rows per copy</th>"
             f"<th>of full chunk</th></tr>{steps}</table></div>"
         )
