@@ -72,7 +72,11 @@ def charts(alt, model_paths):
     chunks = sess.prefill(ids).run(progress=False)
     experts = expert_load_chart({0: np.arange(8), 1: np.ones(8, int)}, hash_layers=[0])
     speed = prefill_chunks_chart(chunks)
+    from ds4lab.costs import file_types
+    from ds4lab.viz.charts import prefill_cost_chart
+
     return {
+        "prefill_cost_chart": prefill_cost_chart({32: [chunks]}, model.config, file_types(model.file)),
         "prefill_chunks_chart": speed,
         "kv_bytes_chart": kv_bytes_chart(sess, chunks),
         "expert_load_chart": experts,
@@ -90,7 +94,7 @@ def test_altair_default_html_loads_vega_from_a_cdn(alt, charts):
 
 
 @pytest.mark.parametrize("name", ["prefill_chunks_chart", "kv_bytes_chart", "expert_load_chart", "hconcat",
-                                  "plain altair"])
+                                  "prefill_cost_chart", "plain altair"])
 def test_offline_chart_bundles(alt, charts, name):
     from IPython.core.formatters import DisplayFormatter
 
@@ -142,3 +146,70 @@ def test_expert_ticks_sit_in_the_middle_of_their_cells():
     assert values == [e + 0.5 for e in range(0, 256, 16)]
     rows = big["data"]["values"]
     assert all(any(r["expert"] <= v < r["expert_end"] for r in rows if r["layer"] == 0) for v in values)
+
+
+# -- measured beside predicted ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sweep(alt, model_paths):
+    """The nano model's prefill of 80 tokens at chunk sizes 16 and 40, twice each."""
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    ids = ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
+    runs = {chunk: [model.session(ctx=256, prefill_chunk=chunk).prefill(ids).run(progress=False) for _ in range(2)]
+            for chunk in (16, 40)}
+    return model, runs
+
+
+def test_kv_legend_sits_with_its_own_chart(charts):
+    """Concatenated, the kind legend belongs to the KV chart (its colour scale is its own), not to the row."""
+    spec = charts["hconcat"].to_dict()
+    left, right = spec["hconcat"]
+    assert left["resolve"] == {"scale": {"color": "independent"}} and left["layer"][0]["encoding"]["color"]
+    assert "color" not in str(right.get("encoding", {})) and "resolve" not in spec
+
+
+def test_prefill_chunks_chart_median_and_prediction(sweep):
+    """The band and rule are the range and median of the full chunks' tokens/s; the dashed line is each chunk's
+    speed predicted from its FLOPs at the median FLOP rate, so it passes through the median-rate chunk."""
+    from ds4lab.costs import chunk_cost, file_types
+    from ds4lab.viz.charts import prefill_chunks_chart
+
+    model, runs = sweep
+    chunks = runs[16][0]
+    layers = prefill_chunks_chart(chunks, model.config, file_types(model.file)).to_dict()["layer"]
+    band, rule, points, line = (layer["data"]["values"] for layer in layers)
+    speeds = [c.tokens_per_s for c in chunks]  # 80 tokens in 5 chunks of 16
+    assert band == rule and band[0]["median"] == pytest.approx(np.median(speeds), rel=1e-12)
+    assert (band[0]["low"], band[0]["high"]) == (min(speeds), max(speeds))
+    assert [p["tokens_per_s"] for p in points] == speeds
+    flops = np.array([chunk_cost(model.config, c.start, c.n_tokens, file_types(model.file), ctx=80).total_flops
+                      for c in chunks], dtype=np.float64)
+    rates = flops / np.array([c.seconds for c in chunks])
+    predicted = np.array([p["predicted"] for p in line])
+    assert predicted == pytest.approx(16 * np.median(rates) / flops, rel=1e-12)
+    assert [p["gflop"] for p in line] == pytest.approx(flops / 1e9, rel=1e-12)
+
+
+def test_prefill_cost_chart(sweep):
+    """Measured: every repeat's total seconds, their median and range per chunk size; predicted: the prefill's
+    GFLOP and weight MiB from ds4lab.costs (chunks of 40 read the weights 2 times, chunks of 16 5 times)."""
+    from ds4lab.costs import file_types, prefill_costs
+    from ds4lab.viz.charts import prefill_cost_chart
+
+    model, runs = sweep
+    types = file_types(model.file)
+    spec = prefill_cost_chart(runs, model.config, types).to_dict()
+    times, costs = spec["hconcat"]
+    spread, _, measured = (layer["data"]["values"] for layer in times["layer"])
+    for chunk, repeats in runs.items():
+        seconds = [sum(c.seconds for c in chunks) for chunks in repeats]
+        assert [m["seconds"] for m in measured if m["chunk"] == str(chunk)] == seconds
+        row = next(r for r in spread if r["chunk"] == str(chunk))
+        assert (row["median"], row["low"], row["high"]) == (np.median(seconds), min(seconds), max(seconds))
+    values = {(r["chunk"], r["measure"]): r["value"] for r in costs["data"]["values"]}
+    for chunk in runs:
+        cs = prefill_costs(model.config, 80, chunk, types, ctx=80)
+        assert values[str(chunk), "GFLOP"] == pytest.approx(sum(c.total_flops for c in cs) / 1e9, rel=1e-12)
+        assert values[str(chunk), "weights read (MiB)"] == sum(c.weight_bytes for c in cs) / 2**20
+    assert values["16", "weights read (MiB)"] > 2 * values["40", "weights read (MiB)"]
+    with pytest.raises(ValueError, match="chunk size 8 has no prefill"):
+        prefill_cost_chart({8: []}, model.config, types)
