@@ -64,7 +64,7 @@ def alt():
 
 @pytest.fixture(scope="module")
 def charts(alt, model_paths):
-    from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart
+    from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart, prefill_cost_chart
 
     model = ds4lab.load(model_paths["nano"], backend="numpy")
     sess = model.session(ctx=256, prefill_chunk=32)
@@ -72,11 +72,8 @@ def charts(alt, model_paths):
     chunks = sess.prefill(ids).run(progress=False)
     experts = expert_load_chart({0: np.arange(8), 1: np.ones(8, int)}, hash_layers=[0])
     speed = prefill_chunks_chart(chunks)
-    from ds4lab.costs import file_types
-    from ds4lab.viz.charts import prefill_cost_chart
-
     return {
-        "prefill_cost_chart": prefill_cost_chart({32: [chunks]}, model.config, file_types(model.file)),
+        "prefill_cost_chart": prefill_cost_chart({32: [chunks]}, model),
         "prefill_chunks_chart": speed,
         "kv_bytes_chart": kv_bytes_chart(sess, chunks),
         "expert_load_chart": experts,
@@ -175,7 +172,7 @@ def test_prefill_chunks_chart_median_and_prediction(sweep):
 
     model, runs = sweep
     chunks = runs[16][0]
-    layers = prefill_chunks_chart(chunks, model.config, file_types(model.file)).to_dict()["layer"]
+    layers = prefill_chunks_chart(chunks, model).to_dict()["layer"]
     band, rule, points, line = (layer["data"]["values"] for layer in layers)
     speeds = [c.tokens_per_s for c in chunks]  # 80 tokens in 5 chunks of 16
     assert band == rule and band[0]["median"] == pytest.approx(np.median(speeds), rel=1e-12)
@@ -197,7 +194,7 @@ def test_prefill_cost_chart(sweep):
 
     model, runs = sweep
     types = file_types(model.file)
-    spec = prefill_cost_chart(runs, model.config, types).to_dict()
+    spec = prefill_cost_chart(runs, model).to_dict()
     times, costs = spec["hconcat"]
     spread, _, measured = (layer["data"]["values"] for layer in times["layer"])
     for chunk, repeats in runs.items():
@@ -212,4 +209,4 @@ def test_prefill_cost_chart(sweep):
         assert values[str(chunk), "weights read (MiB)"] == sum(c.weight_bytes for c in cs) / 2**20
     assert values["16", "weights read (MiB)"] > 2 * values["40", "weights read (MiB)"]
     with pytest.raises(ValueError, match="chunk size 8 has no prefill"):
-        prefill_cost_chart({8: []}, model.config, types)
+        prefill_cost_chart({8: []}, model)

@@ -88,12 +88,19 @@ def _median(values) -> float:
     return float(np.median(np.asarray(values, dtype=np.float64)))
 
 
-def prefill_chunks_chart(chunks, config=None, types=None):
+def _cost_inputs(model):
+    """(config, tensor types) of a loaded model, for :mod:`ds4lab.costs`."""
+    from ..costs import file_types
+
+    return model.config, file_types(model.file)
+
+
+def prefill_chunks_chart(chunks, model=None):
     """Tokens/s of each chunk of a prefill (a list of ``PrefillChunk``), as points. Chunks of one size are repeats
     of the same work, so their median is drawn as a rule and their range as a band: on a shared CPU the spread is
-    the machine's noise. With the model's ``config`` (and its tensors' ``types``, :func:`ds4lab.costs.file_types`),
-    a line shows each chunk's speed predicted from its FLOPs (:mod:`ds4lab.costs`) at the median FLOP rate of the
-    chunks: where the points leave the line, the machine varied, not the work."""
+    the machine's noise. With the ``model`` that ran them, a line shows each chunk's speed predicted from its FLOPs
+    (:mod:`ds4lab.costs`) at the median FLOP rate of the chunks: where the points leave the line, the machine
+    varied, not the work."""
     alt = _alt()
     rows = [dict(chunk=i, start=c.start, end=c.end, tokens=c.n_tokens, tokens_per_s=c.tokens_per_s,
                  ms=c.seconds * 1e3) for i, c in enumerate(chunks)]
@@ -111,9 +118,10 @@ def prefill_chunks_chart(chunks, config=None, types=None):
             x=x, y=y, tooltip=["chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q"]),
     ]
     title = "prefill speed per chunk (band: range of the full chunks, rule: their median)"
-    if config is not None and rows:
+    if model is not None and rows:
         from ..costs import chunk_cost
 
+        config, types = _cost_inputs(model)
         flops = [chunk_cost(config, c.start, c.n_tokens, types, ctx=chunks[-1].end).total_flops for c in chunks]
         rate = _median([f / c.seconds for f, c in zip(flops, chunks)])  # FLOP/s of the median chunk
         predicted = [dict(chunk=i, predicted=c.n_tokens * rate / f, gflop=f / 1e9)
@@ -125,17 +133,18 @@ def prefill_chunks_chart(chunks, config=None, types=None):
     return alt.layer(*layers).properties(title=title, width=320, height=160)
 
 
-def prefill_cost_chart(runs, config, types=None):
-    """A chunk-size sweep, measured beside predicted. ``runs``: ``{prefill_chunk: [chunks of a prefill, ...]}``,
-    the same prompt prefilled once or more per chunk size (each a list of ``PrefillChunk``). Left: each repeat's
-    prefill time (points), their median (tick) and range (rule); right: what :mod:`ds4lab.costs` predicts for the
-    prefill at that chunk size (GFLOP, and MiB of weights read: a chunk reads every weight once, so fewer,
-    bigger chunks read less), which no machine's noise changes."""
+def prefill_cost_chart(runs, model):
+    """A chunk-size sweep on ``model``, measured beside predicted. ``runs``: ``{prefill_chunk: [chunks of a
+    prefill, ...]}``, the same prompt prefilled once or more per chunk size (each a list of ``PrefillChunk``).
+    Left: each repeat's prefill time (points), their median (tick) and range (rule); right: what
+    :mod:`ds4lab.costs` predicts for the prefill at that chunk size (GFLOP, and MiB of weights read: a chunk reads
+    every weight once, so fewer, bigger chunks read less), which no machine's noise changes."""
     alt = _alt()
     from ..costs import prefill_costs
 
     if not runs:
         raise ValueError("prefill_cost_chart needs at least one chunk size with one prefill")
+    config, types = _cost_inputs(model)
     measured, spread, predicted = [], [], []
     for chunk, repeats in runs.items():
         if not repeats:
