@@ -155,13 +155,13 @@ def chunk_cost(cfg: ModelConfig, start: int, n: int, types: dict[str, Q] | None 
 
     kv_written = kv_read = 0
     raw_overwritten = n - (min(cfg.swa, end) - min(cfg.swa, start))  # per layer, once the window is full
+    raw_keys = _sum_visible(start, n, lambda q: min(cfg.swa, q + 1))  # every layer's window
     for il in range(cfg.n_layer):
         R = cfg.ratio(il)
         add("attention projections", n * (E * cfg.q_lora + cfg.q_lora * cfg.q_dim + E * D + cfg.q_dim * cfg.o_lora
                                          + cfg.o_groups * cfg.o_lora * E), weights=True)
         add("hyper-connections", 2 * n * cfg.hc_dim * cfg.mix_hc, weights=True)  # the two mixers' linears
         add("hyper-connections", 2 * n * (hc * E + hc * hc * E + hc * E))  # collapse, combine, post
-        raw_keys = _sum_visible(start, n, lambda q: min(cfg.swa, q + 1))
         keys = raw_keys
         kv_written += n * D
         kv_read += min(cfg.swa - 1, start) * D + n * D  # the window before the chunk, and the chunk's own rows
