@@ -32,7 +32,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
 from train_shakespeare import DATA, SEED
 
 import ds4lab
@@ -153,12 +152,14 @@ class Objective:
         return kl + lm, (kls, lm, parts, n_vis)
 
 
-def val_row(objective, indexer, main, windows, phase: str) -> dict:
-    """Validation KL and recall per layer (dense pass), and the next-token loss with the selection on."""
+def val_row(objective, indexer, main, windows) -> dict:
+    """Validation KL, recall and oracle recall per layer (dense pass), and the next-token loss with the selection
+    on."""
     row = {}
     k = objective.cfg.idx_topk
     kl = {il: [] for il in objective.layers}
     rec = {il: [] for il in objective.layers}
+    oracle = {il: [] for il in objective.layers}  # the k heaviest rows: what any indexer can reach
     lm = []
     for w in windows:
         _, (kls, _, parts, n_vis) = objective(indexer, main, w, "dense")
@@ -166,11 +167,13 @@ def val_row(objective, indexer, main, windows, phase: str) -> dict:
             kl[il].append(v.item())
             mass, scores = (np.array(a) for a in parts[il])
             rec[il].append(top_k_recall(mass, scores, n_vis, k).mean())
+            oracle[il].append(top_k_recall(mass, mass, n_vis, k).mean())
         _, (_, v, _, _) = objective(indexer, main, w, "joint")
         lm.append(v.item())
     for il in objective.layers:
         row[f"val_kl_{il}"] = float(np.mean(kl[il]))
         row[f"val_recall_{il}"] = float(np.mean(rec[il]))
+        row[f"val_oracle_{il}"] = float(np.mean(oracle[il]))
     row["val_loss"] = float(np.mean(lm))
     return row
 
@@ -221,7 +224,7 @@ def main():
     def record(row, evaluate):
         row["seconds"] = time.time() - began
         if evaluate:
-            row.update(val_row(objective, indexer, main_params, val_windows, row["phase"]))
+            row.update(val_row(objective, indexer, main_params, val_windows))
         log.append(row)
         if evaluate or row["step"] % 10 == 0:
             print(json.dumps(row), flush=True)
@@ -265,7 +268,7 @@ def main():
         record(row, step % args.eval_every == 0 or step == args.joint_steps)
     train_seconds = time.time() - began
 
-    weights = {k: np.array(v) for k, v in tree_flatten({**main_params, **indexer})}
+    weights = {k: np.array(v) for k, v in {**main_params, **indexer}.items()}
     for il, table in hashes.items():
         weights[f"blk.{il}.ffn_gate_tid2eid.weight"] = table
     name = f"{meta['general.name'][0]}, indexer trained ({args.warmup_steps} dense + {args.joint_steps} joint steps)"
