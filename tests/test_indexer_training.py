@@ -1,0 +1,144 @@
+"""The indexer's recall measure (ds4lab.evaluate) and the KL objective its training uses
+(training/train_indexer.py), each against an independent float64 computation."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab.evaluate import held_out_ids, indexer_recall, top_k_recall, with_top_k
+from ds4lab.kv.layout import layer_comp_cap
+
+TRAINING = Path(__file__).resolve().parents[1] / "training"
+
+
+def test_top_k_recall_by_hand():
+    mass = np.array([[0.5, 0.1, 0.3, 0.1, 9.0],   # row 4 is not visible: its mass and score do not count
+                     [0.2, 0.2, 0.2, 0.4, 0.0],   # scores tie on rows 0-2: the lower rows win
+                     [1.0, 1.0, 0.0, 0.0, 0.0]])  # sees only k rows: not a query the indexer chooses for
+    scores = np.array([[0.0, 3.0, 2.0, 1.0, 99.0],
+                       [1.0, 1.0, 1.0, 0.0, 0.0],
+                       [0.0, 0.0, 0.0, 0.0, 0.0]])
+    got = top_k_recall(mass, scores, np.array([4, 4, 2]), k=2)
+    np.testing.assert_allclose(got, [(0.1 + 0.3) / 1.0, (0.2 + 0.2) / 1.0], rtol=0, atol=1e-15)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds4lab.load(backend="numpy", numerics="exact")
+
+
+def numpy_top_k(scores: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The k highest of the first n scores, ties to the lower index (a stable sort of the negated scores)."""
+    return np.argsort(-scores[:n], kind="stable")[:k]
+
+
+def test_recall_matches_numpy_from_capture(model):
+    ids = held_out_ids(model, 200)[:-1]  # 200 tokens: queries from position 131 see more rows than the top-32
+    k, T = model.config.idx_topk, len(ids)
+    figures = indexer_recall(model, ids)
+    assert sorted(figures) == [2, 4]
+
+    # Capture a prefill of the model with every visible row attended and scored, and sparse as it runs.
+    dense = with_top_k(model, layer_comp_cap(model.config, 2, T + 1) - 1)
+    caps = {}
+    for name, m in (("dense", dense), ("sparse", model)):
+        sess = m.session(ctx=T + 1, prefill_chunk=T)
+        with sess.capture(["attn.scores", "indexer.scores", "indexer.topk"], layers=[2, 4]) as caps[name]:
+            sess.prefill(ids).run(progress=False)
+    queries = np.arange(T)[(np.arange(T) + 1) // 4 > k]
+    assert len(queries) == T - (4 * (k + 1) - 1)  # positions 131 … 199
+    for il in (2, 4):
+        amap = caps["dense"].attention(il)
+        assert np.array_equal(amap.selected, amap.candidates)  # nothing left out of the dense pass
+        scores = caps["dense"][f"blk.{il}.indexer.scores"]
+        recalls, randoms = [], []
+        for t in queries:
+            n = (t + 1) // 4
+            p = amap.weights[t, :, amap.n_raw: amap.n_raw + n].sum(axis=0)  # the compressed rows' mass, all heads
+            recalls.append(p[numpy_top_k(scores[t], n, k)].sum() / p.sum())
+            randoms.append(k / n)
+        assert figures[il]["queries"] == len(queries)
+        assert figures[il]["indexer"] == pytest.approx(np.mean(recalls), rel=1e-12)
+        assert figures[il]["random"] == pytest.approx(np.mean(randoms), rel=1e-12)
+        assert figures[il]["random"] < figures[il]["oracle"] <= 1.0
+        assert figures[il]["indexer"] <= figures[il]["oracle"] + 1e-12
+
+    # Layer 2 is the first with compressed rows, so its inputs are the same in both runs: the rows the recall
+    # credits to the indexer are the ones the running model attends.
+    chosen = caps["sparse"]["blk.2.indexer.topk"]
+    scores = caps["dense"]["blk.2.indexer.scores"]
+    for t in queries:
+        want = np.zeros(chosen.shape[1], bool)
+        want[numpy_top_k(scores[t], (t + 1) // 4, k)] = True
+        assert np.array_equal(chosen[t], want), t
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    pytest.importorskip("mlx.core")
+    import sys
+
+    sys.path.insert(0, str(TRAINING))  # train_indexer imports train_shakespeare beside it
+    try:
+        spec = importlib.util.spec_from_file_location("train_indexer", TRAINING / "train_indexer.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(TRAINING))
+    return module
+
+
+def test_kl_objective_against_float64(trainer):
+    import mlx.core as mx
+
+    rng = np.random.default_rng(0)
+    C, N = 6, 9
+    mass = rng.random((C, N))
+    scores = rng.normal(size=(C, N)) * 3
+    allowed = rng.random((C, N)) < 0.6
+    allowed[:, 0] = True
+    queries = np.array([1, 1, 0, 1, 1, 0], bool)
+    got = trainer.indexer_kl(mx.array(mass.astype(np.float32)), mx.array(scores.astype(np.float32)),
+                             mx.array(allowed), mx.array(queries)).item()
+    kls = []
+    for t in np.nonzero(queries)[0]:
+        a = allowed[t]
+        p = mass[t, a] / mass[t, a].sum()
+        logq = scores[t, a] - np.log(np.exp(scores[t, a]).sum())
+        kls.append((p * (np.log(p) - logq)).sum())
+    assert got == pytest.approx(np.mean(kls), rel=1e-5)
+
+
+def test_comp_mass_against_float64(trainer):
+    import mlx.core as mx
+
+    rng = np.random.default_rng(1)
+    T, H, D, n_raw, n_comp = 5, 3, 8, 4, 6
+    q, keys = rng.normal(size=(T, H, D)), rng.normal(size=(n_raw + n_comp, D))
+    visible = rng.random((T, n_raw + n_comp)) < 0.7
+    sinks = rng.normal(size=H)
+    d = dict(q=mx.array(q.astype(np.float32)), keys=mx.array(keys.astype(np.float32)), visible=mx.array(visible),
+             sinks=mx.array(sinks.astype(np.float32)), scale=D ** -0.5, n_raw=n_raw)
+    got = np.array(trainer.attention_comp_mass(d))
+    s = np.einsum("thd,nd->thn", q, keys) * D ** -0.5
+    e = np.where(visible[:, None, :], np.exp(s), 0.0)
+    w = e / (np.exp(sinks)[None, :, None] + e.sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(got, w[:, :, n_raw:].sum(axis=1), rtol=1e-5, atol=1e-7)
+
+
+def test_indexer_inputs_are_detached(trainer):
+    """The KL trains the indexer's weights and never the activations that feed it."""
+    import mlx.core as mx
+
+    w = {"blk.2.indexer.proj.weight": mx.array(np.ones((2, 3), np.float32)),
+         "blk.2.attn_q_a.weight": mx.array(np.ones((2, 3), np.float32))}
+    src = trainer.DetachedIndexerWeights(w, {}, mx, 1, 1)
+    x = mx.array(np.arange(3, dtype=np.float32))
+    for name, want in (("blk.2.indexer.proj.weight", 0.0), ("blk.2.attn_q_a.weight", 2.0)):
+        gx = mx.grad(lambda v, n=name: src.linear(n)(v).sum())(x)
+        np.testing.assert_array_equal(np.array(gx), np.full(3, want))
+        gw = mx.grad(lambda p, n=name: trainer.DetachedIndexerWeights(p, {}, mx, 1, 1).linear(n)(x).sum())(w)[name]
+        np.testing.assert_array_equal(np.array(gw), np.tile(np.arange(3, dtype=np.float32), (2, 1)))

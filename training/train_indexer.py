@@ -1,0 +1,304 @@
+"""Train the embedded model's indexer (issue 30), as DeepSeek V3.2's sparse-attention recipe trains its
+lightning indexer: a KL objective between the indexer's score distribution over the compressed rows and the
+main attention's distribution over the same rows (its weights summed over the heads, then normalised).
+
+    python training/train_indexer.py --out /tmp/idx                          # on the GPU: MLX with mlx[cuda]
+    python training/train_indexer.py --out /tmp/smoke --seq 256 --warmup-steps 3 --joint-steps 2 --no-figures
+
+1. Dense warm-up: every query attends all its visible compressed rows; the indexer scores them all (its top-k
+   is set one row above what the state holds, so it selects nothing away). Only the indexer's weights train —
+   ``indexer.attn_q_b``, ``indexer.proj`` and its own compressor (``indexer_compressor_*``), whose rows only
+   the indexer reads — on KL(attention ‖ softmax(indexer scores)) over the queries that see more rows than
+   the top-k.
+2. Joint phase with the selection on (the file's top-k): the indexer on the same KL restricted to the rows it
+   selected, the rest of the model on the next-token loss at a small learning rate (``--joint-lr 0`` keeps it
+   frozen). The indexer's inputs are detached, so the KL trains the indexer only and the next-token loss
+   (which reaches no indexer weight: the top-k is discrete) the rest only.
+
+Seeded (``SEED`` of train_shakespeare.py); the same 90/10 split of tinyshakespeare. Training uses
+``numerics="exact"``. Outputs in ``--out``: ``shakespeare.gguf``, ``train_log.csv``, ``metrics.json`` (with the
+figures of ``python -m ds4lab.evaluate indexer`` for the model before and after, unless ``--no-figures``).
+
+The defaults are the run logged in ``training/logs/indexer_*`` (the rest of the model frozen in the joint
+phase). Its recall stops near the oracle's (the 32 heaviest rows'), which the embedded model's spread-out
+attention holds to about a third: see ``ds4lab/assets/MODEL_CARD.md``, "The indexer".
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from train_shakespeare import DATA, SEED
+
+import ds4lab
+from ds4lab.arch import NEG_INF
+from ds4lab.backends import get_backend
+from ds4lab.config import replace
+from ds4lab.evaluate import held_out_ids, held_out_split, indexed_layers, indexer_figures, top_k_recall
+from ds4lab.gguf_file import load_model_file
+from ds4lab.kv.layout import Geometry, layer_comp_cap, new_state
+from ds4lab.model.attention import visible_rows
+from ds4lab.model.transformer import Transformer
+from ds4lab.model.weights import ArrayWeights
+from ds4lab.ops import Ops
+from ds4lab.quants import dequantize
+from ds4lab.runtime import Runtime
+from ds4lab.testing import write_model
+from ds4lab.tokenizer import Tokenizer
+
+
+def is_indexer(name: str) -> bool:
+    """The indexer's own weights: its query and head-weight projections and its compressor."""
+    return ".indexer." in name or ".indexer_compressor_" in name
+
+
+class DetachedIndexerWeights(ArrayWeights):
+    """:class:`ArrayWeights` whose indexer projections see their inputs detached: the KL reaches the indexer's
+    weights and not the activations (and weights) that feed it."""
+
+    def linear(self, name: str):
+        if not is_indexer(name):
+            return super().linear(name)
+        w = self.p[name]
+        return lambda x: mx.stop_gradient(x) @ w.T
+
+
+def file_params(path: Path):
+    """The file's config, tokenizer vocabulary, float32 weights (MLX arrays) and hash tables."""
+    cfg, file = load_model_file(path)
+    params, hashes = {}, {}
+    for name, t in file.tensors.items():
+        values = dequantize(t.data, t.qtype, t.shape[0])
+        if name.endswith("tid2eid.weight"):
+            hashes[int(name.split(".")[1])] = values
+        else:
+            params[name] = mx.array(values.astype(np.float32))
+    meta = file.metadata
+    return cfg, params, hashes, list(meta["tokenizer.ggml.tokens"][0]), list(meta["tokenizer.ggml.merges"][0]), meta
+
+
+def attention_comp_mass(d: dict):
+    """The attention weight each compressed row receives, summed over the heads ``[C, rows]``, from the values
+    the model emits at ``attn.scores`` (softmax over the visible keys and the sink)."""
+    s = mx.einsum("thd,nd->thn", d["q"], d["keys"]) * d["scale"]
+    s = mx.where(d["visible"][:, None, :], s, NEG_INF)
+    m = mx.maximum(s.max(axis=-1), d["sinks"][None, :])
+    e = mx.exp(s - m[:, :, None])
+    w = e / (mx.exp(d["sinks"][None, :] - m) + e.sum(axis=-1))[:, :, None]
+    return w[:, :, d["n_raw"]:].sum(axis=1)
+
+
+def indexer_kl(mass, scores, allowed, queries):
+    """Mean over ``queries`` (bool ``[C]``) of KL(p ‖ softmax(scores)) over the ``allowed`` rows, p the attention
+    mass normalised over them (a target: no gradient)."""
+    mass = mx.stop_gradient(mx.where(allowed, mass, 0.0))
+    p = mass / mx.maximum(mass.sum(axis=-1, keepdims=True), 1e-30)
+    logq = mx.where(allowed, scores, NEG_INF)
+    logq = logq - mx.logsumexp(logq, axis=-1, keepdims=True)
+    plogp = mx.where(p > 0, p * mx.log(mx.where(p > 0, p, 1.0)), 0.0)
+    kl = mx.where(allowed, plogp - p * logq, 0.0).sum(axis=-1)
+    return (kl * queries).sum() / mx.maximum(queries.sum(), 1)
+
+
+class Objective:
+    """The model over trainable arrays, run for one window in either phase: ``__call__(indexer, main, ids, phase)``
+    returns ``(loss, (kl per layer, next-token loss, masses and scores))``."""
+
+    def __init__(self, cfg, hashes, backend):
+        self.cfg, self.hashes, self.backend = cfg, hashes, backend
+        self.layers = indexed_layers(cfg)
+        self.model = Transformer(cfg, ArrayWeights({}, hashes, mx, cfg.o_groups, cfg.o_lora), Ops(backend),
+                                 numerics="exact")
+        self.runtime = Runtime(self.model, backend, compile=False)
+
+    def config_for(self, phase: str, n: int):
+        """Dense: a top-k one row below the state's capacity (the indexer scores every row, keeps them all)."""
+        if phase == "dense":
+            return replace(self.cfg, idx_topk=layer_comp_cap(self.cfg, self.layers[0], n + 1) - 1)
+        return self.cfg
+
+    def __call__(self, indexer, main, ids: np.ndarray, phase: str):
+        n = len(ids) - 1
+        cfg = self.config_for(phase, n)
+        self.model.cfg = cfg
+        self.model.weights = DetachedIndexerWeights({**main, **indexer}, self.hashes, mx, cfg.o_groups, cfg.o_lora)
+        got = {}
+        wanted = {f"blk.{il}.{p}" for il in self.layers for p in ("attn.scores", "indexer.scores")}
+
+        def observe(name, value):
+            if name in wanted:
+                got[name] = value
+
+        state = new_state(cfg, self.backend, Geometry.for_context(cfg, n + 1, n))
+        X, _ = self.runtime.forward(ids[:-1], state, observer=observe)
+        n_vis = visible_rows(np.arange(n), cfg.ratio(self.layers[0]))
+        queries = mx.array(n_vis > self.cfg.idx_topk)
+        kls, parts = [], {}
+        for il in self.layers:
+            d = got[f"blk.{il}.attn.scores"]
+            mass, scores = attention_comp_mass(d), got[f"blk.{il}.indexer.scores"]
+            kls.append(indexer_kl(mass, scores, d["visible"][:, d["n_raw"]:], queries))
+            parts[il] = (mass, scores)
+        kl = sum(kls) / len(kls)
+        lm = mx.array(0.0)
+        if phase == "joint":
+            logits = self.model.head(X)
+            target = mx.array(ids[1:, None].astype(np.int32))
+            lm = (mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target, axis=-1)[:, 0]).mean()
+        return kl + lm, (kls, lm, parts, n_vis)
+
+
+def val_row(objective, indexer, main, windows) -> dict:
+    """Validation KL, recall and oracle recall per layer (dense pass), and the next-token loss with the selection
+    on."""
+    row = {}
+    k = objective.cfg.idx_topk
+    kl = {il: [] for il in objective.layers}
+    rec = {il: [] for il in objective.layers}
+    oracle = {il: [] for il in objective.layers}  # the k heaviest rows: what any indexer can reach
+    lm = []
+    for w in windows:
+        _, (kls, _, parts, n_vis) = objective(indexer, main, w, "dense")
+        for il, v in zip(objective.layers, kls):
+            kl[il].append(v.item())
+            mass, scores = (np.array(a) for a in parts[il])
+            rec[il].append(top_k_recall(mass, scores, n_vis, k).mean())
+            oracle[il].append(top_k_recall(mass, mass, n_vis, k).mean())
+        _, (_, v, _, _) = objective(indexer, main, w, "joint")
+        lm.append(v.item())
+    for il in objective.layers:
+        row[f"val_kl_{il}"] = float(np.mean(kl[il]))
+        row[f"val_recall_{il}"] = float(np.mean(rec[il]))
+        row[f"val_oracle_{il}"] = float(np.mean(oracle[il]))
+    row["val_loss"] = float(np.mean(lm))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=ds4lab.default_model_path(), help="the model whose indexer trains")
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup-steps", type=int, default=800, help="dense warm-up steps (indexer only)")
+    ap.add_argument("--warmup-lr", type=float, default=1e-3)
+    ap.add_argument("--joint-steps", type=int, default=60, help="steps with the selection on")
+    ap.add_argument("--joint-lr", type=float, default=0.0, help="the rest of the model's learning rate (0: frozen)")
+    ap.add_argument("--joint-indexer-lr", type=float, default=2e-4)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-windows", type=int, default=2)
+    ap.add_argument("--no-figures", action="store_true", help="skip the held-out figures of the models (slow on CPU)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    began = time.time()
+    mx.random.seed(SEED)
+    rng = np.random.default_rng(SEED)
+
+    cfg, params, hashes, tokens, merges, meta = file_params(args.model)
+    tok = Tokenizer(tokens, merges)
+    train_text, val_text = held_out_split(args.data.read_text(encoding="utf-8"))
+    train_ids = np.array(tok.encode(train_text), dtype=np.int64)
+    val_ids = np.array(tok.encode(val_text), dtype=np.int64)
+    indexer = {k: v for k, v in params.items() if is_indexer(k)}
+    main_params = {k: v for k, v in params.items() if not is_indexer(k)}
+    n_indexer = sum(v.size for v in indexer.values())
+    print(f"train {len(train_ids)} tokens, val {len(val_ids)}; indexer {n_indexer} weights in "
+          f"{len(indexer)} tensors, layers {indexed_layers(cfg)}", flush=True)
+
+    backend = get_backend("mlx", kernels=False)  # autodiff through the plain ops
+    objective = Objective(cfg, hashes, backend)
+    # The validation windows lie past the held-out slice the figures score (its first 2000 predictions).
+    val_starts = np.linspace(len(val_ids) // 2, len(val_ids) - args.seq - 2, args.eval_windows).astype(int)
+    val_windows = [val_ids[s:s + args.seq + 1] for s in val_starts]
+
+    def window():
+        s = int(rng.integers(0, len(train_ids) - args.seq - 2))
+        return train_ids[s:s + args.seq + 1]
+
+    log = []
+
+    def record(row, evaluate):
+        row["seconds"] = time.time() - began
+        if evaluate:
+            row.update(val_row(objective, indexer, main_params, val_windows))
+        log.append(row)
+        if evaluate or row["step"] % 10 == 0:
+            print(json.dumps(row), flush=True)
+
+    record({"phase": "start", "step": 0}, True)
+    # 1. dense warm-up: the indexer alone
+    sched = optim.cosine_decay(args.warmup_lr, max(1, args.warmup_steps), args.warmup_lr * 0.1)
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
+    grad_dense = mx.value_and_grad(lambda ix, w: objective(ix, main_params, w, "dense")[0])
+    for step in range(1, args.warmup_steps + 1):
+        value, g = grad_dense(indexer, window())
+        g, norm = optim.clip_grad_norm(g, 1.0)
+        opt.update(indexer, g)
+        mx.eval(indexer, opt.state)
+        record({"phase": "dense", "step": step, "kl": value.item(), "grad_norm": float(norm),
+                "lr": float(sched(step))}, step % args.eval_every == 0 or step == args.warmup_steps)
+
+    # 2. joint: the selection on, the indexer on KL over what it selected, the rest on the next-token loss
+    opt_ix = optim.AdamW(learning_rate=args.joint_indexer_lr, weight_decay=0.0)
+    opt_main = optim.AdamW(learning_rate=args.joint_lr, weight_decay=0.1)
+    def joint(ix, mp, w):  # the loss, and the next-token part of it
+        loss, (_, lm, _, _) = objective(ix, mp, w, "joint")
+        return loss, lm
+
+    grad_joint = mx.value_and_grad(joint, argnums=(0, 1))
+    skipped = 0
+    for step in range(1, args.joint_steps + 1):
+        (value, lm), (g_ix, g_main) = grad_joint(indexer, main_params, window())
+        g_ix, n_ix = optim.clip_grad_norm(g_ix, 1.0)
+        g_main, n_main = optim.clip_grad_norm(g_main, 1.0)
+        row = {"phase": "joint", "step": args.warmup_steps + step, "kl": (value - lm).item(), "train_loss": lm.item(),
+               "grad_norm": float(n_ix), "grad_norm_main": float(n_main), "lr": args.joint_indexer_lr}
+        if not all(math.isfinite(row[k]) for k in ("kl", "train_loss", "grad_norm", "grad_norm_main")):
+            skipped += 1  # a non-finite step is dropped rather than written into the weights
+            row["skipped"] = skipped
+        else:
+            opt_ix.update(indexer, g_ix)
+            if args.joint_lr > 0:
+                opt_main.update(main_params, g_main)
+            mx.eval(indexer, main_params, opt_ix.state, opt_main.state)
+        record(row, step % args.eval_every == 0 or step == args.joint_steps)
+    train_seconds = time.time() - began
+
+    weights = {k: np.array(v) for k, v in {**main_params, **indexer}.items()}
+    for il, table in hashes.items():
+        weights[f"blk.{il}.ffn_gate_tid2eid.weight"] = table
+    name = f"{meta['general.name'][0]}, indexer trained ({args.warmup_steps} dense + {args.joint_steps} joint steps)"
+    gguf = write_model(cfg, args.out / "shakespeare.gguf", weights, name, tokens, merges)
+
+    metrics = {
+        "seed": SEED, "seq": args.seq, "warmup_steps": args.warmup_steps, "warmup_lr": args.warmup_lr,
+        "warmup_schedule": "cosine decay to 10%", "joint_steps": args.joint_steps, "joint_lr": args.joint_lr,
+        "joint_indexer_lr": args.joint_indexer_lr, "optimizer": "AdamW (indexer: no weight decay; rest: 0.1), "
+        "grad clip 1.0 per group", "indexer_weights": int(n_indexer), "skipped_steps": skipped,
+        "train_seconds": train_seconds, "device": str(mx.default_device()), "file_bytes": gguf.stat().st_size,
+        "first_eval": log[0], "last_eval": log[-1],
+    }
+    if not args.no_figures:  # the held-out figures, on the float64 reference backend in ds4's numerics
+        for label, path in (("before", args.model), ("after", gguf)):
+            model = ds4lab.load(path, backend="numpy")
+            metrics[f"figures_{label}"] = indexer_figures(model, held_out_ids(model))
+            print(label, json.dumps(metrics[f"figures_{label}"]), flush=True)
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    fields = sorted({k for row in log for k in row}, key=lambda k: (k not in ("phase", "step"), k))
+    with (args.out / "train_log.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(log)
+    print(json.dumps({k: metrics[k] for k in ("train_seconds", "last_eval")}))
+
+
+if __name__ == "__main__":
+    main()
