@@ -5,6 +5,8 @@ ends the request it belongs to, refuses what is queued and stores the live state
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import threading
 
@@ -54,6 +56,20 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.worker.stopping.set()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT and SIGTERM stop the server, which then returns (uvicorn would raise the signal again after its
+        shutdown, killing the process: ds4-server exits 0 after a clean stop)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _listen(host: str, port: int) -> socket.socket:
