@@ -25,6 +25,8 @@ httpx = pytest.importorskip("httpx")
 import ds4lab  # noqa: E402
 from ds4lab.kv.kvfile import REASONS  # noqa: E402
 from ds4lab.server import ServerThread  # noqa: E402
+from ds4lab.server.channels import Channels  # noqa: E402
+from ds4lab.server.protocol import Limits, RequestError, Sampling, parse_chat  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX, CHUNK, MIN_TOKENS = 1024, 64, 16  # small: prefill runs at ~20 tokens/s on a loaded 2-core box
@@ -60,6 +62,41 @@ def _expected(model, ids: list[int], n: int, seed: int, **sampling) -> tuple[str
 
 def _chat_ids(model, messages) -> list[int]:
     return model.tokenizer.render_chat(messages, think=False)  # the embedded model has no chat template: no think
+
+
+def _feed(channels: Channels, pieces) -> list:
+    return [out for piece in pieces for out in channels.feed(piece)] + channels.flush()
+
+
+def test_channels_split_reasoning_and_cut_at_stop_strings():
+    # the tag split over tokens: nothing of it is sent, the reasoning before it is, the answer after it
+    assert _feed(Channels(True), ["abc</th", "ink>Hel", "lo"]) == [("reasoning", "abc"), ("text", "Hel"),
+                                                                   ("text", "lo")]
+    ch = Channels(False, ["END"])
+    assert _feed(ch, ["foo E", "NDbar", "more"]) == [("text", "foo ")] and ch.stop == "END"
+    assert _feed(Channels(False, ["END"]), ["xE", "x"]) == [("text", "x"), ("text", "Ex")]  # not a stop after all
+    assert _feed(Channels(False, ["END"]), ["a", "EN"]) == [("text", "a"), ("text", "EN")]  # held, then flushed
+    ch = Channels(True, ["</think>"])  # a stop string only applies to the answer
+    assert _feed(ch, ["r</think>a</think>b"]) == [("reasoning", "r"), ("text", "a")] and ch.stop == "</think>"
+
+
+def test_thinking_modes_follow_ds4_server(reference):
+    tk = reference.tokenizer
+    chat = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    plain = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=False)
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    cases = [(chat, {}, True), (chat, {"reasoning_effort": "none"}, False), (chat, {"reasoning_effort": "low"}, True),
+             (chat, {"model": "deepseek-chat"}, False), (chat, {"thinking": {"type": "disabled"}}, False),
+             (chat, {"think": False}, False), (plain, {}, False), (plain, {"model": "deepseek-reasoner"}, True),
+             (plain, {"thinking": {"type": "enabled"}}, True), (chat, {"reasoning_effort": "max"}, True)]
+    for limits, extra, thinking in cases:
+        req = parse_chat(dict(base, **extra), limits, tk)
+        assert req.thinking == thinking, extra
+        assert req.prompt[-1] == (tk.think_id if thinking else tk.think_end_id), extra
+        assert req.prompt == tk.render_chat(base["messages"], think=thinking), extra  # max needs ctx >= 393216
+    with pytest.raises(RequestError) as e:
+        parse_chat(dict(base, reasoning_effort="huge"), chat, tk)
+    assert e.value.param == "reasoning_effort"
 
 
 def test_models_are_listed(server):

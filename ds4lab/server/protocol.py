@@ -210,8 +210,8 @@ def _think_mode(data: dict, model: str, limits: Limits) -> str:
 
 def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
     if len(ids) >= limits.ctx - 1:  # ds4 keeps one slot free: such a prompt leaves nothing to generate
-        raise RequestError(f"{param}: the prompt has {len(ids)} tokens and the context holds {limits.ctx}: nothing is left "
-                           f"to generate (at most ctx - prompt - 1 tokens); send a shorter prompt", param=param,
+        raise RequestError(f"{param}: the prompt has {len(ids)} tokens and the context holds {limits.ctx}: nothing "
+                           "is left to generate (at most ctx - prompt - 1 tokens); send a shorter prompt", param=param,
                            code="context_length_exceeded")
     return ids
 

@@ -147,7 +147,9 @@ class Worker:
             job.emit("done", Outcome(len(ids), 0, 0, "cancelled" if job.cancelled.is_set() else "shutdown", None,
                                      "cold", time.perf_counter() - began, 0.0))
             return
-        sess.checkpoint()  # free; a repeat of this prompt restores exactly this state (same seed, same text)
+        last = sess.checkpoints[-1] if sess.checkpoints else None
+        if last is None or len(last) != len(sess.tokens) or last.logits is not sess.logits:  # a prefill's last
+            sess.checkpoint()  # chunk kept it already; a repeat of this prompt restores exactly this state
         prefill_seconds = time.perf_counter() - began
         job.emit("start", len(ids), result.reused)
         decode = sess.decoder(**req.sampling.params(), top=1)
