@@ -20,6 +20,8 @@ def add_serve_parser(sub) -> None:
                     help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length)")
     sv.add_argument("-n", "--max-tokens", "--tokens", dest="max_tokens", type=_positive_int, default=393216,
                     metavar="N", help="most tokens a request may generate, and the default (393216, as ds4-server)")
+    sv.add_argument("--gpu-device", default=None, metavar="LIST",
+                    help="CUDA GPUs to split the layers over evenly, e.g. 0,1 (cupy backend)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=_nonnegative_int, default=8000, help="port (default 8000; 0: a free one)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, metavar="N",
@@ -56,6 +58,23 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--seed", type=_seed, default=None, metavar="N", help="default seed (default: time-based)")
     sv.set_defaults(func=serve_command)
 
+def _placement(args, backend: str):
+    """``--gpu-device 0,1``: the layers split evenly over those CUDA GPUs (CuPy), as ds4-server's flag places them."""
+    if args.gpu_device is None:
+        return None
+    if backend != "cupy":
+        raise UsageError(f"--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got {backend}")
+    try:
+        ids = [int(x) for x in args.gpu_device.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-device takes distinct GPU numbers such as 0,1, got {args.gpu_device!r}")
+    from .. import Placement
+
+    return Placement.even(len(ids), devices=[f"cuda:{i}" for i in ids])
+
+
 def serve_command(args) -> int:
     try:
         from ..server import build, serve
@@ -63,6 +82,7 @@ def serve_command(args) -> int:
         raise UsageError(f"ds4lab serve needs the server extra ({e.name} is missing): "
                          "pip install 'ds4lab[server]'") from None
     model = load_model(args)
+    placement = _placement(args, model.backend.name)
     ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
     if ctx < 2 or ctx > model.config.context_length:
         raise UsageError(f"--ctx must be in [2, {model.config.context_length}] for this model, got {ctx}")
@@ -74,7 +94,8 @@ def serve_command(args) -> int:
                         kv_cache_boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
                         kv_cache_boundary_align_tokens=args.kv_cache_boundary_align_tokens,
                         queue_size=args.queue_size, think=args.think, model_name=args.model_name,
-                        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+                        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                        placement=placement)
     disk = f"KV cache {worker.store.dir}" if worker.store is not None else "no disk KV cache"
     think = args.think if model.is_chat else "none (the model has no chat template)"
     err(f"{describe(model)}, ctx {ctx}, prefill chunk {worker.session.prefill_chunk}, think {think}, {disk}")

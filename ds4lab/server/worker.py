@@ -57,19 +57,22 @@ class Job:
         self.cancelled = threading.Event()
 
     def emit(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody waits for it
+            pass
 
 
 class Worker:
-    """``Worker(model, ctx=, prefill_chunk=, store=)``: ``submit(job)`` queues, ``start()`` runs the thread,
+    """``Worker(model, ctx=, prefill_chunk=, store=, placement=)``: ``submit(job)`` queues, ``start()`` runs the thread,
     ``close()`` finishes the step under way, refuses what is queued and saves the "shutdown" checkpoint."""
 
     def __init__(self, model, ctx: int, prefill_chunk: int | None = None, store=None,
                  queue_size: int = DEFAULT_QUEUE_SIZE, boundary_trim: int = BOUNDARY_TRIM_TOKENS,
-                 boundary_align: int | None = None):
+                 boundary_align: int | None = None, placement=None):
         self.model = model
         self.store = store
-        self.session = model.session(ctx=ctx, prefill_chunk=prefill_chunk, kv_store=store)
+        self.session = model.session(ctx=ctx, prefill_chunk=prefill_chunk, kv_store=store, placement=placement)
         self.boundary_trim = boundary_trim
         # ds4 aligns cold checkpoints to 2048, its prefill chunk: here the session's chunk step unless given
         self.boundary_align = self.session.geometry.step if boundary_align is None else boundary_align
