@@ -394,10 +394,21 @@ def test_sigkill_mid_request_then_restart_serves_the_store(tmp_path, reference):
         assert r.usage.prompt_tokens_details.cached_tokens == anchor  # the system prompt, read from disk
         stats = httpx.get(url + "/ds4lab/stats").json()
         assert stats["store"]["hits"] == 1 and stats["store"]["hit_tokens"] == anchor
-        session_tokens = stats["session_tokens"]
-        proc.send_signal(signal.SIGTERM)  # a clean stop: the live state is stored as "shutdown"
+        # SIGTERM mid-stream: the step under way finishes, the request ends ("error", as ds4-server's shutdown
+        # ends it) with its usage, the process exits 0 and the live state is stored as "shutdown"
+        stream = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="shakespeare", messages=other, max_tokens=200, seed=5, stream=True,
+            stream_options={"include_usage": True})
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
         proc.kill()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(_chat_ids(reference, other)) and 2 <= usage.completion_tokens < 200
     shutdown = [e for e in ds4lab.KVStore(kv).entries() if REASONS[e.header.reason] == "shutdown"]
-    assert [e.tokens for e in shutdown] == [session_tokens]
+    assert [e.tokens for e in shutdown] == [usage.prompt_tokens + usage.completion_tokens]
