@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
+DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
 MAX_STOP_SEQUENCES = 16
 _SEED_MAX = (1 << 64) - 1
 
@@ -145,8 +146,8 @@ def _model(data: dict, limits: Limits) -> str:
         raise RequestError("model is required", param="model", code="missing_field")
     if not isinstance(value, str):
         raise _type_error("model", "a string", value)
-    if value not in limits.model_names and value not in THINKING_MODELS:
-        names = ", ".join(limits.model_names + tuple(THINKING_MODELS))
+    if value not in limits.model_names and value not in THINKING_MODELS and value != DS4_MODEL:
+        names = ", ".join(limits.model_names + (DS4_MODEL, *THINKING_MODELS))
         raise RequestError(f"model {value!r} is not served here; this server serves {names}", param="model",
                            code="model_not_found")
     return value
