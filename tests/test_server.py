@@ -177,6 +177,29 @@ def test_anthropic_messages_whole_and_streamed(server, reference):
                                                                              "stop_sequence", stop)
 
 
+def test_thinking_comes_back_as_reasoning(server, reference):
+    """Thinking asked for on the embedded model (no chat template: it does not think unless asked): the prompt ends
+    in <think>, the text before </think> is reasoning (OpenAI's reasoning_content, Anthropic's thinking block)."""
+    messages = [{"role": "user", "content": "MERCUTIO: Nay, gentle Romeo"}]
+    ids = reference.tokenizer.render_chat(messages, think=True)
+    want, _ = _expected(reference, ids, 6, seed=9)
+    reasoning, tag, answer = want.partition("</think>")
+    r = _openai(server).chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=9,
+                                                reasoning_effort="high")
+    assert r.usage.prompt_tokens == len(ids)
+    assert (r.choices[0].message.model_extra["reasoning_content"], r.choices[0].message.content) == (reasoning,
+                                                                                                      answer)
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model="shakespeare", max_tokens=6, messages=messages, extra_body={"seed": 9},
+              thinking={"type": "enabled", "budget_tokens": 1024})
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    for m in (whole, final):
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", "")) for b in m.content] == [
+            ("thinking", reasoning), ("text", answer)]
+
+
 def _store_entries(srv) -> dict:
     return {(REASONS[e.header.reason], e.tokens) for e in srv.worker.store.entries()}
 
