@@ -243,6 +243,15 @@ def test_a_client_that_leaves_stops_generation(server):
     assert not after["running"] and after["cancelled"] == before["cancelled"] + 1
     generated = after["completion_tokens"] - before["completion_tokens"]
     assert 3 <= generated < 20, generated  # stopped within a few steps of the close, not at 64
+    # a whole (not streamed) request whose client gives up: the handler sees it gone and stops the worker
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=dict(body, stream=False), timeout=1.5)
+    deadline = time.monotonic() + 20
+    while stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    last = stats()
+    assert not last["running"] and last["cancelled"] == after["cancelled"] + 1
+    assert last["completion_tokens"] - after["completion_tokens"] < 40
 
 
 BAD = [  # (endpoint, body, status, param, code)
