@@ -99,6 +99,34 @@ def test_thinking_modes_follow_ds4_server(reference):
     assert e.value.param == "reasoning_effort"
 
 
+def test_memory_text_continuation_keeps_the_live_tokens(reference):
+    """ds4-server's "memory-text" reuse: the live tokens spell the prompt's first bytes in other tokens (a reply
+    sent back and tokenized again): the prompt becomes the live tokens and its remaining text, tokenized."""
+    from ds4lab.server.worker import Worker
+
+    tk = reference.tokenizer
+    worker = Worker(reference, ctx=256)
+    live = [tk.bos_id, *tk.encode("ROMEO:"), *(tk.encode(c)[0] for c in " the")]  # one token a character
+    prompt = [tk.bos_id, *tk.encode("ROMEO: the end")]
+    assert prompt[:len(live)] != live  # BPE spells " the" otherwise
+    assert worker._continuation(prompt) == prompt  # an empty session: nothing to keep
+    worker.session.sync(live)
+    out = worker._continuation(prompt)
+    assert out[:len(live)] == live and tk.decode(out) == tk.decode(prompt)
+    assert out[len(live):] == tk.encode(" end")
+    assert worker._continuation([tk.bos_id, *tk.encode("JULIET: the end")]) == [tk.bos_id,
+                                                                               *tk.encode("JULIET: the end")]
+
+
+def test_serve_usage_errors(capsys):
+    from ds4lab import cli
+
+    assert cli.main(["serve", "--backend", "numpy", "--gpu-device", "0,1"]) == 2
+    assert "--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got numpy" in capsys.readouterr().err
+    assert cli.main(["serve", "--backend", "numpy", "--ctx", "999999"]) == 2
+    assert "--ctx must be in [2, 4096] for this model, got 999999" in capsys.readouterr().err
+
+
 def test_models_are_listed(server):
     client = _openai(server)
     assert [m.id for m in client.models.list().data] == ["shakespeare"]
