@@ -230,7 +230,7 @@ def test_make_model_error_names_the_requested_path(tmp_path):
 def test_every_subcommand_help_has_a_description(capsys):
     parser = cli.build_parser()
     commands = next(a.choices for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    assert set(commands) == {"run", "bench", "inspect", "make-model"}
+    assert set(commands) == {"run", "serve", "bench", "inspect", "make-model"}
     for name, sub in commands.items():
         assert sub.description, name
         with pytest.raises(SystemExit):

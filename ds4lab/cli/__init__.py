@@ -1,5 +1,5 @@
-"""The ``ds4lab`` command: ``run`` (one-shot or interactive chat), ``bench`` (ds4-bench's frontier sweep),
-``inspect`` (a GGUF or ``.kv`` file) and ``make-model`` (seeded test models).
+"""The ``ds4lab`` command: ``run`` (one-shot or interactive chat), ``serve`` (ds4-server's HTTP API), ``bench``
+(ds4-bench's frontier sweep), ``inspect`` (a GGUF or ``.kv`` file) and ``make-model`` (seeded test models).
 
 Flags follow ds4 and ds4-bench (ds4's ds4_cli.c and ds4_bench.c; README.md, "Command line"). Exit codes:
 0 on success, 2 for usage errors (unknown flags, invalid numbers, conflicting options), 1 for errors while
@@ -7,9 +7,9 @@ working (a missing or unreadable file, a file that is not a model, a prompt long
 when interrupted outside generation. Every error is one line on stderr; ``DS4LAB_TRACEBACK=1`` shows the traceback.
 
 This module holds the argument parser and the dispatch (:func:`main`); each command lives in its own module:
-``run`` (:mod:`.run`, its chat in :mod:`.chat`, the turn both share in :mod:`.generate`), ``bench``
-(:mod:`.bench`), ``inspect`` (:mod:`.inspect_file`), ``make-model`` (:mod:`.make_model`); :mod:`.common` holds
-what they share.
+``run`` (:mod:`.run`, its chat in :mod:`.chat`, the turn both share in :mod:`.generate`), ``serve``
+(:mod:`.serve`), ``bench`` (:mod:`.bench`), ``inspect`` (:mod:`.inspect_file`), ``make-model``
+(:mod:`.make_model`); :mod:`.common` holds what they share.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .common import (
 from .inspect_file import inspect_command
 from .make_model import make_model_command
 from .run import run_command
+from .serve import add_serve_parser
 
 # ---------------------------------------------------------------------------------------------------------
 # Argument parsing
@@ -111,7 +112,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ds4lab", description="DeepSeek V4 Flash architecture, step by step.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{run,bench,inspect,make-model}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,serve,bench,inspect,make-model}")
 
     run = sub.add_parser("run", help="generate from a prompt, or chat interactively without -p",
                          description="One prompt (-p or --prompt-file), or an interactive chat that keeps one "
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep tokens at least F times as likely as the top one (default 0.05)")
     run.add_argument("--seed", type=_seed, default=None, metavar="N", help="sampling seed (default: time-based)")
     run.set_defaults(func=run_command)
+
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="ds4-bench's frontier sweep: prefill and generation speed against context",
                            description="Prefill a fixed text to each frontier, time the interval, snapshot, time a "

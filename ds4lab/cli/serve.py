@@ -1,0 +1,104 @@
+"""``ds4lab serve``: ds4-server's HTTP API on one model (:mod:`ds4lab.server`, the ``server`` extra). Flags as
+ds4-server names them; the address, model and disk cache go to stderr once it listens."""
+
+from __future__ import annotations
+
+from .common import DEFAULT_CTX, UsageError, describe, err, load_model
+
+
+def add_serve_parser(sub) -> None:
+    """``ds4lab serve``: ds4-server's flags (-m, --ctx, --prefill-chunk, -n/--max-tokens, --kv-disk-*, --kv-cache-*,
+    --host, --port) and the sampling and thinking defaults of ``run``."""
+    from . import _add_model_args, _nonnegative_int, _path, _positive_int, _ranged_float, _seed  # built by now
+
+    sv = sub.add_parser("serve", help="serve the model over HTTP: OpenAI and Anthropic APIs, as ds4-server",
+                        description="ds4-server's API: /v1/models, /v1/chat/completions, /v1/completions, "
+                                    "/v1/messages (Anthropic), streamed or not; one live session reused across "
+                                    "requests, requests one at a time, a disk KV cache with --kv-disk-dir.")
+    _add_model_args(sv)
+    sv.add_argument("-c", "--ctx", type=_positive_int, default=None, metavar="N",
+                    help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length)")
+    sv.add_argument("-n", "--max-tokens", "--tokens", dest="max_tokens", type=_positive_int, default=393216,
+                    metavar="N", help="most tokens a request may generate, and the default (393216, as ds4-server)")
+    sv.add_argument("--gpu-device", default=None, metavar="LIST",
+                    help="CUDA GPUs to split the layers over evenly, e.g. 0,1 (cupy backend)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=_nonnegative_int, default=8000, help="port (default 8000; 0: a free one)")
+    sv.add_argument("--queue-size", type=_positive_int, default=16, metavar="N",
+                    help="requests that may wait for the model; more get 503 with Retry-After (default 16)")
+    sv.add_argument("--model-name", default=None, metavar="NAME",
+                    help="the name /v1/models lists (default: the GGUF file's stem)")
+    sv.add_argument("--kv-disk-dir", type=_path, default=None, metavar="DIR", help="disk KV cache folder (default off)")
+    sv.add_argument("--kv-disk-space-mb", type=_nonnegative_int, default=4096, metavar="MB",
+                    help="disk KV cache budget (default 4096; 0 = the default)")
+    sv.add_argument("--kv-cache-min-tokens", type=_nonnegative_int, default=512, metavar="N",
+                    help="store no checkpoint shorter than N tokens (default 512)")
+    sv.add_argument("--kv-cache-cold-max-tokens", type=_nonnegative_int, default=30000, metavar="N",
+                    help="cold checkpoints for prompts up to N tokens (default 30000; 0 disables them)")
+    sv.add_argument("--kv-cache-continued-interval-tokens", type=_nonnegative_int, default=10000, metavar="N",
+                    help="a continued checkpoint every N tokens, rounded up to the alignment (default 10000; 0 off)")
+    sv.add_argument("--kv-cache-boundary-trim-tokens", type=_nonnegative_int, default=32, metavar="N",
+                    help="cold checkpoints leave out the prompt's last N tokens (default 32)")
+    sv.add_argument("--kv-cache-boundary-align-tokens", type=_nonnegative_int, default=None, metavar="N",
+                    help="align cold and continued checkpoints to N tokens (default: the prefill chunk step; "
+                         "ds4-server's 2048 is its chunk)")
+    think = sv.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const="high",
+                       help="chat requests think unless they say otherwise (the default for chat models)")
+    think.add_argument("--think-max", dest="think", action="store_const", const="max",
+                       help="Think Max by default (when --ctx >= 393216, else normal thinking)")
+    think.add_argument("--nothink", dest="think", action="store_const", const="none",
+                       help="chat requests do not think unless they ask (the default for models without a chat "
+                            "template, such as the embedded one)")
+    sv.set_defaults(think="high")
+    sv.add_argument("--temp", type=_ranged_float(0, 2), default=1.0, metavar="F", help="default temperature (1)")
+    sv.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N", help="default top-k (0: no cap)")
+    sv.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F", help="default top-p (1)")
+    sv.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F", help="default min-p (0.05)")
+    sv.add_argument("--seed", type=_seed, default=None, metavar="N", help="default seed (default: time-based)")
+    sv.set_defaults(func=serve_command)
+
+def _placement(args, backend: str):
+    """``--gpu-device 0,1``: the layers split evenly over those CUDA GPUs (CuPy), as ds4-server's flag places them."""
+    if args.gpu_device is None:
+        return None
+    if backend != "cupy":
+        raise UsageError(f"--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got {backend}")
+    try:
+        ids = [int(x) for x in args.gpu_device.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-device takes distinct GPU numbers such as 0,1, got {args.gpu_device!r}")
+    from .. import Placement
+
+    return Placement.even(len(ids), devices=[f"cuda:{i}" for i in ids])
+
+
+def serve_command(args) -> int:
+    try:
+        from ..server import build, serve
+    except ImportError as e:
+        raise UsageError(f"ds4lab serve needs the server extra ({e.name} is missing): "
+                         "pip install 'ds4lab[server]'") from None
+    model = load_model(args)
+    placement = _placement(args, model.backend.name)
+    ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
+    if ctx < 2 or ctx > model.config.context_length:
+        raise UsageError(f"--ctx must be in [2, {model.config.context_length}] for this model, got {ctx}")
+    worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,
+                        kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
+                        kv_cache_min_tokens=args.kv_cache_min_tokens,
+                        kv_cache_cold_max_tokens=args.kv_cache_cold_max_tokens,
+                        kv_cache_continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+                        kv_cache_boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
+                        kv_cache_boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+                        queue_size=args.queue_size, think=args.think, model_name=args.model_name,
+                        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                        placement=placement)
+    disk = f"KV cache {worker.store.dir}" if worker.store is not None else "no disk KV cache"
+    think = args.think if model.is_chat else "none (the model has no chat template)"
+    err(f"{describe(model)}, ctx {ctx}, prefill chunk {worker.session.prefill_chunk}, think {think}, {disk}")
+    serve(worker, app, args.host, args.port, announce=lambda url: err(f"serving {url}/v1 as model "
+                                                                      f"{app.state.server.name!r}"))
+    return 0

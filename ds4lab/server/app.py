@@ -1,0 +1,271 @@
+"""The HTTP side (Starlette): ds4-server's endpoints, each request checked (:mod:`.protocol`), queued on the one
+:class:`~.worker.Worker` and answered in its protocol's shape, whole or streamed as server-sent events (OpenAI's
+``chat.completion.chunk``/``text_completion`` chunks and ``[DONE]``; Anthropic's ``message_start`` …
+``message_stop``). A client that goes away cancels its request: the worker stops after the step under way.
+
+``GET /v1/models``, ``GET /v1/models/{name}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/messages``, and ``GET /ds4lab/stats`` (ds4lab's: the queue, the session, the store's stats)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from itertools import count
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .protocol import (
+    Limits,
+    RequestError,
+    anthropic_error,
+    openai_error,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    parse_messages,
+)
+from .worker import Job, Outcome, Worker
+
+KEEPALIVE_S = 1.0  # an SSE comment while the model is busy elsewhere: also how a gone client is noticed
+DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the handler looks for a gone client
+_PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages}
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "shutdown": "error"}
+_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "shutdown": "end_turn"}
+
+
+@dataclass
+class ServerState:
+    worker: Worker
+    limits: Limits
+    created: int
+    ids = count(1)
+
+    @property
+    def name(self) -> str:
+        return self.limits.model_names[0]
+
+
+def create_app(worker: Worker, limits: Limits) -> Starlette:
+    """The Starlette app serving ``worker`` (started and closed with the app's lifespan)."""
+    state = ServerState(worker, limits, int(time.time()))
+
+    async def models(request: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in limits.model_names]})
+
+    async def model(request: HTTPRequest) -> Response:
+        name = request.path_params["name"]
+        if name not in limits.model_names:
+            e = RequestError(f"model {name!r} is not served here", param="model", code="model_not_found",
+                             status=404)
+            return JSONResponse(openai_error(e), status_code=404)
+        return JSONResponse(_model_card(state, name))
+
+    async def stats(request: HTTPRequest) -> Response:
+        return JSONResponse(worker.stats())
+
+    def endpoint(api: str):
+        async def handle(request: HTTPRequest) -> Response:
+            return await _serve(state, request, api)
+        return handle
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.close)  # after the last response: the step under way, then "shutdown"
+
+    routes = [Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+              Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
+              Route("/v1/completions", endpoint("completion"), methods=["POST"]),
+              Route("/v1/messages", endpoint("messages"), methods=["POST"]),
+              Route("/ds4lab/stats", stats)]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = state
+    return app
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "ds4lab",
+            "context_length": state.limits.ctx}
+
+
+def _error_response(e: RequestError, api: str) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    body = anthropic_error(e) if api == "messages" else openai_error(e)
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response:
+    try:
+        data = parse_json(await request.body())
+        req = _PARSERS[api](data, state.limits, state.worker.model.tokenizer)
+        job = Job(req, asyncio.get_running_loop())
+        state.worker.submit(job)
+    except RequestError as e:
+        return _error_response(e, api)
+    prefix = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg"}[api]
+    rid = f"{prefix}-{next(state.ids)}"
+    if req.stream:
+        stream = _anthropic_stream if api == "messages" else _openai_stream
+        return StreamingResponse(stream(job, rid), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    reasoning, text = [], []
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                    return Response(status_code=499)
+                continue
+            kind = event[0]
+            if kind == "text":
+                (reasoning if event[1] == "reasoning" else text).append(event[2])
+            elif kind == "error":
+                return _error_response(event[1], api)
+            elif kind == "done":
+                return JSONResponse(_whole(api, rid, job, event[1], "".join(reasoning), "".join(text)))
+    finally:
+        job.cancelled.set()  # a no-op once done; stops the worker if this handler was cancelled
+
+
+def _whole(api: str, rid: str, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
+    req, now = job.request, int(time.time())
+    if api == "messages":
+        content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if req.thinking else [])
+        content.append({"type": "text", "text": text})
+        return {"id": rid, "type": "message", "role": "assistant", "model": req.model, "content": content,
+                "stop_reason": "stop_sequence" if out.stop else _ANTHROPIC_STOP[out.finish],
+                "stop_sequence": out.stop, "usage": _anthropic_usage(out)}
+    if api == "chat":
+        message = {"role": "assistant", "content": text}
+        if req.thinking:
+            message["reasoning_content"] = reasoning
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _OPENAI_FINISH[out.finish]}
+        return {"id": rid, "object": "chat.completion", "created": now, "model": req.model, "choices": [choice],
+                "usage": _openai_usage(out)}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _OPENAI_FINISH[out.finish]}
+    return {"id": rid, "object": "text_completion", "created": now, "model": req.model, "choices": [choice],
+            "usage": _openai_usage(out)}
+
+
+def _openai_usage(out: Outcome) -> dict:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+
+def _anthropic_usage(out: Outcome | None, prompt_tokens: int = 0, cached: int = 0) -> dict:
+    if out is not None:
+        prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": out.completion_tokens if out else 0,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+async def _events(job: Job):
+    """The job's events, with None every KEEPALIVE_S while nothing happens; marks the job cancelled when the
+    response stops being consumed (the client went away)."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            yield event
+            if event[0] in ("done", "error"):
+                return
+    finally:
+        job.cancelled.set()
+
+
+def _sse(data: dict, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _openai_stream(job: Job, rid: str):
+    req, created = job.request, int(time.time())
+    chat = req.api == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta=None, text=None, finish=None, usage=None, choices=True) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": req.model}
+        if choices:
+            choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": text or "", "logprobs": None}
+            body["choices"] = [dict(choice, finish_reason=finish)]
+        else:
+            body["choices"] = []
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    async for event in _events(job):
+        if event is None:
+            yield ": keep-alive\n\n"
+        elif event[0] == "start" and chat:
+            yield chunk({"role": "assistant", "content": ""})
+        elif event[0] == "text":
+            key = "reasoning_content" if event[1] == "reasoning" else "content"
+            yield chunk({key: event[2]}, event[2]) if chat or event[1] == "text" else ""
+        elif event[0] == "error":
+            yield _sse(openai_error(event[1]))
+            yield "data: [DONE]\n\n"
+        elif event[0] == "done":
+            out: Outcome = event[1]
+            yield chunk({}, "", _OPENAI_FINISH[out.finish])
+            if req.include_usage:
+                yield chunk(usage=_openai_usage(out), choices=False)
+            yield "data: [DONE]\n\n"
+
+
+async def _anthropic_stream(job: Job, rid: str):
+    req = job.request
+    block, index = None, -1  # the open content block's type and index
+    started = False
+
+    def open_block(kind: str):
+        nonlocal block, index
+        events = [_sse({"type": "content_block_stop", "index": index}, "content_block_stop")] if block else []
+        block, index = kind, index + 1
+        start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
+                                                                                                   "text": ""}
+        events.append(_sse({"type": "content_block_start", "index": index, "content_block": start},
+                           "content_block_start"))
+        return "".join(events)
+
+    async for event in _events(job):
+        if event is None:
+            yield _sse({"type": "ping"}, "ping")
+        elif event[0] == "start" or event[0] == "done" and not started:  # a request stopped in its prefill
+            started = True
+            usage = _anthropic_usage(None, *event[1:]) if event[0] == "start" else _anthropic_usage(event[1])
+            message = {"id": rid, "type": "message", "role": "assistant", "model": req.model, "content": [],
+                       "stop_reason": None, "stop_sequence": None, "usage": dict(usage, output_tokens=0)}
+            yield _sse({"type": "message_start", "message": message}, "message_start")
+        elif event[0] == "text":
+            kind = "thinking" if event[1] == "reasoning" else "text"
+            if block != kind:
+                yield open_block(kind)
+            delta = {"type": "thinking_delta", "thinking": event[2]} if kind == "thinking" else {
+                "type": "text_delta", "text": event[2]}
+            yield _sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+        elif event[0] == "error":
+            yield _sse(anthropic_error(event[1]), "error")
+        if event is not None and event[0] == "done":
+            out: Outcome = event[1]
+            if block != "text":
+                yield open_block("text")
+            yield _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+            delta = {"stop_reason": "stop_sequence" if out.stop else _ANTHROPIC_STOP[out.finish],
+                     "stop_sequence": out.stop}
+            yield _sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": out.completion_tokens}},
+                       "message_delta")
+            yield _sse({"type": "message_stop"}, "message_stop")

@@ -1,0 +1,296 @@
+"""The requests the server takes, read and checked: OpenAI's chat and text completions and Anthropic's messages
+become one :class:`Request` (token ids, sampling, limits); anything malformed is a :class:`RequestError` naming
+the field, which the app sends as the protocol's error JSON (:func:`openai_error`, :func:`anthropic_error`).
+
+The fields and their meaning follow ds4-server (ds4_server.c's parse_chat_request, parse_completion_request,
+parse_anthropic_request): ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``stop``/``stop_sequences``, and the thinking
+switches ``reasoning_effort``, ``thinking``, ``think`` and the model names ``deepseek-chat`` (no thinking) and
+``deepseek-reasoner`` (thinking)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
+DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
+MAX_STOP_SEQUENCES = 16
+_SEED_MAX = (1 << 64) - 1
+
+
+class RequestError(Exception):
+    """A refused request: ``status`` (400 unless said), the field (``param``), OpenAI's ``code``."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+
+def openai_error(e: RequestError) -> dict:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
+def anthropic_error(e: RequestError) -> dict:
+    kind = {503: "overloaded_error", 404: "not_found_error"}.get(e.status, e.type)
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None = None
+
+    def params(self) -> dict:
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    seed=self.seed)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server allows and uses when a request says nothing: the model's names, the context, the most
+    tokens a request may ask for, the sampling and thinking defaults (the flags of ``ds4lab serve``)."""
+
+    model_names: tuple[str, ...]
+    ctx: int
+    max_tokens: int
+    sampling: Sampling
+    think: str  # "none", "high" or "max": the default for chat requests
+    chat_model: bool  # the model has a chat template; without one, chat requests default to no thinking
+
+
+@dataclass(frozen=True)
+class Request:
+    api: str  # "chat", "completion" or "messages"
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    thinking: bool = False  # the output starts inside <think>: reasoning first, then the answer
+    messages: list = field(default_factory=list, repr=False)
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}",
+                           code="invalid_json")
+    return data
+
+
+# -- field readers: each names the field it refuses -------------------------------------------------------
+
+def _type_error(name: str, want: str, value) -> RequestError:
+    return RequestError(f"{name} must be {want}, got {json.dumps(value)[:80]}", param=name, code="invalid_type")
+
+
+def _int(data: dict, name: str, default, lo: int, hi: int):
+    value = data.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer", value)
+    if not lo <= value <= hi:
+        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", param=name, code="out_of_range")
+    return value
+
+
+def _float(data: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = data.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _type_error(name, "a number", value)
+    if not lo <= value <= hi:
+        raise RequestError(f"{name} must be in [{lo:g}, {hi:g}], got {value}", param=name, code="out_of_range")
+    return float(value)
+
+
+def _bool(data: dict, name: str, default: bool = False) -> bool:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "true or false", value)
+    return value
+
+
+def _stop(data: dict, name: str) -> tuple[str, ...]:
+    value = data.get(name)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise _type_error(name, "a non-empty string or a list of them", value)
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise RequestError(f"{name} has {len(value)} entries; at most {MAX_STOP_SEQUENCES}", param=name,
+                           code="out_of_range")
+    return tuple(value)
+
+
+def _model(data: dict, limits: Limits) -> str:
+    value = data.get("model")
+    if value is None:
+        raise RequestError("model is required", param="model", code="missing_field")
+    if not isinstance(value, str):
+        raise _type_error("model", "a string", value)
+    if value not in limits.model_names and value not in THINKING_MODELS and value != DS4_MODEL:
+        names = ", ".join(limits.model_names + (DS4_MODEL, *THINKING_MODELS))
+        raise RequestError(f"model {value!r} is not served here; this server serves {names}", param="model",
+                           code="model_not_found")
+    return value
+
+
+def _max_tokens(data: dict, limits: Limits, names=("max_tokens", "max_completion_tokens"),
+                required: bool = False) -> int:
+    for name in names:
+        if data.get(name) is not None:
+            return _int(data, name, None, 1, limits.max_tokens)
+    if required:
+        raise RequestError(f"{names[0]} is required", param=names[0], code="missing_field")
+    return limits.max_tokens
+
+
+def _sampling(data: dict, limits: Limits, temperature_max: float = 2.0) -> Sampling:
+    d = limits.sampling
+    return Sampling(temperature=_float(data, "temperature", d.temperature, 0.0, temperature_max),
+                    top_k=_int(data, "top_k", d.top_k, 0, 1 << 30),
+                    top_p=_float(data, "top_p", d.top_p, 0.0, 1.0),
+                    min_p=_float(data, "min_p", d.min_p, 0.0, 1.0),
+                    seed=_int(data, "seed", d.seed, 0, _SEED_MAX))
+
+
+def _text_content(value, name: str) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...})."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for i, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise _type_error(f"{name}[{i}]", 'a text part {"type": "text", "text": "..."}', part)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _type_error(name, "a string or a list of text parts", value)
+
+
+def _think_mode(data: dict, model: str, limits: Limits) -> str:
+    """ds4-server's rules: reasoning_effort max → max, none → none, other efforts → high; thinking disabled,
+    think false or the model deepseek-chat → none; deepseek-reasoner → high; else the server's default."""
+    mode = THINKING_MODELS.get(model) or (limits.think if limits.chat_model else "none")
+    effort = data.get("reasoning_effort")
+    if effort is None and isinstance(data.get("output_config"), dict):
+        effort = data["output_config"].get("effort")
+    if effort is not None:
+        efforts = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+        if effort not in efforts:
+            raise RequestError(f"reasoning_effort must be one of {', '.join(efforts)}, got {json.dumps(effort)}",
+                               param="reasoning_effort", code="invalid_value")
+        mode = {"max": "max", "none": "none"}.get(effort, "high")
+    thinking = data.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise _type_error("thinking", '{"type": "enabled"} or {"type": "disabled"}', thinking)
+        mode = "none" if thinking["type"] == "disabled" else (mode if mode != "none" else "high")
+    if data.get("think") is not None:
+        mode = ("high" if mode == "none" else mode) if _bool(data, "think") else "none"
+    return "high" if mode == "max" and limits.ctx < 393216 else mode  # ds4: Think Max needs ctx >= 393216
+
+
+def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
+    if len(ids) >= limits.ctx - 1:  # ds4 keeps one slot free: such a prompt leaves nothing to generate
+        raise RequestError(f"{param}: the prompt has {len(ids)} tokens and the context holds {limits.ctx}: nothing "
+                           "is left to generate (at most ctx - prompt - 1 tokens); send a shorter prompt", param=param,
+                           code="context_length_exceeded")
+    return ids
+
+
+# -- the three request kinds ------------------------------------------------------------------------------
+
+def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
+    messages = data.get("messages")
+    if messages is None:
+        raise RequestError("messages is required", param="messages", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise _type_error("messages", "a non-empty list of messages", messages)
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _type_error(f"messages[{i}]", "an object with role and content", m)
+        if m.get("role") not in roles:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got "
+                               f"{json.dumps(m.get('role'))}", param=f"messages[{i}].role", code="invalid_value")
+        out.append({"role": m["role"], "content": _text_content(m.get("content"), f"messages[{i}].content")})
+    return out
+
+
+def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
+    """``POST /v1/chat/completions``."""
+    model = _model(data, limits)
+    messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
+    if data.get("n") not in (None, 1):
+        raise RequestError(f"n must be 1 (one choice per request), got {json.dumps(data['n'])}", param="n",
+                           code="out_of_range")
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    mode = _think_mode(data, model, limits)
+    ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
+                   _sampling(data, limits), stream=_bool(data, "stream"),
+                   include_usage=_bool(options or {}, "include_usage"), stop=_stop(data, "stop"),
+                   thinking=mode != "none", messages=messages)
+
+
+def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
+    """``POST /v1/completions``: the prompt as plain text (or token ids), continued without a chat template."""
+    model = _model(data, limits)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt[{bad}] is {prompt[bad]}: token ids are in [0, {tokenizer.vocab_size})",
+                               param="prompt", code="out_of_range")
+        ids = list(prompt)
+    else:
+        raise _type_error("prompt", "a string or a list of token ids", prompt)
+    if not ids:
+        raise RequestError("prompt is empty", param="prompt", code="invalid_value")
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    return Request("completion", model, _check_length(ids, limits, "prompt"), _max_tokens(data, limits),
+                   _sampling(data, limits), stream=_bool(data, "stream"),
+                   include_usage=_bool(options or {}, "include_usage"), stop=_stop(data, "stop"))
+
+
+def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
+    """``POST /v1/messages`` (Anthropic): ``max_tokens`` required, ``system`` apart from the messages."""
+    model = _model(data, limits)
+    messages = _messages(data, ("user", "assistant"))
+    system = data.get("system")
+    if system is not None:
+        system = _text_content(system, "system")
+        messages = ([{"role": "system", "content": system}] if system else []) + messages
+    mode = _think_mode(data, model, limits)
+    ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    return Request("messages", model, _check_length(ids, limits, "messages"),
+                   _max_tokens(data, limits, ("max_tokens",), required=True),
+                   _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
+                   stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages)

@@ -1,0 +1,474 @@
+"""``ds4lab serve`` driven by the real ``openai`` and ``anthropic`` clients (tests start it on 127.0.0.1 on a free
+port, in a thread or, for SIGKILL and SIGTERM, as ``ds4lab serve`` in a child process) with the embedded model on
+the numpy backend. What the server sends is compared with the same work done through the Python API on a model
+loaded apart (sessions, the sampler, the tokenizer); reuse is read from ``usage`` and from the store's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette", reason="the server extra (pip install -e '.[server]')")
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import ds4lab  # noqa: E402
+from ds4lab.kv.kvfile import REASONS  # noqa: E402
+from ds4lab.server import ServerThread  # noqa: E402
+from ds4lab.server.channels import Channels  # noqa: E402
+from ds4lab.server.protocol import Limits, RequestError, Sampling, parse_chat  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CTX, CHUNK, MIN_TOKENS = 1024, 64, 16  # small: prefill runs at ~20 tokens/s on a loaded 2-core box
+SHAKESPEARE = (ROOT / "data" / "tinyshakespeare.txt").read_text()
+SYSTEM = SHAKESPEARE[:100]  # about 30 tokens: over MIN_TOKENS, so a cold checkpoint is stored
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The Python API on a model of its own (the server's is used by its worker thread)."""
+    return ds4lab.load(backend="numpy")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    kv = tmp_path_factory.mktemp("kv")
+    with ServerThread(ds4lab.load(backend="numpy"), ctx=CTX, prefill_chunk=CHUNK, max_tokens=64, kv_disk_dir=kv,
+                      kv_cache_min_tokens=MIN_TOKENS, queue_size=16) as srv:
+        yield srv
+
+
+def _openai(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _expected(model, ids: list[int], n: int, seed: int, **sampling) -> tuple[str, int]:
+    """What a fresh session samples after ``ids``: (text, tokens), stopping at EOS as the server does."""
+    sess = model.session(ctx=CTX, prefill_chunk=CHUNK)
+    sess.sync(ids)
+    steps = list(sess.decoder(seed=seed, top=1, **sampling).stream(n))
+    return "".join(s.text for s in steps), len(steps)
+
+
+def _chat_ids(model, messages) -> list[int]:
+    return model.tokenizer.render_chat(messages, think=False)  # the embedded model has no chat template: no think
+
+
+def _feed(channels: Channels, pieces) -> list:
+    return [out for piece in pieces for out in channels.feed(piece)] + channels.flush()
+
+
+def test_channels_split_reasoning_and_cut_at_stop_strings():
+    # the tag split over tokens: nothing of it is sent, the reasoning before it is, the answer after it
+    assert _feed(Channels(True), ["abc</th", "ink>Hel", "lo"]) == [("reasoning", "abc"), ("text", "Hel"),
+                                                                   ("text", "lo")]
+    ch = Channels(False, ["END"])
+    assert _feed(ch, ["foo E", "NDbar", "more"]) == [("text", "foo ")] and ch.stop == "END"
+    assert _feed(Channels(False, ["END"]), ["xE", "x"]) == [("text", "x"), ("text", "Ex")]  # not a stop after all
+    assert _feed(Channels(False, ["END"]), ["a", "EN"]) == [("text", "a"), ("text", "EN")]  # held, then flushed
+    ch = Channels(True, ["</think>"])  # a stop string only applies to the answer
+    assert _feed(ch, ["r</think>a</think>b"]) == [("reasoning", "r"), ("text", "a")] and ch.stop == "</think>"
+
+
+def test_thinking_modes_follow_ds4_server(reference):
+    tk = reference.tokenizer
+    chat = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    plain = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=False)
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    cases = [(chat, {}, True), (chat, {"reasoning_effort": "none"}, False), (chat, {"reasoning_effort": "low"}, True),
+             (chat, {"model": "deepseek-chat"}, False), (chat, {"thinking": {"type": "disabled"}}, False),
+             (chat, {"think": False}, False), (plain, {}, False), (plain, {"model": "deepseek-reasoner"}, True),
+             (plain, {"thinking": {"type": "enabled"}}, True), (chat, {"reasoning_effort": "max"}, True)]
+    for limits, extra, thinking in cases:
+        req = parse_chat(dict(base, **extra), limits, tk)
+        assert req.thinking == thinking, extra
+        assert req.prompt[-1] == (tk.think_id if thinking else tk.think_end_id), extra
+        assert req.prompt == tk.render_chat(base["messages"], think=thinking), extra  # max needs ctx >= 393216
+    with pytest.raises(RequestError) as e:
+        parse_chat(dict(base, reasoning_effort="huge"), chat, tk)
+    assert e.value.param == "reasoning_effort"
+
+
+def test_memory_text_continuation_keeps_the_live_tokens(reference):
+    """ds4-server's "memory-text" reuse: the live tokens spell the prompt's first bytes in other tokens (a reply
+    sent back and tokenized again): the prompt becomes the live tokens and its remaining text, tokenized."""
+    from ds4lab.server.worker import Worker
+
+    tk = reference.tokenizer
+    worker = Worker(reference, ctx=256)
+    live = [tk.bos_id, *tk.encode("ROMEO:"), *(tk.encode(c)[0] for c in " the")]  # one token a character
+    prompt = [tk.bos_id, *tk.encode("ROMEO: the end")]
+    assert prompt[:len(live)] != live  # BPE spells " the" otherwise
+    assert worker._continuation(prompt) == prompt  # an empty session: nothing to keep
+    worker.session.sync(live)
+    out = worker._continuation(prompt)
+    assert out[:len(live)] == live and tk.decode(out) == tk.decode(prompt)
+    assert out[len(live):] == tk.encode(" end")
+    assert worker._continuation([tk.bos_id, *tk.encode("JULIET: the end")]) == [tk.bos_id,
+                                                                               *tk.encode("JULIET: the end")]
+
+
+def test_serve_usage_errors(capsys):
+    from ds4lab import cli
+
+    assert cli.main(["serve", "--backend", "numpy", "--gpu-device", "0,1"]) == 2
+    assert "--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got numpy" in capsys.readouterr().err
+    assert cli.main(["serve", "--backend", "numpy", "--ctx", "999999"]) == 2
+    assert "--ctx must be in [2, 4096] for this model, got 999999" in capsys.readouterr().err
+
+
+def test_models_are_listed(server):
+    client = _openai(server)
+    assert [m.id for m in client.models.list().data] == ["shakespeare"]
+    assert client.models.retrieve("shakespeare").id == "shakespeare"
+    assert httpx.get(server.url + "/v1/models/nope").status_code == 404
+
+
+def test_chat_whole_and_streamed_match_the_python_api(server, reference):
+    client = _openai(server)
+    messages = [{"role": "user", "content": "ROMEO: What light through yonder window breaks?"}]
+    ids = _chat_ids(reference, messages)
+    want, n = _expected(reference, ids, 6, seed=7)
+    whole = client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=7)
+    assert whole.choices[0].message.content == want
+    assert whole.choices[0].finish_reason == ("length" if n == 6 else "stop")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), n)
+    again = client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=7)
+    assert again.choices[0].message.content == want  # the same seed, the same text (the prompt's state restored)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(ids)  # nothing evaluated again
+    chunks = list(client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=7,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    other = client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=8)
+    assert other.choices[0].message.content == _expected(reference, ids, 6, seed=8)[0]
+
+
+def test_completions_continue_plain_text(server, reference):
+    client = _openai(server)
+    prompt = "KING RICHARD III:\nNow is the winter of our"
+    ids = reference.tokenizer.encode(prompt)
+    want, n = _expected(reference, ids, 6, seed=3, temperature=0.5)
+    whole = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=6, seed=3, temperature=0.5)
+    assert whole.choices[0].text == want and whole.usage.prompt_tokens == len(ids)
+    streamed = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=6, seed=3, temperature=0.5,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+    by_ids = client.completions.create(model="shakespeare", prompt=ids, max_tokens=6, seed=3, temperature=0.5)
+    assert by_ids.choices[0].text == want and n == whole.usage.completion_tokens
+
+
+def test_stop_strings_cut_the_answer(server, reference):
+    client = _openai(server)
+    prompt = "First Citizen:\nBefore we proceed any further, hear me"
+    full, _ = _expected(reference, reference.tokenizer.encode(prompt), 12, seed=5)
+    stop = full[6:9]
+    cut = full[:full.index(stop)]
+    whole = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=12, seed=5, stop=[stop])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=12, seed=5, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_anthropic_messages_whole_and_streamed(server, reference):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model="shakespeare", max_tokens=6, system="A play.", extra_body={"seed": 11},
+              messages=[{"role": "user", "content": "JULIET: O Romeo, Romeo!"}])
+    ids = _chat_ids(reference, [{"role": "system", "content": "A play."}, kw["messages"][0]])
+    want, n = _expected(reference, ids, 6, seed=11)
+    whole = client.messages.create(**kw)
+    assert [b.type for b in whole.content] == ["text"] and whole.content[0].text == want
+    assert whole.stop_reason == ("max_tokens" if n == 6 else "end_turn")
+    u = whole.usage
+    assert (u.input_tokens + u.cache_read_input_tokens, u.output_tokens) == (len(ids), n)
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == want and final.usage.cache_read_input_tokens == len(ids)  # the repeat reuses the prompt
+    stop = want[3:5]
+    if stop.strip():
+        cut = client.messages.create(**kw, stop_sequences=[stop])
+        assert (cut.content[0].text, cut.stop_reason, cut.stop_sequence) == (want[:want.index(stop)],
+                                                                             "stop_sequence", stop)
+
+
+def test_thinking_comes_back_as_reasoning(server, reference):
+    """Thinking asked for on the embedded model (no chat template: it does not think unless asked): the prompt ends
+    in <think>, the text before </think> is reasoning (OpenAI's reasoning_content, Anthropic's thinking block)."""
+    messages = [{"role": "user", "content": "MERCUTIO: Nay, gentle Romeo"}]
+    ids = reference.tokenizer.render_chat(messages, think=True)
+    want, _ = _expected(reference, ids, 6, seed=9)
+    reasoning, tag, answer = want.partition("</think>")
+    r = _openai(server).chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=9,
+                                                reasoning_effort="high")
+    assert r.usage.prompt_tokens == len(ids)
+    assert (r.choices[0].message.model_extra["reasoning_content"], r.choices[0].message.content) == (reasoning,
+                                                                                                      answer)
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model="shakespeare", max_tokens=6, messages=messages, extra_body={"seed": 9},
+              thinking={"type": "enabled", "budget_tokens": 1024})
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    for m in (whole, final):
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", "")) for b in m.content] == [
+            ("thinking", reasoning), ("text", answer)]
+
+
+def _store_entries(srv) -> dict:
+    return {(REASONS[e.header.reason], e.tokens) for e in srv.worker.store.entries()}
+
+
+def test_multi_turn_reuse_in_usage_and_store(server, reference):
+    client = _openai(server)
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Speak, friend."}]
+    ids1 = _chat_ids(reference, turn1)
+    anchor = ids1.index(reference.tokenizer.user_id)  # ds4's cold checkpoint: up to the user turn
+    assert anchor >= MIN_TOKENS
+    before = server.worker.store.stats()
+    r1 = client.chat.completions.create(model="shakespeare", messages=turn1, max_tokens=4, seed=1)
+    assert r1.usage.prompt_tokens == len(ids1)
+    assert ("cold", anchor) in _store_entries(server)
+    assert server.worker.store.stats().saves >= before.saves + 1
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "What news?"}]
+    r2 = client.chat.completions.create(model="shakespeare", messages=turn2, max_tokens=4, seed=1)
+    # the second turn evaluates only what the first did not: its prompt and its reply are reused
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(ids1) + r1.usage.completion_tokens
+    assert r2.usage.prompt_tokens == len(_chat_ids(reference, turn2))
+    stats = httpx.get(server.url + "/ds4lab/stats").json()
+    assert stats["store"]["entries"] == len(server.worker.store.entries()) and stats["cached_tokens"] > 0
+
+
+def test_a_client_that_leaves_stops_generation(server):
+    stats = lambda: httpx.get(server.url + "/ds4lab/stats").json()  # noqa: E731
+    before = stats()
+    body = {"model": "shakespeare", "prompt": "GLOUCESTER:", "max_tokens": 64, "stream": True, "seed": 2}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break
+    deadline = time.monotonic() + 20
+    while stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = stats()
+    assert not after["running"] and after["cancelled"] == before["cancelled"] + 1
+    generated = after["completion_tokens"] - before["completion_tokens"]
+    assert 3 <= generated < 20, generated  # stopped within a few steps of the close, not at 64
+    # a whole (not streamed) request whose client gives up: the handler sees it gone and stops the worker
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=dict(body, stream=False), timeout=1.5)
+    deadline = time.monotonic() + 20
+    while stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    last = stats()
+    assert not last["running"] and last["cancelled"] == after["cancelled"] + 1
+    assert last["completion_tokens"] - after["completion_tokens"] < 40
+
+
+BAD = [  # (endpoint, body, status, param, code)
+    ("chat", b"{not json", 400, None, "invalid_json"),
+    ("chat", b"[1, 2]", 400, None, "invalid_json"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}]}, 400, "model", "missing_field"),
+    ("chat", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 400, "model", "model_not_found"),
+    ("chat", {"model": 3, "messages": [{"role": "user", "content": "x"}]}, 400, "model", "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": "hello"}, 400, "messages", "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content",
+     "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "max_tokens", "out_of_range"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "max_tokens": 65}, 400,
+     "max_tokens", "out_of_range"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, 400,
+     "max_tokens", "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
+     "temperature", "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, 400,
+     "top_p", "out_of_range"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "seed": -1}, 400,
+     "seed", "out_of_range"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400,
+     "stream", "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": SHAKESPEARE[:6000]}]}, 400,
+     "messages", "context_length_exceeded"),
+    ("completion", {"model": "shakespeare", "prompt": 123}, 400, "prompt", "invalid_type"),
+    ("completion", {"model": "shakespeare", "prompt": [1, 99999]}, 400, "prompt", "out_of_range"),
+    ("completion", {"model": "shakespeare", "prompt": SHAKESPEARE[:6000]}, 400, "prompt", "context_length_exceeded"),
+]
+_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "messages": "/v1/messages"}
+
+
+@pytest.mark.parametrize("api,body,status,param,code", BAD, ids=[f"{b[0]}-{b[3]}-{b[4]}" for b in BAD])
+def test_bad_openai_requests_are_refused_naming_the_field(server, api, body, status, param, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + _PATHS[api], content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+    assert param is None or param.split("[")[0] in error["message"]
+
+
+def test_bad_requests_through_the_clients(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        _openai(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 400 and "nope" in e.value.message
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="shakespeare", max_tokens=100, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": "max_tokens must be in [1, 64], got 100"}}
+    r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages must be")
+    r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "messages": [
+        {"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens is required"
+
+
+def test_a_full_queue_answers_503_with_retry_after():
+    with ServerThread(ds4lab.load(backend="numpy"), ctx=256, max_tokens=32, queue_size=1) as srv:
+        body = {"model": "shakespeare", "prompt": "HAMLET:", "max_tokens": 8, "seed": 1}
+        barrier = threading.Barrier(6)
+
+        def post(_):
+            barrier.wait()
+            return httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(post, range(6)))
+    codes = sorted(r.status_code for r in replies)
+    assert set(codes) == {200, 503} and codes.count(200) >= 2, codes  # one running, one waiting, the rest refused
+    for r in replies:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "server_busy"
+
+
+def test_load_8_concurrent_clients(server):
+    """32 streamed requests, 8 at a time, 4 conversations sharing a system prompt: every one answered (or refused
+    with 503), the figures printed. (benchmarks/server_load.py runs more, with the overhead against the API.)"""
+    client = _openai(server)
+    system = SHAKESPEARE[2000:2100]
+
+    def one(i):
+        began = time.perf_counter()
+        first = None
+        try:
+            stream = client.chat.completions.create(
+                model="shakespeare", max_tokens=1, seed=i, stream=True, stream_options={"include_usage": True},
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Scene {i % 4}."}])
+            usage = None
+            for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - began
+                usage = chunk.usage or usage
+        except openai.APIStatusError as e:
+            return e.status_code, None, None
+        return 200, first, usage
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(32)))
+    seconds = time.perf_counter() - began
+    assert all(code in (200, 503) for code, _, _ in results)
+    served = [(t, u) for code, t, u in results if code == 200]
+    assert len(served) >= 24 and all(u is not None and u.completion_tokens <= 1 for _, u in served)
+    prompt = sum(u.prompt_tokens for _, u in served)
+    cached = sum(u.prompt_tokens_details.cached_tokens for _, u in served)
+    ttft = sorted(t for t, _ in served if t is not None)
+    print(f"\nload: {len(served)}/32 served in {seconds:.1f} s, {len(served) / seconds:.2f} requests/s, TTFT median "
+          f"{ttft[len(ttft) // 2]:.3f} s (max {ttft[-1]:.3f} s), cache hit rate {cached / prompt:.1%} of "
+          f"{prompt} prompt tokens")
+    assert cached / prompt > 0.5  # the shared system prompt is evaluated once per conversation switch at most
+
+
+# -- as a process: SIGKILL mid-request, restart, SIGTERM --------------------------------------------------
+
+def _start(kv: Path) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "ds4lab.cli", "serve", "--backend", "numpy", "--ctx", str(CTX),
+                             "--prefill-chunk", str(CHUNK), "--port", "0", "--kv-disk-dir", str(kv),
+                             "--kv-cache-min-tokens", str(MIN_TOKENS), "--max-tokens", "256"],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    for line in proc.stderr:
+        if "serving " in line:
+            url = line.split("serving ")[1].split("/v1")[0]
+            break
+    else:
+        raise AssertionError(f"ds4lab serve exited with {proc.wait()}")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(url + "/v1/models", timeout=2)
+            return proc, url
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+
+
+def test_sigkill_mid_request_then_restart_serves_the_store(tmp_path, reference):
+    kv = tmp_path / "kv"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who's there?"}]
+    ids = _chat_ids(reference, messages)
+    anchor = ids.index(reference.tokenizer.user_id)
+    proc, url = _start(kv)
+    try:
+        stream = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="shakespeare", messages=messages, max_tokens=200, seed=4, stream=True)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        proc.send_signal(signal.SIGKILL)  # mid-generation: no shutdown save, maybe a temporary left behind
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+    store = ds4lab.KVStore(kv)  # as a notebook watching the folder opens it: stale temporaries go
+    assert not [p for p in kv.iterdir() if not p.name.endswith(".kv")]
+    entries = store.entries()
+    assert ("cold", anchor) in {(REASONS[e.header.reason], e.tokens) for e in entries}
+    for e in entries:  # every file whole: header, checksum, payload and text check out
+        assert store.load(e, reference.config, tokenizer=reference.tokenizer) is not None
+
+    proc, url = _start(kv)
+    try:
+        other = [messages[0], {"role": "user", "content": "Nay, answer me."}]
+        r = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="shakespeare", messages=other, max_tokens=4, seed=4)
+        assert r.usage.prompt_tokens_details.cached_tokens == anchor  # the system prompt, read from disk
+        stats = httpx.get(url + "/ds4lab/stats").json()
+        assert stats["store"]["hits"] == 1 and stats["store"]["hit_tokens"] == anchor
+        # SIGTERM mid-stream: the step under way finishes, the request ends ("error", as ds4-server's shutdown
+        # ends it) with its usage, the process exits 0 and the live state is stored as "shutdown"
+        stream = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="shakespeare", messages=other, max_tokens=200, seed=5, stream=True,
+            stream_options={"include_usage": True})
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(_chat_ids(reference, other)) and 2 <= usage.completion_tokens < 200
+    shutdown = [e for e in ds4lab.KVStore(kv).entries() if REASONS[e.header.reason] == "shutdown"]
+    assert [e.tokens for e in shutdown] == [usage.prompt_tokens + usage.completion_tokens]
