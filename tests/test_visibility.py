@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ds4lab
-from ds4lab.visibility import (CACHED, DROPPED, FUTURE, KEPT, NOT_YET, OUTSIDE, OWN, SINK, UNKNOWN, step_mask)
+from ds4lab.visibility import CACHED, DROPPED, FUTURE, KEPT, NOT_YET, OUTSIDE, OWN, SINK, UNKNOWN, step_mask
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,6 @@ def test_hand_worked_mask(model):
     r128 = step_mask(cfg, sess.geometry, 3, 64, 64)  # ratio 128: group 0–127 completes at the last query
     assert r128.comp_rows.size == 1 and (r128.cells[:-1, -2] == NOT_YET).all() and r128.cells[-1, -2] == KEPT
     r4 = step_mask(cfg, sess.geometry, 4, 64, 64)
-    assert r4.comp_rows.size == 32 and r4.cells[0, -17] == KEPT and r4.cells[0, -16] == NOT_YET  # q=64 sees 16
+    assert r4.comp_rows.size == 32 and r4.cells[0, -18] == KEPT and r4.cells[0, -17] == NOT_YET  # q=64 sees rows 0–15
     with pytest.raises(ValueError, match="layer 6"):
         step_mask(cfg, sess.geometry, 6, 0, 1)
