@@ -7,11 +7,11 @@ function layout(model) {
   const Q = model.get("n_queries"), N = nr + nc + 1;
   const cw = Math.max(2, Math.min(10, Math.floor(620 / N))), rh = Math.max(3, Math.min(14, Math.floor(260 / Math.max(Q, 1))));
   const groups = [["cached by earlier steps", 0, nr - own], ["this step's own rows", nr - own, nr],
-                  [`compressed (1 per ${model.get("ratio")} tokens)`, nr, nr + nc], ["sink", nr + nc, N]];
+                  ["compressed", nr, nr + nc], ["sink", nr + nc, N]];
   // x of column c: groups separated by a gap
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
   const x = (c) => L + c * cw + gi(c) * GAP;
-  return { nr, nc, own, Q, N, cw, rh, groups, gi, x, W: x(N - 1) + cw + 8, H: T + Q * rh + B };
+  return { nr, nc, own, Q, N, cw, rh, groups, gi, x, W: x(N - 1) + cw + 24, H: T + Q * rh + B };
 }
 function reason(model, q, c, cat, g) {
   const pos = model.get("raw_positions"), w = model.get("window"), R = model.get("ratio"), k = model.get("top_k");
@@ -57,7 +57,8 @@ function render({ model, el }) {
     }
     ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
     for (const [name, a, b] of g.groups) if (b > a) {  // group headers, clipped to the group's width
-      ctx.save(); ctx.beginPath(); ctx.rect(g.x(a), 0, g.x(b - 1) + g.cw - g.x(a) + 2, T); ctx.clip();
+      const last = b === g.N;  // the sink's header may run past its one column
+      ctx.save(); ctx.beginPath(); ctx.rect(g.x(a), 0, last ? g.W : g.x(b - 1) + g.cw - g.x(a) + 2, T); ctx.clip();
       ctx.fillText(name, g.x(a), 8); ctx.restore();
       ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.cw - g.x(a), 1);
     }

@@ -74,7 +74,8 @@ class PrefillView(View):
         self.step_button = W.Button(description="step", tooltip="run the next chunk")
         self.run_button = W.Button(description="run", tooltip="run every remaining chunk")
         self.slider = W.IntSlider(value=0, min=0, max=0, description="show", readout=False, disabled=True)
-        self.state = W.HTML("<span class='ds4-note'>no chunk run yet</span>")
+        self.state = W.HTML("<span class='ds4-note'>no chunk run yet</span>",
+                            layout=W.Layout(width="250px", overflow="hidden"))
         self.layer_pick = W.Dropdown(options=[(self._layer_name(cfg, i), i) for i in range(cfg.n_layer)],
                                      value=self.layer, description="layer", layout=W.Layout(width="240px"))
         self.step_button.on_click(self.guarded(lambda _: self.step()))
@@ -182,7 +183,7 @@ class PrefillView(View):
         if self.slider.value != i:
             self.slider.value = i  # its observer comes back here with the same i
             return
-        self.state.value = f"<b>{html.escape(self._label(i))}</b>"
+        self.state.value = f"<b style='white-space:nowrap'>{html.escape(self._label(i))}</b>"
         self.kv_view.show(c.checkpoint, label=self._label(i), new_from=c.start)
         self._show_mask()
 
