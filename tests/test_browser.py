@@ -347,7 +347,7 @@ def test_prefill_view_renders(page):
     assert kb["x"] + kb["width"] <= mb["x"] + 1 and mb["y"] < kb["y"] + kb["height"]  # side by side
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 4 (tokens 256–")
     assert kv.locator(".ds4-layer").count() == 1  # the layer picked (2)
-    assert kv.locator(".ds4-slot").count() == 256 and kv.locator(".ds4-slot.new").count() == int(m[2]) - 256
+    assert kv.locator(".ds4-slot").count() == 256 and kv.locator(".ds4-slot-new").count() == int(m[2]) - 256
     assert "overwritten (evicted): positions 0–" in kv.inner_text()  # 320 positions in 256 slots
     assert mask.locator(".ds4-title").inner_text().startswith("What each query sees — layer 2, chunk 4")
     img = mask.locator("img.ds4-maskimg")
@@ -365,7 +365,7 @@ def test_prefill_view_renders(page):
                          timeout=10_000)
     assert view.locator(".ds4-title").inner_text().startswith("Prefill after chunk 0 (tokens 0–63)")
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 0 (tokens 0–63): 64 tokens")
-    assert kv.locator(".ds4-slot.new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
+    assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
     assert "nothing overwritten yet" in kv.inner_text()
     out.screenshot(path=str(ARTIFACTS / "prefill_view_chunk0.png"))
     # another layer: ratio 128
@@ -388,7 +388,7 @@ def test_kvcache_view_renders(page):
     title = view.locator(".ds4-title").inner_text()
     assert re.match(r"KV cache after chunk 4 \(tokens 256–\d+\): [1-9]\d* tokens, [\d,]+ bytes", title), title
     assert view.locator(".ds4-layer").count() == 6
-    assert view.locator(".ds4-slot.new").count() == 0  # a fresh view outlines nothing as new
+    assert view.locator(".ds4-slot-new").count() == 0  # a fresh view outlines nothing as new
     for kind in ("comp", "index"):
         assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
     slot = view.locator(".ds4-slot.live").first

@@ -7,7 +7,7 @@ function cells(n, cls, titles, max = 600) {
 }
 function ring(d) {
   // slot s at angle s/cap of a turn, clockwise from the top
-  const cap = d.raw_cap, S = 250, c = S / 2, r1 = 72, r0 = 52, T = d.n_tokens;
+  const cap = d.raw_cap, S = 260, c = S / 2, r1 = 90, r0 = 64, T = d.n_tokens;
   const pt = (s, r) => { const a = (2 * Math.PI * s) / cap - Math.PI / 2; return [c + r * Math.cos(a), c + r * Math.sin(a)]; };
   let h = `<svg class="ds4-ring" width="${S}" height="${S}" viewBox="0 0 ${S} ${S}">`;
   for (let s = 0; s < cap; s++) {
@@ -16,11 +16,15 @@ function ring(d) {
     const [a, b] = [pt(s, r0), pt(s, r1)], [e, f] = [pt(s + 1, r1), pt(s + 1, r0)];
     const tip = p < 0 ? `slot ${s}: empty` : `slot ${s}: position ${p}` + (p >= T - d.window ? " (in the raw window)" : " (in the ring, outside the window)") +
       (p >= d.new_from ? ", written by this step" : "") + (p >= cap ? `, overwrote position ${p - cap}` : "");
-    h += `<path class="ds4-slot ${cls}${p >= 0 && p >= d.new_from ? " new" : ""}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z"><title>${tip}</title></path>`;
+    h += `<path class="ds4-slot ${cls}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z"><title>${tip}</title></path>`;
+    if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot
+      const [g, k] = [pt(s, r1 + 2), pt(s + 1, r1 + 2)], [m, n] = [pt(s + 1, r1 + 6), pt(s, r1 + 6)];
+      h += `<path class="ds4-slot-new" d="M${g} A${r1 + 2},${r1 + 2} 0 0 1 ${k} L${m} A${r1 + 6},${r1 + 6} 0 0 0 ${n} Z"><title>${tip}</title></path>`;
+    }
   }
   // positions written on the ring: every cap/8 slots, outside the circle
   for (let s = 0; s < cap; s += cap / 8) {
-    const [x, y] = pt(s + 0.5, r1 + 14), p = d.slots[s];
+    const [x, y] = pt(s + 0.5, r1 + 18), p = d.slots[s];
     h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p < 0 ? "·" : p}</text>`;
   }
   // the write pointer: the slot of the next position

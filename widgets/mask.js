@@ -5,9 +5,10 @@ const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers,
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
-  const cw = Math.max(2, Math.min(10, Math.floor(620 / N))), rh = Math.max(3, Math.min(14, Math.floor(260 / Math.max(Q, 1))));
-  const groups = [["cached by earlier steps", 0, nr - own], ["this step's own rows", nr - own, nr],
-                  ["compressed", nr, nr + nc], ["sink", nr + nc, N]];
+  const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(14, Math.floor(260 / Math.max(Q, 1))));
+  // header of each group: the longest name that fits its width
+  const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
+                  [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];
   // x of column c: groups separated by a gap
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
   const x = (c) => L + c * cw + gi(c) * GAP;
@@ -56,10 +57,9 @@ function render({ model, el }) {
       ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.cw, g.rh);
     }
     ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
-    for (const [name, a, b] of g.groups) if (b > a) {  // group headers, clipped to the group's width
-      const last = b === g.N;  // the sink's header may run past its one column
-      ctx.save(); ctx.beginPath(); ctx.rect(g.x(a), 0, last ? g.W : g.x(b - 1) + g.cw - g.x(a) + 2, T); ctx.clip();
-      ctx.fillText(name, g.x(a), 8); ctx.restore();
+    for (const [names, a, b] of g.groups) if (b > a) {  // group headers; the sink's may run past its one column
+      const room = b === g.N ? g.W - g.x(a) : g.x(b - 1) + g.cw - g.x(a);
+      ctx.fillText(names.find((s) => ctx.measureText(s).width <= room) ?? "", g.x(a), 8);
       ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.cw - g.x(a), 1);
     }
     ctx.textAlign = "right";  // query positions down the left
@@ -71,7 +71,8 @@ function render({ model, el }) {
     const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
     const every = Math.max(1, Math.ceil(34 / g.cw));
     const tick = (c, s) => { ctx.fillRect(g.x(c) + g.cw / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.cw / 2, y); };
-    for (let c = 0; c < g.nr; c++) if (pos[c] % 16 === 0 && c % 1 === 0 && (c === 0 || pos[c] % (16 * Math.ceil(every / 16)) === 0)) tick(c, String(pos[c]));
+    const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) - 14 : g.W;  // raw ticks keep clear of c0
+    for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && g.x(c) < end) tick(c, String(pos[c]));
     for (let c = 0; c < g.nc; c += Math.max(every, 1)) tick(g.nr + c, `c${c}`);
     ctx.fillText("key position (raw rows) · compressed row", L + (g.W - L) / 2, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");

@@ -75,7 +75,7 @@ class PrefillView(View):
         self.run_button = W.Button(description="run", tooltip="run every remaining chunk")
         self.slider = W.IntSlider(value=0, min=0, max=0, description="show", readout=False, disabled=True)
         self.state = W.HTML("<span class='ds4-note'>no chunk run yet</span>",
-                            layout=W.Layout(width="250px", overflow="hidden"))
+                            layout=W.Layout(width="290px", overflow="hidden"))
         self.layer_pick = W.Dropdown(options=[(self._layer_name(cfg, i), i) for i in range(cfg.n_layer)],
                                      value=self.layer, description="layer", layout=W.Layout(width="240px"))
         self.step_button.on_click(self.guarded(lambda _: self.step()))
