@@ -336,8 +336,8 @@ def test_prefill_view_renders(page):
     box = view.locator(".ds4-prompt")
     cur = view.locator(".ds4-prompt .ds4-tok[data-start]")
     assert box.evaluate("(b) => b.scrollTop") > 0 and cur.get_attribute("title") == "position 256, chunk 4"
-    visible = "(b) => { const c = b.querySelector('[data-start]'); return c.offsetTop - b.offsetTop >= b.scrollTop && " \
-              "c.offsetTop - b.offsetTop < b.scrollTop + b.clientHeight; }"
+    visible = ("(b) => { const c = b.querySelector('[data-start]'), y = c.offsetTop - b.offsetTop; "
+               "return y >= b.scrollTop && y < b.scrollTop + b.clientHeight; }")
     assert box.evaluate(visible)
     out = _output_of(view)
     assert out.locator(".widget-button").count() == 2 and out.locator(".widget-dropdown").count() == 1
@@ -505,4 +505,6 @@ def test_no_widget_errors_in_console(page):
     ours += [f"pageerror: {e} {e.stack or ''}" for e in errors if OURS.search(f"{e} {e.stack or ''}")]
     assert not ours, "JS errors from the widgets:\n" + "\n".join(ours)
     assert pg.get_by_text("Error displaying widget").count() == 0
-    assert pg.locator(".ds4-view").count() == 6  # one element per view, each drawn by its ESM
+    # one element per view, each drawn by its ESM: the PrefillView's own three (prompt, KV cache, mask), a KV
+    # view, a decode step's mask, and the attention, expert, generation and tier views
+    assert pg.locator(".ds4-view").count() == 9
