@@ -224,7 +224,8 @@ class PrefillView(View):
             while ci < len(m.bounds) and p >= m.bounds[ci][1]:
                 ci += 1
             bg = PALETTE[ci % len(PALETTE)] if m.first <= p < m.done else "transparent"
-            text.append(f"<span style='background:{bg}' title='position {p}'>{html.escape(tok)}</span>")
+            cur = ";outline:1px solid #e6550d" if ci == m.selected else ""  # the chunk shown
+            text.append(f"<span style='background:{bg}{cur}' title='position {p}'>{html.escape(tok)}</span>")
         shown = html.escape(self._label(m.selected)) + ": " if m.selected >= 0 else ""
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>Prefill {shown}{m.done}/{m.total} tokens, "
