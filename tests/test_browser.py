@@ -56,21 +56,23 @@ def notebook_cells() -> list[str]:
     return [
         "import ds4lab\n"
         "from ds4lab import Placement\n"
-        "from ds4lab.viz import (AttentionView, ExpertView, GenerationView, KVCacheView, PrefillView, TierView,\n"
-        "                        offline_charts)\n"
+        "from ds4lab.viz import (AttentionView, ExpertView, GenerationView, KVCacheView, MaskView, PrefillView,\n"
+        "                        TierView, offline_charts)\n"
         "from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart\n\n"
         "offline_charts()\n"
         'model = ds4lab.load(backend="numpy")\n'
         "print(ds4lab.__file__)",
         _builder().CORIOLANUS,  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
         "sess = model.session(ctx=512, prefill_chunk=64)\n"
-        "kv = KVCacheView(sess)\n"
-        "prefill = PrefillView(sess, ids, kv_view=kv)\n"
+        "prefill = PrefillView(sess, ids)  # the stepper, the KV cache and the mask of layer 2 beside it\n"
         "prefill.step()\n"
         "prefill",
         "prefill.run()\n"
-        "kv.scrub_through(prefill.chunks)  # the slider goes to the last chunk's checkpoint: the state shown\n"
+        "kv = KVCacheView(sess, checkpoints=prefill.chunks)  # the state now: after the last chunk\n"
         "kv",
+        'with sess.capture(["indexer.topk"], layers=[2]) as cap:\n'
+        "    sess.decoder(temperature=0).step()\n"
+        'MaskView.of_step(sess, 2, len(sess.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")',
         "kv_bytes_chart(sess, prefill.chunks) | prefill_chunks_chart(prefill.chunks)",
         "att = model.session(ctx=512, prefill_chunk=64)\n"
         'with att.capture(["attn.scores"], layers=[2, 3], heads=[0, 1]) as cap:\n'
@@ -314,42 +316,98 @@ def test_the_kernel_runs_this_checkout(page):
     assert Path(first) == ROOT / "ds4lab" / "__init__.py"
 
 
+def _mask_of(out):
+    return out.locator(".ds4-mask")
+
+
 def test_prefill_view_renders(page):
+    """The stepper after Run All: every chunk run, the KV cache and the mask beside (not below) the prompt, the
+    prompt box scrolled to the chunk shown; scrubbing changes the mask, the ring and the scroll; a step click
+    after the last chunk says so in the view."""
     pg, *_ = page
-    view = _view(pg, "Prefill:")
-    m = re.match(r"Prefill: (\d+)/(\d+) tokens, (\d+)/(\d+) chunks of ≤64", view.locator(".ds4-title").inner_text())
-    assert m and m[1] == m[2] and int(m[1]) > 256 and m[3] == m[4] == "5", view.locator(".ds4-title").inner_text()
+    view = _view(pg, "Prefill ")
+    title = view.locator(".ds4-title").inner_text()
+    m = re.match(r"Prefill after chunk 4 \(tokens 256–(\d+)\): (\d+)/(\d+) tokens, 5/5 chunks of ≤64 run", title)
+    assert m and m[2] == m[3] and int(m[1]) == int(m[2]) - 1, title
     assert view.locator("tr").count() == 1 + 5  # header + one row per chunk
     toks = view.locator(".ds4-prompt .ds4-tok")
-    assert toks.count() == int(m[1]) and view.locator(".ds4-prompt .ds4-todo").count() == 0
-    assert re.fullmatch(r"position \d+, chunk \d", toks.last.get_attribute("title"))
-    assert view.locator(".ds4-bar > div").get_attribute("style").replace(" ", "").rstrip(";") == "width:100%"
+    assert toks.count() == int(m[2]) and view.locator(".ds4-prompt .ds4-todo").count() == 0
+    assert view.locator(".ds4-prompt .ds4-cur").count() == int(m[2]) - 256  # the chunk shown
+    box = view.locator(".ds4-prompt")
+    cur = view.locator(".ds4-prompt .ds4-tok[data-start]")
+    assert box.evaluate("(b) => b.scrollTop") > 0 and cur.get_attribute("title") == "position 256, chunk 4"
+    visible = ("(b) => { const c = b.querySelector('[data-start]'), y = c.offsetTop - b.offsetTop; "
+               "return y >= b.scrollTop && y < b.scrollTop + b.clientHeight; }")
+    assert box.evaluate(visible)
     out = _output_of(view)
-    assert out.locator(".widget-button").count() == 2 and out.locator(".widget-hslider").count() == 1
+    assert out.locator(".widget-button").count() == 2 and out.locator(".widget-dropdown").count() == 1
+    kv, mask = out.locator(".ds4-kv"), _mask_of(out)
+    assert kv.count() == 1 and mask.count() == 1
+    kb, mb = kv.bounding_box(), mask.bounding_box()
+    assert kb["x"] + kb["width"] <= mb["x"] + 1 and mb["y"] < kb["y"] + kb["height"]  # side by side
+    assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 4 (tokens 256–")
+    assert kv.locator(".ds4-layer").count() == 1  # the layer picked (2)
+    assert kv.locator(".ds4-slot").count() == 256 and kv.locator(".ds4-slot-new").count() == int(m[2]) - 256
+    assert "overwritten (evicted): positions 0–" in kv.inner_text()  # 320 positions in 256 slots
+    assert mask.locator(".ds4-title").inner_text().startswith("What each query sees — layer 2, chunk 4")
+    img = mask.locator("img.ds4-maskimg")
+    assert img.evaluate("(i) => i.naturalWidth > 300 && i.naturalHeight > 200")
+    tip = mask.locator(".ds4-tip")
+    text = _hover_fills(pg, img, tip, (0.5, 0.5), until="/query \\d+/.test(el.textContent)")
+    assert re.match(r"query \d+ × ", text), text
     out.screenshot(path=str(ARTIFACTS / "prefill_view.png"))
+    # scrub back to chunk 0 with the keyboard on the slider
+    handle = out.locator(".widget-hslider .noUi-handle").first
+    handle.focus()
+    for _ in range(4):
+        handle.press("ArrowLeft")
+    pg.wait_for_function("(el) => el.textContent.includes('chunk 0')", arg=mask.locator(".ds4-title").element_handle(),
+                         timeout=10_000)
+    assert view.locator(".ds4-title").inner_text().startswith("Prefill after chunk 0 (tokens 0–63)")
+    assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 0 (tokens 0–63): 64 tokens")
+    assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
+    assert "nothing overwritten yet" in kv.inner_text()
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_chunk0.png"))
+    # another layer: ratio 128
+    out.locator(".widget-dropdown select").select_option(label="3: ratio 128")
+    pg.wait_for_function("(el) => el.textContent.includes('layer 3')", arg=mask.locator(".ds4-title").element_handle(),
+                         timeout=10_000)
+    assert kv.locator(".ds4-layer b").first.inner_text() == "layer 3"
+    # every chunk is run: the buttons only scrub now (prefill.step() in a cell returns the last chunk, noted)
+    assert out.locator(".widget-button", has_text="step").is_disabled()
+    assert out.locator(".widget-button", has_text="run").is_disabled()
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
 
 
 def test_kvcache_view_renders(page):
     pg, *_ = page
-    view = _view(pg, "KV cache:")
+    views = pg.locator(".ds4-kv").filter(has=pg.locator(".ds4-title", has_text=re.compile(r"^KV cache after chunk 4")))
+    standalone = [v for v in views.all() if v.locator(".ds4-layer").count() > 1]
+    assert len(standalone) == 1
+    view = standalone[0]
     title = view.locator(".ds4-title").inner_text()
-    assert re.match(r"KV cache: [1-9]\d* tokens, [\d,]+ bytes", title)
-    n_layers = view.locator(".ds4-layer").count()
-    assert n_layers >= 2
-    assert view.locator(".ds4-strip").count() >= n_layers  # every layer's raw ring
-    for kind in ("live", "comp", "index"):
+    assert re.match(r"KV cache after chunk 4 \(tokens 256–\d+\): [1-9]\d* tokens, [\d,]+ bytes", title), title
+    assert view.locator(".ds4-layer").count() == 6
+    assert view.locator(".ds4-slot-new").count() == 0  # a fresh view outlines nothing as new
+    for kind in ("comp", "index"):
         assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
-    cell = view.locator(".ds4-layer .ds4-cell.live").first
-    box = cell.bounding_box()
-    assert box and box["width"] > 0 and box["height"] > 0  # the CSS reached the page
-    assert re.fullmatch(r"slot \d+: position \d+", cell.get_attribute("title"))
+    slot = view.locator(".ds4-slot.live").first
+    assert re.fullmatch(r"slot \d+: position \d+ \(in the raw window\)(, overwrote position \d+)?",
+                        slot.locator("title").text_content())
+    assert "window" not in view.locator(".ds4-layer").first.inner_text()  # per layer: groups, not windows
     out = _output_of(view)
     slider = out.locator(".widget-hslider")
-    assert slider.count() == 1  # the checkpoint slider from ipywidgets
-    # after scrub_through the slider names the state on display: the last of the 5 chunks' checkpoints
-    assert slider.locator(".widget-label").first.inner_text() == "checkpoint"
-    assert slider.locator(".widget-readout").inner_text().strip() == "4"
+    assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "state"
     out.screenshot(path=str(ARTIFACTS / "kvcache_view.png"))
+
+
+def test_mask_of_a_decode_step_renders(page):
+    pg, *_ = page
+    view = _view(pg, "What each query sees — layer 2, a decode step")
+    assert view.locator("img.ds4-maskimg").count() == 1
+    legend = view.locator(".ds4-legend").inner_text()
+    assert "dropped by the indexer" in legend and "kept" in legend and "future" not in legend
+    _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 
 def test_attention_view_renders(page):
@@ -447,4 +505,6 @@ def test_no_widget_errors_in_console(page):
     ours += [f"pageerror: {e} {e.stack or ''}" for e in errors if OURS.search(f"{e} {e.stack or ''}")]
     assert not ours, "JS errors from the widgets:\n" + "\n".join(ours)
     assert pg.get_by_text("Error displaying widget").count() == 0
-    assert pg.locator(".ds4-view").count() == 6  # one element per view, each drawn by its ESM
+    # one element per view, each drawn by its ESM: the PrefillView's own three (prompt, KV cache, mask), a KV
+    # view, a decode step's mask, and the attention, expert, generation and tier views
+    assert pg.locator(".ds4-view").count() == 9

@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("anywidget")
 import ds4lab  # noqa: E402
+from ds4lab.visibility import DROPPED  # noqa: E402
 from ds4lab.viz import AttentionView, KVCacheView, PrefillView  # noqa: E402
 from ds4lab.viz.reduce import maxpool, png_bytes, reduce_groups, to_uint8  # noqa: E402
 
@@ -27,7 +28,7 @@ def _ids(n, vocab):
 def test_front_end_files_exist():
     from ds4lab.viz.base import STYLESHEET, widgets_dir
 
-    for name in ("prefill.js", "kvcache.js", "attention.js", STYLESHEET):
+    for name in ("prefill.js", "kvcache.js", "mask.js", "attention.js", STYLESHEET):
         assert (widgets_dir() / name).is_file()
         if name.endswith(".js"):
             assert (
@@ -36,76 +37,140 @@ def test_front_end_files_exist():
             )
 
 
-def test_prefill_and_kv_views_follow_steps(model):
+def test_prefill_view_steps_with_the_cache_and_mask_beside(model):
     sess = model.session(ctx=256, prefill_chunk=32)
-    kv = KVCacheView(sess)
-    assert kv.model.data["n_tokens"] == 0
-    view = PrefillView(sess, _ids(100, model.config.n_vocab), kv_view=kv)
-    m = view.model
+    view = PrefillView(sess, _ids(100, model.config.n_vocab))
+    m, kv = view.model, view.kv_view
     assert m.bounds == [[0, 32], [32, 64], [64, 96], [96, 100]] and m.total == 100 and m.done == 0
-    assert len(m.tokens) == 100
+    assert len(m.tokens) == 100 and m.selected == -1 and kv.model.data["n_tokens"] == 0
+    assert view.layer == 2 and kv.model.layers == [2]  # the first layer with an indexer
     view.step()
     assert m.done == 32 and len(m.chunks) == 1 and m.selected == 0
     d = kv.model.data
-    assert d["n_tokens"] == 32 and d["total_bytes"] == sess.kv.nbytes
+    assert d["n_tokens"] == 32 and d["label"] == "after chunk 0 (tokens 0–31)" and d["new_from"] == 0
+    assert "after chunk 0 (tokens 0–31)</b>" in view.state.value
     view.run()
-    assert m.done == 100 and [c["end"] for c in m.chunks] == [32, 64, 96, 100]
+    assert m.done == 100 and [c["end"] for c in m.chunks] == [32, 64, 96, 100] and m.selected == 3
     assert m.chunks[-1]["kv_bytes"] == sess.kv_bytes
     d = kv.model.data
-    assert d["n_tokens"] == 100
+    assert d["n_tokens"] == 100 and d["total_bytes"] == sess.kv.nbytes and d["new_from"] == 96
     geo = sess.geometry
+    assert len(d["slots"]) == geo.raw_cap and d["pointer"] == 100 % geo.raw_cap and d["evicted"] == 0
+    assert all(p == -1 or p % geo.raw_cap == s for s, p in enumerate(d["slots"]))
     for L, lk in zip(d["layers"], sess.kv):
-        assert len(L["slots"]) == geo.raw_cap
-        assert all(p == -1 or p % geo.raw_cap == s for s, p in enumerate(L["slots"]))
         assert L["live"] == [int(lk.raw_positions[0]), int(lk.raw_positions[-1])]
         assert L["n_comp"] == lk.n_comp and L["bytes"] == lk.nbytes
         if lk.ratio:
             assert L["pending"] == list(range(100 - 100 % lk.ratio, 100))
-    # scrubbing to an earlier chunk shows its checkpoint and leaves the session alone
+    # scrubbing to an earlier chunk shows its checkpoint, outlines what it wrote, and leaves the session alone
     view.slider.value = 1
-    assert kv.model.data["n_tokens"] == 64 and len(sess.tokens) == 100
-    for v in (view, kv):
-        bundle = v._repr_mimebundle_()
-        assert WIDGET in bundle and "<table>" in bundle["text/html"]
+    assert kv.model.data["n_tokens"] == 64 and kv.model.data["new_from"] == 32 and len(sess.tokens) == 100
+    assert kv.model.data["label"] == "after chunk 1 (tokens 32–63)" and m.selected == 1
+    mask = view.mask_view.mask
+    assert (mask.layer, mask.pos0, len(mask.queries)) == (2, 32, 32)
+    assert view.mask_view.model.label.startswith("chunk 1")
+    view.show_layer(3)
+    assert view.mask_view.mask.layer == 3 and kv.model.layers == [3]
+    bundle = view._repr_mimebundle_()
+    html = bundle["text/html"]
+    assert WIDGET in bundle and "Prefill after chunk 1 (tokens 32–63): 100/100 tokens, 4/4 chunks run" in html
+    assert "KV cache after chunk 1 (tokens 32–63): 64 tokens" in html and "data:image/png;base64," in html
 
+
+def test_prefill_mask_uses_the_indexer_choices_of_its_own_steps(model):
+    """The mask of a chunk shows which rows the indexer kept, as captured while the view stepped; the same chunk
+    run again under an attention capture attends exactly those keys."""
+    cfg = model.config
+    sess = model.session(ctx=512, prefill_chunk=64)
+    view = PrefillView(sess, _ids(192, cfg.n_vocab))
+    view.run()
+    mask = view.mask_view.mask
+    assert mask.selected is not None and (mask.cells == DROPPED).any()  # from position 131 on
+    other = model.session(ctx=512, prefill_chunk=64)
+    p = other.prefill(_ids(192, cfg.n_vocab))
+    p.step(), p.step()
+    with other.capture(["attn.scores"], layers=[2], heads=[0]) as cap:
+        p.step()
+    np.testing.assert_array_equal(cap.attention(2).weights[:, 0, :] > 0, mask.seen)
+
+
+def test_views_stay_at_their_cell_unless_they_follow(model):
+    sess = model.session(ctx=256, prefill_chunk=32)
+    kv = KVCacheView(sess)
+    follows = KVCacheView(sess, follow=True)
+    fresh = KVCacheView(sess)
+    assert fresh.model.data["new_from"] == fresh.model.data["n_tokens"] == 0  # a fresh view outlines nothing
+    sess.prefill(_ids(70, model.config.n_vocab)).run(progress=False)
+    assert kv.model.data["n_tokens"] == 0 and "0 tokens" in kv.static_html()
+    assert follows.model.data["n_tokens"] == 70 and follows.model.data["new_from"] == 64
+    late = KVCacheView(sess)
+    assert late.model.data["n_tokens"] == 70 and late.model.data["new_from"] == 70
+    follows.detach()
+    assert sess.step_observers == [] and follows.follow is False
+    # a PrefillView displayed after .run() shows its chunks in its fallback
+    other = model.session(ctx=256, prefill_chunk=32)
+    view = PrefillView(other, _ids(70, model.config.n_vocab))
+    view.run()
+    html = view._repr_mimebundle_()["text/html"]
+    assert "70/70 tokens, 3/3 chunks run" in html and all(f"<td>{r}</td>" in html for r in ("0–31", "32–63", "64–69"))
+
+
+def test_widget_and_code_share_one_story(model):
+    """Every chunk run: a step (button or code) returns the last chunk and says so; once the session moved on the
+    buttons only scrub, and a click's error shows inside the widget instead of the log console."""
+    sess = model.session(ctx=256, prefill_chunk=32)
+    view = PrefillView(sess, _ids(70, model.config.n_vocab))
+    view.run_button.click()
+    assert view.model.done == 70 and view.step_button.disabled and view.run_button.disabled
+    last = view.step()  # the next cell's prefill.step()
+    assert last is view.chunks[-1] and view.model.note == "all 3 chunks are run: showing after chunk 2 (tokens 64–69)"
+    assert view.run() == view.chunks and len(view.chunks) == 3
+    view.slider.value = 0
+    assert view.kv_view.model.data["n_tokens"] == 32
+    # a view whose session moves on under it
+    s2 = model.session(ctx=256, prefill_chunk=32)
+    v2 = PrefillView(s2, _ids(70, model.config.n_vocab))
+    v2.step()
+    s2.sync(_ids(40, model.config.n_vocab)[:33] + [9])
+    v2.step_button.click()  # what a reader does: no traceback in a log, a line in the view
+    line = v2.widget.children[-1]
+    assert "RuntimeError: the session moved on (34 tokens" in line.value and "ds4-error" in line.value
+    assert v2.step_button.disabled and v2.run_button.disabled and "only scrub" in v2.model.note
+    with pytest.raises(RuntimeError, match="moved on"):
+        v2.step()
+    v2.select(0)  # scrubbing still works
+    assert v2.kv_view.model.data["n_tokens"] == 32
 
 
 def test_kv_slider_agrees_with_the_state_shown(model):
-    """The checkpoint slider sits on the checkpoint whose state the view shows, whichever way it got there;
-    it reads "live" without a number when the state shown is none of its checkpoints."""
+    """The state slider sits on the checkpoint whose state the view shows, whichever way it got there; the title
+    names it the way the PrefillView does."""
     sess = model.session(ctx=256, prefill_chunk=32)
-    kv = KVCacheView(sess)
+    chunks = sess.prefill(_ids(100, model.config.n_vocab)).run(progress=False)
+    kv = KVCacheView(sess, checkpoints=chunks)
     s = kv.slider
-    assert (s.description, s.disabled, s.readout) == ("checkpoint", True, True)
-    prefill = PrefillView(sess, _ids(100, model.config.n_vocab), kv_view=kv)
-    chunks = prefill.run()
-    assert kv.model.data["n_tokens"] == 100 and kv.model.data["label"].startswith("after chunk 3")
-    # notebook 02: run, then scrub through the chunks; the display is the live state = the last checkpoint
-    kv.scrub_through(chunks)
-    assert (s.max, s.value, s.disabled, s.readout, s.description) == (3, 3, False, True, "checkpoint")
-    assert kv.shown_checkpoint == 3 and kv.model.data["n_tokens"] == len(chunks[3].checkpoint) == 100
+    assert (s.max, s.value, s.disabled, s.readout, s.description) == (3, 3, False, False, "state")
+    assert kv.shown_checkpoint == 3 and kv.model.data["label"] == "after chunk 3 (tokens 96–99)"
+    assert kv.model.data["new_from"] == 100  # fresh: nothing outlined
     for i, n in ((1, 64), (0, 32), (2, 96)):
         s.value = i  # the user drags the slider
-        assert kv.model.data["n_tokens"] == n and kv.model.data["label"] == f"checkpoint {i}"
-        assert kv.shown_checkpoint == i and s.value == i
+        d = kv.model.data
+        assert d["n_tokens"] == n and d["label"] == f"after chunk {i} (tokens {32 * i}–{n - 1})"
+        assert d["new_from"] == 32 * i and kv.shown_checkpoint == i
     kv.scrub(1)  # from Python
     assert s.value == 1 and kv.model.data["n_tokens"] == 64
-    prefill.slider.value = 0  # the linked PrefillView's chunk slider moves this one too
-    assert s.value == 0 and kv.model.data["n_tokens"] == 32
-    kv.refresh()  # the live state again: that is checkpoint 3
-    assert s.value == 3 and kv.model.data["n_tokens"] == 100 and kv.model.data["label"] == "live"
-    # a decoded token: the live state is none of the checkpoints
+    with pytest.raises(IndexError, match="checkpoint 4"):
+        kv.scrub(4)
     sess.decoder(temperature=0).step()
+    assert kv.model.data["n_tokens"] == 64  # it does not follow
+    kv.refresh()
     assert kv.model.data["n_tokens"] == 101 and kv.shown_checkpoint is None
-    assert (s.description, s.readout) == ("live", False)
-    s.value = 2
-    assert kv.model.data["n_tokens"] == 96 and (s.description, s.readout) == ("checkpoint", True)
-    # checkpoints given at construction (chunks or their checkpoints) work alike
-    other = KVCacheView(sess, checkpoints=chunks, auto_refresh=False)
-    assert other.shown_checkpoint is None and other.slider.description == "live"
-    other.slider.value = 1
-    assert other.model.data["n_tokens"] == 64 and other.shown_checkpoint == 1
-    kv.detach()
+    assert kv.model.data["label"] == "the session at 101 tokens" and kv.model.data["new_from"] == 64  # since shown
+    # plain checkpoints are named by index and size
+    plain = KVCacheView(sess, checkpoints=[c.checkpoint for c in chunks])
+    plain.slider.value = 1
+    assert plain.model.data["label"] == "checkpoint 1 (64 tokens)"
+
 
 def test_attention_buffer_matches_reference_reduction(model):
     sess = model.session(ctx=512, prefill_chunk=64)

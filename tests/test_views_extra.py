@@ -1,4 +1,5 @@
-"""GenerationView, ExpertView, TierView and KVCacheView's automatic refresh, on the embedded default model:
+"""GenerationView, ExpertView, TierView and KVCacheView following their session (follow=True), on the embedded
+default model:
 traits against the step records and against independent computations (softmax of the session's logits,
 token-by-token counts of the captured experts, the hash table, hand-computed tier plans and copy sizes)."""
 
@@ -246,8 +247,8 @@ def test_tier_view_colours_layers_by_tier(model, placement, units):
 def test_tier_view_bytes_per_step(model):
     cfg = model.config
     sess = model.session(ctx=256, prefill_chunk=16, placement=Placement([0, 1, 0, 1, 0, 1]))
-    view = TierView(sess)
-    manual = TierView(sess, auto_refresh=False)
+    view = TierView(sess, follow=True)
+    manual = TierView(sess)
     assert view.model.steps == [] and view.model.last_step == -1
     chunks = sess.prefill(model.tokenizer.encode(PROMPT * 3)[:40]).run(progress=False)
     steps = list(sess.decoder(seed=3).stream(3))
@@ -276,15 +277,15 @@ def test_tier_view_bytes_per_step(model):
 
 def test_tier_view_single_tier_counts_empty_steps(model):
     sess = model.session(ctx=256, prefill_chunk=16)
-    view = TierView(sess)
+    view = TierView(sess, follow=True)
     sess.prefill(model.tokenizer.encode(PROMPT)).run(progress=False)
     assert [d["bytes"] for d in view.model.steps] == [0] * len(sess.tokens[::16]) and view.model.trace == []
 
 
-# -- KVCacheView auto refresh -----------------------------------------------------------------------------
+# -- KVCacheView following its session ----------------------------------------------------------------------
 def test_kv_view_refreshes_itself(model):
     sess = model.session(ctx=256, prefill_chunk=16)
-    kv = KVCacheView(sess)
+    kv = KVCacheView(sess, follow=True)
     seen = []
     sess.step_observers.append(lambda r: seen.append((type(r).__name__, kv.model.data["n_tokens"],
                                                       kv.model.data["new_from"])))
@@ -295,7 +296,7 @@ def test_kv_view_refreshes_itself(model):
     assert seen == [("PrefillChunk", 16, 0), ("PrefillChunk", 32, 16), ("PrefillChunk", 40, 32),
                     ("DecodeStep", 41, 40), ("DecodeStep", 42, 41)]
     d = kv.model.data
-    assert d["total_bytes"] == sess.kv.nbytes and d["label"] == "live"
+    assert d["total_bytes"] == sess.kv.nbytes and d["label"] == "the session at 42 tokens"
     assert [L["live"][1] for L in d["layers"]] == [41] * model.config.n_layer
     # sync's token-by-token extension (below the resume threshold) reports None records
     sess.sync(sess.tokens + [steps[-1].token, 5])
@@ -314,7 +315,7 @@ def test_kv_view_refreshes_itself(model):
 
 def test_detached_views_stop_observing(model):
     sess = model.session(ctx=256, prefill_chunk=16)
-    kv, tv = KVCacheView(sess), TierView(sess)
+    kv, tv = KVCacheView(sess, follow=True), TierView(sess, follow=True)
     assert sess.step_observers == [kv._on_step, tv._on_step]
     kv.detach()
     sess.prefill(model.tokenizer.encode(PROMPT)).run(progress=False)

@@ -1,48 +1,82 @@
-// KVCacheView: per layer the raw ring (slot -> position), compressed and indexer rows, pending state, bytes.
+// KVCacheView: the raw ring buffer (slots in a circle: the position each holds, the raw window, the write
+// pointer, what was overwritten) and per layer its compressed rows, indexer rows and the group still pending.
 function cells(n, cls, titles, max = 600) {
   let h = "";
   for (let i = 0; i < Math.min(n, max); i++) h += `<div class="ds4-cell ${cls(i)}" title="${titles(i)}"></div>`;
   return h + (n > max ? `<span class="ds4-note">… ${n - max} more</span>` : "");
 }
+function ring(d) {
+  // slot s at angle s/cap of a turn, clockwise from the top
+  const cap = d.raw_cap, S = 260, c = S / 2, r1 = 90, r0 = 64, T = d.n_tokens;
+  const pt = (s, r) => { const a = (2 * Math.PI * s) / cap - Math.PI / 2; return [c + r * Math.cos(a), c + r * Math.sin(a)]; };
+  let h = `<svg class="ds4-ring" width="${S}" height="${S}" viewBox="0 0 ${S} ${S}">`;
+  for (let s = 0; s < cap; s++) {
+    const p = d.slots[s];
+    const cls = p < 0 ? "empty" : p >= T - d.window ? "live" : "stale";
+    const [a, b] = [pt(s, r0), pt(s, r1)], [e, f] = [pt(s + 1, r1), pt(s + 1, r0)];
+    const tip = p < 0 ? `slot ${s}: empty` : `slot ${s}: position ${p}` + (p >= T - d.window ? " (in the raw window)" : " (in the ring, outside the window)") +
+      (p >= d.new_from ? ", written by this step" : "") + (p >= cap ? `, overwrote position ${p - cap}` : "");
+    h += `<path class="ds4-slot ${cls}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z"><title>${tip}</title></path>`;
+    if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot
+      const [g, k] = [pt(s, r1 + 2), pt(s + 1, r1 + 2)], [m, n] = [pt(s + 1, r1 + 6), pt(s, r1 + 6)];
+      h += `<path class="ds4-slot-new" d="M${g} A${r1 + 2},${r1 + 2} 0 0 1 ${k} L${m} A${r1 + 6},${r1 + 6} 0 0 0 ${n} Z"><title>${tip}</title></path>`;
+    }
+  }
+  // positions written on the ring: every cap/8 slots, outside the circle
+  for (let s = 0; s < cap; s += cap / 8) {
+    const [x, y] = pt(s + 0.5, r1 + 18), p = d.slots[s];
+    h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p < 0 ? "·" : p}</text>`;
+  }
+  // the write pointer: the slot of the next position
+  const [px, py] = pt(d.pointer, r0 - 4), [qx, qy] = pt(d.pointer, r1 + 4);
+  h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/><text x="${pt(d.pointer, r0 - 14)[0]}" y="${pt(d.pointer, r0 - 14)[1]}" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
+  h += `<text x="${c}" y="${c - 14}" class="ds4-ringcentre">${cap} slots</text>` +
+    `<text x="${c}" y="${c}" class="ds4-ringcentre">next: slot ${d.pointer}</text>` +
+    `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">(position ${T})</text>`;
+  return h + "</svg>";
+}
 function render({ model, el }) {
-  el.classList.add("ds4-view");
+  el.classList.add("ds4-view", "ds4-kv");
   const draw = () => {
-    const d = model.get("data");
+    const d = model.get("data"), only = model.get("layers");
     if (!d || !d.layers) { el.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
-    let h = `<div class="ds4-title">KV cache: ${d.n_tokens} tokens, ${d.total_bytes.toLocaleString()} bytes` +
-      (d.label ? ` — ${d.label}` : "") + `</div>`;
-    h += `<div class="ds4-note">raw ring ${d.raw_cap} slots (position p → slot p mod ${d.raw_cap}); window ${d.window}; ` +
-      `<span class="ds4-cell live" style="display:inline-block"></span> in window <span class="ds4-cell stale" style="display:inline-block"></span> evicted from the window ` +
-      `<span class="ds4-cell comp" style="display:inline-block"></span> compressed <span class="ds4-cell index" style="display:inline-block"></span> indexer ` +
-      `<span class="ds4-cell pending" style="display:inline-block"></span> pending; outlined: written by the last step</div>`;
+    const T = d.n_tokens, lo = Math.max(0, T - d.window);
+    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>`;
+    h += `<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">` +
+      `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}.<br>` +
+      `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
+      `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
+      `<span class="ds4-swatch new"></span> written by the step shown` + (d.new_from < T ? ` (positions ${d.new_from}–${T - 1})` : ": none") + `<br>` +
+      `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>` +
+      (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`) +
+      `</div></div>`;
     for (const L of d.layers) {
-      h += `<div class="ds4-layer"><b>layer ${L.layer}</b> ratio ${L.ratio || "— (raw only)"} · ${L.bytes.toLocaleString()} bytes`;
-      h += `<div>raw ring: live ${L.live[0]}–${L.live[1]}${L.evicted ? `, ${L.evicted} positions evicted` : ""}</div>`;
-      h += `<div class="ds4-strip">` + cells(L.slots.length, (i) => {
-        const p = L.slots[i];
-        if (p < 0) return "";
-        return (p >= L.live[0] ? "live" : "stale") + (p >= d.new_from ? " new" : "");
-      }, (i) => `slot ${i}: ${L.slots[i] < 0 ? "empty" : "position " + L.slots[i]}`) + `</div>`;
-      if (L.ratio) {
-        const win = (c) => [Math.max(0, c * L.ratio - (L.ratio === 4 ? 4 : 0)), c * L.ratio + L.ratio - 1];
-        h += `<div>compressed rows: ${L.n_comp} (one per ${L.ratio} tokens)</div><div class="ds4-strip">` +
-          cells(L.n_comp, (c) => "comp" + ((c + 1) * L.ratio > d.new_from ? " new" : ""),
-                (c) => `row ${c}: pools tokens ${win(c)[0]}–${win(c)[1]}`) + `</div>`;
+      if (only && !only.includes(L.layer)) continue;
+      const R = L.ratio, grp = (c) => [Math.max(0, c * R - (R === 4 ? 4 : 0)), c * R + R - 1];
+      h += `<div class="ds4-layer"><b>layer ${L.layer}</b> · ${R ? `ratio ${R}${L.n_index !== null ? ", indexer" : ""}` : "raw only"} · ${L.bytes.toLocaleString()} bytes`;
+      if (R) {
+        h += `<div>compressed rows: ${L.n_comp} (row c pools the group of tokens ${R}c–${R}c+${R - 1}${R === 4 ? ", and the group before" : ""})</div>` +
+          `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + ((c + 1) * R > d.new_from ? " new" : ""),
+                (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         if (L.n_index !== null) {
           h += `<div>indexer rows: ${L.n_index}${L.n_index > d.idx_topk ? ` — each query attends its top ${d.idx_topk}` : ` (≤ top-k ${d.idx_topk}: all visible)`}</div>` +
-            `<div class="ds4-strip">` + cells(L.n_index, () => "index", (c) => `indexer row ${c}: tokens ${win(c)[0]}–${win(c)[1]}`) + `</div>`;
+            `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }
-        h += `<div>pending: ${L.pending.length} of ${L.ratio} tokens of window ${L.n_comp}` +
-          (L.pending.length ? ` (positions ${L.pending[0]}–${L.pending[L.pending.length - 1]})` : "") + `</div><div class="ds4-strip">` +
-          cells(L.ratio, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>`;
+        h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +
+          (L.pending.length ? ` (positions ${L.pending[0]}–${L.pending[L.pending.length - 1]})` : "") + `</div>` +
+          (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
+           `<div class="ds4-bar ds4-pendbar"><div style="width:${(100 * L.pending.length) / R}%"></div></div>`);
       }
       h += "</div>";
     }
     el.innerHTML = h;
   };
   draw();
-  model.on("change:data", draw);
+  const events = ["data", "layers"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
-  return () => model.off("change:data", draw);
+  return () => {
+    for (const e of events) model.off(e, draw);
+  };
 }
 export default { render };

@@ -1,6 +1,7 @@
 """Notebook views and charts (needs the ``notebook`` extra: anywidget, ipywidgets, altair).
 
-``PrefillView(session, prompt)``, ``KVCacheView(session)``, ``AttentionView(capture)``,
+``PrefillView(session, prompt)`` (with the KV cache and a ``MaskView`` beside it), ``KVCacheView(session)``,
+``MaskView.of_step(session, layer, pos0, n)``, ``AttentionView(capture)``,
 ``GenerationView(session, prompt)``, ``ExpertView(capture)`` (or ``ExpertView.from_prompt(session, prompt)``),
 ``TierView(session)`` and Altair chart builders in :mod:`ds4lab.viz.charts`. The widgets' front-end (an ESM per
 view, one shared stylesheet) is ``widgets/`` at the repository root, shipped in the wheel as ``ds4lab.widgets``;
@@ -14,6 +15,7 @@ from .charts import chart_bundle, offline_charts
 from .experts import ExpertView, capture_prefill
 from .generation import GenerationView
 from .kv_view import KVCacheView, kv_summary
+from .mask_view import MaskView
 from .prefill_view import PrefillView
 from .tier_view import TierView
 
@@ -22,6 +24,7 @@ __all__ = [
     "ExpertView",
     "GenerationView",
     "KVCacheView",
+    "MaskView",
     "PrefillView",
     "TierView",
     "capture_prefill",

@@ -64,8 +64,8 @@ class AttentionView(View):
             description="head",
         )
         self.head = self.head_select.value
-        self.layer_select.observe(lambda ch: self.show(ch["new"], self.head), names="value")
-        self.head_select.observe(lambda ch: self.show(self.layer, ch["new"]), names="value")
+        self.layer_select.observe(self.guarded(lambda ch: self.show(ch["new"], self.head)), names="value")
+        self.head_select.observe(self.guarded(lambda ch: self.show(self.layer, ch["new"])), names="value")
         self.widget = W.VBox([W.HBox([self.layer_select, self.head_select]), self.model])
         self.show(self.layer, self.head)
 

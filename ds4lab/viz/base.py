@@ -1,11 +1,13 @@
-"""What every notebook view shares: :class:`View` (a live widget plus its static HTML fallback),
-:class:`FollowingView` (a view that refreshes after every step of its session), :func:`token_texts`, and the
+"""What every notebook view shares: :class:`View` (a live widget plus its static HTML fallback, and
+``View.guarded``, which shows a callback's error inside the widget), :class:`FollowingView` (a view that refreshes
+after every step of its session when asked, ``follow=True``), :func:`token_texts`, and the
 front-end: :func:`widgets_dir` finds the views' ESM and CSS (``widgets/`` at the repository root, the package
 ``ds4lab.widgets`` once installed), :func:`widget_file` hands one of its files to an anywidget model, and
 :class:`ViewModel`, the base of every view's model, carries the one stylesheet they share."""
 
 from __future__ import annotations
 
+import html
 import importlib.resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -52,12 +54,33 @@ def token_texts(tokenizer, ids) -> list[str]:
 
 
 class View:
-    """A composite view: ``widget`` (what Jupyter renders live) plus a static HTML fallback."""
+    """A composite view: ``widget`` (what Jupyter renders live) plus a static HTML fallback. A view shows the
+    state at the moment its cell ran; its fallback (what a saved notebook shows) is that same state."""
 
     widget: W.Widget
 
     def static_html(self) -> str:
         raise NotImplementedError
+
+    def guarded(self, fn):
+        """``fn`` as a button or slider callback: an exception it raises is shown as an error line inside the
+        widget (JupyterLab sends a callback's traceback only to its log console), and cleared by the next call
+        that succeeds."""
+
+        def call(*args):
+            line = getattr(self, "_error_line", None)
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 -- any error of a click must reach the reader
+                if line is None:
+                    line = self._error_line = W.HTML()
+                    self.widget.children = (*self.widget.children, line)
+                line.value = f"<div class='ds4-error'>{type(e).__name__}: {html.escape(str(e))}</div>"
+                return
+            if line is not None:
+                line.value = ""
+
+        return call
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = self.widget._repr_mimebundle_(**kwargs)
@@ -68,11 +91,13 @@ class View:
 
 
 class FollowingView(View):
-    """A view of ``self.session`` that can refresh itself after every step of it (``session.step_observers``)."""
+    """A view of ``self.session`` that refreshes itself after every step of it (``session.step_observers``)
+    only when built with ``follow=True``: by default it keeps showing the state of the cell that made it, so that
+    later cells moving the session do not change what earlier text describes."""
 
-    def _follow(self, auto_refresh: bool) -> None:
-        self.auto_refresh = auto_refresh
-        if auto_refresh:
+    def _follow(self, follow: bool) -> None:
+        self.follow = follow
+        if follow:
             self.session.step_observers.append(self._on_step)
 
     def _on_step(self, record) -> None:
@@ -81,4 +106,4 @@ class FollowingView(View):
     def detach(self) -> None:
         """Stop refreshing after the session's steps."""
         self.session.step_observers[:] = [f for f in self.session.step_observers if f != self._on_step]
-        self.auto_refresh = False
+        self.follow = False

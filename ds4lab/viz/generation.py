@@ -140,9 +140,9 @@ class GenerationView(View):
         self.run_button = W.Button(description="run", tooltip="generate up to this many tokens")
         self.step_button = W.Button(description="step", tooltip="generate one token")
         self.stop_button = W.Button(description="stop", tooltip="stop a run before its next token")
-        self.run_button.on_click(lambda _: self._run_clicked())
-        self.step_button.on_click(lambda _: None if self.running else self._clicked(self.step))
-        self.stop_button.on_click(lambda _: self.stop())
+        self.run_button.on_click(self.guarded(lambda _: self._run_clicked()))
+        self.step_button.on_click(self.guarded(lambda _: None if self.running else self._clicked(self.step)))
+        self.stop_button.on_click(self.guarded(lambda _: self.stop()))
         self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input]), self.model])
         self.model.status = "ready" if self.prompt_ids is not None or session.logits is not None else (
             "the session has no logits: give a prompt, or prefill the session first")

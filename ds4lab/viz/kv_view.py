@@ -1,9 +1,12 @@
-"""KVCacheView: a session's KV state layer by layer — the raw ring, compressed and indexer rows, pending tokens
-(front-end ``widgets/kvcache.js``)."""
+"""KVCacheView: a session's KV state — the raw ring (one ring buffer of positions, the same in every layer) and
+per layer its compressed and indexer rows and the tokens of the group still pending (front-end
+``widgets/kvcache.js``). "Window" means only the raw window (the last ``window`` positions a query sees); a
+compressed row pools a *group* of ``ratio`` tokens."""
 
 from __future__ import annotations
 
 import contextlib
+import html
 
 import ipywidgets as W
 import numpy as np
@@ -14,14 +17,21 @@ from ..kv.view import KVView
 from .base import FollowingView, ViewModel, widget_file
 
 
+def state_label(i: int, start: int, end: int) -> str:
+    """The one name of the state after a prefill chunk, in titles, sliders and fallbacks."""
+    return f"after chunk {i} (tokens {start}–{end - 1})"
+
+
 def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label: str = "") -> dict:
-    """What the KV view draws, as JSON: per layer the ring's slot → position map, rows, pending tokens, bytes."""
+    """What the KV view draws, as JSON: the ring's slot → position map (the write pointer is the slot of the next
+    position; positions before ``evicted`` were overwritten), per layer its rows, pending tokens and bytes;
+    positions from ``new_from`` on (default: none) are outlined as written by the step shown."""
     T = kv.n_tokens
+    slots = [-1] * geometry.raw_cap
+    for p in range(max(0, T - geometry.raw_cap), T):
+        slots[p % geometry.raw_cap] = p
     layers = []
     for lk in kv:
-        slots = [-1] * geometry.raw_cap
-        for p in range(max(0, T - geometry.raw_cap), T):
-            slots[p % geometry.raw_cap] = p
         live = [int(lk.raw_positions[0]), int(lk.raw_positions[-1])] if len(lk.raw_positions) else [T, T - 1]
         R = lk.ratio
         pending = list(range(T - T % R, T)) if R else []
@@ -30,9 +40,7 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
                 layer=lk.layer,
                 ratio=R,
                 bytes=int(lk.nbytes),
-                slots=slots,
                 live=live,
-                evicted=int(live[0]),
                 n_comp=lk.n_comp,
                 n_index=lk.n_index if config.has_indexer(lk.layer) else None,
                 pending=pending,
@@ -43,6 +51,9 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
         total_bytes=int(kv.nbytes),
         raw_cap=geometry.raw_cap,
         window=geometry.window,
+        slots=slots,
+        pointer=T % geometry.raw_cap,
+        evicted=max(0, T - geometry.raw_cap),
         idx_topk=config.idx_topk,
         new_from=T if new_from is None else new_from,
         label=label,
@@ -53,39 +64,36 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
 class KVCacheModel(ViewModel):
     _esm = widget_file("kvcache.js")
     data = t.Dict().tag(sync=True)
+    layers = t.List(t.Int(), allow_none=True, default_value=None).tag(sync=True)  # the layers drawn (None: all)
 
 
 class KVCacheView(FollowingView):
-    """The session's KV state layer by layer. With ``auto_refresh`` (the default) it refreshes itself after
-    every prefill chunk and decode step of its session (through ``session.step_observers``); otherwise call
-    ``refresh()``. ``show(checkpoint)`` or the slider scrubs through checkpoints without touching the session
-    (the next step shows the live state again). The slider always names the state on display: it sits on the
-    checkpoint holding the tokens shown, and reads "live" (no number) when no checkpoint of its list does.
-    ``detach()`` stops the automatic refresh. A refresh reads the
-    whole state (``session.kv``): on a long context that can cost more than the step itself, so pass
-    ``auto_refresh=False`` (or ``detach()``) before a long generation."""
+    """The session's KV state: the raw ring buffer and per layer the compressed rows. It shows the state at the
+    moment it was made; ``refresh()`` shows the session's state now, and ``follow=True`` does that after every
+    prefill chunk and decode step (through ``session.step_observers``; a refresh reads the whole state, which on a
+    long context can cost more than the step). ``show(checkpoint)`` or the slider scrubs through checkpoints
+    without touching the session; the title names the state on display ("after chunk i (tokens a–b)" for a
+    prefill's chunks). Cells written by the step shown are outlined; a fresh view outlines nothing.
+    ``layers`` picks the layers drawn (default all)."""
 
-    def __init__(self, session, checkpoints=None, auto_refresh: bool = True):
+    def __init__(self, session, checkpoints=None, follow: bool = False, layers=None):
         self.session = session
-        self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints or []]
+        self._checkpoints, self._labels = [], []
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
         self._syncing = False  # the slider is being moved to the state on display: do not scrub
-        self.model = KVCacheModel()
-        self.slider = W.IntSlider(
-            value=0,
-            min=0,
-            max=max(len(self._checkpoints) - 1, 0),
-            description="checkpoint",
-            disabled=not self._checkpoints,
-        )
-        self.slider.observe(self._slid, names="value")
+        self.model = KVCacheModel(layers=None if layers is None else [int(i) for i in layers])
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="state", readout=False, disabled=True)
+        self.slider.observe(self.guarded(self._slid), names="value")
         self.widget = W.VBox([self.slider, self.model])
+        self.scrub_through(checkpoints or [])
         self.refresh()
-        self._follow(auto_refresh)
+        self._shown = (self._shown[0], len(self._shown[0]))  # a fresh view outlines nothing as new
+        self.model.data = dict(self.model.data, new_from=len(self._shown[0]))
+        self._follow(follow)
 
     def __repr__(self) -> str:
         d = self.model.data
-        return f"KVCacheView({d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes)"
+        return f"KVCacheView({d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes, {d.get('label', '')})"
 
     def _new_from(self, tokens: tuple) -> int:
         """First position to outline as new: the state on display again keeps its outline, an extension of
@@ -96,36 +104,39 @@ class KVCacheView(FollowingView):
         return len(shown) if tokens[: len(shown)] == shown else 0
 
     def refresh(self) -> None:
-        """Show the session's live state (the cells written since the state shown before outlined)."""
+        """Show the session's state now (the cells written since the state shown before outlined)."""
         sess = self.session
         tokens = tuple(sess.tokens)
         new_from = self._new_from(tokens)
-        self.model.data = kv_summary(sess.model.config, sess.geometry, sess.kv, new_from, label="live")
+        self.model.data = kv_summary(sess.model.config, sess.geometry, sess.kv, new_from,
+                                     label=f"the session at {len(tokens)} tokens")
         self._shown = (tokens, new_from)
         self._sync_slider()
 
-    def show(self, checkpoint, label: str = "") -> None:
-        """Show a checkpoint's state (the session is not changed)."""
+    def show(self, checkpoint, label: str = "", new_from: int | None = None) -> None:
+        """Show a checkpoint's state (the session is not changed); ``new_from``: the first position to outline
+        as written by the step shown (default: what it adds to the state shown before)."""
         sess = self.session
         cfg, b = sess.model.config, sess.model.backend
+        checkpoint = getattr(checkpoint, "checkpoint", checkpoint)
         state = checkpoint.state_for(cfg, b, sess.geometry)
         logits = checkpoint.logits if checkpoint.logits is not None else np.zeros(cfg.n_vocab)
         kv = KVView(cfg, state_to_payload(cfg, b, state, checkpoint.tokens, logits))
         tokens = tuple(checkpoint.tokens)
-        new_from = self._new_from(tokens)
-        self.model.data = kv_summary(
-            cfg, sess.geometry, kv, new_from, label=label or f"checkpoint at {len(checkpoint)} tokens"
-        )
+        new_from = self._new_from(tokens) if new_from is None else new_from
+        self.model.data = kv_summary(cfg, sess.geometry, kv, new_from, label=label or f"{len(checkpoint)} tokens")
         self._shown = (tokens, new_from)
         self._sync_slider()
 
     def scrub_through(self, checkpoints) -> None:
-        """Let the slider scrub through ``checkpoints`` (e.g. ``prefill.chunks`` or their ``.checkpoint``); the
-        slider moves to the checkpoint of the state on display (after a prefill: the last chunk's)."""
+        """Let the slider scrub through ``checkpoints`` (a prefill's chunks, or checkpoints); the slider moves to
+        the checkpoint of the state on display (after a prefill: the last chunk's)."""
         self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints]
+        self._labels = [state_label(i, c.start, c.end) if hasattr(c, "checkpoint") else
+                        f"checkpoint {i} ({len(c)} tokens)" for i, c in enumerate(checkpoints)]
         with self._quiet():
             self.slider.max = max(len(self._checkpoints) - 1, 0)
-        self.slider.disabled = not self._checkpoints
+        self.slider.disabled = len(self._checkpoints) < 2
         self._sync_slider()
 
     @property
@@ -151,37 +162,44 @@ class KVCacheView(FollowingView):
             self._syncing = was
 
     def _sync_slider(self) -> None:
-        """Put the slider on the checkpoint on display, or mark it "live" when the display is none of them."""
+        """Put the slider on the checkpoint on display (the title names it: the slider has no readout)."""
         i = self.shown_checkpoint
-        with self._quiet():
-            if i is not None:
+        if i is not None:
+            with self._quiet():
                 self.slider.value = i
-            self.slider.description = "checkpoint" if i is not None or not self._checkpoints else "live"
-            self.slider.readout = i is not None or not self._checkpoints
+            if self.model.data.get("label") != self._labels[i]:
+                self.model.data = dict(self.model.data, label=self._labels[i])
 
     def _slid(self, change) -> None:
         if not self._syncing:
             self.scrub(change["new"])
 
     def scrub(self, i: int) -> None:
-        """Show checkpoint ``i`` of the slider's list (and put the slider on it)."""
-        if 0 <= i < len(self._checkpoints):
-            with self._quiet():
-                self.slider.value = i
-            self.show(self._checkpoints[i], label=f"checkpoint {i}")
+        """Show checkpoint ``i`` of the slider's list (and put the slider on it), outlining what it added to
+        the checkpoint before it."""
+        if not 0 <= i < len(self._checkpoints):
+            raise IndexError(f"checkpoint {i} is not one of the {len(self._checkpoints)} this view scrubs through")
+        with self._quiet():
+            self.slider.value = i
+        self.show(self._checkpoints[i], label=self._labels[i],
+                  new_from=len(self._checkpoints[i - 1].tokens) if i else 0)
 
     def static_html(self) -> str:
         d = self.model.data
+        drawn = self.model.layers
         rows = "".join(
             f"<tr><td>{L['layer']}</td><td>{L['ratio'] or '—'}</td><td>{L['live'][0]}–{L['live'][1]}</td>"
-            f"<td>{L['evicted']}</td><td>{L['n_comp'] if L['ratio'] else ''}</td>"
+            f"<td>{L['n_comp'] if L['ratio'] else ''}</td>"
             f"<td>{'' if L['n_index'] is None else L['n_index']}</td><td>{len(L['pending']) if L['ratio'] else ''}</td>"
             f"<td>{L['bytes']:,}</td></tr>"
-            for L in d.get("layers", [])
+            for L in d.get("layers", []) if drawn is None or L["layer"] in drawn
         )
+        ev = d.get("evicted", 0)
         return (
-            f"<div class='ds4-view' style='font:12px monospace'><b>KV cache: {d.get('n_tokens', 0)} tokens, "
-            f"{d.get('total_bytes', 0):,} bytes ({d.get('label', '')})</b> — raw ring {d.get('raw_cap')} slots, "
-            f"window {d.get('window')}<table><tr><th>layer</th><th>ratio</th><th>raw window</th><th>evicted</th>"
-            f"<th>comp rows</th><th>indexer rows</th><th>pending</th><th>bytes</th></tr>{rows}</table></div>"
+            f"<div class='ds4-view' style='font:12px monospace'><b>KV cache {html.escape(d.get('label', ''))}: "
+            f"{d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes</b> — raw ring of "
+            f"{d.get('raw_cap')} slots (write pointer at slot {d.get('pointer')}"
+            f"{f', positions 0–{ev - 1} overwritten' if ev else ''}), raw window {d.get('window')}"
+            "<table><tr><th>layer</th><th>ratio</th><th>in the raw window</th><th>comp rows</th>"
+            f"<th>indexer rows</th><th>pending in group</th><th>bytes</th></tr>{rows}</table></div>"
         )

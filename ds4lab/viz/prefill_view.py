@@ -1,5 +1,7 @@
-"""PrefillView: step a chunked prefill chunk by chunk, the prompt coloured by chunk (front-end
-``widgets/prefill.js``)."""
+"""PrefillView: one stepper for a chunked prefill — step / run / scrub the chunks, the prompt with the chunk shown
+highlighted, and beside it the KV cache after that chunk and the mask of what its queries see in one layer
+(front-end ``widgets/prefill.js``, with :class:`~ds4lab.viz.kv_view.KVCacheView` and
+:class:`~ds4lab.viz.mask_view.MaskView`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import html
 import ipywidgets as W
 import traitlets as t
 
+from ..visibility import step_mask
 from .base import View, ViewModel, token_texts, widget_file
+from .kv_view import KVCacheView, state_label
+from .mask_view import MaskView
 
 PALETTE = ["#c6dbef", "#c7e9c0", "#fdd0a2", "#dadaeb", "#fcbba1", "#d9d9d9", "#9ecae1", "#a1d99b"]
 
@@ -22,92 +27,194 @@ class PrefillModel(ViewModel):
     done = t.Int(0).tag(sync=True)
     total = t.Int(0).tag(sync=True)
     chunk = t.Int(0).tag(sync=True)
-    selected = t.Int(-1).tag(sync=True)
+    selected = t.Int(-1).tag(sync=True)  # the chunk shown (-1: none run yet)
+    note = t.Unicode("").tag(sync=True)  # why a step did nothing (all run; the session moved on)
+
+
+def default_layer(config) -> int:
+    """The layer a PrefillView shows first: one with the indexer (the richest mask), else compressed, else 0."""
+    layers = range(config.n_layer)
+    return next((i for i in layers if config.has_indexer(i)), next((i for i in layers if config.ratio(i)), 0))
 
 
 class PrefillView(View):
-    """Step a chunked prefill chunk by chunk: ``.step()``, ``.run()`` (or the buttons); a slider selects a
-    chunk (and scrubs a linked :class:`KVCacheView` to its checkpoint)."""
+    """Step a chunked prefill chunk by chunk: ``.step()``, ``.run()`` (or the buttons); the slider scrubs the
+    chunks run. Beside the prompt: the KV cache after the chunk shown (``kv_view``, made here unless given) with
+    the rows it wrote outlined, and the mask of what each of its queries sees in ``layer`` (``mask_view``; the
+    layer picker changes it). The indexer's choices are captured while stepping (``capture_indexer``).
 
-    def __init__(self, session, prompt, kv_view=None):
+    The widget and code cells drive one prefill: ``step()`` once every chunk is run returns the last chunk and
+    says so in the view; once the session moved on (a decode, another prefill) the view can only scrub."""
+
+    def __init__(self, session, prompt, kv_view=None, layer: int | None = None, capture_indexer: bool = True):
+        cfg = session.model.config
         self.session = session
         self.prefill = session.prefill(prompt)
-        self.kv_view = kv_view
-        ids = self.prefill.ids
+        self.layer = default_layer(cfg) if layer is None else int(layer)
+        if not 0 <= self.layer < cfg.n_layer:
+            raise ValueError(f"layer {layer} is not a layer of this model (0…{cfg.n_layer - 1})")
+        self._indexer_layers = [i for i in range(cfg.n_layer) if cfg.has_indexer(i)] if capture_indexer else []
+        self._topk: list[dict] = []  # per chunk run: layer -> its captured indexer.topk
         bounds = [[s, e] for s, e in self.prefill.chunk_bounds()]
         self.model = PrefillModel(
-            tokens=token_texts(session.model.tokenizer, ids),
+            tokens=token_texts(session.model.tokenizer, self.prefill.ids),
             first=self.prefill.position,
             bounds=bounds,
             done=self.prefill.position,
-            total=len(ids),
+            total=len(self.prefill.ids),
             chunk=session.geometry.step,
         )
+        self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer])
+        self._own_kv = kv_view is None
+        if self._own_kv:  # its states are the chunks: the slider above scrubs them
+            self.kv_view.slider.layout.display = "none"
+        start, end = bounds[0] if bounds else (self.prefill.position, self.prefill.position + 1)
+        self.mask_view = MaskView(step_mask(cfg, session.geometry, self.layer, start, end - start),
+                                  label=f"chunk 0 (tokens {start}–{end - 1}), not run yet")
         self.step_button = W.Button(description="step", tooltip="run the next chunk")
         self.run_button = W.Button(description="run", tooltip="run every remaining chunk")
-        self.slider = W.IntSlider(value=0, min=0, max=max(len(bounds) - 1, 0), description="chunk", disabled=True)
-        self.step_button.on_click(lambda _: self.step())
-        self.run_button.on_click(lambda _: self.run())
-        self.slider.observe(lambda ch: self.select(ch["new"]), names="value")
-        self.widget = W.VBox([W.HBox([self.step_button, self.run_button, self.slider]), self.model])
-        if kv_view is not None:
-            kv_view.refresh()
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="show", readout=False, disabled=True)
+        self.state = W.HTML("<span class='ds4-note'>no chunk run yet</span>",
+                            layout=W.Layout(width="290px", overflow="hidden"))
+        self.layer_pick = W.Dropdown(options=[(self._layer_name(cfg, i), i) for i in range(cfg.n_layer)],
+                                     value=self.layer, description="layer", layout=W.Layout(width="240px"))
+        self.step_button.on_click(self.guarded(lambda _: self.step()))
+        self.run_button.on_click(self.guarded(lambda _: self.run()))
+        self.slider.observe(self.guarded(lambda ch: self.select(ch["new"])), names="value")
+        self.layer_pick.observe(self.guarded(lambda ch: self.show_layer(ch["new"])), names="value")
+        controls = W.HBox([self.step_button, self.run_button, self.slider, self.state, self.layer_pick])
+        beside = W.HBox([self.kv_view.widget, self.mask_view.widget], layout=W.Layout(align_items="flex-start"))
+        self.widget = W.VBox([controls, self.model, beside])
+        self._buttons()
+
+    @staticmethod
+    def _layer_name(cfg, i: int) -> str:
+        R = cfg.ratio(i)
+        return f"{i}: " + (f"ratio {R}" + (", indexer" if cfg.has_indexer(i) else "") if R else "raw only")
 
     def __repr__(self) -> str:
         p = self.prefill
-        return f"PrefillView({p.position}/{len(p.ids)} tokens, {len(p.chunks)} chunks run)"
+        return f"PrefillView({self.model.done}/{len(p.ids)} tokens, {len(p.chunks)} chunks run)"
 
     @property
     def chunks(self):
         return self.prefill.chunks
 
-    def _record(self, chunk) -> dict:
-        return dict(
-            start=chunk.start,
-            end=chunk.end,
-            seconds=chunk.seconds,
-            tokens_per_s=chunk.tokens_per_s,
-            kv_bytes=chunk.kv_bytes,
-        )
+    def _moved_on(self) -> bool:
+        tokens = self.session.tokens
+        return list(tokens) != self.prefill.ids[: len(tokens)]
 
-    def _update(self, chunk) -> None:
+    def _buttons(self) -> None:
+        done = self.prefill.remaining <= 0 or self._moved_on()
+        self.step_button.disabled = self.run_button.disabled = done
+
+    def _run_one(self):
+        if self._moved_on():
+            self.model.note = (f"the session moved on ({len(self.session.tokens)} tokens, not this prompt's "
+                               "first ones): this view can only scrub the chunks it ran")
+            self._buttons()
+            raise RuntimeError(self.model.note)
+        if self._indexer_layers:
+            with self.session.capture(["indexer.topk"], layers=self._indexer_layers) as cap:
+                chunk = self.prefill.step()
+            self._topk.append({i: cap[f"blk.{i}.indexer.topk"] for i in self._indexer_layers
+                               if f"blk.{i}.indexer.topk" in cap})
+        else:
+            chunk = self.prefill.step()
+            self._topk.append({})
         m = self.model
         with m.hold_sync():
             m.chunks = m.chunks + [self._record(chunk)]
             m.done = chunk.end
-            m.selected = len(m.chunks) - 1
-        self.slider.disabled = False
-        self.slider.max = max(len(self.model.bounds) - 1, 0)
-        if self.slider.value != m.selected:
-            self.slider.value = m.selected  # also selects (and scrubs the KV view)
-        elif self.kv_view is not None:
-            self.kv_view.refresh()
-        self.step_button.disabled = self.run_button.disabled = self.prefill.remaining == 0
+            m.note = ""
+        return chunk
+
+    def _record(self, chunk) -> dict:
+        return dict(start=chunk.start, end=chunk.end, seconds=chunk.seconds, tokens_per_s=chunk.tokens_per_s,
+                    kv_bytes=chunk.kv_bytes)
+
+    def _all_run(self):
+        """Every chunk is run: the last one, said in the view (a step then is no error: the widget's run and a
+        code cell's step may both have been asked)."""
+        if not self.prefill.chunks:
+            raise RuntimeError("this prompt has no tokens to prefill")
+        n = len(self.prefill.chunks)
+        self.model.note = f"all {n} chunks are run: showing {self._label(n - 1)}"
+        self.select(n - 1)
+        return self.prefill.chunks[-1]
 
     def step(self):
-        """Run the next chunk; returns its ``PrefillChunk``."""
-        chunk = self.prefill.step()
-        self._update(chunk)
+        """Run the next chunk and show it; returns its ``PrefillChunk`` (the last one once all are run)."""
+        if self.prefill.remaining <= 0:
+            return self._all_run()
+        chunk = self._run_one()
+        self._show_latest()
         return chunk
 
     def run(self):
-        """Run every remaining chunk, updating the view (and its progress bar) after each."""
-        for chunk in self.prefill:
-            self._update(chunk)
+        """Run every remaining chunk, then show the last; returns every chunk record."""
+        if self.prefill.remaining <= 0:
+            self._all_run()
+            return self.prefill.chunks
+        while self.prefill.remaining > 0:
+            self._run_one()
+        self._show_latest()
         return self.prefill.chunks
 
+    def _show_latest(self) -> None:
+        n = len(self.prefill.chunks)
+        self.slider.max = max(n - 1, 0)
+        self.slider.disabled = n < 2
+        if self._own_kv or not self.kv_view._checkpoints:
+            self.kv_view.scrub_through(self.prefill.chunks)
+        self.select(n - 1)
+        self._buttons()
+
+    def _label(self, i: int) -> str:
+        c = self.prefill.chunks[i]
+        return state_label(i, c.start, c.end)
+
     def select(self, i: int) -> None:
+        """Show the state after chunk ``i`` (of those run): the prompt's chunk, the KV cache, the mask."""
         if not 0 <= i < len(self.prefill.chunks):
-            return
+            raise IndexError(f"chunk {i} is not run: {len(self.prefill.chunks)} chunks of this prefill are")
+        c = self.prefill.chunks[i]
         self.model.selected = i
-        if self.kv_view is not None:
-            c = self.prefill.chunks[i]
-            self.kv_view.show(c.checkpoint, label=f"after chunk {i} (tokens {c.start}–{c.end - 1})")
+        if self.slider.value != i:
+            self.slider.value = i  # its observer comes back here with the same i
+            return
+        self.state.value = f"<b style='white-space:nowrap'>{html.escape(self._label(i))}</b>"
+        self.kv_view.show(c.checkpoint, label=self._label(i), new_from=c.start)
+        self._show_mask()
+
+    def show_layer(self, layer: int) -> None:
+        """Draw ``layer`` in the mask (and in the KV view made here)."""
+        self.layer = int(layer)
+        if self.layer_pick.value != self.layer:
+            self.layer_pick.value = self.layer
+        if self._own_kv:
+            self.kv_view.model.layers = [self.layer]
+        self._show_mask()
+
+    def _show_mask(self) -> None:
+        i = self.model.selected
+        sess = self.session
+        if i < 0:
+            m = self.mask_view.mask
+            self.mask_view.show(step_mask(sess.model.config, sess.geometry, self.layer, m.pos0, len(m.queries)),
+                                self.mask_view.model.label)
+            return
+        c = self.prefill.chunks[i]
+        mask = step_mask(sess.model.config, sess.geometry, self.layer, c.start, c.n_tokens,
+                         self._topk[i].get(self.layer))
+        self.mask_view.show(mask, label=f"chunk {i} (tokens {c.start}–{c.end - 1})")
 
     def static_html(self) -> str:
         m = self.model
+        mark = " style='background:#fff3bf'"
         rows = "".join(
-            f"<tr><td><span style='background:{PALETTE[i % len(PALETTE)]}'>&nbsp;&nbsp;</span> {i}</td>"
+            f"<tr{mark if i == m.selected else ''}><td><span style='background:"
+            f"{PALETTE[i % len(PALETTE)]}'>&nbsp;&nbsp;</span> {i}</td>"
             f"<td>{c['start']}–{c['end'] - 1}</td><td>{c['end'] - c['start']}</td><td>{c['seconds'] * 1e3:.1f}</td>"
             f"<td>{c['tokens_per_s']:.0f}</td><td>{c['kv_bytes']:,}</td></tr>"
             for i, c in enumerate(m.chunks)
@@ -117,11 +224,14 @@ class PrefillView(View):
             while ci < len(m.bounds) and p >= m.bounds[ci][1]:
                 ci += 1
             bg = PALETTE[ci % len(PALETTE)] if m.first <= p < m.done else "transparent"
-            text.append(f"<span style='background:{bg}' title='position {p}'>{html.escape(tok)}</span>")
+            cur = ";outline:1px solid #e6550d" if ci == m.selected else ""  # the chunk shown
+            text.append(f"<span style='background:{bg}{cur}' title='position {p}'>{html.escape(tok)}</span>")
+        shown = html.escape(self._label(m.selected)) + ": " if m.selected >= 0 else ""
         return (
-            f"<div class='ds4-view' style='font:12px monospace'><b>Prefill: {m.done}/{m.total} tokens, "
-            f"{len(m.chunks)}/{len(m.bounds)} chunks</b><table><tr><th>chunk</th><th>tokens</th><th>n</th>"
+            f"<div class='ds4-view' style='font:12px monospace'><b>Prefill {shown}{m.done}/{m.total} tokens, "
+            f"{len(m.chunks)}/{len(m.bounds)} chunks run</b><table><tr><th>chunk</th><th>tokens</th><th>n</th>"
             f"<th>ms</th><th>tok/s</th><th>KV bytes</th></tr>{rows}</table>"
-            "<div style='white-space:pre-wrap;max-height:12em;overflow:auto;border:1px solid #ddd'>"
-            f"{''.join(text)}</div></div>"
+            "<div style='white-space:pre-wrap;max-height:8em;overflow:auto;border:1px solid #ddd'>"
+            f"{''.join(text)}</div><div style='display:flex;gap:12px;align-items:flex-start'>"
+            f"{self.kv_view.static_html()}{self.mask_view.static_html()}</div></div>"
         )

@@ -50,12 +50,12 @@ class TierView(FollowingView):
     ``session.tier_trace``) and the bytes moved per step, drawn against ``boundaries × chunk × row_bytes`` (a
     batch step of a full chunk) and ``boundaries × row_bytes`` (a decode step).
 
-    ``refresh()`` reads the steps run since; with ``auto_refresh`` (the default) the view does it after every
+    ``refresh()`` reads the steps run since; with ``follow=True`` the view does it after every
     step of its session. ``steps`` (the trait) holds the latest ``MAX_STEPS`` steps, including steps that
     switched nothing (0 bytes).
     """
 
-    def __init__(self, session, auto_refresh: bool = True):
+    def __init__(self, session, follow: bool = False):
         self.session = session
         p = session.placement
         cfg = session.model.config
@@ -73,10 +73,10 @@ class TierView(FollowingView):
             chunk=session.geometry.step,
         )
         self.refresh_button = W.Button(description="refresh", tooltip="read the steps run since")
-        self.refresh_button.on_click(lambda _: self.refresh())
+        self.refresh_button.on_click(self.guarded(lambda _: self.refresh()))
         self.widget = W.VBox([self.refresh_button, self.model])
         self.refresh()
-        self._follow(auto_refresh)
+        self._follow(follow)
 
     def __repr__(self) -> str:
         m = self.model

@@ -1,0 +1,103 @@
+"""MaskView: what each query of one step (a prefill chunk or a decode step) of one layer can see, drawn as a mask:
+queries down, keys across grouped as [raw rows cached by earlier steps | the step's own rows | compressed rows |
+sink], each cell coloured by why it is seen or not (:mod:`ds4lab.visibility`; front-end ``widgets/mask.js``)."""
+
+from __future__ import annotations
+
+import base64
+import html
+
+import numpy as np
+import traitlets as t
+
+from ..visibility import CATEGORIES, StepMask, step_mask
+from .base import View, ViewModel, widget_file
+from .reduce import png_bytes
+
+# one colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback
+COLOURS = ["#f4f4f4", "#d9d9d9", "#6baed6", "#08519c", "#fdd0a2", "#31a354", "#fb6a4a", "#a1d99b", "#756bb1"]
+
+
+class MaskModel(ViewModel):
+    _esm = widget_file("mask.js")
+    cells = t.Bytes(b"").tag(sync=True)  # [Q, N] uint8 categories, row-major
+    n_queries = t.Int(0).tag(sync=True)
+    pos0 = t.Int(0).tag(sync=True)
+    raw_positions = t.List(t.Int()).tag(sync=True)
+    raw_slots = t.List(t.Int()).tag(sync=True)
+    n_own = t.Int(0).tag(sync=True)
+    n_comp = t.Int(0).tag(sync=True)
+    ratio = t.Int(0).tag(sync=True)
+    window = t.Int(0).tag(sync=True)
+    top_k = t.Int(0).tag(sync=True)  # 0: no indexer on this layer
+    layer = t.Int(0).tag(sync=True)
+    label = t.Unicode("").tag(sync=True)
+    categories = t.List(t.Unicode(), list(CATEGORIES)).tag(sync=True)
+    colours = t.List(t.Unicode(), COLOURS).tag(sync=True)
+
+
+class MaskView(View):
+    """The mask of a :class:`ds4lab.visibility.StepMask` (``MaskView.of_step(session, layer, pos0, n)`` makes
+    one); ``show(mask, label)`` draws another. Hover a cell for the query, the key and the reason."""
+
+    def __init__(self, mask: StepMask, label: str = ""):
+        self.model = MaskModel()
+        self.widget = self.model
+        self.mask = mask
+        self.show(mask, label)
+
+    @classmethod
+    def of_step(cls, session, layer: int, pos0: int, n: int, selected=None, label: str = "") -> MaskView:
+        return cls(step_mask(session.model.config, session.geometry, layer, pos0, n, selected), label)
+
+    def __repr__(self) -> str:
+        m = self.mask
+        return f"MaskView(layer {m.layer}, queries {m.pos0}–{m.pos0 + len(m.queries) - 1})"
+
+    def show(self, mask: StepMask, label: str = "") -> None:
+        self.mask = mask
+        with self.model.hold_sync():
+            self.model.cells = mask.cells.astype(np.uint8).tobytes()
+            self.model.n_queries = len(mask.queries)
+            self.model.pos0 = mask.pos0
+            self.model.raw_positions = mask.raw_positions.tolist()
+            self.model.raw_slots = mask.raw_slots.tolist()
+            self.model.n_own = mask.n_own
+            self.model.n_comp = len(mask.comp_rows)
+            self.model.ratio = mask.ratio
+            self.model.window = mask.window
+            self.model.top_k = mask.top_k or 0
+            self.model.layer = mask.layer
+            self.model.label = label
+
+    def counts(self) -> dict[str, int]:
+        """Cells per category (what the legend counts)."""
+        n = np.bincount(self.mask.cells.ravel(), minlength=len(CATEGORIES))
+        return {c: int(k) for c, k in zip(CATEGORIES, n) if k}
+
+    def _png(self) -> str:
+        """The mask as an image (cells a few pixels wide, groups apart by a white column) for the fallback."""
+        mk = self.mask
+        rgb = np.array([[int(c[i : i + 2], 16) for i in (1, 3, 5)] for c in COLOURS], np.uint8)[mk.cells]
+        nr, nc = len(mk.raw_positions), len(mk.comp_rows)
+        cuts = [nr - mk.n_own, nr, nr + nc]  # group boundaries, left to right
+        gap = np.full((rgb.shape[0], 1, 3), 255, np.uint8)
+        parts = np.split(rgb, cuts, axis=1)
+        img = np.concatenate([p for part in parts for p in (part, gap)][:-1], axis=1)
+        sx = max(1, min(6, 600 // img.shape[1]))
+        sy = max(2, min(12, 240 // img.shape[0]))
+        img = np.repeat(np.repeat(img, sy, axis=0), sx, axis=1)
+        data = base64.b64encode(png_bytes(np.ascontiguousarray(img))).decode()
+        return f"<img alt='mask' src='data:image/png;base64,{data}'>"
+
+    def static_html(self) -> str:
+        m, mk = self.model, self.mask
+        q = len(mk.queries)
+        legend = " ".join(f"<span style='background:{COLOURS[CATEGORIES.index(c)]}'>&nbsp;&nbsp;</span> {c} {n:,}"
+                          for c, n in self.counts().items())
+        return (
+            f"<div class='ds4-view' style='font:12px monospace'><b>What each query sees — layer {mk.layer}, "
+            f"{html.escape(m.label)}</b><br>queries {mk.pos0}–{mk.pos0 + q - 1} × keys: "
+            f"{len(mk.raw_positions) - mk.n_own} cached raw rows | {mk.n_own} own rows | {len(mk.comp_rows)} "
+            f"compressed rows (ratio {mk.ratio or '—'}) | sink<br>{self._png()}<br>{legend}</div>"
+        )

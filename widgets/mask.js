@@ -1,0 +1,102 @@
+// MaskView: which keys each query of one step sees. Queries down (positions), keys across in four groups:
+// raw rows cached by earlier steps | the step's own rows | compressed rows | sink; a cell's colour is its category.
+const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
+const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers, key labels; gap between groups
+function layout(model) {
+  const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
+  const Q = model.get("n_queries"), N = nr + nc + 1;
+  const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(14, Math.floor(260 / Math.max(Q, 1))));
+  // header of each group: the longest name that fits its width
+  const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
+                  [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];
+  // x of column c: groups separated by a gap
+  const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
+  const x = (c) => L + c * cw + gi(c) * GAP;
+  return { nr, nc, own, Q, N, cw, rh, groups, gi, x, W: x(N - 1) + cw + 24, H: T + Q * rh + B };
+}
+function reason(model, q, c, cat, g) {
+  const pos = model.get("raw_positions"), w = model.get("window"), R = model.get("ratio"), k = model.get("top_k");
+  const qp = model.get("pos0") + q;
+  if (c < g.nr) {
+    const p = pos[c], slot = model.get("raw_slots")[c];
+    const what = `key position ${p} (ring slot ${slot}, ${p < model.get("pos0") ? "cached by an earlier step" : "written by this step"})`;
+    const why = [`future: ${p} > ${qp}`, `outside the window: ${p} ≤ ${qp} − ${w}`, `seen: in the window (${qp - w}, ${qp}]`,
+                 `seen: in the window (${qp - w}, ${qp}]`][cat];
+    return `query ${qp} × ${what}: ${why}`;
+  }
+  if (c < g.nr + g.nc) {
+    const r = c - g.nr, a = Math.max(0, r * R - (R === 4 ? 4 : 0)), b = r * R + R - 1;
+    const what = `compressed row ${r} (pools tokens ${a}–${b}, group ${r * R}–${b})`;
+    const why = { 4: `not yet compressed: its group ends at ${b} > ${qp}`, 5: k ? "seen: kept by the indexer" : "seen",
+                  6: `dropped by the indexer (it keeps its top ${k})`, 7: `visible; the indexer keeps ${k} of them (capture indexer.topk to see which)` }[cat];
+    return `query ${qp} × ${what}: ${why}`;
+  }
+  return `query ${qp} × sink: a per-head logit that takes attention mass and carries no value`;
+}
+function render({ model, el }) {
+  el.classList.add("ds4-view", "ds4-mask");
+  const title = document.createElement("div"); title.className = "ds4-title";
+  // drawn off-page and shown as an image: the page's only canvases stay the AttentionView's
+  const canvas = document.createElement("canvas"), img = document.createElement("img");
+  img.className = "ds4-maskimg"; img.alt = "mask";
+  const tip = document.createElement("div"); tip.className = "ds4-tip";
+  const legend = document.createElement("div"); legend.className = "ds4-legend";
+  el.append(title, img, tip, legend);
+  const draw = () => {
+    const g = layout(model), cells = bytes(model.get("cells")), col = model.get("colours"), cats = model.get("categories");
+    const p0 = model.get("pos0");
+    title.textContent = `What each query sees — layer ${model.get("layer")}` + (model.get("label") ? `, ${model.get("label")}` : "") +
+      ` (raw window ${model.get("window")}` + (g.nc || model.get("ratio") ? `, ratio ${model.get("ratio")}` : ", raw only") +
+      (model.get("top_k") ? `, indexer top ${model.get("top_k")}` : "") + ")";
+    canvas.width = g.W; canvas.height = g.H;
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, g.W, g.H);
+    const counts = new Array(cats.length).fill(0);
+    for (let q = 0; q < g.Q; q++) for (let c = 0; c < g.N; c++) {
+      const cat = cells[q * g.N + c]; counts[cat]++;
+      ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.cw, g.rh);
+    }
+    ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
+    for (const [names, a, b] of g.groups) if (b > a) {  // group headers; the sink's may run past its one column
+      const room = b === g.N ? g.W - g.x(a) : g.x(b - 1) + g.cw - g.x(a);
+      ctx.fillText(names.find((s) => ctx.measureText(s).width <= room) ?? "", g.x(a), 8);
+      ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.cw - g.x(a), 1);
+    }
+    ctx.textAlign = "right";  // query positions down the left
+    const qstep = Math.max(1, Math.ceil(14 / g.rh));
+    for (let q = 0; q < g.Q; q += qstep * Math.ceil(8 / qstep)) ctx.fillText(String(p0 + q), L - 4, T + q * g.rh + g.rh / 2);
+    if (g.Q > 1) ctx.fillText(String(p0 + g.Q - 1), L - 4, T + (g.Q - 1) * g.rh + g.rh / 2);
+    ctx.save(); ctx.translate(8, T + (g.Q * g.rh) / 2); ctx.rotate(-Math.PI / 2); ctx.textAlign = "center"; ctx.fillText("query position", 0, 0); ctx.restore();
+    ctx.textAlign = "center"; ctx.textBaseline = "top";  // key positions (raw), row numbers (compressed) along the bottom
+    const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
+    const every = Math.max(1, Math.ceil(34 / g.cw));
+    const tick = (c, s) => { ctx.fillRect(g.x(c) + g.cw / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.cw / 2, y); };
+    const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) - 14 : g.W;  // raw ticks keep clear of c0
+    for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && g.x(c) < end) tick(c, String(pos[c]));
+    for (let c = 0; c < g.nc; c += Math.max(every, 1)) tick(g.nr + c, `c${c}`);
+    ctx.fillText("key position (raw rows) · compressed row", L + (g.W - L) / 2, y + 14);
+    legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
+    img.src = canvas.toDataURL("image/png");
+    img.width = g.W; img.height = g.H;
+    tip.textContent = "hover a cell: query, key, and why it is seen or not";
+  };
+  const hover = (ev) => {
+    const g = layout(model), rect = img.getBoundingClientRect();
+    const px = ((ev.clientX - rect.left) / rect.width) * canvas.width, py = ((ev.clientY - rect.top) / rect.height) * canvas.height;
+    const q = Math.floor((py - T) / g.rh);
+    let c = -1;
+    for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.cw) { c = i; break; }
+    if (q < 0 || q >= g.Q || c < 0) return;
+    tip.textContent = reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g);
+  };
+  draw();
+  const events = ["cells", "raw_positions", "n_comp", "label", "layer"].map((k) => `change:${k}`);
+  for (const e of events) model.on(e, draw);
+  img.addEventListener("mousemove", hover);
+  // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
+  return () => {
+    for (const e of events) model.off(e, draw);
+    img.removeEventListener("mousemove", hover);
+  };
+}
+export default { render };
