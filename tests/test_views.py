@@ -230,8 +230,10 @@ def test_charts(model):
 
     sess = model.session(ctx=256, prefill_chunk=32)
     chunks = sess.prefill(_ids(80, model.config.n_vocab)).run(progress=False)
-    spec = kv_bytes_chart(sess, chunks).to_dict()
-    assert len(spec["data"]["values"]) == len(chunks) * len(
+    spec = kv_bytes_chart(sess, chunks).to_dict()  # one layer (its own colour scale), over the chart's data
+    values = spec["data"]["values"]
+    assert len(values) == len(chunks) * len(
         {model.config.ratio(i) for i in range(model.config.n_layer)}
     )
-    assert len(prefill_chunks_chart(chunks).to_dict()["data"]["values"]) == len(chunks)
+    points = prefill_chunks_chart(chunks).to_dict()["layer"][-1]  # band, median rule, then the chunks' points
+    assert len(points["data"]["values"]) == len(chunks)
