@@ -25,12 +25,13 @@ from ds4lab.viz.base import STYLESHEET, WIDGETS_PACKAGE, widgets_dir  # noqa: E4
 from ds4lab.viz.experts import ExpertModel  # noqa: E402
 from ds4lab.viz.generation import GenerationModel  # noqa: E402
 from ds4lab.viz.kv_view import KVCacheModel  # noqa: E402
+from ds4lab.viz.mask_view import MaskModel  # noqa: E402
 from ds4lab.viz.prefill_view import PrefillModel  # noqa: E402
 from ds4lab.viz.tier_view import TierModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDGETS = ROOT / "widgets"
-MODELS = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel,
+MODELS = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel, "mask.js": MaskModel,
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
 # What a built or installed ds4lab must show: every model's ESM and stylesheet read from the installed front-end.
 CHECK = """
@@ -42,9 +43,10 @@ from ds4lab.viz.experts import ExpertModel
 from ds4lab.viz.generation import GenerationModel
 from ds4lab.viz.attention_view import AttentionModel
 from ds4lab.viz.kv_view import KVCacheModel
+from ds4lab.viz.mask_view import MaskModel
 from ds4lab.viz.prefill_view import PrefillModel
 from ds4lab.viz.tier_view import TierModel
-models = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel,
+models = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel, "mask.js": MaskModel,
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
 d = widgets_dir()
 css = (d / STYLESHEET).read_text()

@@ -58,6 +58,7 @@ class View:
     state at the moment its cell ran; its fallback (what a saved notebook shows) is that same state."""
 
     widget: W.Widget
+    _error_line: W.HTML | None = None  # added to the widget by the first callback that fails
 
     def static_html(self) -> str:
         raise NotImplementedError
@@ -68,7 +69,7 @@ class View:
         that succeeds."""
 
         def call(*args):
-            line = getattr(self, "_error_line", None)
+            line = self._error_line
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001 -- any error of a click must reach the reader

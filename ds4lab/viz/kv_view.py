@@ -140,6 +140,11 @@ class KVCacheView(FollowingView):
         self._sync_slider()
 
     @property
+    def checkpoints(self) -> tuple:
+        """The checkpoints the slider scrubs through."""
+        return tuple(self._checkpoints)
+
+    @property
     def shown_checkpoint(self) -> int | None:
         """Index in the slider's checkpoints of the state on display (the slider's own when it holds those
         tokens, else the last one that does), or None when none does."""

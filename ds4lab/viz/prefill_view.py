@@ -165,7 +165,7 @@ class PrefillView(View):
         n = len(self.prefill.chunks)
         self.slider.max = max(n - 1, 0)
         self.slider.disabled = n < 2
-        if self._own_kv or not self.kv_view._checkpoints:
+        if self._own_kv or not self.kv_view.checkpoints:
             self.kv_view.scrub_through(self.prefill.chunks)
         self.select(n - 1)
         self._buttons()
