@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .kv.layout import LAYER_FIELDS
+from .model.transformer import Replace
 
 POINTS = (
     "attn.state",
@@ -225,13 +226,13 @@ class Capture:
         return np.nonzero(keep)[0], pos[keep]
 
     def _observe(self, name: str, value):
-        """Record ``name`` if selected; returns what an outer observer (an intervention) replaced it with, or None."""
+        """Record ``name`` if selected; returns the :class:`Replace` of an outer observer (an intervention), if any."""
         out = None
         if self._prev_observer is not None:
             out = self._prev_observer(name, value)
-            value = value if out is None else out
+            value = out.value if isinstance(out, Replace) else value
         self._record(name, value)
-        return out
+        return out if isinstance(out, Replace) else None
 
     def _record(self, name: str, value) -> None:
         if name == "head.logits":

@@ -41,7 +41,7 @@ import numpy as np
 
 from .kv.checkpoint import Checkpoint
 from .kv.edit import checkpoint_row
-from .model.transformer import EDITABLE
+from .model.transformer import EDITABLE, Replace
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,8 @@ class Intervention:
                                   f"{e.point}, or what it edits did not exist yet)", stacklevel=2)
 
     def _observe(self, name: str, value):
-        """The observer: apply the edits matching ``name``, then pass the value on to an outer observer."""
+        """The observer: apply the edits matching ``name``, then pass the value on to an outer observer; returns
+        the :class:`Replace` the model uses where an edit applied."""
         parts = name.split(".")
         out = None
         if parts[0] == "blk":
@@ -322,11 +323,11 @@ class Intervention:
                 if fnmatch.fnmatchcase(name, e.point):
                     new = e.fn(value, Site(name, il, *self._span[il], self.session.model))
                     if new is not None:
-                        value = out = new
+                        value, out = new, Replace(new)
                         self.applied[i] += 1
         if self._prev_observer is not None:
             outer = self._prev_observer(name, value)
-            out = out if outer is None else outer
+            out = outer if isinstance(outer, Replace) else out
         return out
 
     def __repr__(self) -> str:

@@ -319,7 +319,8 @@ class KVStore:
         context and model fingerprint. Returns the entry (a compatible file already stored for that text is kept
         as it is), or None: below ``min_tokens`` or without logits (ds4's policy, silently), over the budget or
         on a write error (a :class:`KVStoreWarning` says why). A checkpoint of another model is refused
-        (:class:`~.payload.PayloadError` naming the field, :meth:`Checkpoint.check_model`)."""
+        (:class:`~.payload.PayloadError` naming the field, :meth:`Checkpoint.check_model`), and so is an edited one
+        (a ValueError: its ``edits`` are not the state of its text; :func:`ds4lab.kv.edit.save_kv` writes it)."""
         reason_code(reason)
         cp = checkpoint
         cp.check_model(model.config, model_fingerprint(model))

@@ -11,10 +11,13 @@ graphs, tiers — is :mod:`ds4lab.runtime`'s.
 
 Hook points: each block takes ``emit``, called as ``emit(name, value)`` at the named points listed in
 :mod:`ds4lab.hooks` (None: nothing is emitted, and nothing is made for it). At the editable points
-(:data:`EDITABLE`) a value ``emit`` returns, other than None, replaces the model's (:mod:`ds4lab.interventions`).
+(:data:`EDITABLE`) an ``emit`` that returns a :class:`Replace` makes the block use its value instead of its own
+(:mod:`ds4lab.interventions`); any other return is ignored.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,10 +49,17 @@ def _in_layer(il: int, emit):
     return lambda name, value: emit(prefix + name, value)
 
 
+@dataclass(frozen=True)
+class Replace:
+    """What an observer returns at an editable point to make the model use ``value`` instead of its own."""
+
+    value: object
+
+
 def _edit(emit, name: str, value):
-    """``value`` after ``emit`` at an editable point: what the observer returns, unless None."""
+    """``value`` after ``emit`` at an editable point: the value of the :class:`Replace` it returns, if any."""
     out = emit(name, value)
-    return value if out is None else out
+    return out.value if isinstance(out, Replace) else value
 
 
 class Transformer:
