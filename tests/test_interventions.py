@@ -335,3 +335,38 @@ def test_edited_checkpoint_saved_as_kv_and_reloaded(model, prefixes, tmp_path):
     # and the payload checkpoint edits the same way as the live one
     again = patch_rows(ds4lab.Checkpoint.from_bytes(cp_a.to_bytes(), cfg), cp_b, 2, "comp", [3])
     np.testing.assert_array_equal(checkpoint_row(again, 2, "comp", 3), checkpoint_row(cp_b, 2, "comp", 3))
+
+
+def test_edits_through_the_gpu_kernels_agree_with_the_reference(model_paths):
+    """The kernels' path (attention with a −inf sink, gathered experts with other ids), run by the CPU emulator
+    of the GPU kernels in float32, gives the float64 reference's edited logits within the kernels' whole-model
+    tolerance (1e-3 of the logits' scale, as tests/test_gpu_kernels.py)."""
+    from ds4lab import ops
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.mlx_kernels.cpu import compiler
+    from ds4lab.model.transformer import Transformer
+    from ds4lab.model.weights import Weights
+    from ds4lab.runtime import Runtime
+
+    if compiler() is None:
+        pytest.skip("no C++20 compiler here for the CPU kernel emulator")
+    kernels = ds4lab.load(model_paths["nano"], backend="numpy")
+    kernels.backend = EmulatedBackend(True)
+    cfg = kernels.config
+    kernels.transformer = Transformer(cfg, Weights(kernels.file, kernels.backend, cfg.o_groups, cfg.o_lora),
+                                      ops.Ops(kernels.backend), "ds4")
+    kernels.runtime = Runtime(kernels.transformer, kernels.backend)
+    ids = _prompt(PREFIX + 1, cfg.n_vocab, 5)
+    edits = [ablate_sink(il) for il in range(cfg.n_layer)] + [replace_experts(4, [0, 1]), force_topk(2, [0, 3])]
+    diffs = []
+    for m in (ds4lab.load(model_paths["nano"], backend="numpy"), kernels):
+        sess = m.session(ctx=256, prefill_chunk=32)
+        sess.prefill(ids[:-1]).run(progress=False)
+        diffs.append(logit_diff(sess, ids, edits, start=PREFIX))
+    ref, got = diffs
+
+    def rel(a, b):  # tests/test_gpu_kernels.py's measure: to the scale of the float64 logits
+        return np.abs(a - b).max() / np.abs(b).max()
+
+    assert rel(got.clean, ref.clean) < 1e-3 and rel(got.edited, ref.edited) < 1e-3
+    assert rel(ref.edited, ref.clean) > 1e-2  # the edits move the logits ten times the tolerance and more
