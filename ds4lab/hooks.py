@@ -13,30 +13,42 @@ block passes every point on to the outer one as well::
     amap = cap.attention(2)         # an AttentionMap: raw keys | compressed rows | sink
     cap["blk.2.moe.experts"]        # [Q, k] for the selected queries, over every captured step
 
-Points (``{il}`` a layer index; a point given without ``blk.{il}.`` applies to each selected layer):
+Points (``{il}`` a layer index; a point given without ``blk.{il}.`` applies to each selected layer). The
+points marked *edit* can also be changed, by :mod:`ds4lab.interventions` (``sess.intervene``): what the edit
+returns replaces the model's value for the steps run inside its ``with`` block.
 
-=============================  ==================================================================
-``blk.{il}.attn_norm``         attention input after the norm ``[T, E]``
-``blk.{il}.attn.q_lora``       query low-rank state ``[T, q_lora]``
-``blk.{il}.attn.q``            queries before RoPE ``[T, H, D]``
-``blk.{il}.attn.kv_in``        the token's KV row before RoPE and storage ``[T, D]``
-``blk.{il}.attn.scores``       materialised attention map (see :class:`AttentionMap`)
-``blk.{il}.attn.out``          attention output before the inverse RoPE ``[T, H, D]``
-``blk.{il}.attn.heads``        attention output after the inverse RoPE ``[T, H, D]``
-``blk.{il}.indexer.scores``    indexer score of every compressed row ``[T, rows]``
-``blk.{il}.indexer.topk``      rows the indexer lets each query attend ``[T, rows]`` (bool)
+=================================  =========================================================================
+``blk.{il}.attn.state``            *edit* the layer's KV state before the step (a ``LayerState``: raw ring,
+                                   compressed and indexer rows, pending compressor states); captured as a
+                                   dict of NumPy arrays
+``blk.{il}.attn.sinks``            *edit* the sink logit of each head ``[H]`` (−inf: no sink)
+``blk.{il}.attn_norm``             attention input after the norm ``[T, E]``
+``blk.{il}.attn.q_lora``           query low-rank state ``[T, q_lora]``
+``blk.{il}.attn.q``                queries before RoPE ``[T, H, D]``
+``blk.{il}.attn.kv_in``            the token's KV row before RoPE and storage ``[T, D]``
+``blk.{il}.indexer.scores``        indexer score of every compressed row ``[T, rows]``
+``blk.{il}.indexer.topk``          rows the indexer lets each query attend ``[T, rows]`` (bool)
+``blk.{il}.attn.comp_visible``     *edit* the compressed rows each query attends, after the indexer
+                                   ``[T, rows]`` (bool; a row left out is masked before the softmax)
+``blk.{il}.attn.scores``           materialised attention map (see :class:`AttentionMap`)
+``blk.{il}.attn.out``              attention output before the inverse RoPE ``[T, H, D]``
+``blk.{il}.attn.heads``            *edit* attention output after the inverse RoPE ``[T, H, D]``
 ``blk.{il}.attn_compressor.kv|score|rows``     compressor projections, and the rows after the step
 ``blk.{il}.indexer_compressor.kv|score|rows``  the same for the indexer's compressor
-``blk.{il}.hc_attn.post|comb`` hyper-connection gates and Sinkhorn mix before attention
-``blk.{il}.hc_ffn.post|comb``  the same before the FFN
-``blk.{il}.moe.router``        router probabilities ``[T, n_expert]``
-``blk.{il}.moe.experts``       chosen experts ``[T, k]``
-``blk.{il}.moe.weights``       their weights ``[T, k]``
-``head.logits``                logits of the step's last token ``[1, vocab]``
-=============================  ==================================================================
+``blk.{il}.hc_attn.post|comb``     hyper-connection gates and Sinkhorn mix before attention
+``blk.{il}.hc_ffn.post|comb``      the same before the FFN
+``blk.{il}.ffn_norm``              FFN input after the norm ``[T, E]``
+``blk.{il}.moe.router``            router probabilities ``[T, n_expert]``
+``blk.{il}.moe.experts``           *edit* chosen experts ``[T, k]`` (other ids are weighted by the router's
+                                   probabilities of those experts, renormalised as the model does)
+``blk.{il}.moe.weights``           their weights ``[T, k]``
+``blk.{il}.moe.out``               the routed experts' weighted sum ``[T, E]`` (without the shared expert)
+``head.logits``                    logits of the step's last token ``[1, vocab]``
+=================================  =========================================================================
 
 Per-token values keep only the rows of the selected ``queries`` (absolute positions); values
 with a head axis keep only the selected ``heads``. Patterns may use ``*`` (``blk.*.moe.experts``).
+A capture records the values the model used: inside an intervention's block, the edited ones.
 """
 
 from __future__ import annotations
@@ -46,7 +58,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .kv.layout import LAYER_FIELDS
+from .model.transformer import Replace
+
 POINTS = (
+    "attn.state",
+    "attn.sinks",
     "attn_norm",
     "attn.q_lora",
     "attn.q",
@@ -56,6 +73,7 @@ POINTS = (
     "attn.heads",
     "indexer.scores",
     "indexer.topk",
+    "attn.comp_visible",
     "attn_compressor.kv",
     "attn_compressor.score",
     "attn_compressor.rows",
@@ -66,12 +84,15 @@ POINTS = (
     "hc_attn.comb",
     "hc_ffn.post",
     "hc_ffn.comb",
+    "ffn_norm",
     "moe.router",
     "moe.experts",
     "moe.weights",
+    "moe.out",
 )
 HEAD_AXIS = ("attn.q", "attn.out", "attn.heads")  # per-token values whose axis 1 is the head
-NOT_PER_TOKEN = ("attn_compressor.rows", "indexer_compressor.rows")  # state, not one row per query
+# state, not one row per query
+NOT_PER_TOKEN = ("attn.state", "attn.sinks", "attn_compressor.rows", "indexer_compressor.rows")
 
 
 @dataclass
@@ -204,9 +225,16 @@ class Capture:
         keep = np.ones(len(pos), bool) if self.queries is None else np.isin(pos, list(self.queries))
         return np.nonzero(keep)[0], pos[keep]
 
-    def _observe(self, name: str, value) -> None:
+    def _observe(self, name: str, value):
+        """Record ``name`` if selected; returns the :class:`Replace` of an outer observer (an intervention), if any."""
+        out = None
         if self._prev_observer is not None:
-            self._prev_observer(name, value)
+            out = self._prev_observer(name, value)
+            value = out.value if isinstance(out, Replace) else value
+        self._record(name, value)
+        return out if isinstance(out, Replace) else None
+
+    def _record(self, name: str, value) -> None:
         if name == "head.logits":
             if self._wanted(name):
                 self._record_head(value)
@@ -222,6 +250,10 @@ class Capture:
             return
         if point == "attn.scores":
             self._records.append(self._attention_record(il, name, value))
+            return
+        if point == "attn.state":
+            value = {f: None if a is None else self._np(a) for f, a in zip(LAYER_FIELDS, value.arrays())}
+            self._records.append(Record(name, self._step, np.zeros(0, np.int64), value))
             return
         v = self._np(value)
         if point in NOT_PER_TOKEN:

@@ -112,6 +112,8 @@ class Session:
         self._active_tier = self.placement.embed_tier
         self.tokens: list[int] = []
         self.logits: np.ndarray | None = None
+        self._edits: tuple[str, ...] = ()  # what shaped the live state besides its tokens (Session.edits)
+        self._active_edits: tuple[str, ...] = ()  # the edits of the interventions whose block is open
         self.checkpoints: deque[Checkpoint] = deque(maxlen=max_checkpoints)
         # Called as fn(record) after every evaluated step, once the session holds its result: the
         # PrefillChunk or DecodeStep, or None for a token that sync() appended without sampling. Views
@@ -135,11 +137,22 @@ class Session:
     def prefill_chunk(self) -> int:
         return self.geometry.chunk
 
+    @property
+    def edits(self) -> tuple[str, ...]:
+        """What made the live state other than the model's state of its tokens: the edits of a restored edited
+        checkpoint (:mod:`ds4lab.kv.edit`) and of the interventions its steps ran under (kept with
+        ``intervene(..., keep=True)``); empty for a clean state. An edited state is never saved to the
+        ``kv_store``, and its checkpoints are never reused by ``sync``."""
+        return self._edits
+
     # -- state ----------------------------------------------------------------------------------------
-    def _commit(self, tokens: list[int], logits, state: KVState, run: TierRun | None = None) -> None:
+    def _commit(self, tokens: list[int], logits, state: KVState, run: TierRun | None = None,
+                edits: tuple[str, ...] = ()) -> None:
         if run is None:  # a state from elsewhere (restore, reset); a forward pass leaves layers on their tiers
             state = self.placement.place_state(state)
         self.tokens, self.logits, self._state = tokens, logits, state
+        self._edits = edits if run is None else self._edits + tuple(e for e in self._active_edits
+                                                                     if e not in self._edits)
         if run is not None:
             self.tier_trace.extend(run.switches)
             self._active_tier = run.active
@@ -172,11 +185,19 @@ class Session:
 
         return Capture(self, points, layers=layers, heads=heads, queries=queries)
 
+    def intervene(self, edits, keep: bool = False):
+        """``with sess.intervene([ablate_sink(2), ...]) as iv:`` runs this session's steps inside the block with
+        the edits applied at their hook points (see :mod:`ds4lab.interventions`); at the block's end the session
+        is back where it was unless ``keep``."""
+        from .interventions import Intervention
+
+        return Intervention(self, edits, keep=keep)
+
     def snapshot(self) -> Checkpoint:
         """The current state as a :class:`Checkpoint` of this model, not kept for ``sync`` (nothing is copied:
         states are immutable values, so a step cannot change it)."""
         return Checkpoint(tuple(self.tokens), self.logits, self._state, config=self.model.config,
-                          backend=self.model.backend, fingerprint=model_fingerprint(self.model))
+                          backend=self.model.backend, fingerprint=model_fingerprint(self.model), edits=self._edits)
 
     def checkpoint(self) -> Checkpoint:
         """The current state (:meth:`snapshot`), also kept for ``sync``."""
@@ -190,7 +211,7 @@ class Session:
         values, and a payload is checked against this session (ds4's loader rules); the session is unchanged
         on any refusal."""
         state = cp.state_for(self.model.config, self.model.backend, self.geometry, model_fingerprint(self.model))
-        self._commit(list(cp.tokens), None if cp.logits is None else np.array(cp.logits), state)
+        self._commit(list(cp.tokens), None if cp.logits is None else np.array(cp.logits), state, edits=cp.edits)
 
     def reset(self) -> None:
         self._commit([], None, new_state(self.model.config, self.model.backend, self.geometry))
@@ -230,13 +251,14 @@ class Session:
         """Bring the session to exactly ``prompt``, as ds4 does, and better: extend the live state when
         it is a prefix (batched from ds4's resume threshold, token by token below it); otherwise restore
         the longest kept checkpoint that is a prefix and extend that; otherwise, with a ``kv_store``, the
-        longest stored prefix on disk; otherwise prefill from zero. ``on_chunk(PrefillChunk)`` is called
-        after each chunk of a batched prefill (for progress displays)."""
+        longest stored prefix on disk; otherwise prefill from zero. An edited live state or checkpoint
+        (:attr:`edits`) is never reused. ``on_chunk(PrefillChunk)`` is called after each chunk of a batched prefill
+        (for progress displays)."""
         ids = self.prompt_ids(prompt)
         source = "live"
-        if ids[: len(self.tokens)] != self.tokens or not self.tokens:
+        if ids[: len(self.tokens)] != self.tokens or not self.tokens or self._edits:  # an edited state: not reused
             best = max((cp for cp in self.checkpoints if 0 < len(cp) <= len(ids) and list(cp.tokens) == ids[: len(cp)]
-                        and cp.logits is not None), key=len, default=None)
+                        and cp.logits is not None and not cp.edits), key=len, default=None)
             if best is not None:
                 self.restore(best)
                 source = "checkpoint"
@@ -271,7 +293,7 @@ class Session:
         """After every prefill chunk and decoded token: a "continued" checkpoint whenever the token count is a
         multiple of the store's continued step (aligned to this session's chunk step unless the store says)."""
         store = self.kv_store
-        if store is None:
+        if store is None or self._edits:  # an edited state is not the state of its text
             return
         step = store.continued_step(self.geometry.step)
         if step > 0 and len(self.tokens) % step == 0:
@@ -279,7 +301,7 @@ class Session:
 
     def _store_evicted(self) -> None:
         """Before a cold prefill or a disk load replaces the live state: save it as "evict"."""
-        if self.kv_store is not None and self.tokens:
+        if self.kv_store is not None and self.tokens and not self._edits:
             self.kv_store.save(self.snapshot(), self.model, reason="evict")
 
     def _store_restore(self, ids: list[int]) -> bool:

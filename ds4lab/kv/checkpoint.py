@@ -34,7 +34,11 @@ class Checkpoint:
     by a session carry it, and so do those the KV store loads from files ds4lab wrote. Restoring refuses a
     checkpoint of another model (another config, or another fingerprint: the same config with other weights).
     A bare ``DSV4`` payload has no field for it (ds4's format), so ``from_bytes`` knows it only when told; a
-    checkpoint without one is checked on its layout alone."""
+    checkpoint without one is checked on its layout alone.
+
+    ``edits`` describes what changed the state from the one its tokens give: row edits
+    (:mod:`ds4lab.kv.edit`) and interventions whose steps made it (:mod:`ds4lab.interventions`); empty for a
+    state the model computed from its tokens alone. A ``DSV4`` payload cannot carry it."""
 
     tokens: tuple[int, ...]
     logits: np.ndarray | None
@@ -43,13 +47,15 @@ class Checkpoint:
     config: ModelConfig | None = field(default=None, repr=False)
     backend: object = field(default=None, repr=False)
     fingerprint: str | None = field(default=None, repr=False)
+    edits: tuple[str, ...] = field(default=(), repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def __repr__(self) -> str:
         kind = "live" if self.state is not None else "payload"
-        return f"Checkpoint({len(self.tokens)} tokens, {kind})"
+        edited = f", edited: {'; '.join(self.edits)}" if self.edits else ""
+        return f"Checkpoint({len(self.tokens)} tokens, {kind}{edited})"
 
     @property
     def ctx(self) -> int:

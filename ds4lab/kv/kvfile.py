@@ -45,6 +45,7 @@ The quant byte keeps ds4's meaning (the model's routed experts, not the KV rows)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import mmap
@@ -279,6 +280,42 @@ def read_fingerprint(fd: int, header: KVHeader, path) -> str | None:
 
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int, reason: str = "unknown",
+                  codec_flags: int = 0, fingerprint: str | None = None, with_checksum: bool = True,
+                  now: int | None = None) -> tuple[KVHeader, tuple[bytes, ...]]:
+    """A file's header and its bytes in file order: header, ``text``, ``payload`` (in its stored form, ``codec_flags``
+    saying which), the fingerprint trailer (given a ``fingerprint``) and, ``with_checksum``, the CRC trailer;
+    created and last_used are ``now`` (default: the current time)."""
+    fp_trailer = fingerprint_trailer(fingerprint) if fingerprint is not None else b""
+    flags = codec_flags | (EXT_CHECKSUM if with_checksum else 0) | (EXT_FINGERPRINT if fp_trailer else 0)
+    now = int(time.time()) if now is None else now
+    header = KVHeader(quant_bits, reason_code(reason), flags, tokens, 0, ctx, now, now, len(payload), len(text))
+    head = header.pack()
+    crc = (checksum_trailer(checksum(head, text, payload, fp_trailer)),) if with_checksum else ()
+    return header, (head, text, payload, fp_trailer, *crc)
+
+
+def write_file_atomic(path: Path, parts) -> None:
+    """Write ``parts`` to a temporary file beside ``path``, fsync it and rename it over ``path``: a failed write
+    (an OSError) leaves no temporary file and whatever ``path`` held before."""
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    size = sum(len(p) for p in parts)
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+            written = os.fstat(f.fileno()).st_size
+        if written != size:
+            raise OSError(f"wrote {written} bytes, expected {size}")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def open_regular(path, mode: str = "rb"):

@@ -51,22 +51,19 @@ from gguf import GGMLQuantizationType
 from .checkpoint import Checkpoint, model_fingerprint
 from .kvfile import (
     CODECS,
-    EXT_CHECKSUM,
-    EXT_FINGERPRINT,
     EXT_RESPONSES_VISIBLE,
     EXT_THINKING_VISIBLE,
     PREFIX_BYTES,
     KVFile,
     KVFileError,
     KVHeader,
-    checksum_trailer,
-    fingerprint_trailer,
+    kv_file_parts,
     open_regular,
     pack_payload,
     read_fingerprint,
     reason_code,
+    write_file_atomic,
 )
-from .kvfile import checksum as file_checksum
 from .layout import Geometry
 from .payload import PayloadError
 
@@ -322,10 +319,14 @@ class KVStore:
         context and model fingerprint. Returns the entry (a compatible file already stored for that text is kept
         as it is), or None: below ``min_tokens`` or without logits (ds4's policy, silently), over the budget or
         on a write error (a :class:`KVStoreWarning` says why). A checkpoint of another model is refused
-        (:class:`~.payload.PayloadError` naming the field, :meth:`Checkpoint.check_model`)."""
+        (:class:`~.payload.PayloadError` naming the field, :meth:`Checkpoint.check_model`), and so is an edited one
+        (a ValueError: its ``edits`` are not the state of its text; :func:`ds4lab.kv.edit.save_kv` writes it)."""
         reason_code(reason)
         cp = checkpoint
         cp.check_model(model.config, model_fingerprint(model))
+        if cp.edits:
+            raise ValueError(f"this checkpoint is edited ({'; '.join(cp.edits)}): a store entry would be restored as "
+                             "the state of its text; write it with ds4lab.kv.edit.save_kv(checkpoint, path, model)")
         if len(cp) < self.min_tokens or cp.logits is None:
             return None
         try:
@@ -349,9 +350,8 @@ class KVStore:
         A file already stored for the text is kept when compatible (ds4's rule, plus: written by the same model,
         or by an unknown one); otherwise the new file is renamed over it only once it is written and synced, so
         a failed write leaves it as it was (ds4 deletes it first)."""
-        fp_trailer = fingerprint_trailer(fingerprint) if fingerprint is not None else b""
-        flags = codec_flags | (EXT_CHECKSUM if self.checksum else 0) | (EXT_FINGERPRINT if fp_trailer else 0)
-        header = KVHeader(quant_bits, reason_code(reason), flags, tokens, 0, ctx, 0, 0, len(payload), len(text))
+        header, parts = kv_file_parts(text, payload, tokens=tokens, ctx=ctx, quant_bits=quant_bits, reason=reason,
+                                      codec_flags=codec_flags, fingerprint=fingerprint, with_checksum=self.checksum)
         size = header.file_bytes
         if size + -(-size // 100) > self.budget_bytes:  # 1% headroom (ds4_kvstore.c:738-748)
             self._counts["skipped"] += 1
@@ -364,26 +364,9 @@ class KVStore:
         existing = self._existing_compatible(path, sha, text, quant_bits, ctx, fingerprint)
         if existing is not None:
             return existing
-        now = int(time.time())
-        header = dataclasses.replace(header, created=now, last_used=now)
-        head = header.pack()
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(text)
-                f.write(payload)
-                f.write(fp_trailer)
-                if flags & EXT_CHECKSUM:
-                    f.write(checksum_trailer(file_checksum(head, text, payload, fp_trailer)))
-                f.flush()
-                os.fsync(f.fileno())
-                written = os.fstat(f.fileno()).st_size
-            if written != size:
-                raise OSError(f"wrote {written} bytes, expected {size}")
-            os.replace(tmp, path)
+            write_file_atomic(path, parts)
         except OSError as e:
-            _unlink(tmp)
             self._counts["write_errors"] += 1
             kept = "; the file already stored for this text is kept as it was" if os.path.lexists(path) else ""
             self._warn(f"{path}: KV store write failed, nothing stored{kept}: {e}")

@@ -10,10 +10,14 @@ the one it is given. How a chunk runs — the RoPE tables the blocks read, paddi
 graphs, tiers — is :mod:`ds4lab.runtime`'s.
 
 Hook points: each block takes ``emit``, called as ``emit(name, value)`` at the named points listed in
-:mod:`ds4lab.hooks` (None: nothing is emitted, and nothing is made for it).
+:mod:`ds4lab.hooks` (None: nothing is emitted, and nothing is made for it). At the editable points
+(:data:`EDITABLE`) an ``emit`` that returns a :class:`Replace` makes the block use its value instead of its own
+(:mod:`ds4lab.interventions`); any other return is ignored.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +36,9 @@ GATHER_MAX_PAIRS = 64  # (token, group) pairs up to which attn_output_a runs gat
 # be a CUDA graph). A longer chunk's top-k routing runs there too, and only the chosen ids come back for
 # qgemm's tiles: sorting the chunk's probabilities on the host left the GPU idle (benchmarks/README.md).
 DEVICE_ROUTING_ROWS = 16
+# Points whose value the observer may replace: the layer's KV state before the step, the sink logits, the
+# compressed rows each query attends, the heads' outputs, the routed experts.
+EDITABLE = ("attn.state", "attn.sinks", "attn.comp_visible", "attn.heads", "moe.experts")
 
 
 def _in_layer(il: int, emit):
@@ -40,6 +47,19 @@ def _in_layer(il: int, emit):
         return None
     prefix = f"blk.{il}."
     return lambda name, value: emit(prefix + name, value)
+
+
+@dataclass(frozen=True)
+class Replace:
+    """What an observer returns at an editable point to make the model use ``value`` instead of its own."""
+
+    value: object
+
+
+def _edit(emit, name: str, value):
+    """``value`` after ``emit`` at an editable point: the value of the :class:`Replace` it returns, if any."""
+    out = emit(name, value)
+    return out.value if isinstance(out, Replace) else value
 
 
 class Transformer:
@@ -123,8 +143,11 @@ class Transformer:
         eps, C, R = cfg.rms_eps, X.shape[0], cfg.ratio(il)
         emit = _in_layer(il, emit)
 
+        sinks = lw.attn_sinks
         if emit:
             emit("span", (pos0, n_valid))  # the chunk's first position and real rows (ds4lab.hooks)
+            st = _edit(emit, "attn.state", st)
+            sinks = _edit(emit, "attn.sinks", sinks)
         x_in, post, comb = self._hc_pre(lw.hc_attn, X)
         if emit:
             emit("hc_attn.post", post)
@@ -169,17 +192,19 @@ class Transformer:
                     comp_visible = ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
                     if emit:
                         emit("indexer.topk", comp_visible)
+            if emit:
+                comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
             keys = xp.concatenate([raw, comp], axis=0)
             visible = xp.concatenate([visible, comp_visible], axis=1)
 
         if emit:  # what ds4lab.hooks needs to materialise attention maps on request
-            emit("attn.scores", dict(q=q, keys=keys, visible=visible, sinks=lw.attn_sinks, scale=cfg.head_dim ** -0.5,
+            emit("attn.scores", dict(q=q, keys=keys, visible=visible, sinks=sinks, scale=cfg.head_dim ** -0.5,
                                      slot_pos=slot_pos, n_raw=raw.shape[0], ratio=R, comp_candidates=comp_candidates))
-        out = ops.attend(q, keys, visible, lw.attn_sinks, cfg.head_dim ** -0.5)
+        out = ops.attend(q, keys, visible, sinks, cfg.head_dim ** -0.5)
         heads = ops.rope(out, cos, sin, inverse=True)
         if emit:
             emit("attn.out", out)
-            emit("attn.heads", heads)
+            heads = _edit(emit, "attn.heads", heads)
         out_b, stacked = lw.attn_output_b, lw.attn_output_a_stacked
         if stacked is not None and C * cfg.o_groups <= self.gather_max_pairs:  # a decode step: one launch
             y = grouped_output_gathered(xp, heads, stacked, cfg.o_groups, out_b)
@@ -229,6 +254,8 @@ class Transformer:
             emit("hc_ffn.post", post)
             emit("hc_ffn.comb", comb)
         f = ops.rmsnorm(x_in, cfg.rms_eps, lw.ffn_norm)
+        if emit:
+            emit("ffn_norm", f)
         logits = lw.ffn_gate_inp(f)
         bias, stacked = lw.exp_probs_b, lw.experts_stacked
         few, hashed = X.shape[0] <= DEVICE_ROUTING_ROWS, cfg.is_hash_layer(il)
@@ -248,13 +275,18 @@ class Transformer:
             weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
         if emit:
             emit("moe.router", probs)
-            emit("moe.experts", selected)
+            chosen = _edit(emit, "moe.experts", selected)
+            if chosen is not selected:  # other experts: weighted by the router's probabilities of those
+                selected = np.asarray(chosen, dtype=np.int64)
+                weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
             emit("moe.weights", weights)
         clamp = cfg.swiglu_clamp[il]
         if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
             moe = routed_experts_gathered(ops, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(ops, f, selected, weights, lw.expert, clamp)
+        if emit:
+            emit("moe.out", moe)
         gate, up = lw.ffn_gate_up_shexp(f)
         shared = lw.ffn_down_shexp(ops.swiglu(gate, up, clamp))
         return ops.hc_post(moe + shared, X, post, comb)
