@@ -1,10 +1,10 @@
-"""The teaching notebooks as saved: built from notebooks/_build.py, executed, views with static fallbacks.
+"""The teaching notebooks as saved: jupytext pairs (``NN_name.py`` holds the cells, ``NN_name.ipynb`` the same cells
+executed, views with static fallbacks), built by notebooks/build.py.
 
 Running them is nbval's job: ``python -m pytest`` also collects notebooks/ (see notebooks/conftest.py), runs
 every cell in a fresh kernel and compares the outputs of the cells tagged ``nbval-check-output``.
 """
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,23 +14,15 @@ import pytest
 from tests.test_views_charts import remote_scripts
 
 nbformat = pytest.importorskip("nbformat")
+jupytext = pytest.importorskip("jupytext")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 CHECK = "nbval-check-output"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 VEGALITE = "application/vnd.vegalite.v5+json"
-
-
-def _builder():
-    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BUILD = _builder()
-NAMES = list(BUILD.NOTEBOOKS)
+NAMES = sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+SOURCES = sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.py"))
 
 
 def _read(name):
@@ -41,25 +33,31 @@ def _code(nb):
     return [c for c in nb.cells if c.cell_type == "code"]
 
 
-def test_every_notebook_comes_from_the_builder():
-    saved = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
-    assert saved == sorted(NAMES)
+def _cells(nb):
+    return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+
+
+def test_every_notebook_is_a_pair():
+    """Each NN_name.ipynb has its NN_name.py and each source its saved notebook, paired by notebooks/jupytext.toml."""
+    assert NAMES and [Path(n).stem for n in NAMES] == [Path(s).stem for s in SOURCES]
+    config = (NOTEBOOK_DIR / "jupytext.toml").read_text()
+    assert 'formats = "ipynb,py:percent"' in config
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_saved_cells_match_the_builder(name):
-    """Edit notebooks/_build.py, then run it: the saved notebook must have the builder's cells."""
-    built, saved = BUILD.build(name), _read(name)
-    assert [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in saved.cells] == \
-        [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in built.cells], \
-        f"{name} is stale: run python notebooks/_build.py {name[:2]}"
+def test_saved_cells_match_the_paired_source(name):
+    """The .py is the cells as text: the saved .ipynb must have the same cells, sources and tags, in order."""
+    source = NOTEBOOK_DIR / name.replace(".ipynb", ".py")
+    assert source.read_text(encoding="utf-8").startswith("# ---\n# jupyter:"), "not jupytext's percent format"
+    assert _cells(_read(name)) == _cells(jupytext.read(source)), \
+        f"{name} and its .py differ: jupytext --sync notebooks/{name}, then python notebooks/build.py {name[:2]}"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_outputs(name):
     nb = _read(name)
     cells = _code(nb)
-    assert all(c.execution_count for c in cells), "not executed top to bottom: run python notebooks/_build.py"
+    assert all(c.execution_count for c in cells), "not executed top to bottom: run python notebooks/build.py"
     assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
     outputs = [o for c in cells for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
