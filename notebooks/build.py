@@ -3,6 +3,7 @@
     python notebooks/build.py              # every NN_*.py here: execute it, save NN_*.ipynb with its outputs
     python notebooks/build.py 02 05        # only the notebooks whose name starts with 02 or 05
     python notebooks/build.py --no-execute # the .ipynb's cells from the .py, without outputs
+    python notebooks/build.py 02 --times   # also print the kernel's wall and CPU seconds of every cell
 
 Each notebook is a jupytext pair (notebooks/jupytext.toml): ``NN_name.py`` in percent format holds the cells
 and their tags, ``NN_name.ipynb`` the same cells with the outputs a fresh kernel gave them (committed, so a
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import jupytext
@@ -48,27 +48,35 @@ def cells_of(source: Path):
     return nb
 
 
-def _seconds(cell) -> float:
-    """The kernel's time for one executed cell (nbclient's timing metadata), which the saved notebook drops."""
-    t = cell.metadata.pop("execution", {})
-    began, ended = t.get("iopub.execute_input"), t.get("shell.execute_reply")
-    return (datetime.fromisoformat(ended) - datetime.fromisoformat(began)).total_seconds() if began and ended else 0.0
-
-
-def execute(nb) -> tuple[float, list[float]]:
-    """Run ``nb`` in place in a fresh kernel of this interpreter (cwd: notebooks/): the wall seconds, and the
-    kernel's seconds per code cell."""
+def execute(nb) -> tuple[float, list[tuple[float, float]]]:
+    """Run ``nb`` in place in a fresh kernel of this interpreter (cwd: notebooks/): the wall seconds, and per code
+    cell the kernel's wall and CPU seconds (CPU time, user and system, does not grow when other processes share
+    the cores, so it tells what a notebook costs on a busy machine)."""
     import nbclient
+    import psutil
 
-    began = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", record_timing=True,
-                            resources={"metadata": {"path": str(HERE)}}).execute()
-    wall = time.perf_counter() - began
-    return wall, [_seconds(c) for c in nb.cells if c.cell_type == "code"]
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(HERE)}})
+    began, per_cell = {}, []
+
+    def cpu() -> float:
+        t = psutil.Process(client.km.provisioner.pid).cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start(cell, cell_index):
+        began.update(wall=time.perf_counter(), cpu=cpu())
+
+    def done(cell, cell_index, execute_reply):
+        per_cell.append((time.perf_counter() - began["wall"], cpu() - began["cpu"]))
+
+    client.on_cell_execute, client.on_cell_executed = start, done
+    t0 = time.perf_counter()
+    client.execute()
+    return time.perf_counter() - t0, per_cell
 
 
 def main(argv: list[str]) -> None:
-    run = "--no-execute" not in argv
+    run, times = "--no-execute" not in argv, "--times" in argv
     chosen = sources([a for a in argv if not a.startswith("--")])
     if not chosen:
         raise SystemExit(f"no notebook source NN_*.py in {HERE} matches {argv}")
@@ -76,9 +84,12 @@ def main(argv: list[str]) -> None:
         nb = cells_of(source)
         if run:
             wall, per_cell = execute(nb)
-            slowest = sorted(enumerate(per_cell, 1), key=lambda x: -x[1])[:3]
-            print(f"{source.stem}: {wall:.1f} s wall, {sum(per_cell):.1f} s in the kernel; slowest cells "
-                  + ", ".join(f"[{i}] {s:.1f} s" for i, s in slowest), file=sys.stderr)
+            print(f"{source.stem}: {wall:.1f} s wall; cells: {sum(w for w, _ in per_cell):.1f} s in the kernel, "
+                  f"{sum(c for _, c in per_cell):.1f} s of its CPU time", file=sys.stderr)
+            code = [c for c in nb.cells if c.cell_type == "code"]
+            for i, (cell, (w, c)) in enumerate(zip(code, per_cell), 1) if times else ():
+                first = cell.source.splitlines()[0][:64] if cell.source else ""
+                print(f"  [{i:2d}] {w:5.2f} s, CPU {c:5.2f} s  {first}", file=sys.stderr)
         nbformat.write(nb, source.with_suffix(".ipynb"))
 
 

@@ -5,6 +5,9 @@ Running them is nbval's job: ``python -m pytest`` also collects notebooks/ (see 
 every cell in a fresh kernel and compares the outputs of the cells tagged ``nbval-check-output``.
 """
 
+import importlib.util
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +45,15 @@ def test_every_notebook_is_a_pair():
     assert NAMES and [Path(n).stem for n in NAMES] == [Path(s).stem for s in SOURCES]
     config = (NOTEBOOK_DIR / "jupytext.toml").read_text()
     assert 'formats = "ipynb,py:percent"' in config
+
+
+def test_the_build_command_runs_every_paired_source():
+    """notebooks/build.py picks up every NN_*.py, a notebook added later included."""
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    assert [p.name for p in build.sources()] == SOURCES
+    assert [p.name for p in build.sources(["02"])] == [s for s in SOURCES if s.startswith("02")]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -101,3 +113,65 @@ def test_pytest_collects_every_notebook_cell_with_nbval():
         n_code = len(_code(_read(name)))
         collected = [line for line in out.stdout.splitlines() if line.startswith(f"notebooks/{name}::Cell ")]
         assert len(collected) == n_code, (name, collected)
+
+
+# Run last in a notebook's kernel: every live view's fallback as it is now, once every cell has run, by the id of
+# the widget a cell displayed (a View's composite widget, or the view's own model).
+FINAL_FALLBACKS = """
+import gc, json
+from ds4lab.viz.base import View, ViewModel
+print(json.dumps({getattr(v, "widget", v).model_id: v.static_html() for v in gc.get_objects()
+                  if isinstance(v, (View, ViewModel)) and callable(getattr(v, "static_html", None))}))
+"""
+
+
+def _sanitize(text: str) -> str:
+    """``text`` after nbval_sanitize.cfg's substitutions (timings, addresses, temporary paths, round-off)."""
+    lines = (NOTEBOOK_DIR / "nbval_sanitize.cfg").read_text(encoding="utf-8").splitlines()
+    rules = [(a[len("regex: "):], b[len("replace: "):]) for a, b in zip(lines, lines[1:]) if a.startswith("regex: ")]
+    for regex, replace in rules:
+        text = re.sub(regex, replace, text)
+    return text
+
+
+def _title(html: str) -> str:
+    """A fallback's first text, its title (the view's state in a line: tokens, chunks, bytes)."""
+    return next(t.strip() for t in re.split(r"<[^>]*>", html) if t.strip())
+
+
+def _fallbacks(nb) -> list[tuple[str, str]]:
+    """(widget model id, static text/html fallback) of every widget output of ``nb``, in order."""
+    return [(o.data[WIDGET]["model_id"], o.data["text/html"]) for c in _code(nb) for o in c.outputs
+            if WIDGET in o.get("data", {})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NAMES if _fallbacks(_read(n))])
+def test_saved_fallbacks_show_the_final_state(name):
+    """A saved notebook shows each view's fallback where the live view would be: it must show the state the
+    notebook left the view in (later cells step a prefill or move a slider), not the state when first displayed.
+
+    The notebook runs again in a fresh kernel (nbclient); a last cell prints every view's fallback as the final
+    state renders it. In that run each widget output's fallback must be that text exactly; and the committed
+    notebook's fallbacks must agree with them: same title (after nbval's substitutions) and same text with every
+    number masked (the timings in the tables differ from run to run, the structure does not)."""
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    nb = jupytext.read(NOTEBOOK_DIR / name.replace(".ipynb", ".py"))
+    nb.cells.append(nbformat.v4.new_code_cell(FINAL_FALLBACKS))
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
+    final = json.loads(nb.cells[-1].outputs[0]["text"])
+    fresh = _fallbacks(nb)
+    assert fresh and all(model_id in final for model_id, _ in fresh), "a displayed view is not a ds4lab view"
+    for model_id, html in fresh:
+        assert html == final[model_id], (f"{name}: a view's fallback shows {_title(html)!r} but the notebook "
+                                         f"leaves it at {_title(final[model_id])!r}")
+    saved = _fallbacks(_read(name))
+    assert len(saved) == len(fresh)
+    masked = [(re.sub(r"\d[\d,.]*", "#", _sanitize(a)), re.sub(r"\d[\d,.]*", "#", _sanitize(final[m])))
+              for (_, a), (m, _) in zip(saved, fresh)]
+    for (_, html), (model_id, _), (a, b) in zip(saved, fresh, masked):
+        assert _sanitize(_title(html)) == _sanitize(_title(final[model_id])), \
+            f"{name}: the saved fallback shows {_title(html)!r}, its cell's view ends at {_title(final[model_id])!r}"
+        assert a == b, f"{name}: the saved fallback of {_title(html)!r} differs from its view's final state"
