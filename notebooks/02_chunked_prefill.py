@@ -248,6 +248,7 @@ for chunk, (s, _) in runs.items():
 
 # %% tags=["nbval-check-output"]
 s = model.session(ctx=512, prefill_chunk=64)
+s.restore(prefill_view.chunks[2].checkpoint)  # tokens 0-191 from the stepped prefill, rather than run them again
 s.prefill(ids[:200]).run(progress=False)
 resumed = s.prefill(ids).run(progress=False)
 print([(c.start, c.end) for c in resumed])
