@@ -13,7 +13,6 @@ Needs Debian's ``chromium`` (``/usr/bin/chromium``, or ``$DS4LAB_CHROMIUM``) and
 when it cannot run. Deselect with ``-m "not browser"``.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -43,11 +42,11 @@ CHART = ".jp-OutputArea-output.jp-RenderedVegaLite"  # an output drawn by Jupyte
 LOCAL = re.compile(r"^(?:https?|wss?)://127\.0\.0\.1[:/]|^(?:data|blob|about):")
 
 
-def _builder():
-    spec = importlib.util.spec_from_file_location("notebooks_build", ROOT / "notebooks" / "_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def coriolanus_cell() -> str:
+    """The first lines of notebook 02's prompt cell, as saved: prompt = the opening of Coriolanus; ids = its tokens."""
+    cells = json.loads((ROOT / "notebooks" / "02_chunked_prefill.ipynb").read_text(encoding="utf-8"))["cells"]
+    found = (re.match(r'(?s)prompt = """.*?"""\n(?-s:ids = .*)', "".join(c["source"])) for c in cells)
+    return next(m[0] for m in found if m)
 
 
 def notebook_cells() -> list[str]:
@@ -62,7 +61,7 @@ def notebook_cells() -> list[str]:
         "offline_charts()\n"
         'model = ds4lab.load(backend="numpy")\n'
         "print(ds4lab.__file__)",
-        _builder().CORIOLANUS,  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
+        coriolanus_cell(),  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
         "sess = model.session(ctx=512, prefill_chunk=64)\n"
         "prefill = PrefillView(sess, ids)  # the stepper, the KV cache and the mask of layer 2 beside it\n"
         "prefill.step()\n"

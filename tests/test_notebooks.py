@@ -1,10 +1,13 @@
-"""The teaching notebooks as saved: built from notebooks/_build.py, executed, views with static fallbacks.
+"""The teaching notebooks as saved: jupytext pairs (``NN_name.py`` holds the cells, ``NN_name.ipynb`` the same cells
+executed, views with static fallbacks), built by notebooks/build.py.
 
 Running them is nbval's job: ``python -m pytest`` also collects notebooks/ (see notebooks/conftest.py), runs
 every cell in a fresh kernel and compares the outputs of the cells tagged ``nbval-check-output``.
 """
 
 import importlib.util
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,23 +17,15 @@ import pytest
 from tests.test_views_charts import remote_scripts
 
 nbformat = pytest.importorskip("nbformat")
+jupytext = pytest.importorskip("jupytext")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 CHECK = "nbval-check-output"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 VEGALITE = "application/vnd.vegalite.v5+json"
-
-
-def _builder():
-    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BUILD = _builder()
-NAMES = list(BUILD.NOTEBOOKS)
+NAMES = sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+SOURCES = sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.py"))
 
 
 def _read(name):
@@ -41,25 +36,40 @@ def _code(nb):
     return [c for c in nb.cells if c.cell_type == "code"]
 
 
-def test_every_notebook_comes_from_the_builder():
-    saved = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
-    assert saved == sorted(NAMES)
+def _cells(nb):
+    return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+
+
+def test_every_notebook_is_a_pair():
+    """Each NN_name.ipynb has its NN_name.py and each source its saved notebook, paired by notebooks/jupytext.toml."""
+    assert NAMES and [Path(n).stem for n in NAMES] == [Path(s).stem for s in SOURCES]
+    config = (NOTEBOOK_DIR / "jupytext.toml").read_text()
+    assert 'formats = "ipynb,py:percent"' in config
+
+
+def test_the_build_command_runs_every_paired_source():
+    """notebooks/build.py picks up every NN_*.py, a notebook added later included."""
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    assert [p.name for p in build.sources()] == SOURCES
+    assert [p.name for p in build.sources(["02"])] == [s for s in SOURCES if s.startswith("02")]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_saved_cells_match_the_builder(name):
-    """Edit notebooks/_build.py, then run it: the saved notebook must have the builder's cells."""
-    built, saved = BUILD.build(name), _read(name)
-    assert [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in saved.cells] == \
-        [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in built.cells], \
-        f"{name} is stale: run python notebooks/_build.py {name[:2]}"
+def test_saved_cells_match_the_paired_source(name):
+    """The .py is the cells as text: the saved .ipynb must have the same cells, sources and tags, in order."""
+    source = NOTEBOOK_DIR / name.replace(".ipynb", ".py")
+    assert source.read_text(encoding="utf-8").startswith("# ---\n# jupyter:"), "not jupytext's percent format"
+    assert _cells(_read(name)) == _cells(jupytext.read(source)), \
+        f"{name} and its .py differ: jupytext --sync notebooks/{name}, then python notebooks/build.py {name[:2]}"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_outputs(name):
     nb = _read(name)
     cells = _code(nb)
-    assert all(c.execution_count for c in cells), "not executed top to bottom: run python notebooks/_build.py"
+    assert all(c.execution_count for c in cells), "not executed top to bottom: run python notebooks/build.py"
     assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
     outputs = [o for c in cells for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
@@ -103,3 +113,65 @@ def test_pytest_collects_every_notebook_cell_with_nbval():
         n_code = len(_code(_read(name)))
         collected = [line for line in out.stdout.splitlines() if line.startswith(f"notebooks/{name}::Cell ")]
         assert len(collected) == n_code, (name, collected)
+
+
+# Run last in a notebook's kernel: every live view's fallback as it is now, once every cell has run, by the id of
+# the widget a cell displayed (a View's composite widget, or the view's own model).
+FINAL_FALLBACKS = """
+import gc, json
+from ds4lab.viz.base import View, ViewModel
+print(json.dumps({getattr(v, "widget", v).model_id: v.static_html() for v in gc.get_objects()
+                  if isinstance(v, (View, ViewModel)) and callable(getattr(v, "static_html", None))}))
+"""
+
+
+def _sanitize(text: str) -> str:
+    """``text`` after nbval_sanitize.cfg's substitutions (timings, addresses, temporary paths, round-off)."""
+    lines = (NOTEBOOK_DIR / "nbval_sanitize.cfg").read_text(encoding="utf-8").splitlines()
+    rules = [(a[len("regex: "):], b[len("replace: "):]) for a, b in zip(lines, lines[1:]) if a.startswith("regex: ")]
+    for regex, replace in rules:
+        text = re.sub(regex, replace, text)
+    return text
+
+
+def _title(html: str) -> str:
+    """A fallback's first text, its title (the view's state in a line: tokens, chunks, bytes)."""
+    return next(t.strip() for t in re.split(r"<[^>]*>", html) if t.strip())
+
+
+def _fallbacks(nb) -> list[tuple[str, str]]:
+    """(widget model id, static text/html fallback) of every widget output of ``nb``, in order."""
+    return [(o.data[WIDGET]["model_id"], o.data["text/html"]) for c in _code(nb) for o in c.outputs
+            if WIDGET in o.get("data", {})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NAMES if _fallbacks(_read(n))])
+def test_saved_fallbacks_show_the_final_state(name):
+    """A saved notebook shows each view's fallback where the live view would be: it must show the state the
+    notebook left the view in (later cells step a prefill or move a slider), not the state when first displayed.
+
+    The notebook runs again in a fresh kernel (nbclient); a last cell prints every view's fallback as the final
+    state renders it. In that run each widget output's fallback must be that text exactly; and the committed
+    notebook's fallbacks must agree with them: same title (after nbval's substitutions) and same text with every
+    number masked (the timings in the tables differ from run to run, the structure does not)."""
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    nb = jupytext.read(NOTEBOOK_DIR / name.replace(".ipynb", ".py"))
+    nb.cells.append(nbformat.v4.new_code_cell(FINAL_FALLBACKS))
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
+    final = json.loads(nb.cells[-1].outputs[0]["text"])
+    fresh = _fallbacks(nb)
+    assert fresh and all(model_id in final for model_id, _ in fresh), "a displayed view is not a ds4lab view"
+    for model_id, html in fresh:
+        assert html == final[model_id], (f"{name}: a view's fallback shows {_title(html)!r} but the notebook "
+                                         f"leaves it at {_title(final[model_id])!r}")
+    saved = _fallbacks(_read(name))
+    assert len(saved) == len(fresh)
+    masked = [(re.sub(r"\d[\d,.]*", "#", _sanitize(a)), re.sub(r"\d[\d,.]*", "#", _sanitize(final[m])))
+              for (_, a), (m, _) in zip(saved, fresh)]
+    for (_, html), (model_id, _), (a, b) in zip(saved, fresh, masked):
+        assert _sanitize(_title(html)) == _sanitize(_title(final[model_id])), \
+            f"{name}: the saved fallback shows {_title(html)!r}, its cell's view ends at {_title(final[model_id])!r}"
+        assert a == b, f"{name}: the saved fallback of {_title(html)!r} differs from its view's final state"

@@ -1,0 +1,237 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # What each query can see: compressed attention, the indexer and the sink
+#
+# A DS4 layer has one KV head whose key is also its value (128 floats here, 512 in Flash), and every
+# query attends three kinds of columns:
+#
+# - **raw rows**: the KV rows of the last `swa` tokens, itself included (64 here, 128 in Flash);
+# - **compressed rows**: a ratio-4 layer pools every 4 tokens into one row (overlapping: row `w` mixes
+#   tokens `4w−4 … 4w+3`), a ratio-128 layer every 128 tokens. Query `q` sees row `c` once the row's last
+#   token is in: `(c + 1)·R ≤ q + 1`. A recent token can be both a raw row and part of a compressed row;
+# - the **sink**: one learned logit per head, added to the softmax's denominator with no value, so a head
+#   can give its attention to nothing.
+#
+# On ratio-4 layers an **indexer** (a small attention with its own compressed keys: 4 heads × 128 here,
+# 64 × 128 in Flash) scores every visible compressed row and keeps the top `idx_topk` (32 here, 512 in
+# Flash); the others are masked. It runs only when more rows are visible than that, from token 131 here.
+#
+# The model calls named hook points while it runs; `sess.capture([...])` records the ones asked for, for
+# the selected layers, heads and queries, and materialises attention maps next to the fused computation.
+
+# %% tags=["nbval-check-output"]
+import numpy as np
+
+import ds4lab
+
+model = ds4lab.load(backend="numpy")  # the embedded model on the float64 reference backend
+
+prompt = """First Citizen:
+Before we proceed any further, hear me speak.
+
+All:
+Speak, speak.
+
+First Citizen:
+You are all resolved rather to die than to famish?
+
+All:
+Resolved. resolved.
+
+First Citizen:
+First, you know Caius Marcius is chief enemy to the people.
+
+All:
+We know't, we know't.
+
+First Citizen:
+Let us kill him, and we'll have corn at our own price.
+Is't a verdict?
+
+All:
+No more talking on't; let it be done: away, away!
+
+Second Citizen:
+One word, good citizens.
+
+First Citizen:
+We are accounted poor citizens, the patricians good.
+What authority surfeits on would relieve us: if they
+would yield us but the superfluity, while it were
+wholesome, we might guess they relieved us humanely;
+but they think we are too dear: the leanness that
+afflicts us, the object of our misery, is as an
+inventory to particularise their abundance; our
+sufferance is a gain to them Let us revenge this with
+our pikes, ere we become rakes: for the gods know I
+speak this in hunger for bread, not in thirst for revenge.
+
+"""
+ids = model.tokenizer.encode(prompt)
+cfg = model.config
+sess = model.session(ctx=512, prefill_chunk=64)
+print(len(ids), "tokens; ratios", [cfg.ratio(il) for il in range(cfg.n_layer)], "| indexer top-k", cfg.idx_topk)
+
+# %% [markdown]
+# Capture the whole prefill for three layers of the three kinds (0: raw only, 2: ratio 4, 3: ratio 128),
+# two heads, and every 4th query:
+
+# %% tags=["nbval-check-output"]
+prefill = sess.prefill(ids)
+with sess.capture(["attn.scores", "attn.out", "indexer.topk", "indexer.scores"],
+                  layers=[0, 2, 3], heads=[0, 1], queries=range(0, len(ids), 4)) as cap:
+    prefill.run(progress=False)
+cap
+
+# %% [markdown]
+# What the last query reads from, layer by layer: the raw ring (the window is its last 64 positions), the
+# compressed rows and the tokens each pools, the indexer's rows.
+
+# %%
+from ds4lab.viz import KVCacheView
+
+KVCacheView(sess)
+
+# %% tags=["nbval-check-output"]
+for il in (0, 2, 3):
+    print(cap.attention(il))
+
+# %% [markdown]
+# Each map's columns are the union of what its queries saw: raw rows by position, compressed rows by index,
+# and the sink. Per query, in the ratio-4 layer:
+
+# %% tags=["nbval-check-output"]
+amap = cap.attention(2)
+queries = list(amap.queries)
+for q in (60, 124, 128, 132, 200, 316):
+    i = queries.index(q)
+    raw = amap.raw_positions[amap.group("raw")[i, 0] > 0]
+    print(f"query {q:3d}: raw rows {raw.min():3d}-{raw.max():3d} ({len(raw)}); compressed rows visible "
+          f"{amap.candidates[i].sum():2d} = ({q} + 1) // 4, attended {amap.selected[i].sum():2d}")
+
+# %% [markdown]
+# Up to query 63 the window holds every earlier token; from 64 on it slides. Query 128 sees 32 compressed
+# rows, all of them; query 132 sees 33 and the indexer keeps 32.
+#
+# `AttentionView` draws the map: queries down, columns in the three groups (raw | compressed | sink);
+# compressed rows the indexer dropped for a query are tinted. Large maps are max-pooled before they are
+# sent to the browser.
+
+# %%
+from ds4lab.viz import AttentionView
+
+AttentionView(cap, layer=2, head=0)
+
+# %% [markdown]
+# ## Where the attention goes
+#
+# The weights of a query sum to 1 over raw rows, compressed rows and the sink. Averaged over the queries
+# that see compressed rows:
+
+# %%
+for il in (0, 2, 3):
+    a = cap.attention(il)
+    late = a.queries >= 128
+    mass = {g: a.group(g)[late].sum(-1).mean(0) for g in ("raw", "comp", "sink")}
+    print(f"layer {il} (ratio {a.ratio:3d}): " + "; ".join(
+        f"head {h}: raw {mass['raw'][j]:.2f}, compressed {mass['comp'][j]:.2f}, sink {mass['sink'][j]:.2f}"
+        for j, h in enumerate(a.heads)))
+
+# %% [markdown]
+# ## The indexer's choices
+#
+# `blk.2.indexer.topk` is the mask the indexer produced, `[queries, compressed capacity]`: the rows each
+# query may attend. It is the attention map's selection, and never more than 32 rows:
+
+# %% tags=["nbval-check-output"]
+topk = cap["blk.2.indexer.topk"]
+scores = cap["blk.2.indexer.scores"]
+pos = cap.positions("blk.2.indexer.topk")
+print("mask", topk.shape, "scores", scores.shape, "| same as the map's selection:",
+      np.array_equal(topk[:, :amap.n_comp], amap.selected), "| most rows kept:", topk.sum(1).max())
+
+# %%
+q = 316
+i = list(pos).index(q)
+kept = np.nonzero(topk[i])[0]
+dropped = np.setdiff1d(np.arange((q + 1) // 4), kept)
+print(f"query {q} keeps rows {kept.tolist()}")
+print(f"and drops {dropped.tolist()}")
+
+# %% [markdown]
+# The indexer is not a recency rule: it keeps rows from the whole prompt and drops some recent ones (whose
+# tokens the raw window covers anyway). The chart shows every query's choice among the rows it could see:
+
+# %%
+import altair as alt
+
+from ds4lab.viz import offline_charts
+
+offline_charts()  # drawn by JupyterLab's own Vega-Lite renderer (no CDN); a PNG for saved notebooks
+# every 8th query from 128 on, one cell per visible row (the data travels inline with the chart)
+cells = [dict(q=int(p), r=int(r), kept="kept" if topk[i, r] else "dropped")
+         for i, p in enumerate(pos) if p >= 128 and p % 8 == 0 for r in range((p + 1) // 4)]
+alt.Chart(alt.Data(values=cells)).mark_rect().encode(
+    x=alt.X("r:O", title="compressed row (4 tokens each)", axis=alt.Axis(values=list(range(0, 80, 8)))),
+    y=alt.Y("q:O", title="query position", axis=alt.Axis(values=list(range(128, 320, 32)))),
+    color=alt.Color("kept:N", scale=alt.Scale(domain=["kept", "dropped"], range=["#3182bd", "#fcbba1"])),
+    tooltip=["q:Q", "r:Q", "kept:N"],
+).properties(title=f"layer 2's indexer: top-{cfg.idx_topk} of the visible rows", width=420, height=200)
+
+# %% [markdown]
+# The chart builders of `ds4lab.viz.charts` reduce a prefill to one row per chunk and layer kind: here the
+# KV bytes. The ratio-4 layers grow by a compressed row and an indexer row every 4 tokens, the ratio-128
+# layers by one row every 128, the raw-only layers not at all once the window is full.
+
+# %%
+from ds4lab.viz.charts import kv_bytes_chart
+
+kv_bytes_chart(sess, prefill.chunks)
+
+# %% [markdown]
+# ## Ratio 128: few rows, all visible
+#
+# Layer 3 has one row for tokens 0–127 and one for 128–255; no indexer. A row becomes visible at the query
+# that completes it (127, then 255):
+
+# %% tags=["nbval-check-output"]
+a3 = cap.attention(3)
+print("rows pool tokens", a3.comp_windows)
+for q in (124, 128, 252, 256):
+    i = list(a3.queries).index(q)
+    print(f"query {q}: sees {a3.candidates[i].sum()} compressed row(s)")
+
+# %% [markdown]
+# ## The other half of a layer: experts
+#
+# After attention, each layer's FFN sends every token to `n_expert_used` of `n_expert` routed experts (2 of
+# 8 here, 6 of 256 in Flash) plus a shared one. The first `n_hash_layer` layers (0–2) choose by a fixed
+# table indexed by the token id; the others by the router's top-k. `ExpertView` captures
+# `blk.{il}.moe.experts` over a prefill and draws tokens per expert, layer by layer; `expert_load_chart`
+# is the same as an Altair heatmap.
+
+# %%
+from ds4lab.viz import ExpertView
+from ds4lab.viz.charts import expert_load_chart
+
+experts = ExpertView.from_prompt(model.session(ctx=512, prefill_chunk=64), ids)
+experts
+
+# %%
+expert_load_chart(experts)
+
+# %% [markdown]
+# ## The map is the attention the model computed
+#
+# The map is computed on request from the captured queries and keys; summing `weights · keys` reproduces the
+# fused attention output the model used, to rounding:
+
+# %% tags=["nbval-check-output"]
+print(f"max |Σ weights·keys − attn.out| = {np.abs(amap.output() - cap['blk.2.attn.out']).max():.1e}")

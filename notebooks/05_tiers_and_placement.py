@@ -1,0 +1,187 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Tiers: splitting the layers over devices
+#
+# A **placement** maps the embedding, every layer and the output head to a tier (a device). Whenever the
+# next unit lives on another tier, the hidden state moves, in one of three modes:
+#
+# - **decode**: one token's hidden state, `n_hc × n_embd` floats (4 × 256 here; 4 × 4096 in Flash);
+# - **batch**: the whole chunk's hidden states, `chunk × n_hc × n_embd`, once per tier boundary per chunk;
+# - **no-copy**: only the active tier changes; at the start of a step (the embedding is computed on its own
+#   tier, nothing is carried over) and between tiers that share a device.
+#
+# Every switch is recorded. Without `devices`, tiers are *logical*: each is its own device, a switch makes
+# a real copy and the bytes are real; with MLX, `devices=["cpu", "gpu"]` runs layers on each device's
+# stream. (ds4 itself runs one device per process; these switches are the design of the articles ds4lab
+# was described from.) Results never depend on the plan.
+
+# %% tags=["nbval-check-output"]
+import numpy as np
+
+import ds4lab
+
+model = ds4lab.load(backend="numpy")  # the embedded model on the float64 reference backend
+
+prompt = """First Citizen:
+Before we proceed any further, hear me speak.
+
+All:
+Speak, speak.
+
+First Citizen:
+You are all resolved rather to die than to famish?
+
+All:
+Resolved. resolved.
+
+First Citizen:
+First, you know Caius Marcius is chief enemy to the people.
+
+All:
+We know't, we know't.
+
+First Citizen:
+Let us kill him, and we'll have corn at our own price.
+Is't a verdict?
+
+All:
+No more talking on't; let it be done: away, away!
+
+Second Citizen:
+One word, good citizens.
+
+First Citizen:
+We are accounted poor citizens, the patricians good.
+"""
+ids = model.tokenizer.encode(prompt)
+print(len(ids), "prompt tokens")
+
+# %% [markdown]
+# ## Plans
+#
+# `Placement.even(n)` cuts the layers into equal contiguous runs; `Placement.by_memory(budgets)` sizes the
+# runs in proportion to each tier's byte budget (weights and KV, as llama.cpp's tensor split does), and
+# checks that each tier fits; `Placement([...])` places every layer explicitly: here alternating, the
+# worst plan, with a boundary after every layer. A session resolves its plan against the model and its KV
+# arrays:
+
+# %% tags=["nbval-check-output"]
+from ds4lab import Placement
+
+plans = {
+    "single": Placement.single(),
+    "even(2)": Placement.even(2),
+    "by_memory": Placement.by_memory([16 << 20, 8 << 20]),
+    "alternating": Placement([0, 1, 0, 1, 0, 1]),
+}
+sessions = {name: model.session(ctx=256, prefill_chunk=64, placement=p) for name, p in plans.items()}
+for s in sessions.values():
+    print(s.placement, end="\n\n")
+
+# %% [markdown]
+# `activations` is the chunk's hidden-state buffer that a tier running anything must hold. Per unit:
+
+# %% tags=["nbval-check-output"]
+for row in sessions["by_memory"].placement.table():
+    print(f"{row['unit']:>8}: tier {row['tier']} ({row['device']}), weights {row['weights']:>9,}, KV {row['kv']:>7,}")
+
+# %% [markdown]
+# ## Run and trace
+#
+# Prefill the prompt (3 chunks) and decode 4 tokens greedily on every plan. `sess.tier_trace` holds every
+# switch: the step, the unit about to run (−1 the embedding, 6 the head), the tiers, the mode, the bytes and
+# the seconds; each `PrefillChunk` and `DecodeStep` carries its own.
+
+# %% tags=["nbval-check-output"]
+results = {}
+for name, s in sessions.items():
+    chunks = s.prefill(ids).run(progress=False)
+    steps = list(s.decoder(temperature=0).stream(4))
+    results[name] = (s.logits.copy(), [step.token for step in steps], chunks, steps)
+
+def per_step(s):
+    for step in sorted({sw.step for sw in s.tier_trace}):
+        sws = [sw for sw in s.tier_trace if sw.step == step]
+        counts = {m: sum(sw.mode == m for sw in sws) for m in ("no-copy", "batch", "decode")}
+        modes = ", ".join(f"{m} ×{n}" for m, n in counts.items() if n)
+        print(f"step {step}: {len(sws)} switches ({modes}), {sum(sw.bytes for sw in sws):>9,} bytes")
+
+per_step(sessions["alternating"])
+
+# %% tags=["nbval-check-output"]
+for sw in [sw for sw in sessions["alternating"].tier_trace if sw.step in (2, 3)]:
+    print(f"step {sw.step}, before unit {sw.layer:2d}: tier {sw.from_tier} -> {sw.to_tier}  "
+          f"{sw.mode:8} {sw.bytes:>8,} bytes")
+
+# %% [markdown]
+# `TierView` draws a session's plan and trace: the layer stack coloured by tier, the last step's switches,
+# and the bytes of every step against the two bounds, a full chunk per boundary (batch) and one token per
+# boundary (decode). It refreshes itself after each step of its session.
+
+# %%
+from ds4lab.viz import TierView
+
+TierView(sessions["alternating"])
+
+# %% [markdown]
+# Step 2 is the last prefill chunk (tokens 128–155: 28 rows of 4 × 256 float64 values, 8,192 bytes each),
+# step 3 the first decoded token (one row). Each step after the first starts with a no-copy switch back to
+# the embedding's tier. With `even(2)` there is one boundary:
+
+# %% tags=["nbval-check-output"]
+per_step(sessions["even(2)"])
+chunk_bytes = [c.tier_bytes for c in results["even(2)"][2]]
+token_bytes = [s.tier_bytes for s in results["even(2)"][3]]
+print("bytes per prefill chunk:", chunk_bytes, "| per decoded token:", token_bytes)
+
+# %% [markdown]
+# ## Bytes moved vs chunk size
+#
+# In batch mode each token's hidden state crosses each boundary once, whatever the chunk size: the chunk
+# size sets how many copies carry those bytes, not how many bytes there are. Smaller chunks mean more
+# switches, each with its own latency (on real devices, a synchronisation).
+
+# %% tags=["nbval-check-output"]
+CHUNKS = (16, 64, 256)  # the full sweep: (8, 16, 32, 64, 128, 256)
+sweep = []
+for chunk in CHUNKS:
+    if chunk == 64:  # the even(2) session above prefilled with chunks of 64 (its decode steps copy in "decode" mode)
+        s = sessions["even(2)"]
+    else:
+        s = model.session(ctx=256, prefill_chunk=chunk, placement=Placement.even(2))
+        s.prefill(ids).run(progress=False)
+    copies = [sw for sw in s.tier_trace if sw.mode == "batch"]
+    sweep.append(dict(chunk=chunk, switches=len(copies), bytes=sum(sw.bytes for sw in copies),
+                      seconds=sum(sw.seconds for sw in copies)))
+    print(f"chunk {chunk:3d}: {len(copies):2d} batch copies, {sweep[-1]['bytes']:,} bytes "
+          f"= {len(ids)} tokens × {sweep[-1]['bytes'] // len(ids):,}")
+
+# %%
+import altair as alt
+
+from ds4lab.viz import offline_charts
+
+offline_charts()  # drawn by JupyterLab's own Vega-Lite renderer (no CDN); a PNG for saved notebooks
+base = alt.Chart(alt.Data(values=sweep)).encode(x=alt.X("chunk:O", title="prefill_chunk"))
+base = base.properties(width=200, height=140)
+(base.mark_bar().encode(y=alt.Y("switches:Q", title="batch copies"))
+ | base.mark_line(point=True).encode(y=alt.Y("bytes:Q", title="bytes moved", scale=alt.Scale(zero=True)))
+ | base.mark_bar(color="#fdae6b").encode(y=alt.Y("seconds:Q", title="seconds copying")))
+
+# %% [markdown]
+# ## Results do not depend on the plan
+#
+# The same logits, to the bit, and the same tokens on every plan: a switch moves the hidden state, it
+# never changes it.
+
+# %% tags=["nbval-check-output"]
+ref_logits, ref_tokens, _, _ = results["single"]
+for name, (logits, tokens, _, _) in results.items():
+    print(f"{name:12} logits bit-identical: {np.array_equal(logits, ref_logits)}, same tokens: {tokens == ref_tokens}")

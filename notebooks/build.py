@@ -1,0 +1,97 @@
+"""Runs the teaching notebooks from their paired sources and saves their outputs.
+
+    python notebooks/build.py              # every NN_*.py here: execute it, save NN_*.ipynb with its outputs
+    python notebooks/build.py 02 05        # only the notebooks whose name starts with 02 or 05
+    python notebooks/build.py --no-execute # the .ipynb's cells from the .py, without outputs
+    python notebooks/build.py 02 --times   # also print the kernel's wall and CPU seconds of every cell
+
+Each notebook is a jupytext pair (notebooks/jupytext.toml): ``NN_name.py`` in percent format holds the cells
+and their tags, ``NN_name.ipynb`` the same cells with the outputs a fresh kernel gave them (committed, so a
+saved notebook shows its views' fallbacks and charts). Edit either side (Jupyter with jupytext saves both; by
+hand, ``jupytext --sync notebooks/NN_name.py``), then run this to refresh the outputs.
+
+Cells tagged ``nbval-check-output`` are the ones whose outputs nbval compares (``python -m pytest`` runs every
+notebook; see notebooks/conftest.py and nbval_sanitize.cfg): keep them to deterministic facts (counts, bytes,
+bit-identical checks, seeded samples), never timings.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+
+HERE = Path(__file__).resolve().parent
+CELL_TIMEOUT_S = 120
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+
+def sources(prefixes: list[str] = ()) -> list[Path]:
+    """The notebooks' paired sources, ``NN_*.py``, whose names start with one of ``prefixes`` (all without)."""
+    found = sorted(HERE.glob("[0-9][0-9]_*.py"))
+    return [p for p in found if not prefixes or any(p.name.startswith(x) for x in prefixes)]
+
+
+def cells_of(source: Path):
+    """The notebook of ``source`` without outputs; a cell the saved .ipynb already holds keeps its id there, so
+    rebuilding changes only what changed."""
+    nb = jupytext.read(source)
+    nb.metadata = {"kernelspec": KERNELSPEC}
+    saved = source.with_suffix(".ipynb")
+    if saved.exists():
+        ids = {(c.cell_type, c.source): c.get("id") for c in nbformat.read(saved, as_version=4).cells}
+        for cell in nb.cells:
+            cell.id = ids.get((cell.cell_type, cell.source)) or cell.id
+    return nb
+
+
+def execute(nb) -> tuple[float, list[tuple[float, float]]]:
+    """Run ``nb`` in place in a fresh kernel of this interpreter (cwd: notebooks/): the wall seconds, and per code
+    cell the kernel's wall and CPU seconds (CPU time, user and system, does not grow when other processes share
+    the cores, so it tells what a notebook costs on a busy machine)."""
+    import nbclient
+    import psutil
+
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(HERE)}})
+    began, per_cell = {}, []
+
+    def cpu() -> float:
+        t = psutil.Process(client.km.provisioner.pid).cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start(cell, cell_index):
+        began.update(wall=time.perf_counter(), cpu=cpu())
+
+    def done(cell, cell_index, execute_reply):
+        per_cell.append((time.perf_counter() - began["wall"], cpu() - began["cpu"]))
+
+    client.on_cell_execute, client.on_cell_executed = start, done
+    t0 = time.perf_counter()
+    client.execute()
+    return time.perf_counter() - t0, per_cell
+
+
+def main(argv: list[str]) -> None:
+    run, times = "--no-execute" not in argv, "--times" in argv
+    chosen = sources([a for a in argv if not a.startswith("--")])
+    if not chosen:
+        raise SystemExit(f"no notebook source NN_*.py in {HERE} matches {argv}")
+    for source in chosen:
+        nb = cells_of(source)
+        if run:
+            wall, per_cell = execute(nb)
+            print(f"{source.stem}: {wall:.1f} s wall; cells: {sum(w for w, _ in per_cell):.1f} s in the kernel, "
+                  f"{sum(c for _, c in per_cell):.1f} s of its CPU time", file=sys.stderr)
+            code = [c for c in nb.cells if c.cell_type == "code"]
+            for i, (cell, (w, c)) in enumerate(zip(code, per_cell), 1) if times else ():
+                first = cell.source.splitlines()[0][:64] if cell.source else ""
+                print(f"  [{i:2d}] {w:5.2f} s, CPU {c:5.2f} s  {first}", file=sys.stderr)
+        nbformat.write(nb, source.with_suffix(".ipynb"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
