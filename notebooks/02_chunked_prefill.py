@@ -22,8 +22,9 @@
 # 3. **Compressors carry their pending group across chunks**: the tokens of an unfinished group wait in
 #    the compressor's state until the group's last token arrives, in this chunk or a later one.
 #
-# We step through a prefill with `PrefillView`, watch the ring and the compressors in `KVCacheView`,
-# compare chunk sizes, and check that chunked and one-shot prefills give the same logits and KV arrays.
+# We step through a prefill with `PrefillView`, draw what each query of a chunk can see with `MaskView`,
+# watch the ring and the compressors in `KVCacheView`, compare chunk sizes (measured time beside the work
+# `ds4lab.costs` counts), and check that chunked and one-shot prefills give the same logits and KV arrays.
 # `offline_charts()` makes the Altair charts render without a network: JupyterLab draws them with the Vega it
 # ships (Altair's default HTML would load Vega from a CDN), and a saved notebook keeps a PNG of each.
 
@@ -31,7 +32,7 @@
 import numpy as np
 
 import ds4lab
-from ds4lab.viz import KVCacheView, PrefillView, offline_charts
+from ds4lab.viz import KVCacheView, MaskView, PrefillView, offline_charts
 from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
 
 offline_charts()  # Altair charts drawn by JupyterLab's own Vega-Lite renderer (no CDN), PNG when saved
@@ -91,18 +92,15 @@ print(len(ids), "prompt tokens;", sess.geometry)
 #
 # ## Step through the prefill
 #
-# `PrefillView` wraps `sess.prefill(ids)`: nothing runs until `step()` (or the *step* button). The prompt
-# is coloured by chunk; the linked `KVCacheView` is refreshed after every step, with the cells the step
-# wrote outlined.
-
-# %%
-kv_view = KVCacheView(sess)
-prefill_view = PrefillView(sess, ids, kv_view=kv_view)
-print(len(prefill_view.prefill), "chunks planned")
-prefill_view
-
+# `PrefillView` wraps `sess.prefill(ids)`: nothing runs until `step()` (or its *step* button). It keeps, for
+# every chunk, the checkpoint after it and the compressed rows the indexer kept, so that it can show any chunk
+# again. Here we step it from code and look at snapshots (a view shows the state of the cell that made it);
+# the stepper itself is displayed once the prefill is done.
 
 # %% tags=["nbval-check-output"]
+prefill_view = PrefillView(sess, ids)
+print(len(prefill_view.prefill), "chunks planned:", ", ".join(f"{a}-{b - 1}" for a, b in prefill_view.prefill.chunk_bounds()))
+
 def show(chunk):
     comp = ", ".join(f"layer {il} +{r['comp']}" for il, r in chunk.rows.items() if cfg.ratio(il))
     print(f"tokens {chunk.start}-{chunk.end - 1}: {chunk.n_tokens} raw rows per layer; "
@@ -114,6 +112,19 @@ show(prefill_view.step())
 # %% [markdown]
 # The first chunk wrote 64 raw rows in every layer and 16 compressed rows in each ratio-4 layer (one per 4
 # tokens), but none in the ratio-128 layers: their first group closes at token 127.
+#
+# ## What a chunk's queries see
+#
+# The picture of a chunk in one layer: a row per query of the chunk, a column per key it could read — the raw
+# rows earlier chunks left in the ring, the chunk's own rows, the compressed rows, and the sink (a logit with
+# no value). In chunk 0 of layer 2 (ratio 4) the own rows form the causal triangle (a query never sees a later
+# position), and a compressed row becomes visible only to queries after its group of 4 tokens closed. Hover a
+# cell: it says why the key is or is not visible.
+
+# %%
+MaskView.of_step(sess, 2, 0, 64, label="chunk 0")
+
+# %% [markdown]
 #
 # ## The raw ring
 #
@@ -135,12 +146,21 @@ ring(sess)
 for _ in range(2):
     show(prefill_view.step())
 ring(sess)
-kv_view
+KVCacheView(sess)
 
 # %% [markdown]
 # The second chunk ended at token 127: the ratio-128 layers (3 and 5) finished their first row, which pools
 # tokens 0–127. After the third chunk the window holds 128–191 only: tokens before 128 are no longer
 # visible as raw rows, though the ring still stores them until positions 256 and later overwrite their slots.
+# The ring above shows it: 256 slots, positions 0–191 written, the last chunk's outlined.
+#
+# In the mask of chunk 2 (tokens 128–191) of a raw-only layer, each query sees the last 64 positions: part
+# from the rows earlier chunks cached in the ring, part from the chunk's own rows.
+
+# %%
+MaskView.of_step(sess, 0, 128, 64, label="chunk 2")
+
+# %% [markdown]
 #
 # ## The compressors' pending state
 #
@@ -161,23 +181,29 @@ for il in (2, 3):
 # %% [markdown]
 # ## Finish and chart
 #
-# `run()` steps through the remaining chunks; the KV view's slider then scrubs through the checkpoints taken
-# after each chunk, without touching the session. It starts on the last one, the state on display; after a
-# later step it reads "live" until it is moved.
+# `run()` steps through the remaining chunks. Then the stepper: its slider shows any chunk again, without
+# touching the session. The prompt box scrolls to the chunk; beside it, the KV cache after that chunk (the raw
+# ring as a ring buffer of 256 slots, orange: what the chunk wrote, the write pointer where the next position
+# goes) and what each query of the chunk could see in the layer picked. Chunk 4 (tokens 256–319) wraps the
+# ring: positions 0–63 are overwritten. From position 131 a query of a ratio-4 layer sees more than 32
+# compressed rows: the indexer keeps 32 of them (green) and drops the rest (red).
 
 # %% tags=["nbval-check-output"]
 prefill_view.run()
-kv_view.scrub_through(prefill_view.chunks)
 for chunk in prefill_view.chunks:
     show(chunk)
 
 # %%
-kv_bytes_chart(sess, prefill_view.chunks) | prefill_chunks_chart(prefill_view.chunks)
+prefill_view
+
+# %%
+kv_bytes_chart(sess, prefill_view.chunks) | prefill_chunks_chart(prefill_view.chunks, model)
 
 # %% [markdown]
 # Raw-only layers stop growing once the window is full; ratio-4 layers grow by one row (plus one indexer row)
-# per 4 tokens, ratio-128 layers by one row per 128. The speed chart shows each chunk's tokens/s: on a CPU the
-# cost of a chunk grows with the keys it attends, on a GPU small chunks also leave the device idle.
+# per 4 tokens, ratio-128 layers by one row per 128. On the right, each chunk's tokens/s. Chunks of one size do
+# the same work, so their spread is the machine's noise: the band is their range, the rule their median. The
+# dashed line is each chunk's speed predicted from its FLOPs (`ds4lab.costs`) at the median rate.
 #
 # ## Compare chunk sizes
 #
@@ -198,13 +224,23 @@ for chunk, (s, chunks) in runs.items():
     print(f"chunk {chunk:3d}: raw ring {s.geometry.raw_cap} slots, {len(chunks):2d} step(s): {bounds}")
 
 # %%
-import altair as alt
+from ds4lab.viz.charts import prefill_cost_chart
 
-speed = [dict(chunk=str(chunk), tokens_per_s=len(ids) / sum(c.seconds for c in chunks))
-         for chunk, (s, chunks) in runs.items()]
-alt.Chart(alt.Data(values=speed)).mark_bar().encode(
-    x=alt.X("chunk:N", sort=None, title="prefill_chunk"), y=alt.Y("tokens_per_s:Q", title="tokens/s")
-).properties(title=f"prefill of {len(ids)} tokens", width=260, height=140)
+prefill_cost_chart({chunk: [chunks] for chunk, (s, chunks) in runs.items()}, model)
+
+# %% [markdown]
+# Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
+# but every chunk reads every weight once, so small chunks read the weights many more times. At Flash scale
+# (the real model's dimensions and its q2 weights; a chunk of 2048 tokens at position 32768, then one decode
+# step):
+
+# %% tags=["nbval-check-output"]
+from ds4lab.costs import PARTS, flash_table
+
+for r in flash_table():
+    print(f"{r['step']:>22}: {r['GFLOP']:9,.1f} GFLOP ({r['GFLOP_per_token']:.1f} a token), weights read "
+          f"{r['weights_GiB']:5.2f} GiB, KV written {r['kv_written_MiB']:6.2f} MiB, {r['flop_per_byte']:6.1f} FLOP/byte")
+    print("   " + ", ".join(f"{p} {r[p + ' GFLOP']:,.1f}" for p in PARTS))
 
 
 # %% [markdown]
@@ -253,3 +289,15 @@ s.prefill(ids[:200]).run(progress=False)
 resumed = s.prefill(ids).run(progress=False)
 print([(c.start, c.end) for c in resumed])
 print(f"max |Δ logits| against one-shot = {np.abs(s.logits - one.logits).max():.1e}")
+
+# %% [markdown]
+# ## A decode step is a chunk of one query
+#
+# After the prompt, each generated token is a step of one query at the next position: it sees the last 64 raw
+# rows (itself included), every compressed row whose group has closed, and in a ratio-4 layer only the 32 the
+# indexer keeps. A capture of `indexer.topk` says which.
+
+# %%
+with sess.capture(["indexer.topk"], layers=[2]) as cap:
+    sess.decoder(temperature=0).step()
+MaskView.of_step(sess, 2, len(sess.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")

@@ -186,6 +186,27 @@ alt.Chart(alt.Data(values=cells)).mark_rect().encode(
 ).properties(title=f"layer 2's indexer: top-{cfg.idx_topk} of the visible rows", width=420, height=200)
 
 # %% [markdown]
+# ## Do the indexer's picks follow the attention?
+#
+# Let every query attend all its visible compressed rows while the indexer scores them, and add up the weight
+# each row gets over the heads. The indexer's **recall** is the share of that weight on its top 32 rows. A
+# random top-32 of n rows holds 32/n on average; the 32 heaviest rows (the oracle) are the best any indexer
+# can do. This model's indexer was never trained (its weights are the seeded ones: its choice is discrete, so
+# the language-model loss sends it no gradient), and it does no better than random. DeepSeek trains it to match
+# the attention (`training/train_indexer.py`; the model card's section "The indexer" has the figures).
+
+# %% tags=["nbval-check-output"]
+from ds4lab.evaluate import dense_indexer_pass, top_k_recall
+
+layers, n_visible = dense_indexer_pass(model, ids)
+k = cfg.idx_topk
+late = n_visible > k
+for il, (mass, idx_scores) in layers.items():
+    print(f"layer {il}: the indexer's top-{k} holds {top_k_recall(mass, idx_scores, n_visible, k).mean():.0%} of the "
+          f"attention over compressed rows; a random top-{k} {(k / n_visible[late]).mean():.0%}, the {k} heaviest "
+          f"rows {top_k_recall(mass, mass, n_visible, k).mean():.0%} ({late.sum()} queries)")
+
+# %% [markdown]
 # The chart builders of `ds4lab.viz.charts` reduce a prefill to one row per chunk and layer kind: here the
 # KV bytes. The ratio-4 layers grow by a compressed row and an indexer row every 4 tokens, the ratio-128
 # layers by one row every 128, the raw-only layers not at all once the window is full.
