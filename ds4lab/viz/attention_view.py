@@ -27,7 +27,17 @@ from .attention_figure import (
     geometry,
 )
 from .base import View, ViewModel, token_texts, widget_file
-from .reduce import SCALES, column_factor, edges, maxpool, png_base64, png_bytes, pool_factor, pool_groups, scale_colours
+from .reduce import (
+    SCALES,
+    column_factor,
+    edges,
+    maxpool,
+    png_base64,
+    png_bytes,
+    pool_factor,
+    pool_groups,
+    scale_colours,
+)
 
 GROUPS = ("raw", "comp", "sink")
 THUMB_ROWS, THUMB_COLS = 60, 90  # cells of a head's small multiple at most
@@ -236,7 +246,8 @@ class AttentionView(View):
                 col_edges += [[x + int(xe[i]), x + int(xe[i + 1])] for i in range(k, k + e - s)]
                 x1, k = x + int(xe[k + e - s]), k + e - s
                 x = x1 + GAP - int(xe[k])
-            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=self._group_label(amap, g, lo, hi, x1 - x0)))
+            label = self._group_label(amap, g, lo, hi, x1 - x0)
+            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=label))
         row_src = _pool_spans(a, b, fr)
         col_src = [sp for (g, lo, hi) in present for sp in _pool_spans(lo, hi, fc if g != "sink" else 1)]
         self._row_src, self._col_src, self.values = row_src, col_src, red

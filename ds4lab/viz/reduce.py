@@ -46,7 +46,7 @@ def pool_groups(weights: np.ndarray, widths: list[int], fr: int, fc: int, pooled
         raise ValueError(f"group widths {widths} do not add up to the {weights.shape[1]} columns")
     parts, spans, col, out = [], [], 0, 0
     for w, p in zip(widths, pooled):
-        part = maxpool(weights[:, col : col + w], fr, fc if p else 1) if w else np.zeros((math.ceil(len(weights) / fr), 0))
+        part = maxpool(weights[:, col : col + w], fr, fc if p else 1) if w else np.zeros((-(-len(weights) // fr), 0))
         parts.append(part)
         spans.append((out, out + part.shape[1]))
         col, out = col + w, out + part.shape[1]
@@ -59,7 +59,7 @@ def edges(n: int, px: int, start: int = 0) -> np.ndarray:
 
 
 def scale_colours(values: np.ndarray, scale: str, decades: int = LOG_DECADES) -> tuple[np.ndarray, float, float]:
-    """Colour indices 0…255 of ``values [rows, cols]`` (≥ 0) on ``scale``, and the range (lo, hi) that 0 and 255 stand for.
+    """Colour indices 0…255 of ``values [rows, cols]`` (≥ 0) on ``scale``, and the range (lo, hi) 0 and 255 stand for.
 
     - ``linear``: v / max · 255, range (0, max);
     - ``row``: each row v / that row's max · 255 (a row of zeros stays 0), range (0, 1): the fraction of the row's max;
