@@ -65,7 +65,7 @@ class AttentionModel(ViewModel):
     row_labels = t.List(t.Unicode()).tag(sync=True)
     col_labels = t.List(t.Unicode()).tag(sync=True)
     mass = t.List().tag(sync=True)  # [[raw, comp, sink]] per row: mean over its queries
-    scale = t.Unicode("log").tag(sync=True)
+    scale = t.Unicode("row").tag(sync=True)
     lo_text = t.Unicode("").tag(sync=True)
     hi_text = t.Unicode("").tag(sync=True)
     scale_text = t.Unicode("").tag(sync=True)
@@ -87,7 +87,7 @@ class AttentionView(View):
     "row": each query over its max, "log"). ``zoom(queries=(a, b), keys=(c, d))`` shows a region of the map's
     rows and columns (half-open indices), ``reset_zoom()`` the whole map."""
 
-    def __init__(self, source, layer: int | None = None, head: int = 0, scale: str = "log", tokens=None):
+    def __init__(self, source, layer: int | None = None, head: int = 0, scale: str = "row", tokens=None):
         from ..hooks import AttentionMap, Capture
 
         if isinstance(source, Capture):
@@ -108,19 +108,22 @@ class AttentionView(View):
         if scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         self.scale, self.region = scale, None
+        self._thumb_cache, self._mass_cache = {}, {}  # by (layer, scale), (layer, head): what a switch back reuses
         self.model = AttentionModel()
         amap = self.map(self.layer)
-        self.layer_select = W.Dropdown(options=self.layers, value=self.layer, description="layer")
-        self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head",
+        narrow = dict(layout=W.Layout(width="130px"), style={"description_width": "40px"})
+        self.layer_select = W.Dropdown(options=self.layers, value=self.layer, description="layer", **narrow)
+        self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head", **narrow,
                                       value=int(amap.heads[head]) if head < len(amap.heads) else int(amap.heads[0]))
         self.scale_select = W.ToggleButtons(options=[("linear", "linear"), ("per row", "row"), ("log", "log")],
-                                            value=scale, description="colour")
-        self.scale_select.style.button_width = "64px"
-        self.reset_button = W.Button(description="reset zoom", disabled=True)
+                                            value=scale, description="colour",
+                                            style={"button_width": "70px", "description_width": "50px"})
+        self.reset_button = W.Button(description="reset zoom", disabled=True, layout=W.Layout(width="100px"))
         self.head = self.head_select.value
-        self.layer_select.observe(lambda ch: self.show(ch["new"], self.head), names="value")
-        self.head_select.observe(lambda ch: self.show(self.layer, ch["new"]), names="value")
-        self.scale_select.observe(lambda ch: self.set_scale(ch["new"]), names="value")
+        self._syncing = False  # True while show() sets the controls: their observers then do nothing
+        self.layer_select.observe(lambda ch: self._syncing or self.show(ch["new"], self.head), names="value")
+        self.head_select.observe(lambda ch: self._syncing or self.show(self.layer, ch["new"]), names="value")
+        self.scale_select.observe(lambda ch: self._syncing or self.set_scale(ch["new"]), names="value")
         self.reset_button.on_click(lambda _: self.reset_zoom())
         self.model.observe(self._on_zoom_request, names="zoom_request")
         self.model.observe(self._on_pick_head, names="pick_head")
@@ -170,21 +173,26 @@ class AttentionView(View):
         if layer != self.layer:
             self.region = None
         self.layer, self.head = layer, head
-        if self.layer_select.value != layer:
+        self._syncing = True
+        try:
             self.layer_select.value = layer
-        opts = [int(h) for h in amap.heads]
-        if list(self.head_select.options) != opts:
-            self.head_select.options = opts
-        if self.head_select.value != head:
+            opts = [int(h) for h in amap.heads]
+            if list(self.head_select.options) != opts:
+                self.head_select.options = opts
             self.head_select.value = head
+        finally:
+            self._syncing = False
         self._draw()
 
     def set_scale(self, scale: str) -> None:
         if scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         self.scale = scale
-        if self.scale_select.value != scale:
+        self._syncing = True
+        try:
             self.scale_select.value = scale
+        finally:
+            self._syncing = False
         self._draw()
 
     def zoom(self, queries: tuple[int, int] | None = None, keys: tuple[int, int] | None = None) -> None:
@@ -254,13 +262,18 @@ class AttentionView(View):
         ye = edges(len(row_src), HEIGHT)
         # colours and marks: weight exactly 0 is masked; a compressed row the indexer dropped is marked so
         idx, lo_v, hi_v = scale_colours(red, self.scale)
-        dropped = np.zeros(w.shape, bool)
-        dropped[:, amap.groups["comp"]] = amap.candidates & ~amap.selected
-        drop_red, _ = pool_groups(dropped[a:b, c:d].astype(float), [hi - lo for _, lo, hi in present], fr, fc,
-                                  [g != "sink" for g, _, _ in present])
-        marks = np.where(red == 0, np.where(drop_red > 0, MARK_DROPPED, MARK_MASKED), 0).astype(np.uint8)
-        mass = self.mass_split()
-        row_mass = [mass[s:e].mean(axis=0).tolist() for s, e in row_src]
+        marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
+        for (g, lo, hi), (s, e) in zip(present, spans):
+            if g == "comp":  # candidates the indexer left out, pooled like the weights
+                rows_cols = (slice(a, b), slice(lo - amap.n_raw, hi - amap.n_raw))
+                left_out = amap.candidates[rows_cols] & ~amap.selected[rows_cols]
+                hit = (maxpool(left_out.astype(np.float64), fr, fc) > 0) & (red[:, s:e] == 0)
+                marks[:, s:e][hit] = MARK_DROPPED
+        starts = [s for s, _ in row_src]
+        if (self.layer, self.head) not in self._mass_cache:
+            self._mass_cache[self.layer, self.head] = self.mass_split()
+        row_mass = (np.add.reduceat(self._mass_cache[self.layer, self.head][a:b], np.array(starts) - a, axis=0)
+                    / np.diff([*starts, b])[:, None]).tolist()
         m = self.model
         with m.hold_sync():
             m.title = (f"layer {self.layer} (ratio {amap.ratio or '—'}), head {self.head}: {Q} queries × "
@@ -274,7 +287,8 @@ class AttentionView(View):
             m.yticks = self._yticks(amap, row_src, ye, fr)
             m.y_title = "query position"
             m.row_labels = [self._query_label(amap, s, e) for s, e in row_src]
-            m.col_labels = [self._key_label(amap, s, e) for s, e in col_src]
+            win = amap.comp_windows
+            m.col_labels = [self._key_label(amap, win, s, e) for s, e in col_src]
             m.mass = row_mass
             m.lo_text, m.hi_text, m.scale_text = self._scale_texts(lo_v, hi_v)
             self._thumbs()
@@ -285,12 +299,14 @@ class AttentionView(View):
         """Every captured head of the layer, whole, max-pooled to at most THUMB_ROWS × THUMB_COLS, on the scale."""
         amap = self.map(self.layer)
         heads = [int(h) for h in amap.heads]
-        Q, K = amap.weights.shape[0], amap.weights.shape[2]
-        fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
-        small = [maxpool(self.weights(self.layer, h), fr, fc) for h in heads]
-        idx = [scale_colours(s, self.scale)[0] for s in small]
-        self.model.thumb_shape, self.model.thumb_heads = list(small[0].shape), heads
-        self.model.thumbs = np.stack(idx).tobytes()
+        if (self.layer, self.scale) not in self._thumb_cache:
+            Q, K = amap.weights.shape[0], amap.weights.shape[2]
+            fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
+            small = [maxpool(self.weights(self.layer, h), fr, fc) for h in heads]
+            idx = np.stack([scale_colours(s, self.scale)[0] for s in small])
+            self._thumb_cache[self.layer, self.scale] = (list(idx.shape[1:]), idx.tobytes())
+        shape, thumbs = self._thumb_cache[self.layer, self.scale]
+        self.model.thumb_shape, self.model.thumb_heads, self.model.thumbs = shape, heads, thumbs
 
     # the text
     def _group_label(self, amap, g, lo, hi, px) -> str:
@@ -307,12 +323,11 @@ class AttentionView(View):
         q = amap.queries
         return f"query {q[s]}{self._tok(int(q[s]))}" if e - s == 1 else f"queries {q[s]}–{q[e - 1]}"
 
-    def _key_label(self, amap, s, e) -> str:
+    def _key_label(self, amap, win, s, e) -> str:
         nr, nc = amap.n_raw, amap.n_comp
         if s >= nr + nc:
             return "sink"
         if s >= nr:
-            win = amap.comp_windows
             r0, r1 = s - nr, e - 1 - nr
             return (f"compressed row {r0} (tokens {win[r0][0]}–{win[r0][1]})" if r0 == r1
                     else f"compressed rows {r0}–{r1} (tokens {win[r0][0]}–{win[r1][1]})")

@@ -19,12 +19,15 @@ def pool_factor(n: int, limit: int) -> int:
 
 
 def maxpool(a: np.ndarray, fr: int, fc: int) -> np.ndarray:
-    """Max over ``fr × fc`` blocks of a 2-D array (edges padded with −inf, so partial blocks pool what they hold)."""
-    R, C = a.shape
-    rr, cc = math.ceil(R / fr), math.ceil(C / fc)
-    padded = np.full((rr * fr, cc * fc), -np.inf)
-    padded[:R, :C] = a
-    return padded.reshape(rr, fr, cc, fc).max(axis=(1, 3))
+    """Max over ``fr × fc`` blocks of a 2-D array (partial blocks at the edges pool what they hold)."""
+    out = np.asarray(a, dtype=np.float64)
+    if 0 in out.shape:
+        return np.zeros((-(-out.shape[0] // fr), -(-out.shape[1] // fc)))
+    if fc > 1:
+        out = np.maximum.reduceat(out, np.arange(0, out.shape[1], fc), axis=1)
+    if fr > 1:
+        out = np.maximum.reduceat(out, np.arange(0, out.shape[0], fr), axis=0)
+    return out if out is not a else out.copy()
 
 
 def column_factor(widths: list[int], slots: int) -> int:
