@@ -100,7 +100,7 @@ def test_the_figure_keeps_its_size(cap):
     assert [g["name"] for g in m.groups] == ["raw", "comp", "sink"]
     m.pick_head = 1  # a small multiple clicked
     assert (view.head, m.head, view.head_select.value, m.pick_head) == (1, 1, 1, -1)
-    assert len(m.thumbs) == 2 * m.thumb_shape[0] * m.thumb_shape[1] and m.thumb_heads == [0, 1]
+    assert len(m.thumbs) == 2 * m.thumb_shape[0] * m.thumb_shape[1] * 3 and m.thumb_heads == [0, 1]
     assert m.yticks and m.xticks and any(text == "sink" for _, text in m.xticks)
 
 

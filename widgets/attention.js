@@ -8,6 +8,9 @@ function ramp(v) {
 }
 const RAMP = Array.from({ length: 256 }, (_, v) => ramp(v));
 const MASKED = [232, 232, 232], DROPPED = [252, 187, 161];  // attention_figure.MASKED, DROPPED
+// an opaque colour as one pixel of a Uint32Array over ImageData (bytes R, G, B, A in memory: little-endian)
+const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
+const RAMP32 = Uint32Array.from(RAMP, rgba), MASK32 = rgba(MASKED), DROP32 = rgba(DROPPED);
 const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(230,85,13)" };
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
 const floats = (dv) => (dv ? new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength)) : new Float32Array());
@@ -25,7 +28,7 @@ function render({ model, el }) {
   const title = document.createElement("div"); title.className = "ds4-title";
   const heads = document.createElement("div"); heads.className = "ds4-att-heads";
   const stage = document.createElement("div"); stage.className = "ds4-att-stage";
-  const canvas = document.createElement("canvas");
+  const canvas = document.createElement("canvas"), off = document.createElement("canvas");
   const sel = document.createElement("div"); sel.className = "ds4-att-sel";
   stage.append(canvas, sel);
   const tip = document.createElement("div"); tip.className = "ds4-tip";
@@ -41,7 +44,8 @@ function render({ model, el }) {
       box.dataset.head = h; box.title = `show head ${h}`;
       const c = document.createElement("canvas"); c.width = tc; c.height = tr;
       const img = c.getContext("2d").createImageData(tc, tr);
-      for (let i = 0; i < tr * tc; i++) img.data.set([...RAMP[buf[k * tr * tc + i]], 255], i * 4);
+      const o = k * tr * tc * 3;  // RGB from Python, masked cells grey as in the heatmap
+      for (let i = 0; i < tr * tc; i++) img.data.set([buf[o + 3 * i], buf[o + 3 * i + 1], buf[o + 3 * i + 2], 255], i * 4);
       c.getContext("2d").putImageData(img, 0, 0);
       const label = document.createElement("div"); label.textContent = `head ${h}`;
       box.append(c, label);
@@ -63,14 +67,22 @@ function render({ model, el }) {
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
     const L = g.left, T = g.top;
+    // the heatmap pixel by pixel: the cell under each column and row of pixels, its colour from a table
+    const colOf = new Int32Array(g.hw).fill(-1);
+    xe.forEach(([a, b], c) => colOf.fill(c, a, b));
+    const heat = new ImageData(g.hw, g.hh), px = new Uint32Array(heat.data.buffer);
+    const white = rgba([255, 255, 255]), colours = new Uint32Array(rows * cols);
+    for (let i = 0; i < rows * cols; i++) colours[i] = marks[i] === 2 ? MASK32 : marks[i] === 1 ? DROP32 : RAMP32[buf[i]];
     for (let r = 0; r < rows; r++) {
-      for (let c = 0; c < cols; c++) {
-        const i = r * cols + c;
-        const [R, G, B] = marks[i] === 2 ? MASKED : marks[i] === 1 ? DROPPED : RAMP[buf[i]];
-        ctx.fillStyle = `rgb(${R},${G},${B})`;
-        ctx.fillRect(L + xe[c][0], T + ye[r], xe[c][1] - xe[c][0], ye[r + 1] - ye[r]);
+      for (let y = ye[r]; y < ye[r + 1]; y++) {
+        const o = y * g.hw, base = r * cols;
+        for (let x = 0; x < g.hw; x++) px[o + x] = colOf[x] < 0 ? white : colours[base + colOf[x]];
       }
     }
+    off.width = g.hw; off.height = g.hh;
+    off.getContext("2d").putImageData(heat, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(off, L, T);
     ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
     ctx.textBaseline = "middle";
     for (const grp of model.get("groups")) {

@@ -20,6 +20,7 @@ from .attention_figure import (
     HEIGHT,
     MARK_DROPPED,
     MARK_MASKED,
+    MASKED,
     MIN_CELL,
     SINK_PX,
     WIDTH,
@@ -29,6 +30,7 @@ from .attention_figure import (
 from .base import View, ViewModel, token_texts, widget_file
 from .reduce import (
     SCALES,
+    colormap,
     column_factor,
     edges,
     maxpool,
@@ -69,7 +71,7 @@ class AttentionModel(ViewModel):
     lo_text = t.Unicode("").tag(sync=True)
     hi_text = t.Unicode("").tag(sync=True)
     scale_text = t.Unicode("").tag(sync=True)
-    thumbs = t.Bytes(b"").tag(sync=True)  # uint8 [heads, thumb rows, thumb cols]: every head on the same scale
+    thumbs = t.Bytes(b"").tag(sync=True)  # RGB uint8 [heads, thumb rows, thumb cols, 3]: each head on the scale
     thumb_shape = t.List().tag(sync=True)
     thumb_heads = t.List().tag(sync=True)
     # from the front-end: a dragged region [r0, r1, c0, c1] of shown cells (inclusive), [-1] to reset; a head clicked
@@ -303,8 +305,9 @@ class AttentionView(View):
             Q, K = amap.weights.shape[0], amap.weights.shape[2]
             fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
             small = [maxpool(self.weights(self.layer, h), fr, fc) for h in heads]
-            idx = np.stack([scale_colours(s, self.scale)[0] for s in small])
-            self._thumb_cache[self.layer, self.scale] = (list(idx.shape[1:]), idx.tobytes())
+            rgb = np.stack([colormap(scale_colours(s, self.scale)[0]) for s in small])
+            rgb[np.stack(small) == 0] = MASKED
+            self._thumb_cache[self.layer, self.scale] = (list(rgb.shape[1:3]), rgb.tobytes())
         shape, thumbs = self._thumb_cache[self.layer, self.scale]
         self.model.thumb_shape, self.model.thumb_heads, self.model.thumbs = shape, heads, thumbs
 
