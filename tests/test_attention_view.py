@@ -117,3 +117,17 @@ def test_static_fallback_is_legible(cap):
         band = dark[TOP + int(y) - 3 : TOP + int(y) + 4, : LEFT - 5]
         assert band.sum() >= 5 * len(text), (y, text)
     assert len(view.model.yticks) >= 20
+
+
+def test_one_map_and_bad_input(cap):
+    single = AttentionView(cap.attention(3), scale="log")  # an AttentionMap alone: no tokens, one layer
+    assert single.layers == [3] and (single.model.rows, single.model.cols) == (160, 162)
+    assert single.model.row_labels[0] == "queries 0–1" and "log" in single.model.scale_text
+    with pytest.raises(ValueError, match="'sqrt'"):
+        AttentionView(cap, scale="sqrt")
+    with pytest.raises(ValueError, match="layer 5"):
+        AttentionView(cap, layer=5)
+    with pytest.raises(ValueError, match="head 7"):
+        single.weights(head=7)
+    with pytest.raises(TypeError, match="Capture"):
+        AttentionView(np.zeros((3, 3)))

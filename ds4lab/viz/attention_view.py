@@ -118,8 +118,9 @@ class AttentionView(View):
         self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head", **narrow,
                                       value=int(amap.heads[head]) if head < len(amap.heads) else int(amap.heads[0]))
         self.scale_select = W.ToggleButtons(options=[("linear", "linear"), ("per row", "row"), ("log", "log")],
-                                            value=scale, description="colour",
-                                            style={"button_width": "70px", "description_width": "50px"})
+                                            value=scale, style={"button_width": "64px"},
+                                            tooltips=["colour: weight / max", "colour: weight / the query's max",
+                                                      "colour: log10 weight, 4 decades"])
         self.reset_button = W.Button(description="reset zoom", disabled=True, layout=W.Layout(width="100px"))
         self.head = self.head_select.value
         self._syncing = False  # True while show() sets the controls: their observers then do nothing
