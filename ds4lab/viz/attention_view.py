@@ -118,7 +118,7 @@ class AttentionView(View):
         self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head", **narrow,
                                       value=int(amap.heads[head]) if head < len(amap.heads) else int(amap.heads[0]))
         self.scale_select = W.ToggleButtons(options=[("linear", "linear"), ("per row", "row"), ("log", "log")],
-                                            value=scale, style={"button_width": "64px"},
+                                            value=scale, style={"button_width": "76px"},
                                             tooltips=["colour: weight / max", "colour: weight / the query's max",
                                                       "colour: log10 weight, 4 decades"])
         self.reset_button = W.Button(description="reset zoom", disabled=True, layout=W.Layout(width="100px"))
@@ -317,10 +317,12 @@ class AttentionView(View):
         n = hi - lo
         if g == "sink":
             return "sink"
+        nr, whole = amap.n_raw, (lo, hi) in ((0, amap.n_raw), (amap.n_raw, amap.n_raw + amap.n_comp))
         if g == "raw":
-            full = f"raw window ({n} keys)"
+            p = amap.raw_positions
+            full = f"raw window ({n} keys)" if whole else f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
         else:
-            full = f"compressed ×{amap.ratio} ({n} rows)"
+            full = f"compressed ×{amap.ratio} ({n} rows)" if whole else f"compressed rows {lo - nr}–{hi - 1 - nr}"
         return full if len(full) * 6 <= px + 40 else {"raw": "raw", "comp": "comp"}[g]
 
     def _query_label(self, amap, s, e) -> str:
