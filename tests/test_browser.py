@@ -409,23 +409,92 @@ def test_mask_of_a_decode_step_renders(page):
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 
+def _ink(canvas, x0: float, y0: float, x1: float, y1: float) -> int:
+    """Dark (text) pixels of a canvas inside a box given in CSS px."""
+    return canvas.evaluate(
+        """(c, [x0, y0, x1, y1]) => {
+            const k = c.width / c.getBoundingClientRect().width;
+            const d = c.getContext('2d').getImageData(x0 * k, y0 * k, (x1 - x0) * k, (y1 - y0) * k).data;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) if (d[i] < 100 && d[i + 1] < 100 && d[i + 2] < 100) n++;
+            return n;
+        }""",
+        [x0, y0, x1, y1],
+    )
+
+
+def _image_hash(canvas) -> int:
+    return canvas.evaluate(
+        """(c) => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let h = 0;
+                    for (let i = 0; i < d.length; i += 4) h = (h * 31 + d[i] + 7 * d[i + 1] + 13 * d[i + 2]) | 0;
+                    return h; }"""
+    )
+
+
 def test_attention_view_renders(page):
+    """The attention figure: at least 480 px wide, axis text drawn left of and under the heatmap, a tooltip naming
+    layer, head, query, key and mass split; a layer switch keeps the size and re-describes what is under the pointer
+    (no stale tooltip); a drag zooms into a region re-reduced in Python (every cell), a double-click resets."""
     pg, *_ = page
-    views = pg.locator(".ds4-view:has(canvas)")
+    views = pg.locator(".ds4-view:has(.ds4-att-stage)")
     assert views.count() == 1
     view = views.first
-    assert view.locator(".ds4-title").inner_text().startswith("layer 2 (ratio 4), head 0:")
-    assert re.match(r"\d+×\d+ cells", view.locator(".ds4-note").inner_text())
-    canvas = view.locator("canvas")
+    title, note = view.locator(".ds4-title"), view.locator(".ds4-note")
+    assert title.inner_text().startswith("layer 2 (ratio 4), head 0:")
+    assert re.match(r"160×201 cells, max-pooled ×2 queries, ×2 keys", note.inner_text()), note.inner_text()
+    canvas = view.locator(".ds4-att-stage canvas")
     stats = _painted(canvas)
-    assert stats["w"] > 1 and stats["h"] > 1 and stats["cssW"] > 0, stats
-    assert stats["painted"] > 0.01 * stats["w"] * stats["h"], f"attention canvas looks blank: {stats}"
+    assert stats["cssW"] >= 480, stats
+    assert stats["painted"] > 0.2 * stats["w"] * stats["h"], f"attention canvas looks blank: {stats}"
     assert stats["colours"] >= 8, f"attention canvas has too few colours for a heatmap: {stats}"
-    # hovering a cell fills the tooltip line: "query … → key …: weight"
-    _hover_fills(pg, canvas, view.locator(".ds4-tip"), position=(0.5, 0.5), until="el.textContent.includes('→')")
+    box = canvas.bounding_box()
+    # axis text: query positions left of the heatmap (x < 118), key positions under it (y 522…596), group labels
+    assert _ink(canvas, 0, 40, 112, 520) > 400 and _ink(canvas, 118, 524, 838, 596) > 400
+    assert _ink(canvas, 118, 0, 838, 30) > 100
+    # small multiples: one per captured head, the shown one marked
+    assert view.locator(".ds4-att-head").count() == 2 and view.locator(".ds4-att-head.ds4-sel").inner_text() == "head 0"
+    tip = view.locator(".ds4-tip")
+    text = _hover_fills(pg, canvas, tip, position=(0.3, 0.4), until="el.textContent.includes('→')")
+    assert re.match(r"layer 2 head 0 · queries \d+–\d+ → raw keys \d+–\d+: weight [\d.e+-]+.* · mass raw [\d.]+ \| "
+                    r"compressed [\d.]+ \| sink [\d.e+-]+$", text), text
     out = _output_of(view)
-    assert out.locator(".widget-dropdown").count() == 2  # layer and head pickers
     out.screenshot(path=str(ARTIFACTS / "attention_view.png"))
+    dropdowns = out.locator(".widget-dropdown select")
+    assert dropdowns.count() == 2  # layer and head pickers
+    # switch to layer 3 with the pointer still on the canvas: same size, the tooltip describes layer 3 at once
+    dropdowns.first.select_option(label="3")
+    pg.wait_for_function("(el) => el.textContent.startsWith('layer 3 (ratio 128)')", arg=title.element_handle(),
+                         timeout=10_000)
+    pg.wait_for_function("(el) => el.textContent.startsWith('layer 3 head 0 ·')", arg=tip.element_handle(),
+                         timeout=5_000)
+    size = lambda b: (b["width"], b["height"])  # noqa: E731 (the page may scroll; the figure keeps its size)
+    assert size(canvas.bounding_box()) == size(box)
+    out.screenshot(path=str(ARTIFACTS / "attention_view_layer3.png"))
+    # a small multiple clicked: head 1, and the tooltip follows
+    view.locator(".ds4-att-head[data-head='1']").click()
+    pg.wait_for_function("(el) => el.textContent.startsWith('layer 3 (ratio 128), head 1')",
+                         arg=title.element_handle(), timeout=10_000)
+    assert view.locator(".ds4-att-head.ds4-sel").inner_text() == "head 1" and dropdowns.nth(1).input_value() != ""
+    # drag over a region of the raw window: Python re-reduces it from the full weights, every cell shown
+    before = _image_hash(canvas)
+    canvas.scroll_into_view_if_needed()
+    box = canvas.bounding_box()
+    pg.mouse.move(box["x"] + 0.25 * box["width"], box["y"] + 0.3 * box["height"])
+    pg.mouse.down()
+    pg.mouse.move(box["x"] + 0.32 * box["width"], box["y"] + 0.38 * box["height"], steps=4)
+    pg.mouse.up()
+    pg.wait_for_function("(el) => el.textContent.includes('zoomed')", arg=note.element_handle(), timeout=10_000)
+    m = re.match(r"(\d+)×(\d+) cells, every cell shown · zoomed: queries (\d+)–(\d+)", note.inner_text())
+    assert m and int(m[1]) == int(m[4]) - int(m[3]) + 1 and int(m[1]) < 60 and int(m[2]) < 60, note.inner_text()
+    pg.wait_for_timeout(300)
+    assert _image_hash(canvas) != before and size(canvas.bounding_box()) == size(box)
+    text = _hover_fills(pg, canvas, tip, position=(0.5, 0.5), until="el.textContent.includes('→')")
+    assert re.match(r"layer 3 head 1 · query \d+ '.*' → raw key \d+ '.*': weight", text), text
+    q = int(re.match(r"layer 3 head 1 · query (\d+)", text)[1])
+    assert int(m[3]) <= q <= int(m[4])
+    out.screenshot(path=str(ARTIFACTS / "attention_view_zoom.png"))
+    canvas.dblclick(position={"x": 0.5 * box["width"], "y": 0.5 * box["height"]})
+    pg.wait_for_function("(el) => !el.textContent.includes('zoomed')", arg=note.element_handle(), timeout=10_000)
 
 
 def test_expert_view_renders(page):

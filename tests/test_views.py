@@ -11,7 +11,8 @@ pytest.importorskip("anywidget")
 import ds4lab  # noqa: E402
 from ds4lab.visibility import DROPPED  # noqa: E402
 from ds4lab.viz import AttentionView, KVCacheView, PrefillView  # noqa: E402
-from ds4lab.viz.reduce import maxpool, png_bytes, reduce_groups, to_uint8  # noqa: E402
+from ds4lab.viz.attention_figure import GAP, HEIGHT, MARK_DROPPED, MARK_MASKED, MIN_CELL, SINK_PX, WIDTH  # noqa: E402
+from ds4lab.viz.reduce import column_factor, edges, maxpool, png_bytes, pool_groups  # noqa: E402
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
@@ -177,14 +178,15 @@ def test_attention_buffer_matches_reference_reduction(model):
     il = next(i for i in range(model.config.n_layer) if model.config.has_indexer(i))
     with sess.capture(["attn.scores"], layers=[il], heads=[1]) as cap:
         sess.prefill(_ids(300, model.config.n_vocab)).run(progress=False)
-    view = AttentionView(cap, max_side=64)
+    view = AttentionView(cap, scale="linear")
     m = view.model
     amap = cap.attention(il)
     w = amap.weights[:, 0, :]
-    # reference: pool each group on its own with a common column factor
-    fr = -(-w.shape[0] // 64)
-    assert (m.row_factor, m.rows) == (fr, -(-w.shape[0] // fr))
-    fc = m.col_factor
+    # reference: rows pooled to fit HEIGHT at MIN_CELL px, each group's columns on its own with one factor that fits
+    # the raw and compressed columns into the width left by the sink and the gaps; the sink never pooled
+    fr = -(-w.shape[0] // (HEIGHT // MIN_CELL))
+    slots = (WIDTH - SINK_PX - 2 * GAP) // MIN_CELL
+    fc = next(f for f in range(1, 1000) if -(-amap.n_raw // f) + -(-amap.n_comp // f) <= slots)
     ref = np.concatenate(
         [
             maxpool(w[:, amap.groups["raw"]], fr, fc),
@@ -193,34 +195,32 @@ def test_attention_buffer_matches_reference_reduction(model):
         ],
         axis=1,
     )
-    assert m.rows <= 64 and m.cols <= 64 and ref.shape == (m.rows, m.cols)
+    assert ref.shape == (m.rows, m.cols) and f"max-pooled ×{fr} queries, ×{fc} keys" in m.note
+    np.testing.assert_array_equal(view.values, ref)
     buf = np.frombuffer(m.buf, np.uint8).reshape(m.rows, m.cols)
-    assert len(m.buf) == m.rows * m.cols and len(m.marks) == m.rows * m.cols
     np.testing.assert_array_equal(buf, np.clip(np.rint(ref / ref.max() * 255), 0, 255).astype(np.uint8))
-    assert m.vmax == pytest.approx(ref.max())
+    np.testing.assert_array_equal(np.frombuffer(m.values, np.float32).reshape(m.rows, m.cols), ref.astype(np.float32))
     assert [g["name"] for g in m.groups] == ["raw", "comp", "sink"] and m.groups[-1]["stop"] == m.cols
     assert len(m.row_labels) == m.rows and len(m.col_labels) == m.cols
     marks = np.frombuffer(m.marks, np.uint8).reshape(m.rows, m.cols)
     comp = slice(m.groups[1]["start"], m.groups[1]["stop"])
-    assert (marks[:, comp] == 1).any() and (marks[:, comp] == 2).any()  # the indexer dropped rows
-    assert not marks[:, : m.groups[0]["stop"]].any()
+    assert (marks[:, comp] == MARK_DROPPED).any()  # the indexer dropped rows
+    np.testing.assert_array_equal(marks == MARK_MASKED, (ref == 0) & (marks != MARK_DROPPED))
     bundle = view._repr_mimebundle_()
     assert WIDGET in bundle and "data:image/png;base64," in bundle["text/html"]
     png = base64.b64decode(bundle["text/html"].split("base64,")[1].split("'")[0])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    # the full-resolution view needs no pooling
-    full = AttentionView(amap)
-    assert (full.model.row_factor, full.model.col_factor) == (1, 1)
-    assert full.model.cols == amap.weights.shape[-1]
 
 
 def test_reduce_helpers():
     a = np.arange(35, dtype=float).reshape(5, 7)
     np.testing.assert_array_equal(maxpool(a, 2, 3), [[9, 12, 13], [23, 26, 27], [30, 33, 34]])
-    red, fr, fc, spans = reduce_groups(np.ones((1000, 1300)), [("raw", 1000), ("comp", 299), ("sink", 1)])
-    assert red.shape[0] <= 512 and red.shape[1] <= 512 and spans[-1][2] - spans[-1][1] == 1
-    img, vmax = to_uint8(np.array([[0.0, 0.5, 1.0]]))
-    assert img.tolist() == [[0, 128, 255]] and vmax == 1.0
+    assert column_factor([1000, 299], 232) == 6  # ceil(1000/6) + ceil(299/6) = 167 + 50 = 217 <= 232; f=5: 200+60
+    red, spans = pool_groups(a, [4, 2, 1], 2, 3, [True, True, False])
+    # rows {0,1} {2,3} {4}; columns {0,1,2} {3} | {4,5} | {6}
+    np.testing.assert_array_equal(red, [[9, 10, 12, 13], [23, 24, 26, 27], [30, 31, 33, 34]])
+    assert spans == [(0, 2), (2, 3), (3, 4)]
+    assert edges(3, 10).tolist() == [0, 3, 7, 10]
     png = png_bytes(np.zeros((2, 3, 3), np.uint8))
     assert zlib.decompress(png[png.index(b"IDAT") + 4 : -16]) == b"\x00" + bytes(9) + b"\x00" + bytes(9)
 

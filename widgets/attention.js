@@ -1,55 +1,200 @@
-// AttentionView: a max-pooled uint8 heatmap [rows x cols] drawn on a canvas; groups raw | compressed | sink.
+// AttentionView: a figure of fixed size (geometry from Python): the heatmap in three key groups (raw | compressed |
+// sink) with axes, each query's mass as a stacked bar, a colour bar; small multiples of every captured head above.
+// Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
 function ramp(v) {
   const t = v / 255, lo = [255, 255, 255], mid = [49, 130, 189], hi = [40, 10, 80];
   const [a, b, u] = t < 0.5 ? [lo, mid, t * 2] : [mid, hi, t * 2 - 1];
   return [0, 1, 2].map((i) => Math.round(a[i] + (b[i] - a[i]) * u));
 }
+const RAMP = Array.from({ length: 256 }, (_, v) => ramp(v));
+const MASKED = [232, 232, 232], DROPPED = [252, 187, 161];  // attention_figure.MASKED, DROPPED
+// an opaque colour as one pixel of a Uint32Array over ImageData (bytes R, G, B, A in memory: little-endian)
+const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
+const RAMP32 = Uint32Array.from(RAMP, rgba), MASK32 = rgba(MASKED), DROP32 = rgba(DROPPED);
+const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(230,85,13)" };
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
+const floats = (dv) => (dv ? new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength)) : new Float32Array());
+const fmt = (v) => (v === 0 ? "0" : v < 1e-3 ? v.toExponential(2) : v.toPrecision(3));
+// the index i with edges[i] <= p < edges[i + 1], or -1
+function find(edges, p) {
+  let lo = 0, hi = edges.length - 2;
+  if (hi < 0 || p < edges[0] || p >= edges[hi + 1]) return -1;
+  while (lo < hi) { const mid = (lo + hi + 1) >> 1; if (edges[mid] <= p) lo = mid; else hi = mid - 1; }
+  return lo;
+}
+
 function render({ model, el }) {
-  el.classList.add("ds4-view");
+  el.classList.add("ds4-view", "ds4-att");
   const title = document.createElement("div"); title.className = "ds4-title";
-  const canvas = document.createElement("canvas");
+  const heads = document.createElement("div"); heads.className = "ds4-att-heads";
+  const stage = document.createElement("div"); stage.className = "ds4-att-stage";
+  const canvas = document.createElement("canvas"), off = document.createElement("canvas");
+  const sel = document.createElement("div"); sel.className = "ds4-att-sel";
+  stage.append(canvas, sel);
   const tip = document.createElement("div"); tip.className = "ds4-tip";
   const note = document.createElement("div"); note.className = "ds4-note";
-  el.append(title, canvas, tip, note);
+  el.append(title, heads, tip, stage, note);
+  let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
+
+  const drawHeads = () => {
+    const [tr, tc] = model.get("thumb_shape"), hs = model.get("thumb_heads"), buf = bytes(model.get("thumbs"));
+    heads.replaceChildren();
+    hs.forEach((h, k) => {
+      const box = document.createElement("div"); box.className = "ds4-att-head" + (h === model.get("head") ? " ds4-sel" : "");
+      box.dataset.head = h; box.title = `show head ${h}`;
+      const c = document.createElement("canvas"); c.width = tc; c.height = tr;
+      const img = c.getContext("2d").createImageData(tc, tr);
+      const o = k * tr * tc * 3;  // RGB from Python, masked cells grey as in the heatmap
+      for (let i = 0; i < tr * tc; i++) img.data.set([buf[o + 3 * i], buf[o + 3 * i + 1], buf[o + 3 * i + 2], 255], i * 4);
+      c.getContext("2d").putImageData(img, 0, 0);
+      const label = document.createElement("div"); label.textContent = `head ${h}`;
+      box.append(c, label);
+      box.addEventListener("click", () => { model.set("pick_head", h); model.save_changes(); });
+      heads.append(box);
+    });
+  };
+
   const draw = () => {
-    const rows = model.get("rows"), cols = model.get("cols"), buf = bytes(model.get("buf")), marks = bytes(model.get("marks"));
+    const g = model.get("geometry"), rows = model.get("rows"), cols = model.get("cols");
+    const buf = bytes(model.get("buf")), marks = bytes(model.get("marks"));
+    const ye = model.get("row_edges"), xe = model.get("col_edges");
     title.textContent = model.get("title");
-    canvas.width = Math.max(cols, 1); canvas.height = Math.max(rows, 1);
-    const scale = Math.max(1, Math.min(6, Math.floor(720 / Math.max(cols, rows, 1))));
-    canvas.style.width = `${cols * scale}px`; canvas.style.height = `${rows * scale}px`;
+    note.textContent = model.get("note");
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = g.width * dpr; canvas.height = g.height * dpr;
+    canvas.style.width = `${g.width}px`; canvas.style.height = `${g.height}px`;
     const ctx = canvas.getContext("2d");
-    const img = ctx.createImageData(canvas.width, canvas.height);
-    for (let i = 0; i < rows * cols; i++) {
-      let [r, g, b] = ramp(buf[i] || 0);
-      if (marks[i] === 1 && buf[i] === 0) [r, g, b] = [252, 187, 161];  // dropped by the indexer
-      if (marks[i] === 2 && buf[i] === 0) [r, g, b] = [255, 247, 188];  // selected, weight ~0
-      img.data.set([r, g, b, 255], i * 4);
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
+    const L = g.left, T = g.top;
+    // the heatmap pixel by pixel: the cell under each column and row of pixels, its colour from a table
+    const colOf = new Int32Array(g.hw).fill(-1);
+    xe.forEach(([a, b], c) => colOf.fill(c, a, b));
+    const heat = new ImageData(g.hw, g.hh), px = new Uint32Array(heat.data.buffer);
+    const white = rgba([255, 255, 255]), colours = new Uint32Array(rows * cols);
+    for (let i = 0; i < rows * cols; i++) colours[i] = marks[i] === 2 ? MASK32 : marks[i] === 1 ? DROP32 : RAMP32[buf[i]];
+    for (let r = 0; r < rows; r++) {
+      for (let y = ye[r]; y < ye[r + 1]; y++) {
+        const o = y * g.hw, base = r * cols;
+        for (let x = 0; x < g.hw; x++) px[o + x] = colOf[x] < 0 ? white : colours[base + colOf[x]];
+      }
     }
-    ctx.putImageData(img, 0, 0);
-    ctx.fillStyle = "#000";
-    for (const g of model.get("groups")) if (g.start > 0 && g.stop > g.start) ctx.fillRect(g.start, 0, 1 / scale, rows);
-    const fr = model.get("row_factor"), fc = model.get("col_factor");
-    note.textContent = `${rows}×${cols} cells` + (fr > 1 || fc > 1 ? `, max-pooled ×${fr} queries, ×${fc} keys` : "") +
-      ` · colour: weight 0…${model.get("vmax").toPrecision(3)} · groups: ` +
-      model.get("groups").map((g) => `${g.name} ${g.stop - g.start}`).join(" | ") + " · peach: compressed row dropped by the indexer";
+    off.width = g.hw; off.height = g.hh;
+    off.getContext("2d").putImageData(heat, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(off, L, T);
+    ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
+    ctx.textBaseline = "middle";
+    for (const grp of model.get("groups")) {
+      ctx.strokeStyle = "#888"; ctx.lineWidth = 1;
+      ctx.strokeRect(L + grp.x0 - 0.5, T - 0.5, grp.x1 - grp.x0 + 1, g.hh + 1);
+      ctx.fillStyle = GROUP[grp.name]; ctx.fillRect(L + grp.x0, T - 6, grp.x1 - grp.x0, 2);
+      ctx.fillStyle = "#222"; ctx.textAlign = "center";
+      ctx.fillText(grp.label, L + (grp.x0 + grp.x1) / 2, grp.name === "comp" ? 9 : 22);
+    }
+    ctx.fillStyle = "#222";
+    for (const [x, text] of model.get("xticks")) {
+      ctx.fillRect(L + x, T + g.hh + 1, 1, 3);
+      ctx.save(); ctx.translate(L + x, T + g.hh + 6); ctx.rotate(-Math.PI / 2);
+      ctx.textAlign = "right"; ctx.fillText(text, 0, 0); ctx.restore();
+    }
+    ctx.textAlign = "right";
+    for (const [y, text] of model.get("yticks")) { ctx.fillRect(L - 4, T + y, 3, 1); ctx.fillText(text, L - 6, T + y); }
+    ctx.textAlign = "left"; ctx.fillStyle = "#777"; ctx.fillText(model.get("y_title"), 4, T - 9);
+    // each query's mass, raw | compressed | sink
+    ctx.fillStyle = "#222"; ctx.fillText("mass of query", g.mass_x, 9); ctx.fillText("raw|comp|sink", g.mass_x, 22);
+    model.get("mass").forEach((m, r) => {
+      const total = m[0] + m[1] + m[2] || 1;
+      let x = g.mass_x;
+      ["raw", "comp", "sink"].forEach((name, k) => {
+        const w = (m[k] / total) * g.mass_w;
+        ctx.fillStyle = GROUP[name]; ctx.fillRect(x, T + ye[r], w, ye[r + 1] - ye[r]); x += w;
+      });
+    });
+    // the colour bar and the legend
+    const ly = g.legend_y + 8;
+    for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly, 1, 10); }
+    ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, ly + 5);
+    ctx.textAlign = "left"; ctx.fillText(`${model.get("hi_text")}   ${model.get("scale_text")}`, L + 262, ly + 5);
+    let x = L;
+    for (const [c, text] of [[MASKED, "weight 0 (masked)"], [DROPPED, "dropped by the indexer"]]) {
+      ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 16, 12, 8);
+      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 18;
+    }
+    drawHeads();
+    describe();  // the tooltip follows the figure: what is under the pointer now
   };
-  const hover = (ev) => {
-    const rect = canvas.getBoundingClientRect();
-    const c = Math.floor(((ev.clientX - rect.left) / rect.width) * model.get("cols"));
-    const r = Math.floor(((ev.clientY - rect.top) / rect.height) * model.get("rows"));
-    const buf = bytes(model.get("buf")), i = r * model.get("cols") + c;
-    const rl = model.get("row_labels")[r] ?? "", cl = model.get("col_labels")[c] ?? "";
-    tip.textContent = `${rl} → ${cl}: ${(((buf[i] || 0) / 255) * model.get("vmax")).toPrecision(3)}`;
+
+  // what is under a figure position: {r, c} in the heatmap, {r, mass: true} on a mass bar, or null
+  const cellAt = (p) => {
+    const g = model.get("geometry"), ye = model.get("row_edges");
+    const r = find(ye, p.y - g.top);
+    if (r < 0) return null;
+    if (p.x >= g.mass_x && p.x < g.mass_x + g.mass_w) return { r, mass: true };
+    const x = p.x - g.left, c = model.get("col_edges").findIndex(([a, b]) => a <= x && x < b);
+    return c < 0 ? null : { r, c };
   };
+  const describe = () => {
+    const at = pointer && cellAt(pointer);
+    if (!at) { tip.textContent = "\u00a0"; return; }
+    const m = model.get("mass")[at.r], rl = model.get("row_labels")[at.r];
+    const split = `mass raw ${fmt(m[0])} | compressed ${fmt(m[1])} | sink ${fmt(m[2])}`;
+    const where = `layer ${model.get("layer")} head ${model.get("head")} · ${rl}`;
+    if (at.mass) { tip.textContent = `${where}: ${split}`; return; }
+    const i = at.r * model.get("cols") + at.c, marks = bytes(model.get("marks"));
+    const v = floats(model.get("values"))[i];
+    const state = marks[i] === 1 ? " (dropped by the indexer)" : marks[i] === 2 ? " (masked)" : "";
+    tip.textContent = `${where} → ${model.get("col_labels")[at.c]}: weight ${fmt(v)}${state} · ${split}`;
+  };
+  const pos = (ev) => {
+    const rect = canvas.getBoundingClientRect(), g = model.get("geometry");
+    return { x: ((ev.clientX - rect.left) / rect.width) * g.width, y: ((ev.clientY - rect.top) / rect.height) * g.height };
+  };
+  const move = (ev) => {
+    pointer = pos(ev);
+    describe();
+    if (drag) {
+      const g = model.get("geometry"), rect = canvas.getBoundingClientRect(), k = rect.width / g.width;
+      const [x0, x1] = [Math.min(drag.p.x, pointer.x), Math.max(drag.p.x, pointer.x)];
+      const [y0, y1] = [Math.min(drag.p.y, pointer.y), Math.max(drag.p.y, pointer.y)];
+      Object.assign(sel.style, { display: "block", left: `${x0 * k}px`, top: `${y0 * k}px`, width: `${(x1 - x0) * k}px`,
+                                 height: `${(y1 - y0) * k}px` });
+    }
+  };
+  const leave = () => { pointer = null; describe(); };
+  const down = (ev) => {
+    const p = pos(ev), at = cellAt(p);
+    if (at && !at.mass) { drag = { p, at }; ev.preventDefault(); }
+  };
+  const up = (ev) => {
+    if (!drag) return;
+    const at = cellAt(pos(ev)), first = drag.at;
+    drag = null; sel.style.display = "none";
+    if (!at || at.mass || (at.r === first.r && at.c === first.c)) return;  // a click, not a region
+    model.set("zoom_request", [Math.min(first.r, at.r), Math.max(first.r, at.r), Math.min(first.c, at.c), Math.max(first.c, at.c)]);
+    model.save_changes();
+  };
+  const reset = () => { model.set("zoom_request", [-1]); model.save_changes(); };
+  // a change of state arrives as several trait changes: draw once, at the next frame
+  let pending = false;
+  const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; draw(); }); } };
   draw();
-  const events = ["buf", "marks", "rows", "cols", "groups", "title"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
-  canvas.addEventListener("mousemove", hover);
+  const events = ["buf", "marks", "values", "rows", "cols", "groups", "title", "note", "mass", "thumbs", "head", "layer"]
+    .map((k) => `change:${k}`);
+  for (const e of events) model.on(e, schedule);
+  canvas.addEventListener("mousemove", move);
+  canvas.addEventListener("mouseleave", leave);
+  canvas.addEventListener("mousedown", down);
+  window.addEventListener("mouseup", up);
+  canvas.addEventListener("dblclick", reset);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
-    canvas.removeEventListener("mousemove", hover);
+    for (const e of events) model.off(e, schedule);
+    canvas.removeEventListener("mousemove", move);
+    canvas.removeEventListener("mouseleave", leave);
+    canvas.removeEventListener("mousedown", down);
+    window.removeEventListener("mouseup", up);
+    canvas.removeEventListener("dblclick", reset);
   };
 }
 export default { render };

@@ -1,49 +1,99 @@
 """AttentionView: one layer and head of a captured attention map, keys in three groups (raw window | compressed
-rows | sink), drawn on a canvas (front-end ``widgets/attention.js``)."""
+rows | sink), on a figure of fixed size (front-end ``widgets/attention.js``, static PNG :mod:`.attention_figure`).
+
+Cells are scaled up to fill the figure and never drawn below ``MIN_CELL`` px: a map with more cells than fit is
+max-pooled (the note says by how much), and zooming into a region re-reduces it from the full-resolution weights,
+so a small enough region shows every cell. Beside each query, its mass split into raw | compressed | sink; above,
+small multiples of every captured head of the layer."""
 
 from __future__ import annotations
 
 import html
+import math
 
 import ipywidgets as W
 import numpy as np
 import traitlets as t
 
+from .attention_figure import (
+    GAP,
+    HEIGHT,
+    MARK_DROPPED,
+    MARK_MASKED,
+    MASKED,
+    MIN_CELL,
+    SINK_PX,
+    WIDTH,
+    draw_static,
+    geometry,
+)
 from .base import View, ViewModel, token_texts, widget_file
-from .reduce import MAX_SIDE, colormap, png_base64, reduce_groups, to_uint8
+from .reduce import (
+    SCALES,
+    colormap,
+    column_factor,
+    edges,
+    maxpool,
+    png_base64,
+    png_bytes,
+    pool_factor,
+    pool_groups,
+    scale_colours,
+)
+
+GROUPS = ("raw", "comp", "sink")
+THUMB_ROWS, THUMB_COLS = 60, 90  # cells of a head's small multiple at most
+TICK_PX = 11  # px between two axis labels at least
 
 
 class AttentionModel(ViewModel):
     _esm = widget_file("attention.js")
     title = t.Unicode("").tag(sync=True)
-    buf = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols], weight / vmax · 255, max-pooled
-    marks = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols]: 1 dropped by the indexer, 2 selected
+    note = t.Unicode("").tag(sync=True)
+    layer = t.Int(0).tag(sync=True)
+    head = t.Int(0).tag(sync=True)
     rows = t.Int(0).tag(sync=True)
     cols = t.Int(0).tag(sync=True)
-    row_factor = t.Int(1).tag(sync=True)
-    col_factor = t.Int(1).tag(sync=True)
-    vmax = t.Float(0.0).tag(sync=True)
-    groups = t.List().tag(sync=True)
+    buf = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols]: colour index on the scale
+    values = t.Bytes(b"").tag(sync=True)  # float32 [rows, cols]: the weight (max of the pooled cells), for tooltips
+    marks = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols]: MARK_DROPPED by the indexer, MARK_MASKED weight 0
+    geometry = t.Dict().tag(sync=True)
+    row_edges = t.List().tag(sync=True)  # px [rows + 1] from the heatmap's top
+    col_edges = t.List().tag(sync=True)  # px [[x0, x1]] per column from the heatmap's left (groups apart)
+    groups = t.List().tag(sync=True)  # [{name, label, start, stop (columns), x0, x1 (px)}]
+    xticks = t.List().tag(sync=True)  # [[x px, text]]
+    yticks = t.List().tag(sync=True)  # [[y px, text]]
+    y_title = t.Unicode("").tag(sync=True)
     row_labels = t.List(t.Unicode()).tag(sync=True)
     col_labels = t.List(t.Unicode()).tag(sync=True)
+    mass = t.List().tag(sync=True)  # [[raw, comp, sink]] per row: mean over its queries
+    scale = t.Unicode("row").tag(sync=True)
+    lo_text = t.Unicode("").tag(sync=True)
+    hi_text = t.Unicode("").tag(sync=True)
+    scale_text = t.Unicode("").tag(sync=True)
+    thumbs = t.Bytes(b"").tag(sync=True)  # RGB uint8 [heads, thumb rows, thumb cols, 3]: each head on the scale
+    thumb_shape = t.List().tag(sync=True)
+    thumb_heads = t.List().tag(sync=True)
+    # from the front-end: a dragged region [r0, r1, c0, c1] of shown cells (inclusive), [-1] to reset; a head clicked
+    zoom_request = t.List().tag(sync=True)
+    pick_head = t.Int(-1).tag(sync=True)
 
 
-def _span_label(items, f, fmt) -> list[str]:
-    return [fmt(items[i : i + f]) for i in range(0, len(items), f)]
+def _pool_spans(start: int, stop: int, f: int) -> list[tuple[int, int]]:
+    return [(a, min(a + f, stop)) for a in range(start, stop, f)]
 
 
 class AttentionView(View):
-    """Heatmap of one layer and head of a :class:`ds4lab.hooks.Capture` (or an ``AttentionMap``): queries
-    down, keys across in three groups (raw window | compressed rows | sink); max-pooled to at most
-    ``max_side`` × ``max_side`` and sent as a uint8 buffer."""
+    """Heatmap of one layer and head of a :class:`ds4lab.hooks.Capture` (or an ``AttentionMap``): queries down,
+    keys across in three groups (raw window | compressed rows | sink), on a ``scale`` of ``SCALES`` ("linear",
+    "row": each query over its max, "log"). ``zoom(queries=(a, b), keys=(c, d))`` shows a region of the map's
+    rows and columns (half-open indices), ``reset_zoom()`` the whole map."""
 
-    def __init__(self, source, layer: int | None = None, head: int = 0, max_side: int = MAX_SIDE, tokens=None):
+    def __init__(self, source, layer: int | None = None, head: int = 0, scale: str = "row", tokens=None):
         from ..hooks import AttentionMap, Capture
 
-        self.max_side = max_side
         if isinstance(source, Capture):
-            self._maps = {}
-            self._capture = source
+            self._maps, self._capture = {}, source
             self.layers = sorted({int(n.split(".")[1]) for n in source.names if n.endswith(".attn.scores")})
             tok = source.session.model.tokenizer
             self.tokens = token_texts(tok, source.session.tokens) if tokens is None else tokens
@@ -51,107 +101,312 @@ class AttentionView(View):
             self._maps, self._capture, self.layers = {source.layer: source}, None, [source.layer]
             self.tokens = tokens
         else:
-            raise TypeError("AttentionView takes a Capture (with attn.scores) or an AttentionMap")
+            raise TypeError(f"AttentionView takes a Capture (with attn.scores) or an AttentionMap, not {type(source)}")
         if not self.layers:
             raise ValueError("the capture holds no attention maps: capture 'attn.scores'")
         self.layer = self.layers[0] if layer is None else layer
+        if self.layer not in self.layers:
+            raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+        self.scale, self.region = scale, None
+        self._thumb_cache, self._mass_cache = {}, {}  # by (layer, scale), (layer, head): what a switch back reuses
         self.model = AttentionModel()
         amap = self.map(self.layer)
-        self.layer_select = W.Dropdown(options=self.layers, value=self.layer, description="layer")
-        self.head_select = W.Dropdown(
-            options=[int(h) for h in amap.heads],
-            value=int(amap.heads[head]) if head < len(amap.heads) else int(amap.heads[0]),
-            description="head",
-        )
+        narrow = dict(layout=W.Layout(width="130px"), style={"description_width": "40px"})
+        self.layer_select = W.Dropdown(options=self.layers, value=self.layer, description="layer", **narrow)
+        self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head", **narrow,
+                                      value=int(amap.heads[head]) if head < len(amap.heads) else int(amap.heads[0]))
+        self.scale_select = W.ToggleButtons(options=[("linear", "linear"), ("per row", "row"), ("log", "log")],
+                                            value=scale, style={"button_width": "76px"},
+                                            tooltips=["colour: weight / max", "colour: weight / the query's max",
+                                                      "colour: log10 weight, 4 decades"])
+        self.reset_button = W.Button(description="reset zoom", disabled=True, layout=W.Layout(width="100px"))
         self.head = self.head_select.value
-        self.layer_select.observe(self.guarded(lambda ch: self.show(ch["new"], self.head)), names="value")
-        self.head_select.observe(self.guarded(lambda ch: self.show(self.layer, ch["new"])), names="value")
-        self.widget = W.VBox([W.HBox([self.layer_select, self.head_select]), self.model])
+        self._syncing = False  # True while show() sets the controls: their observers then do nothing
+        on = self.guarded  # an error of a switch shows in the view
+        self.layer_select.observe(on(lambda ch: self._syncing or self.show(ch["new"], self.head)), names="value")
+        self.head_select.observe(on(lambda ch: self._syncing or self.show(self.layer, ch["new"])), names="value")
+        self.scale_select.observe(on(lambda ch: self._syncing or self.set_scale(ch["new"])), names="value")
+        self.reset_button.on_click(on(lambda _: self.reset_zoom()))
+        self.model.observe(on(self._on_zoom_request), names="zoom_request")
+        self.model.observe(on(self._on_pick_head), names="pick_head")
+        controls = W.HBox([self.layer_select, self.head_select, self.scale_select, self.reset_button])
+        self.widget = W.VBox([controls, self.model])
         self.show(self.layer, self.head)
 
     def __repr__(self) -> str:
         m = self.model
-        return (f"AttentionView(layer {self.layer}, head {self.head}: {m.rows}×{m.cols} cells, "
-                f"pooled ×{m.row_factor}/×{m.col_factor})")
+        return f"AttentionView(layer {self.layer}, head {self.head}: {m.rows}×{m.cols} cells; {m.note})"
 
+    # the data
     def map(self, layer: int):
         if layer not in self._maps:
             self._maps[layer] = self._capture.attention(layer)
         return self._maps[layer]
 
-    def _tok(self, p: int) -> str:
+    def weights(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
+        """The full-resolution weights ``[queries, keys]`` of one head (default: the one shown)."""
+        amap = self.map(self.layer if layer is None else layer)
+        head = self.head if head is None else head
+        hits = np.nonzero(amap.heads == head)[0]
+        if not len(hits):
+            raise ValueError(f"head {head} was not captured (heads {[int(h) for h in amap.heads]})")
+        return amap.weights[:, int(hits[0]), :]
+
+    def mass_split(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
+        """Each query's attention mass on the raw window, the compressed rows and the sink: ``[queries, 3]``."""
+        amap = self.map(self.layer if layer is None else layer)
+        w = self.weights(layer, head)
+        return np.stack([w[:, amap.groups[g]].sum(axis=1) for g in GROUPS], axis=1)
+
+    def _tok(self, p: int, width: int | None = None) -> str:
         if self.tokens is None or not 0 <= p < len(self.tokens):
             return ""
-        return " " + repr(self.tokens[p])
+        text = self.tokens[p] if width is None else self.tokens[p][:width]
+        return " " + repr(text)
 
-    def reduced(self, layer: int, head: int):
-        """(uint8 [rows, cols], marks [rows, cols], row factor, col factor, vmax, groups) for one head."""
-        amap = self.map(layer)
-        h = int(np.nonzero(amap.heads == head)[0][0])
-        w = amap.weights[:, h, :]
-        groups = [("raw", amap.n_raw), ("comp", amap.n_comp), ("sink", 1)]
-        red, fr, fc, spans = reduce_groups(w, groups, self.max_side, self.max_side)
-        img, vmax = to_uint8(red)
-        mark = np.zeros(w.shape)
-        mark[:, amap.groups["comp"]] = np.where(amap.selected, 2, np.where(amap.candidates, 1, 0))
-        mred, _, _, _ = reduce_groups(mark, groups, self.max_side, self.max_side)
-        return img, np.maximum(mred, 0).astype(np.uint8), fr, fc, vmax, spans
-
+    # what is shown
     def show(self, layer: int, head: int) -> None:
+        """Show ``layer`` and ``head`` (a head not captured in the layer: its first); a new layer resets the zoom."""
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
         amap = self.map(layer)
         if head not in amap.heads:
             head = int(amap.heads[0])
+        if layer != self.layer:
+            self.region = None
         self.layer, self.head = layer, head
-        img, marks, fr, fc, vmax, spans = self.reduced(layer, head)
-        qs = [int(q) for q in amap.queries]
-        row_labels = _span_label(
-            qs, fr, lambda b: f"query {b[0]}{self._tok(b[0])}" if len(b) == 1 else f"queries {b[0]}–{b[-1]}"
-        )
-        raw = [int(p) for p in amap.raw_positions]
-        win = amap.comp_windows
-        col_labels = (
-            _span_label(raw, fc, lambda b: f"raw t{b[0]}{self._tok(b[0])}" if len(b) == 1 else f"raw t{b[0]}–t{b[-1]}")
-            + _span_label(
-                list(range(amap.n_comp)),
-                fc,
-                lambda b: (
-                    f"comp row {b[0]} (tokens {win[b[0]][0]}–{win[b[0]][1]})"
-                    if len(b) == 1
-                    else f"comp rows {b[0]}–{b[-1]} (tokens {win[b[0]][0]}–{win[b[-1]][1]})"
-                ),
-            )
-            + ["sink"]
-        )
+        self._syncing = True
+        try:
+            self.layer_select.value = layer
+            opts = [int(h) for h in amap.heads]
+            if list(self.head_select.options) != opts:
+                self.head_select.options = opts
+            self.head_select.value = head
+        finally:
+            self._syncing = False
+        self._draw()
+
+    def set_scale(self, scale: str) -> None:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+        self.scale = scale
+        self._syncing = True
+        try:
+            self.scale_select.value = scale
+        finally:
+            self._syncing = False
+        self._draw()
+
+    def zoom(self, queries: tuple[int, int] | None = None, keys: tuple[int, int] | None = None) -> None:
+        """Show the map's rows ``queries = (a, b)`` and columns ``keys = (c, d)`` (half-open indices into
+        ``AttentionMap.weights``; None: all), re-reduced from the full-resolution weights."""
+        Q, K = self.weights().shape
+        (a, b), (c, d) = queries or (0, Q), keys or (0, K)
+        if not (0 <= a < b <= Q and 0 <= c < d <= K):
+            raise ValueError(f"zoom region queries {queries}, keys {keys} is not inside the map's {Q} × {K}")
+        self.region = None if (a, b, c, d) == (0, Q, 0, K) else (a, b, c, d)
+        self._draw()
+
+    def reset_zoom(self) -> None:
+        self.region = None
+        self._draw()
+
+    def _on_zoom_request(self, change) -> None:
+        req = change["new"]
+        if not req:
+            return
+        self.model.zoom_request = []
+        if req == [-1]:
+            self.reset_zoom()
+            return
+        r0, r1, c0, c1 = (int(v) for v in req)
+        rows, cols = self._row_src, self._col_src
+        if not (0 <= r0 <= r1 < len(rows) and 0 <= c0 <= c1 < len(cols)):
+            return  # a request about a figure already replaced
+        self.zoom((rows[r0][0], rows[r1][1]), (cols[c0][0], cols[c1][1]))
+
+    def _on_pick_head(self, change) -> None:
+        if change["new"] >= 0:
+            self.model.pick_head = -1
+            self.show(self.layer, change["new"])
+
+    def _draw(self) -> None:
+        amap, w = self.map(self.layer), self.weights()
+        Q, K = w.shape
+        a, b, c, d = self.region or (0, Q, 0, K)
+        bounds = {"raw": (0, amap.n_raw), "comp": (amap.n_raw, amap.n_raw + amap.n_comp), "sink": (K - 1, K)}
+        present = [(g, max(lo, c), min(hi, d)) for g, (lo, hi) in bounds.items() if max(lo, c) < min(hi, d)]
+        # columns: the sink keeps SINK_PX, the other groups share the rest (GAP apart), pooled by one factor
+        pooled = [(g, lo, hi) for g, lo, hi in present if g != "sink"]
+        has_sink = len(pooled) < len(present)
+        avail = WIDTH - GAP * (len(present) - 1) - (SINK_PX if has_sink and pooled else 0)
+        fc = column_factor([hi - lo for _, lo, hi in pooled], avail // MIN_CELL) if pooled else 1
+        fr = pool_factor(b - a, HEIGHT // MIN_CELL)
+        red, spans = pool_groups(w[a:b, c:d], [hi - lo for _, lo, hi in present], fr, fc,
+                                 [g != "sink" for g, _, _ in present])
+        n_pooled = sum(e - s for (g, _, _), (s, e) in zip(present, spans) if g != "sink")
+        xe = edges(n_pooled, avail)
+        col_edges, groups, x, k = [], [], 0, 0
+        for (g, lo, hi), (s, e) in zip(present, spans):
+            if g == "sink":
+                x0, x1 = (WIDTH - SINK_PX, WIDTH) if pooled else (0, WIDTH)
+                col_edges.append([x0, x1])
+            else:
+                x0 = x + int(xe[k])
+                col_edges += [[x + int(xe[i]), x + int(xe[i + 1])] for i in range(k, k + e - s)]
+                x1, k = x + int(xe[k + e - s]), k + e - s
+                x = x1 + GAP - int(xe[k])
+            label = self._group_label(amap, g, lo, hi, x1 - x0)
+            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=label))
+        row_src = _pool_spans(a, b, fr)
+        col_src = [sp for (g, lo, hi) in present for sp in _pool_spans(lo, hi, fc if g != "sink" else 1)]
+        self._row_src, self._col_src, self.values = row_src, col_src, red
+        ye = edges(len(row_src), HEIGHT)
+        # colours and marks: weight exactly 0 is masked; a compressed row the indexer dropped is marked so
+        idx, lo_v, hi_v = scale_colours(red, self.scale)
+        marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
+        for (g, lo, hi), (s, e) in zip(present, spans):
+            if g == "comp":  # candidates the indexer left out, pooled like the weights
+                rows_cols = (slice(a, b), slice(lo - amap.n_raw, hi - amap.n_raw))
+                left_out = amap.candidates[rows_cols] & ~amap.selected[rows_cols]
+                hit = (maxpool(left_out.astype(np.float64), fr, fc) > 0) & (red[:, s:e] == 0)
+                marks[:, s:e][hit] = MARK_DROPPED
+        starts = [s for s, _ in row_src]
+        if (self.layer, self.head) not in self._mass_cache:
+            self._mass_cache[self.layer, self.head] = self.mass_split()
+        row_mass = (np.add.reduceat(self._mass_cache[self.layer, self.head][a:b], np.array(starts) - a, axis=0)
+                    / np.diff([*starts, b])[:, None]).tolist()
         m = self.model
         with m.hold_sync():
-            m.title = (
-                f"layer {layer} (ratio {amap.ratio or '—'}), head {head}: {len(qs)} queries × "
-                f"{amap.n_raw} raw | {amap.n_comp} compressed | sink"
-            )
-            m.rows, m.cols = img.shape
-            m.row_factor, m.col_factor, m.vmax = fr, fc, vmax
-            m.groups = [dict(name=n, start=s, stop=e) for n, s, e in spans]
-            m.row_labels, m.col_labels = row_labels, col_labels
-            m.buf, m.marks = img.tobytes(), marks.tobytes()
+            m.title = (f"layer {self.layer} (ratio {amap.ratio or '—'}), head {self.head}: {Q} queries × "
+                       f"{amap.n_raw} raw | {amap.n_comp} compressed | sink")
+            m.note = self._note(amap, (a, b, c, d), (Q, K), red.shape, fr, fc)
+            m.layer, m.head, m.scale = self.layer, self.head, self.scale
+            m.geometry = geometry()
+            m.rows, m.cols = red.shape
+            m.row_edges, m.col_edges, m.groups = ye.tolist(), col_edges, groups
+            m.xticks = self._xticks(amap, present, col_src, col_edges, fc)
+            m.yticks = self._yticks(amap, row_src, ye, fr)
+            m.y_title = "query position"
+            m.row_labels = [self._query_label(amap, s, e) for s, e in row_src]
+            win = amap.comp_windows
+            m.col_labels = [self._key_label(amap, win, s, e) for s, e in col_src]
+            m.mass = row_mass
+            m.lo_text, m.hi_text, m.scale_text = self._scale_texts(lo_v, hi_v)
+            self._thumbs()
+            m.buf, m.values, m.marks = idx.tobytes(), red.astype(np.float32).tobytes(), marks.tobytes()
+        self.reset_button.disabled = self.region is None
+
+    def _thumbs(self) -> None:
+        """Every captured head of the layer, whole, max-pooled to at most THUMB_ROWS × THUMB_COLS, on the scale."""
+        amap = self.map(self.layer)
+        heads = [int(h) for h in amap.heads]
+        if (self.layer, self.scale) not in self._thumb_cache:
+            Q, K = amap.weights.shape[0], amap.weights.shape[2]
+            fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
+            small = [maxpool(self.weights(self.layer, h), fr, fc) for h in heads]
+            rgb = np.stack([colormap(scale_colours(s, self.scale)[0]) for s in small])
+            rgb[np.stack(small) == 0] = MASKED
+            self._thumb_cache[self.layer, self.scale] = (list(rgb.shape[1:3]), rgb.tobytes())
+        shape, thumbs = self._thumb_cache[self.layer, self.scale]
+        self.model.thumb_shape, self.model.thumb_heads, self.model.thumbs = shape, heads, thumbs
+
+    # the text
+    def _group_label(self, amap, g, lo, hi, px) -> str:
+        n = hi - lo
+        if g == "sink":
+            return "sink"
+        nr, whole = amap.n_raw, (lo, hi) in ((0, amap.n_raw), (amap.n_raw, amap.n_raw + amap.n_comp))
+        if g == "raw":
+            p = amap.raw_positions
+            full = f"raw window ({n} keys)" if whole else f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
+        else:
+            full = f"compressed ×{amap.ratio} ({n} rows)" if whole else f"compressed rows {lo - nr}–{hi - 1 - nr}"
+        return full if len(full) * 6 <= px + 40 else {"raw": "raw", "comp": "comp"}[g]
+
+    def _query_label(self, amap, s, e) -> str:
+        q = amap.queries
+        return f"query {q[s]}{self._tok(int(q[s]))}" if e - s == 1 else f"queries {q[s]}–{q[e - 1]}"
+
+    def _key_label(self, amap, win, s, e) -> str:
+        nr, nc = amap.n_raw, amap.n_comp
+        if s >= nr + nc:
+            return "sink"
+        if s >= nr:
+            r0, r1 = s - nr, e - 1 - nr
+            return (f"compressed row {r0} (tokens {win[r0][0]}–{win[r0][1]})" if r0 == r1
+                    else f"compressed rows {r0}–{r1} (tokens {win[r0][0]}–{win[r1][1]})")
+        p = amap.raw_positions
+        return f"raw key {p[s]}{self._tok(int(p[s]))}" if e - s == 1 else f"raw keys {p[s]}–{p[e - 1]}"
+
+    def _xticks(self, amap, present, col_src, col_edges, fc) -> list:
+        ticks, col = [], 0
+        for g, lo, hi in present:
+            n = math.ceil((hi - lo) / (fc if g != "sink" else 1))
+            if g == "sink":
+                x0, x1 = col_edges[col]
+                ticks.append([(x0 + x1) / 2, "sink"])
+            else:
+                px = (col_edges[col + n - 1][1] - col_edges[col][0]) / n
+                step = max(1, math.ceil(TICK_PX / px))
+                for j in range(0, n, step):
+                    s, e = col_src[col + j]
+                    x0, x1 = col_edges[col + j]
+                    if g == "raw":
+                        pos = int(amap.raw_positions[s])
+                        text = f"{pos}{self._tok(pos, 6)}" if step == 1 and e - s == 1 else str(pos)
+                    else:
+                        text = f"c{s - amap.n_raw}"
+                    ticks.append([(x0 + x1) / 2, text])
+            col += n
+        return ticks
+
+    def _yticks(self, amap, row_src, ye, fr) -> list:
+        px = HEIGHT / len(row_src)
+        step = max(1, math.ceil(TICK_PX / px))
+        out = []
+        for i in range(0, len(row_src), step):
+            pos = int(amap.queries[row_src[i][0]])
+            text = f"{pos}{self._tok(pos, 8)}" if step == 1 and fr == 1 else str(pos)
+            out.append([(int(ye[i]) + int(ye[i + 1])) / 2, text])
+        return out
+
+    def _scale_texts(self, lo, hi) -> tuple[str, str, str]:
+        if self.scale == "linear":
+            return "0", f"{hi:.3g}", "linear: weight"
+        if self.scale == "row":
+            return "0", "1", "per row: weight / the query's max"
+        return f"{lo:.1e}", f"{hi:.3g}", "log: weight, 4 decades"
+
+    def _note(self, amap, region, shape, shown, fr, fc) -> str:
+        a, b, c, d = region
+        Q, K = shape
+        text = f"{shown[0]}×{shown[1]} cells"
+        if fr > 1 or fc > 1:
+            text += f", max-pooled ×{fr} queries, ×{fc} keys (zoom in for every cell)"
+        else:
+            text += ", every cell shown"
+        if self.region is not None:
+            text += f" · zoomed: queries {amap.queries[a]}–{amap.queries[b - 1]}, columns {c}–{d - 1} of {K}"
+        return text + " · drag on the map to zoom, double-click to reset"
+
+    # the static fallback
+    def _state(self) -> dict:
+        m = self.model
+        return {k: getattr(m, k) for k in ("rows", "cols", "buf", "marks", "row_edges", "col_edges", "groups", "xticks",
+                                           "yticks", "y_title", "mass", "lo_text", "hi_text", "scale_text")}
 
     def static_html(self) -> str:
         m = self.model
-        img = np.frombuffer(m.buf, np.uint8).reshape(m.rows, m.cols)
-        rgb = colormap(img)
-        marks = np.frombuffer(m.marks, np.uint8).reshape(m.rows, m.cols)
-        rgb[(marks == 1) & (img == 0)] = (252, 187, 161)
-        scale = max(1, min(6, 720 // max(m.rows, m.cols, 1)))
-        groups = " | ".join(f"{g['name']} {g['stop'] - g['start']}" for g in m.groups)
+        g = geometry()
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>{html.escape(m.title)}</b><br>"
-            f"<img alt='attention heatmap' style='image-rendering:pixelated;width:{m.cols * scale}px;"
-            f"height:{m.rows * scale}px' src='data:image/png;base64,{png_base64(rgb)}'/><br>"
-            f"{m.rows}×{m.cols} cells, max-pooled ×{m.row_factor} queries ×{m.col_factor} keys; weight 0…{m.vmax:.3g}; "
-            f"columns: {groups}</div>"
+            f"<img alt='attention heatmap' width='{g['width']}' height='{g['height']}' "
+            f"src='data:image/png;base64,{png_base64(draw_static(self._state()))}'/><br>"
+            f"{html.escape(m.note.split(' · drag')[0])}</div>"
         )
 
     def _repr_png_(self):
-        from .reduce import png_bytes
-
-        img = np.frombuffer(self.model.buf, np.uint8).reshape(self.model.rows, self.model.cols)
-        return png_bytes(colormap(img))
+        return png_bytes(draw_static(self._state()))

@@ -10,7 +10,8 @@ import zlib
 
 import numpy as np
 
-MAX_SIDE = 512
+SCALES = ("linear", "row", "log")  # colour scales: weight / max, weight / its row's max, log10 weight
+LOG_DECADES = 4  # the log scale spans max·10⁻⁴ … max
 
 
 def pool_factor(n: int, limit: int) -> int:
@@ -18,45 +19,70 @@ def pool_factor(n: int, limit: int) -> int:
 
 
 def maxpool(a: np.ndarray, fr: int, fc: int) -> np.ndarray:
-    """Max over ``fr × fc`` blocks of a 2-D array (edges padded with −inf, so partial blocks pool what they hold)."""
-    R, C = a.shape
-    rr, cc = math.ceil(R / fr), math.ceil(C / fc)
-    padded = np.full((rr * fr, cc * fc), -np.inf)
-    padded[:R, :C] = a
-    return padded.reshape(rr, fr, cc, fc).max(axis=(1, 3))
+    """Max over ``fr × fc`` blocks of a 2-D array (partial blocks at the edges pool what they hold)."""
+    out = np.asarray(a, dtype=np.float64)
+    if 0 in out.shape:
+        return np.zeros((-(-out.shape[0] // fr), -(-out.shape[1] // fc)))
+    if fc > 1:
+        out = np.maximum.reduceat(out, np.arange(0, out.shape[1], fc), axis=1)
+    if fr > 1:
+        out = np.maximum.reduceat(out, np.arange(0, out.shape[0], fr), axis=0)
+    return out if out is not a else out.copy()
 
 
-def reduce_groups(
-    weights: np.ndarray, groups: list[tuple[str, int]], max_rows: int = MAX_SIDE, max_cols: int = MAX_SIDE
-):
-    """Max-pool ``weights [Q, K]`` whose columns are consecutive labelled groups ``[(name, width)]``.
+def column_factor(widths: list[int], slots: int) -> int:
+    """The smallest factor f with Σ ⌈w / f⌉ ≤ ``slots`` over the groups ``widths`` (each group pooled on its own)."""
+    if slots < 1:
+        raise ValueError(f"slots must be ≥ 1, got {slots}")
+    f = pool_factor(sum(widths), slots)
+    while sum(math.ceil(w / f) for w in widths) > slots:
+        f += 1
+    return f
 
-    Each group is pooled on its own with one column factor (so no reduced column mixes raw keys with
-    compressed rows or the sink), the rows with one row factor. Returns
-    ``(reduced [q, k], row_factor, col_factor, [(name, start, stop)] of the reduced columns)``.
-    """
-    Q, K = weights.shape
-    fr = pool_factor(Q, max_rows)
-    n_groups = sum(1 for _, w in groups if w)
-    fc = 1
-    while sum(math.ceil(w / fc) for _, w in groups if w) > max_cols and fc < K:
-        fc = max(fc + 1, pool_factor(K, max_cols - n_groups))
-    parts, spans, col, out_col = [], [], 0, 0
-    for name, w in groups:
-        f = 1 if w <= 1 else fc
-        part = maxpool(weights[:, col : col + w], fr, f) if w else np.zeros((math.ceil(Q / fr), 0))
+
+def pool_groups(weights: np.ndarray, widths: list[int], fr: int, fc: int, pooled: list[bool] | None = None):
+    """Max-pool ``weights [Q, K]`` whose columns are consecutive groups of ``widths``: rows by ``fr``, each group's
+    columns by ``fc`` on its own (no reduced column mixes two groups); a group with ``pooled[i]`` False keeps its
+    columns. Returns ``(reduced [q, k], [(start, stop)] of each group's reduced columns)``."""
+    pooled = [True] * len(widths) if pooled is None else pooled
+    if sum(widths) != weights.shape[1]:
+        raise ValueError(f"group widths {widths} do not add up to the {weights.shape[1]} columns")
+    parts, spans, col, out = [], [], 0, 0
+    for w, p in zip(widths, pooled):
+        part = maxpool(weights[:, col : col + w], fr, fc if p else 1) if w else np.zeros((-(-len(weights) // fr), 0))
         parts.append(part)
-        spans.append((name, out_col, out_col + part.shape[1]))
-        col, out_col = col + w, out_col + part.shape[1]
-    return np.concatenate(parts, axis=1), fr, fc, spans
+        spans.append((out, out + part.shape[1]))
+        col, out = col + w, out + part.shape[1]
+    return np.concatenate(parts, axis=1), spans
 
 
-def to_uint8(a: np.ndarray, vmax: float | None = None) -> tuple[np.ndarray, float]:
-    """Linear 0…vmax → 0…255 (vmax defaults to the array's max); returns (bytes array, vmax)."""
-    vmax = float(np.max(a)) if vmax is None and a.size else (vmax or 0.0)
-    if vmax <= 0:
-        return np.zeros(a.shape, np.uint8), vmax
-    return np.clip(np.rint(np.asarray(a, dtype=np.float64) / vmax * 255.0), 0, 255).astype(np.uint8), vmax
+def edges(n: int, px: int, start: int = 0) -> np.ndarray:
+    """Pixel edges of ``n`` cells sharing ``px`` pixels from ``start`` (widths differ by at most 1 px): ``[n + 1]``."""
+    return start + np.rint(np.arange(n + 1) * (px / max(n, 1))).astype(np.int64)
+
+
+def scale_colours(values: np.ndarray, scale: str, decades: int = LOG_DECADES) -> tuple[np.ndarray, float, float]:
+    """Colour indices 0…255 of ``values [rows, cols]`` (≥ 0) on ``scale``, and the range (lo, hi) 0 and 255 stand for.
+
+    - ``linear``: v / max · 255, range (0, max);
+    - ``row``: each row v / that row's max · 255 (a row of zeros stays 0), range (0, 1): the fraction of the row's max;
+    - ``log``: (log10 v − log10 lo) / decades · 255 with hi = max, lo = max · 10^−decades, values below lo at 0.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    v = np.asarray(values, dtype=np.float64)
+    hi = float(v.max()) if v.size else 0.0
+    if hi <= 0:
+        return np.zeros(v.shape, np.uint8), 0.0, hi
+    if scale == "linear":
+        t, lo = v / hi, 0.0
+    elif scale == "row":
+        row_max = v.max(axis=1, keepdims=True)
+        t, lo, hi = np.divide(v, row_max, out=np.zeros_like(v), where=row_max > 0), 0.0, 1.0
+    else:
+        lo = hi * 10.0**-decades
+        t = (np.log10(np.maximum(v, lo)) - math.log10(lo)) / decades
+    return np.clip(np.rint(t * 255.0), 0, 255).astype(np.uint8), lo, hi
 
 
 def colormap(v: np.ndarray) -> np.ndarray:

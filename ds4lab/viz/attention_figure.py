@@ -1,0 +1,93 @@
+"""The AttentionView figure's geometry (one layout, drawn by ``widgets/attention.js`` on a canvas and here as the
+static PNG) and the static drawing: the heatmap with its three key groups, axes with positions, group labels, the
+per-query mass bars (raw | compressed | sink) and the colour bar."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .pixel_font import ADVANCE, draw_text
+from .reduce import colormap
+
+WIDTH, HEIGHT = 720, 480  # px of the heatmap: keys across, queries down, whatever the map's shape
+MIN_CELL = 3  # px: a cell is never drawn smaller; more cells than fit are max-pooled
+GAP = 4  # px between two key groups
+SINK_PX = 14  # px of the sink column
+LEFT, TOP = 118, 40  # query axis (positions and tokens) | group labels above the heatmap
+MASS_GAP, MASS_W = 14, 84  # the stacked bar of each query's mass, right of the heatmap
+X_LABELS = 76  # px under the heatmap for the key positions (written bottom to top)
+LEGEND = 40  # px for the colour bar and the legend
+FIG_W = LEFT + WIDTH + MASS_GAP + MASS_W + 10
+FIG_H = TOP + HEIGHT + X_LABELS + LEGEND
+GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": (230, 85, 13)}
+MASKED = (232, 232, 232)  # weight exactly 0: a future key, outside the raw window, or a compressed row not yet formed
+DROPPED = (252, 187, 161)  # a compressed row the indexer did not select for this query
+MARK_DROPPED, MARK_MASKED = 1, 2
+TEXT, FAINT = (34, 34, 34), (120, 120, 120)
+
+
+def geometry() -> dict:
+    """The fixed frame both renderers share (px)."""
+    return dict(width=FIG_W, height=FIG_H, left=LEFT, top=TOP, hw=WIDTH, hh=HEIGHT, mass_x=LEFT + WIDTH + MASS_GAP,
+                mass_w=MASS_W, legend_y=TOP + HEIGHT + X_LABELS)
+
+
+def mass_segments(mass, x0: int, width: int) -> list[tuple[str, int, int]]:
+    """The raw | comp | sink segments of one stacked bar of ``width`` px from x0: [(group, x_start, x_stop)]."""
+    cuts = x0 + np.rint(np.cumsum([0.0, *mass]) / max(sum(mass), 1e-300) * width).astype(int)
+    return [(g, int(cuts[i]), int(cuts[i + 1])) for i, g in enumerate(("raw", "comp", "sink"))]
+
+
+def draw_static(state: dict) -> np.ndarray:
+    """The figure as an RGB image ``[FIG_H, FIG_W, 3]`` from the model's state (the same one the canvas draws)."""
+    g = geometry()
+    img = np.full((g["height"], g["width"], 3), 255, np.uint8)
+    rows, cols = state["rows"], state["cols"]
+    idx = np.frombuffer(state["buf"], np.uint8).reshape(rows, cols)
+    marks = np.frombuffer(state["marks"], np.uint8).reshape(rows, cols)
+    rgb = colormap(idx)
+    rgb[marks == MARK_MASKED] = MASKED
+    rgb[marks == MARK_DROPPED] = DROPPED
+    ys = np.asarray(state["row_edges"]) + TOP
+    xs = np.asarray(state["col_edges"]) + LEFT  # [cols, 2]
+    # every cell as a block: the image indexed by the cell under each pixel
+    row_of = np.repeat(np.arange(rows), np.diff(ys))
+    col_of = np.full(WIDTH, -1)
+    for c, (a, b) in enumerate(xs - LEFT):
+        col_of[a:b] = c
+    px = np.nonzero(col_of >= 0)[0]
+    img[ys[0] : ys[-1], LEFT + px] = rgb[row_of[:, None], col_of[px][None, :]]
+    for grp in state["groups"]:  # a frame around each group
+        x0, x1 = grp["x0"] + LEFT, grp["x1"] + LEFT
+        img[TOP - 1, x0 - 1 : x1 + 1] = img[TOP + HEIGHT, x0 - 1 : x1 + 1] = FAINT
+        img[TOP - 1 : TOP + HEIGHT + 1, x0 - 1] = img[TOP - 1 : TOP + HEIGHT + 1, x1] = FAINT
+        row = 0 if grp["name"] == "comp" else 1
+        draw_text(img, (x0 + x1) // 2, 6 + 12 * row, grp["label"], TEXT, anchor="center")
+        img[TOP - 6, x0:x1] = GROUP_COLOURS[grp["name"]]
+    for x, text in state["xticks"]:
+        img[TOP + HEIGHT + 1 : TOP + HEIGHT + 4, LEFT + int(x)] = FAINT
+        draw_text(img, LEFT + int(x), TOP + HEIGHT + 6, text, TEXT, vertical=True)
+    for y, text in state["yticks"]:
+        img[TOP + int(y), LEFT - 4 : LEFT - 1] = FAINT
+        draw_text(img, LEFT - 6, TOP + int(y) - 3, text, TEXT, anchor="right")
+    draw_text(img, 4, TOP - 12, state["y_title"], FAINT)
+    # the mass bars
+    mx = g["mass_x"]
+    draw_text(img, mx, 6, "mass of query", TEXT)
+    draw_text(img, mx, 18, "raw|comp|sink", TEXT)
+    for r, m in enumerate(state["mass"]):
+        for name, a, b in mass_segments(m, mx, MASS_W):
+            img[ys[r] : ys[r + 1], a:b] = GROUP_COLOURS[name]
+    # the colour bar and the legend
+    ly = g["legend_y"] + 8
+    ramp = colormap(np.arange(256, dtype=np.uint8))
+    img[ly : ly + 10, LEFT : LEFT + 256] = ramp[None, :, :]
+    draw_text(img, LEFT - 6, ly + 2, state["lo_text"], TEXT, anchor="right")
+    draw_text(img, LEFT + 262, ly + 2, state["hi_text"] + "   " + state["scale_text"], TEXT)
+    ly += 16
+    x = LEFT
+    for colour, text in ((MASKED, "weight 0 (masked)"), (DROPPED, "dropped by the indexer")):
+        img[ly : ly + 8, x : x + 12] = colour
+        draw_text(img, x + 16, ly + 1, text, TEXT)
+        x += 16 + ADVANCE * len(text) + 18
+    return img

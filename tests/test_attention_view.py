@@ -1,0 +1,133 @@
+"""AttentionView on the standard example (the embedded model, Coriolanus' first 320 tokens, layers 2 and 3, heads
+0 and 1): the colour scales against hand-worked cases, the mass split against sums of the map's weights, zooming
+against the full-resolution weights, the fixed figure and the static fallback."""
+
+import struct
+
+import numpy as np
+import pytest
+
+pytest.importorskip("anywidget")
+from pathlib import Path  # noqa: E402
+
+import ds4lab  # noqa: E402
+from ds4lab.viz import AttentionView  # noqa: E402
+from ds4lab.viz.attention_figure import FIG_W, LEFT, SINK_PX, TOP, WIDTH, draw_static  # noqa: E402
+from ds4lab.viz.reduce import scale_colours  # noqa: E402
+
+TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # begins with Coriolanus
+
+
+@pytest.fixture(scope="module")
+def cap():
+    model = ds4lab.load(backend="numpy")
+    ids = model.tokenizer.encode(TEXT.read_text(encoding="utf-8")[:4000])[:320]
+    sess = model.session(ctx=512, prefill_chunk=64)
+    with sess.capture(["attn.scores"], layers=[2, 3], heads=[0, 1]) as c:
+        sess.prefill(ids).run(progress=False)
+    return c
+
+
+def test_colour_scales_by_hand():
+    idx, lo, hi = scale_colours(np.array([[0.0, 0.5, 1.0]]), "linear")
+    assert idx.tolist() == [[0, 128, 255]] and (lo, hi) == (0.0, 1.0)  # 0.5·255 = 127.5 rounds to even 128
+    idx, lo, hi = scale_colours(np.array([[0.2, 0.1], [0.0, 0.0], [0.5, 0.25]]), "row")
+    assert idx.tolist() == [[255, 128], [0, 0], [255, 128]] and (lo, hi) == (0.0, 1.0)
+    # log over 4 decades of max 1: 1 → 255, 0.1 → 3/4 · 255 = 191.25, 1e-4 and below (0 too) → 0
+    idx, lo, hi = scale_colours(np.array([[1.0, 0.1, 1e-4, 1e-6, 0.0]]), "log")
+    assert idx.tolist() == [[255, 191, 0, 0, 0]] and lo == pytest.approx(1e-4, rel=1e-15) and hi == 1.0
+    idx, lo, hi = scale_colours(np.array([[0.02, 0.002]]), "log", decades=2)  # lo = 2e-4: 2e-3 is 1 decade of 2
+    assert idx.tolist() == [[255, 128]]
+    assert scale_colours(np.zeros((2, 2)), "log")[0].tolist() == [[0, 0], [0, 0]]
+    with pytest.raises(ValueError, match="'sqrt'"):
+        scale_colours(np.ones((1, 1)), "sqrt")
+
+
+def test_mass_split_is_the_sums_of_the_weights(cap):
+    view = AttentionView(cap, layer=2, head=1)
+    for layer in (2, 3):
+        amap = cap.attention(layer)
+        w = amap.weights[:, 1, :]
+        nr, nc = amap.n_raw, amap.n_comp
+        ref = np.stack([w[:, :nr].sum(axis=1), w[:, nr : nr + nc].sum(axis=1), w[:, -1]], axis=1)
+        np.testing.assert_allclose(view.mass_split(layer, 1), ref, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(ref.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+    # each shown row: the mean of its pooled queries' split (rows pooled ×2 at 320 queries)
+    m, split = view.model, view.mass_split()
+    assert m.rows == 160
+    np.testing.assert_allclose(m.mass, (split[0::2] + split[1::2]) / 2, rtol=0, atol=1e-12)
+
+
+def test_zoom_shows_every_cell_of_the_region(cap):
+    view = AttentionView(cap, layer=2, head=0)
+    w = cap.attention(2).weights[:, 0, :]
+    assert "max-pooled ×2 queries, ×2 keys" in view.model.note
+    view.zoom((100, 140), (90, 150))
+    m = view.model
+    assert (m.rows, m.cols) == (40, 60) and "every cell shown" in m.note and "zoomed" in m.note
+    np.testing.assert_array_equal(view.values, w[100:140, 90:150])
+    sent = np.frombuffer(m.values, np.float32).reshape(40, 60)
+    np.testing.assert_array_equal(sent, w[100:140, 90:150].astype(np.float32))
+    assert m.row_labels[0].startswith("query 100 ") and m.col_labels[0].startswith("raw key 90 ")
+    # across the three groups: raw 300–319 | compressed rows 0–79 | sink, each cell once
+    view.zoom((280, 320), (300, 401))
+    np.testing.assert_array_equal(view.values, w[280:320, 300:401])
+    assert [(g["name"], g["stop"] - g["start"]) for g in m.groups] == [("raw", 20), ("comp", 80), ("sink", 1)]
+    # a region dragged on the front-end, in shown cells (pooled ×2 both ways): rows 10–19, columns 5–24
+    view.reset_zoom()
+    m.zoom_request = [10, 19, 5, 24]
+    assert m.zoom_request == [] and view.region == (20, 40, 10, 50)
+    np.testing.assert_array_equal(view.values, w[20:40, 10:50])
+    m.zoom_request = [-1]
+    assert view.region is None and m.rows == 160
+    with pytest.raises(ValueError, match="not inside"):
+        view.zoom((0, 500))
+
+
+def test_the_figure_keeps_its_size(cap):
+    view = AttentionView(cap, layer=2, head=0)
+    m = view.model
+    shape = (m.geometry, m.row_edges[-1], max(x1 for _, x1 in m.col_edges))
+    assert m.geometry["width"] >= 480 and shape[1:] == (480, WIDTH)
+    sink = m.groups[-1]
+    assert sink["name"] == "sink" and sink["x1"] - sink["x0"] == SINK_PX
+    widths = [x1 - x0 for x0, x1 in m.col_edges[:-1]]
+    assert min(widths) >= 3 and max(widths) - min(widths) <= 1
+    labels = (list(m.row_labels), list(m.col_labels))
+    view.show(3, 0)  # 320 raw | 2 compressed | sink
+    assert (m.geometry, m.row_edges[-1], max(x1 for _, x1 in m.col_edges)) == shape
+    assert m.title.startswith("layer 3 (ratio 128), head 0") and (list(m.row_labels), list(m.col_labels)) != labels
+    assert [g["name"] for g in m.groups] == ["raw", "comp", "sink"]
+    m.pick_head = 1  # a small multiple clicked
+    assert (view.head, m.head, view.head_select.value, m.pick_head) == (1, 1, 1, -1)
+    assert len(m.thumbs) == 2 * m.thumb_shape[0] * m.thumb_shape[1] * 3 and m.thumb_heads == [0, 1]
+    assert m.yticks and m.xticks and any(text == "sink" for _, text in m.xticks)
+
+
+def test_static_fallback_is_legible(cap):
+    view = AttentionView(cap, layer=2, head=0, scale="row")
+    html = view.static_html()
+    png = view._repr_png_()
+    w, h = struct.unpack(">II", png[16:24])
+    assert (w, h) == (FIG_W, draw_static(view._state()).shape[0]) and w >= 480
+    assert f"width='{FIG_W}'" in html and "max-pooled ×2 queries, ×2 keys" in html
+    img = draw_static(view._state())
+    dark = (img < 100).all(axis=2)
+    for y, text in view.model.yticks:  # every query-axis label written left of the heatmap (≥ 5 px per digit)
+        band = dark[TOP + int(y) - 3 : TOP + int(y) + 4, : LEFT - 5]
+        assert band.sum() >= 5 * len(text), (y, text)
+    assert len(view.model.yticks) >= 20
+
+
+def test_one_map_and_bad_input(cap):
+    single = AttentionView(cap.attention(3), scale="log")  # an AttentionMap alone: no tokens, one layer
+    assert single.layers == [3] and (single.model.rows, single.model.cols) == (160, 162)
+    assert single.model.row_labels[0] == "queries 0–1" and "log" in single.model.scale_text
+    with pytest.raises(ValueError, match="'sqrt'"):
+        AttentionView(cap, scale="sqrt")
+    with pytest.raises(ValueError, match="layer 5"):
+        AttentionView(cap, layer=5)
+    with pytest.raises(ValueError, match="head 7"):
+        single.weights(head=7)
+    with pytest.raises(TypeError, match="Capture"):
+        AttentionView(np.zeros((3, 3)))
