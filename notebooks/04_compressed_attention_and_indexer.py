@@ -120,14 +120,27 @@ for q in (60, 124, 128, 132, 200, 316):
 # Up to query 63 the window holds every earlier token; from 64 on it slides. Query 128 sees 32 compressed
 # rows, all of them; query 132 sees 33 and the indexer keeps 32.
 #
-# `AttentionView` draws the map: queries down, columns in the three groups (raw | compressed | sink);
-# compressed rows the indexer dropped for a query are tinted. Large maps are max-pooled before they are
-# sent to the browser.
+# `AttentionView` draws the map at a fixed size: queries down, keys across in three groups (raw window |
+# compressed rows | sink). Cells are scaled up, and max-pooled only when more than fit at 3 px (the note says by
+# how much). Colour "per row" shows where each query looks, "log" the small weights; the bar beside each row is
+# that query's mass on raw | compressed | sink, and compressed rows the indexer dropped are peach. Drag on the
+# map to zoom in (every cell, with its token), double-click to reset; click a head above the map to show it.
 
 # %%
 from ds4lab.viz import AttentionView
 
 AttentionView(cap, layer=2, head=0)
+
+# %% [markdown]
+# Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 30–40 are
+# queries 120–160). Around query 128 the first compressed rows appear beside the window's last raw keys.
+
+# %% tags=["nbval-check-output"]
+zoomed = AttentionView(cap, layer=2, head=0)
+zoomed.zoom(queries=(30, 40), keys=(120, 160))
+raw, comp, sink = zoomed.mass_split()[30:33].T
+print("queries", list(amap.queries[30:33]), "| raw", raw.round(2), "| compressed", comp.round(2), "| sink", sink.round(2))
+zoomed
 
 # %% [markdown]
 # ## Where the attention goes
