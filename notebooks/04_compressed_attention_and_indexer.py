@@ -133,13 +133,14 @@ AttentionView(cap, layer=2, head=0)
 
 # %% [markdown]
 # Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 30–40 are
-# queries 120–160). Around query 128 the first compressed rows appear beside the window's last raw keys.
+# queries 120–156), here across the border of the raw columns and the compressed rows. Each row's bar says how
+# its mass splits; the numbers for three of them:
 
 # %% tags=["nbval-check-output"]
 zoomed = AttentionView(cap, layer=2, head=0)
-zoomed.zoom(queries=(30, 40), keys=(120, 160))
-raw, comp, sink = zoomed.mass_split()[30:33].T
-print("queries", list(amap.queries[30:33]), "| raw", raw.round(2), "| compressed", comp.round(2), "| sink", sink.round(2))
+zoomed.zoom(queries=(30, 40), keys=(amap.n_raw - 16, amap.n_raw + 24))
+for q, (raw, comp, sink) in zip(amap.queries[30:40:4], zoomed.mass_split()[30:40:4]):
+    print(f"query {q}: raw {raw:.2f}, compressed {comp:.2f}, sink {sink:.4f}")
 zoomed
 
 # %% [markdown]
