@@ -152,7 +152,7 @@ KVCacheView(sess)
 # The second chunk ended at token 127: the ratio-128 layers (3 and 5) finished their first row, which pools
 # tokens 0–127. After the third chunk the window holds 128–191 only: tokens before 128 are no longer
 # visible as raw rows, though the ring still stores them until positions 256 and later overwrite their slots.
-# The ring above shows it: 256 slots, positions 0–191 written, the last chunk's outlined.
+# The ring above shows it: 256 slots, positions 0–191 written, the window the last 64 of them.
 #
 # In the mask of chunk 2 (tokens 128–191) of a raw-only layer, each query sees the last 64 positions: part
 # from the rows earlier chunks cached in the ring, part from the chunk's own rows.

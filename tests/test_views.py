@@ -166,7 +166,7 @@ def test_kv_slider_agrees_with_the_state_shown(model):
     assert kv.model.data["n_tokens"] == 64  # it does not follow
     kv.refresh()
     assert kv.model.data["n_tokens"] == 101 and kv.shown_checkpoint is None
-    assert kv.model.data["label"] == "the session at 101 tokens" and kv.model.data["new_from"] == 64  # since shown
+    assert kv.model.data["label"] == "of the session" and kv.model.data["new_from"] == 64  # since shown
     # plain checkpoints are named by index and size
     plain = KVCacheView(sess, checkpoints=[c.checkpoint for c in chunks])
     plain.slider.value = 1

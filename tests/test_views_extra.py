@@ -296,7 +296,7 @@ def test_kv_view_refreshes_itself(model):
     assert seen == [("PrefillChunk", 16, 0), ("PrefillChunk", 32, 16), ("PrefillChunk", 40, 32),
                     ("DecodeStep", 41, 40), ("DecodeStep", 42, 41)]
     d = kv.model.data
-    assert d["total_bytes"] == sess.kv.nbytes and d["label"] == "the session at 42 tokens"
+    assert d["total_bytes"] == sess.kv.nbytes and d["label"] == "of the session"
     assert [L["live"][1] for L in d["layers"]] == [41] * model.config.n_layer
     # sync's token-by-token extension (below the resume threshold) reports None records
     sess.sync(sess.tokens + [steps[-1].token, 5])

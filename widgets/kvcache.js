@@ -25,7 +25,7 @@ function ring(d) {
   // positions written on the ring: every cap/8 slots, outside the circle
   for (let s = 0; s < cap; s += cap / 8) {
     const [x, y] = pt(s + 0.5, r1 + 18), p = d.slots[s];
-    h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p < 0 ? "·" : p}</text>`;
+    if (p >= 0) h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p}</text>`;  // an empty slot has no position
   }
   // the write pointer: the slot of the next position
   const [px, py] = pt(d.pointer, r0 - 4), [qx, qy] = pt(d.pointer, r1 + 4);

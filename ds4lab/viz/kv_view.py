@@ -109,7 +109,7 @@ class KVCacheView(FollowingView):
         tokens = tuple(sess.tokens)
         new_from = self._new_from(tokens)
         self.model.data = kv_summary(sess.model.config, sess.geometry, sess.kv, new_from,
-                                     label=f"the session at {len(tokens)} tokens")
+                                     label="of the session")
         self._shown = (tokens, new_from)
         self._sync_slider()
 
@@ -137,6 +137,7 @@ class KVCacheView(FollowingView):
         with self._quiet():
             self.slider.max = max(len(self._checkpoints) - 1, 0)
         self.slider.disabled = len(self._checkpoints) < 2
+        self.slider.layout.display = "none" if len(self._checkpoints) < 2 else None  # nothing to scrub: no slider
         self._sync_slider()
 
     @property
