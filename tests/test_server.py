@@ -273,13 +273,13 @@ def test_a_client_that_leaves_stops_generation(server):
     assert 3 <= generated < 20, generated  # stopped within a few steps of the close, not at 64
     # a whole (not streamed) request whose client gives up: the handler sees it gone and stops the worker
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=dict(body, stream=False), timeout=1.5)
+        httpx.post(server.url + "/v1/completions", json=dict(body, stream=False), timeout=0.4)
     deadline = time.monotonic() + 20
     while stats()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     last = stats()
     assert not last["running"] and last["cancelled"] == after["cancelled"] + 1
-    assert last["completion_tokens"] - after["completion_tokens"] < 40
+    assert last["completion_tokens"] - after["completion_tokens"] < 64  # stopped before the request's 64
 
 
 BAD = [  # (endpoint, body, status, param, code)

@@ -49,7 +49,6 @@ function render({ model, el }) {
       c.getContext("2d").putImageData(img, 0, 0);
       const label = document.createElement("div"); label.textContent = `head ${h}`;
       box.append(c, label);
-      box.addEventListener("click", () => { model.set("pick_head", h); model.save_changes(); });
       heads.append(box);
     });
   };
@@ -175,9 +174,14 @@ function render({ model, el }) {
     model.save_changes();
   };
   const reset = () => { model.set("zoom_request", [-1]); model.save_changes(); };
+  // one listener for the head pictures, whichever are drawn: a click picks the head of the box it lands in
+  const pick = (ev) => {
+    const box = ev.target.closest(".ds4-att-head");
+    if (box) { model.set("pick_head", +box.dataset.head); model.save_changes(); }
+  };
   // a change of state arrives as several trait changes: draw once, at the next frame
-  let pending = false;
-  const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; draw(); }); } };
+  let frame = null;
+  const schedule = () => { if (frame === null) frame = requestAnimationFrame(() => { frame = null; draw(); }); };
   draw();
   const events = ["buf", "marks", "values", "rows", "cols", "groups", "title", "note", "mass", "thumbs", "head", "layer"]
     .map((k) => `change:${k}`);
@@ -187,6 +191,7 @@ function render({ model, el }) {
   canvas.addEventListener("mousedown", down);
   window.addEventListener("mouseup", up);
   canvas.addEventListener("dblclick", reset);
+  heads.addEventListener("click", pick);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, schedule);
@@ -195,6 +200,8 @@ function render({ model, el }) {
     canvas.removeEventListener("mousedown", down);
     window.removeEventListener("mouseup", up);
     canvas.removeEventListener("dblclick", reset);
+    heads.removeEventListener("click", pick);
+    if (frame !== null) cancelAnimationFrame(frame);
   };
 }
 export default { render };

@@ -116,14 +116,21 @@ async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response
         return StreamingResponse(stream(job, rid), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     reasoning, text = [], []
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
             try:
-                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(job.events.get(), max(0.0, check_at - loop.time()))
             except asyncio.TimeoutError:
+                event = None
+            # whether the client is still there, every DISCONNECT_POLL_S even while tokens keep coming
+            if loop.time() >= check_at:
                 if await request.is_disconnected():
                     job.cancelled.set()
                     return Response(status_code=499)
+                check_at = loop.time() + DISCONNECT_POLL_S
+            if event is None:
                 continue
             kind = event[0]
             if kind == "text":
