@@ -132,14 +132,15 @@ from ds4lab.viz import AttentionView
 AttentionView(cap, layer=2, head=0)
 
 # %% [markdown]
-# Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 30–40 are
-# queries 120–156), here across the border of the raw columns and the compressed rows. Each row's bar says how
-# its mass splits; the numbers for three of them:
+# Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 70–80 are
+# queries 280–316), here across the border of the last raw keys and the first compressed rows: a query sees the
+# raw keys up to its own position (later ones are grey) and, from 131 on, only the compressed rows the indexer
+# kept (dropped ones are peach). Each row's bar says how its mass splits; the numbers for three of them:
 
 # %% tags=["nbval-check-output"]
 zoomed = AttentionView(cap, layer=2, head=0)
-zoomed.zoom(queries=(30, 40), keys=(amap.n_raw - 16, amap.n_raw + 24))
-for q, (raw, comp, sink) in zip(amap.queries[30:40:4], zoomed.mass_split()[30:40:4]):
+zoomed.zoom(queries=(70, 80), keys=(amap.n_raw - 16, amap.n_raw + 24))
+for q, (raw, comp, sink) in zip(amap.queries[70:80:4], zoomed.mass_split()[70:80:4]):
     print(f"query {q}: raw {raw:.2f}, compressed {comp:.2f}, sink {sink:.4f}")
 zoomed
 
