@@ -10,7 +10,7 @@ function render({ model, el }) {
     const n = model.get("n_expert"), show = model.get("show"), common = model.get("common_scale");
     const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
     const vmaxAll = Math.max(1, ...layers.map((L) => Math.max(...L.counts)));
-    const bw = Math.max(2, Math.min(12, Math.floor(640 / Math.max(n, 1)))), H = 40;
+    const bw = Math.max(2, Math.min(32, Math.floor(640 / Math.max(n, 1)))), H = 40;
     let h = `<div class="ds4-title">${esc(model.get("title"))}</div><div class="ds4-note">` +
       `x: expert 0–${n - 1}, y: tokens routed (${common ? "one scale" : "each layer its own scale"}); ` +
       `<span class="ds4-badge">hash</span> layers route by a fixed table of the token id, the others by the ` +
