@@ -36,20 +36,18 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from train_shakespeare import DATA, SEED
+from train_shakespeare import DATA, SEED, file_arrays
 
 import ds4lab
 from ds4lab.arch import NEG_INF
 from ds4lab.backends import get_backend
 from ds4lab.config import replace
 from ds4lab.evaluate import held_out_ids, held_out_split, indexed_layers, indexer_figures, top_k_recall
-from ds4lab.gguf_file import load_model_file
 from ds4lab.kv.layout import Geometry, layer_comp_cap, new_state
 from ds4lab.model.attention import visible_rows
 from ds4lab.model.transformer import Transformer
 from ds4lab.model.weights import ArrayWeights
 from ds4lab.ops import Ops
-from ds4lab.quants import dequantize
 from ds4lab.runtime import Runtime
 from ds4lab.testing import write_model
 from ds4lab.tokenizer import Tokenizer
@@ -73,14 +71,7 @@ class DetachedIndexerWeights(ArrayWeights):
 
 def file_params(path: Path):
     """The file's config, tokenizer vocabulary, float32 weights (MLX arrays) and hash tables."""
-    cfg, file = load_model_file(path)
-    params, hashes = {}, {}
-    for name, t in file.tensors.items():
-        values = dequantize(t.data, t.qtype, t.shape[0])
-        if name.endswith("tid2eid.weight"):
-            hashes[int(name.split(".")[1])] = values
-        else:
-            params[name] = mx.array(values.astype(np.float32))
+    cfg, file, params, hashes = file_arrays(path)
     meta = file.metadata
     return cfg, params, hashes, list(meta["tokenizer.ggml.tokens"][0]), list(meta["tokenizer.ggml.merges"][0]), meta
 

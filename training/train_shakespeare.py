@@ -60,10 +60,8 @@ def unigram_loss(train: np.ndarray, val: np.ndarray, vocab: int) -> float:
     return float(-logp[val].mean())
 
 
-def initial_params(tokens_text: str, workdir: Path):
-    """Seeded initial weights from the project's own generator (F32 everywhere), as float arrays."""
-    path = make_model(CONFIG, workdir / "init.gguf", seed=SEED, dense_type="F32", expert_types=("F32", "F32"),
-                      tokenizer_text=tokens_text)
+def file_arrays(path: Path):
+    """A model file's config and file, its weights as float32 MLX arrays, and its hash tables by layer."""
     cfg, file = load_model_file(path)
     params, hashes = {}, {}
     for name, t in file.tensors.items():
@@ -71,7 +69,15 @@ def initial_params(tokens_text: str, workdir: Path):
         if name.endswith("tid2eid.weight"):
             hashes[int(name.split(".")[1])] = values
         else:
-            params[name] = mx.array(values)
+            params[name] = mx.array(values.astype(np.float32, copy=False))
+    return cfg, file, params, hashes
+
+
+def initial_params(tokens_text: str, workdir: Path):
+    """Seeded initial weights from the project's own generator (F32 everywhere), as float arrays."""
+    path = make_model(CONFIG, workdir / "init.gguf", seed=SEED, dense_type="F32", expert_types=("F32", "F32"),
+                      tokenizer_text=tokens_text)
+    _, _, params, hashes = file_arrays(path)
     return params, hashes
 
 
