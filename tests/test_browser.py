@@ -197,24 +197,30 @@ def _prompts(page) -> list[str]:
     )
 
 
+def launch_chromium(pw):
+    """Debian's Chromium under Playwright (``pw``), headless, resolving no host name but the server's, so that the
+    page is as offline as it can be; the test skips, saying why, when it does not start."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    try:
+        return pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                  args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                                        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
+    except PlaywrightError as e:
+        pytest.skip(f"Chromium at {CHROMIUM} did not start under Playwright: {str(e)[:500]}")
+
+
 @pytest.fixture(scope="module")
 def page(lab):
     """The notebook opened in headless Chromium and run through Run > Run All Cells: the page, its console
     messages, page errors and the requests it made to other hosts than the server (which fail)."""
-    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     base, token, name, n_code, server_log = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     console, errors, remote = [], [], []
     with sync_playwright() as pw:
-        try:
-            # no host name resolves but the server's: the page is as offline as it can be
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                         args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                                               "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
-        except PlaywrightError as e:
-            pytest.skip(f"Chromium at {CHROMIUM} did not start under Playwright: {str(e)[:500]}")
+        browser = launch_chromium(pw)
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 2000})
             pg.on("console", lambda m: console.append(m))

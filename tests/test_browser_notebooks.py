@@ -175,7 +175,6 @@ def _use_a_control(pg, outputs, name: str):
 @pytest.fixture(scope="module")
 def runs(lab):
     """Every notebook run through the UI in one Chromium page: per notebook, what the page showed and did."""
-    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     base, token, *_ = lab
@@ -184,12 +183,7 @@ def runs(lab):
         _api(base, token, "PUT", f"contents/{name}", {"type": "notebook", "format": "json", "content": _cleared(name)})
     results = {}
     with sync_playwright() as pw:
-        try:
-            browser = pw.chromium.launch(executable_path=tb.CHROMIUM, headless=True,
-                                         args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                                               "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
-        except PlaywrightError as e:
-            pytest.skip(f"Chromium at {tb.CHROMIUM} did not start under Playwright: {str(e)[:500]}")
+        browser = tb.launch_chromium(pw)
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 1600})
             console, errors, remote = [], [], []
