@@ -516,8 +516,8 @@ class TierRun:
         if x is not None:
             src.settle(x)  # the layers before the boundary are not part of the switch time
         shape = (self.rows, n_hc, n_embd)
-        x, seconds = self.ranks.move(x, src.rank, dst.rank, shape, dtype,
-                                     f"step {self.step}: the hidden state before {_unit_name(layer, self.placement.n_layer)}")
+        what = f"step {self.step}: the hidden state before {_unit_name(layer, self.placement.n_layer)}"
+        x, seconds = self.ranks.move(x, src.rank, dst.rank, shape, dtype, what)
         return x, seconds, int(np.prod(shape)) * dtype.size
 
 

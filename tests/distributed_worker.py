@@ -5,7 +5,8 @@
 prefilled and decoded; each rank writes what it saw to ``OUT/rank{r}.npz`` (logits after every step, the
 sampled tokens, its own layers' KV arrays, its tier trace). Rank 0 also writes the gathered checkpoint to
 ``OUT/gathered.dsv4``, then scatters ``OUT/single.dsv4`` (written by the test from one process) and every rank
-decodes on from it. With ``--kill-rank R`` rank R kills itself (SIGKILL) in the middle of the first decode step.
+decodes on from it. With ``--kill-rank R`` rank R kills itself (SIGKILL) in the middle of the first step, when it
+enters its first layer.
 """
 
 import json
@@ -33,16 +34,9 @@ def placement(plan: str) -> Placement:
     return Placement(layer_tiers=ranks, devices=[f"rank:{r}" for r in range(max(ranks) + 1)])
 
 
-def kill_mid_step(model, rank: int) -> None:
-    """SIGKILL this process when it enters its first layer of the first decode step (one-token chunk)."""
-    attention = model.runtime._attention
-
-    def dying(il, X, *args):
-        if X.shape[0] == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return attention(il, X, *args)
-
-    model.runtime._attention = dying
+def kill_mid_step(model) -> None:
+    """SIGKILL this process when it enters its first layer (the previous stage's hidden state received)."""
+    model.runtime._attention = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -52,7 +46,7 @@ def main() -> None:
     sess = model.session(ctx=CTX, prefill_chunk=CHUNK, placement=placement(plan))
     rank = sess.placement.ranks.rank
     if kill_rank == rank:
-        kill_mid_step(model, rank)
+        kill_mid_step(model)
     logits = []
     for _ in sess.prefill(PROMPT):
         logits.append(sess.logits)

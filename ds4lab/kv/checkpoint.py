@@ -162,7 +162,8 @@ def payload_to_state(cfg: ModelConfig, backend, payload: Payload, geometry: Geom
     """Rebuild a state of ``geometry`` from a payload that ``decode_payload`` accepted for it."""
     T = payload.n_tokens
     empty = new_state(cfg, backend, geometry)
-    layers = [layer_from_payload(backend, layer, saved, T, geometry) for layer, saved in zip(empty.layers, payload.layers)]
+    layers = [layer_from_payload(backend, layer, saved, T, geometry)
+              for layer, saved in zip(empty.layers, payload.layers)]
     return KVState(tuple(layers), T, geometry)
 
 
