@@ -4,9 +4,9 @@
 (PLAN: "pipeline" for ``Placement.over_ranks()``, or comma-separated layer ranks), the prompt of the tests
 prefilled and decoded; each rank writes what it saw to ``OUT/rank{r}.npz`` (logits after every step, the
 sampled tokens, its own layers' KV arrays, its tier trace). Rank 0 also writes the gathered checkpoint to
-``OUT/gathered.dsv4``, then scatters ``OUT/single.dsv4`` (written by the test from one process) and every rank
-decodes on from it. With ``--kill-rank R`` rank R kills itself (SIGKILL) in the middle of the first step, when it
-enters its first layer.
+``OUT/gathered.dsv4`` and offers its own part to scatter (every rank must refuse it); then it scatters
+``OUT/single.dsv4`` (written by the test from one process) and every rank decodes on from it. With
+``--kill-rank R`` rank R kills itself (SIGKILL) in the middle of the first step, when it enters its first layer.
 """
 
 import json
@@ -60,13 +60,20 @@ def main() -> None:
     whole = sess.gather()
     if rank == 0:
         (out / "gathered.dsv4").write_bytes(whole.to_bytes())
+    try:  # rank 0 offers its own part: refused on every rank, the session unchanged
+        sess.scatter(sess.checkpoint() if rank == 0 else None)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    unchanged = sess.tokens == PROMPT + tokens and np.array_equal(sess.logits, logits[-1])
     single = Checkpoint.from_bytes((out / "single.dsv4").read_bytes(), model.config) if rank == 0 else None
     sess.scatter(single)
     after = sess.decoder(seed=SEED_AFTER)
     after_tokens = [after.step().token for _ in range(N_AFTER)]
     trace = [list(vars(s).values()) for s in sess.tier_trace]
     np.savez(out / f"rank{rank}.npz", logits=np.stack(logits), tokens=tokens, after_tokens=after_tokens,
-             after_logits=sess.logits, trace=json.dumps(trace), part=sess.placement.part, **own)
+             after_logits=sess.logits, trace=json.dumps(trace), part=sess.placement.part, refused=refused,
+             unchanged=unchanged, **own)
 
 
 if __name__ == "__main__":

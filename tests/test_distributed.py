@@ -165,6 +165,10 @@ def test_ranks_give_the_results_of_one_process(n, model_path, reference, tmp_pat
         for il in own:
             for name, want in reference["state"][il].items():
                 assert np.array_equal(got[f"{il}.{name}"], want), (rank, il, name)
+        # rank 0 refused to scatter a part: every rank raised its reason and kept its state
+        assert "holds one part of a split state (rank 0 of" in str(got["refused"])
+        assert str(got["refused"]).startswith("the checkpoint" if rank == 0 else f"rank {rank}: rank 0 refused")
+        assert bool(got["unchanged"])
         # one process's checkpoint scattered from rank 0: the decode from it is one process's
         assert got["after_tokens"].tolist() == reference["after_tokens"]
         assert np.array_equal(got["after_logits"], reference["after_logits"])
