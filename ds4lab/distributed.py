@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -31,8 +32,6 @@ class Ranks:
     them. Sends and receives run on the CPU stream (the ring backend's; on a Mac the memory is shared)."""
 
     def __init__(self, group=None):
-        import mlx.core as mx
-
         self.group = mx.distributed.init() if group is None else group
         self.rank, self.size = self.group.rank(), self.group.size()
 
@@ -73,8 +72,6 @@ class Ranks:
 
     def share_bytes(self, data: bytes | None, root: int, what: str) -> bytes:
         """Bytes of rank ``root`` (``data`` there, None elsewhere) on every rank: their length, then them."""
-        import mlx.core as mx
-
         n = int(self.share(mx.array([len(data) if self.rank == root else 0], dtype=mx.int64), root, (1,),
                            mx.int64, what).item())
         if n == 0:
@@ -83,20 +80,14 @@ class Ranks:
         return bytes(np.array(self.share(arr, root, (n,), mx.uint8, what)))
 
     def _send(self, x, dst: int, what: str) -> None:
-        import mlx.core as mx
-
         self._eval(mx.distributed.send(x, dst, group=self.group, stream=mx.cpu), dst, what)
 
     def _recv(self, shape, dtype, src: int, what: str):
-        import mlx.core as mx
-
         y = mx.distributed.recv(tuple(shape), dtype, src, group=self.group, stream=mx.cpu)
         self._eval(y, src, what)
         return y
 
     def _eval(self, x, peer: int, what: str) -> None:
-        import mlx.core as mx
-
         try:
             mx.eval(x)
         except RuntimeError as e:

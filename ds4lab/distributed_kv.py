@@ -11,6 +11,7 @@ config and the token count, so nothing but the rows crosses the link. Every rank
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from .kv.checkpoint import Checkpoint, layer_from_payload, layer_to_payload, model_fingerprint
@@ -23,8 +24,6 @@ ROOT = 0  # the rank that holds a whole checkpoint
 def gather(placement, model, cp: Checkpoint) -> Checkpoint | None:
     """``cp`` (this rank's part of a checkpoint of a session placed over ranks) with every rank's layers, as a
     payload checkpoint on rank 0; None on the other ranks."""
-    import mlx.core as mx
-
     ranks, cfg, backend = placement.ranks, model.config, model.backend
     state, T = cp.state, len(cp.tokens)
     geo = state.geometry
@@ -53,8 +52,6 @@ def scatter(placement, model, geometry, cp: Checkpoint | None):
     """Rank 0's whole checkpoint ``cp`` (what the other ranks pass is not read) as this rank's part:
     ``(tokens, logits or None, state with this rank's layers, edits)``. Rank 0 checks it against the session
     first (the loader's rules, as ``Session.restore``); when it refuses, every rank raises its reason."""
-    import mlx.core as mx
-
     ranks, cfg, backend = placement.ranks, model.config, model.backend
     payload, refusal, verdict = None, None, None
     if ranks.rank == ROOT:
@@ -109,8 +106,6 @@ def _checked(cp: Checkpoint | None, model, geometry) -> Payload:
 
 def _move(ranks, flat, src: int, dst: int, shapes: dict, what: str):
     """One layer's flattened rows from rank ``src`` to rank ``dst`` (a layer may hold no values yet)."""
-    import mlx.core as mx
-
     size = sum(int(np.prod(s)) for s in shapes.values() if s)
     if size == 0:
         return mx.zeros((0,), dtype=mx.float32) if ranks.rank == dst else None

@@ -7,6 +7,7 @@ Every rank runs tests/distributed_worker.py; the reference runs here, with the s
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from distributed_worker import CHUNK, CTX, N_AFTER, N_DECODE, PROMPT, SEED, SEED_AFTER  # noqa: E402
 
 WORKER = Path(__file__).parent / "distributed_worker.py"
-LAUNCH = Path(sys.executable).parent / "mlx.launch"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"  # MLX's launcher, beside this interpreter as pip installs it
+if not LAUNCH.exists():
+    LAUNCH = shutil.which("mlx.launch") or LAUNCH
 TIMEOUT = 120  # seconds a whole launch may take before the test fails (about 10-20 s here)
 
 
