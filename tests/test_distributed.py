@@ -26,6 +26,8 @@ mx = pytest.importorskip("mlx.core")
 if not mx.distributed.is_available():
     pytest.skip("this MLX has no mx.distributed", allow_module_level=True)
 
+from ds4lab.distributed import Ranks  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_worker import CHUNK, CTX, N_AFTER, N_DECODE, PROMPT, SEED, SEED_AFTER  # noqa: E402
 
@@ -236,8 +238,6 @@ class FakeGroup:
     (5, 1, 4, [1, 0, 4]), (5, 4, 1, [4, 0, 1]), (4, 2, 2, [2]),
 ])
 def test_arrays_go_round_the_ring_the_shorter_way(size, src, dst, path):
-    from ds4lab.distributed import Ranks
-
     assert Ranks(FakeGroup(0, size)).path(src, dst) == path
 
 
@@ -276,3 +276,36 @@ def test_a_part_of_a_split_state_stays_with_its_session(reference):
     assert other.tokens == PROMPT and np.array_equal(other.logits, sess.logits)
     with pytest.raises(ValueError, match="holds one part of a split state"):
         other.scatter(cp)
+
+
+class RecordingRanks(Ranks):
+    """A rank of a fake group whose sends and receives are recorded instead of made."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(FakeGroup(rank, size))
+        self.calls = []
+
+    def _send(self, x, dst, what):
+        self.calls.append(("send", dst))
+
+    def _recv(self, shape, dtype, src, what):
+        self.calls.append(("recv", src))
+        return f"from {src}"
+
+
+def test_a_move_is_relayed_by_the_ranks_between_and_a_share_goes_round_the_ring():
+    """What each of 4 ranks does to move an array from rank 0 to rank 2 (relayed by rank 1, the ring backend
+    sending only to neighbours) and to share rank 2's array with every rank (2 → 3 → 0 → 1). A 4-rank run of the
+    worker with the plan 0,2,2,1,3,0 (moves 0 → 2 and 1 → 3) matched one process bit for bit by hand; CI runs 2 and
+    3 ranks, where every pair is neighbours."""
+    moved, shared = {}, {}
+    for rank in range(4):
+        r = RecordingRanks(rank, 4)
+        x, seconds = r.move("x" if rank == 0 else None, 0, 2, (1,), None, "test")
+        moved[rank] = (r.calls, x)
+        r.calls = []
+        shared[rank] = (r.calls, r.share("y" if rank == 2 else None, 2, (1,), None, "test"))
+    assert moved == {0: ([("send", 1)], None), 1: ([("recv", 0), ("send", 2)], None), 2: ([("recv", 1)], "from 1"),
+                     3: ([], None)}
+    assert shared == {2: ([("send", 3)], "y"), 3: ([("recv", 2), ("send", 0)], "from 2"),
+                      0: ([("recv", 3), ("send", 1)], "from 3"), 1: ([("recv", 0)], "from 0")}
