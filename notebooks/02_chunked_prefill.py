@@ -244,6 +244,17 @@ for r in flash_table():
 
 
 # %% [markdown]
+# What the compression buys at that scale: the cache DS4 keeps against the caches a model of the same shape would
+# keep with dense attention (one row per token and layer for every head (MHA), for 8 shared heads (GQA), for one
+# latent row (MLA), or one shared row as DS4's raw window has, but for every token), from 1K to 1M tokens
+# (`ds4lab.kv.sizes` says how each is counted; 2 bytes a value):
+
+# %%
+from ds4lab.viz.charts import kv_cache_chart
+
+kv_cache_chart(ds4lab.FLASH)
+
+# %% [markdown]
 # ## Chunked == one-shot
 #
 # Every KV array the sessions hold (raw window, compressed rows, indexer rows, and the compressors'
