@@ -32,6 +32,7 @@ from .common import (
     UsageError,
     err,
 )
+from ..platform_support import require_processes
 from .inspect_file import inspect_command
 from .make_model import make_model_command
 from .run import run_command
@@ -221,6 +222,7 @@ def _unknown_leading_options(parser: argparse.ArgumentParser, argv: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_processes("the ds4lab command")
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     unknown = _unknown_leading_options(parser, argv)
