@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..platform_support import require_processes
 from .bench import bench_command
 from .common import (
     DEFAULT_CTX,
@@ -32,7 +33,6 @@ from .common import (
     UsageError,
     err,
 )
-from ..platform_support import require_processes
 from .inspect_file import inspect_command
 from .make_model import make_model_command
 from .run import run_command
