@@ -16,6 +16,7 @@ itself, NumPy, PyYAML, tqdm, requests and Altair come from Pyodide's CDN when th
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import sysconfig
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
+
+import nbformat
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -80,7 +83,10 @@ def build(output: Path, download: bool = True) -> Path:
         contents = Path(tmp) / "contents"
         contents.mkdir()
         for nb in notebooks():
-            shutil.copy2(nb, contents / nb.name)
+            # Multi-line strings joined, as a Jupyter server serves them: JupyterLite hands the file to JupyterLab as
+            # it is, and JupyterLab shows a stream output saved as a list of lines with commas between them.
+            (contents / nb.name).write_text(json.dumps(nbformat.read(nb, as_version=4), ensure_ascii=False),
+                                            encoding="utf-8")
         if output.exists():
             shutil.rmtree(output)
         cmd = [sys.executable, "-m", "jupyter", "lite", "build", "--lite-dir", str(HERE), "--output-dir", str(output),
