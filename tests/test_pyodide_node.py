@@ -33,9 +33,9 @@ RUNNER = textwrap.dedent("""
     const [pyodideDir, workDir] = process.argv.slice(2);
     const { loadPyodide } = await import(pathToFileURL(pyodideDir + "/pyodide.mjs").href);
     const pyodide = await loadPyodide({ indexURL: pyodideDir + "/" });
-    pyodide.FS.mkdirTree("/work");
+    pyodide.FS.mkdirTree("/case");
     for (const name of readdirSync(workDir)) {
-        pyodide.FS.writeFile("/work/" + name, readFileSync(workDir + "/" + name));
+        pyodide.FS.writeFile("/case/" + name, readFileSync(workDir + "/" + name));
     }
     console.log(pyodide.runPython(readFileSync(workDir + "/main.py", "utf8")));
 """)
@@ -45,13 +45,13 @@ MAIN = textwrap.dedent("""
     import importlib.util, json, sys
 
     def module(name):
-        spec = importlib.util.spec_from_file_location(name, f"/work/{name}.py")
+        spec = importlib.util.spec_from_file_location(name, f"/case/{name}.py")
         m = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(m)
         return m
 
     tokenizer, platform_support = module("tokenizer"), module("platform_support")
-    case = json.load(open("/work/case.json"))
+    case = json.load(open("/case/case.json"))
     tok = tokenizer.Tokenizer(case["tokens"], case["merges"])
     out = {"platform": sys.platform, "in_browser": platform_support.in_browser()}
     out["ids"] = [tok.encode(text) for text in case["texts"]]
