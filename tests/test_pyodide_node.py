@@ -1,7 +1,7 @@
 """What of ds4lab can be run under real Pyodide without NumPy: Pyodide's core (the npm package ``pyodide``) under
 Node runs ds4lab's tokenizer and platform check, which need only the standard library, and gives the token ids,
-chat renderings and decodings CPython gives. NumPy is not in that package (Pyodide fetches it from its CDN), so
-the model itself cannot run here.
+chat renderings and decodings CPython gives; every module of the package compiles under its Python. NumPy is not
+in that package (Pyodide fetches it from its CDN), so the model itself cannot run here.
 
 Needs ``node`` and the package's folder in ``DS4LAB_PYODIDE`` (``npm install pyodide``, then
 ``DS4LAB_PYODIDE=$PWD/node_modules/pyodide``); skips otherwise, saying so."""
@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ RUNNER = textwrap.dedent("""
 
 # ds4lab/__init__.py imports NumPy, which this Pyodide lacks: the two modules load by file, as modules of their own.
 MAIN = textwrap.dedent("""
-    import importlib.util, json, sys
+    import importlib.util, json, pathlib, sys, warnings, zipfile
 
     def module(name):
         spec = importlib.util.spec_from_file_location(name, f"/case/{name}.py")
@@ -61,6 +62,17 @@ MAIN = textwrap.dedent("""
         platform_support.require_processes("ds4lab serve")
     except RuntimeError as e:
         out["refused"] = str(e)
+    # every module of the package compiles under Pyodide's Python, a SyntaxWarning counted as a failure
+    zipfile.ZipFile("/case/ds4lab.zip").extractall("/case/src")
+    sources, failed = sorted(pathlib.Path("/case/src").rglob("*.py")), {}
+    for path in sources:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                compile(path.read_text(encoding="utf-8"), str(path), "exec")
+            except (SyntaxError, SyntaxWarning) as e:
+                failed[str(path)] = repr(e)
+    out["compiled"], out["compile_failures"] = len(sources), failed
     try:
         import numpy  # noqa: F401
         out["numpy"] = True
@@ -92,6 +104,9 @@ def run(pyodide_dir, tmp_path_factory):
     (work / "case.json").write_text(json.dumps({"tokens": tok.tokens, "merges": merges, "texts": texts,
                                                 "chats": CHATS}))
     (work / "main.py").write_text(MAIN)
+    with zipfile.ZipFile(work / "ds4lab.zip", "w") as z:
+        for path in sorted((ROOT / "ds4lab").rglob("*.py")):
+            z.write(path, path.relative_to(ROOT).as_posix())
     runner = work.parent / f"{work.name}-runner.mjs"
     runner.write_text(RUNNER)
     r = subprocess.run(["node", str(runner), str(pyodide_dir), str(work)], capture_output=True, text=True,
@@ -119,3 +134,9 @@ def test_chat_renderings_equal_cpython(run):
 
 def test_the_entry_points_refuse_there(run):
     assert "ds4lab serve cannot run in the browser" in run[2]["refused"]
+
+
+def test_every_module_compiles_under_pyodides_python(run):
+    out = run[2]
+    assert out["compiled"] == len(list((ROOT / "ds4lab").rglob("*.py"))) > 50
+    assert out["compile_failures"] == {}
