@@ -3,7 +3,7 @@
 # On a machine without a package index, stage the wheels first (docs/GPU.md): the MLX wheel and the first two
 # parts of the MLX CUDA wheel in /tmp/w, its third part and the py3.12 wheels of gguf, tokenizers, tqdm, pyyaml
 # and pytest in .whlC. Then:
-#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests slice decode profile flash tiers ncu all;
+#     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests graph slice decode profile flash tiers ncu all;
 #                                                      steps: tests_cupy ... compare)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call; "tests" (about 4 min on an H200) and "slice" (about 3 min) each fit one call,
@@ -31,10 +31,29 @@ want() {  # want STEP GROUP: the step was asked for by its name, its group, or "
     case " $what " in *" $1 "*|*" $2 "*|*" all "*) return 0;; esac; return 1
 }
 want cold slice && step cold 120 python3 benchmarks/cold_start.py --json "$OUT/cold.json"
-want tests_cupy tests && step tests_cupy 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k "cupy"
-want tests_mlx tests && step tests_mlx 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+# one process: the GPU tests share the GPU (pyproject's "-n auto" would start a worker per CPU core)
+pytest_gpu="python3 -m pytest -q -p no:cacheprovider -o addopts=-rs"
+want tests_cupy tests && step tests_cupy 150 $pytest_gpu -m gpu tests/test_gpu_kernels.py -k "cupy"
+want tests_mlx tests && step tests_mlx 240 $pytest_gpu tests/test_gpu_kernels.py \
     tests/test_tiers.py -k "mlx and not emulated"
-want tests_tiers tests && [ "$n_gpu" -ge 2 ] && step tests_tiers 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tiers.py
+want tests_tiers tests && [ "$n_gpu" -ge 2 ] && step tests_tiers 120 $pytest_gpu tests/test_gpu_tiers.py
+# ds4's graph tests through the command line (ds4lab run --graph-test family): the embedded model (trained) and a
+# nano one (random weights: over a 3-chunk prompt its FP8/FP4 rounding flips grow, so it runs in exact numerics),
+# a decode step and a 3-chunk prompt, kernels against plain ops
+graph() {  # graph BACKEND: every graph test on both models; exit 1 if any FAILs
+    local rc=0 m t
+    python3 -m ds4lab.cli make-model -o /tmp/graph_nano.gguf || return 1
+    for m in "" "-m /tmp/graph_nano.gguf --numerics exact"; do
+        for t in --graph-test --graph-full-test "--graph-prompt-test --prefill-chunk 256 --ctx 1024"; do
+            echo "## ${m:-embedded} $t"
+            python3 -m ds4lab.cli run $m --backend "$1" $t -p "$(head -c 1500 data/tinyshakespeare.txt)" || rc=1
+        done
+    done
+    return $rc
+}
+export -f graph
+want graph_cupy graph && step graph_cupy 200 bash -c "graph cupy"
+want graph_mlx graph && step graph_mlx 300 bash -c "graph mlx"
 want slice_cupy slice && step slice_cupy 200 python3 benchmarks/gpu_slice.py --backend cupy --json "$OUT/slice_cupy.json"
 want decode_cupy decode && step decode_cupy 120 python3 benchmarks/gpu_slice.py --backend cupy --prefill \
     --json "$OUT/decode_cupy.json"

@@ -107,6 +107,10 @@ class Session:
         # The resolved plan; every step's switches go to tier_trace, steps counted from 0.
         self.placement = (placement or Placement.single()).resolve(model, self._state)
         self._state = self.placement.place_state(self._state)
+        self._part = self.placement.part  # this process's part of a state split over ranks, else None
+        if kv_store is not None and self._part is not None:
+            raise ValueError("a kv_store saves whole states: on a session placed over ranks save from rank 0 what "
+                             "Session.gather() returns there (docs/DISTRIBUTED.md)")
         self.tier_trace: deque[TierSwitch] = deque(maxlen=TIER_TRACE_MAX)
         self._tier_step = 0
         self._active_tier = self.placement.embed_tier
@@ -197,7 +201,8 @@ class Session:
         """The current state as a :class:`Checkpoint` of this model, not kept for ``sync`` (nothing is copied:
         states are immutable values, so a step cannot change it)."""
         return Checkpoint(tuple(self.tokens), self.logits, self._state, config=self.model.config,
-                          backend=self.model.backend, fingerprint=model_fingerprint(self.model), edits=self._edits)
+                          backend=self.model.backend, fingerprint=model_fingerprint(self.model), edits=self._edits,
+                          part=self._part)
 
     def checkpoint(self) -> Checkpoint:
         """The current state (:meth:`snapshot`), also kept for ``sync``."""
@@ -209,15 +214,48 @@ class Session:
         """Make ``cp`` the live state. A checkpoint of another model (another layer count or config, or another
         model fingerprint where the checkpoint knows one) is refused with a :class:`PayloadError` naming both
         values, and a payload is checked against this session (ds4's loader rules); the session is unchanged
-        on any refusal."""
+        on any refusal. On a session placed over ranks this process keeps its own layers of a whole checkpoint
+        (nothing moves between ranks: every rank restores the same one), or takes back a part it checkpointed."""
+        if cp.part is not None and cp.part != self._part:
+            raise ValueError(f"the checkpoint holds one part of a split state ({cp.part}); this session's part is "
+                             f"{self._part or 'the whole state'}: restore a whole checkpoint (Session.gather's)")
         state = cp.state_for(self.model.config, self.model.backend, self.geometry, model_fingerprint(self.model))
         self._commit(list(cp.tokens), None if cp.logits is None else np.array(cp.logits), state, edits=cp.edits)
+
+    def gather(self, cp: Checkpoint | None = None) -> Checkpoint | None:
+        """``cp`` (default: the live state) whole: on a session placed over ranks every rank calls it with its own
+        part of the same checkpoint, and rank 0 gets one checkpoint of every rank's layers (its ``to_bytes()`` is
+        the ``DSV4`` payload; a ``KVStore`` on rank 0 can save it), the others None. Elsewhere ``cp`` itself."""
+        cp = self.snapshot() if cp is None else cp
+        if self._part is None:
+            return cp
+        if cp.part != self._part:
+            raise ValueError(f"gather takes this session's own checkpoints ({self._part}); this one holds "
+                             f"{cp.part or 'a whole state'}")
+        from .distributed_kv import gather
+
+        return gather(self.placement, self.model, cp)
+
+    def scatter(self, cp: Checkpoint | None) -> None:
+        """Make rank 0's whole checkpoint ``cp`` the live state of every rank, each keeping its own layers; every
+        rank calls it (what ranks other than 0 pass is not read). Rank 0 checks ``cp`` as :meth:`restore` does and,
+        when it refuses it, every rank raises the reason and stays unchanged. Elsewhere :meth:`restore`."""
+        if self._part is None:
+            self.restore(cp)
+            return
+        from .distributed_kv import scatter
+
+        tokens, logits, state, edits = scatter(self.placement, self.model, self.geometry, cp)
+        self._commit(tokens, logits, state, edits=edits)
 
     def reset(self) -> None:
         self._commit([], None, new_state(self.model.config, self.model.backend, self.geometry))
 
     @property
     def kv(self) -> KVView:
+        if self._part is not None:
+            raise ValueError(f"this process holds one part of the KV state ({self._part}): gather it with "
+                             "Session.gather() on every rank and read the whole one on rank 0")
         payload = state_to_payload(self.model.config, self.model.backend, self._state, self.tokens,
                                    self.logits if self.logits is not None else np.zeros(self.model.config.n_vocab))
         return KVView(self.model.config, payload)

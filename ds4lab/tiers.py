@@ -15,6 +15,11 @@ own "device", so a switch makes a real array copy and the bytes are real. With M
 ``"gpu"`` tiers run their layers on that device's stream. With CuPy, ``"cuda:N"`` tiers keep their
 layers' weights and KV state on GPU N and switch with peer copies. A tier is a small object with
 ``device``, ``copy_in(x)``, ``adopt(x)``, ``settle(x)`` and ``scope()``.
+
+With ``"rank:N"`` devices (:meth:`Placement.over_ranks`) the tiers are the processes of an ``mx.distributed``
+group (:mod:`ds4lab.distributed`): every process runs the same script, computes only its tiers' units and
+keeps only their layers' KV state; a switch to another rank sends the hidden state over the group's link,
+and the head's logits reach every rank.
 """
 
 from __future__ import annotations
@@ -122,9 +127,16 @@ class CupyDeviceTier:
         return self._device
 
 
-def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int) -> tuple:
+def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int, group=None) -> tuple:
     if devices is None:
         return tuple(LogicalTier(f"logical:{t}", backend) for t in range(n_tiers))
+    if any(d.startswith("rank:") for d in devices):
+        if not all(d.startswith("rank:") for d in devices):
+            raise ValueError(f"devices {list(devices)} mix ranks and devices: a placement over ranks has 'rank:N' "
+                             "tiers only (each rank runs on its process's default device)")
+        from .distributed import rank_tiers
+
+        return rank_tiers(backend, devices, group)
     if backend.name == "cupy":
         return tuple(CupyDeviceTier(d, backend) for d in devices)
     known = ("cpu", "gpu") if backend.name == "mlx" else ("cpu",)
@@ -178,7 +190,7 @@ class Placement:
 
     def __init__(self, layer_tiers: Sequence[int], devices: Sequence[str] | None = None, *,
                  embed_tier: int | None = None, head_tier: int | None = None,
-                 budgets: Sequence[int] | None = None):
+                 budgets: Sequence[int] | None = None, group=None):
         tiers = [int(t) for t in layer_tiers]
         if not tiers:
             raise ValueError("layer_tiers is empty")
@@ -189,10 +201,11 @@ class Placement:
             embed = tiers[0] if embed_tier is None else embed_tier
             return [embed, *tiers, tiers[-1] if head_tier is None else head_tier]
 
-        self._init(f"explicit {tiers}", explicit, devices, budgets)
+        self._init(f"explicit {tiers}", explicit, devices, budgets, group)
 
-    def _init(self, rule: str, plan: Plan, devices, budgets) -> None:
+    def _init(self, rule: str, plan: Plan, devices, budgets, group=None) -> None:
         self.rule = rule
+        self.group = group  # the mx.distributed group of "rank:N" tiers (None: the global group)
         self._plan = plan
         self.devices = None if devices is None else tuple(devices)
         self.budgets = None if budgets is None else tuple(int(b) for b in budgets)
@@ -207,9 +220,9 @@ class Placement:
         self._kv: tuple[int, ...] = ()
 
     @classmethod
-    def _rule(cls, rule: str, plan: Plan, devices, budgets=None) -> "Placement":
+    def _rule(cls, rule: str, plan: Plan, devices, budgets=None, group=None) -> "Placement":
         self = cls.__new__(cls)
-        self._init(rule, plan, devices, budgets)
+        self._init(rule, plan, devices, budgets, group)
         return self
 
     @classmethod
@@ -231,6 +244,19 @@ class Placement:
             return [0, *(il * n_tiers // n_layer for il in range(n_layer)), n_tiers - 1]
 
         return cls._rule(f"even({n_tiers})", plan, devices)
+
+    @classmethod
+    def over_ranks(cls, group=None) -> "Placement":
+        """Pipeline stages over the processes of an ``mx.distributed`` group (default: the global group, as
+        ``mlx.launch`` starts it): :meth:`even` over its ranks, rank r running the r-th run of layers; the
+        embedding on rank 0 and the head on the last rank. Every rank runs the same script."""
+        import mlx.core as mx
+
+        group = mx.distributed.init() if group is None else group
+        size = group.size()
+        out = cls.even(size, devices=[f"rank:{r}" for r in range(size)])
+        out.rule, out.group = f"over_ranks({size})", group
+        return out
 
     @classmethod
     def by_memory(cls, budgets_bytes: Sequence[int], devices: Sequence[str] | None = None) -> "Placement":
@@ -272,7 +298,7 @@ class Placement:
             if not 0 <= t < n_tiers:
                 raise ValueError(f"{_unit_name(u - 1, cfg.n_layer)} is on tier {t}, but the plan has tiers "
                                  f"0…{n_tiers - 1}")
-        tiers = make_tiers(backend, self.devices, n_tiers)
+        tiers = make_tiers(backend, self.devices, n_tiers, self.group)
         memory = []
         for t in range(n_tiers):
             on = [u for u, ut in enumerate(unit_tiers) if ut == t]
@@ -285,7 +311,27 @@ class Placement:
         out = _copy(self)
         out.unit_tiers, out.tiers, out.memory = tuple(unit_tiers), tiers, tuple(memory)
         out._weights, out._kv = tuple(weights), tuple(kv)
+        out._hidden = (cfg.n_hc, cfg.n_embd, cfg.n_vocab, backend.dtype)
         return out
+
+    @property
+    def ranks(self):
+        """The :class:`~ds4lab.distributed.Ranks` of a plan over processes, else None."""
+        return getattr(self.tiers[0], "ranks", None) if self.tiers else None
+
+    @property
+    def part(self) -> str | None:
+        """Which part of the state this process holds, for a plan over processes: this rank and its units
+        (None where one process holds everything). Checkpoints of a split state carry it."""
+        ranks = self.ranks
+        if ranks is None:
+            return None
+        units = [r["layer"] for r in self.table() if self.tiers[r["tier"]].rank == ranks.rank]
+        return f"rank {ranks.rank} of {ranks.size} ({_ranges(units, self.n_layer)}; {self.rule})"
+
+    def rank_of(self, layer: int) -> int:
+        """The rank whose process runs ``layer`` (a plan over processes)."""
+        return self.tiers[self.tier_of(layer)].rank
 
     def place_state(self, state):
         """``state`` with each layer's arrays on that layer's tier (a no-op where tiers share memory)."""
@@ -392,24 +438,42 @@ def _unit_bytes(model, state) -> tuple[list[int], list[int]]:
 # -- switching during a step --------------------------------------------------------------------------
 class TierRun:
     """The tier switches of one evaluation step: ``forward`` calls :meth:`start`, :meth:`enter` before
-    every layer and the head, and computes inside :meth:`scope`."""
+    every layer and the head, computes inside :meth:`scope` the units that run :attr:`here`, and passes the
+    head's result through :meth:`share`."""
 
     def __init__(self, placement: Placement, mode: str, step: int, active: int):
         if mode not in MODES:
             raise ValueError(f"unknown tier mode {mode!r}; use one of {', '.join(MODES)}")
         self.placement, self.mode, self.step, self.active = placement, mode, step, active
         self.switches: list[TierSwitch] = []
+        self.ranks = placement.ranks
+        self.rows = 0
 
-    def start(self) -> None:
-        """Switch to the embedding's tier: the step's hidden state is allocated there, nothing is copied."""
+    def start(self, rows: int) -> None:
+        """Switch to the embedding's tier for a step of ``rows`` hidden-state rows: the step's hidden state is
+        allocated there, nothing is copied."""
+        self.rows = rows
         self._switch(EMBED, None)
 
     def enter(self, layer: int, x):
-        """Make ``layer``'s tier active and return ``x`` resident there."""
+        """Make ``layer``'s tier active and return ``x`` resident there (None in a process that does not run it)."""
         return self._switch(layer, x)
 
     def scope(self):
         return self.placement.tiers[self.active].scope()
+
+    @property
+    def here(self) -> bool:
+        """Whether this process runs the active tier's units (always, unless the tiers are ranks)."""
+        return self.ranks is None or self.placement.tiers[self.active].here
+
+    def share(self, logits):
+        """The head's ``logits [1, vocab]`` on every process (the head's rank sends them round the ring)."""
+        if self.ranks is None:
+            return logits
+        _, _, n_vocab, dtype = self.placement._hidden
+        return self.ranks.share(logits, self.placement.tiers[self.active].rank, (1, n_vocab), dtype,
+                                f"step {self.step}: the logits")
 
     @property
     def one_tier(self) -> bool:
@@ -427,25 +491,40 @@ class TierRun:
         if dst == src:
             return x
         tiers = self.placement.tiers
-        began = time.perf_counter()
-        if x is None or tiers[src].device == tiers[dst].device:
-            mode, nbytes = "no-copy", 0
+        if layer == EMBED or tiers[src].device == tiers[dst].device:
+            mode, nbytes, seconds = "no-copy", 0, 0.0
+        elif self.ranks is not None:
+            x, seconds, nbytes = self._send(layer, x, tiers[src], tiers[dst])
+            mode = self.mode
         else:
             if self.mode == "decode" and x.shape[0] != 1:
                 raise ValueError(f"decode switches carry one token's hidden state, got {x.shape[0]} rows")
             tiers[src].settle(x)  # the layers before the boundary are not part of the switch time
             began = time.perf_counter()
             x = tiers[dst].copy_in(x)
-            mode, nbytes = self.mode, int(x.nbytes)
-        self.switches.append(TierSwitch(self.step, layer, src, dst, mode, nbytes, time.perf_counter() - began))
+            mode, nbytes, seconds = self.mode, int(x.nbytes), time.perf_counter() - began
+        self.switches.append(TierSwitch(self.step, layer, src, dst, mode, nbytes, seconds))
         self.active = dst
         return x
+
+    def _send(self, layer: int, x, src, dst):
+        """The hidden state from rank ``src`` to rank ``dst``; every rank records the switch, with the seconds
+        it spent sending, relaying or receiving (a receiver's include its wait for the sending stage)."""
+        n_hc, n_embd, _, dtype = self.placement._hidden
+        if self.mode == "decode" and self.rows != 1:
+            raise ValueError(f"decode switches carry one token's hidden state, got {self.rows} rows")
+        if x is not None:
+            src.settle(x)  # the layers before the boundary are not part of the switch time
+        shape = (self.rows, n_hc, n_embd)
+        what = f"step {self.step}: the hidden state before {_unit_name(layer, self.placement.n_layer)}"
+        x, seconds = self.ranks.move(x, src.rank, dst.rank, shape, dtype, what)
+        return x, seconds, int(np.prod(shape)) * dtype.size
 
 
 class _Untiered:
     """The forward pass without a placement: nothing switches."""
 
-    def start(self) -> None:
+    def start(self, rows: int) -> None:
         pass
 
     def enter(self, layer: int, x):
@@ -454,8 +533,12 @@ class _Untiered:
     def scope(self):
         return nullcontext()
 
+    def share(self, logits):
+        return logits
+
     device = None
     one_tier = True
+    here = True
 
 
 NO_TIERS = _Untiered()

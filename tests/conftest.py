@@ -29,3 +29,27 @@ def model_paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {name: make_model(cfg, root / f"{name}.gguf", seed=7 + i, **kw)
             for i, (name, (cfg, kw)) in enumerate(CONFIGS.items())}
+
+
+def emulated_model(path, numerics="ds4", kernels=True, prefill_matmul="float32", mlx_kernels=None):
+    """A CPU model rebuilt on emulated GPU kernels: the CUDA kernels' bodies compiled for the CPU (numpy backend),
+    or, with ``mlx_kernels`` (the emulator's MLX launches), MLX on its CPU device with its kernels answered by the
+    emulator. ``kernels=False`` gives the same backend's plain-ops path."""
+    import ds4lab
+    from ds4lab import ops
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.model.transformer import Transformer
+    from ds4lab.model.weights import Weights
+    from ds4lab.runtime import Runtime
+
+    if mlx_kernels is None:
+        model = ds4lab.load(path, backend="numpy", numerics=numerics)
+        model.backend = EmulatedBackend(kernels, chunk_tf32=prefill_matmul == "tf32")
+    else:
+        model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
+        model.backend._kernels = mlx_kernels if kernels else None
+    cfg = model.config
+    weights = Weights(model.file, model.backend, cfg.o_groups, cfg.o_lora)
+    model.transformer = Transformer(cfg, weights, ops.Ops(model.backend), numerics)
+    model.runtime = Runtime(model.transformer, model.backend)
+    return model

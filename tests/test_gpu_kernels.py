@@ -20,7 +20,7 @@ from ds4lab.mlx_kernels import specs as S
 from ds4lab.mlx_kernels.launches import tf32_round
 from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, random_blocks
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, emulated_model
 
 
 def _cupy_kernels():
@@ -544,23 +544,9 @@ def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32
     found, why = GPU_BACKENDS[backend]()
     if found is None:
         pytest.skip(f"{backend}: {why}")
-    if backend.endswith("emulated"):  # a CPU model rebuilt on emulated kernels
-        from ds4lab.backends.emulated_backend import EmulatedBackend
-        from ds4lab.model.transformer import Transformer
-        from ds4lab.model.weights import Weights
-        from ds4lab.runtime import Runtime
-
-        if backend == "emulated":
-            model = ds4lab.load(path, backend="numpy", numerics=numerics)
-            model.backend = EmulatedBackend(kernels, chunk_tf32=prefill_matmul == "tf32")
-        else:  # MLX on its CPU device, its kernels answered by the emulator
-            model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
-            model.backend._kernels = found[0] if kernels else None
-        cfg = model.config
-        weights = Weights(model.file, model.backend, cfg.o_groups, cfg.o_lora)
-        model.transformer = Transformer(cfg, weights, ops.Ops(model.backend), numerics)
-        model.runtime = Runtime(model.transformer, model.backend)
-        return model
+    if backend.endswith("emulated"):
+        return emulated_model(path, numerics, kernels, prefill_matmul, mlx_kernels=found[0] if backend == "mlx-emulated"
+                              else None)
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
                        kernels=kernels, prefill_matmul=prefill_matmul)
 

@@ -32,7 +32,7 @@ function render({ model, el }) {
     const recs = model.get("records"), scale = model.get("scale");
     head.textContent = `Generation: ${recs.length} tokens — ${model.get("status")}`;
     legend.innerHTML = "colour: the probability the model gave each sampled token (hover: its alternatives) " +
-      scale.map(([, c, label]) => `<span class="ds4-tok" style="background:${c}">&nbsp;${esc(label)}&nbsp;</span>`).join(" ");
+      scale.map(([, c, label]) => `<span class="ds4-tok ds4-key" style="background:${c}">&nbsp;${esc(label)}&nbsp;</span>`).join(" ");
     const skipped = model.get("context_skipped");
     let h = `<span class="ds4-ctx">${skipped ? `… ${skipped} tokens … ` : ""}${esc(model.get("context").join(""))}</span>`;
     recs.forEach((r, i) => {

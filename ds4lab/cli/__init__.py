@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F",
                      help="keep tokens at least F times as likely as the top one (default 0.05)")
     run.add_argument("--seed", type=_seed, default=None, metavar="N", help="sampling seed (default: time-based)")
+    graph = run.add_mutually_exclusive_group()
+    for flag, test, what in (("--graph-test", "decode", "layer 0's stages and the logits of one decode step"),
+                             ("--graph-full-test", "full", "the same decode step through every layer"),
+                             ("--graph-prompt-test", "prompt", "the prompt's logits per chunk, the KV state, then a "
+                                                               "decode step")):
+        graph.add_argument(flag, dest="graph_test", action="store_const", const=test,
+                           help=f"check the kernels against the plain ops on this device: {what} (ds4's "
+                                f"--metal{flag[1:]}); prints the largest differences and PASS/FAIL")
     run.set_defaults(func=run_command)
 
     add_serve_parser(sub)

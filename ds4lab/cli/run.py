@@ -31,10 +31,57 @@ def _one_shot_ids(model, args, text: str, ctx: int) -> list[int]:
     return tk.render_chat(messages, think=RENDER[effective_think(args.think, ctx)])
 
 
+def _settle_raw(args, model, text) -> bool:
+    """Decides --raw where no flag did (plain text for a model without a chat template); True if so decided."""
+    by_default = args.raw is None
+    if by_default:
+        args.raw = text is not None and not model.is_chat
+    return by_default
+
+
+def graph_command(args) -> int:
+    """``--graph-test``, ``--graph-full-test``, ``--graph-prompt-test``: the model loaded twice, with and without
+    ds4lab's kernels, run on the prompt and compared stage by stage (:mod:`ds4lab.graph_check`). Exit code 1 when
+    a stage is beyond its tolerance."""
+    from .. import graph_check
+
+    flag = {"decode": "--graph-test", "full": "--graph-full-test", "prompt": "--graph-prompt-test"}[args.graph_test]
+    if args.no_kernels:
+        raise UsageError(f"{flag} compares the kernels with the plain ops: drop --no-kernels")
+    if args.prompt is None and args.prompt_file is None:
+        raise UsageError(f"{flag} needs a prompt (-p or --prompt-file)")
+    text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    fast = load_model(args)
+    if fast.backend.kernels is None:
+        raise UsageError(f"{flag} checks ds4lab's GPU kernels against its plain ops, and the {fast.backend.name} "
+                         f"backend runs none here (no GPU): run it where --backend mlx has Metal or mlx[cuda13], "
+                         f"or --backend cupy a CUDA GPU")
+    args.no_kernels = True
+    plain = load_model(args)
+    args.think = args.think or "high"
+    ctx = args.ctx or min(DEFAULT_CTX, fast.config.context_length)
+    _settle_raw(args, fast, text)
+    ids = _one_shot_ids(fast, args, text, ctx)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    err(f"{describe(fast)}: {flag} on {len(ids)} prompt tokens (the kernels' path against the plain ops' path)")
+    if args.graph_test == "prompt":
+        if len(ids) + 1 >= ctx:
+            raise ValueError(no_room(len(ids), ctx))
+        report = graph_check.prompt_test(fast, plain, ids, ctx, args.prefill_chunk)
+    else:
+        test = graph_check.decode_test if args.graph_test == "decode" else graph_check.full_test
+        report = test(fast, plain, ids[0])
+    print(report)
+    return 0 if report.passed else 1
+
+
 _THINK_FLAGS = {"none": "--nothink", "high": "--think", "max": "--think-max"}
 
 
 def run_command(args) -> int:
+    if args.graph_test:
+        return graph_command(args)
     if args.raw and args.prompt is None and args.prompt_file is None:
         raise UsageError("--raw needs -p or --prompt-file")
     if args.ctx is not None and args.ctx < 2:
@@ -47,10 +94,8 @@ def run_command(args) -> int:
     if sys.stdout.encoding and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     model = load_model(args)
-    raw_by_default = args.raw is None
-    if args.raw is None:
-        args.raw = text is not None and not model.is_chat
     ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
+    raw_by_default = _settle_raw(args, model, text)
     if args.raw:
         think = "none (plain text)"
         if think_flag in ("high", "max"):

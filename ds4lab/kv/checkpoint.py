@@ -38,7 +38,11 @@ class Checkpoint:
 
     ``edits`` describes what changed the state from the one its tokens give: row edits
     (:mod:`ds4lab.kv.edit`) and interventions whose steps made it (:mod:`ds4lab.interventions`); empty for a
-    state the model computed from its tokens alone. A ``DSV4`` payload cannot carry it."""
+    state the model computed from its tokens alone. A ``DSV4`` payload cannot carry it.
+
+    ``part`` marks a state split over processes (a session placed over ranks, :mod:`ds4lab.distributed`): which
+    rank's layers this one holds (the session's ``placement.part``); None for a whole state. A part restores only
+    into the session part it came from, and serializes only once gathered (``Session.gather``)."""
 
     tokens: tuple[int, ...]
     logits: np.ndarray | None
@@ -48,6 +52,7 @@ class Checkpoint:
     backend: object = field(default=None, repr=False)
     fingerprint: str | None = field(default=None, repr=False)
     edits: tuple[str, ...] = field(default=(), repr=False)
+    part: str | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -66,6 +71,9 @@ class Checkpoint:
         """ds4's ``DSV4`` payload of this checkpoint (a payload checkpoint's own bytes)."""
         if self.data is not None:
             return self.data
+        if self.part is not None:
+            raise ValueError(f"this checkpoint holds one part of a state split over processes ({self.part}): "
+                             "Session.gather(cp), called on every rank, makes the whole one on rank 0")
         if self.config is None or self.backend is None:
             raise ValueError("this checkpoint holds a live state but not the model it came from; "
                              "take checkpoints with Session.checkpoint()")
@@ -127,42 +135,49 @@ class Checkpoint:
 
 def state_to_payload(cfg: ModelConfig, backend, state: KVState, tokens, logits) -> Payload:
     """The ``DSV4`` view of a state: the last raw_live raw rows in position order, counted rows."""
-    geo, T = state.geometry, state.n_past
-    live = min(geo.window, geo.raw_cap, T)
-    slots = np.arange(T - live, T) % geo.raw_cap
-    f32 = lambda x: np.asarray(backend.to_numpy(x), dtype=np.float32)  # noqa: E731
-    layers = []
-    for il, layer in enumerate(state.layers):
-        R = cfg.ratio(il)
-        saved = LayerPayload(raw=f32(layer.raw)[slots])
-        if R:
-            saved.comp = f32(layer.comp)[: T // R]
-            saved.comp_state_kv, saved.comp_state_score = f32(layer.comp_state_kv), f32(layer.comp_state_score)
-        if cfg.has_indexer(il):
-            saved.index = f32(layer.index)[: T // R]
-            saved.index_state_kv, saved.index_state_score = f32(layer.index_state_kv), f32(layer.index_state_score)
-        layers.append(saved)
+    geo = state.geometry
+    layers = [layer_to_payload(cfg, backend, il, layer, state.n_past, geo) for il, layer in enumerate(state.layers)]
     return Payload(ctx=geo.ctx, prefill_cap=geo.chunk, raw_cap=geo.raw_cap, raw_window=geo.window,
                    comp_cap=geo.comp_cap, tokens=np.asarray(tokens, dtype=np.uint32),
                    logits=np.asarray(logits, dtype=np.float32), layers=layers)
+
+
+def layer_to_payload(cfg: ModelConfig, backend, il: int, layer: LayerState, T: int, geo: Geometry) -> LayerPayload:
+    """Layer ``il``'s part of :func:`state_to_payload` after ``T`` tokens."""
+    live = min(geo.window, geo.raw_cap, T)
+    slots = np.arange(T - live, T) % geo.raw_cap
+    f32 = lambda x: np.asarray(backend.to_numpy(x), dtype=np.float32)  # noqa: E731
+    R = cfg.ratio(il)
+    saved = LayerPayload(raw=f32(layer.raw)[slots])
+    if R:
+        saved.comp = f32(layer.comp)[: T // R]
+        saved.comp_state_kv, saved.comp_state_score = f32(layer.comp_state_kv), f32(layer.comp_state_score)
+    if cfg.has_indexer(il):
+        saved.index = f32(layer.index)[: T // R]
+        saved.index_state_kv, saved.index_state_score = f32(layer.index_state_kv), f32(layer.index_state_score)
+    return saved
 
 
 def payload_to_state(cfg: ModelConfig, backend, payload: Payload, geometry: Geometry) -> KVState:
     """Rebuild a state of ``geometry`` from a payload that ``decode_payload`` accepted for it."""
     T = payload.n_tokens
     empty = new_state(cfg, backend, geometry)
-    layers = []
-    for layer, saved in zip(empty.layers, payload.layers):
-        arrays = {name: backend.to_numpy(getattr(layer, name)).copy() if getattr(layer, name) is not None else None
-                  for name in LAYER_FIELDS}
-        live = saved.raw.shape[0]
-        arrays["raw"][np.arange(T - live, T) % geometry.raw_cap] = saved.raw
-        if saved.comp is not None:
-            arrays["comp"][: len(saved.comp)] = saved.comp
-        if saved.index is not None:
-            arrays["index"][: len(saved.index)] = saved.index
-        for name in ("comp_state_kv", "comp_state_score", "index_state_kv", "index_state_score"):
-            if getattr(saved, name) is not None:
-                arrays[name] = getattr(saved, name)
-        layers.append(LayerState(**{k: None if v is None else backend.asarray(v) for k, v in arrays.items()}))
+    layers = [layer_from_payload(backend, layer, saved, T, geometry)
+              for layer, saved in zip(empty.layers, payload.layers)]
     return KVState(tuple(layers), T, geometry)
+
+
+def layer_from_payload(backend, empty: LayerState, saved: LayerPayload, T: int, geometry: Geometry) -> LayerState:
+    """One layer of :func:`payload_to_state`: ``saved``'s rows in the fixed-capacity arrays of ``empty``."""
+    arrays = {name: backend.to_numpy(getattr(empty, name)).copy() if getattr(empty, name) is not None else None
+              for name in LAYER_FIELDS}
+    live = saved.raw.shape[0]
+    arrays["raw"][np.arange(T - live, T) % geometry.raw_cap] = saved.raw
+    if saved.comp is not None:
+        arrays["comp"][: len(saved.comp)] = saved.comp
+    if saved.index is not None:
+        arrays["index"][: len(saved.index)] = saved.index
+    for name in ("comp_state_kv", "comp_state_score", "index_state_kv", "index_state_score"):
+        if getattr(saved, name) is not None:
+            arrays[name] = getattr(saved, name)
+    return LayerState(**{k: None if v is None else backend.asarray(v) for k, v in arrays.items()})

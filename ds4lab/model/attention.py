@@ -42,7 +42,8 @@ def compressed_visible(xp, pos0, n_valid, C: int, n_rows: int, ratio: int):
 
 def indexer_scores(xp, q_idx, w_idx, k_idx):
     """score[t, c] = Σ_h relu(q_idx[t,h]·k_idx[c]) · w_idx[t,h]."""
-    dots = xp.einsum("thd,cd->thc", q_idx, k_idx)
+    T, H, D = q_idx.shape
+    dots = (q_idx.reshape(T * H, D) @ k_idx.T).reshape(T, H, -1)
     return (xp.maximum(dots, 0.0) * w_idx[:, :, None]).sum(axis=1)
 
 
@@ -58,12 +59,14 @@ def attend(xp, q, keys, visible, sinks, scale: float):
 
     q [T,H,D], keys [N,D] (keys are also the values), visible [T,N] bool, sinks [H] → [T,H,D].
     """
-    s = xp.einsum("thd,nd->thn", q, keys) * scale
+    T, H, D = q.shape
+    # products as matrix multiplications (BLAS on numpy, whose einsum would loop in C without it)
+    s = (q.reshape(T * H, D) @ keys.T).reshape(T, H, -1) * scale
     s = xp.where(visible[:, None, :], s, -float("inf"))
     m = xp.maximum(s.max(axis=-1), sinks[None, :])
     e = xp.exp(s - m[:, :, None])
     den = xp.exp(sinks[None, :] - m) + e.sum(axis=-1)
-    return xp.einsum("thn,nd->thd", e, keys) / den[:, :, None]
+    return (e.reshape(T * H, -1) @ keys).reshape(T, H, D) / den[:, :, None]
 
 
 def grouped_output(xp, heads, out_a_groups, out_b):

@@ -62,7 +62,9 @@ class Runtime:
         state's step (masked), so that every chunk has the same shapes. ``pad_to`` pads it to that many rows
         whatever runs. The returned X has the real rows only. With ``tiers`` each layer runs on its tier, the
         hidden state switching tiers (and recorded) where the placement changes; X is returned on the output
-        head's tier. ``observer``: see the module's docstring.
+        head's tier. ``observer``: see the module's docstring. With tiers on the ranks of a process group
+        (:mod:`ds4lab.distributed`) a process runs only its ranks' units and keeps only their layers' state (the
+        others' states pass through as given); X is None in the processes that do not run the head.
         """
         X, state, _ = self._run(tokens, state, tiers, observer, prefill, pad_to, head=False)
         return X, state
@@ -70,7 +72,8 @@ class Runtime:
     def forward_logits(self, tokens, state: KVState, *, tiers: TierRun | None = None, observer=None,
                        prefill: bool = False, pad_to: int | None = None):
         """:meth:`forward`, then the head on the last real token: ``(logits [1, vocab], new state)``. Where
-        the whole step is one compiled call, the head is part of it (no launches of its own)."""
+        the whole step is one compiled call, the head is part of it (no launches of its own). With tiers on ranks,
+        every process gets the logits."""
         _, state, logits = self._run(tokens, state, tiers, observer, prefill, pad_to, head=True)
         return logits, state
 
@@ -107,24 +110,30 @@ class Runtime:
             with tiers.scope():
                 return self._whole_step(tokens, C, state, head)
         padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
-        tiers.start()
+        tiers.start(C)
         with tiers.scope():
-            X = model.embed(padded)
-            tabs = {tiers.device: self.tables(tokens, pos0, C)}  # per device: a tier reads its own copy
+            X = model.embed(padded) if tiers.here else None
+        tabs = {}  # per device: a tier reads its own copy
         layers = []
         for il in range(model.cfg.n_layer):
             X = tiers.enter(il, X)
+            if not tiers.here:  # the layer runs in another process, which holds its state
+                layers.append(state.layers[il])
+                continue
             with tiers.scope():
                 if tiers.device not in tabs:
                     tabs[tiers.device] = self.tables(tokens, pos0, C)
                 X, layer = self._attention(il, X, pos0, n, tabs[tiers.device], state.layers[il], observer)
                 X = real_rows(model.xp, lambda Y: self._ffn(il, Y, tokens, tabs[tiers.device], observer), X, n)
             layers.append(layer)
-        X = tiers.enter(model.cfg.n_layer, X)[:n]
+        X = tiers.enter(model.cfg.n_layer, X)
+        X = None if X is None else X[:n]
         logits = None
         if head:
-            with tiers.scope():
-                logits = model.head(X[-1:], observer)
+            if tiers.here:
+                with tiers.scope():
+                    logits = model.head(X[-1:], observer)
+            logits = tiers.share(logits)
         return X, KVState(tuple(layers), pos0 + n, state.geometry), logits
 
     # -- compiled calls -------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def prefill_chunks_chart(chunks, model=None):
         alt.Chart(alt.Data(values=rows)).mark_point(filled=True, size=40, color="#3182bd").encode(
             x=x, y=y, tooltip=["chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q"]),
     ]
-    title = "prefill speed per chunk (band: range of the full chunks, rule: their median)"
+    notes = ["band: range of the full chunks, rule: their median"]
     if model is not None and rows:
         from ..costs import chunk_cost
 
@@ -128,8 +128,9 @@ def prefill_chunks_chart(chunks, model=None):
                      for i, (c, f) in enumerate(zip(chunks, flops))]
         layers.append(alt.Chart(alt.Data(values=predicted)).mark_line(color="#e6550d", strokeDash=[4, 2]).encode(
             x="chunk:Q", y="predicted:Q", tooltip=["chunk:O", "gflop:Q", "predicted:Q"]))
-        title = (f"prefill speed per chunk; dashed: predicted from FLOPs at the median rate "
-                 f"({rate / 1e9:.2f} GFLOP/s)")
+        notes.append(f"dashed: predicted from FLOPs at the median rate ({rate / 1e9:.2f} GFLOP/s)")
+    # a title over two lines of notes: one line would run past the plot's 320 px (and out of a notebook's width)
+    title = alt.TitleParams("prefill speed per chunk", subtitle=notes, anchor="start")
     return alt.layer(*layers).properties(title=title, width=320, height=160)
 
 

@@ -302,7 +302,7 @@ class GenerationView(View):
             text = "⟨eos⟩" if r["eos"] else (r["text"] or "·")
             spans.append(f"<span style='background:{logprob_colour(r['logprob'])}' title='{html.escape(title)}'>"
                          f"{html.escape(text)}</span>")
-        legend = LEGEND_TITLE + " ".join(f"<span style='background:{c}'>&nbsp;{label}&nbsp;</span>"
+        legend = LEGEND_TITLE + " ".join(f"<span style='background:{c};white-space:nowrap'>&nbsp;{label}&nbsp;</span>"
                                          for (_, c), label in zip(LOGPROB_SCALE, scale_labels()))
         skipped = f"… {m.context_skipped} tokens … " if m.context_skipped else ""
         rows = "".join(
