@@ -4,6 +4,9 @@
 ``pretokenize`` splits text into pieces, each piece is mapped byte by byte through the GPT-2 table and merged
 by BPE rank, and the chat helpers insert the special tokens by id around BPE-encoded text. ``train_bpe``
 builds a small vocabulary with the same piece boundaries for tiny test and demo models.
+
+Encoding and decoding are pure Python (the standard library only), so they run where the ``tokenizers`` wheel
+does not (Pyodide); ``train_bpe`` alone imports ``tokenizers``, when it is called.
 """
 
 from __future__ import annotations
@@ -11,9 +14,6 @@ from __future__ import annotations
 import heapq
 import json
 import re
-
-from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import models, trainers
 
 BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML = SPECIAL_TOKENS = (
     "<｜begin▁of▁sentence｜>",
@@ -334,8 +334,14 @@ def train_bpe(text: str, vocab_size: int) -> tuple[list[str], list[str]]:
     n_learned = vocab_size - 256 - len(SPECIAL_TOKENS)
     if n_learned < 0:
         raise ValueError(f"vocab_size {vocab_size} is smaller than 256 bytes + {len(SPECIAL_TOKENS)} specials")
+    try:  # imported here: encoding never needs it, and it has no Pyodide wheel
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, trainers
+    except ImportError as e:
+        raise ImportError(f"training a BPE vocabulary needs the tokenizers package ({e}); "
+                          "pip install tokenizers") from e
 
-    hf = _HFTokenizer(models.BPE())
+    hf = HFTokenizer(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=256 + n_learned, initial_alphabet=list(BYTE_TO_UNICODE),
                                   show_progress=False)
     hf.train_from_iterator((byte_encode(p.encode()) for p in pretokenize(text)), trainer=trainer)

@@ -123,8 +123,11 @@ def get_backend(name: str = "auto", device: str | None = None, kernels: bool | N
 
         return NumpyBackend()
     if name == "mlx":
-        from .mlx_backend import MLXBackend
-
+        try:
+            from .mlx_backend import MLXBackend
+        except ImportError as e:  # no MLX wheel here (Windows, Pyodide) or an install without it
+            raise ValueError(f"the mlx backend needs MLX ({e}); pip install mlx, or use backend='numpy' "
+                             "(what backend='auto' picks without a GPU)") from e
         return MLXBackend(device, kernels)
     if name == "cupy":
         try:

@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..platform_support import require_processes
 from .bench import bench_command
 from .common import (
     DEFAULT_CTX,
@@ -229,6 +230,7 @@ def _unknown_leading_options(parser: argparse.ArgumentParser, argv: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_processes("the ds4lab command")
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     unknown = _unknown_leading_options(parser, argv)

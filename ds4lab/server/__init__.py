@@ -6,6 +6,10 @@
 runs requests on the model, :mod:`.app` is the Starlette app, :mod:`.running` runs it with uvicorn. Needs the
 ``server`` extra (Starlette, uvicorn)."""
 
-from .running import ServerThread, build, serve
+from ..platform_support import require_processes
+
+require_processes("ds4lab serve (ds4lab.server)")  # before uvicorn's import fails less clearly
+
+from .running import ServerThread, build, serve  # noqa: E402
 
 __all__ = ["ServerThread", "build", "serve"]
