@@ -18,6 +18,14 @@
 # This notebook loads it, looks at its layers, computes next-token probabilities, generates text with a
 # session and looks at the KV cache the session keeps. Everything runs on a laptop CPU in seconds.
 
+# %%
+import sys
+
+if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+    import piplite
+
+    await piplite.install(["ds4lab", "anywidget", "altair"])
+
 # %% tags=["nbval-check-output"]
 import numpy as np
 

@@ -28,6 +28,14 @@
 # `offline_charts()` makes the Altair charts render without a network: JupyterLab draws them with the Vega it
 # ships (Altair's default HTML would load Vega from a CDN), and a saved notebook keeps a PNG of each.
 
+# %%
+import sys
+
+if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+    import piplite
+
+    await piplite.install(["ds4lab", "anywidget", "altair"])
+
 # %% tags=["nbval-check-output"]
 import numpy as np
 

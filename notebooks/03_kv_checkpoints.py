@@ -17,6 +17,14 @@
 # In ds4lab a session's state is an immutable value: `sess.checkpoint()` copies nothing and
 # `sess.restore(cp)` is exact.
 
+# %%
+import sys
+
+if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+    import piplite
+
+    await piplite.install(["ds4lab", "anywidget", "altair"])
+
 # %% tags=["nbval-check-output"]
 import numpy as np
 

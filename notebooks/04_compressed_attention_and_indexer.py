@@ -26,6 +26,14 @@
 # The model calls named hook points while it runs; `sess.capture([...])` records the ones asked for, for
 # the selected layers, heads and queries, and materialises attention maps next to the fused computation.
 
+# %%
+import sys
+
+if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+    import piplite
+
+    await piplite.install(["ds4lab", "anywidget", "altair"])
+
 # %% tags=["nbval-check-output"]
 import numpy as np
 

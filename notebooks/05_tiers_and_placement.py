@@ -22,6 +22,14 @@
 # stream. (ds4 itself runs one device per process; these switches are the design of the articles ds4lab
 # was described from.) Results never depend on the plan.
 
+# %%
+import sys
+
+if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+    import piplite
+
+    await piplite.install(["ds4lab", "anywidget", "altair"])
+
 # %% tags=["nbval-check-output"]
 import numpy as np
 

@@ -24,6 +24,14 @@
 # When the block ends the session is back where it started, bit for bit: the edited result stays readable
 # on `iv` (`iv.logits`, `iv.checkpoint`, marked with its edits), never in the session's later steps.
 
+# %%
+import sys
+
+if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+    import piplite
+
+    await piplite.install(["ds4lab", "anywidget", "altair"])
+
 # %% tags=["nbval-check-output"]
 import tempfile
 from pathlib import Path

@@ -123,12 +123,14 @@ def _view_html(output) -> str:
 
 
 def _controls(pg, outputs):
-    """The controls of the notebook's views, as (name, index of the output holding it, action): sliders first (one
-    step from the keyboard), then dropdowns (another option), then enabled buttons but *refresh*."""
+    """The visible controls of the notebook's views, as (name, index of the output holding it, action): sliders
+    first (one step from the keyboard), then dropdowns (another option), then enabled buttons but *refresh*."""
     found = []
     for i in range(outputs.count()):
         for j in range(outputs.nth(i).locator(".widget-hslider").count()):
             slider = outputs.nth(i).locator(".widget-hslider").nth(j)
+            if not slider.is_visible():  # a view hides a slider with nothing to choose (one checkpoint)
+                continue
 
             def move(slider=slider):
                 value = slider.locator(".widget-readout").inner_text().strip()

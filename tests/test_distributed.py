@@ -99,9 +99,8 @@ def run_one(model: ds4lab.Model):
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    from conftest import CONFIGS
-
     from ds4lab.testing import make_model
+    from tests.conftest import CONFIGS
 
     cfg, kw = CONFIGS["nano"]
     return make_model(cfg, tmp_path_factory.mktemp("model") / "nano.gguf", seed=7, **kw)

@@ -5,7 +5,7 @@ const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers,
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
-  const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(14, Math.floor(260 / Math.max(Q, 1))));
+  const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
   // header of each group: the longest name that fits its width
   const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
                   [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];
@@ -66,7 +66,9 @@ function render({ model, el }) {
     const qstep = Math.max(1, Math.ceil(14 / g.rh));
     for (let q = 0; q < g.Q; q += qstep * Math.ceil(8 / qstep)) ctx.fillText(String(p0 + q), L - 4, T + q * g.rh + g.rh / 2);
     if (g.Q > 1) ctx.fillText(String(p0 + g.Q - 1), L - 4, T + (g.Q - 1) * g.rh + g.rh / 2);
-    ctx.save(); ctx.translate(8, T + (g.Q * g.rh) / 2); ctx.rotate(-Math.PI / 2); ctx.textAlign = "center"; ctx.fillText("query position", 0, 0); ctx.restore();
+    if (g.Q * g.rh >= 100) {  // the axis title fits beside the rows (a decode step's one row has its position)
+      ctx.save(); ctx.translate(8, T + (g.Q * g.rh) / 2); ctx.rotate(-Math.PI / 2); ctx.textAlign = "center"; ctx.fillText("query position", 0, 0); ctx.restore();
+    }
     ctx.textAlign = "center"; ctx.textBaseline = "top";  // key positions (raw), row numbers (compressed) along the bottom
     const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
     const every = Math.max(1, Math.ceil(34 / g.cw));
