@@ -1286,6 +1286,34 @@ def test_cupy_upload_reuses_its_buffers():
 
 
 @pytest.mark.gpu
+def test_cupy_device_bytes_uploads_every_byte_in_pieces(monkeypatch, tmp_path):
+    """Weights go up in pieces through pinned buffers, several threads at once: every byte arrives, at every
+    size around a piece's (one piece or less, a piece and a byte, a ragged last piece), in the tensor's shape;
+    memory-mapped like a model file's tensors."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.backends import cupy_backend
+    from ds4lab.backends.cupy_backend import CupyBackend
+
+    monkeypatch.setattr(cupy_backend, "PIECE_BYTES", 1000)
+    backend = CupyBackend()
+    rng = np.random.default_rng(3)
+    for shape in [(1,), (999,), (1000,), (1001,), (3, 7001), (64, 1000), (5, 3, 2001)]:
+        raw = rng.integers(0, 256, shape, dtype=np.uint8)
+        got = backend.device_bytes(raw)
+        assert isinstance(got, cp.ndarray) and got.shape == shape and got.dtype == cp.uint8
+        assert np.array_equal(cp.asnumpy(got), raw), shape
+    path = tmp_path / "weights.bin"
+    raw = rng.integers(0, 256, (37, 997), dtype=np.uint8)
+    raw.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=raw.shape)
+    assert np.array_equal(cp.asnumpy(backend.device_bytes(mapped[5:30])), raw[5:30])
+
+
+@pytest.mark.gpu
 def test_cupy_graph_step_copies_runs_and_keeps_outputs():
     """A CUDA graph replay gives the eager results whether its arguments sit in one buffer at the graph's
     layout (one span copied: a replay's own outputs, passed as arrays or as one Span of them, a packed

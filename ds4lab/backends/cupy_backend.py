@@ -11,6 +11,9 @@ is the plain-ops path: every weight dequantized to float32 on the GPU and every 
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import cupy as cp
 import numpy as np
 
@@ -19,6 +22,10 @@ from .base import BlockBackend
 from .packing import offsets, views
 
 UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)
+# Weights go up in pieces of PIECE_BYTES, UPLOAD_THREADS at a time, each thread through its own pinned buffer and
+# stream: cp.asarray of a memory-mapped tensor copies from pageable memory, one page fault at a time.
+PIECE_BYTES = 64 << 20
+UPLOAD_THREADS = 8
 
 
 class CupyBackend(BlockBackend):
@@ -42,6 +49,33 @@ class CupyBackend(BlockBackend):
         self.chunk_tf32 = chunk_tf32  # prefill_matmul="tf32" (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
         self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
+
+    def device_bytes(self, raw):
+        """GGUF bytes ``raw`` (a memory-mapped host array) on the current GPU: read into pinned buffers and copied
+        up by several threads at once (the reads fault the file's pages in; the copies overlap them)."""
+        raw = np.asarray(raw)
+        out = cp.empty(raw.shape, dtype=cp.uint8)
+        src = raw.reshape(-1)  # a GGUF tensor's bytes are contiguous
+        n = src.nbytes
+        if n <= PIECE_BYTES:
+            out.set(raw)
+            return out
+        device, local = cp.cuda.Device(), threading.local()
+
+        def piece(start: int) -> None:
+            if not hasattr(local, "buffer"):
+                with device:
+                    local.buffer = np.frombuffer(cp.cuda.alloc_pinned_memory(PIECE_BYTES), np.uint8, PIECE_BYTES)
+                    local.stream = cp.cuda.Stream(non_blocking=True)
+            m = min(PIECE_BYTES, n - start)
+            np.copyto(local.buffer[:m], src[start:start + m])
+            with device:
+                (out.data + start).copy_from_host_async(local.buffer.ctypes.data, m, local.stream)
+                local.stream.synchronize()  # the buffer is free for the thread's next piece
+
+        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+            list(pool.map(piece, range(0, n, PIECE_BYTES)))
+        return out
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
     compiles_ffn = True  # decode routing stays on the device, so the FFN half is a graph too
