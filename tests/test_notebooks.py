@@ -6,8 +6,6 @@ every cell in a fresh kernel and compares the outputs of the cells tagged ``nbva
 """
 
 import importlib.util
-import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,63 +113,51 @@ def test_pytest_collects_every_notebook_cell_with_nbval():
         assert len(collected) == n_code, (name, collected)
 
 
-# Run last in a notebook's kernel: every live view's fallback as it is now, once every cell has run, by the id of
-# the widget a cell displayed (a View's composite widget, or the view's own model).
-FINAL_FALLBACKS = """
-import gc, json
-from ds4lab.viz.base import View, ViewModel
-print(json.dumps({getattr(v, "widget", v).model_id: v.static_html() for v in gc.get_objects()
-                  if isinstance(v, (View, ViewModel)) and callable(getattr(v, "static_html", None))}))
-"""
+def _notebook_conftest():
+    """notebooks/conftest.py as a module (not a package's: loaded by its path)."""
+    spec = importlib.util.spec_from_file_location("ds4lab_notebooks_conftest", NOTEBOOK_DIR / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _sanitize(text: str) -> str:
-    """``text`` after nbval_sanitize.cfg's substitutions (timings, addresses, temporary paths, round-off)."""
-    lines = (NOTEBOOK_DIR / "nbval_sanitize.cfg").read_text(encoding="utf-8").splitlines()
-    rules = [(a[len("regex: "):], b[len("replace: "):]) for a, b in zip(lines, lines[1:]) if a.startswith("regex: ")]
-    for regex, replace in rules:
-        text = re.sub(regex, replace, text)
-    return text
-
-
-def _title(html: str) -> str:
-    """A fallback's first text, its title (the view's state in a line: tokens, chunks, bytes)."""
-    return next(t.strip() for t in re.split(r"<[^>]*>", html) if t.strip())
-
-
-def _fallbacks(nb) -> list[tuple[str, str]]:
-    """(widget model id, static text/html fallback) of every widget output of ``nb``, in order."""
-    return [(o.data[WIDGET]["model_id"], o.data["text/html"]) for c in _code(nb) for o in c.outputs
-            if WIDGET in o.get("data", {})]
+def test_fallback_check_refuses_a_view_that_moved_on():
+    """notebooks/conftest.py's check (run by nbval after each notebook's last cell): a displayed fallback must be
+    its view's final one, and the committed fallbacks must match them up to numbers."""
+    nc = _notebook_conftest()
+    view = "<div><b>KV cache: 96 tokens, 1,234 bytes</b><table><tr><td>12.5 ms</td></tr></table></div>"
+    later = view.replace("96 tokens", "160 tokens")
+    nc.check_fallbacks("x.ipynb", [("a", view)], [("m", view)], {"m": view})
+    nc.check_fallbacks("x.ipynb", [("a", view.replace("12.5 ms", "13.1 ms"))], [("m", view)], {"m": view})
+    with pytest.raises(AssertionError, match="shows 'KV cache: 96 tokens, 1,234 bytes' but the notebook leaves it "
+                                             "at 'KV cache: 160 tokens, 1,234 bytes'"):
+        nc.check_fallbacks("x.ipynb", [("a", view)], [("m", view)], {"m": later})
+    with pytest.raises(AssertionError, match="the saved fallback shows 'KV cache: 160 tokens"):
+        nc.check_fallbacks("x.ipynb", [("a", later)], [("m", view)], {"m": view})
+    with pytest.raises(AssertionError, match="differs from its view's final state"):
+        nc.check_fallbacks("x.ipynb", [("a", view.replace("<td>", "<td><i>"))], [("m", view)], {"m": view})
+    with pytest.raises(AssertionError, match="0 views saved, 1 displayed"):
+        nc.check_fallbacks("x.ipynb", [], [("m", view)], {"m": view})
+    with pytest.raises(AssertionError, match=r"no live ds4lab view is left of the displayed \['KV cache: 96"):
+        nc.check_fallbacks("x.ipynb", [("a", view)], [("m", view)], {})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in NAMES if _fallbacks(_read(n))])
-def test_saved_fallbacks_show_the_final_state(name):
-    """A saved notebook shows each view's fallback where the live view would be: it must show the state the
-    notebook left the view in (later cells step a prefill or move a slider), not the state when first displayed.
-
-    The notebook runs again in a fresh kernel (nbclient); a last cell prints every view's fallback as the final
-    state renders it. In that run each widget output's fallback must be that text exactly; and the committed
-    notebook's fallbacks must agree with them: same title (after nbval's substitutions) and same text with every
-    number masked (the timings in the tables differ from run to run, the structure does not)."""
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
-    nb = jupytext.read(NOTEBOOK_DIR / name.replace(".ipynb", ".py"))
-    nb.cells.append(nbformat.v4.new_code_cell(FINAL_FALLBACKS))
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
-    final = json.loads(nb.cells[-1].outputs[0]["text"])
-    fresh = _fallbacks(nb)
-    assert fresh and all(model_id in final for model_id, _ in fresh), "a displayed view is not a ds4lab view"
-    for model_id, html in fresh:
-        assert html == final[model_id], (f"{name}: a view's fallback shows {_title(html)!r} but the notebook "
-                                         f"leaves it at {_title(final[model_id])!r}")
-    saved = _fallbacks(_read(name))
-    assert len(saved) == len(fresh)
-    masked = [(re.sub(r"\d[\d,.]*", "#", _sanitize(a)), re.sub(r"\d[\d,.]*", "#", _sanitize(final[m])))
-              for (_, a), (m, _) in zip(saved, fresh)]
-    for (_, html), (model_id, _), (a, b) in zip(saved, fresh, masked):
-        assert _sanitize(_title(html)) == _sanitize(_title(final[model_id])), \
-            f"{name}: the saved fallback shows {_title(html)!r}, its cell's view ends at {_title(final[model_id])!r}"
-        assert a == b, f"{name}: the saved fallback of {_title(html)!r} differs from its view's final state"
+def test_nbval_fails_a_notebook_whose_view_moves_on_after_display(tmp_path):
+    """End to end: nbval with notebooks/conftest.py runs a notebook whose view follows its session past the cell
+    that displayed it; the notebook's last cell fails, saying which state the fallback shows and which it ends at."""
+    pytest.importorskip("nbval")
+    for f in ("conftest.py", "nbval_sanitize.cfg"):
+        (tmp_path / f).write_text((NOTEBOOK_DIR / f).read_text(encoding="utf-8"), encoding="utf-8")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in (
+        "import ds4lab\nfrom ds4lab.viz import KVCacheView\nmodel = ds4lab.load(backend='numpy')\n"
+        "sess = model.session(ctx=64, prefill_chunk=16)\nsess.prefill(list(range(3, 19))).run(progress=False)\n"
+        "view = KVCacheView(sess, follow=True)\nview",
+        "sess.prefill(list(range(3, 35))).run(progress=False)  # the prompt grows by 16 tokens")])
+    nbformat.write(nb, tmp_path / "moves_on.ipynb")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                          "moves_on.ipynb"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "1 failed, 1 passed" in out.stdout and "moves_on.ipynb::Cell 1" in out.stdout
+    assert "shows 'KV cache of the session: 16 tokens" in out.stdout
+    assert "but the notebook leaves it at 'KV cache of the session: 32 tokens" in out.stdout

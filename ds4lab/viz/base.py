@@ -84,6 +84,9 @@ class View:
         return call
 
     def _repr_mimebundle_(self, **kwargs):
+        # A displayed widget lives until it is closed; so does its view (the controls' callbacks, the fallback), even
+        # where nothing else holds it: a cell's last expression that the kernel does not keep in Out (nbval's runs).
+        self.widget.ds4lab_view = self
         bundle = self.widget._repr_mimebundle_(**kwargs)
         data = dict(bundle[0] if isinstance(bundle, tuple) else bundle)
         data["text/html"] = self.static_html()
