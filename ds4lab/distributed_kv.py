@@ -21,6 +21,11 @@ from .kv.payload import LayerPayload, Payload, decode_payload, encode_payload
 ROOT = 0  # the rank that holds a whole checkpoint
 
 
+def _packed(saved, shapes: dict):
+    """A layer's payload fields (those ``shapes`` gives a shape) as one flat array, the way :func:`_unpack` reads."""
+    return mx.array(np.concatenate([getattr(saved, name).ravel() for name, s in shapes.items() if s]))
+
+
 def gather(placement, model, cp: Checkpoint) -> Checkpoint | None:
     """``cp`` (this rank's part of a checkpoint of a session placed over ranks) with every rank's layers, as a
     payload checkpoint on rank 0; None on the other ranks."""
@@ -33,8 +38,7 @@ def gather(placement, model, cp: Checkpoint) -> Checkpoint | None:
         shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geo.window, geo.raw_cap))
         flat = None
         if ranks.rank == owner:
-            saved = layer_to_payload(cfg, backend, il, state.layers[il], T, geo)
-            flat = mx.array(np.concatenate([getattr(saved, name).ravel() for name, s in shapes.items() if s]))
+            flat = _packed(layer_to_payload(cfg, backend, il, state.layers[il], T, geo), shapes)
         flat = _move(ranks, flat, owner, ROOT, shapes, f"gathering layer {il}'s KV rows")
         if ranks.rank == ROOT:
             layers.append(_unpack(flat, shapes))
@@ -85,8 +89,7 @@ def scatter(placement, model, geometry, cp: Checkpoint | None):
         shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geometry.window, geometry.raw_cap))
         flat = None
         if ranks.rank == ROOT:
-            saved = payload.layers[il]
-            flat = mx.array(np.concatenate([getattr(saved, name).ravel() for name, s in shapes.items() if s]))
+            flat = _packed(payload.layers[il], shapes)
         flat = _move(ranks, flat, ROOT, owner, shapes, f"scattering layer {il}'s KV rows")
         layers.append(layer_from_payload(backend, empty.layers[il], _unpack(flat, shapes), T, geometry)
                       if ranks.rank == owner else LayerState(raw=None))
