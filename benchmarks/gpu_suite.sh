@@ -38,8 +38,8 @@ want tests_mlx tests && step tests_mlx 240 $pytest_gpu tests/test_gpu_kernels.py
     tests/test_tiers.py -k "mlx and not emulated"
 want tests_tiers tests && [ "$n_gpu" -ge 2 ] && step tests_tiers 120 $pytest_gpu tests/test_gpu_tiers.py
 # ds4's graph tests through the command line (ds4lab run --graph-test family): the embedded model (trained) and a
-# nano one (random weights: over a 3-chunk prompt its FP8/FP4 rounding flips grow, so it runs in exact numerics),
-# a decode step and a 3-chunk prompt, kernels against plain ops
+# nano one (random weights: over a long prompt its FP8/FP4 rounding flips grow, so it runs in exact numerics),
+# a decode step and a prompt of 2-3 chunks of 256, kernels against plain ops
 graph() {  # graph BACKEND: every graph test on both models; exit 1 if any FAILs
     local rc=0 m t
     python3 -m ds4lab.cli make-model -o /tmp/graph_nano.gguf || return 1

@@ -63,17 +63,27 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    result = yield
-    if IPyNbCell is not None and isinstance(item, IPyNbCell):
+    if IPyNbCell is None or not isinstance(item, IPyNbCell):
+        return (yield)
+    notebook = item.parent
+    run = notebook.__dict__.setdefault("ds4_run", dict(shown=[], failed=False))
+    try:
+        result = yield
+    except BaseException:  # a failed (or skipped) cell: its views and the notebook's end are not judged
+        run["failed"] = True
+        raise
+    finally:  # the widget outputs the cell displayed, failed or not, in order
         bundles = [o["data"] for o in getattr(item, "test_outputs", None) or [] if "data" in o]
-        missing = [b.get("text/plain", "?") for b in bundles if WIDGET in b and "text/html" not in b]
-        assert not missing, f"widget output without a static text/html fallback: {missing}"
-        notebook = item.parent
-        shown = notebook.__dict__.setdefault("ds4_fallbacks", [])  # this run's widget outputs, in order
-        shown.extend((b[WIDGET]["model_id"], b["text/html"]) for b in bundles if WIDGET in b)
-        if shown and item.cell_num == sum(c.cell_type == "code" for c in notebook.nb.cells) - 1:
-            final = json.loads(run_in_kernel(notebook.kernel, FINAL_FALLBACKS))
-            check_fallbacks(Path(str(notebook.fspath)).name, saved_fallbacks(notebook.nb), shown, final)
+        run["shown"].extend((b[WIDGET]["model_id"], b.get("text/html", "")) for b in bundles if WIDGET in b)
+    missing = [b.get("text/plain", "?") for b in bundles if WIDGET in b and "text/html" not in b]
+    if missing:
+        run["failed"] = True
+        raise AssertionError(f"widget output without a static text/html fallback: {missing}")
+    last = item.cell_num == sum(c.cell_type == "code" for c in notebook.nb.cells) - 1
+    saved = saved_fallbacks(notebook.nb)
+    if last and not run["failed"] and (run["shown"] or saved):
+        final = json.loads(run_in_kernel(notebook.kernel, FINAL_FALLBACKS))
+        check_fallbacks(Path(str(notebook.fspath)).name, saved, run["shown"], final)
     return result
 
 
@@ -121,7 +131,7 @@ def sanitize(text: str) -> str:
 
 def _title(html: str) -> str:
     """A fallback's first text, its title (the view's state in a line: tokens, chunks, bytes)."""
-    return next(t.strip() for t in re.split(r"<[^>]*>", html) if t.strip())
+    return next((t.strip() for t in re.split(r"<[^>]*>", html) if t.strip()), "")
 
 
 def _masked(html: str) -> str:

@@ -81,10 +81,14 @@ def test_compare_rules():
     assert G.compare("x", [2.0, 1.0005], [2.0, 1.0], 1e-3).ok  # 5e-4 of the largest value 2
     assert not G.compare("x", [2.0, 1.003], [2.0, 1.0], 1e-3).ok
     assert not G.compare("experts", [3, 1], [1, 3], 0).ok and G.compare("experts", [1, 3], [1, 3], 0).ok
-    flips = G.compare("raw", np.r_[np.ones(199), 1.5], np.ones(200), 1e-3, share=0.02)  # 1 of 200: 0.5%
+    flips = G.compare("raw", np.r_[np.ones(199), 1.1], np.ones(200), 1e-3, share=0.02)  # 1 of 200: 0.5%
     assert flips.over == 1 and flips.ok and "1/200 values over tol" in flips.line()
-    assert not G.compare("raw", np.r_[np.ones(195), [1.5] * 5], np.ones(200), 1e-3, share=0.02).ok  # 2.5%
+    assert not G.compare("raw", np.r_[np.ones(195), [1.1] * 5], np.ones(200), 1e-3, share=0.02).ok  # 2.5%
     assert not G.compare("raw", np.r_[np.ones(199), 1.5], np.ones(200), 1e-3).ok  # exact numerics: no flips
+    assert not G.compare("q", np.r_[np.ones(199), np.nan], np.ones(200), 1e-3, share=0.02).ok  # a NaN never flips
+    assert not G.compare("q", np.r_[np.ones(199), 2.0], np.ones(200), 1e-3, share=0.02).ok  # a step of 1, not 1/8
+    assert G.compare("index", np.r_[np.ones(199), 1.4], np.ones(200), 1e-3, share=0.02, bound=0.5).ok  # FP4's step
+    assert G.compare("x", [0.0, 1.0], [0.0, 0.0], 1e-3).rel == np.inf  # a difference from an all-zero stage
     with pytest.raises(ValueError, match=r"x: the kernels' path gave shape \(2,\), the plain path \(3,\)"):
         G.compare("x", [1, 2], [1, 2, 3], 1e-3)
 
@@ -107,7 +111,7 @@ def test_the_command_runs_the_test_and_exits_by_its_verdict(pair, monkeypatch, c
     monkeypatch.setattr(run_cli, "load_model", lambda args: next(loaded))
     assert main(["run", "--graph-test", "-p", PROMPT]) == 0
     out = capsys.readouterr()
-    assert "graph-test: PASS" in out.out and "--graph-test on" in out.err
+    assert "graph-test: PASS" in out.out and "--graph-test on the prompt's first token" in out.err
 
     ops = fast.transformer.ops
     right = ops.rmsnorm

@@ -61,6 +61,9 @@ class CupyBackend(BlockBackend):
             out.set(raw)
             return out
         device, local = cp.cuda.Device(), threading.local()
+        # out's memory may have been freed by work still queued on the current stream: let that finish first, since
+        # the pieces are copied on streams of their own
+        cp.cuda.get_current_stream().synchronize()
 
         def piece(start: int) -> None:
             if not hasattr(local, "buffer"):
@@ -73,8 +76,11 @@ class CupyBackend(BlockBackend):
                 (out.data + start).copy_from_host_async(local.buffer.ctypes.data, m, local.stream)
                 local.stream.synchronize()  # the buffer is free for the thread's next piece
 
-        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        pool = ThreadPoolExecutor(UPLOAD_THREADS)
+        try:
             list(pool.map(piece, range(0, n, PIECE_BYTES)))
+        finally:  # a failed piece (an out-of-memory, a read error) cancels the pieces not started
+            pool.shutdown(cancel_futures=True)
         return out
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time

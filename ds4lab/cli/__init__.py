@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "decode step")):
         graph.add_argument(flag, dest="graph_test", action="store_const", const=test,
                            help=f"check the kernels against the plain ops on this device: {what} (ds4's "
-                                f"--metal{flag[1:]}); prints the largest differences and PASS/FAIL")
+                                f"--metal{flag[1:]}); prints the largest differences and PASS/FAIL. Loads the "
+                                f"model twice: the plain path dequantizes weights to float32")
     run.set_defaults(func=run_command)
 
     add_serve_parser(sub)

@@ -64,12 +64,14 @@ def graph_command(args) -> int:
     ids = _one_shot_ids(fast, args, text, ctx)
     if not ids:
         raise ValueError("the prompt is empty")
-    err(f"{describe(fast)}: {flag} on {len(ids)} prompt tokens (the kernels' path against the plain ops' path)")
     if args.graph_test == "prompt":
+        ctx = args.ctx or len(ids) + 2  # room for the prompt and one decode step
         if len(ids) + 1 >= ctx:
             raise ValueError(no_room(len(ids), ctx))
+        err(f"{describe(fast)}: {flag} on {len(ids)} prompt tokens (the kernels' path against the plain ops')")
         report = graph_check.prompt_test(fast, plain, ids, ctx, args.prefill_chunk)
-    else:
+    else:  # as ds4's: the prompt's first token (BOS for a chat prompt) as a decode step at position 0
+        err(f"{describe(fast)}: {flag} on the prompt's first token (the kernels' path against the plain ops')")
         test = graph_check.decode_test if args.graph_test == "decode" else graph_check.full_test
         report = test(fast, plain, ids[0])
     print(report)
