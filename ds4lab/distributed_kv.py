@@ -21,9 +21,15 @@ from .kv.payload import LayerPayload, Payload, decode_payload, encode_payload
 ROOT = 0  # the rank that holds a whole checkpoint
 
 
-def _packed(saved, shapes: dict):
-    """A layer's payload fields (those ``shapes`` gives a shape) as one flat array, the way :func:`_unpack` reads."""
-    return mx.array(np.concatenate([getattr(saved, name).ravel() for name, s in shapes.items() if s]))
+def _move_layer(ranks, cfg, il: int, T: int, geo, saved: LayerPayload | None, src: int, dst: int, what: str):
+    """Layer ``il``'s payload rows after ``T`` tokens (``saved``, held by rank ``src``; None elsewhere) on rank
+    ``dst``, None elsewhere: flattened in field order, moved, and unflattened there."""
+    shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geo.window, geo.raw_cap))
+    flat = None
+    if ranks.rank == src:
+        flat = mx.array(np.concatenate([getattr(saved, name).ravel() for name, s in shapes.items() if s]))
+    flat = _move(ranks, flat, src, dst, shapes, f"{what} layer {il}'s KV rows")
+    return _unpack(flat, shapes) if ranks.rank == dst else None
 
 
 def gather(placement, model, cp: Checkpoint) -> Checkpoint | None:
@@ -35,13 +41,10 @@ def gather(placement, model, cp: Checkpoint) -> Checkpoint | None:
     layers = []
     for il in range(cfg.n_layer):
         owner = placement.rank_of(il)
-        shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geo.window, geo.raw_cap))
-        flat = None
-        if ranks.rank == owner:
-            flat = _packed(layer_to_payload(cfg, backend, il, state.layers[il], T, geo), shapes)
-        flat = _move(ranks, flat, owner, ROOT, shapes, f"gathering layer {il}'s KV rows")
+        saved = layer_to_payload(cfg, backend, il, state.layers[il], T, geo) if ranks.rank == owner else None
+        saved = _move_layer(ranks, cfg, il, T, geo, saved, owner, ROOT, "gathering")
         if ranks.rank == ROOT:
-            layers.append(_unpack(flat, shapes))
+            layers.append(saved)
     if ranks.rank != ROOT:
         return None
     logits = np.zeros(cfg.n_vocab, np.float32) if cp.logits is None else cp.logits
@@ -86,13 +89,10 @@ def scatter(placement, model, geometry, cp: Checkpoint | None):
     layers = []
     for il in range(cfg.n_layer):
         owner = placement.rank_of(il)
-        shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geometry.window, geometry.raw_cap))
-        flat = None
-        if ranks.rank == ROOT:
-            flat = _packed(payload.layers[il], shapes)
-        flat = _move(ranks, flat, ROOT, owner, shapes, f"scattering layer {il}'s KV rows")
-        layers.append(layer_from_payload(backend, empty.layers[il], _unpack(flat, shapes), T, geometry)
-                      if ranks.rank == owner else LayerState(raw=None))
+        saved = payload.layers[il] if ranks.rank == ROOT else None
+        saved = _move_layer(ranks, cfg, il, T, geometry, saved, ROOT, owner, "scattering")
+        layers.append(LayerState(raw=None) if saved is None else
+                      layer_from_payload(backend, empty.layers[il], saved, T, geometry))
     return tokens, logits, KVState(tuple(layers), T, geometry), tuple(e for e in edits.decode().split("\0") if e)
 
 

@@ -145,9 +145,9 @@ class _Recorder:
 
 
 def _pair_setup(fast, plain) -> None:
-    for m, role in ((fast, "the kernels' path"), (plain, "the plain path")):
-        if m.backend.name != fast.backend.name:
-            raise ValueError(f"{role} runs on {m.backend.name}, the other on {fast.backend.name}: compare one backend")
+    if plain.backend.name != fast.backend.name:
+        raise ValueError(f"the plain path runs on {plain.backend.name}, the other on {fast.backend.name}: compare "
+                         "one backend")
     if fast.config != plain.config:
         raise ValueError("the two models differ: load the same file twice (kernels=True and kernels=False)")
     if fast.backend.kernels is None:
@@ -157,11 +157,15 @@ def _pair_setup(fast, plain) -> None:
         raise ValueError("the plain path's model runs kernels: load it with kernels=False")
 
 
-def _decode_step(model, token: int, observer):
-    state = model.new_state(2, 1)
-    logits, _ = model.runtime.forward_logits(np.asarray([token]), state, observer=observer, prefill=False)
+def _step(model, tokens, state, prefill: bool, observer=None):
+    """One step of ``tokens`` after ``state``: (the last token's logits as float32 NumPy, the new state)."""
+    logits, state = model.runtime.forward_logits(np.asarray(tokens), state, observer=observer, prefill=prefill)
     model.backend.eval(logits)
-    return np.asarray(model.backend.to_numpy(logits), dtype=np.float32)[0]
+    return np.asarray(model.backend.to_numpy(logits), dtype=np.float32)[0], state
+
+
+def _decode_step(model, token: int, observer):
+    return _step(model, [token], model.new_state(2, 1), False, observer)[0]
 
 
 def _step_stages(fast, plain, token: int, layers) -> tuple[dict, dict, list[StageDiff]]:
@@ -182,10 +186,15 @@ def _flips(model) -> float | None:
     return None if model.numerics == "exact" else FLIP_SHARE
 
 
-def _point_diff(model, name: str, got, want) -> StageDiff:
-    if name.split(".", 2)[-1] in CHOICES:
-        return compare(name, got, want, 0)
-    return compare(name, got, want, STAGE_RTOL, share=_flips(model))
+def _layer_diffs(model, got: dict, want: dict, il: int) -> list[StageDiff]:
+    """Every recorded point of layer ``il``: choices equal, values within the stage tolerance."""
+    out = []
+    for name in want:
+        if name.startswith(f"blk.{il}."):
+            exact = name.split(".", 2)[-1] in CHOICES
+            out.append(compare(name, got[name], want[name], 0) if exact else
+                       compare(name, got[name], want[name], STAGE_RTOL, share=_flips(model)))
+    return out
 
 
 def _setup(fast, what: str) -> str:
@@ -198,7 +207,7 @@ def decode_test(fast, plain, token: int) -> GraphReport:
     """ds4's ``--metal-graph-test``: layer 0's stages and the logits for one decode step of ``token``."""
     _pair_setup(fast, plain)
     got, want, logits = _step_stages(fast, plain, token, [0])
-    stages = [_point_diff(fast, name, got[name], want[name]) for name in want if name.startswith("blk.0.")]
+    stages = _layer_diffs(fast, got, want, 0)
     return GraphReport("graph-test", _setup(fast, f"token {token} as a decode step at position 0"), stages + logits,
                        fast.numerics)
 
@@ -210,7 +219,7 @@ def full_test(fast, plain, token: int) -> GraphReport:
     got, want, logits = _step_stages(fast, plain, token, range(n_layer))
     stages = []
     for il in range(n_layer):
-        diffs = [_point_diff(fast, name, got[name], want[name]) for name in want if name.startswith(f"blk.{il}.")]
+        diffs = _layer_diffs(fast, got, want, il)
         failing = [d for d in diffs if not d.ok]
         worst = failing[0] if failing else max(diffs, key=lambda d: d.rel)
         note = f"{len(failing)} of {len(diffs)} points fail" if failing else ""
@@ -242,9 +251,7 @@ def prompt_test(fast, plain, ids, ctx: int | None = None, prefill_chunk: int | N
     for start in range(0, len(ids), geo.step):
         chunk = np.asarray(ids[start:start + geo.step])
         for m in (fast, plain):
-            logits, states[m] = m.runtime.forward_logits(chunk, states[m], prefill=True)
-            m.backend.eval(logits)
-            last[m] = np.asarray(m.backend.to_numpy(logits), dtype=np.float32)[0]
+            last[m], states[m] = _step(m, chunk, states[m], True)
         stages.append(compare(f"chunk [{start}, {start + len(chunk)}) logits", last[fast], last[plain], LOGITS_RTOL))
     for il in range(fast.config.n_layer):
         got, want = _layer_state(fast, states[fast], il), _layer_state(plain, states[plain], il)
@@ -254,11 +261,7 @@ def prompt_test(fast, plain, ids, ctx: int | None = None, prefill_chunk: int | N
         stages.append(replace(worst, stage=f"layer {il:>2} KV (worst: {worst.stage})"))
     token = int(last[plain].argmax())
     stages.append(compare("greedy token", int(last[fast].argmax()), token, 0))
-    after = {}
-    for m in (fast, plain):
-        logits, _ = m.runtime.forward_logits(np.asarray([token]), states[m], prefill=False)
-        m.backend.eval(logits)
-        after[m] = np.asarray(m.backend.to_numpy(logits), dtype=np.float32)[0]
+    after = {m: _step(m, [token], states[m], False)[0] for m in (fast, plain)}
     stages.append(compare("decode step logits", after[fast], after[plain], LOGITS_RTOL))
     what = f"{len(ids)} prompt tokens in chunks of {geo.step}, ctx {geo.ctx}, raw ring {geo.raw_cap} rows"
     return GraphReport("graph-prompt-test", _setup(fast, what), stages, fast.numerics)

@@ -52,19 +52,17 @@ def test_prompt_test_compares_chunks_kv_and_a_decode_step(pair):
     assert "in chunks of 4, ctx 16" in report.setup
 
 
-def test_a_wrong_kernel_fails_at_its_stage(pair):
+def _break_rmsnorm(monkeypatch, model):
+    """``model``'s rmsnorm off by 1% (an instance attribute: the plain model's ops are another object)."""
+    right = model.transformer.ops.rmsnorm
+    monkeypatch.setattr(model.transformer.ops, "rmsnorm", lambda x, eps, weight=None: right(x, eps, weight) * 1.01)
+
+
+def test_a_wrong_kernel_fails_at_its_stage(pair, monkeypatch):
     fast, plain = pair
-    ops = fast.transformer.ops
-    right = ops.rmsnorm
-
-    def off_by_a_percent(x, eps, weight=None):
-        return right(x, eps, weight) * 1.01
-
-    ops.rmsnorm = off_by_a_percent  # an instance attribute: the plain model's ops are another object
-    try:
-        report = G.decode_test(fast, plain, token=5)
-    finally:
-        del ops.rmsnorm
+    _break_rmsnorm(monkeypatch, fast)
+    report = G.decode_test(fast, plain, token=5)
+    monkeypatch.undo()
     failed = {s.stage for s in report.failed}
     assert "blk.0.attn_norm" in failed and not report.passed
     attn_norm = next(s for s in report.stages if s.stage == "blk.0.attn_norm")
@@ -113,9 +111,7 @@ def test_the_command_runs_the_test_and_exits_by_its_verdict(pair, monkeypatch, c
     out = capsys.readouterr()
     assert "graph-test: PASS" in out.out and "--graph-test on the prompt's first token" in out.err
 
-    ops = fast.transformer.ops
-    right = ops.rmsnorm
-    monkeypatch.setattr(ops, "rmsnorm", lambda x, eps, weight=None: right(x, eps, weight) * 1.01, raising=False)
+    _break_rmsnorm(monkeypatch, fast)
     loaded = iter([fast, plain])
     assert main(["run", "--graph-full-test", "-p", PROMPT]) == 1
     assert "graph-full-test: FAIL" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..config import ModelConfig
-from .layout import LAYER_FIELDS, Geometry, KVState, LayerState, new_state
+from .layout import LAYER_FIELDS, Geometry, KVState, LayerState, new_state, raw_live_rows
 from .payload import LayerPayload, Payload, PayloadError, decode_payload, encode_payload, parse_layout, payload_header
 
 
@@ -144,7 +144,7 @@ def state_to_payload(cfg: ModelConfig, backend, state: KVState, tokens, logits) 
 
 def layer_to_payload(cfg: ModelConfig, backend, il: int, layer: LayerState, T: int, geo: Geometry) -> LayerPayload:
     """Layer ``il``'s part of :func:`state_to_payload` after ``T`` tokens."""
-    live = min(geo.window, geo.raw_cap, T)
+    live = raw_live_rows(T, geo.window, geo.raw_cap)
     slots = np.arange(T - live, T) % geo.raw_cap
     f32 = lambda x: np.asarray(backend.to_numpy(x), dtype=np.float32)  # noqa: E731
     R = cfg.ratio(il)
