@@ -25,8 +25,8 @@
 # We step through a prefill with `PrefillView`, draw what each query of a chunk can see with `MaskView`,
 # watch the ring and the compressors in `KVCacheView`, compare chunk sizes (measured time beside the work
 # `ds4lab.costs` counts), and check that chunked and one-shot prefills give the same logits and KV arrays.
-# `offline_charts()` makes the Altair charts render without a network: JupyterLab draws them with the Vega it
-# ships (Altair's default HTML would load Vega from a CDN), and a saved notebook keeps a PNG of each.
+# The charts are Vega-Lite specs: JupyterLab draws them with the Vega it ships (no network), and a saved
+# notebook keeps a PNG of each.
 
 # %%
 import sys
@@ -34,16 +34,15 @@ import sys
 if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
     import piplite
 
-    await piplite.install(["ds4lab", "anywidget", "altair"])
+    await piplite.install(["ds4lab", "anywidget"])
 
 # %% tags=["nbval-check-output"]
 import numpy as np
 
 import ds4lab
-from ds4lab.viz import KVCacheView, MaskView, PrefillView, offline_charts
+from ds4lab.viz import KVCacheView, MaskView, PrefillView
 from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
 
-offline_charts()  # Altair charts drawn by JupyterLab's own Vega-Lite renderer (no CDN), PNG when saved
 model = ds4lab.load(backend="numpy")
 cfg = model.config
 print("compression ratio per layer:", [cfg.ratio(il) for il in range(cfg.n_layer)], "| window", cfg.swa)

@@ -32,7 +32,7 @@ import sys
 if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
     import piplite
 
-    await piplite.install(["ds4lab", "anywidget", "altair"])
+    await piplite.install(["ds4lab", "anywidget"])
 
 # %% tags=["nbval-check-output"]
 import numpy as np
@@ -193,20 +193,9 @@ print(f"and drops {dropped.tolist()}")
 # tokens the raw window covers anyway). The chart shows every query's choice among the rows it could see:
 
 # %%
-import altair as alt
+from ds4lab.viz.charts import indexer_choices_chart
 
-from ds4lab.viz import offline_charts
-
-offline_charts()  # drawn by JupyterLab's own Vega-Lite renderer (no CDN); a PNG for saved notebooks
-# every 8th query from 128 on, one cell per visible row (the data travels inline with the chart)
-cells = [dict(q=int(p), r=int(r), kept="kept" if topk[i, r] else "dropped")
-         for i, p in enumerate(pos) if p >= 128 and p % 8 == 0 for r in range((p + 1) // 4)]
-alt.Chart(alt.Data(values=cells)).mark_rect().encode(
-    x=alt.X("r:O", title="compressed row (4 tokens each)", axis=alt.Axis(values=list(range(0, 80, 8)))),
-    y=alt.Y("q:O", title="query position", axis=alt.Axis(values=list(range(128, 320, 32)))),
-    color=alt.Color("kept:N", scale=alt.Scale(domain=["kept", "dropped"], range=["#3182bd", "#fcbba1"])),
-    tooltip=["q:Q", "r:Q", "kept:N"],
-).properties(title=f"layer 2's indexer: top-{cfg.idx_topk} of the visible rows", width=420, height=200)
+indexer_choices_chart(cap, layer=2, every=8, start=128)  # every 8th query from 128 on, a cell per visible row
 
 # %% [markdown]
 # ## Do the indexer's picks follow the attention?
@@ -259,7 +248,7 @@ for q in (124, 128, 252, 256):
 # 8 here, 6 of 256 in Flash) plus a shared one. The first `n_hash_layer` layers (0–2) choose by a fixed
 # table indexed by the token id; the others by the router's top-k. `ExpertView` captures
 # `blk.{il}.moe.experts` over a prefill and draws tokens per expert, layer by layer; `expert_load_chart`
-# is the same as an Altair heatmap.
+# is the same as a Vega-Lite heatmap.
 
 # %%
 from ds4lab.viz import ExpertView

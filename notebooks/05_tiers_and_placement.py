@@ -28,7 +28,7 @@ import sys
 if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
     import piplite
 
-    await piplite.install(["ds4lab", "anywidget", "altair"])
+    await piplite.install(["ds4lab", "anywidget"])
 
 # %% tags=["nbval-check-output"]
 import numpy as np
@@ -172,18 +172,9 @@ for chunk in CHUNKS:
           f"= {len(ids)} tokens × {sweep[-1]['bytes'] // len(ids):,}")
 
 # %%
-import altair as alt
+from ds4lab.viz.charts import batch_copies_chart
 
-from ds4lab.viz import offline_charts
-
-offline_charts()  # drawn by JupyterLab's own Vega-Lite renderer (no CDN); a PNG for saved notebooks
-base = alt.Chart(alt.Data(values=sweep)).encode(x=alt.X("chunk:O", title="prefill_chunk", axis=alt.Axis(labelAngle=0)))
-base = base.properties(width=200, height=140)
-(base.mark_bar().encode(y=alt.Y("switches:Q", title="batch copies")).properties(title="copies: one per chunk")
- | base.mark_line(point=True).encode(y=alt.Y("bytes:Q", title="bytes moved", scale=alt.Scale(zero=True)))
-     .properties(title="bytes: the same for every chunk size")
- | base.mark_bar(color="#fdae6b").encode(y=alt.Y("seconds:Q", title="seconds copying"))
-     .properties(title="time copying (this machine)"))
+batch_copies_chart(sweep)
 
 # %% [markdown]
 # ## Results do not depend on the plan

@@ -30,7 +30,7 @@ import sys
 if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
     import piplite
 
-    await piplite.install(["ds4lab", "anywidget", "altair"])
+    await piplite.install(["ds4lab", "anywidget"])
 
 # %% tags=["nbval-check-output"]
 import tempfile

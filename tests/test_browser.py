@@ -1,9 +1,9 @@
 """The views in a real browser: JupyterLab (started here, on a free port with a token, rooted in a temp dir)
 runs a small notebook written by this test that shows every view (PrefillView, KVCacheView, AttentionView,
-ExpertView, GenerationView, TierView) and two Altair charts, through its own UI (Run > Run All Cells) in
+ExpertView, GenerationView, TierView) and two Vega-Lite charts, through its own UI (Run > Run All Cells) in
 headless Chromium, driven by Playwright. Then the DOM our ESM built is checked view by view, the attention
 canvas and the charts are read back for painted pixels, hovers fill the tooltips, the charts are drawn by
-JupyterLab's own Vega-Lite renderer (``ds4lab.viz.offline_charts``, no CDN), the page asks nothing of any host
+JupyterLab's own Vega-Lite renderer (``ds4lab.viz.vegalite``, no CDN), the page asks nothing of any host
 but the server (no other host name resolves; a request to one fails the test), and the console holds no
 errors from the widgets.
 Screenshots of each view go to ``$DS4LAB_ARTIFACTS`` (default ``test-artifacts/``).
@@ -56,9 +56,8 @@ def notebook_cells() -> list[str]:
         "import ds4lab\n"
         "from ds4lab import Placement\n"
         "from ds4lab.viz import (AttentionView, ExpertView, GenerationView, KVCacheView, MaskView, PrefillView,\n"
-        "                        TierView, offline_charts)\n"
+        "                        TierView)\n"
         "from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart\n\n"
-        "offline_charts()\n"
         'model = ds4lab.load(backend="numpy")\n'
         "print(ds4lab.__file__)",
         coriolanus_cell(),  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
@@ -142,7 +141,6 @@ def lab(tmp_path_factory):
     pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (pip install -e '.[browser]')")
     pytest.importorskip("anywidget", reason="anywidget is not installed")
     pytest.importorskip("ipykernel", reason="ipykernel is not installed")
-    pytest.importorskip("altair", reason="altair is not installed")
 
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "root"

@@ -54,7 +54,6 @@ def test_flash_at_a_million_tokens():
 
 
 def test_the_chart_draws_every_scheme_on_log_axes():
-    pytest.importorskip("altair")
     from ds4lab.viz.charts import kv_cache_chart
 
     spec = kv_cache_chart(FLASH).to_dict()

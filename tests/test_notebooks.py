@@ -86,7 +86,7 @@ def test_saved_outputs(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_outputs_load_nothing_from_the_network(name):
     """No output loads a script from a CDN or any http(s) URL (DESIGN.md: no CDN): charts are Vega-Lite
-    mimebundles that JupyterLab draws itself (ds4lab.viz.offline_charts), with a PNG for saved notebooks."""
+    mimebundles that JupyterLab draws itself (ds4lab.viz.vegalite), with a PNG for saved notebooks."""
     outputs = [o for c in _code(_read(name)) for o in c.outputs]
     found = remote_scripts([dict(o) for o in outputs])
     assert not found, f"{name}: outputs load scripts from the network: {found[:3]}"

@@ -230,8 +230,8 @@ def test_charts(model):
 
     sess = model.session(ctx=256, prefill_chunk=32)
     chunks = sess.prefill(_ids(80, model.config.n_vocab)).run(progress=False)
-    spec = kv_bytes_chart(sess, chunks).to_dict()  # one layer (its own colour scale), over the chart's data
-    values = spec["data"]["values"]
+    spec = kv_bytes_chart(sess, chunks).to_dict()  # one layer (its own colour scale) with the chart's data
+    values = spec["layer"][0]["data"]["values"]
     assert len(values) == len(chunks) * len(
         {model.config.ratio(i) for i in range(model.config.n_layer)}
     )

@@ -1,9 +1,12 @@
-"""Altair charts without a network: ``offline_charts()`` / ``chart_bundle`` give JupyterLab's own Vega-Lite
-mimetype and a PNG fallback, never Altair's HTML that loads Vega from a CDN (see also test_notebooks.py for the
-saved notebooks and test_browser.py for the page)."""
+"""Charts without a network: ds4lab's charts (Vega-Lite specs) and, through ``offline_charts()``, one's own
+Altair charts show as JupyterLab's own Vega-Lite mimetype and a PNG fallback, never Altair's HTML that loads
+Vega from a CDN (see also test_notebooks.py for the saved notebooks and test_browser.py for the page)."""
 
 import base64
+import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -63,52 +66,66 @@ def alt():
 
 
 @pytest.fixture(scope="module")
-def charts(alt, model_paths):
-    from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart, prefill_cost_chart
-
+def prefilled(model_paths):
+    """The nano model and a session that prefilled 80 tokens in chunks of 32, with layer 2's indexer choices."""
     model = ds4lab.load(model_paths["nano"], backend="numpy")
     sess = model.session(ctx=256, prefill_chunk=32)
     ids = ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
-    chunks = sess.prefill(ids).run(progress=False)
-    experts = expert_load_chart({0: np.arange(8), 1: np.ones(8, int)}, hash_layers=[0])
+    with sess.capture(["indexer.topk"], layers=[2]) as cap:
+        chunks = sess.prefill(ids).run(progress=False)
+    return model, sess, chunks, cap
+
+
+@pytest.fixture(scope="module")
+def charts(prefilled):
+    from ds4lab.viz.charts import (
+        batch_copies_chart,
+        expert_load_chart,
+        indexer_choices_chart,
+        kv_bytes_chart,
+        kv_cache_chart,
+        prefill_chunks_chart,
+        prefill_cost_chart,
+    )
+
+    model, sess, chunks, cap = prefilled
     speed = prefill_chunks_chart(chunks)
     return {
         "prefill_cost_chart": prefill_cost_chart({32: [chunks]}, model),
         "prefill_chunks_chart": speed,
         "kv_bytes_chart": kv_bytes_chart(sess, chunks),
-        "expert_load_chart": experts,
+        "expert_load_chart": expert_load_chart({0: np.arange(8), 1: np.ones(8, int)}, hash_layers=[0]),
+        "kv_cache_chart": kv_cache_chart(ds4lab.FLASH),
+        "indexer_choices_chart": indexer_choices_chart(cap, layer=2, every=4, start=16),
+        "batch_copies_chart": batch_copies_chart([dict(chunk=16, switches=5, bytes=4096, seconds=0.01),
+                                                  dict(chunk=64, switches=2, bytes=4096, seconds=0.004)]),
         "hconcat": kv_bytes_chart(sess, chunks) | speed,
-        "plain altair": alt.Chart(alt.Data(values=[dict(a=1, b=2)])).mark_bar().encode(x="a:O", y="b:Q"),
+        "vconcat": kv_bytes_chart(sess, chunks) & speed,
     }
 
 
-def test_altair_default_html_loads_vega_from_a_cdn(alt, charts):
-    """What offline_charts() replaces: Altair's default renderer, whose HTML fails in an offline JupyterLab."""
+CHARTS = ["prefill_chunks_chart", "kv_bytes_chart", "expert_load_chart", "kv_cache_chart", "indexer_choices_chart",
+          "batch_copies_chart", "prefill_cost_chart", "hconcat", "vconcat"]
+
+
+def test_altair_default_html_loads_vega_from_a_cdn(alt):
+    """What offline_charts() replaces for one's own Altair charts: Altair's default renderer, whose HTML fails
+    in an offline JupyterLab."""
+    chart = alt.Chart(alt.Data(values=[dict(a=1, b=2)])).mark_bar().encode(x="a:O", y="b:Q")
     with alt.renderers.enable("default"):
-        bundle = charts["plain altair"]._repr_mimebundle_()
+        bundle = chart._repr_mimebundle_()
     bundle = bundle[0] if isinstance(bundle, tuple) else bundle
     assert remote_scripts(bundle)
 
 
-@pytest.mark.parametrize("name", ["prefill_chunks_chart", "kv_bytes_chart", "expert_load_chart", "hconcat",
-                                  "prefill_cost_chart", "plain altair"])
-def test_offline_chart_bundles(alt, charts, name):
-    from IPython.core.formatters import DisplayFormatter
+def _check_bundle(data: dict, spec: dict):
+    """A chart's bundle as JupyterLab gets it: Vega-Lite v5 and a PNG (with vl-convert), no HTML, no URL."""
+    from ds4lab.viz.vegalite import VEGALITE_MIME
 
-    from ds4lab.viz import chart_bundle, offline_charts
-    from ds4lab.viz.charts import RENDERER, VEGALITE_MIME
-
-    chart = charts[name]
-    before = alt.renderers.active
-    with offline_charts():
-        assert alt.renderers.active == RENDERER
-        data, _ = DisplayFormatter().format(chart)  # what IPython sends to the front-end
-    assert alt.renderers.active == before
     assert not remote_scripts(data), remote_scripts(data)
     assert VEGALITE_MIME in data and "text/html" not in data  # JupyterLab would prefer HTML to Vega-Lite
-    spec = data[VEGALITE_MIME]
-    assert spec["$schema"].endswith("/vega-lite/v5.json")
-    assert spec == dict(chart.to_dict(), **{"$schema": spec["$schema"]})
+    assert data[VEGALITE_MIME]["$schema"].endswith("/vega-lite/v5.json")
+    assert data[VEGALITE_MIME] == dict(spec, **{"$schema": data[VEGALITE_MIME]["$schema"]})
     assert data["text/plain"].startswith("<Vega-Lite chart")
     try:
         import vl_convert  # noqa: F401
@@ -116,24 +133,105 @@ def test_offline_chart_bundles(alt, charts, name):
         assert "image/png" not in data
     else:
         assert base64.b64decode(data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "image/png" not in chart_bundle(chart, png=False)
 
 
-def test_png_required_without_vl_convert(alt, charts, monkeypatch):
-    import sys
+@pytest.mark.parametrize("name", CHARTS)
+def test_chart_bundles(charts, name):
+    """ds4lab's charts display as the offline bundle by themselves, with no renderer to enable."""
+    from IPython.core.formatters import DisplayFormatter
 
     from ds4lab.viz import chart_bundle
 
+    chart = charts[name]
+    data, _ = DisplayFormatter().format(chart)  # what IPython sends to the front-end
+    _check_bundle(data, chart.to_dict())
+    assert json.loads(json.dumps(chart.to_dict())) == chart.to_dict()  # plain JSON: no NumPy scalars
+    assert "image/png" not in chart_bundle(chart, png=False)
+
+
+@pytest.mark.parametrize("name", CHARTS)
+def test_charts_are_valid_vega_lite(alt, charts, name):
+    """Each spec validates against the Vega-Lite schema Altair carries: to_altair() reads it with validation,
+    and Altair writes it back validated, with the same marks (Altair may move data up a level)."""
+    def marks(obj):  # every mark of a spec, as a sorted tuple of its properties
+        if isinstance(obj, dict):
+            own = obj.get("mark")
+            own = [tuple(sorted(({"type": own} if isinstance(own, str) else own).items()))] if own else []
+            return own + [m for k, v in obj.items() if k != "mark" for m in marks(v)]
+        return [m for v in obj for m in marks(v)] if isinstance(obj, list) else []
+
+    back = charts[name].to_altair().to_dict(validate=True)
+    assert sorted(marks(back)) == sorted(marks(charts[name].to_dict()))
+
+
+def test_own_altair_charts_offline(alt):
+    from IPython.core.formatters import DisplayFormatter
+
+    from ds4lab.viz import offline_charts
+    from ds4lab.viz.vegalite import RENDERER
+
+    chart = alt.Chart(alt.Data(values=[dict(a=1, b=2)])).mark_bar().encode(x="a:O", y="b:Q")
+    before = alt.renderers.active
+    with offline_charts():
+        assert alt.renderers.active == RENDERER
+        data, _ = DisplayFormatter().format(chart)
+    assert alt.renderers.active == before
+    _check_bundle(data, chart.to_dict())
+
+
+def test_charts_do_not_import_altair(model_paths):
+    """Showing every ds4lab chart imports neither Altair nor jsonschema (seconds of a notebook's start)."""
+    code = ("import sys, numpy as np, ds4lab\n"
+            "from ds4lab.viz.charts import expert_load_chart, kv_cache_chart\n"
+            "from IPython.core.formatters import DisplayFormatter\n"
+            "DisplayFormatter().format(kv_cache_chart(ds4lab.FLASH) | expert_load_chart({0: np.arange(8)}))\n"
+            "print(sorted(m for m in ('altair', 'jsonschema') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_png_required_without_vl_convert(charts, monkeypatch):
+    from ds4lab.viz import chart_bundle
+
     monkeypatch.setitem(sys.modules, "vl_convert", None)  # import fails
-    assert "image/png" not in chart_bundle(charts["plain altair"])
+    assert "image/png" not in chart_bundle(charts["kv_cache_chart"])
     with pytest.raises(RuntimeError, match="vl-convert"):
-        chart_bundle(charts["plain altair"], png=True)
+        chart_bundle(charts["kv_cache_chart"], png=True)
+
+
+def test_field_shorthand():
+    from ds4lab.viz.vegalite import field, tooltip
+
+    assert field("a:Q", title="A") == {"field": "a", "type": "quantitative", "title": "A"}
+    assert field("x:y:N") == {"field": "x:y", "type": "nominal"}
+    assert tooltip("b:O", {"field": "c"}) == [{"field": "b", "type": "ordinal"}, {"field": "c"}]
+    for bad in ("a", "a:X", ":Q"):
+        with pytest.raises(ValueError, match="name:Q"):
+            field(bad)
+
+
+def test_indexer_choices_chart(prefilled, charts):
+    """One cell per query (every 4th position from 16) and compressed row it could see, kept exactly where the
+    captured top-k mask says."""
+    from ds4lab.viz.charts import indexer_choices_chart
+
+    model, _, _, cap = prefilled
+    topk, pos = cap["blk.2.indexer.topk"], list(cap.positions("blk.2.indexer.topk"))
+    cells = charts["indexer_choices_chart"].to_dict()["data"]["values"]
+    queries = [p for p in pos if p >= 16 and p % 4 == 0]
+    assert sorted({c["q"] for c in cells}) == queries
+    ratio = model.config.ratio(2)
+    for q in queries:
+        row = [c for c in cells if c["q"] == q]
+        assert [c["r"] for c in row] == list(range((q + 1) // ratio))
+        assert [c["kept"] == "kept" for c in row] == [bool(topk[pos.index(q), c["r"]]) for c in row]
+    with pytest.raises(ValueError, match="no query"):
+        indexer_choices_chart(cap, layer=2, every=4, start=10_000)
 
 
 def test_expert_ticks_sit_in_the_middle_of_their_cells():
     """Expert e's cell spans [e, e + 1): its tick is at e + 0.5 (labelled e), never on an edge, so 8 experts get
     ticks 0-7 and no "8"; 256 experts get one every 16."""
-    pytest.importorskip("altair")
     from ds4lab.viz.charts import expert_load_chart
 
     axis = expert_load_chart({0: np.arange(8), 1: np.ones(8)}).to_dict()["encoding"]["x"]["axis"]
@@ -147,7 +245,7 @@ def test_expert_ticks_sit_in_the_middle_of_their_cells():
 
 # -- measured beside predicted ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def sweep(alt, model_paths):
+def sweep(model_paths):
     """The nano model's prefill of 80 tokens at chunk sizes 16 and 40, twice each."""
     model = ds4lab.load(model_paths["nano"], backend="numpy")
     ids = ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
