@@ -1299,9 +1299,10 @@ def test_cupy_device_bytes_uploads_every_byte_in_pieces(monkeypatch, tmp_path):
     from ds4lab.backends.cupy_backend import CupyBackend
 
     monkeypatch.setattr(cupy_backend, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(cupy_backend, "SMALL_BYTES", 1000)
     backend = CupyBackend()
     rng = np.random.default_rng(3)
-    for shape in [(1,), (999,), (1000,), (1001,), (3, 7001), (64, 1000), (5, 3, 2001)]:
+    for shape in [(1,), (999,), (1000,), (1001,), (3, 7001), (64, 1000), (5, 3, 2001), (4, 1001)]:
         raw = rng.integers(0, 256, shape, dtype=np.uint8)
         got = backend.device_bytes(raw)
         assert isinstance(got, cp.ndarray) and got.shape == shape and got.dtype == cp.uint8

@@ -22,9 +22,11 @@ from .base import BlockBackend
 from .packing import offsets, views
 
 UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)
-# Weights go up in pieces of PIECE_BYTES, UPLOAD_THREADS at a time, each thread through its own pinned buffer and
-# stream: cp.asarray of a memory-mapped tensor copies from pageable memory, one page fault at a time.
+# Weights go up in pieces, UPLOAD_THREADS at a time, each thread through its own pinned buffer and stream:
+# cp.asarray of a memory-mapped tensor copies from pageable memory, one page fault at a time. A tensor is cut in
+# pieces of at most PIECE_BYTES so that every thread gets one; one of SMALL_BYTES or less goes up in one copy.
 PIECE_BYTES = 64 << 20
+SMALL_BYTES = 64 << 20
 UPLOAD_THREADS = 8
 
 
@@ -57,9 +59,10 @@ class CupyBackend(BlockBackend):
         out = cp.empty(raw.shape, dtype=cp.uint8)
         src = raw.reshape(-1)  # a GGUF tensor's bytes are contiguous
         n = src.nbytes
-        if n <= PIECE_BYTES:
+        if n <= SMALL_BYTES:
             out.set(raw)
             return out
+        size = min(PIECE_BYTES, -(-n // UPLOAD_THREADS))
         device, local = cp.cuda.Device(), threading.local()
         # out's memory may have been freed by work still queued on the current stream: let that finish first, since
         # the pieces are copied on streams of their own
@@ -68,9 +71,9 @@ class CupyBackend(BlockBackend):
         def piece(start: int) -> None:
             if not hasattr(local, "buffer"):
                 with device:
-                    local.buffer = np.frombuffer(cp.cuda.alloc_pinned_memory(PIECE_BYTES), np.uint8, PIECE_BYTES)
+                    local.buffer = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
                     local.stream = cp.cuda.Stream(non_blocking=True)
-            m = min(PIECE_BYTES, n - start)
+            m = min(size, n - start)
             np.copyto(local.buffer[:m], src[start:start + m])
             with device:
                 (out.data + start).copy_from_host_async(local.buffer.ctypes.data, m, local.stream)
@@ -78,7 +81,7 @@ class CupyBackend(BlockBackend):
 
         pool = ThreadPoolExecutor(UPLOAD_THREADS)
         try:
-            list(pool.map(piece, range(0, n, PIECE_BYTES)))
+            list(pool.map(piece, range(0, n, size)))
         finally:  # a failed piece (an out-of-memory, a read error) cancels the pieces not started
             pool.shutdown(cancel_futures=True)
         return out

@@ -1,0 +1,110 @@
+"""How fast the weights of a model file reach the GPU: every tensor through ``CupyBackend.device_bytes`` at
+several settings of its upload (threads, the size under which a tensor goes up in one copy), beside the two
+ceilings: the host reading the mapped file into pinned buffers alone, and pinned buffers copied to the GPU
+alone.
+
+The first prompt of a fresh process uploads every weight it reads (all of them), so this is most of the cold
+start on the whole Flash model (benchmarks/README.md, "flash_short_prompts.py"). Without ``--path`` it writes
+the sparse Flash layout (``ds4lab.testing.make_sparse_model``; 81 GiB, a few hundred MB on disk).
+
+    python benchmarks/upload_speed.py [--path /tmp/flash.gguf] [--repeats 2] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+from ds4lab import config, testing
+from ds4lab.backends import cupy_backend
+from ds4lab.gguf_file import GGUFModelFile
+
+SETTINGS = {  # name -> (UPLOAD_THREADS, SMALL_BYTES)
+    "8 threads, tensors > 64 MiB": (8, 64 << 20),
+    "16 threads, tensors > 64 MiB": (16, 64 << 20),
+    "8 threads, tensors > 1 MiB": (8, 1 << 20),
+    "16 threads, tensors > 1 MiB": (16, 1 << 20),
+}
+
+
+def _upload_all(backend, tensors) -> float:
+    t0 = time.perf_counter()
+    for raw in tensors:
+        backend.device_bytes(raw)  # freed at once: the pool gives its memory to the next tensor
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0
+
+
+def _host_reads(tensors, threads: int, piece: int = 64 << 20) -> float:
+    """Every tensor's bytes copied from the mapping into pinned buffers, ``threads`` at a time: the host side."""
+    buffers = [np.frombuffer(cp.cuda.alloc_pinned_memory(piece), np.uint8, piece) for _ in range(threads)]
+    jobs = [(raw.reshape(-1), start) for raw in tensors for start in range(0, raw.nbytes, piece)]
+
+    def read(i: int) -> None:
+        src, start = jobs[i]
+        m = min(piece, src.nbytes - start)
+        np.copyto(buffers[i % threads][:m], src[start:start + m])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:  # job i uses buffer i % threads: no two at once share one
+        for k in range(0, len(jobs), threads):
+            list(pool.map(read, range(k, min(k + threads, len(jobs)))))
+    return time.perf_counter() - t0
+
+
+def _device_copies(total: int, piece: int = 64 << 20) -> float:
+    """``total`` bytes copied from a pinned buffer to the GPU in pieces: the link's side."""
+    host = cp.cuda.alloc_pinned_memory(piece)
+    dev = cp.empty(piece, dtype=cp.uint8)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for start in range(0, total, piece):
+        dev.data.copy_from_host_async(host.ptr, min(piece, total - start))
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", type=Path, default=Path("/tmp/flash.gguf"))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not args.path.exists():
+        t0 = time.perf_counter()
+        testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=testing.routing_filled)
+        print(f"wrote {args.path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    f = GGUFModelFile.open(args.path)
+    tensors = [t.data for t in f.tensors.values()]
+    total = sum(t.nbytes for t in tensors)
+    small = sum(t.nbytes for t in tensors if t.nbytes <= 64 << 20)
+    print(f"{len(tensors)} tensors, {total / 2**30:.1f} GiB ({small / 2**30:.2f} GiB in tensors of 64 MiB or less)",
+          flush=True)
+    backend = cupy_backend.CupyBackend()
+    rows = []
+
+    def record(name: str, seconds: float) -> None:
+        rows.append(dict(setting=name, seconds=seconds, gb_per_s=total / seconds / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+
+    record("warm-up (8 threads, tensors > 64 MiB)", _upload_all(backend, tensors))  # pages the file in once
+    for _ in range(args.repeats):
+        for name, (threads, small_bytes) in SETTINGS.items():
+            cupy_backend.UPLOAD_THREADS, cupy_backend.SMALL_BYTES = threads, small_bytes
+            record(name, _upload_all(backend, tensors))
+        for threads in (8, 16):
+            record(f"host reads alone, {threads} threads", _host_reads(tensors, threads))
+        record("pinned to GPU alone, one stream", _device_copies(total))
+    if args.json:
+        args.json.write_text(json.dumps({"total_bytes": total, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
