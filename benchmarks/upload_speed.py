@@ -1,13 +1,15 @@
-"""How fast the weights of a model file reach the GPU: every tensor through ``CupyBackend.device_bytes`` at
-several settings of its upload (threads, the size under which a tensor goes up in one copy), beside the two
-ceilings: the host reading the mapped file into pinned buffers alone, and pinned buffers copied to the GPU
-alone.
+"""How fast the weights of a model file reach the GPU: every tensor through ``CupyBackend.device_bytes`` as the
+library sets it and at other settings of its upload (threads, piece size), beside the two ceilings: the host
+reading the mapped file into pinned buffers alone, and pinned buffers copied to the GPU alone.
 
 The first prompt of a fresh process uploads every weight it reads (all of them), so this is most of the cold
 start on the whole Flash model (benchmarks/README.md, "flash_short_prompts.py"). Without ``--path`` it writes
 the sparse Flash layout (``ds4lab.testing.make_sparse_model``; 81 GiB, a few hundred MB on disk).
 
-    python benchmarks/upload_speed.py [--path /tmp/flash.gguf] [--repeats 2] [--json out]
+    python benchmarks/upload_speed.py [--path /tmp/flash.gguf] [--repeats 2] [--library-only] [--json out]
+
+With ``PYTHONPATH`` at another checkout's ds4lab (``benchmarks/stage_trees.sh``), ``--library-only`` times that
+version's upload in the same lease.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ from ds4lab import config, testing
 from ds4lab.backends import cupy_backend
 from ds4lab.gguf_file import GGUFModelFile
 
-SETTINGS = {  # name -> (UPLOAD_THREADS, SMALL_BYTES)
-    "8 threads, tensors > 64 MiB": (8, 64 << 20),
-    "16 threads, tensors > 64 MiB": (16, 64 << 20),
-    "8 threads, tensors > 1 MiB": (8, 1 << 20),
-    "16 threads, tensors > 1 MiB": (16, 1 << 20),
+SETTINGS = {  # name -> (UPLOAD_THREADS, PIECE_BYTES)
+    "8 threads, 16 MiB pieces": (8, 16 << 20),
+    "16 threads, 32 MiB pieces": (16, 32 << 20),
+    "16 threads, 64 MiB pieces": (16, 64 << 20),
 }
 
 
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", type=Path, default=Path("/tmp/flash.gguf"))
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--library-only", action="store_true", help="only the library's own setting and the ceilings")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if not args.path.exists():
@@ -93,10 +95,13 @@ def main(argv=None) -> int:
         rows.append(dict(setting=name, seconds=seconds, gb_per_s=total / seconds / 1e9))
         print(json.dumps(rows[-1]), flush=True)
 
-    record("warm-up (8 threads, tensors > 64 MiB)", _upload_all(backend, tensors))  # pages the file in once
+    default = (cupy_backend.UPLOAD_THREADS, cupy_backend.PIECE_BYTES)
+    library = f"the library's ({default[0]} threads, {default[1] >> 20} MiB pieces)"
+    record("warm-up: " + library, _upload_all(backend, tensors))  # pages the file in once
+    settings = {library: default, **({} if args.library_only else SETTINGS)}
     for _ in range(args.repeats):
-        for name, (threads, small_bytes) in SETTINGS.items():
-            cupy_backend.UPLOAD_THREADS, cupy_backend.SMALL_BYTES = threads, small_bytes
+        for name, (threads, piece) in settings.items():
+            cupy_backend.UPLOAD_THREADS, cupy_backend.PIECE_BYTES = threads, piece
             record(name, _upload_all(backend, tensors))
         for threads in (8, 16):
             record(f"host reads alone, {threads} threads", _host_reads(tensors, threads))

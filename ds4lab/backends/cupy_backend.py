@@ -22,12 +22,13 @@ from .base import BlockBackend
 from .packing import offsets, views
 
 UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)
-# Weights go up in pieces, UPLOAD_THREADS at a time, each thread through its own pinned buffer and stream:
-# cp.asarray of a memory-mapped tensor copies from pageable memory, one page fault at a time. A tensor is cut in
-# pieces of at most PIECE_BYTES so that every thread gets one; one of SMALL_BYTES or less goes up in one copy.
-PIECE_BYTES = 64 << 20
+# Weights go up in pieces, UPLOAD_THREADS at a time: each thread reads a piece of the mapped file into one of its
+# two pinned buffers while the other one's copy to the GPU runs (cp.asarray of a memory-mapped tensor copies from
+# pageable memory, one page fault at a time). A tensor is cut in pieces of at most PIECE_BYTES so that every
+# thread gets one; one of SMALL_BYTES or less goes up in one copy. Pinned memory used: 2 x threads x piece.
+PIECE_BYTES = 16 << 20
 SMALL_BYTES = 64 << 20
-UPLOAD_THREADS = 8
+UPLOAD_THREADS = 16
 
 
 class CupyBackend(BlockBackend):
@@ -54,7 +55,8 @@ class CupyBackend(BlockBackend):
 
     def device_bytes(self, raw):
         """GGUF bytes ``raw`` (a memory-mapped host array) on the current GPU: read into pinned buffers and copied
-        up by several threads at once (the reads fault the file's pages in; the copies overlap them)."""
+        up by several threads at once, each thread's reads (which fault the file's pages in) overlapping its
+        previous piece's copy."""
         raw = np.asarray(raw)
         out = cp.empty(raw.shape, dtype=cp.uint8)
         src = raw.reshape(-1)  # a GGUF tensor's bytes are contiguous
@@ -63,27 +65,34 @@ class CupyBackend(BlockBackend):
             out.set(raw)
             return out
         size = min(PIECE_BYTES, -(-n // UPLOAD_THREADS))
-        device, local = cp.cuda.Device(), threading.local()
+        device, local, streams = cp.cuda.Device(), threading.local(), []
         # out's memory may have been freed by work still queued on the current stream: let that finish first, since
         # the pieces are copied on streams of their own
         cp.cuda.get_current_stream().synchronize()
 
         def piece(start: int) -> None:
-            if not hasattr(local, "buffer"):
+            if not hasattr(local, "slots"):
                 with device:
-                    local.buffer = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
-                    local.stream = cp.cuda.Stream(non_blocking=True)
+                    local.slots = [(np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size), cp.cuda.Event())
+                                   for _ in range(2)]
+                    local.stream, local.turn = cp.cuda.Stream(non_blocking=True), 0
+                streams.append(local.stream)
+            buffer, copied = local.slots[local.turn]
+            local.turn ^= 1
+            copied.synchronize()  # the copy that last read this buffer is done (at once if none did)
             m = min(size, n - start)
-            np.copyto(local.buffer[:m], src[start:start + m])
+            np.copyto(buffer[:m], src[start:start + m])
             with device:
-                (out.data + start).copy_from_host_async(local.buffer.ctypes.data, m, local.stream)
-                local.stream.synchronize()  # the buffer is free for the thread's next piece
+                (out.data + start).copy_from_host_async(buffer.ctypes.data, m, local.stream)
+                copied.record(local.stream)
 
         pool = ThreadPoolExecutor(UPLOAD_THREADS)
         try:
             list(pool.map(piece, range(0, n, size)))
-        finally:  # a failed piece (an out-of-memory, a read error) cancels the pieces not started
-            pool.shutdown(cancel_futures=True)
+        finally:  # a failed piece (an out-of-memory, a read error) cancels the pieces not started; the copies under
+            pool.shutdown(cancel_futures=True)  # way finish before out can go back to the pool
+            for stream in streams:
+                stream.synchronize()
         return out
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
