@@ -2,7 +2,7 @@
 # Cold start on the whole Flash layout: the shell's clock from process start to the end of the first decode
 # step of a one-token prompt (benchmarks/flash_short_prompts.py; it writes /tmp/flash.gguf if missing), for
 # each ds4lab checkout given (its root, or a folder of benchmarks/stage_trees.sh), in turn, ROUNDS times. A
-# first, untimed run fills CuPy's kernel cache, so every timed run starts with a warm cache (issue 25's target).
+# first, untimed run of each fills CuPy's kernel cache, so every timed run starts warm (issue 25's target).
 #     bash benchmarks/cold_flash_upload.sh ROUNDS CHECKOUT...
 set -u
 run() {  # run CHECKOUT
@@ -10,11 +10,13 @@ run() {  # run CHECKOUT
         > /tmp/cold_flash.log 2>&1
 }
 rounds=$1; shift
-run "$1" || { cat /tmp/cold_flash.log; exit 1; }
+for checkout in "$@"; do
+    run "$checkout" || { cat /tmp/cold_flash.log; exit 1; }
+done
 for _ in $(seq "$rounds"); do
     for checkout in "$@"; do
         t0=$(date +%s%N)
-        run "$checkout"
+        run "$checkout" || { echo "$checkout: failed"; cat /tmp/cold_flash.log; exit 1; }
         t1=$(date +%s%N)
         echo "$checkout: $(( (t1 - t0) / 1000000 )) ms to the end of the first decode step; $(tail -n 1 /tmp/cold_flash.log)"
     done

@@ -10,7 +10,7 @@ What goes in: ``lite/jupyter_lite_config.json``; the notebooks ``notebooks/NN_*.
 the front ends of the Pyodide kernel, ipywidgets and anywidget as this environment has them (the environment's
 other JupyterLab extensions are left out); ds4lab's wheel built from this checkout; and, unless ``--no-download``,
 the wheels in :data:`WHEELS` from PyPI, the widget packages at the versions of their front ends here. Pyodide
-itself, NumPy, PyYAML, tqdm, requests and Altair come from Pyodide's CDN when the page runs.
+itself, NumPy, PyYAML, tqdm and requests come from Pyodide's CDN when the page runs.
 """
 
 from __future__ import annotations

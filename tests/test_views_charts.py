@@ -308,3 +308,25 @@ def test_prefill_cost_chart(sweep):
     assert values["16", "weights read (MiB)"] > 2 * values["40", "weights read (MiB)"]
     with pytest.raises(ValueError, match="chunk size 8 has no prefill"):
         prefill_cost_chart({8: []}, model)
+
+
+def test_concat_is_flat_and_numpy_values_are_json(monkeypatch):
+    """a | b | c is one row of three (as in Altair), a titled row stays whole; NumPy scalars in the rows become
+    Python numbers; the PNG is drawn with vl-convert's newest Vega-Lite 5, the spec's version."""
+    from ds4lab.viz.charts import batch_copies_chart
+    from ds4lab.viz.vegalite import Chart, _png, unit
+
+    a, b, c = (Chart(unit([dict(x=np.int64(i), y=np.float32(0.5))], "point")) for i in range(3))
+    assert json.loads(json.dumps(a.to_dict()))["data"]["values"] == [dict(x=0, y=0.5)]
+    assert [s["data"]["values"][0]["x"] for s in (a | b | c).to_dict()["hconcat"]] == [0, 1, 2]
+    assert len((a & b & c).to_dict()["vconcat"]) == 3
+    titled = (a | b).properties(title="t")
+    assert len((titled | c).to_dict()["hconcat"]) == 2
+    rows = [dict(chunk=np.int64(16), switches=np.int64(2), bytes=np.int64(4096), seconds=np.float64(0.1))]
+    json.dumps(batch_copies_chart(rows).to_dict())
+    vlc = pytest.importorskip("vl_convert")
+    seen = {}
+    monkeypatch.setattr(vlc, "vegalite_to_png", lambda spec, **kw: seen.update(kw) or b"png")
+    assert _png(a.to_dict()) == b"png"
+    fives = [v for v in vlc.get_vegalite_versions() if v.startswith("5.")]
+    assert seen["vl_version"] == max(fives, key=lambda v: tuple(map(int, v.split("."))))

@@ -65,7 +65,8 @@ class CupyBackend(BlockBackend):
             out.set(raw)
             return out
         size = min(PIECE_BYTES, -(-n // UPLOAD_THREADS))
-        device, local, streams = cp.cuda.Device(), threading.local(), []
+        # every thread's stream and buffers, kept here until the copies finish (a thread's locals go when it ends)
+        device, local, streams, buffers = cp.cuda.Device(), threading.local(), [], []
         # out's memory may have been freed by work still queued on the current stream: let that finish first, since
         # the pieces are copied on streams of their own
         cp.cuda.get_current_stream().synchronize()
@@ -73,10 +74,12 @@ class CupyBackend(BlockBackend):
         def piece(start: int) -> None:
             if not hasattr(local, "slots"):
                 with device:
-                    local.slots = [(np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size), cp.cuda.Event())
-                                   for _ in range(2)]
-                    local.stream, local.turn = cp.cuda.Stream(non_blocking=True), 0
-                streams.append(local.stream)
+                    stream = cp.cuda.Stream(non_blocking=True)
+                    slots = [(np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size),
+                              cp.cuda.Event(disable_timing=True)) for _ in range(2)]
+                streams.append(stream)
+                buffers.append(slots)
+                local.stream, local.slots, local.turn = stream, slots, 0
             buffer, copied = local.slots[local.turn]
             local.turn ^= 1
             copied.synchronize()  # the copy that last read this buffer is done (at once if none did)
@@ -89,10 +92,17 @@ class CupyBackend(BlockBackend):
         pool = ThreadPoolExecutor(UPLOAD_THREADS)
         try:
             list(pool.map(piece, range(0, n, size)))
-        finally:  # a failed piece (an out-of-memory, a read error) cancels the pieces not started; the copies under
-            pool.shutdown(cancel_futures=True)  # way finish before out can go back to the pool
+        finally:  # a failed piece (an out-of-memory, a read error) cancels the pieces not started; every copy under
+            pool.shutdown(cancel_futures=True)  # way finishes before out or a buffer can go back to its pool
+            errors = []
             for stream in streams:
-                stream.synchronize()
+                try:
+                    stream.synchronize()
+                except Exception as e:  # the others still must finish
+                    errors.append(e)
+            buffers.clear()
+            if errors:
+                raise errors[0]
         return out
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time

@@ -176,6 +176,8 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
     """Which compressed rows layer ``layer``'s indexer kept among those each query could see, from a capture
     of ``blk.{layer}.indexer.topk``: a cell per visible row for every ``every``-th query position from
     ``start`` (kept blue, dropped salmon)."""
+    if every < 1:
+        raise ValueError(f"every must be 1 or more, got {every}")
     name = f"blk.{layer}.indexer.topk"
     topk, positions = capture[name], capture.positions(name)
     ratio = capture.cfg.ratio(layer)
@@ -186,7 +188,7 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
              for i, p in queries for r in range((p + 1) // ratio)]
     if len(cells) > MAX_ROWS:
         raise ValueError(f"{len(cells)} cells are more than a chart draws well ({MAX_ROWS}): raise every= or start=")
-    n_rows = (queries[-1][1] + 1) // ratio
+    n_rows = (max(p for _, p in queries) + 1) // ratio
     every_row = 1 << max(0, math.ceil(math.log2(max(n_rows, 1) / 10)))  # at most 10 labels, at round rows
     spec = unit(
         cells, "rect",

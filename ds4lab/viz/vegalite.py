@@ -17,6 +17,8 @@ from __future__ import annotations
 import base64
 import copy
 
+import numpy as np
+
 # JupyterLab 4's built-in renderer (@jupyterlab/vega5-extension, bundled Vega 5 / Vega-Lite 5) takes Vega-Lite
 # v3-v5 mimetypes; Altair 6 writes Vega-Lite 6 specs, whose marks and encodings used here Vega-Lite 5 reads alike.
 VEGALITE_MIME = "application/vnd.vegalite.v5+json"
@@ -41,10 +43,13 @@ def tooltip(*fields: str | dict) -> list[dict]:
 
 
 def unit(rows: list[dict] | None, mark: str | dict, **encoding) -> dict:
-    """A single-view spec: ``rows`` inline (None: the data of the facet it goes in), one ``mark``, channels as
-    keyword arguments."""
+    """A single-view spec: ``rows`` inline (None: the data of the facet it goes in; NumPy scalars become Python
+    numbers, as JSON needs), one ``mark``, channels as keyword arguments."""
     spec = {"mark": mark, "encoding": encoding}
-    return spec if rows is None else {"data": {"values": rows}, **spec}
+    if rows is None:
+        return spec
+    rows = [{k: v.item() if isinstance(v, np.generic) else v for k, v in r.items()} for r in rows]
+    return {"data": {"values": rows}, **spec}
 
 
 class Chart:
@@ -61,11 +66,16 @@ class Chart:
     def properties(self, **props) -> Chart:
         return Chart({**self.spec, **props})
 
+    def _concat(self, key: str, other: Chart) -> Chart:
+        # a | b | c is one row of three, as in Altair: an untitled row of charts is spliced in, not nested
+        parts = [c.spec[key] if set(c.spec) == {key} else [c.spec] for c in (self, other)]
+        return Chart({key: parts[0] + parts[1]})
+
     def __or__(self, other: Chart) -> Chart:
-        return Chart({"hconcat": [self.spec, other.spec]})
+        return self._concat("hconcat", other)
 
     def __and__(self, other: Chart) -> Chart:
-        return Chart({"vconcat": [self.spec, other.spec]})
+        return self._concat("vconcat", other)
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         return chart_bundle(self)
@@ -91,9 +101,10 @@ def _png(spec: dict) -> bytes | None:
         import vl_convert as vlc
     except ImportError:
         return None
-    version = str(spec.get("$schema", "")).rsplit("/v", 1)[-1].removesuffix(".json")
-    major_minor = ".".join(version.split(".")[:2])
-    kw = {"vl_version": major_minor} if major_minor in vlc.get_vegalite_versions() else {}
+    major = str(spec.get("$schema", "")).rsplit("/v", 1)[-1].removesuffix(".json").split(".")[0]
+    # the newest Vega-Lite of the spec's major version that vl-convert has ("5" -> "5.21"), else its default
+    same = [v for v in vlc.get_vegalite_versions() if v.split(".")[0] == major]
+    kw = {"vl_version": max(same, key=lambda v: tuple(map(int, v.split("."))))} if same else {}
     try:
         return vlc.vegalite_to_png(spec, scale=1, **kw)
     except Exception:  # a spec vl-convert cannot draw still has its live rendering
