@@ -598,13 +598,17 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     assert np.array_equal(logits[gpu.backend.name].argmax(-1), logits["numpy"].argmax(-1))
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
-def test_tf32_prefill_stays_near_float64(model_paths, backend):
-    """prefill_matmul="tf32": a 72-token prefill in chunks of 24 (its linears and routed experts on TF32
-    operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the same
+# every tiny configuration on the GPU; the CPU emulator (slow) runs nano
+TF32_CASES = [pytest.param("cupy", name, marks=pytest.mark.gpu) for name in CONFIGS] + [("emulated", "nano")]
+
+
+@pytest.mark.parametrize("backend,name", TF32_CASES)
+def test_tf32_prefill_stays_near_float64(model_paths, backend, name):
+    """prefill_matmul="tf32" (CuPy's default): a 72-token prefill in chunks of 24 (its linears and routed experts
+    on TF32 operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the same
     argmax, and farther than the float32 kernels' 1e-5, so the chunks' products did change precision."""
-    m = _gpu_model_or_skip(model_paths["nano"], backend, "exact", True, prefill_matmul="tf32")
-    ref = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
+    m = _gpu_model_or_skip(model_paths[name], backend, "exact", True, prefill_matmul="tf32")
+    ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     ids = np.random.default_rng(9).integers(0, ref.config.n_vocab - 7, 75)
     logits = []
     for model in (ref, m):
@@ -620,7 +624,18 @@ def test_tf32_prefill_stays_near_float64(model_paths, backend):
     assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
 
 
+@pytest.mark.gpu
+def test_prefill_matmul_auto_is_tf32_on_cupy_with_kernels(model_paths):
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    assert ds4lab.load(model_paths["nano"], backend="cupy").backend.chunk_tf32 is True
+    assert ds4lab.load(model_paths["nano"], backend="cupy", prefill_matmul="float32").backend.chunk_tf32 is False
+    assert ds4lab.load(model_paths["nano"], backend="cupy", kernels=False).backend.chunk_tf32 is False
+
+
 def test_prefill_matmul_is_checked():
+    assert ds4lab.load(backend="numpy", prefill_matmul="auto").backend.name == "numpy"  # auto: float32 off cupy
     with pytest.raises(ValueError, match="unknown prefill_matmul 'bf16'"):
         ds4lab.load(backend="numpy", prefill_matmul="bf16")
     with pytest.raises(ValueError, match="needs the cupy backend with its kernels"):

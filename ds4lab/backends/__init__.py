@@ -32,7 +32,7 @@ GGUF block form (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). N
 from __future__ import annotations
 
 BACKENDS = ("mlx", "numpy", "cupy")
-PREFILL_MATMULS = ("float32", "tf32")
+PREFILL_MATMULS = ("auto", "float32", "tf32")
 
 
 def resolve_backend(name: str = "auto", device: str | None = None) -> str:
@@ -105,13 +105,15 @@ def device_label(backend) -> str:
 
 
 def get_backend(name: str = "auto", device: str | None = None, kernels: bool | None = None,
-                prefill_matmul: str = "float32"):
+                prefill_matmul: str = "auto"):
     """The backend ``name`` (see :func:`resolve_backend` for "auto"). ``kernels`` (GPU backends): use
     ds4lab's kernels; None means yes on a GPU. ``prefill_matmul``: see :func:`ds4lab.load`."""
     asked = name
     name = resolve_backend(name, device)
     if prefill_matmul not in PREFILL_MATMULS:
         raise ValueError(f"unknown prefill_matmul {prefill_matmul!r}; choose one of {', '.join(PREFILL_MATMULS)}")
+    if prefill_matmul == "auto":  # TF32 where the kernels have it: logits within 2e-3 of float64 (tests)
+        prefill_matmul = "tf32" if name == "cupy" and kernels is not False else "float32"
     if prefill_matmul != "float32" and (name != "cupy" or kernels is False):
         chose = f" (auto chose {name})" if asked != name else ""
         raise ValueError(f"prefill_matmul={prefill_matmul!r} needs the cupy backend with its kernels "

@@ -51,12 +51,14 @@ def graph_command(args) -> int:
     if args.prompt is None and args.prompt_file is None:
         raise UsageError(f"{flag} needs a prompt (-p or --prompt-file)")
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    if args.prefill_matmul == "auto":  # the check is of the kernels: TF32 would add its own rounding to every chunk
+        args.prefill_matmul = "float32"
     fast = load_model(args)
     if fast.backend.kernels is None:
         raise UsageError(f"{flag} checks ds4lab's GPU kernels against its plain ops, and the {fast.backend.name} "
                          f"backend runs none here (no GPU): run it where --backend mlx has Metal or mlx[cuda13], "
                          f"or --backend cupy a CUDA GPU")
-    args.no_kernels = True
+    args.no_kernels, args.prefill_matmul = True, "float32"
     plain = load_model(args)
     args.think = args.think or "high"
     ctx = args.ctx or min(DEFAULT_CTX, fast.config.context_length)
