@@ -3,9 +3,9 @@
 ``python distributed_worker.py MODEL OUT PLAN [--kill-rank R]``: a session placed over the group's ranks
 (PLAN: "pipeline" for ``Placement.over_ranks()``, or comma-separated layer ranks), the prompt of the tests
 prefilled and decoded; each rank writes what it saw to ``OUT/rank{r}.npz`` (logits after every step, the
-sampled tokens, its own layers' KV arrays, its tier trace). Rank 0 also writes the gathered checkpoint to
-``OUT/gathered.dsv4`` and offers its own part to scatter (every rank must refuse it); then it scatters
-``OUT/single.dsv4`` (written by the test from one process) and every rank decodes on from it. With
+sampled tokens, its own layers' KV arrays, its tier trace, what its TierView shows). Rank 0 also writes the
+gathered checkpoint to ``OUT/gathered.dsv4`` and offers its own part to scatter (every rank must refuse it);
+then it scatters ``OUT/single.dsv4`` (written by the test from one process) and every rank decodes on from it. With
 ``--kill-rank R`` rank R kills itself (SIGKILL) in the middle of the first step, when it enters its first layer.
 """
 
@@ -71,9 +71,13 @@ def main() -> None:
     after = sess.decoder(seed=SEED_AFTER)
     after_tokens = [after.step().token for _ in range(N_AFTER)]
     trace = [list(vars(s).values()) for s in sess.tier_trace]
+    from ds4lab.viz import TierView  # what this rank's TierView shows: its part, its units solid, the others dashed
+
+    view = TierView(sess)
     np.savez(out / f"rank{rank}.npz", logits=np.stack(logits), tokens=tokens, after_tokens=after_tokens,
              after_logits=sess.logits, trace=json.dumps(trace), part=sess.placement.part, refused=refused,
-             unchanged=unchanged, **own)
+             unchanged=unchanged, view_part=view.model.part, view_here=[u["here"] for u in view.model.units],
+             view_dashed=view.static_html().count("border-style:dashed"), **own)
 
 
 if __name__ == "__main__":

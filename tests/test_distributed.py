@@ -158,6 +158,7 @@ def test_ranks_give_the_results_of_one_process(n, model_path, reference, tmp_pat
     layer_ranks = ([il * n // n_layer for il in range(n_layer)] if PLANS[n] == "pipeline"
                    else [int(r) for r in PLANS[n].split(",")])
     switches = expected_switches(model, layer_ranks)
+    here = []
     for rank in range(n):
         got = np.load(tmp_path / f"rank{rank}.npz")
         # every step's logits, the sampled tokens: the same bits as one process on every rank
@@ -182,6 +183,12 @@ def test_ranks_give_the_results_of_one_process(n, model_path, reference, tmp_pat
         assert copies == switches
         assert all(s[4] == ("batch" if s[0] < 3 else "decode") for s in trace if s[4] != "no-copy")
         assert all(s[6] >= 0 for s in trace)
+        # its TierView names this process's part and draws its own units solid, every other unit dashed
+        assert str(got["view_part"]) == str(got["part"]) and str(got["part"]).startswith(f"rank {rank} of {n}")
+        here.append(got["view_here"].tolist())  # embed, the layers, the head
+        assert here[-1][1:-1] == [layer_ranks[il] == rank for il in range(n_layer)]
+        assert int(got["view_dashed"]) == here[-1].count(False)
+    assert all(sum(col) == 1 for col in zip(*here))  # each unit is solid on exactly one rank
     # the gathered checkpoint is one process's DSV4 payload, byte for byte, and restores into one process
     gathered = (tmp_path / "gathered.dsv4").read_bytes()
     assert gathered == reference["payload"]

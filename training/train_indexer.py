@@ -20,8 +20,9 @@ Seeded (``SEED`` of train_shakespeare.py); the same 90/10 split of tinyshakespea
 figures of ``python -m ds4lab.evaluate indexer`` for the model before and after, unless ``--no-figures``).
 
 The defaults are the run logged in ``training/logs/indexer_*`` (the rest of the model frozen in the joint
-phase); its "shipped" run made the embedded model's indexer (``ds4lab/assets/shakespeare.gguf``). Its recall stops near the oracle's (the 32 heaviest rows'), which the embedded model's spread-out
-attention holds to about a third: see ``ds4lab/assets/MODEL_CARD.md``, "The indexer".
+phase); its "shipped" run made the embedded model's indexer (``ds4lab/assets/shakespeare.gguf``). Its recall
+stops near the oracle's (the 32 heaviest rows'), which the embedded model's spread-out attention holds to about
+a third: see ``ds4lab/assets/MODEL_CARD.md``, "The indexer".
 """
 
 from __future__ import annotations

@@ -57,7 +57,11 @@ function render({ model, el }) {
     const rb = model.get("row_bytes"), chunk = model.get("chunk"), nb = model.get("boundaries");
     const batch = nb * chunk * rb, decode = nb * rb, nLayer = units.length - 2;
     let h = `<div class="ds4-title">Tiers: ${esc(model.get("rule"))} — ${tiers.length} tier(s), ${nb} copying boundary(ies) per step</div>`;
-    h += `<div class="ds4-note">` + tiers.map((d) => `<span class="ds4-unit" style="background:${d.colour}">tier ${d.tier}</span> ${esc(d.device)}`).join(" ") + `</div>`;
+    const part = model.get("part");  // a plan over processes: this rank, whose units are solid
+    if (part) h += `<div class="ds4-note">this process: ${esc(part)}; the dashed units run in the other processes, ` +
+      `which send the hidden state on at each switch</div>`;
+    h += `<div class="ds4-note">` + tiers.map((d) => `<span class="ds4-unit" style="background:${d.colour}">tier ${d.tier}</span> ${esc(d.device)}` +
+      (part && d.here ? " (this process)" : "")).join(" ") + `</div>`;
     const at = {};
     for (const s of trace) (at[s.layer] = at[s.layer] || []).push(s);
     h += `<div class="ds4-stack">`;
@@ -66,8 +70,8 @@ function render({ model, el }) {
         h += `<span class="ds4-arrow" title="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ${(s.seconds * 1e6).toFixed(0)} µs">` +
           `→ ${s.mode === "no-copy" ? "no-copy" : fmt(s.bytes) + " B"} →</span>`;
       const label = u.layer === -1 ? "embed" : u.layer === nLayer ? "head" : `L${u.layer}`;
-      h += `<span class="ds4-unit" style="background:${u.colour}" title="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}), ` +
-        `weights ${fmt(u.weights)} B, KV ${fmt(u.kv)} B">${label}</span>`;
+      h += `<span class="ds4-unit${u.here ? "" : " ds4-away"}" style="background:${u.colour}" title="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}` +
+        `${u.here ? "" : ", another process"}), weights ${fmt(u.weights)} B, KV ${fmt(u.kv)} B">${label}</span>`;
     }
     h += `</div><table><tr><th>tier</th><th>device</th><th>weights</th><th>KV</th><th>activations</th><th>total</th><th>budget</th></tr>`;
     for (const d of tiers)
@@ -90,7 +94,7 @@ function render({ model, el }) {
       `, ${(d.seconds * 1e6).toFixed(0)} µs`;
   };
   draw();
-  const events = ["units", "tiers", "trace", "steps", "last_step"].map((k) => `change:${k}`);
+  const events = ["units", "tiers", "trace", "steps", "last_step", "part"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, draw);
   body.addEventListener("mouseover", hover);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered

@@ -26,6 +26,11 @@ def _budget(b) -> str:
     return "-" if b is None else f"{b:,}"
 
 
+def _part_note(part: str) -> str:
+    return (f"this process: {part}; the dashed units run in the other processes, which send the hidden state "
+            "on at each switch")
+
+
 def _switch_record(s, n_layer: int) -> dict:
     unit = "embed" if s.layer == EMBED else "head" if s.layer == n_layer else f"layer {s.layer}"
     return dict(step=s.step, layer=s.layer, unit=unit, from_tier=s.from_tier, to_tier=s.to_tier, mode=s.mode,
@@ -35,7 +40,8 @@ def _switch_record(s, n_layer: int) -> dict:
 class TierModel(ViewModel):
     _esm = widget_file("tiers.js")
     rule = t.Unicode("").tag(sync=True)
-    units = t.List().tag(sync=True)  # placement.table() rows with their colour: embed, layers, head
+    part = t.Unicode("").tag(sync=True)  # a plan over processes: this rank and its units ("" in one process)
+    units = t.List().tag(sync=True)  # placement.table() rows with their colour and whether this process runs them
     tiers = t.List().tag(sync=True)  # per tier: device, weights, kv, activations, total, budget, colour
     boundaries = t.Int(0).tag(sync=True)  # copying switches per step
     row_bytes = t.Int(0).tag(sync=True)  # one token's hidden state: n_hc × n_embd floats
@@ -63,11 +69,15 @@ class TierView(FollowingView):
         self._seen = -1  # last step read from the trace
         self._totals: dict[int, dict] = {}
         itemsize = np.dtype(session.model.backend.np_dtype).itemsize
+        ranks = p.ranks  # over processes: each tier is a rank, and this process runs its own tier's units
+        here = [ranks is None or p.tiers[m.tier].rank == ranks.rank for m in p.memory]
         self.model = TierModel(
             rule=p.rule,
-            units=[dict(row, colour=tier_colour(row["tier"])) for row in p.table()],
+            part=p.part or "",
+            units=[dict(row, colour=tier_colour(row["tier"]), here=here[row["tier"]]) for row in p.table()],
             tiers=[dict(tier=m.tier, device=m.device, weights=m.weights, kv=m.kv, activations=m.activations,
-                        total=m.total, budget=m.budget, colour=tier_colour(m.tier)) for m in p.memory],
+                        total=m.total, budget=m.budget, colour=tier_colour(m.tier), here=here[m.tier])
+                   for m in p.memory],
             boundaries=p.boundaries,
             row_bytes=cfg.n_hc * cfg.n_embd * itemsize,
             chunk=session.geometry.step,
@@ -160,16 +170,19 @@ class TierView(FollowingView):
             for s in by_unit.get(u["layer"], []):
                 out.append(f"<span style='color:#e6550d'> →{s['mode']} {s['bytes']:,} B→ </span>")
             label = u["unit"] if u["layer"] in (EMBED, self.n_layer) else f"L{u['layer']}"
+            away = "" if u["here"] else ";opacity:0.45;border-style:dashed"  # run by another process
             out.append(f"<span data-unit='{u['layer']}' data-tier='{u['tier']}' style='background:{u['colour']};"
-                       f"border:1px solid #999;padding:1px 4px' title='{html.escape(u['unit'])}: tier {u['tier']} "
-                       f"({html.escape(u['device'])})'>{html.escape(label)}</span>")
+                       f"border:1px solid #999;padding:1px 4px{away}' title='{html.escape(u['unit'])}: "
+                       f"tier {u['tier']} ({html.escape(u['device'])})'>{html.escape(label)}</span>")
         return " ".join(out)
 
     def static_html(self) -> str:
         m = self.model
+        mine = " (this process)" if m.part else ""
         tiers = "".join(
             f"<tr><td><span style='background:{d['colour']}'>&nbsp;&nbsp;</span> {d['tier']}</td>"
-            f"<td>{html.escape(d['device'])}</td><td>{d['weights']:,}</td><td>{d['kv']:,}</td>"
+            f"<td>{html.escape(d['device'])}{mine if d['here'] else ''}</td><td>{d['weights']:,}</td>"
+            f"<td>{d['kv']:,}</td>"
             f"<td>{d['activations']:,}</td><td>{d['total']:,}</td><td>{_budget(d['budget'])}</td></tr>"
             for d in m.tiers
         )
@@ -187,7 +200,8 @@ class TierView(FollowingView):
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>Tiers: {html.escape(m.rule)}, "
             f"{len(m.tiers)} tier(s), {m.boundaries} copying boundary(ies) per step</b>"
-            f"<div style='margin:4px 0;line-height:2'>{self.stack_html()}</div>"
+            + (f"<div>{html.escape(_part_note(m.part))}</div>" if m.part else "")
+            + f"<div style='margin:4px 0;line-height:2'>{self.stack_html()}</div>"
             "<table><tr><th>tier</th><th>device</th><th>weights</th><th>KV</th><th>activations</th><th>total</th>"
             f"<th>budget</th></tr>{tiers}</table>"
             f"<b>last step ({m.last_step}) switches</b><table><tr><th>before</th><th>tiers</th><th>mode</th>"
