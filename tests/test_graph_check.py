@@ -105,11 +105,22 @@ def test_the_command_runs_the_test_and_exits_by_its_verdict(pair, monkeypatch, c
     fast, plain = pair
     from ds4lab.cli import run as run_cli
 
-    loaded = iter([fast, plain])
-    monkeypatch.setattr(run_cli, "load_model", lambda args: next(loaded))
+    loaded, asked = iter([fast, plain]), []
+
+    def load(args):  # what each load was asked: (kernels off?, prefill_matmul)
+        asked.append((args.no_kernels, args.prefill_matmul))
+        return next(loaded)
+
+    monkeypatch.setattr(run_cli, "load_model", load)
     assert main(["run", "--graph-test", "-p", PROMPT]) == 0
     out = capsys.readouterr()
     assert "graph-test: PASS" in out.out and "--graph-test on the prompt's first token" in out.err
+    # the default ("auto": TF32 chunks on CuPy) checks the kernels in float32; the plain ops are float32 always
+    assert asked == [(False, "float32"), (True, "float32")]
+    loaded, asked[:] = iter([fast, plain]), []
+    assert main(["run", "--graph-test", "--prefill-matmul", "tf32", "-p", PROMPT]) == 0
+    assert asked == [(False, "tf32"), (True, "float32")]
+    capsys.readouterr()
 
     _break_rmsnorm(monkeypatch, fast)
     loaded = iter([fast, plain])

@@ -142,3 +142,15 @@ def test_indexer_inputs_are_detached(trainer):
         np.testing.assert_array_equal(np.array(gx), np.full(3, want))
         gw = mx.grad(lambda p, n=name: trainer.DetachedIndexerWeights(p, {}, mx, 1, 1).linear(n)(x).sum())(w)[name]
         np.testing.assert_array_equal(np.array(gw), np.tile(np.arange(3, dtype=np.float32), (2, 1)))
+
+
+def test_an_indexer_trained_already_is_refused(trainer, monkeypatch, tmp_path):
+    """The embedded model ships the trained indexer: training it again would fine-tune it and name it twice."""
+    import sys
+
+    import ds4lab
+
+    monkeypatch.setattr(sys, "argv", ["train_indexer.py", "--model", str(ds4lab.default_model_path()),
+                                      "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit, match="its indexer is trained already"):
+        trainer.main()

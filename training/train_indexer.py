@@ -2,8 +2,10 @@
 lightning indexer: a KL objective between the indexer's score distribution over the compressed rows and the
 main attention's distribution over the same rows (its weights summed over the heads, then normalised).
 
-    python training/train_indexer.py --out /tmp/idx                          # on the GPU: MLX with mlx[cuda]
-    python training/train_indexer.py --out /tmp/smoke --seq 256 --warmup-steps 3 --joint-steps 2 --no-figures
+    git show c79c475:ds4lab/assets/shakespeare.gguf > seeded.gguf   # the embedded model before this training
+    python training/train_indexer.py --model seeded.gguf --out /tmp/idx    # on the GPU: MLX with mlx[cuda]
+    python training/train_indexer.py --model seeded.gguf --out /tmp/smoke --seq 256 --warmup-steps 3 \
+        --joint-steps 2 --no-figures
 
 1. Dense warm-up: every query attends all its visible compressed rows; the indexer scores them all (its top-k
    is set one row above what the state holds, so it selects nothing away). Only the indexer's weights train —
@@ -177,7 +179,8 @@ def val_row(objective, indexer, main, windows) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--model", type=Path, default=ds4lab.default_model_path(), help="the model whose indexer trains")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="the model whose indexer trains: one with its seeded indexer (train_shakespeare.py's)")
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup-steps", type=int, default=800, help="dense warm-up steps (indexer only)")
@@ -195,6 +198,10 @@ def main():
     rng = np.random.default_rng(SEED)
 
     cfg, params, hashes, tokens, merges, meta = file_params(args.model)
+    if "indexer trained" in meta["general.name"][0]:  # e.g. the embedded model, which ships the trained indexer
+        raise SystemExit(f"{args.model}: its indexer is trained already ({meta['general.name'][0]!r}); pass the "
+                         "model before it, as train_shakespeare.py writes it (the embedded one before its indexer "
+                         "was trained: git show c79c475:ds4lab/assets/shakespeare.gguf > seeded.gguf)")
     tok = Tokenizer(tokens, merges)
     train_text, val_text = held_out_split(args.data.read_text(encoding="utf-8"))
     train_ids = np.array(tok.encode(train_text), dtype=np.int64)
