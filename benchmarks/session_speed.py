@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import ds4lab
+from ds4lab.cli.common import describe
 
 
 def bare_prefill(model, ids, ctx, chunk):
@@ -37,6 +38,7 @@ def main():
     args = ap.parse_args()
     model = ds4lab.load(backend=args.backend)
     model.runtime.compile = args.compile
+    print(describe(model))  # the backend, its device and, on CuPy, whether prefill chunks run on TF32 operands
     ids = np.random.default_rng(0).integers(0, model.config.n_vocab - 7, args.tokens)
     ctx = args.tokens + args.decode + 1
 
