@@ -198,11 +198,9 @@ def _layer_diffs(model, got: dict, want: dict, il: int) -> list[StageDiff]:
 
 
 def _setup(fast, what: str) -> str:
-    from .backends import device_label
+    from .backends import backend_label
 
-    tf32 = ", TF32 prefill" if getattr(fast.backend, "chunk_tf32", False) else ""
-    return (f"{fast.path.name}, {fast.backend.name} on {device_label(fast.backend)}{tf32}, {fast.numerics} numerics, "
-            f"{what}")
+    return f"{fast.path.name}, {backend_label(fast.backend)}, {fast.numerics} numerics, {what}"
 
 
 def decode_test(fast, plain, token: int) -> GraphReport:

@@ -319,6 +319,11 @@ class Placement:
         """The :class:`~ds4lab.distributed.Ranks` of a plan over processes, else None."""
         return getattr(self.tiers[0], "ranks", None) if self.tiers else None
 
+    def is_local(self, tier: int) -> bool:
+        """Whether this process runs ``tier``: its own rank's, in a plan over processes; every tier, otherwise."""
+        ranks = self.ranks
+        return ranks is None or self.tiers[tier].rank == ranks.rank
+
     @property
     def part(self) -> str | None:
         """Which part of the state this process holds, for a plan over processes: this rank and its units
@@ -326,7 +331,7 @@ class Placement:
         ranks = self.ranks
         if ranks is None:
             return None
-        units = [r["layer"] for r in self.table() if self.tiers[r["tier"]].rank == ranks.rank]
+        units = [r["layer"] for r in self.table() if self.is_local(r["tier"])]
         return f"rank {ranks.rank} of {ranks.size} ({_ranges(units, self.n_layer)}; {self.rule})"
 
     def rank_of(self, layer: int) -> int:

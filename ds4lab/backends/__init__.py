@@ -104,6 +104,13 @@ def device_label(backend) -> str:
     return where if where.startswith("cuda") else "cpu"
 
 
+def backend_label(backend) -> str:
+    """``backend`` for a run's header: its name, where it computes, and "TF32 prefill" where a chunk's products run
+    on TF32 operands (CuPy's default)."""
+    tf32 = ", TF32 prefill" if getattr(backend, "chunk_tf32", False) else ""
+    return f"{backend.name} on {device_label(backend)}{tf32}"
+
+
 def get_backend(name: str = "auto", device: str | None = None, kernels: bool | None = None,
                 prefill_matmul: str = "auto"):
     """The backend ``name`` (see :func:`resolve_backend` for "auto"). ``kernels`` (GPU backends): use

@@ -45,11 +45,10 @@ def load_model(args):
 
 
 def describe(model) -> str:
-    from ..backends import device_label
+    from ..backends import backend_label
 
-    tf32 = ", TF32 prefill" if getattr(model.backend, "chunk_tf32", False) else ""  # CuPy's default
-    return (f"{model.path.name} ({model.config.n_layer} layers, vocab {model.config.n_vocab}), {model.backend.name} "
-            f"on {device_label(model.backend)}{tf32}")
+    cfg = model.config
+    return f"{model.path.name} ({cfg.n_layer} layers, vocab {cfg.n_vocab}), {backend_label(model.backend)}"
 
 
 def check_input(path: Path | None, flag: str) -> None:

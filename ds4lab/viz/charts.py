@@ -14,6 +14,11 @@ from .vegalite import Chart, field, tooltip, unit
 MAX_ROWS = 4000  # rows a chart's data may hold
 
 
+def _label_step(n: int, most: int) -> int:
+    """Every how many of ``n`` categories an axis labels one: a power of two, so that at most ``most`` get one."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1) / most)))
+
+
 def _own_legend(spec: dict, **frame) -> Chart:
     """``spec`` with a colour scale of its own, so that its legend sits beside it when it is concatenated with
     another chart (``a | b``); a shared legend would go to the right of the whole row. ``frame``: the title and
@@ -189,7 +194,7 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
     if len(cells) > MAX_ROWS:
         raise ValueError(f"{len(cells)} cells are more than a chart draws well ({MAX_ROWS}): raise every= or start=")
     n_rows = (max(p for _, p in queries) + 1) // ratio
-    every_row = 1 << max(0, math.ceil(math.log2(max(n_rows, 1) / 10)))  # at most 10 labels, at round rows
+    every_row = _label_step(n_rows, 10)
     spec = unit(
         cells, "rect",
         x=field("r:O", title=f"compressed row ({ratio} tokens each)",
@@ -238,7 +243,7 @@ def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
     order = [r["label"] for r in rows if r["expert"] == 0]
     # Expert e spans [e, e + 1): its tick goes at e + 0.5, labelled e, every 2^k experts (at most 16 ticks).
     n_expert = max((r["expert_end"] for r in rows), default=0)
-    every = 1 << max(0, math.ceil(math.log2(max(n_expert, 1) / 16)))
+    every = _label_step(n_expert, 16)
     ticks = [e + 0.5 for e in range(0, n_expert, every)]
     spec = unit(
         rows, "rect",

@@ -69,8 +69,7 @@ class TierView(FollowingView):
         self._seen = -1  # last step read from the trace
         self._totals: dict[int, dict] = {}
         itemsize = np.dtype(session.model.backend.np_dtype).itemsize
-        ranks = p.ranks  # over processes: each tier is a rank, and this process runs its own tier's units
-        here = [ranks is None or p.tiers[m.tier].rank == ranks.rank for m in p.memory]
+        here = [p.is_local(m.tier) for m in p.memory]  # over processes, this rank's tier only
         self.model = TierModel(
             rule=p.rule,
             part=p.part or "",
