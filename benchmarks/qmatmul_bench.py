@@ -60,6 +60,7 @@ def main(argv=None):
                    default=[f"{S.QMATMUL_SIMD_ROWS}x{S.QMATMUL_UNROLL}{'s' * S.QMATMUL_SINGLE_PAIR}"],
                    help="ROWSxUNROLL[s][:GROUPS]: rows per SIMD group, steps of 256 elements unrolled, the "
                         "single-pair loop, the SIMD groups under which K is split")
+    p.add_argument("--only", nargs="*", help="the products whose label starts with one of these (default: all)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -74,6 +75,8 @@ def main(argv=None):
     out = {"copy_bandwidth_Bps": bw, "runs": []}
     tensors = []
     for label, qtype, n_expert, rows, K, used in SHAPES:
+        if args.only and not any(label.startswith(o) for o in args.only):
+            continue
         per_call = rows * row_bytes(qtype, K) * max(used, 1)
         copies = -(-READ_BYTES // per_call)
         if used:  # one tensor of n_expert experts (8 distinct, repeated), other experts each call

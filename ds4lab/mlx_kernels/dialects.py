@@ -7,8 +7,11 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     GROUP_THREADS              the group's size
     GROUP_SHARED, GROUP_BARRIER()   group-shared memory and the barrier over it
     GLOBAL                     the address space of kernel arguments (empty in CUDA, ``device`` in Metal)
+    SHARED_ARG                 the address space of a group-shared array passed to a function (Metal's ``threadgroup``)
     simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
     load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
+    byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
+    funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
@@ -40,6 +43,7 @@ _COMMON_HEADER = "#define NEG_BIG (-3.0e38f)\n"
 
 CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 #define GLOBAL
+#define SHARED_ARG
 #define DEVICE_FN __device__ inline
 typedef unsigned int uint;
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
@@ -58,6 +62,8 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) { return __shfl_sync(0xffffff
 DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
+DEVICE_FN uint byte_f32_bits(uint w, uint i) { return __byte_perm(w, 0x4B000000u, 0x7540u + i); }  // one PRMT
+DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
 DEVICE_FN float log1p_f(float x) { return log1pf(x); }
 // Tensor cores (mma.sync m16n8k8, TF32 in, float32 accumulate) at float32 accuracy: each operand is split
 // into a TF32 part and the TF32 rounding of what is left (3xTF32: big*big + big*small + small*big, the
@@ -114,6 +120,7 @@ DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {  // C[m][n] 
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
+#define SHARED_ARG threadgroup
 #define DEVICE_FN inline
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
@@ -125,6 +132,8 @@ DEVICE_FN float simd_shuffle_f(float x, uint lane) { return simd_shuffle(x, usho
 DEVICE_FN float f16_round(float x) { return float(half(x)); }
 DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
+DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
+DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
 // Metal has no log1p: this is the one MLX's own kernels compute (Goldberg's, accurate to a few ulps).
 DEVICE_FN float log1p_f(float x) {
     float u = 1.0f + x;
@@ -180,6 +189,7 @@ CPU_HEADER = _COMMON_HEADER + """#if defined(__APPLE__)
 #include <cstdint>
 #include <cstring>
 #define GLOBAL
+#define SHARED_ARG
 #define DEVICE_FN static inline
 typedef unsigned int uint;
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
@@ -208,6 +218,8 @@ DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, p, 16); ret
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
+DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
+DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
 DEVICE_FN float log1p_f(float x) { return std::log1p(x); }
 DEVICE_FN float simd_reduce(float x, bool take_max) {
     ctx.slots[ctx.tid & 31u] = x;

@@ -102,13 +102,27 @@ def dq8_decoder(qtype: Q) -> str:
 
 
 def qmatmul_spec(qtype: Q) -> KernelSpec:
-    return KernelSpec(f"qmatmul_{Q(qtype).name.lower()}", "qmatmul.body",
+    qtype = Q(qtype)
+    return KernelSpec(f"qmatmul_{qtype.name.lower()}", "qmatmul.body",
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype),
+                      {"DEQUANT": DECODERS[qtype], "DEQUANT8": dq8_decoder(qtype),
+                       **_decode_loop(qtype),
                        "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL,
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
+
+
+# The types whose decode loop gives a lane 32 elements a step (dot32_<type> in common.h, x by its loader), and
+# the rest's eight (dot8_<type>).
+DOT32_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
+
+
+def _decode_loop(qtype: Q) -> dict:
+    dot32 = qtype in DOT32_LOADERS
+    return {"DOT32": int(dot32), "DOT": DECODERS[qtype].replace("dq_", "dot32_" if dot32 else "dot8_"),
+            "LOAD_X32": DOT32_LOADERS.get(qtype, "load_x32"), "XSUM": int(qtype == Q.Q4_K),
+            "IQ2_TABLES": int(qtype == Q.IQ2_XXS)}
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),

@@ -160,6 +160,152 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
     return r;
 }
 
+// Decode products: qmatmul's loop for one row of x. The block's scales multiply a sum of small integers times x
+// (not each weight), and bytes become floats by a byte permute and one add (byte_f32_bits): the integer pipe,
+// busy with decoding, is what bounded these products on the H200.
+
+// acc + Σ_{i<4} (float(byte i of w) − bias)·x_i; bias 2^23 for unsigned bytes, 2^23 + 128 for bytes biased by 128.
+DEVICE_FN float fma4_bytes(uint w, float x0, float x1, float x2, float x3, float acc, float bias) {
+    acc += (from_bits(byte_f32_bits(w, 0u)) - bias) * x0;
+    acc += (from_bits(byte_f32_bits(w, 1u)) - bias) * x1;
+    acc += (from_bits(byte_f32_bits(w, 2u)) - bias) * x2;
+    return acc + (from_bits(byte_f32_bits(w, 3u)) - bias) * x3;
+}
+
+// dot8_<type>(row, k, x, xsum, tables, aux): Σ_i w[k + i]·x.v[i] over eight elements of a row (k a multiple of 8);
+// xsum = Σ x.v[i]. For the types without a DOT32 below.
+DEVICE_FN float dot8_f32(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, const SHARED_ARG uint* tables,
+                         const GLOBAL uint8_t* aux) {
+    F8 w = dq8_f32(row, k, aux);
+    float r = w.v[0] * x.v[0];
+    #pragma unroll
+    for (uint i = 1u; i < 8u; i++) r += w.v[i] * x.v[i];
+    return r;
+}
+
+DEVICE_FN float dot8_f16(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, const SHARED_ARG uint* tables,
+                         const GLOBAL uint8_t* aux) {
+    F8 w = dq8_f16(row, k, aux);
+    float r = w.v[0] * x.v[0];
+    #pragma unroll
+    for (uint i = 1u; i < 8u; i++) r += w.v[i] * x.v[i];
+    return r;
+}
+
+// Q4_K: d·sc·q − dmin·m per element, so the sum is d·sc·Σ q·x − dmin·m·Σ x.
+DEVICE_FN float dot8_q4_k(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, const SHARED_ARG uint* tables,
+                          const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 8) * 144u;
+    uint e = k & 255u, sb = e >> 5, c = sb >> 1, l = e & 31u;
+    uint sm = q4_k_scale_min(b, sb);
+    const GLOBAL uint8_t* qs = b + 16u + 32u * c + l;
+    uint lo = (load_u32(qs) >> (4u * (sb & 1u))) & 0x0F0F0F0Fu, hi = (load_u32(qs + 4u) >> (4u * (sb & 1u))) & 0x0F0F0F0Fu;
+    float qx = fma4_bytes(hi, x.v[4], x.v[5], x.v[6], x.v[7],
+                          fma4_bytes(lo, x.v[0], x.v[1], x.v[2], x.v[3], 0.0f, 8388608.0f), 8388608.0f);
+    return load_half(b) * u8_float(sm & 255u) * qx - load_half(b + 2) * u8_float(sm >> 8) * xsum;
+}
+
+// A lane's 32 elements of x for dot32_<type>, and the sums of its two halves (the types with a minimum use them).
+struct LaneX { float v[32]; float sum[2]; };
+
+// Two runs of 16 floats, from a and from b (16-byte aligned).
+DEVICE_FN LaneX load_x32_runs(const GLOBAL float* a, const GLOBAL float* b) {
+    LaneX r;
+    #pragma unroll
+    for (uint i = 0; i < 32u; i += 4u) {
+        float4 f = load_f4(i < 16u ? a + i : b + (i - 16u));
+        r.v[i] = f.x; r.v[i + 1u] = f.y; r.v[i + 2u] = f.z; r.v[i + 3u] = f.w;
+    }
+    #pragma unroll
+    for (uint t = 0; t < 2u; t++) {
+        float sum = 0.0f;
+        #pragma unroll
+        for (uint i = 0; i < 16u; i++) sum += r.v[16u * t + i];
+        r.sum[t] = sum;
+    }
+    return r;
+}
+
+// x[k .. k + 32) (Q8_0 blocks, IQ2_XXS sub-blocks).
+DEVICE_FN LaneX load_x32(const GLOBAL float* x, uint k) { return load_x32_runs(x + k, x + k + 16u); }
+
+// Q2_K: group c = (k & 255) / 32 of a block is half h = c >> 2, bit pairs j = 2·jp and 2·jp + 1 (jp = (c >> 1) & 1)
+// of the 16 bytes s = c & 1 of that half: elements 128h + 32j + 16s + l, l < 16 — two runs of 16.
+DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
+    uint c = (k >> 5) & 7u;
+    const GLOBAL float* p = x + (k & ~255u) + 128u * (c >> 2) + 64u * ((c >> 1) & 1u) + 16u * (c & 1u);
+    return load_x32_runs(p, p + 32u);
+}
+
+// dot32_<type>(w, off, k, x, tables, aux): Σ over a lane's 32 elements from k (load_x32's or load_x32_q2_k's) of
+// the row at byte off of w (4-byte aligned) times x. tables: IQ2_XXS's, see iq2_xxs_tables.
+
+DEVICE_FN float dot32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, LaneX x, const SHARED_ARG uint* tables,
+                           const GLOBAL uint8_t* aux) {
+    uint b = off + (k >> 5) * 34u, q0 = b + 2u, sh = (q0 & 3u) * 8u;  // the quants from the word at or below them
+    const GLOBAL uint8_t* p = w + (q0 & ~3u);
+    uint wd[9];
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) wd[i] = load_u32(p + 4u * i);
+    wd[8] = sh != 0u ? load_u32(p + 32u) : 0u;  // past the block (and maybe the tensor) when aligned
+    float s = 0.0f;
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++)
+        s = fma4_bytes(funnel_r(wd[i], wd[i + 1u], sh) ^ 0x80808080u, x.v[4u * i], x.v[4u * i + 1u],
+                       x.v[4u * i + 2u], x.v[4u * i + 3u], s, 8388736.0f);
+    return load_half(w + b) * s;
+}
+
+DEVICE_FN float dot32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, LaneX x, const SHARED_ARG uint* tables,
+                           const GLOBAL uint8_t* aux) {
+    uint b = off + (k >> 8) * 84u, c = (k >> 5) & 7u, h = c >> 2, jp = (c >> 1) & 1u, s = c & 1u;
+    uint scales = load_u32(w + b + h * 8u + 4u * jp) >> (8u * s);  // byte 0: j = 2jp's scale and min, byte 2: 2jp+1's
+    float d = load_half(w + b + 80u), dmin = load_half(w + b + 82u);
+    uint q[4];
+    #pragma unroll
+    for (uint i = 0; i < 4u; i++) q[i] = load_u32(w + b + 16u + 32u * h + 16u * s + 4u * i);
+    float r = 0.0f;
+    #pragma unroll
+    for (uint t = 0; t < 2u; t++) {
+        uint shift = 4u * jp + 2u * t, sc = (scales >> (16u * t)) & 255u;
+        float qx = 0.0f;
+        #pragma unroll
+        for (uint i = 0; i < 4u; i++)
+            qx = fma4_bytes((q[i] >> shift) & 0x03030303u, x.v[16u * t + 4u * i], x.v[16u * t + 4u * i + 1u],
+                            x.v[16u * t + 4u * i + 2u], x.v[16u * t + 4u * i + 3u], qx, 8388608.0f);
+        r += d * u8_float(sc & 15u) * qx - dmin * u8_float(sc >> 4) * x.sum[t];
+    }
+    return r;
+}
+
+// IQ2_XXS's tables in group-shared memory, built by a work-group's threads: words 0-511 the grid (entry e at 2e,
+// 2e + 1) with each byte biased by 128, words 512-767 per 7-bit sign index the eight elements' masks (0xFF a
+// negative element). A grid byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or 128 − g.
+#define IQ2_TABLE_WORDS 768u
+DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
+    if (i < 512u) return load_u32(aux + 4u * i) ^ 0x80808080u;
+    uint signs = uint(aux[2048u + ((i - 512u) >> 1)]) >> (4u * (i & 1u));
+    return (((signs & 15u) * 0x00204081u) & 0x01010101u) * 255u;
+}
+
+DEVICE_FN float dot32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, LaneX x, const SHARED_ARG uint* tables,
+                              const GLOBAL uint8_t* aux) {
+    uint b = off + (k >> 8) * 66u, sub = b + 2u + 8u * ((k >> 5) & 7u), sh = (sub & 3u) * 8u;
+    const GLOBAL uint8_t* p = w + (sub & ~3u);
+    uint w0 = load_u32(p), w1 = load_u32(p + 4u), w2 = sh != 0u ? load_u32(p + 8u) : 0u;
+    uint idx = funnel_r(w0, w1, sh), a1 = funnel_r(w1, w2, sh);  // four grid indices; signs and scale
+    float s = 0.0f;
+    #pragma unroll
+    for (uint g = 0; g < 4u; g++) {
+        uint e = (idx >> (8u * g)) & 255u, si = (a1 >> (7u * g)) & 127u;
+        uint m0 = tables[512u + 2u * si], m1 = tables[513u + 2u * si];
+        uint v0 = (tables[2u * e] ^ m0) + (m0 & 0x01010101u), v1 = (tables[2u * e + 1u] ^ m1) + (m1 & 0x01010101u);
+        s = fma4_bytes(v0, x.v[8u * g], x.v[8u * g + 1u], x.v[8u * g + 2u], x.v[8u * g + 3u], s, 8388736.0f);
+        s = fma4_bytes(v1, x.v[8u * g + 4u], x.v[8u * g + 5u], x.v[8u * g + 6u], x.v[8u * g + 7u], s, 8388736.0f);
+    }
+    return load_half(w + b) * (0.5f + u8_float(a1 >> 28)) * 0.25f * s;
+}
+
 // Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; eight loads are issued
 // before the first is used. One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token
 // on the H200 that way (85% of its warp cycles stalled on L1TEX), 8 µs this way.
