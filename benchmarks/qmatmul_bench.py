@@ -7,9 +7,10 @@ rate as a fraction of the device-to-device copy's (read + write) bandwidth. The 
 as a CUDA graph (no host time), each over other weights (other copies, other experts) until 256 MB are
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
 SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each),
-and after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``).
+after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``), after another the fewest
+elements a split holds (``QMATMUL_MIN_SPLIT``).
 
-    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s 8x1s:4096 --json qmatmul.json
+    python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s 8x1s:4096 8x1s:1024:512 --json qmatmul.json
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*",
                    default=[f"{S.QMATMUL_SIMD_ROWS}x{S.QMATMUL_UNROLL}{'s' * S.QMATMUL_SINGLE_PAIR}"],
-                   help="ROWSxUNROLL[s][:GROUPS]: rows per SIMD group, steps of 256 elements unrolled, the "
-                        "single-pair loop, the SIMD groups under which K is split")
+                   help="ROWSxUNROLL[s][:GROUPS[:MIN_SPLIT]]: rows per SIMD group, steps of 256 elements unrolled, "
+                        "the single-pair loop, the SIMD groups under which K is split, the fewest elements a split "
+                        "holds")
     p.add_argument("--only", nargs="*", help="the products whose label starts with one of these (default: all)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the results here")
@@ -89,14 +91,16 @@ def main(argv=None):
             raws, ids = [cp.asarray(one) for _ in range(copies)], [None] * copies
         x = cp.asarray(rng.standard_normal((max(used, 1), K), dtype=np.float32))
         tensors.append((label, qtype, rows, K, raws, ids, x, per_call))
-    defaults = S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS
+    defaults = (S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
+                S.QMATMUL_MIN_SPLIT)
     for variant in args.variants:
-        m = re.fullmatch(r"(\d+)x(\d+)(s?)(?::(\d+))?", variant)
+        m = re.fullmatch(r"(\d+)x(\d+)(s?)(?::(\d+)(?::(\d+))?)?", variant)
         if m is None:
-            raise SystemExit(f"variant {variant!r} is not ROWSxUNROLL[s][:GROUPS]")
+            raise SystemExit(f"variant {variant!r} is not ROWSxUNROLL[s][:GROUPS[:MIN_SPLIT]]")
         S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL = int(m[1]), int(m[2])
         S.QMATMUL_SINGLE_PAIR = int(bool(m[3]))
         S.QMATMUL_SIMD_GROUPS = int(m[4]) if m[4] else defaults[3]
+        S.QMATMUL_MIN_SPLIT = int(m[5]) if m[5] else defaults[4]
         cuda_kernels._functions.cache_clear()
         kernels = cuda_kernels.CudaKernels()
         for label, qtype, rows, K, raws, ids, x, read in tensors:
@@ -108,7 +112,8 @@ def main(argv=None):
             print(f"{variant}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: {s * 1e6:8.1f} us, "
                   f"{read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = {100 * r['fraction_of_copy_bw']:.0f}% "
                   f"of copy", flush=True)
-    S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS = defaults
+    (S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
+     S.QMATMUL_MIN_SPLIT) = defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -49,11 +49,12 @@ QMATMUL_UNROLL = 1  # steps of 256 elements (8 a lane) a lane loads before it ad
 # 48 registers against 128, four times the occupancy) it ran slower on the H200: IQ2_XXS gate/up 36.8 → 42.8 µs,
 # attn_output_b 18.3 → 24.0 µs; the 128-register kernel keeps more of a lane's loads in flight.
 QMATMUL_SINGLE_PAIR = 1
-# qmatmul splits K when rows x batches leave the GPU idle (2048 ran attn_output_a/b 10-15% faster than 1024
-# on the H200, the rest within 2%): into a power of two of splits, until there are
+# qmatmul splits K when rows x batches leave the GPU idle: into a power of two of splits, until there are
 # QMATMUL_SIMD_GROUPS SIMD groups or a split would hold fewer than QMATMUL_MIN_SPLIT elements. Splits start
-# at multiples of QMATMUL_SPLIT_ALIGN, so no GGUF block (32 or 256 elements) straddles two.
-QMATMUL_SIMD_GROUPS = 2048
+# at multiples of QMATMUL_SPLIT_ALIGN, so no GGUF block (32 or 256 elements) straddles two. With the 32-element
+# decode loop, 1024 ran the routed IQ2_XXS gate/up 8% faster than 2048 on the H200 (28.7 → 26.4 µs: the
+# 8x1s:1024 variant of qmatmul_bench.py, benchmarks/README.md) and attn_output_a 4%, the rest within 1%.
+QMATMUL_SIMD_GROUPS = 1024
 QMATMUL_SPLIT_ALIGN = 256
 QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 # qgemm's tiles: BM slots x BN rows of W per work-group, BK along K per shared-memory step, on a grid of
