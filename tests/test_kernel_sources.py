@@ -86,7 +86,11 @@ struct uint3 { unsigned int x, y, z; };
 typedef unsigned int uint;
 typedef _Float16 half;
 typedef unsigned short ushort;
-struct float4 { float x, y, z, w; };
+struct float4 {
+    float x, y, z, w;
+    float4() = default;
+    float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+};
 enum mem_flags { mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }

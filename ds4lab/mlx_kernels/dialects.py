@@ -12,6 +12,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
+    store_f4_shared(p, a, b, c, d)   four floats to 16-byte aligned group-shared memory at once
     load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
@@ -64,6 +65,7 @@ DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return __byte_perm(w, 0x4B000000u, 0x7540u + i); }  // one PRMT
 DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
+DEVICE_FN void store_f4_shared(float* p, float a, float b, float c, float d) { *(float4*)p = make_float4(a, b, c, d); }
 DEVICE_FN float log1p_f(float x) { return log1pf(x); }
 // Tensor cores (mma.sync m16n8k8, TF32 in, float32 accumulate) at float32 accuracy: each operand is split
 // into a TF32 part and the TF32 rounding of what is left (3xTF32: big*big + big*small + small*big, the
@@ -134,6 +136,9 @@ DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
 DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
+DEVICE_FN void store_f4_shared(threadgroup float* p, float a, float b, float c, float d) {
+    *(threadgroup float4*)p = float4(a, b, c, d);
+}
 // Metal has no log1p: this is the one MLX's own kernels compute (Goldberg's, accurate to a few ulps).
 DEVICE_FN float log1p_f(float x) {
     float u = 1.0f + x;
@@ -220,6 +225,7 @@ DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
 DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
+DEVICE_FN void store_f4_shared(float* p, float a, float b, float c, float d) { p[0] = a; p[1] = b; p[2] = c; p[3] = d; }
 DEVICE_FN float log1p_f(float x) { return std::log1p(x); }
 DEVICE_FN float simd_reduce(float x, bool take_max) {
     ctx.slots[ctx.tid & 31u] = x;

@@ -114,16 +114,25 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
 
 
-# The types whose decode loop gives a lane 32 elements a step (dot32_<type> in common.h, x by its loader), and
-# the rest's eight (dot8_<type>).
-DOT32_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
+# The types read in groups of 32 elements (common.h's group32_<type>): a lane's elements a step in the decode
+# loop (x by the loader named here), a loader's job in the prefill's weight slabs; the rest take 8 (dot8_<type>,
+# dq8_<type>).
+GROUP32_X_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
+IQ2_TABLE_WORDS = 768  # common.h's: the grid's 512 words and 256 of sign masks
+
+
+def _group32_defines(qtype: Q) -> dict:
+    name = DECODERS[qtype].replace("dq_", "group32_")
+    grouped = qtype in GROUP32_X_LOADERS
+    return {"GROUP32": name if grouped else "0", "GROUP32_HALVES": int(qtype == Q.Q2_K),
+            "GROUP32_CONSECUTIVE": name + ("_consecutive" if qtype == Q.Q2_K else "") if grouped else "0",
+            "IQ2_TABLES": int(qtype == Q.IQ2_XXS)}
 
 
 def _decode_loop(qtype: Q) -> dict:
-    dot32 = qtype in DOT32_LOADERS
-    return {"DOT32": int(dot32), "DOT": DECODERS[qtype].replace("dq_", "dot32_" if dot32 else "dot8_"),
-            "LOAD_X32": DOT32_LOADERS.get(qtype, "load_x32"), "XSUM": int(qtype == Q.Q4_K),
-            "IQ2_TABLES": int(qtype == Q.IQ2_XXS)}
+    return {**_group32_defines(qtype), "DOT32": int(qtype in GROUP32_X_LOADERS),
+            "DOT8": DECODERS[qtype].replace("dq_", "dot8_"), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
+            "XSUM": int(qtype == Q.Q4_K)}
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
@@ -182,7 +191,14 @@ def _qgemm_defines(qtype: Q) -> dict:
     smem_floats = max((bm + bn) * lds, bm * ldc)  # the slabs of x and W, then the output tile over them
     if 4 * smem_floats > QGEMM_SHARED_BYTES:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} need more than {QGEMM_SHARED_BYTES} bytes of shared memory")
-    return {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,
+    # The weight slab's loaders take a group of 32 (group32_<type>) a job where the type has them; IQ2_XXS's tables
+    # then sit past the slabs, in the output tile's room (used only after the last step).
+    tables_at = (bm + bn) * lds
+    dq32 = Q(qtype) in GROUP32_X_LOADERS and bk % 32 == 0
+    if dq32 and Q(qtype) == Q.IQ2_XXS and tables_at + IQ2_TABLE_WORDS > smem_floats:
+        raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
+    return {**_group32_defines(Q(qtype)), "DQ32": int(dq32), "TABLES_AT": tables_at,
+            "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": smem_floats,
             "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16, "NJ": wn // 8,
             "LOAD_ROWS": threads // bk}

@@ -205,7 +205,7 @@ DEVICE_FN float dot8_q4_k(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, c
     return load_half(b) * u8_float(sm & 255u) * qx - load_half(b + 2) * u8_float(sm >> 8) * xsum;
 }
 
-// A lane's 32 elements of x for dot32_<type>, and the sums of its two halves (the types with a minimum use them).
+// A lane's 32 elements of x for dot32, and the sums of its two halves (the types with a minimum use them).
 struct LaneX { float v[32]; float sum[2]; };
 
 // Two runs of 16 floats, from a and from b (16-byte aligned).
@@ -229,53 +229,67 @@ DEVICE_FN LaneX load_x32_runs(const GLOBAL float* a, const GLOBAL float* b) {
 // x[k .. k + 32) (Q8_0 blocks, IQ2_XXS sub-blocks).
 DEVICE_FN LaneX load_x32(const GLOBAL float* x, uint k) { return load_x32_runs(x + k, x + k + 16u); }
 
-// Q2_K: group c = (k & 255) / 32 of a block is half h = c >> 2, bit pairs j = 2·jp and 2·jp + 1 (jp = (c >> 1) & 1)
-// of the 16 bytes s = c & 1 of that half: elements 128h + 32j + 16s + l, l < 16 — two runs of 16.
+// Q2_K: a group's elements are two runs of 16 (see group32_q2_k).
 DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
     uint c = (k >> 5) & 7u;
     const GLOBAL float* p = x + (k & ~255u) + 128u * (c >> 2) + 64u * ((c >> 1) & 1u) + 16u * (c & 1u);
     return load_x32_runs(p, p + 32u);
 }
 
-// dot32_<type>(w, off, k, x, tables, aux): Σ over a lane's 32 elements from k (load_x32's or load_x32_q2_k's) of
-// the row at byte off of w (4-byte aligned) times x. tables: IQ2_XXS's, see iq2_xxs_tables.
+// A group of 32 elements of a row as small integers and scales: element i (in the order of load_x32's or
+// load_x32_q2_k's x; group32_q2_k_consecutive's in k order) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias)
+// − m[i / 16], the same value as dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
+// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (4-byte aligned); tables:
+// IQ2_XXS's, see iq2_xxs_table_word. The decode products (dot32) and the prefill's weight slabs (dq32) take them.
+struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
 
-DEVICE_FN float dot32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, LaneX x, const SHARED_ARG uint* tables,
-                           const GLOBAL uint8_t* aux) {
+DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                               const GLOBAL uint8_t* aux) {
     uint b = off + (k >> 5) * 34u, q0 = b + 2u, sh = (q0 & 3u) * 8u;  // the quants from the word at or below them
     const GLOBAL uint8_t* p = w + (q0 & ~3u);
     uint wd[9];
     #pragma unroll
     for (uint i = 0; i < 8u; i++) wd[i] = load_u32(p + 4u * i);
     wd[8] = sh != 0u ? load_u32(p + 32u) : 0u;  // past the block (and maybe the tensor) when aligned
-    float s = 0.0f;
+    Group32 g;
     #pragma unroll
-    for (uint i = 0; i < 8u; i++)
-        s = fma4_bytes(funnel_r(wd[i], wd[i + 1u], sh) ^ 0x80808080u, x.v[4u * i], x.v[4u * i + 1u],
-                       x.v[4u * i + 2u], x.v[4u * i + 3u], s, 8388736.0f);
-    return load_half(w + b) * s;
+    for (uint i = 0; i < 8u; i++) g.q[i] = funnel_r(wd[i], wd[i + 1u], sh) ^ 0x80808080u;
+    g.d[0] = g.d[1] = load_half(w + b);
+    g.m[0] = g.m[1] = 0.0f;
+    g.bias = 8388736.0f;
+    return g;
 }
 
-DEVICE_FN float dot32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, LaneX x, const SHARED_ARG uint* tables,
-                           const GLOBAL uint8_t* aux) {
-    uint b = off + (k >> 8) * 84u, c = (k >> 5) & 7u, h = c >> 2, jp = (c >> 1) & 1u, s = c & 1u;
-    uint scales = load_u32(w + b + h * 8u + 4u * jp) >> (8u * s);  // byte 0: j = 2jp's scale and min, byte 2: 2jp+1's
+// Q2_K: d·sc·q − dmin·m per element, e = 128h + 32j + 16s + l in a block, q the bit pair j of byte 16 + 32h + 16s + l,
+// sc byte 8h + 2j + s. A group is two such runs of 16 (j_t, s_t) of one half h.
+DEVICE_FN Group32 group32_q2_k_runs(const GLOBAL uint8_t* w, uint b, uint h, uint j0, uint s0, uint j1, uint s1) {
     float d = load_half(w + b + 80u), dmin = load_half(w + b + 82u);
-    uint q[4];
-    #pragma unroll
-    for (uint i = 0; i < 4u; i++) q[i] = load_u32(w + b + 16u + 32u * h + 16u * s + 4u * i);
-    float r = 0.0f;
+    Group32 g;
     #pragma unroll
     for (uint t = 0; t < 2u; t++) {
-        uint shift = 4u * jp + 2u * t, sc = (scales >> (16u * t)) & 255u;
-        float qx = 0.0f;
+        uint j = t == 0u ? j0 : j1, s = t == 0u ? s0 : s1, sc = w[b + 8u * h + 2u * j + s];
         #pragma unroll
-        for (uint i = 0; i < 4u; i++)
-            qx = fma4_bytes((q[i] >> shift) & 0x03030303u, x.v[16u * t + 4u * i], x.v[16u * t + 4u * i + 1u],
-                            x.v[16u * t + 4u * i + 2u], x.v[16u * t + 4u * i + 3u], qx, 8388608.0f);
-        r += d * u8_float(sc & 15u) * qx - dmin * u8_float(sc >> 4) * x.sum[t];
+        for (uint i = 0; i < 4u; i++) g.q[4u * t + i] = (load_u32(w + b + 16u + 32u * h + 16u * s + 4u * i) >> (2u * j)) & 0x03030303u;
+        g.d[t] = d * u8_float(sc & 15u);
+        g.m[t] = dmin * u8_float(sc >> 4);
     }
-    return r;
+    g.bias = 8388608.0f;
+    return g;
+}
+
+// The decode products' group c = (k & 255) / 32: half h = c >> 2, bit pairs 2·jp and 2·jp + 1 (jp = (c >> 1) & 1)
+// of the 16 bytes s = c & 1 (16 bytes read for 32 elements; load_x32_q2_k's x).
+DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                               const GLOBAL uint8_t* aux) {
+    uint c = (k >> 5) & 7u, jp = (c >> 1) & 1u;
+    return group32_q2_k_runs(w, off + (k >> 8) * 84u, c >> 2, 2u * jp, c & 1u, 2u * jp + 1u, c & 1u);
+}
+
+// The 32 consecutive elements from k (the prefill's weight slabs): bit pair j of both 16-byte runs of half h.
+DEVICE_FN Group32 group32_q2_k_consecutive(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                                           const GLOBAL uint8_t* aux) {
+    uint e = k & 255u;
+    return group32_q2_k_runs(w, off + (k >> 8) * 84u, e >> 7, (e >> 5) & 3u, 0u, (e >> 5) & 3u, 1u);
 }
 
 // IQ2_XXS's tables in group-shared memory, built by a work-group's threads: words 0-511 the grid (entry e at 2e,
@@ -288,22 +302,52 @@ DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
     return (((signs & 15u) * 0x00204081u) & 0x01010101u) * 255u;
 }
 
-DEVICE_FN float dot32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, LaneX x, const SHARED_ARG uint* tables,
-                              const GLOBAL uint8_t* aux) {
+DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                                  const GLOBAL uint8_t* aux) {
     uint b = off + (k >> 8) * 66u, sub = b + 2u + 8u * ((k >> 5) & 7u), sh = (sub & 3u) * 8u;
     const GLOBAL uint8_t* p = w + (sub & ~3u);
     uint w0 = load_u32(p), w1 = load_u32(p + 4u), w2 = sh != 0u ? load_u32(p + 8u) : 0u;
     uint idx = funnel_r(w0, w1, sh), a1 = funnel_r(w1, w2, sh);  // four grid indices; signs and scale
-    float s = 0.0f;
+    Group32 g;
     #pragma unroll
-    for (uint g = 0; g < 4u; g++) {
-        uint e = (idx >> (8u * g)) & 255u, si = (a1 >> (7u * g)) & 127u;
+    for (uint j = 0; j < 4u; j++) {
+        uint e = (idx >> (8u * j)) & 255u, si = (a1 >> (7u * j)) & 127u;
         uint m0 = tables[512u + 2u * si], m1 = tables[513u + 2u * si];
-        uint v0 = (tables[2u * e] ^ m0) + (m0 & 0x01010101u), v1 = (tables[2u * e + 1u] ^ m1) + (m1 & 0x01010101u);
-        s = fma4_bytes(v0, x.v[8u * g], x.v[8u * g + 1u], x.v[8u * g + 2u], x.v[8u * g + 3u], s, 8388736.0f);
-        s = fma4_bytes(v1, x.v[8u * g + 4u], x.v[8u * g + 5u], x.v[8u * g + 6u], x.v[8u * g + 7u], s, 8388736.0f);
+        g.q[2u * j] = (tables[2u * e] ^ m0) + (m0 & 0x01010101u);
+        g.q[2u * j + 1u] = (tables[2u * e + 1u] ^ m1) + (m1 & 0x01010101u);
     }
-    return load_half(w + b) * (0.5f + u8_float(a1 >> 28)) * 0.25f * s;
+    g.d[0] = g.d[1] = load_half(w + b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    g.m[0] = g.m[1] = 0.0f;
+    g.bias = 8388736.0f;
+    return g;
+}
+
+// Σ_i element i · x.v[i] over a group; halves: the group's two halves have scales and minima of their own (Q2_K),
+// else d[0] scales the whole sum and m is 0 (a constant, so the compiler drops that work).
+DEVICE_FN float dot32(Group32 g, LaneX x, bool halves) {
+    float r = 0.0f, s = 0.0f;
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) {
+        s = fma4_bytes(g.q[i], x.v[4u * i], x.v[4u * i + 1u], x.v[4u * i + 2u], x.v[4u * i + 3u], s, g.bias);
+        if (halves && (i & 3u) == 3u) {
+            r += g.d[i >> 2] * s - g.m[i >> 2] * x.sum[i >> 2];
+            s = 0.0f;
+        }
+    }
+    return halves ? r : g.d[0] * s;
+}
+
+// The group's 32 elements as floats into dst (16-byte aligned group-shared floats).
+DEVICE_FN void dq32(Group32 g, SHARED_ARG float* dst) {
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) {
+        float d = g.d[i >> 2], m = g.m[i >> 2];
+        store_f4_shared(dst + 4u * i,
+                        d * (from_bits(byte_f32_bits(g.q[i], 0u)) - g.bias) - m,
+                        d * (from_bits(byte_f32_bits(g.q[i], 1u)) - g.bias) - m,
+                        d * (from_bits(byte_f32_bits(g.q[i], 2u)) - g.bias) - m,
+                        d * (from_bits(byte_f32_bits(g.q[i], 3u)) - g.bias) - m);
+    }
 }
 
 // Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; eight loads are issued
