@@ -125,7 +125,6 @@ def _group32_defines(qtype: Q) -> dict:
     name = DECODERS[qtype].replace("dq_", "group32_")
     grouped = qtype in GROUP32_X_LOADERS
     return {"GROUP32": name if grouped else "0", "GROUP32_HALVES": int(qtype == Q.Q2_K),
-            "GROUP32_CONSECUTIVE": name + ("_consecutive" if qtype == Q.Q2_K else "") if grouped else "0",
             "IQ2_TABLES": int(qtype == Q.IQ2_XXS)}
 
 
@@ -191,11 +190,13 @@ def _qgemm_defines(qtype: Q) -> dict:
     smem_floats = max((bm + bn) * lds, bm * ldc)  # the slabs of x and W, then the output tile over them
     if 4 * smem_floats > QGEMM_SHARED_BYTES:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} need more than {QGEMM_SHARED_BYTES} bytes of shared memory")
-    # The weight slab's loaders take a group of 32 (group32_<type>) a job where the type has them; IQ2_XXS's tables
-    # then sit past the slabs, in the output tile's room (used only after the last step).
+    # IQ2_XXS's weight slab: a loader a row's group of 32 (group32_iq2_xxs), its tables past the slabs, in the output
+    # tile's room (used only after the last step). A job of one row a thread puts a SIMD group's loads in 32 rows:
+    # on the H200 that ran IQ2_XXS's chunk products 1.22x faster, Q2_K's (32 bytes read for 32 elements) 2.5% and
+    # the dense Q8_0 product 24% slower than 8 elements a job (benchmarks/README.md, qgemm_bench.py).
     tables_at = (bm + bn) * lds
-    dq32 = Q(qtype) in GROUP32_X_LOADERS and bk % 32 == 0
-    if dq32 and Q(qtype) == Q.IQ2_XXS and tables_at + IQ2_TABLE_WORDS > smem_floats:
+    dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0
+    if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
     return {**_group32_defines(Q(qtype)), "DQ32": int(dq32), "TABLES_AT": tables_at,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,

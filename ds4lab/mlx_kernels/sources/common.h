@@ -237,10 +237,10 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 }
 
 // A group of 32 elements of a row as small integers and scales: element i (in the order of load_x32's or
-// load_x32_q2_k's x; group32_q2_k_consecutive's in k order) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias)
-// − m[i / 16], the same value as dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
+// load_x32_q2_k's x) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias) − m[i / 16], the same value as
+// dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
 // k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (4-byte aligned); tables:
-// IQ2_XXS's, see iq2_xxs_table_word. The decode products (dot32) and the prefill's weight slabs (dq32) take them.
+// IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), and IQ2_XXS's prefill weight slabs (dq32).
 struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
 
 DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
@@ -261,35 +261,27 @@ DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const 
 }
 
 // Q2_K: d·sc·q − dmin·m per element, e = 128h + 32j + 16s + l in a block, q the bit pair j of byte 16 + 32h + 16s + l,
-// sc byte 8h + 2j + s. A group is two such runs of 16 (j_t, s_t) of one half h.
-DEVICE_FN Group32 group32_q2_k_runs(const GLOBAL uint8_t* w, uint b, uint h, uint j0, uint s0, uint j1, uint s1) {
+// sc byte 8h + 2j + s. Group c = (k & 255) / 32 is half h = c >> 2, bit pairs j = 2·jp and 2·jp + 1
+// (jp = (c >> 1) & 1) of the 16 bytes s = c & 1: two runs of 16 (load_x32_q2_k's x), 16 bytes read for 32 elements.
+DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                               const GLOBAL uint8_t* aux) {
+    uint b = off + (k >> 8) * 84u, c = (k >> 5) & 7u, h = c >> 2, jp = (c >> 1) & 1u, s = c & 1u;
+    uint scales = load_u32(w + b + h * 8u + 4u * jp) >> (8u * s);  // byte 0: j = 2jp's scale and min, byte 2: 2jp+1's
     float d = load_half(w + b + 80u), dmin = load_half(w + b + 82u);
+    uint qs[4];
+    #pragma unroll
+    for (uint i = 0; i < 4u; i++) qs[i] = load_u32(w + b + 16u + 32u * h + 16u * s + 4u * i);
     Group32 g;
     #pragma unroll
     for (uint t = 0; t < 2u; t++) {
-        uint j = t == 0u ? j0 : j1, s = t == 0u ? s0 : s1, sc = w[b + 8u * h + 2u * j + s];
+        uint sc = (scales >> (16u * t)) & 255u;
         #pragma unroll
-        for (uint i = 0; i < 4u; i++) g.q[4u * t + i] = (load_u32(w + b + 16u + 32u * h + 16u * s + 4u * i) >> (2u * j)) & 0x03030303u;
+        for (uint i = 0; i < 4u; i++) g.q[4u * t + i] = (qs[i] >> (4u * jp + 2u * t)) & 0x03030303u;
         g.d[t] = d * u8_float(sc & 15u);
         g.m[t] = dmin * u8_float(sc >> 4);
     }
     g.bias = 8388608.0f;
     return g;
-}
-
-// The decode products' group c = (k & 255) / 32: half h = c >> 2, bit pairs 2·jp and 2·jp + 1 (jp = (c >> 1) & 1)
-// of the 16 bytes s = c & 1 (16 bytes read for 32 elements; load_x32_q2_k's x).
-DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
-                               const GLOBAL uint8_t* aux) {
-    uint c = (k >> 5) & 7u, jp = (c >> 1) & 1u;
-    return group32_q2_k_runs(w, off + (k >> 8) * 84u, c >> 2, 2u * jp, c & 1u, 2u * jp + 1u, c & 1u);
-}
-
-// The 32 consecutive elements from k (the prefill's weight slabs): bit pair j of both 16-byte runs of half h.
-DEVICE_FN Group32 group32_q2_k_consecutive(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
-                                           const GLOBAL uint8_t* aux) {
-    uint e = k & 255u;
-    return group32_q2_k_runs(w, off + (k >> 8) * 84u, e >> 7, (e >> 5) & 3u, 0u, (e >> 5) & 3u, 1u);
 }
 
 // IQ2_XXS's tables in group-shared memory, built by a work-group's threads: words 0-511 the grid (entry e at 2e,
