@@ -10,6 +10,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     SHARED_ARG                 the address space of a group-shared array passed to a function (Metal's ``threadgroup``)
     simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
     load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
+    half_bits_f32(h)           the half whose bits are the low 16 of h, as a float
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
     store_f4_shared(p, a, b, c, d)   four floats to 16-byte aligned group-shared memory at once
@@ -48,6 +49,7 @@ CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 #define DEVICE_FN __device__ inline
 typedef unsigned int uint;
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
 DEVICE_FN uint load_u32(const uint8_t* p) { return *reinterpret_cast<const uint*>(p); }
 DEVICE_FN float4 load_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -125,6 +127,7 @@ METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define SHARED_ARG threadgroup
 #define DEVICE_FN inline
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
+DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
 DEVICE_FN uint load_u32(const device uint8_t* p) { return *(const device uint*)p; }
 DEVICE_FN float4 load_f4(const device float* p) { return *(const device float4*)p; }
@@ -217,6 +220,7 @@ struct ThreadCtx {
 static thread_local ThreadCtx ctx;
 struct float4 { float x, y, z, w; };
 DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
+DEVICE_FN float half_bits_f32(uint h) { uint16_t b = uint16_t(h); _Float16 v; std::memcpy(&v, &b, 2); return float(v); }
 DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, p, 4); return v; }
 DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, p, 16); return v; }
