@@ -21,8 +21,8 @@ from .build_cache import kept
 from .dialects import cpu_module_source
 from .launches import ArrayLaunches
 
-# Fortified longjmp refuses to jump between stacks, which is how the emulator's fibers switch; qgemm reads
-# IQ2_XXS tables it stored as floats through a word pointer, as the GPU dialects allow.
+# Fortified longjmp refuses to jump between stacks, which is how the emulator's fibers switch; qgemm keeps
+# IQ2_XXS's tables as words in its float array, as the GPU dialects allow.
 FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-U_FORTIFY_SOURCE", "-fno-strict-aliasing")
 
 

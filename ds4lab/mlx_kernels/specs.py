@@ -44,7 +44,7 @@ DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_
 MAX_PAIRS = 4  # pairs a qmatmul batch shares one decode of the weight row with
 QMATMUL_SIMD_PER_GROUP = 4  # SIMD groups per work-group
 QMATMUL_SIMD_ROWS = 8  # rows per SIMD group: they share each load of x
-QMATMUL_UNROLL = 1  # steps of 256 elements (8 a lane) a lane loads before it adds them up
+QMATMUL_UNROLL = 1  # steps of 256 elements (8 a lane) a lane loads before it adds them up (not the group32 loop)
 # A batch of one pair (a decode step) takes its own loop. Compiled alone (a kernel for batches of one pair,
 # 48 registers against 128, four times the occupancy) it ran slower on the H200: IQ2_XXS gate/up 36.8 → 42.8 µs,
 # attn_output_b 18.3 → 24.0 µs; the 128-register kernel keeps more of a lane's loads in flight.
@@ -114,24 +114,19 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
 
 
-# The types read in groups of 32 elements (common.h's group32_<type>): a lane's elements a step in the decode
-# loop (x by the loader named here), a loader's job in the prefill's weight slabs; the rest take 8 (dot8_<type>,
-# dq8_<type>).
+# The types read in groups of 32 elements (common.h's group32_<type>) by the decode loop, a lane's elements a
+# step (x by the loader named here); the rest take 8 (dot8_<type>). Of the prefill's weight slabs, IQ2_XXS's
+# (qgemm's DQ32).
 GROUP32_X_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
-IQ2_TABLE_WORDS = 768  # common.h's: the grid's 512 words and 256 of sign masks
-
-
-def _group32_defines(qtype: Q) -> dict:
-    name = DECODERS[qtype].replace("dq_", "group32_")
-    grouped = qtype in GROUP32_X_LOADERS
-    return {"GROUP32": name if grouped else "0", "GROUP32_HALVES": int(qtype == Q.Q2_K),
-            "IQ2_TABLES": int(qtype == Q.IQ2_XXS)}
+IQ2_TABLE_WORDS = 768  # IQ2_XXS's tables in group-shared memory: the grid's 512 words, then 256 of sign masks
 
 
 def _decode_loop(qtype: Q) -> dict:
-    return {**_group32_defines(qtype), "DOT32": int(qtype in GROUP32_X_LOADERS),
-            "DOT8": DECODERS[qtype].replace("dq_", "dot8_"), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
-            "XSUM": int(qtype == Q.Q4_K)}
+    grouped = qtype in GROUP32_X_LOADERS
+    return {"DOT32": int(grouped), "GROUP32": DECODERS[qtype].replace("dq_", "group32_") if grouped else "0",
+            "GROUP32_HALVES": int(qtype == Q.Q2_K), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
+            "DOT8": DECODERS[qtype].replace("dq_", "dot8_"), "XSUM": int(qtype == Q.Q4_K),
+            "IQ2_TABLES": int(qtype == Q.IQ2_XXS), "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS}
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
@@ -191,14 +186,16 @@ def _qgemm_defines(qtype: Q) -> dict:
     if 4 * smem_floats > QGEMM_SHARED_BYTES:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} need more than {QGEMM_SHARED_BYTES} bytes of shared memory")
     # IQ2_XXS's weight slab: a loader a row's group of 32 (group32_iq2_xxs), its tables past the slabs, in the output
-    # tile's room (used only after the last step). A job of one row a thread puts a SIMD group's loads in 32 rows:
-    # on the H200 that ran IQ2_XXS's chunk products 1.22x faster, Q2_K's (32 bytes read for 32 elements) 2.5% and
-    # the dense Q8_0 product 24% slower than 8 elements a job (benchmarks/README.md, qgemm_bench.py).
+    # tile's room (used only after the last step); BK must divide its K (a multiple of 256). A job of one row a
+    # thread puts a SIMD group's loads in 32 rows: on the H200 that ran IQ2_XXS's chunk products 1.22x faster,
+    # and Q2_K's (its 32 consecutive elements: 32 bytes read) 2.5% and the dense Q8_0 product 24% slower than 8
+    # elements a job (benchmarks/README.md, qgemm_bench.py), so those keep 8.
     tables_at = (bm + bn) * lds
-    dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0
+    dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0 and 256 % bk == 0
     if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
-    return {**_group32_defines(Q(qtype)), "DQ32": int(dq32), "TABLES_AT": tables_at,
+    return {"DQ32": int(dq32), "GROUP32": "group32_iq2_xxs" if dq32 else "0", "TABLES_AT": tables_at,
+            "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": smem_floats,
             "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16, "NJ": wn // 8,

@@ -262,7 +262,7 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 // A group of 32 elements of a row as small integers and scales: element i (in the order of load_x32's or
 // load_x32_q2_k's x) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias) − m[i / 16], the same value as
 // dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
-// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (4-byte aligned); tables:
+// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 4-byte aligned); tables:
 // IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), and IQ2_XXS's prefill weight slabs (dq32).
 struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
 
@@ -273,7 +273,7 @@ DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const 
     uint wd[9];
     #pragma unroll
     for (uint i = 0; i < 8u; i++) wd[i] = load_u32(p + 4u * i);
-    wd[8] = sh != 0u ? load_u32(p + 32u) : 0u;  // past the block (and maybe the tensor) when aligned
+    wd[8] = sh != 0u ? load_u16(p + 32u) : 0u;  // unaligned quants: their last two bytes (no read past the block)
     Group32 g;
     #pragma unroll
     for (uint i = 0; i < 8u; i++) g.q[i] = funnel_r(wd[i], wd[i + 1u], sh) ^ 0x80808080u;
@@ -307,10 +307,10 @@ DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const 
     return g;
 }
 
-// IQ2_XXS's tables in group-shared memory, built by a work-group's threads: words 0-511 the grid (entry e at 2e,
+// IQ2_XXS's tables in group-shared memory (IQ2_TABLE_WORDS, a kernel define), built by a work-group's threads:
+// words 0-511 the grid (entry e at 2e,
 // 2e + 1) with each byte biased by 128, words 512-767 per 7-bit sign index the eight elements' masks (0xFF a
 // negative element). A grid byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or 128 − g.
-#define IQ2_TABLE_WORDS 768u
 DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
     if (i < 512u) return load_u32(aux + 4u * i) ^ 0x80808080u;
     uint signs = uint(aux[2048u + ((i - 512u) >> 1)]) >> (4u * (i & 1u));
@@ -321,7 +321,7 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
                                   const GLOBAL uint8_t* aux) {
     uint b = off + (k >> 8) * 66u, sub = b + 2u + 8u * ((k >> 5) & 7u), sh = (sub & 3u) * 8u;
     const GLOBAL uint8_t* p = w + (sub & ~3u);
-    uint w0 = load_u32(p), w1 = load_u32(p + 4u), w2 = sh != 0u ? load_u32(p + 8u) : 0u;
+    uint w0 = load_u32(p), w1 = load_u32(p + 4u), w2 = sh != 0u ? load_u16(p + 8u) : 0u;  // no read past the block
     uint idx = funnel_r(w0, w1, sh), a1 = funnel_r(w1, w2, sh);  // four grid indices; signs and scale
     Group32 g;
     #pragma unroll
