@@ -149,7 +149,8 @@ def test_qmatmul_from_blocks_matches_float64(gpu, qtype, n_pairs):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("qtype,ne0", [(Q.F32, 1003), (Q.F16, 517), (Q.F32, 20), (Q.F16, 6)],
+@pytest.mark.parametrize("qtype,ne0", [(Q.F32, 1003), (Q.F16, 517), (Q.F32, 20), (Q.F16, 6), (Q.F16, 1004),
+                                       (Q.F16, 20)],
                          ids=lambda v: v.name if isinstance(v, Q) else str(v))
 @pytest.mark.parametrize("n_pairs", [1, 3])
 def test_qmatmul_rows_not_a_multiple_of_8(gpu, qtype, ne0, n_pairs):

@@ -91,6 +91,7 @@ struct float4 {
     float4() = default;
     float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
 };
+struct uint4 { unsigned int x, y, z, w; };
 enum mem_flags { mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }

@@ -14,7 +14,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
     store_f4_shared(p, a, b, c, d)   four floats to 16-byte aligned group-shared memory at once
-    load_u16(p), load_u32(p), load_f4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
+    load_u16(p), load_u32(p), load_f4(p), load_u4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
+                               (the CPU dialect stops the process at a misaligned one, where a GPU would fault)
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
         mma_step_tf32 the same product on operands rounded to TF32 (CUDA: a third of the tensor-core work);
@@ -53,6 +54,7 @@ DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((un
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
 DEVICE_FN uint load_u32(const uint8_t* p) { return *reinterpret_cast<const uint*>(p); }
 DEVICE_FN float4 load_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+DEVICE_FN uint4 load_u4(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 DEVICE_FN float simd_sum_f(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
@@ -131,6 +133,7 @@ DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); 
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
 DEVICE_FN uint load_u32(const device uint8_t* p) { return *(const device uint*)p; }
 DEVICE_FN float4 load_f4(const device float* p) { return *(const device float4*)p; }
+DEVICE_FN uint4 load_u4(const device uint8_t* p) { return *(const device uint4*)p; }
 DEVICE_FN float simd_sum_f(float x) { return simd_sum(x); }
 DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
 DEVICE_FN float simd_shuffle_f(float x, uint lane) { return simd_shuffle(x, ushort(lane)); }
@@ -195,6 +198,8 @@ CPU_HEADER = _COMMON_HEADER + """#if defined(__APPLE__)
 #include <ucontext.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #define GLOBAL
 #define SHARED_ARG
@@ -219,11 +224,22 @@ struct ThreadCtx {
 };
 static thread_local ThreadCtx ctx;
 struct float4 { float x, y, z, w; };
-DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
+struct uint4 { uint x, y, z, w; };
+// A load at an address its width does not divide faults on a GPU: here it stops the process, so the CPU suite
+// catches what the GPU suite would.
+DEVICE_FN const void* aligned_at(const void* p, uintptr_t width) {
+    if (reinterpret_cast<uintptr_t>(p) % width) {
+        std::fprintf(stderr, "ds4lab CPU kernels: a %u-byte load at a misaligned address %p\\n", uint(width), p);
+        std::abort();
+    }
+    return p;
+}
+DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, aligned_at(p, 2), 2); return float(h); }
 DEVICE_FN float half_bits_f32(uint h) { uint16_t b = uint16_t(h); _Float16 v; std::memcpy(&v, &b, 2); return float(v); }
-DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
-DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, p, 4); return v; }
-DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, p, 16); return v; }
+DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, aligned_at(p, 2), 2); return v; }
+DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, aligned_at(p, 4), 4); return v; }
+DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
+DEVICE_FN uint4 load_u4(const uint8_t* p) { uint4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }

@@ -189,7 +189,7 @@ DEVICE_FN float fma4_bytes(uint w, float x0, float x1, float x2, float x3, float
 // dot8_<type>(row, k, x, xsum, tables, aux): Σ_i w[k + i]·x.v[i] over eight elements of a row (k a multiple of 8)
 // that starts 16-byte aligned (K a multiple of 8: qmatmul leaves other rows to its general loop); xsum = Σ x.v[i].
 // F32 and F16 rows are read 16 bytes a load (eight loads of 2 bytes each, and their addresses, took F16's loop
-// 5.5 instructions an element). For the types without a group32 above.
+// 5.5 instructions an element). For the types without a group32 below.
 DEVICE_FN float dot8_sum(F8 w, F8 x) {
     float r = w.v[0] * x.v[0];
     #pragma unroll
@@ -204,8 +204,8 @@ DEVICE_FN float dot8_f32(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, co
 
 DEVICE_FN float dot8_f16(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, const SHARED_ARG uint* tables,
                          const GLOBAL uint8_t* aux) {
-    float4 four = load_f4((const GLOBAL float*)(row + 2u * k));  // eight halves
-    uint words[4] = {as_bits(four.x), as_bits(four.y), as_bits(four.z), as_bits(four.w)};
+    uint4 four = load_u4(row + 2u * k);  // eight halves, as words (never through float registers)
+    uint words[4] = {four.x, four.y, four.z, four.w};
     F8 w;
     #pragma unroll
     for (uint i = 0; i < 4u; i++) {
@@ -262,7 +262,8 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 // A group of 32 elements of a row as small integers and scales: element i (in the order of load_x32's or
 // load_x32_q2_k's x) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias) − m[i / 16], the same value as
 // dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
-// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 4-byte aligned); tables:
+// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 4-byte aligned, off even:
+// a group's bytes start 0 or 2 bytes past a word, so its last word is read whole or by its low half); tables:
 // IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), and IQ2_XXS's prefill weight slabs (dq32).
 struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
 
