@@ -165,13 +165,15 @@ def test_qmatmul_rows_not_a_multiple_of_8(gpu, qtype, ne0, n_pairs):
 
 
 @pytest.mark.parametrize("qtype", sorted(S.GROUP32_X_LOADERS, key=lambda q: q.name), ids=lambda q: q.name)
-def test_decode_groups_of_32_give_the_decoders_values(gpu, qtype):
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_decode_groups_of_32_give_the_decoders_values(gpu, qtype, blocks):
     """The decode loop's groups of 32 (group32_<type>, dot32) element by element: pair p's x is the one-hot row
     e_p and each pair is a batch of its own (ids on the device), so out[p, r] is element p of row r, every other
     product an exact 0. The same values as the reference decoder (only a fused multiply-add may round
-    differently, ≤ 1 ulp), in both halves of every Q2_K group (its x in two runs of 16)."""
+    differently, ≤ 1 ulp), in both halves of every Q2_K group (its x in two runs of 16). Three blocks of 256
+    (Q8_0: of 32) make rows 2 bytes past a word every other row: groups at every alignment the loads meet."""
     _, kernels, to_dev, to_host = gpu
-    rows, ne0 = 40, 512
+    rows, ne0 = 40, blocks * (32 if qtype == Q.Q8_0 else 256)
     raw = random_weight(qtype, (1, rows), ne0, seed=41)
     x = np.eye(ne0, dtype=np.float32)
     got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, to_dev(np.zeros(ne0, np.int32))))
