@@ -97,9 +97,10 @@ def dequant_spec(qtype: Q) -> KernelSpec:
                       {"DEQUANT": DECODERS[Q(qtype)]})
 
 
-def dq8_decoder(qtype: Q) -> str:
-    """The eight-value decoder of ``qtype``: ``dq8_<type>``."""
-    return DECODERS[Q(qtype)].replace("dq_", "dq8_")
+def typed(prefix: str, qtype: Q) -> str:
+    """common.h's function ``<prefix>_<type>`` for ``qtype``: ``typed("dq8", Q.Q8_0)`` is ``dq8_q8_0``, the
+    eight-value decoder; also dot8_, group32_."""
+    return DECODERS[Q(qtype)].replace("dq_", prefix + "_")
 
 
 def qmatmul_spec(qtype: Q) -> KernelSpec:
@@ -108,7 +109,7 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {"DEQUANT": DECODERS[qtype], "DEQUANT8": dq8_decoder(qtype),
+                      {"DEQUANT": DECODERS[qtype], "DEQUANT8": typed("dq8", qtype),
                        **_decode_loop(qtype),
                        "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL,
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
@@ -123,9 +124,9 @@ IQ2_TABLE_WORDS = 768  # IQ2_XXS's tables in group-shared memory: the grid's 512
 
 def _decode_loop(qtype: Q) -> dict:
     grouped = qtype in GROUP32_X_LOADERS
-    return {"DOT32": int(grouped), "GROUP32": DECODERS[qtype].replace("dq_", "group32_") if grouped else "0",
+    return {"DOT32": int(grouped), "GROUP32": typed("group32", qtype) if grouped else "0",
             "GROUP32_HALVES": int(qtype == Q.Q2_K), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
-            "DOT8": DECODERS[qtype].replace("dq_", "dot8_"), "XSUM": int(qtype == Q.Q4_K),
+            "DOT8": typed("dot8", qtype), "XSUM": int(qtype == Q.Q4_K),
             "IQ2_TABLES": int(qtype == Q.IQ2_XXS), "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS}
 
 
@@ -194,9 +195,9 @@ def _qgemm_defines(qtype: Q) -> dict:
     dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0 and 256 % bk == 0
     if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
-    return {"DQ32": int(dq32), "GROUP32": "group32_iq2_xxs" if dq32 else "0", "TABLES_AT": tables_at,
+    return {"DQ32": int(dq32), "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
-            "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": dq8_decoder(qtype), "BM": bm, "BN": bn, "BK": bk,
+            "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": smem_floats,
             "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16, "NJ": wn // 8,
             "LOAD_ROWS": threads // bk}

@@ -178,12 +178,16 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
 // (not each weight), and bytes become floats by a byte permute and one add (byte_f32_bits): the integer pipe,
 // busy with decoding, is what bounded these products on the H200.
 
-// acc + Σ_{i<4} (float(byte i of w) − bias)·x_i; bias 2^23 for unsigned bytes, 2^23 + 128 for bytes biased by 128.
+// Byte i of w as a small integer: float(byte) − bias, bias 2^23 for unsigned bytes, 2^23 + 128 for bytes biased
+// by 128 (u8_float's trick, the byte placed by one permute).
+DEVICE_FN float byte_value(uint w, uint i, float bias) { return from_bits(byte_f32_bits(w, i)) - bias; }
+
+// acc + Σ_{i<4} byte_value(w, i, bias)·x_i.
 DEVICE_FN float fma4_bytes(uint w, float x0, float x1, float x2, float x3, float acc, float bias) {
-    acc += (from_bits(byte_f32_bits(w, 0u)) - bias) * x0;
-    acc += (from_bits(byte_f32_bits(w, 1u)) - bias) * x1;
-    acc += (from_bits(byte_f32_bits(w, 2u)) - bias) * x2;
-    return acc + (from_bits(byte_f32_bits(w, 3u)) - bias) * x3;
+    acc += byte_value(w, 0u, bias) * x0;
+    acc += byte_value(w, 1u, bias) * x1;
+    acc += byte_value(w, 2u, bias) * x2;
+    return acc + byte_value(w, 3u, bias) * x3;
 }
 
 // dot8_<type>(row, k, x, xsum, tables, aux): Σ_i w[k + i]·x.v[i] over eight elements of a row (k a multiple of 8)
@@ -358,11 +362,8 @@ DEVICE_FN void dq32(Group32 g, SHARED_ARG float* dst) {
     #pragma unroll
     for (uint i = 0; i < 8u; i++) {
         float d = g.d[i >> 2], m = g.m[i >> 2];
-        store_f4_shared(dst + 4u * i,
-                        d * (from_bits(byte_f32_bits(g.q[i], 0u)) - g.bias) - m,
-                        d * (from_bits(byte_f32_bits(g.q[i], 1u)) - g.bias) - m,
-                        d * (from_bits(byte_f32_bits(g.q[i], 2u)) - g.bias) - m,
-                        d * (from_bits(byte_f32_bits(g.q[i], 3u)) - g.bias) - m);
+        store_f4_shared(dst + 4u * i, d * byte_value(g.q[i], 0u, g.bias) - m, d * byte_value(g.q[i], 1u, g.bias) - m,
+                        d * byte_value(g.q[i], 2u, g.bias) - m, d * byte_value(g.q[i], 3u, g.bias) - m);
     }
 }
 
