@@ -4,8 +4,9 @@ The file (81 GiB) is written sparse on the machine's local disk by ``ds4lab.test
 embeddings, routers, norms, hyper-connection and indexer weights seeded random (routing differs per token),
 the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints,
 for one setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from
-the bytes a decoded token reads and the copy bandwidth measured in the same run, peak GPU memory and the time
-from process start to the first row. ``benchmarks/gpu_suite.sh flash`` runs float32 and tf32.
+the bytes a decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time
+from process start to the first row, and (CuPy) the GPU time of a bare replay of each captured step's graph.
+``benchmarks/gpu_suite.sh flash`` runs float32 and tf32.
 
     python benchmarks/flash_full.py --backend cupy [--prefill-matmul tf32] [--ctx-max 8192] [--json out.json]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_slice import copy_bandwidth, gpu_memory  # noqa: E402
+from gpu_slice import copy_bandwidth, gpu_memory, graph_report  # noqa: E402
 
 import ds4lab  # noqa: E402
 from ds4lab import bench, config, testing  # noqa: E402
@@ -47,7 +48,7 @@ def decode_bytes(model) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
-    p.add_argument("--prefill-matmul", default="float32", choices=["float32", "tf32"])
+    p.add_argument("--prefill-matmul", default="float32", choices=["float32", "tf32", "f16"])
     p.add_argument("--path", type=Path, default=Path("/tmp/flash.gguf"))
     p.add_argument("--ctx-start", type=int, default=2048)
     p.add_argument("--ctx-max", type=int, default=8192)
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     nbytes = decode_bytes(model)
     out.update(rows=rows, copy_bandwidth=bandwidth, decode_bytes=nbytes, roofline_tps=bandwidth / nbytes,
                roofline_share=[r["gen_tps"] * nbytes / bandwidth for r in rows], memory=gpu_memory(model.backend))
+    if hasattr(model.runtime, "compiled"):  # the decode step's GPU time alone, against the sweep's wall time
+        out["graphs"] = graph_report(model.runtime)
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -13,6 +13,7 @@ GEMM (cuBLAS on CuPy).
     python benchmarks/qgemm_bench.py --backend emulated --config tiny   # the CPU emulator, tiny shapes
     python benchmarks/qgemm_bench.py --tiles 64x64x32:2x2 64x128x32:2x4   # qgemm alone, other tile shapes
     python benchmarks/qgemm_bench.py --tf32                # prefill_matmul="tf32": both paths on TF32 operands
+    python benchmarks/qgemm_bench.py --operands f16        # prefill_matmul="f16": both paths on half operands
 
 ``--tiles`` times qgemm alone under other tile shapes, BMxBNxBK:WARPS_MxWARPS_N (CuPy: the kernels are
 recompiled for each).
@@ -31,6 +32,7 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ds4lab.mlx_kernels import specs as S
 from ds4lab.quants import random_blocks
 
 # (experts, tokens, experts per token, n_embd, expert width, dense rows of x, distinct experts drawn)
@@ -97,23 +99,24 @@ def main(argv=None):
     p.add_argument("--config", default="flash", choices=tuple(CONFIGS),
                    help="tiny: small shapes, to try the script on the CPU emulator")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tf32", action="store_true",
-                   help="prefill_matmul='tf32': qgemm's _tf32 kernels, and cuBLAS on TF32 for dequant+GEMM")
+    p.add_argument("--operands", default="float32", choices=S.OPERANDS,
+                   help="prefill_matmul's operands: qgemm's _tf32 / _f16 kernels, and cuBLAS on them for dequant+GEMM")
+    p.add_argument("--tf32", action="store_true", help="the same as --operands tf32")
     p.add_argument("--tiles", nargs="*", metavar="BMxBNxBK:WMxWN", help="time qgemm alone with these tile shapes")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     n_expert, T, k, E, F, dense_rows, distinct = CONFIGS[args.config]
     kernels, xp, to_dev, sync = launcher(args.backend)
-    kernels.chunk_tf32 = args.tf32
+    kernels.chunk_operands = "tf32" if args.tf32 else args.operands
     rng = np.random.default_rng(0)
     experts = np.argsort(rng.random((T, n_expert)), axis=1)[:, :k].reshape(-1)  # k distinct experts a token
     P = len(experts)
     projections = [("gate", Q.IQ2_XXS, E, F), ("up", Q.IQ2_XXS, E, F), ("down", Q.Q2_K, F, E)]
     if args.tiles:
         return tile_shapes(args, projections, experts, (E, dense_rows, n_expert, distinct), rng)
-    out = {"backend": args.backend, "config": args.config, "tf32": args.tf32, "pairs": P, "experts": n_expert,
-           "moe": [], "dense": {}}
+    out = {"backend": args.backend, "config": args.config, "operands": kernels.chunk_operands, "pairs": P,
+           "experts": n_expert, "moe": [], "dense": {}}
 
     def report(name: str, qgemm_s: float, old_s: float, flops: float, old_label: str) -> dict:
         r = {"name": name, "qgemm_ms": qgemm_s * 1e3, "old_ms": old_s * 1e3, "qgemm_tflops": flops / qgemm_s / 1e12,
@@ -147,7 +150,6 @@ def main(argv=None):
 
 
 def tile_shapes(args, projections, experts, sizes, rng):
-    from ds4lab.mlx_kernels import specs as S
 
     E, dense_rows, n_expert, distinct = sizes
     P = len(experts)

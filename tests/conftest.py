@@ -44,7 +44,7 @@ def emulated_model(path, numerics="ds4", kernels=True, prefill_matmul="float32",
 
     if mlx_kernels is None:
         model = ds4lab.load(path, backend="numpy", numerics=numerics)
-        model.backend = EmulatedBackend(kernels, chunk_tf32=prefill_matmul == "tf32")
+        model.backend = EmulatedBackend(kernels, chunk_operands=prefill_matmul)
     else:
         model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
         model.backend._kernels = mlx_kernels if kernels else None

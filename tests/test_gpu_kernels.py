@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 import ds4lab
 from ds4lab import ops
 from ds4lab.mlx_kernels import specs as S
-from ds4lab.mlx_kernels.launches import tf32_round
+from ds4lab.mlx_kernels.launches import operand_round, tf32_round
 from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, random_blocks
 from tests.conftest import CONFIGS, emulated_model
@@ -329,16 +329,16 @@ def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("tf32", (False, True), ids=("float32", "tf32"))
+@pytest.mark.parametrize("operands", S.OPERANDS)
 @pytest.mark.parametrize("qtype", (Q.F16, Q.Q8_0), ids=lambda q: q.name)
-def test_grouped_product_matches_float64(gpu, monkeypatch, qtype, tf32):
+def test_grouped_product_matches_float64(gpu, monkeypatch, qtype, operands):
     """A chunk's attn_output_a: row t of group g times matrix g, in group order. x is a slice of a wider array
     (its rows spaced wider than G·K, as CuPy's strided batched GEMM reads them in place). Float32: within 1e-5
-    of the scale of float64's sum; TF32 operands (10 mantissa bits): within 2e-3."""
+    of the scale of float64's sum; TF32 or half operands (10 mantissa bits): within 2e-3."""
     backend, kernels, to_dev, to_host = gpu
-    if tf32 and backend.startswith("mlx"):
-        pytest.skip("prefill_matmul='tf32' is the CuPy backend's (ds4lab.load refuses it on MLX)")
-    monkeypatch.setattr(kernels, "chunk_tf32", tf32)
+    if operands != "float32" and backend.startswith("mlx"):
+        pytest.skip("prefill_matmul='tf32' / 'f16' is the CuPy backend's (ds4lab.load refuses it on MLX)")
+    monkeypatch.setattr(kernels, "chunk_operands", operands)
     G, rows, ne0, T = 3, 40, QGEMM_K[qtype], 70
     raw = random_weight(qtype, (G, rows), ne0, seed=21)
     x = np.random.default_rng(22).standard_normal((T, G + 1, ne0)).astype(np.float32)
@@ -346,7 +346,7 @@ def test_grouped_product_matches_float64(gpu, monkeypatch, qtype, tf32):
     want = np.einsum("tgk,grk->tgr", x[:, :G].astype(np.float64), W).reshape(T, G * rows)
     got = to_host(kernels.grouped_product(to_dev(x)[:, :G], to_dev(raw), qtype, ne0, rows))
     assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=0, atol=(2e-3 if tf32 else 1e-5) * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if operands == "float32" else 2e-3) * np.abs(want).max())
 
 
 @pytest.mark.parametrize("T, k, D", ((1, 6, 4096), (37, 6, 131), (5, 1, 70), (300, 6, 33)))
@@ -371,20 +371,22 @@ def test_tf32_round_keeps_ten_mantissa_bits_with_ties_away_from_zero():
     assert abs(got[6] - want[6]) <= 2.0 ** -11 * 1e-30 and got[7] == 0.0
 
 
+@pytest.mark.parametrize("operands", ("tf32", "f16"))
 @pytest.mark.parametrize("qtype", (Q.F16, Q.Q8_0, Q.IQ2_XXS, Q.Q2_K), ids=lambda q: q.name)
-def test_qgemm_tf32_rounds_both_operands(gpu, monkeypatch, qtype):
-    """``qgemm_<type>_tf32``: the products of TF32-rounded x and W (cvt.rna: ties away from zero) summed in
-    float32, within 1e-5 of the scale of float64's sum of the same rounded operands; the unrounded
-    product lies farther away than that, so the rounding is seen."""
+def test_qgemm_reduced_operands_round_both(gpu, monkeypatch, qtype, operands):
+    """``qgemm_<type>_tf32`` and ``_f16``: the products of x and W rounded to TF32 (cvt.rna: ties away from zero)
+    or to half (to nearest even) summed in float32, within 1e-5 of the scale of float64's sum of the same
+    rounded operands; the unrounded product lies farther away than that, so the rounding is seen."""
     _, kernels, to_dev, to_host = gpu
-    monkeypatch.setattr(kernels, "chunk_tf32", True)
+    monkeypatch.setattr(kernels, "chunk_operands", operands)
     n_expert, rows, ne0 = 3, 70, QGEMM_K[qtype]
     raw = random_weight(qtype, (n_expert, rows), ne0, seed=11)
     rng = np.random.default_rng(12)
     experts = rng.integers(0, n_expert, 90)
     x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
     W = dequantize(raw, qtype, ne0)
-    want = np.einsum("pk,prk->pr", tf32_round(np, x).astype(np.float64), tf32_round(np, W).astype(np.float64)[experts])
+    want = np.einsum("pk,prk->pr", operand_round(np, x, operands).astype(np.float64),
+                     operand_round(np, W, operands).astype(np.float64)[experts])
     exact = np.einsum("pk,prk->pr", x.astype(np.float64), W.astype(np.float64)[experts])
     got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
     tol = 1e-5 * np.abs(want).max()
@@ -392,13 +394,14 @@ def test_qgemm_tf32_rounds_both_operands(gpu, monkeypatch, qtype):
     assert np.abs(exact - want).max() > 3 * tol
 
 
-def test_dense_product_tf32_rounds_both_operands(gpu, monkeypatch):
-    """A chunk's dense product (cuBLAS on CuPy) with ``chunk_tf32``: off, float32 (within 1e-5 of the
-    scale); on, within TF32's bound (each operand off by at most 2^-10 of itself even if cuBLAS truncates,
-    so each term by 2^-9) and farther from float64 than float32 gets, so the tensor cores' TF32 is in use."""
+@pytest.mark.parametrize("operands", ("tf32", "f16"))
+def test_dense_product_reduced_operands(gpu, monkeypatch, operands):
+    """A chunk's dense product (cuBLAS on CuPy) with ``chunk_operands``: float32 within 1e-5 of the scale; TF32
+    or half operands within their bound (each operand off by at most 2^-10 of itself even if cuBLAS truncates,
+    so each term by 2^-9) and farther from float64 than float32 gets, so the reduced operands are in use."""
     backend, kernels, to_dev, to_host = gpu
     if backend.startswith("mlx"):
-        pytest.skip("prefill_matmul='tf32' is the cupy backend's (MLX multiplies chunks in float32)")
+        pytest.skip("prefill_matmul='tf32' / 'f16' is the cupy backend's (MLX multiplies chunks in float32)")
     rng = np.random.default_rng(13)
     x = rng.standard_normal((300, 1000)).astype(np.float32)
     w = rng.standard_normal((200, 1000)).astype(np.float32)
@@ -407,7 +410,7 @@ def test_dense_product_tf32_rounds_both_operands(gpu, monkeypatch):
     bound = 2.0 ** -9 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-5 * scale
     f32 = to_host(kernels.dense_product(to_dev(x), to_dev(w)))
     np.testing.assert_allclose(f32, exact, rtol=0, atol=1e-5 * scale)
-    monkeypatch.setattr(kernels, "chunk_tf32", True)
+    monkeypatch.setattr(kernels, "chunk_operands", operands)
     got = to_host(kernels.dense_product(to_dev(x), to_dev(w)))
     assert (np.abs(got - exact) <= bound).all()
     assert np.abs(got - exact).max() > 5e-5 * scale
@@ -495,13 +498,15 @@ def test_attend_chunk_matches_float64(gpu, T, H, D, N, kind):
     assert err.max() <= 2e-5, err.max()
 
 
+@pytest.mark.parametrize("operands", ("tf32", "f16"))
 @pytest.mark.parametrize("T,H,D,N,kind", [(7, 17, 32, 45, "band+rows"), (40, 64, 512, 1200, "band+rows")])
-def test_attend_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind):
-    """attend_chunk_tf32: scores and weighted sums on TF32 operands, within 3e-3 of each row's largest value
-    of float64's, and farther than the float32 kernel's 1e-5: the rounding is seen."""
+def test_attend_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind, operands):
+    """attend_chunk_tf32 (also what chunk_operands "f16" runs): scores and weighted sums on TF32 operands,
+    within 3e-3 of each row's largest value of float64's, and farther than the float32 kernel's 1e-5: the
+    rounding is seen."""
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N)
-    monkeypatch.setattr(kernels, "chunk_tf32", True)
+    monkeypatch.setattr(kernels, "chunk_operands", operands)
     rng = np.random.default_rng(T * N)
     q, keys = rng.standard_normal((T, H, D)).astype(np.float32), rng.standard_normal((N, D)).astype(np.float32)
     sinks = (2 * rng.standard_normal(H)).astype(np.float32)
@@ -616,15 +621,16 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
 
 
 # every tiny configuration on the GPU; the CPU emulator (slow) runs nano
-TF32_CASES = [pytest.param("cupy", name, marks=pytest.mark.gpu) for name in CONFIGS] + [("emulated", "nano")]
+REDUCED_CASES = [pytest.param("cupy", name, marks=pytest.mark.gpu) for name in CONFIGS] + [("emulated", "nano")]
 
 
-@pytest.mark.parametrize("backend,name", TF32_CASES)
-def test_tf32_prefill_stays_near_float64(model_paths, backend, name):
-    """prefill_matmul="tf32" (CuPy's default): a 72-token prefill in chunks of 24 (its linears and routed experts
-    on TF32 operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the same
-    argmax, and farther than the float32 kernels' 1e-5, so the chunks' products did change precision."""
-    m = _gpu_model_or_skip(model_paths[name], backend, "exact", True, prefill_matmul="tf32")
+@pytest.mark.parametrize("prefill_matmul", ("tf32", "f16"))
+@pytest.mark.parametrize("backend,name", REDUCED_CASES)
+def test_reduced_prefill_stays_near_float64(model_paths, backend, name, prefill_matmul):
+    """prefill_matmul="tf32" and "f16": a 72-token prefill in chunks of 24 (its linears and routed experts on
+    TF32 or half operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the
+    same argmax, and farther than the float32 kernels' 1e-5, so the chunks' products did change precision."""
+    m = _gpu_model_or_skip(model_paths[name], backend, "exact", True, prefill_matmul=prefill_matmul)
     ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
     ids = np.random.default_rng(9).integers(0, ref.config.n_vocab - 7, 75)
     logits = []
@@ -646,9 +652,10 @@ def test_prefill_matmul_auto_is_tf32_on_cupy_with_kernels(model_paths):
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
-    assert ds4lab.load(model_paths["nano"], backend="cupy").backend.chunk_tf32 is True
-    assert ds4lab.load(model_paths["nano"], backend="cupy", prefill_matmul="float32").backend.chunk_tf32 is False
-    assert ds4lab.load(model_paths["nano"], backend="cupy", kernels=False).backend.chunk_tf32 is False
+    assert ds4lab.load(model_paths["nano"], backend="cupy").backend.chunk_operands == "tf32"
+    float32 = ds4lab.load(model_paths["nano"], backend="cupy", prefill_matmul="float32")
+    assert float32.backend.chunk_operands == "float32"
+    assert ds4lab.load(model_paths["nano"], backend="cupy", kernels=False).backend.chunk_operands == "float32"
 
 
 def test_prefill_matmul_is_checked():
@@ -927,20 +934,20 @@ def test_indexer_scores_kernel_matches_float64(gpu, T, H, Dq, N):
 # H = 64 (Flash): one query a tile; 4, 8: several; T·H not a multiple of 64: a part-filled last tile; N: one
 # column tile, several, and a part-filled one (QGEMM_BN = 128); Dq = 40: not a multiple of the 32-wide slab.
 @pytest.mark.parametrize("T,H,Dq,N", [(3, 64, 128, 300), (20, 4, 128, 70), (9, 8, 40, 129), (40, 2, 64, 5)])
-@pytest.mark.parametrize("tf32", [False, True], ids=["float32", "tf32"])
-def test_indexer_chunk_kernel_matches_float64(gpu, monkeypatch, T, H, Dq, N, tf32):
-    """float32: within 1e-5 of the scale of float64's; tf32 (its dots on TF32 operands): within 1e-5 of the
-    same sums of TF32-rounded q and rows."""
+@pytest.mark.parametrize("operands", S.OPERANDS)
+def test_indexer_chunk_kernel_matches_float64(gpu, monkeypatch, T, H, Dq, N, operands):
+    """float32: within 1e-5 of the scale of float64's; tf32 and f16 (its dots on TF32 or half operands): within
+    1e-5 of the same sums of rounded q and rows."""
     from ds4lab.model.attention import indexer_scores
 
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N)
-    monkeypatch.setattr(kernels, "chunk_tf32", tf32)
+    monkeypatch.setattr(kernels, "chunk_operands", operands)
     rng = np.random.default_rng(T + N)
     q = rng.standard_normal((T, H, Dq)).astype(np.float32)
     w = rng.standard_normal((T, H)).astype(np.float32)
     k = rng.standard_normal((N, Dq)).astype(np.float32)
-    qr, kr = (tf32_round(np, q), tf32_round(np, k)) if tf32 else (q, k)
+    qr, kr = operand_round(np, q, operands), operand_round(np, k, operands)
     want = indexer_scores(np, qr.astype(np.float64), w.astype(np.float64), kr.astype(np.float64))
     got = to_host(kernels.indexer_chunk(to_dev(q), to_dev(w), to_dev(k)))
     assert got.shape == (T, N)

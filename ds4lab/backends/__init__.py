@@ -32,7 +32,7 @@ GGUF block form (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). N
 from __future__ import annotations
 
 BACKENDS = ("mlx", "numpy", "cupy")
-PREFILL_MATMULS = ("auto", "float32", "tf32")
+PREFILL_MATMULS = ("auto", "float32", "tf32", "f16")
 
 
 def resolve_backend(name: str = "auto", device: str | None = None) -> str:
@@ -105,10 +105,11 @@ def device_label(backend) -> str:
 
 
 def backend_label(backend) -> str:
-    """``backend`` for a run's header: its name, where it computes, and "TF32 prefill" where a chunk's products run
-    on TF32 operands (CuPy's default)."""
-    tf32 = ", TF32 prefill" if getattr(backend, "chunk_tf32", False) else ""
-    return f"{backend.name} on {device_label(backend)}{tf32}"
+    """``backend`` for a run's header: its name, where it computes, and "TF32 prefill" or "F16 prefill" where a
+    chunk's products run on reduced operands (see :func:`ds4lab.load`)."""
+    operands = getattr(backend, "chunk_operands", "float32")
+    reduced = f", {operands.upper()} prefill" if operands != "float32" else ""
+    return f"{backend.name} on {device_label(backend)}{reduced}"
 
 
 def get_backend(name: str = "auto", device: str | None = None, kernels: bool | None = None,
@@ -143,5 +144,5 @@ def get_backend(name: str = "auto", device: str | None = None, kernels: bool | N
             from .cupy_backend import CupyBackend
         except ImportError as e:
             raise ValueError(f"the cupy backend needs CuPy and a CUDA GPU ({e}); install ds4lab[cuda]") from e
-        return CupyBackend(device, kernels is not False, prefill_matmul == "tf32")
+        return CupyBackend(device, kernels is not False, prefill_matmul)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -36,7 +36,7 @@ class CupyBackend(BlockBackend):
     xp = cp
     dtype = cp.float32
 
-    def __init__(self, device: str | int | None = None, kernels: bool = True, chunk_tf32: bool = False):
+    def __init__(self, device: str | int | None = None, kernels: bool = True, chunk_operands: str = "float32"):
         index = 0 if device in (None, "gpu", "cuda") else int(str(device).removeprefix("cuda:"))
         if not 0 <= index < cp.cuda.runtime.getDeviceCount():
             raise ValueError(f"CUDA device {device!r} does not exist here ({cp.cuda.runtime.getDeviceCount()} GPUs)")
@@ -49,7 +49,7 @@ class CupyBackend(BlockBackend):
             name = None
         self.device_label = cuda_device_label(index, name)
         self.use_kernels = kernels
-        self.chunk_tf32 = chunk_tf32  # prefill_matmul="tf32" (see ds4lab.load)
+        self.chunk_operands = chunk_operands  # prefill_matmul (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
         self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
 
@@ -155,7 +155,7 @@ class CupyBackend(BlockBackend):
         if index not in self._kernels:
             from ..cuda import CudaKernels
 
-            self._kernels[index] = CudaKernels(self.chunk_tf32)
+            self._kernels[index] = CudaKernels(self.chunk_operands)
         return self._kernels[index]
 
     def to_numpy(self, x):

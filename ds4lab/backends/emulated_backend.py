@@ -15,11 +15,11 @@ class EmulatedBackend(BlockBackend):
     dtype = np.float32
     device = "cpu (emulated GPU kernels)"
 
-    def __init__(self, kernels: bool = True, chunk_tf32: bool = False):
+    def __init__(self, kernels: bool = True, chunk_operands: str = "float32"):
         from ..mlx_kernels.cpu import CpuKernels
 
-        if chunk_tf32 and not kernels:
-            raise ValueError("chunk_tf32 (prefill_matmul='tf32') needs the kernels")
+        if chunk_operands != "float32" and not kernels:
+            raise ValueError(f"chunk_operands={chunk_operands!r} (prefill_matmul) needs the kernels")
         self.kernels = CpuKernels() if kernels else None
-        if chunk_tf32:
-            self.kernels.chunk_tf32 = True
+        if kernels:
+            self.kernels.chunk_operands = chunk_operands

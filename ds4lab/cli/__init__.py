@@ -106,10 +106,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ds4 (default): FP8/FP4/F16 simulations as ds4 computes; exact: none")
     p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
                    help="prefill chunk (default: ds4's rule, DS4_METAL_PREFILL_CHUNK or 2048)")
-    p.add_argument("--prefill-matmul", default="auto", choices=["auto", "float32", "tf32"],
-                   help="cupy: tf32 runs a chunk's products on TF32 operands (as ds4's GPU prefill casts them to "
-                        "half), about 1.8x faster prefill on an H200; float32 keeps float32 accuracy; auto "
-                        "(default): tf32 on cupy with its kernels, else float32")
+    p.add_argument("--prefill-matmul", default="auto", choices=["auto", "float32", "tf32", "f16"],
+                   help="cupy: tf32 / f16 run a chunk's products on TF32 / half operands (as ds4's GPU prefill "
+                        "casts them to half), about 1.8x faster prefill on an H200; float32 keeps float32 "
+                        "accuracy; auto (default): tf32 on cupy with its kernels, else float32")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,16 +39,18 @@ class CudaKernels(ArrayLaunches):
 
     xp = cp
 
-    def __init__(self, chunk_tf32: bool = False):
+    def __init__(self, chunk_operands: str = "float32"):
         self.device_id = cp.cuda.Device().id
         self._functions = _functions(self.device_id)
-        self.chunk_tf32 = chunk_tf32
+        self.chunk_operands = chunk_operands
         super().__init__()
 
     def dense_product(self, x, w):
-        """cuBLAS in float32; with ``chunk_tf32`` on the tensor cores in TF32 (the compute type CuPy passes to
-        cuBLAS, set for this product only)."""
-        if not self.chunk_tf32:
+        """cuBLAS in float32; on the tensor cores in TF32 with ``chunk_operands`` "tf32" (the compute type CuPy
+        passes to cuBLAS, set for this product only), on half operands with "f16" (see :meth:`_half_gemm`)."""
+        if self.chunk_operands == "f16":
+            return self._half_gemm(x[:, None, :], w[None])
+        if self.chunk_operands == "float32":
             return x @ w.T
         before = cublas_types.get_compute_type(cp.float32)
         cublas_types.set_compute_type(cp.float32, cublas_types.COMPUTE_TYPE_TF32)
@@ -58,14 +60,30 @@ class CudaKernels(ArrayLaunches):
             cublas_types.set_compute_type(cp.float32, before)
 
     def batched_dense_product(self, x, w):
-        """One strided batched cuBLAS GEMM (TF32 with ``chunk_tf32``) that reads each group's rows of ``x`` in
-        place (its rows may be spaced wider than G·K) and writes ``[T, G·N]`` directly: no copy of x's groups
-        and no concatenation of their products."""
+        """One strided batched cuBLAS GEMM (TF32 with ``chunk_operands`` "tf32", half operands with "f16") that
+        reads each group's rows of ``x`` in place (its rows may be spaced wider than G·K) and writes ``[T, G·N]``
+        directly: no copy of x's groups and no concatenation of their products."""
+        if self.chunk_operands == "f16":
+            return self._half_gemm(x, w)
         T, G, K = x.shape
-        N = w.shape[1]
         if x.strides[1:] != (4 * K, 4) or x.strides[0] < 4 * G * K or x.dtype != cp.float32:
             x = cp.ascontiguousarray(x, dtype=cp.float32)
         w = cp.ascontiguousarray(w, dtype=cp.float32)
+        compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if self.chunk_operands == "tf32" else cublas.CUBLAS_COMPUTE_32F
+        return self._strided_gemm(x, w, runtime.CUDA_R_32F, x.strides[0] // 4, compute)
+
+    def _half_gemm(self, x, w):
+        """``out[t, g] = x[t, g] @ w[g]ᵀ`` on operands rounded to half (to nearest even), products summed in
+        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32, half the bytes to read."""
+        x16, w16 = x.astype(cp.float16, order="C"), w.astype(cp.float16, order="C")
+        return self._strided_gemm(x16, w16, runtime.CUDA_R_16F, x.shape[1] * x.shape[2], cublas.CUBLAS_COMPUTE_32F)
+
+    @staticmethod
+    def _strided_gemm(x, w, dtype, x_row: int, compute):
+        """``[T, G·N]`` from ``x [T, G, K]`` (rows ``x_row`` elements apart, each group's K contiguous) and ``w
+        [G, N, K]`` (contiguous), both of cuBLAS type ``dtype``, through one strided batched GEMM."""
+        T, G, K = x.shape
+        N = w.shape[1]
         out = cp.empty((T, G * N), dtype=cp.float32)
         handle = cp.cuda.device.get_cublas_handle()
         cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
@@ -73,10 +91,8 @@ class CudaKernels(ArrayLaunches):
         # column-major: out_gᵀ [N, T] (ld G·N) = w_g [K, N]ᵀ (ld K) · x_gᵀ [K, T] (ld = x's row stride)
         cublas.gemmStridedBatchedEx(
             handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, T, K, one.ctypes.data,
-            w.data.ptr, runtime.CUDA_R_32F, K, N * K, x.data.ptr, runtime.CUDA_R_32F, x.strides[0] // 4, K,
-            zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, G * N, N, G,
-            cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if self.chunk_tf32 else cublas.CUBLAS_COMPUTE_32F,
-            cublas.CUBLAS_GEMM_DEFAULT)
+            w.data.ptr, dtype, K, N * K, x.data.ptr, dtype, x_row, K,
+            zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, G * N, N, G, compute, cublas.CUBLAS_GEMM_DEFAULT)
         return out
 
     def _f32(self, x):

@@ -20,6 +20,9 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
         mma_step_tf32 the same product on operands rounded to TF32 (CUDA: a third of the tensor-core work);
         mma_load_b_rows (B stored k-major), mma_scale_rows(t, s, lane) (row m of C times s[m])
+    slab_h, to_slab_h, store_h8_shared, MmaAh, MmaBh, mma_load_a_h, mma_load_b_h, mma_step_h, MMA_K_H,
+        HALF_SLAB_PAD   the same on operands rounded to half, MMA_K_H along k a step (CUDA: halves in
+        group-shared memory read by ldmatrix, mma.sync m16n8k16; elsewhere floats holding the halves' values)
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -123,6 +126,60 @@ DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {  // C[m][n] 
     uint g = (threadIdx.x & 31u) >> 2, i = threadIdx.x & 3u;
     for (uint r = 0; r < 4u; r++) p[(g + 8u * (r >> 1)) * stride + 2u * i + (r & 1u)] = t.c[r];
 }
+// Half operands: slabs of halves in group-shared memory, a SIMD group's fragments read by ldmatrix (one
+// instruction for a 16 x 16 A, one for a 16 x 8 B, rows 16-byte aligned), one mma.sync m16n8k16 (f16 in,
+// float32 accumulate) a 16 x 8 x 16 step: half the shared-memory bytes of float slabs and twice TF32's rate.
+#define MMA_K_H 16
+#define HALF_SLAB_PAD 8  // a slab row is BK + 8 halves
+typedef __half slab_h;
+struct MmaAh { uint r[4]; };
+struct MmaBh { uint r[2]; };
+DEVICE_FN uint half2_bits(float a, float b) {  // a in the low half, as a half2 register holds element 0
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint*>(&h);
+}
+DEVICE_FN slab_h to_slab_h(float x) { return __float2half_rn(x); }
+DEVICE_FN void store_h8_shared(slab_h* p, float a, float b, float c, float d, float e, float f, float g, float h) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(half2_bits(a, b), half2_bits(c, d), half2_bits(e, f), half2_bits(g, h));
+}
+DEVICE_FN uint shared_address(const void* p) { return uint(__cvta_generic_to_shared(p)); }
+DEVICE_FN void mma_load_a_h(MmaAh& f, const slab_h* p, uint stride) {  // A[m][k] = p[m * stride + k], 16 x 16
+    uint lane = threadIdx.x & 31u;  // lanes 8q .. 8q + 7 give the rows of matrix q: rows 8 (q & 1) +, k 8 (q >> 1) +
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(shared_address(p + (lane & 15u) * stride + 8u * (lane >> 4))) : "memory");
+}
+DEVICE_FN void mma_load_b_h(MmaBh& f, const slab_h* p, uint stride) {  // B[k][n] = p[n * stride + k], 16 x 8
+    uint lane = threadIdx.x & 31u;  // lanes 0-7: rows n at k 0-7, lanes 8-15 at k 8-15 (the others' unused)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(f.r[0]), "=r"(f.r[1])
+                 : "r"(shared_address(p + (lane & 7u) * stride + 8u * ((lane >> 3) & 1u))) : "memory");
+}
+DEVICE_FN void mma_step_h(MmaTile& t, const MmaAh& a, const MmaBh& b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(t.c[0]), "+f"(t.c[1]), "+f"(t.c[2]), "+f"(t.c[3])
+                 : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+}
+"""
+
+# Half operands where there is no half matrix unit to use (Metal, the CPU emulator): float slabs holding the
+# halves' values (rounded to nearest even, as CUDA's __float2half_rn), products in float32 (exact for halves),
+# 8 k a step.
+_FLOAT_HALVES = """#define MMA_K_H 8
+#define HALF_SLAB_PAD 4  // a slab row is BK + 4 floats, as float slabs are
+typedef float slab_h;
+typedef MmaA MmaAh;
+typedef MmaB MmaBh;
+#define to_slab_h f16_round
+#define mma_load_a_h mma_load_a
+#define mma_load_b_h mma_load_b
+#define mma_step_h mma_step
+DEVICE_FN void store_h8_shared(SHARED_ARG float* p, float a, float b, float c, float d, float e, float f, float g,
+                               float h) {
+    store_f4_shared(p, f16_round(a), f16_round(b), f16_round(c), f16_round(d));
+    store_f4_shared(p + 4u, f16_round(e), f16_round(f), f16_round(g), f16_round(h));
+}
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
@@ -187,7 +244,7 @@ DEVICE_FN void mma_store(thread const MmaTile& t, threadgroup float* p, uint str
     simdgroup_store(t.m[0], p, stride);
     simdgroup_store(t.m[1], p + 8u * stride, stride);
 }
-"""
+""" + _FLOAT_HALVES
 
 # The CPU emulator (:mod:`.cpu`): a work-group's threads are fibers on one OS thread, sharing the
 # kernel's static locals, with barriers for the group and for each 32-thread SIMD group; groups run one
@@ -307,7 +364,7 @@ DEVICE_FN void mma_store(const MmaTile& t, float* p, uint stride) {
     uint g = (ctx.tid & 31u) >> 2, i = ctx.tid & 3u;
     for (uint r = 0; r < 4u; r++) p[(g + 8u * (r >> 1)) * stride + 2u * i + (r & 1u)] = t.c[r];
 }
-"""
+""" + _FLOAT_HALVES
 
 # Metal's ids are kernel attributes; MLX adds the ones a source mentions to the signature it writes.
 _IDS = {

@@ -55,16 +55,26 @@ def tf32_round(xp, x):
     return ((bits + xp.uint32(0x1000)) & xp.uint32(0xFFFFE000)).view(xp.float32)
 
 
+def operand_round(xp, x, operands: str):
+    """float32 ``x`` as a chunk product takes it: unchanged ("float32"), rounded to TF32, or to half ("f16",
+    to nearest even, as CUDA's __float2half_rn)."""
+    if operands == "tf32":
+        return tf32_round(xp, x)
+    if operands == "f16":
+        return x.astype(xp.float16).astype(xp.float32)
+    return x
+
+
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept. ``xp`` is the subclass's array library.
 
-    ``chunk_tf32`` (``prefill_matmul="tf32"``): a chunk's products (:meth:`qgemm`, :meth:`dense_product`,
-    :meth:`attend_chunk`) take their operands rounded to TF32 and accumulate in float32; decode-sized
-    products stay float32."""
+    ``chunk_operands`` (``prefill_matmul``): "float32", or "tf32" / "f16": a chunk's products (:meth:`qgemm`,
+    :meth:`dense_product`, :meth:`indexer_chunk`) take their operands rounded to TF32 / half and accumulate in
+    float32 (:meth:`attend_chunk` on TF32 in both: it has no half form); decode-sized products stay float32."""
 
     xp = None
-    chunk_tf32 = False
+    chunk_operands = "float32"
     wide_group = 4 * S.ROW_GROUP  # threads of a row-wise kernel's group when rows are few (rmsnorm)
 
     def __init__(self):
@@ -176,8 +186,7 @@ class KernelLaunches:
 
     def dense_product(self, x, w):
         """``x [P, K] @ w [N, K]ᵀ`` for a chunk through the array library's GEMM (``w`` dequantized or F32)."""
-        if self.chunk_tf32:
-            x, w = tf32_round(self.xp, x), tf32_round(self.xp, w)
+        x, w = (operand_round(self.xp, a, self.chunk_operands) for a in (x, w))
         return x @ w.T
 
     def grouped_product(self, x, raw, qtype, ne0: int, n_rows: int):
@@ -190,8 +199,7 @@ class KernelLaunches:
 
     def batched_dense_product(self, x, w):
         """``out[t, g] = x[t, g] @ w[g]ᵀ`` for ``x [T, G, K]`` and ``w [G, N, K]``, as ``[T, G·N]``."""
-        if self.chunk_tf32:
-            x, w = tf32_round(self.xp, x), tf32_round(self.xp, w)
+        x, w = (operand_round(self.xp, a, self.chunk_operands) for a in (x, w))
         return self.xp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(x.shape[0], -1)
 
     def qgemm(self, x, raw, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
@@ -201,7 +209,8 @@ class KernelLaunches:
         every row in one launch, straight from the blocks. Returns ``out [P, n_rows]``."""
         P = x.shape[0] * repeat
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
-        return self._run(S.qgemm_spec(qtype, self.chunk_tf32), (-(-n_rows // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
+        return self._run(S.qgemm_spec(qtype, self.chunk_operands), (-(-n_rows // S.QGEMM_BN), n_tiles),
+                         S.qgemm_threads(),
                          [self._f32(x), raw, self.aux, order, tiles,
                           self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
@@ -225,7 +234,8 @@ class KernelLaunches:
         """The same attention for a chunk of queries (prefill) in one pass on the matrix units: an online
         softmax over tiles of each query's visible keys, for a block of 16 heads; no [T, H, N] scores are made."""
         T, H, D = q.shape
-        return self._run(S.attend_chunk_spec(self.chunk_tf32), S.attend_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
+        spec = S.attend_chunk_spec("float32" if self.chunk_operands == "float32" else "tf32")  # no half form
+        return self._run(spec, S.attend_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
                          [self._f32(q), self._f32(keys), self._u8(visible), self._f32(sinks),
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
@@ -371,7 +381,7 @@ class KernelLaunches:
         if S.QGEMM_BM % H:
             raise ValueError(f"indexer_chunk kernel: {H} heads do not divide a tile's {S.QGEMM_BM} rows")
         order, tiles, n_tiles = self._plan(None, T * H, S.QGEMM_BM)
-        return self._run(S.indexer_chunk_spec(self.chunk_tf32), (-(-N // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
+        return self._run(S.indexer_chunk_spec(self.chunk_operands), (-(-N // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
                          [self._f32(q).reshape(T * H, Dq), self._f32(k).reshape(-1).view(self.xp.uint8), self.aux,
                           order, tiles, self._const(Dq, N, 4 * Dq, H, 1), self._f32(w)],
                          [((T, N), "float32")])[0]

@@ -5,6 +5,7 @@
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``qgemm_<type>_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
+``qgemm_<type>_f16``   the same on operands rounded to half (``prefill_matmul="f16"``)
 ``attend_partial``   split-key attention with an online softmax per split, a block of heads sharing each key
 ``attend_reduce``    merge the splits with the sink logit
 ``attend_chunk``     attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
@@ -149,25 +150,36 @@ _QGEMM_INPUTS = (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "
                  ("dims", "int32"))
 
 
-def _precision(name: str, tf32: bool) -> tuple[str, dict]:
-    """A matrix-unit kernel's name and MMA_STEP define: ``name`` with mma_step (3xTF32, float32 accuracy), or
-    ``name_tf32`` with mma_step_tf32 (operands rounded to TF32, ``prefill_matmul="tf32"``)."""
-    return (name + "_tf32", {"MMA_STEP": "mma_step_tf32"}) if tf32 else (name, {"MMA_STEP": "mma_step"})
+OPERANDS = ("float32", "tf32", "f16")  # what a chunk's products multiply (prefill_matmul)
+_FLOAT_SLABS = {"SLAB_T": "float", "SLAB_VALUE": "", "SLAB_STORE8": "store8_f", "MMA_A": "MmaA", "MMA_B": "MmaB",
+                "MMA_LOAD_A": "mma_load_a", "MMA_LOAD_B": "mma_load_b", "MMA_K": 8}
+_HALF_SLABS = {"SLAB_T": "slab_h", "SLAB_VALUE": "to_slab_h", "SLAB_STORE8": "store8_h", "MMA_A": "MmaAh",
+               "MMA_B": "MmaBh", "MMA_LOAD_A": "mma_load_a_h", "MMA_LOAD_B": "mma_load_b_h", "MMA_K": "MMA_K_H"}
 
 
-def qgemm_spec(qtype: Q, tf32: bool = False) -> KernelSpec:
-    """``qgemm_<type>``, or with ``tf32`` ``qgemm_<type>_tf32``: its products on operands rounded to TF32."""
-    name, step = _precision(f"qgemm_{Q(qtype).name.lower()}", tf32)
+def _precision(name: str, operands: str) -> tuple[str, dict]:
+    """A matrix-unit kernel's name and MMA_STEP define: ``name`` with mma_step (3xTF32, float32 accuracy),
+    ``name_tf32`` with mma_step_tf32 (operands rounded to TF32), or ``name_f16`` with mma_step_h (operands
+    rounded to half, held as halves in group-shared memory where the dialect has half matrix units)."""
+    if operands not in OPERANDS:
+        raise ValueError(f"unknown operands {operands!r}; choose one of {', '.join(OPERANDS)}")
+    step = {"float32": "mma_step", "tf32": "mma_step_tf32", "f16": "mma_step_h"}[operands]
+    return (name if operands == "float32" else f"{name}_{operands}"), {"MMA_STEP": step}
+
+
+def qgemm_spec(qtype: Q, operands: str = "float32") -> KernelSpec:
+    """``qgemm_<type>``, or ``qgemm_<type>_tf32`` / ``_f16``: its products on operands rounded to TF32 / half."""
+    name, step = _precision(f"qgemm_{Q(qtype).name.lower()}", operands)
     return KernelSpec(name, "qgemm.body", _QGEMM_INPUTS, (("out", "float32"),),
-                      {**_qgemm_defines(qtype), **step, "INDEXER_SCORES": 0})
+                      {**_qgemm_defines(qtype, operands == "f16"), **step, "INDEXER_SCORES": 0})
 
 
-def indexer_chunk_spec(tf32: bool = False) -> KernelSpec:
-    """``indexer_chunk`` (``_tf32``): qgemm of the queries' head rows ``x [T·H, Dq]`` by the F32 indexer rows,
-    whose tile is reduced to the scores Σ_h hw[t, h] · relu(dot) in place of being stored."""
-    name, step = _precision("indexer_chunk", tf32)
+def indexer_chunk_spec(operands: str = "float32") -> KernelSpec:
+    """``indexer_chunk`` (``_tf32``, ``_f16``): qgemm of the queries' head rows ``x [T·H, Dq]`` by the F32 indexer
+    rows, whose tile is reduced to the scores Σ_h hw[t, h] · relu(dot) in place of being stored."""
+    name, step = _precision("indexer_chunk", operands)
     return KernelSpec(name, "qgemm.body", (*_QGEMM_INPUTS, ("hw", "float32")), (("out", "float32"),),
-                      {**_qgemm_defines(Q.F32), **step, "INDEXER_SCORES": 1})
+                      {**_qgemm_defines(Q.F32, operands == "f16"), **step, "INDEXER_SCORES": 1})
 
 
 def qgemm_threads() -> int:
@@ -175,15 +187,19 @@ def qgemm_threads() -> int:
     return 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
 
 
-def _qgemm_defines(qtype: Q) -> dict:
+def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
     bm, bn, bk, threads = QGEMM_BM, QGEMM_BN, QGEMM_BK, qgemm_threads()
     wm, wn = bm // QGEMM_WARPS_M, bn // QGEMM_WARPS_N
-    if wm % 16 or wn % 8 or bk % 8 or threads % bk or bm % (threads // bk):
+    if wm % 16 or wn % 8 or bk % 16 or threads % bk or bm % (threads // bk):
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} on {QGEMM_WARPS_M}x{QGEMM_WARPS_N} SIMD groups: each group's "
-                         "part must be whole 16x8 tiles, and the loaders' rows must divide BM")
+                         "part must be whole 16x8 tiles, BK a multiple of 16, and the loaders' rows must divide BM")
+    # Slab rows of BK + 4 floats, or for half operands BK + HALF_SLAB_PAD of the dialect's slab_h: on CUDA 8
+    # halves (16-byte aligned rows for ldmatrix, 80 bytes apart at BK = 32: the eight rows a matrix read takes
+    # fall in distinct banks), elsewhere 4 floats holding the halves' values: at most the float slabs' room.
     lds = bk + 4
+    slab_floats = (bm + bn) * max(lds, (bk + 8) // 2)
     ldc = bn + 4 if 4 * bm * (bn + 4) <= QGEMM_SHARED_BYTES else bn  # the padding only where it fits
-    smem_floats = max((bm + bn) * lds, bm * ldc)  # the slabs of x and W, then the output tile over them
+    smem_floats = max(slab_floats, bm * ldc)  # the slabs of x and W, then the output tile over them
     if 4 * smem_floats > QGEMM_SHARED_BYTES:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} need more than {QGEMM_SHARED_BYTES} bytes of shared memory")
     # IQ2_XXS's weight slab: a loader a row's group of 32 (group32_iq2_xxs), its tables past the slabs, in the output
@@ -191,16 +207,17 @@ def _qgemm_defines(qtype: Q) -> dict:
     # thread puts a SIMD group's loads in 32 rows: on the H200 that ran IQ2_XXS's chunk products 1.22x faster,
     # and Q2_K's (its 32 consecutive elements: 32 bytes read) 2.5% and the dense Q8_0 product 24% slower than 8
     # elements a job (benchmarks/README.md, qgemm_bench.py), so those keep 8.
-    tables_at = (bm + bn) * lds
+    tables_at = slab_floats
     dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0 and 256 % bk == 0
     if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
     return {"DQ32": int(dq32), "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
-            "LDS": lds, "LDC": ldc, "WS": bm * lds, "SMEM_FLOATS": smem_floats,
-            "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16, "NJ": wn // 8,
-            "LOAD_ROWS": threads // bk}
+            "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16,
+            "NJ": wn // 8, "LOAD_ROWS": threads // bk,
+            **({"LDS": f"({bk} + HALF_SLAB_PAD)", "WS": f"({bm} * LDS)", **_HALF_SLABS} if half
+               else {"LDS": lds, "WS": bm * lds, **_FLOAT_SLABS})}
 
 
 ATTEND_PARTIAL = KernelSpec("attend_partial", "attend_partial.body",
@@ -215,14 +232,17 @@ ATTEND_REDUCE = KernelSpec("attend_reduce", "attend_reduce.body",
                            (("out", "float32"),))
 
 
-def attend_chunk_spec(tf32: bool = False) -> KernelSpec:
-    """``attend_chunk``, or with ``tf32`` ``attend_chunk_tf32``: its two products on operands rounded to TF32."""
+def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
+    """``attend_chunk``, or ``attend_chunk_tf32``: its two products on operands rounded to TF32 (no half form:
+    its fragments are read from float rows)."""
+    if operands not in ("float32", "tf32"):
+        raise ValueError(f"attend_chunk multiplies float32 or tf32 operands, not {operands!r}")
     simd_groups, heads, kt, d = ATTN_CHUNK_GROUP // 32, ATTN_CHUNK_HEADS, ATTN_CHUNK_KEYS, ATTN_MAX_D
     ldq, ldk, ldp = d // 2 + 4, d + 4, kt + 4  # paddings that spread a fragment's reads over the banks
     k_floats = max(kt * ldk, heads * ldq)  # the key rows, or half of q's or out's rows (before and after)
     part, p = k_floats, k_floats + simd_groups * heads * kt
     scale = p + heads * ldp
-    name, step = _precision("attend_chunk", tf32)
+    name, step = _precision("attend_chunk", operands)
     return KernelSpec(name, "attend_chunk.body",
                       (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
                        ("dims", "int32"), ("fparams", "float32")),
@@ -310,9 +330,9 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
-            QMATMUL_REDUCE, *(qgemm_spec(q, tf32) for tf32 in (False, True) for q in DECODERS),
-            *(indexer_chunk_spec(tf32) for tf32 in (False, True)),
-            ATTEND_PARTIAL, ATTEND_REDUCE, attend_chunk_spec(False), attend_chunk_spec(True),
+            QMATMUL_REDUCE, *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
+            *(indexer_chunk_spec(operands) for operands in OPERANDS),
+            ATTEND_PARTIAL, ATTEND_REDUCE, attend_chunk_spec("float32"), attend_chunk_spec("tf32"),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
             APPEND_ROWS, COMPRESSED_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM,
             MOE_ROUTE]

@@ -268,7 +268,8 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 // dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
 // k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 4-byte aligned, off even:
 // a group's bytes start 0 or 2 bytes past a word, so its last word is read whole or by its low half); tables:
-// IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), and IQ2_XXS's prefill weight slabs (dq32).
+// IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), IQ2_XXS's prefill weight slabs
+// eight at a time (group32_eight).
 struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
 
 DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
@@ -357,14 +358,22 @@ DEVICE_FN float dot32(Group32 g, LaneX x, bool halves) {
     return halves ? r : g.d[0] * s;
 }
 
-// The group's 32 elements as floats into dst (16-byte aligned group-shared floats).
-DEVICE_FN void dq32(Group32 g, SHARED_ARG float* dst) {
+// Elements 8c .. 8c + 7 of a group (in its order: IQ2_XXS's is the row's), as floats.
+DEVICE_FN F8 group32_eight(Group32 g, uint c) {
+    F8 r;
+    float d = g.d[c >> 1], m = g.m[c >> 1];
     #pragma unroll
-    for (uint i = 0; i < 8u; i++) {
-        float d = g.d[i >> 2], m = g.m[i >> 2];
-        store_f4_shared(dst + 4u * i, d * byte_value(g.q[i], 0u, g.bias) - m, d * byte_value(g.q[i], 1u, g.bias) - m,
-                        d * byte_value(g.q[i], 2u, g.bias) - m, d * byte_value(g.q[i], 3u, g.bias) - m);
-    }
+    for (uint i = 0; i < 8u; i++) r.v[i] = d * byte_value(g.q[2u * c + (i >> 2)], i & 3u, g.bias) - m;
+    return r;
+}
+
+// Eight values to a matrix-unit slab in group-shared memory, p 16-byte aligned: as floats, or as halves (slab_h).
+DEVICE_FN void store8_f(SHARED_ARG float* p, F8 v) {
+    store_f4_shared(p, v.v[0], v.v[1], v.v[2], v.v[3]);
+    store_f4_shared(p + 4u, v.v[4], v.v[5], v.v[6], v.v[7]);
+}
+DEVICE_FN void store8_h(SHARED_ARG slab_h* p, F8 v) {
+    store_h8_shared(p, v.v[0], v.v[1], v.v[2], v.v[3], v.v[4], v.v[5], v.v[6], v.v[7]);
 }
 
 // Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; eight loads are issued
