@@ -195,6 +195,22 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype", (Q.IQ2_XXS, Q.Q2_K, Q.Q8_0, Q.F16), ids=lambda q: q.name)
+def test_qmatmul_pairs_share_their_tokens_row(gpu, qtype):
+    """``repeat``: a decode step's k pairs of a token read its one row of x: the same floats, bit for bit, as
+    the pairs' rows repeated (host ids, and ids on the device as a decode step's routing gives them)."""
+    _, kernels, to_dev, to_host = gpu
+    n_expert, rows, ne0, k = 7, 40, 1024, 3
+    raw = random_weight(qtype, (n_expert, rows), ne0, seed=5)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, ne0)).astype(np.float32)
+    experts = np.array([4, 0, 6, 6, 2, 4])  # two tokens' three experts, one shared
+    for ids in (experts, to_dev(experts.astype(np.int32))):
+        want = to_host(kernels.qmatmul(to_dev(np.repeat(x, k, axis=0)), to_dev(raw), qtype, ne0, rows, ids))
+        got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids, repeat=k))
+        np.testing.assert_array_equal(got, want)
+
+
 GROUP_ROWS = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS  # rows a qmatmul work-group computes
 
 
@@ -1147,9 +1163,9 @@ def test_moe_route_kernel_takes_a_hash_layers_experts_from_its_table(gpu, T, n, 
     check_weights(name, weights, probs, selected, k)
 
 
-def test_qmatmul_makes_the_batches_of_device_ids_once_per_ids_array(gpu, monkeypatch):
-    """A decode step's gate, up and down projections take one array of expert ids on the device: its batches
-    are made once and shared; the next array of ids gets its own."""
+def test_qmatmul_reads_device_ids_as_its_batches(gpu, monkeypatch):
+    """A decode step's gate, up and down projections take one array of expert ids on the device: each launch
+    reads the ids themselves as its batches (a pair each), nothing is made from them on the device."""
     name, kernels, to_dev, to_host = gpu
     device_ids = to_dev
     if name == "emulated":  # the emulator marks what its kernels return as on the device
@@ -1169,7 +1185,8 @@ def test_qmatmul_makes_the_batches_of_device_ids_once_per_ids_array(gpu, monkeyp
         return run(spec, groups, threads, inputs, outputs)
 
     monkeypatch.setattr(kernels, "_run", recording)
-    for experts in (np.array([3, 0, 3, 4, 1, 0]), np.array([2, 2, 1, 4, 0, 3])):
+    first, second = np.array([3, 0, 3, 4, 1, 0]), np.array([2, 2, 1, 4, 0, 3])
+    for experts in (first, second):
         ids = device_ids(experts.astype(np.int32))
         for proj in range(3):
             raw = random_weight(qtype, (n_expert, rows), ne0, seed=proj)
@@ -1179,8 +1196,8 @@ def test_qmatmul_makes_the_batches_of_device_ids_once_per_ids_array(gpu, monkeyp
             got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids))
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert len(batches) == 6
-    assert batches[0] is batches[1] is batches[2] and batches[3] is batches[4] is batches[5]
-    assert batches[3] is not batches[0]
+    for got, experts in zip(batches, [first] * 3 + [second] * 3):
+        np.testing.assert_array_equal(to_host(got), experts)
 
 
 @pytest.mark.parametrize("hashed", [False, True], ids=["top-k", "hash"])

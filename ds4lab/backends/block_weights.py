@@ -50,8 +50,8 @@ class StackedBlockLinear:
     """All experts of one routed-expert tensor ``raw [n_expert, rows, row_bytes]`` on the device.
 
     ``stacked(x, experts, repeat)`` gives row p // repeat of ``x`` times expert ``experts[p]``ᵀ for every pair
-    p in one launch: qmatmul for a few pairs (on x's rows repeated), qgemm for a chunk's (which reads each row
-    of x for its ``repeat`` pairs: a token's k experts)."""
+    p in one launch: qmatmul for a few pairs, qgemm for a chunk's; both read each row of x for its ``repeat``
+    pairs (a token's k experts), never a repeated copy."""
 
     def __init__(self, kernels, raw, qtype: Q, ne0: int, n_rows: int):
         self.kernels, self.raw, self.qtype, self.ne0, self.n_rows = kernels, raw, Q(qtype), ne0, n_rows
@@ -61,8 +61,7 @@ class StackedBlockLinear:
         tokens, which never leaves the device: qmatmul plans it there, however many pairs it makes)."""
         if x.shape[0] * repeat > KERNEL_MAX_ROWS and self.kernels.on_host(experts):
             return self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
-        x = x if repeat == 1 else self.kernels.xp.repeat(x, repeat, axis=0)
-        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts)
+        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
 
     def grouped(self, x):
         """``x [T, n, ne0]``: row t of group g times matrix g, as ``[T, n · rows]`` in group order (a chunk's

@@ -82,7 +82,6 @@ class KernelLaunches:
         self._consts: dict[tuple, object] = {}
         self._gathered: OrderedDict[tuple, tuple] = OrderedDict()  # kept gathered plans, least recent first
         self._chunk_plan: OrderedDict[tuple, tuple] = OrderedDict()  # the last large one: a layer's 3 projections
-        self._device_batches = None  # (device ids, their batches): the last ones qmatmul made
         self._ints: OrderedDict[int, object] = OrderedDict()  # kept host ints, least recent first
 
     # -- what a subclass provides ---------------------------------------------------------------------
@@ -149,32 +148,24 @@ class KernelLaunches:
         order, batches = S.pair_batches(experts, n_pairs, size)
         return self._array(order), self._array(batches), len(batches)
 
-    def _batches_on_device(self, experts, order):
-        """qmatmul's batches ``(expert, slot, 1)`` for ids on the device, made there. The last ids array's are
-        kept, so the projections that share one (a decode step's gate, up and down) make them once; an ids
-        array is never written after it is made, so the same object means the same ids."""
-        if self._device_batches is None or self._device_batches[0] is not experts:
-            batches = self.xp.stack([self._i32(experts), order, self._const(*(1,) * order.shape[0])], axis=1)
-            self._device_batches = (experts, batches)  # holding the ids keeps their id() from being reused
-        return self._device_batches[1]
-
     def dequant(self, w, qtype, ne0: int, rows: int):
         """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]``."""
         dims = self._const(rows, ne0, row_bytes(qtype, ne0))
         return self._run(S.dequant_spec(qtype), (-(-ne0 // S.DEQUANT_GROUP), rows), S.DEQUANT_GROUP,
                          [w, self.aux, dims], [((rows, ne0), "float32")])[0]
 
-    def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None):
-        """``out[p] = x[p] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix). Few
-        rows and a long K: K split over more SIMD groups (:func:`.specs.qmatmul_splits`), then summed."""
-        P = x.shape[0]
-        if experts is None or self.on_host(experts):
+    def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
+        """``out[p] = x[p // repeat] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix;
+        ``repeat``: a token's pairs share its row of x). Few rows and a long K: K split over more SIMD groups
+        (:func:`.specs.qmatmul_splits`), then summed."""
+        P = x.shape[0] * repeat
+        ids = experts is not None and not self.on_host(experts)
+        if ids:  # ids on the device: each pair its own batch, its expert read from the ids themselves
+            order, batches, n_batches = self._const(*range(P)), self._i32(experts), P
+        else:
             order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
-        else:  # ids on the device: each pair its own batch, the plan made there
-            order = self._const(*range(P))
-            batches, n_batches = self._batches_on_device(experts, order), P
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches)
-        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk)
+        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
         group_rows = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS
         parts = self._run(S.qmatmul_spec(qtype), (-(-n_rows // group_rows), n_batches * splits),
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
