@@ -36,7 +36,8 @@ pytest_gpu="python3 -m pytest -q -p no:cacheprovider -o addopts=-rs"
 want tests_cupy tests && step tests_cupy 150 $pytest_gpu -m gpu tests/test_gpu_kernels.py -k "cupy"
 want tests_mlx tests && step tests_mlx 240 $pytest_gpu tests/test_gpu_kernels.py \
     tests/test_tiers.py -k "mlx and not emulated"
-want tests_tiers tests && [ "$n_gpu" -ge 2 ] && step tests_tiers 120 $pytest_gpu tests/test_gpu_tiers.py
+# two GPUs: the tier tests; one: the NCCL link's own test (its communicator sending to itself)
+want tests_tiers tests && step tests_tiers 120 $pytest_gpu tests/test_gpu_tiers.py $([ "$n_gpu" -ge 2 ] || echo -k nccl_link)
 # ds4's graph tests through the command line (ds4lab run --graph-test family): the embedded model (trained) and a
 # nano one (random weights: over a long prompt its FP8/FP4 rounding flips grow, so it runs in exact numerics),
 # a decode step and a prompt of 2-3 chunks of 256, kernels against plain ops

@@ -13,7 +13,8 @@ lives on another tier, the forward pass switches the active tier in one of three
 Every switch becomes a :class:`TierSwitch` record. Without ``devices`` tiers are logical: each is its
 own "device", so a switch makes a real array copy and the bytes are real. With MLX, ``"cpu"`` and
 ``"gpu"`` tiers run their layers on that device's stream. With CuPy, ``"cuda:N"`` tiers keep their
-layers' weights and KV state on GPU N and switch with peer copies. A tier is a small object with
+layers' weights and KV state on GPU N and switch over NCCL where it is installed (:mod:`ds4lab.cuda.nccl_link`),
+else with peer copies. A tier is a small object with
 ``device``, ``copy_in(x)``, ``adopt(x)``, ``settle(x)`` and ``scope()``.
 
 With ``"rank:N"`` devices (:meth:`Placement.over_ranks`) the tiers are the processes of an ``mx.distributed``
@@ -95,9 +96,10 @@ class MLXDeviceTier:
 
 class CupyDeviceTier:
     """CUDA GPU N (``"cuda:N"``): the tier's layers run, and their weights and KV state live, on that GPU;
-    a switch is a peer copy."""
+    a switch is a send over ``link`` (an :class:`~ds4lab.cuda.nccl_link.NcclLink` shared by a placement's
+    tiers), or a peer copy where it is None."""
 
-    def __init__(self, device: str, backend):
+    def __init__(self, device: str, backend, link=None):
         import cupy as cp
 
         self.backend, self.device = backend, device
@@ -108,10 +110,13 @@ class CupyDeviceTier:
         if not 0 <= self.index < cp.cuda.runtime.getDeviceCount():
             raise ValueError(f"no CUDA device {device!r} here ({cp.cuda.runtime.getDeviceCount()} GPUs)")
         self._device = cp.cuda.Device(self.index)
+        self.link = link
 
     def copy_in(self, x):
         import cupy as cp
 
+        if self.link is not None and x.device.id != self.index:
+            return self.link.move(x, self.index)
         with self._device:
             y = cp.array(x, copy=True)  # a peer copy when x is on another GPU
             self._device.synchronize()
@@ -138,7 +143,7 @@ def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int, group=None)
 
         return rank_tiers(backend, devices, group)
     if backend.name == "cupy":
-        return tuple(CupyDeviceTier(d, backend) for d in devices)
+        return _cupy_tiers(backend, devices)
     known = ("cpu", "gpu") if backend.name == "mlx" else ("cpu",)
     for d in devices:
         if d not in known:
@@ -146,6 +151,19 @@ def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int, group=None)
     if backend.name == "mlx":
         return tuple(MLXDeviceTier(d, backend) for d in devices)
     return tuple(LogicalTier(d, backend) for d in devices)
+
+
+def _cupy_tiers(backend, devices: Sequence[str]) -> tuple:
+    """CuPy tiers on ``devices``, sharing one NCCL link where they span two GPUs or more and NCCL is installed."""
+    tiers = tuple(CupyDeviceTier(d, backend) for d in devices)
+    gpus = {t.index for t in tiers}
+    from .cuda.nccl_link import NcclLink, nccl_available
+
+    if len(gpus) > 1 and nccl_available():
+        link = NcclLink(gpus)
+        for t in tiers:
+            t.link = link
+    return tiers
 
 
 # -- records ------------------------------------------------------------------------------------------

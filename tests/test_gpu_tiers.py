@@ -1,5 +1,6 @@
-"""Tiers on real CUDA GPUs with CuPy: each tier's layers, weights and KV state on its own GPU, peer copies
-between them, and the same results as one GPU. Needs two GPUs; skips with the reason otherwise."""
+"""Tiers on real CUDA GPUs with CuPy: each tier's layers, weights and KV state on its own GPU, NCCL sends (peer
+copies without NCCL) between them, and the same results as one GPU. Needs two GPUs (the NCCL link's own test
+one); skips with the reason otherwise."""
 
 import numpy as np
 import pytest
@@ -26,6 +27,38 @@ def two_gpus():
     return cp
 
 
+@pytest.fixture(scope="module")
+def nccl_gpu():
+    try:
+        import cupy as cp
+
+        n = cp.cuda.runtime.getDeviceCount()
+        from ds4lab.cuda.nccl_link import nccl_available
+    except Exception as e:
+        pytest.skip(f"CuPy is unavailable: {e}")
+    if n < 1 or not nccl_available():
+        pytest.skip(f"needs a CUDA GPU and NCCL (found {n} GPUs; NCCL installed: {nccl_available()})")
+    return cp
+
+
+def test_nccl_link_moves_arrays_bit_for_bit(nccl_gpu):
+    """On one GPU its communicator sends to itself: every bit arrives, into new memory, whatever the dtype and
+    layout; a GPU outside the link is refused by name."""
+    cp = nccl_gpu
+    from ds4lab.cuda.nccl_link import NcclLink
+
+    link = NcclLink([0])
+    rng = np.random.default_rng(1)
+    for x in (cp.asarray(rng.standard_normal((3, 4, 257)).astype(np.float32)),
+              cp.asarray(rng.integers(-9, 9, (5, 7)).astype(np.int32)),
+              cp.asarray(rng.standard_normal((64, 6)).astype(np.float32))[::2, 1:]):  # not contiguous
+        y = link.move(x, 0)
+        assert y.data.ptr != x.data.ptr and y.dtype == x.dtype and y.shape == x.shape
+        assert np.array_equal(cp.asnumpy(y), cp.asnumpy(x))
+    with pytest.raises(ValueError, match="GPUs \\[0\\]: cannot move an array from GPU 0 to GPU 3"):
+        link.move(x, 3)
+
+
 def run(model, placement):
     sess = model.session(ctx=128, prefill_chunk=32, placement=placement)
     chunks = sess.prefill(PROMPT).run(progress=False)
@@ -42,6 +75,9 @@ def test_two_gpus_give_the_results_of_one(two_gpus, model_paths, kernels, plan):
     placement = (Placement.even(2, devices=["cuda:0", "cuda:1"]) if plan == "even"
                  else Placement(layer_tiers=ALTERNATE, devices=["cuda:0", "cuda:1"]))
     sess, chunks, steps = run(model, placement)
+    from ds4lab.cuda.nccl_link import nccl_available
+
+    assert all((t.link is not None) == nccl_available() for t in sess.placement.tiers)  # NCCL where installed
     assert [s.token for s in steps] == [s.token for s in ref_steps]
     # Same GPU model, same kernels and library calls: the same bits.
     assert np.array_equal(sess.logits, ref.logits)
