@@ -537,6 +537,8 @@ def test_top_logprobs_edges():
     logits = np.array([1.0, 3.0, 3.0, -np.inf, 0.0], np.float32)
     out = top_logprobs(logits, 10)  # k > finite count: only the finite ones, ties by lower id
     assert [i for i, _ in out] == [1, 2, 0, 4]
+    assert top_logprobs(logits, 1) == out[:1]  # k = 1 (argmax): the first of the tied largest
+    assert top_logprobs(logits, 2) == out[:2]
     lse = 3.0 + math.log(2 + math.exp(-2) + math.exp(-3))
     assert out[0][1] == pytest.approx(-lse + 3.0, abs=1e-6)
     assert top_logprobs(logits, 0) == [] and top_logprobs(logits, -3) == []
