@@ -68,6 +68,8 @@ want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --
 want flash_f32 flash && step flash_f32 300 python3 benchmarks/flash_full.py --json "$OUT/flash_f32.json"
 want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py --prefill-matmul tf32 \
     --json "$OUT/flash_tf32.json"
+want flash_f16 flash && step flash_f16 300 python3 benchmarks/flash_full.py --prefill-matmul f16 \
+    --json "$OUT/flash_f16.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 # compare: the 4K decode step, qmatmul_bench and qgemm_bench (float32, tf32) of this tree, then of each tree staged
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one

@@ -150,7 +150,6 @@ def main(argv=None):
 
 
 def tile_shapes(args, projections, experts, sizes, rng):
-
     E, dense_rows, n_expert, distinct = sizes
     P = len(experts)
     cases = [(f"{name} {q.name}", q, ne0, n_rows, weights(q, n_expert, n_rows, ne0, distinct, rng), P, experts)

@@ -154,15 +154,14 @@ def make_tiers(backend, devices: Sequence[str] | None, n_tiers: int, group=None)
 
 
 def _cupy_tiers(backend, devices: Sequence[str]) -> tuple:
-    """CuPy tiers on ``devices``, sharing one NCCL link where they span two GPUs or more and NCCL is installed."""
-    tiers = tuple(CupyDeviceTier(d, backend) for d in devices)
-    gpus = {t.index for t in tiers}
-    from .cuda.nccl_link import NcclLink, nccl_available
+    """CuPy tiers on ``devices``, sharing the process's NCCL link over their GPUs where they span two or more
+    and NCCL starts (:func:`ds4lab.cuda.nccl_link.link_for`), else switching with peer copies."""
+    from .cuda.nccl_link import link_for
 
-    if len(gpus) > 1 and nccl_available():
-        link = NcclLink(gpus)
-        for t in tiers:
-            t.link = link
+    tiers = tuple(CupyDeviceTier(d, backend) for d in devices)
+    link = link_for(tuple(sorted({t.index for t in tiers})))
+    for t in tiers:
+        t.link = link
     return tiers
 
 

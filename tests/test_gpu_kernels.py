@@ -199,16 +199,26 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
 def test_qmatmul_pairs_share_their_tokens_row(gpu, qtype):
     """``repeat``: a decode step's k pairs of a token read its one row of x: the same floats, bit for bit, as
     the pairs' rows repeated (host ids, and ids on the device as a decode step's routing gives them)."""
-    _, kernels, to_dev, to_host = gpu
+    name, kernels, to_dev, to_host = gpu
     n_expert, rows, ne0, k = 7, 40, 1024, 3
     raw = random_weight(qtype, (n_expert, rows), ne0, seed=5)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, ne0)).astype(np.float32)
     experts = np.array([4, 0, 6, 6, 2, 4])  # two tokens' three experts, one shared
-    for ids in (experts, to_dev(experts.astype(np.int32))):
+    for ids in (experts, device_ids(name, to_dev, experts.astype(np.int32))):
         want = to_host(kernels.qmatmul(to_dev(np.repeat(x, k, axis=0)), to_dev(raw), qtype, ne0, rows, ids))
         got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids, repeat=k))
         np.testing.assert_array_equal(got, want)
+
+
+def device_ids(name: str, to_dev, ids: np.ndarray):
+    """Expert ids as a decode step's routing leaves them on the device (the emulator marks what its kernels
+    return as on the device)."""
+    if name == "emulated":
+        from ds4lab.mlx_kernels.cpu import DeviceArray
+
+        return ids.view(DeviceArray)
+    return to_dev(ids)
 
 
 GROUP_ROWS = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS  # rows a qmatmul work-group computes
@@ -514,15 +524,14 @@ def test_attend_chunk_matches_float64(gpu, T, H, D, N, kind):
     assert err.max() <= 2e-5, err.max()
 
 
-@pytest.mark.parametrize("operands", ("tf32", "f16"))
 @pytest.mark.parametrize("T,H,D,N,kind", [(7, 17, 32, 45, "band+rows"), (40, 64, 512, 1200, "band+rows")])
-def test_attend_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind, operands):
-    """attend_chunk_tf32 (also what chunk_operands "f16" runs): scores and weighted sums on TF32 operands,
-    within 3e-3 of each row's largest value of float64's, and farther than the float32 kernel's 1e-5: the
-    rounding is seen."""
+def test_attend_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind):
+    """attend_chunk_tf32 (what chunk_operands "tf32" and "f16" both run): scores and weighted sums on TF32
+    operands, within 3e-3 of each row's largest value of float64's, and farther than the float32 kernel's 1e-5:
+    the rounding is seen."""
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N)
-    monkeypatch.setattr(kernels, "chunk_operands", operands)
+    monkeypatch.setattr(kernels, "chunk_operands", "tf32")
     rng = np.random.default_rng(T * N)
     q, keys = rng.standard_normal((T, H, D)).astype(np.float32), rng.standard_normal((N, D)).astype(np.float32)
     sinks = (2 * rng.standard_normal(H)).astype(np.float32)
@@ -1167,12 +1176,7 @@ def test_qmatmul_reads_device_ids_as_its_batches(gpu, monkeypatch):
     """A decode step's gate, up and down projections take one array of expert ids on the device: each launch
     reads the ids themselves as its batches (a pair each), nothing is made from them on the device."""
     name, kernels, to_dev, to_host = gpu
-    device_ids = to_dev
-    if name == "emulated":  # the emulator marks what its kernels return as on the device
-        from ds4lab.mlx_kernels.cpu import DeviceArray
-
-        device_ids = lambda a: a.view(DeviceArray)  # noqa: E731
-    elif isinstance(to_dev(np.zeros(1)), np.ndarray):
+    if name != "emulated" and isinstance(to_dev(np.zeros(1)), np.ndarray):
         pytest.skip(f"{name}: its arrays are host arrays, so ids take the host plan")
     n_expert, rows, ne0, qtype = 5, 32, 256, Q.Q8_0
     rng = np.random.default_rng(13)
@@ -1187,7 +1191,7 @@ def test_qmatmul_reads_device_ids_as_its_batches(gpu, monkeypatch):
     monkeypatch.setattr(kernels, "_run", recording)
     first, second = np.array([3, 0, 3, 4, 1, 0]), np.array([2, 2, 1, 4, 0, 3])
     for experts in (first, second):
-        ids = device_ids(experts.astype(np.int32))
+        ids = device_ids(name, to_dev, experts.astype(np.int32))
         for proj in range(3):
             raw = random_weight(qtype, (n_expert, rows), ne0, seed=proj)
             x = rng.standard_normal((len(experts), ne0)).astype(np.float32)

@@ -57,6 +57,9 @@ def test_nccl_link_moves_arrays_bit_for_bit(nccl_gpu):
         assert np.array_equal(cp.asnumpy(y), cp.asnumpy(x))
     with pytest.raises(ValueError, match="GPUs \\[0\\]: cannot move an array from GPU 0 to GPU 3"):
         link.move(x, 3)
+    from ds4lab.cuda.nccl_link import link_for
+
+    assert link_for((0,)) is None  # tiers on one GPU switch without a link
 
 
 def run(model, placement):

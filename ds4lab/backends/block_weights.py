@@ -58,7 +58,7 @@ class StackedBlockLinear:
 
     def __call__(self, x, experts, repeat: int = 1):
         """``experts``: host ids, or a device array of them (the routing of a step of up to DEVICE_ROUTING_ROWS
-        tokens, which never leaves the device: qmatmul plans it there, however many pairs it makes)."""
+        tokens, which never leaves the device: qmatmul reads them as they are, a pair each)."""
         if x.shape[0] * repeat > KERNEL_MAX_ROWS and self.kernels.on_host(experts):
             return self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
         return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)

@@ -52,6 +52,8 @@ class CudaKernels(ArrayLaunches):
             return self._half_gemm(x[:, None, :], w[None])
         if self.chunk_operands == "float32":
             return x @ w.T
+        if self.chunk_operands != "tf32":
+            raise ValueError(f"unknown chunk_operands {self.chunk_operands!r}; choose one of {', '.join(S.OPERANDS)}")
         before = cublas_types.get_compute_type(cp.float32)
         cublas_types.set_compute_type(cp.float32, cublas_types.COMPUTE_TYPE_TF32)
         try:
@@ -74,7 +76,8 @@ class CudaKernels(ArrayLaunches):
 
     def _half_gemm(self, x, w):
         """``out[t, g] = x[t, g] @ w[g]ᵀ`` on operands rounded to half (to nearest even), products summed in
-        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32, half the bytes to read."""
+        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32. The half copies of x and of
+        the dequantized w are made here (w's is a transient the size of half of w)."""
         x16, w16 = x.astype(cp.float16, order="C"), w.astype(cp.float16, order="C")
         return self._strided_gemm(x16, w16, runtime.CUDA_R_16F, x.shape[1] * x.shape[2], cublas.CUBLAS_COMPUTE_32F)
 

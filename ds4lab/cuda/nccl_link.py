@@ -9,6 +9,9 @@ that is how one GPU exercises this path (``tests/test_gpu_tiers.py``)."""
 
 from __future__ import annotations
 
+import warnings
+from functools import lru_cache
+
 import cupy as cp
 
 
@@ -18,6 +21,21 @@ def nccl_available() -> bool:
     except ImportError:
         return False
     return bool(getattr(nccl, "available", True))
+
+
+@lru_cache(maxsize=None)
+def link_for(devices: tuple[int, ...]):
+    """The process's :class:`NcclLink` over the GPUs ``devices`` (sorted), made once and shared by every
+    placement on them; None for fewer than two GPUs, without NCCL, or where NCCL cannot start (a warning says
+    why): the tiers then make peer copies."""
+    if len(devices) < 2 or not nccl_available():
+        return None
+    try:
+        return NcclLink(devices)
+    except Exception as e:
+        warnings.warn(f"NCCL over GPUs {list(devices)} could not start ({type(e).__name__}: {e}); tiers on them "
+                      "switch with peer copies", RuntimeWarning, stacklevel=2)
+        return None
 
 
 class NcclLink:
@@ -44,8 +62,12 @@ class NcclLink:
             y = cp.empty(x.shape, x.dtype)
             recv_stream = cp.cuda.get_current_stream()
         nccl.groupStart()
-        self._comms[self._rank[src]].send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, self._rank[device], send_stream.ptr)
-        self._comms[self._rank[device]].recv(y.data.ptr, y.nbytes, nccl.NCCL_UINT8, self._rank[src], recv_stream.ptr)
-        nccl.groupEnd()
+        try:
+            self._comms[self._rank[src]].send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, self._rank[device],
+                                              send_stream.ptr)
+            self._comms[self._rank[device]].recv(y.data.ptr, y.nbytes, nccl.NCCL_UINT8, self._rank[src],
+                                                 recv_stream.ptr)
+        finally:
+            nccl.groupEnd()
         recv_stream.synchronize()
         return y

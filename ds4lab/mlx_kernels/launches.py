@@ -134,7 +134,7 @@ class KernelLaunches:
         last large one (a chunk's gate, up and down projections share their experts)."""
         if experts is not None and not self.on_host(experts):
             raise TypeError(f"a launch plan needs host expert ids, got a {type(experts).__name__}; ids on the "
-                            f"device go through qmatmul, which plans there")
+                            f"device go through qmatmul, which reads them as its batches")
         if experts is None:
             key = ("plan", n_pairs, size)
             if key not in self._consts:

@@ -195,9 +195,9 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
                          "part must be whole 16x8 tiles, BK a multiple of 16, and the loaders' rows must divide BM")
     # Slab rows of BK + 4 floats, or for half operands BK + HALF_SLAB_PAD of the dialect's slab_h: on CUDA 8
     # halves (16-byte aligned rows for ldmatrix, 80 bytes apart at BK = 32: the eight rows a matrix read takes
-    # fall in distinct banks), elsewhere 4 floats holding the halves' values: at most the float slabs' room.
+    # fall in distinct banks), elsewhere 4 floats holding the halves' values: the float slabs' room or less.
     lds = bk + 4
-    slab_floats = (bm + bn) * max(lds, (bk + 8) // 2)
+    slab_floats = (bm + bn) * lds
     ldc = bn + 4 if 4 * bm * (bn + 4) <= QGEMM_SHARED_BYTES else bn  # the padding only where it fits
     smem_floats = max(slab_floats, bm * ldc)  # the slabs of x and W, then the output tile over them
     if 4 * smem_floats > QGEMM_SHARED_BYTES:
