@@ -5,8 +5,9 @@ embeddings, routers, norms, hyper-connection and indexer weights seeded random (
 the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints,
 for one setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from
 the bytes a decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time
-from process start to the first row, and (CuPy) the GPU time of a bare replay of each captured step's graph.
-``benchmarks/gpu_suite.sh flash`` runs float32 and tf32.
+from process start to the first row, (CuPy) the GPU time of a bare replay of each captured step's graph, and a
+decode step's wall time in the sweep against a bare runtime step's.
+``benchmarks/gpu_suite.sh flash`` runs float32, tf32 and f16.
 
     python benchmarks/flash_full.py --backend cupy [--prefill-matmul tf32] [--ctx-max 8192] [--json out.json]
 """
@@ -45,6 +46,18 @@ def decode_bytes(model) -> int:
     return dense + cfg.n_layer * cfg.n_expert_used * per_expert
 
 
+def runtime_step_ms(model, sess, tokens, steps: int = 16) -> float:
+    """Median milliseconds of a bare decode step from the session's state (the runtime's step and its logits on
+    the host, no sampling or session bookkeeping): against the sweep's step, what the session adds."""
+    state, walls = sess._state, []
+    for i in range(steps):
+        began = time.perf_counter()
+        logits, state = model.runtime.forward_logits(np.array([tokens[i]]), state)
+        model.backend.to_numpy(logits)
+        walls.append(time.perf_counter() - began)
+    return float(np.median(walls)) * 1e3
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
@@ -79,6 +92,7 @@ def main(argv=None) -> int:
                roofline_share=[r["gen_tps"] * nbytes / bandwidth for r in rows], memory=gpu_memory(model.backend))
     if hasattr(model.runtime, "compiled"):  # the decode step's GPU time alone, against the sweep's wall time
         out["graphs"] = graph_report(model.runtime)
+    out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"], "runtime": runtime_step_ms(model, sess, tokens)}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

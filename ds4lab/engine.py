@@ -117,14 +117,15 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
     ``model.backend.name`` (and ``repr(model)``) says which one it chose.
     ``device``: for "mlx", "cpu" or "gpu" (default: MLX's default device); for "cupy", "cuda:N" (default 0).
     ``kernels``: on GPU backends, ds4lab's custom kernels (default on); False gives the plain-ops path.
-    ``prefill_matmul``: "auto" (default: "tf32" on cupy with its kernels, else "float32"), "float32", "tf32" or
+    ``prefill_matmul``: "auto" (default: "f16" on cupy with its kernels, else "float32"), "float32", "tf32" or
     "f16" (cupy with kernels): with "tf32", weight products over more than 16 rows (a prefill chunk's linears,
     its routed experts' token-expert pairs), a chunk's attention and its indexer scores take both operands
     rounded to TF32 (10 mantissa bits, as many as the half that ds4's GPU prefill casts both to) on the tensor
     cores, with float32 accumulation; decode steps stay float32. About a third of the tensor-core work of the
-    float32 path (about 1.8x the prefill speed on an H200), logits within 2e-3 of float64's scale on the tiny
-    configurations. "f16" rounds the weight products' and indexer scores' operands to half instead (the same
-    mantissa; the tensor cores' half rate, half the shared-memory bytes), attention's to TF32; the same 2e-3.
+    float32 path, logits within 2e-3 of float64's scale on the tiny configurations. "f16" rounds the weight
+    products' and indexer scores' operands to half instead (the same 10 mantissa bits, to nearest even; the
+    tensor cores' half rate, half the shared-memory bytes) and attention's to TF32: the same 2e-3, and on an
+    H200 about 2.1x float32's prefill speed on the whole Flash model (1.8x with "tf32"; README, "Benchmarks").
     """
     return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
                  prefill_matmul)

@@ -673,11 +673,11 @@ def test_reduced_prefill_stays_near_float64(model_paths, backend, name, prefill_
 
 
 @pytest.mark.gpu
-def test_prefill_matmul_auto_is_tf32_on_cupy_with_kernels(model_paths):
+def test_prefill_matmul_auto_is_f16_on_cupy_with_kernels(model_paths):
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
-    assert ds4lab.load(model_paths["nano"], backend="cupy").backend.chunk_operands == "tf32"
+    assert ds4lab.load(model_paths["nano"], backend="cupy").backend.chunk_operands == "f16"
     float32 = ds4lab.load(model_paths["nano"], backend="cupy", prefill_matmul="float32")
     assert float32.backend.chunk_operands == "float32"
     assert ds4lab.load(model_paths["nano"], backend="cupy", kernels=False).backend.chunk_operands == "float32"

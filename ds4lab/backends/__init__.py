@@ -105,8 +105,8 @@ def device_label(backend) -> str:
 
 
 def backend_label(backend) -> str:
-    """``backend`` for a run's header: its name, where it computes, and "TF32 prefill" or "F16 prefill" where a
-    chunk's products run on reduced operands (see :func:`ds4lab.load`)."""
+    """``backend`` for a run's header: its name, where it computes, and "F16 prefill" (CuPy's default) or "TF32
+    prefill" where a chunk's products run on reduced operands (see :func:`ds4lab.load`)."""
     operands = getattr(backend, "chunk_operands", "float32")
     reduced = f", {operands.upper()} prefill" if operands != "float32" else ""
     return f"{backend.name} on {device_label(backend)}{reduced}"
@@ -120,8 +120,8 @@ def get_backend(name: str = "auto", device: str | None = None, kernels: bool | N
     name = resolve_backend(name, device)
     if prefill_matmul not in PREFILL_MATMULS:
         raise ValueError(f"unknown prefill_matmul {prefill_matmul!r}; choose one of {', '.join(PREFILL_MATMULS)}")
-    if prefill_matmul == "auto":  # TF32 where the kernels have it: logits within 2e-3 of float64 (tests)
-        prefill_matmul = "tf32" if name == "cupy" and kernels is not False else "float32"
+    if prefill_matmul == "auto":  # half operands where the kernels have them: logits within 2e-3 of float64 (tests)
+        prefill_matmul = "f16" if name == "cupy" and kernels is not False else "float32"
     if prefill_matmul != "float32" and (name != "cupy" or kernels is False):
         chose = f" (auto chose {name})" if asked != name else ""
         raise ValueError(f"prefill_matmul={prefill_matmul!r} needs the cupy backend with its kernels "

@@ -109,7 +109,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-matmul", default="auto", choices=["auto", "float32", "tf32", "f16"],
                    help="cupy: tf32 / f16 run a chunk's products on TF32 / half operands (as ds4's GPU prefill "
                         "casts them to half; README, Benchmarks, gives the speed of each); float32 keeps float32 "
-                        "accuracy; auto (default): tf32 on cupy with its kernels, else float32")
+                        "accuracy; auto (default): f16 on cupy with its kernels, else float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
