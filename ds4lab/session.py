@@ -173,11 +173,19 @@ class Session:
     def _eval(self, tokens: list[int], mode: str):
         """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode", or "batch": a prefill
         chunk); returns (logits of the last token, new state, the step's :class:`TierRun`)."""
-        b = self.model.backend
+        return self._finish(*self._launch(tokens, mode))
+
+    def _launch(self, tokens: list[int], mode: str):
+        """:meth:`_eval` up to its wait: the step is queued on the device (a GPU backend runs it meanwhile)."""
         self.model.file.check_unchanged()  # a stat a step: a cut file would SIGBUS, a rewritten one mislead
         run = TierRun(self.placement, mode, self._tier_step, self._active_tier)
         logits, state = self.model.runtime.forward_logits(np.asarray(tokens), self._state, tiers=run,
                                                           observer=self.hook_observer, prefill=mode == "batch")
+        return logits, state, run
+
+    def _finish(self, logits, state: KVState, run: TierRun):
+        """The launched step's logits on the host, once the device has computed them."""
+        b = self.model.backend
         with run.scope():
             b.eval(logits)
         return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state, run
@@ -537,13 +545,16 @@ class Decode:
             choices = current.copy()
             choices[self.exclude] = -np.inf
         token = sample(choices, rng=self.rng, **self.params)
-        logprob, alternatives = token_and_top_logprobs(current, token, self.top)
         position = len(sess.tokens)
         if token == sess.model.tokenizer.eos_id:
             self.stop_reason = "eos"
+            logprob, alternatives = token_and_top_logprobs(current, token, self.top)
             return DecodeStep(token, "", logprob, alternatives, position, time.perf_counter() - began)
         try:
-            logits, state, run = sess._eval([token], "decode")
+            launched = sess._launch([token], "decode")
+            # the log-sum-exp over the vocabulary (most of a step's host work) while the device runs the step
+            logprob, alternatives = token_and_top_logprobs(current, token, self.top)
+            logits, state, run = sess._finish(*launched)
         except BaseException:
             self.rng.state = rng_state  # after an interrupt the same draw happens again
             raise

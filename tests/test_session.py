@@ -217,6 +217,27 @@ def test_interrupted_step_leaves_the_session_consistent(nano_np, monkeypatch):
     np.testing.assert_allclose(s.logits, ref.logits, rtol=1e-9, atol=1e-9)
 
 
+def test_decode_step_sums_the_vocabulary_while_the_device_runs(nano_np, monkeypatch):
+    """A decode step launches its forward pass, then computes the sampled token's log-probability (a log-sum-exp
+    over the vocabulary: most of a step's host work at Flash's 129,280 logits) before it waits for the device;
+    the results are those of computing it first."""
+    from ds4lab import session as session_module
+
+    s = nano_np.session(ctx=200, prefill_chunk=64)
+    s.sync(PROMPT[:50])
+    ref = [(st.token, st.logprob, st.top) for st in s.decoder(seed=4, top=2).stream(3)]
+    s.sync(PROMPT[:50])
+    order = []
+    for name in ("_launch", "_finish"):
+        method = getattr(s, name)
+        monkeypatch.setattr(s, name, lambda *a, _m=method, _n=name: order.append(_n) or _m(*a))
+    both = session_module.token_and_top_logprobs
+    monkeypatch.setattr(session_module, "token_and_top_logprobs", lambda *a: order.append("logprob") or both(*a))
+    got = [(st.token, st.logprob, st.top) for st in s.decoder(seed=4, top=2).stream(3)]
+    assert got == ref
+    assert order == ["_launch", "logprob", "_finish"] * 3
+
+
 def test_seeded_decoding_reproduces(nano_mlx):
     s = nano_mlx.session(ctx=200, prefill_chunk=64)
     s.sync(PROMPT[:50])
