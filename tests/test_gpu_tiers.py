@@ -14,14 +14,19 @@ PROMPT = np.random.default_rng(5).integers(0, 1000, 90).tolist()
 ALTERNATE = [0, 1] * 3
 
 
-@pytest.fixture(scope="module")
-def two_gpus():
+def cupy_gpus():
+    """CuPy and the number of CUDA GPUs it sees; skips where CuPy is unavailable."""
     try:
         import cupy as cp
 
-        n = cp.cuda.runtime.getDeviceCount()
+        return cp, cp.cuda.runtime.getDeviceCount()
     except Exception as e:
         pytest.skip(f"CuPy is unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    cp, n = cupy_gpus()
     if n < 2:
         pytest.skip(f"needs two CUDA GPUs, found {n}")
     return cp
@@ -29,13 +34,9 @@ def two_gpus():
 
 @pytest.fixture(scope="module")
 def nccl_gpu():
-    try:
-        import cupy as cp
+    cp, n = cupy_gpus()
+    from ds4lab.cuda.nccl_link import nccl_available
 
-        n = cp.cuda.runtime.getDeviceCount()
-        from ds4lab.cuda.nccl_link import nccl_available
-    except Exception as e:
-        pytest.skip(f"CuPy is unavailable: {e}")
     if n < 1 or not nccl_available():
         pytest.skip(f"needs a CUDA GPU and NCCL (found {n} GPUs; NCCL installed: {nccl_available()})")
     return cp
