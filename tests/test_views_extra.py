@@ -145,7 +145,7 @@ def test_generation_interrupt_keeps_tokens(model, monkeypatch):
     sess = model.session(ctx=256, prefill_chunk=32)
     sess.sync(PROMPT)
     view = GenerationView(sess, seed=9)
-    real, n = sess._eval, [0]
+    real, n = sess._launch, [0]
 
     def flaky(*a, **k):
         n[0] += 1
@@ -153,7 +153,7 @@ def test_generation_interrupt_keeps_tokens(model, monkeypatch):
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(sess, "_eval", flaky)
+    monkeypatch.setattr(sess, "_launch", flaky)  # a decode step's forward pass
     out = view.run(5)
     assert len(out) == 2 and view.stop_reason == "interrupted" and len(view.model.records) == 2
     out += view.run(2)  # the interrupted draw is made again
