@@ -90,6 +90,7 @@ if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" le
         in_tree qmatmul 120 benchmarks/qmatmul_bench.py
         in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5
         in_tree qgemm_tf32 90 benchmarks/qgemm_bench.py --tf32 --repeats 5
+        in_tree qgemm_f16 90 benchmarks/qgemm_bench.py --operands f16 --repeats 5  # trees since 9448da3
         in_tree flash 140 benchmarks/flash_full.py --ctx-max 4096 --gen-tokens 64
     done
 fi
