@@ -96,10 +96,10 @@ class MLXDeviceTier:
 
 class CupyDeviceTier:
     """CUDA GPU N (``"cuda:N"``): the tier's layers run, and their weights and KV state live, on that GPU;
-    a switch is a send over ``link`` (an :class:`~ds4lab.cuda.nccl_link.NcclLink` shared by a placement's
-    tiers), or a peer copy where it is None."""
+    a switch is a send over ``link`` (an :class:`~ds4lab.cuda.nccl_link.NcclLink` that :func:`_cupy_tiers` gives
+    a placement's tiers), or a peer copy where it is None."""
 
-    def __init__(self, device: str, backend, link=None):
+    def __init__(self, device: str, backend):
         import cupy as cp
 
         self.backend, self.device = backend, device
@@ -110,7 +110,7 @@ class CupyDeviceTier:
         if not 0 <= self.index < cp.cuda.runtime.getDeviceCount():
             raise ValueError(f"no CUDA device {device!r} here ({cp.cuda.runtime.getDeviceCount()} GPUs)")
         self._device = cp.cuda.Device(self.index)
-        self.link = link
+        self.link = None
 
     def copy_in(self, x):
         import cupy as cp
