@@ -85,6 +85,7 @@ def trainer():
     try:
         spec = importlib.util.spec_from_file_location("train_indexer", TRAINING / "train_indexer.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules["train_indexer"] = module  # its dataclass looks its module up there
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(TRAINING))
@@ -110,6 +111,28 @@ def test_kl_objective_against_float64(trainer):
         logq = scores[t, a] - np.log(np.exp(scores[t, a]).sum())
         kls.append((p * (np.log(p) - logq)).sum())
     assert got == pytest.approx(np.mean(kls), rel=1e-5)
+
+
+def test_attention_entropy_against_float64(trainer):
+    import mlx.core as mx
+
+    rng = np.random.default_rng(2)
+    C, N = 5, 7
+    mass = rng.random((C, N))
+    allowed = rng.random((C, N)) < 0.6
+    allowed[:, 0] = True
+    allowed[4] = False  # a query that sees no compressed row yet: its 0/0 must not poison the gradient
+    queries = np.array([1, 0, 1, 1, 1], bool)
+    args = [mx.array(a) for a in (mass.astype(np.float32), allowed, queries)]
+    got = trainer.attention_entropy(*args).item()
+    hs = []
+    for t in np.nonzero(queries)[0]:
+        p = mass[t, allowed[t]] / mass[t, allowed[t]].sum()
+        hs.append(-(p * np.log(p)).sum() if allowed[t].any() else 0.0)
+    assert got == pytest.approx(np.sum(hs) / queries.sum(), rel=1e-5)
+    grad = np.array(mx.grad(lambda m: trainer.attention_entropy(m, *args[1:]))(args[0]))
+    assert np.isfinite(grad).all()
+    assert not grad[~allowed].any() and not grad[~queries].any()
 
 
 def test_comp_mass_against_float64(trainer):

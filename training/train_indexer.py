@@ -34,6 +34,7 @@ import csv
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -90,11 +91,25 @@ def attention_comp_mass(d: dict):
     return w[:, :, d["n_raw"]:].sum(axis=1)
 
 
+def normalised(mass, allowed):
+    """``mass`` over the ``allowed`` rows as a distribution per query (zeros where a query has none: a 0/0 there
+    would make NaN gradients)."""
+    mass = mx.where(allowed, mass, 0.0)
+    total = mass.sum(axis=-1, keepdims=True)
+    return mass / mx.where(total > 0, total, 1.0)
+
+
+def attention_entropy(mass, allowed, queries):
+    """Mean over ``queries`` of the entropy (nats) of the attention mass over the ``allowed`` compressed rows."""
+    p = normalised(mass, allowed)
+    h = -(p * mx.log(p + 1e-30)).sum(axis=-1)
+    return (h * queries).sum() / mx.maximum(queries.sum(), 1)
+
+
 def indexer_kl(mass, scores, allowed, queries):
     """Mean over ``queries`` (bool ``[C]``) of KL(p ‖ softmax(scores)) over the ``allowed`` rows, p the attention
     mass normalised over them (a target: no gradient)."""
-    mass = mx.stop_gradient(mx.where(allowed, mass, 0.0))
-    p = mass / mx.maximum(mass.sum(axis=-1, keepdims=True), 1e-30)
+    p = mx.stop_gradient(normalised(mass, allowed))
     logq = mx.where(allowed, scores, NEG_INF)
     logq = logq - mx.logsumexp(logq, axis=-1, keepdims=True)
     plogp = mx.where(p > 0, p * mx.log(mx.where(p > 0, p, 1.0)), 0.0)
@@ -102,20 +117,34 @@ def indexer_kl(mass, scores, allowed, queries):
     return (kl * queries).sum() / mx.maximum(queries.sum(), 1)
 
 
-class Objective:
-    """The model over trainable arrays, run for one window in either phase: ``__call__(indexer, main, ids, phase)``
-    returns ``(loss, (kl per layer, next-token loss, masses and scores))``."""
+@dataclass
+class Pass:
+    """What one window's forward pass gives the objectives, per indexed layer where a dict."""
+    kl: dict      # KL(attention ‖ indexer) over the rows the attention saw
+    entropy: dict  # entropy of the attention mass over those rows
+    parts: dict   # (attention mass [C, rows], indexer scores [C, rows])
+    lm: mx.array  # next-token loss (zero in the dense phase, which does not need it)
+    n_vis: np.ndarray  # visible compressed rows per query
 
-    def __init__(self, cfg, hashes, backend):
+
+class Objective:
+    """The model over trainable arrays, run for one window in a phase: ``__call__(indexer, main, ids, phase)``
+    returns ``(loss, Pass)``. Phases: "sharpen" (every row attended; next-token loss plus ``sharpen_weight``
+    times the attention's entropy over the compressed rows), "dense" (every row attended; the indexer's KL),
+    "joint" (the file's top-k; KL over the selected rows plus the next-token loss)."""
+
+    def __init__(self, cfg, hashes, backend, sharpen_weight: float = 0.0):
         self.cfg, self.hashes, self.backend = cfg, hashes, backend
+        self.sharpen_weight = sharpen_weight
         self.layers = indexed_layers(cfg)
         self.model = Transformer(cfg, ArrayWeights({}, hashes, mx, cfg.o_groups, cfg.o_lora), Ops(backend),
                                  numerics="exact")
         self.runtime = Runtime(self.model, backend, compile=False)
 
     def config_for(self, phase: str, n: int):
-        """Dense: a top-k one row below the state's capacity (the indexer scores every row, keeps them all)."""
-        if phase == "dense":
+        """Every row attended: a top-k one row below the state's capacity (the indexer scores every row, keeps
+        them all)."""
+        if phase in ("dense", "sharpen"):
             return replace(self.cfg, idx_topk=layer_comp_cap(self.cfg, self.layers[0], n + 1) - 1)
         return self.cfg
 
@@ -135,44 +164,50 @@ class Objective:
         X, _ = self.runtime.forward(ids[:-1], state, observer=observe)
         n_vis = visible_rows(np.arange(n), cfg.ratio(self.layers[0]))
         queries = mx.array(n_vis > self.cfg.idx_topk)
-        kls, parts = [], {}
+        got_pass = Pass({}, {}, {}, mx.array(0.0), n_vis)
         for il in self.layers:
             d = got[f"blk.{il}.attn.scores"]
             mass, scores = attention_comp_mass(d), got[f"blk.{il}.indexer.scores"]
-            kls.append(indexer_kl(mass, scores, d["visible"][:, d["n_raw"]:], queries))
-            parts[il] = (mass, scores)
-        kl = sum(kls) / len(kls)
-        lm = mx.array(0.0)
-        if phase == "joint":
+            allowed = d["visible"][:, d["n_raw"]:]
+            got_pass.kl[il] = indexer_kl(mass, scores, allowed, queries)
+            got_pass.entropy[il] = attention_entropy(mass, allowed, queries)
+            got_pass.parts[il] = (mass, scores)
+        if phase != "dense":
             logits = self.model.head(X)
             target = mx.array(ids[1:, None].astype(np.int32))
-            lm = (mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target, axis=-1)[:, 0]).mean()
-        return kl + lm, (kls, lm, parts, n_vis)
+            got_pass.lm = (mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target, axis=-1)[:, 0]).mean()
+        kl = sum(got_pass.kl.values()) / len(self.layers)
+        if phase == "sharpen":
+            entropy = sum(got_pass.entropy.values()) / len(self.layers)
+            return got_pass.lm + self.sharpen_weight * entropy, got_pass
+        return (kl if phase == "dense" else kl + got_pass.lm), got_pass
+
+
+def finite_step(row: dict, keys) -> bool:
+    """Whether a step's figures are finite: a non-finite step is dropped rather than written into the weights."""
+    return all(math.isfinite(row[k]) for k in keys)
 
 
 def val_row(objective, indexer, main, windows) -> dict:
-    """Validation KL, recall and oracle recall per layer (dense pass), and the next-token loss with the selection
-    on."""
-    row = {}
+    """Validation per layer from a pass with every row attended: KL, recall, oracle recall and the attention's
+    entropy over the compressed rows; the next-token loss with every row attended and with the selection on."""
     k = objective.cfg.idx_topk
-    kl = {il: [] for il in objective.layers}
-    rec = {il: [] for il in objective.layers}
-    oracle = {il: [] for il in objective.layers}  # the k heaviest rows: what any indexer can reach
-    lm = []
+    per_layer = {f"val_{what}_{il}": [] for what in ("kl", "recall", "oracle", "entropy") for il in objective.layers}
+    full, selected = [], []
     for w in windows:
-        _, (kls, _, parts, n_vis) = objective(indexer, main, w, "dense")
-        for il, v in zip(objective.layers, kls):
-            kl[il].append(v.item())
-            mass, scores = (np.array(a) for a in parts[il])
-            rec[il].append(top_k_recall(mass, scores, n_vis, k).mean())
-            oracle[il].append(top_k_recall(mass, mass, n_vis, k).mean())
-        _, (_, v, _, _) = objective(indexer, main, w, "joint")
-        lm.append(v.item())
-    for il in objective.layers:
-        row[f"val_kl_{il}"] = float(np.mean(kl[il]))
-        row[f"val_recall_{il}"] = float(np.mean(rec[il]))
-        row[f"val_oracle_{il}"] = float(np.mean(oracle[il]))
-    row["val_loss"] = float(np.mean(lm))
+        _, dense = objective(indexer, main, w, "sharpen")
+        for il in objective.layers:
+            mass, scores = (np.array(a) for a in dense.parts[il])
+            per_layer[f"val_kl_{il}"].append(dense.kl[il].item())
+            per_layer[f"val_entropy_{il}"].append(dense.entropy[il].item())
+            per_layer[f"val_recall_{il}"].append(top_k_recall(mass, scores, dense.n_vis, k).mean())
+            # the k heaviest rows: what any indexer can reach
+            per_layer[f"val_oracle_{il}"].append(top_k_recall(mass, mass, dense.n_vis, k).mean())
+        full.append(dense.lm.item())
+        selected.append(objective(indexer, main, w, "joint")[1].lm.item())
+    row = {key: float(np.mean(v)) for key, v in per_layer.items()}
+    row["val_loss"] = float(np.mean(selected))
+    row["val_loss_full"] = float(np.mean(full))
     return row
 
 
@@ -183,6 +218,10 @@ def main():
                     help="the model whose indexer trains: one with its seeded indexer (train_shakespeare.py's)")
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--sharpen-steps", type=int, default=0,
+                    help="steps of the model but its indexer on the next-token loss plus the attention's entropy")
+    ap.add_argument("--sharpen-weight", type=float, default=0.0, help="the entropy's weight in those steps")
+    ap.add_argument("--sharpen-lr", type=float, default=1e-4)
     ap.add_argument("--warmup-steps", type=int, default=800, help="dense warm-up steps (indexer only)")
     ap.add_argument("--warmup-lr", type=float, default=1e-3)
     ap.add_argument("--joint-steps", type=int, default=60, help="steps with the selection on")
@@ -213,7 +252,7 @@ def main():
           f"{len(indexer)} tensors, layers {indexed_layers(cfg)}", flush=True)
 
     backend = get_backend("mlx", kernels=False)  # autodiff through the plain ops
-    objective = Objective(cfg, hashes, backend)
+    objective = Objective(cfg, hashes, backend, args.sharpen_weight)
     # The validation windows lie past the held-out slice the figures score (its first 2000 predictions).
     val_starts = np.linspace(len(val_ids) // 2, len(val_ids) - args.seq - 2, args.eval_windows).astype(int)
     val_windows = [val_ids[s:s + args.seq + 1] for s in val_starts]
@@ -233,6 +272,31 @@ def main():
             print(json.dumps(row), flush=True)
 
     record({"phase": "start", "step": 0}, True)
+    # 0. sharpen: every row attended, the model but its indexer on the next-token loss plus the entropy of its
+    # attention over the compressed rows, so that a few rows carry most of it
+    skipped = 0
+    sched = optim.cosine_decay(args.sharpen_lr, max(1, args.sharpen_steps), args.sharpen_lr * 0.1)
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.1)
+
+    def sharpen(mp, w):  # the loss, with its next-token part and the mean entropy
+        loss, got = objective(indexer, mp, w, "sharpen")
+        return loss, (got.lm, sum(got.entropy.values()) / len(got.entropy))
+
+    grad_sharpen = mx.value_and_grad(sharpen)
+    for step in range(1, args.sharpen_steps + 1):
+        (value, (lm, entropy)), g = grad_sharpen(main_params, window())
+        g, norm = optim.clip_grad_norm(g, 1.0)
+        row = {"phase": "sharpen", "step": step, "train_loss": lm.item(), "entropy": entropy.item(),
+               "grad_norm_main": float(norm), "lr": float(sched(step))}
+        if finite_step(row, ("train_loss", "entropy", "grad_norm_main")):
+            opt.update(main_params, g)
+            mx.eval(main_params, opt.state)
+        else:
+            skipped += 1
+            row["skipped"] = skipped
+        record(row, step % args.eval_every == 0 or step == args.sharpen_steps)
+    first = args.sharpen_steps  # the steps before the indexer's
+
     # 1. dense warm-up: the indexer alone
     sched = optim.cosine_decay(args.warmup_lr, max(1, args.warmup_steps), args.warmup_lr * 0.1)
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
@@ -242,43 +306,48 @@ def main():
         g, norm = optim.clip_grad_norm(g, 1.0)
         opt.update(indexer, g)
         mx.eval(indexer, opt.state)
-        record({"phase": "dense", "step": step, "kl": value.item(), "grad_norm": float(norm),
+        record({"phase": "dense", "step": first + step, "kl": value.item(), "grad_norm": float(norm),
                 "lr": float(sched(step))}, step % args.eval_every == 0 or step == args.warmup_steps)
 
     # 2. joint: the selection on, the indexer on KL over what it selected, the rest on the next-token loss
     opt_ix = optim.AdamW(learning_rate=args.joint_indexer_lr, weight_decay=0.0)
     opt_main = optim.AdamW(learning_rate=args.joint_lr, weight_decay=0.1)
     def joint(ix, mp, w):  # the loss, and the next-token part of it
-        loss, (_, lm, _, _) = objective(ix, mp, w, "joint")
-        return loss, lm
+        loss, got = objective(ix, mp, w, "joint")
+        return loss, got.lm
 
     grad_joint = mx.value_and_grad(joint, argnums=(0, 1))
-    skipped = 0
     for step in range(1, args.joint_steps + 1):
         (value, lm), (g_ix, g_main) = grad_joint(indexer, main_params, window())
         g_ix, n_ix = optim.clip_grad_norm(g_ix, 1.0)
         g_main, n_main = optim.clip_grad_norm(g_main, 1.0)
-        row = {"phase": "joint", "step": args.warmup_steps + step, "kl": (value - lm).item(), "train_loss": lm.item(),
-               "grad_norm": float(n_ix), "grad_norm_main": float(n_main), "lr": args.joint_indexer_lr}
-        if not all(math.isfinite(row[k]) for k in ("kl", "train_loss", "grad_norm", "grad_norm_main")):
-            skipped += 1  # a non-finite step is dropped rather than written into the weights
-            row["skipped"] = skipped
-        else:
+        row = {"phase": "joint", "step": first + args.warmup_steps + step, "kl": (value - lm).item(),
+               "train_loss": lm.item(), "grad_norm": float(n_ix), "grad_norm_main": float(n_main),
+               "lr": args.joint_indexer_lr}
+        if finite_step(row, ("kl", "train_loss", "grad_norm", "grad_norm_main")):
             opt_ix.update(indexer, g_ix)
             if args.joint_lr > 0:
                 opt_main.update(main_params, g_main)
             mx.eval(indexer, main_params, opt_ix.state, opt_main.state)
+        else:
+            skipped += 1
+            row["skipped"] = skipped
         record(row, step % args.eval_every == 0 or step == args.joint_steps)
     train_seconds = time.time() - began
 
     weights = {k: np.array(v) for k, v in {**main_params, **indexer}.items()}
     for il, table in hashes.items():
         weights[f"blk.{il}.ffn_gate_tid2eid.weight"] = table
-    name = f"{meta['general.name'][0]}, indexer trained ({args.warmup_steps} dense + {args.joint_steps} joint steps)"
+    sharpened = (f"attention sharpened ({args.sharpen_steps} steps, entropy weight {args.sharpen_weight:g}), "
+                 if args.sharpen_steps else "")
+    name = (f"{meta['general.name'][0]}, {sharpened}indexer trained ({args.warmup_steps} dense + "
+            f"{args.joint_steps} joint steps)")
     gguf = write_model(cfg, args.out / "shakespeare.gguf", weights, name, tokens, merges)
 
     metrics = {
-        "seed": SEED, "seq": args.seq, "warmup_steps": args.warmup_steps, "warmup_lr": args.warmup_lr,
+        "seed": SEED, "seq": args.seq, "sharpen_steps": args.sharpen_steps, "sharpen_weight": args.sharpen_weight,
+        "sharpen_lr": args.sharpen_lr, "sharpen_schedule": "cosine decay to 10%",
+        "warmup_steps": args.warmup_steps, "warmup_lr": args.warmup_lr,
         "warmup_schedule": "cosine decay to 10%", "joint_steps": args.joint_steps, "joint_lr": args.joint_lr,
         "joint_indexer_lr": args.joint_indexer_lr, "optimizer": "AdamW (indexer: no weight decay; rest: 0.1), "
         "grad clip 1.0 per group", "indexer_weights": int(n_indexer), "skipped_steps": skipped,
