@@ -87,12 +87,19 @@ def dense_indexer_pass(model, ids) -> tuple[dict[int, tuple[np.ndarray, np.ndarr
     return out, visible_rows(np.arange(T), model.config.ratio(layers[0]))
 
 
+def top_k_rows(scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
+    """The rows the indexer keeps, a mask like ``scores [T, rows]``: each query's ``k`` visible rows of highest
+    score (all of them where it sees ``k`` or fewer), ties to the lower row, as the indexer breaks them."""
+    visible = np.arange(scores.shape[1])[None, :] < np.asarray(n_visible)[:, None]
+    return topk_mask(np, np.where(visible, scores, -np.inf), k) & visible
+
+
 def top_k_recall(mass: np.ndarray, scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
     """For each query that sees more than ``k`` rows: the share of its mass over its visible rows that falls on
     the ``k`` visible rows of highest score (ties to the lower row, as the indexer breaks them)."""
     visible = np.arange(mass.shape[1])[None, :] < n_visible[:, None]
     keep = n_visible > k
-    chosen = topk_mask(np, np.where(visible, scores, -np.inf), k) & visible
+    chosen = top_k_rows(scores, n_visible, k)
     m = np.where(visible, mass, 0.0)
     return (m * chosen).sum(axis=-1)[keep] / m.sum(axis=-1)[keep]
 

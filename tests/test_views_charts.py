@@ -65,23 +65,37 @@ def alt():
     return pytest.importorskip("altair")
 
 
+def prompt_ids(model) -> list[int]:
+    return ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
+
+
+@pytest.fixture(scope="module")
+def dense(prefilled):
+    """A dense indexer pass over the same 80 tokens: queries from position 67 see more rows than the top-16."""
+    from ds4lab.evaluate import dense_indexer_pass
+
+    model = prefilled[0]
+    return dense_indexer_pass(model, prompt_ids(model))
+
+
 @pytest.fixture(scope="module")
 def prefilled(model_paths):
     """The nano model and a session that prefilled 80 tokens in chunks of 32, with layer 2's indexer choices."""
     model = ds4lab.load(model_paths["nano"], backend="numpy")
     sess = model.session(ctx=256, prefill_chunk=32)
-    ids = ((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()
+    ids = prompt_ids(model)
     with sess.capture(["indexer.topk"], layers=[2]) as cap:
         chunks = sess.prefill(ids).run(progress=False)
     return model, sess, chunks, cap
 
 
 @pytest.fixture(scope="module")
-def charts(prefilled):
+def charts(prefilled, dense):
     from ds4lab.viz.charts import (
         batch_copies_chart,
         expert_load_chart,
         indexer_choices_chart,
+        indexer_mass_chart,
         kv_bytes_chart,
         kv_cache_chart,
         prefill_chunks_chart,
@@ -97,6 +111,7 @@ def charts(prefilled):
         "expert_load_chart": expert_load_chart({0: np.arange(8), 1: np.ones(8, int)}, hash_layers=[0]),
         "kv_cache_chart": kv_cache_chart(ds4lab.FLASH),
         "indexer_choices_chart": indexer_choices_chart(cap, layer=2, every=4, start=16),
+        "indexer_mass_chart": indexer_mass_chart(*dense, layer=2, query=79, k=16),
         "batch_copies_chart": batch_copies_chart([dict(chunk=16, switches=5, bytes=4096, seconds=0.01),
                                                   dict(chunk=64, switches=2, bytes=4096, seconds=0.004)]),
         "hconcat": kv_bytes_chart(sess, chunks) | speed,
@@ -105,6 +120,7 @@ def charts(prefilled):
 
 
 CHARTS = ["prefill_chunks_chart", "kv_bytes_chart", "expert_load_chart", "kv_cache_chart", "indexer_choices_chart",
+          "indexer_mass_chart",
           "batch_copies_chart", "prefill_cost_chart", "hconcat", "vconcat"]
 
 
@@ -227,6 +243,29 @@ def test_indexer_choices_chart(prefilled, charts):
         assert [c["kept"] == "kept" for c in row] == [bool(topk[pos.index(q), c["r"]]) for c in row]
     with pytest.raises(ValueError, match="no query"):
         indexer_choices_chart(cap, layer=2, every=4, start=10_000)
+
+
+def test_indexer_mass_chart(dense, charts):
+    """A bar per row query 79 sees (20): its share of the query's attention over the rows, summed over the heads,
+    kept where the indexer's 16 highest scores are (a stable sort of the negated scores, ties to the lower row),
+    and the title's recall the kept bars' sum."""
+    from ds4lab.viz.charts import indexer_mass_chart
+
+    layers, n_visible = dense
+    mass, scores = layers[2]
+    spec = charts["indexer_mass_chart"].to_dict()
+    bars = spec["data"]["values"]
+    n = int(n_visible[79])
+    assert n == 20 and [b["r"] for b in bars] == list(range(n))
+    np.testing.assert_allclose([b["share"] for b in bars], mass[79, :n] / mass[79, :n].sum(), rtol=1e-12)
+    top = set(np.argsort(-scores[79, :n], kind="stable")[:16].tolist())
+    assert [b["kept"] == "kept" for b in bars] == [r in top for r in range(n)]
+    recall = sum(b["share"] for b in bars if b["kept"] == "kept")
+    assert f"holds {recall:.0%} of the attention over 20 rows" in spec["title"]
+    for bad, match in ((dict(layer=3, query=79), "no indexer"), (dict(layer=2, query=80), "outside"),
+                       (dict(layer=2, query=60), "keeps them all")):
+        with pytest.raises(ValueError, match=match):
+            indexer_mass_chart(layers, n_visible, k=16, **bad)
 
 
 def test_expert_ticks_sit_in_the_middle_of_their_cells():

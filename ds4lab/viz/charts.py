@@ -207,6 +207,39 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
     return Chart(dict(spec, title=title, width=420, height=200))
 
 
+def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
+    """For one query of a dense indexer pass (:func:`ds4lab.evaluate.dense_indexer_pass`: ``layers`` and
+    ``n_visible``), a bar per compressed row it sees: the share of its attention over those rows that the row
+    receives (summed over the heads), blue where the indexer's top-``k`` keeps the row, salmon where it drops it.
+    The title gives the share the kept rows hold: the query's recall."""
+    from ..evaluate import top_k_recall, top_k_rows
+
+    if layer not in layers:
+        raise ValueError(f"layer {layer} has no indexer; these do: {sorted(layers)}")
+    mass, scores = layers[layer]
+    if not 0 <= query < len(n_visible):
+        raise ValueError(f"query {query} is outside the pass's {len(n_visible)} positions")
+    n = int(n_visible[query])
+    if n <= k:
+        raise ValueError(f"query {query} sees {n} compressed rows, not more than the top-{k}: the indexer keeps "
+                         "them all")
+    share = mass[query, :n] / mass[query, :n].sum()
+    one = slice(query, query + 1)
+    kept = top_k_rows(scores[one], n_visible[one], k)[0]
+    recall = top_k_recall(mass[one], scores[one], n_visible[one], k)[0]
+    rows = [dict(r=r, share=float(share[r]), kept="kept" if kept[r] else "dropped") for r in range(n)]
+    spec = unit(
+        rows, "bar",
+        x=field("r:O", title="compressed row",
+                axis={"values": list(range(0, n, _label_step(n, 10))), "labelAngle": 0}),
+        y=field("share:Q", title="share of the attention", axis={"format": ".0%"}),
+        color=field("kept:N", title=None, scale={"domain": ["kept", "dropped"], "range": ["#3182bd", "#fcbba1"]}),
+        tooltip=tooltip("r:Q", {"field": "share", "type": "quantitative", "format": ".1%"}, "kept:N"),
+    )
+    title = f"layer {layer}, query {query}: the top-{k} holds {recall:.0%} of the attention over {n} rows"
+    return Chart(dict(spec, title=title, width=420, height=160))
+
+
 def expert_load_rows(counts: dict, hash_layers=(), max_rows: int = MAX_ROWS) -> list[dict]:
     """One row per layer and expert, or per layer and run of ``group`` consecutive experts (their counts
     summed) when layers × experts would exceed ``max_rows``."""
