@@ -113,8 +113,21 @@ def indexer_recall(model, ids) -> dict[int, dict]:
     return {il: {"indexer": float(top_k_recall(mass, scores, n_visible, k).mean()),
                  "random": float((k / n_visible[many]).mean()),
                  "oracle": float(top_k_recall(mass, mass, n_visible, k).mean()),
-                 "queries": int(many.sum()), "top_k": k}
+                 "queries": int(many.sum()), "top_k": k, **attention_shape(mass[many], n_visible[many])}
             for il, (mass, scores) in layers.items()}
+
+
+def attention_shape(mass: np.ndarray, n_visible: np.ndarray) -> dict:
+    """How concentrated the attention over the compressed rows is: the mean entropy (nats) of each query's mass
+    over its visible rows, against that of an even spread over them (the mean of log n), and how many rows back
+    from the newest visible one the heaviest sits (10th, 50th and 90th percentiles over the queries)."""
+    visible = np.arange(mass.shape[1])[None, :] < n_visible[:, None]
+    m = np.where(visible, mass, 0.0)
+    p = m / m.sum(axis=-1, keepdims=True)
+    entropy = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(axis=-1)
+    back = n_visible - 1 - p.argmax(axis=-1)
+    return {"entropy": float(entropy.mean()), "even_entropy": float(np.log(n_visible).mean()),
+            "heaviest_back": [float(v) for v in np.percentile(back, [10, 50, 90])]}
 
 
 def indexer_figures(model, ids) -> dict:
@@ -140,6 +153,10 @@ def format_figures(fig: dict) -> str:
     lines = [f"{'layer':>5}  {'indexer':>8}  {'random':>8}  {'oracle':>8}  queries (recall of the top {k})"]
     for il, r in fig["recall"].items():
         lines.append(f"{il:>5}  {r['indexer']:>8.3f}  {r['random']:>8.3f}  {r['oracle']:>8.3f}  {r['queries']}")
+    for il, r in fig["recall"].items():
+        lo, mid, hi = r["heaviest_back"]
+        lines.append(f"layer {il}: attention entropy {r['entropy']:.2f} nats (an even spread: "
+                     f"{r['even_entropy']:.2f}); its heaviest row {mid:.0f} rows back (10%: {lo:.0f}, 90%: {hi:.0f})")
     lines.append(f"held-out perplexity ({fig['predictions']} predictions, numerics {fig['numerics']}): "
                  f"{fig['ppl']['selected']:.2f} with the indexer's selection, {fig['ppl']['full']:.2f} with full "
                  f"attention over every compressed row")

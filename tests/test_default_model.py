@@ -30,20 +30,19 @@ def test_held_out_perplexity_matches_the_model_card(numerics):
     assert ppl < RECORD["unigram_val_ppl"] / 5  # far better than the unigram baseline
 
 
-def test_the_indexer_is_the_trained_one():
-    """The shipped indexer follows the attention: over 512 held-out tokens its top-32 holds at least 90% of what
-    the 32 heaviest compressed rows hold, and clearly more than a random top-32 (the seeded indexer's figure)."""
-    from ds4lab.evaluate import dense_indexer_pass, top_k_recall
+def test_the_indexer_follows_the_attention():
+    """The shipped indexer's top-32 holds at least 80% of the attention over the compressed rows in every ratio-4
+    layer (the issue's bar; a random top-32 holds about 19%) and at least 90% of what the 32 heaviest rows hold,
+    over the model card's held-out slice, with the figures the card records (shakespeare.json)."""
+    from ds4lab.evaluate import held_out_ids, indexer_recall
 
-    _, held_out = held_out_split(DATA.read_text(encoding="utf-8"))
     model = ds4lab.load(backend="numpy")
     assert "indexer trained" in model.file.metadata["general.name"][0]
-    layers, n_visible = dense_indexer_pass(model, model.tokenizer.encode(held_out)[:512])
-    k = model.config.idx_topk
-    random = (k / n_visible[n_visible > k]).mean()  # the queries the recall averages over see more than k rows
-    for il, (mass, scores) in layers.items():
-        recall, oracle = top_k_recall(mass, scores, n_visible, k).mean(), top_k_recall(mass, mass, n_visible, k).mean()
-        assert recall >= 0.9 * oracle and recall >= random + 0.1, (il, recall, oracle, random)
+    figures = indexer_recall(model, held_out_ids(model)[:-1])
+    assert sorted(figures) == [2, 4]
+    for il, r in figures.items():
+        assert r["indexer"] == pytest.approx(RECORD["indexer_recall"][str(il)], rel=1e-9)  # float64 throughout
+        assert r["indexer"] >= 0.8 and r["indexer"] >= 0.9 * r["oracle"] and r["random"] < 0.2, (il, r)
 
 
 def test_next_token_loss_by_hand():

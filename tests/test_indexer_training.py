@@ -25,6 +25,18 @@ def test_top_k_recall_by_hand():
     np.testing.assert_allclose(got, [(0.1 + 0.3) / 1.0, (0.2 + 0.2) / 1.0], rtol=0, atol=1e-15)
 
 
+def test_attention_shape_by_hand():
+    from ds4lab.evaluate import attention_shape
+
+    mass = np.array([[1.0, 1.0, 1.0, 1.0, 5.0],   # sees 4 rows, evenly: log 4 nats; the first of the ties is
+                     [0.0, 3.0, 1.0, 0.0, 0.0]])  # the heaviest, 3 back; sees 3: 0.75 / 0.25, 1 back of row 2
+    got = attention_shape(mass, np.array([4, 3]))
+    h2 = -(0.75 * np.log(0.75) + 0.25 * np.log(0.25))
+    assert got["entropy"] == pytest.approx((np.log(4) + h2) / 2, rel=1e-12)
+    assert got["even_entropy"] == pytest.approx((np.log(4) + np.log(3)) / 2, rel=1e-12)
+    assert got["heaviest_back"] == pytest.approx([1.2, 2.0, 2.8], rel=1e-12)  # numpy's linear percentiles of 3, 1
+
+
 @pytest.fixture(scope="module")
 def model():
     return ds4lab.load(backend="numpy", numerics="exact")

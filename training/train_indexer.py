@@ -1,12 +1,18 @@
 """Train the embedded model's indexer (issue 30), as DeepSeek V3.2's sparse-attention recipe trains its
 lightning indexer: a KL objective between the indexer's score distribution over the compressed rows and the
-main attention's distribution over the same rows (its weights summed over the heads, then normalised).
+main attention's distribution over the same rows (its weights summed over the heads, then normalised); before
+it, a short phase that concentrates that attention, without which no top-k could hold most of it.
 
     git show c79c475:ds4lab/assets/shakespeare.gguf > seeded.gguf   # the embedded model before this training
-    python training/train_indexer.py --model seeded.gguf --out /tmp/idx    # on the GPU: MLX with mlx[cuda]
-    python training/train_indexer.py --model seeded.gguf --out /tmp/smoke --seq 256 --warmup-steps 3 \
-        --joint-steps 2 --no-figures
+    python training/train_indexer.py --model seeded.gguf --out /tmp/idx    # the shipped run's defaults (a CPU)
+    python training/train_indexer.py --model seeded.gguf --out /tmp/smoke --seq 256 --sharpen-steps 2 \
+        --warmup-steps 3 --joint-steps 2 --no-figures
 
+0. Sharpen: every query attends all its visible compressed rows; the model but its indexer trains on the
+   next-token loss plus ``--sharpen-weight`` times the entropy of each query's attention over its compressed
+   rows (summed over the heads, normalised). The model trained by train_shakespeare.py spreads that attention
+   nearly evenly (its 32 heaviest rows hold about a third of it over 2000 tokens), so a top-32 could follow
+   it only that far; a few steps of this concentrate it on a few rows per query.
 1. Dense warm-up: every query attends all its visible compressed rows; the indexer scores them all (its top-k
    is set one row above what the state holds, so it selects nothing away). Only the indexer's weights train —
    ``indexer.attn_q_b``, ``indexer.proj`` and its own compressor (``indexer_compressor_*``), whose rows only
@@ -21,10 +27,8 @@ Seeded (``SEED`` of train_shakespeare.py); the same 90/10 split of tinyshakespea
 ``numerics="exact"``. Outputs in ``--out``: ``shakespeare.gguf``, ``train_log.csv``, ``metrics.json`` (with the
 figures of ``python -m ds4lab.evaluate indexer`` for the model before and after, unless ``--no-figures``).
 
-The defaults are the run logged in ``training/logs/indexer_*`` (the rest of the model frozen in the joint
-phase); its "shipped" run made the embedded model's indexer (``ds4lab/assets/shakespeare.gguf``). Its recall
-stops near the oracle's (the 32 heaviest rows'), which the embedded model's spread-out attention holds to about
-a third: see ``ds4lab/assets/MODEL_CARD.md``, "The indexer".
+The defaults are the run logged in ``training/logs/indexer_*``, which made the embedded model
+(``ds4lab/assets/shakespeare.gguf``): see its ``MODEL_CARD.md``, "The indexer".
 """
 
 from __future__ import annotations
@@ -217,18 +221,18 @@ def main():
     ap.add_argument("--model", type=Path, required=True,
                     help="the model whose indexer trains: one with its seeded indexer (train_shakespeare.py's)")
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--sharpen-steps", type=int, default=0,
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--sharpen-steps", type=int, default=30,
                     help="steps of the model but its indexer on the next-token loss plus the attention's entropy")
-    ap.add_argument("--sharpen-weight", type=float, default=0.0, help="the entropy's weight in those steps")
-    ap.add_argument("--sharpen-lr", type=float, default=1e-4)
-    ap.add_argument("--warmup-steps", type=int, default=800, help="dense warm-up steps (indexer only)")
+    ap.add_argument("--sharpen-weight", type=float, default=0.3, help="the entropy's weight in those steps")
+    ap.add_argument("--sharpen-lr", type=float, default=3e-4)
+    ap.add_argument("--warmup-steps", type=int, default=200, help="dense warm-up steps (indexer only)")
     ap.add_argument("--warmup-lr", type=float, default=1e-3)
-    ap.add_argument("--joint-steps", type=int, default=60, help="steps with the selection on")
+    ap.add_argument("--joint-steps", type=int, default=30, help="steps with the selection on")
     ap.add_argument("--joint-lr", type=float, default=0.0, help="the rest of the model's learning rate (0: frozen)")
     ap.add_argument("--joint-indexer-lr", type=float, default=2e-4)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-windows", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=30)
+    ap.add_argument("--eval-windows", type=int, default=1)
     ap.add_argument("--no-figures", action="store_true", help="skip the held-out figures of the models (slow on CPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
