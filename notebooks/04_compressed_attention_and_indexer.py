@@ -205,10 +205,10 @@ indexer_choices_chart(cap, layer=2, every=8, start=128)  # every 8th query from 
 # random top-32 of n rows holds 32/n on average; the 32 heaviest rows (the oracle) are the best any indexer
 # can do. The language-model loss sends the indexer no gradient (its choice is discrete), so DeepSeek trains it
 # with a loss of its own: the KL divergence from this summed attention to the indexer's softmax. This model's
-# indexer was trained that way (`training/train_indexer.py`; the model card's section "The indexer"): below, its
-# top 32 hold nearly what the oracle's do, above random. Over 2000 tokens, where a query sees hundreds of rows,
-# even the oracle's 32 hold only about a third of the weight: this small model's attention over compressed rows
-# is spread out.
+# indexer was trained that way (`training/train_indexer.py`; the model card's section "The indexer"), after a
+# few steps that taught the model to put its attention over compressed rows on a few of them (before those, it
+# spread it almost evenly, and even the 32 heaviest rows held only a third). Below: the indexer's top 32 hold
+# most of the weight, close to the oracle, far above random.
 
 # %% tags=["nbval-check-output"]
 from ds4lab.evaluate import dense_indexer_pass, top_k_recall
@@ -220,6 +220,17 @@ for il, (mass, idx_scores) in layers.items():
     print(f"layer {il}: the indexer's top-{k} holds {top_k_recall(mass, idx_scores, n_visible, k).mean():.0%} of the "
           f"attention over compressed rows; a random top-{k} {(k / n_visible[late]).mean():.0%}, the {k} heaviest "
           f"rows {top_k_recall(mass, mass, n_visible, k).mean():.0%} ({late.sum()} queries)")
+
+# %% [markdown]
+# One query, the prompt's last token, in both ratio-4 layers: a bar per compressed row it sees, its share of the
+# attention over them; blue where the indexer keeps the row. The tall bars are blue.
+
+# %%
+from ds4lab.viz.charts import indexer_mass_chart
+
+last = len(ids) - 1
+indexer_mass_chart(layers, n_visible, layer=2, query=last, k=k) & indexer_mass_chart(layers, n_visible, layer=4,
+                                                                                      query=last, k=k)
 
 # %% [markdown]
 # The chart builders of `ds4lab.viz.charts` reduce a prefill to one row per chunk and layer kind: here the
