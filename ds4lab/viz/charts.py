@@ -211,7 +211,9 @@ def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
     """For one query of a dense indexer pass (:func:`ds4lab.evaluate.dense_indexer_pass`: ``layers`` and
     ``n_visible``), a bar per compressed row it sees: the share of its attention over those rows that the row
     receives (summed over the heads), blue where the indexer's top-``k`` keeps the row, salmon where it drops it.
-    The title gives the share the kept rows hold: the query's recall."""
+    The title gives the share the kept rows hold: the query's recall. The kept rows are the dense pass's top-k:
+    the running model's choice in the first indexed layer; in later ones, whose inputs the dense pass's earlier
+    layers changed by attending every row, a query's choice can differ by a few rows."""
     from ..evaluate import top_k_recall, top_k_rows
 
     if layer not in layers:
@@ -223,6 +225,8 @@ def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
     if n <= k:
         raise ValueError(f"query {query} sees {n} compressed rows, not more than the top-{k}: the indexer keeps "
                          "them all")
+    if n > MAX_ROWS:
+        raise ValueError(f"query {query} sees {n} compressed rows, more bars than a chart draws well ({MAX_ROWS})")
     share = mass[query, :n] / mass[query, :n].sum()
     one = slice(query, query + 1)
     kept = top_k_rows(scores[one], n_visible[one], k)[0]
