@@ -12,6 +12,7 @@ import numpy as np
 from .vegalite import Chart, field, tooltip, unit
 
 MAX_ROWS = 4000  # rows a chart's data may hold
+KEPT_COLORS = {"domain": ["kept", "dropped"], "range": ["#3182bd", "#fcbba1"]}  # the indexer's rows, kept or not
 
 
 def _label_step(n: int, most: int) -> int:
@@ -200,7 +201,7 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
         x=field("r:O", title=f"compressed row ({ratio} tokens each)",
                 axis={"values": list(range(0, n_rows, every_row)), "labelAngle": 0}),
         y=field("q:O", title="query position", axis={"values": [p for _, p in queries][:: max(1, len(queries) // 6)]}),
-        color=field("kept:N", title=None, scale={"domain": ["kept", "dropped"], "range": ["#3182bd", "#fcbba1"]}),
+        color=field("kept:N", title=None, scale=KEPT_COLORS),
         tooltip=tooltip("q:Q", "r:Q", "kept:N"),
     )
     title = f"layer {layer}'s indexer: top-{capture.cfg.idx_topk} of the visible rows"
@@ -214,7 +215,7 @@ def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
     The title gives the share the kept rows hold: the query's recall. The kept rows are the dense pass's top-k:
     the running model's choice in the first indexed layer; in later ones, whose inputs the dense pass's earlier
     layers changed by attending every row, a query's choice can differ by a few rows."""
-    from ..evaluate import top_k_recall, top_k_rows
+    from ..evaluate import top_k_rows
 
     if layer not in layers:
         raise ValueError(f"layer {layer} has no indexer; these do: {sorted(layers)}")
@@ -228,16 +229,15 @@ def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
     if n > MAX_ROWS:
         raise ValueError(f"query {query} sees {n} compressed rows, more bars than a chart draws well ({MAX_ROWS})")
     share = mass[query, :n] / mass[query, :n].sum()
-    one = slice(query, query + 1)
-    kept = top_k_rows(scores[one], n_visible[one], k)[0]
-    recall = top_k_recall(mass[one], scores[one], n_visible[one], k)[0]
+    kept = top_k_rows(scores[query:query + 1], n_visible[query:query + 1], k)[0, :n]
+    recall = share[kept].sum()  # the query's top_k_recall
     rows = [dict(r=r, share=float(share[r]), kept="kept" if kept[r] else "dropped") for r in range(n)]
     spec = unit(
         rows, "bar",
         x=field("r:O", title="compressed row",
                 axis={"values": list(range(0, n, _label_step(n, 10))), "labelAngle": 0}),
         y=field("share:Q", title="share of the attention", axis={"format": ".0%"}),
-        color=field("kept:N", title=None, scale={"domain": ["kept", "dropped"], "range": ["#3182bd", "#fcbba1"]}),
+        color=field("kept:N", title=None, scale=KEPT_COLORS),
         tooltip=tooltip("r:Q", {"field": "share", "type": "quantitative", "format": ".1%"}, "kept:N"),
     )
     title = f"layer {layer}, query {query}: the top-{k} holds {recall:.0%} of the attention over {n} rows"
