@@ -8,7 +8,8 @@ as the model builds them. Times are medians after a warm-up, the device synchron
 GFLOP/s count the useful work (4·D flops per visible (query, key) pair and head), bytes the least a
 pass must move (q, keys, mask, out) and the plain path's score tensor.
 
-    python benchmarks/attend_chunk_bench.py                        # CuPy on a GPU, Flash shapes
+    python benchmarks/attend_chunk_bench.py                        # CuPy on a GPU, Flash shapes, each form
+    python benchmarks/attend_chunk_bench.py --operands f16         # attend_chunk_f16 only
     python benchmarks/attend_chunk_bench.py --backend mlx          # MLX's GPU back-end (CUDA or Metal)
     python benchmarks/attend_chunk_bench.py --config tiny          # the CPU emulator, in seconds
     python benchmarks/attend_chunk_bench.py --json out.json
@@ -78,24 +79,28 @@ def timed(fn, sync, repeat: int) -> tuple[float, object]:
     return statistics.median(times) * 1e3, out
 
 
-def run_case(kernels, to_dev, to_host, sync, xp, C, H, D, n_raw, n_comp, ratio, window, repeat) -> dict:
+def run_case(kernels, to_dev, to_host, sync, xp, C, H, D, n_raw, n_comp, ratio, window, repeat,
+             operands=("float32",)) -> dict:
     rng = np.random.default_rng(0)
     q = to_dev(rng.standard_normal((C, H, D)).astype(np.float32))
     keys = to_dev(rng.standard_normal((n_raw + n_comp, D)).astype(np.float32))
     sinks = to_dev(rng.standard_normal(H).astype(np.float32))
     mask = prefill_mask(C, n_raw, n_comp, ratio, window)
     visible, scale, N = to_dev(mask), D ** -0.5, n_raw + n_comp
-    kernel_ms, got = timed(lambda: kernels.attend_chunk(q, keys, visible, sinks, scale), sync, repeat)
     plain_ms, want = timed(lambda: attend(xp, q, keys, visible, sinks, scale), sync, repeat)
-    got, want = to_host(got), to_host(want)
+    want = to_host(want)
     flops = 4.0 * H * D * float(mask.sum())
+    kernel = {}
+    for ops in operands:  # the kernel's forms: attend_chunk, _tf32, _f16
+        kernels.chunk_operands = ops
+        ms, got = timed(lambda: kernels.attend_chunk(q, keys, visible, sinks, scale), sync, repeat)
+        kernel[ops] = dict(ms=round(ms, 3), gflops=round(flops / ms / 1e6, 1),
+                           plain_over_kernel=round(plain_ms / ms, 3),
+                           max_rel_diff=float(np.abs(to_host(got) - want).max() / np.abs(want).max()))
     io_bytes = 4 * (2 * C * H * D + N * D) + C * N
     return dict(C=C, H=H, D=D, n_keys=N, n_raw=n_raw, n_comp=n_comp, visible_fraction=round(float(mask.mean()), 4),
-                kernel_ms=round(kernel_ms, 3), plain_ms=round(plain_ms, 3),
-                kernel_gflops=round(flops / kernel_ms / 1e6, 1), plain_gflops=round(flops / plain_ms / 1e6, 1),
-                io_bytes=io_bytes, plain_scores_bytes=4 * C * H * N,
-                plain_over_kernel=round(plain_ms / kernel_ms, 3),
-                max_rel_diff=float(np.abs(got - want).max() / np.abs(want).max()))
+                kernel=kernel, plain_ms=round(plain_ms, 3), plain_gflops=round(flops / plain_ms / 1e6, 1),
+                io_bytes=io_bytes, plain_scores_bytes=4 * C * H * N)
 
 
 def main():
@@ -105,6 +110,8 @@ def main():
     ap.add_argument("--config", choices=tuple(CONFIGS), default="flash")
     ap.add_argument("--raw", type=int, default=None, help="raw ring slots (default: the window)")
     ap.add_argument("--repeat", type=int, default=None, help="timed calls after the warm-up (default: the config's)")
+    ap.add_argument("--operands", nargs="+", choices=("float32", "tf32", "f16"), default=("float32", "tf32", "f16"),
+                    help="the kernel's forms timed (prefill_matmul's settings)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     cfg = CONFIGS[args.config]
@@ -114,12 +121,14 @@ def main():
     results = []
     for n_comp in cfg["comp"]:
         r = run_case(kernels, to_dev, to_host, sync, xp, cfg["C"], cfg["H"], cfg["D"], n_raw, n_comp, cfg["ratio"],
-                     cfg["window"], args.repeat or cfg["repeat"])
+                     cfg["window"], args.repeat or cfg["repeat"], args.operands)
         results.append(r)
         print(f"C={r['C']} H={r['H']} D={r['D']} keys={n_raw}+{n_comp} (visible {r['visible_fraction']:.0%}): "
-              f"kernel {r['kernel_ms']:.2f} ms ({r['kernel_gflops']:.0f} GFLOP/s), plain {r['plain_ms']:.2f} ms "
-              f"({r['plain_gflops']:.0f} GFLOP/s, scores {r['plain_scores_bytes'] / 2**30:.2f} GiB); "
-              f"plain/kernel {r['plain_over_kernel']:.2f}; max rel diff {r['max_rel_diff']:.1e}")
+              f"plain {r['plain_ms']:.2f} ms ({r['plain_gflops']:.0f} GFLOP/s, scores "
+              f"{r['plain_scores_bytes'] / 2**30:.2f} GiB)")
+        for ops, k in r["kernel"].items():
+            print(f"    kernel {ops:8s} {k['ms']:8.2f} ms ({k['gflops']:.0f} GFLOP/s), plain/kernel "
+                  f"{k['plain_over_kernel']:.2f}, max rel diff {k['max_rel_diff']:.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(backend=name, config=args.config, results=results), f, indent=1)

@@ -9,7 +9,7 @@ the output head, and one 2048-token prefill chunk at context ``--prefill-at``, t
 time against its wall time (``--host N``: and the top N host functions of the chunk, from cProfile).
 
     python benchmarks/kernel_profile.py --context 4096 --json profile.json
-    python benchmarks/kernel_profile.py --prefill-only --prefill-at 6144 --host 25 --tf32
+    python benchmarks/kernel_profile.py --prefill-only --prefill-at 6144 --host 25 --prefill-matmul f16
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--config", default="flash", choices=("flash", "nano"))
-    p.add_argument("--tf32", action="store_true", help="prefill_matmul='tf32' (chunk products on TF32 operands)")
+    p.add_argument("--prefill-matmul", default="float32", choices=("float32", "tf32", "f16"),
+                   help="the chunk products' operands (the library's default on CuPy is f16)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunk only")
     p.add_argument("--prefill-at", type=int, default=CHUNK, help="context of the profiled chunk (a multiple of 2048)")
     p.add_argument("--host", type=int, default=0, metavar="N",
@@ -86,7 +87,7 @@ def main(argv=None):
 
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
-    rt = build(cfg, "cupy", True, tensors, "tf32" if args.tf32 else "float32")
+    rt = build(cfg, "cupy", True, tensors, args.prefill_matmul)
     sync = syncer(rt.backend)
     stream = cp.cuda.get_current_stream()
     out = {"context": args.context, "graphs": []}

@@ -134,6 +134,10 @@ def test_dequant_kernel_matches_the_reference_decoder(gpu, qtype, rows, ne0):
     want = dequantize(raw, qtype, ne0)
     # Same operations in the same order; only a fused multiply-add may round differently (≤ 1 ulp).
     np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-9)
+    # dequant_<type>_f16 (a half-operand chunk's weights): the same values rounded to half, to nearest even
+    halves = to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows, half=True))
+    assert halves.dtype == np.float16
+    np.testing.assert_array_equal(halves, got.astype(np.float16))
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
@@ -524,14 +528,17 @@ def test_attend_chunk_matches_float64(gpu, T, H, D, N, kind):
     assert err.max() <= 2e-5, err.max()
 
 
-@pytest.mark.parametrize("T,H,D,N,kind", [(7, 17, 32, 45, "band+rows"), (40, 64, 512, 1200, "band+rows")])
-def test_attend_chunk_tf32_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind):
-    """attend_chunk_tf32 (what chunk_operands "tf32" and "f16" both run): scores and weighted sums on TF32
-    operands, within 3e-3 of each row's largest value of float64's, and farther than the float32 kernel's 1e-5:
-    the rounding is seen."""
+@pytest.mark.parametrize("operands", ["tf32", "f16"])
+@pytest.mark.parametrize("T,H,D,N,kind", [(7, 17, 32, 45, "band+rows"), (5, 3, 50, 37, "random"),
+                                          (40, 64, 512, 1200, "band+rows")])
+def test_attend_chunk_reduced_stays_near_float64(gpu, monkeypatch, T, H, D, N, kind, operands):
+    """attend_chunk_tf32 / _f16 (chunk_operands "tf32" / "f16"): scores and weighted sums on operands rounded to
+    TF32 (q and keys) or half (q, keys and p; 16 keys a tile, so tiles of 1-16 keys and several tiles occur),
+    within 3e-3 of each row's largest value of float64's, and farther than the float32 kernel's 1e-5: the
+    rounding is seen."""
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, T * H * N)
-    monkeypatch.setattr(kernels, "chunk_operands", "tf32")
+    monkeypatch.setattr(kernels, "chunk_operands", operands)
     rng = np.random.default_rng(T * N)
     q, keys = rng.standard_normal((T, H, D)).astype(np.float32), rng.standard_normal((N, D)).astype(np.float32)
     sinks = (2 * rng.standard_normal(H)).astype(np.float32)

@@ -116,7 +116,7 @@ template <class T, int C, int R>
 void simdgroup_multiply_accumulate(simdgroup_matrix<T, C, R>&, simdgroup_matrix<T, C, R>, simdgroup_matrix<T, C, R>,
                                    simdgroup_matrix<T, C, R>) {}
 """
-_METAL_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
+_METAL_TYPES = {"float32": "float", "float16": "half", "uint8": "uint8_t", "int32": "int32_t"}
 
 
 def metal_translation_unit(spec) -> str:

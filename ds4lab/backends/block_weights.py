@@ -6,9 +6,10 @@ A few rows (a decode step) go through ``qmatmul`` (F32 weights too, so a decode 
 can be captured as a CUDA graph), which decodes each weight row once per batch of up to
 eight rows of x. A chunk's routed experts go through ``qgemm``: every (token, expert) pair of a projection
 in one tiled launch that decodes the blocks into shared memory, with no dequantized copy of any weight. A
-chunk through a dense linear dequantizes the matrix into a transient float32 buffer and uses the library's
-GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too. Nothing dequantized is kept (but a
-token embedding of a type no kernel decodes, decoded once where a compiled step looks rows up on the device).
+chunk through a dense linear dequantizes the matrix into a transient float32 buffer (float16 for half-operand
+products) and uses the library's GEMM, unless ``BlockLinear.qgemm_chunks`` sends it through ``qgemm`` too.
+Nothing dequantized is kept (but a token embedding of a type no kernel decodes, decoded once where a compiled
+step looks rows up on the device).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class BlockLinear:
         elif self.qtype == Q.F32:  # already floats: the bytes are the matrix
             out = self.kernels.dense_product(x2, self.raw.view(np.float32).reshape(self.n_rows, self.ne0))
         else:
-            out = self.kernels.dense_product(x2, self.kernels.dequant(self.raw, self.qtype, self.ne0, self.n_rows))
+            out = self.kernels.dense_product(x2, self.kernels.chunk_weight(self.raw, self.qtype, self.ne0, self.n_rows))
         return out.reshape(tuple(lead) + (self.n_rows,))
 
 

@@ -76,9 +76,9 @@ class CudaKernels(ArrayLaunches):
 
     def _half_gemm(self, x, w):
         """``out[t, g] = x[t, g] @ w[g]ᵀ`` on operands rounded to half (to nearest even), products summed in
-        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32. The half copies of x and of
-        the dequantized w are made here (w's is a transient the size of half of w)."""
-        x16, w16 = x.astype(cp.float16, order="C"), w.astype(cp.float16, order="C")
+        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32. x's half copy is made here,
+        and w's unless it is dequantized as halves already (:meth:`chunk_weight`)."""
+        x16, w16 = x.astype(cp.float16, order="C"), w.astype(cp.float16, order="C", copy=False)
         return self._strided_gemm(x16, w16, runtime.CUDA_R_16F, x.shape[1] * x.shape[2], cublas.CUBLAS_COMPUTE_32F)
 
     @staticmethod

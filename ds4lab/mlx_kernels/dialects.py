@@ -10,6 +10,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     SHARED_ARG                 the address space of a group-shared array passed to a function (Metal's ``threadgroup``)
     simd_sum_f(x), simd_max_f(x), simd_shuffle_f(x, lane)   SIMD-group sums, maxima and lane reads
     load_half(p), f16_round(x), as_bits(x), from_bits(u), log1p_f(x), DEVICE_FN   from the dialect header too
+    half_t, to_half(x)         the dialect's half type (a "float16" argument's elements) and x rounded to it
     half_bits_f32(h)           the half whose bits are the low 16 of h, as a float
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
@@ -20,8 +21,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
         mma_step_tf32 the same product on operands rounded to TF32 (CUDA: a third of the tensor-core work);
         mma_load_b_rows (B stored k-major), mma_scale_rows(t, s, lane) (row m of C times s[m])
-    slab_h, to_slab_h, store_h8_shared, MmaAh, MmaBh, mma_load_a_h, mma_load_b_h, mma_step_h, MMA_K_H,
-        HALF_SLAB_PAD   the same on operands rounded to half, MMA_K_H along k a step (CUDA: halves in
+    slab_h, to_slab_h, store_h8_shared, MmaAh, MmaBh, mma_load_a_h, mma_load_b_h, mma_load_b_rows_h, mma_step_h,
+        MMA_K_H, HALF_SLAB_PAD   the same on operands rounded to half, MMA_K_H along k a step (CUDA: halves in
         group-shared memory read by ldmatrix, mma.sync m16n8k16; elsewhere floats holding the halves' values)
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
@@ -68,6 +69,8 @@ DEVICE_FN float simd_max_f(float x) {
 }
 DEVICE_FN float simd_shuffle_f(float x, uint lane) { return __shfl_sync(0xffffffffu, x, int(lane)); }
 DEVICE_FN float f16_round(float x) { return __half2float(__float2half_rn(x)); }
+typedef __half half_t;
+DEVICE_FN half_t to_half(float x) { return __float2half_rn(x); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return __byte_perm(w, 0x4B000000u, 0x7540u + i); }  // one PRMT
@@ -155,6 +158,12 @@ DEVICE_FN void mma_load_b_h(MmaBh& f, const slab_h* p, uint stride) {  // B[k][n
                  : "=r"(f.r[0]), "=r"(f.r[1])
                  : "r"(shared_address(p + (lane & 7u) * stride + 8u * ((lane >> 3) & 1u))) : "memory");
 }
+DEVICE_FN void mma_load_b_rows_h(MmaBh& f, const slab_h* p, uint stride) {  // B[k][n] = p[k * stride + n], 16 x 8
+    uint lane = threadIdx.x & 31u;  // lanes 0-15: rows k 0-15, transposed as they load (the others' unused)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(f.r[0]), "=r"(f.r[1])
+                 : "r"(shared_address(p + (lane & 15u) * stride)) : "memory");
+}
 DEVICE_FN void mma_step_h(MmaTile& t, const MmaAh& a, const MmaBh& b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
@@ -174,6 +183,7 @@ typedef MmaB MmaBh;
 #define to_slab_h f16_round
 #define mma_load_a_h mma_load_a
 #define mma_load_b_h mma_load_b
+#define mma_load_b_rows_h mma_load_b_rows
 #define mma_step_h mma_step
 DEVICE_FN void store_h8_shared(SHARED_ARG float* p, float a, float b, float c, float d, float e, float f, float g,
                                float h) {
@@ -195,6 +205,8 @@ DEVICE_FN float simd_sum_f(float x) { return simd_sum(x); }
 DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
 DEVICE_FN float simd_shuffle_f(float x, uint lane) { return simd_shuffle(x, ushort(lane)); }
 DEVICE_FN float f16_round(float x) { return float(half(x)); }
+typedef half half_t;
+DEVICE_FN half_t to_half(float x) { return half(x); }
 DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
@@ -298,6 +310,8 @@ DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, aligned_at(p
 DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
 DEVICE_FN uint4 load_u4(const uint8_t* p) { uint4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
+typedef _Float16 half_t;
+DEVICE_FN half_t to_half(float x) { return _Float16(x); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
@@ -400,7 +414,7 @@ CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim",
 METAL_ONLY = ("threadgroup", "thread_position_in", "simd_sum(", "simd_max(", "simd_shuffle(", "device ", "mem_flags",
               "(half(", "as_type<", "simdgroup_", "thread Mma")
 
-_C_TYPES = {"float32": "float", "uint8": "uint8_t", "int32": "int32_t"}
+_C_TYPES = {"float32": "float", "float16": "half_t", "uint8": "uint8_t", "int32": "int32_t"}
 
 
 @dataclass(frozen=True)

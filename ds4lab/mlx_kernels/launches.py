@@ -70,8 +70,8 @@ class KernelLaunches:
     are made once and kept. ``xp`` is the subclass's array library.
 
     ``chunk_operands`` (``prefill_matmul``): "float32", or "tf32" / "f16": a chunk's products (:meth:`qgemm`,
-    :meth:`dense_product`, :meth:`indexer_chunk`) take their operands rounded to TF32 / half and accumulate in
-    float32 (:meth:`attend_chunk` on TF32 in both: it has no half form); decode-sized products stay float32."""
+    :meth:`dense_product`, :meth:`indexer_chunk`, :meth:`attend_chunk`) take their operands rounded to TF32 / half
+    and accumulate in float32; decode-sized products stay float32."""
 
     xp = None
     chunk_operands = "float32"
@@ -148,11 +148,17 @@ class KernelLaunches:
         order, batches = S.pair_batches(experts, n_pairs, size)
         return self._array(order), self._array(batches), len(batches)
 
-    def dequant(self, w, qtype, ne0: int, rows: int):
-        """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]``."""
+    def dequant(self, w, qtype, ne0: int, rows: int, half: bool = False):
+        """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]`` (``half``: float16, rounded to
+        nearest even)."""
         dims = self._const(rows, ne0, row_bytes(qtype, ne0))
-        return self._run(S.dequant_spec(qtype), (-(-ne0 // S.DEQUANT_GROUP), rows), S.DEQUANT_GROUP,
-                         [w, self.aux, dims], [((rows, ne0), "float32")])[0]
+        return self._run(S.dequant_spec(qtype, half), (-(-ne0 // S.DEQUANT_GROUP), rows), S.DEQUANT_GROUP,
+                         [w, self.aux, dims], [((rows, ne0), "float16" if half else "float32")])[0]
+
+    def chunk_weight(self, w, qtype, ne0: int, rows: int):
+        """A matrix for a chunk's product through the library's GEMM (:meth:`dense_product`), dequantized: as
+        halves where the chunk's products take half operands, so no float32 copy is made to be rounded."""
+        return self.dequant(w, qtype, ne0, rows, half=self.chunk_operands == "f16")
 
     def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
         """``out[p] = x[p // repeat] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix;
@@ -185,7 +191,7 @@ class KernelLaunches:
         in group order (a chunk's attn_output_a). The matrices are dequantized in one launch, then multiplied
         in one batched product."""
         G = x.shape[1]
-        w = self.dequant(raw.reshape(G * n_rows, -1), qtype, ne0, G * n_rows)
+        w = self.chunk_weight(raw.reshape(G * n_rows, -1), qtype, ne0, G * n_rows)
         return self.batched_dense_product(x, w.reshape(G, n_rows, ne0))
 
     def batched_dense_product(self, x, w):
@@ -225,8 +231,7 @@ class KernelLaunches:
         """The same attention for a chunk of queries (prefill) in one pass on the matrix units: an online
         softmax over tiles of each query's visible keys, for a block of 16 heads; no [T, H, N] scores are made."""
         T, H, D = q.shape
-        spec = S.attend_chunk_spec("float32" if self.chunk_operands == "float32" else "tf32")  # no half form
-        return self._run(spec, S.attend_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
+        return self._run(S.attend_chunk_spec(self.chunk_operands), S.attend_chunk_groups(T, H, D), S.ATTN_CHUNK_GROUP,
                          [self._f32(q), self._f32(keys), self._u8(visible), self._f32(sinks),
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]

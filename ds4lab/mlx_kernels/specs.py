@@ -1,6 +1,7 @@
 """The kernels and the host-side plans their launches need, shared by the MLX and CuPy launchers.
 
 ``dequant_<type>``   GGUF rows → float32 rows (for chunk products through the library's GEMM)
+``dequant_<type>_f16``  the same rounded to half, in float16 rows (the weights of half-operand chunk products)
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
@@ -10,6 +11,7 @@
 ``attend_reduce``    merge the splits with the sink logit
 ``attend_chunk``     attention with sinks for a chunk of queries (prefill) in one pass, no score matrix
 ``attend_chunk_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
+``attend_chunk_f16``   the same on operands rounded to half (``prefill_matmul="f16"``)
 ``hc_pre``           the hyper-connection mixer after its linear (on the flat state: it divides by the RMS): pre, post,
                      Sinkhorn combine, x_in
 ``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
@@ -77,10 +79,12 @@ ATTN_TILE = 8
 ATTN_GROUPS = 256
 ATTN_MIN_SPLIT = 32
 # attend_chunk on the matrix units: a work-group of 8 SIMD groups per query and 16 heads (one 16-row tile),
-# each SIMD group owning ATTN_MAX_D / 8 dims; keys 8 at a time (one 8-column tile, 16 KB staged).
+# each SIMD group owning ATTN_MAX_D / 8 dims; keys 8 at a time as floats (one 8-column tile, 16 KB staged),
+# 16 at a time as halves (attend_chunk_f16: one m16n8k16 step of p times the keys, the same 16 KB).
 ATTN_CHUNK_GROUP = 256
 ATTN_CHUNK_HEADS = 16
 ATTN_CHUNK_KEYS = 8
+ATTN_CHUNK_KEYS_F16 = 16
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 ROW_GROUP = 256  # threads per rmsnorm work-group
@@ -92,10 +96,13 @@ ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flas
 ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
 
 
-def dequant_spec(qtype: Q) -> KernelSpec:
-    return KernelSpec(f"dequant_{Q(qtype).name.lower()}", "dequant.body",
-                      (("w", "uint8"), ("aux", "uint8"), ("dims", "int32")), (("out", "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)]})
+def dequant_spec(qtype: Q, half: bool = False) -> KernelSpec:
+    """``dequant_<type>``, or ``dequant_<type>_f16``: the values rounded to half in a float16 out."""
+    name = f"dequant_{Q(qtype).name.lower()}" + ("_f16" if half else "")
+    return KernelSpec(name, "dequant.body",
+                      (("w", "uint8"), ("aux", "uint8"), ("dims", "int32")),
+                      (("out", "float16" if half else "float32"),),
+                      {"DEQUANT": DECODERS[Q(qtype)], "OUT_VALUE": "to_half" if half else ""})
 
 
 def typed(prefix: str, qtype: Q) -> str:
@@ -233,24 +240,29 @@ ATTEND_REDUCE = KernelSpec("attend_reduce", "attend_reduce.body",
 
 
 def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
-    """``attend_chunk``, or ``attend_chunk_tf32``: its two products on operands rounded to TF32 (no half form:
-    its fragments are read from float rows)."""
-    if operands not in ("float32", "tf32"):
-        raise ValueError(f"attend_chunk multiplies float32 or tf32 operands, not {operands!r}")
-    simd_groups, heads, kt, d = ATTN_CHUNK_GROUP // 32, ATTN_CHUNK_HEADS, ATTN_CHUNK_KEYS, ATTN_MAX_D
-    ldq, ldk, ldp = d // 2 + 4, d + 4, kt + 4  # paddings that spread a fragment's reads over the banks
-    k_floats = max(kt * ldk, heads * ldq)  # the key rows, or half of q's or out's rows (before and after)
-    part, p = k_floats, k_floats + simd_groups * heads * kt
-    scale = p + heads * ldp
+    """``attend_chunk``, or ``attend_chunk_tf32`` / ``_f16``: its two products on operands rounded to TF32, or
+    to half (q, the keys and p as halves in group-shared memory, 16 keys a tile)."""
     name, step = _precision("attend_chunk", operands)
+    half = operands == "f16"
+    slabs = _HALF_SLABS if half else _FLOAT_SLABS
+    simd_groups, heads, d = ATTN_CHUNK_GROUP // 32, ATTN_CHUNK_HEADS, ATTN_MAX_D
+    kt = ATTN_CHUNK_KEYS_F16 if half else ATTN_CHUNK_KEYS
+    # Rows padded so that a fragment's eight row reads fall in distinct banks: 4 floats, or the dialect's
+    # HALF_SLAB_PAD for halves (16-byte aligned rows for ldmatrix). The key rows, q's half-rows before and out's
+    # half-rows after share the first room; the partial scores, p and the rows' factors follow.
+    room = "ROOM(ROOM(KT * LDK * sizeof(SLAB_T), HEADS * LDQ * sizeof(SLAB_T)), HEADS * LDO * 4u)"
     return KernelSpec(name, "attend_chunk.body",
                       (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("sinks", "float32"),
                        ("dims", "int32"), ("fparams", "float32")),
                       (("out", "float32"),),
                       {"MAX_D": d, "THREADS": ATTN_CHUNK_GROUP, "SIMD_GROUPS": simd_groups, "HEADS": heads,
-                       "KT": kt, "DW": d // simd_groups, "HALF_D": d // 2, "LDQ": ldq, "LDK": ldk, "LDP": ldp,
-                       "K_OFF": 0, "PART_OFF": part, "P_OFF": p, "SCALE_OFF": scale, "SMEM_FLOATS": scale + heads,
-                       **step})
+                       "KT": kt, "DW": d // simd_groups, "HALF_D": d // 2, **slabs,
+                       "MMA_LOAD_B_ROWS": "mma_load_b_rows_h" if half else "mma_load_b_rows",
+                       "SLAB_PAD": "HALF_SLAB_PAD" if half else 4,
+                       "LDQ": "(HALF_D + SLAB_PAD)", "LDK": "(MAX_D + SLAB_PAD)", "LDP": "(KT + SLAB_PAD)",
+                       "LDO": "(HALF_D + 4u)", "ROOM(a, b)": "((a) > (b) ? (a) : (b))",
+                       "PART_AT": f"({room} / 4u)", "P_AT": "(PART_AT + SIMD_GROUPS * HEADS * KT)",
+                       "SCALE_AT": "(P_AT + HEADS * LDP * sizeof(SLAB_T) / 4u)", **step})
 
 
 HC_PRE = KernelSpec("hc_pre", "hc_pre.body",
@@ -329,10 +341,10 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 
 
 def all_specs() -> list[KernelSpec]:
-    return [*(dequant_spec(q) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
+    return [*(dequant_spec(q, half) for half in (False, True) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
             QMATMUL_REDUCE, *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
-            ATTEND_PARTIAL, ATTEND_REDUCE, attend_chunk_spec("float32"), attend_chunk_spec("tf32"),
+            ATTEND_PARTIAL, ATTEND_REDUCE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
             APPEND_ROWS, COMPRESSED_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM,
             MOE_ROUTE]
