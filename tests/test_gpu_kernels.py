@@ -726,7 +726,7 @@ def test_hc_pre_kernel_matches_float64(gpu, T, n, E):
         np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
 
 
-@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130)])
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130), (2, 5, 64), (3, 1, 40)])
 def test_hc_post_kernel_matches_float64(gpu, T, n, E):
     from ds4lab.model.hc import hc_post
 

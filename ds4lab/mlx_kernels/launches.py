@@ -252,7 +252,9 @@ class KernelLaunches:
     def hc_post(self, y, X, post, comb):
         """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``."""
         T, n, E = X.shape
-        return self._run(S.HC_POST, (-(-T * n * E // S.ROW_GROUP), 1), S.ROW_GROUP,
+        if n > S.HC_MAX:
+            raise ValueError(f"hc_post kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
+        return self._run(S.HC_POST, (-(-T * E // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [self._f32(y), self._f32(X), self._f32(post), self._f32(comb), self._const(T, n, E)],
                          [((T, n, E), "float32")])[0]
 
