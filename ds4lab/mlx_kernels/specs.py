@@ -197,10 +197,9 @@ def qgemm_threads() -> int:
 def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
     bm, bn, bk, threads = QGEMM_BM, QGEMM_BN, QGEMM_BK, qgemm_threads()
     wm, wn = bm // QGEMM_WARPS_M, bn // QGEMM_WARPS_N
-    if wm % 16 or wn % 8 or bk % 16 or bm % 8 or (bm * bk // 8) % threads:
+    if wm % 16 or wn % 8 or bk % 16 or threads % bk or bm % (threads // bk):
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} on {QGEMM_WARPS_M}x{QGEMM_WARPS_N} SIMD groups: each group's "
-                         "part must be whole 16x8 tiles, BK a multiple of 16, and x's slab whole jobs of 8 rows x 8 k "
-                         "for every thread")
+                         "part must be whole 16x8 tiles, BK a multiple of 16, and the loaders' rows must divide BM")
     # Slab rows of BK + 4 floats, or for half operands BK + HALF_SLAB_PAD of the dialect's slab_h: on CUDA 8
     # halves (16-byte aligned rows for ldmatrix, 80 bytes apart at BK = 32: the eight rows a matrix read takes
     # fall in distinct banks), elsewhere 4 floats holding the halves' values: the float slabs' room or less.
@@ -223,7 +222,7 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16,
-            "NJ": wn // 8, "XJOBS": bm * bk // 8 // threads,
+            "NJ": wn // 8, "LOAD_ROWS": threads // bk,
             **({"LDS": f"({bk} + HALF_SLAB_PAD)", "WS": f"({bm} * LDS)", **_HALF_SLABS} if half
                else {"LDS": lds, "WS": bm * lds, **_FLOAT_SLABS})}
 
