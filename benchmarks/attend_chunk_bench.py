@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from ds4lab.mlx_kernels.specs import OPERANDS
 from ds4lab.model.attention import attend, raw_visibility, visible_rows
 
 CONFIGS = {
@@ -110,7 +111,7 @@ def main():
     ap.add_argument("--config", choices=tuple(CONFIGS), default="flash")
     ap.add_argument("--raw", type=int, default=None, help="raw ring slots (default: the window)")
     ap.add_argument("--repeat", type=int, default=None, help="timed calls after the warm-up (default: the config's)")
-    ap.add_argument("--operands", nargs="+", choices=("float32", "tf32", "f16"), default=("float32", "tf32", "f16"),
+    ap.add_argument("--operands", nargs="+", choices=OPERANDS, default=OPERANDS,
                     help="the kernel's forms timed (prefill_matmul's settings)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()

@@ -26,6 +26,7 @@ from gpu_slice import CHUNK, SLICE, build, filled_state, step, syncer
 
 from ds4lab.config import NANO
 from ds4lab.kv.layout import Geometry, new_state
+from ds4lab.mlx_kernels.specs import OPERANDS
 from ds4lab.testing import model_tensors
 
 
@@ -73,7 +74,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--config", default="flash", choices=("flash", "nano"))
-    p.add_argument("--prefill-matmul", default="float32", choices=("float32", "tf32", "f16"),
+    p.add_argument("--prefill-matmul", default="float32", choices=OPERANDS,
                    help="the chunk products' operands (the library's default on CuPy is f16)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunk only")
     p.add_argument("--prefill-at", type=int, default=CHUNK, help="context of the profiled chunk (a multiple of 2048)")

@@ -241,8 +241,7 @@ class KernelLaunches:
         itself, not to its RMS normalisation: the kernel divides by the RMS
         (docs/MODEL.md, "Hyper-connections and Sinkhorn")."""
         T, n, E = X.shape
-        if n > S.HC_MAX:
-            raise ValueError(f"hc_pre kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
+        S.check_hc_streams("hc_pre", n)
         G = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1  # groups a token's x_in is spread over
         return tuple(self._run(S.HC_PRE, (T, 1 + G), S.ROW_GROUP,
                                [self._f32(mix), self._f32(scale), self._f32(base), self._f32(X),
@@ -252,8 +251,7 @@ class KernelLaunches:
     def hc_post(self, y, X, post, comb):
         """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``."""
         T, n, E = X.shape
-        if n > S.HC_MAX:
-            raise ValueError(f"hc_post kernel: {n} hyper-connection streams exceed {S.HC_MAX}")
+        S.check_hc_streams("hc_post", n)
         return self._run(S.HC_POST, (-(-T * E // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [self._f32(y), self._f32(X), self._f32(post), self._f32(comb), self._const(T, n, E)],
                          [((T, n, E), "float32")])[0]

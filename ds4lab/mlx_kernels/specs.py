@@ -375,6 +375,12 @@ def pool_shape(ratio: int, C: int, W: int) -> tuple[int, int]:
     return n_blocks(ratio, C) - (c - 1), W // c
 
 
+def check_hc_streams(kernel: str, n: int) -> None:
+    """The hyper-connection kernels hold a token's n streams (and hc_pre its n x n matrix) in fixed room."""
+    if n > HC_MAX:
+        raise ValueError(f"{kernel} kernel: {n} hyper-connection streams exceed {HC_MAX}")
+
+
 def _check_head_dim(D: int) -> None:
     if D > ATTN_MAX_D:
         raise ValueError(f"attention kernel: head_dim {D} exceeds {ATTN_MAX_D}")

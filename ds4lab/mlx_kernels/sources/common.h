@@ -83,6 +83,15 @@ DEVICE_FN F8 load_x8(const GLOBAL float* p, bool vec) {
     return r;
 }
 
+// The first n of the eight floats at p (all eight from load_x8 where n >= 8), zeros after: a row's last elements,
+// or none of a row that is not there (n = 0).
+DEVICE_FN F8 load_x8_upto(const GLOBAL float* p, uint n, bool vec) {
+    if (n >= 8u) return load_x8(p, vec);
+    F8 r;
+    for (uint i = 0; i < 8u; i++) r.v[i] = i < n ? p[i] : 0.0f;
+    return r;
+}
+
 DEVICE_FN F8 dq8_f32(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     F8 r;
     #pragma unroll
