@@ -34,6 +34,11 @@ def _functions(device_id: int) -> dict:
         return dict(zip((s.name for s in specs), pool.map(lambda s: _compiled(s, device_id), specs)))
 
 
+def _aligned16(x):
+    """``x``, copied where its start is not 16-byte aligned: qmatmul and qgemm read rows 16 bytes at a time."""
+    return x if x.data.ptr % 16 == 0 else x.copy()
+
+
 class CudaKernels(ArrayLaunches):
     """Kernel launches on the current CuPy device."""
 
@@ -99,8 +104,10 @@ class CudaKernels(ArrayLaunches):
         return out
 
     def _f32(self, x):
-        x = super()._f32(x)
-        return x if x.data.ptr % 16 == 0 else x.copy()  # qmatmul reads rows of x 16 bytes at a time
+        return _aligned16(super()._f32(x))
+
+    def _f16(self, x):
+        return _aligned16(super()._f16(x))
 
     def _launch(self, spec, groups, threads, args):
         self._functions[spec.name](groups, (threads,), args)

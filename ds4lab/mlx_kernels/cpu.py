@@ -55,6 +55,9 @@ def launch(lib: ctypes.CDLL, spec, grid, threads: int, args) -> None:
     then its outputs, C-contiguous NumPy arrays."""
     if not all(a.flags.c_contiguous for a in args):  # the launchers pass contiguous arrays only
         raise ValueError(f"{spec.name}: every argument must be a C-contiguous array")
+    for (name, dtype), a in zip((*spec.inputs, *spec.outputs), args):  # a GPU would read the bytes as they are
+        if a.dtype != np.dtype(dtype):
+            raise TypeError(f"{spec.name}: argument {name} is {a.dtype}, the kernel reads {dtype}")
     pointers = (ctypes.c_void_p * len(args))(*[a.ctypes.data for a in args])
     getattr(lib, f"launch_{spec.name}")(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(threads),
                                         pointers)

@@ -23,7 +23,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
         mma_load_b_rows (B stored k-major), mma_scale_rows(t, s, lane) (row m of C times s[m])
     slab_h, to_slab_h, store_h8_shared, MmaAh, MmaBh, mma_load_a_h, mma_load_b_h, mma_load_b_rows_h, mma_step_h,
         MMA_K_H, HALF_SLAB_PAD   the same on operands rounded to half, MMA_K_H along k a step (CUDA: halves in
-        group-shared memory read by ldmatrix, mma.sync m16n8k16; elsewhere floats holding the halves' values)
+        group-shared memory read by ldmatrix, mma.sync m16n8k16; elsewhere floats holding the halves' values);
+        slab_h8_from(dst, src, n, vec) the first n of eight half_t into a slab row (vec: one 16-byte copy)
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -145,6 +146,15 @@ DEVICE_FN slab_h to_slab_h(float x) { return __float2half_rn(x); }
 DEVICE_FN void store_h8_shared(slab_h* p, float a, float b, float c, float d, float e, float f, float g, float h) {
     *reinterpret_cast<uint4*>(p) = make_uint4(half2_bits(a, b), half2_bits(c, d), half2_bits(e, f), half2_bits(g, h));
 }
+// The first n of the eight halves at src into a slab row, zeros after: one 16-byte copy where all eight are there
+// and src is 16-byte aligned (vec).
+DEVICE_FN void slab_h8_from(slab_h* dst, const half_t* src, uint n, bool vec) {
+    if (vec && n >= 8u) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        return;
+    }
+    for (uint i = 0; i < 8u; i++) dst[i] = i < n ? src[i] : __float2half_rn(0.0f);
+}
 DEVICE_FN uint shared_address(const void* p) { return uint(__cvta_generic_to_shared(p)); }
 DEVICE_FN void mma_load_a_h(MmaAh& f, const slab_h* p, uint stride) {  // A[m][k] = p[m * stride + k], 16 x 16
     uint lane = threadIdx.x & 31u;  // lanes 8q .. 8q + 7 give the rows of matrix q: rows 8 (q & 1) +, k 8 (q >> 1) +
@@ -190,11 +200,16 @@ DEVICE_FN void store_h8_shared(SHARED_ARG float* p, float a, float b, float c, f
     store_f4_shared(p, f16_round(a), f16_round(b), f16_round(c), f16_round(d));
     store_f4_shared(p + 4u, f16_round(e), f16_round(f), f16_round(g), f16_round(h));
 }
+DEVICE_FN void slab_h8_from(SHARED_ARG float* dst, const GLOBAL half_t* src, uint n, bool vec) {
+    if (vec && n >= 8u) CHECK_ALIGNED16(src);  // where a GPU would take one 16-byte load
+    for (uint i = 0; i < 8u; i++) dst[i] = i < n ? float(src[i]) : 0.0f;
+}
 """
 
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define SHARED_ARG threadgroup
 #define DEVICE_FN inline
+#define CHECK_ALIGNED16(p)
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
 DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
@@ -303,6 +318,7 @@ DEVICE_FN const void* aligned_at(const void* p, uintptr_t width) {
     }
     return p;
 }
+#define CHECK_ALIGNED16(p) (void)aligned_at(p, 16)
 DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, aligned_at(p, 2), 2); return float(h); }
 DEVICE_FN float half_bits_f32(uint h) { uint16_t b = uint16_t(h); _Float16 v; std::memcpy(&v, &b, 2); return float(v); }
 DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, aligned_at(p, 2), 2); return v; }

@@ -75,6 +75,9 @@ class MLXKernels(KernelLaunches):
     def _f32(self, x):
         return x.astype(mx.float32)  # MLX makes kernel inputs row-contiguous itself
 
+    def _f16(self, x):
+        return x.astype(mx.float16)
+
     def _u8(self, x):
         return x.astype(mx.uint8)
 

@@ -97,6 +97,15 @@ class KernelLaunches:
         """``x`` as contiguous float32."""
         raise NotImplementedError
 
+    def _f16(self, x):
+        """``x`` as contiguous float16 (rounded to nearest even)."""
+        raise NotImplementedError
+
+    def _chunk_x(self, x):
+        """A chunk product's x as its kernel reads it: halves with half operands (rounded here, once, not by each
+        work-group that reads it), else float32."""
+        return self._f16(x) if self.chunk_operands == "f16" else self._f32(x)
+
     def _u8(self, x):
         """A mask (bool or integer) as uint8."""
         raise NotImplementedError
@@ -208,7 +217,7 @@ class KernelLaunches:
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
         return self._run(S.qgemm_spec(qtype, self.chunk_operands), (-(-n_rows // S.QGEMM_BN), n_tiles),
                          S.qgemm_threads(),
-                         [self._f32(x), raw, self.aux, order, tiles,
+                         [self._chunk_x(x), raw, self.aux, order, tiles,
                           self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
 
@@ -378,7 +387,7 @@ class KernelLaunches:
             raise ValueError(f"indexer_chunk kernel: {H} heads do not divide a tile's {S.QGEMM_BM} rows")
         order, tiles, n_tiles = self._plan(None, T * H, S.QGEMM_BM)
         return self._run(S.indexer_chunk_spec(self.chunk_operands), (-(-N // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
-                         [self._f32(q).reshape(T * H, Dq), self._f32(k).reshape(-1).view(self.xp.uint8), self.aux,
+                         [self._chunk_x(q).reshape(T * H, Dq), self._f32(k).reshape(-1).view(self.xp.uint8), self.aux,
                           order, tiles, self._const(Dq, N, 4 * Dq, H, 1), self._f32(w)],
                          [((T, N), "float32")])[0]
 
@@ -443,6 +452,9 @@ class ArrayLaunches(KernelLaunches):
 
     def _f32(self, x):
         return self.xp.ascontiguousarray(x, dtype=self.xp.float32)
+
+    def _f16(self, x):
+        return self.xp.ascontiguousarray(x, dtype=self.xp.float16)
 
     def _u8(self, x):
         xp = self.xp

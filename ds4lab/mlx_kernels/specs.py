@@ -153,8 +153,11 @@ def qmatmul_splits(K: int, N: int, n_batches: int) -> tuple[int, int]:
     return -(-K // chunk), chunk
 
 
-_QGEMM_INPUTS = (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"),
-                 ("dims", "int32"))
+def _qgemm_inputs(operands: str) -> tuple:
+    """qgemm's arguments; with half operands x comes as halves (rounded once by the launcher, not by each of the
+    work-groups that read it)."""
+    x = "float16" if operands == "f16" else "float32"
+    return (("x", x), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("tiles", "int32"), ("dims", "int32"))
 
 
 OPERANDS = ("float32", "tf32", "f16")  # what a chunk's products multiply (prefill_matmul)
@@ -177,7 +180,7 @@ def _precision(name: str, operands: str) -> tuple[str, dict]:
 def qgemm_spec(qtype: Q, operands: str = "float32") -> KernelSpec:
     """``qgemm_<type>``, or ``qgemm_<type>_tf32`` / ``_f16``: its products on operands rounded to TF32 / half."""
     name, step = _precision(f"qgemm_{Q(qtype).name.lower()}", operands)
-    return KernelSpec(name, "qgemm.body", _QGEMM_INPUTS, (("out", "float32"),),
+    return KernelSpec(name, "qgemm.body", _qgemm_inputs(operands), (("out", "float32"),),
                       {**_qgemm_defines(qtype, operands == "f16"), **step, "INDEXER_SCORES": 0})
 
 
@@ -185,7 +188,7 @@ def indexer_chunk_spec(operands: str = "float32") -> KernelSpec:
     """``indexer_chunk`` (``_tf32``, ``_f16``): qgemm of the queries' head rows ``x [T·H, Dq]`` by the F32 indexer
     rows, whose tile is reduced to the scores Σ_h hw[t, h] · relu(dot) in place of being stored."""
     name, step = _precision("indexer_chunk", operands)
-    return KernelSpec(name, "qgemm.body", (*_QGEMM_INPUTS, ("hw", "float32")), (("out", "float32"),),
+    return KernelSpec(name, "qgemm.body", (*_qgemm_inputs(operands), ("hw", "float32")), (("out", "float32"),),
                       {**_qgemm_defines(Q.F32, operands == "f16"), **step, "INDEXER_SCORES": 1})
 
 
@@ -194,10 +197,19 @@ def qgemm_threads() -> int:
     return 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
 
 
+def _x_loaders(bm: int, bk: int, threads: int, half: bool) -> dict:
+    """Who loads x's slab: X_LOADS jobs a thread, job r of thread tid at slot X_SLOT(r): a float a job (k the
+    thread's tid % BK), or with halves eight k a job (tid % (BK / 8) the eighth), one 16-byte load each."""
+    if half:
+        return {"X_HALF": 1, "X_LOADS": bm * bk // 8 // threads,
+                "X_SLOT(r)": f"((tid + (r) * {threads}u) / {bk // 8}u)"}
+    return {"X_HALF": 0, "X_LOADS": bm * bk // threads, "X_SLOT(r)": f"(tid / {bk}u + {threads // bk}u * (r))"}
+
+
 def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
     bm, bn, bk, threads = QGEMM_BM, QGEMM_BN, QGEMM_BK, qgemm_threads()
     wm, wn = bm // QGEMM_WARPS_M, bn // QGEMM_WARPS_N
-    if wm % 16 or wn % 8 or bk % 16 or threads % bk or bm % (threads // bk):
+    if wm % 16 or wn % 8 or bk % 16 or threads % bk or bm % (threads // bk) or (bm * bk // 8) % threads:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} on {QGEMM_WARPS_M}x{QGEMM_WARPS_N} SIMD groups: each group's "
                          "part must be whole 16x8 tiles, BK a multiple of 16, and the loaders' rows must divide BM")
     # Slab rows of BK + 4 floats, or for half operands BK + HALF_SLAB_PAD of the dialect's slab_h: on CUDA 8
@@ -222,7 +234,7 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16,
-            "NJ": wn // 8, "LOAD_ROWS": threads // bk,
+            "NJ": wn // 8, **_x_loaders(bm, bk, threads, half),
             **({"LDS": f"({bk} + HALF_SLAB_PAD)", "WS": f"({bm} * LDS)", **_HALF_SLABS} if half
                else {"LDS": lds, "WS": bm * lds, **_FLOAT_SLABS})}
 
