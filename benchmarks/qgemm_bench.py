@@ -156,13 +156,14 @@ def tile_shapes(args, projections, experts, sizes, rng):
              for name, q, ne0, n_rows in projections]
     dense = random_blocks(Q.Q8_0, (E,), E, rng, 0.02)
     cases.append((f"dense Q8_0 x {dense_rows}", Q.Q8_0, E, E, dense, dense_rows, None))
-    defaults = S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N
+    defaults = S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N, S.QGEMM_WARPS_N_DQ8
     runs, results = [], {}
     for shape in args.tiles:
         m = re.fullmatch(r"(\d+)x(\d+)x(\d+):(\d+)x(\d+)", shape)
         if m is None:
             raise SystemExit(f"tile shape {shape!r} is not BMxBNxBK:WARPS_MxWARPS_N")
         S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = map(int, m.groups())
+        S.QGEMM_WARPS_N_DQ8 = S.QGEMM_WARPS_N  # one shape for every type
         if args.backend == "cupy":
             from ds4lab.cuda import kernels as cuda_kernels
 
@@ -174,6 +175,7 @@ def tile_shapes(args, projections, experts, sizes, rng):
         else:
             raise SystemExit("--tiles recompiles the kernels: CuPy or the emulator")
         kernels, _, to_dev, sync = launcher(args.backend)
+        kernels.chunk_operands = "tf32" if args.tf32 else args.operands
         for label, q, ne0, n_rows, raw, rows, ids in cases:
             raw_d, x = to_dev(raw), to_dev(np.random.default_rng(rows).standard_normal((rows, ne0), dtype=np.float32))
             s = timed(lambda: kernels.qgemm(x, raw_d, q, ne0, n_rows, ids), sync, args.repeats)
@@ -185,7 +187,7 @@ def tile_shapes(args, projections, experts, sizes, rng):
             runs.append({"tiles": shape, "case": label, "ms": s * 1e3, "tflops": tflops, "differs": differs})
             print(f"{shape}: {label}: {s * 1e3:.3f} ms ({tflops:.3g} TFLOP/s), differs from the first shape's "
                   f"by {differs:.1e} of the scale", flush=True)
-    S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = defaults
+    S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N, S.QGEMM_WARPS_N_DQ8 = defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "tiles": runs}, f, indent=1)

@@ -124,8 +124,9 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
     cores, with float32 accumulation; decode steps stay float32. About a third of the tensor-core work of the
     float32 path, logits within 2e-3 of float64's scale on the tiny configurations. "f16" rounds the weight
     products' and indexer scores' operands to half instead (the same 10 mantissa bits, to nearest even; the
-    tensor cores' half rate, half the shared-memory bytes) and attention's to TF32: the same 2e-3, and on an
-    H200 about 2.1x float32's prefill speed on the whole Flash model (1.8x with "tf32"; README, "Benchmarks").
+    tensor cores' half rate, half the shared-memory bytes), attention's too (q, keys and softmax weights): the same
+    2e-3, and on an H200 about 2.5x float32's prefill speed on the whole Flash model (2.0x with "tf32"; README,
+    "Benchmarks").
     """
     return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
                  prefill_matmul)

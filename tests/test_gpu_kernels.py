@@ -390,6 +390,26 @@ def test_pair_sum_adds_each_tokens_rows_in_order(gpu, T, k, D):
     np.testing.assert_array_equal(got, y.reshape(T, k, D).sum(axis=1))
 
 
+@pytest.mark.parametrize("shape", ((1,), (7,), (8,), (3, 1000), (2, 5, 203)))
+def test_round_half_rounds_as_numpy_does(gpu, shape):
+    """round_half (a half-operand product's x): NumPy's float32 -> float16 conversion (to nearest even; overflow
+    to infinity, subnormals, signed zeros, NaN), bit for bit, for sizes with and without a tail past the last
+    eight; a large ``n`` also checks the grid's size."""
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(sum(shape))
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-9, 6, shape)).astype(np.float32)
+    special = np.array([65504.0, 65520.0, 1e6, -1e6, 6e-8, 2.0 ** -25, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
+                        -0.0, np.nan], dtype=np.float32)  # 65520 and 2^-25: ties, the first to infinity
+    x.reshape(-1)[:len(special)] = special[:x.size]
+    got = to_host(kernels.round_half(to_dev(x)))
+    assert got.dtype == np.float16 and got.shape == shape
+    with np.errstate(over="ignore"):  # the values past half's range, on purpose
+        want = x.astype(np.float16)
+    nan = np.isnan(want)  # a NaN's bits are the device's own (CUDA's is 0x7fff)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
 def test_tf32_round_keeps_ten_mantissa_bits_with_ties_away_from_zero():
     ulp = 2.0 ** -10  # TF32's spacing in [1, 2)
     x = np.array([1.0, 1 + ulp / 2, 1 + ulp / 2 - 2.0 ** -23, 1 + ulp / 4, -(1 + ulp / 2), 0.75 + ulp / 4, 1e-30, 0.0],

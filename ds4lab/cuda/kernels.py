@@ -81,9 +81,9 @@ class CudaKernels(ArrayLaunches):
 
     def _half_gemm(self, x, w):
         """``out[t, g] = x[t, g] @ w[g]ᵀ`` on operands rounded to half (to nearest even), products summed in
-        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32. x's half copy is made here,
-        and w's unless it is dequantized as halves already (:meth:`chunk_weight`)."""
-        x16, w16 = x.astype(cp.float16, order="C"), w.astype(cp.float16, order="C", copy=False)
+        float32 (cuBLAS, compute type 32F): the operands' 10 mantissa bits of TF32. x's half copy is made here
+        (round_half), and w's unless it is dequantized as halves already (:meth:`chunk_weight`)."""
+        x16, w16 = self._f16(x), self._f16(w)
         return self._strided_gemm(x16, w16, runtime.CUDA_R_16F, x.shape[1] * x.shape[2], cublas.CUBLAS_COMPUTE_32F)
 
     @staticmethod

@@ -24,7 +24,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     slab_h, to_slab_h, store_h8_shared, MmaAh, MmaBh, mma_load_a_h, mma_load_b_h, mma_load_b_rows_h, mma_step_h,
         MMA_K_H, HALF_SLAB_PAD   the same on operands rounded to half, MMA_K_H along k a step (CUDA: halves in
         group-shared memory read by ldmatrix, mma.sync m16n8k16; elsewhere floats holding the halves' values);
-        slab_h8_from(dst, src, n, vec) the first n of eight half_t into a slab row (vec: one 16-byte copy)
+        slab_h8_from(dst, src, n, vec) the first n of eight half_t into a slab row (vec: one 16-byte copy);
+        store_h8(p, a, ..., h) eight floats rounded to half_t at 16-byte aligned global p
 
 plus the kernel's own constants (``defines``), which become ``#define`` lines before the body. A SIMD
 group is 32 threads in both languages (a CUDA warp, an Apple simdgroup). Everything else is the
@@ -155,6 +156,9 @@ DEVICE_FN void slab_h8_from(slab_h* dst, const half_t* src, uint n, bool vec) {
     }
     for (uint i = 0; i < 8u; i++) dst[i] = i < n ? src[i] : __float2half_rn(0.0f);
 }
+DEVICE_FN void store_h8(half_t* p, float a, float b, float c, float d, float e, float f, float g, float h) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(half2_bits(a, b), half2_bits(c, d), half2_bits(e, f), half2_bits(g, h));
+}
 DEVICE_FN uint shared_address(const void* p) { return uint(__cvta_generic_to_shared(p)); }
 DEVICE_FN void mma_load_a_h(MmaAh& f, const slab_h* p, uint stride) {  // A[m][k] = p[m * stride + k], 16 x 16
     uint lane = threadIdx.x & 31u;  // lanes 8q .. 8q + 7 give the rows of matrix q: rows 8 (q & 1) +, k 8 (q >> 1) +
@@ -199,6 +203,11 @@ DEVICE_FN void store_h8_shared(SHARED_ARG float* p, float a, float b, float c, f
                                float h) {
     store_f4_shared(p, f16_round(a), f16_round(b), f16_round(c), f16_round(d));
     store_f4_shared(p + 4u, f16_round(e), f16_round(f), f16_round(g), f16_round(h));
+}
+DEVICE_FN void store_h8(GLOBAL half_t* p, float a, float b, float c, float d, float e, float f, float g, float h) {
+    CHECK_ALIGNED16(p);
+    p[0] = to_half(a); p[1] = to_half(b); p[2] = to_half(c); p[3] = to_half(d);
+    p[4] = to_half(e); p[5] = to_half(f); p[6] = to_half(g); p[7] = to_half(h);
 }
 DEVICE_FN void slab_h8_from(SHARED_ARG float* dst, const GLOBAL half_t* src, uint n, bool vec) {
     if (vec && n >= 8u) CHECK_ALIGNED16(src);  // where a GPU would take one 16-byte load

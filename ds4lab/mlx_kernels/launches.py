@@ -8,6 +8,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from ..arch import ROUTER_SUM_FLOOR, coff
 from ..quants import iq2xxs_tables, row_bytes
@@ -216,7 +217,7 @@ class KernelLaunches:
         P = x.shape[0] * repeat
         order, tiles, n_tiles = self._plan(experts, P, S.QGEMM_BM)
         return self._run(S.qgemm_spec(qtype, self.chunk_operands), (-(-n_rows // S.QGEMM_BN), n_tiles),
-                         S.qgemm_threads(),
+                         S.qgemm_threads(qtype),
                          [self._chunk_x(x), raw, self.aux, order, tiles,
                           self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
@@ -342,6 +343,12 @@ class KernelLaunches:
         return self._run(S.PAIR_SUM, (-(-T * D // S.ROW_GROUP), 1), S.ROW_GROUP, [self._f32(y), self._const(T, k, D)],
                          [((T, D), "float32")])[0]
 
+    def round_half(self, x):
+        """Contiguous float32 ``x`` (16-byte aligned) rounded to float16, to nearest even."""
+        n = x.size
+        return self._run(S.ROUND_HALF, (max(1, -(-n // (8 * S.ROW_GROUP))), 1), S.ROW_GROUP,
+                         [x, self._const(n)], [(x.shape, "float16")])[0]
+
     def append_rows(self, rows, pooled, pos0, n_valid, ratio: int):
         """The compressed rows ``[N, D]`` with the windows a chunk completed taken from ``pooled``."""
         N, D = rows.shape
@@ -386,7 +393,8 @@ class KernelLaunches:
         if S.QGEMM_BM % H:
             raise ValueError(f"indexer_chunk kernel: {H} heads do not divide a tile's {S.QGEMM_BM} rows")
         order, tiles, n_tiles = self._plan(None, T * H, S.QGEMM_BM)
-        return self._run(S.indexer_chunk_spec(self.chunk_operands), (-(-N // S.QGEMM_BN), n_tiles), S.qgemm_threads(),
+        return self._run(S.indexer_chunk_spec(self.chunk_operands), (-(-N // S.QGEMM_BN), n_tiles),
+                         S.qgemm_threads(Q.F32),
                          [self._chunk_x(q).reshape(T * H, Dq), self._f32(k).reshape(-1).view(self.xp.uint8), self.aux,
                           order, tiles, self._const(Dq, N, 4 * Dq, H, 1), self._f32(w)],
                          [((T, N), "float32")])[0]
@@ -454,7 +462,10 @@ class ArrayLaunches(KernelLaunches):
         return self.xp.ascontiguousarray(x, dtype=self.xp.float32)
 
     def _f16(self, x):
-        return self.xp.ascontiguousarray(x, dtype=self.xp.float16)
+        xp = self.xp
+        if x.dtype == xp.float32 and x.flags.c_contiguous and x.size:  # rounded by round_half, 8 a thread
+            return self.round_half(self._f32(x))
+        return xp.ascontiguousarray(x, dtype=xp.float16)
 
     def _u8(self, x):
         xp = self.xp

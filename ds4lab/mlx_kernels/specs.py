@@ -65,6 +65,10 @@ QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 # Of the shapes timed on the H200 (qgemm_bench --tiles), 64x128x32 on 2x2 SIMD groups ran the routed
 # experts 16-17% faster than 64x64x32 and the dense Q8_0 chunk 19%; 128x64 ran them 1.6x slower.
 QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 128, 32, 2, 2
+# The types whose weight slab is decoded eight elements a job (all but IQ2_XXS) take 2 x QGEMM_WARPS_N_DQ8 SIMD
+# groups: half the jobs a thread, and the routed Q2_K down projection ran 1.16x faster than on 2 x 2 (IQ2_XXS, a
+# job a row's group of 32, has too few jobs for 8 SIMD groups: 1.07x slower).
+QGEMM_WARPS_N_DQ8 = 4
 QGEMM_SHARED_BYTES = 32768  # Metal's limit for a work-group
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
@@ -192,9 +196,20 @@ def indexer_chunk_spec(operands: str = "float32") -> KernelSpec:
                       {**_qgemm_defines(Q.F32, operands == "f16"), **step, "INDEXER_SCORES": 1})
 
 
-def qgemm_threads() -> int:
-    """Threads of a qgemm work-group: its WARPS_M x WARPS_N SIMD groups."""
-    return 32 * QGEMM_WARPS_M * QGEMM_WARPS_N
+def _decodes_32(qtype: Q) -> bool:
+    """Whether qgemm decodes ``qtype``'s weight slab a row's group of 32 a job (IQ2_XXS), not eight elements."""
+    return Q(qtype) == Q.IQ2_XXS and QGEMM_BK % 32 == 0 and 256 % QGEMM_BK == 0
+
+
+def qgemm_warps(qtype: Q) -> tuple[int, int]:
+    """The WARPS_M x WARPS_N SIMD groups of a qgemm work-group for ``qtype``'s weights."""
+    return QGEMM_WARPS_M, QGEMM_WARPS_N if _decodes_32(qtype) else QGEMM_WARPS_N_DQ8
+
+
+def qgemm_threads(qtype: Q) -> int:
+    """Threads of a qgemm work-group for ``qtype``'s weights (indexer_chunk: F32's)."""
+    warps_m, warps_n = qgemm_warps(qtype)
+    return 32 * warps_m * warps_n
 
 
 def _x_loaders(bm: int, bk: int, threads: int, half: bool) -> dict:
@@ -207,10 +222,11 @@ def _x_loaders(bm: int, bk: int, threads: int, half: bool) -> dict:
 
 
 def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
-    bm, bn, bk, threads = QGEMM_BM, QGEMM_BN, QGEMM_BK, qgemm_threads()
-    wm, wn = bm // QGEMM_WARPS_M, bn // QGEMM_WARPS_N
+    bm, bn, bk, threads = QGEMM_BM, QGEMM_BN, QGEMM_BK, qgemm_threads(qtype)
+    warps_m, warps_n = qgemm_warps(qtype)
+    wm, wn = bm // warps_m, bn // warps_n
     if wm % 16 or wn % 8 or bk % 16 or threads % bk or bm % (threads // bk) or (bm * bk // 8) % threads:
-        raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} on {QGEMM_WARPS_M}x{QGEMM_WARPS_N} SIMD groups: each group's "
+        raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} on {warps_m}x{warps_n} SIMD groups: each group's "
                          "part must be whole 16x8 tiles, BK a multiple of 16, and the loaders' rows must divide BM")
     # Slab rows of BK + 4 floats, or for half operands BK + HALF_SLAB_PAD of the dialect's slab_h: on CUDA 8
     # halves (16-byte aligned rows for ldmatrix, 80 bytes apart at BK = 32: the eight rows a matrix read takes
@@ -227,13 +243,13 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
     # and Q2_K's (its 32 consecutive elements: 32 bytes read) 2.5% and the dense Q8_0 product 24% slower than 8
     # elements a job (benchmarks/README.md, qgemm_bench.py), so those keep 8.
     tables_at = slab_floats
-    dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0 and 256 % bk == 0
+    dq32 = _decodes_32(qtype)
     if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
     return {"DQ32": int(dq32), "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
-            "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": QGEMM_WARPS_N, "WM": wm, "WN": wn, "MI": wm // 16,
+            "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": warps_n, "WM": wm, "WN": wn, "MI": wm // 16,
             "NJ": wn // 8, **_x_loaders(bm, bk, threads, half),
             **({"LDS": f"({bk} + HALF_SLAB_PAD)", "WS": f"({bm} * LDS)", **_HALF_SLABS} if half
                else {"LDS": lds, "WS": bm * lds, **_FLOAT_SLABS})}
@@ -309,6 +325,7 @@ ADD_APE = KernelSpec("add_ape", "add_ape.body",
                      (("gate", "float32"), ("ape", "float32"), ("pos0", "int32"), ("dims", "int32")),
                      (("out", "float32"),))
 PAIR_SUM = KernelSpec("pair_sum", "pair_sum.body", (("y", "float32"), ("dims", "int32")), (("out", "float32"),))
+ROUND_HALF = KernelSpec("round_half", "round_half.body", (("x", "float32"), ("dims", "int32")), (("out", "float16"),))
 APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
                          (("rows", "float32"), ("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                           ("dims", "int32")),
@@ -359,7 +376,7 @@ def all_specs() -> list[KernelSpec]:
             ATTEND_PARTIAL, ATTEND_REDUCE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
             APPEND_ROWS, COMPRESSED_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM,
-            MOE_ROUTE]
+            MOE_ROUTE, ROUND_HALF]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:
