@@ -140,6 +140,20 @@ def test_dequant_kernel_matches_the_reference_decoder(gpu, qtype, rows, ne0):
     np.testing.assert_array_equal(halves, got.astype(np.float16))
 
 
+@pytest.mark.parametrize("qtype", (Q.F32, Q.F16), ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,ne0", [(2, 1), (3, 7), (5, 70), (2, 2051)])
+def test_dequant_kernel_takes_rows_of_any_length(gpu, qtype, rows, ne0):
+    """F32 and F16 rows of any length: eight elements a thread, the tail past a multiple of eight one at a time,
+    rows that do not start 16 bytes apart stored without 16-byte stores; exact, and the halves rounded as NumPy
+    rounds."""
+    _, kernels, to_dev, to_host = gpu
+    raw = random_weight(qtype, (rows,), ne0, seed=ne0)
+    want = dequantize(raw, qtype, ne0)
+    np.testing.assert_array_equal(to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows)), want)
+    np.testing.assert_array_equal(to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows, half=True)),
+                                  want.astype(np.float16))
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("n_pairs", [1, 3, 8, 9, 16])
 def test_qmatmul_from_blocks_matches_float64(gpu, qtype, n_pairs):

@@ -162,7 +162,7 @@ class KernelLaunches:
         """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]`` (``half``: float16, rounded to
         nearest even)."""
         dims = self._const(rows, ne0, row_bytes(qtype, ne0))
-        return self._run(S.dequant_spec(qtype, half), (-(-ne0 // S.DEQUANT_GROUP), rows), S.DEQUANT_GROUP,
+        return self._run(S.dequant_spec(qtype, half), (-(-ne0 // (8 * S.DEQUANT_GROUP)), rows), S.DEQUANT_GROUP,
                          [w, self.aux, dims], [((rows, ne0), "float16" if half else "float32")])[0]
 
     def chunk_weight(self, w, qtype, ne0: int, rows: int):

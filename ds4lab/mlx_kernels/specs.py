@@ -106,7 +106,8 @@ def dequant_spec(qtype: Q, half: bool = False) -> KernelSpec:
     return KernelSpec(name, "dequant.body",
                       (("w", "uint8"), ("aux", "uint8"), ("dims", "int32")),
                       (("out", "float16" if half else "float32"),),
-                      {"DEQUANT": DECODERS[Q(qtype)], "OUT_VALUE": "to_half" if half else ""})
+                      {"DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype),
+                       "OUT_VALUE": "to_half" if half else "", "STORE8": "store8_out_h" if half else "store8_out_f"})
 
 
 def typed(prefix: str, qtype: Q) -> str:
@@ -246,7 +247,10 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
     dq32 = _decodes_32(qtype)
     if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
-    return {"DQ32": int(dq32), "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
+    groups = bn * bk // 32  # IQ2_XXS's jobs a step: DQ32_SPLIT threads a group where there are more threads
+    split = min(4, max(1, threads // groups))
+    return {"DQ32": int(dq32), "DQ32_SPLIT": split if 4 % split == 0 else 1,
+            "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": warps_n, "WM": wm, "WN": wn, "MI": wm // 16,

@@ -376,6 +376,18 @@ DEVICE_FN F8 group32_eight(Group32 g, uint c) {
     return r;
 }
 
+// Eight values to global memory: as floats, or rounded to halves (one 16-byte store where p is 16-byte aligned: vec).
+DEVICE_FN void store8_out_f(GLOBAL float* p, F8 v, bool vec) {
+    for (uint i = 0; i < 8u; i++) p[i] = v.v[i];
+}
+DEVICE_FN void store8_out_h(GLOBAL half_t* p, F8 v, bool vec) {
+    if (vec) {
+        store_h8(p, v.v[0], v.v[1], v.v[2], v.v[3], v.v[4], v.v[5], v.v[6], v.v[7]);
+    } else {
+        for (uint i = 0; i < 8u; i++) p[i] = to_half(v.v[i]);
+    }
+}
+
 // Eight values to a matrix-unit slab in group-shared memory, p 16-byte aligned: as floats, or as halves (slab_h).
 DEVICE_FN void store8_f(SHARED_ARG float* p, F8 v) {
     store_f4_shared(p, v.v[0], v.v[1], v.v[2], v.v[3]);
