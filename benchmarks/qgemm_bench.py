@@ -156,14 +156,14 @@ def tile_shapes(args, projections, experts, sizes, rng):
              for name, q, ne0, n_rows in projections]
     dense = random_blocks(Q.Q8_0, (E,), E, rng, 0.02)
     cases.append((f"dense Q8_0 x {dense_rows}", Q.Q8_0, E, E, dense, dense_rows, None))
-    defaults = S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N, S.QGEMM_WARPS_N_DQ8
+    defaults = S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N, S.QGEMM_WARPS_N_WIDE
     runs, results = [], {}
     for shape in args.tiles:
         m = re.fullmatch(r"(\d+)x(\d+)x(\d+):(\d+)x(\d+)", shape)
         if m is None:
             raise SystemExit(f"tile shape {shape!r} is not BMxBNxBK:WARPS_MxWARPS_N")
         S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N = map(int, m.groups())
-        S.QGEMM_WARPS_N_DQ8 = S.QGEMM_WARPS_N  # one shape for every type
+        S.QGEMM_WARPS_N_WIDE = S.QGEMM_WARPS_N  # one shape for every type
         if args.backend == "cupy":
             from ds4lab.cuda import kernels as cuda_kernels
 
@@ -187,7 +187,7 @@ def tile_shapes(args, projections, experts, sizes, rng):
             runs.append({"tiles": shape, "case": label, "ms": s * 1e3, "tflops": tflops, "differs": differs})
             print(f"{shape}: {label}: {s * 1e3:.3f} ms ({tflops:.3g} TFLOP/s), differs from the first shape's "
                   f"by {differs:.1e} of the scale", flush=True)
-    S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N, S.QGEMM_WARPS_N_DQ8 = defaults
+    S.QGEMM_BM, S.QGEMM_BN, S.QGEMM_BK, S.QGEMM_WARPS_M, S.QGEMM_WARPS_N, S.QGEMM_WARPS_N_WIDE = defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "tiles": runs}, f, indent=1)

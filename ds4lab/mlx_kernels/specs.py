@@ -65,10 +65,11 @@ QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 # Of the shapes timed on the H200 (qgemm_bench --tiles), 64x128x32 on 2x2 SIMD groups ran the routed
 # experts 16-17% faster than 64x64x32 and the dense Q8_0 chunk 19%; 128x64 ran them 1.6x slower.
 QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 128, 32, 2, 2
-# The types whose weight slab is decoded eight elements a job (all but IQ2_XXS) take 2 x QGEMM_WARPS_N_DQ8 SIMD
-# groups: half the jobs a thread, and the routed Q2_K down projection ran 1.16x faster than on 2 x 2 (IQ2_XXS, a
-# job a row's group of 32, has too few jobs for 8 SIMD groups: 1.07x slower).
-QGEMM_WARPS_N_DQ8 = 4
+# Q2_K's chunk products (the routed down projection) take 2 x QGEMM_WARPS_N_WIDE SIMD groups: half the jobs a
+# thread, 64 registers, twice the SIMD groups an SM; on the H200 1.14x faster than 2 x 2, where IQ2_XXS (too few
+# jobs for 8 SIMD groups), the dense Q8_0 product and indexer_chunk (F32) ran the same or slower.
+QGEMM_WIDE_TYPES = frozenset({Q.Q2_K})
+QGEMM_WARPS_N_WIDE = 4
 QGEMM_SHARED_BYTES = 32768  # Metal's limit for a work-group
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
@@ -197,14 +198,9 @@ def indexer_chunk_spec(operands: str = "float32") -> KernelSpec:
                       {**_qgemm_defines(Q.F32, operands == "f16"), **step, "INDEXER_SCORES": 1})
 
 
-def _decodes_32(qtype: Q) -> bool:
-    """Whether qgemm decodes ``qtype``'s weight slab a row's group of 32 a job (IQ2_XXS), not eight elements."""
-    return Q(qtype) == Q.IQ2_XXS and QGEMM_BK % 32 == 0 and 256 % QGEMM_BK == 0
-
-
 def qgemm_warps(qtype: Q) -> tuple[int, int]:
     """The WARPS_M x WARPS_N SIMD groups of a qgemm work-group for ``qtype``'s weights."""
-    return QGEMM_WARPS_M, QGEMM_WARPS_N if _decodes_32(qtype) else QGEMM_WARPS_N_DQ8
+    return QGEMM_WARPS_M, QGEMM_WARPS_N_WIDE if Q(qtype) in QGEMM_WIDE_TYPES else QGEMM_WARPS_N
 
 
 def qgemm_threads(qtype: Q) -> int:
@@ -244,13 +240,10 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
     # and Q2_K's (its 32 consecutive elements: 32 bytes read) 2.5% and the dense Q8_0 product 24% slower than 8
     # elements a job (benchmarks/README.md, qgemm_bench.py), so those keep 8.
     tables_at = slab_floats
-    dq32 = _decodes_32(qtype)
+    dq32 = Q(qtype) == Q.IQ2_XXS and bk % 32 == 0 and 256 % bk == 0
     if dq32 and tables_at + IQ2_TABLE_WORDS > smem_floats:
         raise ValueError(f"qgemm tiles {bm}x{bn}x{bk} leave no room for IQ2_XXS's tables in shared memory")
-    groups = bn * bk // 32  # IQ2_XXS's jobs a step: DQ32_SPLIT threads a group where there are more threads
-    split = min(4, max(1, threads // groups))
-    return {"DQ32": int(dq32), "DQ32_SPLIT": split if 4 % split == 0 else 1,
-            "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
+    return {"DQ32": int(dq32), "GROUP32": typed("group32", qtype) if dq32 else "0", "TABLES_AT": tables_at,
             "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS,
             "DEQUANT": DECODERS[Q(qtype)], "DEQUANT8": typed("dq8", qtype), "BM": bm, "BN": bn, "BK": bk,
             "LDC": ldc, "SMEM_FLOATS": smem_floats, "WARPS_N": warps_n, "WM": wm, "WN": wn, "MI": wm // 16,
