@@ -482,6 +482,22 @@ def test_dense_product_reduced_operands(gpu, monkeypatch, operands):
     np.testing.assert_array_equal(again, got)
 
 
+def test_dense_product_of_few_rows_stays_float32_with_half_operands(gpu, monkeypatch):
+    """With "f16", a product of at most FLOAT32_PRODUCT_ROWS output rows (the HC mixers') keeps float32 operands:
+    within 1e-5 of float64's scale, where halves would be farther off; one more row takes halves."""
+    backend, kernels, to_dev, to_host = gpu
+    if backend.startswith("mlx"):
+        pytest.skip("prefill_matmul='f16' is the cupy backend's (MLX multiplies chunks in float32)")
+    monkeypatch.setattr(kernels, "chunk_operands", "f16")
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((100, 1000)).astype(np.float32)
+    for n, near in ((S.FLOAT32_PRODUCT_ROWS, True), (S.FLOAT32_PRODUCT_ROWS + 1, False)):
+        w = rng.standard_normal((n, 1000)).astype(np.float32)
+        exact = x.astype(np.float64) @ w.astype(np.float64).T
+        off = np.abs(to_host(kernels.dense_product(to_dev(x), to_dev(w))) - exact).max() / np.abs(exact).max()
+        assert (off <= 1e-5) == near, (n, off)
+
+
 # attend_partial's blocks of ATTN_HEADS (8) heads: H = 20 and 9 end in a part block, D = 72 and 50 are no multiple
 # of 32; its splits: N = 1 and 37 one split, 300 at T = 16 nine splits of at most 34 keys, about 60% of them
 # visible (tiles partly filled); (1, 64, 512, 1200) Flash's decode step at 4K context (8 blocks × 32 splits).

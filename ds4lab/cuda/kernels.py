@@ -52,13 +52,15 @@ class CudaKernels(ArrayLaunches):
 
     def dense_product(self, x, w):
         """cuBLAS in float32; on the tensor cores in TF32 with ``chunk_operands`` "tf32" (the compute type CuPy
-        passes to cuBLAS, set for this product only), on half operands with "f16" (see :meth:`_half_gemm`)."""
-        if self.chunk_operands == "f16":
+        passes to cuBLAS, set for this product only), on half operands with "f16" (see :meth:`_half_gemm`; few
+        output rows stay float32: :meth:`_product_operands`)."""
+        operands = self._product_operands(w.shape[0])
+        if operands == "f16":
             return self._half_gemm(x[:, None, :], w[None])
-        if self.chunk_operands == "float32":
+        if operands == "float32":
             return x @ w.T
-        if self.chunk_operands != "tf32":
-            raise ValueError(f"unknown chunk_operands {self.chunk_operands!r}; choose one of {', '.join(S.OPERANDS)}")
+        if operands != "tf32":
+            raise ValueError(f"unknown chunk_operands {operands!r}; choose one of {', '.join(S.OPERANDS)}")
         before = cublas_types.get_compute_type(cp.float32)
         cublas_types.set_compute_type(cp.float32, cublas_types.COMPUTE_TYPE_TF32)
         try:

@@ -102,6 +102,13 @@ class KernelLaunches:
         """``x`` as contiguous float16 (rounded to nearest even)."""
         raise NotImplementedError
 
+    def _product_operands(self, n_rows: int) -> str:
+        """What a chunk's dense product of ``n_rows`` output rows multiplies: ``chunk_operands``, but float32 for
+        few rows with half operands (:data:`.specs.FLOAT32_PRODUCT_ROWS`)."""
+        if self.chunk_operands == "f16" and n_rows <= S.FLOAT32_PRODUCT_ROWS:
+            return "float32"
+        return self.chunk_operands
+
     def _chunk_x(self, x):
         """A chunk product's x as its kernel reads it: halves with half operands (rounded here, once, not by each
         work-group that reads it), else float32."""
@@ -168,7 +175,7 @@ class KernelLaunches:
     def chunk_weight(self, w, qtype, ne0: int, rows: int):
         """A matrix for a chunk's product through the library's GEMM (:meth:`dense_product`), dequantized: as
         halves where the chunk's products take half operands, so no float32 copy is made to be rounded."""
-        return self.dequant(w, qtype, ne0, rows, half=self.chunk_operands == "f16")
+        return self.dequant(w, qtype, ne0, rows, half=self._product_operands(rows) == "f16")
 
     def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
         """``out[p] = x[p // repeat] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix;
@@ -193,7 +200,8 @@ class KernelLaunches:
 
     def dense_product(self, x, w):
         """``x [P, K] @ w [N, K]ᵀ`` for a chunk through the array library's GEMM (``w`` dequantized or F32)."""
-        x, w = (operand_round(self.xp, a, self.chunk_operands) for a in (x, w))
+        operands = self._product_operands(w.shape[0])
+        x, w = (operand_round(self.xp, a, operands) for a in (x, w))
         return x @ w.T
 
     def grouped_product(self, x, raw, qtype, ne0: int, n_rows: int):

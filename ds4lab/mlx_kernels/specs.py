@@ -71,6 +71,10 @@ QGEMM_BM, QGEMM_BN, QGEMM_BK, QGEMM_WARPS_M, QGEMM_WARPS_N = 64, 128, 32, 2, 2
 QGEMM_WIDE_TYPES = frozenset({Q.Q2_K})
 QGEMM_WARPS_N_WIDE = 4
 QGEMM_SHARED_BYTES = 32768  # Metal's limit for a work-group
+# A chunk's dense product of at most this many output rows (the HC mixers' 24) keeps float32 operands where the
+# others take halves: it is bound by reading x, and rounding x to half would read it once more (on the H200 the
+# mixer's 2048 x 16384 input: 133 µs with halves, 88 µs in float32).
+FLOAT32_PRODUCT_ROWS = 32
 ATTN_MAX_D = 512
 ATTN_GROUP = 128  # threads per decode-attention work-group: 4 SIMD groups
 # attend_partial's blocks: ATTN_ROWS heads per SIMD group, so ATTN_HEADS per work-group share each key it
