@@ -125,7 +125,7 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
     float32 path, logits within 2e-3 of float64's scale on the tiny configurations. "f16" rounds the weight
     products' and indexer scores' operands to half instead (the same 10 mantissa bits, to nearest even; the
     tensor cores' half rate, half the shared-memory bytes), attention's too (q, keys and softmax weights): the same
-    2e-3, and on an H200 about 2.5x float32's prefill speed on the whole Flash model (2.0x with "tf32"; README,
+    2e-3, and on an H200 about 3.0x float32's prefill speed on the whole Flash model (2.1x with "tf32"; README,
     "Benchmarks").
     """
     return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
