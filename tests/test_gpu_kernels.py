@@ -297,6 +297,22 @@ def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
                         ("qmatmul_q8_0", (32 // GROUP_ROWS, device_batches * 4)), ("qmatmul_reduce", (1, 1))]
 
 
+@pytest.mark.parametrize("qtype", sorted(S.GROUP32_X_LOADERS, key=lambda q: q.name), ids=lambda q: q.name)
+def test_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
+    """A decode step's loop (one pair a batch) over a whole row of 2,816 elements, unsplit: two full steps of
+    1,024 and a third that only some lanes take (IQ2_XXS's loads for each next step issued a step ahead); 9 rows,
+    the last SIMD group's past N reading row N - 1. Within 1e-5 of float64's scale."""
+    _, kernels, to_dev, to_host = gpu
+    monkeypatch.setattr(S, "QMATMUL_SIMD_GROUPS", 1)  # no split of K
+    rows, ne0 = 9, 2816
+    raw = random_weight(qtype, (2, rows), ne0, seed=43)
+    x = np.random.default_rng(44).standard_normal((3, ne0)).astype(np.float32)
+    ids = np.array([1, 0, 1], np.int32)
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, device_ids(gpu[0], to_dev, ids)))
+    want = np.einsum("pk,prk->pr", x.astype(np.float64), dequantize(raw, qtype, ne0).astype(np.float64)[ids])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_qmatmul_with_enough_rows_does_not_split(gpu, monkeypatch):
     """Rows enough to fill QMATMUL_SIMD_GROUPS on their own: one pass writes out, as before the splits."""
     _, kernels, to_dev, to_host = gpu
