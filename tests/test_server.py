@@ -354,7 +354,9 @@ def test_a_full_queue_answers_503_with_retry_after():
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(post, range(6)))
     codes = sorted(r.status_code for r in replies)
-    assert set(codes) == {200, 503} and codes.count(200) >= 2, codes  # one running, one waiting, the rest refused
+    # One running and one waiting at most, the rest refused; two answered only where the worker took the first
+    # off the queue before the second came (a loaded machine can be slower: then one is answered, five refused).
+    assert set(codes) == {200, 503} and 1 <= codes.count(200) <= 2, codes
     for r in replies:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "server_busy"
