@@ -186,9 +186,14 @@ def test_interactive_ctrl_c_stops_generation(nano):
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len("".join(out).rpartition("ds4lab> ")[2]) < 10:
+    def generating() -> bool:  # the prompt is up and the reply has begun (no prompt yet: not begun)
+        head, prompt, reply = "".join(out).rpartition("ds4lab> ")
+        return bool(prompt) and len(reply) >= 10
+
+    deadline = time.monotonic() + 180  # a loaded 2-core machine: the other test worker busy
+    while time.monotonic() < deadline and not generating():
         time.sleep(0.05)
+    assert generating(), f"no reply began in 180 s: {''.join(out)!r}"
     proc.send_signal(signal.SIGINT)
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0, err
