@@ -300,7 +300,7 @@ def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
 @pytest.mark.parametrize("qtype", sorted(S.GROUP32_X_LOADERS, key=lambda q: q.name), ids=lambda q: q.name)
 def test_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
     """A decode step's loop (one pair a batch) over a whole row of 2,816 elements, unsplit: two full steps of
-    1,024 and a third that only some lanes take (IQ2_XXS's loads for each next step issued a step ahead); 9 rows,
+    1,024 and a third that only some lanes take (each a lane's group of 32 a step); 9 rows,
     the last SIMD group's past N reading row N - 1. Within 1e-5 of float64's scale."""
     _, kernels, to_dev, to_host = gpu
     monkeypatch.setattr(S, "QMATMUL_SIMD_GROUPS", 1)  # no split of K

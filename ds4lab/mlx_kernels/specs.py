@@ -142,11 +142,7 @@ IQ2_TABLE_WORDS = 768  # IQ2_XXS's tables in group-shared memory: the grid's 512
 
 def _decode_loop(qtype: Q) -> dict:
     grouped = qtype in GROUP32_X_LOADERS
-    words = qtype == Q.IQ2_XXS  # its loads issued a step ahead (qmatmul's WORDS32 loop)
     return {"DOT32": int(grouped), "GROUP32": typed("group32", qtype) if grouped else "0",
-            "WORDS32": int(words), "WORDS32_T": "IQ2Words" if words else "uint",
-            "LOAD_WORDS32": "iq2_xxs_words" if words else "0", "NO_WORDS32": "iq2_xxs_no_words" if words else "0",
-            "GROUP32_OF": "group32_iq2_xxs_of" if words else "0",
             "GROUP32_HALVES": int(qtype == Q.Q2_K), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
             "DOT8": typed("dot8", qtype), "XSUM": int(qtype == Q.Q4_K),
             "IQ2_TABLES": int(qtype == Q.IQ2_XXS), "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS}

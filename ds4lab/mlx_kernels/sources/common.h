@@ -332,31 +332,12 @@ DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
     return (((signs & 15u) * 0x00204081u) & 0x01010101u) * 255u;
 }
 
-// An IQ2_XXS group's loads apart from its decoding (iq2_xxs_words, then group32_iq2_xxs_of), so that a loop can
-// issue the next step's loads before it decodes this step's: the words holding the group's 8 bytes, and its block's
-// scale d (half bits).
-struct IQ2Words { uint w0, w1, w2, d; };
-
-DEVICE_FN IQ2Words iq2_xxs_no_words() {  // a value for a step that is not there
-    IQ2Words r;
-    r.w0 = r.w1 = r.w2 = r.d = 0u;
-    return r;
-}
-
-DEVICE_FN IQ2Words iq2_xxs_words(const GLOBAL uint8_t* w, uint off, uint k) {
+DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                                  const GLOBAL uint8_t* aux) {
     uint b = off + (k >> 8) * 66u, sub = b + 2u + 8u * ((k >> 5) & 7u), sh = (sub & 3u) * 8u;
     const GLOBAL uint8_t* p = w + (sub & ~3u);
-    IQ2Words r;
-    r.w0 = load_u32(p);
-    r.w1 = load_u32(p + 4u);
-    r.w2 = sh != 0u ? load_u16(p + 8u) : 0u;  // no read past the block
-    r.d = load_u16(w + b);
-    return r;
-}
-
-DEVICE_FN Group32 group32_iq2_xxs_of(IQ2Words r, uint off, uint k, const SHARED_ARG uint* tables) {
-    uint sh = ((off + (k >> 8) * 66u + 2u + 8u * ((k >> 5) & 7u)) & 3u) * 8u;
-    uint idx = funnel_r(r.w0, r.w1, sh), a1 = funnel_r(r.w1, r.w2, sh);  // four grid indices; signs and scale
+    uint w0 = load_u32(p), w1 = load_u32(p + 4u), w2 = sh != 0u ? load_u16(p + 8u) : 0u;  // no read past the block
+    uint idx = funnel_r(w0, w1, sh), a1 = funnel_r(w1, w2, sh);  // four grid indices; signs and scale
     Group32 g;
     #pragma unroll
     for (uint j = 0; j < 4u; j++) {
@@ -365,15 +346,10 @@ DEVICE_FN Group32 group32_iq2_xxs_of(IQ2Words r, uint off, uint k, const SHARED_
         g.q[2u * j] = (tables[2u * e] ^ m0) + (m0 & 0x01010101u);
         g.q[2u * j + 1u] = (tables[2u * e + 1u] ^ m1) + (m1 & 0x01010101u);
     }
-    g.d[0] = g.d[1] = half_bits_f32(r.d) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    g.d[0] = g.d[1] = load_half(w + b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
     g.m[0] = g.m[1] = 0.0f;
     g.bias = 8388736.0f;
     return g;
-}
-
-DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
-                                  const GLOBAL uint8_t* aux) {
-    return group32_iq2_xxs_of(iq2_xxs_words(w, off, k), off, k, tables);
 }
 
 // Σ_i element i · x.v[i] over a group; halves: the group's two halves have scales and minima of their own (Q2_K),
