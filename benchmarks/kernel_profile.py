@@ -55,6 +55,32 @@ def kernel_times(run, repeats: int) -> dict:
     return {name: (n / repeats, us / repeats) for name, (n, us) in per.items()}
 
 
+def kernel_sequence(run) -> list:
+    """The kernels of one call of ``run`` in launch order: [name, µs from the first kernel's start, µs]."""
+    import cupy as cp
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    cp.cuda.get_current_stream().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        cp.cuda.get_current_stream().synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    t0 = spans[0][0] if spans else 0
+    return [[name, start - t0, end - start] for start, end, name in spans]
+
+
+def print_sequence(label: str, seq: list) -> None:
+    """Each kernel's start, its gap after the previous one's end, its time and its name."""
+    print(f"{label} in launch order: start us, gap us, kernel us, name")
+    end = 0.0
+    for name, start, us in seq:
+        print(f"    {start:8.1f} {start - end:6.1f} {us:7.1f}  {name[:100]}")
+        end = start + us
+
+
 def summary(label: str, kernels: dict, wall_us: float | None = None, top: int = 12) -> dict:
     total = sum(us for _, us in kernels.values())
     nodes = sum(n for n, _ in kernels.values())
@@ -81,6 +107,8 @@ def main(argv=None):
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="also profile the chunk's host side (cProfile) and print the top N functions")
     p.add_argument("--top", type=int, default=25, help="kernels listed for the eager step and the chunk")
+    p.add_argument("--trace", action="store_true",
+                   help="also list each layer half's kernels in launch order, with the gaps between them")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -104,6 +132,10 @@ def main(argv=None):
             for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
                 kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
                 out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
+                if args.trace and not whole:
+                    seq = kernel_sequence(lambda: captured.graph.launch(stream))
+                    print_sequence(f"graph {key}", seq)
+                    out["graphs"][-1]["sequence"] = seq
 
     if not args.prefill_only:
         X, _ = rt.forward(np.array([5]), state)

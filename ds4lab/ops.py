@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .mlx_kernels.specs import HC_MAX, INDEXER_MAX_DQ, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K
+from .mlx_kernels.specs import HC_MAX, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K, indexer_scores_fits
 from .model import attention, compressor, functional, hc, moe, numerics, rope
 
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
@@ -79,13 +79,18 @@ class Ops:
         return self.backend.index_add(acc, rows, values)
 
     # -- attention ------------------------------------------------------------------------------------
-    def attend(self, q, keys, visible, sinks, scale: float):
+    def attend(self, q, keys, visible, sinks, scale: float, tail=None):
         """Attention with sinks (:func:`ds4lab.model.attention.attend`): the split-key kernels for a few queries
         (they spread the keys over many groups, each a block of heads sharing its key reads); for a chunk, the
-        chunk kernel (a group per query and block of heads) if ATTN_CHUNK_KERNEL, else the reference."""
+        chunk kernel (a group per query and block of heads) if ATTN_CHUNK_KERNEL, else the reference. ``tail``:
+        ``(keys2, visible2)``, keys after ``keys`` (the compressed rows after the raw window): the split-key
+        kernels read them where they lie, a decode step's copy of the cache saved; the others take the two joined."""
         kernels = self.kernels
         if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
-            return kernels.attend(q, keys, visible, sinks, scale)
+            return kernels.attend(q, keys, visible, sinks, scale, tail)
+        if tail is not None:
+            keys = self.xp.concatenate([keys, tail[0]], axis=0)
+            visible = self.xp.concatenate([visible, tail[1]], axis=1)
         if kernels is not None and ATTN_CHUNK_KERNEL:
             return kernels.attend_chunk(q, keys, visible, sinks, scale)
         return attention.attend(self.xp, q, keys, visible, sinks, scale)
@@ -109,7 +114,7 @@ class Ops:
         for a chunk the matrix-unit kernel (indexer_chunk) where the heads divide its tiles, else the reference
         (a GEMM and a [T, H, N] tensor)."""
         kernels = self.kernels
-        if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES and q.shape[2] <= INDEXER_MAX_DQ:
+        if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES and indexer_scores_fits(q.shape[2]):
             return kernels.indexer_scores(q, w, k)
         if kernels is not None and QGEMM_BM % q.shape[1] == 0:
             return kernels.indexer_chunk(q, w, k)

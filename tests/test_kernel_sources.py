@@ -222,11 +222,13 @@ def test_attention_splits_cover_every_key():
     splits bring the grid to ATTN_GROUPS work-groups where N has the keys for them."""
     blocks = S.attend_partial_head_blocks
     assert blocks(64) == 64 // S.ATTN_HEADS and blocks(S.ATTN_HEADS + 1) == 2
-    assert S.attend_partial_dims(1, 64, 512, 1200).tolist() == [1, 64, 512, 1200, 32, 38]  # Flash's decode, 4K context
+    # Flash's decode at 4K context: 128 raw rows, then 1,072 compressed ones
+    assert S.attend_partial_dims(1, 64, 512, 1200, 128).tolist() == [1, 64, 512, 1200, 32, 38, 128]
     for T in (1, 2, 16):
         for H in (1, 4, 20, 64):
             for n in (1, 31, 32, 255, 257, 1200, 4100, 70000):
-                _, _, _, N, splits, per = S.attend_partial_dims(T, H, 128, n)
+                _, _, _, N, splits, per, N1 = S.attend_partial_dims(T, H, 128, n)
+                assert N1 == N == n
                 assert (per - 1) * splits < n <= per * splits
                 assert splits == 1 or n // splits >= S.ATTN_MIN_SPLIT
                 groups = T * S.attend_partial_head_blocks(H)

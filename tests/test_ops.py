@@ -73,6 +73,8 @@ def test_ops_over_numpy_is_the_reference():
     visible = rng.random((3, 5)) < 0.5
     np.testing.assert_array_equal(ops.attend(q, keys, visible, sinks, 0.3),
                                   attention.attend(np, q, keys, visible, sinks, 0.3))
+    np.testing.assert_array_equal(ops.attend(q, keys[:2], visible[:, :2], sinks, 0.3, (keys[2:], visible[:, 2:])),
+                                  attention.attend(np, q, keys, visible, sinks, 0.3))
     x = rng.standard_normal((4, 128))
     np.testing.assert_array_equal(ops.store_kv(x, 64), numerics.f16_round(np, numerics.fp8_kv_sim(np, x, 64)))
 

@@ -14,7 +14,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     half_bits_f32(h)           the half whose bits are the low 16 of h, as a float
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
-    store_f4_shared(p, a, b, c, d)   four floats to 16-byte aligned group-shared memory at once
+    store_f4_shared(p, a, b, c, d), load_f4_shared(p)   four floats to or from 16-byte aligned group-shared memory
     load_u16(p), load_u32(p), load_f4(p), load_u4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
                                (the CPU dialect stops the process at a misaligned one, where a GPU would fault)
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
@@ -60,6 +60,7 @@ DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((un
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
 DEVICE_FN uint load_u32(const uint8_t* p) { return *reinterpret_cast<const uint*>(p); }
 DEVICE_FN float4 load_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+DEVICE_FN float4 load_f4_shared(const float* p) { return *reinterpret_cast<const float4*>(p); }
 DEVICE_FN uint4 load_u4(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 DEVICE_FN float simd_sum_f(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -224,6 +225,7 @@ DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); 
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
 DEVICE_FN uint load_u32(const device uint8_t* p) { return *(const device uint*)p; }
 DEVICE_FN float4 load_f4(const device float* p) { return *(const device float4*)p; }
+DEVICE_FN float4 load_f4_shared(const threadgroup float* p) { return *(const threadgroup float4*)p; }
 DEVICE_FN uint4 load_u4(const device uint8_t* p) { return *(const device uint4*)p; }
 DEVICE_FN float simd_sum_f(float x) { return simd_sum(x); }
 DEVICE_FN float simd_max_f(float x) { return simd_max(x); }
@@ -333,6 +335,7 @@ DEVICE_FN float half_bits_f32(uint h) { uint16_t b = uint16_t(h); _Float16 v; st
 DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, aligned_at(p, 2), 2); return v; }
 DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, aligned_at(p, 4), 4); return v; }
 DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
+DEVICE_FN float4 load_f4_shared(const float* p) { return load_f4(p); }
 DEVICE_FN uint4 load_u4(const uint8_t* p) { uint4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
 DEVICE_FN float f16_round(float x) { return float(_Float16(x)); }
 typedef _Float16 half_t;

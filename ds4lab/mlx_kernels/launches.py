@@ -230,16 +230,21 @@ class KernelLaunches:
                           self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
 
-    def attend(self, q, keys, visible, sinks, scale: float):
+    def attend(self, q, keys, visible, sinks, scale: float, tail=None):
         """Softmax attention with sinks over visible keys (docs/MODEL.md, "Attention") for a few queries, in two
         passes: each key split's online softmax for a block of heads sharing each key read (attend_partial), then
-        the merge of the splits (attend_reduce)."""
+        the merge of the splits (attend_reduce). ``tail``: ``(keys2 [N2, D], visible2 [T, N2])``, keys that follow
+        ``keys``, read where they lie (a decode step's compressed rows after its raw window)."""
         T, H, D = q.shape
-        dims_host = S.attend_partial_dims(T, H, D, keys.shape[0])
+        if tail is not None and tail[0].shape[0] == 0:
+            tail = None
+        keys2, visible2 = (keys, visible) if tail is None else tail  # with no tail, keys2 is never read
+        N1 = keys.shape[0]
+        dims_host = S.attend_partial_dims(T, H, D, N1 + (0 if tail is None else keys2.shape[0]), N1)
         dims, splits = self._const(*dims_host.tolist()), int(dims_host[4])
         parts = self._run(S.ATTEND_PARTIAL, (T * S.attend_partial_head_blocks(H), splits), S.ATTN_GROUP,
-                          [self._f32(q), self._f32(keys), self._u8(visible), dims,
-                           self._const(scale, dtype=np.float32)],
+                          [self._f32(q), self._f32(keys), self._u8(visible), self._f32(keys2), self._u8(visible2),
+                           dims, self._const(scale, dtype=np.float32)],
                           [((T * H, splits), "float32"), ((T * H, splits), "float32"),
                            ((T * H, splits, D), "float32")])
         return self._run(S.ATTEND_REDUCE, (T * H, -(-D // S.ATTN_GROUP)), S.ATTN_GROUP,
@@ -387,8 +392,9 @@ class KernelLaunches:
         """``score [T, N]`` of every compressed indexer row ``k [N, Dq]`` for queries ``q [T, H, Dq]``."""
         T, H, Dq = q.shape
         N = k.shape[0]
-        if Dq > S.INDEXER_MAX_DQ:
-            raise ValueError(f"indexer_scores kernel: head dim {Dq} exceeds {S.INDEXER_MAX_DQ}")
+        if not S.indexer_scores_fits(Dq):
+            raise ValueError(f"indexer_scores kernel: head dim {Dq} exceeds {S.INDEXER_MAX_DQ} or is not a "
+                             "multiple of 4")
         return self._run(S.INDEXER_SCORES, (-(-N // S.INDEXER_ROWS), T), S.INDEXER_GROUP,
                          [self._f32(q), self._f32(w), self._f32(k), self._const(T, H, Dq, N)],
                          [((T, N), "float32")])[0]
@@ -410,7 +416,9 @@ class KernelLaunches:
     def indexer_allowed(self, score, visible, n_visible, top_k: int):
         """Boolean ``[T, N]``: each query's top-k visible rows when more than k are visible, else all visible."""
         T, N = score.shape
-        allowed = self._run(S.INDEXER_ALLOWED, (T, 1), S.ROW_GROUP,
+        # a few queries (a decode step) take wide groups: every key of a 32K context held in registers
+        threads = S.ROW_GROUP if T >= S.RMSNORM_WIDE_ROWS else self.wide_group
+        allowed = self._run(S.INDEXER_ALLOWED, (T, 1), threads,
                             [self._f32(score), self._u8(visible), self._i32(n_visible), self._const(T, N, top_k)],
                             [((T, N), "uint8")])[0]
         return self._bool(allowed)

@@ -257,8 +257,8 @@ def _qgemm_defines(qtype: Q, half: bool = False) -> dict:
 
 
 ATTEND_PARTIAL = KernelSpec("attend_partial", "attend_partial.body",
-                            (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("dims", "int32"),
-                             ("fparams", "float32")),
+                            (("q", "float32"), ("keys", "float32"), ("vis", "uint8"), ("keys2", "float32"),
+                             ("vis2", "uint8"), ("dims", "int32"), ("fparams", "float32")),
                             (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32")),
                             {"MAX_D": ATTN_MAX_D, "THREADS": ATTN_GROUP, "SIMD_GROUPS": ATTN_GROUP // 32,
                              "ROWS": ATTN_ROWS, "TILE": ATTN_TILE})
@@ -340,17 +340,27 @@ RING_WRITE = KernelSpec("ring_write", "ring_write.body",
                         (("out", "float32"), ("slot_pos", "int32"), ("visible", "uint8")))
 
 # indexer_scores: a work-group per query and INDEXER_ROWS compressed rows, q's head dim at most
-# INDEXER_MAX_DQ (Flash: 128; the q rows staged take MAX_DQ × 33 floats of group-shared memory).
+# INDEXER_MAX_DQ (Flash: 128; the q rows staged take MAX_DQ × 33 floats of group-shared memory, the group's rows
+# ROWS × MAX_DQ: 25 KB in all, under Metal's 32 KB).
 INDEXER_GROUP = 256
 INDEXER_ROWS = 16
 INDEXER_MAX_DQ = 128
+
+
+def indexer_scores_fits(Dq: int) -> bool:
+    """Whether indexer_scores takes heads of ``Dq`` dims: at most INDEXER_MAX_DQ, four at a time."""
+    return Dq <= INDEXER_MAX_DQ and Dq % 4 == 0
+
+
 INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             (("q", "float32"), ("w", "float32"), ("k", "float32"), ("dims", "int32")),
                             (("out", "float32"),),
                             {"MAX_DQ": INDEXER_MAX_DQ, "ROWS": INDEXER_ROWS, "THREADS": INDEXER_GROUP,
-                             "SIMD_GROUPS": INDEXER_GROUP // 32})
+                             "SIMD_GROUPS": INDEXER_GROUP // 32, "SG_ROWS": INDEXER_ROWS // (INDEXER_GROUP // 32)})
 
-INDEXER_ALLOWED_CACHED = 8  # rows a thread of indexer_allowed keeps in registers: all of them up to 8 × ROW_GROUP
+# Rows a thread of indexer_allowed keeps in registers: with a decode step's wide groups (1,024 threads), every row
+# of a 32K context at ratio 4.
+INDEXER_ALLOWED_CACHED = 8
 INDEXER_ALLOWED = KernelSpec("indexer_allowed", "indexer_allowed.body",
                              (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
                              (("allowed", "uint8"),), {"CACHED": INDEXER_ALLOWED_CACHED})
@@ -416,13 +426,13 @@ def _check_head_dim(D: int) -> None:
         raise ValueError(f"attention kernel: head_dim {D} exceeds {ATTN_MAX_D}")
 
 
-def attend_partial_dims(T: int, H: int, D: int, N: int) -> np.ndarray:
-    """attend_partial's dims ``[T, H, D, N, splits, keys_per_split]``: split s holds the keys n ≡ s (mod splits),
-    at most keys_per_split of them; splits enough for about ATTN_GROUPS work-groups of ATTN_MIN_SPLIT keys or
-    more (one split when N is smaller)."""
+def attend_partial_dims(T: int, H: int, D: int, N: int, N1: int | None = None) -> np.ndarray:
+    """attend_partial's dims ``[T, H, D, N, splits, keys_per_split, N1]`` (``N1``: the keys in its first array, all
+    ``N`` when None): split s holds the keys n ≡ s (mod splits), at most keys_per_split of them; splits enough
+    for about ATTN_GROUPS work-groups of ATTN_MIN_SPLIT keys or more (one split when N is smaller)."""
     _check_head_dim(D)
     splits = max(1, min(-(-ATTN_GROUPS // (T * attend_partial_head_blocks(H))), N // ATTN_MIN_SPLIT))
-    return np.array([T, H, D, N, splits, -(-N // splits)], dtype=np.int32)
+    return np.array([T, H, D, N, splits, -(-N // splits), N if N1 is None else N1], dtype=np.int32)
 
 
 def attend_partial_head_blocks(H: int) -> int:

@@ -170,7 +170,7 @@ class Transformer:
         # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
         # the latest position ≡ s written so far; a query sees positions in (q − window, q].
         raw, slot_pos, visible = ops.ring_write(st.raw, kv, pos0, n_valid, cfg.swa)
-        keys, new, comp_candidates = raw, LayerState(raw=raw), None
+        new, comp_candidates, tail = LayerState(raw=raw), None, None
 
         if R:
             # Rows of windows that end inside the chunk are written before the chunk's attention.
@@ -194,13 +194,14 @@ class Transformer:
                         emit("indexer.topk", comp_visible)
             if emit:
                 comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
-            keys = xp.concatenate([raw, comp], axis=0)
-            visible = xp.concatenate([visible, comp_visible], axis=1)
+            tail = (comp, comp_visible)  # the keys after the raw window
 
         if emit:  # what ds4lab.hooks needs to materialise attention maps on request
-            emit("attn.scores", dict(q=q, keys=keys, visible=visible, sinks=sinks, scale=cfg.head_dim ** -0.5,
+            keys, vis = (raw, visible) if tail is None else (xp.concatenate([raw, tail[0]], axis=0),
+                                                             xp.concatenate([visible, tail[1]], axis=1))
+            emit("attn.scores", dict(q=q, keys=keys, visible=vis, sinks=sinks, scale=cfg.head_dim ** -0.5,
                                      slot_pos=slot_pos, n_raw=raw.shape[0], ratio=R, comp_candidates=comp_candidates))
-        out = ops.attend(q, keys, visible, sinks, cfg.head_dim ** -0.5)
+        out = ops.attend(q, raw, visible, sinks, cfg.head_dim ** -0.5, tail)
         heads = ops.rope(out, cos, sin, inverse=True)
         if emit:
             emit("attn.out", out)

@@ -397,17 +397,18 @@ DEVICE_FN void store8_h(SHARED_ARG slab_h* p, F8 v) {
     store_h8_shared(p, v.v[0], v.v[1], v.v[2], v.v[3], v.v[4], v.v[5], v.v[6], v.v[7]);
 }
 
-// Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; eight loads are issued
-// before the first is used. One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token
-// on the H200 that way (85% of its warp cycles stalled on L1TEX), 8 µs this way.
+// Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; 32 loads are issued
+// before the first is used (a Flash decode token's HC state, 16,384 floats over 256 threads: two rounds of loads,
+// each a trip to memory). One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token on the
+// H200 that way (85% of its warp cycles stalled on L1TEX), 8 µs with 8 loads a round.
 DEVICE_FN float strided_sum_squares(const GLOBAL float* x, uint n, uint tid, uint threads) {
     float ss = 0.0f;
-    for (uint i0 = tid; i0 < n; i0 += 8u * threads) {
-        float v[8];
+    for (uint i0 = tid; i0 < n; i0 += 32u * threads) {
+        float v[32];
         #pragma unroll
-        for (uint j = 0; j < 8u; j++) v[j] = i0 + j * threads < n ? x[i0 + j * threads] : 0.0f;
+        for (uint j = 0; j < 32u; j++) v[j] = i0 + j * threads < n ? x[i0 + j * threads] : 0.0f;
         #pragma unroll
-        for (uint j = 0; j < 8u; j++) ss += v[j] * v[j];
+        for (uint j = 0; j < 32u; j++) ss += v[j] * v[j];
     }
     return ss;
 }
