@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backends.base import IN_ORDER
 from .mlx_kernels.specs import HC_MAX, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K, indexer_scores_fits
 from .model import attention, compressor, functional, hc, moe, numerics, rope
 
@@ -70,6 +71,14 @@ class Ops:
     def kernels(self):
         """The backend's kernels on the current device, or None (no kernels: every op is its reference)."""
         return self.backend.kernels
+
+    def branch(self, rows: int, quiet: bool = True):
+        """Work of a block of ``rows`` rows that may run beside what follows it until ``join()`` (see
+        :meth:`ds4lab.backends.base.Backend.branch`): the backend's branch for a decode step's few rows with kernels
+        and no observer (``quiet``), else in order."""
+        if quiet and self.kernels is not None and rows <= ATTN_KERNEL_MAX_QUERIES:
+            return self.backend.branch()
+        return IN_ORDER
 
     # -- the backend's array members, for the reference formulas ---------------------------------------
     def asarray(self, a):

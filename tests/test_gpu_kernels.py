@@ -1506,6 +1506,41 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
         assert [np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)] == [True] * 3
 
 
+@pytest.mark.gpu
+def test_cupy_branch_runs_after_its_fork_and_before_the_join():
+    """A branch's launches see what the current stream wrote before the fork (a long chain of launches writes
+    x last), and what follows the join sees the branch's results; eagerly and in a CUDA graph's replays."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda.branches import Branch
+    from ds4lab.cuda.graphs import GraphStep
+
+    def fn(x, v):
+        x = x.copy()
+        for _ in range(50):  # keeps the current stream busy when the branch is made
+            x = x * 1.0 + 0.0
+        x[...] = v
+        side = Branch()
+        with side:
+            y = x * 2.0
+            for _ in range(50):
+                y = y + 1.0
+        z = x * 3.0
+        side.join()
+        return (y + z,)
+
+    step = GraphStep(fn)
+    x = cp.zeros((1 << 20,), dtype=cp.float32)
+    for i in range(4):  # eager, capture, two replays
+        v = cp.asarray(np.float32(i + 1))
+        out = step(x, v)[0]
+        assert float(cp.abs(out - (5.0 * (i + 1) + 50.0)).max()) == 0.0, i
+    assert step.captures == 1 and not step.failures
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu),
                                      pytest.param("mlx", marks=pytest.mark.gpu), "emulated"])
 def test_every_short_chunk_length_runs(model_paths, backend):

@@ -12,11 +12,33 @@ from ..quants import dequantize
 from .block_weights import KERNEL_TYPES, BlockEmbedding, BlockLinear, StackedBlockLinear
 
 
+class InOrder:
+    """A branch whose work runs in order with the rest (:meth:`Backend.branch`): ``with`` and ``join`` do nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def join(self) -> None:
+        pass
+
+
+IN_ORDER = InOrder()
+
+
 class Backend:
     """The protocol's defaults. ``kernels`` is None here: a backend with ds4lab's kernels has them there
     (an object of :class:`ds4lab.mlx_kernels.launches.KernelLaunches`)."""
 
     kernels = None
+
+    def branch(self):
+        """Work that may run beside what is launched after it: launches made inside ``with branch:`` need only what
+        was launched before the branch was made, and what is launched after ``branch.join()`` may read their
+        results. Here everything runs in order (:data:`IN_ORDER`); CuPy runs a branch on a side stream."""
+        return IN_ORDER
 
     def device_key(self):
         """Which device arrays made now land on (None: the backend has one memory)."""

@@ -146,6 +146,11 @@ class CupyBackend(BlockBackend):
     def device_key(self):
         return cp.cuda.Device().id
 
+    def branch(self):
+        from ..cuda.branches import Branch
+
+        return Branch()
+
     @property
     def kernels(self):
         """The kernels of the current CUDA device, or None when they are switched off."""

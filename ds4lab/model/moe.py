@@ -66,10 +66,16 @@ def routed_experts_gathered(ops, f, selected, weights, stacked, clamp: float):
     ``stacked`` is (gate, up, down), each called as ``proj(x, experts, repeat)`` with row p // repeat of
     ``x`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may be a
     host array or a device one. The SwiGLU and the route weights are ``ops.swiglu``, the sum per token
-    ``ops.pair_sum`` of a :class:`ds4lab.ops.Ops` (a kernel each where the backend has them).
+    ``ops.pair_sum`` of a :class:`ds4lab.ops.Ops` (a kernel each where the backend has them); ``ops.branch`` may
+    run the up projection beside the gate.
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
     gate, up, down = stacked
-    mid = ops.swiglu(gate(f, experts, k), up(f, experts, k), clamp, weights.reshape(T * k))
+    up_side = ops.branch(T)  # for a decode step, up's launch beside gate's: neither fills the GPU alone
+    with up_side:
+        u = up(f, experts, k)
+    g = gate(f, experts, k)
+    up_side.join()
+    mid = ops.swiglu(g, u, clamp, weights.reshape(T * k))
     return ops.pair_sum(down(mid, experts), k)

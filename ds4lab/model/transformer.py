@@ -155,38 +155,49 @@ class Transformer:
         a = ops.rmsnorm(x_in, eps, lw.attn_norm)
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
         of_a = lw.projections_of_a(a, selects)
-        qr = ops.rmsnorm(of_a.q_a, eps, lw.attn_q_a_norm)
-        # q and the KV row normalised, and normalised then turned by RoPE (one launch each with kernels)
         cos, sin = rope
+        # The KV row, the raw ring and the compressors do not need q: for a decode step's few rows they run beside
+        # q's projections, the indexer's compressor beside the attention rows' (ops.branch: side streams on CuPy,
+        # in order elsewhere), until the indexer or the attention reads the rows they make.
+        kv_side, index_side = ops.branch(C, emit is None), ops.branch(C, emit is None)
+        with kv_side:
+            kv, kv_rot = ops.rmsnorm_rope(of_a.kv, eps, lw.attn_kv_a_norm, cos, sin)
+        # q normalised, and normalised then turned by RoPE (one launch with kernels)
+        qr = ops.rmsnorm(of_a.q_a, eps, lw.attn_q_a_norm)
         q, q_rot = ops.rmsnorm_rope(lw.attn_q_b(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None, cos, sin)
-        kv, kv_rot = ops.rmsnorm_rope(of_a.kv, eps, lw.attn_kv_a_norm, cos, sin)
         if emit:
             emit("attn_norm", a)
             emit("attn.q_lora", qr)
             emit("attn.q", q)
             emit("attn.kv_in", kv)
-        q, kv = q_rot, self.store_kv(kv_rot)
+        q = q_rot
 
-        # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
-        # the latest position ≡ s written so far; a query sees positions in (q − window, q].
-        raw, slot_pos, visible = ops.ring_write(st.raw, kv, pos0, n_valid, cfg.swa)
+        with kv_side:
+            # Raw ring: the chunk's rows go to slots pos mod raw_cap before attention. Slot s now holds
+            # the latest position ≡ s written so far; a query sees positions in (q − window, q].
+            raw, slot_pos, visible = ops.ring_write(st.raw, self.store_kv(kv_rot), pos0, n_valid, cfg.swa)
         new, comp_candidates, tail = LayerState(raw=raw), None, None
 
         if R:
             # Rows of windows that end inside the chunk are written before the chunk's attention.
-            comp, comp_kv, comp_sc = self._compress(
-                "attn_compressor", lw.attn_compressor, of_a.comp_kv, of_a.comp_gate, R, pos0, n_valid, windows,
-                (st.comp, st.comp_state_kv, st.comp_state_score), self.store_kv, emit)
+            with kv_side:
+                comp, comp_kv, comp_sc = self._compress(
+                    "attn_compressor", lw.attn_compressor, of_a.comp_kv, of_a.comp_gate, R, pos0, n_valid, windows,
+                    (st.comp, st.comp_state_kv, st.comp_state_score), self.store_kv, emit)
+                n_vis, comp_visible = ops.compressed_visible(pos0, n_valid, C, comp.shape[0], R)
             new = LayerState(raw=raw, comp=comp, comp_state_kv=comp_kv, comp_state_score=comp_sc)
-            n_vis, comp_visible = ops.compressed_visible(pos0, n_valid, C, comp.shape[0], R)
             comp_candidates = comp_visible
             if cfg.has_indexer(il):
-                index, index_kv, index_sc = self._compress(
-                    "indexer_compressor", lw.indexer_compressor, of_a.index_kv, of_a.index_gate, R, pos0, n_valid,
-                    windows, (st.index, st.index_state_kv, st.index_state_score), self.store_index, emit)
+                with index_side:
+                    index, index_kv, index_sc = self._compress(
+                        "indexer_compressor", lw.indexer_compressor, of_a.index_kv, of_a.index_gate, R, pos0,
+                        n_valid, windows, (st.index, st.index_state_kv, st.index_state_score), self.store_index, emit)
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
                 if selects:
-                    score = self._indexer_scores(lw, qr, of_a.index_proj, cos, sin, index)
+                    q_idx, w_idx = self._indexer_query(lw, qr, of_a.index_proj, cos, sin)
+                    kv_side.join()
+                    index_side.join()
+                    score = ops.indexer_scores(q_idx, w_idx, index)
                     if emit:
                         emit("indexer.scores", score)
                     comp_visible = ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
@@ -195,6 +206,8 @@ class Transformer:
             if emit:
                 comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
             tail = (comp, comp_visible)  # the keys after the raw window
+        kv_side.join()
+        index_side.join()
 
         if emit:  # what ds4lab.hooks needs to materialise attention maps on request
             keys, vis = (raw, visible) if tail is None else (xp.concatenate([raw, tail[0]], axis=0),
@@ -236,13 +249,11 @@ class Transformer:
             emit(name + ".rows", rows)
         return rows, new_kv, new_sc
 
-    def _indexer_scores(self, lw: LayerWeights, qr, proj, cos, sin, index_rows):
-        """``proj``: the indexer's head weights before scaling, ``a`` times its proj weight."""
+    def _indexer_query(self, lw: LayerWeights, qr, proj, cos, sin):
+        """The indexer's queries and head weights (``proj``: before scaling, ``a`` times its proj weight)."""
         cfg = self.cfg
         q = lw.indexer_attn_q_b(qr).reshape(qr.shape[0], cfg.idx_heads, cfg.idx_dim)
-        q = self.indexer_quant(self.ops.rope(q, cos, sin))
-        weights = proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
-        return self.ops.indexer_scores(q, weights, index_rows)
+        return self.indexer_quant(self.ops.rope(q, cos, sin)), proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
 
     # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens, emit=None):
@@ -257,6 +268,11 @@ class Transformer:
         f = ops.rmsnorm(x_in, cfg.rms_eps, lw.ffn_norm)
         if emit:
             emit("ffn_norm", f)
+        clamp = cfg.swiglu_clamp[il]
+        shared_side = ops.branch(X.shape[0], emit is None)  # the shared expert beside the routed ones (ops.branch)
+        with shared_side:
+            gate, up = lw.ffn_gate_up_shexp(f)
+            shared = lw.ffn_down_shexp(ops.swiglu(gate, up, clamp))
         logits = lw.ffn_gate_inp(f)
         bias, stacked = lw.exp_probs_b, lw.experts_stacked
         few, hashed = X.shape[0] <= DEVICE_ROUTING_ROWS, cfg.is_hash_layer(il)
@@ -281,13 +297,11 @@ class Transformer:
                 selected = np.asarray(chosen, dtype=np.int64)
                 weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
             emit("moe.weights", weights)
-        clamp = cfg.swiglu_clamp[il]
         if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
             moe = routed_experts_gathered(ops, f, selected, weights, stacked, clamp)
         else:
             moe = routed_experts(ops, f, selected, weights, lw.expert, clamp)
         if emit:
             emit("moe.out", moe)
-        gate, up = lw.ffn_gate_up_shexp(f)
-        shared = lw.ffn_down_shexp(ops.swiglu(gate, up, clamp))
+        shared_side.join()
         return ops.hc_post(moe + shared, X, post, comb)
