@@ -202,15 +202,21 @@ class Ops:
         y = functional.rmsnorm(self.xp, x, eps, weight)
         return y, rope.rope(self.xp, y, cos, sin)
 
-    def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float):
-        """(x_in, post, comb) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`). The kernel takes
-        ``fn`` of the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is
-        linear), so no normalised copy is made: one launch fewer a sublayer."""
+    def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float, norm_weight=None):
+        """(x_in, post, comb) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`); with ``norm_weight``,
+        the sublayer's input ``rmsnorm(x_in, norm_eps, norm_weight)`` in x_in's place. The kernel takes ``fn`` of
+        the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is linear), so no
+        normalised copy is made; it adds fn's K splits itself where fn gives them (``split_sums``) and normalises
+        x_in in the same launch: three launches fewer a sublayer."""
         T, n, E = X.shape
         kernels = self.kernels
         if kernels is not None and n <= HC_MAX:
-            return kernels.hc_pre(fn(X.reshape(T, n * E)), scale, base, X, iters, eps, norm_eps)
-        return hc.hc_pre(self, X, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
+            flat = X.reshape(T, n * E)
+            mix = fn.split_sums(flat) if hasattr(fn, "split_sums") else fn(flat)
+            return kernels.hc_pre(mix, scale, base, X, iters, eps, norm_eps,
+                                  None if norm_weight is None else (norm_weight, norm_eps))
+        x_in, post, comb = hc.hc_pre(self, X, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
+        return (x_in if norm_weight is None else self.rmsnorm(x_in, norm_eps, norm_weight)), post, comb
 
     def hc_post(self, y, X, post, comb):
         """The streams after a sublayer (:func:`ds4lab.model.hc.hc_post`)."""

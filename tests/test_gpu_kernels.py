@@ -798,6 +798,31 @@ def test_hc_pre_kernel_matches_float64(gpu, T, n, E):
         np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
 
 
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (2, 3, 130), (64, 4, 300)])
+def test_hc_pre_kernel_adds_splits_and_normalises_as_rmsnorm(gpu, T, n, E):
+    """The linear's output as three K splits gives the same bits as their sum made first (qmatmul_reduce's order);
+    with a norm, x_in comes out as rmsnorm(x_in)·w: the same bits as the rmsnorm kernel where the group sizes agree
+    (64 tokens, or the emulator), else within float32 rounding; post and comb likewise."""
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(T + E)
+    parts = rng.standard_normal((3, T, 2 * n + n * n)).astype(np.float32)
+    mix = (parts[0] + parts[1]) + parts[2]
+    scale = rng.uniform(0.5, 1.5, 3).astype(np.float32)
+    base = (0.5 * rng.standard_normal(2 * n + n * n)).astype(np.float32)
+    X = (3.0 * rng.standard_normal((T, n, E))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    args = [to_dev(a) for a in (scale, base, X)]
+    plain = [to_host(a) for a in kernels.hc_pre(to_dev(mix), *args, 20, 1e-6, 1e-6)]
+    split = [to_host(a) for a in kernels.hc_pre(to_dev(parts), *args, 20, 1e-6, 1e-6)]
+    assert all(np.array_equal(a, b) for a, b in zip(split, plain))
+    normed = [to_host(a) for a in kernels.hc_pre(to_dev(parts), *args, 20, 1e-6, 1e-6, (to_dev(w), 1e-5))]
+    want = [to_host(kernels.rmsnorm(to_dev(plain[0]), 1e-5, to_dev(w))), plain[1], plain[2]]
+    if T >= S.RMSNORM_WIDE_ROWS or kernels.wide_group == S.ROW_GROUP:
+        assert all(np.array_equal(a, b) for a, b in zip(normed, want))
+    for a, b in zip(normed, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130), (2, 5, 64), (3, 1, 40)])
 def test_hc_post_kernel_matches_float64(gpu, T, n, E):
     from ds4lab.model.hc import hc_post

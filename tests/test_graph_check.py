@@ -64,9 +64,10 @@ def test_a_wrong_kernel_fails_at_its_stage(pair, monkeypatch):
     report = G.decode_test(fast, plain, token=5)
     monkeypatch.undo()
     failed = {s.stage for s in report.failed}
-    assert "blk.0.attn_norm" in failed and not report.passed
-    attn_norm = next(s for s in report.stages if s.stage == "blk.0.attn_norm")
-    assert attn_norm.rel == pytest.approx(0.01, rel=1e-3)
+    # attn_norm comes out of hc_pre's launch; q's low-rank input is the first rmsnorm of its own
+    assert "blk.0.attn.q_lora" in failed and "blk.0.attn_norm" not in failed and not report.passed
+    q_lora = next(s for s in report.stages if s.stage == "blk.0.attn.q_lora")
+    assert q_lora.rel == pytest.approx(0.01, rel=1e-3)
     assert "FAIL" in str(report).splitlines()[-1]
     assert "--numerics exact" in str(report)  # the hint that tells rounding flips from a wrong kernel
     assert G.decode_test(fast, plain, token=5).passed  # and the right kernel is back

@@ -46,6 +46,14 @@ class BlockLinear:
             out = self.kernels.dense_product(x2, self.kernels.chunk_weight(self.raw, self.qtype, self.ne0, self.n_rows))
         return out.reshape(tuple(lead) + (self.n_rows,))
 
+    def split_sums(self, x):
+        """The product of ``x [T, ne0]`` as its K splits' sums ``[S, T, rows]`` for a kernel that adds them as it
+        reads them (a decode step's qmatmul, whose splits would take a launch of their own to add), or ``[1, T,
+        rows]``."""
+        if x.shape[0] <= KERNEL_MAX_ROWS:
+            return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, reduce=False)
+        return self(x)[None]
+
 
 class StackedBlockLinear:
     """All experts of one routed-expert tensor ``raw [n_expert, rows, row_bytes]`` on the device.

@@ -177,10 +177,12 @@ class KernelLaunches:
         halves where the chunk's products take half operands, so no float32 copy is made to be rounded."""
         return self.dequant(w, qtype, ne0, rows, half=self._product_operands(rows) == "f16")
 
-    def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1):
+    def qmatmul(self, x, w, qtype, ne0: int, n_rows: int, experts: np.ndarray | None = None, repeat: int = 1,
+                reduce: bool = True):
         """``out[p] = x[p // repeat] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix;
         ``repeat``: a token's pairs share its row of x). Few rows and a long K: K split over more SIMD groups
-        (:func:`.specs.qmatmul_splits`), then summed."""
+        (:func:`.specs.qmatmul_splits`), then summed; with ``reduce`` False, the splits' sums ``[S, P, n_rows]``
+        for a kernel that adds them as it reads them (hc_pre)."""
         P = x.shape[0] * repeat
         ids = experts is not None and not self.on_host(experts)
         if ids:  # ids on the device: each pair its own batch, its expert read from the ids themselves
@@ -193,6 +195,8 @@ class KernelLaunches:
         parts = self._run(S.qmatmul_spec(qtype), (-(-n_rows // group_rows), n_batches * splits),
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]
+        if not reduce:
+            return parts
         if splits == 1:
             return parts[0]
         return self._run(S.QMATMUL_REDUCE, (-(-P * n_rows // S.ROW_GROUP), 1), S.ROW_GROUP,
@@ -259,16 +263,24 @@ class KernelLaunches:
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
 
-    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float):
+    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float, norm=None):
         """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear applied to the flat state ``X [T, n·E]``
         itself, not to its RMS normalisation: the kernel divides by the RMS
-        (docs/MODEL.md, "Hyper-connections and Sinkhorn")."""
+        (docs/MODEL.md, "Hyper-connections and Sinkhorn"). ``mix``: the linear's output ``[T, M]``, or its K splits
+        ``[S, T, M]`` (qmatmul's parts, added here). ``norm``: ``(weight, eps)`` of the sublayer's rmsnorm, which
+        then comes out in x_in's place, as :meth:`rmsnorm` gives it (the same group size: the same sums)."""
         T, n, E = X.shape
         S.check_hc_streams("hc_pre", n)
-        G = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1  # groups a token's x_in is spread over
-        return tuple(self._run(S.HC_PRE, (T, 1 + G), S.ROW_GROUP,
-                               [self._f32(mix), self._f32(scale), self._f32(base), self._f32(X),
-                                self._const(T, n, E, iters, G), self._const(eps, norm_eps, dtype=np.float32)],
+        parts = mix.reshape((-1, T, mix.shape[-1]))
+        if norm is None:  # groups a token's x_in is spread over
+            G, threads, w, w_eps = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1, S.ROW_GROUP, X, 0.0
+        else:
+            G, threads = 1, S.ROW_GROUP if T >= S.RMSNORM_WIDE_ROWS else self.wide_group
+            w, w_eps = norm
+        return tuple(self._run(S.HC_PRE, (T, 1 + G), threads,
+                               [self._f32(parts), self._f32(scale), self._f32(base), self._f32(X), self._f32(w),
+                                self._const(T, n, E, iters, G, parts.shape[0], int(norm is not None)),
+                                self._const(eps, norm_eps, w_eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 
     def hc_post(self, y, X, post, comb):

@@ -295,8 +295,8 @@ def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
 
 
 HC_PRE = KernelSpec("hc_pre", "hc_pre.body",
-                    (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("dims", "int32"),
-                     ("fparams", "float32")),
+                    (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("w", "float32"),
+                     ("dims", "int32"), ("fparams", "float32")),
                     (("x_in", "float32"), ("post", "float32"), ("comb", "float32")), {"HC_MAX": HC_MAX})
 HC_POST = KernelSpec("hc_post", "hc_post.body",
                      (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"), ("dims", "int32")),

@@ -128,11 +128,12 @@ class Transformer:
             emit("head.logits", logits)
         return logits
 
-    def _hc_pre(self, hc, X):
-        """(x_in, post, comb) of the hyper-connection mixer before a sublayer (see :func:`.hc.hc_pre`)."""
+    def _hc_pre(self, hc, X, norm_weight):
+        """(rmsnorm(x_in, norm_weight), post, comb): the hyper-connection mixer before a sublayer (see
+        :func:`.hc.hc_pre`) and the sublayer's input norm."""
         cfg = self.cfg
         return self.ops.hc_pre(X, hc.fn, hc.scale, hc.base, iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
-                               norm_eps=cfg.rms_eps)
+                               norm_eps=cfg.rms_eps, norm_weight=norm_weight)
 
     # -- attention half -------------------------------------------------------------------------------
     def attention_block(self, il: int, X, pos0, n_valid, rope, windows, st: LayerState, emit=None):
@@ -148,11 +149,10 @@ class Transformer:
             emit("span", (pos0, n_valid))  # the chunk's first position and real rows (ds4lab.hooks)
             st = _edit(emit, "attn.state", st)
             sinks = _edit(emit, "attn.sinks", sinks)
-        x_in, post, comb = self._hc_pre(lw.hc_attn, X)
+        a, post, comb = self._hc_pre(lw.hc_attn, X, lw.attn_norm)
         if emit:
             emit("hc_attn.post", post)
             emit("hc_attn.comb", comb)
-        a = ops.rmsnorm(x_in, eps, lw.attn_norm)
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
         of_a = lw.projections_of_a(a, selects)
         cos, sin = rope
@@ -261,11 +261,10 @@ class Transformer:
         compiled call passes them in."""
         cfg, ops, lw, xp = self.cfg, self.ops, self.layers[il], self.xp
         emit = _in_layer(il, emit)
-        x_in, post, comb = self._hc_pre(lw.hc_ffn, X)
+        f, post, comb = self._hc_pre(lw.hc_ffn, X, lw.ffn_norm)
         if emit:
             emit("hc_ffn.post", post)
             emit("hc_ffn.comb", comb)
-        f = ops.rmsnorm(x_in, cfg.rms_eps, lw.ffn_norm)
         if emit:
             emit("ffn_norm", f)
         clamp = cfg.swiglu_clamp[il]

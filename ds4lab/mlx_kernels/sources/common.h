@@ -397,6 +397,13 @@ DEVICE_FN void store8_h(SHARED_ARG slab_h* p, F8 v) {
     store_h8_shared(p, v.v[0], v.v[1], v.v[2], v.v[3], v.v[4], v.v[5], v.v[6], v.v[7]);
 }
 
+// Element i of a product split over K (qmatmul's parts [S, n]): its S partial sums added in split order.
+DEVICE_FN float split_sum(const GLOBAL float* part, uint S, uint n, uint i) {
+    float v = part[i];
+    for (uint s = 1; s < S; s++) v += part[s * n + i];
+    return v;
+}
+
 // Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; 32 loads are issued
 // before the first is used (a Flash decode token's HC state, 16,384 floats over 256 threads: two rounds of loads,
 // each a trip to memory). One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token on the
