@@ -428,8 +428,10 @@ class KernelLaunches:
     def indexer_allowed(self, score, visible, n_visible, top_k: int):
         """Boolean ``[T, N]``: each query's top-k visible rows when more than k are visible, else all visible."""
         T, N = score.shape
-        # a few queries (a decode step) take wide groups: every key of a 32K context held in registers
-        threads = S.ROW_GROUP if T >= S.RMSNORM_WIDE_ROWS else self.wide_group
+        # A few queries (a decode step): the fewest threads that hold every key in registers (up to wide groups:
+        # a 32K context's). The passes' reductions cost every SIMD group the same, so more threads cost time.
+        threads = S.ROW_GROUP if T >= S.RMSNORM_WIDE_ROWS else \
+            min(self.wide_group, max(S.INDEXER_ALLOWED_MIN_GROUP, 32 * -(-N // (32 * S.INDEXER_ALLOWED_CACHED))))
         allowed = self._run(S.INDEXER_ALLOWED, (T, 1), threads,
                             [self._f32(score), self._u8(visible), self._i32(n_visible), self._const(T, N, top_k)],
                             [((T, N), "uint8")])[0]

@@ -397,10 +397,19 @@ DEVICE_FN void store8_h(SHARED_ARG slab_h* p, F8 v) {
     store_h8_shared(p, v.v[0], v.v[1], v.v[2], v.v[3], v.v[4], v.v[5], v.v[6], v.v[7]);
 }
 
-// Element i of a product split over K (qmatmul's parts [S, n]): its S partial sums added in split order.
+// Element i of a product split over K (qmatmul's parts [S, n]): its S partial sums added in split order, eight
+// loads issued before they are added (one at a time, hc_pre waited on 16 trips to memory for each of its sums).
 DEVICE_FN float split_sum(const GLOBAL float* part, uint S, uint n, uint i) {
     float v = part[i];
-    for (uint s = 1; s < S; s++) v += part[s * n + i];
+    for (uint s0 = 1; s0 < S; s0 += 8u) {
+        float p[8];
+        #pragma unroll
+        for (uint j = 0; j < 8u; j++) p[j] = s0 + j < S ? part[(s0 + j) * n + i] : 0.0f;
+        #pragma unroll
+        for (uint j = 0; j < 8u; j++) {
+            if (s0 + j < S) v += p[j];
+        }
+    }
     return v;
 }
 
