@@ -16,22 +16,12 @@ import json
 
 import cupy as cp
 import numpy as np
+from dense_product_bench import timed_us
 
 from ds4lab.config import FLASH
 from ds4lab.cuda import CudaKernels
 from ds4lab.kv.layout import Geometry
 from ds4lab.mlx_kernels import specs as S
-
-
-def timed_us(f, repeats: int = 50) -> float:
-    f()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        f()
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / repeats * 1e3
 
 
 def main(argv=None):
@@ -49,7 +39,7 @@ def main(argv=None):
         q = cp.asarray(rng.standard_normal((1, cfg.idx_heads, cfg.idx_dim), dtype=np.float32))
         w = cp.asarray(rng.standard_normal((1, cfg.idx_heads), dtype=np.float32))
         k = cp.asarray(rng.standard_normal((N, cfg.idx_dim), dtype=np.float32))
-        r["indexer_scores_us"] = timed_us(lambda: kernels.indexer_scores(q, w, k))
+        r["indexer_scores_us"] = timed_us(lambda: kernels.indexer_scores(q, w, k), 50)
         visible = cp.ones((1, N), dtype=cp.bool_)
         n_vis = cp.asarray(np.array([N], np.int32))
         distinct = cp.asarray(rng.standard_normal((1, N), dtype=np.float32))
@@ -58,7 +48,7 @@ def main(argv=None):
             kernels.wide_group = threads
             for name, score in (("distinct", distinct), ("tied", tied)):
                 r[f"indexer_allowed_{name}_{threads}_us"] = timed_us(
-                    lambda s=score: kernels.indexer_allowed(s, visible, n_vis, cfg.idx_topk))
+                    lambda s=score: kernels.indexer_allowed(s, visible, n_vis, cfg.idx_topk), 50)
         kernels.wide_group = wide
         D = cfg.head_dim
         qa = cp.asarray(rng.standard_normal((1, cfg.n_head, D), dtype=np.float32))
@@ -69,7 +59,7 @@ def main(argv=None):
         raw_vis[0, : cfg.swa] = True
         comp_vis = cp.zeros((1, N), dtype=cp.bool_)
         comp_vis[0, rng.permutation(N)[: min(N, cfg.idx_topk)]] = True
-        r["attend_us"] = timed_us(lambda: kernels.attend(qa, raw, raw_vis, sinks, D ** -0.5, (comp, comp_vis)))
+        r["attend_us"] = timed_us(lambda: kernels.attend(qa, raw, raw_vis, sinks, D ** -0.5, (comp, comp_vis)), 50)
         rows.append(r)
         print(", ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.items()), flush=True)
     if args.json:
