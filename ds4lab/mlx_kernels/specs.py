@@ -361,7 +361,7 @@ INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
 # Rows a thread of indexer_allowed keeps in registers: with a decode step's wide groups (1,024 threads), every row
 # of a 32K context at ratio 4; a few queries' groups take no fewer threads than INDEXER_ALLOWED_MIN_GROUP.
 INDEXER_ALLOWED_CACHED = 8
-INDEXER_ALLOWED_MIN_GROUP = 128
+INDEXER_ALLOWED_MIN_GROUP = ROW_GROUP
 INDEXER_ALLOWED = KernelSpec("indexer_allowed", "indexer_allowed.body",
                              (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
                              (("allowed", "uint8"),), {"CACHED": INDEXER_ALLOWED_CACHED})
