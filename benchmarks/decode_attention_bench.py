@@ -2,8 +2,9 @@
 
 For a ratio-4 layer at context C (C / 4 compressed rows, the raw ring of ``Geometry.for_context``): the indexer's
 scores (64 heads of 128 dims), its top-512 (``indexer_allowed``) on distinct scores and on scores with many ties,
-with the decode step's wide groups and with ROW_GROUP threads, and the split-key attention over the raw ring and the
-compressed rows (64 heads of 512 dims, the window and 512 rows visible). CUDA events around 50 launches after a
+on the threads the launcher gives a decode step and on ROW_GROUP threads (each key names its thread count), and the
+split-key attention over the raw ring and the compressed rows (64 heads of 512 dims, the window and 512 rows
+visible). CUDA events around 50 launches after a
 warm-up.
 
     python benchmarks/decode_attention_bench.py [--contexts 4096 32768] [--json out.json]
@@ -44,8 +45,9 @@ def main(argv=None):
         n_vis = cp.asarray(np.array([N], np.int32))
         distinct = cp.asarray(rng.standard_normal((1, N), dtype=np.float32))
         tied = cp.round(distinct * 2) / 2
-        for threads in (wide, S.ROW_GROUP):
-            kernels.wide_group = threads
+        for group in (wide, S.ROW_GROUP):  # the launcher's choice, and ROW_GROUP threads
+            kernels.wide_group = group
+            threads = S.indexer_allowed_threads(1, N, group)
             for name, score in (("distinct", distinct), ("tied", tied)):
                 r[f"indexer_allowed_{name}_{threads}_us"] = timed_us(
                     lambda s=score: kernels.indexer_allowed(s, visible, n_vis, cfg.idx_topk), 50)

@@ -56,7 +56,7 @@ def kernel_times(run, repeats: int) -> dict:
 
 
 def kernel_sequence(run) -> list:
-    """The kernels of one call of ``run`` in launch order: [name, µs from the first kernel's start, µs]."""
+    """The kernels of one call of ``run`` in order of their start: [name, µs from the first kernel's start, µs]."""
     import cupy as cp
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -74,7 +74,7 @@ def kernel_sequence(run) -> list:
 
 def print_sequence(label: str, seq: list) -> None:
     """Each kernel's start, its gap after the previous one's end, its time and its name."""
-    print(f"{label} in launch order: start us, gap us, kernel us, name")
+    print(f"{label} by start time: start us, gap us, kernel us, name")
     end = 0.0
     for name, start, us in seq:
         print(f"    {start:8.1f} {start - end:6.1f} {us:7.1f}  {name[:100]}")
@@ -108,7 +108,7 @@ def main(argv=None):
                    help="also profile the chunk's host side (cProfile) and print the top N functions")
     p.add_argument("--top", type=int, default=25, help="kernels listed for the eager step and the chunk")
     p.add_argument("--trace", action="store_true",
-                   help="also list each layer half's kernels in launch order, with the gaps between them")
+                   help="also list each layer half's kernels by start time, with the gaps between them")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 

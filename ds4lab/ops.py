@@ -72,10 +72,10 @@ class Ops:
         """The backend's kernels on the current device, or None (no kernels: every op is its reference)."""
         return self.backend.kernels
 
-    def branch(self, rows: int, quiet: bool = True):
+    def branch(self, rows: int, quiet: bool):
         """Work of a block of ``rows`` rows that may run beside what follows it until ``join()`` (see
         :meth:`ds4lab.backends.base.Backend.branch`): the backend's branch for a decode step's few rows with kernels
-        and no observer (``quiet``), else in order."""
+        and no observer (``quiet``: nothing is emitted, so nothing reads a value while it is made), else in order."""
         if quiet and self.kernels is not None and rows <= ATTN_KERNEL_MAX_QUERIES:
             return self.backend.branch()
         return IN_ORDER
@@ -207,7 +207,7 @@ class Ops:
         the sublayer's input ``rmsnorm(x_in, norm_eps, norm_weight)`` in x_in's place. The kernel takes ``fn`` of
         the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is linear), so no
         normalised copy is made; it adds fn's K splits itself where fn gives them (``split_sums``) and normalises
-        x_in in the same launch: three launches fewer a sublayer."""
+        x_in in the same launch: qmatmul_reduce's and rmsnorm's launches saved a sublayer."""
         T, n, E = X.shape
         kernels = self.kernels
         if kernels is not None and n <= HC_MAX:

@@ -532,7 +532,8 @@ def test_split_key_attention_with_more_keys_a_split_than_a_group_has_threads(gpu
     monkeypatch.setattr(S, "ATTN_GROUPS", 1)
     launches = recorded_launches(kernels, monkeypatch)
     check_split_key_attention(kernels, to_dev, to_host, 2, 12, 64, 300)
-    assert launches[:2] == [("attend_partial", (2 * 2, 1)), ("attend_reduce", (2 * 12, 1))]
+    # once with the keys in one array, then split at 1, 100 and 299 (check_split_key_attention): the same grids
+    assert launches == [("attend_partial", (2 * 2, 1)), ("attend_reduce", (2 * 12, 1))] * 4
 
 
 def check_split_key_attention(kernels, to_dev, to_host, T, H, D, N):
@@ -801,8 +802,10 @@ def test_hc_pre_kernel_matches_float64(gpu, T, n, E):
 @pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (2, 3, 130), (64, 4, 300)])
 def test_hc_pre_kernel_adds_splits_and_normalises_as_rmsnorm(gpu, T, n, E):
     """The linear's output as three K splits gives the same bits as their sum made first (qmatmul_reduce's order);
-    with a norm, x_in comes out as rmsnorm(x_in)·w: the same bits as the rmsnorm kernel where the group sizes agree
-    (64 tokens, or the emulator), else within float32 rounding; post and comb likewise."""
+    with a norm, x_in comes out as rmsnorm(x_in)·w: the same bits as hc_pre then the rmsnorm kernel where hc_pre
+    alone sums X's squares on as many threads (64 tokens, or the emulator: ROW_GROUP), else within float32
+    rounding of X's RMS (a few tokens: hc_pre alone on ROW_GROUP threads, with the norm on wide groups); post and
+    comb likewise."""
     _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(T + E)
     parts = rng.standard_normal((3, T, 2 * n + n * n)).astype(np.float32)

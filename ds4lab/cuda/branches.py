@@ -7,9 +7,15 @@ inside ``with branch:`` go to a side stream that starts after everything launche
 what the current stream launches meanwhile; ``join()`` makes the current stream wait for them. In a CUDA graph
 capture the fork and the join are the graph's edges, so a replay runs the branches side by side.
 
-Memory: CuPy's pool gives an array freed on a stream back to that stream's free list. An array the branch reads is
-held by its caller until the join; one the branch makes returns, when freed, to the side stream's list, which a
-later branch reuses only after its own fork, so after every launch made before it.
+Memory: CuPy's pool gives an array freed on a stream back to that stream's free list, and a later allocation on that
+stream may reuse it at once. So a branch's caller holds what the branch reads until the join; and an array the branch
+made must not be read on the current stream and then freed while the branch is open (between its fork and its last
+``with``): the branch could reuse the memory under that read. The model's branches read only what was made before
+their fork, and the current stream reads their results only after the join.
+
+Uploads: CuPy copies a host array to the device on the current stream, asynchronously. A kept launch constant made
+while a branch is open may be read first on another stream, so :func:`open_branches` tells the launcher to wait for
+such an upload (``ds4lab.cuda.kernels``); a capture makes none (its eager call made them).
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ import cupy as cp
 
 SIDE_STREAMS = 2  # per device and thread: branches made one after another take them in turn
 _streams: dict[tuple, itertools.cycle] = {}
+_open = threading.local()  # .count: this thread's branches made and not yet joined
+
+
+def open_branches() -> int:
+    """How many branches this thread has made and not yet joined."""
+    return getattr(_open, "count", 0)
 
 
 def _side_stream() -> cp.cuda.Stream:
@@ -45,6 +57,8 @@ class Branch:
         self.main = cp.cuda.get_current_stream()
         self.side = _side_stream()
         _after(self.main, self.side)
+        self.joined = False
+        _open.count = open_branches() + 1
 
     def __enter__(self):
         self.side.__enter__()
@@ -54,4 +68,8 @@ class Branch:
         return self.side.__exit__(*exc)
 
     def join(self) -> None:
+        """Order the current stream after the branch's launches (again after more of them: joined twice is fine)."""
         _after(self.side, self.main)
+        if not self.joined:
+            self.joined = True
+            _open.count = open_branches() - 1

@@ -18,6 +18,7 @@ from cupy_backends.cuda.libs import cublas
 from ..mlx_kernels import specs as S
 from ..mlx_kernels.dialects import cuda_module_source
 from ..mlx_kernels.launches import ArrayLaunches
+from .branches import open_branches
 
 
 def _compiled(spec, device_id: int):
@@ -49,6 +50,14 @@ class CudaKernels(ArrayLaunches):
         self._functions = _functions(self.device_id)
         self.chunk_operands = chunk_operands
         super().__init__()
+
+    def _array(self, a):
+        """A host array kept on the device (a launch constant, a plan). While a branch is open the upload, queued on
+        the current stream, is waited for: another stream may read the constant first (:mod:`.branches`)."""
+        out = cp.asarray(a)
+        if open_branches():
+            cp.cuda.get_current_stream().synchronize()
+        return out
 
     def dense_product(self, x, w):
         """cuBLAS in float32; on the tensor cores in TF32 with ``chunk_operands`` "tf32" (the compute type CuPy

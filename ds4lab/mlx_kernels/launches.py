@@ -428,11 +428,7 @@ class KernelLaunches:
     def indexer_allowed(self, score, visible, n_visible, top_k: int):
         """Boolean ``[T, N]``: each query's top-k visible rows when more than k are visible, else all visible."""
         T, N = score.shape
-        # A few queries (a decode step): the fewest threads that hold every key in registers, from ROW_GROUP up to
-        # wide groups (a 32K context's). Each of the 16 passes costs every SIMD group its reductions, so threads
-        # past that cost time (decode_attention_bench.py: 1,024 rows took 21.3 µs on 1,024 threads, 13.3 on 256).
-        threads = S.ROW_GROUP if T >= S.RMSNORM_WIDE_ROWS else \
-            min(self.wide_group, max(S.INDEXER_ALLOWED_MIN_GROUP, 32 * -(-N // (32 * S.INDEXER_ALLOWED_CACHED))))
+        threads = S.indexer_allowed_threads(T, N, self.wide_group)
         allowed = self._run(S.INDEXER_ALLOWED, (T, 1), threads,
                             [self._f32(score), self._u8(visible), self._i32(n_visible), self._const(T, N, top_k)],
                             [((T, N), "uint8")])[0]

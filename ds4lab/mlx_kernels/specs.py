@@ -362,6 +362,16 @@ INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
 # of a 32K context at ratio 4; a few queries' groups take no fewer threads than INDEXER_ALLOWED_MIN_GROUP.
 INDEXER_ALLOWED_CACHED = 8
 INDEXER_ALLOWED_MIN_GROUP = ROW_GROUP
+
+
+def indexer_allowed_threads(T: int, N: int, wide_group: int) -> int:
+    """indexer_allowed's group size for ``T`` queries over ``N`` rows: ROW_GROUP for a chunk; for a few queries (a
+    decode step) the fewest threads that hold every row in registers, from INDEXER_ALLOWED_MIN_GROUP up to the
+    launcher's ``wide_group`` (a 32K context's). Each of the 16 passes costs every SIMD group its reductions, so
+    threads past that cost time (decode_attention_bench.py: 1,024 rows took 21.3 µs on 1,024 threads, 13.3 on 256)."""
+    if T >= RMSNORM_WIDE_ROWS:
+        return ROW_GROUP
+    return min(wide_group, max(INDEXER_ALLOWED_MIN_GROUP, 32 * -(-N // (32 * INDEXER_ALLOWED_CACHED))))
 INDEXER_ALLOWED = KernelSpec("indexer_allowed", "indexer_allowed.body",
                              (("score", "float32"), ("vis", "uint8"), ("n_vis", "int32"), ("dims", "int32")),
                              (("allowed", "uint8"),), {"CACHED": INDEXER_ALLOWED_CACHED})

@@ -297,7 +297,7 @@ class Transformer:
                 weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
             emit("moe.weights", weights)
         if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
-            moe = routed_experts_gathered(ops, f, selected, weights, stacked, clamp)
+            moe = routed_experts_gathered(ops, f, selected, weights, stacked, clamp, emit is None)
         else:
             moe = routed_experts(ops, f, selected, weights, lw.expert, clamp)
         if emit:

@@ -414,8 +414,8 @@ DEVICE_FN float split_sum(const GLOBAL float* part, uint S, uint n, uint i) {
 }
 
 // Σ x[i]² over a thread's elements i ≡ tid (mod threads), i < n, added in order of i; 32 loads are issued
-// before the first is used (a Flash decode token's HC state, 16,384 floats over 256 threads: two rounds of loads,
-// each a trip to memory). One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token on the
+// before the first is used (a Flash token's HC state, 16,384 floats: one round of loads on a decode step's 1,024
+// threads, two on 256; each round a trip to memory). One at a time, each waited on its load: hc_pre took 19 µs a Flash decode token on the
 // H200 that way (85% of its warp cycles stalled on L1TEX), 8 µs with 8 loads a round.
 DEVICE_FN float strided_sum_squares(const GLOBAL float* x, uint n, uint tid, uint threads) {
     float ss = 0.0f;
