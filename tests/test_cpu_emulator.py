@@ -72,3 +72,46 @@ def test_every_shared_helper_that_waits_is_known_to_the_launcher():
     assert "lane_line_sum" in helpers and "dq_q8_0" in helpers
     waiting = {name for name, body in helpers.items() if any(s in body for s in _SYNCS)}
     assert waiting <= set(_SYNCS), f"helpers that wait but are missing from _SYNCS: {waiting - set(_SYNCS)}"
+
+
+def test_a_checked_branch_refuses_what_a_side_stream_could_not_do():
+    """The emulator's branch runs in order but refuses a launch that reads a branch's output before its join, or
+    that reads, inside the branch, an output made on the main stream after the fork."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.ops import Ops
+
+    backend = EmulatedBackend()
+    ops, k = Ops(backend), backend.kernels
+    x = k.rmsnorm(np.ones((1, 64), np.float32), 1e-6)  # made before the fork
+    side = ops.branch(1, True)
+    with side:
+        y = k.rmsnorm(x, 1e-6)
+    with pytest.raises(RuntimeError, match="before its join"):
+        k.rmsnorm(y[:, 1:], 1e-6)  # a view of the branch's output, on the main stream
+    z = k.rmsnorm(x, 1e-6)
+    with side, pytest.raises(RuntimeError, match="after the branch's fork"):
+        k.rmsnorm(z, 1e-6)
+    with side:
+        k.rmsnorm(y, 1e-6)  # its own outputs: in order on its stream
+    side.join()
+    np.testing.assert_array_equal(k.rmsnorm(y, 1e-6), k.rmsnorm(z, 1e-6))
+    assert ops.branch(1, False).__class__.__name__ == "InOrder"  # an observer: everything in order
+
+
+def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
+    """A decode step of a compressed, indexed model opens the model's branches on the emulator (and its launches pass
+    the checks above): the KV side and the indexer's in attention layers, the shared expert and the routed up
+    projection in each FFN half."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from tests.conftest import emulated_model
+
+    model = emulated_model(model_paths["nano"])
+    made = []
+    real = EmulatedBackend.branch
+    monkeypatch.setattr(EmulatedBackend, "branch", lambda self: made.append(real(self)) or made[-1])
+    sess = model.session(ctx=64, prefill_chunk=32)
+    sess.prefill(list(range(1, 20))).run(progress=False)
+    assert made == []  # a chunk of more than 16 rows runs in order
+    list(sess.decoder(temperature=0.0).stream(1))
+    n_layer = model.config.n_layer
+    assert len(made) == 4 * n_layer and all(b.joined for b in made)

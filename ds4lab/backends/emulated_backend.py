@@ -23,3 +23,9 @@ class EmulatedBackend(BlockBackend):
         self.kernels = CpuKernels() if kernels else None
         if kernels:
             self.kernels.chunk_operands = chunk_operands
+
+    def branch(self):
+        """In order, checking at every launch what a GPU's side stream would need (:class:`CheckedBranch`)."""
+        from ..mlx_kernels.cpu import CheckedBranch
+
+        return CheckedBranch(self.kernels)

@@ -70,7 +70,41 @@ def _library() -> ctypes.CDLL:
 
 class DeviceArray(np.ndarray):
     """A kernel's output: NumPy, but marked as "on the device", so that code which may only take host arrays
-    (a launch plan, ``np.asarray`` on CuPy) fails on the emulator as it fails on a GPU."""
+    (a launch plan, ``np.asarray`` on CuPy) fails on the emulator as it fails on a GPU. ``made``: the launch that
+    made it (its number, and the :class:`CheckedBranch` it ran in, or None)."""
+
+    made = None
+
+
+class CheckedBranch:
+    """The emulator's branch (``ops.branch``): its launches run in order, and each launch is checked against the
+    rules a side stream's work must keep on a GPU (:mod:`ds4lab.cuda.branches`): inside the branch, no input made
+    on another stream after the fork; outside it, no input the branch made before its ``join()``. An input is
+    traced to the kernel output it views; arrays made by array-library operations are not traced."""
+
+    def __init__(self, kernels: "CpuKernels"):
+        self.kernels, self.fork, self.joined = kernels, kernels.launches, False
+
+    def __enter__(self):
+        self.kernels.entered.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.kernels.entered.pop()
+        return False
+
+    def join(self) -> None:
+        self.joined = True
+
+
+def _made(a):
+    """(launch number, branch) of the kernel output ``a`` is or views, or None."""
+    while a is not None:
+        made = getattr(a, "made", None)
+        if made is not None:
+            return made
+        a = getattr(a, "base", None)
+    return None
 
 
 class CpuKernels(ArrayLaunches):
@@ -81,10 +115,26 @@ class CpuKernels(ArrayLaunches):
 
     def __init__(self):
         self.lib = _library()
+        self.launches = 0  # launches so far, which number the outputs (CheckedBranch)
+        self.entered: list[CheckedBranch] = []  # the branches whose ``with`` the launches are inside
         super().__init__()
 
     def _launch(self, spec, grid, threads, args):
         launch(self.lib, spec, grid, threads, args)
 
     def _run(self, spec, groups, threads, inputs, outputs):
-        return [out.view(DeviceArray) for out in super()._run(spec, groups, threads, inputs, outputs)]
+        here = self.entered[-1] if self.entered else None
+        for a in inputs:
+            made = _made(a)
+            if made is None or made[1] is here:
+                continue
+            number, branch = made
+            if branch is not None and not branch.joined:
+                raise RuntimeError(f"{spec.name} reads an output of a branch (ops.branch) before its join")
+            if here is not None and number > here.fork:
+                raise RuntimeError(f"{spec.name}, inside a branch, reads an array made after the branch's fork")
+        self.launches += 1
+        outs = [out.view(DeviceArray) for out in super()._run(spec, groups, threads, inputs, outputs)]
+        for out in outs:
+            out.made = (self.launches, here)
+        return outs
