@@ -97,9 +97,7 @@ class Ops:
         kernels = self.kernels
         if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
             return kernels.attend(q, keys, visible, sinks, scale, tail)
-        if tail is not None:
-            keys = self.xp.concatenate([keys, tail[0]], axis=0)
-            visible = self.xp.concatenate([visible, tail[1]], axis=1)
+        keys, visible = attention.join_tail(self.xp, keys, visible, tail)
         if kernels is not None and ATTN_CHUNK_KERNEL:
             return kernels.attend_chunk(q, keys, visible, sinks, scale)
         return attention.attend(self.xp, q, keys, visible, sinks, scale)

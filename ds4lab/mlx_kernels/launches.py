@@ -275,7 +275,7 @@ class KernelLaunches:
         if norm is None:  # groups a token's x_in is spread over
             G, threads, w, w_eps = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1, S.ROW_GROUP, X, 0.0
         else:
-            G, threads = 1, S.ROW_GROUP if T >= S.RMSNORM_WIDE_ROWS else self.wide_group
+            G, threads = 1, self._norm_threads(T)
             w, w_eps = norm
         return tuple(self._run(S.HC_PRE, (T, 1 + G), threads,
                                [self._f32(parts), self._f32(scale), self._f32(base), self._f32(X), self._f32(w),
@@ -296,7 +296,11 @@ class KernelLaunches:
         group size."""
         x2 = self._f32(x).reshape(-1, x.shape[-1])
         w = self._f32(weight) if weight is not None else x2
-        return x2, w, S.ROW_GROUP if x2.shape[0] >= S.RMSNORM_WIDE_ROWS else self.wide_group
+        return x2, w, self._norm_threads(x2.shape[0])
+
+    def _norm_threads(self, rows: int) -> int:
+        """rmsnorm's group size for ``rows`` rows (hc_pre's norm takes the same, so its sums are rmsnorm's)."""
+        return S.ROW_GROUP if rows >= S.RMSNORM_WIDE_ROWS else self.wide_group
 
     def rmsnorm(self, x, eps: float, weight=None):
         x2, w, threads = self._norm_rows(x, weight)

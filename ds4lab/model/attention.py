@@ -40,6 +40,14 @@ def compressed_visible(xp, pos0, n_valid, C: int, n_rows: int, ratio: int):
     return n_vis, xp.arange(n_rows)[None, :] < n_vis[:, None]
 
 
+def join_tail(xp, keys, visible, tail):
+    """``keys`` and ``visible`` with ``tail`` = (keys2, visible2), the keys that follow them, joined (None: as
+    they are)."""
+    if tail is None:
+        return keys, visible
+    return xp.concatenate([keys, tail[0]], axis=0), xp.concatenate([visible, tail[1]], axis=1)
+
+
 def indexer_scores(xp, q_idx, w_idx, k_idx):
     """score[t, c] = Σ_h relu(q_idx[t,h]·k_idx[c]) · w_idx[t,h]."""
     T, H, D = q_idx.shape

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kv.layout import LayerState
-from .attention import grouped_output, grouped_output_gathered
+from .attention import grouped_output, grouped_output_gathered, join_tail
 from .functional import rmsnorm
 from .hc import hc_head
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk
@@ -210,8 +210,7 @@ class Transformer:
         index_side.join()
 
         if emit:  # what ds4lab.hooks needs to materialise attention maps on request
-            keys, vis = (raw, visible) if tail is None else (xp.concatenate([raw, tail[0]], axis=0),
-                                                             xp.concatenate([visible, tail[1]], axis=1))
+            keys, vis = join_tail(xp, raw, visible, tail)
             emit("attn.scores", dict(q=q, keys=keys, visible=vis, sinks=sinks, scale=cfg.head_dim ** -0.5,
                                      slot_pos=slot_pos, n_raw=raw.shape[0], ratio=R, comp_candidates=comp_candidates))
         out = ops.attend(q, raw, visible, sinks, cfg.head_dim ** -0.5, tail)
@@ -265,7 +264,6 @@ class Transformer:
         if emit:
             emit("hc_ffn.post", post)
             emit("hc_ffn.comb", comb)
-        if emit:
             emit("ffn_norm", f)
         clamp = cfg.swiglu_clamp[il]
         shared_side = ops.branch(X.shape[0], emit is None)  # the shared expert beside the routed ones (ops.branch)
