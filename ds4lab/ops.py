@@ -107,7 +107,7 @@ class Ops:
         kernels = self.kernels
         if kernels is None:
             return attention.ring_write(self.xp, raw, kv, pos0, n_valid, window)
-        return kernels.ring_write(raw, kv, pos0, n_valid, window)
+        return kernels.ring_write(raw, kv, pos0, n_valid, window, in_place=self.backend.donated(raw))
 
     def compressed_visible(self, pos0, n_valid, C: int, n_rows: int, ratio: int):
         """``(n_vis, visible)`` of :func:`ds4lab.model.attention.compressed_visible`: one launch with kernels."""
@@ -175,7 +175,7 @@ class Ops:
         kernels = self.kernels
         if kernels is None:
             return compressor.append_rows(self.xp, rows, pooled, pos0, n_valid, ratio)
-        return kernels.append_rows(rows, pooled, pos0, n_valid, ratio)
+        return kernels.append_rows(rows, pooled, pos0, n_valid, ratio, in_place=self.backend.donated(rows))
 
     # -- norms, RoPE, hyper-connections ---------------------------------------------------------------
     def rmsnorm(self, x, eps: float, weight=None):

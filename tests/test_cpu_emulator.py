@@ -98,6 +98,33 @@ def test_a_checked_branch_refuses_what_a_side_stream_could_not_do():
     assert ops.branch(1, False).__class__.__name__ == "InOrder"  # an observer: everything in order
 
 
+def test_a_branch_forked_from_a_branch_reaches_the_main_stream_through_it():
+    """A branch made inside another forks from that one's stream: it may read what its parent made before the fork
+    (not what the main stream made after the parent's fork), and the main stream may read its outputs once it has
+    joined its parent and the parent has joined after it."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.ops import Ops
+
+    backend = EmulatedBackend()
+    ops, k = Ops(backend), backend.kernels
+    x = k.rmsnorm(np.ones((1, 64), np.float32), 1e-6)
+    outer = ops.branch(1, True)
+    late = k.rmsnorm(x, 1e-6)  # main, after the outer fork
+    with outer:
+        y = k.rmsnorm(x, 1e-6)
+        inner = ops.branch(1, True)
+    with inner:
+        z = k.rmsnorm(y, 1e-6)  # the parent's output, made before the inner fork
+        with pytest.raises(RuntimeError, match="after the branch's fork"):
+            k.rmsnorm(late, 1e-6)
+    outer.join()
+    inner.join()  # after its parent joined the main stream: the main stream does not wait for it
+    with pytest.raises(RuntimeError, match="before its join"):
+        k.rmsnorm(z, 1e-6)
+    outer.join()  # the parent joins again, after the inner branch
+    np.testing.assert_array_equal(k.rmsnorm(z, 1e-6), k.rmsnorm(k.rmsnorm(y, 1e-6), 1e-6))
+
+
 def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     """A decode step of a compressed, indexed model opens the model's branches on the emulator (and its launches pass
     the checks above): the KV side and the indexer's in attention layers, the shared expert and the routed up
@@ -115,3 +142,74 @@ def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     list(sess.decoder(temperature=0.0).stream(1))
     n_layer = model.config.n_layer
     assert len(made) == 4 * n_layer and all(b.joined for b in made)
+
+
+class _CarriedStep:
+    """What a CUDA graph with ``carry`` does (:mod:`ds4lab.cuda.graphs`), on the emulator: the carried inputs are copied
+    into arrays only the step holds, which the ops may write in place while it runs (``donated``), and the caller gets
+    copies of the outputs. ``written_in_place`` counts the carried outputs that came back in their input's memory."""
+
+    def __init__(self, backend, fn, carry):
+        self.backend, self.fn, self.carry, self.written_in_place = backend, fn, carry, 0
+
+    def __call__(self, *args):
+        i, j = self.carry
+        own = [np.array(a) for a in args[i:]]
+        self.backend.own = {a.ctypes.data: a for a in own}
+        try:
+            out = self.fn(*args[:i], *own)
+        finally:
+            self.backend.own = {}
+        self.written_in_place += sum(o.ctypes.data == a.ctypes.data for o, a in zip(out[j:], own))
+        return tuple(np.array(o) for o in out)
+
+
+def _carrying(model):
+    """``model`` (on the emulator) with its decode steps compiled as :class:`_CarriedStep` calls."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.runtime import Runtime
+
+    class Carrying(EmulatedBackend):
+        can_compile, compiled_rows, compiles_ffn, own = True, 16, True, {}
+
+        def compile(self, fn, carry=None):
+            return _CarriedStep(self, fn, carry)
+
+        def donated(self, x) -> bool:
+            a = self.own.get(x.ctypes.data)
+            return a is not None and a.shape == x.shape and a.dtype == x.dtype
+
+    model.backend.__class__ = Carrying
+    model.runtime = Runtime(model.transformer, model.backend)
+    return model
+
+
+def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_nothing(model_paths):
+    """Decode steps compiled with ``carry`` on the emulator (the ring and the compressed rows written in place by the
+    in-place kernels, in the step's own copy of the state) give the eager steps' logits and states bit for bit, and
+    the state a step was given is unchanged after it."""
+    from tests.conftest import emulated_model
+
+    eager, carried = emulated_model(model_paths["nano"]), _carrying(emulated_model(model_paths["nano"]))
+    ids = np.random.default_rng(5).integers(0, eager.config.n_vocab - 7, 26)
+    states = []
+    for model in (eager, carried):
+        state = model.new_state(64, 32)
+        _, state = model.runtime.forward(ids[:19], state, prefill=True)  # a chunk of more than 16 rows: eager
+        got = []
+        for t in ids[19:]:
+            before = [np.array(a) for layer in state.layers for a in layer.arrays() if a is not None]
+            logits, new = model.runtime.forward_logits(np.array([t]), state)
+            after = [a for layer in state.layers for a in layer.arrays() if a is not None]
+            assert all(np.array_equal(a, b) for a, b in zip(after, before))
+            got.append(np.asarray(logits))
+            state = new
+        states.append((got, [np.array(a) for layer in state.layers for a in layer.arrays() if a is not None]))
+    (want, want_state), (got, got_state) = states
+    assert all(np.array_equal(g, w) for g, w in zip(got, want)) and len(got) == 7
+    assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state))
+    step = carried.runtime.compiled[("step", 1, 1, True)]
+    cfg = carried.config
+    # a layer's ring, its compressed rows (ratio ≠ 0) and its indexer's rows (where it has an indexer)
+    per_step = sum(1 + (cfg.ratio(il) != 0) + (cfg.ratio(il) != 0 and cfg.has_indexer(il)) for il in range(cfg.n_layer))
+    assert step.written_in_place == 7 * per_step > 7 * cfg.n_layer

@@ -924,6 +924,12 @@ def state_scalars(to_dev, *values):
     yield tuple(to_dev(np.int32(v)) for v in values)
 
 
+def writes_in_place(gpu) -> bool:
+    """Whether ``gpu``'s launcher writes outputs into arrays it is given (NumPy's interface: CuPy, the emulator; MLX's
+    kernels make new outputs)."""
+    return not gpu[0].startswith("mlx")
+
+
 def one_launch(gpu, monkeypatch, name: str, fn, *args):
     """``fn(*args)`` on ``gpu``'s kernels, checked to be one launch of kernel ``name``."""
     _, kernels, _, to_host = gpu
@@ -992,11 +998,11 @@ def test_host_positions_are_kept_only_while_recent(gpu):
 
 @pytest.mark.parametrize("ratio,C,W,pos0,n_valid", STATE_CASES + [(4, 1, 16, 127, 1), (128, 1, 8, 4095, 1)])
 def test_append_rows_kernel_equals_the_plain_append(gpu, monkeypatch, ratio, C, W, pos0, n_valid):
-    """The pooled rows of a chunk's windows (see pool_shape) into a layer's rows; the last two cases
-    complete the last window of the context."""
+    """The pooled rows of a chunk's windows (see pool_shape) into a layer's rows, as new rows and in place; the last
+    two cases complete the last window of the context."""
     from ds4lab.model.compressor import append_rows
 
-    _, _, to_dev, _ = gpu
+    _, _, to_dev, to_host = gpu
     rng = np.random.default_rng(C + pos0)
     N = max(pos0 + C, 128) // ratio + 2  # the rows of a context holding the chunk
     rows = rng.standard_normal((N, W)).astype(np.float32)
@@ -1006,6 +1012,11 @@ def test_append_rows_kernel_equals_the_plain_append(gpu, monkeypatch, ratio, C, 
     for p0, n in state_scalars(to_dev, pos0, n_valid):
         got = one_launch(gpu, monkeypatch, "append_rows", "append_rows", to_dev(rows), to_dev(pooled), p0, n, ratio)
         assert np.array_equal(got, want)
+        if writes_in_place(gpu):  # the rows given are the output: the same rows, no others written
+            given = to_dev(rows)
+            got = one_launch(gpu, monkeypatch, "append_rows_in_place", "append_rows", given, to_dev(pooled), p0, n,
+                             ratio, True)
+            assert np.array_equal(got, want) and np.array_equal(to_host(given), want)
 
 
 # (chunk rows, compressed rows, ratio, pos0, n_valid): a decode step before and once rows are visible, the row a
@@ -1026,16 +1037,17 @@ def test_compressed_visible_kernel_equals_the_plain_mask(gpu, monkeypatch, C, N,
 
 
 # (ring slots, width, chunk rows, pos0, n_valid, window): the first token, inside the ring, wrapping around it
-# (pos0 + n > raw_cap), padded, starting at a multiple of raw_cap, a chunk filling all but the window, 2048-row
-# chunks (narrow) with and without padding.
+# (pos0 + n > raw_cap), padded, starting at a multiple of raw_cap, a chunk filling all but the window, a chunk longer
+# than the ring (its later rows take the slots), 2048-row chunks (narrow) with and without padding.
 @pytest.mark.parametrize("cap,D,C,pos0,n_valid,window", [
     (16, 8, 1, 0, 1, 8), (16, 8, 1, 5, 1, 8), (16, 8, 1, 31, 1, 16), (16, 8, 3, 14, 3, 8), (16, 8, 8, 12, 5, 8),
-    (16, 8, 8, 32, 8, 8), (16, 8, 8, 3, 8, 8), (24, 8, 16, 50, 16, 8), (256, 16, 1, 1000, 1, 128),
-    (2304, 4, 2048, 300, 2048, 128), (2304, 4, 2048, 2000, 1500, 128), (2304, 4, 2048, 0, 2048, 128)])
+    (16, 8, 8, 32, 8, 8), (16, 8, 8, 3, 8, 8), (24, 8, 16, 50, 16, 8), (16, 8, 24, 5, 20, 8),
+    (256, 16, 1, 1000, 1, 128), (2304, 4, 2048, 300, 2048, 128), (2304, 4, 2048, 2000, 1500, 128),
+    (2304, 4, 2048, 0, 2048, 128)])
 def test_ring_write_kernel_equals_the_plain_ring(gpu, monkeypatch, cap, D, C, pos0, n_valid, window):
     from ds4lab.model.attention import ring_write
 
-    _, _, to_dev, _ = gpu
+    _, _, to_dev, to_host = gpu
     rng = np.random.default_rng(C + pos0)
     raw = rng.standard_normal((cap, D)).astype(np.float32)
     kv = rng.standard_normal((C, D)).astype(np.float32)
@@ -1044,6 +1056,11 @@ def test_ring_write_kernel_equals_the_plain_ring(gpu, monkeypatch, cap, D, C, po
         got = one_launch(gpu, monkeypatch, "ring_write", "ring_write", to_dev(raw), to_dev(kv), p0, n, window)
         assert got[1].dtype == np.int32 and got[2].dtype == np.bool_
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        if writes_in_place(gpu):  # the ring given is the output, written in the chunk's slots only
+            given = to_dev(raw)
+            got = one_launch(gpu, monkeypatch, "ring_write_in_place", "ring_write", given, to_dev(kv), p0, n, window,
+                             True)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want)) and np.array_equal(to_host(given), want[0])
 
 
 @pytest.mark.parametrize("T,H,Dq,N", [(1, 4, 128, 1), (1, 64, 128, 1030), (3, 2, 32, 17), (16, 4, 128, 70),
@@ -1532,6 +1549,65 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
     assert step.captures == 1 and not step.failures
     for out, ref in zip(held, want):
         assert [np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)] == [True] * 3
+
+
+@pytest.mark.gpu
+def test_cupy_graph_carries_its_state_in_place():
+    """A graph with ``carry``: its own copy of the state is written in place (the ring and the rows, by the in-place
+    kernels, where ``donated`` says so) or replaced (a new array, copied back into its place); each replay equals the
+    plain formulas, a replay given the last replay's carried outputs copies nothing in, one given an older state (a
+    restore) starts from it, and no replay overwrites outputs a caller holds."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import graphs
+    from ds4lab.model.attention import ring_write
+    from ds4lab.model.compressor import append_rows
+
+    kernels = found[0]
+    in_place = []
+
+    def fn(pos0, n_valid, kv, raw, rows, count):
+        in_place.append((graphs.donated(raw), graphs.donated(rows), graphs.donated(count)))
+        raw, slot_pos, _ = kernels.ring_write(raw, kv, pos0, n_valid, 4, in_place=graphs.donated(raw))
+        rows = kernels.append_rows(rows, kv, pos0, n_valid, 1, in_place=graphs.donated(rows))
+        return slot_pos, raw, rows, count + 1.0
+
+    def plain(pos0, kv, raw, rows, count):
+        raw, slot_pos, _ = ring_write(np, raw, kv, pos0, 1, 4)
+        return slot_pos.astype(np.int32), raw, append_rows(np, rows, kv, pos0, 1, 1), count + 1.0
+
+    step = graphs.GraphStep(fn, carry=(3, 1))
+    rng = np.random.default_rng(3)
+    state = [np.zeros((4, 8), np.float32), np.zeros((12, 8), np.float32), np.zeros((2,), np.float32)]
+    dev, held, copies = [cp.asarray(a) for a in state], [], []
+    history = [list(state)]
+    real_copy = graphs._Captured._copy
+    for t in range(10):
+        kv = rng.standard_normal((1, 8)).astype(np.float32)
+        restore = t == 7  # back to the state after step 3
+        if restore:
+            state, dev = list(history[4]), held[3][1:]
+        want = plain(t, kv, *state)
+        copies.clear()
+        graphs._Captured._copy = lambda self, run, stream: copies.append(run[3]) or real_copy(self, run, stream)
+        try:
+            out = step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(kv), *dev)
+        finally:
+            graphs._Captured._copy = real_copy
+        assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 4, t
+        captured = next(iter(step._graphs.values()), None)
+        if t >= 2 and not restore:  # replays given the last replay's Span: the tables copied in, not the state
+            assert copies and max(copies) < captured.in_offs[3], (t, copies)
+        held.append(out)
+        state, dev = list(want[1:]), out[1:]
+        history.append(list(state))
+    assert step.captures == 1 and not step.failures
+    assert in_place[0] == (False, False, False) and in_place[1] == (True, True, True)  # eager, then the capture
+    for t, out in enumerate(held):  # every replay's outputs are still what it returned
+        assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out[1:], history[t + 1])] == [True] * 3, t
 
 
 @pytest.mark.gpu

@@ -14,8 +14,11 @@ decides that, from ``kernels``.
                                       a chunk's rows on the device)
     index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
-    can_compile, compile(fn)          whether and how a function of arrays is traced once and reused (a slice
-                                      of a CuPy graph's outputs that is not a tuple is one argument: a Span)
+    can_compile, compile(fn, carry)   whether and how a function of arrays is traced once and reused (a slice
+                                      of a CuPy graph's outputs that is not a tuple is one argument: a Span);
+                                      ``carry=(i, j)``: outputs j… are the next values of inputs i… (the state)
+    donated(x)                        whether ``x`` is a carried input of a step being traced, one that only the
+                                      step holds, so that ops may write it in place (CuPy's graphs)
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
     upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
                                       in one transfer where the backend can

@@ -44,6 +44,11 @@ class Backend:
         """Which device arrays made now land on (None: the backend has one memory)."""
         return None
 
+    def donated(self, x) -> bool:
+        """Whether ``x`` is a state array only the step being traced holds (a CUDA graph's own copy, see
+        :mod:`ds4lab.cuda.graphs`), which an op may then update in place. Never here: every op makes new arrays."""
+        return False
+
     def device_bytes(self, raw):
         """GGUF bytes ``raw`` (uint8, host) as a device array, for the kernels that read weights in block form."""
         return self.xp.asarray(raw)

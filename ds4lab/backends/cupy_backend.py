@@ -112,10 +112,15 @@ class CupyBackend(BlockBackend):
     def can_compile(self) -> bool:
         return self.use_kernels
 
-    def compile(self, fn):
+    def compile(self, fn, carry=None):
         from ..cuda.graphs import GraphStep
 
-        return GraphStep(fn)
+        return GraphStep(fn, carry)
+
+    def donated(self, x) -> bool:
+        from ..cuda.graphs import donated
+
+        return donated(x)
 
     def upload(self, arrays):
         """One host-to-device transfer for all of them (a step's tables, positions and ids), through a pinned

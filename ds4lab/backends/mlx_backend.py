@@ -118,8 +118,8 @@ class MLXBackend(Backend):
     compiled_rows = float("inf")  # every chunk size is compiled (the last chunk padded to the step)
     compiles_ffn = False  # the FFN half picks its prefill experts on the host
 
-    def compile(self, fn):
-        return mx.compile(fn)
+    def compile(self, fn, carry=None):
+        return mx.compile(fn)  # MLX's arrays are never written in place: the carried state is new arrays
 
     def eval(self, *xs):
         mx.eval(*xs)

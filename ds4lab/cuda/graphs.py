@@ -15,18 +15,69 @@ came out of the previous replay copies it in, and its new state out, as one span
 :class:`Outputs`, whose arrays are made only when read, and a slice of them (a :class:`Span`) is passed
 to the next replay whole, so the host makes no array object per state array and step. A function that
 cannot be captured (it syncs with the host) runs eagerly from then on; ``failures`` says why.
+
+The state a step carries (``carry=(i, j)``: outputs j… are the next values of inputs i…) stays in the graph's input
+buffer: inside the capture those inputs are the graph's own copies, so ops may write them in place
+(:func:`donated`: the chunk's rows into the KV ring and the compressed rows, no pass over the rows kept), and the
+carried outputs that are new arrays land back in their inputs' places at the end of the step. A replay given the
+previous replay's carried outputs (the :class:`Span` of them) finds them there and copies nothing in; the caller
+still gets its own copy of the new state. The outputs reach their places through one launch (``copy_spans``).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 
 import cupy as cp
+import numpy as np
 
 from ..backends.packing import offsets, view_at, views
 from ..mlx_kernels.launches import holding
 
 _POOLS: dict[int, cp.cuda.MemoryPool] = {}  # per device: the memory every captured graph allocates from
+_capturing = threading.local()  # .carried: {pointer: array} of the carried inputs of the capture in progress
+
+# Spans of bytes copied by one launch: a block row per span, 16 bytes a thread, the last bytes one by one (every
+# span starts 16-byte aligned: arrays of the pools and of the packed buffers are).
+_COPY_SPANS = r"""
+extern "C" __global__ void copy_spans(const unsigned long long* table, int n) {
+    // table [3, n]: source addresses, destination addresses, byte counts
+    const char* src = (const char*)table[blockIdx.y];
+    char* dst = (char*)table[n + blockIdx.y];
+    unsigned long long bytes = table[2 * n + blockIdx.y], words = bytes / 16;
+    unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long w = k; w < words; w += stride) ((uint4*)dst)[w] = ((const uint4*)src)[w];
+    if (k < bytes - words * 16) dst[words * 16 + k] = src[words * 16 + k];
+}
+"""
+COPY_THREADS, COPY_MAX_BLOCKS = 256, 512
+
+
+def donated(x) -> bool:
+    """Whether ``x`` is a carried input of the graph being captured on this thread: the graph's own copy of a state
+    array, which an op may write in place."""
+    carried = getattr(_capturing, "carried", None)
+    if not carried:
+        return False
+    a = carried.get(getattr(getattr(x, "data", None), "ptr", None))
+    return a is not None and a.shape == x.shape and a.dtype == x.dtype
+
+
+def _copy_spans(pairs, stream):
+    """Copy each ``(source, destination)`` array pair (of equal bytes, 16-byte aligned) in one launch on ``stream``;
+    returns the launch's table of addresses and its host copy, which the caller uploads (into the table, once a
+    capture is over) and keeps."""
+    host = np.array([[s.data.ptr for s, _ in pairs], [d.data.ptr for _, d in pairs], [s.nbytes for s, _ in pairs]],
+                    dtype=np.uint64)
+    table = cp.empty(host.shape, dtype=cp.uint64)
+    blocks = min(COPY_MAX_BLOCKS, max(1, -(-max(int(b) for b in host[2]) // (16 * COPY_THREADS))))
+    kernel = cp.RawKernel(_COPY_SPANS, "copy_spans")
+    with stream:
+        kernel((blocks, len(pairs)), (COPY_THREADS,), (table, np.int32(len(pairs))))
+    return table, host
 
 
 def _graph_pool() -> cp.cuda.MemoryPool:
@@ -111,35 +162,80 @@ class _Captured:
     """One captured graph. Its inputs and its outputs each live in one buffer, laid out by
     :func:`ds4lab.backends.packing.offsets`: a run of arguments that sits in one buffer at those relative
     offsets (a replay's outputs, CuPy's packed upload) is copied in as one span, and the outputs leave
-    as one copy."""
+    in one copy per run (the carried state from the input buffer, the rest from the output buffer).
+    ``carry``: (first carried input, first carried output, how many)."""
 
-    def __init__(self, fn, args):
+    def __init__(self, fn, args, carry: tuple[int, int, int] | None):
         in_layout = _Layout(args)
         self.in_offs = in_layout.offs
         self.in_buf = cp.empty(in_layout.size, dtype=cp.uint8)
         self.inputs = views(self.in_buf, args, self.in_offs)
         for dst, src in zip(self.inputs, args):
             dst[...] = src
+        self.carry, self.last = carry, None  # last: the outputs of the last replay, while someone holds them
+        carried = self.inputs[carry[0]:] if carry else []
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
         pool = _graph_pool()
         with cp.cuda.using_allocator(pool.malloc), stream, holding() as self.held:
+            _capturing.carried = {a.data.ptr: a for a in carried}
             stream.begin_capture()
             try:
                 outputs = fn(*self.inputs)
+                _capturing.carried = None
                 self.layout = _Layout(outputs)
-                self.out_buf = cp.empty(self.layout.size, dtype=cp.uint8)
-                for dst, src in zip(views(self.out_buf, outputs, self.layout.offs), outputs):
-                    dst[...] = src
+                self._table, host = _copy_spans(self._destinations(outputs, carried), stream)
             finally:
+                _capturing.carried = None
                 self.graph = stream.end_capture()
+        self._table.set(host)
+        stream.synchronize()
+
+    def _destinations(self, outputs, carried) -> list:
+        """(output, where it lands) for every output a replay copies: into the output buffer, or a carried output
+        back into its input's place (none for one written there in place). The output buffer holds the outputs
+        before the carried ones and those after, these moved down over the carried span."""
+        offs = self.layout.offs
+        if self.carry is None:
+            self.span = (self.layout.size, self.layout.size)
+        else:
+            j, k = self.carry[1], self.carry[2]
+            if len(outputs) < j + k:
+                raise ValueError(f"carry: {len(outputs)} outputs, fewer than the {k} carried from output {j}")
+            self.span = (offs[j], offs[j + k] if j + k < len(offs) else self.layout.size)
+        start, end = self.span
+        self.out_buf = cp.empty(max(start + self.layout.size - end, 1), dtype=cp.uint8)
+        base, top = self.in_buf.data.ptr, self.in_buf.data.ptr + self.in_buf.nbytes
+        pairs = []
+        for n, o in enumerate(outputs):
+            m = n - self.carry[1] if self.carry else -1
+            if 0 <= m < len(carried):
+                dst = carried[m]
+                if (o.shape, o.dtype) != (dst.shape, dst.dtype):
+                    raise ValueError(f"carry: output {n} is {o.shape} {o.dtype}, its input {dst.shape} {dst.dtype}")
+                if o.data.ptr == dst.data.ptr:
+                    continue  # written in place
+            else:
+                dst = view_at(self.out_buf, o.shape, o.dtype, offs[n] if offs[n] < start else offs[n] - (end - start))
+            if self.carry and base <= o.data.ptr < top:  # an input's memory, which a copy here may overwrite first
+                raise ValueError(f"output {n} is an input of the graph, not in its own carried place")
+            if o.data.ptr % 16 or not o.flags.c_contiguous:
+                o = o.copy()
+            pairs.append((o, dst))
+        return pairs
 
     def _copy_in(self, args, stream) -> None:
         """One device copy per run of arguments that sits in one buffer at the input layout's relative
-        offsets (a :class:`Span` is such a run)."""
+        offsets (a :class:`Span` is such a run); none for the previous replay's carried outputs, which are
+        in place already."""
         offs, i, run = self.in_offs, 0, None  # run: [source pointer, its memory, base, start, end]
+        last = self.last() if self.last is not None else None
         for a in args:
             n = len(a) if type(a) is Span else 1
             if n == 0:
+                continue
+            if (type(a) is Span and last is not None and a.outputs is last
+                    and (i, a.start, n) == self.carry):
+                i += n
                 continue
             src, start = a.data, offs[i]
             base, end = src.ptr - start, start + a.nbytes
@@ -161,18 +257,29 @@ class _Captured:
         stream = cp.cuda.get_current_stream()
         self._copy_in(args, stream)
         self.graph.launch(stream)
-        out = cp.empty_like(self.out_buf)
-        out.data.copy_from_device_async(self.out_buf.data, self.out_buf.nbytes, stream)
-        return Outputs(out, self.layout)
+        out = cp.empty(self.layout.size, dtype=cp.uint8)
+        (start, end), size = self.span, self.layout.size
+        if start:
+            out.data.copy_from_device_async(self.out_buf.data, start, stream)
+        if end > start:
+            (out.data + start).copy_from_device_async(self.in_buf.data + self.in_offs[self.carry[0]], end - start,
+                                                      stream)
+        if size > end:
+            (out.data + end).copy_from_device_async(self.out_buf.data + start, size - end, stream)
+        outputs = Outputs(out, self.layout)
+        self.last = weakref.ref(outputs) if self.carry else None
+        return outputs
 
 
 class GraphStep:
     """``fn(*arrays) -> tuple of arrays`` (arrays on the current device), replayed as a CUDA graph. An
     argument may be a :class:`Span` of an earlier replay's outputs, standing for its arrays (copied in as
-    one span)."""
+    one span). ``carry=(i, j)``: the outputs from j on are the next values of the inputs from i on (the
+    last arguments), kept in the graph's input buffer (see the module's docstring)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, carry: tuple[int, int] | None = None):
         self.fn = fn
+        self.carry = carry
         self._graphs: dict[tuple, _Captured] = {}
         self._ran: set[tuple] = set()
         self.failures: dict[tuple, str] = {}
@@ -188,8 +295,9 @@ class GraphStep:
         if key not in self._ran or key in self.failures:
             self._ran.add(key)
             return self.fn(*args)
+        carry = None if self.carry is None else (*self.carry, len(args) - self.carry[0])
         try:
-            self._graphs[key] = captured = _Captured(self.fn, args)
+            self._graphs[key] = captured = _Captured(self.fn, args, carry)
         except Exception as e:  # a host sync or an uncapturable call inside fn (a real bug re-raises below)
             self.failures[key] = f"{type(e).__name__}: {e}"
             return self.fn(*args)
@@ -201,6 +309,7 @@ class GraphStep:
         (a benchmark's view of the GPU work against the host's)."""
         stream, seconds = cp.cuda.get_current_stream(), []
         for captured in self._graphs.values():
+            captured.last = None  # the replays below move its state on: the next call copies its state in
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(stream)
             for _ in range(repeats):

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -70,20 +71,21 @@ def _library() -> ctypes.CDLL:
 
 class DeviceArray(np.ndarray):
     """A kernel's output: NumPy, but marked as "on the device", so that code which may only take host arrays
-    (a launch plan, ``np.asarray`` on CuPy) fails on the emulator as it fails on a GPU. ``made``: the launch that
-    made it (its number, and the :class:`CheckedBranch` it ran in, or None)."""
-
-    made = None
+    (a launch plan, ``np.asarray`` on CuPy) fails on the emulator as it fails on a GPU."""
 
 
 class CheckedBranch:
     """The emulator's branch (``ops.branch``): its launches run in order, and each launch is checked against the
     rules a side stream's work must keep on a GPU (:mod:`ds4lab.cuda.branches`): inside the branch, no input made
-    on another stream after the fork; outside it, no input the branch made before its ``join()``. An input is
-    traced to the kernel output it views; arrays made by array-library operations are not traced."""
+    on another stream after the fork; elsewhere, no input the branch made unless its ``join()`` came first. A branch
+    made inside another is forked from that one's stream and joins into it, so what it makes reaches the main stream
+    once both have joined, in that order. An input is traced to the kernel output whose memory it views (NumPy's
+    views and contiguous copies share it); arrays made by array-library operations are not traced."""
 
     def __init__(self, kernels: "CpuKernels"):
-        self.kernels, self.fork, self.joined = kernels, kernels.launches, False
+        self.kernels, self.fork = kernels, kernels.launches
+        self.parent = kernels.entered[-1] if kernels.entered else None  # the branch it was forked from, or None
+        self.joined_at = None  # when it last joined (kernels.joins)
 
     def __enter__(self):
         self.kernels.entered.append(self)
@@ -93,18 +95,35 @@ class CheckedBranch:
         self.kernels.entered.pop()
         return False
 
+    @property
+    def joined(self) -> bool:
+        return self.joined_at is not None
+
     def join(self) -> None:
-        self.joined = True
+        self.kernels.joins += 1
+        self.joined_at = self.kernels.joins
+
+    def reaches(self, here: "CheckedBranch | None") -> bool:
+        """Whether launches in ``here`` (None: the main stream) come after all this branch's: it joined into its
+        parent, which joined into its own after that, and so on up to ``here`` or a branch ``here`` was forked
+        from."""
+        ancestors, b = {None}, here
+        while b is not None:
+            ancestors.add(b)
+            b = b.parent
+        branch, after = self, 0
+        while branch not in ancestors:
+            if branch.joined_at is None or branch.joined_at <= after:
+                return False
+            branch, after = branch.parent, branch.joined_at
+        return True
 
 
-def _made(a):
-    """(launch number, branch) of the kernel output ``a`` is or views, or None."""
-    while a is not None:
-        made = getattr(a, "made", None)
-        if made is not None:
-            return made
-        a = getattr(a, "base", None)
-    return None
+def _owner(a):
+    """The array that owns ``a``'s memory (NumPy points every view at it)."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
 
 
 class CpuKernels(ArrayLaunches):
@@ -116,7 +135,9 @@ class CpuKernels(ArrayLaunches):
     def __init__(self):
         self.lib = _library()
         self.launches = 0  # launches so far, which number the outputs (CheckedBranch)
+        self.joins = 0  # branches' joins so far, which order them (CheckedBranch)
         self.entered: list[CheckedBranch] = []  # the branches whose ``with`` the launches are inside
+        self._made: dict[int, tuple] = {}  # id of an output's memory owner -> (weakref to it, launch number, branch)
         super().__init__()
 
     def _launch(self, spec, grid, threads, args):
@@ -125,16 +146,22 @@ class CpuKernels(ArrayLaunches):
     def _run(self, spec, groups, threads, inputs, outputs):
         here = self.entered[-1] if self.entered else None
         for a in inputs:
-            made = _made(a)
-            if made is None or made[1] is here:
+            owner = _owner(a)
+            made = self._made.get(id(owner))
+            if made is None or made[0]() is not owner or made[2] is here:
                 continue
-            number, branch = made
-            if branch is not None and not branch.joined:
+            _, number, branch = made
+            if branch is not None and not branch.reaches(here):
                 raise RuntimeError(f"{spec.name} reads an output of a branch (ops.branch) before its join")
-            if here is not None and number > here.fork:
-                raise RuntimeError(f"{spec.name}, inside a branch, reads an array made after the branch's fork")
+            b = here  # made before the fork of every branch between here and the stream that made it
+            while b is not None and b is not branch:
+                if number > b.fork:
+                    raise RuntimeError(f"{spec.name}, inside a branch, reads an array made after the branch's fork")
+                b = b.parent
         self.launches += 1
-        outs = [out.view(DeviceArray) for out in super()._run(spec, groups, threads, inputs, outputs)]
+        outs = super()._run(spec, groups, threads, inputs, outputs)
         for out in outs:
-            out.made = (self.launches, here)
-        return outs
+            owner = _owner(out)
+            self._made[id(owner)] = (weakref.ref(owner, lambda _, key=id(owner): self._made.pop(key, None)),
+                                     self.launches, here)
+        return [out.view(DeviceArray) for out in outs]

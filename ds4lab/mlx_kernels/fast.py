@@ -64,6 +64,8 @@ class MLXKernels(KernelLaunches):
         return self._kernels[spec.name]
 
     def _run(self, spec, groups, threads, inputs, outputs):
+        if not all(isinstance(o, tuple) for o in outputs):
+            raise NotImplementedError(f"{spec.name}: MLX's kernels make new outputs, none is written in place")
         return self._kernel(spec)(
             inputs=inputs, grid=(groups[0] * threads, groups[1], 1), threadgroup=(threads, 1, 1),
             output_shapes=[tuple(shape) for shape, _ in outputs],

@@ -87,7 +87,8 @@ class KernelLaunches:
 
     # -- what a subclass provides ---------------------------------------------------------------------
     def _run(self, spec, groups: tuple[int, int], threads: int, inputs: list, outputs: list) -> list:
-        """Run ``spec`` on ``groups`` work-groups of ``threads``; ``outputs`` are (shape, dtype name)."""
+        """Run ``spec`` on ``groups`` work-groups of ``threads``; ``outputs`` are (shape, dtype name), or an array
+        the kernel writes in place (the NumPy-interface launchers only)."""
         raise NotImplementedError
 
     def _array(self, a: np.ndarray):
@@ -378,13 +379,16 @@ class KernelLaunches:
         return self._run(S.ROUND_HALF, (max(1, -(-n // (8 * S.ROW_GROUP))), 1), S.ROW_GROUP,
                          [x, self._const(n)], [(x.shape, "float16")])[0]
 
-    def append_rows(self, rows, pooled, pos0, n_valid, ratio: int):
-        """The compressed rows ``[N, D]`` with the windows a chunk completed taken from ``pooled``."""
+    def append_rows(self, rows, pooled, pos0, n_valid, ratio: int, in_place: bool = False):
+        """The compressed rows ``[N, D]`` with the windows a chunk completed taken from ``pooled``. With ``in_place``
+        they are written into ``rows`` (contiguous float32), which is returned."""
         N, D = rows.shape
+        tail = [self._i32(pos0), self._i32(n_valid), self._const(N, D, pooled.shape[0], ratio)]
+        if in_place:
+            return self._run(S.APPEND_ROWS_IN_PLACE, (max(1, -(-pooled.size // S.ROW_GROUP)), 1), S.ROW_GROUP,
+                             [self._f32(pooled), *tail], [rows])[0]
         return self._run(S.APPEND_ROWS, (-(-N * D // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [self._f32(rows), self._f32(pooled), self._i32(pos0), self._i32(n_valid),
-                          self._const(N, D, pooled.shape[0], ratio)],
-                         [((N, D), "float32")])[0]
+                         [self._f32(rows), self._f32(pooled), *tail], [((N, D), "float32")])[0]
 
     def compressed_visible(self, pos0, n_valid, C: int, n_rows: int, ratio: int):
         """``(n_vis [C], visible [C, n_rows])``: how many compressed rows each query of a chunk sees, and which
@@ -394,14 +398,20 @@ class KernelLaunches:
                                    [((C,), "int32"), ((C, n_rows), "uint8")])
         return n_vis, self._bool(visible)
 
-    def ring_write(self, raw, kv, pos0, n_valid, window: int):
-        """``(raw, slot_pos, visible)``: the raw ring after a chunk (``ring_write`` of model/attention.py)."""
+    def ring_write(self, raw, kv, pos0, n_valid, window: int, in_place: bool = False):
+        """``(raw, slot_pos, visible)``: the raw ring after a chunk (``ring_write`` of model/attention.py). With
+        ``in_place`` the chunk's rows are written into ``raw`` (contiguous float32), which is returned."""
         cap, D = raw.shape
         C = kv.shape[0]
-        out, slot_pos, visible = self._run(
-            S.RING_WRITE, (-(-max(cap * D, C * cap) // S.ROW_GROUP), 1), S.ROW_GROUP,
-            [self._f32(raw), self._f32(kv), self._i32(pos0), self._i32(n_valid), self._const(cap, D, C, window)],
-            [((cap, D), "float32"), ((cap,), "int32"), ((C, cap), "uint8")])
+        tail = [self._i32(pos0), self._i32(n_valid), self._const(cap, D, C, window)]
+        masks = [((cap,), "int32"), ((C, cap), "uint8")]
+        if in_place:
+            out, slot_pos, visible = self._run(S.RING_WRITE_IN_PLACE, (-(-max(C * D, cap, C * cap) // S.ROW_GROUP), 1),
+                                               S.ROW_GROUP, [self._f32(kv), *tail], [raw, *masks])
+        else:
+            out, slot_pos, visible = self._run(S.RING_WRITE, (-(-max(cap * D, C * cap) // S.ROW_GROUP), 1),
+                                               S.ROW_GROUP, [self._f32(raw), self._f32(kv), *tail],
+                                               [((cap, D), "float32"), *masks])
         return out, slot_pos, self._bool(visible)
 
     def indexer_scores(self, q, w, k):
@@ -482,7 +492,7 @@ class ArrayLaunches(KernelLaunches):
         raise NotImplementedError
 
     def _run(self, spec, groups, threads, inputs, outputs):
-        outs = [self.xp.empty(shape, dtype=dtype) for shape, dtype in outputs]
+        outs = [self.xp.empty(*o) if isinstance(o, tuple) else o for o in outputs]
         self._launch(spec, groups, threads, (*inputs, *outs))
         return outs
 

@@ -23,8 +23,10 @@
 ``compress_state``   the compressor's pending state after a chunk
 ``add_ape``          the compressor's scores: the gate's output plus each position's APE row
 ``append_rows``      the compressed rows after a chunk: the windows it completed appended
+``append_rows_in_place``  the same, written into the rows given (a CUDA graph's own state)
 ``compressed_visible``  how many compressed rows each query of a chunk sees, and the mask of them
 ``ring_write``       the raw ring after a chunk, each slot's position, and which slots each query sees
+``ring_write_in_place``  the same, the chunk's rows written into the ring given
 ``indexer_scores``   the indexer's relu-weighted scores of every compressed row for a few queries
 ``indexer_chunk``    the same for a chunk: qgemm's tiles on the matrix units, each reduced over the heads
 ``indexer_allowed``  the rows each query may attend: its top-k visible rows, ties to the lower row
@@ -330,14 +332,22 @@ ROUND_HALF = KernelSpec("round_half", "round_half.body", (("x", "float32"), ("di
 APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
                          (("rows", "float32"), ("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                           ("dims", "int32")),
-                         (("out", "float32"),))
+                         (("out", "float32"),), {"IN_PLACE": 0})
+# The _in_place forms write a state array the caller owns (a CUDA graph's own copy: ds4lab.cuda.graphs) where the
+# chunk changes it, passed as their output (the NumPy-interface launchers only: MLX's outputs are new arrays).
+APPEND_ROWS_IN_PLACE = KernelSpec("append_rows_in_place", "append_rows.body",
+                                  (("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
+                                  (("out", "float32"),), {"IN_PLACE": 1})
 COMPRESSED_VISIBLE = KernelSpec("compressed_visible", "compressed_visible.body",
                                 (("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
                                 (("n_vis", "int32"), ("visible", "uint8")))
 RING_WRITE = KernelSpec("ring_write", "ring_write.body",
                         (("raw", "float32"), ("kv", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
                          ("dims", "int32")),
-                        (("out", "float32"), ("slot_pos", "int32"), ("visible", "uint8")))
+                        (("out", "float32"), ("slot_pos", "int32"), ("visible", "uint8")), {"IN_PLACE": 0})
+RING_WRITE_IN_PLACE = KernelSpec("ring_write_in_place", "ring_write.body",
+                                 (("kv", "float32"), ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
+                                 (("out", "float32"), ("slot_pos", "int32"), ("visible", "uint8")), {"IN_PLACE": 1})
 
 # indexer_scores: a work-group per query and INDEXER_ROWS compressed rows, q's head dim at most
 # INDEXER_MAX_DQ (Flash: 128; the q rows staged take MAX_DQ × 33 floats of group-shared memory, the group's rows
@@ -397,8 +407,8 @@ def all_specs() -> list[KernelSpec]:
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
-            APPEND_ROWS, COMPRESSED_VISIBLE, RING_WRITE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM,
-            MOE_ROUTE, ROUND_HALF]
+            APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES,
+            INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM, MOE_ROUTE, ROUND_HALF]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

@@ -154,16 +154,21 @@ class Transformer:
             emit("hc_attn.post", post)
             emit("hc_attn.comb", comb)
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
-        of_a = lw.projections_of_a(a, selects)
+        q_a, kv = lw.query_projections(a)
         cos, sin = rope
-        # The KV row, the raw ring and the compressors do not need q: for a decode step's few rows they run beside
-        # q's projections, the indexer's compressor beside the attention rows' (ops.branch: side streams on CuPy,
-        # in order elsewhere), until the indexer or the attention reads the rows they make.
-        kv_side, index_side = ops.branch(C, emit is None), ops.branch(C, emit is None)
+        # The KV row, the raw ring and the compressors (and their products of a) do not need q: for a decode step's
+        # few rows they run beside q's projections, the indexer's compressor beside the attention rows', forked
+        # once its products are made (ops.branch: side streams on CuPy, in order elsewhere), until the indexer or
+        # the attention reads the rows they make.
+        kv_side = ops.branch(C, emit is None)
         with kv_side:
-            kv, kv_rot = ops.rmsnorm_rope(of_a.kv, eps, lw.attn_kv_a_norm, cos, sin)
+            of_a = lw.compressor_projections(a, selects)
+            index_side = ops.branch(C, emit is None)
+            if selects:  # the indexer's head weights, scaled
+                w_idx = of_a.index_proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
+            kv, kv_rot = ops.rmsnorm_rope(kv, eps, lw.attn_kv_a_norm, cos, sin)
         # q normalised, and normalised then turned by RoPE (one launch with kernels)
-        qr = ops.rmsnorm(of_a.q_a, eps, lw.attn_q_a_norm)
+        qr = ops.rmsnorm(q_a, eps, lw.attn_q_a_norm)
         q, q_rot = ops.rmsnorm_rope(lw.attn_q_b(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None, cos, sin)
         if emit:
             emit("attn_norm", a)
@@ -194,9 +199,9 @@ class Transformer:
                         n_valid, windows, (st.index, st.index_state_kv, st.index_state_score), self.store_index, emit)
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
                 if selects:
-                    q_idx, w_idx = self._indexer_query(lw, qr, of_a.index_proj, cos, sin)
+                    q_idx = self._indexer_query(lw, qr, cos, sin)
+                    index_side.join()  # into the KV side's stream, which it was forked from: that joins first
                     kv_side.join()
-                    index_side.join()
                     score = ops.indexer_scores(q_idx, w_idx, index)
                     if emit:
                         emit("indexer.scores", score)
@@ -206,8 +211,8 @@ class Transformer:
             if emit:
                 comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
             tail = (comp, comp_visible)  # the keys after the raw window
-        kv_side.join()
         index_side.join()
+        kv_side.join()
 
         if emit:  # what ds4lab.hooks needs to materialise attention maps on request
             keys, vis = join_tail(xp, raw, visible, tail)
@@ -248,11 +253,11 @@ class Transformer:
             emit(name + ".rows", rows)
         return rows, new_kv, new_sc
 
-    def _indexer_query(self, lw: LayerWeights, qr, proj, cos, sin):
-        """The indexer's queries and head weights (``proj``: before scaling, ``a`` times its proj weight)."""
+    def _indexer_query(self, lw: LayerWeights, qr, cos, sin):
+        """The indexer's queries."""
         cfg = self.cfg
         q = lw.indexer_attn_q_b(qr).reshape(qr.shape[0], cfg.idx_heads, cfg.idx_dim)
-        return self.indexer_quant(self.ops.rope(q, cos, sin)), proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
+        return self.indexer_quant(self.ops.rope(q, cos, sin))
 
     # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens, emit=None):

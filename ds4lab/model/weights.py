@@ -255,19 +255,17 @@ class HCWeights(_Named):
 
 class CompressorWeights(_Named):
     """One compressor's APE and norm (``attn_compressor_*`` or ``indexer_compressor_*``); its kv and gate
-    projections run in the layer's product of ``a`` (:meth:`LayerWeights.projections_of_a`)."""
+    projections run in the layer's products of ``a`` (:meth:`LayerWeights.compressor_projections`)."""
 
     ape = _table("ape.weight")  # [R, W]: the score bias of each slot in the window
     norm = _vector("norm.weight")
 
 
-class ProjectionsOfA(NamedTuple):
-    """The products of the attention's normed input ``a``: the query's and the KV row's; the compressor's kv
-    and gate (ratio ≠ 0); the indexer compressor's and, once the indexer selects, the indexer's head weights
-    (ratio 4). None where the layer has no such weight."""
+class CompressorProjections(NamedTuple):
+    """The products of the attention's normed input ``a`` that the compressors read: the compressor's kv and gate
+    (ratio ≠ 0), the indexer compressor's and, once the indexer selects, the indexer's head weights (ratio 4). None
+    where the layer has no such weight."""
 
-    q_a: object
-    kv: object
     comp_kv: object = None
     comp_gate: object = None
     index_kv: object = None
@@ -300,20 +298,27 @@ class LayerWeights(_Named):
         self.hc_ffn = HCWeights(source, p + "hc_ffn_")
         self.attn_compressor = CompressorWeights(source, p + "attn_compressor_") if R else None
         self.indexer_compressor = CompressorWeights(source, p + "indexer_compressor_") if indexed else None
-        of_a = [p + "attn_q_a.weight", p + "attn_kv.weight"]
+        self._query = (p + "attn_q_a.weight", p + "attn_kv.weight")
+        of_a = []
         if R:
             of_a += [p + "attn_compressor_kv.weight", p + "attn_compressor_gate.weight"]
         if indexed:
             of_a += [p + "indexer_compressor_kv.weight", p + "indexer_compressor_gate.weight"]
         # without and with the indexer's head weights (while no query can see more rows than the indexer's
         # top-k, it selects nothing and they are not multiplied)
-        self._of_a = (tuple(of_a), tuple(of_a + [p + "indexer.proj.weight"]) if indexed else tuple(of_a))
+        self._compressors = (tuple(of_a), tuple(of_a + [p + "indexer.proj.weight"]) if indexed else tuple(of_a))
         bias = p + "exp_probs_b.bias"
         self._router_bias = bias if bias in source else None
 
-    def projections_of_a(self, a, indexer_selects: bool) -> ProjectionsOfA:
-        """Every weight that multiplies ``a``, one product per weight type (not one per tensor)."""
-        return ProjectionsOfA(*self.source.linears(*self._of_a[bool(indexer_selects)])(a))
+    def query_projections(self, a) -> tuple:
+        """``(q_a, kv)``: the query's and the KV row's products of ``a``, one product per weight type."""
+        return tuple(self.source.linears(*self._query)(a))
+
+    def compressor_projections(self, a, indexer_selects: bool) -> CompressorProjections:
+        """The compressors' products of ``a`` (and the indexer's head weights), one product per weight type (not one
+        per tensor); none where the layer has no compressor."""
+        names = self._compressors[bool(indexer_selects)]
+        return CompressorProjections(*self.source.linears(*names)(a)) if names else CompressorProjections()
 
     @property
     def exp_probs_b(self):

@@ -137,10 +137,11 @@ class Runtime:
         return X, KVState(tuple(layers), pos0 + n, state.geometry), logits
 
     # -- compiled calls -------------------------------------------------------------------------------
-    def _compiled(self, key: tuple, make):
-        """The compiled call ``key``, compiling ``make()`` the first time."""
+    def _compiled(self, key: tuple, make, carry: tuple[int, int] | None = None):
+        """The compiled call ``key``, compiling ``make()`` the first time; ``carry=(i, j)``: its outputs from j on are
+        the layers' next state arrays, its inputs from i on the state it was given (see ``Backend.compile``)."""
         if key not in self.compiled:
-            self.compiled[key] = self.backend.compile(make())
+            self.compiled[key] = self.backend.compile(make(), carry)
         return self.compiled[key]
 
     def _whole_step(self, tokens, C: int, state: KVState, head: bool):
@@ -149,8 +150,9 @@ class Runtime:
         None)``."""
         cfg, n = self.model.cfg, len(tokens)
         tabs = self.tables(tokens, state.n_past, C)  # pads the ids to C rows
+        tables = len(tabs.scalars) + 1 + 2 * (len(tabs.rope) + len(tabs.windows))  # and the chunk's ids
         step = self._compiled(("step", C, n, head),
-                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head))
+                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head), (tables, 1))
         if isinstance(state.layers, PackedLayers):  # the previous step's outputs
             arrays = state.layers.arrays
             arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
@@ -169,8 +171,9 @@ class Runtime:
         win = tabs.windows[params, R] if R else (None, None)
         if observer is not None or not self.compiles(X.shape[0]):
             return model.attention_block(il, X, pos0, n_valid, rope, win, st, observer)
-        half = self._compiled((il, X.shape[0]), lambda: attention_half(model, il, self._traced))
-        out = half(X, *tabs.scalars, *rope, *(win if R else ()), *present(st))
+        inputs = [X, *tabs.scalars, *rope, *(win if R else ())]
+        half = self._compiled((il, X.shape[0]), lambda: attention_half(model, il, self._traced), (len(inputs), 1))
+        out = half(*inputs, *present(st))
         return out[0], layer_state(model.cfg, il, out[1:])
 
     def _traced(self) -> None:
