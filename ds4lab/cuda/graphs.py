@@ -54,6 +54,9 @@ extern "C" __global__ void copy_spans(const unsigned long long* table, int n) {
 }
 """
 COPY_THREADS, COPY_MAX_BLOCKS = 256, 512
+# Kept for the process: a graph launches the function of a module that must outlive it (a RawKernel unloads its
+# module when it is collected, and a replay then faults).
+_COPY_KERNEL = cp.RawKernel(_COPY_SPANS, "copy_spans")
 
 
 def donated(x) -> bool:
@@ -74,9 +77,8 @@ def _copy_spans(pairs, stream):
                     dtype=np.uint64)
     table = cp.empty(host.shape, dtype=cp.uint64)
     blocks = min(COPY_MAX_BLOCKS, max(1, -(-max(int(b) for b in host[2]) // (16 * COPY_THREADS))))
-    kernel = cp.RawKernel(_COPY_SPANS, "copy_spans")
     with stream:
-        kernel((blocks, len(pairs)), (COPY_THREADS,), (table, np.int32(len(pairs))))
+        _COPY_KERNEL((blocks, len(pairs)), (COPY_THREADS,), (table, np.int32(len(pairs))))
     return table, host
 
 
