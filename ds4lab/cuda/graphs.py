@@ -75,7 +75,10 @@ def _copy_spans(pairs, stream):
     capture is over) and keeps."""
     host = np.array([[s.data.ptr for s, _ in pairs], [d.data.ptr for _, d in pairs], [s.nbytes for s, _ in pairs]],
                     dtype=np.uint64)
-    table = cp.empty(host.shape, dtype=cp.uint64)
+    # Not from the graphs' pool: there it could take the memory of an array the capture has freed, which the graph's
+    # kernels still write at every replay.
+    with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+        table = cp.empty(host.shape, dtype=cp.uint64)
     blocks = min(COPY_MAX_BLOCKS, max(1, -(-max(int(b) for b in host[2]) // (16 * COPY_THREADS))))
     with stream:
         _COPY_KERNEL((blocks, len(pairs)), (COPY_THREADS,), (table, np.int32(len(pairs))))
