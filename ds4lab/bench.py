@@ -181,10 +181,10 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
         decode = sess.decoder(temperature=0.0, seed=0, top=1, exclude=[eos])  # ds4_session_argmax_excluding(EOS)
         probe = []
         began = time.perf_counter()
-        for _ in range(gen_tokens):
+        for i in range(gen_tokens):
             if len(sess.tokens) + 1 >= sess.ctx:
                 raise BenchError(f"generation would exceed the allocated context at frontier {frontier}")
-            probe.append(decode.step().token)
+            probe.append(decode.step(more=i + 1 < gen_tokens).token)  # no greedy step launched ahead of the last
         gen_seconds = time.perf_counter() - began
         sess.restore(snapshot)
 

@@ -295,6 +295,15 @@ def argmax(logits) -> int:
     return int(np.argmax(w))
 
 
+def argmax_on_device(xp, logits, exclude=None):
+    """:func:`argmax`'s choice for each row of ``logits`` (a backend's array), ``exclude`` (an int array of ids, on the
+    same device) never chosen, as int32 on the device: the next greedy token picked where the logits are."""
+    w = xp.where(logits > _NEG_INF32, logits, np.float32(-np.inf))
+    if exclude is not None and exclude.size:
+        w[..., exclude] = -np.inf
+    return xp.argmax(w, axis=-1).astype(xp.int32)
+
+
 def sample(
     logits,
     temperature: float = DEFAULT_TEMPERATURE,

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -32,6 +33,7 @@ from .sampling import (
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     Rng,
+    argmax_on_device,
     sample,
     token_and_top_logprobs,
 )
@@ -86,6 +88,26 @@ class DecodeStep(_TierTotals):
     position: int
     seconds: float
     tier_switches: tuple[TierSwitch, ...] = ()  # this token's switches (none for an unevaluated EOS)
+
+
+class _Launched(NamedTuple):
+    """A step queued on the device: its logits (there), new state and tier run, and the fetch of its logits."""
+
+    logits: object
+    state: KVState
+    run: TierRun
+    host: object  # Backend.fetch of the logits
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """The greedy step a :class:`Decode` launched ahead: ``launched`` evaluates the token the device chose (``ids``,
+    fetched) after the step whose new state is ``base``, at ``position``."""
+
+    launched: _Launched
+    ids: object
+    base: KVState
+    position: int
 
 
 @dataclass(frozen=True)
@@ -173,22 +195,30 @@ class Session:
     def _eval(self, tokens: list[int], mode: str):
         """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode", or "batch": a prefill
         chunk); returns (logits of the last token, new state, the step's :class:`TierRun`)."""
-        return self._finish(*self._launch(tokens, mode))
+        return self._finish(self._launch(tokens, mode))
 
-    def _launch(self, tokens: list[int], mode: str):
-        """:meth:`_eval` up to its wait: the step is queued on the device (a GPU backend runs it meanwhile)."""
+    def _launch(self, tokens: list[int], mode: str, after: _Launched | None = None, device_ids=None) -> _Launched:
+        """:meth:`_eval` up to its wait: the step is queued on the device (a GPU backend runs it meanwhile), and the
+        copy of its logits to the host after it. ``after``: a step launched and not yet committed, which this one
+        follows (its state, not the live one); ``device_ids``: the tokens' ids on the device (their values in
+        ``tokens`` are then placeholders)."""
         self.model.file.check_unchanged()  # a stat a step: a cut file would SIGBUS, a rewritten one mislead
-        run = TierRun(self.placement, mode, self._tier_step, self._active_tier)
-        logits, state = self.model.runtime.forward_logits(np.asarray(tokens), self._state, tiers=run,
-                                                          observer=self.hook_observer, prefill=mode == "batch")
-        return logits, state, run
-
-    def _finish(self, logits, state: KVState, run: TierRun):
-        """The launched step's logits on the host, once the device has computed them."""
-        b = self.model.backend
+        if after is None:
+            run, state = TierRun(self.placement, mode, self._tier_step, self._active_tier), self._state
+        else:
+            run, state = TierRun(self.placement, mode, self._tier_step + 1, after.run.active), after.state
+        logits, state = self.model.runtime.forward_logits(np.asarray(tokens), state, tiers=run,
+                                                          observer=self.hook_observer, prefill=mode == "batch",
+                                                          device_ids=device_ids)
         with run.scope():
-            b.eval(logits)
-        return np.asarray(b.to_numpy(logits)[0], dtype=np.float32), state, run
+            host = self.model.backend.fetch(logits)
+        return _Launched(logits, state, run, host)
+
+    def _finish(self, launched: _Launched):
+        """The launched step's logits on the host, once the device has computed them."""
+        with launched.run.scope():
+            logits = launched.host.result()
+        return np.asarray(logits[0], dtype=np.float32), launched.state, launched.run
 
     def capture(self, points, layers=None, heads=None, queries=None):
         """``with sess.capture(["blk.2.attn.scores", ...], layers=, heads=, queries=) as cap:`` records the
@@ -515,7 +545,13 @@ class Prefill:
 
 
 class Decode:
-    """Sampled generation from the session's logits, one token per ``step()``."""
+    """Sampled generation from the session's logits, one token per ``step()``.
+
+    Greedy decoding (temperature ≤ 0) on a backend whose launches run beside the host (CuPy) runs one step ahead:
+    each step also launches the next one, its token chosen on the device from the logits still there, so the GPU
+    computes it while the host reads this step's logits, sums their log-probabilities and returns. The next
+    ``step()`` samples on the host as always and uses that launch only if it evaluated the same token after the same
+    state (else it is dropped: states are never modified, so nothing needs undoing)."""
 
     def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int, exclude=()):
         self.session = session
@@ -525,10 +561,37 @@ class Decode:
         self.top = top
         self.stop_reason: str | None = None
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._greedy = bool(np.float32(temperature) <= 0)
+        self._pending: _Pending | None = None
+        self._exclude_on_device = None
 
-    def step(self) -> DecodeStep:
+    def _ahead(self, token: int) -> _Launched | None:
+        """The step launched ahead, if it evaluates ``token`` after the live state."""
+        pending, self._pending, sess = self._pending, None, self.session
+        if pending is None or pending.base is not sess._state or pending.position != len(sess.tokens):
+            return None
+        return pending.launched if int(pending.ids.result()[0]) == token else None
+
+    def _launch_ahead(self, launched: _Launched) -> _Pending | None:
+        """The greedy step after ``launched``, launched now on the token the device chooses from its logits, where
+        the backend runs it beside the host and the step is one compiled call."""
+        sess = self.session
+        model = sess.model
+        if (not self._greedy or not model.backend.asynchronous or sess.hook_observer is not None
+                or launched.state.n_past + 1 > sess.ctx or not model.runtime.whole(1, launched.run)):
+            return None
+        with launched.run.scope():
+            if self._exclude_on_device is None:
+                self._exclude_on_device = model.backend.xp.asarray(self.exclude.astype(np.int32))
+            ids = argmax_on_device(model.backend.xp, launched.logits, self._exclude_on_device)
+            fetched = model.backend.fetch(ids)
+        ahead = sess._launch([0], "decode", after=launched, device_ids=ids)
+        return _Pending(ahead, fetched, launched.state, launched.state.n_past)
+
+    def step(self, more: bool = True) -> DecodeStep:
         """Sample the next token and evaluate it. An EOS is returned but not evaluated, and ends the
-        decode (``stop_reason == "eos"``)."""
+        decode (``stop_reason == "eos"``). ``more``: whether another step will likely follow (a greedy decode then
+        launches it ahead, see the class)."""
         sess = self.session
         if self.stop_reason is not None:
             raise RuntimeError(f"this decode has stopped ({self.stop_reason})")
@@ -547,16 +610,18 @@ class Decode:
         token = sample(choices, rng=self.rng, **self.params)
         position = len(sess.tokens)
         if token == sess.model.tokenizer.eos_id:
-            self.stop_reason = "eos"
+            self.stop_reason, self._pending = "eos", None
             logprob, alternatives = token_and_top_logprobs(current, token, self.top)
             return DecodeStep(token, "", logprob, alternatives, position, time.perf_counter() - began)
         try:
-            launched = sess._launch([token], "decode")
+            launched = self._ahead(token) or sess._launch([token], "decode")
+            self._pending = self._launch_ahead(launched) if more else None
             # the log-sum-exp over the vocabulary (most of a step's host work) while the device runs the step
             logprob, alternatives = token_and_top_logprobs(current, token, self.top)
-            logits, state, run = sess._finish(*launched)
+            logits, state, run = sess._finish(launched)
         except BaseException:
             self.rng.state = rng_state  # after an interrupt the same draw happens again
+            self._pending = None
             raise
         sess._commit(sess.tokens + [token], logits, state, run)
         sess._store_step()
@@ -568,11 +633,11 @@ class Decode:
 
     def stream(self, n: int):
         """Up to ``n`` steps; stops at EOS (not yielded) and when the context is full."""
-        for _ in range(n):
+        for i in range(n):
             if len(self.session.tokens) >= self.session.ctx:
                 self.stop_reason = "ctx"
                 return
-            step = self.step()
+            step = self.step(more=i + 1 < n)
             if self.stop_reason == "eos":
                 return
             yield step

@@ -213,3 +213,39 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
     # a layer's ring, its compressed rows (ratio ≠ 0) and its indexer's rows (where it has an indexer)
     per_step = sum(1 + (cfg.ratio(il) != 0) + (cfg.ratio(il) != 0 and cfg.has_indexer(il)) for il in range(cfg.n_layer))
     assert step.written_in_place == 7 * per_step > 7 * cfg.n_layer
+
+
+def test_a_greedy_decode_launches_its_next_step_ahead_and_gives_the_same_steps(model_paths, monkeypatch):
+    """Greedy decoding on a backend that runs beside the host launches each next step ahead, on the token chosen on
+    the device (here the emulator with carried steps, marked asynchronous): the steps, their log-probabilities and the
+    logits are those of the plain decode; a stream's last step launches nothing ahead; a launch ahead that no longer
+    follows the live state (a restore between steps) is dropped."""
+    from ds4lab.session import Decode, Session
+    from tests.conftest import emulated_model
+
+    ahead, plain = _carrying(emulated_model(model_paths["nano"])), emulated_model(model_paths["nano"])
+    ahead.backend.asynchronous = True
+    made, launches = [], []
+    real, launch = Decode._launch_ahead, Session._launch
+    monkeypatch.setattr(Decode, "_launch_ahead", lambda self, launched: made.append(real(self, launched)) or made[-1])
+    monkeypatch.setattr(Session, "_launch", lambda self, *a, **k: launches.append(self.model) or launch(self, *a, **k))
+    ids = list(np.random.default_rng(6).integers(0, plain.config.n_vocab - 7, 19))
+    runs = []
+    for model in (ahead, plain):
+        sess = model.session(ctx=64, prefill_chunk=32)
+        sess.sync(ids)
+        exclude = [int(np.argmax(sess.logits))]  # the first greedy choice, never taken
+        decode = sess.decoder(temperature=0.0, top=2, exclude=exclude)
+        steps = [decode.step() for _ in range(3)]
+        cp = sess.checkpoint()
+        steps.append(decode.step())
+        sess.restore(cp)  # the step launched ahead follows the state before the restore's
+        steps += [decode.step(), decode.step(more=False)]
+        runs.append(([(s.token, s.logprob, s.top) for s in steps], sess.logits, exclude[0]))
+    (got, got_logits, excluded), (want, want_logits, _) = runs
+    assert got == want and np.array_equal(got_logits, want_logits) and excluded not in [s[0] for s in got]
+    assert got[4] == got[3]  # the restore: the same token again, evaluated anew
+    # a launch ahead after each of the first five steps (none after the last) here, none on the plain backend
+    assert len(made) == 2 * 5 and sum(m is not None for m in made) == 5
+    # the first step, five ahead, the step after the restore launched anew: 7 launches for 6 steps
+    assert launches.count(ahead) == 1 + 7 and launches.count(plain) == 1 + 6  # + the prompt's prefill

@@ -1594,7 +1594,8 @@ def test_cupy_graph_carries_its_state_in_place():
         copies.clear()
         graphs._Captured._copy = lambda self, run, stream: copies.append(run[3]) or real_copy(self, run, stream)
         try:
-            out = step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(kv), *dev)
+            state_args = dev if isinstance(dev, (list, tuple)) else [dev]  # a Span is one argument (not unpacked)
+            out = step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(kv), *state_args)
         finally:
             graphs._Captured._copy = real_copy
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 4, t

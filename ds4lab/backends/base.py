@@ -12,6 +12,19 @@ from ..quants import dequantize
 from .block_weights import KERNEL_TYPES, BlockEmbedding, BlockLinear, StackedBlockLinear
 
 
+class Fetched:
+    """An array's host copy, made when ``result()`` is first asked for (the backend evaluates it then)."""
+
+    def __init__(self, backend, x):
+        self.backend, self.x, self.value = backend, x, None
+
+    def result(self) -> np.ndarray:
+        if self.value is None:
+            self.backend.eval(self.x)
+            self.value, self.x = np.asarray(self.backend.to_numpy(self.x)), None
+        return self.value
+
+
 class InOrder:
     """A branch whose work runs in order with the rest (:meth:`Backend.branch`): ``with`` and ``join`` do nothing."""
 
@@ -33,6 +46,14 @@ class Backend:
     (an object of :class:`ds4lab.mlx_kernels.launches.KernelLaunches`)."""
 
     kernels = None
+    # Whether work is queued on a device while the host goes on: a step launched before the previous one's results
+    # are read runs while the host works on them (Decode's greedy steps, ds4lab.session).
+    asynchronous = False
+
+    def fetch(self, x) -> Fetched:
+        """``x`` on the host, as ``fetch(x).result()``: where launches are asynchronous its copy is queued now, so that
+        work queued after this call does not delay it."""
+        return Fetched(self, x)
 
     def branch(self):
         """Work that may run beside what is launched after it: launches made inside ``with branch:`` need only what

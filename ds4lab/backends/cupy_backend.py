@@ -12,6 +12,7 @@ is the plain-ops path: every weight dequantized to float32 on the GPU and every 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
@@ -22,6 +23,8 @@ from .base import BlockBackend
 from .packing import offsets, views
 
 UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)
+FETCH_BUFFERS = 3  # pinned buffers kept per shape fetched (a step's logits and its greedy token: two steps in flight)
+FETCH_SHAPES = 8
 # Weights go up in pieces, UPLOAD_THREADS at a time: each thread reads a piece of the mapped file into one of its
 # two pinned buffers while the other one's copy to the GPU runs (cp.asarray of a memory-mapped tensor copies from
 # pageable memory, one page fault at a time). A tensor is cut in pieces of at most PIECE_BYTES so that every
@@ -31,10 +34,25 @@ SMALL_BYTES = 64 << 20
 UPLOAD_THREADS = 16
 
 
+class _PinnedFetch:
+    """A device array's copy into a pinned host buffer, queued on a stream; ``result()`` waits for that copy alone."""
+
+    def __init__(self, host: np.ndarray, stream):
+        self.host, self.event, self.value = host, cp.cuda.Event(disable_timing=True), None
+        self.event.record(stream)
+
+    def result(self) -> np.ndarray:
+        if self.value is None:
+            self.event.synchronize()
+            self.value = self.host.copy()  # the buffer serves a later fetch
+        return self.value
+
+
 class CupyBackend(BlockBackend):
     name = "cupy"
     xp = cp
     dtype = cp.float32
+    asynchronous = True
 
     def __init__(self, device: str | int | None = None, kernels: bool = True, chunk_operands: str = "float32"):
         index = 0 if device in (None, "gpu", "cuda") else int(str(device).removeprefix("cuda:"))
@@ -52,6 +70,7 @@ class CupyBackend(BlockBackend):
         self.chunk_operands = chunk_operands  # prefill_matmul (see ds4lab.load)
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
         self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
+        self._fetches: dict[tuple, deque] = {}  # (device, shape, dtype) -> the latest fetches, oldest first
 
     def device_bytes(self, raw):
         """GGUF bytes ``raw`` (a memory-mapped host array) on the current GPU: read into pinned buffers and copied
@@ -147,6 +166,28 @@ class CupyBackend(BlockBackend):
         device.data.copy_from_host_async(staging.ctypes.data, staging.nbytes, stream)
         copied.record(stream)
         return on_device
+
+    def fetch(self, x) -> _PinnedFetch:
+        """``x``'s copy to a kept pinned buffer, queued now on the current stream (:meth:`Backend.fetch`)."""
+        x = cp.ascontiguousarray(x)
+        key = (cp.cuda.Device().id, x.shape, x.dtype.str)
+        ring = self._fetches.pop(key, None)
+        if ring is None:
+            if len(self._fetches) >= FETCH_SHAPES:  # forget the least recently used shape, its results read first
+                for old in self._fetches.pop(next(iter(self._fetches))):
+                    old.result()
+            ring = deque()
+        self._fetches[key] = ring  # the most recently used last
+        if len(ring) < FETCH_BUFFERS:
+            host = np.frombuffer(cp.cuda.alloc_pinned_memory(max(x.nbytes, 1)), x.dtype, x.size).reshape(x.shape)
+        else:
+            oldest = ring.popleft()
+            oldest.result()  # read before its buffer takes the next copy
+            host = oldest.host
+        stream = cp.cuda.get_current_stream()
+        x.data.copy_to_host_async(host.ctypes.data, x.nbytes, stream)
+        ring.append(_PinnedFetch(host, stream))
+        return ring[-1]
 
     def device_key(self):
         return cp.cuda.Device().id

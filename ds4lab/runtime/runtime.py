@@ -70,12 +70,20 @@ class Runtime:
         return X, state
 
     def forward_logits(self, tokens, state: KVState, *, tiers: TierRun | None = None, observer=None,
-                       prefill: bool = False, pad_to: int | None = None):
+                       prefill: bool = False, pad_to: int | None = None, device_ids=None):
         """:meth:`forward`, then the head on the last real token: ``(logits [1, vocab], new state)``. Where
         the whole step is one compiled call, the head is part of it (no launches of its own). With tiers on ranks,
-        every process gets the logits."""
-        _, state, logits = self._run(tokens, state, tiers, observer, prefill, pad_to, head=True)
+        every process gets the logits. ``device_ids``: the tokens' ids as an int32 device array (a token chosen on
+        the device, in the vocabulary by construction), used in place of ``tokens``' values, which then only give
+        their count; only where the step is one compiled call (:meth:`whole`)."""
+        _, state, logits = self._run(tokens, state, tiers, observer, prefill, pad_to, head=True, device_ids=device_ids)
         return logits, state
+
+    def whole(self, rows: int, tiers: TierRun | None = None, observer=None) -> bool:
+        """Whether a chunk of ``rows`` rows (a decode step: 1) runs as one compiled call, every layer and the head."""
+        tiers = NO_TIERS if tiers is None else tiers
+        return (observer is None and tiers.one_tier and self.whole_step and self.compiles(rows)
+                and self.backend.compiles_ffn)
 
     def _checked(self, tokens, state: KVState) -> np.ndarray:
         """``tokens`` as int64 ids, once they are known to fit the vocabulary, the context and one step."""
@@ -101,14 +109,16 @@ class Runtime:
             pad_to = step
         return max(n, pad_to or n)
 
-    def _run(self, tokens, state: KVState, tiers, observer, prefill: bool, pad_to, head: bool):
-        model, b = self.model, self.backend
+    def _run(self, tokens, state: KVState, tiers, observer, prefill: bool, pad_to, head: bool, device_ids=None):
+        model = self.model
         tokens = self._checked(tokens, state)
         n, pos0, C = len(tokens), state.n_past, self._rows(len(tokens), state, prefill, pad_to)
         tiers = NO_TIERS if tiers is None else tiers
-        if observer is None and tiers.one_tier and self.whole_step and self.compiles(C) and b.compiles_ffn:
+        if self.whole(C, tiers, observer):
             with tiers.scope():
-                return self._whole_step(tokens, C, state, head)
+                return self._whole_step(tokens, C, state, head, device_ids)
+        if device_ids is not None:
+            raise ValueError(f"ids on the device need a chunk that runs as one compiled call; {C} rows here do not")
         padded = np.concatenate([tokens, np.zeros(C - n, dtype=np.int64)])
         tiers.start(C)
         with tiers.scope():
@@ -144,10 +154,10 @@ class Runtime:
             self.compiled[key] = self.backend.compile(make(), carry)
         return self.compiled[key]
 
-    def _whole_step(self, tokens, C: int, state: KVState, head: bool):
+    def _whole_step(self, tokens, C: int, state: KVState, head: bool, device_ids=None):
         """Every layer of a chunk (and with ``head`` the head on its last real token) as one compiled call (a
         CUDA graph on CuPy), keyed by the chunk's padded and real sizes. Returns ``(X, new state, logits or
-        None)``."""
+        None)``. ``device_ids``: the chunk's ids on the device, instead of the uploaded ones (C = n rows)."""
         cfg, n = self.model.cfg, len(tokens)
         tabs = self.tables(tokens, state.n_past, C)  # pads the ids to C rows
         tables = len(tabs.scalars) + 1 + 2 * (len(tabs.rope) + len(tabs.windows))  # and the chunk's ids
@@ -158,8 +168,8 @@ class Runtime:
             arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
         else:
             arrays = [a for layer in state.layers for a in present(layer)]
-        out = step(*tabs.scalars, tabs.chunk_ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ()),
-                   *arrays)
+        ids = tabs.chunk_ids if device_ids is None else device_ids
+        out = step(*tabs.scalars, ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ()), *arrays)
         layers = PackedLayers(out[1:-1] if head else out[1:], cfg.n_layer, lambda a: layer_states(cfg, a))
         return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
 

@@ -160,11 +160,12 @@ class Worker:
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
         generated, finish = 0, "length"
         began = time.perf_counter()
-        for _ in range(max(0, min(req.max_tokens, room))):
+        n = max(0, min(req.max_tokens, room))
+        for i in range(n):
             if job.cancelled.is_set() or self.stopping.is_set():
                 finish = "cancelled" if job.cancelled.is_set() else "shutdown"
                 break
-            step = decode.step()
+            step = decode.step(more=i + 1 < n)
             if decode.stop_reason == "eos":
                 finish = "stop"
                 break
