@@ -35,19 +35,10 @@ def open_branches() -> int:
     return getattr(_open, "count", 0)
 
 
-def priorities() -> tuple[int, int]:
-    """(lowest, highest) stream priority of the current device (CUDA counts down: the highest is the least number)."""
-    return cp.cuda.runtime.deviceGetStreamPriorityRange()
-
-
 def _side_stream() -> cp.cuda.Stream:
-    """The next side stream, at the lowest priority: where a branch's launches and the current stream's wait for the
-    same SMs (a side chain beside a product that fills the GPU), the current stream's, captured at the highest
-    (:mod:`.graphs`), go first."""
     key = (cp.cuda.Device().id, threading.get_ident())
     if key not in _streams:
-        low = priorities()[0]
-        _streams[key] = itertools.cycle([cp.cuda.Stream(non_blocking=True, priority=low) for _ in range(SIDE_STREAMS)])
+        _streams[key] = itertools.cycle([cp.cuda.Stream(non_blocking=True) for _ in range(SIDE_STREAMS)])
     return next(_streams[key])
 
 

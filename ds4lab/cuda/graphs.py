@@ -35,7 +35,6 @@ import numpy as np
 
 from ..backends.packing import offsets, view_at, views
 from ..mlx_kernels.launches import holding
-from .branches import priorities
 
 _POOLS: dict[int, cp.cuda.MemoryPool] = {}  # per device: the memory every captured graph allocates from
 _capturing = threading.local()  # .carried: {pointer: array} of the carried inputs of the capture in progress
@@ -180,8 +179,7 @@ class _Captured:
             dst[...] = src
         self.carry, self.last = carry, None  # last: the outputs of the last replay, while someone holds them
         carried = self.inputs[carry[0]:] if carry else []
-        # the legacy stream cannot be captured; the highest priority: this chain goes before its branches' (.branches)
-        stream = cp.cuda.Stream(non_blocking=True, priority=priorities()[1])
+        stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
         pool = _graph_pool()
         with cp.cuda.using_allocator(pool.malloc), stream, holding() as self.held:
             _capturing.carried = {a.data.ptr: a for a in carried}
