@@ -566,9 +566,11 @@ class Decode:
         self._exclude_on_device = None
 
     def _ahead(self, token: int) -> _Launched | None:
-        """The step launched ahead, if it evaluates ``token`` after the live state."""
+        """The step launched ahead, if it evaluates ``token`` after the live state and nothing observes the step now
+        (a capture or an intervention begun since runs it anew, eagerly)."""
         pending, self._pending, sess = self._pending, None, self.session
-        if pending is None or pending.base is not sess._state or pending.position != len(sess.tokens):
+        if (pending is None or pending.base is not sess._state or pending.position != len(sess.tokens)
+                or sess.hook_observer is not None):
             return None
         return pending.launched if int(pending.ids.result()[0]) == token else None
 

@@ -240,12 +240,15 @@ def test_a_greedy_decode_launches_its_next_step_ahead_and_gives_the_same_steps(m
         cp = sess.checkpoint()
         steps.append(decode.step())
         sess.restore(cp)  # the step launched ahead follows the state before the restore's
-        steps += [decode.step(), decode.step(more=False)]
+        steps.append(decode.step())
+        with sess.capture(["blk.0.attn_norm"]) as cap:  # begun after a launch ahead: the step runs observed
+            steps.append(decode.step(more=False))
+        assert cap["blk.0.attn_norm"].shape[0] == 1
         runs.append(([(s.token, s.logprob, s.top) for s in steps], sess.logits, exclude[0]))
     (got, got_logits, excluded), (want, want_logits, _) = runs
     assert got == want and np.array_equal(got_logits, want_logits) and excluded not in [s[0] for s in got]
     assert got[4] == got[3]  # the restore: the same token again, evaluated anew
     # a launch ahead after each of the first five steps (none after the last) here, none on the plain backend
     assert len(made) == 2 * 5 and sum(m is not None for m in made) == 5
-    # the first step, five ahead, the step after the restore launched anew: 7 launches for 6 steps
-    assert launches.count(ahead) == 1 + 7 and launches.count(plain) == 1 + 6  # + the prompt's prefill
+    # the first step, five ahead, the steps after the restore and in the capture launched anew: 8 launches, 6 steps
+    assert launches.count(ahead) == 1 + 8 and launches.count(plain) == 1 + 6  # + the prompt's prefill
