@@ -551,7 +551,9 @@ class Decode:
     each step also launches the next one, its token chosen on the device from the logits still there, so the GPU
     computes it while the host reads this step's logits, sums their log-probabilities and returns. The next
     ``step()`` samples on the host as always and uses that launch only if it evaluated the same token after the same
-    state (else it is dropped: states are never modified, so nothing needs undoing)."""
+    state, with nothing observing the session (else it is dropped: states are never modified, so nothing needs
+    undoing). The cost: the step launched after the last one (``step(more=False)`` and :meth:`stream`'s last step
+    launch none) runs for nothing, and while one is pending the device holds a third copy of the state."""
 
     def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int, exclude=()):
         self.session = session
@@ -582,12 +584,15 @@ class Decode:
         if (not self._greedy or not model.backend.asynchronous or sess.hook_observer is not None
                 or launched.state.n_past + 1 > sess.ctx or not model.runtime.whole(1, launched.run)):
             return None
-        with launched.run.scope():
-            if self._exclude_on_device is None:
-                self._exclude_on_device = model.backend.xp.asarray(self.exclude.astype(np.int32))
-            ids = argmax_on_device(model.backend.xp, launched.logits, self._exclude_on_device)
-            fetched = model.backend.fetch(ids)
-        ahead = sess._launch([0], "decode", after=launched, device_ids=ids)
+        try:
+            with launched.run.scope():
+                if self._exclude_on_device is None:
+                    self._exclude_on_device = model.backend.xp.asarray(self.exclude.astype(np.int32))
+                ids = argmax_on_device(model.backend.xp, launched.logits, self._exclude_on_device)
+                fetched = model.backend.fetch(ids)
+            ahead = sess._launch([0], "decode", after=launched, device_ids=ids)
+        except MemoryError:  # no room for a third state beside the live and the launched ones: this step goes on
+            return None
         return _Pending(ahead, fetched, launched.state, launched.state.n_past)
 
     def step(self, more: bool = True) -> DecodeStep:

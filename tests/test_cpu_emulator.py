@@ -95,6 +95,12 @@ def test_a_checked_branch_refuses_what_a_side_stream_could_not_do():
         k.rmsnorm(y, 1e-6)  # its own outputs: in order on its stream
     side.join()
     np.testing.assert_array_equal(k.rmsnorm(y, 1e-6), k.rmsnorm(z, 1e-6))
+    with side:
+        w = k.rmsnorm(x, 1e-6)  # launched after the join
+    with pytest.raises(RuntimeError, match="before its join"):
+        k.rmsnorm(w, 1e-6)
+    side.join()
+    k.rmsnorm(w, 1e-6)
     assert ops.branch(1, False).__class__.__name__ == "InOrder"  # an observer: everything in order
 
 

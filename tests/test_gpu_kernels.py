@@ -1384,7 +1384,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
-        b.compile = lambda fn: fn
+        b.compile = lambda fn, carry=None: fn
     n_prefill, n_decode = 72, 2 if backend == "emulated" else 5  # from position 68 the indexer drops rows
     ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, n_prefill + n_decode)
     logits, held = {}, None
@@ -1591,17 +1591,22 @@ def test_cupy_graph_carries_its_state_in_place():
         if restore:
             state, dev = list(history[4]), held[3][1:]
         want = plain(t, kv, *state)
+        state_args = dev if isinstance(dev, (list, tuple)) else [dev]  # a Span is one argument (not unpacked)
+        dropped = t == 5  # a replay whose outputs no one keeps (a rejected step ahead): the next one copies in
+        if dropped:
+            step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(-kv), *state_args)
         copies.clear()
-        graphs._Captured._copy = lambda self, run, stream: copies.append(run[3]) or real_copy(self, run, stream)
+        graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
         try:
-            state_args = dev if isinstance(dev, (list, tuple)) else [dev]  # a Span is one argument (not unpacked)
             out = step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(kv), *state_args)
         finally:
             graphs._Captured._copy = real_copy
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 4, t
         captured = next(iter(step._graphs.values()), None)
-        if t >= 2 and not restore:  # replays given the last replay's Span: the tables copied in, not the state
-            assert copies and max(copies) < captured.in_offs[3], (t, copies)
+        if t >= 2 and not (restore or dropped):  # given the last replay's Span: the tables copied in, not the state
+            assert copies and max(end for _, end in copies) <= captured.in_offs[3], (t, copies)
+        elif t >= 2:
+            assert max(end for _, end in copies) > captured.in_offs[3], (t, copies)
         held.append(out)
         state, dev = list(want[1:]), out[1:]
         history.append(list(state))
@@ -1609,6 +1614,33 @@ def test_cupy_graph_carries_its_state_in_place():
     assert in_place[0] == (False, False, False) and in_place[1] == (True, True, True)  # eager, then the capture
     for t, out in enumerate(held):  # every replay's outputs are still what it returned
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out[1:], history[t + 1])] == [True] * 3, t
+
+
+@pytest.mark.gpu
+def test_cupy_fetch_and_the_device_argmax():
+    """CuPy's fetch: results read in any order after more fetches of the same shape than it keeps buffers for (an
+    unread result is read before its buffer is reused); the greedy token chosen on the device is the host's argmax
+    (NaN never, ties to the first, excluded ids never, every logit at -inf or below -1e30: token 0)."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.backends.cupy_backend import FETCH_BUFFERS, CupyBackend
+    from ds4lab.sampling import argmax, argmax_on_device
+
+    backend = CupyBackend()
+    rows = [np.random.default_rng(i).standard_normal((1, 300)).astype(np.float32) for i in range(2 * FETCH_BUFFERS + 1)]
+    fetched = [backend.fetch(cp.asarray(r)) for r in rows]
+    assert all(np.array_equal(f.result(), r) for f, r in zip(fetched[::-1], rows[::-1]))
+    cases = [np.array([[1.0, np.nan, 3.0, 3.0, -2.0]], np.float32), np.full((1, 4), -np.inf, np.float32),
+             np.array([[-1e31, -2e30, np.nan, -1e30]], np.float32), rows[0]]
+    for logits in cases:
+        for exclude in (np.zeros(0, np.int64), np.array([2, 3])):
+            host = logits.copy()
+            host[0, exclude] = -np.inf
+            got = argmax_on_device(cp, cp.asarray(logits), cp.asarray(exclude.astype(np.int32)))
+            assert got.dtype == cp.int32 and int(got[0]) == argmax(host[0]), (logits, exclude)
 
 
 @pytest.mark.gpu

@@ -577,3 +577,21 @@ def test_rule2_large_vocab_matches_c_port(temperature, min_p):
     for u in (0.0, 0.3, 0.999, 0.5):
         assert sample(logits, temperature, 0, 1.0, min_p, FixedU(u)) == \
             ref_sample(logits, temperature, 0, 1.0, min_p, FixedU(u))
+
+
+def test_the_device_argmax_is_the_host_argmax():
+    """argmax_on_device (here over NumPy) chooses as argmax does: the first maximal logit, NaN never, nothing at or
+    below -1e30 (token 0 when that is all), excluded ids never."""
+    from ds4lab.sampling import argmax_on_device
+
+    rng = np.random.default_rng(3)
+    cases = [np.array([[1.0, np.nan, 3.0, 3.0, -2.0]], np.float32), np.full((1, 4), -np.inf, np.float32),
+             np.array([[-1e31, -2e30, np.nan, -1e30]], np.float32), np.full((1, 4), np.nan, np.float32),
+             rng.standard_normal((3, 50)).astype(np.float32)]
+    for logits in cases:
+        for exclude in (None, np.array([2, 3])):
+            host = logits.copy()
+            if exclude is not None:
+                host[:, exclude] = -np.inf
+            got = argmax_on_device(np, logits, exclude)
+            assert got.dtype == np.int32 and list(got) == [argmax(row) for row in host], (logits, exclude)

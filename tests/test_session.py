@@ -395,3 +395,12 @@ def test_a_live_checkpoint_of_another_backend_restores_through_its_bytes(model_p
     ref = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu").session(ctx=128, prefill_chunk=32)
     ref.sync(PROMPT[:41])
     assert np.abs(b.logits - ref.logits).max() < 1e-3 * np.abs(ref.logits).max()
+
+
+def test_ids_on_the_device_need_a_compiled_step(nano_np):
+    """``device_ids`` (a token chosen on the device) is taken only where the step is one compiled call; elsewhere
+    (NumPy: nothing compiles) a clear error, and the state given is left as it was."""
+    state = nano_np.new_state(64)
+    with pytest.raises(ValueError, match="ids on the device need a chunk that runs as one compiled call"):
+        nano_np.runtime.forward_logits(np.array([5]), state, device_ids=np.array([5], np.int32))
+    assert state.n_past == 0 and not nano_np.runtime.whole(1)

@@ -19,6 +19,8 @@ decides that, from ``kernels``.
                                       ``carry=(i, j)``: outputs j… are the next values of inputs i… (the state)
     donated(x)                        whether ``x`` is a carried input of a step being traced, one that only the
                                       step holds, so that ops may write it in place (CuPy's graphs)
+    asynchronous, fetch(x)            whether launches run beside the host (CuPy); ``fetch(x).result()`` is x on
+                                      the host, its copy queued at the call where launches are asynchronous
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
     upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
                                       in one transfer where the backend can

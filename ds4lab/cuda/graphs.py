@@ -9,9 +9,9 @@ constant, so the capture that the second call makes copies nothing from the host
 launch plans it reads, which the launchers' caches may later drop (:func:`ds4lab.mlx_kernels.launches.holding`).
 Every buffer the capture allocates comes from a memory pool of its own that nothing outside the graphs
 uses, so a replay never writes into memory someone else holds. A replay copies its arguments into the graph's input
-buffer and returns a copy of its outputs: what a caller holds (a checkpoint's KV arrays, say) is never
-overwritten by a later replay. Inputs and outputs are each one buffer, so a decode step whose state
-came out of the previous replay copies it in, and its new state out, as one span each; the outputs are
+buffer (but see ``carry`` below) and returns a copy of its outputs: what a caller holds (a checkpoint's KV arrays,
+say) is never overwritten by a later replay. Inputs and outputs are each one buffer, so a run of arguments that
+came out of one replay is copied in as one span, and the outputs leave in one copy per run; the outputs are
 :class:`Outputs`, whose arrays are made only when read, and a slice of them (a :class:`Span`) is passed
 to the next replay whole, so the host makes no array object per state array and step. A function that
 cannot be captured (it syncs with the host) runs eagerly from then on; ``failures`` says why.
@@ -57,6 +57,10 @@ COPY_THREADS, COPY_MAX_BLOCKS = 256, 512
 # Kept for the process: a graph launches the function of a module that must outlive it (a RawKernel unloads its
 # module when it is collected, and a replay then faults).
 _COPY_KERNEL = cp.RawKernel(_COPY_SPANS, "copy_spans")
+
+
+class CarryError(ValueError):
+    """A step's outputs do not match the ``carry`` it was made with (a caller's mistake, raised, not run eagerly)."""
 
 
 def donated(x) -> bool:
@@ -205,7 +209,7 @@ class _Captured:
         else:
             j, k = self.carry[1], self.carry[2]
             if len(outputs) < j + k:
-                raise ValueError(f"carry: {len(outputs)} outputs, fewer than the {k} carried from output {j}")
+                raise CarryError(f"carry: {len(outputs)} outputs, fewer than the {k} carried from output {j}")
             self.span = (offs[j], offs[j + k] if j + k < len(offs) else self.layout.size)
         start, end = self.span
         self.out_buf = cp.empty(max(start + self.layout.size - end, 1), dtype=cp.uint8)
@@ -216,24 +220,24 @@ class _Captured:
             if 0 <= m < len(carried):
                 dst = carried[m]
                 if (o.shape, o.dtype) != (dst.shape, dst.dtype):
-                    raise ValueError(f"carry: output {n} is {o.shape} {o.dtype}, its input {dst.shape} {dst.dtype}")
+                    raise CarryError(f"carry: output {n} is {o.shape} {o.dtype}, its input {dst.shape} {dst.dtype}")
                 if o.data.ptr == dst.data.ptr:
                     continue  # written in place
             else:
                 dst = view_at(self.out_buf, o.shape, o.dtype, offs[n] if offs[n] < start else offs[n] - (end - start))
             if self.carry and base <= o.data.ptr < top:  # an input's memory, which a copy here may overwrite first
-                raise ValueError(f"output {n} is an input of the graph, not in its own carried place")
+                raise CarryError(f"carry: output {n} is an input of the graph, not in its own carried place")
             if o.data.ptr % 16 or not o.flags.c_contiguous:
                 o = o.copy()
             pairs.append((o, dst))
         return pairs
 
-    def _copy_in(self, args, stream) -> None:
+    def _copy_in(self, args, stream, last) -> None:
         """One device copy per run of arguments that sits in one buffer at the input layout's relative
-        offsets (a :class:`Span` is such a run); none for the previous replay's carried outputs, which are
-        in place already."""
+        offsets (a :class:`Span` is such a run); none for the previous replay's carried outputs (``last``, a
+        weak reference to them), which are in place already."""
         offs, i, run = self.in_offs, 0, None  # run: [source pointer, its memory, base, start, end]
-        last = self.last() if self.last is not None else None
+        last = last() if last is not None else None
         for a in args:
             n = len(a) if type(a) is Span else 1
             if n == 0:
@@ -260,9 +264,10 @@ class _Captured:
 
     def __call__(self, args) -> Outputs:
         stream = cp.cuda.get_current_stream()
-        self._copy_in(args, stream)
-        self.graph.launch(stream)
         out = cp.empty(self.layout.size, dtype=cp.uint8)
+        last, self.last = self.last, None  # until this replay returns, the state in place is no one's (it may fail)
+        self._copy_in(args, stream, last)
+        self.graph.launch(stream)
         (start, end), size = self.span, self.layout.size
         if start:
             out.data.copy_from_device_async(self.out_buf.data, start, stream)
@@ -303,6 +308,8 @@ class GraphStep:
         carry = None if self.carry is None else (*self.carry, len(args) - self.carry[0])
         try:
             self._graphs[key] = captured = _Captured(self.fn, args, carry)
+        except CarryError:
+            raise
         except Exception as e:  # a host sync or an uncapturable call inside fn (a real bug re-raises below)
             self.failures[key] = f"{type(e).__name__}: {e}"
             return self.fn(*args)

@@ -83,9 +83,9 @@ class CheckedBranch:
     views and contiguous copies share it); arrays made by array-library operations are not traced."""
 
     def __init__(self, kernels: "CpuKernels"):
-        self.kernels, self.fork = kernels, kernels.launches
+        self.kernels, self.fork = kernels, kernels.clock
         self.parent = kernels.entered[-1] if kernels.entered else None  # the branch it was forked from, or None
-        self.joined_at = None  # when it last joined (kernels.joins)
+        self.joined_at = None  # when it last joined (kernels.clock)
 
     def __enter__(self):
         self.kernels.entered.append(self)
@@ -100,18 +100,18 @@ class CheckedBranch:
         return self.joined_at is not None
 
     def join(self) -> None:
-        self.kernels.joins += 1
-        self.joined_at = self.kernels.joins
+        self.kernels.clock += 1
+        self.joined_at = self.kernels.clock
 
-    def reaches(self, here: "CheckedBranch | None") -> bool:
-        """Whether launches in ``here`` (None: the main stream) come after all this branch's: it joined into its
-        parent, which joined into its own after that, and so on up to ``here`` or a branch ``here`` was forked
-        from."""
+    def reaches(self, here: "CheckedBranch | None", made: int) -> bool:
+        """Whether launches in ``here`` (None: the main stream) come after this branch's launch at ``made``: the
+        branch joined its parent after that launch, the parent joined its own after that, and so on up to ``here``
+        or a branch ``here`` was forked from."""
         ancestors, b = {None}, here
         while b is not None:
             ancestors.add(b)
             b = b.parent
-        branch, after = self, 0
+        branch, after = self, made
         while branch not in ancestors:
             if branch.joined_at is None or branch.joined_at <= after:
                 return False
@@ -134,8 +134,7 @@ class CpuKernels(ArrayLaunches):
 
     def __init__(self):
         self.lib = _library()
-        self.launches = 0  # launches so far, which number the outputs (CheckedBranch)
-        self.joins = 0  # branches' joins so far, which order them (CheckedBranch)
+        self.clock = 0  # launches and branches' joins so far: the time of each (CheckedBranch)
         self.entered: list[CheckedBranch] = []  # the branches whose ``with`` the launches are inside
         self._made: dict[int, tuple] = {}  # id of an output's memory owner -> (weakref to it, launch number, branch)
         super().__init__()
@@ -151,17 +150,20 @@ class CpuKernels(ArrayLaunches):
             if made is None or made[0]() is not owner or made[2] is here:
                 continue
             _, number, branch = made
-            if branch is not None and not branch.reaches(here):
+            if branch is not None and not branch.reaches(here, number):
                 raise RuntimeError(f"{spec.name} reads an output of a branch (ops.branch) before its join")
             b = here  # made before the fork of every branch between here and the stream that made it
             while b is not None and b is not branch:
                 if number > b.fork:
                     raise RuntimeError(f"{spec.name}, inside a branch, reads an array made after the branch's fork")
                 b = b.parent
-        self.launches += 1
+        self.clock += 1
         outs = super()._run(spec, groups, threads, inputs, outputs)
         for out in outs:
             owner = _owner(out)
-            self._made[id(owner)] = (weakref.ref(owner, lambda _, key=id(owner): self._made.pop(key, None)),
-                                     self.launches, here)
+            try:
+                ref = weakref.ref(owner, lambda _, key=id(owner): self._made.pop(key, None))
+            except TypeError:  # memory owned by an object that takes no weak reference: not traced
+                continue
+            self._made[id(owner)] = (ref, self.clock, here)
         return [out.view(DeviceArray) for out in outs]

@@ -66,6 +66,13 @@ def operand_round(xp, x, operands: str):
     return x
 
 
+def _check_in_place(name: str, x) -> None:
+    """An in-place kernel writes ``x`` as contiguous float32 rows: anything else would be written wrong."""
+    if str(x.dtype) != "float32" or not x.flags.c_contiguous:
+        raise ValueError(f"{name} in place: the array must be contiguous float32, not {x.dtype} with strides "
+                         f"{x.strides}")
+
+
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept. ``xp`` is the subclass's array library.
@@ -385,6 +392,7 @@ class KernelLaunches:
         N, D = rows.shape
         tail = [self._i32(pos0), self._i32(n_valid), self._const(N, D, pooled.shape[0], ratio)]
         if in_place:
+            _check_in_place("append_rows", rows)
             return self._run(S.APPEND_ROWS_IN_PLACE, (max(1, -(-pooled.size // S.ROW_GROUP)), 1), S.ROW_GROUP,
                              [self._f32(pooled), *tail], [rows])[0]
         return self._run(S.APPEND_ROWS, (-(-N * D // S.ROW_GROUP), 1), S.ROW_GROUP,
@@ -403,6 +411,8 @@ class KernelLaunches:
         ``in_place`` the chunk's rows are written into ``raw`` (contiguous float32), which is returned."""
         cap, D = raw.shape
         C = kv.shape[0]
+        if in_place:
+            _check_in_place("ring_write", raw)
         tail = [self._i32(pos0), self._i32(n_valid), self._const(cap, D, C, window)]
         masks = [((cap,), "int32"), ((C, cap), "uint8")]
         if in_place:

@@ -154,7 +154,7 @@ class Transformer:
             emit("hc_attn.post", post)
             emit("hc_attn.comb", comb)
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
-        q_a, kv = lw.query_projections(a)
+        q_a, kv_a = lw.query_projections(a)
         cos, sin = rope
         # The KV row, the raw ring and the compressors (and their products of a) do not need q: for a decode step's
         # few rows they run beside q's projections, the indexer's compressor beside the attention rows', forked
@@ -166,7 +166,8 @@ class Transformer:
             index_side = ops.branch(C, emit is None)
             if selects:  # the indexer's head weights, scaled
                 w_idx = of_a.index_proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
-            kv, kv_rot = ops.rmsnorm_rope(kv, eps, lw.attn_kv_a_norm, cos, sin)
+            # kv_a stays held: a side stream reads it, and memory freed on the main stream is reused there at once
+            kv, kv_rot = ops.rmsnorm_rope(kv_a, eps, lw.attn_kv_a_norm, cos, sin)
         # q normalised, and normalised then turned by RoPE (one launch with kernels)
         qr = ops.rmsnorm(q_a, eps, lw.attn_q_a_norm)
         q, q_rot = ops.rmsnorm_rope(lw.attn_q_b(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None, cos, sin)
