@@ -304,6 +304,46 @@ def argmax_on_device(xp, logits, exclude=None):
     return xp.argmax(w, axis=-1).astype(xp.int32)
 
 
+def weighted_rule(temperature, top_k, top_p) -> bool:
+    """Whether :func:`sample` with these parameters draws by rule 2 (a positive finite temperature, no top_k, no
+    top_p cut: ds4's defaults), which :func:`sample_on_device` computes too."""
+    t, tp, k = _as_f32("temperature", temperature), _as_f32("top_p", top_p), operator.index(top_k)
+    return bool(np.isfinite(t) and t > 0 and k <= 0 and (tp <= 0 or tp >= 1))
+
+
+def sample_on_device(xp, logits, u, temperature, min_p, exclude=None):
+    """:func:`sample`'s rule 2 (:func:`weighted_rule`) for the row ``logits [1, vocab]`` (a backend's array),
+    ``exclude`` (ids, on the same device) never drawn, with ``u`` the uniform draw the host will make
+    (``np.float32(rng.uniform())``): the token as int32 ``[1]`` on the device. Its operations are the host's: the
+    weights through float64 exp rounded to float32, sums as running sums, the draw loop as a running sum from r;
+    over NumPy it is bit for bit :func:`sample`, elsewhere a library's parallel sums may round a token at a boundary
+    differently."""
+    t, mp = _as_f32("temperature", temperature), _as_f32("min_p", min_p)
+    min_rel = mp if mp > 0 else _F32_ZERO
+    a = logits.reshape(-1)
+    if exclude is not None and exclude.size:
+        a = a.copy()
+        a[exclude] = -np.inf
+    finite = xp.isfinite(a)
+    some = xp.any(finite)
+    finite_only = xp.where(finite, a, -np.inf)
+    # the token when nothing is drawn: the first maximal finite logit above -1e30 (else 0); argmax when none is finite
+    best = xp.where(some, argmax_on_device(xp, finite_only[None])[0], argmax_on_device(xp, a[None])[0])
+    max_logit = xp.maximum(xp.max(finite_only), _NEG_INF32).astype(xp.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        z = xp.where(finite, (a - max_logit) / t, np.float32(-np.inf))
+        w = xp.exp(z.astype(xp.float64)).astype(xp.float32)
+        kept = finite & ~(w < min_rel)
+        w = xp.where(kept, w, _F32_ZERO)  # a dropped weight adds 0 to the sums
+        total = xp.cumsum(w, dtype=xp.float32)[-1]
+        r = (np.float32(u) * total).astype(xp.float32)
+        walk = xp.cumsum(xp.concatenate([r[None], -w]), dtype=xp.float32)[1:]  # r − p0 − p1 − …
+    hit = (walk <= 0) & kept
+    drawn = xp.argmax(hit)  # the first kept position where the walk reaches 0
+    ok = (total > 0) & xp.isfinite(total) & hit[drawn] & some
+    return xp.where(ok, drawn, best).astype(xp.int32)[None]
+
+
 def sample(
     logits,
     temperature: float = DEFAULT_TEMPERATURE,

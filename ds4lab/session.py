@@ -35,7 +35,9 @@ from .sampling import (
     Rng,
     argmax_on_device,
     sample,
+    sample_on_device,
     token_and_top_logprobs,
+    weighted_rule,
 )
 from .tiers import Placement, TierRun, TierSwitch
 
@@ -547,13 +549,15 @@ class Prefill:
 class Decode:
     """Sampled generation from the session's logits, one token per ``step()``.
 
-    Greedy decoding (temperature ≤ 0) on a backend whose launches run beside the host (CuPy) runs one step ahead:
-    each step also launches the next one, its token chosen on the device from the logits still there, so the GPU
-    computes it while the host reads this step's logits, sums their log-probabilities and returns. The next
-    ``step()`` samples on the host as always and uses that launch only if it evaluated the same token after the same
-    state, with nothing observing the session (else it is dropped: states are never modified, so nothing needs
-    undoing). The cost: the step launched after the last one (``step(more=False)`` and :meth:`stream`'s last step
-    launch none) runs for nothing, and while one is pending the device holds a third copy of the state."""
+    On a backend whose launches run beside the host (CuPy), greedy decoding (temperature ≤ 0) and ds4's default
+    rule (a positive temperature with min_p, no top_k, no top_p cut: :func:`ds4lab.sampling.weighted_rule`) run
+    one step ahead: each step also launches the next one, its token chosen on the device from the logits still
+    there (the argmax, or the draw from the uniform the host's generator will give next), so the GPU computes it
+    while the host reads this step's logits, sums their log-probabilities and returns. The next ``step()`` samples
+    on the host as always and uses that launch only if it evaluated the same token after the same state, with
+    nothing observing the session (else it is dropped: states are never modified, so nothing needs undoing). The
+    cost: the step launched after the last one (``step(more=False)`` and :meth:`stream`'s last step launch none)
+    runs for nothing, and while one is pending the device holds a third copy of the state."""
 
     def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int, exclude=()):
         self.session = session
@@ -563,7 +567,9 @@ class Decode:
         self.top = top
         self.stop_reason: str | None = None
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._greedy = bool(np.float32(temperature) <= 0)
+        # how the device chooses the token of a step launched ahead: ds4's argmax, its rule 2 (the defaults), or not
+        self._choose_ahead = ("argmax" if np.float32(temperature) <= 0 else
+                              "weights" if weighted_rule(temperature, top_k, top_p) else None)
         self._pending: _Pending | None = None
         self._exclude_on_device = None
 
@@ -581,14 +587,20 @@ class Decode:
         the backend runs it beside the host and the step is one compiled call."""
         sess = self.session
         model = sess.model
-        if (not self._greedy or not model.backend.asynchronous or sess.hook_observer is not None
+        if (self._choose_ahead is None or not model.backend.asynchronous or sess.hook_observer is not None
                 or launched.state.n_past + 1 > sess.ctx or not model.runtime.whole(1, launched.run)):
             return None
+        xp = model.backend.xp
         try:
             with launched.run.scope():
                 if self._exclude_on_device is None:
-                    self._exclude_on_device = model.backend.xp.asarray(self.exclude.astype(np.int32))
-                ids = argmax_on_device(model.backend.xp, launched.logits, self._exclude_on_device)
+                    self._exclude_on_device = xp.asarray(self.exclude.astype(np.int32))
+                if self._choose_ahead == "argmax":
+                    ids = argmax_on_device(xp, launched.logits, self._exclude_on_device)
+                else:  # the uniform the host's next sample will draw (the generator is not advanced here)
+                    u = np.float32(self.rng.copy().uniform())
+                    ids = sample_on_device(xp, launched.logits, u, self.params["temperature"], self.params["min_p"],
+                                           self._exclude_on_device)
                 fetched = model.backend.fetch(ids)
             ahead = sess._launch([0], "decode", after=launched, device_ids=ids)
         except MemoryError:  # no room for a third state beside the live and the launched ones: this step goes on

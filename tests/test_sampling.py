@@ -595,3 +595,39 @@ def test_the_device_argmax_is_the_host_argmax():
                 host[:, exclude] = -np.inf
             got = argmax_on_device(np, logits, exclude)
             assert got.dtype == np.int32 and list(got) == [argmax(row) for row in host], (logits, exclude)
+
+
+def test_the_device_sampler_is_ds4s_rule_2_bit_for_bit_on_numpy():
+    """sample_on_device over NumPy draws what sample draws with ds4's default rule (positive temperature, no top_k,
+    no top_p cut, min_p) from the same uniform, over random rows, peaked and flat ones, non-finite logits,
+    excluded ids, min_p from 0 to past 1 (nothing kept: the best token), and the draws at the ends of [0, 1)."""
+    from ds4lab.sampling import sample_on_device, weighted_rule
+
+    rng = np.random.default_rng(8)
+    assert weighted_rule(1.0, 0, 1.0) and weighted_rule(0.7, -1, 0.0)
+    assert not weighted_rule(0.0, 0, 1.0) and not weighted_rule(1.0, 40, 1.0) and not weighted_rule(1.0, 0, 0.9)
+    checked = 0
+    for case in range(60):
+        logits = (rng.standard_normal(700) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
+        if case % 5 == 1:
+            logits[rng.integers(0, 700, 20)] = rng.choice([np.nan, np.inf, -np.inf])
+        if case % 7 == 2:
+            logits[:] = -np.inf
+        exclude = rng.integers(0, 700, 3) if case % 3 == 0 else np.zeros(0, np.int64)
+        t, mp = float(rng.choice([0.3, 1.0, 2.5])), float(rng.choice([0.0, 0.05, 0.5, 1.5]))
+        for seed in (int(rng.integers(1, 2**63)), 0):
+            host = logits.copy()
+            host[exclude] = -np.inf
+            peek = Rng(seed)
+            u = np.float32(Rng(seed).uniform())
+            want = sample(host, temperature=t, top_k=0, top_p=1.0, min_p=mp, rng=peek)
+            got = sample_on_device(np, logits[None], u, t, mp, exclude)
+            assert got.dtype == np.int32 and got.shape == (1,) and int(got[0]) == want, (case, seed, t, mp)
+            checked += 1
+    logits = rng.standard_normal(50).astype(np.float32)
+    weights = np.exp((logits - logits.max()).astype(np.float64)).astype(np.float32)
+    kept = np.flatnonzero(~(weights < np.float32(0.05)))
+    for u, token in ((0.0, kept[0]), (1.0 - 2.0 ** -24, kept[-1])):  # the draw's ends: the first and the last kept
+        want = sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.05, rng=FixedU(u))
+        assert int(sample_on_device(np, logits[None], np.float32(u), 1.0, 0.05)[0]) == want == token
+    assert checked == 120
