@@ -184,7 +184,7 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
         for i in range(gen_tokens):
             if len(sess.tokens) + 1 >= sess.ctx:
                 raise BenchError(f"generation would exceed the allocated context at frontier {frontier}")
-            probe.append(decode.step(more=i + 1 < gen_tokens).token)  # no greedy step launched ahead of the last
+            probe.append(decode.step(more=i + 1 < gen_tokens).token)  # no step launched ahead of the last
         gen_seconds = time.perf_counter() - began
         sess.restore(snapshot)
 

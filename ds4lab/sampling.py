@@ -296,8 +296,9 @@ def argmax(logits) -> int:
 
 
 def argmax_on_device(xp, logits, exclude=None):
-    """:func:`argmax`'s choice for each row of ``logits`` (a backend's array), ``exclude`` (an int array of ids, on the
-    same device) never chosen, as int32 on the device: the next greedy token picked where the logits are."""
+    """:func:`argmax`'s choice for each row of ``logits`` (a backend's array) with the ids ``exclude`` (an int array on
+    the same device) at -inf, as int32 on the device: the next greedy token picked where the logits are (an excluded
+    id only as argmax's token 0 when no logit is above -1e30)."""
     w = xp.where(logits > _NEG_INF32, logits, np.float32(-np.inf))
     if exclude is not None and exclude.size:
         w[..., exclude] = -np.inf
@@ -305,15 +306,19 @@ def argmax_on_device(xp, logits, exclude=None):
 
 
 def weighted_rule(temperature, top_k, top_p) -> bool:
-    """Whether :func:`sample` with these parameters draws by rule 2 (a positive finite temperature, no top_k, no
-    top_p cut: ds4's defaults), which :func:`sample_on_device` computes too."""
-    t, tp, k = _as_f32("temperature", temperature), _as_f32("top_p", top_p), operator.index(top_k)
+    """Whether these parameters are ones for which :func:`sample_on_device` draws what :func:`sample` draws: rule 2
+    with a positive finite temperature, no top_k and no top_p cut (ds4's defaults). False for anything else,
+    parameters :func:`sample` refuses included (it says why when it runs)."""
+    try:
+        t, tp, k = _as_f32("temperature", temperature), _as_f32("top_p", top_p), operator.index(top_k)
+    except TypeError:
+        return False
     return bool(np.isfinite(t) and t > 0 and k <= 0 and (tp <= 0 or tp >= 1))
 
 
 def sample_on_device(xp, logits, u, temperature, min_p, exclude=None):
-    """:func:`sample`'s rule 2 (:func:`weighted_rule`) for the row ``logits [1, vocab]`` (a backend's array),
-    ``exclude`` (ids, on the same device) never drawn, with ``u`` the uniform draw the host will make
+    """:func:`sample`'s rule 2 (:func:`weighted_rule`) for the row ``logits [1, vocab]`` (a backend's array) with the
+    ids ``exclude`` (on the same device) at -inf, and ``u`` the uniform draw the host will make
     (``np.float32(rng.uniform())``): the token as int32 ``[1]`` on the device. Its operations are the host's: the
     weights through float64 exp rounded to float32, sums as running sums, the draw loop as a running sum from r;
     over NumPy it is bit for bit :func:`sample`, elsewhere a library's parallel sums may round a token at a boundary

@@ -103,7 +103,7 @@ class _Launched(NamedTuple):
 
 @dataclass(frozen=True)
 class _Pending:
-    """The greedy step a :class:`Decode` launched ahead: ``launched`` evaluates the token the device chose (``ids``,
+    """The step a :class:`Decode` launched ahead: ``launched`` evaluates the token the device chose (``ids``,
     fetched) after the step whose new state is ``base``, at ``position``."""
 
     launched: _Launched
@@ -583,8 +583,8 @@ class Decode:
         return pending.launched if int(pending.ids.result()[0]) == token else None
 
     def _launch_ahead(self, launched: _Launched) -> _Pending | None:
-        """The greedy step after ``launched``, launched now on the token the device chooses from its logits, where
-        the backend runs it beside the host and the step is one compiled call."""
+        """The step after ``launched``, launched now on the token the device chooses from its logits (the argmax, or
+        ds4's default rule's draw), where the backend runs it beside the host and the step is one compiled call."""
         sess = self.session
         model = sess.model
         if (self._choose_ahead is None or not model.backend.asynchronous or sess.hook_observer is not None
@@ -609,8 +609,8 @@ class Decode:
 
     def step(self, more: bool = True) -> DecodeStep:
         """Sample the next token and evaluate it. An EOS is returned but not evaluated, and ends the
-        decode (``stop_reason == "eos"``). ``more``: whether another step will likely follow (a greedy decode then
-        launches it ahead, see the class)."""
+        decode (``stop_reason == "eos"``). ``more``: whether another step will likely follow (it is then launched
+        ahead where it can be, see the class)."""
         sess = self.session
         if self.stop_reason is not None:
             raise RuntimeError(f"this decode has stopped ({self.stop_reason})")

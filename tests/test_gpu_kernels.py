@@ -1592,9 +1592,20 @@ def test_cupy_graph_carries_its_state_in_place():
             state, dev = list(history[4]), held[3][1:]
         want = plain(t, kv, *state)
         state_args = dev if isinstance(dev, (list, tuple)) else [dev]  # a Span is one argument (not unpacked)
-        dropped = t == 5  # a replay whose outputs no one keeps (a rejected step ahead): the next one copies in
+        dropped = t == 5  # a replay that fails after its launch moved the state on: the next one copies it in
         if dropped:
-            step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(-kv), *state_args)
+            captured = next(iter(step._graphs.values()))
+            graph = captured.graph
+
+            class Failing:
+                def launch(self, stream):
+                    graph.launch(stream)
+                    raise RuntimeError("after the launch")
+
+            captured.graph = Failing()
+            with pytest.raises(RuntimeError, match="after the launch"):
+                step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(-kv), *state_args)
+            captured.graph = graph
         copies.clear()
         graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
         try:
@@ -1620,14 +1631,16 @@ def test_cupy_graph_carries_its_state_in_place():
 def test_cupy_fetch_and_the_device_argmax():
     """CuPy's fetch: results read in any order after more fetches of the same shape than it keeps buffers for (an
     unread result is read before its buffer is reused); the greedy token chosen on the device is the host's argmax
-    (NaN never, ties to the first, excluded ids never, every logit at -inf or below -1e30: token 0)."""
+    (NaN never, ties to the first, excluded ids never, every logit at -inf or below -1e30: token 0), and ds4's default
+    rule's draw is the host's, neither waiting for the device."""
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
     import cupy as cp
+    import cupyx
 
     from ds4lab.backends.cupy_backend import FETCH_BUFFERS, CupyBackend
-    from ds4lab.sampling import argmax, argmax_on_device
+    from ds4lab.sampling import Rng, argmax, argmax_on_device, sample, sample_on_device
 
     backend = CupyBackend()
     rows = [np.random.default_rng(i).standard_normal((1, 300)).astype(np.float32) for i in range(2 * FETCH_BUFFERS + 1)]
@@ -1639,8 +1652,18 @@ def test_cupy_fetch_and_the_device_argmax():
         for exclude in (np.zeros(0, np.int64), np.array([2, 3])):
             host = logits.copy()
             host[0, exclude] = -np.inf
-            got = argmax_on_device(cp, cp.asarray(logits), cp.asarray(exclude.astype(np.int32)))
+            with cupyx.allow_synchronize(False):
+                got = argmax_on_device(cp, cp.asarray(logits), cp.asarray(exclude.astype(np.int32)))
             assert got.dtype == cp.int32 and int(got[0]) == argmax(host[0]), (logits, exclude)
+    rng = np.random.default_rng(4)
+    for seed in range(1, 41):  # the parallel sums may round a draw at a boundary the other way: about 1e-5 a row
+        logits = (rng.standard_normal((1, 129_280)) * 3).astype(np.float32)
+        u = np.float32(Rng(seed).uniform())
+        with cupyx.allow_synchronize(False):
+            got = sample_on_device(cp, cp.asarray(logits), u, 1.0, 0.05, cp.asarray(np.array([7], np.int32)))
+        host = logits[0].copy()
+        host[7] = -np.inf
+        assert int(got[0]) == sample(host, temperature=1.0, top_k=0, top_p=1.0, min_p=0.05, rng=Rng(seed)), seed
 
 
 @pytest.mark.gpu

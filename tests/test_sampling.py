@@ -604,8 +604,9 @@ def test_the_device_sampler_is_ds4s_rule_2_bit_for_bit_on_numpy():
     from ds4lab.sampling import sample_on_device, weighted_rule
 
     rng = np.random.default_rng(8)
-    assert weighted_rule(1.0, 0, 1.0) and weighted_rule(0.7, -1, 0.0)
-    assert not weighted_rule(0.0, 0, 1.0) and not weighted_rule(1.0, 40, 1.0) and not weighted_rule(1.0, 0, 0.9)
+    assert weighted_rule(1.0, 0, 1.0) and weighted_rule(0.7, -1, 0.0) and weighted_rule(1.0, 0, 1.0 - 1e-9)
+    assert not any(weighted_rule(*p) for p in [(0.0, 0, 1.0), (1.0, 40, 1.0), (1.0, 0, 0.9), (np.nan, 0, 1.0),
+                                               (np.inf, 0, 1.0), (1.0, 0, np.nan), (1.0, 2.5, 1.0)])
     checked = 0
     for case in range(60):
         logits = (rng.standard_normal(700) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
@@ -613,8 +614,10 @@ def test_the_device_sampler_is_ds4s_rule_2_bit_for_bit_on_numpy():
             logits[rng.integers(0, 700, 20)] = rng.choice([np.nan, np.inf, -np.inf])
         if case % 7 == 2:
             logits[:] = -np.inf
+        if case % 11 == 3:  # finite, but none above -1e30: no weights, the best token is 0
+            logits[:] = np.float32(-2e30)
         exclude = rng.integers(0, 700, 3) if case % 3 == 0 else np.zeros(0, np.int64)
-        t, mp = float(rng.choice([0.3, 1.0, 2.5])), float(rng.choice([0.0, 0.05, 0.5, 1.5]))
+        t, mp = float(rng.choice([0.3, 1.0, 2.5])), float(rng.choice([0.0, 0.05, 0.5, 1.5, -1.0, np.nan]))
         for seed in (int(rng.integers(1, 2**63)), 0):
             host = logits.copy()
             host[exclude] = -np.inf

@@ -23,8 +23,9 @@ from .base import BlockBackend
 from .packing import offsets, views
 
 UPLOAD_LAYOUTS = 16  # upload buffers kept (a decode step's layout, a few chunk lengths' ones)
-# Pinned buffers kept per shape fetched (a step's logits, a greedy token), each reused once its result is read: a
-# greedy decode has two steps' fetches of each in flight. Shapes kept: FETCH_SHAPES, the least recently used dropped.
+# Pinned buffers kept per shape fetched (a step's logits, the token of a step launched ahead), each reused once its
+# result is read: a decode launching ahead has two steps' fetches of each in flight. Shapes kept: FETCH_SHAPES, the
+# least recently used dropped.
 FETCH_BUFFERS = 3
 FETCH_SHAPES = 8
 # Weights go up in pieces, UPLOAD_THREADS at a time: each thread reads a piece of the mapped file into one of its

@@ -34,7 +34,7 @@ import cupy as cp
 import numpy as np
 
 from ..backends.packing import offsets, view_at, views
-from ..mlx_kernels.launches import holding
+from ..mlx_kernels.launches import InPlaceError, holding
 
 _POOLS: dict[int, cp.cuda.MemoryPool] = {}  # per device: the memory every captured graph allocates from
 _capturing = threading.local()  # .carried: {pointer: array} of the carried inputs of the capture in progress
@@ -308,7 +308,7 @@ class GraphStep:
         carry = None if self.carry is None else (*self.carry, len(args) - self.carry[0])
         try:
             self._graphs[key] = captured = _Captured(self.fn, args, carry)
-        except CarryError:
+        except (CarryError, InPlaceError):  # mistakes, not an uncapturable call
             raise
         except Exception as e:  # a host sync or an uncapturable call inside fn (a real bug re-raises below)
             self.failures[key] = f"{type(e).__name__}: {e}"

@@ -106,17 +106,21 @@ class CheckedBranch:
     def reaches(self, here: "CheckedBranch | None", made: int) -> bool:
         """Whether launches in ``here`` (None: the main stream) come after this branch's launch at ``made``: the
         branch joined its parent after that launch, the parent joined its own after that, and so on up to ``here``
-        or a branch ``here`` was forked from."""
-        ancestors, b = {None}, here
+        or a stream ``here`` was forked from, and that last join came before the fork on ``here``'s way from it."""
+        path, b = [], here  # here, then the branches it was forked from, outwards
         while b is not None:
-            ancestors.add(b)
+            path.append(b)
             b = b.parent
         branch, after = self, made
-        while branch not in ancestors:
+        while branch is not None and branch not in path:
             if branch.joined_at is None or branch.joined_at <= after:
                 return False
             branch, after = branch.parent, branch.joined_at
-        return True
+        if branch is here:
+            return True
+        # the stream joined into is one here descends from: here's branch forked from it must start after that join
+        child = path[-1] if branch is None else path[path.index(branch) - 1]
+        return after <= child.fork
 
 
 def _owner(a):

@@ -66,11 +66,15 @@ def operand_round(xp, x, operands: str):
     return x
 
 
+class InPlaceError(ValueError):
+    """An array given to an in-place kernel that it cannot write (a caller's mistake: raised, also in a capture)."""
+
+
 def _check_in_place(name: str, x) -> None:
     """An in-place kernel writes ``x`` as contiguous float32 rows: anything else would be written wrong."""
     if str(x.dtype) != "float32" or not x.flags.c_contiguous:
-        raise ValueError(f"{name} in place: the array must be contiguous float32, not {x.dtype} with strides "
-                         f"{x.strides}")
+        raise InPlaceError(f"{name} in place: the array must be contiguous float32, not {x.dtype} with strides "
+                           f"{x.strides}")
 
 
 class KernelLaunches:
