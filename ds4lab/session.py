@@ -179,6 +179,7 @@ class Session:
         if run is None:  # a state from elsewhere (restore, reset); a forward pass leaves layers on their tiers
             state = self.placement.place_state(state)
         self.tokens, self.logits, self._state = tokens, logits, state
+        self._ahead = None  # a step launched ahead follows the state it was launched after: no other
         self._edits = edits if run is None else self._edits + tuple(e for e in self._active_edits
                                                                      if e not in self._edits)
         if run is not None:
@@ -193,6 +194,9 @@ class Session:
     # Called as fn(name, value) at the hook points of every step this session runs while set (ds4lab.hooks.Capture
     # sets it for its with block); each step hands it to the model's runtime, so sessions capture independently.
     hook_observer = None
+    # The step a Decode launched ahead of the live state (a _Pending), kept here so that any change of the state
+    # drops it (_commit) with the device memory of its state.
+    _ahead = None
 
     def _eval(self, tokens: list[int], mode: str):
         """Run ``tokens`` after the live state, switching tiers in ``mode`` ("decode", or "batch": a prefill
@@ -557,7 +561,8 @@ class Decode:
     on the host as always and uses that launch only if it evaluated the same token after the same state, with
     nothing observing the session (else it is dropped: states are never modified, so nothing needs undoing). The
     cost: the step launched after the last one (``step(more=False)`` and :meth:`stream`'s last step launch none)
-    runs for nothing, and while one is pending the device holds a third copy of the state."""
+    runs for nothing, and while one is pending (the session keeps it until its state changes) the device holds a
+    third copy of the state."""
 
     def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int, exclude=()):
         self.session = session
@@ -570,13 +575,13 @@ class Decode:
         # how the device chooses the token of a step launched ahead: ds4's argmax, its rule 2 (the defaults), or not
         self._choose_ahead = ("argmax" if np.float32(temperature) <= 0 else
                               "weights" if weighted_rule(temperature, top_k, top_p) else None)
-        self._pending: _Pending | None = None
         self._exclude_on_device = None
 
-    def _ahead(self, token: int) -> _Launched | None:
+    def _launched_ahead(self, token: int) -> _Launched | None:
         """The step launched ahead, if it evaluates ``token`` after the live state and nothing observes the step now
         (a capture or an intervention begun since runs it anew, eagerly)."""
-        pending, self._pending, sess = self._pending, None, self.session
+        sess = self.session
+        pending, sess._ahead = sess._ahead, None
         if (pending is None or pending.base is not sess._state or pending.position != len(sess.tokens)
                 or sess.hook_observer is not None):
             return None
@@ -629,20 +634,20 @@ class Decode:
         token = sample(choices, rng=self.rng, **self.params)
         position = len(sess.tokens)
         if token == sess.model.tokenizer.eos_id:
-            self.stop_reason, self._pending = "eos", None
+            self.stop_reason, sess._ahead = "eos", None
             logprob, alternatives = token_and_top_logprobs(current, token, self.top)
             return DecodeStep(token, "", logprob, alternatives, position, time.perf_counter() - began)
         try:
-            launched = self._ahead(token) or sess._launch([token], "decode")
-            self._pending = self._launch_ahead(launched) if more else None
+            launched = self._launched_ahead(token) or sess._launch([token], "decode")
+            ahead = self._launch_ahead(launched) if more else None
             # the log-sum-exp over the vocabulary (most of a step's host work) while the device runs the step
             logprob, alternatives = token_and_top_logprobs(current, token, self.top)
             logits, state, run = sess._finish(launched)
         except BaseException:
             self.rng.state = rng_state  # after an interrupt the same draw happens again
-            self._pending = None
             raise
         sess._commit(sess.tokens + [token], logits, state, run)
+        sess._ahead = ahead
         sess._store_step()
         text = self._text.decode(sess.model.tokenizer.token_bytes(token))
         step = DecodeStep(token, text, logprob, alternatives, position, time.perf_counter() - began,

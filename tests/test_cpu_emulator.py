@@ -255,7 +255,9 @@ def test_a_decode_launches_its_next_step_ahead_and_gives_the_same_steps(model_pa
         steps = [decode.step() for _ in range(3)]
         cp = sess.checkpoint()
         steps.append(decode.step())
-        sess.restore(cp)  # the step launched ahead follows the state before the restore's
+        assert (sess._ahead is not None) == (model is ahead)  # held by the session, with its state's memory
+        sess.restore(cp)  # the step launched ahead follows the state before the restore's: dropped with it
+        assert sess._ahead is None
         steps.append(decode.step())
         with sess.capture(["blk.0.attn_norm"]) as cap:  # begun after a launch ahead: the step runs observed
             steps.append(decode.step(more=False))
