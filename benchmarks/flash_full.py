@@ -68,9 +68,13 @@ def main(argv=None) -> int:
     p.add_argument("--step-incr", type=int, default=2048)
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="decode by ds4's sampling with this temperature (default 0: ds4-bench's greedy argmax)")
+    p.add_argument("--min-p", type=float, default=0.05, help="with --temperature above 0 (ds4's default 0.05)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    out = {"setting": args.prefill_matmul, "backend": args.backend}
+    sampling = {"temperature": args.temperature, "min_p": args.min_p} if args.temperature > 0 else None
+    out = {"setting": args.prefill_matmul, "backend": args.backend, "sampling": sampling}
     if not args.path.exists():
         began = time.perf_counter()
         testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=testing.routing_filled)
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
     sess = model.session(ctx=args.ctx_max + args.gen_tokens + 1, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
     rows = []
     for row in bench.sweep(model, tokens, args.ctx_start, args.ctx_max, args.step_incr, 1.0, args.gen_tokens,
-                           session=sess):
+                           session=sess, sampling=sampling):
         if not rows:
             out["first_row_s"] = since_process_start()
         rows.append({"ctx": row.ctx_tokens, "prefill_tokens": row.prefill_tokens, "prefill_tps": row.prefill_tps,

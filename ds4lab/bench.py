@@ -7,7 +7,8 @@ One session of ``ctx_alloc`` tokens walks a fixed token sequence to frontiers ``
 1. ``sess.sync(prompt[:frontier])``: an incremental prefill from the previous frontier (timed, final
    logits readback included);
 2. a checkpoint (not timed);
-3. ``gen_tokens`` greedy decode steps that never choose EOS (timed), the same probe at every frontier;
+3. ``gen_tokens`` greedy decode steps that never choose EOS (timed), the same probe at every frontier (with
+   ``sampling``, steps drawn by those parameters instead, never EOS either);
 4. a restore of the checkpoint (not timed), so the next prefill continues from the frontier.
 
 ``kvcache_bytes`` is the ``DSV4`` payload size of the session at the frontier (ds4 reports its
@@ -67,7 +68,7 @@ class FrontierRow:
     gen_seconds: float
     kvcache_bytes: int  # DSV4 payload bytes at the frontier
     peak_rss_bytes: int  # process RSS high-water mark so far
-    probe: tuple[int, ...]  # the greedy tokens the generation probe chose
+    probe: tuple[int, ...]  # the tokens the generation probe chose (greedy unless the sweep samples)
 
     @property
     def prefill_tps(self) -> float:
@@ -153,11 +154,13 @@ def peak_rss_bytes() -> int:
 def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max: int = DEFAULT_CTX_MAX,
           step_incr: int = DEFAULT_STEP_INCR, step_mul: float = DEFAULT_STEP_MUL,
           gen_tokens: int = DEFAULT_GEN_TOKENS, prefill_chunk: int | None = None,
-          ctx_alloc: int | None = None, session=None) -> Iterator[FrontierRow]:
+          ctx_alloc: int | None = None, session=None, sampling: dict | None = None) -> Iterator[FrontierRow]:
     """Walk ``tokens`` to each frontier and yield a :class:`FrontierRow` as soon as it is measured.
 
     ``session`` (optional) is used instead of a new ``model.session(ctx_alloc, prefill_chunk)``; it must
-    be empty and hold more than ``ctx_max + gen_tokens`` tokens.
+    be empty and hold more than ``ctx_max + gen_tokens`` tokens. ``sampling``: the decode's parameters
+    (``Session.decoder``'s: temperature, top_k, top_p, min_p, seed) in place of ds4-bench's greedy argmax; seed 0
+    unless given.
     """
     ctx_alloc = check_sweep(ctx_start, ctx_max, step_incr, step_mul, gen_tokens, ctx_alloc)
     if len(tokens) < ctx_max:
@@ -178,7 +181,8 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
 
         snapshot = sess.checkpoint()
         kvcache_bytes = sess.kv_bytes
-        decode = sess.decoder(temperature=0.0, seed=0, top=1, exclude=[eos])  # ds4_session_argmax_excluding(EOS)
+        params = {"temperature": 0.0, "seed": 0, **(sampling or {})}  # ds4_session_argmax_excluding(EOS) by default
+        decode = sess.decoder(top=1, exclude=[eos], **params)
         probe = []
         began = time.perf_counter()
         for i in range(gen_tokens):

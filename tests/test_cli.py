@@ -307,6 +307,13 @@ def test_bench_library_agrees_with_a_session(nano_np):
     assert [r.prefill_tokens for r in rows] == [40, 80, 80]
     assert bench.read_csv(bench.to_csv(rows))[2]["kvcache_bytes"] == rows[2].kvcache_bytes
 
+    sampling = dict(temperature=1.0, min_p=0.05, seed=4)  # a sampled probe: the decoder's, from the frontier
+    sess = nano_np.session(ctx=207, prefill_chunk=32, max_checkpoints=2)
+    (row,) = bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=40, gen_tokens=6, session=sess, sampling=sampling)
+    ref.sync(tokens[:40])
+    want = tuple(s.token for s in ref.decoder(top=1, exclude=[eos], **sampling).stream(6))
+    assert row.probe == want != rows[0].probe
+
 
 def test_bench_frontiers_follow_ds4():
     assert bench.frontiers(2048, 8192) == [2048, 4096, 6144, 8192]
