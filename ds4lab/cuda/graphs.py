@@ -54,8 +54,7 @@ extern "C" __global__ void copy_spans(const unsigned long long* table, int n) {
 }
 """
 COPY_THREADS, COPY_MAX_BLOCKS = 256, 512
-# Kept for the process: a graph launches the function of a module that must outlive it (a RawKernel unloads its
-# module when it is collected, and a replay then faults).
+# Kept for the process: the graphs launch its function, and a RawKernel that is collected unloads its module.
 _COPY_KERNEL = cp.RawKernel(_COPY_SPANS, "copy_spans")
 
 
@@ -190,7 +189,6 @@ class _Captured:
             stream.begin_capture()
             try:
                 outputs = fn(*self.inputs)
-                _capturing.carried = None
                 self.layout = _Layout(outputs)
                 self._table, host = _copy_spans(self._destinations(outputs, carried), stream)
             finally:

@@ -103,24 +103,31 @@ class CheckedBranch:
         self.kernels.clock += 1
         self.joined_at = self.kernels.clock
 
-    def reaches(self, here: "CheckedBranch | None", made: int) -> bool:
-        """Whether launches in ``here`` (None: the main stream) come after this branch's launch at ``made``: the
-        branch joined its parent after that launch, the parent joined its own after that, and so on up to ``here``
-        or a stream ``here`` was forked from, and that last join came before the fork on ``here``'s way from it."""
-        path, b = [], here  # here, then the branches it was forked from, outwards
-        while b is not None:
-            path.append(b)
-            b = b.parent
-        branch, after = self, made
-        while branch is not None and branch not in path:
-            if branch.joined_at is None or branch.joined_at <= after:
-                return False
-            branch, after = branch.parent, branch.joined_at
-        if branch is here:
-            return True
-        # the stream joined into is one here descends from: here's branch forked from it must start after that join
-        child = path[-1] if branch is None else path[path.index(branch) - 1]
-        return after <= child.fork
+
+BEFORE_JOIN = " reads an output of a branch (ops.branch) before its join"
+AFTER_FORK = ", inside a branch, reads an array made after the branch's fork"
+
+
+def _unordered(branch: CheckedBranch | None, made: int, here: CheckedBranch | None) -> str | None:
+    """Why a launch in ``here`` (None: the main stream) may not read what ``branch`` (None: the main stream) made at
+    ``made`` (:data:`BEFORE_JOIN` or :data:`AFTER_FORK`), or None. It may once that work is on a stream ``here``
+    descends from (``branch`` joined its parent after it, the parent its own after that, and so on) before the fork
+    on ``here``'s way from that stream."""
+    path, b = [], here  # here, then the branches it was forked from, outwards
+    while b is not None:
+        path.append(b)
+        b = b.parent
+    after = made
+    while branch is not None and branch not in path:
+        if branch.joined_at is None or branch.joined_at <= after:
+            return BEFORE_JOIN
+        branch, after = branch.parent, branch.joined_at
+    if branch is here:
+        return None
+    child = path[-1] if branch is None else path[path.index(branch) - 1]  # forked from the stream reached
+    if after <= child.fork:
+        return None
+    return AFTER_FORK if after == made else BEFORE_JOIN  # no join on the way: made there after the fork
 
 
 def _owner(a):
@@ -151,16 +158,11 @@ class CpuKernels(ArrayLaunches):
         for a in inputs:
             owner = _owner(a)
             made = self._made.get(id(owner))
-            if made is None or made[0]() is not owner or made[2] is here:
+            if made is None or made[0]() is not owner:
                 continue
-            _, number, branch = made
-            if branch is not None and not branch.reaches(here, number):
-                raise RuntimeError(f"{spec.name} reads an output of a branch (ops.branch) before its join")
-            b = here  # made before the fork of every branch between here and the stream that made it
-            while b is not None and b is not branch:
-                if number > b.fork:
-                    raise RuntimeError(f"{spec.name}, inside a branch, reads an array made after the branch's fork")
-                b = b.parent
+            why = _unordered(made[2], made[1], here)
+            if why is not None:
+                raise RuntimeError(spec.name + why)
         self.clock += 1
         outs = super()._run(spec, groups, threads, inputs, outputs)
         for out in outs:

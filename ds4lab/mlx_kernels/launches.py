@@ -415,11 +415,10 @@ class KernelLaunches:
         ``in_place`` the chunk's rows are written into ``raw`` (contiguous float32), which is returned."""
         cap, D = raw.shape
         C = kv.shape[0]
-        if in_place:
-            _check_in_place("ring_write", raw)
         tail = [self._i32(pos0), self._i32(n_valid), self._const(cap, D, C, window)]
         masks = [((cap,), "int32"), ((C, cap), "uint8")]
         if in_place:
+            _check_in_place("ring_write", raw)
             out, slot_pos, visible = self._run(S.RING_WRITE_IN_PLACE, (-(-max(C * D, cap, C * cap) // S.ROW_GROUP), 1),
                                                S.ROW_GROUP, [self._f32(kv), *tail], [raw, *masks])
         else:

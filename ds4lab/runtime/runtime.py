@@ -160,16 +160,17 @@ class Runtime:
         None)``. ``device_ids``: the chunk's ids on the device, instead of the uploaded ones (C = n rows)."""
         cfg, n = self.model.cfg, len(tokens)
         tabs = self.tables(tokens, state.n_past, C)  # pads the ids to C rows
-        tables = len(tabs.scalars) + 1 + 2 * (len(tabs.rope) + len(tabs.windows))  # and the chunk's ids
+        ids = tabs.chunk_ids if device_ids is None else device_ids
+        inputs = [*tabs.scalars, ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ())]
         step = self._compiled(("step", C, n, head),
-                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head), (tables, 1))
+                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head),
+                              (len(inputs), 1))
         if isinstance(state.layers, PackedLayers):  # the previous step's outputs
             arrays = state.layers.arrays
             arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
         else:
             arrays = [a for layer in state.layers for a in present(layer)]
-        ids = tabs.chunk_ids if device_ids is None else device_ids
-        out = step(*tabs.scalars, ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ()), *arrays)
+        out = step(*inputs, *arrays)
         layers = PackedLayers(out[1:-1] if head else out[1:], cfg.n_layer, lambda a: layer_states(cfg, a))
         return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
 
