@@ -104,12 +104,11 @@ class _Launched(NamedTuple):
 @dataclass(frozen=True)
 class _Pending:
     """The step a :class:`Decode` launched ahead: ``launched`` evaluates the token the device chose (``ids``,
-    fetched) after the step whose new state is ``base``, at ``position``."""
+    fetched) after the step whose new state is ``base``."""
 
     launched: _Launched
     ids: object
     base: KVState
-    position: int
 
 
 @dataclass(frozen=True)
@@ -582,8 +581,7 @@ class Decode:
         (a capture or an intervention begun since runs it anew, eagerly)."""
         sess = self.session
         pending, sess._ahead = sess._ahead, None
-        if (pending is None or pending.base is not sess._state or pending.position != len(sess.tokens)
-                or sess.hook_observer is not None):
+        if pending is None or pending.base is not sess._state or sess.hook_observer is not None:
             return None
         return pending.launched if int(pending.ids.result()[0]) == token else None
 
@@ -610,7 +608,7 @@ class Decode:
             ahead = sess._launch([0], "decode", after=launched, device_ids=ids)
         except MemoryError:  # no room for a third state beside the live and the launched ones: this step goes on
             return None
-        return _Pending(ahead, fetched, launched.state, launched.state.n_past)
+        return _Pending(ahead, fetched, launched.state)
 
     def step(self, more: bool = True) -> DecodeStep:
         """Sample the next token and evaluate it. An EOS is returned but not evaluated, and ends the
