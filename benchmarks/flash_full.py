@@ -9,7 +9,8 @@ from process start to the first row, (CuPy) the GPU time of a bare replay of eac
 decode step's wall time in the sweep against a bare runtime step's.
 ``benchmarks/gpu_suite.sh flash`` runs float32, tf32 and f16.
 
-    python benchmarks/flash_full.py --backend cupy [--prefill-matmul tf32] [--ctx-max 8192] [--json out.json]
+    python benchmarks/flash_full.py --backend cupy [--prefill-matmul tf32] [--decode-matmul q8] [--ctx-max 8192]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
     p.add_argument("--prefill-matmul", default="float32", choices=["float32", "tf32", "f16"])
+    p.add_argument("--decode-matmul", default="float32", choices=["float32", "q8"],
+                   help="q8: the decode products on x quantized to int8 per block, as ds4's decode (ds4lab.load)")
     p.add_argument("--path", type=Path, default=Path("/tmp/flash.gguf"))
     p.add_argument("--ctx-start", type=int, default=2048)
     p.add_argument("--ctx-max", type=int, default=8192)
@@ -74,12 +77,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     sampling = {"temperature": args.temperature, "min_p": args.min_p} if args.temperature > 0 else None
-    out = {"setting": args.prefill_matmul, "backend": args.backend, "sampling": sampling}
+    out = {"setting": args.prefill_matmul, "decode_matmul": args.decode_matmul, "backend": args.backend,
+           "sampling": sampling}
     if not args.path.exists():
         began = time.perf_counter()
         testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=testing.routing_filled)
         out["file_written_s"] = time.perf_counter() - began
-    model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul)
+    model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul,
+                        decode_matmul=args.decode_matmul)
     tokens = np.random.default_rng(0).integers(0, model.config.n_vocab - 7, args.ctx_max).tolist()
     sess = model.session(ctx=args.ctx_max + args.gen_tokens + 1, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
     rows = []

@@ -8,7 +8,8 @@ as a CUDA graph (no host time), each over other weights (other copies, other exp
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
 SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each),
 after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``), after another the fewest
-elements a split holds (``QMATMUL_MIN_SPLIT``).
+elements a split holds (``QMATMUL_MIN_SPLIT``). ``--decode-matmul float32 q8`` times each variant with x in
+float32 and quantized to int8 per block (``ds4lab.load(decode_matmul="q8")``).
 
     python benchmarks/qmatmul_bench.py --variants 4x2s 4x2 1x8 2x4s 8x1s:4096 8x1s:1024:512 --json qmatmul.json
 """
@@ -62,6 +63,8 @@ def main(argv=None):
                    help="ROWSxUNROLL[s][:GROUPS[:MIN_SPLIT]]: rows per SIMD group, steps of 256 elements unrolled, "
                         "the single-pair loop, the SIMD groups under which K is split, the fewest elements a split "
                         "holds")
+    p.add_argument("--decode-matmul", nargs="+", default=["float32"], choices=["float32", "q8"],
+                   help="each variant with x in float32, and/or quantized to int8 per block (ds4lab.load's option)")
     p.add_argument("--only", nargs="*", help="the products whose label starts with one of these (default: all)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the results here")
@@ -102,16 +105,17 @@ def main(argv=None):
         S.QMATMUL_SIMD_GROUPS = int(m[4]) if m[4] else defaults[3]
         S.QMATMUL_MIN_SPLIT = int(m[5]) if m[5] else defaults[4]
         cuda_kernels._functions.cache_clear()
-        kernels = cuda_kernels.CudaKernels()
-        for label, qtype, rows, K, raws, ids, x, read in tensors:
-            calls = [lambda raw=raw, e=e: kernels.qmatmul(x, raw, qtype, K, rows, e) for raw, e in zip(raws, ids)]
-            s = graph_seconds(calls, args.repeats) / len(calls)
-            r = {"variant": variant, "label": label, "type": qtype.name, "rows": rows, "K": K, "us": s * 1e6,
-                 "bytes": read, "fraction_of_copy_bw": read / s / bw}
-            out["runs"].append(r)
-            print(f"{variant}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: {s * 1e6:8.1f} us, "
-                  f"{read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = {100 * r['fraction_of_copy_bw']:.0f}% "
-                  f"of copy", flush=True)
+        for decode_matmul in args.decode_matmul:
+            kernels = cuda_kernels.CudaKernels(decode_matmul=decode_matmul)
+            for label, qtype, rows, K, raws, ids, x, read in tensors:
+                calls = [lambda raw=raw, e=e: kernels.qmatmul(x, raw, qtype, K, rows, e) for raw, e in zip(raws, ids)]
+                s = graph_seconds(calls, args.repeats) / len(calls)
+                r = {"variant": variant, "decode_matmul": decode_matmul, "label": label, "type": qtype.name,
+                     "rows": rows, "K": K, "us": s * 1e6, "bytes": read, "fraction_of_copy_bw": read / s / bw}
+                out["runs"].append(r)
+                print(f"{variant} {decode_matmul:7s}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: "
+                      f"{s * 1e6:8.1f} us, {read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = "
+                      f"{100 * r['fraction_of_copy_bw']:.0f}% of copy", flush=True)
     (S.QMATMUL_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
      S.QMATMUL_MIN_SPLIT) = defaults
     if args.json:

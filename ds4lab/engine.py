@@ -33,7 +33,7 @@ class Model:
     """
 
     def __init__(self, path: Path, backend: str = "auto", numerics: str = "ds4", device: str | None = None,
-                 kernels: bool | None = None, prefill_matmul: str = "auto"):
+                 kernels: bool | None = None, prefill_matmul: str = "auto", decode_matmul: str = "float32"):
         self.path = Path(path)
         config, file = load_model_file(self.path)
         self.config: ModelConfig = config
@@ -43,7 +43,7 @@ class Model:
         except ValueError as e:  # a vocabulary without ds4's special tokens, a merge of unknown symbols, ...
             raise ModelFileError(f"{self.path}: metadata keys tokenizer.ggml.tokens and tokenizer.ggml.merges "
                                  f"do not make a ds4 tokenizer: {e}") from None
-        self.backend = get_backend(backend, device, kernels, prefill_matmul)
+        self.backend = get_backend(backend, device, kernels, prefill_matmul, decode_matmul)
         self.numerics = numerics
         weights = Weights(file, self.backend, config.o_groups, config.o_lora)
         self.transformer = Transformer(config, weights, Ops(self.backend), numerics)
@@ -106,7 +106,8 @@ class Model:
 
 
 def load(path: str | Path | None = None, backend: str = "auto", numerics: str = "ds4",
-         device: str | None = None, kernels: bool | None = None, prefill_matmul: str = "auto") -> Model:
+         device: str | None = None, kernels: bool | None = None, prefill_matmul: str = "auto",
+         decode_matmul: str = "float32") -> Model:
     """Load a DS4 GGUF (the embedded default model when ``path`` is None).
 
     ``backend``: "auto" (default), "mlx" (float32 on CPU, Metal or CUDA), "numpy" (the float64 reference) or
@@ -127,6 +128,10 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
     tensor cores' half rate, half the shared-memory bytes), attention's too (q, keys and softmax weights): the same
     2e-3, and on an H200 about 3.0x float32's prefill speed on the whole Flash model (2.1x with "tf32"; README,
     "Benchmarks").
+    ``decode_matmul``: "float32" (default) or "q8" (cupy with kernels): the decode-sized products (a step's
+    linears and routed experts, a short chunk's) of Q8_0, IQ2_XXS and Q2_K weights quantize x to int8 per block as
+    ds4's CPU and CUDA decode products do (blocks of 32 for Q8_0 weights, Q8_K's 256 for the low-bit experts) and
+    sum the products in integers, four an instruction.
     """
     return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
-                 prefill_matmul)
+                 prefill_matmul, decode_matmul)

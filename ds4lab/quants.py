@@ -176,6 +176,36 @@ def quantize(x: np.ndarray, qtype: Q | int) -> np.ndarray:
     return gguf.quants.quantize(x, qt)
 
 
+# decode_matmul="q8": the block of x quantized for a weight type's decode products (ds4.c: Q8_0 activations for
+# Q8_0 weights, Q8_K for the routed experts' IQ2_XXS and Q2_K).
+ACTIVATION_BLOCK = {Q.Q8_0: 32, Q.IQ2_XXS: 256, Q.Q2_K: 256}
+
+
+def quantized_activations(x: np.ndarray, qtype: Q | int) -> np.ndarray:
+    """``x`` (float32, last axis a row) as a decode product on ``qtype`` weights sees it with ``decode_matmul="q8"``:
+    each block of the row (:data:`ACTIVATION_BLOCK`) rounded to ``d·q``, q int8, in float64. Q8_0's blocks of 32:
+    ``d = amax / 127``, ``q = rint(x / d)``; Q8_K's of 256: m the block's first element of largest |x|,
+    ``scale = -127 / m``, ``q = rint(scale·x)``, ``d = 1 / scale``; each step in float32, rint half to even."""
+    qt = Q(qtype)
+    if qt not in ACTIVATION_BLOCK:
+        raise ValueError(f"quantized_activations: no activation block for {qt.name} weights")
+    x = np.asarray(x, dtype=np.float32)
+    size = ACTIVATION_BLOCK[qt]
+    if x.shape[-1] % size:
+        raise ValueError(f"quantized_activations: rows of {x.shape[-1]} elements are not blocks of {size}")
+    b = x.reshape(-1, size)
+    with np.errstate(divide="ignore"):
+        if qt == Q.Q8_0:
+            d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+            scale = np.where(d != 0, np.float32(1) / d, np.float32(0))
+        else:
+            m = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None], axis=1)
+            scale = np.where(m != 0, np.float32(-127) / m, np.float32(0))
+            d = np.where(m != 0, np.float32(1) / scale, np.float32(0))
+    q = np.rint(b * scale)  # float32 products; np.rint rounds half to even
+    return (d.astype(np.float64) * q).reshape(x.shape)
+
+
 # Standard deviation of the dequantized values, in units of the block scale d, for the distributions
 # random_blocks draws (derivations in the generators).
 _Q8_0_UNIT_STD = float(np.sqrt((255**2 - 1) / 12))  # uniform integers in [-127, 127]

@@ -31,7 +31,8 @@ def model_paths(tmp_path_factory):
             for i, (name, (cfg, kw)) in enumerate(CONFIGS.items())}
 
 
-def emulated_model(path, numerics="ds4", kernels=True, prefill_matmul="float32", mlx_kernels=None):
+def emulated_model(path, numerics="ds4", kernels=True, prefill_matmul="float32", mlx_kernels=None,
+                   decode_matmul="float32"):
     """A CPU model rebuilt on emulated GPU kernels: the CUDA kernels' bodies compiled for the CPU (numpy backend),
     or, with ``mlx_kernels`` (the emulator's MLX launches), MLX on its CPU device with its kernels answered by the
     emulator. ``kernels=False`` gives the same backend's plain-ops path."""
@@ -44,7 +45,7 @@ def emulated_model(path, numerics="ds4", kernels=True, prefill_matmul="float32",
 
     if mlx_kernels is None:
         model = ds4lab.load(path, backend="numpy", numerics=numerics)
-        model.backend = EmulatedBackend(kernels, chunk_operands=prefill_matmul)
+        model.backend = EmulatedBackend(kernels, chunk_operands=prefill_matmul, decode_matmul=decode_matmul)
     else:
         model = ds4lab.load(path, backend="mlx", device="cpu", numerics=numerics, kernels=False)
         model.backend._kernels = mlx_kernels if kernels else None

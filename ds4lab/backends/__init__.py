@@ -38,6 +38,7 @@ from __future__ import annotations
 
 BACKENDS = ("mlx", "numpy", "cupy")
 PREFILL_MATMULS = ("auto", "float32", "tf32", "f16")
+DECODE_MATMULS = ("float32", "q8")
 
 
 def resolve_backend(name: str = "auto", device: str | None = None) -> str:
@@ -114,13 +115,15 @@ def backend_label(backend) -> str:
     prefill" where a chunk's products run on reduced operands (see :func:`ds4lab.load`)."""
     operands = getattr(backend, "chunk_operands", "float32")
     reduced = f", {operands.upper()} prefill" if operands != "float32" else ""
+    if getattr(backend, "decode_matmul", "float32") != "float32":
+        reduced += f", {backend.decode_matmul.upper()} decode"
     return f"{backend.name} on {device_label(backend)}{reduced}"
 
 
 def get_backend(name: str = "auto", device: str | None = None, kernels: bool | None = None,
-                prefill_matmul: str = "auto"):
+                prefill_matmul: str = "auto", decode_matmul: str = "float32"):
     """The backend ``name`` (see :func:`resolve_backend` for "auto"). ``kernels`` (GPU backends): use
-    ds4lab's kernels; None means yes on a GPU. ``prefill_matmul``: see :func:`ds4lab.load`."""
+    ds4lab's kernels; None means yes on a GPU. ``prefill_matmul``, ``decode_matmul``: see :func:`ds4lab.load`."""
     asked = name
     name = resolve_backend(name, device)
     if prefill_matmul not in PREFILL_MATMULS:
@@ -130,6 +133,12 @@ def get_backend(name: str = "auto", device: str | None = None, kernels: bool | N
     if prefill_matmul != "float32" and (name != "cupy" or kernels is False):
         chose = f" (auto chose {name})" if asked != name else ""
         raise ValueError(f"prefill_matmul={prefill_matmul!r} needs the cupy backend with its kernels "
+                         f"(got backend={name!r}{chose}, kernels={kernels!r})")
+    if decode_matmul not in DECODE_MATMULS:
+        raise ValueError(f"unknown decode_matmul {decode_matmul!r}; choose one of {', '.join(DECODE_MATMULS)}")
+    if decode_matmul != "float32" and (name != "cupy" or kernels is False):
+        chose = f" (auto chose {name})" if asked != name else ""
+        raise ValueError(f"decode_matmul={decode_matmul!r} needs the cupy backend with its kernels "
                          f"(got backend={name!r}{chose}, kernels={kernels!r})")
     if name == "numpy":
         if kernels:
@@ -149,5 +158,5 @@ def get_backend(name: str = "auto", device: str | None = None, kernels: bool | N
             from .cupy_backend import CupyBackend
         except ImportError as e:
             raise ValueError(f"the cupy backend needs CuPy and a CUDA GPU ({e}); install ds4lab[cuda]") from e
-        return CupyBackend(device, kernels is not False, prefill_matmul)
+        return CupyBackend(device, kernels is not False, prefill_matmul, decode_matmul)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

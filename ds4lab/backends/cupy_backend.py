@@ -57,7 +57,8 @@ class CupyBackend(BlockBackend):
     dtype = cp.float32
     asynchronous = True
 
-    def __init__(self, device: str | int | None = None, kernels: bool = True, chunk_operands: str = "float32"):
+    def __init__(self, device: str | int | None = None, kernels: bool = True, chunk_operands: str = "float32",
+                 decode_matmul: str = "float32"):
         index = 0 if device in (None, "gpu", "cuda") else int(str(device).removeprefix("cuda:"))
         if not 0 <= index < cp.cuda.runtime.getDeviceCount():
             raise ValueError(f"CUDA device {device!r} does not exist here ({cp.cuda.runtime.getDeviceCount()} GPUs)")
@@ -71,6 +72,7 @@ class CupyBackend(BlockBackend):
         self.device_label = cuda_device_label(index, name)
         self.use_kernels = kernels
         self.chunk_operands = chunk_operands  # prefill_matmul (see ds4lab.load)
+        self.decode_matmul = decode_matmul
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
         self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
         self._fetches: dict[tuple, deque] = {}  # (device, shape, dtype) -> the latest fetches, oldest first
@@ -209,7 +211,7 @@ class CupyBackend(BlockBackend):
         if index not in self._kernels:
             from ..cuda import CudaKernels
 
-            self._kernels[index] = CudaKernels(self.chunk_operands)
+            self._kernels[index] = CudaKernels(self.chunk_operands, self.decode_matmul)
         return self._kernels[index]
 
     def to_numpy(self, x):

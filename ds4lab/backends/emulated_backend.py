@@ -15,14 +15,17 @@ class EmulatedBackend(BlockBackend):
     dtype = np.float32
     device = "cpu (emulated GPU kernels)"
 
-    def __init__(self, kernels: bool = True, chunk_operands: str = "float32"):
+    def __init__(self, kernels: bool = True, chunk_operands: str = "float32", decode_matmul: str = "float32"):
         from ..mlx_kernels.cpu import CpuKernels
 
-        if chunk_operands != "float32" and not kernels:
-            raise ValueError(f"chunk_operands={chunk_operands!r} (prefill_matmul) needs the kernels")
+        if (chunk_operands != "float32" or decode_matmul != "float32") and not kernels:
+            raise ValueError(f"chunk_operands={chunk_operands!r} (prefill_matmul), decode_matmul={decode_matmul!r}: "
+                             f"reduced products need the kernels")
+        self.decode_matmul = decode_matmul
         self.kernels = CpuKernels() if kernels else None
         if kernels:
             self.kernels.chunk_operands = chunk_operands
+            self.kernels.decode_matmul = decode_matmul
 
     def branch(self):
         """In order, checking at every launch what a GPU's side stream would need (:class:`CheckedBranch`)."""

@@ -41,7 +41,7 @@ def load_model(args):
     backend = resolve_backend(args.backend, args.device)
     return load(args.model, backend=backend, numerics=args.numerics,
                 device=args.device if backend == "mlx" else None, kernels=False if args.no_kernels else None,
-                prefill_matmul=args.prefill_matmul)
+                prefill_matmul=args.prefill_matmul, decode_matmul=args.decode_matmul)
 
 
 def describe(model) -> str:

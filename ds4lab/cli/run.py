@@ -58,7 +58,7 @@ def graph_command(args) -> int:
         raise UsageError(f"{flag} checks ds4lab's GPU kernels against its plain ops, and the {fast.backend.name} "
                          f"backend runs none here (no GPU): run it where --backend mlx has Metal or mlx[cuda13], "
                          f"or --backend cupy a CUDA GPU")
-    args.no_kernels, args.prefill_matmul = True, "float32"
+    args.no_kernels, args.prefill_matmul, args.decode_matmul = True, "float32", "float32"
     plain = load_model(args)
     args.think = args.think or "high"
     ctx = args.ctx or min(DEFAULT_CTX, fast.config.context_length)

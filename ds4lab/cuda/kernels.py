@@ -45,10 +45,11 @@ class CudaKernels(ArrayLaunches):
 
     xp = cp
 
-    def __init__(self, chunk_operands: str = "float32"):
+    def __init__(self, chunk_operands: str = "float32", decode_matmul: str = "float32"):
         self.device_id = cp.cuda.Device().id
         self._functions = _functions(self.device_id)
         self.chunk_operands = chunk_operands
+        self.decode_matmul = decode_matmul
         super().__init__()
 
     def _array(self, a):

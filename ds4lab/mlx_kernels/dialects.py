@@ -14,6 +14,9 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     half_bits_f32(h)           the half whose bits are the low 16 of h, as a float
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
+    dot4_i8(a, b, c)           c + the sum of the four products of a's and b's bytes as signed int8 (CUDA: one dp4a)
+    div_rn(a, b)               a / b rounded to nearest (Metal's fast division would not be)
+    rint_i(v)                  v rounded to the nearest integer, half to even, for |v| < 2^22 (CUDA: one add)
     store_f4_shared(p, a, b, c, d), load_f4_shared(p)   four floats to or from 16-byte aligned group-shared memory
     load_u16(p), load_u32(p), load_f4(p), load_u4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
                                (the CPU dialect stops the process at a misaligned one, where a GPU would fault)
@@ -78,6 +81,10 @@ DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return __byte_perm(w, 0x4B000000u, 0x7540u + i); }  // one PRMT
 DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
+DEVICE_FN int dot4_i8(uint a, uint b, int c) { return __dp4a(int(a), int(b), c); }
+DEVICE_FN float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+// 1.5 * 2^23 + v holds v's nearest integer in its low mantissa bits; __fadd_rn is never fused with a product.
+DEVICE_FN int rint_i(float v) { return int(__float_as_uint(__fadd_rn(v, 12582912.0f)) - 0x4B400000u); }
 DEVICE_FN void store_f4_shared(float* p, float a, float b, float c, float d) { *(float4*)p = make_float4(a, b, c, d); }
 DEVICE_FN float log1p_f(float x) { return log1pf(x); }
 // Tensor cores (mma.sync m16n8k8, TF32 in, float32 accumulate) at float32 accuracy: each operand is split
@@ -237,6 +244,12 @@ DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
 DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
+DEVICE_FN int dot4_i8(uint a, uint b, int c) {
+    char4 x = as_type<char4>(a), y = as_type<char4>(b);
+    return c + int(x.x) * int(y.x) + int(x.y) * int(y.y) + int(x.z) * int(y.z) + int(x.w) * int(y.w);
+}
+DEVICE_FN float div_rn(float a, float b) { return metal::precise::divide(a, b); }
+DEVICE_FN int rint_i(float v) { return int(rint(v)); }
 DEVICE_FN void store_f4_shared(threadgroup float* p, float a, float b, float c, float d) {
     *(threadgroup float4*)p = float4(a, b, c, d);
 }
@@ -344,6 +357,12 @@ DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
 DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
+DEVICE_FN int dot4_i8(uint a, uint b, int c) {
+    for (uint i = 0; i < 4u; i++) c += int(int8_t(uint8_t(a >> (8u * i)))) * int(int8_t(uint8_t(b >> (8u * i))));
+    return c;
+}
+DEVICE_FN float div_rn(float a, float b) { return a / b; }
+DEVICE_FN int rint_i(float v) { return int(std::rint(v)); }
 DEVICE_FN void store_f4_shared(float* p, float a, float b, float c, float d) { p[0] = a; p[1] = b; p[2] = c; p[3] = d; }
 DEVICE_FN float log1p_f(float x) { return std::log1p(x); }
 DEVICE_FN float simd_reduce(float x, bool take_max) {

@@ -83,10 +83,14 @@ class KernelLaunches:
 
     ``chunk_operands`` (``prefill_matmul``): "float32", or "tf32" / "f16": a chunk's products (:meth:`qgemm`,
     :meth:`dense_product`, :meth:`indexer_chunk`, :meth:`attend_chunk`) take their operands rounded to TF32 / half
-    and accumulate in float32; decode-sized products stay float32."""
+    and accumulate in float32; decode-sized products stay float32.
+
+    ``decode_matmul``: "float32", or "q8": the decode products (:meth:`qmatmul`) of Q8_0, IQ2_XXS and Q2_K weights
+    quantize x to int8 per block as ds4's CPU and CUDA do (:data:`.specs.QUANT_X`) and sum in integers."""
 
     xp = None
     chunk_operands = "float32"
+    decode_matmul = "float32"
     wide_group = 4 * S.ROW_GROUP  # threads of a row-wise kernel's group when rows are few (rmsnorm)
 
     def __init__(self):
@@ -194,17 +198,20 @@ class KernelLaunches:
         """``out[p] = x[p // repeat] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix;
         ``repeat``: a token's pairs share its row of x). Few rows and a long K: K split over more SIMD groups
         (:func:`.specs.qmatmul_splits`), then summed; with ``reduce`` False, the splits' sums ``[S, P, n_rows]``
-        for a kernel that adds them as it reads them (hc_pre)."""
+        for a kernel that adds them as it reads them (hc_pre). ``decode_matmul`` "q8": x quantized (see the class),
+        each pair a batch of its own."""
         P = x.shape[0] * repeat
         ids = experts is not None and not self.on_host(experts)
+        q8 = self.decode_matmul == "q8" and Q(qtype) in S.QUANT_X
         if ids:  # ids on the device: each pair its own batch, its expert read from the ids themselves
             order, batches, n_batches = self._const(*range(P)), self._i32(experts), P
         else:
-            order, batches, n_batches = self._plan(experts, P, S.MAX_PAIRS)
+            order, batches, n_batches = self._plan(experts, P, 1 if q8 else S.MAX_PAIRS)
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches)
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
         group_rows = S.QMATMUL_SIMD_PER_GROUP * S.QMATMUL_SIMD_ROWS
-        parts = self._run(S.qmatmul_spec(qtype), (-(-n_rows // group_rows), n_batches * splits),
+        spec = S.qmatmul_q8_spec(qtype) if q8 else S.qmatmul_spec(qtype)
+        parts = self._run(spec, (-(-n_rows // group_rows), n_batches * splits),
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]
         if not reduce:

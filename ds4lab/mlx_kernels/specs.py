@@ -3,6 +3,7 @@
 ``dequant_<type>``   GGUF rows → float32 rows (for chunk products through the library's GEMM)
 ``dequant_<type>_f16``  the same rounded to half, in float16 rows (the weights of half-operand chunk products)
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
+``qmatmul_q8_<type>``  the same with x quantized to int8 per block as ds4's decode does (``decode_matmul="q8"``)
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``qgemm_<type>_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
@@ -148,6 +149,24 @@ def _decode_loop(qtype: Q) -> dict:
             "GROUP32_HALVES": int(qtype == Q.Q2_K), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
             "DOT8": typed("dot8", qtype), "XSUM": int(qtype == Q.Q4_K),
             "IQ2_TABLES": int(qtype == Q.IQ2_XXS), "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS}
+
+
+# decode_matmul="q8": the types whose decode products take x quantized, and how (ds4.c quantizes x to Q8_0's blocks
+# of 32 for Q8_0 weights and to Q8_K's of 256 for the routed experts' IQ2_XXS and Q2_K).
+QUANT_X = {Q.Q8_0: "quant_x32_q8_0", Q.IQ2_XXS: "quant_x32_q8_k", Q.Q2_K: "quant_x32_q8_k"}
+
+
+def qmatmul_q8_spec(qtype: Q) -> KernelSpec:
+    """``qmatmul_q8_<type>``: qmatmul for batches of one pair with x quantized per block (QUANT_X) and integer sums."""
+    qtype = Q(qtype)
+    if qtype not in QUANT_X:
+        raise ValueError(f"decode products on quantized x exist for {', '.join(q.name for q in QUANT_X)}, "
+                         f"not {qtype.name}")
+    return KernelSpec(f"qmatmul_q8_{qtype.name.lower()}", "qmatmul_q8.body",
+                      (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
+                       ("dims", "int32")),
+                      (("out", "float32"),),
+                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_SIMD_ROWS})
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
@@ -403,7 +422,8 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q, half) for half in (False, True) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
-            QMATMUL_REDUCE, *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
+            *(qmatmul_q8_spec(q) for q in QUANT_X), QMATMUL_REDUCE,
+            *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,

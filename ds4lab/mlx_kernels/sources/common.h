@@ -367,6 +367,68 @@ DEVICE_FN float dot32(Group32 g, LaneX x, bool halves) {
     return halves ? r : g.d[0] * s;
 }
 
+// Decode products on x quantized to int8 per block, as ds4's CPU and CUDA decode products do (decode_matmul="q8"):
+// a lane's 32 elements of x as int8 in words (in load_x32's order), their scale d (x ≈ d·q) and the sums of the
+// two halves' integers (Q2_K's minima). |x·scale| never exceeds 127 by more than a rounding (the block's largest
+// |x| goes to 127), so the clamp to [-128, 127] of ds4's rule never acts and is left out.
+struct LaneQ { uint q[8]; float d; int sum[2]; };
+
+DEVICE_FN LaneQ lane_q(LaneX x, float scale, float d) {
+    LaneQ r;
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) {
+        uint word = 0u;
+        #pragma unroll
+        for (uint j = 0; j < 4u; j++) word |= (uint(rint_i(x.v[4u * i + j] * scale)) & 255u) << (8u * j);
+        r.q[i] = word;
+    }
+    r.d = d;
+    #pragma unroll
+    for (uint t = 0; t < 2u; t++) {
+        int sum = 0;
+        #pragma unroll
+        for (uint i = 0; i < 4u; i++) sum = dot4_i8(r.q[4u * t + i], 0x01010101u, sum);
+        r.sum[t] = sum;
+    }
+    return r;
+}
+
+// Q8_0's activations (ds4's quantize_q8_0_activation): a block of 32, the lane's own; d = amax / 127.
+DEVICE_FN LaneQ quant_x32_q8_0(LaneX x, uint lane) {
+    float amax = 0.0f;
+    #pragma unroll
+    for (uint i = 0; i < 32u; i++) amax = max(amax, fabs(x.v[i]));
+    float d = div_rn(amax, 127.0f);
+    return lane_q(x, d != 0.0f ? div_rn(1.0f, d) : 0.0f, d);
+}
+
+// Q8_K's (ds4's routed experts, IQ2_XXS and Q2_K): a block of 256, the groups of 8 lanes (every lane of the SIMD
+// group calls it); m, the block's element of largest |x| (the first on a tie), gives scale -127 / m and d = 1 / scale.
+DEVICE_FN LaneQ quant_x32_q8_k(LaneX x, uint lane) {
+    float m = x.v[0];
+    #pragma unroll
+    for (uint i = 1; i < 32u; i++) m = fabs(x.v[i]) > fabs(m) ? x.v[i] : m;
+    #pragma unroll
+    for (uint s = 1u; s < 8u; s <<= 1) {
+        float o = simd_shuffle_f(m, lane ^ s);  // the other half of this lane's group of 2s lanes
+        m = fabs(o) > fabs(m) || (fabs(o) == fabs(m) && (lane & s) != 0u) ? o : m;
+    }
+    float scale = m != 0.0f ? div_rn(-127.0f, m) : 0.0f;
+    return lane_q(x, scale, m != 0.0f ? div_rn(1.0f, scale) : 0.0f);
+}
+
+// dot32's integer twin: the group's bytes (signed; Q2_K's unsigned 0-3) times the lane's int8 x, summed exactly in
+// 32-bit integers per half, then scaled: d_w·d_x·Σ q_w·q_x, and for Q2_K its minima times d_x·Σ q_x.
+DEVICE_FN float dot32_q8(Group32 g, LaneQ x, bool halves) {
+    uint flip = g.bias == 8388608.0f ? 0u : 0x80808080u;  // bytes biased by 128 back to two's complement
+    int s[2] = {0, 0};
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) s[i >> 2] = dot4_i8(g.q[i] ^ flip, x.q[i], s[i >> 2]);
+    if (halves)
+        return x.d * ((g.d[0] * float(s[0]) - g.m[0] * float(x.sum[0])) + (g.d[1] * float(s[1]) - g.m[1] * float(x.sum[1])));
+    return g.d[0] * x.d * float(s[0] + s[1]);
+}
+
 // Elements 8c .. 8c + 7 of a group (in its order: IQ2_XXS's is the row's), as floats.
 DEVICE_FN F8 group32_eight(Group32 g, uint c) {
     F8 r;
