@@ -43,11 +43,12 @@ FULL_LAYERS = FLASH.n_layer
 CHUNK = 2048
 
 
-def build(cfg, backend_name: str, kernels: bool, tensors, prefill_matmul: str = "float32") -> Runtime:
+def build(cfg, backend_name: str, kernels: bool, tensors, prefill_matmul: str = "float32",
+          decode_matmul: str = "float32") -> Runtime:
     """The slice's model and the runtime that runs it (``rt.model`` is the :class:`Transformer`)."""
     file = SimpleNamespace(tensors={n: TensorInfo(n, shape, q, raw.reshape(tensor_byte_shape(shape, q)))
                                     for n, shape, q, raw in tensors})
-    backend = get_backend(backend_name, None, kernels, prefill_matmul)
+    backend = get_backend(backend_name, None, kernels, prefill_matmul, decode_matmul)
     # the plain path dequantizes experts on first use; keep them
     weights = Weights(file, backend, cfg.o_groups, cfg.o_lora, expert_cache_bytes=48 << 30)
     return Runtime(Transformer(cfg, weights, ops.Ops(backend), numerics="ds4"), backend)

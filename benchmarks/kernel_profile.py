@@ -102,6 +102,8 @@ def main(argv=None):
     p.add_argument("--config", default="flash", choices=("flash", "nano"))
     p.add_argument("--prefill-matmul", default="float32", choices=OPERANDS,
                    help="the chunk products' operands (the library's default on CuPy is f16)")
+    p.add_argument("--decode-matmul", default="float32", choices=("float32", "q8"),
+                   help="q8: the decode products on x quantized to int8 per block (ds4lab.load's option)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunk only")
     p.add_argument("--prefill-at", type=int, default=CHUNK, help="context of the profiled chunk (a multiple of 2048)")
     p.add_argument("--host", type=int, default=0, metavar="N",
@@ -116,7 +118,7 @@ def main(argv=None):
 
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)
-    rt = build(cfg, "cupy", True, tensors, args.prefill_matmul)
+    rt = build(cfg, "cupy", True, tensors, args.prefill_matmul, args.decode_matmul)
     sync = syncer(rt.backend)
     stream = cp.cuda.get_current_stream()
     out = {"context": args.context, "graphs": []}

@@ -92,6 +92,8 @@ struct float4 {
     float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
 };
 struct uint4 { unsigned int x, y, z, w; };
+struct char4 { signed char x, y, z, w; };
+namespace metal { namespace precise { inline float divide(float a, float b) { return a / b; } } }
 enum mem_flags { mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }
