@@ -638,7 +638,7 @@ static void run_groups(const char* name, uint gx, uint gy, uint threads, bool wa
 """
 
 # What makes a thread wait for others: a kernel whose body names none of these runs without fibers.
-_SYNCS = ("GROUP_BARRIER", "simd_sum_f", "simd_max_f", "simd_shuffle_f", "lane_line_sum")
+_SYNCS = ("GROUP_BARRIER", "simd_sum_f", "simd_max_f", "simd_shuffle_f", "lane_line_sum", "quant_x32_q8_k")
 
 
 def cpu_module_source(specs) -> str:
