@@ -16,7 +16,9 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
     dot4_i8(a, b, c)           c + the sum of the four products of a's and b's bytes as signed int8 (CUDA: one dp4a)
     div_rn(a, b)               a / b rounded to nearest (Metal's fast division would not be)
-    rint_i(v)                  v rounded to the nearest integer, half to even, for |v| < 2^22 (CUDA: one add)
+    rint_bits(v)               a word whose low byte is v rounded to the nearest integer (half to even) as an
+                               int8, for |v| < 128 (CUDA: one add)
+    pack_bytes(a, b, c, d)     the low bytes of a, b, c, d in one word, a's lowest (CUDA: three byte permutes)
     store_f4_shared(p, a, b, c, d), load_f4_shared(p)   four floats to or from 16-byte aligned group-shared memory
     load_u16(p), load_u32(p), load_f4(p), load_u4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
                                (the CPU dialect stops the process at a misaligned one, where a GPU would fault)
@@ -84,7 +86,10 @@ DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, 
 DEVICE_FN int dot4_i8(uint a, uint b, int c) { return __dp4a(int(a), int(b), c); }
 DEVICE_FN float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 // 1.5 * 2^23 + v holds v's nearest integer in its low mantissa bits; __fadd_rn is never fused with a product.
-DEVICE_FN int rint_i(float v) { return int(__float_as_uint(__fadd_rn(v, 12582912.0f)) - 0x4B400000u); }
+DEVICE_FN uint rint_bits(float v) { return __float_as_uint(__fadd_rn(v, 12582912.0f)); }
+DEVICE_FN uint pack_bytes(uint a, uint b, uint c, uint d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
+}
 DEVICE_FN void store_f4_shared(float* p, float a, float b, float c, float d) { *(float4*)p = make_float4(a, b, c, d); }
 DEVICE_FN float log1p_f(float x) { return log1pf(x); }
 // Tensor cores (mma.sync m16n8k8, TF32 in, float32 accumulate) at float32 accuracy: each operand is split
@@ -249,7 +254,10 @@ DEVICE_FN int dot4_i8(uint a, uint b, int c) {
     return c + int(x.x) * int(y.x) + int(x.y) * int(y.y) + int(x.z) * int(y.z) + int(x.w) * int(y.w);
 }
 DEVICE_FN float div_rn(float a, float b) { return metal::precise::divide(a, b); }
-DEVICE_FN int rint_i(float v) { return int(rint(v)); }
+DEVICE_FN uint rint_bits(float v) { return uint(int(rint(v))); }
+DEVICE_FN uint pack_bytes(uint a, uint b, uint c, uint d) {
+    return (a & 255u) | ((b & 255u) << 8) | ((c & 255u) << 16) | (d << 24);
+}
 DEVICE_FN void store_f4_shared(threadgroup float* p, float a, float b, float c, float d) {
     *(threadgroup float4*)p = float4(a, b, c, d);
 }
@@ -362,7 +370,10 @@ DEVICE_FN int dot4_i8(uint a, uint b, int c) {
     return c;
 }
 DEVICE_FN float div_rn(float a, float b) { return a / b; }
-DEVICE_FN int rint_i(float v) { return int(std::rint(v)); }
+DEVICE_FN uint rint_bits(float v) { return uint(int(std::rint(v))); }
+DEVICE_FN uint pack_bytes(uint a, uint b, uint c, uint d) {
+    return (a & 255u) | ((b & 255u) << 8) | ((c & 255u) << 16) | (d << 24);
+}
 DEVICE_FN void store_f4_shared(float* p, float a, float b, float c, float d) { p[0] = a; p[1] = b; p[2] = c; p[3] = d; }
 DEVICE_FN float log1p_f(float x) { return std::log1p(x); }
 DEVICE_FN float simd_reduce(float x, bool take_max) {

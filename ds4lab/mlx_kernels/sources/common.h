@@ -376,12 +376,9 @@ struct LaneQ { uint q[8]; float d; int sum[2]; };
 DEVICE_FN LaneQ lane_q(LaneX x, float scale, float d) {
     LaneQ r;
     #pragma unroll
-    for (uint i = 0; i < 8u; i++) {
-        uint word = 0u;
-        #pragma unroll
-        for (uint j = 0; j < 4u; j++) word |= (uint(rint_i(x.v[4u * i + j] * scale)) & 255u) << (8u * j);
-        r.q[i] = word;
-    }
+    for (uint i = 0; i < 8u; i++)
+        r.q[i] = pack_bytes(rint_bits(x.v[4u * i] * scale), rint_bits(x.v[4u * i + 1u] * scale),
+                            rint_bits(x.v[4u * i + 2u] * scale), rint_bits(x.v[4u * i + 3u] * scale));
     r.d = d;
     #pragma unroll
     for (uint t = 0; t < 2u; t++) {
