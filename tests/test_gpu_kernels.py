@@ -821,7 +821,8 @@ def test_quantized_decode_stays_near_float64(model_paths, backend, name):
     products): a 72-token prefill in chunks of 24 (float32 chunk products; its last token's head product is
     decode-sized) then 3 decode steps. Logits within 3e-2 of float64's scale with the same argmax (on these tiny
     random models; "mixed" and "q4k" are left out: one flips a routing choice within 3 steps, the other has no
-    such weights), and farther than 1e-4, so the products did quantize."""
+    such weights), and the decode steps farther than 1e-4, so their products did quantize (narrow's head is F16:
+    its prefill logits stay float32's)."""
     if backend == "emulated":
         m = emulated_model(model_paths[name], "exact", True, decode_matmul="q8")
     else:
@@ -842,7 +843,7 @@ def test_quantized_decode_stays_near_float64(model_paths, backend, name):
             steps.append(sess.logits)
         logits.append(np.stack(steps))
     err = rel_err(logits[1], logits[0])
-    assert err.max() < 3e-2 and err.min() > 1e-4, err
+    assert err.max() < 3e-2 and err[1:].min() > 1e-4, err
     assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
 
 
