@@ -154,6 +154,10 @@ def _decode_loop(qtype: Q) -> dict:
 # decode_matmul="q8": the types whose decode products take x quantized, and how (ds4.c quantizes x to Q8_0's blocks
 # of 32 for Q8_0 weights and to Q8_K's of 256 for the routed experts' IQ2_XXS and Q2_K).
 QUANT_X = {Q.Q8_0: "quant_x32_q8_0", Q.IQ2_XXS: "quant_x32_q8_k", Q.Q2_K: "quant_x32_q8_k"}
+# Rows a SIMD group of qmatmul_q8 takes (each step's quantized x shared by them). On the H200 (qmatmul_bench.py,
+# one call, 2026-12-03) 16 ran faster than 8: routed gate/up 22.1 -> 19.2 us, attn_q_b 18.0 -> 14.4, attn_output_b
+# 19.6 -> 16.7, attn_output_a 14.7 -> 12.9 (the float loop at 16 rows ran slower than at 8: 26.0, 20.0, 19.8, 16.1).
+QMATMUL_Q8_SIMD_ROWS = 16
 
 
 def qmatmul_q8_spec(qtype: Q) -> KernelSpec:
@@ -166,19 +170,21 @@ def qmatmul_q8_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_SIMD_ROWS})
+                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_Q8_SIMD_ROWS})
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
                             (("out", "float32"),))
 
 
-def qmatmul_splits(K: int, N: int, n_batches: int) -> tuple[int, int]:
+def qmatmul_splits(K: int, N: int, n_batches: int, rows: int | None = None) -> tuple[int, int]:
     """``(S, chunk)``: qmatmul's K splits (see QMATMUL_SIMD_GROUPS) and the elements of each but the last.
     Rounding the chunk up to the alignment can leave the last splits of a power of two empty: those are
-    dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN."""
+    dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN. ``rows``: a SIMD group's
+    (QMATMUL_SIMD_ROWS, or QMATMUL_Q8_SIMD_ROWS for qmatmul_q8)."""
+    rows = rows or QMATMUL_SIMD_ROWS
     S = 1
-    while -(-N // QMATMUL_SIMD_ROWS) * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
+    while -(-N // rows) * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
         S *= 2
     chunk = -(-K // (S * QMATMUL_SPLIT_ALIGN)) * QMATMUL_SPLIT_ALIGN
     return -(-K // chunk), chunk
