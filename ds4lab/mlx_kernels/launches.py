@@ -209,10 +209,8 @@ class KernelLaunches:
             order, batches, n_batches = self._plan(experts, P, 1 if q8 else S.MAX_PAIRS)
         rows = S.QMATMUL_Q8_SIMD_ROWS if q8 else S.QMATMUL_SIMD_ROWS  # a SIMD group's
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches, rows)
-        inside = S.group_parts(splits) if reduce else 1  # parts a work-group adds up itself
-        splits, chunk = splits // inside, chunk * inside
-        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids), inside)
-        group_rows = S.QMATMUL_SIMD_PER_GROUP // inside * rows
+        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
+        group_rows = S.QMATMUL_SIMD_PER_GROUP * rows
         spec = S.qmatmul_q8_spec(qtype) if q8 else S.qmatmul_spec(qtype)
         parts = self._run(spec, (-(-n_rows // group_rows), n_batches * splits),
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],

@@ -133,7 +133,6 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
                       {"DEQUANT": DECODERS[qtype], "DEQUANT8": typed("dq8", qtype),
                        **_decode_loop(qtype),
                        "MAX_PAIRS": MAX_PAIRS, "SIMD_ROWS": QMATMUL_SIMD_ROWS, "UNROLL": QMATMUL_UNROLL,
-                       "GROUP_SIMDS": QMATMUL_SIMD_PER_GROUP,
                        "SINGLE_PAIR": QMATMUL_SINGLE_PAIR})
 
 
@@ -161,13 +160,6 @@ QUANT_X = {Q.Q8_0: "quant_x32_q8_0", Q.IQ2_XXS: "quant_x32_q8_k", Q.Q2_K: "quant
 QMATMUL_Q8_SIMD_ROWS = 16
 
 
-def group_parts(splits: int) -> int:
-    """Of qmatmul's K splits, how many parts the SIMD groups of one work-group take and add up themselves (the
-    most of 4, 2 and 1 that divides ``splits`` and the work-group's SIMD groups); the rest are splits of the grid,
-    summed by qmatmul_reduce."""
-    return next(p for p in (4, 2, 1) if splits % p == 0 and QMATMUL_SIMD_PER_GROUP % p == 0)
-
-
 def qmatmul_q8_spec(qtype: Q) -> KernelSpec:
     """``qmatmul_q8_<type>``: qmatmul for batches of one pair with x quantized per block (QUANT_X) and integer sums."""
     qtype = Q(qtype)
@@ -178,8 +170,7 @@ def qmatmul_q8_spec(qtype: Q) -> KernelSpec:
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_Q8_SIMD_ROWS,
-                       "GROUP_SIMDS": QMATMUL_SIMD_PER_GROUP})
+                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_Q8_SIMD_ROWS})
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
