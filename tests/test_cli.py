@@ -237,6 +237,8 @@ def test_runtime_errors(nano, tmp_path):
         (["inspect", not_gguf], "not a GGUF file"),
         (["run", "-m", nano, "-p", "x", "--backend", "numpy", "--prefill-matmul", "tf32"],
          "prefill_matmul='tf32' needs the cupy backend with its kernels"),
+        (["run", "-m", nano, "-p", "x", "--backend", "numpy", "--decode-matmul", "q8"],
+         "decode_matmul='q8' needs the cupy backend with its kernels"),
     ]
     for args, message in cases:
         line = one_error_line(ds4lab_cmd(*args), 1)
