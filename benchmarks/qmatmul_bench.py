@@ -8,7 +8,7 @@ as a CUDA graph (no host time), each over other weights (other copies, other exp
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
 SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each),
 after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``), after another the fewest
-elements a split holds (``QMATMUL_MIN_SPLIT``); ROWS sets qmatmul_q8's rows too, "specs" (the default)
+elements a split holds (``QMATMUL_MIN_SPLIT``); ROWS sets qmatmul_xq8's rows too, "specs" (the default)
 leaves every constant as specs.py has it. ``--decode-matmul float32 q8`` times each variant with x in float32
 and quantized to int8 per block (``ds4lab.load(decode_matmul="q8")``).
 
@@ -95,16 +95,16 @@ def main(argv=None):
             raws, ids = [cp.asarray(one) for _ in range(copies)], [None] * copies
         x = cp.asarray(rng.standard_normal((max(used, 1), K), dtype=np.float32))
         tensors.append((label, qtype, rows, K, raws, ids, x, per_call))
-    defaults = (S.QMATMUL_SIMD_ROWS, S.QMATMUL_Q8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR,
+    defaults = (S.QMATMUL_SIMD_ROWS, S.QMATMUL_XQ8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR,
                 S.QMATMUL_SIMD_GROUPS, S.QMATMUL_MIN_SPLIT)
     for variant in args.variants:
         m = re.fullmatch(r"(\d+)x(\d+)(s?)(?::(\d+)(?::(\d+))?)?", variant)
         if m is None and variant != "specs":
             raise SystemExit(f"variant {variant!r} is neither specs nor ROWSxUNROLL[s][:GROUPS[:MIN_SPLIT]]")
-        (S.QMATMUL_SIMD_ROWS, S.QMATMUL_Q8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
+        (S.QMATMUL_SIMD_ROWS, S.QMATMUL_XQ8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
          S.QMATMUL_MIN_SPLIT) = defaults
         if m is not None:
-            S.QMATMUL_SIMD_ROWS = S.QMATMUL_Q8_SIMD_ROWS = int(m[1])
+            S.QMATMUL_SIMD_ROWS = S.QMATMUL_XQ8_SIMD_ROWS = int(m[1])
             S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR = int(m[2]), int(bool(m[3]))
             S.QMATMUL_SIMD_GROUPS = int(m[4]) if m[4] else defaults[4]
             S.QMATMUL_MIN_SPLIT = int(m[5]) if m[5] else defaults[5]
@@ -120,7 +120,7 @@ def main(argv=None):
                 print(f"{variant} {decode_matmul:7s}: {label:22s} {qtype.name:8s} {rows:6d} x {K:5d}: "
                       f"{s * 1e6:8.1f} us, {read / 1e6:7.1f} MB, {read / s / 1e12:.2f} TB/s = "
                       f"{100 * r['fraction_of_copy_bw']:.0f}% of copy", flush=True)
-    (S.QMATMUL_SIMD_ROWS, S.QMATMUL_Q8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
+    (S.QMATMUL_SIMD_ROWS, S.QMATMUL_XQ8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR, S.QMATMUL_SIMD_GROUPS,
      S.QMATMUL_MIN_SPLIT) = defaults
     if args.json:
         with open(args.json, "w") as f:

@@ -176,16 +176,19 @@ def quantize(x: np.ndarray, qtype: Q | int) -> np.ndarray:
     return gguf.quants.quantize(x, qt)
 
 
-# decode_matmul="q8": the block of x quantized for a weight type's decode products (ds4.c: Q8_0 activations for
-# Q8_0 weights, Q8_K for the routed experts' IQ2_XXS and Q2_K).
+# decode_matmul="q8": the block of x quantized for a weight type's decode products (ds4.c's CPU path, and its CUDA
+# back-end's dp4a products in ds4_cuda.cu: Q8_0 activations for Q8_0 weights, Q8_K for the routed experts' IQ2_XXS
+# and Q2_K).
 ACTIVATION_BLOCK = {Q.Q8_0: 32, Q.IQ2_XXS: 256, Q.Q2_K: 256}
 
 
 def quantized_activations(x: np.ndarray, qtype: Q | int) -> np.ndarray:
     """``x`` (float32, last axis a row) as a decode product on ``qtype`` weights sees it with ``decode_matmul="q8"``:
     each block of the row (:data:`ACTIVATION_BLOCK`) rounded to ``d·q``, q int8, in float64. Q8_0's blocks of 32:
-    ``d = amax / 127``, ``q = rint(x / d)``; Q8_K's of 256: m the block's first element of largest |x|,
-    ``scale = -127 / m``, ``q = rint(scale·x)``, ``d = 1 / scale``; each step in float32, rint half to even."""
+    ``d = amax / 127``, ``q = rint(x · (1 / d))``; Q8_K's of 256: m the block's first element of largest |x|,
+    ``scale = -127 / m``, ``q = rint(scale·x)``, ``d = 1 / scale``; each step in float32, rint half to even (ds4.c's
+    order: a product by the inverse, not a division). A block whose largest |x| is below about 4e-37 (1 / d
+    overflows) is not an activation's and gives non-finite values here."""
     qt = Q(qtype)
     if qt not in ACTIVATION_BLOCK:
         raise ValueError(f"quantized_activations: no activation block for {qt.name} weights")

@@ -346,10 +346,28 @@ def test_qmatmul_on_quantized_x_matches_float64(gpu, monkeypatch, qtype, rows, n
         got = kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows,
                               device_ids(name, to_dev, ids.astype(np.int32)), repeat=repeat)
     got = to_host(got)
-    assert launches[0][0] == f"qmatmul_q8_{qtype.name.lower()}"
+    assert launches[0][0] == f"qmatmul_xq8_{qtype.name.lower()}"
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
     assert np.abs(got - plain).max() > 1e-4 * scale
+
+
+@pytest.mark.parametrize("qtype", sorted(S.QUANT_X, key=lambda q: q.name), ids=lambda q: q.name)
+def test_quantized_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
+    """decode_matmul="q8" over a whole row of 2,816 elements, unsplit: two full steps of 1,024 and a third that
+    only some lanes take (the rest quantize zeros and add nothing); 9 rows of two experts, the last SIMD group's
+    rows past N reading row N - 1. Within 2e-6 of the scale of float64's product of the quantized x."""
+    name, kernels, to_dev, to_host = gpu
+    monkeypatch.setattr(kernels, "decode_matmul", "q8")
+    monkeypatch.setattr(S, "QMATMUL_SIMD_GROUPS", 1)  # no split of K
+    rows, ne0 = 9, 2816
+    raw = random_weight(qtype, (2, rows), ne0, seed=45)
+    x = np.random.default_rng(46).standard_normal((3, ne0)).astype(np.float32)
+    ids = np.array([1, 0, 1], np.int32)
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, device_ids(name, to_dev, ids)))
+    W = dequantize(raw, qtype, ne0).astype(np.float64)[ids]
+    want = np.einsum("pk,prk->pr", quantized_activations(x, qtype), W)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q2_K), ids=lambda q: q.name)

@@ -209,6 +209,9 @@ def test_qmatmul_splits_k_for_few_rows():
     assert S.qmatmul_splits(2048, 24, 1) == (2, 1024)
     assert S.qmatmul_splits(8448, 24, 1) == (7, 1280)  # 8 splits of 5 blocks: the eighth would be empty
     assert S.qmatmul_splits(5000, 24, 1) == (4, 1280)
+    # a kernel's own rows a SIMD group: the routed gate of six experts, 2048 rows, at 8 (float) and 16 (xq8)
+    assert S.qmatmul_splits(4096, 2048, 6, 8) == S.qmatmul_splits(4096, 2048, 6) == (1, 4096)
+    assert S.qmatmul_splits(4096, 2048, 6, 16) == (2, 2048)
     for K in (1, 100, 256, 1000, 2048, 3000, 4096, 5000, 8448, 16384, 65536):
         for N in (1, 24, 64, 256, 1024, 4096):
             for n_batches in (1, 2, 6):

@@ -648,7 +648,7 @@ static void run_groups(const char* name, uint gx, uint gy, uint threads, bool wa
 }
 """
 
-# What makes a thread wait for others: a kernel whose body names none of these runs without fibers.
+# What makes a thread wait for others: a kernel whose body (or a define of it) names none of these runs without fibers.
 _SYNCS = ("GROUP_BARRIER", "simd_sum_f", "simd_max_f", "simd_shuffle_f", "lane_line_sum", "quant_x32_q8_k")
 
 
@@ -662,8 +662,9 @@ def cpu_module_source(specs) -> str:
         params += [(n, f"{_C_TYPES[t]}*") for n, t in spec.outputs]
         args = ", ".join(f"{c} {n}" for n, c in params)
         casts = ", ".join(f"({c}) a[{i}]" for i, (_, c) in enumerate(params))
-        body = (SOURCES / spec.body).read_text()
-        waits = any(name in body for name in _SYNCS)
+        # the body and the helpers its defines name (QUANT_X)
+        named = (SOURCES / spec.body).read_text() + " ".join(str(v) for v in spec.defines.values())
+        waits = any(name in named for name in _SYNCS)
         parts.append(f"static void {spec.name}({args}) {{\n{spec.body_source('cpu')}}}\n"
                      f'extern "C" void launch_{spec.name}(uint gx, uint gy, uint threads, void** a) {{\n'
                      f'    run_groups("{spec.name}", gx, gy, threads, {str(waits).lower()},\n'

@@ -207,11 +207,11 @@ class KernelLaunches:
             order, batches, n_batches = self._const(*range(P)), self._i32(experts), P
         else:
             order, batches, n_batches = self._plan(experts, P, 1 if q8 else S.MAX_PAIRS)
-        rows = S.QMATMUL_Q8_SIMD_ROWS if q8 else S.QMATMUL_SIMD_ROWS  # a SIMD group's
+        rows = S.QMATMUL_XQ8_SIMD_ROWS if q8 else S.QMATMUL_SIMD_ROWS  # a SIMD group's
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches, rows)
         dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
         group_rows = S.QMATMUL_SIMD_PER_GROUP * rows
-        spec = S.qmatmul_q8_spec(qtype) if q8 else S.qmatmul_spec(qtype)
+        spec = S.qmatmul_xq8_spec(qtype) if q8 else S.qmatmul_spec(qtype)
         parts = self._run(spec, (-(-n_rows // group_rows), n_batches * splits),
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]

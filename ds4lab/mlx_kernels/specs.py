@@ -3,7 +3,7 @@
 ``dequant_<type>``   GGUF rows → float32 rows (for chunk products through the library's GEMM)
 ``dequant_<type>_f16``  the same rounded to half, in float16 rows (the weights of half-operand chunk products)
 ``qmatmul_<type>``   x @ Wᵀ straight from the blocks, for a few tokens or (token, expert) pairs
-``qmatmul_q8_<type>``  the same with x quantized to int8 per block as ds4's decode does (``decode_matmul="q8"``)
+``qmatmul_xq8_<type>``  the same with x quantized to int8 per block as ds4's decode does (``decode_matmul="q8"``)
 ``qmatmul_reduce``   the sum of qmatmul's K splits
 ``qgemm_<type>``     the same for a chunk: tiled, every (token, expert) pair of a projection in one launch
 ``qgemm_<type>_tf32``  the same on operands rounded to TF32 (``prefill_matmul="tf32"``)
@@ -43,6 +43,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..arch import NEG_INF, coff, n_blocks
+from ..quants import ACTIVATION_BLOCK
 from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
@@ -153,24 +154,25 @@ def _decode_loop(qtype: Q) -> dict:
 
 # decode_matmul="q8": the types whose decode products take x quantized, and how (ds4.c quantizes x to Q8_0's blocks
 # of 32 for Q8_0 weights and to Q8_K's of 256 for the routed experts' IQ2_XXS and Q2_K).
-QUANT_X = {Q.Q8_0: "quant_x32_q8_0", Q.IQ2_XXS: "quant_x32_q8_k", Q.Q2_K: "quant_x32_q8_k"}
-# Rows a SIMD group of qmatmul_q8 takes (each step's quantized x shared by them). On the H200 (qmatmul_bench.py,
+QUANT_X = {q: "quant_x32_q8_0" if size == 32 else "quant_x32_q8_k" for q, size in ACTIVATION_BLOCK.items()}
+# Rows a SIMD group of qmatmul_xq8 takes (each step's quantized x shared by them). On the H200 (qmatmul_bench.py,
 # one call, 2026-12-03) 16 ran faster than 8: routed gate/up 22.1 -> 19.2 us, attn_q_b 18.0 -> 14.4, attn_output_b
-# 19.6 -> 16.7, attn_output_a 14.7 -> 12.9 (the float loop at 16 rows ran slower than at 8: 26.0, 20.0, 19.8, 16.1).
-QMATMUL_Q8_SIMD_ROWS = 16
+# 19.6 -> 16.7, attn_output_a 14.7 -> 12.9, but routed down (Q2_K) 13.0 -> 14.3; the whole model's decode 1.055x
+# float32's with 16 (benchmarks/README.md). The float loop at 16 rows ran slower than at 8.
+QMATMUL_XQ8_SIMD_ROWS = 16
 
 
-def qmatmul_q8_spec(qtype: Q) -> KernelSpec:
-    """``qmatmul_q8_<type>``: qmatmul for batches of one pair with x quantized per block (QUANT_X) and integer sums."""
+def qmatmul_xq8_spec(qtype: Q) -> KernelSpec:
+    """``qmatmul_xq8_<type>``: qmatmul for batches of one pair with x quantized per block (QUANT_X) and integer sums."""
     qtype = Q(qtype)
     if qtype not in QUANT_X:
         raise ValueError(f"decode products on quantized x exist for {', '.join(q.name for q in QUANT_X)}, "
                          f"not {qtype.name}")
-    return KernelSpec(f"qmatmul_q8_{qtype.name.lower()}", "qmatmul_q8.body",
+    return KernelSpec(f"qmatmul_xq8_{qtype.name.lower()}", "qmatmul_xq8.body",
                       (("x", "float32"), ("w", "uint8"), ("aux", "uint8"), ("order", "int32"), ("batches", "int32"),
                        ("dims", "int32")),
                       (("out", "float32"),),
-                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_Q8_SIMD_ROWS})
+                      {**_decode_loop(qtype), "QUANT_X": QUANT_X[qtype], "SIMD_ROWS": QMATMUL_XQ8_SIMD_ROWS})
 
 
 QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "float32"), ("dims", "int32")),
@@ -181,7 +183,7 @@ def qmatmul_splits(K: int, N: int, n_batches: int, rows: int | None = None) -> t
     """``(S, chunk)``: qmatmul's K splits (see QMATMUL_SIMD_GROUPS) and the elements of each but the last.
     Rounding the chunk up to the alignment can leave the last splits of a power of two empty: those are
     dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN. ``rows``: a SIMD group's
-    (QMATMUL_SIMD_ROWS, or QMATMUL_Q8_SIMD_ROWS for qmatmul_q8)."""
+    (QMATMUL_SIMD_ROWS, or QMATMUL_XQ8_SIMD_ROWS for qmatmul_xq8)."""
     rows = rows or QMATMUL_SIMD_ROWS
     S = 1
     while -(-N // rows) * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
@@ -428,7 +430,7 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 
 def all_specs() -> list[KernelSpec]:
     return [*(dequant_spec(q, half) for half in (False, True) for q in DECODERS), *(qmatmul_spec(q) for q in DECODERS),
-            *(qmatmul_q8_spec(q) for q in QUANT_X), QMATMUL_REDUCE,
+            *(qmatmul_xq8_spec(q) for q in QUANT_X), QMATMUL_REDUCE,
             *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, *(attend_chunk_spec(operands) for operands in OPERANDS),

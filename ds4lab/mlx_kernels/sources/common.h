@@ -370,7 +370,8 @@ DEVICE_FN float dot32(Group32 g, LaneX x, bool halves) {
 // Decode products on x quantized to int8 per block, as ds4's CPU and CUDA decode products do (decode_matmul="q8"):
 // a lane's 32 elements of x as int8 in words (in load_x32's order), their scale d (x ≈ d·q) and the sums of the
 // two halves' integers (Q2_K's minima). |x·scale| never exceeds 127 by more than a rounding (the block's largest
-// |x| goes to 127), so the clamp to [-128, 127] of ds4's rule never acts and is left out.
+// |x| goes to 127), so the clamp to [-128, 127] of ds4's rule never acts and is left out (a block whose largest |x|
+// is below about 4e-37, where 1 / d overflows, is not an activation's).
 struct LaneQ { uint q[8]; float d; int sum[2]; };
 
 DEVICE_FN LaneQ lane_q(LaneX x, float scale, float d) {
@@ -400,7 +401,8 @@ DEVICE_FN LaneQ quant_x32_q8_0(LaneX x, uint lane) {
 }
 
 // Q8_K's (ds4's routed experts, IQ2_XXS and Q2_K): a block of 256, the groups of 8 lanes (every lane of the SIMD
-// group calls it); m, the block's element of largest |x| (the first on a tie), gives scale -127 / m and d = 1 / scale.
+// group calls it); m, an element of largest |x| (of x and -x, either: d·q is the same, each step odd in m), gives
+// scale -127 / m and d = 1 / scale.
 DEVICE_FN LaneQ quant_x32_q8_k(LaneX x, uint lane) {
     float m = x.v[0];
     #pragma unroll
