@@ -744,15 +744,15 @@ def test_mlx_float32_matmul_keeps_float32_precision():
 
 
 # -- whole models ---------------------------------------------------------------------------------------
-def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32"):
+def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32", decode_matmul="float32"):
     found, why = GPU_BACKENDS[backend]()
     if found is None:
         pytest.skip(f"{backend}: {why}")
     if backend.endswith("emulated"):
         return emulated_model(path, numerics, kernels, prefill_matmul, mlx_kernels=found[0] if backend == "mlx-emulated"
-                              else None)
+                              else None, decode_matmul=decode_matmul)
     return ds4lab.load(path, backend=backend, numerics=numerics, device=None if backend == "cupy" else "gpu",
-                       kernels=kernels, prefill_matmul=prefill_matmul)
+                       kernels=kernels, prefill_matmul=prefill_matmul, decode_matmul=decode_matmul)
 
 
 def rel_err(a, b):
@@ -813,10 +813,18 @@ def test_reduced_prefill_stays_near_float64(model_paths, backend, name, prefill_
     TF32 or half operands) then 3 decode steps (float32). Logits stay within 2e-3 of float64's scale with the
     same argmax, and farther than the float32 kernels' 1e-5, so the chunks' products did change precision."""
     m = _gpu_model_or_skip(model_paths[name], backend, "exact", True, prefill_matmul=prefill_matmul)
-    ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
-    ids = np.random.default_rng(9).integers(0, ref.config.n_vocab - 7, 75)
+    logits = prefill_then_decode((ds4lab.load(model_paths[name], backend="numpy", numerics="exact"), m))
+    err = rel_err(logits[1], logits[0])
+    assert err.max() < 2e-3 and err[0] > 1e-5, err
+    assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+def prefill_then_decode(models) -> list:
+    """Each model's logits after a 72-token prefill in chunks of 24 and after each of 3 decode steps then (the same
+    random tokens for all)."""
+    ids = np.random.default_rng(9).integers(0, models[0].config.n_vocab - 7, 75)
     logits = []
-    for model in (ref, m):
+    for model in models:
         sess = model.session(ctx=256, prefill_chunk=24)
         sess.prefill(ids[:72]).run(progress=False)
         steps = [sess.logits]
@@ -824,9 +832,7 @@ def test_reduced_prefill_stays_near_float64(model_paths, backend, name, prefill_
             sess.sync(ids[:end])
             steps.append(sess.logits)
         logits.append(np.stack(steps))
-    err = rel_err(logits[1], logits[0])
-    assert err.max() < 2e-3 and err[0] > 1e-5, err
-    assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
+    return logits
 
 
 Q8_MODEL_CASES = [*(pytest.param("cupy", name, marks=pytest.mark.gpu) for name in ("nano", "narrow")),
@@ -841,25 +847,8 @@ def test_quantized_decode_stays_near_float64(model_paths, backend, name):
     random models; "mixed" and "q4k" are left out: one flips a routing choice within 3 steps, the other has no
     such weights), and the decode steps farther than 1e-4, so their products did quantize (narrow's head is F16:
     its prefill logits stay float32's)."""
-    if backend == "emulated":
-        m = emulated_model(model_paths[name], "exact", True, decode_matmul="q8")
-    else:
-        found, why = _cupy_kernels()
-        if found is None:
-            pytest.skip(why)
-        m = ds4lab.load(model_paths[name], backend="cupy", numerics="exact", prefill_matmul="float32",
-                        decode_matmul="q8")
-    ref = ds4lab.load(model_paths[name], backend="numpy", numerics="exact")
-    ids = np.random.default_rng(9).integers(0, ref.config.n_vocab - 7, 75)
-    logits = []
-    for model in (ref, m):
-        sess = model.session(ctx=256, prefill_chunk=24)
-        sess.prefill(ids[:72]).run(progress=False)
-        steps = [sess.logits]
-        for end in range(73, 76):
-            sess.sync(ids[:end])
-            steps.append(sess.logits)
-        logits.append(np.stack(steps))
+    m = _gpu_model_or_skip(model_paths[name], backend, "exact", True, decode_matmul="q8")
+    logits = prefill_then_decode((ds4lab.load(model_paths[name], backend="numpy", numerics="exact"), m))
     err = rel_err(logits[1], logits[0])
     assert err.max() < 3e-2 and err[1:].min() > 1e-4, err
     assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
