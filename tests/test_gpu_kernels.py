@@ -802,6 +802,22 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     assert np.array_equal(logits[gpu.backend.name].argmax(-1), logits["numpy"].argmax(-1))
 
 
+def prefill_then_decode(models) -> list:
+    """Each model's logits after a 72-token prefill in chunks of 24 and after each of 3 decode steps then (the same
+    random tokens for all)."""
+    ids = np.random.default_rng(9).integers(0, models[0].config.n_vocab - 7, 75)
+    logits = []
+    for model in models:
+        sess = model.session(ctx=256, prefill_chunk=24)
+        sess.prefill(ids[:72]).run(progress=False)
+        steps = [sess.logits]
+        for end in range(73, 76):
+            sess.sync(ids[:end])
+            steps.append(sess.logits)
+        logits.append(np.stack(steps))
+    return logits
+
+
 # every tiny configuration on the GPU; the CPU emulator (slow) runs nano
 REDUCED_CASES = [pytest.param("cupy", name, marks=pytest.mark.gpu) for name in CONFIGS] + [("emulated", "nano")]
 
@@ -817,22 +833,6 @@ def test_reduced_prefill_stays_near_float64(model_paths, backend, name, prefill_
     err = rel_err(logits[1], logits[0])
     assert err.max() < 2e-3 and err[0] > 1e-5, err
     assert np.array_equal(logits[1].argmax(-1), logits[0].argmax(-1))
-
-
-def prefill_then_decode(models) -> list:
-    """Each model's logits after a 72-token prefill in chunks of 24 and after each of 3 decode steps then (the same
-    random tokens for all)."""
-    ids = np.random.default_rng(9).integers(0, models[0].config.n_vocab - 7, 75)
-    logits = []
-    for model in models:
-        sess = model.session(ctx=256, prefill_chunk=24)
-        sess.prefill(ids[:72]).run(progress=False)
-        steps = [sess.logits]
-        for end in range(73, 76):
-            sess.sync(ids[:end])
-            steps.append(sess.logits)
-        logits.append(np.stack(steps))
-    return logits
 
 
 Q8_MODEL_CASES = [*(pytest.param("cupy", name, marks=pytest.mark.gpu) for name in ("nano", "narrow")),
