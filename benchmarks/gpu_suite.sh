@@ -98,13 +98,13 @@ fi
 # occupancy, warp states, the busiest pipes. ncu runs the GPU at base clocks: read ratios, not times.
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
     --section ComputeWorkloadAnalysis"
-want ncu ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_tf32 --launch-skip 2 --launch-count 1 \
+want ncu_qgemm ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_tf32 --launch-skip 2 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/qgemm_bench.py --tf32 --repeats 1
-want ncu ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32 --launch-skip 8 --launch-count 1 \
+want ncu_attn ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32 --launch-skip 8 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/gpu_slice.py --backend cupy --decode-ctx --prefill 4096 --tf32
 # and on one launch of the routed gate's decode product, float32 x and quantized x (their stall reasons)
 for k in qmatmul_iq2_xxs qmatmul_xq8_iq2_xxs; do
-    want ncu ncu && step "ncu_$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 2 --launch-count 1 \
+    want "ncu_$k" ncu && step "ncu_$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 2 --launch-count 1 \
         $NCU_SECTIONS --section MemoryWorkloadAnalysis python3 benchmarks/qmatmul_bench.py --decode-matmul float32 q8 \
         --only "routed gate" --repeats 1
 done

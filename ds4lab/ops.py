@@ -209,15 +209,22 @@ class Ops:
         T, n, E = X.shape
         kernels = self.kernels
         if kernels is not None and n <= HC_MAX:
-            flat = X.reshape(T, n * E)
-            mix = fn.split_sums(flat) if hasattr(fn, "split_sums") else fn(flat)
+            mix = self.split_sums(fn, X.reshape(T, n * E))
             return kernels.hc_pre(mix, scale, base, X, iters, eps, norm_eps,
                                   None if norm_weight is None else (norm_weight, norm_eps))
         x_in, post, comb = hc.hc_pre(self, X, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
         return (x_in if norm_weight is None else self.rmsnorm(x_in, norm_eps, norm_weight)), post, comb
 
+    def split_sums(self, proj, *args):
+        """``proj(*args)``, as its K splits' sums ``[S, ...]`` where the kernels leave them for the op that reads the
+        product to add (a decode step's qmatmul: hc_pre, hc_post and swiglu add a product's splits as they read
+        them, in qmatmul_reduce's order, so no launch adds them first); without kernels, the product itself."""
+        if self.kernels is not None and hasattr(proj, "split_sums"):
+            return proj.split_sums(*args)
+        return proj(*args)
+
     def hc_post(self, y, X, post, comb):
-        """The streams after a sublayer (:func:`ds4lab.model.hc.hc_post`)."""
+        """The streams after a sublayer (:func:`ds4lab.model.hc.hc_post`); ``y`` may be :meth:`split_sums`'."""
         kernels = self.kernels
         if kernels is not None:
             return kernels.hc_post(y, X, post, comb)
@@ -242,8 +249,8 @@ class Ops:
         return probs, selected, moe.route_weights(xp, probs, selected, scale)
 
     def swiglu(self, gate, up, clamp: float, weights=None):
-        """:func:`ds4lab.model.moe.swiglu` of ``[P, F]`` rows, times ``weights [P]`` (a pair's route weight) per
-        row when given."""
+        """:func:`ds4lab.model.moe.swiglu` of ``[P, F]`` rows (or :meth:`split_sums`' of them), times ``weights
+        [P]`` (a pair's route weight) per row when given."""
         kernels = self.kernels
         if kernels is not None:
             return kernels.swiglu(gate, up, clamp, weights)

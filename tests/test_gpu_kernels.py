@@ -277,6 +277,34 @@ def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("n_pairs", [1, 3])
+def test_swiglu_and_hc_post_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
+    """swiglu and hc_post given qmatmul's K splits (reduce=False, as ops.split_sums passes them in a decode step)
+    give the same bits as on the reduced products: the splits added in qmatmul_reduce's order. gate split in 4, up
+    in 8 (their own counts), y in 4."""
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(n_pairs)
+    F, E, n = 64, 96, 4
+    x = to_dev(rng.standard_normal((n_pairs, 4096)).astype(np.float32))
+    x8 = to_dev(rng.standard_normal((n_pairs, 8192)).astype(np.float32))
+    w_gate, w_up = (to_dev(random_weight(Q.Q8_0, (F,), K, seed=K)) for K in (4096, 8192))
+    w_y = to_dev(random_weight(Q.Q8_0, (E,), 4096, seed=5))
+    gate_parts = kernels.qmatmul(x, w_gate, Q.Q8_0, 4096, F, reduce=False)
+    up_parts = kernels.qmatmul(x8, w_up, Q.Q8_0, 8192, F, reduce=False)
+    y_parts = kernels.qmatmul(x, w_y, Q.Q8_0, 4096, E, reduce=False)
+    assert (gate_parts.shape[0], up_parts.shape[0], y_parts.shape[0]) == (4, 8, 4)
+    gate, up, y = (kernels.qmatmul(a, w, Q.Q8_0, K, N) for a, w, K, N in
+                   ((x, w_gate, 4096, F), (x8, w_up, 8192, F), (x, w_y, 4096, E)))
+    weights = to_dev(rng.uniform(0.1, 2, n_pairs).astype(np.float32))
+    np.testing.assert_array_equal(to_host(kernels.swiglu(gate_parts, up_parts, 10.0, weights)),
+                                  to_host(kernels.swiglu(gate, up, 10.0, weights)))
+    X = to_dev(rng.standard_normal((n_pairs, n, E)).astype(np.float32))
+    post = to_dev(rng.uniform(0, 2, (n_pairs, n)).astype(np.float32))
+    comb = to_dev(rng.uniform(0, 1, (n_pairs, n, n)).astype(np.float32))
+    np.testing.assert_array_equal(to_host(kernels.hc_post(y_parts, X, post, comb)),
+                                  to_host(kernels.hc_post(y, X, post, comb)))
+
+
 def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
     """Six pairs of four experts (host ids: four batches; device ids, where the launcher has them: six),
     K split in four either way."""
@@ -315,7 +343,7 @@ def test_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
 
 Q8_CASES = [(Q.Q8_0, 40, 1024, 1, None), (Q.Q8_0, 24, 4096, 3, None), (Q.IQ2_XXS, 40, 2048, 1, None),
             (Q.IQ2_XXS, 40, 1024, 6, "host"), (Q.Q2_K, 24, 4096, 2, None), (Q.Q2_K, 40, 1024, 6, "device"),
-            (Q.Q8_0, 24, 2048, 6, "device")]
+            (Q.Q8_0, 24, 2048, 6, "device"), (Q.Q8_0, 24, 800, 2, None)]  # 800: K not a multiple of 256
 
 
 @pytest.mark.parametrize("qtype,rows,ne0,n_pairs,experts", Q8_CASES,

@@ -72,6 +72,12 @@ class StackedBlockLinear:
             return self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
         return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
 
+    def split_sums(self, x, experts, repeat: int = 1):
+        """The same product as its K splits' sums ``[S, P, rows]`` (see :meth:`BlockLinear.split_sums`)."""
+        if x.shape[0] * repeat > KERNEL_MAX_ROWS and self.kernels.on_host(experts):
+            return self(x, experts, repeat)[None]
+        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat, reduce=False)
+
     def grouped(self, x):
         """``x [T, n, ne0]``: row t of group g times matrix g, as ``[T, n · rows]`` in group order (a chunk's
         attn_output_a: every matrix dequantized, then one batched GEMM)."""

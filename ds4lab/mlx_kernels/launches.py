@@ -77,6 +77,11 @@ def _check_in_place(name: str, x) -> None:
                            f"{x.strides}")
 
 
+def _splits(a) -> int:
+    """The K splits of a product given as qmatmul's parts ``[S, rows, n]``; 1 for the product itself ``[rows, n]``."""
+    return a.shape[0] if a.ndim == 3 else 1
+
+
 class KernelLaunches:
     """Each method launches one kernel of :mod:`.specs`; launch constants (dims, dense qmatmul/qgemm plans)
     are made once and kept. ``xp`` is the subclass's array library.
@@ -304,11 +309,13 @@ class KernelLaunches:
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 
     def hc_post(self, y, X, post, comb):
-        """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``."""
+        """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``. ``y [T, E]``,
+        or its K splits ``[S, T, E]`` (qmatmul's parts, added here)."""
         T, n, E = X.shape
         S.check_hc_streams("hc_post", n)
         return self._run(S.HC_POST, (-(-T * E // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [self._f32(y), self._f32(X), self._f32(post), self._f32(comb), self._const(T, n, E)],
+                         [self._f32(y), self._f32(X), self._f32(post), self._f32(comb),
+                          self._const(T, n, E, _splits(y))],
                          [((T, n, E), "float32")])[0]
 
     def _norm_rows(self, x, weight):
@@ -479,13 +486,14 @@ class KernelLaunches:
                          [(x3.shape, "float32")])[0].reshape(x.shape)
 
     def swiglu(self, gate, up, clamp: float, weights=None):
-        """silu(min(gate, clamp)) · clip(up, −clamp, clamp) of ``gate, up [P, F]``, times ``weights [P]`` (one
-        per row) when given."""
-        P, F = gate.shape
+        """silu(min(gate, clamp)) · clip(up, −clamp, clamp) of ``gate, up [P, F]`` (or their K splits ``[S, P, F]``,
+        qmatmul's parts, added here), times ``weights [P]`` (one per row) when given."""
+        P, F = gate.shape[-2:]
         g = self._f32(gate)
         return self._run(S.SWIGLU, (-(-P * F // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [g, self._f32(up), g if weights is None else self._f32(weights),
-                          self._const(P, F, int(weights is not None)), self._const(clamp, dtype=np.float32)],
+                          self._const(P, F, int(weights is not None), _splits(gate), _splits(up)),
+                          self._const(clamp, dtype=np.float32)],
                          [((P, F), "float32")])[0]
 
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):

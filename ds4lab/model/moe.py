@@ -74,8 +74,8 @@ def routed_experts_gathered(ops, f, selected, weights, stacked, clamp: float, qu
     gate, up, down = stacked
     up_side = ops.branch(T, quiet)  # for a decode step, up's launch beside gate's: neither fills the GPU alone
     with up_side:
-        u = up(f, experts, k)
-    g = gate(f, experts, k)
+        u = ops.split_sums(up, f, experts, k)  # swiglu adds the K splits
+    g = ops.split_sums(gate, f, experts, k)
     up_side.join()
     mid = ops.swiglu(g, u, clamp, weights.reshape(T * k))
     return ops.pair_sum(down(mid, experts), k)

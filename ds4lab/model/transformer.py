@@ -18,6 +18,7 @@ Hook points: each block takes ``emit``, called as ``emit(name, value)`` at the n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -224,7 +225,8 @@ class Transformer:
         if emit:
             emit("attn.out", out)
             heads = _edit(emit, "attn.heads", heads)
-        out_b, stacked = lw.attn_output_b, lw.attn_output_a_stacked
+        out_b = partial(ops.split_sums, lw.attn_output_b)  # hc_post adds its K splits
+        stacked = lw.attn_output_a_stacked
         if stacked is not None and C * cfg.o_groups <= self.gather_max_pairs:  # a decode step: one launch
             y = grouped_output_gathered(xp, heads, stacked, cfg.o_groups, out_b)
         elif stacked is not None:  # a chunk: one batched GEMM over the groups
