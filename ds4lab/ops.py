@@ -233,14 +233,16 @@ class Ops:
     # -- mixture of experts ---------------------------------------------------------------------------
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):
         """A few tokens' routing without leaving the device (docs/MODEL.md, "Mixture of experts"):
-        ``(probs, selected, weights)`` from the router's ``logits [T, n_expert]``. Experts are the top k of
-        probs + ``bias`` (None: no bias) in :func:`ds4lab.model.moe.select_topk`'s order or, given the hash
-        ``table`` (a device array), its rows of ``tokens`` (host or device ids)."""
+        ``(probs, selected, weights)`` from the router's ``logits [T, n_expert]`` (or :meth:`split_sums`' of them).
+        Experts are the top k of probs + ``bias`` (None: no bias) in :func:`ds4lab.model.moe.select_topk`'s order
+        or, given the hash ``table`` (a device array), its rows of ``tokens`` (host or device ids)."""
         xp, kernels = self.xp, self.kernels
         if table is not None and isinstance(tokens, np.ndarray):  # host ids: an eager step
             tokens = xp.array(tokens.astype(np.int32))
         if kernels is not None and logits.shape[-1] <= ROUTE_MAX_EXPERTS and k <= ROUTE_MAX_K:
             return kernels.moe_route(logits, bias, k, scale, table, tokens)
+        if logits.ndim == 3:  # split_sums' parts, which only the kernel adds as it reads them
+            logits = kernels.add_splits(logits)
         probs = moe.router_probs(xp, logits)
         if table is not None:
             selected = table[tokens]

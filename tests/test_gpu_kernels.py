@@ -278,10 +278,10 @@ def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_
 
 
 @pytest.mark.parametrize("n_pairs", [1, 3])
-def test_swiglu_and_hc_post_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
-    """swiglu and hc_post given qmatmul's K splits (reduce=False, as ops.split_sums passes them in a decode step)
-    give the same bits as on the reduced products: the splits added in qmatmul_reduce's order. gate split in 4, up
-    in 8 (their own counts), y in 4."""
+def test_ops_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
+    """swiglu, hc_post and moe_route given qmatmul's K splits (reduce=False, as ops.split_sums passes them in a
+    decode step) give the same bits as on the reduced products: the splits added in qmatmul_reduce's order. gate
+    split in 4, up in 8 (their own counts), y and the router's logits in 4."""
     _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(n_pairs)
     F, E, n = 64, 96, 4
@@ -303,6 +303,13 @@ def test_swiglu_and_hc_post_add_a_products_splits_as_the_reduce_does(gpu, n_pair
     comb = to_dev(rng.uniform(0, 1, (n_pairs, n, n)).astype(np.float32))
     np.testing.assert_array_equal(to_host(kernels.hc_post(y_parts, X, post, comb)),
                                   to_host(kernels.hc_post(y, X, post, comb)))
+    w_r = to_dev(random_weight(Q.Q8_0, (64,), 4096, seed=6))
+    logit_parts = kernels.qmatmul(x, w_r, Q.Q8_0, 4096, 64, reduce=False)
+    assert logit_parts.shape[0] == 4
+    bias = to_dev(rng.uniform(0, 0.5, 64).astype(np.float32))
+    got, want = (kernels.moe_route(a, bias, 6, 1.5) for a in (logit_parts, kernels.add_splits(logit_parts)))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(to_host(g), to_host(w))
 
 
 def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
@@ -1495,6 +1502,24 @@ def test_ops_routing_and_swiglu_kernels_equal_their_plain_ops(hashed):
     fused, plain = (o.swiglu(gate, up, 7.0, fused[2].reshape(-1)) for o in (ops.Ops(EmulatedBackend(True)),
                                                                             ops.Ops(EmulatedBackend(False))))
     np.testing.assert_allclose(fused, plain, rtol=1e-6, atol=0)
+
+
+def test_ops_moe_route_past_the_kernels_limits_adds_the_splits_first():
+    """More experts a token than moe_route's kernel selects: Ops.moe_route given the router's K splits (as
+    split_sums gives them) adds them (add_splits) and routes through the plain ops, as for the summed logits."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.mlx_kernels.cpu import compiler
+
+    if compiler() is None:
+        pytest.skip("no C++20 compiler here for the CPU kernel emulator")
+    rng = np.random.default_rng(3)
+    T, n, k = 2, 64, S.ROUTE_MAX_K + 1
+    parts = (3 * rng.standard_normal((3, T, n))).astype(np.float32)
+    got = ops.Ops(EmulatedBackend(True)).moe_route(parts, None, k, 1.5)
+    want = ops.Ops(EmulatedBackend(False)).moe_route((parts[0] + parts[1]) + parts[2], None, k, 1.5)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
 
 def test_grouped_output_gathered_equals_the_group_by_group_projection():
     from ds4lab.model.attention import grouped_output, grouped_output_gathered

@@ -220,12 +220,16 @@ class KernelLaunches:
         parts = self._run(spec, (-(-n_rows // group_rows), n_batches * splits),
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]
-        if not reduce:
-            return parts
+        return parts if not reduce else self.add_splits(parts)
+
+    def add_splits(self, parts):
+        """A product from its K splits ``parts [S, P, n]`` (qmatmul's with reduce False): their sum in split order,
+        ``[P, n]`` (qmatmul_reduce; an op that cannot take the splits as they are gets the product so)."""
+        splits, P, n = parts.shape
         if splits == 1:
             return parts[0]
-        return self._run(S.QMATMUL_REDUCE, (-(-P * n_rows // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [parts, self._const(P * n_rows, splits)], [((P, n_rows), "float32")])[0]
+        return self._run(S.QMATMUL_REDUCE, (-(-P * n // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         [parts, self._const(P * n, splits)], [((P, n), "float32")])[0]
 
     def dense_product(self, x, w):
         """``x [P, K] @ w [N, K]ᵀ`` for a chunk through the array library's GEMM (``w`` dequantized or F32)."""
@@ -497,9 +501,10 @@ class KernelLaunches:
                          [((P, F), "float32")])[0]
 
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):
-        """``(probs [T, n], selected [T, k] int32, weights [T, k])`` from the router's ``logits [T, n]``: the top
-        k of probs (+ ``bias [n]``), or with ``table [V, k]`` its rows of the device ids ``tokens [T]``."""
-        T, n = logits.shape
+        """``(probs [T, n], selected [T, k] int32, weights [T, k])`` from the router's ``logits [T, n]`` (or their
+        K splits ``[S, T, n]``, qmatmul's parts, added here): the top k of probs (+ ``bias [n]``), or with ``table
+        [V, k]`` its rows of the device ids ``tokens [T]``."""
+        T, n = logits.shape[-2:]
         if n > S.ROUTE_MAX_EXPERTS or k > S.ROUTE_MAX_K:
             raise ValueError(f"moe_route kernel: {n} experts (at most {S.ROUTE_MAX_EXPERTS}), {k} a token "
                              f"(at most {S.ROUTE_MAX_K})")
@@ -508,7 +513,7 @@ class KernelLaunches:
                                [x, x if bias is None else self._f32(bias),
                                 self._i32(table) if hashed else self._const(0),
                                 self._i32(tokens) if hashed else self._const(0),
-                                self._const(T, n, k, int(bias is not None), int(hashed)),
+                                self._const(T, n, k, int(bias is not None), int(hashed), _splits(logits)),
                                 self._const(scale, ROUTER_SUM_FLOOR, dtype=np.float32)],
                                [((T, n), "float32"), ((T, k), "int32"), ((T, k), "float32")]))
 

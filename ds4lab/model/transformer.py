@@ -278,16 +278,17 @@ class Transformer:
         with shared_side:
             gate, up = lw.ffn_gate_up_shexp(f)
             shared = lw.ffn_down_shexp(ops.swiglu(gate, up, clamp))
-        logits = lw.ffn_gate_inp(f)
         bias, stacked = lw.exp_probs_b, lw.experts_stacked
         few, hashed = X.shape[0] <= DEVICE_ROUTING_ROWS, cfg.is_hash_layer(il)
         if stacked is not None and (few or not hashed):
+            logits = ops.split_sums(lw.ffn_gate_inp, f)  # moe_route adds the K splits
             table = lw.hash_table_on_device if hashed else None
             probs, selected, weights = ops.moe_route(logits, bias, cfg.n_expert_used, cfg.expert_weight_scale,
                                                      table, tokens)
             if not few:  # a chunk: qgemm plans its tiles from host ids
                 selected = np.asarray(self.backend.to_numpy(selected), dtype=np.int64)
         else:
+            logits = lw.ffn_gate_inp(f)
             probs = router_probs(xp, logits)
             if hashed:
                 selected = lw.hash_table[tokens].astype(np.int64)
