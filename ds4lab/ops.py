@@ -217,8 +217,8 @@ class Ops:
 
     def split_sums(self, proj, *args):
         """``proj(*args)``, as its K splits' sums ``[S, ...]`` where the kernels leave them for the op that reads the
-        product to add (a decode step's qmatmul: hc_pre, hc_post and swiglu add a product's splits as they read
-        them, in qmatmul_reduce's order, so no launch adds them first); without kernels, the product itself."""
+        product to add (a decode step's qmatmul: hc_pre, hc_post, moe_route and swiglu add a product's splits as they
+        read them, in qmatmul_reduce's order, so no launch adds them first); without kernels, the product itself."""
         if self.kernels is not None and hasattr(proj, "split_sums"):
             return proj.split_sums(*args)
         return proj(*args)
@@ -241,7 +241,7 @@ class Ops:
             tokens = xp.array(tokens.astype(np.int32))
         if kernels is not None and logits.shape[-1] <= ROUTE_MAX_EXPERTS and k <= ROUTE_MAX_K:
             return kernels.moe_route(logits, bias, k, scale, table, tokens)
-        if logits.ndim == 3:  # split_sums' parts, which only the kernel adds as it reads them
+        if logits.ndim == 3 and kernels is not None:  # split_sums' parts, which only the kernel adds as it reads
             logits = kernels.add_splits(logits)
         probs = moe.router_probs(xp, logits)
         if table is not None:

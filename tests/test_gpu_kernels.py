@@ -853,6 +853,35 @@ def prefill_then_decode(models) -> list:
     return logits
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
+def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, monkeypatch, backend):
+    """A model whose router, routed gate and up (K = n_embd = 512), attn_output_b (K = 2 x 256) and HC mixers split
+    K (QMATMUL_MIN_SPLIT 256): its logits after a prefill and 3 decode steps are bit for bit those of the same model
+    with every product reduced before it is read (Ops.split_sums giving the product), and each decode step
+    launches six qmatmul_reduce a layer fewer (the two HC mixers, the router, the routed gate and up,
+    attn_output_b)."""
+    from ds4lab.config import NANO, replace
+    from ds4lab.testing import make_model
+
+    monkeypatch.setattr(S, "QMATMUL_MIN_SPLIT", 256)
+    cfg = replace(NANO, n_layer=2, n_hash_layer=1, n_embd=512, o_lora=256)
+    path = make_model(cfg, tmp_path / "wide.gguf", seed=5)
+    model = _gpu_model_or_skip(path, backend, "ds4", True)
+    kernels = model.backend.kernels
+    counts = []
+    for reduced in (False, True):
+        if reduced:
+            monkeypatch.setattr(ops.Ops, "split_sums", lambda self, proj, *args: proj(*args))
+        launches = recorded_launches(kernels, monkeypatch)
+        logits = prefill_then_decode([model])[0]
+        counts.append(sum(name == "qmatmul_reduce" for name, _ in launches))
+        if not reduced:
+            split = logits
+    np.testing.assert_array_equal(split, logits)
+    # the prefill's chunks of 24 take qgemm and the GEMMs (no splits)
+    assert counts[1] - counts[0] == 3 * cfg.n_layer * 6
+
+
 # every tiny configuration on the GPU; the CPU emulator (slow) runs nano
 REDUCED_CASES = [pytest.param("cupy", name, marks=pytest.mark.gpu) for name in CONFIGS] + [("emulated", "nano")]
 

@@ -203,8 +203,8 @@ class KernelLaunches:
         """``out[p] = x[p // repeat] @ W_{experts[p]}ᵀ`` from the blocks (``experts`` None: one dense matrix;
         ``repeat``: a token's pairs share its row of x). Few rows and a long K: K split over more SIMD groups
         (:func:`.specs.qmatmul_splits`), then summed; with ``reduce`` False, the splits' sums ``[S, P, n_rows]``
-        for a kernel that adds them as it reads them (hc_pre). ``decode_matmul`` "q8": x quantized (see the class),
-        each pair a batch of its own."""
+        for a kernel that adds them as it reads them (hc_pre, hc_post, swiglu, moe_route: Ops.split_sums).
+        ``decode_matmul`` "q8": x quantized (see the class), each pair a batch of its own."""
         P = x.shape[0] * repeat
         ids = experts is not None and not self.on_host(experts)
         q8 = self.decode_matmul == "q8" and Q(qtype) in S.QUANT_X
@@ -229,7 +229,7 @@ class KernelLaunches:
         if splits == 1:
             return parts[0]
         return self._run(S.QMATMUL_REDUCE, (-(-P * n // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [parts, self._const(P * n, splits)], [((P, n), "float32")])[0]
+                         [self._f32(parts), self._const(P * n, splits)], [((P, n), "float32")])[0]
 
     def dense_product(self, x, w):
         """``x [P, K] @ w [N, K]ᵀ`` for a chunk through the array library's GEMM (``w`` dequantized or F32)."""

@@ -64,10 +64,11 @@ def routed_experts_gathered(ops, f, selected, weights, stacked, clamp: float, qu
     """The same sum with every (token, expert) pair in one product per projection.
 
     ``stacked`` is (gate, up, down), each called as ``proj(x, experts, repeat)`` with row p // repeat of
-    ``x`` multiplied by expert ``experts[p]``; pairs are token-major, as ``selected`` is, which may be a
-    host array or a device one. The SwiGLU and the route weights are ``ops.swiglu``, the sum per token
-    ``ops.pair_sum`` of a :class:`ds4lab.ops.Ops` (a kernel each where the backend has them); with ``quiet`` (no
-    observer), ``ops.branch`` may run the up projection beside the gate.
+    ``x`` multiplied by expert ``experts[p]`` (gate and up through ``ops.split_sums``: swiglu adds their K splits);
+    pairs are token-major, as ``selected`` is, which may be a host array or a device one. The SwiGLU and the
+    route weights are ``ops.swiglu``, the sum per token ``ops.pair_sum`` of a :class:`ds4lab.ops.Ops` (a kernel
+    each where the backend has them); with ``quiet`` (no observer), ``ops.branch`` may run the up projection
+    beside the gate.
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
