@@ -223,12 +223,17 @@ class Ops:
             return proj.split_sums(*args)
         return proj(*args)
 
-    def hc_post(self, y, X, post, comb):
-        """The streams after a sublayer (:func:`ds4lab.model.hc.hc_post`); ``y`` may be :meth:`split_sums`'."""
+    def hc_post(self, y, X, post, comb, pairs: int = 1, extra=None):
+        """The streams after a sublayer (:func:`ds4lab.model.hc.hc_post`) of output ``y`` (or :meth:`split_sums`' of
+        it); with ``pairs`` above 1, ``y`` is each token's ``pairs`` rows (routed experts', :meth:`pair_sum`'s
+        input) and the output their sum; ``extra`` (the shared expert's) is added to it. The kernel adds them all as
+        it reads them, in pair_sum's order then the addition's."""
         kernels = self.kernels
         if kernels is not None:
-            return kernels.hc_post(y, X, post, comb)
-        return hc.hc_post(self.xp, y, X, post, comb)
+            return kernels.hc_post(y, X, post, comb, pairs, extra)
+        if pairs > 1:
+            y = self.pair_sum(y, pairs)
+        return hc.hc_post(self.xp, y if extra is None else y + extra, X, post, comb)
 
     # -- mixture of experts ---------------------------------------------------------------------------
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):

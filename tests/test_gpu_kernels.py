@@ -281,7 +281,8 @@ def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_
 def test_ops_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
     """swiglu, hc_post and moe_route given qmatmul's K splits (reduce=False, as ops.split_sums passes them in a
     decode step) give the same bits as on the reduced products: the splits added in qmatmul_reduce's order. gate
-    split in 4, up in 8 (their own counts), y and the router's logits in 4."""
+    split in 4, up in 8 (their own counts), y and the router's logits in 4. hc_post given a token's routed-expert
+    rows and the shared expert's output gives the bits of pair_sum, the addition, then hc_post."""
     _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(n_pairs)
     F, E, n = 64, 96, 4
@@ -303,6 +304,10 @@ def test_ops_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
     comb = to_dev(rng.uniform(0, 1, (n_pairs, n, n)).astype(np.float32))
     np.testing.assert_array_equal(to_host(kernels.hc_post(y_parts, X, post, comb)),
                                   to_host(kernels.hc_post(y, X, post, comb)))
+    rows = to_dev(rng.standard_normal((n_pairs * 6, E)).astype(np.float32))
+    shared = to_dev(rng.standard_normal((n_pairs, E)).astype(np.float32))
+    np.testing.assert_array_equal(to_host(kernels.hc_post(rows, X, post, comb, 6, shared)),
+                                  to_host(kernels.hc_post(kernels.pair_sum(rows, 6) + shared, X, post, comb)))
     w_r = to_dev(random_weight(Q.Q8_0, (64,), 4096, seed=6))
     logit_parts = kernels.qmatmul(x, w_r, Q.Q8_0, 4096, 64, reduce=False)
     assert logit_parts.shape[0] == 4
@@ -859,7 +864,7 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
     K (QMATMUL_MIN_SPLIT 256): its logits after a prefill and 3 decode steps are bit for bit those of the same model
     with every product reduced before it is read (Ops.split_sums giving the product), and each decode step
     launches six qmatmul_reduce a layer fewer (the two HC mixers, the router, the routed gate and up,
-    attn_output_b)."""
+    attn_output_b). No pair_sum runs: hc_post adds a token's routed-expert rows."""
     from ds4lab.config import NANO, replace
     from ds4lab.testing import make_model
 
@@ -875,6 +880,7 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
         launches = recorded_launches(kernels, monkeypatch)
         logits = prefill_then_decode([model])[0]
         counts.append(sum(name == "qmatmul_reduce" for name, _ in launches))
+        assert "pair_sum" not in {name for name, _ in launches}
         if not reduced:
             split = logits
     np.testing.assert_array_equal(split, logits)

@@ -312,14 +312,20 @@ class KernelLaunches:
                                 self._const(eps, norm_eps, w_eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 
-    def hc_post(self, y, X, post, comb):
+    def hc_post(self, y, X, post, comb, pairs: int = 1, extra=None):
         """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``. ``y [T, E]``,
-        or its K splits ``[S, T, E]`` (qmatmul's parts, added here)."""
+        its K splits ``[S, T, E]`` (qmatmul's parts), or with ``pairs`` above 1 each token's ``pairs`` rows ``[T ·
+        pairs, E]``: added here in order, then ``extra [T, E]`` when given."""
         T, n, E = X.shape
         S.check_hc_streams("hc_post", n)
+        if pairs > 1 and y.ndim != 2:
+            raise ValueError(f"hc_post: a token's {pairs} rows come as [T · pairs, E], not {tuple(y.shape)}")
+        # y's rows: R of them summed, row r of token t at r·r_stride + t·t_stride
+        R, r_stride, t_stride = (pairs, E, pairs * E) if pairs > 1 else (_splits(y), T * E, E)
+        y = self._f32(y)
         return self._run(S.HC_POST, (-(-T * E // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [self._f32(y), self._f32(X), self._f32(post), self._f32(comb),
-                          self._const(T, n, E, _splits(y))],
+                         [y, self._f32(X), self._f32(post), self._f32(comb), y if extra is None else self._f32(extra),
+                          self._const(T, n, E, R, r_stride, t_stride, int(extra is not None))],
                          [((T, n, E), "float32")])[0]
 
     def _norm_rows(self, x, weight):

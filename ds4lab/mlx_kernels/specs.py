@@ -328,7 +328,8 @@ HC_PRE = KernelSpec("hc_pre", "hc_pre.body",
                      ("dims", "int32"), ("fparams", "float32")),
                     (("x_in", "float32"), ("post", "float32"), ("comb", "float32")), {"HC_MAX": HC_MAX})
 HC_POST = KernelSpec("hc_post", "hc_post.body",
-                     (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"), ("dims", "int32")),
+                     (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"),
+                      ("extra", "float32"), ("dims", "int32")),
                      (("out", "float32"),), {"HC_MAX": HC_MAX})
 RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body",
                      (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32")),

@@ -61,14 +61,14 @@ def routed_experts(ops, f, selected: np.ndarray, weights, experts, clamp: float)
 
 
 def routed_experts_gathered(ops, f, selected, weights, stacked, clamp: float, quiet: bool = False):
-    """The same sum with every (token, expert) pair in one product per projection.
+    """The same experts' outputs with every (token, expert) pair in one product per projection: each token's k
+    rows ``[T·k, E]``, their sum per token the MoE's output (``ops.pair_sum``, or ``ops.hc_post`` adding them).
 
     ``stacked`` is (gate, up, down), each called as ``proj(x, experts, repeat)`` with row p // repeat of
     ``x`` multiplied by expert ``experts[p]`` (gate and up through ``ops.split_sums``: swiglu adds their K splits);
     pairs are token-major, as ``selected`` is, which may be a host array or a device one. The SwiGLU and the
-    route weights are ``ops.swiglu``, the sum per token ``ops.pair_sum`` of a :class:`ds4lab.ops.Ops` (a kernel
-    each where the backend has them); with ``quiet`` (no observer), ``ops.branch`` may run the up projection
-    beside the gate.
+    route weights are ``ops.swiglu`` of a :class:`ds4lab.ops.Ops` (a kernel where the backend has it); with
+    ``quiet`` (no observer), ``ops.branch`` may run the up projection beside the gate.
     """
     T, k = selected.shape
     experts = selected.reshape(-1)  # host ids, or ids that never left the device (a decode step)
@@ -79,4 +79,4 @@ def routed_experts_gathered(ops, f, selected, weights, stacked, clamp: float, qu
     g = ops.split_sums(gate, f, experts, k)
     up_side.join()
     mid = ops.swiglu(g, u, clamp, weights.reshape(T * k))
-    return ops.pair_sum(down(mid, experts), k)
+    return down(mid, experts)

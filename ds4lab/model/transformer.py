@@ -303,11 +303,13 @@ class Transformer:
                 selected = np.asarray(chosen, dtype=np.int64)
                 weights = route_weights(xp, probs, xp.array(selected.astype(np.int32)), cfg.expert_weight_scale)
             emit("moe.weights", weights)
-        if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection
+        if stacked is not None:  # kernels: every (token, expert) pair in one launch per projection, a token's rows
             moe = routed_experts_gathered(ops, f, selected, weights, stacked, clamp, emit is None)
+            pairs = selected.shape[1]
         else:
-            moe = routed_experts(ops, f, selected, weights, lw.expert, clamp)
+            moe, pairs = routed_experts(ops, f, selected, weights, lw.expert, clamp), 1
         if emit:
+            moe, pairs = (ops.pair_sum(moe, pairs) if pairs > 1 else moe), 1
             emit("moe.out", moe)
         shared_side.join()
-        return ops.hc_post(moe + shared, X, post, comb)
+        return ops.hc_post(moe, X, post, comb, pairs, shared)  # hc_post adds a token's rows, then the shared expert
