@@ -40,6 +40,8 @@ SHAPES = [
     ("routed gate/up", Q.IQ2_XXS, 256, 2048, 4096, 6),
     ("routed down", Q.Q2_K, 256, 4096, 2048, 6),
     ("compressor kv (F16)", Q.F16, 0, 1024, 4096, 0),
+    ("router (F16)", Q.F16, 0, 256, 4096, 0),
+    ("HC mixer (F16)", Q.F16, 0, 24, 16384, 0),
     ("HC mixer (F32)", Q.F32, 0, 24, 16384, 0),
 ]
 
