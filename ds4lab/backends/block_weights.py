@@ -68,15 +68,17 @@ class StackedBlockLinear:
     def __call__(self, x, experts, repeat: int = 1):
         """``experts``: host ids, or a device array of them (the routing of a step of up to DEVICE_ROUTING_ROWS
         tokens, which never leaves the device: qmatmul reads them as they are, a pair each)."""
-        if x.shape[0] * repeat > KERNEL_MAX_ROWS and self.kernels.on_host(experts):
-            return self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
-        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
+        return self._product(x, experts, repeat, reduce=True)
 
     def split_sums(self, x, experts, repeat: int = 1):
         """The same product as its K splits' sums ``[S, P, rows]`` (see :meth:`BlockLinear.split_sums`)."""
+        return self._product(x, experts, repeat, reduce=False)
+
+    def _product(self, x, experts, repeat: int, reduce: bool):
         if x.shape[0] * repeat > KERNEL_MAX_ROWS and self.kernels.on_host(experts):
-            return self(x, experts, repeat)[None]
-        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat, reduce=False)
+            out = self.kernels.qgemm(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat)
+            return out if reduce else out[None]
+        return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, experts, repeat, reduce=reduce)
 
     def grouped(self, x):
         """``x [T, n, ne0]``: row t of group g times matrix g, as ``[T, n · rows]`` in group order (a chunk's
