@@ -30,21 +30,27 @@ from ds4lab.mlx_kernels.specs import OPERANDS
 from ds4lab.testing import model_tensors
 
 
-def kernel_times(run, repeats: int) -> dict:
-    """{kernel name: (launches, µs)} per call of ``run``, from ``repeats`` profiled calls."""
+def cupy_sync() -> None:
+    import cupy as cp
+
+    cp.cuda.get_current_stream().synchronize()
+
+
+def kernel_times(run, repeats: int, sync=cupy_sync) -> dict:
+    """{kernel name: (launches, µs)} per call of ``run``, from ``repeats`` profiled calls; ``sync()`` waits for
+    the GPU (CuPy's stream by default; any library's kernels are seen)."""
     try:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
     except ImportError as e:
         raise SystemExit(f"kernel_profile needs PyTorch's profiler (CUPTI): {e}") from e
-    import cupy as cp
 
     run()
-    cp.cuda.get_current_stream().synchronize()
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             run()
-        cp.cuda.get_current_stream().synchronize()
+        sync()
     per = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -57,15 +63,14 @@ def kernel_times(run, repeats: int) -> dict:
 
 def kernel_sequence(run) -> list:
     """The kernels of one call of ``run`` in order of their start: [name, µs from the first kernel's start, µs]."""
-    import cupy as cp
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     run()
-    cp.cuda.get_current_stream().synchronize()
+    cupy_sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
-        cp.cuda.get_current_stream().synchronize()
+        cupy_sync()
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == DeviceType.CUDA)
     t0 = spans[0][0] if spans else 0

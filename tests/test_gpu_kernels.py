@@ -858,7 +858,8 @@ def prefill_then_decode(models) -> list:
     return logits
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.gpu) for b in ("cupy", "mlx")]
+                         + ["emulated", "mlx-emulated"])
 def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, monkeypatch, backend):
     """A model whose router, routed gate and up (K = n_embd = 512), attn_output_b (K = 2 x 256) and HC mixers split
     K (QMATMUL_MIN_SPLIT 256): its logits after a prefill and 3 decode steps are bit for bit those of the same model
@@ -871,21 +872,32 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
     monkeypatch.setattr(S, "QMATMUL_MIN_SPLIT", 256)
     cfg = replace(NANO, n_layer=2, n_hash_layer=1, n_embd=512, o_lora=256)
     path = make_model(cfg, tmp_path / "wide.gguf", seed=5)
-    model = _gpu_model_or_skip(path, backend, "ds4", True)
-    kernels = model.backend.kernels
-    counts = []
+    ids = np.random.default_rng(9).integers(0, cfg.n_vocab - 7, 75)
+    logits, reduces, launched = [], [], []
     for reduced in (False, True):
         if reduced:
             monkeypatch.setattr(ops.Ops, "split_sums", lambda self, proj, *args: proj(*args))
-        launches = recorded_launches(kernels, monkeypatch)
-        logits = prefill_then_decode([model])[0]
-        counts.append(sum(name == "qmatmul_reduce" for name, _ in launches))
-        assert "pair_sum" not in {name for name, _ in launches}
-        if not reduced:
-            split = logits
-    np.testing.assert_array_equal(split, logits)
-    # the prefill's chunks of 24 take qgemm and the GEMMs (no splits)
-    assert counts[1] - counts[0] == 3 * cfg.n_layer * 6
+        # a model each: its own runtime, so no step replays the CUDA graph the other variant captured
+        model = _gpu_model_or_skip(path, backend, "ds4", True)
+        launches = recorded_launches(model.backend.kernels, monkeypatch)
+        sess = model.session(ctx=256, prefill_chunk=24)
+        sess.prefill(ids[:72]).run(progress=False)  # chunks of 24: qgemm and the GEMMs, no splits
+        steps, n_reduce, n_launched = [sess.logits], 0, 0
+        for end in range(73, 76):
+            launches.clear()
+            sess.sync(ids[:end])
+            steps.append(sess.logits)
+            # a step replaying a CUDA graph (CuPy) or a compiled call (MLX) launches nothing of its own; one run
+            # eagerly, captured or traced does
+            n_reduce += sum(name == "qmatmul_reduce" for name, _ in launches)
+            n_launched += bool(launches)
+            assert "pair_sum" not in {name for name, _ in launches}
+        logits.append(np.stack(steps))
+        reduces.append(n_reduce)
+        launched.append(n_launched)
+    np.testing.assert_array_equal(logits[0], logits[1])
+    assert launched[0] == launched[1] > 0
+    assert reduces[1] - reduces[0] == launched[0] * cfg.n_layer * 6
 
 
 # every tiny configuration on the GPU; the CPU emulator (slow) runs nano
@@ -1571,12 +1583,13 @@ def test_grouped_output_gathered_equals_the_group_by_group_projection():
 
 
 @pytest.mark.parametrize("whole_step", [True, False], ids=["whole step", "per layer"])
-@pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu), "emulated"])
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.gpu) for b in ("cupy", "mlx")] + ["emulated"])
 def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     """Decode steps as compiled backends run them give the eager logits bit for bit. CuPy: one CUDA graph
     for every layer of the step (whole_step), or one per half and layer (as tiers run), each run eagerly on
-    the first decode-sized step, captured on the second, replayed after. The emulator: the same functions
-    with positions and token ids passed as device arrays, as a graph sees them."""
+    the first decode-sized step, captured on the second, replayed after. MLX: the same functions through
+    mx.compile, traced once. The emulator: the same functions with positions and token ids passed as device
+    arrays, as a graph sees them."""
     gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
@@ -1602,10 +1615,11 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     assert np.array_equal(logits[True], logits[False])
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
-    if backend == "cupy":
-        # keys: ("step", rows, real rows, head), or (layer, rows) and ("ffn", layer, rows)
-        decode = [g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-1]) == 1]
+    # keys: ("step", rows, real rows, head), or (layer, rows) and ("ffn", layer, rows)
+    decode = [g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-1]) == 1]
+    if backend != "emulated":
         assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)
+    if backend == "cupy":
         assert all(g.captures == 1 and not g.failures for g in decode), [g.failures for g in decode]
 
 

@@ -291,7 +291,8 @@ def test_geometry_follows_ds4(nano_np, monkeypatch):
 
 
 def test_one_compiled_step_per_layer_and_chunk_size(model_paths):
-    model = ds4lab.load(model_paths["nano"], backend="mlx")
+    # MLX's cpu device: its plain ops compile per layer (on a GPU the kernels' decode step is one whole call)
+    model = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu")
     rt = model.runtime
     rt.compile = True
     s = model.session(ctx=400, prefill_chunk=64)
@@ -302,7 +303,7 @@ def test_one_compiled_step_per_layer_and_chunk_size(model_paths):
     assert rt.trace_count == model.config.n_layer
     list(s.decoder(temperature=0).stream(3))  # decode is its own shape: one more trace per layer
     assert rt.trace_count == 2 * model.config.n_layer
-    eager = ds4lab.load(model_paths["nano"], backend="mlx")
+    eager = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu")
     eager.runtime.compile = False
     e = eager.session(ctx=400, prefill_chunk=64)
     e.prefill(PROMPT).run(progress=False)

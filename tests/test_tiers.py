@@ -169,6 +169,47 @@ def test_mlx_cpu_and_gpu_tiers(model_paths):
     # can flip on it: the H200 showed 4.4e-4 at most on logits of magnitude ~3.
     np.testing.assert_allclose(sess.logits, ref.logits, rtol=0, atol=1e-3 * np.abs(ref.logits).max())
     assert sess.logits.argmax() == ref.logits.argmax()
+    cpu, _, _ = run(m, Placement.single("cpu"))  # one tier, on the device without kernels: decoded op by op
+    np.testing.assert_allclose(cpu.logits, ref.logits, rtol=0, atol=1e-3 * np.abs(ref.logits).max())
+
+
+def test_a_gpu_models_cpu_tier_decides_its_own_steps(monkeypatch, tmp_path):
+    """Whether a decode step is one compiled call is decided on the device of the tier that runs it: an MLX GPU
+    model placed whole on its "cpu" tier has no kernels there, so its steps run op by op (deciding on the GPU
+    sent them to the whole step, whose embedding lookup on the device the cpu tier lacks). Simulated on the CPU:
+    MLX's launches answered by the emulator outside a tier's scope, none inside it."""
+    import contextlib
+
+    from ds4lab import tiers
+    from ds4lab.backends.mlx_backend import MLXBackend
+    from ds4lab.config import NANO
+    from ds4lab.testing import make_model
+    from tests.conftest import emulated_model
+    from tests.test_gpu_kernels import _mlx_emulated_kernels
+
+    found, why = _mlx_emulated_kernels()
+    if found is None:
+        pytest.skip(why)
+    model = emulated_model(make_model(NANO, tmp_path / "nano.gguf", seed=1), mlx_kernels=found[0])
+    in_cpu_tier = []
+
+    @contextlib.contextmanager
+    def scope(self):
+        in_cpu_tier.append(True)
+        try:
+            yield
+        finally:
+            in_cpu_tier.pop()
+
+    monkeypatch.setattr(MLXBackend, "kernels", property(lambda self: None if in_cpu_tier else self._kernels))
+    monkeypatch.setattr(tiers.MLXDeviceTier, "scope", scope)
+    monkeypatch.setattr(model.backend, "compile", lambda fn, carry=None: fn)
+    model.runtime.compile = True
+    assert model.runtime.whole(1)  # on the "GPU"
+    sess = model.session(ctx=128, prefill_chunk=32, placement=Placement.single("cpu"))
+    sess.sync(list(range(40)))
+    sess.sync(list(range(41)))  # a decode step on the cpu tier
+    assert np.isfinite(sess.logits).all() and not any(key[0] == "step" for key in model.runtime.compiled)
 
 
 def test_mlx_kernels_stay_off_a_cpu_tier():

@@ -10,8 +10,8 @@ decides that, from ``kernels``.
     to_numpy(x)                       backend → host
     linear(raw, qtype, ne0)           a callable ``x -> x @ Wᵀ`` over a GGUF weight ``raw [out, row_bytes]``
     stacked_linear(raw, qtype, ne0)   stacked matrices in block form, one launch (None: no kernel for them)
-    embedding(raw, qtype, ne0)        a callable ``tokens -> rows`` of the token embedding (block backends decode
-                                      a chunk's rows on the device)
+    embedding(raw, qtype, ne0)        a callable ``tokens -> rows`` of the token embedding (backends with kernels
+                                      decode a chunk's rows, and a compiled step's, on the device)
     index_add(acc, rows, values)      ``acc[rows] += values`` (rows are distinct host ints)
     eval(*xs)                         force evaluation (a no-op where arrays are eager)
     can_compile, compile(fn, carry)   whether and how a function of arrays is traced once and reused (a slice
@@ -22,6 +22,8 @@ decides that, from ``kernels``.
     asynchronous, fetch(x)            whether launches run beside the host (CuPy); ``fetch(x).result()`` is x on
                                       the host, its copy queued at the call where launches are asynchronous
     compiled_rows, compiles_ffn       (compiling backends) the largest chunk compiled; whether the FFN half is
+                                      compiled too where its experts are routed on the device (a chunk of up
+                                      to the model's DEVICE_ROUTING_ROWS rows: a decode step)
     upload(host_arrays)               host arrays as backend arrays (floats as ``asarray``, integers int32),
                                       in one transfer where the backend can
     device_key()                      which device arrays made now land on (None: one memory), for weight caches

@@ -75,8 +75,12 @@ class Backend:
         return self.xp.asarray(raw)
 
     def embedding(self, raw, qtype, ne0: int):
-        """``tokens -> rows`` of the token embedding ``raw [vocab, row_bytes]``: decoded on the host, uploaded."""
-        return lambda tokens: self.asarray(dequantize(raw[tokens], qtype, ne0))
+        """``tokens -> rows`` of the token embedding ``raw [vocab, row_bytes]``: decoded on the host, uploaded; with
+        kernels a :class:`BlockEmbedding`, which also looks a compiled step's device ids up on the device."""
+        def host(tokens):
+            return self.asarray(dequantize(raw[tokens], qtype, ne0))
+
+        return host if self.kernels is None else BlockEmbedding(self, raw, qtype, ne0, host)
 
     def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
         """Every matrix of ``raw [n, rows, row_bytes]`` (the experts of a routed-expert tensor, the groups of
@@ -111,10 +115,6 @@ class BlockBackend(Backend):
             weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
             return lambda x: x @ weight_t
         return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
-
-    def embedding(self, raw, qtype, ne0: int):
-        host = super().embedding(raw, qtype, ne0)
-        return host if self.kernels is None else BlockEmbedding(self, raw, qtype, ne0, host)
 
     def index_add(self, acc, rows, values):
         acc[self.xp.asarray(rows)] += values  # rows are distinct

@@ -41,7 +41,7 @@ class BlockLinear:
         elif self.qgemm_chunks:
             out = self.kernels.qgemm(x2, self.raw, self.qtype, self.ne0, self.n_rows)
         elif self.qtype == Q.F32:  # already floats: the bytes are the matrix
-            out = self.kernels.dense_product(x2, self.raw.view(np.float32).reshape(self.n_rows, self.ne0))
+            out = self.kernels.dense_product(x2, self.raw.view(self.kernels.xp.float32).reshape(self.n_rows, self.ne0))
         else:
             out = self.kernels.dense_product(x2, self.kernels.chunk_weight(self.raw, self.qtype, self.ne0, self.n_rows))
         return out.reshape(tuple(lead) + (self.n_rows,))
@@ -87,7 +87,7 @@ class StackedBlockLinear:
 
 
 class BlockEmbedding:
-    """``tokens -> rows`` of the token embedding for a block backend: a chunk's rows gathered from the table's
+    """``tokens -> rows`` of the token embedding for a backend with kernels: a chunk's rows gathered from the table's
     GGUF bytes on the device (uploaded on first use) and decoded there: the host's dequantize and upload of a
     chunk's rows left the GPU idle. A few tokens take ``host``, unless their ids are
     on the device already (:meth:`on_device`: a compiled step's). A type with no kernel decoder is decoded
@@ -101,7 +101,7 @@ class BlockEmbedding:
     def __call__(self, tokens):
         if len(tokens) <= EMBED_HOST_ROWS:
             return self.host(tokens)
-        return self.on_device(self.backend.xp.asarray(np.asarray(tokens, dtype=np.int32)))
+        return self.on_device(self.kernels._array(np.asarray(tokens, dtype=np.int32)))
 
     def on_device(self, ids):
         """Rows of device int32 ``ids``."""

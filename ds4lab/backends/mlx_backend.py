@@ -1,12 +1,14 @@
 """The MLX backend (float32): CPU, Metal, or CUDA with mlx[cuda].
 
-Q8_0 weights stay quantized: a Q8_0 block ``x = d·q`` (int8 q) is exactly MLX's 8-bit affine form
-``x = d·(q+128) − 128·d`` with group size 32, so ``mx.quantized_matmul`` runs on the GGUF blocks
-without a float copy of the matrix.
-
 On a GPU (Metal, or CUDA with mlx[cuda]) ds4lab's kernels are on by default (``kernels=False`` turns
-them off): the K and IQ quant types run from their blocks, routed experts stay whole on the device in
-block form, decode-sized attention uses the split-key kernel and a chunk's attention attend_chunk.
+them off): every weight stays on the device in its GGUF block form and runs through the same kernels,
+launch for launch, as on CuPy (:class:`ds4lab.backends.block_weights.BlockLinear`); routed experts stay
+whole on the device, decode-sized attention uses the split-key kernel and a chunk's attention attend_chunk.
+On MLX's CUDA back-end the weights are copied into the GPU's own memory (:func:`ds4lab.mlx_kernels.fast.resident`).
+
+Without kernels (the CPU) Q8_0 weights stay quantized: a Q8_0 block ``x = d·q`` (int8 q) is exactly MLX's
+8-bit affine form ``x = d·(q+128) − 128·d`` with group size 32, so ``mx.quantized_matmul`` runs on the
+GGUF blocks without a float copy of the matrix; the other types are dequantized to float32 (F16 kept as halves).
 
 Making the backend sets ``MLX_ENABLE_TF32``'s default to "0" (:func:`float32_gemms`).
 """
@@ -21,10 +23,9 @@ from gguf import GGMLQuantizationType as Q
 
 from ..quants import dequantize
 from .base import Backend
-from .block_weights import BlockLinear
+from .block_weights import KERNEL_TYPES, BlockLinear
 
 Q8_0_BLOCK_BYTES = 34
-BLOCK_KERNEL_TYPES = frozenset({Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # Q8_0 has quantized_matmul, F16/F32 are floats
 
 
 def _q8_0_affine(raw: np.ndarray, ne0: int):
@@ -61,6 +62,7 @@ class MLXBackend(Backend):
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.device = str(mx.default_device())
         on_gpu = mx.default_device() == mx.gpu
+        self._cuda = on_gpu and not mx.metal.is_available()  # MLX's CUDA back-end
         if kernels and not on_gpu:
             raise ValueError("MLX kernels need the GPU device (device='gpu')")
         if kernels is None:
@@ -90,11 +92,11 @@ class MLXBackend(Backend):
         return np.array(x)
 
     def linear(self, raw, qtype, ne0: int):
+        if self.kernels is not None and qtype in KERNEL_TYPES:  # the CuPy path's linears, launch for launch
+            return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
         if qtype == Q.Q8_0:
             w, scales, biases = _q8_0_affine(raw, ne0)
             return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=8)
-        if self.kernels is not None and qtype in BLOCK_KERNEL_TYPES:
-            return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
         if qtype == Q.F16:
             weight = mx.array(dequantize(raw, qtype, ne0).astype(np.float16))
             return lambda x: x @ weight.astype(mx.float32).T
@@ -102,21 +104,29 @@ class MLXBackend(Backend):
         return lambda x: x @ weight_t
 
     def device_bytes(self, raw):
-        return mx.array(raw)
+        return mx.array(raw) if self.kernels is None else self.kernels._array(raw)  # in the GPU's own memory
 
     def index_add(self, acc, rows, values):
         return acc.at[mx.array(rows)].add(values)
 
     @property
     def can_compile(self) -> bool:
-        # Tracing is slow and the compiled step gains little on the CPU, so only Apple GPUs compile by
-        # default (Runtime(..., compile=True) forces it). On MLX's CUDA back-end tracing put the full-width
-        # Flash slice's first chunk minutes past a 10 s cold-start target, so CUDA runs eagerly (figures:
-        # benchmarks/README.md).
-        return mx.default_device() == mx.gpu and mx.metal.is_available()
+        # Tracing is slow and the compiled step gains little on the CPU, so only GPUs compile by default
+        # (Runtime(..., compile=True) forces it).
+        return mx.default_device() == mx.gpu
 
-    compiled_rows = float("inf")  # every chunk size is compiled (the last chunk padded to the step)
-    compiles_ffn = False  # the FFN half picks its prefill experts on the host
+    @property
+    def compiled_rows(self) -> float:
+        # Every chunk size compiles (the last chunk padded to the step), but on MLX's CUDA back-end only a decode
+        # step of one token, each size being a trace: tracing put the full-width Flash slice's first 2048-token
+        # chunk minutes past a 10 s cold-start target (benchmarks/README.md), while a decode step's Python ran
+        # longer than its kernels.
+        return 1 if self._cuda else float("inf")
+
+    @property
+    def compiles_ffn(self) -> bool:
+        # with the kernels a decode step routes its experts on the device (a chunk picks them on the host)
+        return self.kernels is not None
 
     def compile(self, fn, carry=None):
         return mx.compile(fn)  # MLX's arrays are never written in place: the carried state is new arrays

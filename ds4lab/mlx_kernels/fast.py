@@ -29,6 +29,25 @@ def gpu_dialect() -> str | None:
     return None
 
 
+# MLX's CUDA allocator keeps an array of this many bytes or fewer in a pool of host pages the GPU reads across
+# the bus at every access (a position, a count, a kernel's two dims): such arrays are made longer and sliced.
+CUDA_SCALAR_BYTES = 8
+
+
+def resident(a: np.ndarray):
+    """Host array ``a`` in the GPU's own memory, on MLX's CUDA back-end. MLX keeps an array made from host data
+    in CUDA managed memory (the smallest in host pages, :data:`CUDA_SCALAR_BYTES`), which the GPU's kernels
+    read many times slower than the memory an op on the GPU's stream allocates: the product by one is that op,
+    with the same bits. Evaluated at once, so the managed copy is freed before the next weight is made. (MLX's
+    allocator may still hand the product a cached managed buffer of its size: it reuses buffers by size alone.)
+    Measured in benchmarks/README.md, "mlx_decode_host.py"."""
+    small = a.nbytes <= CUDA_SCALAR_BYTES
+    host = mx.array(np.resize(a, 2 * CUDA_SCALAR_BYTES // a.itemsize + 1) if small else a)
+    out = host * mx.array(1, dtype=host.dtype)
+    mx.eval(out)
+    return out[:a.size].reshape(a.shape) if small else out
+
+
 @lru_cache(maxsize=None)
 def _cuda_cubins(arch: str) -> dict[str, bytes]:
     """Every kernel's cubin for ``arch``, read or compiled once per process."""
@@ -72,7 +91,7 @@ class MLXKernels(KernelLaunches):
             output_dtypes=[getattr(mx, dtype) for _, dtype in outputs])
 
     def _array(self, a):
-        return mx.array(a)
+        return resident(np.asarray(a)) if self.dialect == "cuda" else mx.array(a)
 
     def _f32(self, x):
         return x.astype(mx.float32)  # MLX makes kernel inputs row-contiguous itself
@@ -81,10 +100,10 @@ class MLXKernels(KernelLaunches):
         return x.astype(mx.float16)
 
     def _u8(self, x):
-        return x.astype(mx.uint8)
+        return x.view(mx.uint8) if x.dtype == mx.bool_ else x.astype(mx.uint8)  # a bool is a byte: no copy
 
     def _i32(self, x):
         return mx.array([x], dtype=mx.int32) if isinstance(x, (int, np.integer)) else x.astype(mx.int32).reshape(-1)
 
     def _bool(self, x):
-        return x.astype(mx.bool_)
+        return x.view(mx.bool_)  # the kernels' masks hold 0 or 1

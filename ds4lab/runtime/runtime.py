@@ -8,12 +8,12 @@ tokens and positions, makes the chunk's RoPE tables, pads, switches tiers, and d
 - On MLX a layer's attention half works on fixed shapes — the chunk size and the state's capacities — with
   the chunk's start position and its number of real tokens as array inputs: it is compiled once per layer
   and chunk size and reused for every chunk; a prefill's chunks are padded to the state's step (masked) so
-  that the last, partial one reuses it too. Its FFN half picks its routed experts on the host and runs
-  eagerly.
-- On CuPy a decode-sized step routes its experts on the device, so it runs every layer, both halves, as one
-  CUDA graph (``whole_step``; one graph per half and layer where it is off or the placement has several
-  tiers): replaying it costs the host one launch where launching layer by layer cost more than the GPU's
-  work. ``forward_logits`` puts the head in that graph too.
+  that the last, partial one reuses it too. A chunk's FFN half picks its routed experts on the host and runs
+  eagerly. (MLX's CUDA back-end compiles decode-sized steps only.)
+- A decode-sized step with the kernels (CuPy, MLX on a GPU) routes its experts on the device, so it runs
+  every layer, both halves, as one compiled call: a CUDA graph on CuPy, ``mx.compile`` on MLX (``whole_step``;
+  one per half and layer where it is off or the placement has several tiers). Replaying it costs the host one
+  call where launching layer by layer cost more than the GPU's work. ``forward_logits`` puts the head in it too.
 
 With an ``observer`` (``observer(name, value)`` at the hook points of :mod:`ds4lab.hooks`, ``head.logits``
 included) the chunk runs eagerly and the observer sees every point; it is an argument of the call, so two
@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kv.layout import KVState, PackedLayers
+from ..model.transformer import DEVICE_ROUTING_ROWS
 from ..tiers import NO_TIERS, TierRun
 from .compiled import attention_half, ffn_half, layer_state, layer_states, present, real_rows, whole_step
 from .tables import ChunkTables, chunk_tables, rope_keys
@@ -50,8 +51,14 @@ class Runtime:
         """Whether a chunk of ``rows`` runs its attention half compiled (MLX) or as a CUDA graph (CuPy)."""
         return self.compile and rows <= self.backend.compiled_rows
 
+    def compiles_ffn(self, rows: int) -> bool:
+        """Whether a chunk of ``rows`` also runs its FFN half compiled: where the backend routes its experts on
+        the device, as it does for up to DEVICE_ROUTING_ROWS rows (a chunk's are picked on the host)."""
+        return self.compiles(rows) and self.backend.compiles_ffn and rows <= DEVICE_ROUTING_ROWS
+
     def tables(self, tokens: np.ndarray, pos0: int, chunk: int) -> ChunkTables:
-        return chunk_tables(self.backend, self._keys, tokens, pos0, chunk, self.compiles(chunk))
+        return chunk_tables(self.backend, self._keys, tokens, pos0, chunk, self.compiles(chunk),
+                            self.compiles_ffn(chunk))
 
     # -- a chunk ----------------------------------------------------------------------------------------
     def forward(self, tokens, state: KVState, *, tiers: TierRun | None = None, observer=None,
@@ -82,8 +89,10 @@ class Runtime:
     def whole(self, rows: int, tiers: TierRun | None = None, observer=None) -> bool:
         """Whether a chunk of ``rows`` rows (a decode step: 1) runs as one compiled call, every layer and the head."""
         tiers = NO_TIERS if tiers is None else tiers
-        return (observer is None and tiers.one_tier and self.whole_step and self.compiles(rows)
-                and self.backend.compiles_ffn)
+        if observer is not None or not tiers.one_tier or not self.whole_step:
+            return False
+        with tiers.scope():  # the tier's device decides: an MLX GPU model's cpu tier has no kernels
+            return self.compiles_ffn(rows)
 
     def _checked(self, tokens, state: KVState) -> np.ndarray:
         """``tokens`` as int64 ids, once they are known to fit the vocabulary, the context and one step."""
@@ -191,7 +200,7 @@ class Runtime:
         self.trace_count += 1
 
     def _ffn(self, il: int, X, tokens: np.ndarray, tabs: ChunkTables, observer):
-        """The FFN half; a decode-sized one as a CUDA graph where the backend graphs it (CuPy)."""
+        """The FFN half; a decode-sized one compiled where the backend compiles it (a CUDA graph on CuPy)."""
         if tabs.ids is None or observer is not None:
             return self.model.ffn_block(il, X, tokens, observer)
         return self._compiled(("ffn", il, X.shape[0]), lambda: ffn_half(self.model, il))(X, tabs.ids)[0]

@@ -31,15 +31,15 @@ def rope_keys(model) -> tuple[list, list]:
 
 
 def chunk_tables(backend, keys: tuple[list, list], tokens: np.ndarray, pos0: int, chunk: int,
-                 compiled: bool) -> ChunkTables:
+                 compiled: bool, ffn: bool = False) -> ChunkTables:
     """The tables of ``tokens`` at positions ``pos0 …`` padded to ``chunk`` rows, on the backend's current
-    device; with ``compiled`` also the scalars (and, where the backend compiles the FFN half, the ids) that
-    compiled calls take as device arrays."""
+    device; with ``compiled`` also the scalars (and with ``ffn``, where the FFN half runs compiled too, the ids)
+    that compiled calls take as device arrays."""
     rope_keys, window_keys = keys
     host = []
     if compiled:  # in the order a compiled step takes them, so that its graph copies them in as one span
         host += [np.int32(pos0), np.int32(len(tokens))]
-        if backend.compiles_ffn:
+        if ffn:
             host.append(tokens if len(tokens) == chunk else np.pad(tokens, (0, chunk - len(tokens))))
     n_ints = len(host)
     host += [t for p in rope_keys for t in p.rows(pos0 + np.arange(chunk))]
@@ -52,7 +52,7 @@ def chunk_tables(backend, keys: tuple[list, list], tokens: np.ndarray, pos0: int
     windows = {k: (next(dev), next(dev)) for k in window_keys}
     if not compiled:
         return ChunkTables(rope, windows, (pos0, len(tokens)), None)
-    if not backend.compiles_ffn:
+    if not ffn:
         return ChunkTables(rope, windows, tuple(ints[:2]), None)
     chunk_ids = ints[2]
     return ChunkTables(rope, windows, tuple(ints[:2]), chunk_ids[:len(tokens)] if len(tokens) < chunk else chunk_ids,
