@@ -61,6 +61,8 @@ want decode_cupy decode && step decode_cupy 120 python3 benchmarks/gpu_slice.py 
 want hostprof decode && step hostprof 120 python3 benchmarks/gpu_slice.py --backend cupy --cprofile 50 --decode-ctx 4096
 want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --backend mlx --decode-ctx 4096 --prefill 8192 \
     --json "$OUT/slice_mlx.json"
+want mlx_decode slice && step mlx_decode 200 python3 benchmarks/mlx_decode_host.py --steps 12 --gpu-kernels \
+    --json "$OUT/mlx_decode.json"
 want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
