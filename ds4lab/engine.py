@@ -112,8 +112,8 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
 
     ``backend``: "auto" (default), "mlx" (float32 on CPU, Metal or CUDA), "numpy" (the float64 reference) or
     "cupy" (float32 on NVIDIA GPUs). "auto" picks as ``ds4lab run --backend auto`` does, through the one rule
-    :func:`ds4lab.backends.resolve_backend`: "mlx" when MLX has a GPU (Metal, or CUDA with mlx[cuda]), else
-    "cupy" when CuPy finds a CUDA GPU, else "numpy" (on CPUs MLX's Linux wheel multiplies matrices with a
+    :func:`ds4lab.backends.resolve_backend`: "mlx" on an Apple GPU, else "cupy" when CuPy finds a CUDA GPU,
+    else "mlx" when MLX has one (mlx[cuda]), else "numpy" (on CPUs MLX's Linux wheel multiplies matrices with a
     reference BLAS, slower than NumPy); ``device="cpu"`` makes it "numpy", ``device="gpu"`` "mlx".
     ``model.backend.name`` (and ``repr(model)``) says which one it chose.
     ``device``: for "mlx", "cpu" or "gpu" (default: MLX's default device); for "cupy", "cuda:N" (default 0).

@@ -36,7 +36,7 @@ model
 
 # %% [markdown]
 # `backend="numpy"` is the float64 reference the test suite trusts. The default, `backend="auto"`, picks MLX
-# (float32) on Apple GPUs or NVIDIA GPUs with mlx[cuda], CuPy on other NVIDIA GPUs, and NumPy on CPUs, where
+# (float32) on Apple GPUs, CuPy on NVIDIA GPUs (MLX where only mlx[cuda] is installed), and NumPy on CPUs, where
 # MLX's Linux wheel is slower; these notebooks name NumPy everywhere, so they give the same numbers anywhere.
 #
 # ## The layers

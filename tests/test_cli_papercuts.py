@@ -73,16 +73,19 @@ def test_load_defaults_to_auto_like_the_command_line(model):
     assert ds4lab.load(device="cpu").backend.name == "numpy"  # the CLI's --device cpu rule
 
 
-@pytest.mark.parametrize("mlx_gpu, cupy_gpu, device, want", [
-    (False, False, None, "numpy"),
-    (False, True, None, "cupy"),
-    (True, True, None, "mlx"),
-    (True, False, "cpu", "numpy"),
-    (True, False, "gpu", "mlx"),
-    (False, False, "cuda:1", "cupy"),
+@pytest.mark.parametrize("mlx_gpu, metal, cupy_gpu, device, want", [
+    (False, False, False, None, "numpy"),
+    (False, False, True, None, "cupy"),
+    (True, True, False, None, "mlx"),  # an Apple GPU
+    (True, False, True, None, "cupy"),  # MLX's CUDA build beside CuPy: CuPy's path first
+    (True, False, False, None, "mlx"),  # MLX's CUDA build alone
+    (True, False, True, "gpu", "mlx"),
+    (True, False, False, "cpu", "numpy"),
+    (False, False, False, "cuda:1", "cupy"),
 ])
-def test_auto_resolution(monkeypatch, mlx_gpu, cupy_gpu, device, want):
+def test_auto_resolution(monkeypatch, mlx_gpu, metal, cupy_gpu, device, want):
     monkeypatch.setattr(backends, "mlx_has_gpu", lambda: mlx_gpu)
+    monkeypatch.setattr(backends, "mlx_has_metal", lambda: metal)
     monkeypatch.setattr(backends, "cupy_has_gpu", lambda: cupy_gpu)
     assert resolve_backend("auto", device) == want
     for name in ("numpy", "cupy"):

@@ -45,9 +45,11 @@ DECODE_MATMULS = ("float32", "q8")
 
 def resolve_backend(name: str = "auto", device: str | None = None) -> str:
     """The backend that ``name`` means here: ``"auto"`` (the default of :func:`ds4lab.load` and of the
-    ``--backend`` flag) becomes "mlx" when MLX has a GPU (Metal, or CUDA with mlx[cuda]), else "cupy" when
-    CuPy finds a CUDA GPU, else "numpy": MLX's Linux CPU build multiplies matrices with a reference BLAS,
-    slower than NumPy's, so CPUs get NumPy. ``device`` steers it:
+    ``--backend`` flag) becomes "mlx" on an Apple GPU (Metal), else "cupy" when CuPy finds a CUDA GPU, else "mlx"
+    when MLX has one (its CUDA build), else "numpy". On NVIDIA GPUs CuPy's path comes first: its decode step ran
+    about 2.6x faster than MLX-CUDA's on the same slice, without MLX's first-step trace
+    (benchmarks/README.md, "mlx_decode_host.py"). MLX's Linux CPU build multiplies matrices with a reference
+    BLAS, slower than NumPy's, so CPUs get NumPy. ``device`` steers it:
     "cpu" gives "numpy", "gpu" gives "mlx" (and needs MLX's GPU), "cuda:N" gives "cupy". Other names are
     returned as they are (checked: one of :data:`BACKENDS`), except that "mlx" with ``device="gpu"`` needs
     MLX's GPU."""
@@ -64,11 +66,11 @@ def resolve_backend(name: str = "auto", device: str | None = None) -> str:
     has_gpu = mlx_has_gpu()
     if device == "gpu" and not has_gpu:
         raise RuntimeError("device 'gpu': MLX has no GPU here (it needs Metal, or CUDA with mlx[cuda])")
-    if has_gpu:
+    if device == "gpu" or (has_gpu and mlx_has_metal()):
         return "mlx"
-    if name == "auto" and cupy_has_gpu():
+    if cupy_has_gpu():
         return "cupy"
-    return "numpy"
+    return "mlx" if has_gpu else "numpy"
 
 
 def mlx_has_gpu() -> bool:
@@ -78,6 +80,16 @@ def mlx_has_gpu() -> bool:
 
         return bool(mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
     except Exception:  # no MLX, one without these queries, or a CUDA query that fails: no GPU for auto
+        return False
+
+
+def mlx_has_metal() -> bool:
+    """Whether MLX is installed and has an Apple GPU."""
+    try:
+        import mlx.core as mx
+
+        return bool(mx.metal.is_available())
+    except Exception:  # no MLX, or one without the query
         return False
 
 

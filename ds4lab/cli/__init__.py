@@ -97,8 +97,8 @@ def _path(text: str) -> Path:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=_path, default=None, help="GGUF model file (default: the embedded model)")
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "numpy", "cupy"],
-                   help="auto (default): mlx when MLX has a GPU (Metal or CUDA), else cupy when CuPy finds a CUDA "
-                        "GPU, else numpy (faster than MLX on CPUs)")
+                   help="auto (default): mlx on an Apple GPU, else cupy when CuPy finds a CUDA GPU, else mlx when "
+                        "MLX has one (mlx[cuda]), else numpy (faster than MLX on CPUs)")
     p.add_argument("--no-kernels", action="store_true",
                    help="GPU backends: the plain-ops path instead of ds4lab's custom kernels")
     p.add_argument("--device", default=None, choices=["cpu", "gpu"], help="MLX device (mlx backend only)")
