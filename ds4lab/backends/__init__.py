@@ -9,6 +9,7 @@ decides that, from ``kernels``.
     asarray(np_array)                 host → backend, cast to ``dtype``
     to_numpy(x)                       backend → host
     linear(raw, qtype, ne0)           a callable ``x -> x @ Wᵀ`` over a GGUF weight ``raw [out, row_bytes]``
+    block_linear(raw, qtype, ne0)     the same in block form through the kernels (None: no kernel for it)
     stacked_linear(raw, qtype, ne0)   stacked matrices in block form, one launch (None: no kernel for them)
     embedding(raw, qtype, ne0)        a callable ``tokens -> rows`` of the token embedding (backends with kernels
                                       decode a chunk's rows, and a compiled step's, on the device)

@@ -82,6 +82,13 @@ class Backend:
 
         return host if self.kernels is None else BlockEmbedding(self, raw, qtype, ne0, host)
 
+    def block_linear(self, raw, qtype, ne0: int) -> BlockLinear | None:
+        """``raw [rows, row_bytes]`` in block form on the device, multiplied by ds4lab's kernels (a backend's
+        ``linear`` with kernels); None without a kernel for it."""
+        if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
+            return None
+        return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
+
     def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
         """Every matrix of ``raw [n, rows, row_bytes]`` (the experts of a routed-expert tensor, the groups of
         attn_output_a) in block form on the device, multiplied in one launch; None without a kernel for it."""
@@ -110,11 +117,11 @@ class BlockBackend(Backend):
         return np.asarray(x)
 
     def linear(self, raw, qtype, ne0: int):
-        qtype, xp = Q(qtype), self.xp
-        if self.kernels is None or qtype not in KERNEL_TYPES:
-            weight_t = xp.asarray(dequantize(raw, qtype, ne0)).T
-            return lambda x: x @ weight_t
-        return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
+        blocks = self.block_linear(raw, qtype, ne0)
+        if blocks is not None:
+            return blocks
+        weight_t = self.xp.asarray(dequantize(raw, qtype, ne0)).T
+        return lambda x: x @ weight_t
 
     def index_add(self, acc, rows, values):
         acc[self.xp.asarray(rows)] += values  # rows are distinct

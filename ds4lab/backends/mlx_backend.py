@@ -23,7 +23,6 @@ from gguf import GGMLQuantizationType as Q
 
 from ..quants import dequantize
 from .base import Backend
-from .block_weights import KERNEL_TYPES, BlockLinear
 
 Q8_0_BLOCK_BYTES = 34
 
@@ -92,8 +91,9 @@ class MLXBackend(Backend):
         return np.array(x)
 
     def linear(self, raw, qtype, ne0: int):
-        if self.kernels is not None and qtype in KERNEL_TYPES:  # the CuPy path's linears, launch for launch
-            return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
+        blocks = self.block_linear(raw, qtype, ne0)  # with kernels: the CuPy path's linears, launch for launch
+        if blocks is not None:
+            return blocks
         if qtype == Q.Q8_0:
             w, scales, biases = _q8_0_affine(raw, ne0)
             return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=8)
