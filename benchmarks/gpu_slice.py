@@ -148,9 +148,9 @@ def graph_report(rt: Runtime) -> dict:
 
 
 def last_replay_s(rt: Runtime, key) -> float | None:
-    """GPU seconds of one bare replay of the CUDA graph the compiled step ``key`` captured last (CuPy), or None
-    where the step is not a captured graph."""
-    g = rt.compiled.get(key)
+    """GPU seconds of one bare replay of the CUDA graph the compiled step ``key`` (without its device) captured last
+    on the current device (CuPy), or None where the step is not a captured graph."""
+    g = rt.compiled.get((*key, rt.backend.device_key()))
     return g.replay_seconds()[-1] if getattr(g, "captures", 0) else None
 
 

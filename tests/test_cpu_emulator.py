@@ -222,7 +222,7 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
     (want, want_state), (got, got_state) = states
     assert all(np.array_equal(g, w) for g, w in zip(got, want)) and len(got) == 7
     assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state))
-    step = carried.runtime.compiled[("step", 1, 1, True)]
+    step = carried.runtime.compiled[("step", 1, 1, True, carried.runtime.backend.device_key())]
     cfg = carried.config
     # a layer's ring, its compressed rows (ratio ≠ 0) and its indexer's rows (where it has an indexer)
     per_step = sum(1 + (cfg.ratio(il) != 0) + (cfg.ratio(il) != 0 and cfg.has_indexer(il)) for il in range(cfg.n_layer))

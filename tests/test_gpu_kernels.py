@@ -1615,8 +1615,8 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     assert np.array_equal(logits[True], logits[False])
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
-    # keys: ("step", rows, real rows, head), or (layer, rows) and ("ffn", layer, rows)
-    decode = [g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-1]) == 1]
+    # keys: ("step", rows, real rows, head, device), or (layer, rows, device) and ("ffn", layer, rows, device)
+    decode = [g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-2]) == 1]
     if backend != "emulated":
         assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)
     if backend == "cupy":

@@ -35,8 +35,9 @@ class Runtime:
     """Runs chunks of ``model`` on ``backend``. Knobs: ``compile`` (default: whether the backend compiles by
     default), ``whole_step`` (where the backend compiles both halves: every layer in one compiled call).
     ``compiled`` holds the compiled calls by key — ``(layer, rows)`` for an attention half, ``("ffn", layer,
-    rows)`` for an FFN half, ``("step", rows, real rows, head)`` for a whole step — and ``trace_count`` counts
-    the attention halves' traces (one per layer and chunk size)."""
+    rows)`` for an FFN half, ``("step", rows, real rows, head)`` for a whole step, each ending with the device
+    (``backend.device_key()``) — and ``trace_count`` counts the attention halves' traces (one per layer, chunk
+    size and device)."""
 
     def __init__(self, model, backend, compile: bool | None = None):
         self.model = model
@@ -157,8 +158,11 @@ class Runtime:
 
     # -- compiled calls -------------------------------------------------------------------------------
     def _compiled(self, key: tuple, make, carry: tuple[int, int] | None = None):
-        """The compiled call ``key``, compiling ``make()`` the first time; ``carry=(i, j)``: its outputs from j on are
-        the layers' next state arrays, its inputs from i on the state it was given (see ``Backend.compile``)."""
+        """The compiled call ``key`` on the current device, compiling ``make()`` the first time; ``carry=(i, j)``: its
+        outputs from j on are the layers' next state arrays, its inputs from i on the state it was given (see
+        ``Backend.compile``). The device ends the key: a call traced with one tier's kernels (or captured on one GPU)
+        is not another tier's (an MLX GPU model's cpu tier ran the GPU tier's traces and gave wrong logits)."""
+        key = (*key, self.backend.device_key())
         if key not in self.compiled:
             self.compiled[key] = self.backend.compile(make(), carry)
         return self.compiled[key]
