@@ -3,11 +3,13 @@ dispatch of each primitive and the GPU's work), with the graph's size by primiti
 ``gpu_slice.py``'s full-width Flash slice (or ``--config nano`` to try it on a CPU).
 
     python benchmarks/mlx_decode_host.py [--context 4096] [--steps 8] [--eager] [--cprofile] [--gpu-kernels]
+                                         [--cache-limit BYTES]
 
 A step runs as the backend runs it by default (on a GPU the whole step through ``mx.compile``, traced in the first
 step); ``--eager`` runs it op by op. ``--cprofile`` prints the steady steps' costliest Python
 functions; ``--gpu-kernels`` the GPU's kernels of a step by time, through PyTorch's profiler (CUPTI sees MLX's
-kernels too; ds4lab does not need PyTorch, the lent H200's image has it).
+kernels too; ds4lab does not need PyTorch, the lent H200's image has it). ``--cache-limit`` sets MLX's buffer cache
+limit first (0: every buffer freed when released, none reused).
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def main(argv=None):
     p.add_argument("--eager", action="store_true", help="op by op, nothing compiled")
     p.add_argument("--cprofile", action="store_true", help="the steady steps' 25 costliest Python functions")
     p.add_argument("--gpu-kernels", action="store_true", help="a step's GPU kernels by time (PyTorch's profiler)")
+    p.add_argument("--cache-limit", type=int, help="mx.set_cache_limit(BYTES) before anything runs")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.cache_limit is not None:
+        mx.set_cache_limit(args.cache_limit)
 
     from ds4lab.testing import model_tensors
 

@@ -74,6 +74,11 @@ class Backend:
         """GGUF bytes ``raw`` (uint8, host) as a device array, for the kernels that read weights in block form."""
         return self.xp.asarray(raw)
 
+    def constant(self, a: np.ndarray):
+        """A host array every step reads (a weight vector, a table) as a backend array: floats as :meth:`asarray`
+        makes them, other types as they are."""
+        return self.asarray(a) if a.dtype.kind == "f" else self.xp.asarray(a)
+
     def embedding(self, raw, qtype, ne0: int):
         """``tokens -> rows`` of the token embedding ``raw [vocab, row_bytes]``: decoded on the host, uploaded; with
         kernels a :class:`BlockEmbedding`, which also looks a compiled step's device ids up on the device."""

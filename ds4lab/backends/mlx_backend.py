@@ -103,8 +103,11 @@ class MLXBackend(Backend):
         weight_t = mx.array(dequantize(raw, qtype, ne0)).T
         return lambda x: x @ weight_t
 
-    def device_bytes(self, raw):
-        return mx.array(raw) if self.kernels is None else self.kernels._array(raw)  # in the GPU's own memory
+    def constant(self, a):
+        a = np.asarray(a, dtype=np.float32) if a.dtype.kind == "f" else a
+        return mx.array(a) if self.kernels is None else self.kernels._array(a)  # on CUDA in the GPU's own memory
+
+    device_bytes = constant
 
     def index_add(self, acc, rows, values):
         return acc.at[mx.array(rows)].add(values)

@@ -80,11 +80,11 @@ class Weights:
         return apply
 
     def vector(self, name: str):
-        return self._memo(name, lambda: self.backend.asarray(self._dense(name).reshape(-1)))
+        return self._memo(name, lambda: self.backend.constant(self._dense(name).reshape(-1)))
 
     def table(self, name: str):
         """A small 2-D tensor as a dense ``[ne1, ne0]`` backend array (compressor APE)."""
-        return self._memo(name, lambda: self.backend.asarray(self._dense(name)))
+        return self._memo(name, lambda: self.backend.constant(self._dense(name)))
 
     def out_a_groups(self, il: int):
         """attn_output_a split by output group: group g owns rows g·o_lora … (g+1)·o_lora − 1."""
@@ -137,7 +137,7 @@ class Weights:
     def hash_table_on_device(self, il: int):
         """The hash layer's token → experts table as a device int32 array (routing that stays there)."""
         return self._memo(f"blk.{il}.tid2eid.device",
-                          lambda: self.backend.xp.array(self.hash_table(il).astype(np.int32)))
+                          lambda: self.backend.constant(self.hash_table(il).astype(np.int32)))
 
     def embed(self, tokens: np.ndarray):
         return self._embedding()(tokens)
