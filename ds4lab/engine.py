@@ -116,7 +116,9 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
     else "mlx" when MLX has one (mlx[cuda]), else "numpy" (on CPUs MLX's Linux wheel multiplies matrices with a
     reference BLAS, slower than NumPy); ``device="cpu"`` makes it "numpy", ``device="gpu"`` "mlx".
     ``model.backend.name`` (and ``repr(model)``) says which one it chose.
-    ``device``: for "mlx", "cpu" or "gpu" (default: MLX's default device); for "cupy", "cuda:N" (default 0).
+    ``device``: for "mlx", "cpu" or "gpu" (default: MLX's default device, which a given device also becomes for the
+    process; the model's own work keeps its device when a later load moves that default); for "cupy", "cuda:N"
+    (default 0).
     ``kernels``: on GPU backends, ds4lab's custom kernels (default on); False gives the plain-ops path.
     ``prefill_matmul``: "auto" (default: "f16" on cupy with its kernels, else "float32"), "float32", "tf32" or
     "f16" (cupy with kernels): with "tf32", weight products over more than 16 rows (a prefill chunk's linears,

@@ -259,3 +259,45 @@ def test_mlx_kernels_stay_off_a_cpu_tier():
     if mx.is_available(mx.gpu):
         with mx.stream(mx.gpu):
             assert b.kernels is b._kernels and b.device_key() == str(mx.Device(mx.gpu))
+
+
+def test_a_model_keeps_its_device_when_the_default_moves(monkeypatch, tmp_path):
+    """An MLX model runs its steps on the device it was loaded for after another model, loaded since for another
+    device, moved MLX's default device (``ds4lab.load(..., device="cpu")`` sets it for the process; the H200 ran a
+    GPU model's steps on the CPU then): its work runs in its backend's scope. Simulated on the CPU: the model's
+    kernels (answered by the emulator) exist only inside its scope, as a GPU model's exist only on the GPU."""
+    import contextlib
+
+    from ds4lab.backends.mlx_backend import MLXBackend
+    from ds4lab.config import NANO
+    from ds4lab.testing import make_model
+    from tests.conftest import emulated_model
+    from tests.test_gpu_kernels import _mlx_emulated_kernels
+
+    found, why = _mlx_emulated_kernels()
+    if found is None:
+        pytest.skip(why)
+    model = emulated_model(make_model(NANO, tmp_path / "nano.gguf", seed=1), mlx_kernels=found[0])
+    ids = list(range(41))
+
+    def logits():
+        sess = model.session(ctx=128, prefill_chunk=32)
+        sess.sync(ids[:40])
+        sess.sync(ids)  # a decode step
+        return sess.logits
+
+    want = logits()  # the kernels wherever the model asks for them
+    inside, model_scope = [], MLXBackend.scope
+
+    @contextlib.contextmanager
+    def scope(self):
+        inside.append(self)
+        try:
+            with model_scope(self):
+                yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(MLXBackend, "scope", scope)
+    monkeypatch.setattr(MLXBackend, "kernels", property(lambda self: self._kernels if self in inside else None))
+    np.testing.assert_array_equal(logits(), want)

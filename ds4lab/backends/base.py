@@ -5,6 +5,8 @@ runs a kernel is :mod:`ds4lab.ops`'s choice, not the backend's."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
@@ -64,6 +66,11 @@ class Backend:
     def device_key(self):
         """Which device arrays made now land on (None: the backend has one memory)."""
         return None
+
+    def scope(self):
+        """The context the model's work runs in, so that a model keeps the device it was loaded for whatever the
+        process's default becomes (MLX: the stream of its device). Nothing here."""
+        return nullcontext()
 
     def donated(self, x) -> bool:
         """Whether ``x`` is a state array only the step being traced holds (a CUDA graph's own copy, see

@@ -59,8 +59,9 @@ class MLXBackend(Backend):
             if device not in ("cpu", "gpu"):
                 raise ValueError(f"unknown MLX device {device!r}; use 'cpu' or 'gpu'")
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
-        self.device = str(mx.default_device())
-        on_gpu = mx.default_device() == mx.gpu
+        self._device = mx.default_device()  # kept: a later load for another device sets the process's default
+        self.device = str(self._device)
+        on_gpu = self._device == mx.gpu
         self._cuda = on_gpu and not mx.metal.is_available()  # MLX's CUDA back-end
         if kernels and not on_gpu:
             raise ValueError("MLX kernels need the GPU device (device='gpu')")
@@ -79,6 +80,9 @@ class MLXBackend(Backend):
         whose layers run the plain ops (MLX's custom kernels exist only on GPUs)."""
         k = self._kernels
         return k if k is not None and mx.default_device() == k.device else None
+
+    def scope(self):
+        return mx.stream(self._device)
 
     def device_key(self):
         # With kernels, a GPU tier keeps block-form linears and a cpu tier float ones: one copy each.

@@ -221,6 +221,11 @@ class KVState:
 
 
 def new_state(cfg: ModelConfig, backend, geometry: Geometry) -> KVState:
+    with backend.scope():  # zeros made on the model's device
+        return _new_state(cfg, backend, geometry)
+
+
+def _new_state(cfg: ModelConfig, backend, geometry: Geometry) -> KVState:
     xp, dt = backend.xp, backend.dtype
     layers = []
     for il in range(cfg.n_layer):

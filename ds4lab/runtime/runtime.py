@@ -74,7 +74,8 @@ class Runtime:
         (:mod:`ds4lab.distributed`) a process runs only its ranks' units and keeps only their layers' state (the
         others' states pass through as given); X is None in the processes that do not run the head.
         """
-        X, state, _ = self._run(tokens, state, tiers, observer, prefill, pad_to, head=False)
+        with self.backend.scope():  # the model's device, whatever the process's default is now
+            X, state, _ = self._run(tokens, state, tiers, observer, prefill, pad_to, head=False)
         return X, state
 
     def forward_logits(self, tokens, state: KVState, *, tiers: TierRun | None = None, observer=None,
@@ -84,7 +85,9 @@ class Runtime:
         every process gets the logits. ``device_ids``: the tokens' ids as an int32 device array (a token chosen on
         the device, in the vocabulary by construction), used in place of ``tokens``' values, which then only give
         their count; only where the step is one compiled call (:meth:`whole`)."""
-        _, state, logits = self._run(tokens, state, tiers, observer, prefill, pad_to, head=True, device_ids=device_ids)
+        with self.backend.scope():
+            _, state, logits = self._run(tokens, state, tiers, observer, prefill, pad_to, head=True,
+                                         device_ids=device_ids)
         return logits, state
 
     def whole(self, rows: int, tiers: TierRun | None = None, observer=None) -> bool:
