@@ -405,3 +405,38 @@ def test_ids_on_the_device_need_a_compiled_step(nano_np):
     with pytest.raises(ValueError, match="ids on the device need a chunk that runs as one compiled call"):
         nano_np.runtime.forward_logits(np.array([5]), state, device_ids=np.array([5], np.int32))
     assert state.n_past == 0 and not nano_np.runtime.whole(1)
+
+
+def test_rope_rows_gathered_on_the_device_are_the_uploaded_ones(model_paths, monkeypatch):
+    """MLX's CUDA back-end gathers a chunk's RoPE rows on the device from tables it keeps there
+    (``MLXBackend.gathers_rope_rows``): the logits of a chunked prefill and of decode steps are those of the rows
+    uploaded from the host, bit for bit. Forced here on MLX's CPU, with tables of 64 positions at first, so that
+    the kept tables double (and their device copies are made again) past position 63."""
+    pytest.importorskip("mlx.core")
+    from ds4lab.backends.mlx_backend import MLXBackend
+    from ds4lab.model import rope
+
+    monkeypatch.setattr(rope, "ROWS_MIN", 64)
+    ids = np.random.default_rng(4).integers(0, 1000, 70).tolist()
+
+    def logits():
+        monkeypatch.setattr(rope, "_ROWS", {})
+        sess = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu").session(ctx=128, prefill_chunk=32)
+        sess.sync(ids[:66])  # three chunks, the last past position 63
+        out = [sess.logits]
+        for end in range(67, len(ids) + 1):  # decode steps
+            sess.sync(ids[:end])
+            out.append(sess.logits)
+        return np.stack(out)
+
+    want = logits()
+    gathered, rope_rows = [], MLXBackend.rope_rows
+
+    def counted(self, params, positions, on_device):
+        gathered.append(len(positions))
+        return rope_rows(self, params, positions, on_device)
+
+    monkeypatch.setattr(MLXBackend, "gathers_rope_rows", True)
+    monkeypatch.setattr(MLXBackend, "rope_rows", counted)
+    np.testing.assert_array_equal(logits(), want)
+    assert 32 in gathered and 1 in gathered  # the chunks' rows and the decode steps'

@@ -108,6 +108,14 @@ class Backend:
             return None
         return StackedBlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[1])
 
+    # Whether a chunk's RoPE rows are gathered on the device (:meth:`rope_rows`) instead of uploaded from the host.
+    gathers_rope_rows = False
+
+    def rope_rows(self, params, positions: np.ndarray, on_device):
+        """``(cos, sin)`` rows of ``params``'s RoPE tables at ``positions`` (host int array; ``on_device`` the same
+        uploaded), gathered on the device from a copy of the tables kept there (where :attr:`gathers_rope_rows`)."""
+        raise NotImplementedError(f"the {self.name} backend uploads RoPE rows from the host")
+
     def upload(self, arrays: list[np.ndarray]) -> list:
         """Host arrays as backend arrays: floats as :meth:`asarray` makes them, integers as int32."""
         return [self.asarray(a) if a.dtype.kind == "f" else self.xp.array(np.asarray(a, dtype=np.int32))

@@ -67,6 +67,7 @@ class MLXBackend(Backend):
             raise ValueError("MLX kernels need the GPU device (device='gpu')")
         if kernels is None:
             kernels = on_gpu
+        self._rope_tables: dict = {}  # (RopeParams, device) -> the tables on the device (rope_rows)
         if kernels:
             from ..mlx_kernels.fast import MLXKernels
 
@@ -83,6 +84,20 @@ class MLXBackend(Backend):
 
     def scope(self):
         return mx.stream(self._device)
+
+    @property
+    def gathers_rope_rows(self) -> bool:
+        # On MLX's CUDA back-end a host array is a managed buffer that returns to MLX's cache when freed, where a
+        # later op's output of its size may land and fault (docs/GPU.md): a step uploads only its positions.
+        return self._cuda and self.kernels is not None
+
+    def rope_rows(self, params, positions, on_device):
+        cos, sin = params.kept(int(np.max(positions)) + 1)
+        key = (params, self.device_key())
+        if len(self._rope_tables.get(key, ((),))[0]) != len(cos):  # new, or the host's tables doubled
+            self._rope_tables[key] = (self.constant(cos), self.constant(sin))
+        cos_d, sin_d = self._rope_tables[key]
+        return mx.take(cos_d, on_device, axis=0), mx.take(sin_d, on_device, axis=0)
 
     def device_key(self):
         # With kernels, a GPU tier keeps block-form linears and a cpu tier float ones: one copy each.

@@ -58,11 +58,15 @@ class RopeParams:
         """The rows of :meth:`tables` for ``positions``, gathered from a table kept per parameters (each
         row depends on its position only, so the values are the same; a step makes no angles)."""
         positions = np.asarray(positions)
-        need = int(positions.max()) + 1
+        cos, sin = self.kept(int(positions.max()) + 1)
+        return cos.take(positions, axis=0), sin.take(positions, axis=0)  # take: a decode step's host time
+
+    def kept(self, need: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kept tables of positions 0 … at least ``need`` − 1 (made, or doubled, where they are shorter)."""
         cos, sin = _ROWS.get(self, ((), ()))
         if len(cos) < need:
             cos, sin = _ROWS[self] = self.tables(np.arange(max(ROWS_MIN, 1 << (need - 1).bit_length())))
-        return cos.take(positions, axis=0), sin.take(positions, axis=0)  # take: a decode step's host time
+        return cos, sin
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables ``[len(positions), n_rot/2]`` (float32), magnitude included."""

@@ -42,14 +42,16 @@ def chunk_tables(backend, keys: tuple[list, list], tokens: np.ndarray, pos0: int
         if ffn:
             host.append(tokens if len(tokens) == chunk else np.pad(tokens, (0, chunk - len(tokens))))
     n_ints = len(host)
-    host += [t for p in rope_keys for t in p.rows(pos0 + np.arange(chunk))]
-    for p, R in window_keys:
-        n = n_blocks(R, chunk) - (coff(R) - 1)
-        host += p.rows((pos0 // R + np.arange(n)) * R)
+    positions = [pos0 + np.arange(chunk) for _ in rope_keys]
+    positions += [(pos0 // R + np.arange(n_blocks(R, chunk) - (coff(R) - 1))) * R for _, R in window_keys]
+    params = [*rope_keys, *(p for p, _ in window_keys)]
+    gather = backend.gathers_rope_rows
+    host += positions if gather else [t for p, pos in zip(params, positions) for t in p.rows(pos)]
     dev = backend.upload(host)  # one transfer where the backend packs them (CuPy)
     ints, dev = dev[:n_ints], iter(dev[n_ints:])
-    rope = {p: (next(dev), next(dev)) for p in rope_keys}
-    windows = {k: (next(dev), next(dev)) for k in window_keys}
+    rows = [backend.rope_rows(p, pos, next(dev)) if gather else (next(dev), next(dev))
+            for p, pos in zip(params, positions)]
+    rope, windows = dict(zip(rope_keys, rows)), dict(zip(window_keys, rows[len(rope_keys):]))
     if not compiled:
         return ChunkTables(rope, windows, (pos0, len(tokens)), None)
     if not ffn:
