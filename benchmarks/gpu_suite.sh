@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything ds4lab measures on an NVIDIA GPU machine, in one command (docs/GPU.md says what each step needs).
-# On a machine without a package index, stage the wheels first (docs/GPU.md): the MLX wheel and the first two
-# parts of the MLX CUDA wheel in /tmp/w, its third part and the py3.12 wheels of gguf, tokenizers, tqdm, pyyaml
-# and pytest in .whlC. Then:
+# On a machine without a package index, stage the wheels first (docs/GPU.md): benchmarks/stage_mlx_cuda.sh's
+# .mlxA copied to /tmp/w by a first call and .mlxB carried by this one; or the MLX wheel and the first two parts
+# of the MLX CUDA wheel in /tmp/w, its third part and the py3.12 wheels of gguf, tokenizers, tqdm, pyyaml and
+# pytest in .whlC. Then:
 #     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests graph slice decode profile flash tiers ncu all;
 #                                                      steps: tests_cupy ... compare)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
@@ -18,7 +19,11 @@ if [ -f /tmp/w/part_aa ] && [ -f /tmp/w/part_ab ] && [ -f .whlC/part_ac ]; then
 fi
 # Without the two staging calls (a CuPy-only run) there is no MLX wheel: the rest installs all the same.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    $(ls /tmp/w/*.whl 2>/dev/null) .whlC/*.whl > "$OUT/install.log" 2>&1 || echo "install: see install.log"
+    $(ls /tmp/w/*.whl .whlC/*.whl .mlxB/*.whl 2>/dev/null) > "$OUT/install.log" 2>&1 || echo "install: see install.log"
+# stage_mlx_cuda.sh's halves of the unpacked CUDA wheel: the first in /tmp/w (call 1), the second carried now
+if [ -f /tmp/w/mlx_cuda.txz.0 ] && [ -f .mlxB/mlx_cuda.txz.1 ]; then
+    cat /tmp/w/mlx_cuda.txz.0 .mlxB/mlx_cuda.txz.1 | xz -d | tar -C /tmp/site -xf - && rm -f /tmp/w/mlx_cuda.txz.0
+fi
 export PYTHONPATH=/tmp/site:$PWD
 n_gpu=$(nvidia-smi -L | wc -l)
 step() {  # step NAME SECONDS COMMAND...
