@@ -191,8 +191,8 @@ def test_a_gpu_models_cpu_tier_decides_its_own_steps(monkeypatch, tmp_path):
     """Whether a decode step is one compiled call is decided on the device of the tier that runs it: an MLX GPU
     model placed whole on its "cpu" tier has no kernels there, so its steps run op by op (deciding on the GPU
     sent them to the whole step, whose embedding lookup on the device the cpu tier lacks), and it never runs a
-    call traced on the GPU (the H200 gave wrong logits when it did). Simulated on the CPU: MLX's launches answered
-    by the emulator outside a tier's scope, none inside it."""
+    call traced on the GPU (compiled calls are kept per device). Simulated on the CPU: MLX's launches answered by
+    the emulator outside a tier's scope, none inside it."""
     import contextlib
 
     from ds4lab import tiers

@@ -94,9 +94,10 @@ class MLXBackend(Backend):
     def rope_rows(self, params, positions, on_device):
         cos, sin = params.kept(int(np.max(positions)) + 1)
         key = (params, self.device_key())
-        if len(self._rope_tables.get(key, ((),))[0]) != len(cos):  # new, or the host's tables doubled
-            self._rope_tables[key] = (self.constant(cos), self.constant(sin))
-        cos_d, sin_d = self._rope_tables[key]
+        kept = self._rope_tables.get(key)
+        if kept is None or len(kept[0]) != len(cos):  # new, or the host's tables doubled
+            kept = self._rope_tables[key] = (self.constant(cos), self.constant(sin))
+        cos_d, sin_d = kept
         return mx.take(cos_d, on_device, axis=0), mx.take(sin_d, on_device, axis=0)
 
     def device_key(self):

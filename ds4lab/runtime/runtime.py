@@ -164,7 +164,7 @@ class Runtime:
         """The compiled call ``key`` on the current device, compiling ``make()`` the first time; ``carry=(i, j)``: its
         outputs from j on are the layers' next state arrays, its inputs from i on the state it was given (see
         ``Backend.compile``). The device ends the key: a call traced with one tier's kernels (or captured on one GPU)
-        is not another tier's (an MLX GPU model's cpu tier ran the GPU tier's traces and gave wrong logits)."""
+        is not another device's tier's to run."""
         key = (*key, self.backend.device_key())
         if key not in self.compiled:
             self.compiled[key] = self.backend.compile(make(), carry)
