@@ -32,6 +32,7 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ds4lab.mlx_kernels import layout
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.quants import random_blocks
 
@@ -126,7 +127,7 @@ def main(argv=None):
         return r
 
     for name, qtype, ne0, n_rows in projections:
-        raw = to_dev(weights(qtype, n_expert, n_rows, ne0, distinct, rng))
+        raw = to_dev(layout.blocks(weights(qtype, n_expert, n_rows, ne0, distinct, rng), qtype))
         x = to_dev(rng.standard_normal((P, ne0), dtype=np.float32))
         new = timed(lambda: kernels.qgemm(x, raw, qtype, ne0, n_rows, experts), sync, args.repeats)
         old = timed(lambda: per_expert(kernels, xp, x, raw, qtype, ne0, n_rows, experts, to_dev), sync,
@@ -138,7 +139,7 @@ def main(argv=None):
     print(f"MoE layer ({P} pairs): qgemm {total_new:.3f} ms, per-expert {total_old:.3f} ms: "
           f"{total_old / total_new:.2f}x", flush=True)
 
-    raw = to_dev(random_blocks(Q.Q8_0, (E,), E, rng, 0.02))
+    raw = to_dev(layout.blocks(random_blocks(Q.Q8_0, (E,), E, rng, 0.02), Q.Q8_0))
     x = to_dev(rng.standard_normal((dense_rows, E), dtype=np.float32))
     new = timed(lambda: kernels.qgemm(x, raw, Q.Q8_0, E, E), sync, args.repeats)
     old = timed(lambda: kernels.dense_product(x, kernels.dequant(raw, Q.Q8_0, E, E)), sync, args.repeats)
@@ -177,7 +178,8 @@ def tile_shapes(args, projections, experts, sizes, rng):
         kernels, _, to_dev, sync = launcher(args.backend)
         kernels.chunk_operands = "tf32" if args.tf32 else args.operands
         for label, q, ne0, n_rows, raw, rows, ids in cases:
-            raw_d, x = to_dev(raw), to_dev(np.random.default_rng(rows).standard_normal((rows, ne0), dtype=np.float32))
+            raw_d = to_dev(layout.blocks(raw, q))
+            x = to_dev(np.random.default_rng(rows).standard_normal((rows, ne0), dtype=np.float32))
             s = timed(lambda: kernels.qgemm(x, raw_d, q, ne0, n_rows, ids), sync, args.repeats)
             got = np.asarray(kernels.qgemm(x, raw_d, q, ne0, n_rows, ids).get() if args.backend == "cupy" else
                              kernels.qgemm(x, raw_d, q, ne0, n_rows, ids))

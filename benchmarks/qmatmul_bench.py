@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu_slice import copy_bandwidth
 
 from ds4lab.backends import get_backend
+from ds4lab.mlx_kernels import layout
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.quants import quantize, random_blocks, row_bytes
 
@@ -89,12 +90,12 @@ def main(argv=None):
         copies = -(-READ_BYTES // per_call)
         if used:  # one tensor of n_expert experts (8 distinct, repeated), other experts each call
             distinct = random_blocks(qtype, (8, rows), K, rng, 0.02)
-            raws = [cp.asarray(np.tile(distinct, (n_expert // 8, 1, 1)))] * copies
+            raws = [cp.asarray(layout.blocks(np.tile(distinct, (n_expert // 8, 1, 1)), qtype))] * copies
             ids = [cp.asarray(rng.choice(n_expert, used, replace=False).astype(np.int32)) for _ in range(copies)]
         else:  # copies of one matrix
             one = (random_blocks(qtype, (rows,), K, rng, 0.02) if qtype not in (Q.F16, Q.F32) else
                    quantize(rng.standard_normal((rows, K), dtype=np.float32) * 0.02, qtype))
-            raws, ids = [cp.asarray(one) for _ in range(copies)], [None] * copies
+            raws, ids = [cp.asarray(layout.blocks(one, qtype)) for _ in range(copies)], [None] * copies
         x = cp.asarray(rng.standard_normal((max(used, 1), K), dtype=np.float32))
         tensors.append((label, qtype, rows, K, raws, ids, x, per_call))
     defaults = (S.QMATMUL_SIMD_ROWS, S.QMATMUL_XQ8_SIMD_ROWS, S.QMATMUL_UNROLL, S.QMATMUL_SINGLE_PAIR,

@@ -18,6 +18,7 @@ import ds4lab
 from ds4lab import ops
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.mlx_kernels.launches import operand_round, tf32_round
+from ds4lab.mlx_kernels.layout import blocks
 from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, quantized_activations, random_blocks
 from tests.conftest import CONFIGS, emulated_model
@@ -130,12 +131,12 @@ def test_dequant_kernel_matches_the_reference_decoder(gpu, qtype, rows, ne0):
     name, kernels, to_dev, to_host = gpu
     small_on_the_emulator(name, rows * ne0)
     raw = random_weight(qtype, (rows,), ne0, seed=rows)
-    got = to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows))
+    got = to_host(kernels.dequant(to_dev(blocks(raw, qtype)), qtype, ne0, rows))
     want = dequantize(raw, qtype, ne0)
     # Same operations in the same order; only a fused multiply-add may round differently (≤ 1 ulp).
     np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-9)
     # dequant_<type>_f16 (a half-operand chunk's weights): the same values rounded to half, to nearest even
-    halves = to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows, half=True))
+    halves = to_host(kernels.dequant(to_dev(blocks(raw, qtype)), qtype, ne0, rows, half=True))
     assert halves.dtype == np.float16
     np.testing.assert_array_equal(halves, got.astype(np.float16))
 
@@ -149,8 +150,8 @@ def test_dequant_kernel_takes_rows_of_any_length(gpu, qtype, rows, ne0):
     _, kernels, to_dev, to_host = gpu
     raw = random_weight(qtype, (rows,), ne0, seed=ne0)
     want = dequantize(raw, qtype, ne0)
-    np.testing.assert_array_equal(to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows)), want)
-    np.testing.assert_array_equal(to_host(kernels.dequant(to_dev(raw), qtype, ne0, rows, half=True)),
+    np.testing.assert_array_equal(to_host(kernels.dequant(to_dev(blocks(raw, qtype)), qtype, ne0, rows)), want)
+    np.testing.assert_array_equal(to_host(kernels.dequant(to_dev(blocks(raw, qtype)), qtype, ne0, rows, half=True)),
                                   want.astype(np.float16))
 
 
@@ -162,7 +163,7 @@ def test_qmatmul_from_blocks_matches_float64(gpu, qtype, n_pairs):
     raw = random_weight(qtype, (rows,), ne0, seed=n_pairs)
     x = np.random.default_rng(1).standard_normal((n_pairs, ne0)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
@@ -178,23 +179,25 @@ def test_qmatmul_rows_not_a_multiple_of_8(gpu, qtype, ne0, n_pairs):
     raw = random_weight(qtype, (rows,), ne0, seed=ne0)
     x = np.random.default_rng(2).standard_normal((n_pairs, ne0)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("qtype", sorted(S.GROUP32_X_LOADERS, key=lambda q: q.name), ids=lambda q: q.name)
-@pytest.mark.parametrize("blocks", [2, 3])
-def test_decode_groups_of_32_give_the_decoders_values(gpu, qtype, blocks):
+@pytest.mark.parametrize("n_blocks", [2, 3])
+def test_decode_groups_of_32_give_the_decoders_values(gpu, qtype, n_blocks):
     """The decode loop's groups of 32 (group32_<type>, dot32) element by element: pair p's x is the one-hot row
     e_p and each pair is a batch of its own (ids on the device), so out[p, r] is element p of row r, every other
     product an exact 0. The same values as the reference decoder (only a fused multiply-add may round
     differently, ≤ 1 ulp), in both halves of every Q2_K group (its x in two runs of 16). Three blocks of 256
-    (Q8_0: of 32) make rows 2 bytes past a word every other row: groups at every alignment the loads meet."""
+    make rows 2 bytes past a word every other row: groups at every alignment the loads meet; Q8_0's 2 and 3
+    blocks of 32 are part of one tile."""
     _, kernels, to_dev, to_host = gpu
-    rows, ne0 = 40, blocks * (32 if qtype == Q.Q8_0 else 256)
+    rows, ne0 = 40, n_blocks * (32 if qtype == Q.Q8_0 else 256)
     raw = random_weight(qtype, (1, rows), ne0, seed=41)
     x = np.eye(ne0, dtype=np.float32)
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, to_dev(np.zeros(ne0, np.int32))))
+    w = to_dev(blocks(raw, qtype))
+    got = to_host(kernels.qmatmul(to_dev(x), w, qtype, ne0, rows, to_dev(np.zeros(ne0, np.int32))))
     np.testing.assert_allclose(got.T, dequantize(raw[0], qtype, ne0), rtol=2e-7, atol=1e-9)
 
 
@@ -209,7 +212,7 @@ def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
     W = dequantize(raw, qtype, ne0).astype(np.float64)
     want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows, experts))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
@@ -224,8 +227,9 @@ def test_qmatmul_pairs_share_their_tokens_row(gpu, qtype):
     x = rng.standard_normal((2, ne0)).astype(np.float32)
     experts = np.array([4, 0, 6, 6, 2, 4])  # two tokens' three experts, one shared
     for ids in (experts, device_ids(name, to_dev, experts.astype(np.int32))):
-        want = to_host(kernels.qmatmul(to_dev(np.repeat(x, k, axis=0)), to_dev(raw), qtype, ne0, rows, ids))
-        got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids, repeat=k))
+        w = to_dev(blocks(raw, qtype))
+        want = to_host(kernels.qmatmul(to_dev(np.repeat(x, k, axis=0)), w, qtype, ne0, rows, ids))
+        got = to_host(kernels.qmatmul(to_dev(x), w, qtype, ne0, rows, ids, repeat=k))
         np.testing.assert_array_equal(got, want)
 
 
@@ -268,7 +272,7 @@ def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_
     x = np.random.default_rng(n_pairs).standard_normal((n_pairs, ne0)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
     launches = recorded_launches(kernels, monkeypatch)
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows))
     batches = -(-n_pairs // S.MAX_PAIRS)
     assert launches == [(f"qmatmul_{qtype.name.lower()}", (-(-rows // GROUP_ROWS), batches * splits)),
                         ("qmatmul_reduce", (-(-n_pairs * rows // 256), 1))]
@@ -288,8 +292,8 @@ def test_ops_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
     F, E, n = 64, 96, 4
     x = to_dev(rng.standard_normal((n_pairs, 4096)).astype(np.float32))
     x8 = to_dev(rng.standard_normal((n_pairs, 8192)).astype(np.float32))
-    w_gate, w_up = (to_dev(random_weight(Q.Q8_0, (F,), K, seed=K)) for K in (4096, 8192))
-    w_y = to_dev(random_weight(Q.Q8_0, (E,), 4096, seed=5))
+    w_gate, w_up = (to_dev(blocks(random_weight(Q.Q8_0, (F,), K, seed=K), Q.Q8_0)) for K in (4096, 8192))
+    w_y = to_dev(blocks(random_weight(Q.Q8_0, (E,), 4096, seed=5), Q.Q8_0))
     gate_parts = kernels.qmatmul(x, w_gate, Q.Q8_0, 4096, F, reduce=False)
     up_parts = kernels.qmatmul(x8, w_up, Q.Q8_0, 8192, F, reduce=False)
     y_parts = kernels.qmatmul(x, w_y, Q.Q8_0, 4096, E, reduce=False)
@@ -308,7 +312,7 @@ def test_ops_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
     shared = to_dev(rng.standard_normal((n_pairs, E)).astype(np.float32))
     np.testing.assert_array_equal(to_host(kernels.hc_post(rows, X, post, comb, 6, shared)),
                                   to_host(kernels.hc_post(kernels.pair_sum(rows, 6) + shared, X, post, comb)))
-    w_r = to_dev(random_weight(Q.Q8_0, (64,), 4096, seed=6))
+    w_r = to_dev(blocks(random_weight(Q.Q8_0, (64,), 4096, seed=6), Q.Q8_0))
     logit_parts = kernels.qmatmul(x, w_r, Q.Q8_0, 4096, 64, reduce=False)
     assert logit_parts.shape[0] == 4
     bias = to_dev(rng.uniform(0, 0.5, 64).astype(np.float32))
@@ -330,7 +334,7 @@ def test_qmatmul_splits_gathered_pairs(gpu, monkeypatch):
     want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
     launches = recorded_launches(kernels, monkeypatch)
     for ids in (experts, to_dev(experts)):
-        got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids))
+        got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows, ids))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     device_batches = 4 if isinstance(to_dev(experts), np.ndarray) else 6
     assert launches == [("qmatmul_q8_0", (32 // GROUP_ROWS, 4 * 4)), ("qmatmul_reduce", (1, 1)),
@@ -348,7 +352,8 @@ def test_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
     raw = random_weight(qtype, (2, rows), ne0, seed=43)
     x = np.random.default_rng(44).standard_normal((3, ne0)).astype(np.float32)
     ids = np.array([1, 0, 1], np.int32)
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, device_ids(gpu[0], to_dev, ids)))
+    w = to_dev(blocks(raw, qtype))
+    got = to_host(kernels.qmatmul(to_dev(x), w, qtype, ne0, rows, device_ids(gpu[0], to_dev, ids)))
     want = np.einsum("pk,prk->pr", x.astype(np.float64), dequantize(raw, qtype, ne0).astype(np.float64)[ids])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -379,11 +384,11 @@ def test_qmatmul_on_quantized_x_matches_float64(gpu, monkeypatch, qtype, rows, n
     plain = np.einsum("pk,prk->pr", xs.astype(np.float64), W[ids])
     launches = recorded_launches(kernels, monkeypatch)
     if experts is None:
-        got = kernels.qmatmul(to_dev(x), to_dev(raw[0]), qtype, ne0, rows)
+        got = kernels.qmatmul(to_dev(x), to_dev(blocks(raw[0], qtype)), qtype, ne0, rows)
     elif experts == "host":
-        got = kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids)
+        got = kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows, ids)
     else:
-        got = kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows,
+        got = kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows,
                               device_ids(name, to_dev, ids.astype(np.int32)), repeat=repeat)
     got = to_host(got)
     assert launches[0][0] == f"qmatmul_xq8_{qtype.name.lower()}"
@@ -404,7 +409,8 @@ def test_quantized_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
     raw = random_weight(qtype, (2, rows), ne0, seed=45)
     x = np.random.default_rng(46).standard_normal((3, ne0)).astype(np.float32)
     ids = np.array([1, 0, 1], np.int32)
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, device_ids(name, to_dev, ids)))
+    w = to_dev(blocks(raw, qtype))
+    got = to_host(kernels.qmatmul(to_dev(x), w, qtype, ne0, rows, device_ids(name, to_dev, ids)))
     W = dequantize(raw, qtype, ne0).astype(np.float64)[ids]
     want = np.einsum("pk,prk->pr", quantized_activations(x, qtype), W)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
@@ -425,7 +431,7 @@ def test_quantized_x_rounds_half_to_even(gpu, monkeypatch, qtype):
     rows = 16
     raw = random_weight(qtype, (rows,), size, seed=7)
     W = dequantize(raw, qtype, size).astype(np.float64)
-    got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, size, rows))
+    got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, size, rows))
     np.testing.assert_array_equal(quantized_activations(x, qtype), rounded[None])
     np.testing.assert_allclose(got, rounded[None] @ W.T, rtol=0, atol=1e-6 * np.abs(rounded @ W.T).max())
 
@@ -434,7 +440,7 @@ def test_qmatmul_with_enough_rows_does_not_split(gpu, monkeypatch):
     """Rows enough to fill QMATMUL_SIMD_GROUPS on their own: one pass writes out, as before the splits."""
     _, kernels, to_dev, to_host = gpu
     rows, ne0, qtype = S.QMATMUL_SIMD_GROUPS * S.QMATMUL_SIMD_ROWS, 2048, Q.Q4_K
-    raw = to_dev(random_weight(qtype, (rows,), ne0, seed=11))
+    raw = to_dev(blocks(random_weight(qtype, (rows,), ne0, seed=11), qtype))
     x = to_dev(np.random.default_rng(12).standard_normal((2, ne0)).astype(np.float32))
     launches = recorded_launches(kernels, monkeypatch)
     got = to_host(kernels.qmatmul(x, raw, qtype, ne0, rows))
@@ -474,7 +480,7 @@ def test_qgemm_gathers_each_pairs_expert(gpu, qtype):
     x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
     W = dequantize(raw, qtype, ne0).astype(np.float64)
     want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
-    got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
+    got = to_host(kernels.qgemm(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows, experts))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -485,7 +491,7 @@ def test_qgemm_reads_each_tokens_row_for_its_pairs(gpu, qtype):
     repeated in memory): the same floats as the product of x's rows repeated, bit for bit."""
     _, kernels, to_dev, to_host = gpu
     n_expert, rows, ne0, T, k = 5, 70, QGEMM_K[qtype], 23, 6
-    raw = to_dev(random_weight(qtype, (n_expert, rows), ne0, seed=31))
+    raw = to_dev(blocks(random_weight(qtype, (n_expert, rows), ne0, seed=31), qtype))
     rng = np.random.default_rng(32)
     experts = rng.integers(0, n_expert, T * k)
     x = rng.standard_normal((T, ne0)).astype(np.float32)
@@ -502,7 +508,7 @@ def test_qgemm_with_one_matrix_matches_float64(gpu, qtype):
     raw = random_weight(qtype, (rows,), ne0, seed=7)
     x = np.random.default_rng(8).standard_normal((P, ne0)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(raw, qtype, ne0).astype(np.float64).T
-    got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows))
+    got = to_host(kernels.qgemm(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -521,7 +527,7 @@ def test_grouped_product_matches_float64(gpu, monkeypatch, qtype, operands):
     x = np.random.default_rng(22).standard_normal((T, G + 1, ne0)).astype(np.float32)
     W = dequantize(raw, qtype, ne0).astype(np.float64).reshape(G, rows, ne0)
     want = np.einsum("tgk,grk->tgr", x[:, :G].astype(np.float64), W).reshape(T, G * rows)
-    got = to_host(kernels.grouped_product(to_dev(x)[:, :G], to_dev(raw), qtype, ne0, rows))
+    got = to_host(kernels.grouped_product(to_dev(x)[:, :G], to_dev(blocks(raw, qtype)), qtype, ne0, rows))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if operands == "float32" else 2e-3) * np.abs(want).max())
 
@@ -585,7 +591,7 @@ def test_qgemm_reduced_operands_round_both(gpu, monkeypatch, qtype, operands):
     want = np.einsum("pk,prk->pr", operand_round(np, x, operands).astype(np.float64),
                      operand_round(np, W, operands).astype(np.float64)[experts])
     exact = np.einsum("pk,prk->pr", x.astype(np.float64), W.astype(np.float64)[experts])
-    got = to_host(kernels.qgemm(to_dev(x), to_dev(raw), qtype, ne0, rows, experts))
+    got = to_host(kernels.qgemm(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows, experts))
     tol = 1e-5 * np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
     assert np.abs(exact - want).max() > 3 * tol
@@ -1517,7 +1523,7 @@ def test_qmatmul_reads_device_ids_as_its_batches(gpu, monkeypatch):
             x = rng.standard_normal((len(experts), ne0)).astype(np.float32)
             W = dequantize(raw, qtype, ne0).astype(np.float64)
             want = np.einsum("pk,prk->pr", x.astype(np.float64), W[experts])
-            got = to_host(kernels.qmatmul(to_dev(x), to_dev(raw), qtype, ne0, rows, ids))
+            got = to_host(kernels.qmatmul(to_dev(x), to_dev(blocks(raw, qtype)), qtype, ne0, rows, ids))
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert len(batches) == 6
     for got, experts in zip(batches, [first] * 3 + [second] * 3):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from ds4lab.mlx_kernels import layout
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.mlx_kernels.cpu import compiler
 from ds4lab.mlx_kernels.dialects import _IDS, CUDA_ONLY, METAL_ONLY, SOURCES, cuda_module_source, header
@@ -279,9 +280,9 @@ def test_eight_value_decoders_equal_the_element_decoders(tmp_path):
             row = quantize(rng.standard_normal((1, K)).astype(np.float32), qtype)[0]
         else:
             row = random_blocks(qtype, (1,), K, rng, 0.05)[0]
-        row = np.ascontiguousarray(row)
+        tiled = np.ascontiguousarray(layout.blocks(row, qtype))  # the kernels' layout (Q8_0's tiles)
         got, want = np.full(K, np.nan, np.float32), np.full(K, -1.0, np.float32)
-        pointers = [ctypes.c_void_p(a.ctypes.data) for a in (row, aux, got, want)]
+        pointers = [ctypes.c_void_p(a.ctypes.data) for a in (tiled, aux, got, want)]
         getattr(decoders, f"check_{eight}")(*pointers[:2], ctypes.c_uint(K), *pointers[2:])
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), eight
         assert np.array_equal(want, dequantize(row[None], qtype, K)[0]), eight  # the element decoders are right

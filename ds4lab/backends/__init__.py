@@ -29,6 +29,7 @@ decides that, from ``kernels``.
                                       in one transfer where the backend can
     device_key()                      which device arrays made now land on (None: one memory), for weight caches
     device_bytes(raw)                 GGUF bytes as a device array, for the kernels that read blocks
+    block_bytes(raw, qtype)           the same in the kernels' layout (Q8_0 as tiles: mlx_kernels.layout)
     kernels                           ds4lab's kernels on the current device (a
                                       :class:`ds4lab.mlx_kernels.launches.KernelLaunches`), or None
 

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ..mlx_kernels import layout
 from ..quants import dequantize
 from .block_weights import KERNEL_TYPES, BlockEmbedding, BlockLinear, StackedBlockLinear
 
@@ -81,6 +82,11 @@ class Backend:
         """GGUF bytes ``raw`` (uint8, host) as a device array, for the kernels that read weights in block form."""
         return self.xp.asarray(raw)
 
+    def block_bytes(self, raw, qtype):
+        """GGUF rows ``raw`` (uint8, host) on the device in the kernels' layout (:func:`.layout.blocks`: Q8_0's
+        tiles made there from the uploaded bytes)."""
+        return layout.blocks(self.device_bytes(raw), qtype, self.xp)
+
     def constant(self, a: np.ndarray):
         """A host array every step reads (a weight vector, a table) as a backend array: floats as :meth:`asarray`
         makes them, other types as they are."""
@@ -99,14 +105,14 @@ class Backend:
         ``linear`` with kernels); None without a kernel for it."""
         if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
             return None
-        return BlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[0])
+        return BlockLinear(self.kernels, self.block_bytes(raw, qtype), qtype, ne0, raw.shape[0])
 
     def stacked_linear(self, raw, qtype, ne0: int) -> StackedBlockLinear | None:
         """Every matrix of ``raw [n, rows, row_bytes]`` (the experts of a routed-expert tensor, the groups of
         attn_output_a) in block form on the device, multiplied in one launch; None without a kernel for it."""
         if self.kernels is None or Q(qtype) not in KERNEL_TYPES:
             return None
-        return StackedBlockLinear(self.kernels, self.device_bytes(raw), qtype, ne0, raw.shape[1])
+        return StackedBlockLinear(self.kernels, self.block_bytes(raw, qtype), qtype, ne0, raw.shape[1])
 
     # Whether a chunk's RoPE rows are gathered on the device (:meth:`rope_rows`) instead of uploaded from the host.
     gathers_rope_rows = False

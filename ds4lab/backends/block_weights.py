@@ -107,7 +107,7 @@ class BlockEmbedding:
         """Rows of device int32 ``ids``."""
         blocks = self.qtype in KERNEL_TYPES
         if self.table is None:
-            self.table = (self.backend.device_bytes(self.raw) if blocks
+            self.table = (self.backend.block_bytes(self.raw, self.qtype) if blocks
                           else self.backend.asarray(dequantize(self.raw, self.qtype, self.ne0)))
         rows = self.table[ids]
         return self.kernels.dequant(rows, self.qtype, self.ne0, ids.shape[0]) if blocks else rows

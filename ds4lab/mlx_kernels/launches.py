@@ -1,6 +1,7 @@
 """Kernel launches written once: the host side shared by the CuPy launcher (:mod:`ds4lab.cuda.kernels`), MLX's
 (:mod:`.fast`) and the CPU emulator (:mod:`.cpu`). A subclass says how to make arrays and how to run
-one kernel; every method here plans a grid and the kernel's outputs."""
+one kernel; every method here plans a grid and the kernel's outputs. Weights arrive in the kernels' layout
+(:func:`.layout.blocks`: GGUF's blocks, Q8_0's as tiles)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..arch import ROUTER_SUM_FLOOR, coff
-from ..quants import iq2xxs_tables, row_bytes
+from ..quants import iq2xxs_tables
+from . import layout
 from . import specs as S
 
 PLANS_KEPT = 64  # gathered plans of up to PLAN_KEPT_PAIRS pairs kept, the most recently used
@@ -187,9 +189,9 @@ class KernelLaunches:
         return self._array(order), self._array(batches), len(batches)
 
     def dequant(self, w, qtype, ne0: int, rows: int, half: bool = False):
-        """Rows of GGUF blocks ``w [rows, row_bytes]`` → float32 ``[rows, ne0]`` (``half``: float16, rounded to
-        nearest even)."""
-        dims = self._const(rows, ne0, row_bytes(qtype, ne0))
+        """Rows of blocks ``w [rows, row_bytes]`` (the kernels' layout, :mod:`.layout`) → float32 ``[rows, ne0]``
+        (``half``: float16, rounded to nearest even)."""
+        dims = self._const(rows, ne0, layout.row_bytes(qtype, ne0))
         return self._run(S.dequant_spec(qtype, half), (-(-ne0 // (8 * S.DEQUANT_GROUP)), rows), S.DEQUANT_GROUP,
                          [w, self.aux, dims], [((rows, ne0), "float16" if half else "float32")])[0]
 
@@ -214,7 +216,7 @@ class KernelLaunches:
             order, batches, n_batches = self._plan(experts, P, 1 if q8 else S.MAX_PAIRS)
         rows = S.QMATMUL_XQ8_SIMD_ROWS if q8 else S.QMATMUL_SIMD_ROWS  # a SIMD group's
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches, rows)
-        dims = self._const(ne0, n_rows, row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
+        dims = self._const(ne0, n_rows, layout.row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
         group_rows = S.QMATMUL_SIMD_PER_GROUP * rows
         spec = S.qmatmul_xq8_spec(qtype) if q8 else S.qmatmul_spec(qtype)
         parts = self._run(spec, (-(-n_rows // group_rows), n_batches * splits),
@@ -260,7 +262,7 @@ class KernelLaunches:
         return self._run(S.qgemm_spec(qtype, self.chunk_operands), (-(-n_rows // S.QGEMM_BN), n_tiles),
                          S.qgemm_threads(qtype),
                          [self._chunk_x(x), raw, self.aux, order, tiles,
-                          self._const(ne0, n_rows, row_bytes(qtype, ne0), 0, repeat)],
+                          self._const(ne0, n_rows, layout.row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
 
     def attend(self, q, keys, visible, sinks, scale: float, tail=None):

@@ -13,10 +13,15 @@ DEVICE_FN float dq_f16(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* 
     return load_half(row + 2u * k);
 }
 
+// Q8_0 in the kernels' tiles of eight blocks (ds4lab/mlx_kernels/layout.py): block j of a tile has its first 16
+// quants at byte 16j, its last 16 at 128 + 16j, its scale at 256 + 2j; q8_0_at(k) is k's quant byte in its tile.
+DEVICE_FN uint q8_0_at(uint k) { return 128u * ((k >> 4) & 1u) + 16u * ((k >> 5) & 7u) + (k & 15u); }
+DEVICE_FN uint q8_0_scale_at(uint k) { return 256u + 2u * ((k >> 5) & 7u); }
+
 DEVICE_FN float dq_q8_0(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 5) * 34u;
-    int q = int(b[2u + (k & 31u)]);
-    return load_half(b) * float(q - ((q & 128) << 1));
+    const GLOBAL uint8_t* t = row + (k >> 8) * 272u;
+    int q = int(t[q8_0_at(k)]);
+    return load_half(t + q8_0_scale_at(k)) * float(q - ((q & 128) << 1));
 }
 
 // Q2_K, 84-byte blocks of 256: element e = 128h + 32j + 16s + l.
@@ -65,8 +70,8 @@ DEVICE_FN float i8_float(uint u) { return from_bits(0x4B000000u | (u ^ 128u)) - 
 
 // Eight consecutive elements at once, k a multiple of 8: dq8_<type>(row, k, aux).v[i] is
 // dq_<type>(row, k + i, aux), the same values, from wider loads (a SIMD group's 32 lanes then cover 256
-// elements a step). Rows of Q8_0 and IQ2_XXS blocks start at even addresses, of Q2_K and Q4_K blocks
-// at multiples of 4.
+// elements a step). Rows of IQ2_XXS blocks start at even addresses, of Q2_K and Q4_K blocks at multiples
+// of 4, of Q8_0 tiles at multiples of 16.
 struct F8 { float v[8]; };
 
 // Eight floats from p: two 16-byte loads where p is 16-byte aligned (vec), else one at a time.
@@ -107,16 +112,13 @@ DEVICE_FN F8 dq8_f16(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* au
 }
 
 DEVICE_FN F8 dq8_q8_0(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 5) * 34u;
-    const GLOBAL uint8_t* qs = b + 2u + (k & 31u);
-    float d = load_half(b);
+    const GLOBAL uint8_t* t = row + (k >> 8) * 272u;
+    const GLOBAL uint8_t* qs = t + q8_0_at(k);  // 8-byte aligned: k is a multiple of 8
+    float d = load_half(t + q8_0_scale_at(k));
+    uint four[2] = {load_u32(qs), load_u32(qs + 4u)};
     F8 r;
     #pragma unroll
-    for (uint i = 0; i < 8u; i += 2u) {
-        uint two = load_u16(qs + i);
-        r.v[i] = d * i8_float(two & 255u);
-        r.v[i + 1u] = d * i8_float(two >> 8);
-    }
+    for (uint i = 0; i < 8u; i++) r.v[i] = d * i8_float((four[i >> 2] >> (8u * (i & 3u))) & 255u);
     return r;
 }
 
@@ -275,24 +277,22 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 // A group of 32 elements of a row as small integers and scales: element i (in the order of load_x32's or
 // load_x32_q2_k's x) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias) − m[i / 16], the same value as
 // dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
-// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 4-byte aligned, off even:
-// a group's bytes start 0 or 2 bytes past a word, so its last word is read whole or by its low half); tables:
+// k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 16-byte aligned; off a
+// multiple of 16 for Q8_0's tiles, else even: an IQ2_XXS group's bytes start 0 or 2 bytes past a word); tables:
 // IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), IQ2_XXS's prefill weight slabs
 // eight at a time (group32_eight).
 struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
 
+// Q8_0 (its tiles: two 16-byte loads, the scale a third).
 DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
                                const GLOBAL uint8_t* aux) {
-    uint b = off + (k >> 5) * 34u, q0 = b + 2u, sh = (q0 & 3u) * 8u;  // the quants from the word at or below them
-    const GLOBAL uint8_t* p = w + (q0 & ~3u);
-    uint wd[9];
-    #pragma unroll
-    for (uint i = 0; i < 8u; i++) wd[i] = load_u32(p + 4u * i);
-    wd[8] = sh != 0u ? load_u16(p + 32u) : 0u;  // unaligned quants: their last two bytes (no read past the block)
+    const GLOBAL uint8_t* t = w + off + (k >> 8) * 272u;
+    uint4 a = load_u4(t + q8_0_at(k)), c = load_u4(t + q8_0_at(k + 16u));
+    uint qs[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
     Group32 g;
     #pragma unroll
-    for (uint i = 0; i < 8u; i++) g.q[i] = funnel_r(wd[i], wd[i + 1u], sh) ^ 0x80808080u;
-    g.d[0] = g.d[1] = load_half(w + b);
+    for (uint i = 0; i < 8u; i++) g.q[i] = qs[i] ^ 0x80808080u;
+    g.d[0] = g.d[1] = load_half(t + q8_0_scale_at(k));
     g.m[0] = g.m[1] = 0.0f;
     g.bias = 8388736.0f;
     return g;

@@ -1,0 +1,44 @@
+"""How the kernels' weights lie in device memory: GGUF's blocks as they are, but Q8_0's regrouped into tiles.
+
+A Q8_0 block is 34 bytes (a half scale, then 32 int8 quants), so a lane that reads its own block reads at a
+2-byte aligned address: nine narrow loads, and a SIMD group's load spans nine cache lines. ds4lab's kernels read
+Q8_0 rows as *tiles* of eight blocks (256 elements, 272 bytes, the same bytes as the eight blocks): bytes
+``[16j, 16j + 16)`` hold the first 16 quants of block j, ``[128 + 16j, 128 + 16j + 16)`` its last 16, and
+``[256 + 2j, 256 + 2j + 2)`` its scale. A lane then takes its block in two 16-byte loads, and eight lanes' first
+loads are one 128-byte line. A row whose length is not a multiple of 256 ends in a tile padded with zero blocks (so
+its rows are longer than GGUF's; Flash's are all multiples of 256). Backends with kernels upload weights through
+:func:`blocks`; the element decoders of ``sources/common.h`` read this layout."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .. import quants
+
+TILE_BLOCKS = 8  # Q8_0 blocks a tile
+TILE_BYTES = 34 * TILE_BLOCKS
+
+
+def row_bytes(qtype: Q | int, ne0: int) -> int:
+    """Bytes of a row of ``ne0`` elements as the kernels read it."""
+    if Q(qtype) != Q.Q8_0:
+        return quants.row_bytes(qtype, ne0)
+    quants.row_bytes(qtype, ne0)  # refuses a length that is not whole blocks
+    return -(-ne0 // (32 * TILE_BLOCKS)) * TILE_BYTES
+
+
+def blocks(raw, qtype: Q | int, xp=np):
+    """GGUF rows ``raw [..., row_bytes]`` (uint8, an array of ``xp``: NumPy, CuPy or MLX) in the kernels' layout
+    ``[..., layout.row_bytes]``: the same array for every type but Q8_0, whose rows become tiles."""
+    if Q(qtype) != Q.Q8_0:
+        return raw
+    lead, n_blocks = tuple(raw.shape[:-1]), raw.shape[-1] // 34
+    tiles = -(-n_blocks // TILE_BLOCKS)
+    b = raw.reshape(-1, n_blocks, 34)
+    if tiles * TILE_BLOCKS != n_blocks:  # the last tile's missing blocks as zeros
+        b = xp.concatenate([b, xp.zeros((b.shape[0], tiles * TILE_BLOCKS - n_blocks, 34), dtype=b.dtype)], axis=1)
+    b = b.reshape(-1, tiles, TILE_BLOCKS, 34)
+    halves = [b[..., 2 + 16 * h:18 + 16 * h].reshape(-1, tiles, 16 * TILE_BLOCKS) for h in (0, 1)]
+    scales = b[..., :2].reshape(-1, tiles, 2 * TILE_BLOCKS)
+    return xp.concatenate([*halves, scales], axis=-1).reshape(*lead, tiles * TILE_BYTES)

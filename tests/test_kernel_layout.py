@@ -1,0 +1,45 @@
+"""The kernels' weight layout (ds4lab.mlx_kernels.layout): Q8_0 rows regrouped into tiles of eight blocks, byte
+for byte where the module's docstring puts them, and every other type left as GGUF has it."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ds4lab.mlx_kernels import layout
+from ds4lab.quants import random_blocks
+from ds4lab.quants import row_bytes as gguf_row_bytes
+
+
+@pytest.mark.parametrize("ne0", [32, 96, 256, 1024, 4096 + 64])
+def test_q8_0_tiles_put_each_byte_where_the_docstring_says(ne0):
+    raw = random_blocks(Q.Q8_0, (3, 5), ne0, np.random.default_rng(ne0), 0.05)
+    got = layout.blocks(raw, Q.Q8_0)
+    n_blocks, tiles = ne0 // 32, -(-ne0 // 256)
+    assert got.shape == (3, 5, layout.row_bytes(Q.Q8_0, ne0)) == (3, 5, 272 * tiles)
+    want = np.zeros((3, 5, tiles, 272), np.uint8)  # padding blocks: zero quants, zero scale
+    for b in range(n_blocks):  # a loop per block, written from the docstring, not from blocks()'s reshapes
+        t, j = divmod(b, 8)
+        block = raw[..., 34 * b:34 * (b + 1)]
+        want[..., t, 256 + 2 * j:258 + 2 * j] = block[..., :2]
+        want[..., t, 16 * j:16 * j + 16] = block[..., 2:18]
+        want[..., t, 128 + 16 * j:144 + 16 * j] = block[..., 18:34]
+    np.testing.assert_array_equal(got, want.reshape(got.shape))
+
+
+def test_q8_0_rows_of_whole_tiles_keep_their_length_and_rows_start_16_byte_aligned():
+    for ne0 in (256, 1024, 4096, 32768):  # Flash's Q8_0 row lengths are multiples of 256
+        assert layout.row_bytes(Q.Q8_0, ne0) == gguf_row_bytes(Q.Q8_0, ne0)
+        assert layout.row_bytes(Q.Q8_0, ne0) % 16 == 0
+    assert layout.row_bytes(Q.Q8_0, 64) % 16 == 0
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS])
+def test_other_types_are_left_as_they_are(qtype):
+    raw = np.arange(2 * gguf_row_bytes(qtype, 256), dtype=np.uint16).astype(np.uint8).reshape(2, -1)
+    assert layout.blocks(raw, qtype) is raw
+    assert layout.row_bytes(qtype, 256) == gguf_row_bytes(qtype, 256)
+
+
+def test_a_row_of_partial_blocks_is_refused_with_its_length():
+    with pytest.raises(ValueError, match="ne0=40"):
+        layout.row_bytes(Q.Q8_0, 40)
