@@ -1,6 +1,8 @@
 """The kernels' weight layout (ds4lab.mlx_kernels.layout): Q8_0 rows regrouped into tiles of eight blocks, byte
 for byte where the module's docstring puts them, and every other type left as GGUF has it."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -10,10 +12,23 @@ from ds4lab.quants import random_blocks
 from ds4lab.quants import row_bytes as gguf_row_bytes
 
 
+def _on_mlx(raw):
+    mx = pytest.importorskip("mlx.core")
+    return np.array(layout.blocks(mx.array(raw), Q.Q8_0, mx))
+
+
+# NumPy as blocks() sees a device's array library (not numpy itself): the slices' path, run on the host
+AS_DEVICE = SimpleNamespace(concatenate=np.concatenate, zeros=np.zeros)
+# the host's records (NumPy), the slices an array library's device takes (run by NumPy here, and by MLX)
+TILERS = {"host": lambda raw: layout.blocks(raw, Q.Q8_0), "slices": lambda raw: layout.blocks(raw, Q.Q8_0, AS_DEVICE),
+          "mlx": _on_mlx}
+
+
+@pytest.mark.parametrize("tiler", TILERS)
 @pytest.mark.parametrize("ne0", [32, 96, 256, 1024, 4096 + 64])
-def test_q8_0_tiles_put_each_byte_where_the_docstring_says(ne0):
+def test_q8_0_tiles_put_each_byte_where_the_docstring_says(ne0, tiler):
     raw = random_blocks(Q.Q8_0, (3, 5), ne0, np.random.default_rng(ne0), 0.05)
-    got = layout.blocks(raw, Q.Q8_0)
+    got = TILERS[tiler](raw)
     n_blocks, tiles = ne0 // 32, -(-ne0 // 256)
     assert got.shape == (3, 5, layout.row_bytes(Q.Q8_0, ne0)) == (3, 5, 272 * tiles)
     want = np.zeros((3, 5, tiles, 272), np.uint8)  # padding blocks: zero quants, zero scale

@@ -84,8 +84,10 @@ class Backend:
 
     def block_bytes(self, raw, qtype):
         """GGUF rows ``raw`` (uint8, host) on the device in the kernels' layout (:func:`.layout.blocks`: Q8_0's
-        tiles made there from the uploaded bytes)."""
-        return layout.blocks(self.device_bytes(raw), qtype, self.xp)
+        tiles made there from the uploaded bytes, and evaluated now, not by the first step that reads them)."""
+        out = layout.blocks(self.device_bytes(raw), qtype, self.xp)
+        self.eval(out)
+        return out
 
     def constant(self, a: np.ndarray):
         """A host array every step reads (a weight vector, a table) as a backend array: floats as :meth:`asarray`

@@ -21,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..mlx_kernels import layout
 from ..quants import dequantize
 from .base import Backend
 
@@ -129,10 +128,6 @@ class MLXBackend(Backend):
         return mx.array(a) if self.kernels is None else self.kernels._array(a)  # on CUDA in the GPU's own memory
 
     device_bytes = constant
-
-    def block_bytes(self, raw, qtype):
-        # tiled on the host: constant's copy is what makes an array resident on MLX's CUDA back-end (see fast.resident)
-        return self.constant(layout.blocks(np.asarray(raw), qtype))
 
     def index_add(self, acc, rows, values):
         return acc.at[mx.array(rows)].add(values)
