@@ -28,7 +28,7 @@ from gpu_slice import copy_bandwidth
 from ds4lab.backends import get_backend
 from ds4lab.mlx_kernels import layout
 from ds4lab.mlx_kernels import specs as S
-from ds4lab.quants import quantize, random_blocks, row_bytes
+from ds4lab.quants import quantize, random_blocks
 
 # (label, type, experts in the tensor, rows, K, selected experts (0: a dense matrix))
 SHAPES = [
@@ -86,7 +86,7 @@ def main(argv=None):
     for label, qtype, n_expert, rows, K, used in SHAPES:
         if args.only and not any(label.startswith(o) for o in args.only):
             continue
-        per_call = rows * row_bytes(qtype, K) * max(used, 1)
+        per_call = rows * layout.row_bytes(qtype, K) * max(used, 1)
         copies = -(-READ_BYTES // per_call)
         if used:  # one tensor of n_expert experts (8 distinct, repeated), other experts each call
             distinct = random_blocks(qtype, (8, rows), K, rng, 0.02)

@@ -1,6 +1,7 @@
 """How fast the weights of a model file reach the GPU: every tensor through ``CupyBackend.device_bytes`` as the
 library sets it and at other settings of its upload (threads, piece size), beside the two ceilings: the host
-reading the mapped file into pinned buffers alone, and pinned buffers copied to the GPU alone.
+reading the mapped file into pinned buffers alone, and pinned buffers copied to the GPU alone; then the time the
+GPU takes to regroup the Q8_0 tensors into the kernels' tiles (``Backend.block_bytes``, part of a model's load).
 
 The first prompt of a fresh process uploads every weight it reads (all of them), so this is most of the cold
 start on the whole Flash model (benchmarks/README.md, "flash_short_prompts.py"). Without ``--path`` it writes
@@ -22,10 +23,12 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from ds4lab import config, testing
 from ds4lab.backends import cupy_backend
 from ds4lab.gguf_file import GGUFModelFile
+from ds4lab.mlx_kernels import layout
 
 SETTINGS = {  # name -> (UPLOAD_THREADS, PIECE_BYTES)
     "8 threads, 16 MiB pieces": (8, 16 << 20),
@@ -40,6 +43,22 @@ def _upload_all(backend, tensors) -> float:
         backend.device_bytes(raw)  # freed at once: the pool gives its memory to the next tensor
     cp.cuda.Device().synchronize()
     return time.perf_counter() - t0
+
+
+def _q8_0_tiling(backend, infos) -> float:
+    """GPU seconds of the Q8_0 tensors' regrouping into the kernels' tiles (``Backend.block_bytes`` after the
+    upload; :mod:`ds4lab.mlx_kernels.layout`), each tensor uploaded first, untimed."""
+    seconds = 0.0
+    for info in infos:
+        if info.qtype != Q.Q8_0:
+            continue
+        raw = backend.device_bytes(info.data)
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        layout.blocks(raw, info.qtype, cp)
+        cp.cuda.Device().synchronize()
+        seconds += time.perf_counter() - t0
+    return seconds
 
 
 def _host_reads(tensors, threads: int, piece: int = 64 << 20) -> float:
@@ -106,6 +125,11 @@ def main(argv=None) -> int:
         for threads in (8, 16):
             record(f"host reads alone, {threads} threads", _host_reads(tensors, threads))
         record("pinned to GPU alone, one stream", _device_copies(total))
+    if not args.library_only:  # an older checkout's ds4lab may have no tiles
+        q8 = sum(t.nbytes for t in f.tensors.values() if t.qtype == Q.Q8_0)
+        seconds = _q8_0_tiling(backend, f.tensors.values())
+        rows.append(dict(setting="Q8_0's tiles on the GPU", seconds=seconds, gb_per_s=q8 / seconds / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"total_bytes": total, "rows": rows}, indent=1))
     return 0

@@ -35,7 +35,8 @@ decides that, from ``kernels``.
 
 :mod:`.base` holds the defaults (:class:`.base.Backend`) and the block-form float32 backend CuPy and the
 CPU emulator share (:class:`.base.BlockBackend`); :mod:`.block_weights` the weights kept on the device in
-GGUF block form (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). No backend imports the model.
+GGUF block form, Q8_0's as tiles (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). No backend
+imports the model.
 """
 
 from __future__ import annotations

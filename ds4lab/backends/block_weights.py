@@ -1,6 +1,6 @@
-"""Weights kept on the device in their GGUF block form, for backends with ds4lab's kernels: :class:`BlockLinear`
-(one matrix), :class:`StackedBlockLinear` (the experts of a routed-expert tensor, the groups of attn_output_a)
-and :class:`BlockEmbedding` (the token embedding).
+"""Weights kept on the device in their GGUF block form (Q8_0's regrouped into tiles: ds4lab.mlx_kernels.layout),
+for backends with ds4lab's kernels: :class:`BlockLinear` (one matrix), :class:`StackedBlockLinear` (the experts
+of a routed-expert tensor, the groups of attn_output_a) and :class:`BlockEmbedding` (the token embedding).
 
 A few rows (a decode step) go through ``qmatmul`` (F32 weights too, so a decode step calls no BLAS and
 can be captured as a CUDA graph), which decodes each weight row once per batch of up to

@@ -1,10 +1,10 @@
 """The CuPy backend (float32 on an NVIDIA GPU).
 
-Weights stay on the GPU in their GGUF block form and run through ds4lab's kernels (``kernels=True``,
-the default); the routed experts of a layer are uploaded whole, once, and a step evaluates its selected
-experts in one launch per projection (qmatmul for a decode step, qgemm for a chunk). With kernels, the
-layers of a decode step (up to ``compiled_rows`` tokens) are captured as one CUDA graph, or per layer
-half where tiers split them, and replayed (see :mod:`ds4lab.cuda.graphs`); ``Runtime(..., compile=False)``
+Weights stay on the GPU in their GGUF block form (Q8_0's regrouped into tiles) and run through ds4lab's
+kernels (``kernels=True``, the default); the routed experts of a layer are uploaded whole, once, and a step
+evaluates its selected experts in one launch per projection (qmatmul for a decode step, qgemm for a chunk).
+With kernels, the layers of a decode step (up to ``compiled_rows`` tokens) are captured as one CUDA graph, or
+per layer half where tiers split them, and replayed (see :mod:`ds4lab.cuda.graphs`); ``Runtime(..., compile=False)``
 launches them op by op. ``upload`` sends a step's small host arrays in one transfer. ``kernels=False``
 is the plain-ops path: every weight dequantized to float32 on the GPU and every op a CuPy array op.
 """

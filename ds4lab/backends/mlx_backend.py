@@ -1,7 +1,7 @@
 """The MLX backend (float32): CPU, Metal, or CUDA with mlx[cuda].
 
 On a GPU (Metal, or CUDA with mlx[cuda]) ds4lab's kernels are on by default (``kernels=False`` turns
-them off): every weight stays on the device in its GGUF block form and runs through the same kernels,
+them off): every weight stays on the device in its GGUF block form (Q8_0's as tiles) and runs through the same kernels,
 launch for launch, as on CuPy (:class:`ds4lab.backends.block_weights.BlockLinear`); routed experts stay
 whole on the device, decode-sized attention uses the split-key kernel and a chunk's attention attend_chunk.
 On MLX's CUDA back-end the weights are copied into the GPU's own memory (:func:`ds4lab.mlx_kernels.fast.resident`).

@@ -1,7 +1,8 @@
 // Shared by every kernel, in the portable dialect: GLOBAL (the device address space), DEVICE_FN,
 // load_half(p) and simd_sum_f(x) come from the dialect header (see ds4lab/mlx_kernels/dialects.py).
 //
-// Element decoders: dq_<type>(row, k, aux) is element k of a row of GGUF blocks, written as
+// Element decoders: dq_<type>(row, k, aux) is element k of a row of GGUF blocks (Q8_0's in the tiles of
+// ds4lab/mlx_kernels/layout.py), written as
 // ds4lab/quants.py decodes it (same operations in the same order). aux is the IQ2_XXS table block:
 // 256 grid entries of 8 bytes, then the 128 sign bytes (ksigns_iq2xs).
 
