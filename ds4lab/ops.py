@@ -14,7 +14,8 @@ library, linears, compilation, uploads: :mod:`ds4lab.backends`) import no model;
 transformer calls the ops here.
 
 Attention: a few queries (up to ATTN_KERNEL_MAX_QUERIES) go through the split-key kernels (attend_partial,
-then attend_reduce: blocks of heads sharing each key read); a chunk through attend_chunk, which never makes
+then attend_reduce: blocks of heads sharing each key read; attend_reduce_rope also turns the output back by RoPE,
+``attend_rope``); a chunk through attend_chunk, which never makes
 the scores (an online softmax over tiles of each query's visible keys), or, with ATTN_CHUNK_KERNEL off,
 through the reference formula (GEMMs around a [T, H, N] score tensor).
 
@@ -101,6 +102,14 @@ class Ops:
         if kernels is not None and ATTN_CHUNK_KERNEL:
             return kernels.attend_chunk(q, keys, visible, sinks, scale)
         return attention.attend(self.xp, q, keys, visible, sinks, scale)
+
+    def attend_rope(self, q, keys, visible, sinks, scale: float, tail, cos, sin):
+        """:meth:`attend`'s output turned back by RoPE (:meth:`rope` with ``inverse``): for a few queries the
+        split-key merge turns it as it writes it, one launch fewer on a decode step's critical path."""
+        kernels = self.kernels
+        if kernels is not None and q.shape[0] <= ATTN_KERNEL_MAX_QUERIES:
+            return kernels.attend(q, keys, visible, sinks, scale, tail, rope=(cos, sin, True))
+        return self.rope(self.attend(q, keys, visible, sinks, scale, tail), cos, sin, inverse=True)
 
     def ring_write(self, raw, kv, pos0, n_valid, window: int):
         """``(raw, slot_pos, visible)``: the raw ring after a chunk (:func:`ds4lab.model.attention.ring_write`)."""

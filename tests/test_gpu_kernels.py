@@ -659,6 +659,32 @@ def test_split_key_attention_with_more_keys_a_split_than_a_group_has_threads(gpu
     assert launches == [("attend_partial", (2 * 2, 1)), ("attend_reduce", (2 * 12, 1))] * 4
 
 
+# Flash's decode head (512 dims, the last 64 turned), 72 dims (8 turned; lanes past D idle in the shuffle's SIMD
+# group), every dim turned (D = n_rot = 64), and half of 256; each also with the keys in two arrays
+@pytest.mark.parametrize("T,H,D,N,n_rot", [(1, 64, 512, 1200, 64), (3, 5, 72, 40, 8), (2, 3, 64, 37, 64),
+                                           (2, 4, 256, 300, 128)])
+@pytest.mark.parametrize("inverse", [True, False])
+def test_split_key_attention_turned_by_rope_in_its_merge(gpu, T, H, D, N, n_rot, inverse):
+    """attend(..., rope=(cos, sin, inverse)) (attend_reduce_rope) gives attend then rope, bit for bit."""
+    name, kernels, to_dev, to_host = gpu
+    small_on_the_emulator(name, T * H * N)
+    rng = np.random.default_rng(T * N + n_rot)
+    q, keys = rng.standard_normal((T, H, D)).astype(np.float32), rng.standard_normal((N, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32)
+    visible = rng.random((T, N)) < 0.6
+    angles = rng.uniform(0, 2 * np.pi, (T, n_rot // 2))
+    cos, sin = (to_dev(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
+    args = [to_dev(a) for a in (q, keys, visible, sinks)]
+    want = to_host(kernels.rope(kernels.attend(*args, D ** -0.5), cos, sin, inverse))
+    got = to_host(kernels.attend(*args, D ** -0.5, rope=(cos, sin, inverse)))
+    assert np.array_equal(got, want)
+    n1 = N // 3  # the keys in two arrays, as a decode step's raw window and compressed rows
+    tail = (to_dev(keys[n1:]), to_dev(visible[:, n1:]))
+    split = kernels.attend(args[0], to_dev(keys[:n1]), to_dev(visible[:, :n1]), args[3], D ** -0.5, tail,
+                           rope=(cos, sin, inverse))
+    assert np.array_equal(to_host(split), want)
+
+
 def check_split_key_attention(kernels, to_dev, to_host, T, H, D, N):
     rng = np.random.default_rng(T * N)
     q = rng.standard_normal((T, H, D)).astype(np.float32)

@@ -64,7 +64,7 @@ def test_ops_reads_the_backends_kernels_at_each_call():
 
 
 def test_ops_over_numpy_is_the_reference():
-    from ds4lab.model import attention, numerics
+    from ds4lab.model import attention, numerics, rope
 
     ops = Ops(NumpyBackend())
     assert ops.xp is np and ops.dtype == np.float64 and ops.kernels is None
@@ -75,6 +75,9 @@ def test_ops_over_numpy_is_the_reference():
                                   attention.attend(np, q, keys, visible, sinks, 0.3))
     np.testing.assert_array_equal(ops.attend(q, keys[:2], visible[:, :2], sinks, 0.3, (keys[2:], visible[:, 2:])),
                                   attention.attend(np, q, keys, visible, sinks, 0.3))
+    cos, sin = np.cos(rng.uniform(0, 6, (3, 2))), np.sin(rng.uniform(0, 6, (3, 2)))
+    np.testing.assert_array_equal(ops.attend_rope(q, keys, visible, sinks, 0.3, None, cos, sin),
+                                  rope.rope(np, attention.attend(np, q, keys, visible, sinks, 0.3), cos, sin, True))
     x = rng.standard_normal((4, 128))
     np.testing.assert_array_equal(ops.store_kv(x, 64), numerics.f16_round(np, numerics.fp8_kv_sim(np, x, 64)))
 

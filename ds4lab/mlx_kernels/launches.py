@@ -265,11 +265,12 @@ class KernelLaunches:
                           self._const(ne0, n_rows, layout.row_bytes(qtype, ne0), 0, repeat)],
                          [((P, n_rows), "float32")])[0]
 
-    def attend(self, q, keys, visible, sinks, scale: float, tail=None):
+    def attend(self, q, keys, visible, sinks, scale: float, tail=None, rope=None):
         """Softmax attention with sinks over visible keys (docs/MODEL.md, "Attention") for a few queries, in two
         passes: each key split's online softmax for a block of heads sharing each key read (attend_partial), then
         the merge of the splits (attend_reduce). ``tail``: ``(keys2 [N2, D], visible2 [T, N2])``, keys that follow
-        ``keys``, read where they lie (a decode step's compressed rows after its raw window)."""
+        ``keys``, read where they lie (a decode step's compressed rows after its raw window). ``rope``: ``(cos,
+        sin, inverse)``, the output turned by :meth:`rope` in the merge's launch (attend_reduce_rope)."""
         T, H, D = q.shape
         if tail is not None and tail[0].shape[0] == 0:
             tail = None
@@ -282,8 +283,13 @@ class KernelLaunches:
                            dims, self._const(scale, dtype=np.float32)],
                           [((T * H, splits), "float32"), ((T * H, splits), "float32"),
                            ((T * H, splits, D), "float32")])
-        return self._run(S.ATTEND_REDUCE, (T * H, -(-D // S.ATTN_GROUP)), S.ATTN_GROUP,
-                         [*parts, self._f32(sinks), dims], [((T, H, D), "float32")])[0]
+        grid, args = (T * H, -(-D // S.ATTN_GROUP)), [*parts, self._f32(sinks), dims]
+        if rope is None:
+            return self._run(S.ATTEND_REDUCE, grid, S.ATTN_GROUP, args, [((T, H, D), "float32")])[0]
+        cos, sin, inverse = rope
+        return self._run(S.ATTEND_REDUCE_ROPE, grid, S.ATTN_GROUP,
+                         [*args, self._f32(cos), self._f32(sin), self._const(2 * cos.shape[-1], int(inverse))],
+                         [((T, H, D), "float32")])[0]
 
     def attend_chunk(self, q, keys, visible, sinks, scale: float):
         """The same attention for a chunk of queries (prefill) in one pass on the matrix units: an online

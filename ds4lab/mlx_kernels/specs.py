@@ -295,6 +295,11 @@ ATTEND_REDUCE = KernelSpec("attend_reduce", "attend_reduce.body",
                            (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"),
                             ("sinks", "float32"), ("dims", "int32")),
                            (("out", "float32"),))
+ATTEND_REDUCE_ROPE = KernelSpec("attend_reduce_rope", "attend_reduce.body",
+                                (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"),
+                                 ("sinks", "float32"), ("dims", "int32"), ("cos_t", "float32"), ("sin_t", "float32"),
+                                 ("rope_dims", "int32")),
+                                (("out", "float32"),), {"ROPE": 1})
 
 
 def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
@@ -434,7 +439,7 @@ def all_specs() -> list[KernelSpec]:
             *(qmatmul_xq8_spec(q) for q in QUANT_X), QMATMUL_REDUCE,
             *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
-            ATTEND_PARTIAL, ATTEND_REDUCE, *(attend_chunk_spec(operands) for operands in OPERANDS),
+            ATTEND_PARTIAL, ATTEND_REDUCE, ATTEND_REDUCE_ROPE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
             APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES,
             INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM, MOE_ROUTE, ROUND_HALF]

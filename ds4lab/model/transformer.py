@@ -216,15 +216,16 @@ class Transformer:
         index_side.join()
         kv_side.join()
 
-        if emit:  # what ds4lab.hooks needs to materialise attention maps on request
+        scale = cfg.head_dim ** -0.5
+        if emit:  # what ds4lab.hooks needs to materialise attention maps on request, and the output before RoPE
             keys, vis = join_tail(xp, raw, visible, tail)
-            emit("attn.scores", dict(q=q, keys=keys, visible=vis, sinks=sinks, scale=cfg.head_dim ** -0.5,
+            emit("attn.scores", dict(q=q, keys=keys, visible=vis, sinks=sinks, scale=scale,
                                      slot_pos=slot_pos, n_raw=raw.shape[0], ratio=R, comp_candidates=comp_candidates))
-        out = ops.attend(q, raw, visible, sinks, cfg.head_dim ** -0.5, tail)
-        heads = ops.rope(out, cos, sin, inverse=True)
-        if emit:
+            out = ops.attend(q, raw, visible, sinks, scale, tail)
             emit("attn.out", out)
-            heads = _edit(emit, "attn.heads", heads)
+            heads = _edit(emit, "attn.heads", ops.rope(out, cos, sin, inverse=True))
+        else:  # the output turned back by RoPE as the attention writes it (one launch with kernels)
+            heads = ops.attend_rope(q, raw, visible, sinks, scale, tail, cos, sin)
         out_b = partial(ops.split_sums, lw.attn_output_b)  # hc_post adds its K splits
         stacked = lw.attn_output_a_stacked
         if stacked is not None and C * cfg.o_groups <= self.gather_max_pairs:  # a decode step: one launch
