@@ -294,7 +294,7 @@ ATTEND_PARTIAL = KernelSpec("attend_partial", "attend_partial.body",
 ATTEND_REDUCE = KernelSpec("attend_reduce", "attend_reduce.body",
                            (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"),
                             ("sinks", "float32"), ("dims", "int32")),
-                           (("out", "float32"),))
+                           (("out", "float32"),), {"ROPE": 0})
 ATTEND_REDUCE_ROPE = KernelSpec("attend_reduce_rope", "attend_reduce.body",
                                 (("part_m", "float32"), ("part_l", "float32"), ("part_acc", "float32"),
                                  ("sinks", "float32"), ("dims", "int32"), ("cos_t", "float32"), ("sin_t", "float32"),
