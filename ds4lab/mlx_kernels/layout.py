@@ -22,10 +22,8 @@ TILE_BYTES = 34 * TILE_BLOCKS
 
 def row_bytes(qtype: Q | int, ne0: int) -> int:
     """Bytes of a row of ``ne0`` elements as the kernels read it."""
-    if Q(qtype) != Q.Q8_0:
-        return quants.row_bytes(qtype, ne0)
-    quants.row_bytes(qtype, ne0)  # refuses a length that is not whole blocks
-    return -(-ne0 // (32 * TILE_BLOCKS)) * TILE_BYTES
+    gguf = quants.row_bytes(qtype, ne0)  # refuses a length that is not whole blocks
+    return -(-ne0 // (32 * TILE_BLOCKS)) * TILE_BYTES if Q(qtype) == Q.Q8_0 else gguf
 
 
 def blocks(raw, qtype: Q | int, xp=np):

@@ -25,6 +25,16 @@ DEVICE_FN float dq_q8_0(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t*
     return load_half(t + q8_0_scale_at(k)) * float(q - ((q & 128) << 1));
 }
 
+// RoPE's rule (docs/MODEL.md, "RoPE with YaRN") for the kernels that turn rows (rope, rmsnorm_rope,
+// attend_reduce_rope): element odd (0 or 1) of tail pair p, (t0, t1), turned by the angle of row t of cos_t/sin_t
+// [., n_rot/2], or by minus it when inverse.
+DEVICE_FN float rope_turn(float t0, float t1, const GLOBAL float* cos_t, const GLOBAL float* sin_t, uint t, uint p,
+                          uint n_rot, uint odd, bool inverse) {
+    float c = cos_t[t * (n_rot / 2u) + p], s = sin_t[t * (n_rot / 2u) + p];
+    if (inverse) s = -s;
+    return odd == 0u ? t0 * c - t1 * s : t0 * s + t1 * c;
+}
+
 // Q2_K, 84-byte blocks of 256: element e = 128h + 32j + 16s + l.
 DEVICE_FN float dq_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
     const GLOBAL uint8_t* b = row + (k >> 8) * 84u;
