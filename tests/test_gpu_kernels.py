@@ -1944,6 +1944,57 @@ def test_cupy_branch_runs_after_its_fork_and_before_the_join():
     assert step.captures == 1 and not step.failures
 
 
+@pytest.mark.gpu
+def test_cupy_branch_kernels_keep_the_side_streams_priority_in_a_graph():
+    """A kernel launched in a branch carries the device's highest stream priority into a captured graph (the node
+    attribute that a graph instantiated with USE_NODE_PRIORITY runs it at), the main stream's kernels the default
+    0; the graph instantiated so (driver.GraphExec) replays to the right values."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import ctypes
+
+    import cupy as cp
+
+    from ds4lab.cuda import driver
+    from ds4lab.cuda.branches import Branch
+
+    lib, ref = driver.libcuda(), ctypes.byref
+    least, greatest = ctypes.c_int(), ctypes.c_int()
+    driver.check(lib.cuCtxGetStreamPriorityRange(ref(least), ref(greatest)), "cuCtxGetStreamPriorityRange")
+    assert greatest.value < least.value == 0  # a device whose streams have no priorities could not show anything
+    x = cp.arange(4096, dtype=cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        y = x * 2.0
+        side = Branch()
+        with side:
+            z = x + 1.0
+        side.join()
+        w = y + z
+        graph = cp.cuda.runtime.streamEndCapture(stream.ptr)
+    count = ctypes.c_size_t(0)
+    driver.check(lib.cuGraphGetNodes(ctypes.c_void_p(graph), None, ref(count)), "cuGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    driver.check(lib.cuGraphGetNodes(ctypes.c_void_p(graph), nodes, ref(count)), "cuGraphGetNodes")
+    priorities = []
+    for node in nodes:
+        kind = ctypes.c_int()
+        driver.check(lib.cuGraphNodeGetType(ctypes.c_void_p(node), ref(kind)), "cuGraphNodeGetType")
+        if kind.value == 0:  # CU_GRAPH_NODE_TYPE_KERNEL
+            value = (ctypes.c_int * 16)()  # CUlaunchAttributeValue: a 64-byte union, the priority its first int
+            driver.check(lib.cuGraphKernelNodeGetAttribute(ctypes.c_void_p(node), 8, value),  # ..._PRIORITY
+                         "cuGraphKernelNodeGetAttribute")
+            priorities.append(value[0])
+    assert sorted(priorities) == [greatest.value, 0, 0]
+    exe = driver.GraphExec(graph)
+    w[...] = 0
+    exe.launch(stream)
+    stream.synchronize()
+    assert float(cp.abs(w - (3.0 * x + 1.0)).max()) == 0.0
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cupy", marks=pytest.mark.gpu),
                                      pytest.param("mlx", marks=pytest.mark.gpu), "emulated"])
 def test_every_short_chunk_length_runs(model_paths, backend):

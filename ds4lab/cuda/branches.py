@@ -13,6 +13,11 @@ made must not be read on the current stream and then freed while the branch is o
 ``with``): the branch could reuse the memory under that read. The model's branches read only what was made before
 their fork, and the current stream reads their results only after the join.
 
+Priority: the side streams have the device's highest priority, and a captured graph keeps it per kernel
+(:mod:`.driver`): a side chain's short launches take SMs as the main stream's wide product frees them (the H200's
+trace: the KV chain beside attn_q_b, not after it), so the chain's length rather than its wait decides when the
+attention can start.
+
 Uploads: CuPy copies a host array to the device on the current stream, asynchronously. A kept launch constant made
 while a branch is open may be read first on another stream, so :func:`open_branches` tells the launcher to wait for
 such an upload (``ds4lab.cuda.kernels``); a capture makes none (its eager call made them).
@@ -24,6 +29,8 @@ import itertools
 import threading
 
 import cupy as cp
+
+from .driver import high_priority_stream
 
 SIDE_STREAMS = 2  # per device and thread: branches made one after another take them in turn
 _streams: dict[tuple, itertools.cycle] = {}
@@ -38,7 +45,7 @@ def open_branches() -> int:
 def _side_stream() -> cp.cuda.Stream:
     key = (cp.cuda.Device().id, threading.get_ident())
     if key not in _streams:
-        _streams[key] = itertools.cycle([cp.cuda.Stream(non_blocking=True) for _ in range(SIDE_STREAMS)])
+        _streams[key] = itertools.cycle([high_priority_stream() for _ in range(SIDE_STREAMS)])
     return next(_streams[key])
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..backends.packing import offsets, view_at, views
 from ..mlx_kernels.launches import InPlaceError, holding
+from .driver import GraphExec
 
 _POOLS: dict[int, cp.cuda.MemoryPool] = {}  # per device: the memory every captured graph allocates from
 _capturing = threading.local()  # .carried: {pointer: array} of the carried inputs of the capture in progress
@@ -193,7 +194,7 @@ class _Captured:
                 self._table, host = _copy_spans(self._destinations(outputs, carried), stream)
             finally:
                 _capturing.carried = None
-                self.graph = stream.end_capture()
+                self.graph = GraphExec(cp.cuda.runtime.streamEndCapture(stream.ptr))
         self._table.set(host)
         stream.synchronize()
 
