@@ -157,18 +157,20 @@ class Transformer:
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
         q_a, kv_a = lw.query_projections(a)
         cos, sin = rope
-        # The KV row, the raw ring and the compressors (and their products of a) do not need q: for a decode step's
-        # few rows they run beside q's projections, the indexer's compressor beside the attention rows', forked
-        # once its products are made (ops.branch: side streams on CuPy, in order elsewhere), until the indexer or
-        # the attention reads the rows they make.
+        # The KV row and the raw ring, and the compressors (their products of a, then their pooled rows) do not need
+        # q: for a decode step's few rows each chain runs beside q's projections and beside the other, the indexer's
+        # compressor beside the attention rows', forked once its products are made (ops.branch: side streams on
+        # CuPy, in order elsewhere), until the indexer or the attention reads the rows they make.
         kv_side = ops.branch(C, emit is None)
         with kv_side:
+            # kv_a stays held: a side stream reads it, and memory freed on the main stream is reused there at once
+            kv, kv_rot = ops.rmsnorm_rope(kv_a, eps, lw.attn_kv_a_norm, cos, sin)
+        comp_side = ops.branch(C, emit is None)
+        with comp_side:
             of_a = lw.compressor_projections(a, selects)
             index_side = ops.branch(C, emit is None)
             if selects:  # the indexer's head weights, scaled
                 w_idx = of_a.index_proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
-            # kv_a stays held: a side stream reads it, and memory freed on the main stream is reused there at once
-            kv, kv_rot = ops.rmsnorm_rope(kv_a, eps, lw.attn_kv_a_norm, cos, sin)
         # q normalised, and normalised then turned by RoPE (one launch with kernels)
         qr = ops.rmsnorm(q_a, eps, lw.attn_q_a_norm)
         q, q_rot = ops.rmsnorm_rope(lw.attn_q_b(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None, cos, sin)
@@ -187,7 +189,7 @@ class Transformer:
 
         if R:
             # Rows of windows that end inside the chunk are written before the chunk's attention.
-            with kv_side:
+            with comp_side:
                 comp, comp_kv, comp_sc = self._compress(
                     "attn_compressor", lw.attn_compressor, of_a.comp_kv, of_a.comp_gate, R, pos0, n_valid, windows,
                     (st.comp, st.comp_state_kv, st.comp_state_score), self.store_kv, emit)
@@ -202,8 +204,8 @@ class Transformer:
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
                 if selects:
                     q_idx = self._indexer_query(lw, qr, cos, sin)
-                    index_side.join()  # into the KV side's stream, which it was forked from: that joins first
-                    kv_side.join()
+                    index_side.join()  # into the compressors' stream, which it was forked from: that joins next
+                    comp_side.join()
                     score = ops.indexer_scores(q_idx, w_idx, index)
                     if emit:
                         emit("indexer.scores", score)
@@ -214,6 +216,7 @@ class Transformer:
                 comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
             tail = (comp, comp_visible)  # the keys after the raw window
         index_side.join()
+        comp_side.join()
         kv_side.join()
 
         scale = cfg.head_dim ** -0.5
