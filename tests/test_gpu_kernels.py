@@ -1617,11 +1617,14 @@ def test_grouped_output_gathered_equals_the_group_by_group_projection():
 @pytest.mark.parametrize("whole_step", [True, False], ids=["whole step", "per layer"])
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.gpu) for b in ("cupy", "mlx")] + ["emulated"])
 def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
-    """Decode steps as compiled backends run them give the eager logits bit for bit. CuPy: one CUDA graph
-    for every layer of the step (whole_step), or one per half and layer (as tiers run), each run eagerly on
+    """Decode steps as compiled backends run them give the eager logits and KV state bit for bit. CuPy: one CUDA
+    graph for every layer of the step (whole_step), or one per half and layer (as tiers run), each run eagerly on
     the first decode-sized step, captured on the second, replayed after. MLX: the same functions through
-    mx.compile, traced once. The emulator: the same functions with positions and token ids passed as device
-    arrays, as a graph sees them."""
+    mx.compile, traced once; its whole step also compiles the head, whose stream collapse is plain MLX ops
+    (hc_head's ``pre * scale + base`` and weighted sum) that mx.compile fuses, contracting a multiply and an add
+    into one FMA: on the H200 compiled hc_head moved nano's embedding by up to 4.8e-7 (its rmsnorm not at all),
+    so there the logits are held to 8 float32 epsilons of the largest logit and the state stays bit for bit. The
+    emulator: the same functions with positions and token ids passed as device arrays, as a graph sees them."""
     gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
@@ -1629,7 +1632,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
         b.compile = lambda fn, carry=None: fn
     n_prefill, n_decode = 72, 2 if backend == "emulated" else 5  # from position 68 the indexer drops rows
     ids = np.random.default_rng(11).integers(0, gpu.config.n_vocab, n_prefill + n_decode)
-    logits, held = {}, None
+    logits, states, held = {}, {}, None
     rt.whole_step = whole_step
     for compiled in (False, True):
         rt.compile = compiled
@@ -1644,7 +1647,13 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
                 held_state = sess._state
                 held = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
         logits[compiled] = np.stack(steps)
-    assert np.array_equal(logits[True], logits[False])
+        states[compiled] = [b.to_numpy(a) for lay in sess._state.layers for a in lay.arrays() if a is not None]
+    assert all(np.array_equal(x, y) for x, y in zip(states[True], states[False], strict=True))  # ids given: no feedback
+    if backend == "mlx" and whole_step:
+        atol = 8 * np.finfo(np.float32).eps * float(np.abs(logits[False]).max())
+        np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=atol)
+    else:
+        assert np.array_equal(logits[True], logits[False])
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
     # keys: ("step", rows, real rows, head, device), or (layer, rows, device) and ("ffn", layer, rows, device)
