@@ -17,10 +17,10 @@ def _on_mlx(raw):
     return np.array(layout.blocks(mx.array(raw), Q.Q8_0, mx))
 
 
-# NumPy as blocks() sees a device's array library (not numpy itself): the slices' path, run on the host
-AS_DEVICE = SimpleNamespace(concatenate=np.concatenate, zeros=np.zeros)
-# the host's records (NumPy), the slices an array library's device takes (run by NumPy here, and by MLX)
-TILERS = {"host": lambda raw: layout.blocks(raw, Q.Q8_0), "slices": lambda raw: layout.blocks(raw, Q.Q8_0, AS_DEVICE),
+# NumPy as blocks() sees a device's array library (not numpy itself): the gather's path, run on the host
+AS_DEVICE = SimpleNamespace(concatenate=np.concatenate, zeros=np.zeros, take=np.take, asarray=np.asarray)
+# the host's records (NumPy), the gather an array library's device takes (run by NumPy here, and by MLX)
+TILERS = {"host": lambda raw: layout.blocks(raw, Q.Q8_0), "gather": lambda raw: layout.blocks(raw, Q.Q8_0, AS_DEVICE),
           "mlx": _on_mlx}
 
 
