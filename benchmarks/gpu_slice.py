@@ -137,19 +137,27 @@ def step(rt: Runtime, tokens, state, sync):
     return state, logits
 
 
+def ends_no_window(key) -> bool:
+    """Whether the compiled call ``key`` (Runtime.compiled's) runs the chunks that end no compressor's window: a
+    decode step's usual call (one in 4 steps ends a ratio-4 window and takes another)."""
+    return key[4] == () if key[0] == "step" else key[0] == "ffn" or not key[1]
+
+
 def graph_report(rt: Runtime) -> dict:
-    """How the compiled steps ran: CUDA graphs captured and capture failures (CuPy)."""
+    """How the compiled steps ran: CUDA graphs captured and capture failures (CuPy). ``replay_ms_total``: the GPU
+    time of the graphs of a step that ends no window, one sum per set of shapes captured."""
     graphs = {key: g for key, g in rt.compiled.items() if hasattr(g, "captures")}
-    replays = {str(key): [round(s * 1e3, 4) for s in g.replay_seconds()] for key, g in graphs.items()}
+    replays = {key: [round(s * 1e3, 4) for s in g.replay_seconds()] for key, g in graphs.items()}
     return {"steps": len(graphs), "captures": sum(g.captures for g in graphs.values()),
             "failures": sorted({f for g in graphs.values() for f in g.failures.values()}),
-            "replay_ms": replays,  # per step: its graphs' GPU time, one per set of shapes captured
-            "replay_ms_total": [round(sum(ms), 3) for ms in zip(*(r for r in replays.values() if r))]}
+            "replay_ms": {str(key): r for key, r in replays.items()},  # per compiled call, one per shapes captured
+            "replay_ms_total": [round(sum(ms), 3) for ms in zip(*(r for key, r in replays.items()
+                                                                   if r and ends_no_window(key)))]}
 
 
 def last_replay_s(rt: Runtime, key) -> float | None:
-    """GPU seconds of one bare replay of the CUDA graph the compiled step ``key`` (without its device) captured last
-    on the current device (CuPy), or None where the step is not a captured graph."""
+    """GPU seconds of one bare replay of the CUDA graph the compiled call ``key`` (without its device) captured last
+    on the current device (CuPy), or None where the call is not a captured graph."""
     g = rt.compiled.get((*key, rt.backend.device_key()))
     return g.replay_seconds()[-1] if getattr(g, "captures", 0) else None
 
@@ -182,7 +190,8 @@ def decode_speed(rt: Runtime, context: int, steps: int, sync) -> dict:
 
     body_s = median_step(no_head)
     out = {"context": context, "step_s": step_s, "tokens_per_s": 1 / step_s, "head_s": step_s - body_s}
-    gpu_step_s, gpu_body_s = (last_replay_s(rt, ("step", 1, 1, head)) for head in (True, False))
+    # the graphs of a step that ends no window (three steps in four; the median step is one of them)
+    gpu_step_s, gpu_body_s = (last_replay_s(rt, ("step", 1, 1, head, ())) for head in (True, False))
     if gpu_step_s is not None and gpu_body_s is not None:
         out.update(gpu_step_s=gpu_step_s, gpu_body_s=gpu_body_s, host_s=step_s - gpu_step_s,
                    gpu_layer_ms=gpu_body_s / cfg.n_layer * 1e3)

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import ds4lab
 from ds4lab.mlx_kernels.cpu import compile_module, compiler, launch
 from ds4lab.mlx_kernels.dialects import _SYNCS, SOURCES, KernelSpec
 
@@ -198,6 +199,47 @@ def _carrying(model):
     return model
 
 
+@pytest.mark.parametrize("backend", ["numpy", "emulated"])
+def test_a_decode_step_that_ends_no_window_leaves_the_pooling_out_and_changes_nothing(model_paths, monkeypatch,
+                                                                                       backend):
+    """Decode steps over positions 120…129 of nano (ratio-4 windows end at 123 and 127, a ratio-128 one at 127): the
+    compressors pool only at the steps that end one of their windows, and the logits and every state array are
+    those of steps that pool at every step (runtime.tables.ending made to name every ratio), bit for bit: on the
+    float64 reference and on the emulated kernels."""
+    from ds4lab.ops import Ops
+    from ds4lab.runtime import tables
+    from tests.conftest import emulated_model
+
+    ids = np.random.default_rng(9).integers(0, 500, 130)
+    pooled_at, real = [], Ops.compress_chunk
+    monkeypatch.setattr(Ops, "compress_chunk", lambda self, *a: pooled_at.append(a[4]) or real(self, *a))
+    runs = []
+    for always in (False, True):
+        if always:
+            monkeypatch.setattr(tables, "ending", lambda ratios, pos0, n: tuple(sorted(set(ratios))))
+        model = (ds4lab.load(model_paths["nano"], backend="numpy") if backend == "numpy"
+                 else emulated_model(model_paths["nano"]))
+        state = model.new_state(160, 64)
+        for start in (0, 64):  # two chunks, the second of 56 real rows
+            _, state = model.runtime.forward(ids[start:min(start + 64, 120)], state, prefill=True)
+        pooled_at.clear()
+        logits = []
+        for t in ids[120:]:
+            step_logits, state = model.runtime.forward_logits(np.array([t]), state)
+            logits.append(np.asarray(step_logits))
+        runs.append((logits, [np.asarray(a) for layer in state.layers for a in layer.arrays() if a is not None],
+                     [int(p) for p in pooled_at]))
+    (got, got_state, pooled), (want, want_state, pooled_always) = runs
+    cfg = model.config
+    compressors = {il: (1 + cfg.has_indexer(il)) * (cfg.ratio(il) != 0) for il in range(cfg.n_layer)}
+    ends = {123: (4,), 127: (4, 128)}
+    assert pooled == [p for p in range(120, 130) for il in range(cfg.n_layer) if cfg.ratio(il) in ends.get(p, ())
+                      for _ in range(compressors[il])]
+    assert len(pooled_always) == 10 * sum(compressors.values())
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state, strict=True))
+
+
 def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_nothing(model_paths):
     """Decode steps compiled with ``carry`` on the emulator (the ring and the compressed rows written in place by the
     in-place kernels, in the step's own copy of the state) give the eager steps' logits and states bit for bit, and
@@ -222,11 +264,14 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
     (want, want_state), (got, got_state) = states
     assert all(np.array_equal(g, w) for g, w in zip(got, want)) and len(got) == 7
     assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state))
-    step = carried.runtime.compiled[("step", 1, 1, True, carried.runtime.backend.device_key())]
+    # positions 19…25: the steps at 19 and 23 end a ratio-4 window, none a ratio-128 one: two compiled steps
+    steps = {key[4]: g for key, g in carried.runtime.compiled.items() if key[:4] == ("step", 1, 1, True)}
+    assert set(steps) == {(), (4,)}
     cfg = carried.config
-    # a layer's ring, its compressed rows (ratio ≠ 0) and its indexer's rows (where it has an indexer)
+    # a layer's ring, its compressed rows (ratio ≠ 0) and its indexer's rows (where it has an indexer): in place when
+    # written, and in place when left as they were (a step that ends none of their windows)
     per_step = sum(1 + (cfg.ratio(il) != 0) + (cfg.ratio(il) != 0 and cfg.has_indexer(il)) for il in range(cfg.n_layer))
-    assert step.written_in_place == 7 * per_step > 7 * cfg.n_layer
+    assert sum(g.written_in_place for g in steps.values()) == 7 * per_step > 7 * cfg.n_layer
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, min_p=0.05, seed=3)],

@@ -1625,6 +1625,8 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     into one FMA: on the H200 compiled hc_head moved nano's embedding by up to 4.8e-7 (its rmsnorm not at all),
     so there the logits are held to 8 float32 epsilons of the largest logit and the state stays bit for bit. The
     emulator: the same functions with positions and token ids passed as device arrays, as a graph sees them."""
+    from ds4lab.runtime.tables import ending
+
     gpu = _gpu_model_or_skip(model_paths["nano"], backend, "ds4", True)
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
@@ -1656,12 +1658,22 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
         assert np.array_equal(logits[True], logits[False])
     later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
-    # keys: ("step", rows, real rows, head, device), or (layer, rows, device) and ("ffn", layer, rows, device)
-    decode = [g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-2]) == 1]
-    if backend != "emulated":
-        assert len(decode) == (1 if whole_step else 2 * gpu.config.n_layer)
-    if backend == "cupy":
-        assert all(g.captures == 1 and not g.failures for g in decode), [g.failures for g in decode]
+    # keys: ("step", rows, real rows, head, ends, device), or (layer, ends, rows, device) and ("ffn", layer, rows,
+    # device): a call per set of the windows a step ends (runtime.tables.ending), run as often as such steps come
+    cfg = gpu.config
+    ends = [ending([cfg.ratio(il) for il in range(cfg.n_layer) if cfg.ratio(il)], p, 1)
+            for p in range(n_prefill, n_prefill + n_decode)]
+    if whole_step:
+        runs = {("step", 1, 1, True, e): ends.count(e) for e in ends}
+    else:
+        runs = {**{(il, e, 1): sum((cfg.ratio(il) in x) == e for x in ends)
+                   for il in range(cfg.n_layer) for e in {cfg.ratio(il) in x for x in ends}},
+                **{("ffn", il, 1): len(ends) for il in range(cfg.n_layer)}}
+    decode = {key[:-1]: g for key, g in rt.compiled.items() if (key[1] if key[0] == "step" else key[-2]) == 1}
+    assert set(decode) == set(runs) and len(set(ends)) == (1 if backend == "emulated" else 2)  # 75 ends a window
+    if backend == "cupy":  # eager, then captured, then replayed
+        assert all(g.captures == (runs[key] > 1) and not g.failures for key, g in decode.items()), \
+            [g.failures for g in decode.values()]
 
 
 def test_packing_layout_and_views():

@@ -18,7 +18,8 @@ from ds4lab.mlx_kernels.launches import KernelLaunches
 from ds4lab.ops import Ops
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ds4lab"
-OPS = ("attend", "hc_pre", "hc_post", "rope", "rmsnorm", "rmsnorm_rope", "store_kv", "compress_chunk", "add_ape",
+OPS = ("attend", "hc_pre", "hc_post", "rope", "rmsnorm", "rmsnorm_rope", "store_kv", "compress_chunk", "compress_state",
+       "add_ape",
        "append_rows", "compressed_visible", "ring_write", "indexer_scores", "indexer_allowed", "swiglu", "pair_sum",
        "moe_route", "hadamard_fp4")
 

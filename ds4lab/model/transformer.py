@@ -140,7 +140,9 @@ class Transformer:
     def attention_block(self, il: int, X, pos0, n_valid, rope, windows, st: LayerState, emit=None):
         """Layer ``il``'s attention half on the HC state ``X [C, n_hc, E]`` of positions ``pos0 …``, of which the
         first ``n_valid`` rows are real: ``(X, the layer's new state)``. ``rope``: the chunk's (cos, sin);
-        ``windows``: those of the start positions of the compressed windows the chunk can complete."""
+        ``windows``: those of the start positions of the compressed windows the chunk can complete, or None when
+        it ends none of this layer's windows (a decode step, most of the time): then the compressors only move
+        their pending state on, and their pooling, its norm and the rows' append are left out."""
         cfg, ops, lw, xp = self.cfg, self.ops, self.layers[il], self.xp
         eps, C, R = cfg.rms_eps, X.shape[0], cfg.ratio(il)
         emit = _in_layer(il, emit)
@@ -245,17 +247,21 @@ class Transformer:
 
     def _compress(self, name, cw, kv, gate, R, pos0, n_valid, windows, state, store, emit):
         """One compressor (``name``, its weights ``cw``) over the chunk's projections ``kv`` and ``gate``: pool
-        windows, normalize, RoPE at the window start, and append the rows of windows completed in the chunk to
-        ``state`` = (rows, pending kv, pending score); returns the three after the chunk."""
+        windows, normalize, RoPE at the window start (``windows``: their cos, sin; None when the chunk ends no
+        window), and append the rows of windows completed in the chunk to ``state`` = (rows, pending kv, pending
+        score); returns the three after the chunk."""
         ops = self.ops
         rows, state_kv, state_sc = state
         sc = ops.add_ape(gate, cw.ape, pos0)
         if emit:
             emit(name + ".kv", kv)
             emit(name + ".score", sc)
-        pooled, new_kv, new_sc = ops.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
-        _, c = ops.rmsnorm_rope(pooled, self.cfg.rms_eps, cw.norm, *windows)
-        rows = ops.append_rows(rows, store(c), pos0, n_valid, R)
+        if windows is None:  # no window ends in the chunk: the rows stay as they are
+            new_kv, new_sc = ops.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, R)
+        else:
+            pooled, new_kv, new_sc = ops.compress_chunk(state_kv, state_sc, kv, sc, pos0, n_valid, R)
+            _, c = ops.rmsnorm_rope(pooled, self.cfg.rms_eps, cw.norm, *windows)
+            rows = ops.append_rows(rows, store(c), pos0, n_valid, R)
         if emit:
             emit(name + ".rows", rows)
         return rows, new_kv, new_sc

@@ -32,16 +32,17 @@ def real_rows(xp, fn, X, n: int):
     return fn(X) if X.shape[0] == n else xp.concatenate([fn(X[:n]), X[n:]], axis=0)
 
 
-def attention_half(model, il: int, traced):
+def attention_half(model, il: int, traced, ends: bool):
     """Layer ``il``'s attention block: (X, pos0, n_valid, cos, sin[, window cos, window sin], state arrays) ->
-    (X, new state arrays). ``traced()`` is called once per trace (not once per call)."""
+    (X, new state arrays). ``traced()`` is called once per trace (not once per call). ``ends``: whether the chunks
+    it runs end a window of the layer's ratio (if not, the window tables are taken and left unread)."""
     R = model.cfg.ratio(il)
 
     def step(X, pos0, n_valid, cos, sin, *rest):
         traced()
         wcos, wsin, arrays = (rest[0], rest[1], rest[2:]) if R else (None, None, rest)
         st = layer_state(model.cfg, il, arrays)
-        X, new = model.attention_block(il, X, pos0, n_valid, (cos, sin), (wcos, wsin), st)
+        X, new = model.attention_block(il, X, pos0, n_valid, (cos, sin), (wcos, wsin) if ends else None, st)
         return (X, *present(new))
 
     return step
@@ -52,10 +53,11 @@ def ffn_half(model, il: int):
     return lambda X, ids: (model.ffn_block(il, X, ids),)
 
 
-def whole_step(model, n: int, rope_keys: list, window_keys: list, head: bool):
+def whole_step(model, n: int, rope_keys: list, window_keys: list, head: bool, ends: tuple):
     """The whole chunk of ``n`` real rows: (pos0, n_valid, the chunk's ids padded to C rows, RoPE tables, window
     tables, every layer's state arrays) -> (X of the real rows, every layer's new arrays, and with ``head`` the
-    logits of the last real row). The embedding rows are looked up and decoded on the device, inside it."""
+    logits of the last real row). The embedding rows are looked up and decoded on the device, inside it. ``ends``:
+    the ratios whose windows its chunks end (:func:`.tables.ending`); the other ratios' window tables are unread."""
     cfg, xp = model.cfg, model.xp
 
     def step(pos0, n_valid, chunk_ids, *rest):
@@ -68,7 +70,7 @@ def whole_step(model, n: int, rope_keys: list, window_keys: list, head: bool):
         for il, params in enumerate(model.ropes):
             R = cfg.ratio(il)
             X, layer = model.attention_block(il, X, pos0, n_valid, rope[params],
-                                             windows[params, R] if R else (None, None), layer_state(cfg, il, it))
+                                             windows[params, R] if R in ends else None, layer_state(cfg, il, it))
             X = real_rows(xp, lambda Y: model.ffn_block(il, Y, ids), X, n)
             new += present(layer)
         return (X[:n], *new, model.head(X[n - 1:n])) if head else (X[:n], *new)

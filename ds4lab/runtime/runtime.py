@@ -34,10 +34,11 @@ from .tables import ChunkTables, chunk_tables, rope_keys
 class Runtime:
     """Runs chunks of ``model`` on ``backend``. Knobs: ``compile`` (default: whether the backend compiles by
     default), ``whole_step`` (where the backend compiles both halves: every layer in one compiled call).
-    ``compiled`` holds the compiled calls by key — ``(layer, rows)`` for an attention half, ``("ffn", layer,
-    rows)`` for an FFN half, ``("step", rows, real rows, head)`` for a whole step, each ending with the device
-    (``backend.device_key()``) — and ``trace_count`` counts the attention halves' traces (one per layer, chunk
-    size and device)."""
+    ``compiled`` holds the compiled calls by key — ``(layer, ends, rows)`` for an attention half, ``("ffn", layer,
+    rows)`` for an FFN half, ``("step", rows, real rows, head, ends)`` for a whole step, each ending with the device
+    (``backend.device_key()``); ``ends`` says which compressors' windows the chunk ends (:func:`.tables.ending`:
+    a decode step leaves the others' pooling out, so it has up to three calls) — and ``trace_count`` counts the
+    attention halves' traces (one per layer, chunk size, ``ends`` and device)."""
 
     def __init__(self, model, backend, compile: bool | None = None):
         self.model = model
@@ -178,8 +179,8 @@ class Runtime:
         tabs = self.tables(tokens, state.n_past, C)  # pads the ids to C rows
         ids = tabs.chunk_ids if device_ids is None else device_ids
         inputs = [*tabs.scalars, ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ())]
-        step = self._compiled(("step", C, n, head),
-                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head),
+        step = self._compiled(("step", C, n, head, tabs.ends),
+                              lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head, tabs.ends),
                               (len(inputs), 1))
         if isinstance(state.layers, PackedLayers):  # the previous step's outputs
             arrays = state.layers.arrays
@@ -195,11 +196,12 @@ class Runtime:
         model = self.model
         params, R = model.ropes[il], model.cfg.ratio(il)
         rope = tabs.rope[params]
-        win = tabs.windows[params, R] if R else (None, None)
         if observer is not None or not self.compiles(X.shape[0]):
-            return model.attention_block(il, X, pos0, n_valid, rope, win, st, observer)
-        inputs = [X, *tabs.scalars, *rope, *(win if R else ())]
-        half = self._compiled((il, X.shape[0]), lambda: attention_half(model, il, self._traced), (len(inputs), 1))
+            return model.attention_block(il, X, pos0, n_valid, rope, tabs.windows_of(params, R), st, observer)
+        inputs = [X, *tabs.scalars, *rope, *(tabs.windows[params, R] if R else ())]
+        ends = R in tabs.ends
+        half = self._compiled((il, ends, X.shape[0]), lambda: attention_half(model, il, self._traced, ends),
+                              (len(inputs), 1))
         out = half(*inputs, *present(st))
         return out[0], layer_state(model.cfg, il, out[1:])
 
