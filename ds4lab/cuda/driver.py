@@ -35,7 +35,10 @@ def check(status: int, call: str) -> None:
 
 def high_priority_stream() -> cp.cuda.ExternalStream:
     """A new non-blocking stream of the current device's highest priority (kept by its caller for the process)."""
-    cp.cuda.runtime.free(0)  # the device's context made current on this thread before the driver is asked
+    context = ctypes.c_void_p()
+    check(libcuda().cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+    if not context.value:  # a thread the runtime has not used yet: it makes the device's context current
+        cp.cuda.runtime.free(0)
     least, greatest = ctypes.c_int(), ctypes.c_int()
     check(libcuda().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
           "cuCtxGetStreamPriorityRange")

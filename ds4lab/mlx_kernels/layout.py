@@ -59,7 +59,7 @@ def _tile_order() -> np.ndarray:
     their last 16, then their scales (the module's docstring)."""
     block = 34 * np.arange(TILE_BLOCKS)[:, None]
     return np.concatenate([(block + 2 + np.arange(16)).ravel(), (block + 18 + np.arange(16)).ravel(),
-                           (block + np.arange(2)).ravel()])
+                           (block + np.arange(2)).ravel()]).astype(np.int32)
 
 
 _TILE_ORDER = _tile_order()

@@ -192,7 +192,8 @@ class Runtime:
         return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
 
     def _attention(self, il: int, X, pos0: int, n_valid: int, tabs: ChunkTables, st, observer):
-        """Layer ``il``'s attention half: compiled per layer and chunk size where it compiles and nothing observes."""
+        """Layer ``il``'s attention half: compiled per layer, chunk size and the windows the chunk ends (whether it
+        ends one of the layer's) where it compiles and nothing observes."""
         model = self.model
         params, R = model.ropes[il], model.cfg.ratio(il)
         rope = tabs.rope[params]

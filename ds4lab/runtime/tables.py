@@ -19,20 +19,20 @@ class ChunkTables:
     windows: dict  # (RopeParams, ratio) -> (cos, sin) [n_windows, n_rot/2]
     scalars: tuple  # (pos0, n_valid) as the backend passes them into compiled functions
     ids: object  # the real tokens' ids, int32 on the device, where the backend compiles the FFN half
+    ends: tuple  # the ratios whose windows the chunk may end (ending): the others' pooling is left out
     chunk_ids: object = None  # the same with the padded rows' (0), which a compiled step embeds on the device
-    ends: tuple = ()  # the ratios whose windows the chunk ends (ending), a compiled call's key
 
     def windows_of(self, params, R: int):
         """The window tables of a layer of ratio ``R``, or None where the chunk ends none of its windows."""
         return self.windows[params, R] if R in self.ends else None
 
 
-def ending(ratios, pos0: int, n: int) -> tuple:
-    """Of the compressed layers' ``ratios``, those whose windows a chunk of ``n`` real rows from ``pos0`` may end:
-    for a decode step (one row) those it ends, so that it can leave the others' pooling out (one step in 4 ends
-    a ratio-4 window, one in 128 a ratio-128 one); for a longer chunk every ratio, so that its compiled calls
-    do not multiply by the positions it starts at."""
-    return tuple(sorted(R for R in set(ratios) if n > 1 or (pos0 + n) // R > pos0 // R))
+def ending(ratios, pos0: int, rows: int) -> tuple:
+    """Of the compressed layers' ``ratios``, those whose windows a chunk of ``rows`` rows (padded or not) from
+    ``pos0`` may end: for a decode step (one row) those it ends, so that it can leave the others' pooling out (one
+    step in 4 ends a ratio-4 window, one in 128 a ratio-128 one); for a longer chunk every ratio, so that its
+    compiled calls do not multiply by the positions it starts at or the real rows it holds."""
+    return tuple(sorted(R for R in set(ratios) if rows > 1 or (pos0 + 1) // R > pos0 // R))
 
 
 def rope_keys(model) -> tuple[list, list]:
@@ -65,11 +65,11 @@ def chunk_tables(backend, keys: tuple[list, list], tokens: np.ndarray, pos0: int
     rows = [backend.rope_rows(p, pos, next(dev)) if gather else (next(dev), next(dev))
             for p, pos in zip(params, positions)]
     rope, windows = dict(zip(rope_keys, rows)), dict(zip(window_keys, rows[len(rope_keys):]))
-    ends = ending([R for _, R in window_keys], pos0, len(tokens))
+    ends = ending([R for _, R in window_keys], pos0, chunk)
     if not compiled:
-        return ChunkTables(rope, windows, (pos0, len(tokens)), None, ends=ends)
+        return ChunkTables(rope, windows, (pos0, len(tokens)), None, ends)
     if not ffn:
-        return ChunkTables(rope, windows, tuple(ints[:2]), None, ends=ends)
+        return ChunkTables(rope, windows, tuple(ints[:2]), None, ends)
     chunk_ids = ints[2]
     return ChunkTables(rope, windows, tuple(ints[:2]), chunk_ids[:len(tokens)] if len(tokens) < chunk else chunk_ids,
-                       chunk_ids, ends)
+                       ends, chunk_ids)
