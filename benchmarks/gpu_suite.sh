@@ -84,7 +84,8 @@ want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 bench
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one
 # run. COMPARE picks the benchmarks (default "decode qmatmul qgemm qgemm_tf32"); a tree takes about 3-4 minutes
 # with all four, so stage one or two branches a call. COMPARE=flash: the full 43-layer Flash model's frontiers
-# 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file).
+# 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file); FLASH_ARGS adds
+# to its arguments (FLASH_ARGS="--decode-matmul q8").
 in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree's ds4lab, if COMPARE names BENCH
     local bench=$1 limit=$2; shift 2
     [[ " ${COMPARE:-decode qmatmul qgemm qgemm_tf32} " == *" $bench "* ]] || return 0
@@ -100,7 +101,7 @@ if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" le
         in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5
         in_tree qgemm_tf32 90 benchmarks/qgemm_bench.py --tf32 --repeats 5
         in_tree qgemm_f16 90 benchmarks/qgemm_bench.py --operands f16 --repeats 5  # trees since 9448da3
-        in_tree flash 140 benchmarks/flash_full.py --ctx-max 4096 --gen-tokens 64
+        in_tree flash 140 benchmarks/flash_full.py --ctx-max 4096 --gen-tokens 64 ${FLASH_ARGS:-}
     done
 fi
 # Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
