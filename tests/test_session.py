@@ -7,6 +7,7 @@ import pytest
 import ds4lab
 from ds4lab.kv.layout import Geometry, chunk_from_env
 from ds4lab.kv.payload import PayloadError
+from ds4lab.runtime.tables import ending
 
 PROMPT = np.random.default_rng(11).integers(0, 1000, 300).tolist()  # crosses 127/255 and the indexer at 67
 
@@ -301,13 +302,18 @@ def test_one_compiled_step_per_layer_and_chunk_size(model_paths):
     assert rt.trace_count == model.config.n_layer  # one trace per layer, shared by all four chunks
     s.prefill(PROMPT).run(progress=False)  # a resumed chunk (250-256) and another: no new trace
     assert rt.trace_count == model.config.n_layer
-    list(s.decoder(temperature=0).stream(3))  # decode is its own shape: one more trace per layer
-    assert rt.trace_count == 2 * model.config.n_layer
+    start = len(s.tokens)
+    list(s.decoder(temperature=0).stream(4))  # decode is its own shape: one more trace per layer and set of windows
+    cfg = model.config
+    ratios = [cfg.ratio(il) for il in range(cfg.n_layer) if cfg.ratio(il)]
+    sets = [ending(ratios, p, 1) for p in range(start, start + 4)]
+    assert set(sets) == {(), (4,)}  # position 303 ends a ratio-4 window: its layers trace a second decode half
+    assert rt.trace_count == cfg.n_layer + sum(len({cfg.ratio(il) in e for e in sets}) for il in range(cfg.n_layer))
     eager = ds4lab.load(model_paths["nano"], backend="mlx", device="cpu")
     eager.runtime.compile = False
     e = eager.session(ctx=400, prefill_chunk=64)
     e.prefill(PROMPT).run(progress=False)
-    list(e.decoder(temperature=0).stream(3))
+    list(e.decoder(temperature=0).stream(4))
     assert e.tokens == s.tokens
     np.testing.assert_allclose(e.logits, s.logits, rtol=1e-4, atol=1e-4)
 
