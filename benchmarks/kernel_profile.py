@@ -1,6 +1,7 @@
 """Where the GPU time of the CuPy path goes, kernel by kernel, on the full-width Flash slice.
 
-Decode: steps at a context until every layer's halves are CUDA graphs, then each graph replayed alone
+Decode: steps at a context until every layer's halves are CUDA graphs (twelve: those of the steps that end a
+ratio-4 window, one in four, are graphs of their own, runtime.tables.ending), then each graph replayed alone
 (then the same for the whole step as one graph, the head included)
 under PyTorch's profiler (CUPTI sees every kernel of the process, CuPy's included; the lent H200's image
 has PyTorch, ds4lab does not need it). Per graph it prints the kernels' summed GPU time against the
@@ -128,12 +129,12 @@ def main(argv=None):
     stream = cp.cuda.get_current_stream()
     out = {"context": args.context, "graphs": []}
 
-    state = filled_state(rt, args.context, args.context + 16)
+    state = filled_state(rt, args.context, args.context + 40)
     # a graph per layer half (where the time goes), then the whole step's
     for whole in () if args.prefill_only else (False, True):
         rt.whole_step = whole
         rt.compiled.clear()
-        for i in range(3):  # eager, capture, replay
+        for i in range(12):  # eager, capture, replay: of the steps that end a ratio-4 window too
             state, _ = step(rt, np.array([i]), state, sync)
         for key, g in rt.compiled.items():
             for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
