@@ -1,8 +1,6 @@
 """The kernels' weight layout (ds4lab.mlx_kernels.layout): Q8_0 rows regrouped into tiles of eight blocks, byte
 for byte where the module's docstring puts them, and every other type left as GGUF has it."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -17,11 +15,8 @@ def _on_mlx(raw):
     return np.array(layout.blocks(mx.array(raw), Q.Q8_0, mx))
 
 
-# NumPy as blocks() sees a device's array library (not numpy itself): the gather's path, run on the host
-AS_DEVICE = SimpleNamespace(concatenate=np.concatenate, zeros=np.zeros, take=np.take, asarray=np.asarray)
-# the host's records (NumPy), the gather an array library's device takes (run by NumPy here, and by MLX)
-TILERS = {"host": lambda raw: layout.blocks(raw, Q.Q8_0), "gather": lambda raw: layout.blocks(raw, Q.Q8_0, AS_DEVICE),
-          "mlx": _on_mlx}
+# one gather whatever the array library: NumPy's on the host, MLX's (as CuPy's on its device)
+TILERS = {"numpy": lambda raw: layout.blocks(raw, Q.Q8_0), "mlx": _on_mlx}
 
 
 @pytest.mark.parametrize("tiler", TILERS)
