@@ -187,7 +187,7 @@ def _carrying(model):
     class Carrying(EmulatedBackend):
         can_compile, compiled_rows, compiles_ffn, own = True, 16, True, {}
 
-        def compile(self, fn, carry=None):
+        def compile(self, fn, carry=None, family=None):
             return _CarriedStep(self, fn, carry)
 
         def donated(self, x) -> bool:

@@ -1631,7 +1631,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
-        b.compile = lambda fn, carry=None: fn
+        b.compile = lambda fn, carry=None, family=None: fn
     # from position 68 the indexer drops rows; positions 75, 79 and 83 end a ratio-4 window: on a GPU the
     # steps that do are a compiled call of their own, run eagerly, captured, then replayed after the others'
     n_prefill, n_decode = 72, 4 if backend == "emulated" else 12
@@ -1891,6 +1891,58 @@ def test_cupy_graph_carries_its_state_in_place():
     assert in_place[0] == (False, False, False) and in_place[1] == (True, True, True)  # eager, then the capture
     for t, out in enumerate(held):  # every replay's outputs are still what it returned
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out[1:], history[t + 1])] == [True] * 3, t
+
+
+@pytest.mark.gpu
+def test_cupy_graphs_of_a_family_share_their_carried_state():
+    """Two graphs with ``carry`` in one family (a decode step's variants): one input buffer between them, so a call
+    of either given the other's last carried outputs copies only its other inputs in, while one given an older state
+    (a restore) or the outputs of an eager call copies the state in; every result is the plain formulas'."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import graphs
+
+    def plain(k):
+        return lambda x, acc, n: (acc * np.float32(0.5) + x * np.float32(k), n + np.int32(1))
+
+    family = {}
+    steps = {k: graphs.GraphStep(lambda x, acc, n, k=k: (acc * 0.5 + x * float(k), n + 1), (1, 0), family)
+             for k in (1, 3)}
+    rng = np.random.default_rng(2)
+    acc, n = np.zeros((64, 8), np.float32), np.int32(0)
+    state, history, held, copies = [cp.asarray(acc), cp.asarray(n)], [], [], []
+    real_copy = graphs._Captured._copy
+    order = [1, 1, 3, 1, 3, 3, 1, 3, 1, 1, 3, 3]  # each graph eager, then captured, then replayed at switches
+    for t, k in enumerate(order):
+        if t == 9:  # back to the state after step 4
+            state, (acc, n) = held[4], history[4]
+        x = rng.standard_normal((1, 8)).astype(np.float32)
+        want = plain(k)(x, acc, n)
+        args = state if isinstance(state, list) else [state]
+        copies.clear()
+        captures = steps[k].captures
+        graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
+        try:
+            out = steps[k](cp.asarray(x), *args)
+        finally:
+            graphs._Captured._copy = real_copy
+        assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 2, t
+        state_at = next(iter(family.values())).offs[1] if family else None  # where the state starts in the buffer
+        if not isinstance(out, graphs.Outputs):  # eager: no buffer copied into
+            assert not copies, (t, copies)
+        elif isinstance(args[0], graphs.Span) and t != 9 and steps[k].captures == captures:  # the last replay's
+            assert copies and max(end for _, end in copies) <= state_at, (t, copies)  # state in place: x alone
+        else:  # a capture, a restore, or the state an eager call returned
+            assert max(end for _, end in copies) > state_at, (t, copies)
+        state = out[:] if isinstance(out, graphs.Outputs) else list(out)
+        held.append(state)
+        acc, n = want
+        history.append(want)
+    assert [s.captures for s in steps.values()] == [1, 1] and len(family) == 1
+    assert {id(g.ins) for s in steps.values() for g in s._graphs.values()} == {id(next(iter(family.values())))}
 
 
 @pytest.mark.gpu

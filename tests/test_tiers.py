@@ -219,7 +219,7 @@ def test_a_gpu_models_cpu_tier_decides_its_own_steps(monkeypatch, tmp_path):
     def device(self=None):
         return "cpu" if in_cpu_tier else "gpu"
 
-    def compile(fn, carry=None):  # a compiled call runs on the device it was traced on, as MLX's traces must
+    def compile(fn, carry=None, family=None):  # a call runs on the device it was traced on, as MLX's traces must
         traced_on = device()
 
         def call(*args):

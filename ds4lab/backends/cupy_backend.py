@@ -136,10 +136,10 @@ class CupyBackend(BlockBackend):
     def can_compile(self) -> bool:
         return self.use_kernels
 
-    def compile(self, fn, carry=None):
+    def compile(self, fn, carry=None, family=None):
         from ..cuda.graphs import GraphStep
 
-        return GraphStep(fn, carry)
+        return GraphStep(fn, carry, family)
 
     def donated(self, x) -> bool:
         from ..cuda.graphs import donated

@@ -151,7 +151,7 @@ class MLXBackend(Backend):
         # with the kernels a decode step routes its experts on the device (a chunk picks them on the host)
         return self.kernels is not None
 
-    def compile(self, fn, carry=None):
+    def compile(self, fn, carry=None, family=None):
         return mx.compile(fn)  # MLX's arrays are never written in place: the carried state is new arrays
 
     def eval(self, *xs):

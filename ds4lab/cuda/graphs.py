@@ -22,6 +22,8 @@ buffer: inside the capture those inputs are the graph's own copies, so ops may w
 carried outputs that are new arrays land back in their inputs' places at the end of the step. A replay given the
 previous replay's carried outputs (the :class:`Span` of them) finds them there and copies nothing in; the caller
 still gets its own copy of the new state. The outputs reach their places through one launch (``copy_spans``).
+Graphs of one family (a decode step's, one per set of compressor windows it ends) share that input buffer, so a
+step that switches graphs finds the state in place too: no copy of it at the switch, and one copy of it in memory.
 """
 
 from __future__ import annotations
@@ -105,6 +107,16 @@ class _Layout:
         self.offs, self.size = offsets(self.nbytes)
 
 
+class _Inputs:
+    """A graph's input buffer, laid out by a :class:`_Layout`, which the graphs of a family share; ``last`` (a weak
+    reference) names the replay's outputs whose carried state the buffer holds, None where it holds no one's."""
+
+    def __init__(self, layout: _Layout):
+        self.offs = layout.offs
+        self.buf = cp.empty(layout.size, dtype=cp.uint8)
+        self.last = None
+
+
 class Outputs(Sequence):
     """A replay's outputs, in one buffer of their own; each array is made on first read. A slice is a
     :class:`Span`."""
@@ -172,16 +184,15 @@ class _Captured:
     :func:`ds4lab.backends.packing.offsets`: a run of arguments that sits in one buffer at those relative
     offsets (a replay's outputs, CuPy's packed upload) is copied in as one span, and the outputs leave
     in one copy per run (the carried state from the input buffer, the rest from the output buffer).
-    ``carry``: (first carried input, first carried output, how many)."""
+    ``carry``: (first carried input, first carried output, how many); ``ins``: its input buffer (:class:`_Inputs`)."""
 
-    def __init__(self, fn, args, carry: tuple[int, int, int] | None):
-        in_layout = _Layout(args)
-        self.in_offs = in_layout.offs
-        self.in_buf = cp.empty(in_layout.size, dtype=cp.uint8)
+    def __init__(self, fn, args, carry: tuple[int, int, int] | None, ins: _Inputs):
+        self.ins, self.in_offs, self.in_buf = ins, ins.offs, ins.buf
+        ins.last = None  # the copy below replaces whatever state the buffer held
         self.inputs = views(self.in_buf, args, self.in_offs)
         for dst, src in zip(self.inputs, args):
             dst[...] = src
-        self.carry, self.last = carry, None  # last: the outputs of the last replay, while someone holds them
+        self.carry = carry
         carried = self.inputs[carry[0]:] if carry else []
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
         pool = _graph_pool()
@@ -264,7 +275,7 @@ class _Captured:
     def __call__(self, args) -> Outputs:
         stream = cp.cuda.get_current_stream()
         out = cp.empty(self.layout.size, dtype=cp.uint8)
-        last, self.last = self.last, None  # until this replay returns, the state in place is no one's (it may fail)
+        last, self.ins.last = self.ins.last, None  # no one's state until this replay returns (it may fail)
         self._copy_in(args, stream, last)
         self.graph.launch(stream)
         (start, end), size = self.span, self.layout.size
@@ -276,7 +287,7 @@ class _Captured:
         if size > end:
             (out.data + end).copy_from_device_async(self.out_buf.data + start, size - end, stream)
         outputs = Outputs(out, self.layout)
-        self.last = weakref.ref(outputs) if self.carry else None
+        self.ins.last = weakref.ref(outputs) if self.carry else None
         return outputs
 
 
@@ -284,11 +295,13 @@ class GraphStep:
     """``fn(*arrays) -> tuple of arrays`` (arrays on the current device), replayed as a CUDA graph. An
     argument may be a :class:`Span` of an earlier replay's outputs, standing for its arrays (copied in as
     one span). ``carry=(i, j)``: the outputs from j on are the next values of the inputs from i on (the
-    last arguments), kept in the graph's input buffer (see the module's docstring)."""
+    last arguments), kept in the graph's input buffer (see the module's docstring). ``family``: a dict that
+    GraphSteps sharing their input buffers hold in common (the same arguments, the same carry)."""
 
-    def __init__(self, fn, carry: tuple[int, int] | None = None):
+    def __init__(self, fn, carry: tuple[int, int] | None = None, family: dict | None = None):
         self.fn = fn
         self.carry = carry
+        self._inputs: dict[tuple, _Inputs] = {} if family is None else family  # by key, as _graphs
         self._graphs: dict[tuple, _Captured] = {}
         self._ran: set[tuple] = set()
         self.failures: dict[tuple, str] = {}
@@ -306,7 +319,9 @@ class GraphStep:
             return self.fn(*args)
         carry = None if self.carry is None else (*self.carry, len(args) - self.carry[0])
         try:
-            self._graphs[key] = captured = _Captured(self.fn, args, carry)
+            if key not in self._inputs:
+                self._inputs[key] = _Inputs(_Layout(args))
+            self._graphs[key] = captured = _Captured(self.fn, args, carry, self._inputs[key])
         except (CarryError, InPlaceError):  # mistakes, not an uncapturable call
             raise
         except Exception as e:  # a host sync or an uncapturable call inside fn (a real bug re-raises below)
@@ -320,7 +335,7 @@ class GraphStep:
         (a benchmark's view of the GPU work against the host's)."""
         stream, seconds = cp.cuda.get_current_stream(), []
         for captured in self._graphs.values():
-            captured.last = None  # the replays below move its state on: the next call copies its state in
+            captured.ins.last = None  # the replays below move its state on: the next call copies its state in
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(stream)
             for _ in range(repeats):

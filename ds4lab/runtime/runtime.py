@@ -46,6 +46,7 @@ class Runtime:
         self.compile = backend.can_compile if compile is None else compile
         self.whole_step = True
         self.compiled: dict[tuple, object] = {}
+        self._families: dict[tuple, dict] = {}  # the compiled calls that share their inputs' buffers, by family
         self.trace_count = 0
         self._keys = rope_keys(model)
 
@@ -161,14 +162,17 @@ class Runtime:
         return X, KVState(tuple(layers), pos0 + n, state.geometry), logits
 
     # -- compiled calls -------------------------------------------------------------------------------
-    def _compiled(self, key: tuple, make, carry: tuple[int, int] | None = None):
+    def _compiled(self, key: tuple, make, carry: tuple[int, int] | None = None, family: tuple | None = None):
         """The compiled call ``key`` on the current device, compiling ``make()`` the first time; ``carry=(i, j)``: its
         outputs from j on are the layers' next state arrays, its inputs from i on the state it was given (see
         ``Backend.compile``). The device ends the key: a call traced with one tier's kernels (or captured on one GPU)
-        is not another device's tier's to run."""
-        key = (*key, self.backend.device_key())
+        is not another device's tier's to run. Calls of one ``family`` (the same arguments, a different set of
+        windows) share their inputs' buffers where the backend has them (CuPy's graphs: the state held once)."""
+        device = self.backend.device_key()
+        key = (*key, device)
         if key not in self.compiled:
-            self.compiled[key] = self.backend.compile(make(), carry)
+            shared = None if family is None else self._families.setdefault((*family, device), {})
+            self.compiled[key] = self.backend.compile(make(), carry, shared)
         return self.compiled[key]
 
     def _whole_step(self, tokens, C: int, state: KVState, head: bool, device_ids=None):
@@ -181,7 +185,7 @@ class Runtime:
         inputs = [*tabs.scalars, ids, *sum(tabs.rope.values(), ()), *sum(tabs.windows.values(), ())]
         step = self._compiled(("step", C, n, head, tabs.ends),
                               lambda: whole_step(self.model, n, list(tabs.rope), list(tabs.windows), head, tabs.ends),
-                              (len(inputs), 1))
+                              (len(inputs), 1), ("step", C, n, head))
         if isinstance(state.layers, PackedLayers):  # the previous step's outputs
             arrays = state.layers.arrays
             arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
@@ -202,7 +206,7 @@ class Runtime:
         inputs = [X, *tabs.scalars, *rope, *(tabs.windows[params, R] if R else ())]
         ends = R in tabs.ends
         half = self._compiled((il, ends, X.shape[0]), lambda: attention_half(model, il, self._traced, ends),
-                              (len(inputs), 1))
+                              (len(inputs), 1), (il, X.shape[0]))
         out = half(*inputs, *present(st))
         return out[0], layer_state(model.cfg, il, out[1:])
 
