@@ -142,8 +142,8 @@ def test_a_branch_forked_from_a_branch_reaches_the_main_stream_through_it():
 
 def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     """A decode step of a compressed, indexed model opens the model's branches on the emulator (and its launches pass
-    the checks above): the raw ring's, the compressors' and the indexer's in attention layers, the shared expert and
-    the routed up projection in each FFN half."""
+    the checks above): the raw ring's, the compressors' and the indexer's compressor's in attention layers, the
+    indexer's queries' where it selects rows, the shared expert and the routed up projection in each FFN half."""
     from ds4lab.backends.emulated_backend import EmulatedBackend
     from tests.conftest import emulated_model
 
@@ -155,8 +155,10 @@ def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     sess.prefill(list(range(1, 20))).run(progress=False)
     assert made == []  # a chunk of more than 16 rows runs in order
     list(sess.decoder(temperature=0.0).stream(1))
-    n_layer = model.config.n_layer
-    assert len(made) == 5 * n_layer and all(b.joined for b in made)
+    cfg = model.config
+    indexed = [il for il in range(cfg.n_layer) if cfg.has_indexer(il)]
+    assert indexed and all(sess._state.layers[il].index.shape[0] > cfg.idx_topk for il in indexed)  # they select
+    assert len(made) == 5 * cfg.n_layer + len(indexed) and all(b.joined for b in made)
 
 
 class _CarriedStep:
