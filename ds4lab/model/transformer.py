@@ -161,31 +161,25 @@ class Transformer:
         cos, sin = rope
         # The KV row and the raw ring, and the compressors (their products of a, then their pooled rows) do not need
         # q: for a decode step's few rows each chain runs beside q's projections and beside the other, the indexer's
-        # compressor beside the attention rows', forked once its products are made (ops.branch: side streams on
-        # CuPy, in order elsewhere), until the indexer or the attention reads the rows they make.
+        # compressor beside the attention rows', forked once its products are made, and the indexer's queries beside
+        # q's (ops.branch: side streams on CuPy, in order elsewhere), until the indexer or the attention reads the
+        # rows they make.
         kv_side = ops.branch(C, emit is None)
         with kv_side:
             # kv_a stays held: a side stream reads it, and memory freed on the main stream is reused there at once
             kv, kv_rot = ops.rmsnorm_rope(kv_a, eps, lw.attn_kv_a_norm, cos, sin)
-
-        def compressors():
-            side = ops.branch(C, emit is None)
-            with side:
-                return side, lw.compressor_projections(a, selects), ops.branch(C, emit is None)
-
-        if not selects:
-            comp_side, of_a, index_side = compressors()
+        comp_side = ops.branch(C, emit is None)
+        with comp_side:
+            of_a = lw.compressor_projections(a, selects)
+            index_side = ops.branch(C, emit is None)
+            if selects:  # the indexer's head weights, scaled
+                w_idx = of_a.index_proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5
         # q normalised, and normalised then turned by RoPE (one launch with kernels)
         qr = ops.rmsnorm(q_a, eps, lw.attn_q_a_norm)
-        if selects:
-            # Where the indexer selects, its queries (of qr), scores and top-k are the longer chain: forked with the
-            # compressors once qr is made, the queries beside the compressors and q's projection, the scores and
-            # the top-k on the compressors' stream, not on the main stream after q.
-            comp_side, of_a, index_side = compressors()
-            with comp_side:
-                query_side = ops.branch(C, emit is None)
-                with query_side:
-                    q_idx = self._indexer_query(lw, qr, cos, sin)
+        if selects:  # the indexer's queries read qr alone: beside q's projection, not after it
+            query_side = ops.branch(C, emit is None)
+            with query_side:
+                q_idx = self._indexer_query(lw, qr, cos, sin)
         q, q_rot = ops.rmsnorm_rope(lw.attn_q_b(qr).reshape(C, cfg.n_head, cfg.head_dim), eps, None, cos, sin)
         if emit:
             emit("attn_norm", a)
@@ -216,16 +210,15 @@ class Transformer:
                         n_valid, windows, (st.index, st.index_state_kv, st.index_state_score), self.store_index, emit)
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
                 if selects:
-                    with comp_side:
-                        query_side.join()  # both into the compressors' stream, which they were forked from
-                        index_side.join()
-                        w_idx = of_a.index_proj * (cfg.idx_heads * cfg.idx_dim) ** -0.5  # head weights, scaled
-                        score = ops.indexer_scores(q_idx, w_idx, index)
-                        if emit:
-                            emit("indexer.scores", score)
-                        comp_visible = ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
-                        if emit:
-                            emit("indexer.topk", comp_visible)
+                    query_side.join()
+                    index_side.join()  # into the compressors' stream, which it was forked from: that joins next
+                    comp_side.join()
+                    score = ops.indexer_scores(q_idx, w_idx, index)
+                    if emit:
+                        emit("indexer.scores", score)
+                    comp_visible = ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
+                    if emit:
+                        emit("indexer.topk", comp_visible)
             if emit:
                 comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
             tail = (comp, comp_visible)  # the keys after the raw window
