@@ -5,7 +5,7 @@
 # of the MLX CUDA wheel in /tmp/w, its third part and the py3.12 wheels of gguf, tokenizers, tqdm, pyyaml and
 # pytest in .whlC. Then:
 #     bash benchmarks/gpu_suite.sh [GROUP or STEP ...]   (groups: tests graph slice decode profile flash tiers ncu all;
-#                                                      steps: tests_cupy ... compare)
+#                                                      steps: tests_cupy ... compare, mlx_ops)
 # Results go to $OUT (JSON per benchmark, a log per step). Each step has its own time limit, so one slow
 # step cannot eat the call. "slice" (about 3 min) fits one call (a call may run 10 min), "all" does not, and
 # "tests" may not: 4-8 min on an H200, MLX's kernel tests taking 2-4 min with its kernel cache cold (then name
@@ -70,6 +70,14 @@ want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --bac
     --json "$OUT/slice_mlx.json"
 want mlx_decode slice && step mlx_decode 200 python3 benchmarks/mlx_decode_host.py --steps 12 --gpu-kernels \
     --json "$OUT/mlx_decode.json"
+# MLX-CUDA commits a CUDA graph every MLX_MAX_OPS_PER_BUFFER primitives (20 by default): the decode step at a few
+# sizes (only when asked for by name)
+if [[ "$what" == *" mlx_ops "* ]]; then
+    for n in 20 60 150 250; do
+        step "mlx_ops_$n" 150 python3 benchmarks/mlx_decode_host.py --steps 12 --max-ops-per-buffer "$n" \
+            --json "$OUT/mlx_ops_$n.json"
+    done
+fi
 want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 --json "$OUT/qgemm.json"
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
@@ -112,6 +120,10 @@ want ncu_qgemm ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_t
     $NCU_SECTIONS python3 benchmarks/qgemm_bench.py --tf32 --repeats 1
 want ncu_attn ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32 --launch-skip 8 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/gpu_slice.py --backend cupy --decode-ctx --prefill 4096 --tf32
+# hc_pre of a decode step (two work-groups, a chain of dependent sums): where its warps wait, by source line
+want ncu_hc_pre ncu && step ncu_hc_pre 150 ncu --kernel-name regex:^hc_pre\$ --launch-skip 40 --launch-count 1 \
+    $NCU_SECTIONS --section SchedulerStats --section SourceCounters python3 benchmarks/gpu_slice.py --backend cupy \
+    --decode-ctx 4096 --prefill
 # and on one launch of the routed gate's decode product, float32 x and quantized x (their stall reasons)
 for k in qmatmul_iq2_xxs qmatmul_xq8_iq2_xxs; do
     want "ncu_$k" ncu && step "ncu_$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 2 --launch-count 1 \

@@ -9,7 +9,10 @@ A step runs as the backend runs it by default (on a GPU the whole step through `
 step); ``--eager`` runs it op by op. ``--cprofile`` prints the steady steps' costliest Python
 functions; ``--gpu-kernels`` the GPU's kernels of a step by time, through PyTorch's profiler (CUPTI sees MLX's
 kernels too; ds4lab does not need PyTorch, the lent H200's image has it). ``--cache-limit`` sets MLX's buffer cache
-limit first (0: every buffer freed when released, none reused).
+limit first (0: every buffer freed when released, none reused). ``--max-ops-per-buffer N`` sets
+``MLX_MAX_OPS_PER_BUFFER`` before anything is evaluated: MLX's CUDA back-end records a stream's launches into a CUDA
+graph and commits it every N primitives (20 by default in MLX 0.32), each commit a graph to build or update and
+launch, so N trades the host's work per step against how soon the GPU starts.
 """
 
 from __future__ import annotations
@@ -59,8 +62,14 @@ def main(argv=None):
     p.add_argument("--cprofile", action="store_true", help="the steady steps' 25 costliest Python functions")
     p.add_argument("--gpu-kernels", action="store_true", help="a step's GPU kernels by time (PyTorch's profiler)")
     p.add_argument("--cache-limit", type=int, help="mx.set_cache_limit(BYTES) before anything runs")
+    p.add_argument("--max-ops-per-buffer", type=int, metavar="N",
+                   help="MLX_MAX_OPS_PER_BUFFER=N before anything is evaluated (MLX reads it once)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.max_ops_per_buffer is not None:
+        if args.max_ops_per_buffer < 1:
+            p.error(f"--max-ops-per-buffer must be at least 1, not {args.max_ops_per_buffer}")
+        os.environ["MLX_MAX_OPS_PER_BUFFER"] = str(args.max_ops_per_buffer)
     if args.cache_limit is not None:
         mx.set_cache_limit(args.cache_limit)
 
@@ -112,7 +121,8 @@ def main(argv=None):
           f"eval {med['eval_s'] * 1e3:.2f}); {med['step_s'] / cfg.n_layer * 1e3:.3f} ms a layer; "
           f"{total} primitives in the graph ({total / cfg.n_layer:.0f} a layer)")
     print("  " + ", ".join(f"{k} {v}" for k, v in counts.most_common(25)))
-    out = {"config": args.config, "context": args.context, "compiled": rt.compile, "median": med, "steps": rows,
+    out = {"config": args.config, "context": args.context, "compiled": rt.compile,
+           "max_ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER"), "median": med, "steps": rows,
            "warm_up": warm, "primitives": dict(counts)}
     if args.gpu_kernels:
         from kernel_profile import kernel_times, summary
