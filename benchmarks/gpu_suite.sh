@@ -70,10 +70,10 @@ want slice_mlx slice && step slice_mlx 200 python3 benchmarks/gpu_slice.py --bac
     --json "$OUT/slice_mlx.json"
 want mlx_decode slice && step mlx_decode 200 python3 benchmarks/mlx_decode_host.py --steps 12 --gpu-kernels \
     --json "$OUT/mlx_decode.json"
-# MLX-CUDA commits a CUDA graph every MLX_MAX_OPS_PER_BUFFER primitives (20 by default): the decode step at a few
-# sizes (only when asked for by name)
+# MLX-CUDA commits a CUDA graph every MLX_MAX_OPS_PER_BUFFER primitives (MLX 0.32's default on an H100/H200: 100,
+# or 1000 MB of inputs; 20 on other GPUs): the decode step at three sizes (only when asked for by name)
 if [[ "$what" == *" mlx_ops "* ]]; then
-    for n in 20 60 150 250; do
+    for n in 20 100 250; do
         step "mlx_ops_$n" 150 python3 benchmarks/mlx_decode_host.py --steps 12 --max-ops-per-buffer "$n" \
             --json "$OUT/mlx_ops_$n.json"
     done
@@ -120,8 +120,8 @@ want ncu_qgemm ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_t
     $NCU_SECTIONS python3 benchmarks/qgemm_bench.py --tf32 --repeats 1
 want ncu_attn ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32 --launch-skip 8 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/gpu_slice.py --backend cupy --decode-ctx --prefill 4096 --tf32
-# hc_pre of a decode step (two work-groups, a chain of dependent sums): where its warps wait, by source line
-want ncu_hc_pre ncu && step ncu_hc_pre 150 ncu --kernel-name regex:^hc_pre\$ --launch-skip 40 --launch-count 1 \
+# hc_pre in a decode step's graph (two work-groups, a chain of dependent sums): where its warps wait, by source line
+want ncu_hc_pre ncu && step ncu_hc_pre 150 ncu --kernel-name regex:^hc_pre\$ --launch-skip 100 --launch-count 1 \
     $NCU_SECTIONS --section SchedulerStats --section SourceCounters python3 benchmarks/gpu_slice.py --backend cupy \
     --decode-ctx 4096 --prefill
 # and on one launch of the routed gate's decode product, float32 x and quantized x (their stall reasons)

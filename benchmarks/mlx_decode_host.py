@@ -11,8 +11,9 @@ functions; ``--gpu-kernels`` the GPU's kernels of a step by time, through PyTorc
 kernels too; ds4lab does not need PyTorch, the lent H200's image has it). ``--cache-limit`` sets MLX's buffer cache
 limit first (0: every buffer freed when released, none reused). ``--max-ops-per-buffer N`` sets
 ``MLX_MAX_OPS_PER_BUFFER`` before anything is evaluated: MLX's CUDA back-end records a stream's launches into a CUDA
-graph and commits it every N primitives (20 by default in MLX 0.32), each commit a graph to build or update and
-launch, so N trades the host's work per step against how soon the GPU starts.
+graph and commits it every N primitives (or MLX_MAX_MB_PER_BUFFER of inputs; MLX 0.32's defaults per GPU: 100 and
+1000 MB on an H100/H200, 20 on most others), each commit a graph to build or update and launch, so N trades the
+host's work per step against how soon the GPU starts.
 """
 
 from __future__ import annotations

@@ -1895,22 +1895,36 @@ def test_cupy_graph_carries_its_state_in_place():
 
 @pytest.mark.gpu
 def test_cupy_graphs_of_a_family_share_their_carried_state():
-    """Two graphs with ``carry`` in one family (a decode step's variants): one input buffer between them, so a call
-    of either given the other's last carried outputs copies only its other inputs in, while one given an older state
-    (a restore) or the outputs of an eager call copies the state in; every result is the plain formulas'."""
+    """Two graphs with ``carry`` in one family (a decode step's variants), each writing the state in place: one input
+    buffer between them, so a call of either given the other's last carried outputs copies only its other inputs in,
+    while one given an older state (a restore), the outputs of an eager call, or any state after a bare replay
+    (replay_seconds) or a failed one copies the state in; every result is the plain formulas', and the family keeps
+    a buffer only while a graph uses it."""
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
+    import gc
+    import weakref
+
     import cupy as cp
 
     from ds4lab.cuda import graphs
 
-    def plain(k):
-        return lambda x, acc, n: (acc * np.float32(0.5) + x * np.float32(k), n + np.int32(1))
+    in_place = []
 
-    family = {}
-    steps = {k: graphs.GraphStep(lambda x, acc, n, k=k: (acc * 0.5 + x * float(k), n + 1), (1, 0), family)
-             for k in (1, 3)}
+    def fn(x, acc, n, k):
+        new = acc * 0.5 + x * float(k)
+        in_place.append(graphs.donated(acc))
+        if graphs.donated(acc):  # in the graph's buffer: written in place, as the KV ring is
+            acc[...] = new
+            new = acc
+        return new, n + 1
+
+    def plain(k, x, acc, n):
+        return acc * np.float32(0.5) + x * np.float32(k), n + np.int32(1)
+
+    family = weakref.WeakValueDictionary()
+    steps = {k: graphs.GraphStep(lambda x, acc, n, k=k: fn(x, acc, n, k), (1, 0), family) for k in (1, 3)}
     rng = np.random.default_rng(2)
     acc, n = np.zeros((64, 8), np.float32), np.int32(0)
     state, history, held, copies = [cp.asarray(acc), cp.asarray(n)], [], [], []
@@ -1919,9 +1933,24 @@ def test_cupy_graphs_of_a_family_share_their_carried_state():
     for t, k in enumerate(order):
         if t == 9:  # back to the state after step 4
             state, (acc, n) = held[4], history[4]
+        if t == 7:  # bare replays of the other graph move the buffer's state on
+            steps[1].replay_seconds(2)
         x = rng.standard_normal((1, 8)).astype(np.float32)
-        want = plain(k)(x, acc, n)
         args = state if isinstance(state, list) else [state]
+        if t == 10:  # the other graph's replay fails after its launch, given the same state
+            captured = next(iter(steps[1]._graphs.values()))
+            graph = captured.graph
+
+            class Failing:
+                def launch(self, stream):
+                    graph.launch(stream)
+                    raise RuntimeError("after the launch")
+
+            captured.graph = Failing()
+            with pytest.raises(RuntimeError, match="after the launch"):
+                steps[1](cp.asarray(-x), *args)
+            captured.graph = graph
+        want = plain(k, x, acc, n)
         copies.clear()
         captures = steps[k].captures
         graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
@@ -1930,12 +1959,12 @@ def test_cupy_graphs_of_a_family_share_their_carried_state():
         finally:
             graphs._Captured._copy = real_copy
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 2, t
-        state_at = next(iter(family.values())).offs[1] if family else None  # where the state starts in the buffer
+        state_at = next(iter(family.values())).offs[1] if len(family) else None  # where the state starts
         if not isinstance(out, graphs.Outputs):  # eager: no buffer copied into
             assert not copies, (t, copies)
-        elif isinstance(args[0], graphs.Span) and t != 9 and steps[k].captures == captures:  # the last replay's
-            assert copies and max(end for _, end in copies) <= state_at, (t, copies)  # state in place: x alone
-        else:  # a capture, a restore, or the state an eager call returned
+        elif isinstance(args[0], graphs.Span) and t not in (7, 9, 10) and steps[k].captures == captures:
+            assert copies and max(end for _, end in copies) <= state_at, (t, copies)  # the state in place: x alone
+        else:  # a capture, a restore, a bare or failed replay before, or the state an eager call returned
             assert max(end for _, end in copies) > state_at, (t, copies)
         state = out[:] if isinstance(out, graphs.Outputs) else list(out)
         held.append(state)
@@ -1943,6 +1972,13 @@ def test_cupy_graphs_of_a_family_share_their_carried_state():
         history.append(want)
     assert [s.captures for s in steps.values()] == [1, 1] and len(family) == 1
     assert {id(g.ins) for s in steps.values() for g in s._graphs.values()} == {id(next(iter(family.values())))}
+    assert in_place == [False, True, False, True]  # each graph's eager call, then its capture
+    for t, (out, want) in enumerate(zip(held, history)):  # every replay's outputs are still what it returned
+        assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 2, t
+    steps.clear()
+    captured = graph = None
+    gc.collect()
+    assert len(family) == 0  # the buffer went with the graphs
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ decides that, from ``kernels``.
     can_compile, compile(fn, carry,   whether and how a function of arrays is traced once and reused (a slice
       family)                         of a CuPy graph's outputs that is not a tuple is one argument: a Span);
                                       ``carry=(i, j)``: outputs j… are the next values of inputs i… (the state);
-                                      ``family``: a dict the calls sharing their inputs' buffers hold (CuPy)
+                                      ``family``: a mapping the calls sharing their inputs' buffers hold (CuPy)
     donated(x)                        whether ``x`` is a carried input of a step being traced, one that only the
                                       step holds, so that ops may write it in place (CuPy's graphs)
     asynchronous, fetch(x)            whether launches run beside the host (CuPy); ``fetch(x).result()`` is x on

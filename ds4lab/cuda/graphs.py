@@ -295,13 +295,14 @@ class GraphStep:
     """``fn(*arrays) -> tuple of arrays`` (arrays on the current device), replayed as a CUDA graph. An
     argument may be a :class:`Span` of an earlier replay's outputs, standing for its arrays (copied in as
     one span). ``carry=(i, j)``: the outputs from j on are the next values of the inputs from i on (the
-    last arguments), kept in the graph's input buffer (see the module's docstring). ``family``: a dict that
-    GraphSteps sharing their input buffers hold in common (the same arguments, the same carry)."""
+    last arguments), kept in the graph's input buffer (see the module's docstring). ``family``: a mapping that
+    GraphSteps sharing their input buffers hold in common (the same arguments, the same carry), by key; a
+    ``weakref.WeakValueDictionary`` lets a buffer go with the last graph that uses it."""
 
-    def __init__(self, fn, carry: tuple[int, int] | None = None, family: dict | None = None):
+    def __init__(self, fn, carry: tuple[int, int] | None = None, family=None):
         self.fn = fn
         self.carry = carry
-        self._inputs: dict[tuple, _Inputs] = {} if family is None else family  # by key, as _graphs
+        self._inputs = {} if family is None else family  # _Inputs by key, as _graphs
         self._graphs: dict[tuple, _Captured] = {}
         self._ran: set[tuple] = set()
         self.failures: dict[tuple, str] = {}
@@ -319,9 +320,9 @@ class GraphStep:
             return self.fn(*args)
         carry = None if self.carry is None else (*self.carry, len(args) - self.carry[0])
         try:
-            if key not in self._inputs:
-                self._inputs[key] = _Inputs(_Layout(args))
-            self._graphs[key] = captured = _Captured(self.fn, args, carry, self._inputs[key])
+            ins = self._inputs.get(key) or _Inputs(_Layout(args))
+            self._graphs[key] = captured = _Captured(self.fn, args, carry, ins)
+            self._inputs[key] = ins  # kept from here on: a capture that fails leaves no buffer behind
         except (CarryError, InPlaceError):  # mistakes, not an uncapturable call
             raise
         except Exception as e:  # a host sync or an uncapturable call inside fn (a real bug re-raises below)

@@ -22,6 +22,8 @@ sessions on one model can observe different points at the same time.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..kv.layout import KVState, PackedLayers
@@ -46,7 +48,8 @@ class Runtime:
         self.compile = backend.can_compile if compile is None else compile
         self.whole_step = True
         self.compiled: dict[tuple, object] = {}
-        self._families: dict[tuple, dict] = {}  # the compiled calls that share their inputs' buffers, by family
+        # per family, what its compiled calls share (CuPy: their input buffers, each kept while a graph uses it)
+        self._families: dict[tuple, weakref.WeakValueDictionary] = {}
         self.trace_count = 0
         self._keys = rope_keys(model)
 
@@ -171,7 +174,8 @@ class Runtime:
         device = self.backend.device_key()
         key = (*key, device)
         if key not in self.compiled:
-            shared = None if family is None else self._families.setdefault((*family, device), {})
+            shared = None if family is None else self._families.setdefault((*family, device),
+                                                                            weakref.WeakValueDictionary())
             self.compiled[key] = self.backend.compile(make(), carry, shared)
         return self.compiled[key]
 
