@@ -9,8 +9,13 @@ from process start to the first row, (CuPy) the GPU time of a bare replay of eac
 decode step's wall time in the sweep against a bare runtime step's.
 ``benchmarks/gpu_suite.sh flash`` runs float32, tf32 and f16.
 
+``--tiers N`` splits the layers evenly over N tiers (``Placement.even``): on CuPy the GPUs cuda:0 … N-1, on
+another backend N tiers of one device (``--config nano --backend numpy`` tries that on a CPU). It adds each
+frontier's tier switches (``Session.tier_trace``: their seconds by mode, and their share of the prefill's and
+the decode's wall time) and the memory of each GPU; the bare-step and graph figures are one GPU's only.
+
     python benchmarks/flash_full.py --backend cupy [--prefill-matmul tf32] [--decode-matmul q8] [--ctx-max 8192]
-        [--json out.json]
+        [--tiers 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,7 +52,10 @@ def decode_bytes(model) -> int:
     return dense + cfg.n_layer * cfg.n_expert_used * per_expert
 
 
-def runtime_step_ms(model, sess, tokens, steps: int = 16) -> float:
+RUNTIME_STEPS = 16  # runtime_step_ms's steps, from the last frontier: the session holds room for them
+
+
+def runtime_step_ms(model, sess, tokens, steps: int = RUNTIME_STEPS) -> float:
     """Median milliseconds of a bare decode step from the session's state (the runtime's step and its logits on
     the host, no sampling or session bookkeeping): against the sweep's step, what the session adds."""
     state, walls = sess._state, []
@@ -57,6 +65,31 @@ def runtime_step_ms(model, sess, tokens, steps: int = 16) -> float:
         model.backend.to_numpy(logits)
         walls.append(time.perf_counter() - began)
     return float(np.median(walls)) * 1e3
+
+
+def device_memory(backend, n_devices: int) -> list[dict]:
+    """gpu_memory of each of the first ``n_devices`` GPUs (CuPy), or the backend's one figure elsewhere."""
+    if backend.name != "cupy":
+        return [gpu_memory(backend)]
+    import cupy as cp
+
+    out = []
+    for i in range(n_devices):
+        with cp.cuda.Device(i):
+            out.append(gpu_memory(backend))
+    return out
+
+
+def switch_shares(switches, row) -> dict:
+    """A frontier's tier switches: how many and their seconds by mode, and the batch (prefill) and decode switches'
+    share of the prefill's and the decode's wall time."""
+    counts, seconds = {}, {}
+    for s in switches:
+        counts[s.mode] = counts.get(s.mode, 0) + 1
+        seconds[s.mode] = seconds.get(s.mode, 0.0) + s.seconds
+    return {"switches": counts, "switch_s": seconds,
+            "prefill_switch_share": seconds.get("batch", 0.0) / row.prefill_seconds if row.prefill_seconds else None,
+            "decode_switch_share": seconds.get("decode", 0.0) / row.gen_seconds if row.gen_seconds else None}
 
 
 def main(argv=None) -> int:
@@ -74,34 +107,56 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="decode by ds4's sampling with this temperature (default 0: ds4-bench's greedy argmax)")
     p.add_argument("--min-p", type=float, default=0.05, help="with --temperature above 0 (ds4's default 0.05)")
+    p.add_argument("--tiers", type=int, default=1,
+                   help="split the layers evenly over this many tiers (CuPy: GPUs cuda:0 ... N-1)")
+    p.add_argument("--config", default="flash", choices=("flash", "nano"),
+                   help="nano: a small model of the same layout, to try the script on a CPU")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.tiers < 1:
+        p.error(f"--tiers must be at least 1, not {args.tiers}")
     sampling = {"temperature": args.temperature, "min_p": args.min_p} if args.temperature > 0 else None
     out = {"setting": args.prefill_matmul, "decode_matmul": args.decode_matmul, "backend": args.backend,
-           "sampling": sampling}
+           "sampling": sampling, "tiers": args.tiers}
     if not args.path.exists():
         began = time.perf_counter()
-        testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=testing.routing_filled)
+        cfg = config.FLASH if args.config == "flash" else config.NANO
+        testing.make_sparse_model(cfg, args.path, seed=1, filled=testing.routing_filled)
         out["file_written_s"] = time.perf_counter() - began
     model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul,
                         decode_matmul=args.decode_matmul)
     tokens = np.random.default_rng(0).integers(0, model.config.n_vocab - 7, args.ctx_max).tolist()
-    sess = model.session(ctx=args.ctx_max + args.gen_tokens + 1, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
-    rows = []
+    placement = None
+    if args.tiers > 1:
+        devices = [f"cuda:{i}" for i in range(args.tiers)] if args.backend == "cupy" else None
+        placement = ds4lab.Placement.even(args.tiers, devices=devices)
+    sess = model.session(ctx=args.ctx_max + max(args.gen_tokens, RUNTIME_STEPS) + 1, prefill_chunk=args.prefill_chunk,
+                         max_checkpoints=2, placement=placement)
+    rows, seen = [], 0
     for row in bench.sweep(model, tokens, args.ctx_start, args.ctx_max, args.step_incr, 1.0, args.gen_tokens,
                            session=sess, sampling=sampling):
         if not rows:
             out["first_row_s"] = since_process_start()
         rows.append({"ctx": row.ctx_tokens, "prefill_tokens": row.prefill_tokens, "prefill_tps": row.prefill_tps,
                      "gen_tps": row.gen_tps})
+        if placement is not None:  # the switches since the last row (the trace keeps far more than a sweep makes)
+            switches = list(sess.tier_trace)[seen:]
+            seen = len(sess.tier_trace)
+            rows[-1].update(switch_shares(switches, row))
         print(json.dumps(rows[-1]), flush=True)
     bandwidth = copy_bandwidth(model.backend)
     nbytes = decode_bytes(model)
     out.update(rows=rows, copy_bandwidth=bandwidth, decode_bytes=nbytes, roofline_tps=bandwidth / nbytes,
-               roofline_share=[r["gen_tps"] * nbytes / bandwidth for r in rows], memory=gpu_memory(model.backend))
-    if hasattr(model.runtime, "compiled"):  # the decode step's GPU time alone, against the sweep's wall time
-        out["graphs"] = graph_report(model.runtime)
-    out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"], "runtime": runtime_step_ms(model, sess, tokens)}
+               roofline_share=[r["gen_tps"] * nbytes / bandwidth for r in rows])
+    if placement is None:
+        out["memory"] = gpu_memory(model.backend)
+        if hasattr(model.runtime, "compiled"):  # the decode step's GPU time alone, against the sweep's wall time
+            out["graphs"] = graph_report(model.runtime)
+        out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"], "runtime": runtime_step_ms(model, sess, tokens)}
+    else:  # a bare runtime step and a graph's replay run on one device: only the sweep's step here
+        out["placement"] = repr(sess.placement)
+        out["memory"] = device_memory(model.backend, args.tiers if args.backend == "cupy" else 1)
+        out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"]}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

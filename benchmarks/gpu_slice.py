@@ -69,6 +69,9 @@ def syncer(backend):
 
 
 def gpu_memory(backend) -> dict:
+    """The GPU memory in use (CuPy: the current device's; MLX: active and peak); nothing for a host backend."""
+    if backend.name not in ("cupy", "mlx"):
+        return {}
     if backend.name == "cupy":
         import cupy as cp
 

@@ -88,6 +88,12 @@ want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py --
 want flash_f16 flash && step flash_f16 300 python3 benchmarks/flash_full.py --prefill-matmul f16 \
     --json "$OUT/flash_f16.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
+# the whole Flash model over two GPUs (layers split evenly) and on one, frontiers 4K-32K (issue 29's run)
+for t in 2 1; do
+    want flash_tiers tiers && [ "$n_gpu" -ge 2 ] && step "flash_tiers$t" 400 python3 benchmarks/flash_full.py \
+        --prefill-matmul f16 --tiers "$t" --ctx-start 4096 --step-incr 4096 --ctx-max 32768 --gen-tokens 64 \
+        --json "$OUT/flash_tiers$t.json"
+done
 # compare: the 4K decode step, qmatmul_bench and qgemm_bench (float32, tf32) of this tree, then of each tree staged
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one
 # run. COMPARE picks the benchmarks (default "decode qmatmul qgemm qgemm_tf32"); a tree takes about 3-4 minutes

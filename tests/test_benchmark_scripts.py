@@ -1,0 +1,36 @@
+"""The GPU benchmarks' own logic where a CPU can run it (their figures come from the GPU machines)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flash_full_splits_the_layers_over_tiers_and_reports_their_switches(tmp_path, monkeypatch):
+    """flash_full.py --tiers 2 (here two tiers of one CPU, on the nano layout): the session is placed over two tiers,
+    and each frontier reports its switches by mode with their share of the prefill's and the decode's time; without
+    --tiers the one-device figures (a bare step's time) come instead."""
+    flash_full = _script("flash_full")
+    monkeypatch.setattr(flash_full, "copy_bandwidth", lambda backend: 1e9)  # a 2 GiB copy is not what is tested
+    common = ["--config", "nano", "--backend", "numpy", "--path", str(tmp_path / "nano.gguf"), "--ctx-start", "64",
+              "--ctx-max", "128", "--step-incr", "64", "--gen-tokens", "4", "--prefill-chunk", "32"]
+    runs = {}
+    for tiers in (2, 1):
+        out = tmp_path / f"tiers{tiers}.json"
+        assert flash_full.main([*common, "--tiers", str(tiers), "--json", str(out)]) == 0
+        runs[tiers] = json.loads(out.read_text())
+    split, one = runs[2], runs[1]
+    assert split["tiers"] == 2 and "2 tier(s)" in split["placement"] and [r["ctx"] for r in split["rows"]] == [64, 128]
+    for row in split["rows"]:
+        assert row["switches"]["batch"] >= 1 and row["switches"]["decode"] >= 4, row  # a copying switch a step
+        assert 0 <= row["prefill_switch_share"] < 1 and 0 <= row["decode_switch_share"] < 1, row
+    assert "runtime" not in split["decode_step_ms"] and "graphs" not in split
+    assert "placement" not in one and "switches" not in one["rows"][0] and one["decode_step_ms"]["runtime"] > 0
