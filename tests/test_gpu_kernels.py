@@ -281,6 +281,26 @@ def test_qmatmul_splits_long_rows(gpu, monkeypatch, qtype, rows, ne0, splits, n_
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_one_splits_product_is_its_only_split_without_a_launch(gpu):
+    """add_splits of a product in one K split gives that split as it is, with no launch: on MLX a reshape, not an
+    index (``parts[0]`` is a gather kernel there and a squeeze: about 22 launches a step of the Flash slice)."""
+    name, kernels, to_dev, to_host = gpu
+    parts = np.random.default_rng(4).standard_normal((1, 3, 40)).astype(np.float32)
+    got = kernels.add_splits(to_dev(parts))
+    assert np.array_equal(to_host(got), parts[0])
+    if name.startswith("mlx"):
+        import os
+        import re
+        import tempfile
+
+        import mlx.core as mx
+
+        with tempfile.TemporaryDirectory() as d:
+            mx.export_to_dot(os.path.join(d, "g.dot"), kernels.add_splits(to_dev(parts) * 2.0))
+            made = re.findall(r'label ="([^"]+)", shape=rectangle', open(os.path.join(d, "g.dot")).read())
+        assert "Gather" not in made and made.count("Reshape") == 1, made
+
+
 @pytest.mark.parametrize("n_pairs", [1, 3])
 def test_ops_add_a_products_splits_as_the_reduce_does(gpu, n_pairs):
     """swiglu, hc_post and moe_route given qmatmul's K splits (reduce=False, as ops.split_sums passes them in a

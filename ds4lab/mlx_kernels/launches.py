@@ -228,8 +228,8 @@ class KernelLaunches:
         """A product from its K splits ``parts [S, P, n]`` (qmatmul's with reduce False): their sum in split order,
         ``[P, n]`` (qmatmul_reduce; an op that cannot take the splits as they are gets the product so)."""
         splits, P, n = parts.shape
-        if splits == 1:
-            return parts[0]
+        if splits == 1:  # a reshape, not parts[0]: MLX indexes by an integer with a gather launch
+            return parts.reshape(P, n)
         return self._run(S.QMATMUL_REDUCE, (-(-P * n // S.ROW_GROUP), 1), S.ROW_GROUP,
                          [self._f32(parts), self._const(P * n, splits)], [((P, n), "float32")])[0]
 
