@@ -49,6 +49,19 @@ from .backends.base import IN_ORDER
 from .mlx_kernels.specs import HC_MAX, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K, indexer_scores_fits
 from .model import attention, compressor, functional, hc, moe, numerics, rope
 
+
+class _Holding:
+    """A branch and what it reads that its caller would otherwise free before the join (ds4lab.cuda.branches: memory
+    freed on the main stream is reused there at once)."""
+
+    def __init__(self, branch, *held):
+        self.branch, self.held = branch, held
+
+    def join(self) -> None:
+        self.branch.join()
+        self.held = ()
+
+
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
 # True: chunks attend through attend_chunk, which makes no [T, H, N] score tensor and does work only for
 # the keys each query sees (a 128-key window, the indexer's top-k rows); False: through the reference
@@ -217,20 +230,30 @@ class Ops:
         y = functional.rmsnorm(self.xp, x, eps, weight)
         return y, rope.rope(self.xp, y, cos, sin)
 
-    def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float, norm_weight=None):
+    def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float, norm_weight=None,
+               quiet: bool = False):
         """(x_in, post, comb) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`); with ``norm_weight``,
         the sublayer's input ``rmsnorm(x_in, norm_eps, norm_weight)`` in x_in's place. The kernel takes ``fn`` of
         the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is linear), so no
         normalised copy is made; it adds fn's K splits itself where fn gives them (``split_sums``) and normalises
-        x_in in the same launch: qmatmul_reduce's and rmsnorm's launches saved a sublayer."""
+        x_in in the same launch: qmatmul_reduce's and rmsnorm's launches saved a sublayer. Returns ``(x_in, post,
+        comb, mixer)``: ``mixer.join()`` comes before post or comb are read. For a decode step's few rows
+        (``quiet``: nothing emitted meanwhile) post and comb are made on a branch (:meth:`branch`), so the sublayer,
+        which reads x_in alone, starts before the Sinkhorn normalisation ends; elsewhere ``mixer`` is IN_ORDER."""
         T, n, E = X.shape
         kernels = self.kernels
         if kernels is not None and n <= HC_MAX:
             mix = self.split_sums(fn, X.reshape(T, n * E))
-            return kernels.hc_pre(mix, scale, base, X, iters, eps, norm_eps,
-                                  None if norm_weight is None else (norm_weight, norm_eps))
+            args = (mix, scale, base, X, iters, eps, norm_eps, None if norm_weight is None else (norm_weight, norm_eps))
+            mixer = self.branch(T, quiet)
+            if mixer is IN_ORDER:
+                return (*kernels.hc_pre(*args), IN_ORDER)
+            with mixer:
+                _, post, comb = kernels.hc_pre(*args, part="mixer")
+            x_in = kernels.hc_pre(*args, part="input")[0]
+            return x_in, post, comb, _Holding(mixer, mix)
         x_in, post, comb = hc.hc_pre(self, X, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
-        return (x_in if norm_weight is None else self.rmsnorm(x_in, norm_eps, norm_weight)), post, comb
+        return (x_in if norm_weight is None else self.rmsnorm(x_in, norm_eps, norm_weight)), post, comb, IN_ORDER
 
     def split_sums(self, proj, *args):
         """``proj(*args)``, as its K splits' sums ``[S, ...]`` where the kernels leave them for the op that reads the

@@ -142,8 +142,9 @@ def test_a_branch_forked_from_a_branch_reaches_the_main_stream_through_it():
 
 def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     """A decode step of a compressed, indexed model opens the model's branches on the emulator (and its launches pass
-    the checks above): the raw ring's, the compressors' and the indexer's compressor's in attention layers, the
-    indexer's queries' where it selects rows, the shared expert and the routed up projection in each FFN half."""
+    the checks above): the hyper-connection mixer's matrix in each half, the raw ring's, the compressors' and the
+    indexer's compressor's in attention layers, the indexer's queries' where it selects rows, the shared expert and
+    the routed up projection in each FFN half."""
     from ds4lab.backends.emulated_backend import EmulatedBackend
     from tests.conftest import emulated_model
 
@@ -158,7 +159,7 @@ def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     cfg = model.config
     indexed = [il for il in range(cfg.n_layer) if cfg.has_indexer(il)]
     assert indexed and all(sess._state.layers[il].index.shape[0] > cfg.idx_topk for il in indexed)  # they select
-    assert len(made) == 5 * cfg.n_layer + len(indexed) and all(b.joined for b in made)
+    assert len(made) == 7 * cfg.n_layer + len(indexed) and all(b.joined for b in made)
 
 
 class _CarriedStep:

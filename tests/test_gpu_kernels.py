@@ -1067,6 +1067,11 @@ def test_hc_pre_kernel_adds_splits_and_normalises_as_rmsnorm(gpu, T, n, E):
         assert all(np.array_equal(a, b) for a, b in zip(normed, want))
     for a, b in zip(normed, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # its two parts launched apart (the mixer's matrix beside the sublayer: Ops.hc_pre) give the whole launch's bits
+    for norm, whole in ((None, split), ((to_dev(w), 1e-5), normed)):
+        _, post, comb = (to_host(a) for a in kernels.hc_pre(to_dev(parts), *args, 20, 1e-6, 1e-6, norm, part="mixer"))
+        x_in = to_host(kernels.hc_pre(to_dev(parts), *args, 20, 1e-6, 1e-6, norm, part="input")[0])
+        assert [np.array_equal(a, b) for a, b in zip((x_in, post, comb), whole)] == [True] * 3
 
 
 @pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (5, 4, 256), (3, 2, 96), (2, 3, 130), (2, 5, 64), (3, 1, 40)])

@@ -32,8 +32,9 @@ import cupy as cp
 
 from .driver import high_priority_stream
 
-SIDE_STREAMS = 4  # per device and thread: branches made one after another take them in turn (a ratio-4 layer opens
-# four at once: the raw ring's, the compressors', the indexer's compressor's, the indexer's queries')
+SIDE_STREAMS = 6  # per device and thread: branches made one after another take them in turn (a ratio-4 layer's
+# attention opens five at once: the mixer's matrix, the raw ring's, the compressors', the indexer's compressor's,
+# the indexer's queries')
 _streams: dict[tuple, itertools.cycle] = {}
 _open = threading.local()  # .count: this thread's branches made and not yet joined
 

@@ -300,12 +300,14 @@ class KernelLaunches:
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
 
-    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float, norm=None):
+    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float, norm=None, part=None):
         """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear applied to the flat state ``X [T, n·E]``
         itself, not to its RMS normalisation: the kernel divides by the RMS
         (docs/MODEL.md, "Hyper-connections and Sinkhorn"). ``mix``: the linear's output ``[T, M]``, or its K splits
         ``[S, T, M]`` (qmatmul's parts, added here). ``norm``: ``(weight, eps)`` of the sublayer's rmsnorm, which
-        then comes out in x_in's place, as :meth:`rmsnorm` gives it (the same group size: the same sums)."""
+        then comes out in x_in's place, as :meth:`rmsnorm` gives it (the same group size: the same sums).
+        ``part``: "mixer" launches only the work of post and comb, "input" only that of x_in (the same bits as the
+        whole launch; the other outputs come back unwritten)."""
         T, n, E = X.shape
         S.check_hc_streams("hc_pre", n)
         parts = mix.reshape((-1, T, mix.shape[-1]))
@@ -314,9 +316,12 @@ class KernelLaunches:
         else:
             G, threads = 1, self._norm_threads(T)
             w, w_eps = norm
-        return tuple(self._run(S.HC_PRE, (T, 1 + G), threads,
+        if part not in (None, "mixer", "input"):
+            raise ValueError(f"hc_pre: part {part!r} is not 'mixer' or 'input'")
+        groups, y0 = {None: (1 + G, 0), "mixer": (1, 0), "input": (G, 1)}[part]
+        return tuple(self._run(S.HC_PRE, (T, groups), threads,
                                [self._f32(parts), self._f32(scale), self._f32(base), self._f32(X), self._f32(w),
-                                self._const(T, n, E, iters, G, parts.shape[0], int(norm is not None)),
+                                self._const(T, n, E, iters, G, parts.shape[0], int(norm is not None), y0),
                                 self._const(eps, norm_eps, w_eps, dtype=np.float32)],
                                [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
 

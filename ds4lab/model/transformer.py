@@ -129,12 +129,13 @@ class Transformer:
             emit("head.logits", logits)
         return logits
 
-    def _hc_pre(self, hc, X, norm_weight):
-        """(rmsnorm(x_in, norm_weight), post, comb): the hyper-connection mixer before a sublayer (see
-        :func:`.hc.hc_pre`) and the sublayer's input norm."""
+    def _hc_pre(self, hc, X, norm_weight, quiet: bool):
+        """(rmsnorm(x_in, norm_weight), post, comb, mixer): the hyper-connection mixer before a sublayer (see
+        :func:`.hc.hc_pre`) and the sublayer's input norm; ``mixer.join()`` before post and comb are read (with
+        ``quiet`` they may be made beside the sublayer: Ops.hc_pre)."""
         cfg = self.cfg
         return self.ops.hc_pre(X, hc.fn, hc.scale, hc.base, iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
-                               norm_eps=cfg.rms_eps, norm_weight=norm_weight)
+                               norm_eps=cfg.rms_eps, norm_weight=norm_weight, quiet=quiet)
 
     # -- attention half -------------------------------------------------------------------------------
     def attention_block(self, il: int, X, pos0, n_valid, rope, windows, st: LayerState, emit=None):
@@ -152,7 +153,7 @@ class Transformer:
             emit("span", (pos0, n_valid))  # the chunk's first position and real rows (ds4lab.hooks)
             st = _edit(emit, "attn.state", st)
             sinks = _edit(emit, "attn.sinks", sinks)
-        a, post, comb = self._hc_pre(lw.hc_attn, X, lw.attn_norm)
+        a, post, comb, mixer = self._hc_pre(lw.hc_attn, X, lw.attn_norm, emit is None)
         if emit:
             emit("hc_attn.post", post)
             emit("hc_attn.comb", comb)
@@ -244,6 +245,7 @@ class Transformer:
             y = out_b(stacked.grouped(heads.reshape(C, cfg.o_groups, -1)))
         else:
             y = grouped_output(xp, heads, lw.attn_output_a_groups, out_b)
+        mixer.join()
         return ops.hc_post(y, X, post, comb), new
 
     def _indexer_selects(self, st: LayerState) -> bool:
@@ -283,7 +285,7 @@ class Transformer:
         compiled call passes them in."""
         cfg, ops, lw, xp = self.cfg, self.ops, self.layers[il], self.xp
         emit = _in_layer(il, emit)
-        f, post, comb = self._hc_pre(lw.hc_ffn, X, lw.ffn_norm)
+        f, post, comb, mixer = self._hc_pre(lw.hc_ffn, X, lw.ffn_norm, emit is None)
         if emit:
             emit("hc_ffn.post", post)
             emit("hc_ffn.comb", comb)
@@ -327,4 +329,5 @@ class Transformer:
             moe, pairs = (ops.pair_sum(moe, pairs) if pairs > 1 else moe), 1
             emit("moe.out", moe)
         shared_side.join()
+        mixer.join()
         return ops.hc_post(moe, X, post, comb, pairs, shared)  # hc_post adds a token's rows, then the shared expert
