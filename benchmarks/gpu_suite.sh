@@ -126,8 +126,9 @@ want ncu_qgemm ncu && step ncu_qgemm 150 ncu --kernel-name regex:qgemm_iq2_xxs_t
     $NCU_SECTIONS python3 benchmarks/qgemm_bench.py --tf32 --repeats 1
 want ncu_attn ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32 --launch-skip 8 --launch-count 1 \
     $NCU_SECTIONS python3 benchmarks/gpu_slice.py --backend cupy --decode-ctx --prefill 4096 --tf32
-# hc_pre in a decode step's graph (two work-groups, a chain of dependent sums): where its warps wait, by source line
-want ncu_hc_pre ncu && step ncu_hc_pre 150 ncu --kernel-name regex:^hc_pre\$ --launch-skip 100 --launch-count 1 \
+# hc_pre in a decode step's graph (a chain of dependent sums; since 86833bd two launches a half, the mixer's work-group
+# on a side stream and x_in's on the main one): both parts, where their warps wait, by source line
+want ncu_hc_pre ncu && step ncu_hc_pre 200 ncu --kernel-name regex:^hc_pre\$ --launch-skip 100 --launch-count 2 \
     $NCU_SECTIONS --section SchedulerStats --section SourceCounters python3 benchmarks/gpu_slice.py --backend cupy \
     --decode-ctx 4096 --prefill
 # and on one launch of the routed gate's decode product, float32 x and quantized x (their stall reasons)

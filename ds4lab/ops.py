@@ -232,14 +232,14 @@ class Ops:
 
     def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float, norm_weight=None,
                quiet: bool = False):
-        """(x_in, post, comb) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`); with ``norm_weight``,
-        the sublayer's input ``rmsnorm(x_in, norm_eps, norm_weight)`` in x_in's place. The kernel takes ``fn`` of
-        the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is linear), so no
-        normalised copy is made; it adds fn's K splits itself where fn gives them (``split_sums``) and normalises
-        x_in in the same launch: qmatmul_reduce's and rmsnorm's launches saved a sublayer. Returns ``(x_in, post,
-        comb, mixer)``: ``mixer.join()`` comes before post or comb are read. For a decode step's few rows
-        (``quiet``: nothing emitted meanwhile) post and comb are made on a branch (:meth:`branch`), so the sublayer,
-        which reads x_in alone, starts before the Sinkhorn normalisation ends; elsewhere ``mixer`` is IN_ORDER."""
+        """(x_in, post, comb, mixer) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`); with
+        ``norm_weight``, the sublayer's input ``rmsnorm(x_in, norm_eps, norm_weight)`` in x_in's place. The kernel
+        takes ``fn`` of the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is
+        linear), so no normalised copy is made; it adds fn's K splits itself where fn gives them (``split_sums``) and
+        normalises x_in in the same launch: qmatmul_reduce's and rmsnorm's launches saved a sublayer.
+        ``mixer.join()`` comes before post or comb are read. For a decode step's few rows (``quiet``: nothing
+        emitted meanwhile) post and comb are made on a branch (:meth:`branch`), so the sublayer, which reads x_in
+        alone, starts before the Sinkhorn normalisation ends; elsewhere ``mixer`` is IN_ORDER."""
         T, n, E = X.shape
         kernels = self.kernels
         if kernels is not None and n <= HC_MAX:

@@ -164,7 +164,7 @@ class Transformer:
         # q: for a decode step's few rows each chain runs beside q's projections and beside the other, the indexer's
         # compressor beside the attention rows', forked once its products are made, and the indexer's queries beside
         # q's (ops.branch: side streams on CuPy, in order elsewhere), until the indexer or the attention reads the
-        # rows they make.
+        # rows they make; the mixer's post and comb (hc_pre's branch) beside all of it, until hc_post.
         kv_side = ops.branch(C, emit is None)
         with kv_side:
             # kv_a stays held: a side stream reads it, and memory freed on the main stream is reused there at once
