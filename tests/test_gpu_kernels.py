@@ -1842,6 +1842,37 @@ def test_cupy_graph_step_copies_runs_and_keeps_outputs():
         assert [np.array_equal(cp.asnumpy(o), r) for o, r in zip(out, ref)] == [True] * 3
 
 
+def _fail_after_launch(step, *args):
+    """Call ``step`` (a GraphStep with one captured graph) so that its replay raises after the graph's launch, as a
+    replay that fails once its state has moved on."""
+    captured = next(iter(step._graphs.values()))
+    graph = captured.graph
+
+    class Failing:
+        def launch(self, stream):
+            graph.launch(stream)
+            raise RuntimeError("after the launch")
+
+    captured.graph = Failing()
+    try:
+        with pytest.raises(RuntimeError, match="after the launch"):
+            step(*args)
+    finally:
+        captured.graph = graph
+
+
+def _copied_in(step, *args):
+    """``step(*args)`` and the (start, end) byte ranges of its input buffer that the call copied in."""
+    from ds4lab.cuda import graphs
+
+    copies, real_copy = [], graphs._Captured._copy
+    graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
+    try:
+        return step(*args), copies
+    finally:
+        graphs._Captured._copy = real_copy
+
+
 @pytest.mark.gpu
 def test_cupy_graph_carries_its_state_in_place():
     """A graph with ``carry``: its own copy of the state is written in place (the ring and the rows, by the in-place
@@ -1873,9 +1904,8 @@ def test_cupy_graph_carries_its_state_in_place():
     step = graphs.GraphStep(fn, carry=(3, 1))
     rng = np.random.default_rng(3)
     state = [np.zeros((4, 8), np.float32), np.zeros((12, 8), np.float32), np.zeros((2,), np.float32)]
-    dev, held, copies = [cp.asarray(a) for a in state], [], []
+    dev, held = [cp.asarray(a) for a in state], []
     history = [list(state)]
-    real_copy = graphs._Captured._copy
     for t in range(10):
         kv = rng.standard_normal((1, 8)).astype(np.float32)
         restore = t == 7  # back to the state after step 3
@@ -1885,24 +1915,8 @@ def test_cupy_graph_carries_its_state_in_place():
         state_args = dev if isinstance(dev, (list, tuple)) else [dev]  # a Span is one argument (not unpacked)
         dropped = t == 5  # a replay that fails after its launch moved the state on: the next one copies it in
         if dropped:
-            captured = next(iter(step._graphs.values()))
-            graph = captured.graph
-
-            class Failing:
-                def launch(self, stream):
-                    graph.launch(stream)
-                    raise RuntimeError("after the launch")
-
-            captured.graph = Failing()
-            with pytest.raises(RuntimeError, match="after the launch"):
-                step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(-kv), *state_args)
-            captured.graph = graph
-        copies.clear()
-        graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
-        try:
-            out = step(cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(kv), *state_args)
-        finally:
-            graphs._Captured._copy = real_copy
+            _fail_after_launch(step, cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(-kv), *state_args)
+        out, copies = _copied_in(step, cp.asarray(np.int32(t)), cp.asarray(np.int32(1)), cp.asarray(kv), *state_args)
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 4, t
         captured = next(iter(step._graphs.values()), None)
         if t >= 2 and not (restore or dropped):  # given the last replay's Span: the tables copied in, not the state
@@ -1952,8 +1966,7 @@ def test_cupy_graphs_of_a_family_share_their_carried_state():
     steps = {k: graphs.GraphStep(lambda x, acc, n, k=k: fn(x, acc, n, k), (1, 0), family) for k in (1, 3)}
     rng = np.random.default_rng(2)
     acc, n = np.zeros((64, 8), np.float32), np.int32(0)
-    state, history, held, copies = [cp.asarray(acc), cp.asarray(n)], [], [], []
-    real_copy = graphs._Captured._copy
+    state, history, held = [cp.asarray(acc), cp.asarray(n)], [], []
     order = [1, 1, 3, 1, 3, 3, 1, 3, 1, 1, 3, 3]  # each graph eager, then captured, then replayed at switches
     for t, k in enumerate(order):
         if t == 9:  # back to the state after step 4
@@ -1963,26 +1976,10 @@ def test_cupy_graphs_of_a_family_share_their_carried_state():
         x = rng.standard_normal((1, 8)).astype(np.float32)
         args = state if isinstance(state, list) else [state]
         if t == 10:  # the other graph's replay fails after its launch, given the same state
-            captured = next(iter(steps[1]._graphs.values()))
-            graph = captured.graph
-
-            class Failing:
-                def launch(self, stream):
-                    graph.launch(stream)
-                    raise RuntimeError("after the launch")
-
-            captured.graph = Failing()
-            with pytest.raises(RuntimeError, match="after the launch"):
-                steps[1](cp.asarray(-x), *args)
-            captured.graph = graph
+            _fail_after_launch(steps[1], cp.asarray(-x), *args)
         want = plain(k, x, acc, n)
-        copies.clear()
         captures = steps[k].captures
-        graphs._Captured._copy = lambda self, run, stream: copies.append(run[3:5]) or real_copy(self, run, stream)
-        try:
-            out = steps[k](cp.asarray(x), *args)
-        finally:
-            graphs._Captured._copy = real_copy
+        out, copies = _copied_in(steps[k], cp.asarray(x), *args)
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 2, t
         state_at = next(iter(family.values())).offs[1] if len(family) else None  # where the state starts
         if not isinstance(out, graphs.Outputs):  # eager: no buffer copied into
@@ -2001,7 +1998,6 @@ def test_cupy_graphs_of_a_family_share_their_carried_state():
     for t, (out, want) in enumerate(zip(held, history)):  # every replay's outputs are still what it returned
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out, want)] == [True] * 2, t
     steps.clear()
-    captured = graph = None
     gc.collect()
     assert len(family) == 0  # the buffer went with the graphs
 
