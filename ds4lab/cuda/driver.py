@@ -1,5 +1,6 @@
-"""The CUDA driver calls CuPy does not make: a stream of the device's highest priority, and a captured graph
-instantiated so that its kernels keep the priority of the stream each was captured from.
+"""The CUDA driver calls CuPy does not make: a stream of the device's highest priority, a captured graph
+instantiated so that its kernels keep the priority of the stream each was captured from, and a kernel launch that
+lets the next one start before it ends.
 
 A decode step's side chains (:mod:`.branches`) are short launches the main stream's next product waits for; at the
 default priority a wide product launched meanwhile takes every SM first and the side chain runs after it. A graph
@@ -18,6 +19,19 @@ import cupy as cp
 
 USE_NODE_PRIORITY = 8  # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy stream
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, then its value (a union of 64 bytes) at offset 8."""
+    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of ``cuLaunchKernelEx``."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
 
 
 @functools.cache
@@ -71,3 +85,34 @@ class GraphExec:
                 cp.cuda.runtime.graphExecDestroy(self.ptr)
             except Exception:  # at the process's exit the runtime may be unloaded first: nothing left to free
                 pass
+
+
+@functools.cache
+def _programmatic(device_id: int) -> bool:
+    """Whether the device runs programmatic dependent launches (compute capability 9.0 on)."""
+    major = ctypes.c_int()
+    check(libcuda().cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, device_id), "cuDeviceGetAttribute")
+    return major.value >= 9
+
+
+_ALLOW_EARLY_START = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+_ALLOW_EARLY_START.value[0] = 1  # programmaticStreamSerializationAllowed
+
+
+def launch(function, grid: tuple, threads: int, args) -> None:
+    """Launch CuPy's RawKernel ``function`` on the current stream, its arguments the device arrays ``args`` (every
+    parameter a pointer), as a programmatic dependent launch where the device has them: its work-groups may start
+    while the kernel before it on the stream still runs, and wait at ``GRID_DEPENDENCY_WAIT`` (dialects.py, at the
+    top of every kernel) for it to end and its writes to be seen. What it saves is the gap between two kernels of a
+    chain, each launch's start beside the last one's tail (in a captured graph too: a programmatic edge)."""
+    stream = cp.cuda.get_current_stream()
+    device_id = cp.cuda.Device().id
+    pointers = (ctypes.c_void_p * len(args))(*(a.data.ptr for a in args))
+    base, size = ctypes.addressof(pointers), ctypes.sizeof(ctypes.c_void_p)
+    params = (ctypes.c_void_p * len(args))(*(base + i * size for i in range(len(args))))
+    grid = (*grid, 1, 1)[:3]
+    early = _programmatic(device_id)
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), 0, stream.ptr,
+                          ctypes.pointer(_ALLOW_EARLY_START) if early else None, int(early))
+    check(libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr), params, None),
+          "cuLaunchKernelEx")

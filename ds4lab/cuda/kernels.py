@@ -18,6 +18,7 @@ from cupy_backends.cuda.libs import cublas
 from ..mlx_kernels import specs as S
 from ..mlx_kernels.dialects import cuda_module_source
 from ..mlx_kernels.launches import ArrayLaunches
+from . import driver
 from .branches import open_branches
 
 
@@ -122,4 +123,4 @@ class CudaKernels(ArrayLaunches):
         return _aligned16(super()._f16(x))
 
     def _launch(self, spec, groups, threads, args):
-        self._functions[spec.name](groups, (threads,), args)
+        driver.launch(self._functions[spec.name], groups, threads, args)

@@ -60,6 +60,16 @@ CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 #define SHARED_ARG
 #define DEVICE_FN __device__ inline
 typedef unsigned int uint;
+// Hopper's programmatic dependent launch (ds4lab.cuda.driver.launch): a kernel's work-groups may start while the
+// kernel before it on the stream runs; each first lets the next launch start too, then waits for the kernel before
+// to end and its writes to be seen, before it reads anything. A launch without the attribute (MLX's) waits for
+// nothing here; older GPUs have no such instructions.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRID_DEPENDENCY_WAIT() \\
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define GRID_DEPENDENCY_WAIT()
+#endif
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
 DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
@@ -518,7 +528,8 @@ def cuda_module_source(specs) -> str:
     for spec in specs:
         args = [f"const {_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.inputs]
         args += [f"{_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.outputs]
-        parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\n{spec.body_source("cuda")}}}\n')
+        parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\nGRID_DEPENDENCY_WAIT();\n'
+                     f'{spec.body_source("cuda")}}}\n')
     return "\n".join(parts)
 
 
