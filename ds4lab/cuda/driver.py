@@ -101,10 +101,10 @@ _ALLOW_EARLY_START.value[0] = 1  # programmaticStreamSerializationAllowed
 
 def launch(function, grid: tuple, threads: int, args) -> None:
     """Launch CuPy's RawKernel ``function`` on the current stream, its arguments the device arrays ``args`` (every
-    parameter a pointer), as a programmatic dependent launch where the device has them: its work-groups may start
-    while the kernel before it on the stream still runs, and wait at ``GRID_DEPENDENCY_WAIT`` (dialects.py, at the
-    top of every kernel) for it to end and its writes to be seen. What it saves is the gap between two kernels of a
-    chain, each launch's start beside the last one's tail (in a captured graph too: a programmatic edge)."""
+    parameter a pointer), as a programmatic dependent launch where the device has them: it may be launched as the
+    kernel before it on the stream ends, before that kernel's writes are flushed, and waits at
+    ``GRID_DEPENDENCY_WAIT`` (dialects.py, at the top of every kernel) for them. What it saves is the gap between two
+    kernels of a chain (in a captured graph too: a programmatic edge)."""
     stream = cp.cuda.get_current_stream()
     device_id = cp.cuda.Device().id
     pointers = (ctypes.c_void_p * len(args))(*(a.data.ptr for a in args))
