@@ -71,11 +71,14 @@ def test_cuda_module_compiles_with_nvcc(tmp_path):
     for spec in SPECS:
         assert f".entry {spec.name}(" in ptx
         # a programmatic launch (ds4lab.cuda.driver.launch) may start before the kernel before it has flushed its
-        # writes: every kernel waits for them before its first read of global memory
+        # writes: every kernel waits for them, before its first read of global memory unless its body places the
+        # wait itself (after reading only weights and launch constants: qmatmul's prefetch)
         entry = ptx[ptx.index(f".entry {spec.name}("):]
         entry = entry[:entry.find(".entry ", 1)] if ".entry " in entry[1:] else entry
         wait, first_read = entry.find("griddepcontrol.wait"), re.search(r"\bld\.global", entry)
-        assert wait != -1 and (first_read is None or wait < first_read.start()), spec.name
+        assert wait != -1, spec.name
+        if "grid_dependency_wait()" not in spec.body_source("cuda"):
+            assert first_read is None or wait < first_read.start(), spec.name
 
 
 # The Metal Shading Language names a kernel body uses, as C++ declarations: enough for a C++ compiler to

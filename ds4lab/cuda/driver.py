@@ -103,7 +103,7 @@ def launch(function, grid: tuple, threads: int, args) -> None:
     """Launch CuPy's RawKernel ``function`` on the current stream, its arguments the device arrays ``args`` (every
     parameter a pointer), as a programmatic dependent launch where the device has them: it may be launched as the
     kernel before it on the stream ends, before that kernel's writes are flushed, and waits at
-    ``GRID_DEPENDENCY_WAIT`` (dialects.py, at the top of every kernel) for them. What it saves is the gap between two
+    ``grid_dependency_wait()`` (dialects.py, at the top of every kernel) for them. What it saves is the gap between two
     kernels of a chain (in a captured graph too: a programmatic edge)."""
     stream = cp.cuda.get_current_stream()
     device_id = cp.cuda.Device().id

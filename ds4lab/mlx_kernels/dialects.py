@@ -16,6 +16,11 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
     dot4_i8(a, b, c)           c + the sum of the four products of a's and b's bytes as signed int8 (CUDA: one dp4a)
     div_rn(a, b)               a / b rounded to nearest (Metal's fast division would not be)
+    grid_dependency_wait()     wait for the kernel before this one on its stream to end and its writes to be seen
+                               (CUDA's programmatic launches, on compute capability 9 on; a no-op elsewhere): at the
+                               top of every CUDA kernel, unless its body calls it after reading only what no kernel
+                               writes (weights, launch constants)
+    prefetch_l2(p)             a hint to fetch p's cache line into L2 (CUDA; a no-op elsewhere)
     rint_bits(v)               a word whose low byte is v rounded to the nearest integer (half to even) as an
                                int8, for |v| < 128 (CUDA: one add)
     pack_bytes(a, b, c, d)     the low bytes of a, b, c, d in one word, a's lowest (CUDA: three byte permutes)
@@ -62,15 +67,16 @@ CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 typedef unsigned int uint;
 // Hopper's programmatic dependent launch (ds4lab.cuda.driver.launch): a kernel may be launched before the one before
 // it on the stream has ended (as its work-groups exit, without the gap of a full launch) and waits here for it to end
-// and its writes to be seen, before it reads anything. It does not let the next launch start early
+// and its writes to be seen, before it reads anything a kernel writes. It does not let the next launch start early
 // (griddepcontrol.launch_dependents at the top, tried: a float32 step 7% slower than this, q8 1%; the next kernels'
 // waiting work-groups likely held SMs that side branches needed). A launch without the attribute (MLX's) waits for
 // nothing here.
+DEVICE_FN void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define GRID_DEPENDENCY_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#else
-#define GRID_DEPENDENCY_WAIT()
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+DEVICE_FN void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
 DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
@@ -243,6 +249,8 @@ METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define SHARED_ARG threadgroup
 #define DEVICE_FN inline
 #define CHECK_ALIGNED16(p)
+DEVICE_FN void grid_dependency_wait() {}
+DEVICE_FN void prefetch_l2(const device uint8_t* p) {}
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
 DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
@@ -332,6 +340,8 @@ CPU_HEADER = _COMMON_HEADER + """#if defined(__APPLE__)
 #define SHARED_ARG
 #define DEVICE_FN static inline
 typedef unsigned int uint;
+DEVICE_FN void grid_dependency_wait() {}
+DEVICE_FN void prefetch_l2(const uint8_t*) {}
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
 using std::rint; using std::sqrt;
 static inline float max(float a, float b) { return a > b ? a : b; }
@@ -529,8 +539,9 @@ def cuda_module_source(specs) -> str:
     for spec in specs:
         args = [f"const {_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.inputs]
         args += [f"{_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.outputs]
-        parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\nGRID_DEPENDENCY_WAIT();\n'
-                     f'{spec.body_source("cuda")}}}\n')
+        body = spec.body_source("cuda")
+        wait = "" if "grid_dependency_wait()" in body else "grid_dependency_wait();\n"
+        parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\n{wait}{body}}}\n')
     return "\n".join(parts)
 
 
