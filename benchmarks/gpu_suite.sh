@@ -82,6 +82,11 @@ want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
+# each layer half's kernels by start time at 4K and 32K (q8): where a longer context's decode time goes
+for c in 4096 32768; do
+    want "trace$c" profile && step "trace$c" 200 python3 benchmarks/kernel_profile.py --context "$c" --decode-matmul q8 \
+        --trace --json "$OUT/trace$c.json"
+done
 want flash_f32 flash && step flash_f32 300 python3 benchmarks/flash_full.py --json "$OUT/flash_f32.json"
 want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py --prefill-matmul tf32 \
     --json "$OUT/flash_tf32.json"
