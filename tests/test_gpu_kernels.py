@@ -1724,6 +1724,36 @@ def test_packing_layout_and_views():
 
 
 @pytest.mark.gpu
+def test_cupy_chains_of_programmatic_launches_read_what_the_kernel_before_wrote():
+    """On compute capability 9 on, ds4lab's kernels are programmatic launches (ds4lab.cuda.driver.launch): each may be
+    launched before the one before it has flushed its writes and waits for them (grid_dependency_wait). A chain of
+    dependent launches with no synchronisation gives the bits of the same chain synchronised after every launch."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import driver
+
+    kernels, to_dev, to_host = found
+    if int(cp.cuda.Device().compute_capability) >= 90:  # the launches this test is about
+        assert driver._programmatic(kernels._functions["rmsnorm"].kernel.ptr)
+    rng = np.random.default_rng(8)
+    x0 = to_dev(rng.standard_normal((4096, 1024)).astype(np.float32))
+    w = to_dev((1.0 + 0.25 * rng.standard_normal(1024)).astype(np.float32))
+
+    def chain(sync: bool):
+        y = x0
+        for i in range(60):
+            y = kernels.rmsnorm(y * (1.0 + i / 64), 1e-6, w) if i % 3 == 0 else kernels.rmsnorm(y, 1e-6, w)
+            if sync:
+                cp.cuda.get_current_stream().synchronize()
+        return to_host(y)
+
+    assert np.array_equal(chain(False), chain(True))
+
+
+@pytest.mark.gpu
 def test_cupy_upload_reuses_its_buffers():
     """CuPy's upload brings every array's values; the same layout again gives back the same arrays with the
     new values (no array is made per step); past UPLOAD_LAYOUTS other layouts, the least recently used one

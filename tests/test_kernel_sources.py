@@ -16,7 +16,15 @@ from gguf import GGMLQuantizationType as Q
 from ds4lab.mlx_kernels import layout
 from ds4lab.mlx_kernels import specs as S
 from ds4lab.mlx_kernels.cpu import compiler
-from ds4lab.mlx_kernels.dialects import _IDS, CUDA_ONLY, METAL_ONLY, SOURCES, cuda_module_source, header
+from ds4lab.mlx_kernels.dialects import (
+    _IDS,
+    CUDA_ONLY,
+    METAL_ONLY,
+    SOURCES,
+    cuda_module_source,
+    header,
+    places_its_wait,
+)
 from ds4lab.quants import dequantize, iq2xxs_tables, quantize, random_blocks
 
 SPECS = S.all_specs()
@@ -75,10 +83,24 @@ def test_cuda_module_compiles_with_nvcc(tmp_path):
         # wait itself (after reading only weights and launch constants: qmatmul's prefetch)
         entry = ptx[ptx.index(f".entry {spec.name}("):]
         entry = entry[:entry.find(".entry ", 1)] if ".entry " in entry[1:] else entry
-        wait, first_read = entry.find("griddepcontrol.wait"), re.search(r"\bld\.global", entry)
+        wait, first_read = entry.find("griddepcontrol.wait"), re.search(r"\bld(\.\w+)*\.global", entry)
         assert wait != -1, spec.name
-        if "grid_dependency_wait()" not in spec.body_source("cuda"):
+        if not places_its_wait(spec.body_source("cuda")):
             assert first_read is None or wait < first_read.start(), spec.name
+
+
+# What a body that places its own wait may read before it: launch constants the host made and the weights (no kernel
+# writes them); x, the ids and the outputs only after it.
+READ_BEFORE_WAIT = {"dims", "batches", "aux", "w"}
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if places_its_wait(s.body_source("cuda"))], ids=lambda s: s.name)
+def test_a_body_reads_only_constants_before_its_wait(spec):
+    body = spec.body_source("cuda")
+    before = body[:re.search(r"^\s*grid_dependency_wait\(\);", body, re.M).start()]
+    before = re.sub(r"//[^\n]*|^#[^\n]*", "", before, flags=re.M)  # comments and the constants' #defines read nothing
+    names = {n for n, _ in (*spec.inputs, *spec.outputs)}
+    assert {n for n in names if re.search(rf"\b{n}\b", before)} <= READ_BEFORE_WAIT
 
 
 # The Metal Shading Language names a kernel body uses, as C++ declarations: enough for a C++ compiler to

@@ -20,12 +20,13 @@ import cupy as cp
 USE_NODE_PRIORITY = 8  # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy stream
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+_PTX_VERSION, _BINARY_VERSION = 5, 6  # CU_FUNC_ATTRIBUTE_{PTX,BINARY}_VERSION: a function's virtual and real
+# architecture, 10·major + minor
 
 
 class LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute``: an id, then its value (a union of 64 bytes) at offset 8."""
-    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+    """``CUlaunchAttribute``: an id, then its value (a union of 64 bytes, 8-byte aligned) at offset 8."""
+    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -88,31 +89,37 @@ class GraphExec:
 
 
 @functools.cache
-def _programmatic(device_id: int) -> bool:
-    """Whether the device runs programmatic dependent launches (compute capability 9.0 on)."""
-    major = ctypes.c_int()
-    check(libcuda().cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, device_id), "cuDeviceGetAttribute")
-    return major.value >= 9
+def _programmatic(function_ptr: int) -> bool:
+    """Whether a loaded function's code is for compute capability 9.0 on, its PTX too: only there does its
+    grid_dependency_wait() hold the wait (dialects.py: ``__CUDA_ARCH__`` ≥ 900), so only there may it be a
+    programmatic launch."""
+    versions = []
+    for attribute in (_PTX_VERSION, _BINARY_VERSION):
+        value = ctypes.c_int()
+        check(libcuda().cuFuncGetAttribute(ctypes.byref(value), attribute, ctypes.c_void_p(function_ptr)),
+              "cuFuncGetAttribute")
+        versions.append(value.value)
+    return min(versions) >= 90
 
 
 _ALLOW_EARLY_START = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-_ALLOW_EARLY_START.value[0] = 1  # programmaticStreamSerializationAllowed
+_ALLOW_EARLY_START.value[0] = 1  # programmaticStreamSerializationAllowed, an int at the union's start
 
 
 def launch(function, grid: tuple, threads: int, args) -> None:
     """Launch CuPy's RawKernel ``function`` on the current stream, its arguments the device arrays ``args`` (every
-    parameter a pointer), as a programmatic dependent launch where the device has them: it may be launched as the
-    kernel before it on the stream ends, before that kernel's writes are flushed, and waits at
-    ``grid_dependency_wait()`` (dialects.py, at the top of every kernel) for them. What it saves is the gap between two
-    kernels of a chain (in a captured graph too: a programmatic edge)."""
-    stream = cp.cuda.get_current_stream()
-    device_id = cp.cuda.Device().id
+    parameter a pointer). Where its code is for compute capability 9.0 on, as a programmatic dependent launch: it may
+    be launched as the kernel before it on the stream ends, before that kernel's writes are flushed, and waits for
+    them at ``grid_dependency_wait()`` (dialects.py: at the top of the kernel, or where its body places it after
+    reading only what no kernel writes). What it saves is the gap between two kernels of a chain (in a captured graph
+    too: a programmatic edge). Elsewhere CuPy launches it as usual."""
+    if not _programmatic(function.kernel.ptr):
+        function(grid, (threads,), args)
+        return
     pointers = (ctypes.c_void_p * len(args))(*(a.data.ptr for a in args))
     base, size = ctypes.addressof(pointers), ctypes.sizeof(ctypes.c_void_p)
     params = (ctypes.c_void_p * len(args))(*(base + i * size for i in range(len(args))))
-    grid = (*grid, 1, 1)[:3]
-    early = _programmatic(device_id)
-    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), 0, stream.ptr,
-                          ctypes.pointer(_ALLOW_EARLY_START) if early else None, int(early))
+    config = LaunchConfig((ctypes.c_uint * 3)(*(*grid, 1, 1)[:3]), (ctypes.c_uint * 3)(threads, 1, 1), 0,
+                          cp.cuda.get_current_stream().ptr, ctypes.pointer(_ALLOW_EARLY_START), 1)
     check(libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr), params, None),
           "cuLaunchKernelEx")

@@ -76,7 +76,7 @@ DEVICE_FN void grid_dependency_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-DEVICE_FN void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+DEVICE_FN void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.L2 [%0];" :: "l"(p)); }
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
 DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
@@ -533,6 +533,11 @@ def header(dialect: str) -> str:
     return prelude + (SOURCES / "common.h").read_text()
 
 
+def places_its_wait(body: str) -> bool:
+    """Whether a kernel body calls ``grid_dependency_wait()`` itself (else the CUDA module calls it at the top)."""
+    return re.search(r"^\s*grid_dependency_wait\(\);", body, re.M) is not None
+
+
 def cuda_module_source(specs) -> str:
     """One CUDA translation unit holding every kernel of ``specs`` with ``extern "C"`` signatures (CuPy)."""
     parts = ["typedef unsigned char uint8_t;\ntypedef int int32_t;\n", header("cuda")]
@@ -540,7 +545,7 @@ def cuda_module_source(specs) -> str:
         args = [f"const {_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.inputs]
         args += [f"{_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.outputs]
         body = spec.body_source("cuda")
-        wait = "" if "grid_dependency_wait()" in body else "grid_dependency_wait();\n"
+        wait = "" if places_its_wait(body) else "grid_dependency_wait();\n"
         parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\n{wait}{body}}}\n')
     return "\n".join(parts)
 
