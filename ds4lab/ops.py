@@ -183,15 +183,17 @@ class Ops:
         if kernels is None:
             return compressor.compress_chunk(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
         pooled = kernels.compress_pool(state_kv, state_sc, kv, sc, pos0, ratio)
-        return (pooled, *self.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
+        return (pooled, *kernels.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, ratio))
 
     def compress_state(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
-        """``(new_kv, new_sc)``, the pending state alone (:func:`ds4lab.model.compressor.next_state`): all a chunk
-        that ends no window needs of its compressor."""
+        """``(new_kv, new_sc)``, the pending state alone (:func:`ds4lab.model.compressor.next_state`) of a chunk
+        that ends no window: all it needs of its compressor. Written in place where the state is a CUDA graph's own
+        copy (only the chunk's slots change)."""
         kernels = self.kernels
         if kernels is None:
             return compressor.next_state(self.xp, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
-        return kernels.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
+        in_place = self.backend.donated(state_kv) and self.backend.donated(state_sc)
+        return kernels.compress_state(state_kv, state_sc, kv, sc, pos0, n_valid, ratio, in_place=in_place)
 
     def add_ape(self, gate, ape, pos0):
         """The compressor's scores (:func:`ds4lab.model.compressor.add_ape`)."""

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 import ds4lab
 from ds4lab import ops
 from ds4lab.mlx_kernels import specs as S
-from ds4lab.mlx_kernels.launches import operand_round, tf32_round
+from ds4lab.mlx_kernels.launches import InPlaceError, operand_round, tf32_round
 from ds4lab.mlx_kernels.layout import blocks
 from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, quantized_activations, random_blocks
@@ -1199,7 +1199,7 @@ STATE_CASES = [(4, 1, 16, 0, 1), (4, 1, 16, 3, 1), (4, 1, 16, 4, 1), (4, 1, 16, 
 def test_compress_state_kernel_equals_the_plain_next_state(gpu, monkeypatch, ratio, C, W, pos0, n_valid):
     from ds4lab.model.compressor import NEG_INF, coff, next_state
 
-    _, _, to_dev, _ = gpu
+    _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(C + pos0)
     rows, width = coff(ratio) * ratio, coff(ratio) * W
     state_kv = rng.standard_normal((rows, width)).astype(np.float32)
@@ -1207,10 +1207,23 @@ def test_compress_state_kernel_equals_the_plain_next_state(gpu, monkeypatch, rat
     state_sc[pos0 % ratio + (coff(ratio) - 1) * ratio:] = NEG_INF  # slots not written yet
     kv, sc = (rng.standard_normal((C, width)).astype(np.float32) for _ in range(2))
     want = next_state(np, state_kv, state_sc, kv, sc, pos0, n_valid, ratio)
+    start = pos0 % ratio + (coff(ratio) - 1) * ratio
+    left_kv = state_kv.copy()
+    left_kv[start:] = 0.0  # the state as the chunk before leaves it: its slots from the chunk's first on cleared
+    want_left = next_state(np, left_kv, state_sc, kv, sc, pos0, n_valid, ratio)
+    ends_none = (pos0 + n_valid) // ratio == pos0 // ratio
     for p0, n in state_scalars(to_dev, pos0, n_valid):
         got = one_launch(gpu, monkeypatch, "compress_state", "compress_state",
                          *(to_dev(a) for a in (state_kv, state_sc, kv, sc)), p0, n, ratio)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        if writes_in_place(gpu) and ends_none:  # the state given is the output, written in the chunk's slots only
+            given = to_dev(left_kv), to_dev(state_sc)
+            got = one_launch(gpu, monkeypatch, "compress_state_in_place", "compress_state", *given, to_dev(kv),
+                             to_dev(sc), p0, n, ratio, True)
+            assert all(np.array_equal(g, w) and np.array_equal(to_host(a), w) for g, a, w in zip(got, given, want_left))
+    if writes_in_place(gpu) and not ends_none:  # a chunk that ends a window moves the whole state: refused in place
+        with pytest.raises(InPlaceError, match="end a window"):
+            kernels.compress_state(*(to_dev(a) for a in (left_kv, state_sc, kv, sc)), pos0, n_valid, ratio, True)
 
 
 @pytest.mark.parametrize("ratio,C,W,pos0", [(4, 1, 16, 0), (4, 1, 16, 7), (4, 3, 8, 2), (4, 8, 16, 6),

@@ -398,14 +398,25 @@ class KernelLaunches:
                           self._const(C, W, ratio, coff(ratio), n_out)],
                          [((n_out, width), "float32")])[0]
 
-    def compress_state(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
+    def compress_state(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int, in_place: bool = False):
         """``(new_kv, new_sc)``: the compressor's pending state after ``kv, sc [C, W]`` at ``pos0`` with
-        ``n_valid`` real rows (host ints, or device scalars in a compiled step)."""
+        ``n_valid`` real rows (host ints, or device scalars in a compiled step). With ``in_place``, for a chunk that
+        ends no window, its rows are written into ``state_kv`` and ``state_sc`` (contiguous float32), which are
+        returned."""
         C, W = kv.shape
         rows = coff(ratio) * ratio
+        tail = [self._i32(pos0), self._i32(n_valid), self._const(C, W, ratio, coff(ratio))]
+        if in_place:
+            _check_in_place("compress_state", state_kv)
+            _check_in_place("compress_state", state_sc)
+            if isinstance(pos0, (int, np.integer)) and isinstance(n_valid, (int, np.integer)) \
+                    and (pos0 + n_valid) // ratio != pos0 // ratio:
+                raise InPlaceError(f"compress_state in place: positions {pos0}…{pos0 + n_valid - 1} end a window of "
+                                   f"{ratio}; only a chunk that ends none leaves the rest of the state as it is")
+            return tuple(self._run(S.COMPRESS_STATE_IN_PLACE, (max(1, -(-C * W // S.ROW_GROUP)), 1), S.ROW_GROUP,
+                                   [self._f32(kv), self._f32(sc), *tail], [state_kv, state_sc]))
         return tuple(self._run(S.COMPRESS_STATE, (-(-rows * W // S.ROW_GROUP), 1), S.ROW_GROUP,
-                               [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc),
-                                self._i32(pos0), self._i32(n_valid), self._const(C, W, ratio, coff(ratio))],
+                               [self._f32(state_kv), self._f32(state_sc), self._f32(kv), self._f32(sc), *tail],
                                [((rows, W), "float32"), ((rows, W), "float32")]))
 
     def add_ape(self, gate, ape, pos0):

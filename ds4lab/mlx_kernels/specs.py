@@ -356,7 +356,8 @@ COMPRESS_STATE = KernelSpec("compress_state", "compress_state.body",
                             (("state_kv", "float32"), ("state_sc", "float32"), ("kv", "float32"), ("sc", "float32"),
                              ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
                             (("new_kv", "float32"), ("new_sc", "float32")),
-                            {"NEG_INF": str(np.float32(NEG_INF)) + "f"})  # float32 NEG_INF, as the plain path stores it
+                            # float32 NEG_INF, as the plain path stores it
+                            {"NEG_INF": str(np.float32(NEG_INF)) + "f", "IN_PLACE": 0})
 ADD_APE = KernelSpec("add_ape", "add_ape.body",
                      (("gate", "float32"), ("ape", "float32"), ("pos0", "int32"), ("dims", "int32")),
                      (("out", "float32"),))
@@ -371,6 +372,11 @@ APPEND_ROWS = KernelSpec("append_rows", "append_rows.body",
 APPEND_ROWS_IN_PLACE = KernelSpec("append_rows_in_place", "append_rows.body",
                                   (("pooled", "float32"), ("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
                                   (("out", "float32"),), {"IN_PLACE": 1})
+COMPRESS_STATE_IN_PLACE = KernelSpec("compress_state_in_place", "compress_state.body",
+                                     (("kv", "float32"), ("sc", "float32"), ("pos0", "int32"), ("n_valid", "int32"),
+                                      ("dims", "int32")),
+                                     (("new_kv", "float32"), ("new_sc", "float32")),
+                                     {"NEG_INF": str(np.float32(NEG_INF)) + "f", "IN_PLACE": 1})
 COMPRESSED_VISIBLE = KernelSpec("compressed_visible", "compressed_visible.body",
                                 (("pos0", "int32"), ("n_valid", "int32"), ("dims", "int32")),
                                 (("n_vis", "int32"), ("visible", "uint8")))
@@ -441,8 +447,8 @@ def all_specs() -> list[KernelSpec]:
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, ATTEND_REDUCE_ROPE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
-            APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES,
-            INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM, MOE_ROUTE, ROUND_HALF]
+            APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE, COMPRESSED_VISIBLE, RING_WRITE,
+            RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM, MOE_ROUTE, ROUND_HALF]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:
