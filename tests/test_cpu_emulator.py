@@ -244,9 +244,9 @@ def test_a_decode_step_that_ends_no_window_leaves_the_pooling_out_and_changes_no
 
 
 def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_nothing(model_paths):
-    """Decode steps compiled with ``carry`` on the emulator (the ring and the compressed rows written in place by the
-    in-place kernels, in the step's own copy of the state) give the eager steps' logits and states bit for bit, and
-    the state a step was given is unchanged after it."""
+    """Decode steps compiled with ``carry`` on the emulator (the ring, the compressed rows and the compressors' pending
+    states written in place by the in-place kernels, in the step's own copy of the state) give the eager steps' logits
+    and states bit for bit, and the state a step was given is unchanged after it."""
     from tests.conftest import emulated_model
 
     eager, carried = emulated_model(model_paths["nano"]), _carrying(emulated_model(model_paths["nano"]))
@@ -272,9 +272,13 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
     assert set(steps) == {(), (4,)}
     cfg = carried.config
     # a layer's ring, its compressed rows (ratio ≠ 0) and its indexer's rows (where it has an indexer): in place when
-    # written, and in place when left as they were (a step that ends none of their windows)
+    # written, and in place when left as they were (a step that ends none of their windows); and each compressor's
+    # pending state (kv and scores) in a step that ends none of its windows (compress_state_in_place)
     per_step = sum(1 + (cfg.ratio(il) != 0) + (cfg.ratio(il) != 0 and cfg.has_indexer(il)) for il in range(cfg.n_layer))
-    assert sum(g.written_in_place for g in steps.values()) == 7 * per_step > 7 * cfg.n_layer
+    pending = sum(2 * (1 + cfg.has_indexer(il)) for p in range(19, 26) for il in range(cfg.n_layer)
+                  if cfg.ratio(il) != 0 and (p + 1) % cfg.ratio(il) != 0)
+    assert pending > 0
+    assert sum(g.written_in_place for g in steps.values()) == 7 * per_step + pending > 7 * cfg.n_layer
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, min_p=0.05, seed=3)],
