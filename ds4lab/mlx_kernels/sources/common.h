@@ -334,12 +334,15 @@ DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const 
 }
 
 // IQ2_XXS's tables in group-shared memory (IQ2_TABLE_WORDS, a kernel define), built by a work-group's threads:
-// words 0-511 the grid (entry e at 2e,
-// 2e + 1) with each byte biased by 128, words 512-767 per 7-bit sign index the eight elements' masks (0xFF a
-// negative element). A grid byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or 128 − g.
+// words 0-255 the grid entries' first words (entry e at e), 256-511 their second words (at 256 + e), each byte
+// biased by 128; words 512-639 and 640-767 the masks of the first and the second four of the eight elements of each
+// 7-bit sign index (0xFF a negative element). A grid byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or
+// 128 − g. Each read's bank is its index mod 32 over all 32 banks: with an entry's two words side by side (2e, 2e + 1)
+// a SIMD group's 32 lookups fell on 16 banks, so more of them on the same bank, and a group-shared read waits for
+// every lane's bank in turn (the decode products' 16 reads a row and group of 32 are what bounds them).
 DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
-    if (i < 512u) return load_u32(aux + 4u * i) ^ 0x80808080u;
-    uint signs = uint(aux[2048u + ((i - 512u) >> 1)]) >> (4u * (i & 1u));
+    if (i < 512u) return load_u32(aux + 4u * (2u * (i & 255u) + (i >> 8))) ^ 0x80808080u;
+    uint signs = uint(aux[2048u + ((i - 512u) & 127u)]) >> (4u * ((i - 512u) >> 7));
     return (((signs & 15u) * 0x00204081u) & 0x01010101u) * 255u;
 }
 
@@ -353,9 +356,9 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
     #pragma unroll
     for (uint j = 0; j < 4u; j++) {
         uint e = (idx >> (8u * j)) & 255u, si = (a1 >> (7u * j)) & 127u;
-        uint m0 = tables[512u + 2u * si], m1 = tables[513u + 2u * si];
-        g.q[2u * j] = (tables[2u * e] ^ m0) + (m0 & 0x01010101u);
-        g.q[2u * j + 1u] = (tables[2u * e + 1u] ^ m1) + (m1 & 0x01010101u);
+        uint m0 = tables[512u + si], m1 = tables[640u + si];
+        g.q[2u * j] = (tables[e] ^ m0) + (m0 & 0x01010101u);
+        g.q[2u * j + 1u] = (tables[256u + e] ^ m1) + (m1 & 0x01010101u);
     }
     g.d[0] = g.d[1] = load_half(w + b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
     g.m[0] = g.m[1] = 0.0f;
