@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"], "runtime": runtime_step_ms(model, sess, tokens)}
     else:  # a bare runtime step and a graph's replay run on one device: only the sweep's step here
         out["placement"] = repr(sess.placement)
-        out["memory"] = device_memory(model.backend, args.tiers if args.backend == "cupy" else 1)
+        out["memory"] = device_memory(model.backend, args.tiers)
         out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"]}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     if args.json:

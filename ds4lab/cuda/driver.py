@@ -113,7 +113,8 @@ def launch(function, grid: tuple, threads: int, args) -> None:
     them at ``grid_dependency_wait()`` (dialects.py: at the top of the kernel, or where its body places it after
     reading only what no kernel writes). What it saves is the gap between two kernels of a chain (in a captured graph
     too: a programmatic edge). Elsewhere CuPy launches it as usual."""
-    if not _programmatic(function.kernel.ptr):
+    ptr = function.kernel.ptr
+    if not _programmatic(ptr):
         function(grid, (threads,), args)
         return
     pointers = (ctypes.c_void_p * len(args))(*(a.data.ptr for a in args))
@@ -121,5 +122,5 @@ def launch(function, grid: tuple, threads: int, args) -> None:
     params = (ctypes.c_void_p * len(args))(*(base + i * size for i in range(len(args))))
     config = LaunchConfig((ctypes.c_uint * 3)(*(*grid, 1, 1)[:3]), (ctypes.c_uint * 3)(threads, 1, 1), 0,
                           cp.cuda.get_current_stream().ptr, ctypes.pointer(_ALLOW_EARLY_START), 1)
-    check(libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr), params, None),
+    check(libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(ptr), params, None),
           "cuLaunchKernelEx")
