@@ -279,9 +279,9 @@ def gguf_layout(data: bytes) -> Layout:
 
 _KVC_HEADER = [  # id, offset, fmt, structural ("mutable": rewritten in place on every hit, outside the CRC)
     ("kvc.magic", 0, "3s", True), ("kvc.version", 3, "<B", True), ("kvc.quant", 4, "<B", False),
-    ("kvc.reason", 5, "<B", False), ("kvc.ext", 6, "<B", True), ("kvc.reserved7", 7, "<B", False),
+    ("kvc.reason", 5, "<B", False), ("kvc.ext", 6, "<B", True), ("kvc.model_id", 7, "<B", True),
     ("kvc.tokens", 8, "<I", True), ("kvc.hits", 12, "<I", "mutable"), ("kvc.ctx", 16, "<I", True),
-    ("kvc.reserved20", 20, "<I", False), ("kvc.created", 24, "<Q", False), ("kvc.last_used", 32, "<Q", "mutable"),
+    ("kvc.payload_abi", 20, "<B", True), ("kvc.created", 24, "<Q", False), ("kvc.last_used", 32, "<Q", "mutable"),
     ("kvc.payload_bytes", 40, "<Q", True), ("kvc.text_bytes", 48, "<I", True),
 ]
 _MUTABLE = ((12, 16), (32, 40))

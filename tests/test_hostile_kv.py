@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -245,8 +246,11 @@ def test_a_store_shared_by_two_models_of_one_config_serves_each_its_own(twins, t
     data = entry.path.read_bytes()
     end = 52 + entry.text_bytes + entry.header.payload_bytes
     assert data[52 + entry.text_bytes:end] == sa.checkpoint().to_bytes()
-    assert data[end:] [:4] == b"KFP\x01" and data[end + 4:end + 20] == bytes.fromhex(a.file.fingerprint)
-    assert len(data) == end + 20 + 8 and data[-8:-4] == b"KCK\x01"
+    # an ABI-2 file (byte 20): one 28-byte trailer, "KFP", 2, the fingerprint, flags 1 (the CRC follows), the CRC
+    assert data[20] == 2 and data[6] & 0x88 == 0x80 and len(data) == end + 28
+    assert data[end:end + 4] == b"KFP\x02" and data[end + 4:end + 20] == bytes.fromhex(a.file.fingerprint)
+    assert struct.unpack_from("<II", data, end + 20) == (1, zlib.crc32(data[:12] + bytes(4) + data[16:32] + bytes(8)
+                                                                      + data[40:end + 24]))
 
     assert store.lookup(IDS[:40], model=b) is None and store.lookup(IDS[:40], model=a).path == entry.path
     sb = b.session(ctx=64, prefill_chunk=16, kv_store=store)
@@ -418,16 +422,27 @@ def test_payload_values_out_of_range_are_refused(tmp_path):
 # -- 15: a refusal met by the store names the file and the field ---------------------------------------
 
 def test_a_store_refusal_names_the_file_and_the_field(emb, tmp_path):
-    store = KVStore(tmp_path, min_tokens=16)
+    """Files a store cannot read but that are not damaged (a newer ds4's payload or header, another model family's
+    KV state) are reported, naming the file and the field, and kept: they are someone else's, not garbage."""
+    store = KVStore(tmp_path, min_tokens=16, checksum=False)  # as ds4-server writes them: no CRC to break
     s = emb.session(ctx=64, prefill_chunk=16)
     s.sync(IDS[:40])
     entry = store.save(s.snapshot(), s.model)
-    other = emb.session(ctx=64, prefill_chunk=8, kv_store=store)  # ds4's rule: another chunk cannot load it
-    with pytest.warns(KVStoreWarning) as seen:
-        assert other.sync(IDS[:41]).source == "cold"
-    assert any(str(entry.path) in str(w.message) and "prefill_cap" in str(w.message) for w in seen), \
-        [str(w.message) for w in seen]
-    assert entry.path.exists()
+    good = entry.path.read_bytes()
+    at = 52 + entry.text_bytes + 4  # the DSV4 payload's version
+    for offset, value, field in ((at, 3, "version"), (20, 3, "payload_abi"), (7, 2, "model_id")):
+        data = bytearray(good)
+        data[offset] = value
+        entry.path.write_bytes(bytes(data))
+        other = emb.session(ctx=64, prefill_chunk=16, kv_store=store)
+        with pytest.warns(KVStoreWarning) as seen:
+            assert other.sync(IDS[:41]).source == "cold"
+        assert any(str(entry.path) in str(w.message) and field in str(w.message) for w in seen), \
+            [str(w.message) for w in seen]
+        assert entry.path.read_bytes() == bytes(data)  # kept as it was
+        with pytest.raises(KVFileError, match="newer ds4|GLM 5.2") as ei:
+            KVFile.open(entry.path)
+        assert ei.value.field.removeprefix("payload ") == field
 
 
 # -- 19: an entry evicted between lookup and load is a miss --------------------------------------------
@@ -521,3 +536,42 @@ def test_a_zlib_bomb_is_refused_by_its_header_before_it_is_unpacked(tmp_path):
     with pytest.raises(KVFileError, match="zlib unpacked size.*largest payload"):
         _decompress(bomb, EXT_ZLIB, tmp_path / "bomb.kv")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KB: nothing unpacked
+
+
+# -- ds4's files since 2026-05-26 (payload ABI 2): agent titles, model ids, stubs, the trailer's flags ------
+
+def test_newer_ds4_files_open_with_their_title_and_model(tmp_path, capsys):
+    """ds4-agent's session files carry a title after the payload (ext bit 3 in an ABI-2 file); byte 7 names the
+    model; a stub without a payload, a legacy header over a version-2 payload, and a damaged trailer flag are
+    refused by name."""
+    payload, text, title = nano_payload(), b"an agent session", "Arden, act two".encode()
+    path = tmp_path / (hashlib.sha1(text).hexdigest() + ".kv")
+    body = text + payload + struct.pack("<I", len(title)) + title
+    for model, name in ((0, "DeepSeek V4 Flash"), (1, "DeepSeek V4 PRO")):
+        path.write_bytes(spec_header(40, len(payload), len(text), ctx=64, reason=6, ext=8, model=model) + body)
+        kf = KVFile.open(path)
+        assert kf.title == "Arden, act two" and len(kf.token_ids) == 40 and kf.header["model"] == name
+        assert "session title: 'Arden, act two'" in kf.summary() and "(title)" in kf.summary()
+        code, out, _ = inspect(path, capsys)
+        assert code == 0 and f"model {name}" in out and "payload ABI 2" in out
+    path.write_bytes(spec_header(40, len(payload), len(text), ctx=64, reason=6, ext=8) + body[:-1])
+    with pytest.raises(KVFileError, match=r"file size is .* title 18") as ei:
+        KVFile.open(path)
+    assert ei.value.field == "file size"
+    path.write_bytes(spec_header(40, 0, len(text), ctx=64, reason=6, ext=8) + text + body[len(text) + len(payload):])
+    with pytest.raises(KVFileError, match="payload_bytes is 0: the file holds no KV state"):
+        KVFile.open(path)
+    path.write_bytes(spec_header(40, len(payload), len(text), ctx=64, abi=0) + text + payload)
+    with pytest.raises(KVFileError, match=r"version is 2, expected 1 \(what the KVC header") as ei:
+        KVFile.open(path)
+    assert ei.value.field == "payload version"
+    # the trailer's flags: clearing the CRC flag leaves a CRC behind, which is refused, not skipped
+    store = KVStore(tmp_path / "s", min_tokens=1)
+    entry = store.put(b"checked", payload, tokens=40, ctx=64, quant_bits=2, fingerprint="cd" * 16)
+    data = bytearray(entry.path.read_bytes())
+    assert KVFile.open(entry.path).fingerprint == "cd" * 16 and data[-8] == 1
+    data[-8] = 0
+    entry.path.write_bytes(bytes(data))
+    with pytest.raises(KVFileError, match="trailer flags") as ei:
+        KVFile.open(entry.path)
+    assert ei.value.field == "trailer flags"

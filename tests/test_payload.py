@@ -3,6 +3,7 @@
 Shapes, sizes and byte layouts are written out here from that section, independently of ds4lab.kv.payload.
 """
 
+import dataclasses
 import struct
 import tracemalloc
 
@@ -17,7 +18,9 @@ from ds4lab.kv.payload import (
     PayloadError,
     decode_payload,
     encode_payload,
+    parse_layout,
     payload_nbytes,
+    with_version,
 )
 
 MAGIC = 0x34565344
@@ -153,7 +156,7 @@ def test_flash_round_trip_small_t():
     p = random_payload(FLASH, 6, ctx=65536)
     data = encode_payload(p, FLASH)
     assert len(data) == payload_nbytes(FLASH, 6) == spec_flash_bytes(6)
-    assert header(data) == [MAGIC, 1, 65536, 2048, 2304, 128, 16386, 6, 43, 512, 128, 129280, 6]
+    assert header(data) == [MAGIC, 2, 65536, 2048, 2304, 128, 16386, 6, 43, 512, 128, 129280, 6]
     assert_same(p, decode_payload(data, FLASH, ctx=65536, prefill_cap=2048))
 
 
@@ -180,7 +183,7 @@ def test_header_and_token_bytes():
     data = encode_payload(p, NANO)
     raw_cap, window, comp_cap = spec_caps(NANO, 4096, 2048)
     assert (raw_cap, window, comp_cap) == (2304, 32, 1026)
-    assert header(data) == [MAGIC, 1, 4096, 2048, 2304, 32, 1026, 70, 6, 128, 128, 1024, 32]
+    assert header(data) == [MAGIC, 2, 4096, 2048, 2304, 32, 1026, 70, 6, 128, 128, 1024, 32]
     assert data[:4] == b"DSV4"
     assert list(struct.unpack_from("<70I", data, 52)) == p.tokens.tolist()
     off = 52 + 4 * 70
@@ -191,13 +194,16 @@ def test_header_and_token_bytes():
     assert np.array_equal(np.frombuffer(data, "<f4", 32 * 128, off).reshape(32, 128), p.layers[0].raw)
 
 
-def test_hand_built_ratio0_payload():
+@pytest.mark.parametrize("version", [1, 2])
+def test_hand_built_ratio0_payload(version):
+    """ds4's two payload versions: the same bytes but the version field."""
     cfg = replace(NANO, n_layer=1, compress_ratios=(0,), swiglu_clamp=(10.0,), n_hash_layer=1, n_vocab=8)
     raw = np.arange(3 * 128, dtype=np.float32).reshape(3, 128) / 7
     logits = np.linspace(-1, 1, 8, dtype=np.float32)
     p = Payload(ctx=16, prefill_cap=4, raw_cap=16, raw_window=16, comp_cap=3,
-                tokens=np.array([5, 0, 7], dtype=np.uint32), logits=logits, layers=[LayerPayload(raw=raw)])
-    want = (struct.pack("<13I", MAGIC, 1, 16, 4, 16, 16, 3, 3, 1, 128, 128, 8, 3)
+                tokens=np.array([5, 0, 7], dtype=np.uint32), logits=logits, layers=[LayerPayload(raw=raw)],
+                version=version)
+    want = (struct.pack("<13I", MAGIC, version, 16, 4, 16, 16, 3, 3, 1, 128, 128, 8, 3)
             + struct.pack("<3I", 5, 0, 7)
             + struct.pack("<8f", *logits.tolist())
             + struct.pack("<I", 0) + struct.pack("<I", 0)
@@ -228,7 +234,7 @@ def test_hand_built_compressed_layers_order():
         layers.append(st)
     p = Payload(ctx=64, prefill_cap=16, raw_cap=64, raw_window=32, comp_cap=18,
                 tokens=np.arange(T, dtype=np.uint32) % 4, logits=np.ones(4, np.float32), layers=layers)  # ids < vocab
-    want = (struct.pack("<13I", MAGIC, 1, 64, 16, 64, 32, 18, T, 2, hd, ix, 4, 9)
+    want = (struct.pack("<13I", MAGIC, 2, 64, 16, 64, 32, 18, T, 2, hd, ix, 4, 9)
             + struct.pack(f"<{T}I", *(t % 4 for t in range(T))) + struct.pack("<4f", 1, 1, 1, 1)
             + struct.pack("<2I", 2, 0) + struct.pack("<2I", 2, 0) + body)
     assert encode_payload(p, cfg) == want
@@ -264,8 +270,17 @@ def test_wrong_magic(good):
     assert isinstance(e, ValueError) and e.field == "magic"
 
 
-def test_version_2(good):
-    expect(patch_u32(good, 1, 2), "unsupported session payload version", "version is 2, expected 1")
+def test_versions_1_and_2_load_the_same_and_others_are_refused(good):
+    """ds4 wrote version 1 until e8e8779b (2026-05-26), 2 since: the same bytes for a DeepSeek V4 model."""
+    old = with_version(good, 1)
+    assert old[4:8] == struct.pack("<I", 1) and old[8:] == good[8:] and header(good)[1] == 2
+    assert_same(load(old), dataclasses.replace(load(good), version=1))
+    expect(patch_u32(good, 1, 3), "unsupported session payload version (a newer ds4's", "version is 3, expected 1 (")
+    expect(patch_u32(good, 1, 0), "unsupported session payload version", "version is 0, expected 1 (")
+    with pytest.raises(PayloadError, match="version is 1, expected 2 \\(what the KVC header"):
+        parse_layout(old, NANO, version=2)
+    with pytest.raises(ValueError, match="payload version 3 is not one ds4 reads"):
+        with_version(good, 3)
 
 
 def test_tokens_not_below_context(good):
@@ -279,9 +294,9 @@ def test_saved_context_larger_than_current(good):
     expect(good, "does not fit current context", "ctx is 4096", "larger than the current context 2048", ctx=2048)
 
 
-def test_prefill_cap_mismatch(good):
-    expect(good, "graph chunk layout does not match current runtime", "prefill_cap is 2048, expected 512",
-           prefill_cap=512)
+def test_a_payload_of_another_chunk_loads(good):
+    """ds4 has not compared prefill_cap since bb543791: the raw rows are stored in position order."""
+    assert_same(load(good, prefill_cap=512), load(good))
 
 
 def test_raw_window_mismatch():

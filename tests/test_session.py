@@ -150,19 +150,30 @@ def test_checkpoints_serialize_without_model_arguments(nano_mlx):
         bare.to_bytes()
 
 
-def test_payload_from_another_geometry_is_refused(nano_mlx):
-    s = nano_mlx.session(ctx=400, prefill_chunk=64)
+def test_payload_from_another_chunk_restores_as_never_saved(nano_mlx):
+    """ds4 has not compared the payload's chunk (prefill_cap) since bb543791: its raw rows are in position order
+    and land in the restoring session's own ring. Restored into a session of another chunk, the state continues
+    exactly as that session's own prefill of the same tokens does."""
+    s = nano_mlx.session(ctx=400, prefill_chunk=256)
     s.prefill(PROMPT[:70]).run(progress=False)
     data = s.checkpoint().to_bytes()
     other = nano_mlx.session(ctx=400, prefill_chunk=32)
-    with pytest.raises(PayloadError, match="prefill_cap"):
-        other.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
-    assert other.tokens == []
+    assert (other.geometry.raw_cap, s.geometry.raw_cap) == (256, 400)  # another ring: the rows change slots
+    other.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
+    other.prefill(PROMPT[:110]).run(progress=False)  # from the restored 70 tokens
+    never = nano_mlx.session(ctx=400, prefill_chunk=32)
+    never.prefill(PROMPT[:110]).run(progress=False)
+    assert other.tokens == never.tokens and np.array_equal(other.logits, never.logits)
+    assert all(np.array_equal(a, b) for a, b in zip(layer_arrays(other).values(), layer_arrays(never).values()))
+    small = nano_mlx.session(ctx=16, prefill_chunk=8)  # another raw window (min(swa, ctx)): refused, untouched
+    with pytest.raises(PayloadError, match="raw_window|does not fit"):
+        small.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
+    assert small.tokens == []
     with pytest.raises(PayloadError):
         ds4lab.Checkpoint.from_bytes(data[:-3], nano_mlx.config)
     with pytest.raises(PayloadError):
         ds4lab.Checkpoint.from_bytes(data + b"\0", nano_mlx.config)
-    bigger = nano_mlx.session(ctx=800, prefill_chunk=64)  # a larger context accepts it (ds4's rule)
+    bigger = nano_mlx.session(ctx=800, prefill_chunk=256)  # a larger context accepts it (ds4's rule)
     bigger.restore(ds4lab.Checkpoint.from_bytes(data, nano_mlx.config))
     assert bigger.tokens == PROMPT[:70] and np.array_equal(bigger.logits, s.logits)
 

@@ -43,11 +43,12 @@ H = 6 * 3600  # the hit half-life, ds4_kvstore.h:13
 # -- helpers (from docs/FORMATS.md) -----------------------------------------------------------------------
 
 def spec_header(tokens, payload_bytes, text_bytes, *, quant=2, reason=2, ext=0, hits=0, ctx=4096, created=0,
-                last_used=0) -> bytes:
+                last_used=0, abi=2, model=0) -> bytes:
     """The 48-byte fixed header and u32 text length, field by field from the layout in
-    docs/FORMATS.md, "KVC files and the KV store"."""
+    docs/FORMATS.md, "KVC files and the KV store"; ``abi`` 2 as ds4 writes it since 2026-05-26, 0 before (with a
+    version-1 payload)."""
     h = bytearray(52)
-    h[0:3], h[3], h[4], h[5], h[6] = b"KVC", 1, quant, reason, ext
+    h[0:3], h[3], h[4], h[5], h[6], h[7], h[20] = b"KVC", 1, quant, reason, ext, model, abi
     struct.pack_into("<III", h, 8, tokens, hits, ctx)
     struct.pack_into("<QQQ", h, 24, created, last_used, payload_bytes)
     struct.pack_into("<I", h, 48, text_bytes)
@@ -113,24 +114,38 @@ def live(nano_mlx):
 
 # -- the file ------------------------------------------------------------------------------------------
 
-def test_kvc_file_is_ds4s_layout(live, tmp_path):
+@pytest.mark.parametrize("version", [2, 1])
+def test_kvc_file_is_ds4s_layout(live, tmp_path, version):
+    """ds4's file (header, text, payload: all ds4 reads), then ds4lab's trailers. Version 2 (ds4 since 2026-05-26):
+    header byte 20 is 2 and one 28-byte trailer, "KFP" 2, the fingerprint, flags (1: the CRC is there) and the
+    CRC-32 of all before it. Version 1 (ds4 before): byte 20 is 0, "KFP" 1 and the fingerprint, then with the
+    checksum (ext bit 3) "KCK" 1 and the CRC-32."""
     s, _ = live
     text = b"".join(s.model.tokenizer.token_bytes(t) for t in s.tokens)
     payload = dsv4(s)
+    payload = payload[:4] + struct.pack("<I", version) + payload[8:]
+    fingerprint = bytes.fromhex(s.model.file.fingerprint)
     for checksum in (False, True):
-        store = KVStore(tmp_path / str(checksum), min_tokens=64, checksum=checksum)
+        store = KVStore(tmp_path / f"{version}{checksum}", min_tokens=64, checksum=checksum, payload_version=version)
         entry = store.save(s.snapshot(), s.model, reason="continued")
         data = entry.path.read_bytes()
         assert entry.path.name == hashlib.sha1(text).hexdigest() + ".kv"
         created, last_used = struct.unpack_from("<QQ", data, 24)
         assert abs(created - time.time()) < 60 and last_used == created
-        head = spec_header(200, len(payload), len(text), quant=2, reason=2, ext=0x80 | (8 if checksum else 0),
-                           ctx=CTX, created=created, last_used=last_used)
-        # ds4-server's file (header, text, payload: all ds4 reads), then the model fingerprint trailer ("KFP" 1 and
-        # 16 bytes) and, with the checksum, "KCK" 1 and the CRC-32
-        body = head + text + payload + b"KFP\x01" + bytes.fromhex(s.model.file.fingerprint)
-        assert data == (body + b"KCK\x01" + struct.pack("<I", spec_crc(body)) if checksum else body)
-        assert entry.file_size == len(data) == 52 + len(text) + len(payload) + 20 + 8 * checksum
+        ext = 0x80 | (8 if checksum and version == 1 else 0)
+        head = spec_header(200, len(payload), len(text), quant=2, reason=2, ext=ext, ctx=CTX, created=created,
+                           last_used=last_used, abi={1: 0, 2: 2}[version])
+        if version == 1:
+            body = head + text + payload + b"KFP\x01" + fingerprint
+            assert data == (body + b"KCK\x01" + struct.pack("<I", spec_crc(body)) if checksum else body)
+            assert entry.file_size == len(data) == 52 + len(text) + len(payload) + 20 + 8 * checksum
+        else:
+            body = head + text + payload + b"KFP\x02" + fingerprint + struct.pack("<I", int(checksum))
+            assert data == body + struct.pack("<I", spec_crc(body) if checksum else 0)
+            assert entry.file_size == len(data) == 52 + len(text) + len(payload) + 28
+        kf = KVFile.open(entry.path, s.model.config)
+        kf.verify()
+        assert kf.fingerprint == s.model.file.fingerprint and kf.payload() == payload
 
 
 def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
@@ -154,9 +169,10 @@ def test_flash_shaped_file_opens_with_ds4s_sizes(tmp_path):
     assert kf.file_size == 52 + len(text) + flash_bytes(T)
     assert kf.header == {"version": 1, "quant_bits": 2, "reason": "continued", "ext_flags": 0, "tokens": T, "hits": 3,
                          "ctx_size": ctx, "created": 1_700_000_000, "last_used": 1_700_000_100,
-                         "payload_bytes": flash_bytes(T), "text_bytes": len(text)}
+                         "payload_bytes": flash_bytes(T), "text_bytes": len(text), "model_id": 0, "payload_abi": 2,
+                         "model": "DeepSeek V4 Flash"}
     assert kf.text_bytes == text and kf.sha1 == path.stem
-    assert kf.payload_header == {"magic": 0x34565344, "version": 1, "ctx": ctx, "prefill_cap": chunk, "raw_cap": 2304,
+    assert kf.payload_header == {"magic": 0x34565344, "version": 2, "ctx": ctx, "prefill_cap": chunk, "raw_cap": 2304,
                                  "raw_window": 128, "comp_cap": ctx // 4 + 2, "n_tokens": T, "n_layer": 43,
                                  "head_dim": 512, "indexer_head_dim": 128, "vocab": 129280, "raw_live": 128}
     assert kf.ratios == tuple(0 if il < 2 else 4 if il % 2 == 0 else 128 for il in range(43))
@@ -192,7 +208,7 @@ def test_a_1gb_file_opens_at_once(tmp_path):
     counts = struct.pack("<86I", *[T // r if r else 0 for r in ratios], *[T // 4 if r == 4 else 0 for r in ratios])
     path = tmp_path / "big.kv"
     with open(path, "wb") as f:
-        f.write(spec_header(T, size, 0, ctx=ctx) + head + np.arange(T, dtype="<u4").tobytes())
+        f.write(spec_header(T, size, 0, ctx=ctx, abi=0) + head + np.arange(T, dtype="<u4").tobytes())
         f.seek(52 + 52 + 4 * T + 4 * 129280)
         f.write(counts)
         f.truncate(52 + size)
@@ -251,7 +267,7 @@ def test_eviction_order_is_ds4s_score(tmp_path):
 
 def test_budget_is_never_exceeded_after_a_save(tmp_path):
     payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO)
-    size = 52 + 12 + len(payload) + 8
+    size = 52 + 12 + len(payload) + 28  # the 28-byte trailer holding the checksum (and no fingerprint)
     store = KVStore(tmp_path, min_tokens=1)
     store.budget_bytes = 3 * size + 10
     for i in range(10):
@@ -322,10 +338,12 @@ def test_session_saves_continued_and_evicted_states_and_syncs_from_disk(nano_mlx
     consuming = KVStore(tmp_path, min_tokens=64, cold_max_tokens=299)
     assert nano_mlx.session(ctx=CTX, prefill_chunk=CHUNK, kv_store=consuming).sync(PROMPT[:301]).source == "disk"
     assert not hit.path.exists()
-    # a session of another chunk size cannot use these files (ds4's loader rule): reported, kept, cold
+    # a session of another chunk size restores them too (ds4 since bb543791), as its own prefill would have made them
     other_chunk = nano_mlx.session(ctx=CTX, prefill_chunk=32, kv_store=store)
-    with pytest.warns(KVStoreWarning, match="prefill_cap"):
-        assert other_chunk.sync(PROMPT[:140]).source == "cold"
+    assert other_chunk.sync(PROMPT[:140]).source == "disk"
+    ref = nano_mlx.session(ctx=CTX, prefill_chunk=32)
+    ref.sync(PROMPT[:140])
+    assert np.array_equal(other_chunk.logits, ref.logits) and dsv4(other_chunk) == dsv4(ref)
     assert 128 in reasons(store)
 
 
@@ -406,9 +424,8 @@ def test_the_store_takes_checkpoints_and_the_session_holds_the_policy(nano_mlx, 
     store.mark_loaded(found)
     assert store.entries()[0].header.hits == 1 and dsv4(t) == dsv4(s)
     assert store.best_prefix(PROMPT[:99], nano_mlx, s.geometry) is None  # longer than the ids
-    other = nano_mlx.session(ctx=CTX, prefill_chunk=32).geometry  # ds4's loader rule: another chunk cannot
-    with pytest.warns(KVStoreWarning, match="prefill_cap"):
-        assert store.best_prefix(PROMPT[:110], nano_mlx, other) is None
+    other = nano_mlx.session(ctx=CTX, prefill_chunk=32).geometry  # another chunk can (ds4 since bb543791)
+    assert list(store.best_prefix(PROMPT[:110], nano_mlx, other)[1].tokens) == PROMPT[:100]
     assert entry.path.exists() and store.stats().lookups == 3
 
 
@@ -487,7 +504,7 @@ def test_compressed_payloads(compression, trained_live, tmp_path):
     data = entry.path.read_bytes()
     q8 = compression.startswith("q8")
     codec_bits = (16 if q8 else 0) | (32 if "zlib" in compression else 0) | (64 if "zstd" in compression else 0)
-    assert data[6] == 0x80 | 8 | codec_bits  # the fingerprint and checksum trailers, and the codec
+    assert data[6] == 0x80 | codec_bits  # the fingerprint and checksum trailer, and the codec
     payload = data[52 + entry.text_bytes:]
     assert payload[:8] != raw.path.read_bytes()[52 + entry.text_bytes:][:8]  # ds4's loader refuses it at once
     assert entry.file_size < 0.8 * raw.file_size
@@ -613,8 +630,8 @@ def _corruptions(good: bytes, text_len: int, structural: bool, rng) -> list[byte
         out += [edit(0, "3s", b"KVD"), edit(3, "B", 2), edit(4, "B", 3), edit(8, "<I", 0), edit(8, "<I", 41),
                 edit(16, "<I", 63), edit(40, "<Q", len(good) - p + 1), edit(40, "<Q", len(good) - p - 1),
                 edit(48, "<I", text_len + 1), edit(6, "B", 8), edit(6, "B", 16), edit(6, "B", 32), edit(6, "B", 64)]
-        for field, value in ((0, 0x34565345), (1, 2), (2, 40), (4, 0), (5, 0), (7, 39), (7, 41), (8, 7), (9, 64),
-                             (10, 64), (11, 1000), (12, 31)):
+        for field, value in ((0, 0x34565345), (1, 1), (1, 3), (2, 40), (4, 0), (5, 0), (7, 39), (7, 41), (8, 7),
+                             (9, 64), (10, 64), (11, 1000), (12, 31)):
             out.append(edit(p + 4 * field, "<I", value))
         counts = p + 52 + 4 * 40 + 4 * 1024
         out += [edit(counts + 4 * 2, "<I", 11), edit(counts + 4 * 3, "<I", 1), edit(counts + 4 * (6 + 2), "<I", 9)]

@@ -3,7 +3,7 @@
 A live :class:`Checkpoint` holds the (immutable) backend state itself, so taking one copies nothing
 and restoring it is exact. ``to_bytes`` writes the ``DSV4`` payload (float32 rows: exact for the MLX
 backend, rounded for the float64 numpy backend); ``from_bytes`` validates one against its own header,
-and restoring it validates it again against the session (ds4's loader rules: same chunk size, a context
+and restoring it validates it again against the session (ds4's loader rules: the same raw window, a context
 at least as large, ...) and rebuilds the fixed-capacity state, raw rows scattered back into the ring at
 ``pos mod raw_cap``.
 """
@@ -103,8 +103,8 @@ class Checkpoint:
     def check_fits(self, config: ModelConfig, geometry: Geometry, fingerprint: str | None = None) -> None:
         """Refuse, as :meth:`state_for` would, a checkpoint that cannot be restored into a session of ``geometry``
         on ``config`` whose model file has ``fingerprint`` (:class:`PayloadError` naming the field): another model
-        (:meth:`check_model`), then ds4's loader rules (same chunk, a context at least as large, ...), checked on
-        the payload's header and row counts without building a state."""
+        (:meth:`check_model`), then ds4's loader rules (the same raw window, a context at least as large, ...),
+        checked on the payload's header and row counts without building a state."""
         self.check_model(config, fingerprint)
         if self.state is not None and self.state.geometry == geometry:
             return

@@ -22,7 +22,7 @@ import numpy as np
 from .checkpoint import Checkpoint
 from .kvfile import KVFile, kv_file_parts, write_file_atomic
 from .layout import ROW_FIELDS, KVState
-from .payload import decode_payload, encode_payload
+from .payload import VERSION, decode_payload, encode_payload, with_version
 from .store import routed_quant_bits, token_text
 
 
@@ -101,19 +101,20 @@ def patch_rows(cp: Checkpoint, source: Checkpoint, layer: int, kind: str, indice
 
 
 def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutdown",
-            checksum: bool = True) -> KVFile:
+            checksum: bool = True, payload_version: int = VERSION) -> KVFile:
     """Write ``cp`` (edited or not) to ``path`` as one ``KVC`` file — the header, the text of its tokens, its
     ``DSV4`` payload, ``model``'s fingerprint trailer and, with ``checksum``, the CRC trailer — exactly as a
     :class:`~.store.KVStore` writes one (fsynced, then renamed into place), and open it back. ds4-server loads
     it under its store's name for the text, ``KVFile.sha1 + ".kv"``; ds4lab with ``KVFile.open`` and
-    ``Checkpoint.from_bytes(kf.payload(), model.config)``. Payload rows are float32 (ds4's format)."""
+    ``Checkpoint.from_bytes(kf.payload(), model.config)``. Payload rows are float32 (ds4's format), ``DSV4``
+    version ``payload_version``: 2 for ds4 since 2026-05-26, 1 for a ds4 built before."""
     cp.check_model(model.config, getattr(getattr(model, "file", None), "fingerprint", None))
     if cp.logits is None:
         raise ValueError("a .kv file holds next-token logits; this checkpoint has none")
     path = Path(path)
-    _, parts = kv_file_parts(token_text(model.tokenizer, cp.tokens), cp.to_bytes(), tokens=len(cp), ctx=cp.ctx,
-                             quant_bits=routed_quant_bits(model), reason=reason, fingerprint=cp.fingerprint,
-                             with_checksum=checksum)
+    _, parts = kv_file_parts(token_text(model.tokenizer, cp.tokens), with_version(cp.to_bytes(), payload_version),
+                             tokens=len(cp), ctx=cp.ctx, quant_bits=routed_quant_bits(model), reason=reason,
+                             fingerprint=cp.fingerprint, with_checksum=checksum, payload_version=payload_version)
     write_file_atomic(path, parts)
     return KVFile.open(path, model.config)
 

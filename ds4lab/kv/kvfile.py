@@ -2,43 +2,48 @@
 (docs/FORMATS.md, "KVC files and the KV store").
 
 Layout, as ``ds4_kvstore_fill_header`` writes it and ``ds4_kvstore_read_header`` reads it
-(ds4_kvstore.c:379-422), all little-endian::
+(ds4_kvstore.c:379-422 at 8d57664, 395-440 at b0309611), all little-endian::
 
      0 "KVC"          3 u8 version = 1      4 u8 routed-expert quant bits of the model (2 or 4)
-     5 u8 reason      6 u8 ext flags        7 reserved (0)
-     8 u32 tokens    12 u32 hits           16 u32 ctx_size      20 reserved (0)
+     5 u8 reason      6 u8 ext flags        7 u8 model id (0 DeepSeek V4 Flash, 1 V4 PRO, 2 GLM 5.2)
+     8 u32 tokens    12 u32 hits           16 u32 ctx_size      20 u8 payload ABI (0 or 2), 21-23 zero
     24 u64 created   32 u64 last_used      40 u64 payload_bytes
     48 u32 text_bytes, then the cache text, the payload (payload_bytes long), then optional trailers.
 
-A file is read only if the magic and version match, tokens != 0 and the quant byte is 2 or 4; reasons above 6
-read as "unknown" (ds4_kvstore.c:401-422). The payload is ds4's ``DSV4`` session payload (:mod:`.payload`).
+Two generations of ds4 wrote these files. Until 2026-05-26 bytes 7 and 20 were reserved (0) and the payload was
+``DSV4`` version 1; since e8e8779b byte 20 is the payload ABI, 2, and ds4 skips a file without it; the payload says
+version 2 (the same bytes for a DeepSeek V4 model), and byte 7 (since 04f151dc) names the model. ds4lab reads both
+(:attr:`KVHeader.legacy`: ABI 0) and writes ABI 2 unless asked for the older form (``payload_version=1``).
+A file is read only if the magic and version match, the ABI byte is 0 or 2, tokens != 0 and the quant byte is 2 or 4;
+reasons above 6 read as "unknown". The payload is ds4's ``DSV4`` session payload (:mod:`.payload`); GLM 5.2's
+(model id 2) lays its arrays out otherwise and is refused.
 
-ds4 uses ext bits 0-2 (bit 0: the server's tool-id map trailer; bits 1-2: the key is visible transcript
-text). ds4lab adds five bits to the same byte (3-7; bit 7 is the model fingerprint trailer, which a KVStore
-always writes); ds4 never tests them, so the header stays ds4's:
+ds4 uses ext bits 0-2 (bit 0: the server's tool-id map trailer; bits 1-2: the key is visible transcript text) and,
+in ABI-2 files, bit 3 (ds4-agent's session title: a u32 length and the title right after the payload). ds4lab's
+own bits, which ds4 never tests:
 
-* bit 3 ``EXT_CHECKSUM``: the file ends in an 8-byte trailer, "KCK", 1, u32 CRC-32 of everything before it with
-  the two fields that change in place (hits, last_used) read as zero. ds4 never reads past the payload
-  (past its own tool-map trailer when bit 0 is set), so it loads these files as usual. Without bits 3-7 a
-  file is byte for byte what ds4-server writes.
 * bit 4 ``EXT_Q8``: KV rows (raw, compressed and indexer rows) are 8-bit: per array, a f32 scale per row
   (max |x| / 127) then the int8 rows. The pending compressor states and logits stay f32 (the scores hold
-  -1e30 sentinels). Its ``DSV4`` header says version ``Q8_PAYLOAD_VERSION``, so ds4's loader refuses it at
+  -1e30 sentinels). Its ``DSV4`` header says version ``Q8_VERSION_BIT | v``, so ds4's loader refuses it at
   its first check instead of misreading it.
 * bit 5 ``EXT_ZLIB`` / bit 6 ``EXT_ZSTD``: the payload (after 8-bit packing, if bit 4 is set) is a u64 with
   its unpacked size followed by a zlib (zstd) stream. ds4 refuses these at the payload magic.
-* bit 7 ``EXT_FINGERPRINT``: a 20-byte trailer right after the payload, "KFP", 1, then the 16 bytes of the
-  writing model's fingerprint (``model.file.fingerprint``, 32 hex digits: a digest of the GGUF's metadata,
-  tensor directory and data samples). Two models of one configuration write payloads of the same shapes, so
-  nothing else in ds4's format tells their files apart. It sits where the checksum does, after everything
-  ds4 reads (ds4 accepts a file at least 52 + text + payload long and never reads further unless bit 0 is
-  set), and before the checksum trailer, which covers it. Not in the header: ds4 rewrites the header (hits,
-  last_used) through ``ds4_kvstore_fill_header``, which zeroes the reserved bytes; not in a sidecar file:
-  ds4's eviction and another process's rename would not move it with the ``.kv``. A file without it (what
-  ds4-server writes) cannot be checked against a model; the store loads it on ds4's rules and says so.
+* bit 7 ``EXT_FINGERPRINT``: the writing model's fingerprint (``model.file.fingerprint``, 32 hex digits: a digest
+  of the GGUF's metadata, tensor directory and data samples) in a trailer. Two models of one configuration write
+  payloads of the same shapes, so nothing else in ds4's format tells their files apart.
+* The checksum: a CRC-32 of everything before it, the two fields that change in place (hits, last_used) read as
+  zero. In a legacy file ext bit 3 (``EXT_CHECKSUM``, free then) says it ends the file as an 8-byte trailer, "KCK",
+  1, u32 CRC. In an ABI-2 file bit 3 is ds4's, so the checksum joins the fingerprint in one 28-byte trailer ending
+  the file, flagged by bit 7: "KFP", 2, the 16-byte fingerprint (zeros: unknown), u32 flags (1: the CRC is
+  there), u32 CRC of everything before it.
 
-Trailers, in file order: the fingerprint (bit 7), then the checksum (bit 3). ds4lab writes no tool-id map
-(bit 0); ds4-server may rewrite a file's trailers only to add one, which ds4lab then cannot locate.
+In a legacy file the fingerprint trailer ("KFP", 1, 16 bytes) comes right after the payload, then the checksum.
+ds4 reads nothing past the payload but its own trailers (bits 0 and 3), and accepts a file at least 52 + text +
+payload long, so it loads ds4lab's files as its own. Not in the header: ds4 rewrites the header (hits,
+last_used) through ``ds4_kvstore_fill_header``; not in a sidecar file: ds4's eviction and another process's rename
+would not move it with the ``.kv``. A file without a fingerprint (what ds4-server writes) cannot be checked against
+a model; the store loads it on ds4's rules and says so. ds4lab writes no tool-id map or title; ds4-server may
+rewrite a file's trailers only to add a tool map (truncating at the payload), which ds4lab then cannot locate.
 
 The quant byte keeps ds4's meaning (the model's routed experts, not the KV rows): ds4 refuses any other value.
 """
@@ -62,11 +67,13 @@ import numpy as np
 from .layout import LAYER_FIELDS, ROW_FIELDS
 from .payload import (
     HEADER_BYTES,
-    Q8_PAYLOAD_VERSION,
+    MAGIC,
+    Q8_VERSION_BIT,
     VERSION,
     ArrayAt,
     PayloadError,
     PayloadLayout,
+    check_version,
     parse_layout,
     payload_header,
 )
@@ -83,17 +90,23 @@ FIXED_HEADER = 48
 PREFIX_BYTES = FIXED_HEADER + 4  # the fixed header and u32 text_bytes
 REASONS = ("unknown", "cold", "continued", "evict", "shutdown", "agent-system", "agent-session")
 QUANT_BITS = (2, 4)
+MODELS = {0: "DeepSeek V4 Flash", 1: "DeepSeek V4 PRO", 2: "GLM 5.2"}  # header byte 7 (ds4's ds4_variant)
+GLM_MODEL_ID = 2  # its payload is not DSV4's layout of a DeepSeek V4 model
+# header byte 20: the payload ABI ds4 wrote, and the DSV4 payload version it goes with (0: before e8e8779b)
+PAYLOAD_VERSION_OF_ABI = {0: 1, 2: 2}
+ABI_OF_PAYLOAD_VERSION = {v: abi for abi, v in PAYLOAD_VERSION_OF_ABI.items()}
 
 EXT_TOOL_MAP = 1 << 0
 EXT_RESPONSES_VISIBLE = 1 << 1
 EXT_THINKING_VISIBLE = 1 << 2
-EXT_CHECKSUM = 1 << 3
+EXT_CHECKSUM = 1 << 3  # ds4lab's checksum in a legacy (ABI 0) file
+EXT_SESSION_TITLE = 1 << 3  # ds4-agent's title in an ABI-2 file
 EXT_Q8 = 1 << 4
 EXT_ZLIB = 1 << 5
 EXT_ZSTD = 1 << 6
 EXT_FINGERPRINT = 1 << 7
 EXT_NAMES = {EXT_TOOL_MAP: "tool-map", EXT_RESPONSES_VISIBLE: "responses-visible",
-             EXT_THINKING_VISIBLE: "thinking-visible", EXT_CHECKSUM: "checksum", EXT_Q8: "q8",
+             EXT_THINKING_VISIBLE: "thinking-visible", EXT_CHECKSUM: "checksum or title", EXT_Q8: "q8",
              EXT_ZLIB: "zlib", EXT_ZSTD: "zstd", EXT_FINGERPRINT: "fingerprint"}
 CODECS = {None: 0, "q8": EXT_Q8, "zlib": EXT_ZLIB, "zstd": EXT_ZSTD, "q8+zlib": EXT_Q8 | EXT_ZLIB,
           "q8+zstd": EXT_Q8 | EXT_ZSTD}
@@ -104,6 +117,9 @@ TOOL_MAP_MAGIC = b"KTM\x01"  # ds4-server's tool-id map trailer (ds4_server.c:81
 FINGERPRINT_MAGIC = b"KFP\x01"
 FINGERPRINT_DIGEST = 16  # the 32-hex model fingerprint, as bytes
 FINGERPRINT_BYTES = len(FINGERPRINT_MAGIC) + FINGERPRINT_DIGEST
+RECORD_MAGIC = b"KFP\x02"  # an ABI-2 file's trailer: the fingerprint, flags and the checksum
+RECORD = struct.Struct("<4s16sII")
+RECORD_CRC = 1  # its flag: the CRC field holds the checksum
 STATE_FIELDS = tuple(f for f in LAYER_FIELDS if f not in ROW_FIELDS)
 
 _HEADER = struct.Struct("<3sBBBBBIIIIQQQI")
@@ -131,8 +147,10 @@ def reason_code(reason: str) -> int:
     return REASONS.index(reason)
 
 
-def ext_names(flags: int) -> str:
-    names = [name for bit, name in EXT_NAMES.items() if flags & bit]
+def ext_names(flags: int, legacy: bool = False) -> str:
+    """The ext bits' names; bit 3 is ds4lab's checksum in a legacy file, ds4-agent's title in an ABI-2 one."""
+    names = [("checksum" if legacy else "title") if bit == EXT_CHECKSUM else name
+             for bit, name in EXT_NAMES.items() if flags & bit]
     unknown = flags & ~sum(EXT_NAMES)
     return ",".join(names + ([f"{unknown:#x}"] if unknown else [])) or "none"
 
@@ -152,12 +170,24 @@ class KVHeader:
     payload_bytes: int
     text_bytes: int
     version: int = KVC_VERSION
+    model_id: int = 0
+    payload_abi: int = ABI_OF_PAYLOAD_VERSION[VERSION]
+
+    @property
+    def legacy(self) -> bool:
+        """Written by a ds4 before 2026-05-26 (or as it wrote them): no ABI byte, payload version 1, ext bit 3 free
+        (ds4lab's checksum)."""
+        return self.payload_abi == 0
+
+    @property
+    def payload_version(self) -> int:
+        return PAYLOAD_VERSION_OF_ABI[self.payload_abi]
 
     def pack(self) -> bytes:
-        """The fixed header and ``text_bytes``, as ``ds4_kvstore_fill_header`` writes them (reserved bytes 0)."""
-        return _HEADER.pack(KVC_MAGIC, self.version, self.quant_bits, self.reason, self.ext_flags, 0, self.tokens,
-                            self.hits, self.ctx_size, 0, self.created, self.last_used, self.payload_bytes,
-                            self.text_bytes)
+        """The fixed header and ``text_bytes``, as ``ds4_kvstore_fill_header`` writes them (bytes 21-23 zero)."""
+        return _HEADER.pack(KVC_MAGIC, self.version, self.quant_bits, self.reason, self.ext_flags, self.model_id,
+                            self.tokens, self.hits, self.ctx_size, self.payload_abi, self.created, self.last_used,
+                            self.payload_bytes, self.text_bytes)
 
     @classmethod
     def unpack(cls, data, path) -> KVHeader:
@@ -165,45 +195,114 @@ class KVHeader:
         if len(data) < PREFIX_BYTES:
             raise KVFileError(path, "header", f"{len(data)} bytes", f"at least {PREFIX_BYTES}", "truncated header: "
                               f"{len(data)} bytes, the fixed header and text length take {PREFIX_BYTES}")
-        (magic, version, quant, reason, ext, _, tokens, hits, ctx, _, created, last_used, payload_bytes,
+        (magic, version, quant, reason, ext, model, tokens, hits, ctx, abi, created, last_used, payload_bytes,
          text_bytes) = _HEADER.unpack_from(data)
         if magic != KVC_MAGIC:
             raise KVFileError(path, "magic", magic, KVC_MAGIC, f"not a KVC file: magic is {magic!r}, expected b'KVC'")
         if version != KVC_VERSION:
             raise KVFileError(path, "version", version, KVC_VERSION)
+        abi &= 0xFF  # ds4 reads byte 20 alone
+        if abi not in PAYLOAD_VERSION_OF_ABI:
+            raise KVFileError(path, "payload_abi", abi, "0 or 2",
+                              f"payload_abi (header byte 20) is {abi}, expected 0 (ds4 before 2026-05-26) or 2 (ds4 "
+                              f"since){': a newer ds4 wrote it, which this ds4lab cannot read' if abi > 2 else ''}")
+        if model not in MODELS or model == GLM_MODEL_ID:
+            name = f"{MODELS[model]}'s" if model in MODELS else "an unknown model's"
+            raise KVFileError(path, "model_id", model, "0 (DeepSeek V4 Flash) or 1 (V4 PRO)",
+                              f"model_id (header byte 7) is {model}: {name} KV state, whose payload ds4lab does not "
+                              f"read (it reads DeepSeek V4's: 0 Flash, 1 PRO)")
         if quant not in QUANT_BITS:
             raise KVFileError(path, "quant_bits", quant, "2 or 4 (the model's routed-expert bits)")
         if tokens == 0:
             raise KVFileError(path, "tokens", 0, "at least 1")
+        if payload_bytes == 0:  # ds4-agent's session stubs: a title and text, no KV state
+            raise KVFileError(path, "payload_bytes", 0, "at least the 52-byte DSV4 header",
+                              "payload_bytes is 0: the file holds no KV state (ds4-agent writes such session stubs)")
         return cls(quant, reason if reason < len(REASONS) else 0, ext, tokens, hits, ctx, created, last_used,
-                   payload_bytes, text_bytes, version)
+                   payload_bytes, text_bytes, version, model, abi)
 
     @property
     def payload_end(self) -> int:
-        """Where the payload ends: ds4 reads nothing after it (but its tool-id map, bit 0)."""
+        """Where the payload ends: ds4 reads nothing after it (but its tool-id map, bit 0, or title, bit 3)."""
         return PREFIX_BYTES + self.text_bytes + self.payload_bytes
+
+    def _trailers(self) -> list[tuple[str, int]]:
+        """ds4lab's trailers this header says follow the payload (and a title), by name and size, in file order."""
+        ext = self.ext_flags
+        if self.legacy:
+            return ([("fingerprint", FINGERPRINT_BYTES)] if ext & EXT_FINGERPRINT else []) + \
+                   ([("checksum", CHECKSUM_BYTES)] if ext & EXT_CHECKSUM else [])
+        return [("fingerprint and checksum", RECORD.size)] if ext & EXT_FINGERPRINT else []
+
+    @property
+    def has_title(self) -> bool:
+        return not self.legacy and bool(self.ext_flags & EXT_SESSION_TITLE)
 
     @property
     def file_bytes(self) -> int:
-        """Size of a file with this header (ds4: 52 + text + payload + trailers; ds4lab writes no tool map)."""
-        trailers = ((FINGERPRINT_BYTES if self.ext_flags & EXT_FINGERPRINT else 0)
-                    + (CHECKSUM_BYTES if self.ext_flags & EXT_CHECKSUM else 0))
-        return self.payload_end + trailers
-
-    def check_size(self, size: int, path) -> None:
-        """ds4 needs the file to hold the header, text and payload; without a tool-id map (whose length only
-        its own parser knows) ds4lab wants the exact size, so a stray or missing trailer shows."""
-        want = self.file_bytes
-        if size < want or (size > want and not self.ext_flags & EXT_TOOL_MAP):
-            raise KVFileError(path, "file size", size, f"{want} = {PREFIX_BYTES} + text {self.text_bytes} + payload "
-                              f"{self.payload_bytes}"
-                              + (f" + fingerprint {FINGERPRINT_BYTES}" if self.ext_flags & EXT_FINGERPRINT else "")
-                              + (f" + checksum {CHECKSUM_BYTES}" if self.ext_flags & EXT_CHECKSUM else ""))
+        """Size of a file with this header and no title (52 + text + payload + trailers; ds4lab writes no tool map
+        and no title)."""
+        return self.payload_end + sum(n for _, n in self._trailers())
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["reason"] = REASONS[self.reason]
+        d["model"] = MODELS[self.model_id]
         return d
+
+
+@dataclass(frozen=True)
+class Trailers:
+    """What follows a file's payload, as :func:`read_trailers` found it."""
+
+    title: bytes | None  # ds4-agent's session title (ABI-2 files, ext bit 3)
+    fingerprint: str | None  # the writing model's, or None (ds4-server's files, or a writer that had none)
+    end: int  # where the trailers ds4lab knows end: the file's size, but for ds4-server's tool-id map after them
+
+
+def read_trailers(header: KVHeader, size: int, read_at, path) -> Trailers:
+    """Check a file of ``size`` bytes against ``header`` and read its title and fingerprint; ``read_at(offset, n)``
+    returns the file's bytes there. ds4 needs the file to hold the header, text and payload; without a tool-id map
+    (whose length only its own parser knows) ds4lab wants the exact size, so a stray or missing trailer shows."""
+    parts = [(f"{PREFIX_BYTES}", PREFIX_BYTES), ("text", header.text_bytes), ("payload", header.payload_bytes)]
+    title_len = None
+    if header.has_title:
+        end = header.payload_end
+        if size < end + 4:
+            raise _size_error(path, size, parts + [("title length", 4)], "at least ")
+        title_len = struct.unpack("<I", read_at(end, 4))[0]
+        parts.append(("title", 4 + title_len))
+    parts += header._trailers()
+    want = sum(n for _, n in parts)
+    if size < want or (size > want and not header.ext_flags & EXT_TOOL_MAP):
+        raise _size_error(path, size, parts)
+    title = None if title_len is None else bytes(read_at(header.payload_end + 4, title_len))
+    fingerprint = None
+    if header.ext_flags & EXT_FINGERPRINT:
+        at = header.payload_end + (0 if title_len is None else 4 + title_len)
+        if header.legacy:
+            fingerprint = parse_fingerprint(read_at(at, FINGERPRINT_BYTES), path)
+        else:
+            fingerprint = _parse_record(read_at(at, RECORD.size), path)[0]
+    return Trailers(title, fingerprint, want)
+
+
+def _size_error(path, size: int, parts, relation: str = "") -> KVFileError:
+    total = sum(n for _, n in parts)
+    what = " + ".join(name if name == str(n) else f"{name} {n}" for name, n in parts)
+    return KVFileError(path, "file size", size, f"{relation}{total} = {what}")
+
+
+def _parse_record(record: bytes, path) -> tuple[str | None, bool, int]:
+    """(fingerprint or None, whether the CRC is there, the CRC) of an ABI-2 file's 28-byte trailer."""
+    if len(record) != RECORD.size or record[:4] != RECORD_MAGIC:
+        raise KVFileError(path, "fingerprint trailer", bytes(record[:4]), RECORD_MAGIC)
+    _, digest, flags, crc = RECORD.unpack(record)
+    # a damaged flags field must not turn the checksum off: without the CRC flag the CRC field is zero
+    if flags not in (0, RECORD_CRC) or (flags == 0 and crc != 0):
+        raise KVFileError(path, "trailer flags", f"{flags} with CRC field {crc:#010x}",
+                          "1, or 0 with a zero CRC field")
+    return (digest.hex() if any(digest) else None), bool(flags & RECORD_CRC), crc
 
 
 def checksum(head, *parts) -> int:
@@ -218,20 +317,36 @@ def checksum(head, *parts) -> int:
     return crc
 
 
-def checksum_trailer(crc: int) -> bytes:
-    return CHECKSUM_MAGIC + struct.pack("<I", crc)
+def _stored_checksum(buf, path) -> tuple[int, int] | None:
+    """``(stored CRC, where the bytes it covers end)`` of a whole file ``buf``, read from its end as its ABI byte and
+    ext flags say (module docstring), or None when the file says it has no checksum; :class:`KVFileError` when
+    the trailer that should hold it is not there."""
+    if len(buf) < 21:
+        return None
+    ext, legacy = buf[6], buf[20] == 0
+    if legacy and ext & EXT_CHECKSUM:
+        if len(buf) < PREFIX_BYTES + CHECKSUM_BYTES:
+            raise KVFileError(path, "checksum trailer", f"a {len(buf)}-byte file", f"at least {PREFIX_BYTES + 8} bytes")
+        end = len(buf) - CHECKSUM_BYTES
+        if bytes(buf[end:end + 4]) != CHECKSUM_MAGIC:
+            raise KVFileError(path, "checksum trailer", bytes(buf[end:end + 4]), CHECKSUM_MAGIC)
+        return struct.unpack_from("<I", buf, end + 4)[0], end
+    if not legacy and ext & EXT_FINGERPRINT:
+        if len(buf) < PREFIX_BYTES + RECORD.size:
+            raise KVFileError(path, "fingerprint trailer", f"a {len(buf)}-byte file",
+                              f"at least {PREFIX_BYTES + RECORD.size} bytes")
+        _, has_crc, crc = _parse_record(bytes(buf[len(buf) - RECORD.size:]), path)
+        return (crc, len(buf) - 4) if has_crc else None
+    return None
 
 
 def verify_checksum(buf, path) -> None:
-    """Check the 8-byte checksum trailer at the end of a whole file ``buf``; :class:`KVFileError` naming the field
-    if it is missing or does not match."""
-    if len(buf) < PREFIX_BYTES + CHECKSUM_BYTES:
-        raise KVFileError(path, "checksum trailer", f"a {len(buf)}-byte file", f"at least {PREFIX_BYTES + 8} bytes")
-    end = len(buf) - CHECKSUM_BYTES
-    trailer = bytes(buf[end:])
-    if trailer[:4] != CHECKSUM_MAGIC:
-        raise KVFileError(path, "checksum trailer", trailer[:4], CHECKSUM_MAGIC)
-    stored = struct.unpack("<I", trailer[4:])[0]
+    """Check the checksum at the end of a whole file ``buf`` (if the file says it has one); :class:`KVFileError`
+    naming the field if its trailer is missing or it does not match."""
+    found = _stored_checksum(buf, path)
+    if found is None:
+        return
+    stored, end = found
     actual = checksum(buf[:PREFIX_BYTES], memoryview(buf)[PREFIX_BYTES:end])
     if stored != actual:
         raise KVFileError(path, "checksum", f"{actual:#010x}", f"{stored:#010x} (stored)",
@@ -239,43 +354,41 @@ def verify_checksum(buf, path) -> None:
 
 
 def checksum_status(buf, path) -> tuple[str, str]:
-    """The checksum of a whole file ``buf`` (its ext byte says whether it has one), for ``inspect``: ``("ok", …)``,
-    ``("mismatch", …)`` or ``("none", …)``. Needs only the first 7 bytes to parse; never raises."""
-    if len(buf) < 7 or not buf[6] & EXT_CHECKSUM:
-        return "none", ("none (the ext flags have no checksum bit: ds4-server's files have no checksum, nor do "
-                        "files written with checksum=False; the contents were not verified)")
+    """The checksum of a whole file ``buf`` (its header says whether it has one), for ``inspect``: ``("ok", …)``,
+    ``("mismatch", …)`` or ``("none", …)``. Needs only the first 21 bytes and the trailer to parse; never raises."""
     try:
+        found = _stored_checksum(buf, path)
         verify_checksum(buf, path)
     except KVFileError as e:
         detail = str(e).removeprefix(f"{path}: ")
         return "mismatch", f"MISMATCH: {detail} (the file is damaged)"
-    crc = struct.unpack("<I", bytes(buf[-4:]))[0]
-    return "ok", f"ok (CRC-32 {crc:#010x} of everything before the trailer, hits and last_used read as zero)"
+    if found is None:
+        return "none", ("none (the file has no checksum: ds4-server's files have none, nor do files written with "
+                        "checksum=False; the contents were not verified)")
+    return "ok", f"ok (CRC-32 {found[0]:#010x} of everything before it, hits and last_used read as zero)"
 
 
-def fingerprint_trailer(fingerprint: str) -> bytes:
-    """The ``EXT_FINGERPRINT`` trailer of a model fingerprint (32 hex digits)."""
+def _digest(fingerprint: str) -> bytes:
     try:
         digest = bytes.fromhex(fingerprint)
     except (TypeError, ValueError):
         digest = b""
     if len(digest) != FINGERPRINT_DIGEST:
         raise ValueError(f"a model fingerprint is {2 * FINGERPRINT_DIGEST} hex digits, got {fingerprint!r}")
-    return FINGERPRINT_MAGIC + digest
+    return digest
 
 
 def parse_fingerprint(trailer: bytes, path) -> str:
-    """The fingerprint in a 20-byte ``EXT_FINGERPRINT`` trailer; :class:`KVFileError` if it is not one."""
+    """The fingerprint in a legacy file's 20-byte ``EXT_FINGERPRINT`` trailer; :class:`KVFileError` if it is not
+    one."""
     if len(trailer) != FINGERPRINT_BYTES or trailer[:4] != FINGERPRINT_MAGIC:
         raise KVFileError(path, "fingerprint trailer", bytes(trailer[:4]), FINGERPRINT_MAGIC)
     return bytes(trailer[4:]).hex()
 
 
-def read_fingerprint(fd: int, header: KVHeader, path) -> str | None:
-    """The model fingerprint of an open file whose header is ``header`` (None without the trailer)."""
-    if not header.ext_flags & EXT_FINGERPRINT:
-        return None
-    return parse_fingerprint(os.pread(fd, FINGERPRINT_BYTES, header.payload_end), path)
+def read_file_trailers(fd: int, header: KVHeader, path) -> Trailers:
+    """:func:`read_trailers` of an open file."""
+    return read_trailers(header, os.fstat(fd).st_size, lambda at, n: os.pread(fd, n, at), path)
 
 
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -284,17 +397,36 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S
 
 def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int, reason: str = "unknown",
                   codec_flags: int = 0, fingerprint: str | None = None, with_checksum: bool = True,
-                  now: int | None = None) -> tuple[KVHeader, tuple[bytes, ...]]:
+                  now: int | None = None, payload_version: int = VERSION) -> tuple[KVHeader, tuple[bytes, ...]]:
     """A file's header and its bytes in file order: header, ``text``, ``payload`` (in its stored form, ``codec_flags``
-    saying which), the fingerprint trailer (given a ``fingerprint``) and, ``with_checksum``, the CRC trailer;
-    created and last_used are ``now`` (default: the current time)."""
-    fp_trailer = fingerprint_trailer(fingerprint) if fingerprint is not None else b""
-    flags = codec_flags | (EXT_CHECKSUM if with_checksum else 0) | (EXT_FINGERPRINT if fp_trailer else 0)
+    saying which; ``DSV4`` version ``payload_version``, which sets the header's ABI byte), then the trailers of the
+    fingerprint (given one) and, ``with_checksum``, of the CRC (module docstring); created and last_used are ``now``
+    (default: the current time)."""
+    check_version(payload_version)
+    if not codec_flags & (EXT_ZLIB | EXT_ZSTD):  # a stored payload starts with its DSV4 header: it must agree
+        magic, version = struct.unpack_from("<II", payload) if len(payload) >= 8 else (None, None)
+        if magic != MAGIC or version & 0xFF != payload_version:
+            raise ValueError(f"the payload is not DSV4 version {payload_version}: its header says magic "
+                             f"{magic if magic is None else hex(magic)}, version {version}")
+    legacy = ABI_OF_PAYLOAD_VERSION[payload_version] == 0
+    digest = _digest(fingerprint) if fingerprint is not None else None
+    if legacy:
+        ours = (EXT_CHECKSUM if with_checksum else 0) | (EXT_FINGERPRINT if digest else 0)
+    else:
+        ours = EXT_FINGERPRINT if digest or with_checksum else 0
     now = int(time.time()) if now is None else now
-    header = KVHeader(quant_bits, reason_code(reason), flags, tokens, 0, ctx, now, now, len(payload), len(text))
+    header = KVHeader(quant_bits, reason_code(reason), codec_flags | ours, tokens, 0, ctx, now, now, len(payload),
+                      len(text), payload_abi=ABI_OF_PAYLOAD_VERSION[payload_version])
     head = header.pack()
-    crc = (checksum_trailer(checksum(head, text, payload, fp_trailer)),) if with_checksum else ()
-    return header, (head, text, payload, fp_trailer, *crc)
+    if legacy:
+        fp = FINGERPRINT_MAGIC + digest if digest else b""
+        crc = (CHECKSUM_MAGIC + struct.pack("<I", checksum(head, text, payload, fp)),) if with_checksum else ()
+        return header, (head, text, payload, fp, *crc)
+    if not ours:
+        return header, (head, text, payload)
+    record = RECORD.pack(RECORD_MAGIC, digest or bytes(FINGERPRINT_DIGEST), RECORD_CRC if with_checksum else 0, 0)
+    crc = checksum(head, text, payload, record[:-4]) if with_checksum else 0
+    return header, (head, text, payload, record[:-4] + struct.pack("<I", crc))
 
 
 def write_file_atomic(path: Path, parts) -> None:
@@ -418,7 +550,8 @@ def _payload_bound(head: bytes, q8: bool, path) -> int:
 def pack_payload(payload: bytes, config, flags: int) -> bytes:
     """The stored form of a ``DSV4`` payload under the codec bits of ``flags`` (:data:`CODECS`)."""
     if flags & EXT_Q8:
-        payload = _relayout(payload, parse_layout(payload, config), Q8_PAYLOAD_VERSION, _quantize)
+        layout = parse_layout(payload, config)
+        payload = _relayout(payload, layout, Q8_VERSION_BIT | layout.header["version"], _quantize)
     if flags & (EXT_ZLIB | EXT_ZSTD):
         payload = _compress(payload, flags)
     return payload
@@ -490,10 +623,10 @@ class KVFile:
         self.path = path
         self.file_size = len(buf)
         hdr = KVHeader.unpack(buf, path)
-        hdr.check_size(self.file_size, path)
-        if hdr.ext_flags & EXT_TOOL_MAP and self.file_size > hdr.file_bytes:
+        trailers = read_trailers(hdr, self.file_size, lambda at, n: bytes(buf[at:at + n]), path)
+        if hdr.ext_flags & EXT_TOOL_MAP and self.file_size > trailers.end:
             # what follows must be ds4-server's map, not bytes that bit 0 (one damaged ext byte) lets pass unread
-            at = hdr.file_bytes
+            at = trailers.end
             magic = bytes(buf[at:at + len(TOOL_MAP_MAGIC)])
             if magic != TOOL_MAP_MAGIC or self.file_size - at < 8:
                 raise KVFileError(path, "tool map trailer", magic, TOOL_MAP_MAGIC,
@@ -512,7 +645,8 @@ class KVFile:
             self._payload_buf, base, size = buf, start, hdr.payload_bytes
         try:  # the DSV4 payload, checked against itself (and ``config``) by the one payload parser
             q8 = bool(hdr.ext_flags & EXT_Q8)
-            self._layout = parse_layout(self._payload_buf, config, base=base, size=size, q8=q8)
+            self._layout = parse_layout(self._payload_buf, config, base=base, size=size, q8=q8,
+                                        version=hdr.payload_version)
         except PayloadError as e:
             raise KVFileError(path, f"payload {e.field}", e.got, e.expected, f"payload: {e}") from None
         for field, payload_field in (("tokens", "n_tokens"), ("ctx_size", "ctx")):  # ds4 writes both from the session
@@ -521,12 +655,11 @@ class KVFile:
                                   f"{self._layout.header[payload_field]} (the payload's {payload_field})")
         self.layers = [KVFileLayer(self._payload_buf, il, r, a)
                        for il, (r, a) in enumerate(zip(self._layout.ratios, self._layout.layers))]
-        self.fingerprint: str | None = None
+        self.fingerprint: str | None = trailers.fingerprint
         """The writing model's fingerprint (``EXT_FINGERPRINT``), or None: a file ds4-server wrote, which cannot
         be checked against a model."""
-        if hdr.ext_flags & EXT_FINGERPRINT:
-            end = hdr.payload_end
-            self.fingerprint = parse_fingerprint(bytes(buf[end:end + FINGERPRINT_BYTES]), path)
+        self.title: str | None = None if trailers.title is None else trailers.title.decode("utf-8", "replace")
+        """ds4-agent's session title (ABI-2 files with ext bit 3), or None."""
 
     @classmethod
     def open(cls, path: str | os.PathLike, config=None) -> KVFile:
@@ -571,14 +704,14 @@ class KVFile:
     def payload(self) -> bytes:
         """The ``DSV4`` payload as ds4 stores it (f32), unpacked from 8-bit rows and zlib/zstd if needed."""
         if self._hdr.ext_flags & EXT_Q8:
-            return _relayout(self._payload_buf, self._layout, VERSION, lambda x: x.astype("<f4").tobytes())
+            version = self._layout.header["version"] & ~Q8_VERSION_BIT
+            return _relayout(self._payload_buf, self._layout, version, lambda x: x.astype("<f4").tobytes())
         base = self._layout.base
         return bytes(self._payload_buf[base:base + self._layout.size])
 
     def verify(self) -> None:
-        """Check the checksum trailer (reads the whole file); :class:`KVFileError` if it does not match."""
-        if not self._hdr.ext_flags & EXT_CHECKSUM:
-            return
+        """Check the checksum, when the file has one (reads the whole file); :class:`KVFileError` if it does not
+        match."""
         verify_checksum(self._buf, self.path)
 
     def checksum_status(self) -> tuple[str, str]:
@@ -592,17 +725,20 @@ class KVFile:
                          if h.ext_flags & bit) or "raw f32"
         if self._payload_buf is not self._buf:
             codec += f", {len(self._payload_buf):,} unpacked"
-        trailer = ((f" + fingerprint {FINGERPRINT_BYTES}" if h.ext_flags & EXT_FINGERPRINT else "")
-                   + (f" + checksum {CHECKSUM_BYTES}" if h.ext_flags & EXT_CHECKSUM else ""))
+        trailer = ((f" + title {4 + len(self.title.encode())}" if self.title is not None else "")
+                   + "".join(f" + {name} {n}" for name, n in h._trailers()))
+        generation = ("payload ABI 0 (ds4 before 2026-05-26)" if h.legacy else
+                      f"payload ABI {h.payload_abi} (ds4 since 2026-05-26)")
         fingerprint = self.fingerprint or ("none (no fingerprint trailer, as in ds4-server's files: which model "
                                            "wrote it cannot be checked)")
         preview = repr(self.text[:80]) + (" …" if len(self.text) > 80 else "")  # escaped once, by repr
         quant = "Q4_K routed experts" if h.quant_bits == 4 else "routed experts not Q4_K"
         lines = [
             f"{self.path}: {self.file_size:,} bytes",
-            (f"KVC v{h.version}: reason {REASONS[h.reason]}, model quant byte {h.quant_bits} ({quant}: ds4 writes "
-             f"4 for Q4_K experts, 2 for any other type), ext {h.ext_flags:#04x} "
-             f"({ext_names(h.ext_flags)}), tokens {h.tokens}, hits {h.hits}, ctx {h.ctx_size}"),
+            (f"KVC v{h.version}, {generation}, model {MODELS[h.model_id]}: reason {REASONS[h.reason]}, model quant "
+             f"byte {h.quant_bits} ({quant}: ds4 writes 4 for Q4_K experts, 2 for any other type), ext "
+             f"{h.ext_flags:#04x} ({ext_names(h.ext_flags, h.legacy)}), tokens {h.tokens}, hits {h.hits}, "
+             f"ctx {h.ctx_size}"),
             f"created {_stamp(h.created)}, last used {_stamp(h.last_used)}",
             f"sizes: header {PREFIX_BYTES} + text {h.text_bytes:,} + payload {h.payload_bytes:,} ({codec}){trailer}",
             f"model fingerprint {fingerprint}",
@@ -611,6 +747,7 @@ class KVFile:
             *(f"{lk.index:5d} {lk.ratio:5d} {lk.n_raw:4d} {lk.n_comp:5d} {lk.n_index:5d} {lk.nbytes:12,d}"
               for lk in self.layers),
             f"text: {preview}",
+            *([f"session title: {self.title!r}"] if self.title is not None else []),
         ]
         return "\n".join(lines)
 

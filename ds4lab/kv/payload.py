@@ -1,11 +1,15 @@
-"""The ds4 session payload (``DSV4``, version 1): the saved KV state of one checkpoint.
+"""The ds4 session payload (``DSV4``, versions 1 and 2): the saved KV state of one checkpoint.
 
 Documented in docs/MODEL.md, "Where the KV state lives" (the state per layer, the pending compressor
 state) and docs/FORMATS.md, "The DSV4 session payload" (the payload, its byte sizes). ds4 reference:
 ds4.c:15736-15761 (constants), 15836-15880 (state and payload sizes),
 16107-16320 (``ds4_session_payload_bytes`` and the writer), 16327-16656 (the loader).
 
-The format is byte-identical to ds4's version 1 for every config, Flash or tiny: 13 little-endian u32
+ds4 wrote version 1 until 2026-05-26 and writes version 2 since (e8e8779b, "bump the session payload ABI": a
+version a ds4 built before refuses, for a DeepSeek V4 model the same bytes; ds4's KVC header says which in its
+byte 20). ds4lab reads both and writes version 2 unless asked for 1 (:data:`VERSIONS`).
+
+The format is byte-identical to ds4's for every config, Flash or tiny: 13 little-endian u32
 header fields (magic, version, ctx, prefill_cap, raw_cap, raw_window, comp_cap, T, n_layer, head_dim,
 indexer head dim, vocab, raw_live), then ``u32[T]`` tokens, ``f32[vocab]`` logits, ``u32[n_layer]``
 compressed-row counts, ``u32[n_layer]`` indexer-row counts, and per layer: ``raw_live`` raw rows in
@@ -51,10 +55,11 @@ from .layout import (
 )
 
 MAGIC = 0x34565344  # "DSV4" little-endian
-VERSION = 1
+VERSION = 2  # what ds4lab writes unless told: ds4's since e8e8779b (2026-05-26)
+VERSIONS = {1: "ds4 before 2026-05-26 (e8e8779b)", 2: "ds4 since 2026-05-26 (e8e8779b)"}
 HEADER_FIELDS = 13
 HEADER_BYTES = 4 * HEADER_FIELDS
-Q8_PAYLOAD_VERSION = 0x100 | VERSION  # ds4lab's payload with 8-bit KV rows (KVC ext bit 4); ds4 refuses it
+Q8_VERSION_BIT = 0x100  # ds4lab's payload with 8-bit KV rows (KVC ext bit 4) says version 0x100 | v: ds4 refuses it
 
 
 _U32_MAX = 0xFFFFFFFF
@@ -103,6 +108,7 @@ class Payload:
     tokens: np.ndarray  # uint32 [T]
     logits: np.ndarray  # float32 [vocab]
     layers: list[LayerPayload]
+    version: int = VERSION  # 1 or 2 (VERSIONS): the same bytes for the ds4 that reads them
 
     @property
     def n_tokens(self) -> int:
@@ -160,7 +166,7 @@ def _check_finite(arr: np.ndarray, what: str, error=PayloadError) -> None:
 
 
 def encode_payload(p: Payload, cfg) -> bytes:
-    """Serialize ``p`` exactly as ``ds4_session_save_payload`` does (ds4.c:16129-16324).
+    """Serialize ``p`` exactly as ``ds4_session_save_payload`` does (ds4.c:16129-16324), with ``p.version``.
 
     Every array is checked against ``cfg`` first (ValueError naming the layer and field): presence by
     layer kind, row width, state shape and row counts (raw_live raw rows, ⌊T/R⌋ compressed/indexer rows).
@@ -177,7 +183,8 @@ def encode_payload(p: Payload, cfg) -> bytes:
     if len(p.layers) != cfg.n_layer:
         raise ValueError(f"payload has {len(p.layers)} layers, config has n_layer={cfg.n_layer}")
     raw_live = p.raw_live
-    header = [MAGIC, VERSION, p.ctx, p.prefill_cap, p.raw_cap, p.raw_window, p.comp_cap, T,
+    check_version(p.version)
+    header = [MAGIC, p.version, p.ctx, p.prefill_cap, p.raw_cap, p.raw_window, p.comp_cap, T,
               cfg.n_layer, cfg.head_dim, cfg.idx_dim, cfg.n_vocab, raw_live]
     header = [_u32(v, name) for v, name in zip(header, _HEADER_NAMES)]
 
@@ -211,7 +218,7 @@ def encode_payload(p: Payload, cfg) -> bytes:
 @dataclass(frozen=True)
 class ArrayAt:
     """One float array of a payload at ``offset`` in its buffer: f32 rows, or (``q8``) a f32 scale per row
-    then the int8 rows (the KV rows of ds4lab's 8-bit payloads, :data:`Q8_PAYLOAD_VERSION`)."""
+    then the int8 rows (the KV rows of ds4lab's 8-bit payloads, version ``Q8_VERSION_BIT | v``)."""
 
     offset: int
     rows: int
@@ -292,21 +299,44 @@ class _Cursor:
         return at
 
 
-def _read_header(mv: memoryview, cur: _Cursor, q8: bool) -> dict:
+def check_version(version: int) -> None:
+    """Refuse a payload version ds4lab does not write (ValueError naming it and the ones it does)."""
+    if version not in VERSIONS:
+        raise ValueError(f"payload version {version!r} is not one ds4 reads; expected "
+                         + " or ".join(f"{v} ({who})" for v, who in VERSIONS.items()))
+
+
+def _read_header(mv: memoryview, cur: _Cursor, q8: bool, version: int | None) -> dict:
     h = dict(zip(_HEADER_NAMES, struct.unpack_from(f"<{HEADER_FIELDS}I", mv, cur.take(HEADER_BYTES, "header"))))
     msg = "unsupported session payload version"  # ds4.c:16337
     if h["magic"] != MAGIC:
         raise _fail(msg, "magic", f"{h['magic']:#010x}", f"{MAGIC:#010x} ('DSV4')")
-    want = Q8_PAYLOAD_VERSION if q8 else VERSION
-    if h["version"] != want:
-        raise _fail(msg, "version", h["version"], want)
+    bit = Q8_VERSION_BIT if q8 else 0
+    wanted = [bit | v for v in ((version,) if version is not None else VERSIONS)]
+    if h["version"] not in wanted:
+        readable = [f"{bit | v} ({VERSIONS[v]})" for v in VERSIONS]
+        newer = " (a newer ds4's: this ds4lab cannot read it)" if h["version"] & 0xFF > max(VERSIONS) else ""
+        raise _fail(msg + newer, "version", h["version"], " or ".join(
+            readable if version is None else [f"{bit | version} (what the KVC header's payload ABI byte says)"]))
     return h
 
 
-def payload_header(data, q8: bool = False) -> dict:
-    """The 13 header fields of a payload by name, after the size, magic and version checks."""
+def payload_header(data, q8: bool = False, version: int | None = None) -> dict:
+    """The 13 header fields of a payload by name, after the size, magic and version checks (``version``: the one
+    it must have, 1 or 2; default either)."""
     mv = byte_view(data)
-    return _read_header(mv, _Cursor(0, len(mv)), q8)
+    return _read_header(mv, _Cursor(0, len(mv)), q8, version)
+
+
+def with_version(data, version: int) -> bytes:
+    """A payload's bytes under another ``version`` (1 or 2, :data:`VERSIONS`): the same layout, one field rewritten.
+    Nothing else is checked here; the payload is as good as it was."""
+    check_version(version)
+    out = bytearray(data)
+    if len(out) < HEADER_BYTES or struct.unpack_from("<I", out)[0] != MAGIC:
+        raise ValueError("not a DSV4 session payload (no 'DSV4' magic in its first 4 bytes)")
+    struct.pack_into("<I", out, 4, (struct.unpack_from("<I", out, 4)[0] & Q8_VERSION_BIT) | version)
+    return bytes(out)
 
 
 def infer_ratios(n_tokens: int, n_comp, n_index) -> tuple[int, ...]:
@@ -330,7 +360,8 @@ def _count_field(index: int, n_layer: int) -> str:
 
 
 def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | None = None, base: int = 0,
-                 size: int | None = None, q8: bool = False, full_ok: bool = False) -> PayloadLayout:
+                 size: int | None = None, q8: bool = False, full_ok: bool = False,
+                 version: int | None = None) -> PayloadLayout:
     """Check a payload at ``buf[base:base + size]`` (default: to the end) and locate every array in it.
 
     Nothing is read but the header and the row counts, nothing is copied, and every size is checked
@@ -341,16 +372,21 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     and chunk, as ``ds4_session_load_payload`` does (graph path, ds4.c:16327-16656), check by check.
     Without them it is checked against itself: its own context, ring and compressed capacity.
     ``cfg`` gives the layer dimensions and per-layer ratios; without it the ratios are inferred from the
-    row counts (:func:`infer_ratios`). ``q8``: a payload of version :data:`Q8_PAYLOAD_VERSION`, whose KV
-    rows (:data:`ROW_FIELDS`) are 8-bit. ``full_ok``: the session is the one that wrote it (its own ctx), which
-    held ``T == ctx`` legally; ds4's rule (``T < ctx``) is for a session that is to go on generating.
+    row counts (:func:`infer_ratios`). ``q8``: a payload whose KV rows (:data:`ROW_FIELDS`) are 8-bit (version
+    ``Q8_VERSION_BIT | v``). ``full_ok``: the session is the one that wrote it (its own ctx), which held
+    ``T == ctx`` legally; ds4's rule (``T < ctx``) is for a session that is to go on generating. ``version``: the
+    one the payload must have (a KVC file's header says it), else 1 or 2.
+
+    The chunk the payload was written with (``prefill_cap``) need not be the session's: ds4 has ignored it since
+    bb543791 (2026-05-23, "scratch scheduling capacity, not durable KV layout"); the raw rows are stored in
+    position order and land in the session's own ring (:func:`~ds4lab.kv.checkpoint.layer_from_payload`).
     """
     session = ctx is not None or prefill_cap is not None
     if session and (cfg is None or ctx is None or prefill_cap is None):
         raise TypeError("checking a payload for a session needs cfg, ctx and prefill_cap")
     mv = byte_view(buf)
     cur = _Cursor(base, len(mv) - base if size is None else size)
-    h = _read_header(mv, cur, q8)
+    h = _read_header(mv, cur, q8, version)
     T, n_layer, s_ctx, s_window = h["n_tokens"], h["n_layer"], h["ctx"], h["raw_window"]
 
     # ds4.c:16487
@@ -371,10 +407,8 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
                 raise _fail(msg, field, h[field], want)
     ring, comp_cap = h["raw_cap"], h["comp_cap"]
     if session:
-        # ds4.c:16497
+        # ds4.c:16497 (since bb543791 the window alone: prefill_cap is not compared)
         msg = "KV checkpoint graph chunk layout does not match current runtime"
-        if h["prefill_cap"] != prefill_cap:
-            raise _fail(msg, "prefill_cap", h["prefill_cap"], prefill_cap)
         cur_raw_cap, cur_window, cur_comp_cap = graph_caps(cfg, ctx, prefill_cap)
         if s_window != cur_window:
             raise _fail(msg, "raw_window", s_window, f"{cur_window} = min(swa {cfg.swa}, ctx {ctx})")
@@ -495,4 +529,4 @@ def decode_payload(data, cfg, ctx: int | None = None, prefill_cap: int | None = 
                 _check_finite(getattr(layer, f), f"layer {il} {f}")
     return Payload(ctx=h["ctx"], prefill_cap=h["prefill_cap"], raw_cap=h["raw_cap"], raw_window=h["raw_window"],
                    comp_cap=h["comp_cap"], tokens=lay.tokens(mv).astype(np.uint32),
-                   logits=lay.logits(mv).astype(np.float32), layers=layers)
+                   logits=lay.logits(mv).astype(np.float32), layers=layers, version=h["version"])

@@ -60,12 +60,12 @@ from .kvfile import (
     kv_file_parts,
     open_regular,
     pack_payload,
-    read_fingerprint,
+    read_file_trailers,
     reason_code,
     write_file_atomic,
 )
 from .layout import Geometry
-from .payload import PayloadError
+from .payload import VERSION, PayloadError, check_version, with_version
 
 DEFAULT_BUDGET_MB = 4096  # DS4_KVSTORE_DEFAULT_MB
 HIT_HALF_LIFE_S = 6 * 60 * 60  # DS4_KVSTORE_HIT_HALF_LIFE_SECONDS
@@ -77,8 +77,9 @@ DEFAULT_CONTINUED_INTERVAL = 10000
 _NAME = re.compile(r"([0-9a-fA-F]{40})\.kv")
 _TMP = re.compile(r"[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)")
 _LAYOUT_FIELDS = frozenset({"n_layer", "head_dim", "indexer_head_dim", "vocab"})  # another model's file
-# refused but not damaged: left alone ("token text": ids another tokenizer renders differently)
-_KEEP_FIELDS = _LAYOUT_FIELDS | {"model fingerprint", "file type", "token text"}
+# refused but not damaged: left alone ("token text": ids another tokenizer renders differently; "version",
+# "payload_abi", "model_id": what another ds4, or another model family, wrote)
+_KEEP_FIELDS = _LAYOUT_FIELDS | {"model fingerprint", "file type", "token text", "version", "payload_abi", "model_id"}
 _VISIBLE_TEXT = EXT_RESPONSES_VISIBLE | EXT_THINKING_VISIBLE  # ds4's key is visible transcript, not token text
 _U32_MAX = 0xFFFFFFFF
 
@@ -187,13 +188,17 @@ class KVStoreStats:
 
 
 class KVStore:
-    """A directory of ``KVC`` files with ds4-server's lookup, hit decay, eviction and write policy."""
+    """A directory of ``KVC`` files with ds4-server's lookup, hit decay, eviction and write policy.
+
+    ``payload_version``: the ``DSV4`` version of the files it writes, 2 (ds4 since 2026-05-26, e8e8779b) or 1 (for
+    a ds4 built before, which refuses 2; a newer one skips 1). It reads both."""
 
     def __init__(self, dir: str | os.PathLike, budget_mb: float = DEFAULT_BUDGET_MB, *,
                  min_tokens: int = DEFAULT_MIN_TOKENS, cold_max_tokens: int = DEFAULT_COLD_MAX_TOKENS,
                  continued_interval: int = DEFAULT_CONTINUED_INTERVAL, align: int | None = None,
                  half_life_s: float = HIT_HALF_LIFE_S, reject_different_quant: bool = False,
-                 compression: str | None = None, checksum: bool = True):
+                 compression: str | None = None, checksum: bool = True, payload_version: int = VERSION):
+        check_version(payload_version)
         if compression not in CODECS:
             raise ValueError(f"compression must be one of {', '.join(map(repr, CODECS))}, got {compression!r}")
         if half_life_s <= 0:
@@ -209,6 +214,7 @@ class KVStore:
         self.reject_different_quant = reject_different_quant
         self.codec_flags = CODECS[compression]
         self.checksum = checksum
+        self.payload_version = payload_version
         self._counts = dict.fromkeys(("lookups", "hits", "query_tokens", "hit_tokens", "saves", "skipped",
                                       "write_errors", "evictions"), 0)
         self._reported: set = set()
@@ -237,8 +243,7 @@ class KVStore:
                 with open_regular(path) as f:  # a FIFO or a device is refused before any read
                     size = os.fstat(f.fileno()).st_size
                     header = KVHeader.unpack(f.read(PREFIX_BYTES), path)
-                    header.check_size(size, path)
-                    fingerprint = read_fingerprint(f.fileno(), header, path)
+                    fingerprint = read_file_trailers(f.fileno(), header, path).fingerprint
             except FileNotFoundError:  # removed by another process since the listing
                 continue
             except (KVFileError, OSError) as e:
@@ -330,7 +335,7 @@ class KVStore:
         if len(cp) < self.min_tokens or cp.logits is None:
             return None
         try:
-            payload = pack_payload(cp.to_bytes(), model.config, self.codec_flags)
+            payload = pack_payload(with_version(cp.to_bytes(), self.payload_version), model.config, self.codec_flags)
         except ValueError as e:  # e.g. a non-finite logit: never write what the loader refuses
             self._counts["write_errors"] += 1
             self._warn(f"KV store did not save {len(cp)} tokens: {e}")
@@ -345,13 +350,15 @@ class KVStore:
         ds4_kvstore.c:876-1079); the store's one writer (:meth:`save` packs a checkpoint and calls it; call it
         for a payload already in stored form, e.g. ds4-server's bytes). ``payload`` is in its stored form,
         ``codec_flags`` (:data:`CODECS`) say which.
-        ``fingerprint``: the writing model's (``model.file.fingerprint``), kept in a trailer ds4 never reads.
+        ``fingerprint``: the writing model's (``model.file.fingerprint``), kept in a trailer ds4 never reads. The
+        payload is ``DSV4`` version :attr:`payload_version` (the header's ABI byte follows it).
 
         A file already stored for the text is kept when compatible (ds4's rule, plus: written by the same model,
         or by an unknown one); otherwise the new file is renamed over it only once it is written and synced, so
         a failed write leaves it as it was (ds4 deletes it first)."""
         header, parts = kv_file_parts(text, payload, tokens=tokens, ctx=ctx, quant_bits=quant_bits, reason=reason,
-                                      codec_flags=codec_flags, fingerprint=fingerprint, with_checksum=self.checksum)
+                                      codec_flags=codec_flags, fingerprint=fingerprint, with_checksum=self.checksum,
+                                      payload_version=self.payload_version)
         size = header.file_bytes
         if size + -(-size // 100) > self.budget_bytes:  # 1% headroom (ds4_kvstore.c:738-748)
             self._counts["skipped"] += 1
@@ -389,9 +396,8 @@ class KVStore:
             with open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 header = KVHeader.unpack(f.read(PREFIX_BYTES), path)
-                header.check_size(size, path)
+                theirs = read_file_trailers(f.fileno(), header, path).fingerprint
                 stored = f.read(header.text_bytes)
-                theirs = read_fingerprint(f.fileno(), header, path)
         except (KVFileError, OSError):  # absent or unreadable: the rename replaces it
             return None
         if ((self.reject_different_quant and header.quant_bits != quant_bits) or header.ctx_size > ctx
