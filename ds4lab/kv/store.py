@@ -204,6 +204,8 @@ class KVStore:
         if half_life_s <= 0:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
         self.dir = Path(dir)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise NotADirectoryError(f"{self.dir}: the KV store's directory is not a directory (it is a file)")
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.budget_bytes = int((budget_mb or DEFAULT_BUDGET_MB) * 1024 * 1024)
         self.min_tokens = min_tokens
