@@ -84,16 +84,34 @@ class FrontierRow:
                 f"{self.gen_tps:.2f}", str(self.kvcache_bytes), str(self.peak_rss_bytes)]
 
 
+# How the errors name the sweep's parameters: Python's keyword arguments (``ctx_start=4096``) by default, the
+# command line's flags (``--ctx-start 4096``) with ``flags=True``, as ``ds4lab bench`` shows them.
+FLAGS = {"ctx_start": "--ctx-start", "ctx_max": "--ctx-max", "ctx_alloc": "--ctx-alloc", "step_incr": "--step-incr",
+         "step_mul": "--step-mul", "gen_tokens": "--gen-tokens"}
+
+
+def _namer(flags: bool):
+    """``show(name, value)``: ``name=value``, or ``--flag value`` with ``flags``; ``show(name)``: the name alone."""
+    def show(name: str, value=None) -> str:
+        label = FLAGS[name] if flags else name
+        return label if value is None else (f"{label} {value}" if flags else f"{label}={value}")
+
+    return show
+
+
 def frontiers(ctx_start: int, ctx_max: int, step_incr: int = DEFAULT_STEP_INCR,
-              step_mul: float = DEFAULT_STEP_MUL) -> list[int]:
+              step_mul: float = DEFAULT_STEP_MUL, *, flags: bool = False) -> list[int]:
     """The frontiers ds4-bench visits: ``+step_incr`` when ``step_mul == 1``, else ``ceil(cur·step_mul)``
-    (at least ``cur + 1``), clamped to ``ctx_max``, which is always the last."""
-    check_sweep(ctx_start, ctx_max, step_incr, step_mul, gen_tokens=1)
+    (at least ``cur + 1``), clamped to ``ctx_max``, which is always the last. ``flags``: errors name the
+    command line's flags instead of the arguments."""
+    check_sweep(ctx_start, ctx_max, step_incr, step_mul, gen_tokens=1, flags=flags)
+    show = _namer(flags)
     out = [ctx_start]
     while out[-1] < ctx_max:
         if len(out) == MAX_FRONTIERS:
-            raise BenchError(f"ctx_start {ctx_start} to ctx_max {ctx_max} (step_incr {step_incr}, step_mul "
-                             f"{step_mul}) makes more than {MAX_FRONTIERS:,} frontiers")
+            raise BenchError(f"{show('ctx_start', ctx_start)} to {show('ctx_max', ctx_max)} "
+                             f"({show('step_incr', step_incr)}, {show('step_mul', step_mul)}) makes more than "
+                             f"{MAX_FRONTIERS:,} frontiers")
         cur = out[-1]
         nxt = cur + step_incr if step_mul == 1.0 else max(math.ceil(cur * step_mul), cur + 1)
         out.append(min(nxt, ctx_max))
@@ -101,20 +119,25 @@ def frontiers(ctx_start: int, ctx_max: int, step_incr: int = DEFAULT_STEP_INCR,
 
 
 def check_sweep(ctx_start: int, ctx_max: int, step_incr: int, step_mul: float, gen_tokens: int,
-                ctx_alloc: int | None = None) -> int:
-    """ds4-bench's argument rules; returns the context to allocate (default ctx_max + gen_tokens + 1)."""
+                ctx_alloc: int | None = None, *, flags: bool = False) -> int:
+    """ds4-bench's argument rules; returns the context to allocate (default ctx_max + gen_tokens + 1). The errors
+    name the arguments (``ctx_start=4096 must be <= ctx_max=256``), or with ``flags`` the command line's flags
+    (``--ctx-start 4096 must be <= --ctx-max 256``)."""
+    show = _namer(flags)
     for name, value in (("ctx_start", ctx_start), ("ctx_max", ctx_max), ("step_incr", step_incr),
                         ("gen_tokens", gen_tokens)):
         if int(value) != value or value <= 0:
-            raise BenchError(f"{name} must be a positive integer, got {value}")
+            raise BenchError(f"{show(name)} must be a positive integer, got {value}")
     if ctx_start > ctx_max:
-        raise BenchError(f"ctx_start ({ctx_start}) must be <= ctx_max ({ctx_max})")
+        raise BenchError(f"{show('ctx_start', ctx_start)} must be <= {show('ctx_max', ctx_max)}")
     if not math.isfinite(step_mul) or step_mul < 1.0:
-        raise BenchError(f"step_mul must be >= 1, got {step_mul}")
+        raise BenchError(f"{show('step_mul')} must be >= 1, got {step_mul}")
     if ctx_alloc is None:
         ctx_alloc = ctx_max + gen_tokens + 1
     if ctx_alloc <= ctx_max + gen_tokens:
-        raise BenchError(f"ctx_alloc ({ctx_alloc}) must be greater than ctx_max + gen_tokens ({ctx_max + gen_tokens})")
+        raise BenchError(f"{show('ctx_alloc', ctx_alloc)} must be greater than {show('ctx_max')} + "
+                         f"{show('gen_tokens')} = {ctx_max} + {gen_tokens} = {ctx_max + gen_tokens} (the sweep's "
+                         "last frontier and its generation probe)")
     return ctx_alloc
 
 

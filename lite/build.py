@@ -16,6 +16,7 @@ itself, NumPy, PyYAML, tqdm and requests come from Pyodide's CDN when the page r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -55,8 +56,17 @@ def labextension(name: str) -> Path:
 
 
 def run(*cmd: str, cwd: Path | None = None) -> None:
+    """Run ``cmd``; one that fails ends the build with one line naming it (its own messages are above it)."""
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=cwd)
+    head = [Path(cmd[0]).name, *cmd[1:3]]  # "python -m pip wheel", "python -m jupyter lite build"
+    what = " ".join(head + list(itertools.takewhile(lambda a: not a.startswith("-"), cmd[3:])))
+    try:
+        subprocess.run(cmd, check=True, cwd=cwd)
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"lite/build.py: error: `{what} ...` failed with exit code {e.returncode} (its messages "
+                         "are above; pip install -e '.[lite]' installs what the build needs)") from None
+    except OSError as e:
+        raise SystemExit(f"lite/build.py: error: `{what} ...` could not start: {e.strerror or e}") from None
 
 
 def build_wheels(tmp: Path, download: bool) -> list[Path]:

@@ -333,3 +333,192 @@ def test_a_sweep_of_too_many_frontiers_is_refused():
 
     with pytest.raises(bench.BenchError, match="more than 100,000 frontiers"):
         bench.frontiers(1, 1 << 40, 1)
+
+
+# -- the fresh-clone walk-through ----------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _extras() -> dict[str, set[str]]:
+    import tomllib
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {extra: {name(r) for r in reqs} for extra, reqs in
+            {"": project["dependencies"], **project["optional-dependencies"]}.items()}
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top-level modules ``path`` imports (``import``, ``from``, ``pytest.importorskip``) that are neither the
+    standard library's nor this repository's."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            found.add(node.args[0].value.split(".")[0])
+    return {m for m in found if m not in sys.stdlib_module_names and m not in ("ds4lab", "tests", "__future__")}
+
+
+@pytest.mark.parametrize("script", ["tests/test_server.py", "benchmarks/server_load.py"])
+def test_the_test_extra_installs_what_the_server_tests_import(script):
+    """openai and anthropic no longer bring httpx (they depend on httpx2): without it in the extra a fresh
+    ``pip install -e ".[test]"`` skipped every server test and server_load.py did not start."""
+    extras = _extras()
+    modules = _third_party_imports(ROOT / script)
+    assert "httpx" in modules
+    missing = {m.replace("_", "-") for m in modules} - extras["test"] - extras[""]
+    assert not missing, f"{script} imports {sorted(missing)}, which the test extra does not install"
+
+
+def test_the_lite_extra_installs_jupyter_server():
+    """``jupyter lite build --contents`` (lite/build.py) refuses to run without jupyter-server."""
+    assert "jupyter-server" in _extras()["lite"]
+
+
+def test_lite_build_reports_a_failing_command_in_one_line(capsys):
+    import importlib.util
+
+    pytest.importorskip("nbformat")
+    spec = importlib.util.spec_from_file_location("lite_build", ROOT / "lite" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    with pytest.raises(SystemExit) as e:
+        build.run(sys.executable, "-c", "import sys; sys.exit(3)")
+    message = str(e.value.code)
+    assert "\n" not in message and "failed with exit code 3" in message and "-c" in message, message
+    with pytest.raises(SystemExit) as e:
+        build.run(str(ROOT / "no-such-program"))
+    assert "could not start" in str(e.value.code)
+
+
+@pytest.mark.parametrize("ctx", [4097, 100000, 100000000])
+def test_run_refuses_a_ctx_above_the_model_context_like_serve(ctx):
+    """``-c 100000`` once ran with a context past the model's 4096, ``-c 100000000`` ended in MemoryError."""
+    proc = ds4lab_cmd("run", "-p", "ROMEO:", "-c", ctx, "-n", 1, *FAST)
+    assert f"--ctx must be in [2, 4096] for this model, got {ctx}" in one_error_line(proc, 2)
+    no_work_started(proc)
+
+
+def test_run_accepts_the_model_context_itself():
+    proc = ds4lab_cmd("run", "-p", "ROMEO:", "-c", 4096, "-n", 1, "--temp", 0, *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "ctx 4096" in proc.stderr
+
+
+def test_chat_ctx_command_is_capped_at_the_model_context():
+    proc = ds4lab_cmd("run", "--nothink", "--ctx", 64, *FAST, input="/ctx 100000\n/stats\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "/ctx must be in [2, 4096] for this model, got 100000" in proc.stderr
+    assert "session: 0/64 tokens" in proc.stdout  # the session was kept
+
+
+def test_a_prompt_longer_than_the_model_context_asks_for_a_shorter_one(model, tmp_path):
+    text = tmp_path / "long.txt"
+    text.write_text("ROMEO: " + "word " * 5000)
+    n = len(model.tokenizer.encode(text.read_text()))
+    assert n > 4096
+    line = one_error_line(ds4lab_cmd("run", "--prompt-file", text, *FAST), 1)
+    assert f"the prompt has {n} tokens and the context holds 4096" in line
+    assert f"--ctx {n + 2}" not in line  # no context this model takes would hold it
+    assert "the model's context is at most 4096 tokens: shorten the prompt to at most 4094 tokens" in line
+    line = one_error_line(ds4lab_cmd("run", "--prompt-file", text, "--ctx", 100, *FAST), 1)
+    assert "use --ctx 4096 and shorten the prompt to at most 4094 tokens" in line
+
+
+def test_no_room_suggests_a_context_only_where_the_model_has_one():
+    from ds4lab.cli.generate import no_room
+
+    assert "use --ctx 102 or more" in no_room(100, 50, most=4096)
+    assert "use --ctx 4096 or more" in no_room(4094, 4000, most=4096)  # the largest prompt that fits
+    assert "shorten the prompt to at most 4094 tokens" in no_room(4095, 4096, most=4096)
+    assert "use /ctx 4096 and shorten this turn to at most 4094 tokens" in no_room(5000, 64, "this turn", "/ctx",
+                                                                                  most=4096)
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1", "http"])
+def test_serve_port_out_of_range_is_refused_while_parsing(port, capsys):
+    """``--port 99999`` once loaded the model, then failed with OverflowError."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--port", port])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--port: expected a port number in [0, 65535], got '{port}'" in err and len(err.splitlines()) == 1
+
+
+def test_serve_port_in_use_names_the_address():
+    import socket
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = ds4lab_cmd("serve", "--backend", "numpy", "--port", port, timeout=120)
+    line = one_error_line(proc, 1)
+    assert f"cannot listen on --host 127.0.0.1 --port {port}: Address already in use" in line, line
+
+
+def test_bench_errors_name_the_flags():
+    line = one_error_line(ds4lab_cmd("bench", "--ctx-start", 4096, "--ctx-max", 256, *FAST), 2)
+    assert "--ctx-start 4096 must be <= --ctx-max 256" in line
+    line = one_error_line(ds4lab_cmd("bench", "--ctx-start", 64, "--ctx-max", 256, "--ctx-alloc", 100, *FAST), 2)
+    assert "--ctx-alloc 100 must be greater than --ctx-max + --gen-tokens = 256 + 128 = 384" in line
+    line = one_error_line(ds4lab_cmd("bench", "--ctx-start", 8192, *FAST), 2)
+    assert "--ctx-start 8192 must be <= --ctx-max, which is 4096 here by default" in line
+
+
+def test_bench_library_errors_name_the_arguments():
+    from ds4lab import bench
+
+    with pytest.raises(bench.BenchError, match=r"^ctx_start=4096 must be <= ctx_max=256$"):
+        bench.check_sweep(4096, 256, 2048, 1.0, 128)
+    with pytest.raises(bench.BenchError, match=r"^ctx_alloc=100 must be greater than ctx_max \+ gen_tokens = "):
+        bench.check_sweep(64, 256, 2048, 1.0, 128, ctx_alloc=100)
+    with pytest.raises(bench.BenchError, match=r"^--step-mul must be >= 1, got 0.5$"):
+        bench.check_sweep(64, 256, 2048, 0.5, 128, flags=True)
+
+
+def test_run_prompt_file_errors_name_the_flag(tmp_path):
+    for path, problem in ((tmp_path / "nope.txt", "no such file"), (tmp_path, "is a directory")):
+        for extra in ([], ["--graph-test"]):
+            proc = ds4lab_cmd("run", "--prompt-file", path, *extra, *FAST)
+            line = one_error_line(proc, 1)
+            assert f"--prompt-file {path}: {problem}" in line, line
+            no_work_started(proc)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--prefill-matmul", "f16"], "--prefill-matmul f16 needs --backend cupy (got --backend numpy)"),
+    (["--decode-matmul", "q8"], "--decode-matmul q8 needs --backend cupy (got --backend numpy)"),
+])
+def test_cupy_only_matmul_flags_are_usage_errors(flags, named):
+    proc = ds4lab_cmd("run", "-p", "x", *flags, *FAST)
+    line = one_error_line(proc, 2)
+    assert named in line and "prefill_matmul=" not in line and "decode_matmul=" not in line, line
+    no_work_started(proc)
+
+
+def test_cupy_only_matmul_flags_need_the_kernels():
+    """Checked before CuPy is imported: the flags conflict whatever the machine has."""
+    proc = ds4lab_cmd("run", "-p", "x", "--backend", "cupy", "--no-kernels", "--decode-matmul", "q8")
+    assert "--decode-matmul q8 needs the cupy backend's kernels: drop --no-kernels" in one_error_line(proc, 2)
+
+
+def test_inspect_and_make_model_help_explain_their_arguments(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "positional arguments: FILE the GGUF model file (.gguf) or KV cache file (.kv)" in text, text
+    with pytest.raises(SystemExit):
+        cli.main(["make-model", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed N seed of the random weights (default 0)" in text, text

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     style.add_argument("--chat", dest="raw", action="store_false",
                        help="render the prompt as a chat turn (the default for chat models, as in ds4)")
     run.add_argument("-c", "--ctx", type=_positive_int, default=None, metavar="N",
-                     help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length)")
+                     help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length; more "
+                          "than that length is refused)")
     run.add_argument("-n", "--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
                      help=f"most tokens to generate per turn (default {DEFAULT_TOKENS}, capped by the context)")
     run.add_argument("--temp", type=_ranged_float(0, 100), default=1.0, metavar="F",
@@ -193,16 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="describe a GGUF model file or a .kv cache file",
                           description="GGUF: header, metadata, model config, tensor table with types and bytes. "
                                       ".kv: the KV file's summary.")
-    insp.add_argument("file", type=_path)
+    insp.add_argument("file", type=_path, metavar="FILE",
+                      help="the GGUF model file (.gguf) or KV cache file (.kv) to describe")
     insp.set_defaults(func=inspect_command)
 
     mk = sub.add_parser("make-model", help="write a GGUF with seeded random weights",
                         description="Write a small GGUF model of the Flash architecture with seeded random weights "
                                     "(ds4lab.testing.make_model): the same preset and seed give the same file. "
                                     "For tests and experiments; it generates noise.")
-    mk.add_argument("--preset", default="nano", choices=["nano"])
-    mk.add_argument("--seed", type=_nonnegative_int, default=0)
-    mk.add_argument("-o", "--output", required=True, type=_path)
+    mk.add_argument("--preset", default="nano", choices=["nano"], help="the model's shape (default nano)")
+    mk.add_argument("--seed", type=_nonnegative_int, default=0, metavar="N",
+                    help="seed of the random weights (default 0)")
+    mk.add_argument("-o", "--output", required=True, type=_path, metavar="FILE", help="the GGUF file to write")
     mk.set_defaults(func=make_model_command)
     return p
 

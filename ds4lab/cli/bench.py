@@ -38,10 +38,13 @@ def bench_command(args) -> int:
                          f"deepseek4.context_length)")
     ctx_max = args.ctx_max or min(bench.DEFAULT_CTX_MAX, cap)
     ctx_start = args.ctx_start or min(bench.DEFAULT_CTX_START, ctx_max)
+    if args.ctx_max is None and ctx_start > ctx_max:
+        raise UsageError(f"--ctx-start {ctx_start} must be <= --ctx-max, which is {ctx_max} here by default "
+                         f"({bench.DEFAULT_CTX_MAX} capped at the model's context)")
     try:
         ctx_alloc = bench.check_sweep(ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
-                                      args.ctx_alloc)
-        points = bench.frontiers(ctx_start, ctx_max, args.step_incr, args.step_mul)
+                                      args.ctx_alloc, flags=True)
+        points = bench.frontiers(ctx_start, ctx_max, args.step_incr, args.step_mul, flags=True)
     except bench.BenchError as e:
         raise UsageError(str(e)) from None
     tokens, source = bench.prompt_tokens(model, args.prompt_file, min_tokens=ctx_max)

@@ -68,7 +68,8 @@ class Chat:
         rollback = len(self.transcript)
         ids = self.transcript + rendered[len(base):]
         if len(ids) >= self.ctx - 1:
-            raise ValueError(no_room(len(ids), self.ctx, "this turn (the transcript and the new message)", "/ctx"))
+            raise ValueError(no_room(len(ids), self.ctx, "this turn (the transcript and the new message)", "/ctx",
+                                     most=self.model.config.context_length))
         if self.sess.tokens and self.sess.logits is not None:
             self.sess.checkpoint()  # free; lets a turn after an interrupted one restore instead of re-prefilling
         try:
@@ -171,8 +172,11 @@ def repl(model, args, ctx: int) -> int:
                     n = int(rest)
                 except ValueError:
                     n = 0
+                most = chat.model.config.context_length
                 if n < 2:
                     err(f"/ctx needs an integer of at least 2, got {rest!r}")
+                elif most and n > most:
+                    err(f"/ctx must be in [2, {most}] for this model, got {n}")
                 else:
                     chat.set_ctx(n)
                     print(f"New session: ctx {n}, prefill chunk {chat.sess.prefill_chunk}.")

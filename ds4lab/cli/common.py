@@ -32,6 +32,21 @@ def _check_backend_flags(name: str, device: str | None) -> None:
         raise UsageError("--device is for the mlx backend; cupy runs on the current CUDA GPU")
 
 
+def _check_matmul_flags(args, backend: str) -> None:
+    """--prefill-matmul tf32/f16 and --decode-matmul q8 are CuPy's kernels' (usage errors elsewhere), refused by
+    their flags before ``ds4lab.load`` refuses them by its keyword arguments."""
+    asked = f"--backend {args.backend}" + (f", which chose {backend} here" if args.backend != backend else "")
+    for flag, value, plain in (("--prefill-matmul", args.prefill_matmul, ("auto", "float32")),
+                               ("--decode-matmul", args.decode_matmul, ("float32",))):
+        if value in plain:
+            continue
+        if backend != "cupy":
+            raise UsageError(f"{flag} {value} needs --backend cupy (got {asked}); other backends run "
+                             f"{flag} float32")
+        if args.no_kernels:
+            raise UsageError(f"{flag} {value} needs the cupy backend's kernels: drop --no-kernels or {flag}")
+
+
 def load_model(args):
     from .. import load
     from ..backends import resolve_backend
@@ -39,6 +54,7 @@ def load_model(args):
     _check_backend_flags(args.backend, args.device)
     check_input(args.model, "-m")
     backend = resolve_backend(args.backend, args.device)
+    _check_matmul_flags(args, backend)
     return load(args.model, backend=backend, numerics=args.numerics,
                 device=args.device if backend == "mlx" else None, kernels=False if args.no_kernels else None,
                 prefill_matmul=args.prefill_matmul, decode_matmul=args.decode_matmul)
@@ -49,6 +65,18 @@ def describe(model) -> str:
 
     cfg = model.config
     return f"{model.path.name} ({cfg.n_layer} layers, vocab {cfg.n_vocab}), {backend_label(model.backend)}"
+
+
+def context_size(ctx: int | None, model, flag: str = "--ctx") -> int:
+    """The session's context: ``ctx`` (the flag's value), else :data:`DEFAULT_CTX` capped at the model's
+    context length; a value outside [2, the model's context length] is a usage error naming ``flag``."""
+    most = model.config.context_length
+    if ctx is None:
+        return min(DEFAULT_CTX, most) if most else DEFAULT_CTX
+    if ctx < 2 or (most and ctx > most):
+        raise UsageError(f"{flag} must be in [2, {most}] for this model, got {ctx}" if most else
+                         f"{flag} must be at least 2, got {ctx}")
+    return ctx
 
 
 def check_input(path: Path | None, flag: str) -> None:

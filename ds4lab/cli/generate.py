@@ -164,10 +164,15 @@ def run_prompt(sess, ids: list[int], args, thinking: bool) -> Turn:
                 stop, sess.kv_bytes)
 
 
-def no_room(n: int, ctx: int, what: str = "the prompt", fix: str = "--ctx") -> str:
+def no_room(n: int, ctx: int, what: str = "the prompt", fix: str = "--ctx", most: int | None = None) -> str:
     """The error for a prompt that leaves nothing to generate: as in ds4, generation stops one slot short of the
-    context (n_predict is clamped to ctx - prompt - 1), so a prompt of ctx - 1 or more tokens gets no token."""
-    return (f"{what} has {n} tokens and the context holds {ctx}: nothing is left to generate (ds4 keeps one slot "
-            f"free and generates at most ctx - prompt - 1 = {max(0, ctx - n - 1)} tokens); use {fix} {n + 2} or "
-            "more, or a shorter prompt")
+    context (n_predict is clamped to ctx - prompt - 1), so a prompt of ctx - 1 or more tokens gets no token.
+    ``most``: the model's context length, past which no ``fix`` can go (the message then asks for fewer tokens)."""
+    problem = (f"{what} has {n} tokens and the context holds {ctx}: nothing is left to generate (ds4 keeps one "
+               f"slot free and generates at most ctx - prompt - 1 = {max(0, ctx - n - 1)} tokens)")
+    if most and n + 2 > most:  # no context the model takes has room: the prompt must shrink
+        raise_ctx = f"use {fix} {most} and " if ctx < most else ""
+        return (f"{problem}; the model's context is at most {most} tokens: {raise_ctx}shorten {what} to at most "
+                f"{most - 2} tokens")
+    return f"{problem}; use {fix} {n + 2} or more, or a shorter prompt"
 

@@ -7,10 +7,11 @@ import sys
 
 from .chat import repl
 from .common import (
-    DEFAULT_CTX,
     RENDER,
     THINK_MAX_MIN_CTX,
     UsageError,
+    check_input,
+    context_size,
     describe,
     effective_think,
     err,
@@ -50,6 +51,7 @@ def graph_command(args) -> int:
         raise UsageError(f"{flag} compares the kernels with the plain ops: drop --no-kernels")
     if args.prompt is None and args.prompt_file is None:
         raise UsageError(f"{flag} needs a prompt (-p or --prompt-file)")
+    check_input(args.prompt_file, "--prompt-file")
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     if args.prefill_matmul == "auto":  # the check is of the kernels: TF32 would add its own rounding to every chunk
         args.prefill_matmul = "float32"
@@ -58,18 +60,19 @@ def graph_command(args) -> int:
         raise UsageError(f"{flag} checks ds4lab's GPU kernels against its plain ops, and the {fast.backend.name} "
                          f"backend runs none here (no GPU): run it where --backend mlx has Metal or mlx[cuda13], "
                          f"or --backend cupy a CUDA GPU")
+    ctx = context_size(args.ctx, fast)
     args.no_kernels, args.prefill_matmul, args.decode_matmul = True, "float32", "float32"
     plain = load_model(args)
     args.think = args.think or "high"
-    ctx = args.ctx or min(DEFAULT_CTX, fast.config.context_length)
     _settle_raw(args, fast, text)
     ids = _one_shot_ids(fast, args, text, ctx)
     if not ids:
         raise ValueError("the prompt is empty")
     if args.graph_test == "prompt":
-        ctx = args.ctx or len(ids) + 2  # room for the prompt and one decode step
+        most = fast.config.context_length
+        ctx = args.ctx or min(len(ids) + 2, most or len(ids) + 2)  # room for the prompt and one decode step
         if len(ids) + 1 >= ctx:
-            raise ValueError(no_room(len(ids), ctx))
+            raise ValueError(no_room(len(ids), ctx, most=most))
         err(f"{describe(fast)}: {flag} on {len(ids)} prompt tokens (the kernels' path against the plain ops')")
         report = graph_check.prompt_test(fast, plain, ids, ctx, args.prefill_chunk)
     else:  # as ds4's: the prompt's first token (BOS for a chat prompt) as a decode step at position 0
@@ -94,11 +97,12 @@ def run_command(args) -> int:
     args.think = args.think or "high"
     text = args.prompt if args.prompt is not None else None
     if args.prompt_file is not None:
+        check_input(args.prompt_file, "--prompt-file")
         text = read_text(args.prompt_file)
     if sys.stdout.encoding and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     model = load_model(args)
-    ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
+    ctx = context_size(args.ctx, model)  # the model's context length caps it: more is refused, as serve does
     raw_by_default = _settle_raw(args, model, text)
     if args.raw:
         think = "none (plain text)"
@@ -118,7 +122,7 @@ def run_command(args) -> int:
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= ctx - 1:
-        raise ValueError(no_room(len(ids), ctx))
+        raise ValueError(no_room(len(ids), ctx, most=model.config.context_length))
     sess = model.session(ctx=ctx, prefill_chunk=args.prefill_chunk)
     err(f"{describe(model)}, ctx {ctx}, prefill chunk {sess.prefill_chunk}, think {think}")
     turn = run_prompt(sess, ids, args, thinking=not args.raw and think != "none")

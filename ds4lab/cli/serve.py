@@ -3,7 +3,20 @@ ds4-server names them; the address, model and disk cache go to stderr once it li
 
 from __future__ import annotations
 
-from .common import DEFAULT_CTX, UsageError, describe, err, load_model
+import argparse
+
+from .common import DEFAULT_CTX, UsageError, context_size, describe, err, load_model
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 (a free one) to 65535: refused while parsing, before the model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}")
+    return value
 
 
 def add_serve_parser(sub) -> None:
@@ -23,7 +36,7 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--gpu-device", default=None, metavar="LIST",
                     help="CUDA GPUs to split the layers over evenly, e.g. 0,1 (cupy backend)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--port", type=_nonnegative_int, default=8000, help="port (default 8000; 0: a free one)")
+    sv.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: a free one)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, metavar="N",
                     help="requests that may wait for the model; more get 503 with Retry-After (default 16)")
     sv.add_argument("--model-name", default=None, metavar="NAME",
@@ -83,9 +96,7 @@ def serve_command(args) -> int:
                          "pip install 'ds4lab[server]'") from None
     model = load_model(args)
     placement = _placement(args, model.backend.name)
-    ctx = args.ctx or min(DEFAULT_CTX, model.config.context_length)
-    if ctx < 2 or ctx > model.config.context_length:
-        raise UsageError(f"--ctx must be in [2, {model.config.context_length}] for this model, got {ctx}")
+    ctx = context_size(args.ctx, model)
     worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,
                         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
                         kv_cache_min_tokens=args.kv_cache_min_tokens,

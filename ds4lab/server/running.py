@@ -75,10 +75,19 @@ class _Server(uvicorn.Server):
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``. A failure (the port in use, an address not of this machine, a port out of
+    range) is an ``OSError`` naming the address as ``ds4lab serve``'s flags give it, and the reason."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+        error = OSError(f"cannot listen on --host {host} --port {port}: {reason}")
+        error.errno = getattr(e, "errno", None)
+        raise error from None
     return sock
 
 
