@@ -1,11 +1,11 @@
 """The views in a real browser: JupyterLab (started here, on a free port with a token, rooted in a temp dir)
-runs a small notebook written by this test that shows every view (PrefillView, KVCacheView, AttentionView,
-ExpertView, GenerationView, TierView) and two Vega-Lite charts, through its own UI (Run > Run All Cells) in
-headless Chromium, driven by Playwright. Then the DOM our ESM built is checked view by view, the attention
-canvas and the charts are read back for painted pixels, hovers fill the tooltips, the charts are drawn by
-JupyterLab's own Vega-Lite renderer (``ds4lab.viz.vegalite``, no CDN), the page asks nothing of any host
-but the server (no other host name resolves; a request to one fails the test), and the console holds no
-errors from the widgets.
+runs a small notebook written by this test that shows every view (PrefillView, twice: stepped while shown and run
+before it is shown, KVCacheView, AttentionView, ExpertView, GenerationView, TierView) and two Vega-Lite charts,
+through its own UI (Run > Run All Cells) in headless Chromium, driven by Playwright. Then the DOM our ESM built is
+checked view by view, the attention canvas and the charts are read back for painted pixels, hovers fill the
+tooltips, the charts are drawn by JupyterLab's own Vega-Lite renderer (``ds4lab.viz.vegalite``, no CDN), the page
+asks nothing of any host but the server (no other host name resolves; a request to one fails the test), the
+console holds no errors from the widgets, and at a laptop's width nothing of a view is cut off.
 Screenshots of each view go to ``$DS4LAB_ARTIFACTS`` (default ``test-artifacts/``).
 
 Needs Debian's ``chromium`` (``/usr/bin/chromium``, or ``$DS4LAB_CHROMIUM``) and the ``browser`` extra
@@ -68,6 +68,10 @@ def notebook_cells() -> list[str]:
         "prefill.run()\n"
         "kv = KVCacheView(sess, checkpoints=prefill.chunks)  # the state now: after the last chunk\n"
         "kv",
+        "late = PrefillView(model.session(ctx=512, prefill_chunk=64), ids)  # run, then shown on a middle chunk\n"
+        "late.run()\n"
+        "late.select(2)\n"
+        "late",
         'with sess.capture(["indexer.topk"], layers=[2]) as cap:\n'
         "    sess.decoder(temperature=0).step()\n"
         'MaskView.of_step(sess, 2, len(sess.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")',
@@ -328,7 +332,8 @@ def test_prefill_view_renders(page):
     prompt box scrolled to the chunk shown; scrubbing changes the mask, the ring and the scroll; a step click
     after the last chunk says so in the view."""
     pg, *_ = page
-    view = _view(pg, "Prefill ")
+    view = pg.locator(".ds4-view.ds4-prefill").first  # the first of the two, stepped while shown (titles change)
+    assert _view(pg, "Prefill after chunk 4").evaluate("(v, w) => v === w", view.element_handle())
     title = view.locator(".ds4-title").inner_text()
     m = re.match(r"Prefill after chunk 4 \(tokens 256–(\d+)\): (\d+)/(\d+) tokens, 5/5 chunks of ≤64 run", title)
     assert m and m[2] == m[3] and int(m[1]) == int(m[2]) - 1, title
@@ -339,11 +344,10 @@ def test_prefill_view_renders(page):
     box = view.locator(".ds4-prompt")
     cur = view.locator(".ds4-prompt .ds4-tok[data-start]")
     assert box.evaluate("(b) => b.scrollTop") > 0 and cur.get_attribute("title") == "position 256, chunk 4"
-    visible = ("(b) => { const c = b.querySelector('[data-start]'), y = c.offsetTop - b.offsetTop; "
-               "return y >= b.scrollTop && y < b.scrollTop + b.clientHeight; }")
-    assert box.evaluate(visible)
+    assert 0 <= _prompt_offset(box) < box.evaluate("(b) => b.clientHeight") - 10  # the chunk's first line is shown
     out = _output_of(view)
     assert out.locator(".widget-button").count() == 2 and out.locator(".widget-dropdown").count() == 1
+    assert [s.locator(".widget-label").first.inner_text() for s in _visible_sliders(out)] == ["show"]
     kv, mask = out.locator(".ds4-kv"), _mask_of(out)
     assert kv.count() == 1 and mask.count() == 1
     kb, mb = kv.bounding_box(), mask.bounding_box()
@@ -380,6 +384,50 @@ def test_prefill_view_renders(page):
     assert out.locator(".widget-button", has_text="step").is_disabled()
     assert out.locator(".widget-button", has_text="run").is_disabled()
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
+
+
+def _visible_sliders(out) -> list:
+    return [s for s in out.locator(".widget-hslider").all() if s.is_visible()]
+
+
+def _prompt_offset(box) -> float:
+    """px from the top of the prompt box's visible part to the first token of the chunk shown."""
+    return box.evaluate("(b) => b.querySelector('[data-start]').getBoundingClientRect().top - "
+                        "b.getBoundingClientRect().top - b.clientTop")
+
+
+def test_prefill_view_shown_after_its_run_has_one_control(page):
+    """A PrefillView run before it is shown, on a middle chunk: its first drawing scrolls the prompt box to that chunk
+    (the view is drawn before JupyterLab lays it out); one slider, "show", and moving it moves the title, the table,
+    the prompt, the KV cache and the mask together (the KV view inside has no slider of its own)."""
+    pg, *_ = page
+    view = pg.locator(".ds4-view.ds4-prefill").nth(1)  # the second of the two (its title changes)
+    assert view.locator(".ds4-title").inner_text().startswith(
+        "Prefill after chunk 2 (tokens 128–191): 320/320 tokens, 5/5 chunks")
+    out = _output_of(view)
+    box, kv, mask = view.locator(".ds4-prompt"), out.locator(".ds4-kv"), _mask_of(out)
+    assert box.evaluate("(b) => b.scrollTop") > 0
+    assert 0 <= _prompt_offset(box) <= 8, _prompt_offset(box)  # the chunk starts at the box's top
+    assert view.locator(".ds4-prompt .ds4-tok[data-start]").get_attribute("title") == "position 128, chunk 2"
+    sliders = _visible_sliders(out)
+    assert [s.locator(".widget-label").first.inner_text() for s in sliders] == ["show"]
+    assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 2 (tokens 128–191): 192 tokens")
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_late.png"))
+    handle = sliders[0].locator(".noUi-handle").first
+    handle.focus()
+    handle.press("ArrowLeft")
+    pg.wait_for_function("(el) => el.textContent.includes('chunk 1')", arg=mask.locator(".ds4-title").element_handle(),
+                         timeout=10_000)
+    pg.wait_for_function("(el) => el.textContent.includes('chunk 1')", arg=kv.locator(".ds4-title").element_handle(),
+                         timeout=10_000)
+    assert view.locator(".ds4-title").inner_text().startswith("Prefill after chunk 1 (tokens 64–127)")
+    assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 1 (tokens 64–127): 128 tokens")
+    assert mask.locator(".ds4-title").inner_text().startswith("What each query sees — layer 2, chunk 1 (tokens 64–127)")
+    assert view.locator("tr.ds4-sel td").first.inner_text().strip() == "1"
+    assert view.locator(".ds4-prompt .ds4-tok[data-start]").get_attribute("title") == "position 64, chunk 1"
+    assert 0 <= _prompt_offset(box) <= 8, _prompt_offset(box)
+    assert len(_visible_sliders(out)) == 1
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_late_chunk1.png"))
 
 
 def test_kvcache_view_renders(page):
@@ -579,6 +627,85 @@ def test_no_widget_errors_in_console(page):
     ours += [f"pageerror: {e} {e.stack or ''}" for e in errors if OURS.search(f"{e} {e.stack or ''}")]
     assert not ours, "JS errors from the widgets:\n" + "\n".join(ours)
     assert pg.get_by_text("Error displaying widget").count() == 0
-    # one element per view, each drawn by its ESM: the PrefillView's own three (prompt, KV cache, mask), a KV
+    # one element per view, each drawn by its ESM: each PrefillView's own three (prompt, KV cache, mask), a KV
     # view, a decode step's mask, and the attention, expert, generation and tier views
-    assert pg.locator(".ds4-view").count() == 9
+    assert pg.locator(".ds4-view").count() == 12
+
+
+# Elements of an output that stick out of an element between them and the output (the output included) which clips
+# what overflows it sideways or scrolls it: what a reader does not see (lumino's widgets hide their overflow, an
+# ipywidgets box scrolls it with a scrollbar at its bottom, often a screen below). ``scrollers``: a selector of the
+# boxes meant to scroll sideways, whose contents count as shown.
+CLIPPED_JS = """(out, scrollers) => {
+    const cut = [];
+    for (const el of out.querySelectorAll('*')) {
+        const r = el.getBoundingClientRect();
+        if (!r.width || !r.height) continue;
+        for (let a = el.parentElement; a && a !== out.parentElement; a = a.parentElement) {
+            if (getComputedStyle(a).overflowX === 'visible') continue;
+            const ar = a.getBoundingClientRect();
+            if (r.right <= ar.right + 1 && r.left >= ar.left - 1) continue;
+            if (!(scrollers && a.matches(scrollers)))
+                cut.push(`${el.tagName}.${el.className.baseVal ?? el.className} (${r.left | 0}–${r.right | 0}) in ` +
+                         `${a.tagName}.${a.className} (${ar.left | 0}–${ar.right | 0})`);
+            break;
+        }
+    }
+    return cut;
+}"""
+
+
+def _cut_off(out, scrollers: str = "") -> list[str]:
+    return out.evaluate(CLIPPED_JS, scrollers)
+
+
+def _side_panel(pg, open_: bool) -> bool:
+    """Open (or close) JupyterLab's file browser; whether it was open."""
+    panel = pg.locator(".jp-FileBrowser")
+    was = panel.is_visible()
+    if was != open_:
+        pg.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
+        pg.wait_for_function(f"() => {'!' if not open_ else ''}document.querySelector('.jp-FileBrowser')"
+                             "?.checkVisibility()", timeout=5_000)
+    return was
+
+
+def test_views_fit_a_laptop_screen(page):
+    """At 1280 × 800 with the file browser open (an output about 850 px wide) nothing of a view is cut off: the
+    attention figure with its mass bars fits the output (drawn smaller), the PrefillView puts the mask under the
+    KV cache instead of over it, the controls wrap; narrower still, the attention figure scrolls sideways."""
+    pg, *_ = page
+    size = pg.viewport_size
+    att = _output_of(pg.locator(".ds4-view:has(.ds4-att-stage)").first)
+    prefill = _output_of(pg.locator(".ds4-view.ds4-prefill").first)
+    tiers = _output_of(_view(pg, "Tiers:"))
+    pg.set_viewport_size({"width": 1280, "height": 800})
+    was = _side_panel(pg, True)
+    try:
+        canvas = att.locator(".ds4-att-stage canvas")
+        # the figure redraws at the output's width: its right edge (the mass bars) inside the output
+        pg.wait_for_function("([c, o]) => c.getBoundingClientRect().right <= o.getBoundingClientRect().right + 1",
+                             arg=[canvas.element_handle(), att.element_handle()], timeout=5_000)
+        assert att.bounding_box()["width"] < 900  # the file browser took its share
+        for name, out in (("attention", att), ("prefill", prefill), ("tiers", tiers)):
+            out.scroll_into_view_if_needed()
+            assert not _cut_off(out), f"{name} view cut off at 1280 px: {_cut_off(out)[:5]}"
+            pg.screenshot(path=str(ARTIFACTS / f"laptop_{name}.png"))
+        kv, mask = prefill.locator(".ds4-kv").bounding_box(), _mask_of(prefill).bounding_box()
+        assert mask["y"] >= kv["y"] + kv["height"] - 1  # under the KV cache, not over it
+        # the attention figure keeps legible text (at least MIN_SCALE of its size) and so, narrower, scrolls
+        pg.set_viewport_size({"width": 1000, "height": 800})
+        stage = att.locator(".ds4-att-stage")
+        pg.wait_for_function("(v) => v.scrollWidth > v.clientWidth", arg=stage.element_handle(), timeout=5_000)
+        assert canvas.bounding_box()["width"] >= 0.8 * 946 - 1  # MIN_SCALE of attention_figure.FIG_W
+        for name, out in (("attention", att), ("prefill", prefill), ("tiers", tiers)):
+            cut = _cut_off(out, ".ds4-att-stage")  # the attention figure, at its smallest, scrolls in its view
+            assert not cut, f"{name} view cut off at 1000 px: {cut[:5]}"
+        stage.evaluate("(v) => { v.scrollLeft = v.scrollWidth; }")
+        assert canvas.evaluate("(c) => c.getBoundingClientRect().right <= "
+                               "c.parentElement.getBoundingClientRect().right + 1")  # the mass bars, scrolled to
+        att.scroll_into_view_if_needed()
+        pg.screenshot(path=str(ARTIFACTS / "narrow_attention_scrolled.png"))
+    finally:
+        _side_panel(pg, was)
+        pg.set_viewport_size(size)

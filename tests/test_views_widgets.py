@@ -176,3 +176,37 @@ def test_views_use_public_names_only():
                 if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
                     found.append(f"{where} reaches {ast.unparse(node)}")
     assert not found, found
+
+
+def test_a_prefill_view_has_one_slider_that_drives_its_kv_view(model_paths):
+    """The PrefillView's slider is the one control of the chunk shown: the KV view it makes shows no slider of its
+    own, whatever it scrubs through (its widget does not hold it); a KV view given keeps its slider, and moved onto
+    one of the chunks, the whole PrefillView shows that chunk."""
+    import ds4lab
+    from ds4lab.viz import KVCacheView, PrefillView
+
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    ids = [(i * 7 + 3) % (model.config.n_vocab - 10) + 5 for i in range(100)]
+    view = PrefillView(model.session(ctx=256, prefill_chunk=32), ids)
+    kv = view.kv_view
+    assert not kv.has_slider and kv.slider not in kv.widget.children
+    view.run()  # scrub_through the 4 chunks: still no slider shown
+    assert kv.slider.layout.display == "none" and len(kv.checkpoints) == 4
+    view.slider.value = 1
+    assert kv.model.data["label"] == "after chunk 1 (tokens 32–63)" and view.model.selected == 1
+    assert view.mask_view.model.label.startswith("chunk 1")
+    # a KV view of one's own, given: its slider shows, and moving it moves the PrefillView with it
+    sess = model.session(ctx=256, prefill_chunk=32)
+    mine = KVCacheView(sess)
+    other = PrefillView(sess, ids, kv_view=mine)
+    other.run()
+    assert mine.has_slider and mine.slider in mine.widget.children and mine.slider.layout.display is None
+    mine.slider.value = 2
+    assert other.model.selected == 2 and other.slider.value == 2 and "after chunk 2" in other.state.value
+    assert mine.model.data["label"] == "after chunk 2 (tokens 64–95)"
+    assert other.mask_view.model.label.startswith("chunk 2")
+    other.slider.value = 0
+    assert mine.slider.value == 0 and mine.model.data["n_tokens"] == 32
+    # a standalone KV view keeps its slider, hidden only with nothing to scrub
+    alone = KVCacheView(sess, checkpoints=other.chunks)
+    assert alone.slider.layout.display is None and KVCacheView(sess).slider.layout.display == "none"

@@ -1,5 +1,7 @@
-// AttentionView: a figure of fixed size (geometry from Python): the heatmap in three key groups (raw | compressed |
-// sink) with axes, each query's mass as a stacked bar, a colour bar; small multiples of every captured head above.
+// AttentionView: a figure of fixed layout (geometry from Python): the heatmap in three key groups (raw | compressed |
+// sink) with axes, each query's mass as a stacked bar, a colour bar and a legend; small multiples of every captured
+// head above. The figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE
+// of it; narrower outputs scroll it sideways): nothing is cut off.
 // Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
 function ramp(v) {
   const t = v / 255, lo = [255, 255, 255], mid = [49, 130, 189], hi = [40, 10, 80];
@@ -12,6 +14,9 @@ const MASKED = [232, 232, 232], DROPPED = [252, 187, 161];  // attention_figure.
 const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
 const RAMP32 = Uint32Array.from(RAMP, rgba), MASK32 = rgba(MASKED), DROP32 = rgba(DROPPED);
 const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(230,85,13)" };
+const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"]];  // attention_figure.MASS_KEY
+// the smallest scale of the figure: its text stays legible and a cell (MIN_CELL = 3 px) keeps at least 2 px
+const MIN_SCALE = 0.8;
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
 const floats = (dv) => (dv ? new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength)) : new Float32Array());
 const fmt = (v) => (v === 0 ? "0" : v < 1e-3 ? v.toExponential(2) : v.toPrecision(3));
@@ -35,6 +40,12 @@ function render({ model, el }) {
   const note = document.createElement("div"); note.className = "ds4-note";
   el.append(title, heads, tip, stage, note);
   let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
+  let scale = 1;  // CSS px per figure px
+  // the scale at which the figure fills the view's width (the output's), within [MIN_SCALE, 1]
+  const fit = () => {
+    const w = el.clientWidth, g = model.get("geometry");
+    return w > 0 && g.width ? Math.max(MIN_SCALE, Math.min(1, w / g.width)) : scale;
+  };
 
   const drawHeads = () => {
     const [tr, tc] = model.get("thumb_shape"), hs = model.get("thumb_heads"), buf = bytes(model.get("thumbs"));
@@ -59,11 +70,14 @@ function render({ model, el }) {
     const ye = model.get("row_edges"), xe = model.get("col_edges");
     title.textContent = model.get("title");
     note.textContent = model.get("note");
+    // the backing store at the size shown (× the device's pixel ratio): crisp at any scale
+    scale = fit();
     const dpr = window.devicePixelRatio || 1;
-    canvas.width = g.width * dpr; canvas.height = g.height * dpr;
-    canvas.style.width = `${g.width}px`; canvas.style.height = `${g.height}px`;
+    canvas.width = Math.round(g.width * scale * dpr); canvas.height = Math.round(g.height * scale * dpr);
+    canvas.style.width = `${g.width * scale}px`; canvas.style.height = `${g.height * scale}px`;
+    heads.style.marginLeft = `${g.left * scale}px`;
     const ctx = canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.setTransform(canvas.width / g.width, 0, 0, canvas.height / g.height, 0, 0);
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
     const L = g.left, T = g.top;
     // the heatmap pixel by pixel: the cell under each column and row of pixels, its colour from a table
@@ -88,8 +102,10 @@ function render({ model, el }) {
       ctx.strokeStyle = "#888"; ctx.lineWidth = 1;
       ctx.strokeRect(L + grp.x0 - 0.5, T - 0.5, grp.x1 - grp.x0 + 1, g.hh + 1);
       ctx.fillStyle = GROUP[grp.name]; ctx.fillRect(L + grp.x0, T - 6, grp.x1 - grp.x0, 2);
-      ctx.fillStyle = "#222"; ctx.textAlign = "center";
-      ctx.fillText(grp.label, L + (grp.x0 + grp.x1) / 2, grp.name === "comp" ? 9 : 22);
+      // a label wider than its group (the sink's) ends at the group's right edge, clear of the mass bars' header
+      const wide = ctx.measureText(grp.label).width > grp.x1 - grp.x0;
+      ctx.fillStyle = "#222"; ctx.textAlign = wide ? "right" : "center";
+      ctx.fillText(grp.label, L + (wide ? grp.x1 : (grp.x0 + grp.x1) / 2), grp.name === "comp" ? 9 : 22);
     }
     ctx.fillStyle = "#222";
     for (const [x, text] of model.get("xticks")) {
@@ -100,8 +116,8 @@ function render({ model, el }) {
     ctx.textAlign = "right";
     for (const [y, text] of model.get("yticks")) { ctx.fillRect(L - 4, T + y, 3, 1); ctx.fillText(text, L - 6, T + y); }
     ctx.textAlign = "left"; ctx.fillStyle = "#777"; ctx.fillText(model.get("y_title"), 4, T - 9);
-    // each query's mass, raw | compressed | sink
-    ctx.fillStyle = "#222"; ctx.fillText("mass of query", g.mass_x, 9); ctx.fillText("raw|comp|sink", g.mass_x, 22);
+    // each query's mass, raw | compressed | sink (their colours in the legend)
+    ctx.fillStyle = "#222"; ctx.fillText("mass of query", g.mass_x, 9); ctx.fillText("by key group", g.mass_x, 22);
     model.get("mass").forEach((m, r) => {
       const total = m[0] + m[1] + m[2] || 1;
       let x = g.mass_x;
@@ -119,6 +135,12 @@ function render({ model, el }) {
     for (const [c, text] of [[MASKED, "weight 0 (masked)"], [DROPPED, "dropped by the indexer"]]) {
       ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 16, 12, 8);
       ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 18;
+    }
+    // the key of the mass bars: each query's attention mass on the raw window, the compressed rows and the sink
+    ctx.fillStyle = "#222"; ctx.fillText("mass bars:", x, ly + 20); x += ctx.measureText("mass bars:").width + 8;
+    for (const [name, text] of MASS_KEY) {
+      ctx.fillStyle = GROUP[name]; ctx.fillRect(x, ly + 16, 12, 8);
+      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 14;
     }
     drawHeads();
     describe();  // the tooltip follows the figure: what is under the pointer now
@@ -182,6 +204,10 @@ function render({ model, el }) {
   // a change of state arrives as several trait changes: draw once, at the next frame
   let frame = null;
   const schedule = () => { if (frame === null) frame = requestAnimationFrame(() => { frame = null; draw(); }); };
+  // the view is rendered before it is attached (no width yet), and the output's width changes with the window and
+  // the side panels: redraw at the scale that fits
+  const resized = new ResizeObserver(() => { if (fit() !== scale) schedule(); });
+  resized.observe(el);
   draw();
   const events = ["buf", "marks", "values", "rows", "cols", "groups", "title", "note", "mass", "thumbs", "head", "layer"]
     .map((k) => `change:${k}`);
@@ -201,6 +227,7 @@ function render({ model, el }) {
     window.removeEventListener("mouseup", up);
     canvas.removeEventListener("dblclick", reset);
     heads.removeEventListener("click", pick);
+    resized.disconnect();
     if (frame !== null) cancelAnimationFrame(frame);
   };
 }

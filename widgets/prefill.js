@@ -1,5 +1,5 @@
 // PrefillView: the chunks (run and planned), the prompt coloured by chunk with the chunk shown highlighted and
-// scrolled into the box, a progress bar and the chunk table. State comes from Python.
+// scrolled into the box (once the box is laid out), a progress bar and the chunk table. State comes from Python.
 const PALETTE = ["#c6dbef", "#c7e9c0", "#fdd0a2", "#dadaeb", "#fcbba1", "#d9d9d9", "#9ecae1", "#a1d99b"];
 const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
@@ -32,16 +32,35 @@ function render({ model, el }) {
              `<td colspan="3" style="color:#999">not run</td>`) + "</tr>";
     });
     el.innerHTML = html + "</table>";
-    // scroll the prompt box (not the page) so that the chunk shown starts near its top
-    const box = el.querySelector(".ds4-prompt"), at = el.querySelector(".ds4-tok[data-start]");
-    if (box && at) box.scrollTop = Math.max(0, at.offsetTop - box.offsetTop - 4);
+    pending = true;
+    scroll();
   };
+  // Scroll the prompt box (not the page) so that the chunk shown starts near its top. That needs the box laid
+  // out: anywidget renders a view before JupyterLab attaches it to the page (and an output can be hidden), where
+  // every offset is 0. Until the box has a size the scroll stays pending; the observer below does it once the
+  // view is laid out, and again when a new width reflows the prompt.
+  let pending = false, width = -1;
+  const scroll = () => {
+    const box = el.querySelector(".ds4-prompt"), at = el.querySelector(".ds4-tok[data-start]");
+    if (!box || !at) { pending = false; return; }
+    if (!box.isConnected || !box.clientHeight) return;
+    // the chunk's first line where the prompt's first line is unscrolled (at the box's top, under its padding)
+    box.scrollTop = Math.max(0, box.scrollTop + at.getBoundingClientRect().top - box.firstElementChild.getBoundingClientRect().top);
+    pending = false;
+  };
+  const resized = new ResizeObserver(() => {
+    const w = el.clientWidth;
+    if (pending || w !== width) scroll();
+    width = w;
+  });
+  resized.observe(el);
   draw();
   const events = ["tokens", "bounds", "chunks", "done", "selected", "note"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, draw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, draw);
+    resized.disconnect();
   };
 }
 export default { render };

@@ -1,5 +1,5 @@
 // TierView: the layer stack coloured by tier with the last step's switches between units, per-tier memory,
-// and bytes moved per step against a full chunk's (batch) and one token's (decode) copy.
+// and bytes moved per step (log scale) against a full chunk's (batch) and one token's (decode) copy.
 const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 const fmt = (n) => (n === null || n === undefined ? "-" : n.toLocaleString());
 
@@ -10,32 +10,45 @@ const bytes = (b) => {
   while (b >= 1024 && i < units.length - 1) { b /= 1024; i++; }
   return `${+b.toPrecision(3)} ${units[i]}`;
 };
-// Round tick values for [0, vmax]: about four, at 1, 2, 4 or 8 × a power of two bytes.
-const ticks = (vmax) => {
-  const raw = vmax / 4, p = Math.pow(2, Math.floor(Math.log2(raw)));
-  const step = [1, 2, 4, 8].map((m) => m * p).find((s) => s >= raw) || raw;
-  const out = [];
-  for (let v = 0; v <= vmax * 1.0001; v += step) out.push(v);
-  return out;
+// A log axis of bytes covering every value > 0: from a power of two an octave or more under the smallest (its bar
+// keeps a height) to one over the largest, both multiples of k (about four to seven ticks, at 2^(k·i) bytes: 16 KiB,
+// 64 KiB, 256 KiB, 1 MiB, …).
+const logAxis = (values) => {
+  const pos = values.filter((v) => v > 0);
+  let e0 = Math.floor(Math.log2(pos.length ? Math.min(...pos) : 1)) - 1;
+  let e1 = Math.ceil(Math.log2((pos.length ? Math.max(...pos) : 2) * 1.2));
+  const k = Math.max(1, Math.ceil((e1 - e0) / 6));
+  e0 = Math.floor(e0 / k) * k; e1 = Math.max(Math.ceil(e1 / k) * k, e0 + k);
+  const ticks = [];
+  for (let e = e0; e <= e1; e += k) ticks.push(2 ** e);
+  return { e0, e1, ticks };
 };
-const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 12 };
+const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 96 };
 
-// The bytes-per-step chart: a bar per step on a y axis of bytes and an x axis of step numbers.
+// The bytes-per-step chart: a bar per step on a log y axis of bytes (a decode step copies one row per boundary, a
+// prefill step up to a chunk of rows: on a linear axis the decode bars would lie on the x axis) and an x axis of
+// step numbers; the full-chunk and decode-step bounds as lines labelled on the right. A step that moved nothing is a
+// grey stub on the x axis.
 function stepsChart(steps, batch, decode) {
   const { w, h, left, bottom, top, right } = PLOT, n = Math.max(steps.length, 1), bw = w / n;
-  const vmax = Math.max(batch, 1, ...steps.map((d) => d.bytes)) * 1.05;
-  const y = (b) => top + h - (h * b) / vmax;
+  const { e0, e1, ticks } = logAxis([batch, decode, ...steps.map((d) => d.bytes)]);
+  const y = (b) => top + h - (h * (Math.log2(b) - e0)) / (e1 - e0);
   let svg = `<g transform="translate(${left},0)">`;
-  for (const v of ticks(vmax)) svg += `<line x1="-4" x2="${w}" y1="${y(v)}" y2="${y(v)}" stroke="#eee"/>` +
+  for (const v of ticks) svg += `<line x1="-4" x2="${w}" y1="${y(v)}" y2="${y(v)}" stroke="#eee"/>` +
     `<text x="-6" y="${y(v) + 4}" text-anchor="end">${bytes(v)}</text>`;
   steps.forEach((d, i) => {
     const fill = d.mode === "batch" ? "#3182bd" : d.mode === "decode" ? "#31a354" : "#ccc";
+    const y0 = d.bytes > 0 ? y(d.bytes) : top + h - 2;
     svg += `<rect data-i="${i}" x="${i * bw}" y="${top}" width="${bw}" height="${h}" fill="transparent"/>` +
-      `<rect x="${i * bw + (bw > 3 ? 1 : 0)}" y="${y(d.bytes)}" width="${Math.max(bw - (bw > 3 ? 2 : 0), 1)}" ` +
-      `height="${top + h - y(d.bytes)}" fill="${fill}" pointer-events="none"/>`;
+      `<rect x="${i * bw + (bw > 3 ? 1 : 0)}" y="${y0}" width="${Math.max(bw - (bw > 3 ? 2 : 0), 1)}" ` +
+      `height="${top + h - y0}" fill="${fill}" pointer-events="none"/>`;
   });
-  if (batch) svg += `<line x1="0" x2="${w}" y1="${y(batch)}" y2="${y(batch)}" stroke="#de2d26" stroke-dasharray="4 2"/>`;
-  if (decode) svg += `<line x1="0" x2="${w}" y1="${y(decode)}" y2="${y(decode)}" stroke="#e6550d" stroke-dasharray="2 2"/>`;
+  // the bounds, labelled right of the plot (apart by a line at least, should they be close)
+  const yb = batch ? y(batch) : null, yd = decode ? y(decode) : null;
+  if (batch) svg += `<line class="ds4-bound-batch" x1="0" x2="${w}" y1="${yb}" y2="${yb}" stroke="#de2d26" stroke-dasharray="4 2"/>` +
+    `<text x="${w + 4}" y="${yb + 4}" style="fill:#b2182b">chunk ${bytes(batch)}</text>`;
+  if (decode) svg += `<line class="ds4-bound-decode" x1="0" x2="${w}" y1="${yd}" y2="${yd}" stroke="#e6550d" stroke-width="1.5" stroke-dasharray="2 2"/>` +
+    `<text x="${w + 4}" y="${(yb !== null ? Math.max(yd, yb + 12) : yd) + 4}" style="fill:#a63603">decode ${bytes(decode)}</text>`;
   const every = Math.max(1, Math.ceil(n / 10));
   steps.forEach((d, i) => {
     if (i % every === 0) svg += `<text x="${(i + 0.5) * bw}" y="${top + h + 14}" text-anchor="middle">${d.step}</text>`;
@@ -43,12 +56,13 @@ function stepsChart(steps, batch, decode) {
   svg += `<line x1="0" x2="${w}" y1="${top + h}" y2="${top + h}" stroke="#666"/>` +
     `<line x1="0" x2="0" y1="${top}" y2="${top + h}" stroke="#666"/>` +
     `<text x="${w / 2}" y="${top + h + 30}" text-anchor="middle">step</text></g>` +
-    `<text transform="translate(12,${top + h / 2}) rotate(-90)" text-anchor="middle">bytes moved</text>`;
-  return `<svg class="ds4-steps" width="${left + w + right}" height="${top + h + bottom}">${svg}</svg>`;
+    `<text transform="translate(12,${top + h / 2}) rotate(-90)" text-anchor="middle">bytes moved (log)</text>`;
+  const [W, H] = [left + w + right, top + h + bottom];  // drawn narrower where the output is (views.css)
+  return `<svg class="ds4-steps" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}">${svg}</svg>`;
 }
 
 function render({ model, el }) {
-  el.classList.add("ds4-view");
+  el.classList.add("ds4-view", "ds4-tiers");
   const body = document.createElement("div");
   const tip = document.createElement("div"); tip.className = "ds4-tip";
   el.append(body, tip);
@@ -80,8 +94,9 @@ function render({ model, el }) {
     h += `</table><div><b>step ${model.get("last_step")}</b>: ` + (trace.length ? trace.map((s) =>
       `before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B`).join("; ") : "no switches") + `</div>`;
     // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
-    h += `<div class="ds4-note">bytes moved per step (blue batch, green decode, grey none); red: a full chunk of ${chunk} rows × ` +
-      `${fmt(rb)} B per boundary = ${fmt(batch)} B; orange: a decode step, ${fmt(decode)} B</div>` + stepsChart(steps, batch, decode);
+    h += `<div class="ds4-note">bytes moved per step, on a log scale (blue batch, green decode, grey none); red: a full chunk of ` +
+      `${chunk} rows × ${fmt(rb)} B per boundary = ${fmt(batch)} B; orange: a decode step, ${fmt(decode)} B` +
+      (batch && decode ? ` (1/${Math.round(batch / decode)} of it)` : "") + `</div>` + stepsChart(steps, batch, decode);
     body.innerHTML = h;
   };
   const hover = (ev) => {

@@ -1,6 +1,7 @@
 """The AttentionView figure's geometry (one layout, drawn by ``widgets/attention.js`` on a canvas and here as the
 static PNG) and the static drawing: the heatmap with its three key groups, axes with positions, group labels, the
-per-query mass bars (raw | compressed | sink) and the colour bar."""
+per-query mass bars (raw | compressed | sink) and the colour bar, and the legend (masked, dropped, the mass bars'
+colours)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ LEGEND = 40  # px for the colour bar and the legend
 FIG_W = LEFT + WIDTH + MASS_GAP + MASS_W + 10
 FIG_H = TOP + HEIGHT + X_LABELS + LEGEND
 GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": (230, 85, 13)}
+MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the mass bars' legend
 MASKED = (232, 232, 232)  # weight exactly 0: a future key, outside the raw window, or a compressed row not yet formed
 DROPPED = (252, 187, 161)  # a compressed row the indexer did not select for this query
 MARK_DROPPED, MARK_MASKED = 1, 2
@@ -62,7 +64,10 @@ def draw_static(state: dict) -> np.ndarray:
         img[TOP - 1, x0 - 1 : x1 + 1] = img[TOP + HEIGHT, x0 - 1 : x1 + 1] = FAINT
         img[TOP - 1 : TOP + HEIGHT + 1, x0 - 1] = img[TOP - 1 : TOP + HEIGHT + 1, x1] = FAINT
         row = 0 if grp["name"] == "comp" else 1
-        draw_text(img, (x0 + x1) // 2, 6 + 12 * row, grp["label"], TEXT, anchor="center")
+        if ADVANCE * len(grp["label"]) > x1 - x0:  # wider than its group (the sink's): it ends at the group's edge
+            draw_text(img, x1, 6 + 12 * row, grp["label"], TEXT, anchor="right")
+        else:
+            draw_text(img, (x0 + x1) // 2, 6 + 12 * row, grp["label"], TEXT, anchor="center")
         img[TOP - 6, x0:x1] = GROUP_COLOURS[grp["name"]]
     for x, text in state["xticks"]:
         img[TOP + HEIGHT + 1 : TOP + HEIGHT + 4, LEFT + int(x)] = FAINT
@@ -74,7 +79,7 @@ def draw_static(state: dict) -> np.ndarray:
     # the mass bars
     mx = g["mass_x"]
     draw_text(img, mx, 6, "mass of query", TEXT)
-    draw_text(img, mx, 18, "raw|comp|sink", TEXT)
+    draw_text(img, mx, 18, "by key group", TEXT)
     for r, m in enumerate(state["mass"]):
         for name, a, b in mass_segments(m, mx, MASS_W):
             img[ys[r] : ys[r + 1], a:b] = GROUP_COLOURS[name]
@@ -90,4 +95,10 @@ def draw_static(state: dict) -> np.ndarray:
         img[ly : ly + 8, x : x + 12] = colour
         draw_text(img, x + 16, ly + 1, text, TEXT)
         x += 16 + ADVANCE * len(text) + 18
+    draw_text(img, x, ly + 1, "mass bars:", TEXT)  # the key of the mass bars' colours
+    x += ADVANCE * len("mass bars:") + 8
+    for name, text in MASS_KEY:
+        img[ly : ly + 8, x : x + 12] = GROUP_COLOURS[name]
+        draw_text(img, x + 16, ly + 1, text, TEXT)
+        x += 16 + ADVANCE * len(text) + 14
     return img

@@ -1,5 +1,6 @@
 """AttentionView: one layer and head of a captured attention map, keys in three groups (raw window | compressed
-rows | sink), on a figure of fixed size (front-end ``widgets/attention.js``, static PNG :mod:`.attention_figure`).
+rows | sink), on a figure of fixed layout (front-end ``widgets/attention.js``, static PNG :mod:`.attention_figure`)
+that the front-end draws at the output's width (down to 0.8 of its size; a narrower output scrolls it sideways).
 
 Cells are scaled up to fill the figure and never drawn below ``MIN_CELL`` px: a map with more cells than fit is
 max-pooled (the note says by how much), and zooming into a region re-reduces it from the full-resolution weights,
@@ -131,7 +132,8 @@ class AttentionView(View):
         self.reset_button.on_click(on(lambda _: self.reset_zoom()))
         self.model.observe(on(self._on_zoom_request), names="zoom_request")
         self.model.observe(on(self._on_pick_head), names="pick_head")
-        controls = W.HBox([self.layer_select, self.head_select, self.scale_select, self.reset_button])
+        controls = W.HBox([self.layer_select, self.head_select, self.scale_select, self.reset_button],
+                          layout=W.Layout(flex_flow="row wrap"))  # on a narrow output: two lines, none cut off
         self.widget = W.VBox([controls, self.model])
         self.show(self.layer, self.head)
 
@@ -404,6 +406,7 @@ class AttentionView(View):
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>{html.escape(m.title)}</b><br>"
             f"<img alt='attention heatmap' width='{g['width']}' height='{g['height']}' "
+            "style='max-width:100%;height:auto' "
             f"src='data:image/png;base64,{png_base64(draw_static(self._state()))}'/><br>"
             f"{html.escape(m.note.split(' · drag')[0])}</div>"
         )

@@ -74,17 +74,20 @@ class KVCacheView(FollowingView):
     long context can cost more than the step). ``show(checkpoint)`` or the slider scrubs through checkpoints
     without touching the session; the title names the state on display ("after chunk i (tokens a–b)" for a
     prefill's chunks). Cells written by the step shown are outlined; a fresh view outlines nothing.
-    ``layers`` picks the layers drawn (default all)."""
+    ``layers`` picks the layers drawn (default all). ``slider=False``: the view shows no slider of its own,
+    whatever it scrubs through (a view that embeds it, such as the PrefillView, drives it with its own control);
+    ``scrub`` and ``show`` still work."""
 
-    def __init__(self, session, checkpoints=None, follow: bool = False, layers=None):
+    def __init__(self, session, checkpoints=None, follow: bool = False, layers=None, slider: bool = True):
         self.session = session
+        self.has_slider = bool(slider)
         self._checkpoints, self._labels = [], []
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
         self._syncing = False  # the slider is being moved to the state on display: do not scrub
         self.model = KVCacheModel(layers=None if layers is None else [int(i) for i in layers])
         self.slider = W.IntSlider(value=0, min=0, max=0, description="state", readout=False, disabled=True)
         self.slider.observe(self.guarded(self._slid), names="value")
-        self.widget = W.VBox([self.slider, self.model])
+        self.widget = W.VBox([self.slider, self.model] if self.has_slider else [self.model])
         self.scrub_through(checkpoints or [])
         self.refresh()
         self._shown = (self._shown[0], len(self._shown[0]))  # a fresh view outlines nothing as new
@@ -137,7 +140,8 @@ class KVCacheView(FollowingView):
         with self._quiet():
             self.slider.max = max(len(self._checkpoints) - 1, 0)
         self.slider.disabled = len(self._checkpoints) < 2
-        self.slider.layout.display = "none" if len(self._checkpoints) < 2 else None  # nothing to scrub: no slider
+        # nothing to scrub, or a view without a slider of its own (another control drives it): no slider shown
+        self.slider.layout.display = None if self.has_slider and len(self._checkpoints) >= 2 else "none"
         self._sync_slider()
 
     @property

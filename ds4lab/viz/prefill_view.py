@@ -39,7 +39,9 @@ def default_layer(config) -> int:
 
 class PrefillView(View):
     """Step a chunked prefill chunk by chunk: ``.step()``, ``.run()`` (or the buttons); the slider scrubs the
-    chunks run. Beside the prompt: the KV cache after the chunk shown (``kv_view``, made here unless given) with
+    chunks run, one control for the title, the table, the prompt, the KV cache and the mask together.
+    Beside the prompt: the KV cache after the chunk shown (``kv_view``, made here without a slider of its own
+    unless given; a view given keeps its slider, and moved onto one of the chunks it moves this view) with
     the rows it wrote outlined, and the mask of what each of its queries sees in ``layer`` (``mask_view``; the
     layer picker changes it). The indexer's choices are captured while stepping (``capture_indexer``).
 
@@ -64,26 +66,38 @@ class PrefillView(View):
             total=len(self.prefill.ids),
             chunk=session.geometry.step,
         )
-        self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer])
+        # the KV view made here has no slider of its own: its states are the chunks, and the slider "show" above
+        # drives it with the prompt, the table and the mask (two sliders would let them show different chunks)
+        self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer], slider=False)
         self._own_kv = kv_view is None
-        if self._own_kv:  # its states are the chunks: the slider above scrubs them
-            self.kv_view.slider.layout.display = "none"
+        if not self._own_kv:  # a view given keeps its slider: moved onto one of these chunks, the whole view follows
+            self.kv_view.slider.observe(self.guarded(self._kv_slid), names="value")
         start, end = bounds[0] if bounds else (self.prefill.position, self.prefill.position + 1)
         self.mask_view = MaskView(step_mask(cfg, session.geometry, self.layer, start, end - start),
                                   label=f"chunk 0 (tokens {start}–{end - 1}), not run yet")
-        self.step_button = W.Button(description="step", tooltip="run the next chunk")
-        self.run_button = W.Button(description="run", tooltip="run every remaining chunk")
-        self.slider = W.IntSlider(value=0, min=0, max=0, description="show", readout=False, disabled=True)
+        # the controls' widths: one line of them fits an output of 960 px (JupyterLab at 1400 px); narrower, it wraps
+        narrow = {"description_width": "40px"}
+        self.step_button = W.Button(description="step", tooltip="run the next chunk", layout=W.Layout(width="90px"))
+        self.run_button = W.Button(description="run", tooltip="run every remaining chunk",
+                                   layout=W.Layout(width="90px"))
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="show", readout=False, disabled=True,
+                                  style=narrow, layout=W.Layout(width="260px"))
         self.state = W.HTML("<span class='ds4-note'>no chunk run yet</span>",
                             layout=W.Layout(width="290px", overflow="hidden"))
         self.layer_pick = W.Dropdown(options=[(self._layer_name(cfg, i), i) for i in range(cfg.n_layer)],
-                                     value=self.layer, description="layer", layout=W.Layout(width="240px"))
+                                     value=self.layer, description="layer", style=narrow,
+                                     layout=W.Layout(width="210px"))
         self.step_button.on_click(self.guarded(lambda _: self.step()))
         self.run_button.on_click(self.guarded(lambda _: self.run()))
         self.slider.observe(self.guarded(lambda ch: self.select(ch["new"])), names="value")
         self.layer_pick.observe(self.guarded(lambda ch: self.show_layer(ch["new"])), names="value")
-        controls = W.HBox([self.step_button, self.run_button, self.slider, self.state, self.layer_pick])
-        beside = W.HBox([self.kv_view.widget, self.mask_view.widget], layout=W.Layout(align_items="flex-start"))
+        # rows that wrap where the output is too narrow for them (a laptop with the file browser open): the mask
+        # goes under the KV cache instead of over it (views.css, .ds4-beside), nothing is cut off
+        controls = W.HBox([self.step_button, self.run_button, self.slider, self.state, self.layer_pick],
+                          layout=W.Layout(flex_flow="row wrap"))
+        beside = W.HBox([self.kv_view.widget, self.mask_view.widget],
+                        layout=W.Layout(flex_flow="row wrap", align_items="flex-start"))
+        beside.add_class("ds4-beside")
         self.widget = W.VBox([controls, self.model, beside])
         self._buttons()
 
@@ -169,6 +183,15 @@ class PrefillView(View):
             self.kv_view.scrub_through(self.prefill.chunks)
         self.select(n - 1)
         self._buttons()
+
+    def _kv_slid(self, change) -> None:
+        """The slider of a KV view given moved: when it shows one of this prefill's chunks, show that chunk."""
+        cps = self.kv_view.checkpoints
+        if not 0 <= change["new"] < len(cps):
+            return
+        i = next((j for j, c in enumerate(self.prefill.chunks) if c.checkpoint is cps[change["new"]]), None)
+        if i is not None and i != self.model.selected:
+            self.select(i)
 
     def _label(self, i: int) -> str:
         c = self.prefill.chunks[i]
