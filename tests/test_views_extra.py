@@ -273,6 +273,22 @@ def test_tier_view_bytes_per_step(model):
     manual.refresh()
     assert manual.model.steps == got and manual.model.trace == view.model.trace
     assert "data:image/png;base64," in _bundle_ok(view)
+    # the saved image's log axis: each bar's height is log2 of its bytes above the axis' bottom, so a decode step
+    # (1/16 of a chunk here, 1/64 on Flash) stands clear of the x axis
+    lo, top = view.image_range()
+    assert lo <= view.decode_bound // 2 and top >= view.batch_bound and {lo, top} <= {2 ** k for k in range(64)}
+    img = view.image(height=120, width=480)
+    drawn = {(49, 130, 189), (49, 163, 84), (222, 45, 38), (230, 85, 13)}  # bars, and the bound lines across them
+
+    def height(column):  # the run of drawn pixels up from the x axis
+        run = 0
+        while run < 120 and tuple(column[119 - run]) in drawn:
+            run += 1
+        return run
+
+    heights = [height(img[:120, 80 * i + 40]) for i in range(6)]
+    want = [round(120 * (np.log2(b) - np.log2(lo)) / (np.log2(top) - np.log2(lo))) for b in want]
+    assert heights == want and min(heights) >= 10, (heights, want)
 
 
 def test_tier_view_single_tier_counts_empty_steps(model):

@@ -5,6 +5,7 @@ last step, and the bytes each step moved between tiers against what a full chunk
 from __future__ import annotations
 
 import html
+import math
 
 import ipywidgets as W
 import numpy as np
@@ -138,26 +139,36 @@ class TierView(FollowingView):
             m.steps = [dict(d) for d in self._totals.values()]
 
     def image(self, height: int = 120, width: int = 480) -> np.ndarray:
-        """Bytes per step as bars (batch blue, decode green, nothing moved grey) under a red line at the
-        batch bound (the decode bound in orange), ``width`` pixels shared by the steps; the y axis runs from 0 to
-        :meth:`image_top` bytes."""
+        """Bytes per step as bars (batch blue, decode green; a step that moved nothing a grey stub) on a log y axis
+        from :meth:`image_range`'s bottom to its top (as the live chart's: a decode step's bytes are a chunk's
+        /64 on Flash, lost on a linear axis), a red line at the batch bound and an orange one at the decode bound,
+        ``width`` pixels shared by the steps."""
         steps = self.model.steps
-        top = self.image_top()
+        lo, top = self.image_range()
         bw = max(1, width // max(len(steps), 1))
         img = np.full((height + 1, max(len(steps), 1) * bw, 3), 255, np.uint8)
         colours = {"batch": (49, 130, 189), "decode": (49, 163, 84)}
+
+        def y(b):  # pixels above the x axis
+            return int(round(height * (math.log2(b) - math.log2(lo)) / (math.log2(top) - math.log2(lo))))
+
         for i, d in enumerate(steps):
-            h = int(round(height * d["bytes"] / top))
-            img[height - h : height, i * bw : i * bw + max(bw - (bw > 2), 1)] = colours.get(d["mode"], (200, 200, 200))
+            h = y(d["bytes"]) if d["bytes"] > 0 else 2
+            colour = colours.get(d["mode"], (200, 200, 200)) if d["bytes"] > 0 else (200, 200, 200)
+            img[height - h : height, i * bw : i * bw + max(bw - (bw > 2), 1)] = colour
         for b, colour in ((self.batch_bound, (222, 45, 38)), (self.decode_bound, (230, 85, 13))):
             if b:
-                img[height - int(round(height * b / top)), :] = colour
+                img[height - y(b), :] = colour
         img[height, :] = (120, 120, 120)
         return img
 
-    def image_top(self) -> int:
-        """The bytes at the top of :meth:`image`'s y axis: the batch bound or the largest step."""
-        return max(self.batch_bound, max((d["bytes"] for d in self.model.steps), default=0), 1)
+    def image_range(self) -> tuple[int, int]:
+        """The bytes at the bottom and top of :meth:`image`'s log y axis: powers of two around the bounds and the
+        steps (below the smallest by one, above the largest with room), as the live chart's axis."""
+        values = [v for v in (self.batch_bound, self.decode_bound, *(d["bytes"] for d in self.model.steps)) if v > 0]
+        e0 = math.floor(math.log2(min(values, default=1))) - 1
+        e1 = max(math.ceil(math.log2(max(values, default=2) * 1.2)), e0 + 1)
+        return 2 ** e0, 2 ** e1
 
     def stack_html(self) -> str:
         """The units as coloured spans, in order, with the last step's switches between them."""
@@ -208,8 +219,8 @@ class TierView(FollowingView):
             f"<b>bytes moved per step</b> (red line: a full chunk of {m.chunk} rows × {m.row_bytes:,} B per boundary = "
             f"{self.batch_bound:,} B; orange: a decode step, {self.decode_bound:,} B)<br>"
             f"<div style='display:flex;align-items:stretch;gap:4px'><div style='display:flex;flex-direction:column;"
-            f"justify-content:space-between;text-align:right'><span>{self.image_top():,} B</span><span>bytes moved"
-            f"</span><span>0</span></div>"
+            f"justify-content:space-between;text-align:right'><span>{self.image_range()[1]:,} B</span><span>bytes moved"
+            f"<br>(log)</span><span>{self.image_range()[0]:,} B</span></div>"
             f"<img alt='bytes per step' src='data:image/png;base64,{png_base64(self.image())}'/>"
             f"</div><div>steps {m.steps[0]['step'] if m.steps else 0} … {m.last_step}, one bar each</div>"
             "<table><tr><th>step</th><th>mode</th><th>copies</th><th>bytes</th><th>rows per copy</th>"
