@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 GENERATE = dict(max_tokens=24, chat=False, temperature=0.8, top_k=40, seed=1234)
 
-# Refuses what Pyodide lacks: the two optional packages (a meta_path finder placed first), threads and processes
+# Refuses what Pyodide lacks: the three optional packages (a meta_path finder placed first), threads and processes
 # (Pyodide raises RuntimeError and OSError for them). Then it does what the test compares, and says which
 # modules it ended up importing.
 CHILD = textwrap.dedent("""
     import importlib.abc, json, os, subprocess, sys, threading
 
-    REFUSED = ("mlx", "tokenizers")
+    REFUSED = ("mlx", "tokenizers", "threadpoolctl")
 
     class Refuse(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -113,3 +113,26 @@ def test_an_explicit_mlx_backend_without_mlx_says_so(monkeypatch):
     monkeypatch.delitem(sys.modules, "ds4lab.backends.mlx_backend", raising=False)
     with pytest.raises(ValueError, match="the mlx backend needs MLX"):
         ds4lab.load(backend="mlx")
+
+
+def test_the_numpy_backend_runs_one_blas_thread_while_a_model_runs(model, monkeypatch):
+    """OpenBLAS's threads spin where other processes share the cores (benchmarks/blas_threads.py): the backend's
+    scope holds BLAS to one thread while the model computes, and gives the process its own setting back."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from ds4lab.model import attention
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+    if not blas_threads():
+        pytest.skip("NumPy here has no BLAS library threadpoolctl can see")
+    seen = []
+    attend = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a, **k: seen.append(blas_threads()) or attend(*a, **k))
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        logits = model.logits(model.tokenizer.encode(PROMPT))
+        assert blas_threads() == [2] * len(blas_threads())
+    assert seen and all(t == [1] * len(t) for t in seen), seen
+    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+        monkeypatch.setattr(type(model.backend), "blas_threads", None)  # the process's own setting, the same logits
+        assert np.array_equal(model.logits(model.tokenizer.encode(PROMPT)), logits)
