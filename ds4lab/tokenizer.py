@@ -25,6 +25,7 @@ BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML = SPECIAL_TOKENS = (
     "｜DSML｜",
 )
 
+TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE = "<tool_result>", "</tool_result>"  # a tool message's wrapper (ds4 d6f23312)
 # Must match DS4_REASONING_EFFORT_MAX_PREFIX, ds4.c:64-67.
 REASONING_EFFORT_MAX_PREFIX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -303,6 +304,16 @@ class Tokenizer:
             ids += [self.assistant_id, self.think_id if mode else self.think_end_id]
         return ids
 
+    def _tool_result(self, content: str) -> list[int]:
+        """A tool's output inside its wrapper, as ds4 writes it: the text as it is, but every closing tag in it
+        with its '<' written "&lt;" (the output cannot end the wrapper early); each piece encoded alone."""
+        ids, start, at = [], 0, content.find(TOOL_RESULT_CLOSE)
+        while at >= 0:
+            ids += self.encode(content[start:at]) + self.encode("&lt;")
+            start = at + 1
+            at = content.find(TOOL_RESULT_CLOSE, start)
+        return ids + self.encode(content[start:])
+
     def _append_message(self, ids: list[int], role: str, content: str) -> None:
         if role in ("system", "developer"):
             ids += self.encode(content)
@@ -311,11 +322,12 @@ class Tokenizer:
             if not content.startswith((THINK, THINK_END)):
                 ids.append(self.think_end_id)
             ids += self.encode_rendered(content)
-        elif role in ("user", "tool", "function"):
+        elif role == "user":
             ids.append(self.user_id)
-            if role != "user":
-                ids += self.encode("Tool: ")
             ids += self.encode(content)
+        elif role in ("tool", "function"):  # ds4 since d6f23312 (2026-05-30); "Tool: " + text before
+            ids.append(self.user_id)
+            ids += self.encode(TOOL_RESULT_OPEN) + self._tool_result(content) + self.encode(TOOL_RESULT_CLOSE)
         else:
             raise ValueError(f"unknown chat role {role!r}")
 

@@ -214,7 +214,7 @@ def test_multi_turn(byte_tk):
         {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "</think>a3"},
         {"role": "developer", "content": "D"},
-        {"role": "function", "content": "7"},
+        {"role": "function", "content": "7 </tool_result> <b>"},
     ]
     body = [
         BOS, *b"S",
@@ -222,10 +222,10 @@ def test_multi_turn(byte_tk):
         ASSISTANT, THINK_END, *b"a1",
         USER, *b"q2",
         ASSISTANT, THINK, *b"r", THINK_END, *b"a2",
-        USER, *b"Tool: 42",
+        USER, *b"<tool_result>42</tool_result>",
         ASSISTANT, THINK_END, *b"a3",
         *b"D",
-        USER, *b"Tool: 7",
+        USER, *b"<tool_result>7 &lt;/tool_result> <b></tool_result>",  # the closing tag escaped inside
     ]
     assert byte_tk.render_chat(messages) == body + [ASSISTANT, THINK_END]
     assert byte_tk.render_chat(messages, think=True) == body + [ASSISTANT, THINK]
