@@ -30,7 +30,7 @@ class NumpyBackend(Backend):  # no kernels: every op is the plain one
     # BLAS threads while the model runs. Its products are small (a decode step's vectors; a small model's chunks):
     # OpenBLAS's threads gain little on an idle machine, and where other processes share the cores (a notebook's
     # browser and server, pytest's workers) their spinning waits made the embedded model's decode 2-20x slower
-    # (benchmarks/README.md, "The NumPy backend's BLAS threads"). None: BLAS as the process has it.
+    # (benchmarks/README.md, "On a CPU"). None: BLAS as the process has it.
     blas_threads: int | None = 1
 
     def scope(self):
