@@ -182,7 +182,8 @@ T = len(sess.tokens)
 for il in (2, 3):
     lk = sess.kv[il]
     kv, score = lk.comp_pending
-    print(f"layer {il} (ratio {lk.ratio}): {lk.n_comp} rows finished, {T % lk.ratio} tokens pending; "
+    print(f"layer {il} (ratio {lk.ratio}): {lk.n_comp} row{'s' * (lk.n_comp != 1)} finished, {T % lk.ratio} tokens "
+          f"pending; "
           f"pending state kv {kv.shape}, score {score.shape}")
 
 # %% [markdown]
@@ -204,40 +205,65 @@ for chunk in prefill_view.chunks:
 prefill_view
 
 # %%
-kv_bytes_chart(sess, prefill_view.chunks) | prefill_chunks_chart(prefill_view.chunks, model)
+kv_bytes_chart(sess, prefill_view.chunks) | prefill_chunks_chart(prefill_view.chunks, model, warmup=1)
 
 # %% [markdown]
 # Raw-only layers stop growing once the window is full; ratio-4 layers grow by one row (plus one indexer row)
-# per 4 tokens, ratio-128 layers by one row per 128. On the right, each chunk's tokens/s. Chunks of one size do
-# the same work, so their spread is the machine's noise: the band is their range, the rule their median. The
-# dashed line is each chunk's speed predicted from its FLOPs (`ds4lab.costs`) at the median rate.
+# per 4 tokens, ratio-128 layers by one row per 128. Yet the ratio-128 line is the highest, and nearly flat at
+# about 330 KB for its two layers: besides its 64 raw rows (32 KiB), each ratio-128 layer keeps the pending state
+# of a 128-token window, the kv and score projections (128 values each, float32) of up to 128 tokens waiting for
+# their group to close, 128 KiB a layer from the first token on; a finished row adds only 512 bytes. A ratio-4
+# layer's pending state is 8 rows (32 KiB with the indexer's), but its rows grow 1 KiB per 4 tokens, so from about
+# 390 tokens the ratio-4 layers hold more.
+#
+# On the right, each chunk's tokens/s. Chunk 0 (hollow) is the process's first step: it dequantizes the weights
+# it uses, which later steps reuse, so it is left out. The other chunks of one size do the same work, so their
+# spread is the machine's noise: the band is their range, the rule their median. The dashed line is each chunk's
+# speed predicted from its FLOPs (`ds4lab.costs`) at the median rate.
 #
 # ## Compare chunk sizes
 #
 # The same prompt with chunk sizes that do and do not divide the compression ratios, and one chunk for the
-# whole prompt (`prefill_chunk=512`). Chunks of 64 are the session stepped through above; `CHUNKS` adds 30
-# (divides neither 4 nor 128) and the one-shot 512, a few seconds on a CPU. For the full sweep, set
-# `CHUNKS = (16, 30, 100, 512)`.
+# whole prompt (`prefill_chunk=512`): 30 (divides neither 4 nor 128), 64, and the one-shot 512. The stepped
+# prefill above is no measure of chunks of 64 (its first chunk warmed the process up, and each step captured the
+# indexer's choice), so every size gets fresh sessions: one untimed round first, then `REPEATS` timed rounds,
+# the sizes taking turns so that a change in the machine's load falls on all of them; the median is the
+# measure. About 12 prefills, a few seconds on a CPU. For the full sweep, set `CHUNKS = (16, 30, 64, 100, 512)`.
 
 # %% tags=["nbval-check-output"]
-CHUNKS = (30, 512)
-runs = {64: (sess, prefill_view.chunks)}  # the stepped session: no need to run chunks of 64 again
-for chunk in CHUNKS:
-    s = model.session(ctx=512, prefill_chunk=chunk)
-    runs[chunk] = (s, s.prefill(ids).run(progress=False))
-runs = dict(sorted(runs.items()))
-for chunk, (s, chunks) in runs.items():
+CHUNKS, REPEATS = (30, 64, 512), 3
+runs = {chunk: [] for chunk in CHUNKS}  # chunk size -> the chunks of each timed prefill
+sessions = {}  # chunk size -> its last session, for the comparison below
+for repeat in range(1 + REPEATS):
+    for chunk in CHUNKS:
+        s = model.session(ctx=512, prefill_chunk=chunk)
+        chunks = s.prefill(ids).run(progress=False)
+        if repeat:  # round 0 is the warm-up
+            runs[chunk].append(chunks)
+        sessions[chunk] = s
+for chunk, s in sessions.items():
+    chunks = runs[chunk][-1]
     bounds = ", ".join(f"{c.start}-{c.end - 1}" for c in chunks[:4]) + (", …" if len(chunks) > 4 else "")
     print(f"chunk {chunk:3d}: raw ring {s.geometry.raw_cap} slots, {len(chunks):2d} step(s): {bounds}")
+print(f"timed: {REPEATS} fresh prefills of each size, after one untimed round")
 
 # %%
 from ds4lab.viz.charts import prefill_cost_chart
 
-prefill_cost_chart({chunk: [chunks] for chunk, (s, chunks) in runs.items()}, model)
+medians = {chunk: float(np.median([sum(c.seconds for c in chunks) for chunks in repeats]))
+           for chunk, repeats in runs.items()}
+print(f"median of {REPEATS} prefills:", ", ".join(f"chunk {chunk}: {t:.2f} s" for chunk, t in medians.items()))
+prefill_cost_chart(runs, model)
 
 # %% [markdown]
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
-# but every chunk reads every weight once, so small chunks read the weights many more times. At Flash scale
+# but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
+# 2-core CPU, with nothing else running, six runs gave medians of 0.42–0.50 s for chunks of 30, 0.31–0.35 s for
+# 64 and 0.30–0.34 s for one chunk of 512. What a student should see: the 11 chunks of 30 clearly slowest,
+# 0.12–0.16 s behind one chunk, some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the
+# Python calls of every layer); 64 a little behind 512 (0.01–0.035 s for its 4 extra chunks, about the spread
+# between runs), so on a noisier machine either may come out ahead. On a busy machine the ranges grow, and can
+# overlap. At Flash scale
 # (the real model's dimensions and its q2 weights; a chunk of 2048 tokens at position 32768, then one decode
 # step):
 
@@ -280,18 +306,18 @@ def kv_arrays(s):
                 out[f"{lk.layer}.{name}.kv"], out[f"{lk.layer}.{name}.score"] = getattr(lk, name)
     return out
 
-one = runs[512][0]
+one = sessions[512]
 ref = kv_arrays(one)
-for chunk, (s, _) in runs.items():
+for name, s in [*((f"chunk {chunk:3d}", s) for chunk, s in sessions.items()), ("chunk  64, stepped", sess)]:
     arrays = kv_arrays(s)
     d_logits = np.abs(s.logits - one.logits).max()
     d_kv = max(np.abs(arrays[k] - ref[k]).max() for k in ref)
-    print(f"chunk {chunk:3d}: max |Δ logits| = {d_logits:.1e}, max |Δ KV| over {len(ref)} arrays = {d_kv:.1e}")
+    print(f"{name}: max |Δ logits| = {d_logits:.1e}, max |Δ KV| over {len(ref)} arrays = {d_kv:.1e}")
 
 # %% [markdown]
 # Zero: each token's computation reads only its own row and the cache, so how the prompt is cut changes
 # the order of work, not the numbers (on a float32 GPU backend the same comparison agrees to rounding).
-# The chunk-64 row is the session we stepped through by hand, button by button: it agrees too.
+# The last row is the session we stepped through by hand, button by button: it agrees too.
 
 # %% [markdown]
 # ## Resuming a prefill

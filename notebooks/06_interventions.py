@@ -39,11 +39,11 @@ from pathlib import Path
 import numpy as np
 
 import ds4lab
-from ds4lab.interventions import ablate_rows, ablate_sink, force_topk, logit_diff, patch_row, replace_experts
+from ds4lab.interventions import LogitDiff, ablate_rows, ablate_sink, force_topk, logit_diff, patch_row, replace_experts
 from ds4lab.kv.edit import checkpoint_row, patch_rows, save_kv
 
 model = ds4lab.load(backend="numpy")  # the embedded Shakespeare model, float64 reference backend
-cfg = model.config
+cfg, tok = model.config, model.tokenizer
 
 prompt = """First Citizen:
 Before we proceed any further, hear me speak.
@@ -58,95 +58,265 @@ All:
 Resolved. resolved.
 
 First Citizen:
-First, you know Caius Marcius is chief enemy to the"""
-ids = model.tokenizer.encode(prompt)
-sess = model.session(ctx=256, prefill_chunk=64)
+First, you know Caius Marcius is chief enemy to the people.
+
+All:
+We know't, we know't.
+
+First Citizen:
+Let us kill him, and we'll have corn at our own price.
+Is't a verdict?
+
+All:
+No more talking on't; let it be done: away, away!
+
+Second Citizen:
+One word, good citizens.
+
+First Citizen:
+We are accounted poor citizens, the patricians good.
+What authority surfeits on would relieve us: if they
+would yield us but the superfluity, while it were
+wholesome, we might guess they relieved us humanely;
+but they think we are too dear: the leanness that
+afflicts us, the object of our misery, is as an
+inventory to particularise their abundance; our
+sufferance is a gain to them Let us revenge this with
+our pikes, ere we become rakes: for the gods know I
+speak this in hunger for bread, not in thirst for"""
+ids = tok.encode(prompt)
+last = len(ids) - 1  # the token whose forward pass the edits change
+sess = model.session(ctx=512, prefill_chunk=64)
 sess.prefill(ids[:-1]).run(progress=False)  # everything but the last token, once
 cp = sess.checkpoint()
-print(f"{len(ids)} tokens; after {len(cp)}: compressed rows per layer",
-      [len(cp) // cfg.ratio(il) if cfg.ratio(il) else 0 for il in range(cfg.n_layer)])
+n_rows = len(ids) // 4  # compressed rows of a ratio-4 layer the last token sees
+print(f"{len(ids)} tokens; the last one, {tok.decode([ids[last]])!r} at position {last}, reads the raw rows of "
+      f"positions {len(ids) - cfg.swa}-{last} and the compressed rows of the rest:")
+print("  compressed rows per layer:", [len(ids) // cfg.ratio(il) if cfg.ratio(il) else 0 for il in range(cfg.n_layer)],
+      f"(in layers 2 and 4 the indexer keeps {cfg.idx_topk} of the {n_rows})")
+
+
+def probs(logits):
+    z = np.asarray(logits, dtype=np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def top(p, n=5):
+    return ", ".join(f"{tok.decode([int(t)])!r} {p[t]:.3f}" for t in np.argsort(-p, kind="stable")[:n])
+
+
+def show(d, n=4):
+    """What edits did to the next-token distribution: the KL divergence, the top token clean → edited, and the n
+    tokens whose probability moved most (clean → edited, and the ratio edited / clean)."""
+    p, q = d.p_clean, d.p_edited
+    kl = f"{d.kl:.3g}" if d.kl >= 1e-9 else f"{d.kl:.1e}"
+    print(f"  KL(clean ‖ edited) = {kl} nats; top token {top(p, 1)} → {top(q, 1)}")
+    moved = np.argsort(-np.abs(q - p), kind="stable")[:n]
+    print("  moved most: " + ", ".join(f"{tok.decode([int(t)])!r} {p[t]:.3f} → {q[t]:.3f} (×{q[t] / p[t]:.2f})"
+                                       for t in moved))
+
+
+sess.prefill(ids).step()
+clean_logits = sess.logits.copy()
+sess.restore(cp)
+print("the model's guess after '…not in thirst for':", top(probs(clean_logits)))
+[revenge] = tok.encode(" revenge")  # one token
+print(f"the play's next word, ' revenge': p = {probs(clean_logits)[revenge]:.1e}")
 
 # %% [markdown]
+# The prompt is the opening of *Coriolanus* that notebooks 02 and 04 use, cut in the middle of its last line. Long
+# enough for every mechanism to act on the last token: it reads 64 raw rows, 79 compressed rows in layers 2 and 4
+# (of which the indexer keeps 32) and 2 in layers 3 and 5. The model's best guess is a line break: this line is
+# already as long as the play's verse lines run. It learned speakers, lines and punctuation, not sentences: the
+# word the play goes on with gets a probability of 2e-5.
+#
 # `logit_diff(sess, ids, edits, start=...)` evaluates the prompt's tokens from `start` on twice, clean and
-# edited, from the same shared prefix, and compares the next-token distributions: the KL divergence,
-# the largest logit change, the top token, and the tokens that gained or lost the most probability.
-# With `start=len(ids) - 1` only the last token's forward pass is edited: every edit below acts on how
-# *that* token reads the cache.
+# edited, from the same shared prefix, and compares the next-token distributions. With `start=last` only the
+# last token's forward pass is edited: every edit below acts on how *that* token reads the cache and routes
+# its FFN. `show` prints the KL divergence, the top token, and the tokens whose probability moved most, with
+# the ratio of their probabilities (×1.00: unchanged).
 #
 # ## 1. Ablate the sink
 #
-# Every head has a sink: a logit in the softmax with no value, which can soak up attention mass.
-# Without it the same scores are renormalised over the keys alone.
+# Every head has a sink: a logit in the softmax with no value, which can soak up attention mass. Without it
+# the same scores are renormalised over the keys alone: a head that gave the sink a share `s` of its mass
+# gives its keys `1/(1−s)` times as much. So an ablation matters where the sink holds much: early in a
+# prompt, where a query has few keys to read, and hardly at its end.
 
 # %% tags=["nbval-check-output"]
-last = len(ids) - 1
-with sess.capture(["attn.scores"], layers=[2]) as cap:
+early = 8  # '…Before we proceed any': the ninth token
+e = model.session(ctx=512, prefill_chunk=64)
+with e.capture(["attn.scores"], queries=[early]) as cap_early:
+    e.prefill(ids[:early + 1]).run(progress=False)
+with sess.capture(["attn.scores"]) as cap:
     sess.prefill(ids).step()
-print("layer 2, last token: attention mass on the sink per head",
-      np.round(cap.attention(2).group("sink")[0, :, 0], 3))
 sess.restore(cp)
+print(f"attention mass on the sink per head, at token {early} ({tok.decode([ids[early]])!r}) and at token {last} "
+      f"({tok.decode([ids[last]])!r}):")
+for il in range(cfg.n_layer):
+    at_early, at_last = cap_early.attention(il).group("sink")[-1, :, 0], cap.attention(il).group("sink")[0, :, 0]
+    print(f"  layer {il}:  " + " ".join(f"{x:.2f}" for x in at_early)
+          + "   |  " + " ".join(f"{x:.3f}" for x in at_last))
 
-print(logit_diff(sess, ids, [ablate_sink(il) for il in range(cfg.n_layer)], start=last))
+every_sink = [ablate_sink(il) for il in range(cfg.n_layer)]
+print(f"every sink ablated for token {early}:")
+show(logit_diff(model.session(ctx=512, prefill_chunk=64), ids[:early + 1], every_sink, start=early))
+print(f"every sink ablated for token {last}:")
+show(logit_diff(sess, ids, every_sink, start=last))
 
 # %% [markdown]
+# At token 8 heads give the sink up to 60% of their mass, and ablating every sink changes the guess (' man' gives
+# way to ' of'; KL 0.045 nats). At token 317 no head gives it more than 4.5%, so the keys' weights grow by at
+# most 5% and the distribution barely moves (KL 0.0002 nats).
+#
 # ## 2. Ablate compressed rows
 #
-# Ratio-4 layers (2 and 4 here) keep one compressed row per 4 tokens. Masking rows removes their attention
-# mass: the softmax is taken over the raw window and the remaining rows. Here the last token loses every
-# compressed row of both layers, so it sees only its 64-token raw window there.
+# The compressed rows hold the prompt beyond the 64-token raw window. Masking them removes their attention
+# mass: the softmax is taken over the raw window (and the sink) alone. Here the last token loses every
+# compressed row of the four compressed layers.
 
 # %% tags=["nbval-check-output"]
-print(logit_diff(sess, ids, [ablate_rows(2), ablate_rows(4)], start=last))
+print(f"attention mass on the compressed rows per head, token {last}:")
+for il in (2, 3, 4, 5):
+    mass = cap.attention(il).group("comp")[0].sum(-1)  # [heads]: each head's weights on the compressed rows
+    print(f"  layer {il} (ratio {cfg.ratio(il):3d}): " + " ".join(f"{x:.3f}" for x in mass))
+print("every compressed row ablated:")
+show(logit_diff(sess, ids, [ablate_rows(il) for il in (2, 3, 4, 5)], start=last))
+
+window_only = model.session(ctx=512, prefill_chunk=64)
+window_only.prefill(ids[-cfg.swa:]).run(progress=False)
+print(f"the prompt's last {cfg.swa} tokens alone, against the whole prompt:")
+show(LogitDiff(clean_logits, window_only.logits, ("the last 64 tokens",), tok))
 
 # %% [markdown]
+# Most of the attention, little of the prediction: in layer 2 every head, in layer 4 head 0, give the compressed
+# rows 79–94% of their mass, yet without them the distribution moves by only 0.00125 nats; the top token stays a
+# line break, its probability 0.159 → 0.169. The second test says why: the prompt's last 64 tokens *alone*, the
+# first 254 tokens never seen, move it by 0.0016 nats. This small model (14 M parameters, trained on under a
+# million tokens of Shakespeare) predicts almost entirely from its window: what it reads in the compressed rows
+# changes little. On a model that uses its long context the same edit is how you would find out where it does.
+#
 # ## 3. Force the indexer's top-k
 #
-# In ratio-4 layers the indexer picks the `idx_topk` (32) best-scoring compressed rows for each query once
-# more are visible (past 128 tokens); before that every row is attended. `force_topk` replaces its choice:
-# the query attends exactly the rows given (among those already written). Forcing the rows it would attend
-# anyway changes nothing, bit for bit; forcing only the opening rows ("First Citizen: Before we proceed")
-# does.
+# In ratio-4 layers the indexer picks the `idx_topk` (32) best-scoring compressed rows for each query once more
+# are visible (from position 131 on); the last token sees 79. `force_topk` replaces its choice: the query attends
+# exactly the rows given (among those already written). A capture of `indexer.topk` says which rows it keeps.
 
 # %% tags=["nbval-check-output"]
-n_rows = len(cp) // 4
-same = logit_diff(sess, ids, [force_topk(2, range(n_rows)), force_topk(4, range(n_rows))], start=last)
-print("forcing every visible row: logits bit-identical:", np.array_equal(same.clean, same.edited))
-print(logit_diff(sess, ids, [force_topk(2, [0, 1, 2]), force_topk(4, [0, 1, 2])], start=last))
-
-# %% [markdown]
-# ## 4. Patch a KV row from another prompt
-#
-# Activation patching: run a second prompt that differs in one word ("enemy" → "friend"), and give the last
-# token of the first prompt that word's KV row from the second prompt's checkpoint, in every layer.
-# The last token reads "friend" there while everything else it reads still comes from "enemy".
-
-# %% tags=["nbval-check-output"]
-other = model.tokenizer.encode(prompt.replace("chief enemy", "chief friend"))
-assert len(other) == len(ids)
-where = next(i for i, (a, b) in enumerate(zip(ids, other)) if a != b)
-print(f"position {where}: {model.tokenizer.decode([ids[where]])!r} → {model.tokenizer.decode([other[where]])!r}")
-friend = model.session(ctx=256, prefill_chunk=64)
-friend.prefill(other[:-1]).run(progress=False)
-cp_friend = friend.checkpoint()
-
-print(logit_diff(sess, ids, [patch_row(il, cp_friend, raw=where) for il in range(cfg.n_layer)], start=last))
-
-# %% [markdown]
-# ## 5. Replace an expert choice
-#
-# Each layer's router picks `n_expert_used` (2) of 8 routed experts per token (layers 0-2 by a hash of the
-# token id, the others by top-k). `replace_experts` swaps them; their weights come from the router's
-# probabilities of the new experts, normalised as the model normalises its own choice.
-
-# %% tags=["nbval-check-output"]
-with sess.capture(["moe.experts", "moe.router"], layers=[4]) as cap:
+with sess.capture(["indexer.topk"], layers=[2, 4]) as cap_topk:
     sess.prefill(ids).step()
 sess.restore(cp)
-chosen = cap["blk.4.moe.experts"][0]
-probs = cap["blk.4.moe.router"][0]
-print("layer 4, last token: router chose", chosen.tolist(), "of probabilities", np.round(probs, 3).tolist())
-least = np.argsort(probs)[:2]
-print(logit_diff(sess, ids, [replace_experts(4, least)], start=last))
+kept = {il: np.flatnonzero(cap_topk[f"blk.{il}.indexer.topk"][0]) for il in (2, 4)}
+dropped = {il: np.setdiff1d(np.arange(n_rows), kept[il]) for il in (2, 4)}
+for il in (2, 4):
+    print(f"layer {il}: the indexer keeps rows {kept[il].tolist()}")
+
+same = logit_diff(sess, ids, [force_topk(il, kept[il]) for il in (2, 4)], start=last)
+print("forcing the rows it keeps: logits bit-identical:", np.array_equal(same.clean, same.edited))
+every_row = [force_topk(il, range(n_rows)) for il in (2, 4)]
+dense = logit_diff(sess, ids, every_row, start=last)
+print(f"forcing all {n_rows} rows (no selection): KL = {dense.kl:.1e} nats, "
+      f"largest logit change {dense.max_abs_logit_change:.1e}")
+with sess.intervene(every_row), sess.capture(["attn.scores"], layers=[2, 4]) as cap_dense:
+    sess.prefill(ids).step()
+for il in (2, 4):
+    comp = cap_dense.attention(il).group("comp")[0]  # [heads, rows]: each head's weights on the 79 rows
+    print(f"  with all rows attended, layer {il}: the kept rows' share of each head's compressed-row mass: "
+          + " ".join(f"{x:.3f}" for x in comp[:, kept[il]].sum(-1) / comp.sum(-1)))
+print(f"forcing the {len(dropped[2])} rows it drops instead:")
+show(logit_diff(sess, ids, [force_topk(il, dropped[il]) for il in (2, 4)], start=last))
+print(f"forcing the {cfg.idx_topk} most recent rows (tokens {len(ids) - 4 * cfg.idx_topk}-{last}):")
+show(logit_diff(sess, ids, [force_topk(il, range(n_rows - cfg.idx_topk, n_rows)) for il in (2, 4)], start=last))
+print("for comparison, every compressed row of layers 2 and 4 ablated:")
+show(logit_diff(sess, ids, [ablate_rows(2), ablate_rows(4)], start=last))
+
+# %% [markdown]
+# The kept rows are spread over the whole prompt, not the most recent ones. Forcing them changes nothing, bit for
+# bit. Attending all 79 rows instead changes the logits by less than 1e-4: given every row, the heads put 96–100%
+# of their compressed-row mass on the 32 the indexer kept (the model card finds the same held-out perplexity,
+# 64.72, with the indexer's selection and with every row attended). Forcing the 47 dropped rows, or the 32 most
+# recent, moves the distribution by 0.0011 nats, the same as ablating every compressed row of layers 2 and 4:
+# those rows are not what the query reads. All of it is small, for section 2's reason.
+#
+# ## 4. Patch a KV row from another prompt
+#
+# Activation patching: run a second prompt that differs in one place, and give the last token of the first
+# prompt the changed rows from the second prompt's checkpoint. The second prompt breaks the last line after
+# "bread,": two tokens differ (',' becomes ',\n' and ' not' becomes 'not'). The rows after them differ too
+# (their own passes read the line break), but only the two changed rows are patched.
+
+# %% tags=["nbval-check-output"]
+other = tok.encode(prompt.replace("bread, not", "bread,\nnot"))
+assert len(other) == len(ids)
+changed = [i for i, (a, b) in enumerate(zip(ids, other)) if a != b]
+print("positions", changed, [tok.decode([ids[i]]) for i in changed], "→", [tok.decode([other[i]]) for i in changed])
+broken = model.session(ctx=512, prefill_chunk=64)
+broken.prefill(other[:-1]).run(progress=False)
+cp_other = broken.checkpoint()
+broken.prefill(other).step()
+print("the other prompt's own guess:", top(probs(broken.logits)))
+
+patched = logit_diff(sess, ids, [patch_row(il, cp_other, raw=i) for il in range(cfg.n_layer) for i in changed],
+                     start=last)
+print("the changed rows patched in every layer:")
+show(patched)
+print(f"KL(other prompt ‖ patched) = {LogitDiff(broken.logits, patched.edited, (), tok).kl:.1e} nats")
+print("patched in one layer at a time, KL(clean ‖ edited):", ", ".join(
+    f"layer {il} {logit_diff(sess, ids, [patch_row(il, cp_other, raw=i) for i in changed], start=last).kl:.2g}"
+    for il in range(cfg.n_layer)))
+
+# %% [markdown]
+# With the line break five tokens back, the current line is short, and the other prompt's guess is no longer a
+# line break (' this' 0.089 first). Patching just the two changed rows gives the first prompt's last token
+# the same distribution: KL 0.74 nats from its own, and 1.6e-7 from the other prompt's. So what the last token
+# knows of the break it reads from those rows themselves, not from the rows after them. Patching one layer at a
+# time localises it further: layer 5 alone moves the distribution by 0.74 nats, layer 0 by 0.001, the others by
+# less. The effect is large because it is local: the rows are in the raw window, where this model looks.
+#
+# ## 5. Replace an expert choice
+#
+# Each layer's router gives every routed expert a score `p = sqrt(softplus(logit))` (docs/MODEL.md, "Mixture of
+# experts"): positive, but not probabilities (they do not sum to 1). Layers 0-2 pick a token's `n_expert_used`
+# (2) of the 8 experts by its token id (hash routing: a fixed table, token id → experts), the others take the
+# two highest scores. The route weights are the chosen experts' scores normalised to sum to
+# `expert_weight_scale` (1.5): `w_i = 1.5 · p_i / (p_a + p_b)`. `replace_experts` swaps the experts; their
+# weights come from their scores the same way.
+
+# %% tags=["nbval-check-output"]
+with sess.capture(["moe.router", "moe.experts", "moe.weights", "hc_ffn.post"]) as cap_moe:
+    sess.prefill(ids).step()
+sess.restore(cp)
+print(f"token {last} ({tok.decode([ids[last]])!r}): router scores of experts 0-7, the two chosen, their route weights")
+lowest = {}
+for il in range(cfg.n_layer):
+    scores = cap_moe[f"blk.{il}.moe.router"][0]
+    chosen = cap_moe[f"blk.{il}.moe.experts"][0]
+    weights = cap_moe[f"blk.{il}.moe.weights"][0]
+    assert np.allclose(weights, cfg.expert_weight_scale * scores[chosen] / scores[chosen].sum())
+    lowest[il] = np.argsort(scores, kind="stable")[:2]
+    routing = "hash " if il < cfg.n_hash_layer else "top-2"
+    print(f"  layer {il} ({routing}): {np.round(scores, 2)}  chosen {chosen.tolist()}, weights {np.round(weights, 3)}")
+
+print("the two lowest-scored experts instead, one layer at a time (and the post gates that write the FFN's output "
+      "into the 4 streams):")
+for il in range(cfg.n_layer):
+    d = logit_diff(sess, ids, [replace_experts(il, lowest[il])], start=last)
+    gates = " ".join(f"{g:.2f}" for g in cap_moe[f"blk.{il}.hc_ffn.post"][0])
+    print(f"  layer {il}: experts {lowest[il].tolist()}: KL {d.kl:.2g} nats, top token {top(d.p_edited, 1)};"
+          f"  post gates {gates}")
+print("layer 1 in detail:")
+show(logit_diff(sess, ids, [replace_experts(1, lowest[1])], start=last))
+
+# %% [markdown]
+# In the hash layers the scores only weight the experts the token id picked: layer 1 routes ' for' to experts
+# 1 and 3, though the router scores experts 0 and 7 above 3. Swapping in the two lowest-scored experts changes
+# the most in layers 0 and 1 (KL 0.09 and 0.3 nats; in layer 1 the line break goes from 0.159 to 0.402) and less
+# and less in later layers (0.012, 0.0075, 1e-4), down to nothing measurable in layer 5 (1e-10). The post gates
+# say why the last two hardly count: the hyper-connections write the FFN's output `y` into each stream `o` as
+# `post[o]·y` (docs/MODEL.md, "Hyper-connections and Sinkhorn"), and for this token layer 4's gates are 0.04–0.14
+# and layer 5's below 0.001: whatever its experts compute, layer 5 adds next to none of it to the streams the head
+# reads.
 
 # %% [markdown]
 # ## What the block leaves behind
@@ -157,15 +327,15 @@ print(logit_diff(sess, ids, [replace_experts(4, least)], start=last))
 # `sync` never reuses it, and a KV store never saves it.)
 
 # %% tags=["nbval-check-output"]
-with sess.intervene([ablate_sink(2), replace_experts(4, least)]) as iv:
+with sess.intervene([ablate_sink(2), replace_experts(4, lowest[4])]) as iv:
     sess.prefill(ids).step()
     print("inside:", len(sess.tokens), "tokens, edits:", sess.edits)
 print("after: ", len(sess.tokens), "tokens, edits:", sess.edits)
 print(iv.checkpoint)
 sess.prefill(ids).step()
-clean_next = sess.logits.copy()
+print("the next step equals the clean one, bit for bit:", np.array_equal(sess.logits, clean_logits))
 sess.restore(cp)
-print("the block's logits differ from the clean ones:", not np.array_equal(iv.logits, clean_next))
+print("the block's logits differ from the clean ones:", not np.array_equal(iv.logits, clean_logits))
 
 # %% [markdown]
 # ## Edit a checkpoint, save it as a `.kv` file, load it back
@@ -176,33 +346,35 @@ print("the block's logits differ from the clean ones:", not np.array_equal(iv.lo
 # payload, ds4lab's fingerprint and checksum trailers, which ds4 never reads). ds4-server would load it from
 # its KV directory under the name `<sha1 of the text>.kv`.
 #
-# A `.kv` file holds float32 rows, so to compare bit for bit we start from the checkpoints as the file
-# format holds them (`Checkpoint.from_bytes(cp.to_bytes())`).
+# Here the edit is section 4's patch made permanent: the two rows of the line break, in every layer, copied into
+# the first prompt's checkpoint. A `.kv` file holds float32 rows, so to compare bit for bit we start from the
+# checkpoints as the file format holds them (`Checkpoint.from_bytes(cp.to_bytes())`). Continued from the file,
+# the last token guesses what the other prompt guesses.
 
 # %% tags=["nbval-check-output"]
-in_memory = model.session(ctx=256, prefill_chunk=64)
+in_memory = model.session(ctx=512, prefill_chunk=64)
 in_memory.restore(ds4lab.Checkpoint.from_bytes(cp.to_bytes(), cfg, fingerprint=cp.fingerprint))
-friend32 = ds4lab.Checkpoint.from_bytes(cp_friend.to_bytes(), cfg)
+other32 = ds4lab.Checkpoint.from_bytes(cp_other.to_bytes(), cfg)
 edited = in_memory.snapshot()  # a live state holding the file format's float32 values
 for il in range(cfg.n_layer):
-    edited = patch_rows(edited, friend32, il, "raw", [where])
+    edited = patch_rows(edited, other32, il, "raw", changed)  # section 4's patch, as a checkpoint edit
 print(edited)
 
 folder = Path(tempfile.mkdtemp())
 kf = save_kv(edited, folder / "edited.kv", model)
 print(f"{kf.path.name}: {kf.file_size:,} bytes, {kf.header['tokens']} tokens, ctx {kf.header['ctx_size']}; "
       f"ds4-server's name for it: {kf.sha1[:12]}….kv")
-print("the file's row is the edit, exactly:",
-      all(np.array_equal(kf.layers[il].raw[where - (len(cp) - kf.layers[il].n_raw)],
-                         checkpoint_row(friend32, il, "raw", where)) for il in range(cfg.n_layer)))
+print("the file's rows are the edit, exactly:",
+      all(np.array_equal(kf.layers[il].raw[i - (len(cp) - kf.layers[il].n_raw)], checkpoint_row(other32, il, "raw", i))
+          for il in range(cfg.n_layer) for i in changed))
 
 loaded = ds4lab.Checkpoint.from_bytes(kf.payload(), cfg)
-from_file = model.session(ctx=256, prefill_chunk=64)
+from_file = model.session(ctx=512, prefill_chunk=64)
 from_file.restore(loaded)
 from_file.prefill(ids).step()
 in_memory.restore(edited)
 in_memory.prefill(ids).step()
 print("continued from the file == continued from the edited state in memory:",
       np.array_equal(from_file.logits, in_memory.logits))
-top = int(np.argmax(from_file.logits))
-print("next token after the edited cache:", repr(model.tokenizer.decode([top])))
+print("guess after the edited cache:", top(probs(from_file.logits), 3))
+print("guess after the clean cache: ", top(probs(clean_logits), 3))

@@ -327,6 +327,29 @@ def test_prefill_chunks_chart_median_and_prediction(sweep):
     assert [p["gflop"] for p in line] == pytest.approx(flops / 1e9, rel=1e-12)
 
 
+def test_prefill_chunks_chart_leaves_warm_up_chunks_out(sweep):
+    """``warmup=2``: the first two chunks are hollow points of their own, and the band, the median and the FLOP rate
+    come from the other three alone."""
+    from ds4lab.costs import chunk_cost, file_types
+    from ds4lab.viz.charts import prefill_chunks_chart
+
+    model, runs = sweep
+    chunks = runs[16][0]
+    layers = prefill_chunks_chart(chunks, model, warmup=2).to_dict()["layer"]
+    band, rule, points, hollow, line = (layer["data"]["values"] for layer in layers)
+    speeds = [c.tokens_per_s for c in chunks]
+    assert band[0]["median"] == pytest.approx(np.median(speeds[2:]), rel=1e-12)
+    assert (band[0]["low"], band[0]["high"]) == (min(speeds[2:]), max(speeds[2:]))
+    assert [p["tokens_per_s"] for p in points] == speeds[2:] and [p["tokens_per_s"] for p in hollow] == speeds[:2]
+    assert layers[3]["mark"]["filled"] is False and {p["run"] for p in hollow} == {"warm-up"}
+    flops = np.array([chunk_cost(model.config, c.start, c.n_tokens, file_types(model.file), ctx=80).total_flops
+                      for c in chunks], dtype=np.float64)
+    rate = np.median(flops[2:] / np.array([c.seconds for c in chunks[2:]]))
+    assert [p["predicted"] for p in line] == pytest.approx(16 * rate / flops, rel=1e-12)
+    with pytest.raises(ValueError, match="warmup is 6: it must be between 0 and the 5 chunks"):
+        prefill_chunks_chart(chunks, model, warmup=6)
+
+
 def test_prefill_cost_chart(sweep):
     """Measured: every repeat's total seconds, their median and range per chunk size; predicted: the prefill's
     GFLOP and weight MiB from ds4lab.costs (chunks of 40 read the weights 2 times, chunks of 16 5 times)."""

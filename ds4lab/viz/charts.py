@@ -38,34 +38,43 @@ def _cost_inputs(model):
     return model.config, file_types(model.file)
 
 
-def prefill_chunks_chart(chunks, model=None):
+def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
     """Tokens/s of each chunk of a prefill (a list of ``PrefillChunk``), as points. Chunks of one size are repeats
     of the same work, so their median is drawn as a rule and their range as a band: on a shared CPU the spread is
-    the machine's noise. With the ``model`` that ran them, a line shows each chunk's speed predicted from its FLOPs
-    (:mod:`ds4lab.costs`) at the median FLOP rate of the chunks: where the points leave the line, the machine
-    varied, not the work."""
+    the machine's noise. The first ``warmup`` chunks (a process's first step converts the weights it uses, which later
+    steps reuse) are drawn hollow and left out of the band, the median and the rate below. With the ``model`` that ran
+    them, a line shows each chunk's speed predicted from its FLOPs (:mod:`ds4lab.costs`) at the median FLOP rate of
+    the chunks: where the points leave the line, the machine varied, not the work."""
+    if not 0 <= warmup <= len(chunks):
+        raise ValueError(f"warmup is {warmup}: it must be between 0 and the {len(chunks)} chunks")
     rows = [dict(chunk=i, start=c.start, end=c.end, tokens=c.n_tokens, tokens_per_s=c.tokens_per_s,
                  ms=c.seconds * 1e3) for i, c in enumerate(chunks)]
-    size = max(r["tokens"] for r in rows) if rows else 0
-    full = [r["tokens_per_s"] for r in rows if r["tokens"] == size]
+    timed = rows[warmup:]
+    size = max(r["tokens"] for r in timed) if timed else 0
+    full = [r["tokens_per_s"] for r in timed if r["tokens"] == size]
     spread = [dict(low=min(full), high=max(full), median=_median(full), label=f"median of {len(full)} chunks of {size}")
               ] if full else []
     x = field("chunk:Q", title="chunk", axis={"tickMinStep": 1, "format": "d"})
     y = field("tokens_per_s:Q", title="tokens/s (measured)")
+    tips = tooltip("chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q")
     layers = [
         unit(spread, {"type": "rect", "opacity": 0.15, "color": "#3182bd"}, y=field("low:Q"), y2={"field": "high"}),
         unit(spread, {"type": "rule", "color": "#3182bd"}, y=field("median:Q"),
              tooltip=tooltip("label:N", "median:Q")),
-        unit(rows, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y,
-             tooltip=tooltip("chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q")),
+        unit(timed, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y, tooltip=tips),
     ]
     notes = ["band: range of the full chunks, rule: their median"]
-    if model is not None and rows:
+    if warmup:
+        layers.append(unit([dict(r, run="warm-up") for r in rows[:warmup]],
+                           {"type": "point", "filled": False, "size": 40, "color": "#3182bd"}, x=x, y=y,
+                           tooltip=tooltip("run:N", *tips)))
+        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'}, warm-up, left out")
+    if model is not None and timed:
         from ..costs import chunk_cost
 
         config, types = _cost_inputs(model)
         flops = [chunk_cost(config, c.start, c.n_tokens, types, ctx=chunks[-1].end).total_flops for c in chunks]
-        rate = _median([f / c.seconds for f, c in zip(flops, chunks)])  # FLOP/s of the median chunk
+        rate = _median([f / c.seconds for f, c in list(zip(flops, chunks))[warmup:]])  # FLOP/s of the median chunk
         predicted = [dict(chunk=i, predicted=c.n_tokens * rate / f, gflop=f / 1e9)
                      for i, (c, f) in enumerate(zip(chunks, flops))]
         layers.append(unit(predicted, {"type": "line", "color": "#e6550d", "strokeDash": [4, 2]}, x=field("chunk:Q"),
