@@ -1,6 +1,7 @@
 """AttentionView on the standard example (the embedded model, Coriolanus' first 320 tokens, layers 2 and 3, heads
 0 and 1): the colour scales against hand-worked cases, the mass split against sums of the map's weights, zooming
-against the full-resolution weights, the fixed figure and the static fallback."""
+against the full-resolution weights, the fixed figure and the static fallback, and the indexer's rows (kept,
+dropped, not yet compressed) marked and coloured as the MaskView colours them."""
 
 import struct
 
@@ -12,8 +13,9 @@ from pathlib import Path  # noqa: E402
 
 import ds4lab  # noqa: E402
 from ds4lab.viz import AttentionView  # noqa: E402
+from ds4lab.viz import attention_figure as fig  # noqa: E402
 from ds4lab.viz.attention_figure import FIG_W, LEFT, SINK_PX, TOP, WIDTH, draw_static  # noqa: E402
-from ds4lab.viz.reduce import scale_colours  # noqa: E402
+from ds4lab.viz.reduce import colormap, scale_colours  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # begins with Coriolanus
 
@@ -131,3 +133,33 @@ def test_one_map_and_bad_input(cap):
         single.weights(head=7)
     with pytest.raises(TypeError, match="Capture"):
         AttentionView(np.zeros((3, 3)))
+
+
+def _hex(rgb) -> str:
+    return "#" + "".join(f"{int(c):02x}" for c in rgb)
+
+
+def test_the_indexer_rows_look_alike_in_the_mask_and_the_attention_view(cap):
+    """Kept, dropped by the indexer and not yet compressed: one colour each, the same in both views (a kept row is
+    drawn by its weight in the AttentionView, on the ramp whose middle is the MaskView's kept blue); at full
+    resolution each compressed cell of weight 0 is marked by why, from the map's candidates and selection."""
+    from ds4lab.visibility import DROPPED, KEPT, NOT_YET
+    from ds4lab.viz.mask_view import COLOURS
+
+    assert COLOURS[DROPPED] == _hex(fig.DROPPED) and COLOURS[NOT_YET] == _hex(fig.NOT_YET)
+    assert COLOURS[KEPT] == "#3182bd" and np.abs(colormap(np.array([127, 128])) - [0x31, 0x82, 0xBD]).max() <= 1
+    assert [text for _, text in fig.ZERO_KEY] == ["weight 0 (masked)", "not yet compressed", "dropped by the indexer"]
+    view = AttentionView(cap, layer=2, head=0)
+    amap = cap.attention(2)
+    nr, nc = amap.n_raw, amap.n_comp
+    view.zoom(queries=(0, 160), keys=(nr, nr + nc))  # the compressed rows of 160 queries: every cell
+    m = view.model
+    marks = np.frombuffer(m.marks, np.uint8).reshape(m.rows, m.cols)
+    cand, sel = amap.candidates[:160], amap.selected[:160]
+    assert marks.shape == cand.shape == (160, nc) and "every cell shown" in m.note
+    np.testing.assert_array_equal(marks == fig.MARK_NOT_YET, ~cand)
+    np.testing.assert_array_equal(marks == fig.MARK_DROPPED, cand & ~sel)
+    assert (cand & ~sel).any() and (marks[cand & sel] == 0).all()  # kept rows: drawn by their weight
+    img = draw_static(view._state())  # the static figure paints them so, and its legend names them
+    for colour, mark in ((fig.NOT_YET, fig.MARK_NOT_YET), (fig.DROPPED, fig.MARK_DROPPED)):
+        assert (img == colour).all(axis=2).sum() >= (marks == mark).sum() * 2  # a cell is ≥ 2 × 3 px

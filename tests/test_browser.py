@@ -65,8 +65,9 @@ def notebook_cells() -> list[str]:
         "prefill = PrefillView(sess, ids)  # the stepper, the KV cache and the mask of layer 2 beside it\n"
         "prefill.step()\n"
         "prefill",
-        "prefill.run()\n"
-        "kv = KVCacheView(sess, checkpoints=prefill.chunks)  # the state now: after the last chunk\n"
+        'with sess.capture(["indexer.topk"]) as picks:  # the indexer\'s choices, for the KV view to mark\n'
+        "    prefill.run()\n"
+        "kv = KVCacheView(sess, checkpoints=prefill.chunks, indexer=picks)  # the state now: after the last chunk\n"
         "kv",
         "late = PrefillView(model.session(ctx=512, prefill_chunk=64), ids)  # run, then shown on a middle chunk\n"
         "late.run()\n"
@@ -374,6 +375,13 @@ def test_prefill_view_renders(page):
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 0 (tokens 0–63): 64 tokens")
     assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
     assert "nothing overwritten yet" in kv.inner_text()
+    # a query early in the prompt: its raw window starts at position 0, not at a negative one
+    text = _hover_fills(pg, img, tip, (0.15, 0.8), until="el.textContent.includes('all so far')")
+    m = re.fullmatch(r"query (\d+) × key position (\d+) \(ring slot \d+, written by this step\): seen: in the raw "
+                     r"window \(positions 0–(\d+), all so far\)", text)
+    assert m and m[1] == m[3] and int(m[2]) <= int(m[1]) < 64 and not re.search(r"\(-\d", text), text
+    # the key axis names what the columns are (its title drawn on the canvas, and the image's alt)
+    assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) · compressed row (across)"
     out.screenshot(path=str(ARTIFACTS / "prefill_view_chunk0.png"))
     # another layer: ratio 128
     out.locator(".widget-dropdown select").select_option(label="3: ratio 128")
@@ -383,7 +391,15 @@ def test_prefill_view_renders(page):
     # every chunk is run: the buttons only scrub now (prefill.step() in a cell returns the last chunk, noted)
     assert out.locator(".widget-button", has_text="step").is_disabled()
     assert out.locator(".widget-button", has_text="run").is_disabled()
+    # ratio 128 at chunk 0 (tokens 0–63) has no compressed row yet, a raw-only layer none ever: the key axis names
+    # raw rows only
+    assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
+    out.locator(".widget-dropdown select").select_option(label="0: raw only")
+    pg.wait_for_function("(el) => el.textContent.includes('layer 0')", arg=mask.locator(".ds4-title").element_handle(),
+                         timeout=10_000)
+    assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_layer0.png"))
 
 
 def _visible_sliders(out) -> list:
@@ -439,7 +455,17 @@ def test_kvcache_view_renders(page):
     title = view.locator(".ds4-title").inner_text()
     assert re.match(r"KV cache after chunk 4 \(tokens 256–\d+\): [1-9]\d* tokens, [\d,]+ bytes", title), title
     assert view.locator(".ds4-layer").count() == 6
-    assert view.locator(".ds4-slot-new").count() == 0  # a fresh view outlines nothing as new
+    assert view.locator(".ds4-slot-new").count() == 0  # a fresh view outlines nothing as new, and says so
+    note = view.locator(".ds4-ringbox .ds4-note")
+    assert "no step outlined: this is the whole state after 320 tokens" in note.inner_text()
+    assert note.bounding_box()["width"] >= 450  # the legend takes the room the output has
+    # the indexer's layers mark what the last query reads: the captured top 32 of 80 rows, the others dropped
+    for layer in (2, 4):
+        box = view.locator(".ds4-layer").nth(layer)
+        assert "the last query (position 319) reads the 32 rows the indexer picked" in box.inner_text()
+        assert box.locator(".ds4-cell.comp").count() == 80 and box.locator(".ds4-cell.comp.dropped").count() == 48
+        dropped = box.locator(".ds4-cell.comp.dropped").first.get_attribute("title")
+        assert dropped.endswith("dropped by the indexer for the last query (319)"), dropped
     for kind in ("comp", "index"):
         assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
     slot = view.locator(".ds4-slot.live").first
@@ -458,6 +484,13 @@ def test_mask_of_a_decode_step_renders(page):
     assert view.locator("img.ds4-maskimg").count() == 1
     legend = view.locator(".ds4-legend").inner_text()
     assert "dropped by the indexer" in legend and "kept" in legend and "future" not in legend
+
+    def swatch(name):
+        key = view.locator(".ds4-key").filter(has_text=re.compile(f"^{name}$"))
+        return key.locator(".ds4-swatch").evaluate("(s) => getComputedStyle(s).backgroundColor")
+
+    # the indexer's rows in the AttentionView's colours: kept its ramp's blue, dropped its salmon
+    assert swatch("kept") == "rgb(49, 130, 189)" and swatch("dropped by the indexer") == "rgb(252, 187, 161)"
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 
@@ -472,6 +505,18 @@ def _ink(canvas, x0: float, y0: float, x1: float, y1: float) -> int:
             return n;
         }""",
         [x0, y0, x1, y1],
+    )
+
+
+def _pixels_of(canvas, rgb) -> int:
+    """Pixels of a canvas of exactly the colour ``rgb``."""
+    return canvas.evaluate(
+        """(c, [r, g, b]) => {
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;
+            for (let i = 0; i < d.length; i += 4) if (d[i] === r && d[i + 1] === g && d[i + 2] === b) n++;
+            return n;
+        }""",
+        list(rgb),
     )
 
 
@@ -499,6 +544,9 @@ def test_attention_view_renders(page):
     assert stats["cssW"] >= 480, stats
     assert stats["painted"] > 0.2 * stats["w"] * stats["h"], f"attention canvas looks blank: {stats}"
     assert stats["colours"] >= 8, f"attention canvas has too few colours for a heatmap: {stats}"
+    # the compressed rows of weight 0 in the MaskView's colours: not yet compressed (the upper right triangle of
+    # the compressed group) pale yellow, dropped by the indexer salmon
+    assert _pixels_of(canvas, (255, 255, 204)) > 2000 and _pixels_of(canvas, (252, 187, 161)) > 500
     box = canvas.bounding_box()
     # axis text: query positions left of the heatmap (x < 118), key positions under it (y 522…596), group labels
     assert _ink(canvas, 0, 40, 112, 520) > 400 and _ink(canvas, 118, 524, 838, 596) > 400
@@ -560,6 +608,22 @@ def test_expert_view_renders(page):
         assert hists.nth(i).locator("svg rect[pointer-events='none']").count() > 0
     tip = _hover_fills(pg, view.locator("svg rect[data-e]").nth(2), view.locator(".ds4-tip"))
     assert re.match(r"layer 0 \(hash\), expert 2: \d+ of \d+ tokens", tip), tip
+    # axes: expert ids 0–7 under the bars, tokens up the left from 0 to the top of the scale (one for every layer)
+    top = max(int(re.search(r"max (\d+)", hists.nth(i).locator(".ds4-label").inner_text())[1])
+              for i in range(hists.count()))
+    for i in range(hists.count()):
+        svg = hists.nth(i).locator("svg")
+        assert svg.locator("text.ds4-xtick").all_text_contents() == [str(e) for e in range(8)]
+        assert svg.locator("text.ds4-ytick").all_text_contents() == ["0", str(round(top / 2)), str(top)]
+        frame, bars = svg.bounding_box(), [r.bounding_box() for r in svg.locator("rect[pointer-events='none']").all()]
+        ticks = [t.bounding_box() for t in svg.locator("text").all()]
+        assert all(frame["x"] - 1 <= t["x"] and t["x"] + t["width"] <= frame["x"] + frame["width"] + 1 and
+                   frame["y"] - 1 <= t["y"] and t["y"] + t["height"] <= frame["y"] + frame["height"] + 1 for t in ticks)
+        lowest = max(b["y"] + b["height"] for b in bars)
+        xt = [t.bounding_box() for t in svg.locator("text.ds4-xtick").all()]
+        assert all(t["y"] >= lowest - 1 for t in xt)  # under the bars
+        assert all(t["x"] + t["width"] <= min(b["x"] for b in bars) + 1
+                   for t in (y.bounding_box() for y in svg.locator("text.ds4-ytick").all()))  # left of them
     out = _output_of(view)
     assert out.locator(".widget-dropdown").count() == 1 and out.locator(".widget-checkbox").count() == 1
     out.screenshot(path=str(ARTIFACTS / "expert_view.png"))
@@ -573,12 +637,52 @@ def test_generation_view_renders(page):
     toks = view.locator(".ds4-gen .ds4-tok[data-i]")
     assert toks.count() == 12
     assert all(toks.nth(i).get_attribute("style").startswith("background:") for i in range(12))
-    tip = _hover_fills(pg, toks.nth(3), view.locator(".ds4-alts"))
+    # a hairline ends each token, so that neighbours of one colour stay apart
+    assert all(toks.nth(i).evaluate("(t) => getComputedStyle(t).boxShadow") != "none" for i in range(12))
+    # the colour key's chips on one line
+    chips = view.locator(".ds4-note .ds4-key")
+    assert chips.count() == 6 and len({round(c.bounding_box()["y"]) for c in chips.all()}) == 1
+    scale = {chips.nth(i).evaluate("(c) => getComputedStyle(c).backgroundColor") for i in range(6)}
+    alts = view.locator(".ds4-alts")
+    tip = _hover_fills(pg, toks.nth(3), alts)
     assert re.match(r"position \d+: token \d+", tip), tip
     assert view.locator(".ds4-alts tr").count() >= 2  # the sampled token and its alternatives
+    # the bars: each alternative's probability over the largest shown (the note says so), the largest 160 px
+    assert "bars: p relative to the most likely" in tip
+    rows = alts.locator("tr").all()
+    p = [float(r.locator("td").nth(1).inner_text().rstrip("%")) for r in rows]
+    w = [r.locator(".ds4-pbar").evaluate("(b) => b.getBoundingClientRect().width") for r in rows]
+    assert max(w) == pytest.approx(160 + 2, abs=1)  # + its border
+    for pi, wi in zip(p, w):
+        assert wi - 2 == pytest.approx(160 * pi / max(p), abs=0.02 * 160 + 1), (p, w)
+    # the sampled token's row is marked by weight and a word, not by a background of the colour key
+    assert all(td.evaluate("(c) => getComputedStyle(c).backgroundColor") not in scale
+               for td in alts.locator("td").all())
+    marked = alts.locator("tr.ds4-sampled")
+    assert marked.count() <= 1 and all("◀ sampled" in r.inner_text() for r in marked.all())
     out = _output_of(view)
-    assert out.locator(".widget-button").count() == 3  # run, step, stop
     out.screenshot(path=str(ARTIFACTS / "generation_view.png"))
+    # the buttons: run / step / stop, each enabled only when it can act, and the status agrees
+    buttons = {b.inner_text(): b for b in out.locator(".widget-button").all()}
+    assert list(buttons) == ["run", "step", "stop"]
+    title = view.locator(".ds4-title")
+    assert title.inner_text() == "Generation: 12 tokens — paused: run or step for more"
+    assert not buttons["run"].is_disabled() and not buttons["step"].is_disabled() and buttons["stop"].is_disabled()
+    tokens = out.locator(".widget-text input")
+    tokens.fill("300")
+    tokens.press("Enter")
+    buttons["run"].click()  # a run the kernel stops between tokens: only stop can act while it goes
+    pg.wait_for_function("(b) => !b.disabled", arg=buttons["stop"].element_handle(), timeout=10_000)
+    assert buttons["run"].is_disabled() and buttons["step"].is_disabled()
+    assert "— running" in title.inner_text()
+    out.screenshot(path=str(ARTIFACTS / "generation_view_running.png"))
+    buttons["stop"].click()
+    pg.wait_for_function("(b) => b.disabled", arg=buttons["stop"].element_handle(), timeout=20_000)
+    pg.wait_for_function("(el) => el.textContent.includes('stopped')", arg=title.element_handle(), timeout=10_000)
+    assert not buttons["run"].is_disabled() and not buttons["step"].is_disabled()
+    n = int(re.match(r"Generation: (\d+) tokens — stopped .*: run or step for more$", title.inner_text())[1])
+    assert 12 < n < 312, title.inner_text()
+    out.screenshot(path=str(ARTIFACTS / "generation_view_stopped.png"))
 
 
 def test_tier_view_renders(page):

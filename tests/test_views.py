@@ -11,7 +11,16 @@ pytest.importorskip("anywidget")
 import ds4lab  # noqa: E402
 from ds4lab.visibility import DROPPED  # noqa: E402
 from ds4lab.viz import AttentionView, KVCacheView, PrefillView  # noqa: E402
-from ds4lab.viz.attention_figure import GAP, HEIGHT, MARK_DROPPED, MARK_MASKED, MIN_CELL, SINK_PX, WIDTH  # noqa: E402
+from ds4lab.viz.attention_figure import (  # noqa: E402
+    GAP,
+    HEIGHT,
+    MARK_DROPPED,
+    MARK_MASKED,
+    MARK_NOT_YET,
+    MIN_CELL,
+    SINK_PX,
+    WIDTH,
+)
 from ds4lab.viz.reduce import column_factor, edges, maxpool, png_bytes, pool_groups  # noqa: E402
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -205,7 +214,8 @@ def test_attention_buffer_matches_reference_reduction(model):
     marks = np.frombuffer(m.marks, np.uint8).reshape(m.rows, m.cols)
     comp = slice(m.groups[1]["start"], m.groups[1]["stop"])
     assert (marks[:, comp] == MARK_DROPPED).any()  # the indexer dropped rows
-    np.testing.assert_array_equal(marks == MARK_MASKED, (ref == 0) & (marks != MARK_DROPPED))
+    assert (marks[:, comp] == MARK_NOT_YET).any() and (np.delete(marks, np.r_[comp], axis=1) < MARK_NOT_YET).all()
+    np.testing.assert_array_equal(marks == MARK_MASKED, (ref == 0) & ~np.isin(marks, (MARK_DROPPED, MARK_NOT_YET)))
     bundle = view._repr_mimebundle_()
     assert WIDGET in bundle and "data:image/png;base64," in bundle["text/html"]
     png = base64.b64decode(bundle["text/html"].split("base64,")[1].split("'")[0])

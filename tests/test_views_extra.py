@@ -1,8 +1,12 @@
 """GenerationView, ExpertView, TierView and KVCacheView following their session (follow=True), on the embedded
 default model:
 traits against the step records and against independent computations (softmax of the session's logits,
-token-by-token counts of the captured experts, the hash table, hand-computed tier plans and copy sizes)."""
+token-by-token counts of the captured experts, the hash table, hand-computed tier plans and copy sizes); the
+GenerationView's buttons, the KVCacheView's marks of the indexer's choice, the MaskView's axis, and the colour
+keys of the mask and the generation seen by colour-blind readers."""
 
+import asyncio
+import itertools
 import math
 import re
 import time
@@ -14,7 +18,7 @@ pytest.importorskip("anywidget")
 import ds4lab  # noqa: E402
 from ds4lab.session import DecodeStep, PrefillChunk  # noqa: E402
 from ds4lab.tiers import Placement  # noqa: E402
-from ds4lab.viz import ExpertView, GenerationView, KVCacheView, TierView  # noqa: E402
+from ds4lab.viz import ExpertView, GenerationView, KVCacheView, MaskView, TierView  # noqa: E402
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
@@ -61,7 +65,10 @@ def test_generation_records_match_steps_and_logits(model):
         expected_lp.append(lp)
         assert len(view.model.records) == len(steps)
     steps += view.run(3)
-    assert len(steps) == 5 and view.stop_reason == "length" and view.run_button.description == "continue"
+    assert len(steps) == 5 and view.stop_reason == "length" and view.run_button.description == "run"
+    # idle: run and step can act, stop cannot (the status says the same)
+    assert not view.run_button.disabled and not view.step_button.disabled and view.stop_button.disabled
+    assert view.model.status == "paused: run or step for more"
     records = view.model.records
     assert len(records) == 5 and view.steps == steps
     for r, s in zip(records, steps):
@@ -85,9 +92,9 @@ def test_generation_records_match_steps_and_logits(model):
     assert [s.token for s in ref.decoder(seed=5).stream(5)] == [s.token for s in steps]
     # static fallback: one span per token, coloured by its probability
     page = _bundle_ok(view)
-    colours = re.findall(r"<span style='background:(#[0-9a-f]{6})' title='position", page)
-    bands = [(0.3, "#74c476"), (0.1, "#c7e9c0"), (0.03, "#fff7bc"), (0.01, "#fdd49e"), (0.003, "#fc9272"),
-             (0.0, "#ef6548")]
+    colours = re.findall(r"<span style='background:(#[0-9a-f]{6});[^']*' title='position", page)
+    bands = [(0.3, "#4393c3"), (0.1, "#b3d4e8"), (0.03, "#ececec"), (0.01, "#fdd0a2"), (0.003, "#fdae6b"),
+             (0.0, "#f16913")]
     assert colours == [next(c for p, c in bands if math.exp(s.logprob) >= p) for s in steps]
 
 
@@ -160,6 +167,143 @@ def test_generation_interrupt_keeps_tokens(model, monkeypatch):
     ref = model.session(ctx=256, prefill_chunk=32)
     ref.sync(PROMPT)
     assert [s.token for s in out] == [s.token for s in ref.decoder(seed=9).stream(4)]
+
+
+def _buttons(view) -> tuple[bool, bool, bool]:
+    """Which of run, step, stop are disabled."""
+    return view.run_button.disabled, view.step_button.disabled, view.stop_button.disabled
+
+
+def test_generation_buttons_enable_only_what_can_act(model):
+    """Idle: run and step, not stop. A synchronous run (from a cell; the kernel sees no click before it ends):
+    none. A run the kernel can stop between tokens (the run button's, ``await view.arun()``): stop only. Once the
+    context is full: none. The labels stay run / step / stop, and the status says what they can do."""
+    sess = model.session(ctx=48, prefill_chunk=16)
+    view = GenerationView(sess, PROMPT, seed=2)
+    assert _buttons(view) == (False, False, True) and view.model.status == "ready"
+    seen = []
+    sess.step_observers.append(lambda record: seen.append(_buttons(view)))
+    view.run(2)
+    assert seen and set(seen) == {(True, True, True)}, seen
+    assert _buttons(view) == (False, False, True) and view.model.status == "paused: run or step for more"
+    assert [b.description for b in (view.run_button, view.step_button, view.stop_button)] == ["run", "step", "stop"]
+
+    async def a_stopped_run():
+        task = asyncio.ensure_future(view.arun(5))
+        await asyncio.sleep(0)  # the run's first token, then it yields
+        during = _buttons(view)
+        view.stop_button.click()
+        await task
+        return during
+
+    assert asyncio.run(a_stopped_run()) == (True, True, False)
+    assert view.stop_reason == "stop" and len(view.steps) == 3 and _buttons(view) == (False, False, True)
+    assert view.model.status.startswith("stopped") and view.model.status.endswith("run or step for more")
+    view.run(100)  # to the end of the context: nothing can act any more
+    assert view.stop_reason == "ctx" and len(sess.tokens) == sess.ctx and view.ended
+    assert _buttons(view) == (True, True, True) and view.model.status == "the context is full"
+
+
+# -- colours a colour-blind reader tells apart ----------------------------------------------------------------
+# what a reader with deuteranopia or protanopia sees of a linear-RGB colour (Machado, Oliveira and Fernandes 2009,
+# severity 1)
+DICHROMATS = {
+    "deuteranopia": np.array([[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413],
+                              [-0.011820, 0.042940, 0.968881]]),
+    "protanopia": np.array([[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216],
+                            [-0.003882, -0.048116, 1.051998]]),
+}
+MIN_DELTA_E = 12  # CIE76 ΔE between any two colours of a key, for every reader (2.3 is a just-noticeable one)
+
+
+def _linear(hex_colour: str) -> np.ndarray:
+    c = np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)]) / 255
+    return np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+
+
+def _lab(linear: np.ndarray) -> np.ndarray:
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    t = xyz / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(t > 0.008856, np.cbrt(t), 7.787 * t + 16 / 116)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def _closest_pair(colours) -> tuple[float, str, str]:
+    """The two colours of ``colours`` that some reader (trichromat or dichromat) finds closest: (ΔE, a, b)."""
+    seen = [np.eye(3), *DICHROMATS.values()]
+    return min((min(float(np.linalg.norm(_lab(np.clip(m @ _linear(a), 0, 1)) - _lab(np.clip(m @ _linear(b), 0, 1))))
+                    for m in seen), a, b) for a, b in itertools.combinations(colours, 2))
+
+
+def test_mask_categories_stay_apart_for_colour_blind_readers():
+    from ds4lab.visibility import CATEGORIES
+    from ds4lab.viz.mask_view import COLOURS
+
+    assert len(COLOURS) == len(CATEGORIES) == len(set(COLOURS))
+    d, a, b = _closest_pair(COLOURS)
+    assert d >= MIN_DELTA_E, f"{CATEGORIES[COLOURS.index(a)]} {a} and {CATEGORIES[COLOURS.index(b)]} {b}: ΔE {d:.1f}"
+
+
+def test_generation_bins_stay_apart_and_keep_their_text_legible():
+    from ds4lab.viz.generation import LOGPROB_SCALE
+
+    colours = [c for _, c in LOGPROB_SCALE]
+    d, a, b = _closest_pair(colours)
+    assert d >= MIN_DELTA_E, f"{a} and {b}: ΔE {d:.1f}"
+
+    def luminance(c):
+        return float(np.array([0.2126, 0.7152, 0.0722]) @ _linear(c))
+
+    text = luminance("#222222")  # .ds4-view's colour
+    assert all((luminance(c) + 0.05) / (text + 0.05) >= 4.5 for c in colours)  # WCAG AA for the token's text
+
+
+# -- MaskView -------------------------------------------------------------------------------------------------
+def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
+    cfg = model.config
+    sess = model.session(ctx=256, prefill_chunk=64)
+    raw_only = next(i for i in range(cfg.n_layer) if not cfg.ratio(i))
+    ratio4 = next(i for i in range(cfg.n_layer) if cfg.ratio(i) == 4)
+    plain = MaskView.of_step(sess, raw_only, 0, 16, label="raw")
+    assert plain.model.n_comp == 0 and plain.model.x_title == "key position (raw rows)"
+    assert "key position (raw rows)<br>" in plain.static_html()
+    comp = MaskView.of_step(sess, ratio4, 0, 16)
+    assert comp.model.n_comp == 4 and comp.model.x_title == "key position (raw rows) · compressed row"
+    comp.show(plain.mask)  # another step shown: the title follows it
+    assert comp.model.x_title == "key position (raw rows)"
+
+
+# -- KVCacheView: the rows the last query reads -----------------------------------------------------------------
+def test_kv_view_marks_the_rows_the_indexer_picked_for_the_last_query(model):
+    """With a capture of ``indexer.topk`` holding the last position of the state shown, each indexer layer lists
+    the compressed rows that query attends (the capture's row, the indexer's top-k); scrubbed to another chunk,
+    that chunk's last query; without one, nothing (the session does not keep the choice), and the view says so."""
+    cfg = model.config
+    il = next(i for i in range(cfg.n_layer) if cfg.has_indexer(i))
+    R, k = cfg.ratio(il), cfg.idx_topk
+    sess = model.session(ctx=512, prefill_chunk=64)
+    ids = model.tokenizer.encode(PROMPT * 40)[:200]
+    with sess.capture(["indexer.topk"], layers=[il]) as cap:
+        chunks = sess.prefill(ids).run(progress=False)
+    name = f"blk.{il}.indexer.topk"
+    topk, pos = cap[name], cap.positions(name)
+    kv = KVCacheView(sess, checkpoints=chunks, indexer=cap)
+    layers = {L["layer"]: L for L in kv.model.data["layers"]}
+    L = layers[il]
+    assert L["n_comp"] == 200 // R > k and pos[-1] == 199
+    assert L["picked"] == np.nonzero(topk[-1][: L["n_comp"]])[0].tolist() and len(L["picked"]) == k
+    assert all(M["picked"] is None for i, M in layers.items() if i != il)  # not captured, or no indexer
+    assert f"{k} of {L['n_comp']}, the indexer's pick" in kv.static_html()
+    kv.scrub(1)  # after chunk 1: the last query is position 127, which sees 32 rows: all of them
+    L = next(L for L in kv.model.data["layers"] if L["layer"] == il)
+    assert L["n_comp"] == 128 // R and L["picked"] == np.nonzero(topk[pos == 127][0][: L["n_comp"]])[0].tolist()
+    assert L["picked"] == list(range(L["n_comp"]))
+    plain = KVCacheView(sess)
+    assert all(M["picked"] is None for M in plain.model.data["layers"])
+    assert f"top {k} (which ones: not captured)" in plain.static_html()
+    # a function may hold the choice instead of a capture
+    fn = KVCacheView(sess, indexer=lambda layer, p: topk[pos == p][-1] if layer == il and p in pos else None)
+    assert next(M for M in fn.model.data["layers"] if M["layer"] == il)["picked"] == layers[il]["picked"]
 
 
 # -- ExpertView -------------------------------------------------------------------------------------------

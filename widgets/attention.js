@@ -9,10 +9,13 @@ function ramp(v) {
   return [0, 1, 2].map((i) => Math.round(a[i] + (b[i] - a[i]) * u));
 }
 const RAMP = Array.from({ length: 256 }, (_, v) => ramp(v));
-const MASKED = [232, 232, 232], DROPPED = [252, 187, 161];  // attention_figure.MASKED, DROPPED
+// weight 0, by why: attention_figure.MASKED, NOT_YET, DROPPED (the MaskView's colours of the same categories)
+const MASKED = [232, 232, 232], NOT_YET = [255, 255, 204], DROPPED = [252, 187, 161];
+const ZERO_KEY = [[MASKED, "weight 0 (masked)"], [NOT_YET, "not yet compressed"], [DROPPED, "dropped by the indexer"]];
 // an opaque colour as one pixel of a Uint32Array over ImageData (bytes R, G, B, A in memory: little-endian)
 const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
-const RAMP32 = Uint32Array.from(RAMP, rgba), MASK32 = rgba(MASKED), DROP32 = rgba(DROPPED);
+const RAMP32 = Uint32Array.from(RAMP, rgba);
+const MARK32 = [null, rgba(DROPPED), rgba(MASKED), rgba(NOT_YET)];  // by mark: attention_figure.MARK_*
 const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(230,85,13)" };
 const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"]];  // attention_figure.MASS_KEY
 // the smallest scale of the figure: its text stays legible and a cell (MIN_CELL = 3 px) keeps at least 2 px
@@ -85,7 +88,7 @@ function render({ model, el }) {
     xe.forEach(([a, b], c) => colOf.fill(c, a, b));
     const heat = new ImageData(g.hw, g.hh), px = new Uint32Array(heat.data.buffer);
     const white = rgba([255, 255, 255]), colours = new Uint32Array(rows * cols);
-    for (let i = 0; i < rows * cols; i++) colours[i] = marks[i] === 2 ? MASK32 : marks[i] === 1 ? DROP32 : RAMP32[buf[i]];
+    for (let i = 0; i < rows * cols; i++) colours[i] = marks[i] ? MARK32[marks[i]] : RAMP32[buf[i]];
     for (let r = 0; r < rows; r++) {
       for (let y = ye[r]; y < ye[r + 1]; y++) {
         const o = y * g.hw, base = r * cols;
@@ -132,7 +135,7 @@ function render({ model, el }) {
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, ly + 5);
     ctx.textAlign = "left"; ctx.fillText(`${model.get("hi_text")}   ${model.get("scale_text")}`, L + 262, ly + 5);
     let x = L;
-    for (const [c, text] of [[MASKED, "weight 0 (masked)"], [DROPPED, "dropped by the indexer"]]) {
+    for (const [c, text] of ZERO_KEY) {
       ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 16, 12, 8);
       ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 18;
     }
@@ -164,7 +167,7 @@ function render({ model, el }) {
     if (at.mass) { tip.textContent = `${where}: ${split}`; return; }
     const i = at.r * model.get("cols") + at.c, marks = bytes(model.get("marks"));
     const v = floats(model.get("values"))[i];
-    const state = marks[i] === 1 ? " (dropped by the indexer)" : marks[i] === 2 ? " (masked)" : "";
+    const state = ["", " (dropped by the indexer)", " (masked)", " (not yet compressed)"][marks[i]] ?? "";
     tip.textContent = `${where} → ${model.get("col_labels")[at.c]}: weight ${fmt(v)}${state} · ${split}`;
   };
   const pos = (ev) => {

@@ -11,22 +11,34 @@ function render({ model, el }) {
     const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
     const vmaxAll = Math.max(1, ...layers.map((L) => Math.max(...L.counts)));
     const bw = Math.max(2, Math.min(32, Math.floor(640 / Math.max(n, 1)))), H = 40;
+    const AX = 30, PT = 5;  // px left of the bars for the token axis, above them for its top label
     let h = `<div class="ds4-title">${esc(model.get("title"))}</div><div class="ds4-note">` +
-      `x: expert 0–${n - 1}, y: tokens routed (${common ? "one scale" : "each layer its own scale"}); ` +
+      `x: expert 0–${n - 1}, y: tokens routed to it (${common ? "one scale for every layer" : "each layer its own scale"}); ` +
       `<span class="ds4-badge">hash</span> layers route by a fixed table of the token id, the others by the ` +
       `learned router's top ${model.get("k")}</div>`;
+    // each histogram's axes: tokens up the left (0, half and the top of its scale), expert ids along the bottom
+    const every = Math.max(1, Math.ceil(14 / bw));  // an expert id every `every` bars: at least 14 px apart
     for (const L of layers) {
       const vmax = common ? vmaxAll : Math.max(1, ...L.counts);
       const fill = L.hash ? "#e6550d" : "#3182bd";
       let bars = "";
       L.counts.forEach((c, e) => {
-        const bh = Math.round((H * c) / vmax);
-        bars += `<rect data-l="${L.layer}" data-e="${e}" x="${e * bw}" y="0" width="${bw}" height="${H}" fill="transparent"/>` +
-          (bh ? `<rect x="${e * bw}" y="${H - bh}" width="${Math.max(bw - 1, 1)}" height="${bh}" fill="${fill}" pointer-events="none"/>` : "");
+        const bh = Math.round((H * c) / vmax), x = AX + e * bw;
+        bars += `<rect data-l="${L.layer}" data-e="${e}" x="${x}" y="${PT}" width="${bw}" height="${H}" fill="transparent"/>` +
+          (bh ? `<rect x="${x}" y="${PT + H - bh}" width="${Math.max(bw - 1, 1)}" height="${bh}" fill="${fill}" pointer-events="none"/>` : "");
+        if (e % every === 0) bars += `<text class="ds4-xtick" x="${x + bw / 2}" y="${PT + H + 12}">${e}</text>`;
       });
+      let axis = `<line class="ds4-axis" x1="${AX - 0.5}" y1="${PT}" x2="${AX - 0.5}" y2="${PT + H + 0.5}"/>` +
+        `<line class="ds4-axis" x1="${AX - 0.5}" y1="${PT + H + 0.5}" x2="${AX + n * bw}" y2="${PT + H + 0.5}"/>`;
+      for (const v of vmax >= 2 ? [0, Math.round(vmax / 2), vmax] : [0, vmax]) {
+        const y = PT + H - (H * v) / vmax;
+        axis += `<line class="ds4-axis" x1="${AX - 4}" y1="${y}" x2="${AX - 1}" y2="${y}"/>` +
+          `<text class="ds4-ytick" x="${AX - 6}" y="${y}">${v}</text>`;
+      }
       h += `<div class="ds4-hist"><div class="ds4-label">layer ${L.layer} ${L.hash ? '<span class="ds4-badge">hash</span>' : ""}` +
         `<br><span class="ds4-note">${L.n_tokens} tokens, max ${Math.max(...L.counts)}</span></div>` +
-        `<svg width="${n * bw}" height="${H}">${bars}</svg></div>`;
+        `<svg width="${AX + n * bw + 4}" height="${PT + H + 16}" role="img" aria-label="layer ${L.layer}: tokens per expert">` +
+        `${axis}${bars}</svg></div>`;
     }
     body.innerHTML = h;
   };

@@ -5,6 +5,7 @@ const colour = (scale, lp) => {
   for (const [lowest, c] of scale) if (lowest === null || lp >= lowest) return c;
   return scale.length ? scale[scale.length - 1][1] : "transparent";
 };
+const BAR_PX = 160;  // the bar of the most likely alternative shown
 const pct = (lp) => (Math.exp(lp) * 100).toFixed(lp > Math.log(0.001) ? 1 : 3) + "%";
 
 function render({ model, el }) {
@@ -18,21 +19,28 @@ function render({ model, el }) {
     const r = model.get("records")[i];
     if (!r) { tip.innerHTML = ""; return; }
     const scale = model.get("scale");
+    // the bars: each alternative's probability over the largest shown, so that small ones compare
+    const top = Math.max(...r.top.map((a) => a.logprob));
     let h = `<div><b>position ${r.position}</b>: token ${r.token} <code>${esc(JSON.stringify(r.piece))}</code> · ` +
-      `p ${pct(r.logprob)} (logprob ${r.logprob.toFixed(3)})${r.eos ? " · end of sequence" : ""}</div><table>`;
+      `p ${pct(r.logprob)} (logprob ${r.logprob.toFixed(3)})${r.eos ? " · end of sequence" : ""}</div>` +
+      (r.top.length ? `<div class="ds4-note">top ${r.top.length} alternatives; bars: p relative to the most likely ` +
+        `(${pct(top)} = full bar)</div>` : "") + "<table>";
     for (const a of r.top) {
-      const w = Math.max(1, Math.round(Math.exp(a.logprob) * 160));
-      h += `<tr class="${a.token === r.token ? "ds4-sel" : ""}"><td><code>${esc(JSON.stringify(a.text))}</code></td>` +
+      const w = Math.max(1, Math.round(BAR_PX * Math.exp(a.logprob - top)));
+      const mine = a.token === r.token;
+      h += `<tr class="${mine ? "ds4-sampled" : ""}"><td><code>${esc(JSON.stringify(a.text))}</code></td>` +
         `<td>${pct(a.logprob)}</td><td style="text-align:left"><span class="ds4-pbar" style="width:${w}px;` +
-        `background:${colour(scale, a.logprob)}"></span></td></tr>`;
+        `background:${colour(scale, a.logprob)}"></span></td><td>${mine ? "◀ sampled" : ""}</td></tr>`;
     }
     tip.innerHTML = h + "</table>";
   };
   const draw = () => {
     const recs = model.get("records"), scale = model.get("scale");
     head.textContent = `Generation: ${recs.length} tokens — ${model.get("status")}`;
+    // the chips stay on one line together (ds4-scale): the line breaks before them, never between them
     legend.innerHTML = "colour: the probability the model gave each sampled token (hover: its alternatives) " +
-      scale.map(([, c, label]) => `<span class="ds4-tok ds4-key" style="background:${c}">&nbsp;${esc(label)}&nbsp;</span>`).join(" ");
+      `<span class="ds4-scale">` + scale.map(([, c, label]) =>
+        `<span class="ds4-tok ds4-key" style="background:${c}">&nbsp;${esc(label)}&nbsp;</span>`).join(" ") + "</span>";
     const skipped = model.get("context_skipped");
     let h = `<span class="ds4-ctx">${skipped ? `… ${skipped} tokens … ` : ""}${esc(model.get("context").join(""))}</span>`;
     recs.forEach((r, i) => {

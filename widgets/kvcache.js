@@ -46,20 +46,32 @@ function render({ model, el }) {
       `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}.<br>` +
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
-      `<span class="ds4-swatch new"></span> written by the step shown` + (d.new_from < T ? ` (positions ${d.new_from}–${T - 1})` : ": none") + `<br>` +
+      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (positions ${d.new_from}–${T - 1})<br>` :
+        `<span class="ds4-swatch new"></span> no step outlined: this is the whole state after ${T} tokens ` +
+        `(after a step, refresh() or the slider outlines what it wrote)<br>`) +
       `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>` +
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`) +
       `</div></div>`;
     for (const L of d.layers) {
       if (only && !only.includes(L.layer)) continue;
       const R = L.ratio, grp = (c) => [Math.max(0, c * R - (R === 4 ? 4 : 0)), c * R + R - 1];
+      // the indexer's choice for the last query, where known: the rows it attends and those it dropped
+      const picked = L.picked ? new Set(L.picked) : null, q = T - 1;
+      const read = (c) => (!picked ? "" : picked.has(c) ? `, attended by the last query (${q})` : `, dropped by the indexer for the last query (${q})`);
       h += `<div class="ds4-layer"><b>layer ${L.layer}</b> · ${R ? `ratio ${R}${L.n_index !== null ? ", indexer" : ""}` : "raw only"} · ${L.bytes.toLocaleString()} bytes`;
       if (R) {
+        // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
+        const chooses = L.n_index !== null && L.n_index > d.idx_topk;
+        const reads = picked && chooses ? `<div>the last query (position ${q}) reads the ${picked.size} rows the indexer picked: ` +
+          `<span class="ds4-swatch comp"></span> attended, <span class="ds4-swatch dropped"></span> dropped by the indexer</div>` : "";
         h += `<div>compressed rows: ${L.n_comp} (row c pools the group of tokens ${R}c–${R}c+${R - 1}${R === 4 ? ", and the group before" : ""})</div>` +
-          `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + ((c + 1) * R > d.new_from ? " new" : ""),
-                (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
+          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (picked && !picked.has(c) ? " dropped" : "") + ((c + 1) * R > d.new_from ? " new" : ""),
+                (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
-          h += `<div>indexer rows: ${L.n_index}${L.n_index > d.idx_topk ? ` — each query attends its top ${d.idx_topk}` : ` (≤ top-k ${d.idx_topk}: all visible)`}</div>` +
+          const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: every query attends all of them)` :
+            ` — each query attends the top ${d.idx_topk} by the indexer's score` + (picked ? "" :
+              `; which ones the last query (position ${q}) picked: not captured (indexer=, a capture of indexer.topk)`);
+          h += `<div>indexer rows: ${L.n_index}${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +

@@ -20,8 +20,10 @@ function reason(model, q, c, cat, g) {
   if (c < g.nr) {
     const p = pos[c], slot = model.get("raw_slots")[c];
     const what = `key position ${p} (ring slot ${slot}, ${p < model.get("pos0") ? "cached by an earlier step" : "written by this step"})`;
-    const why = [`future: ${p} > ${qp}`, `outside the window: ${p} ≤ ${qp} − ${w}`, `seen: in the window (${qp - w}, ${qp}]`,
-                 `seen: in the window (${qp - w}, ${qp}]`][cat];
+    // the raw window of query qp: positions qp − w + 1 … qp, none below 0
+    const lo = Math.max(0, qp - w + 1), win = lo > 0 ? `positions ${lo}–${qp}, the last ${w}` : `positions 0–${qp}, all so far`;
+    const why = [`not seen: ${p} comes after ${qp} (future)`, `not seen: outside the raw window (${win}; ${p} < ${lo})`,
+                 `seen: in the raw window (${win})`, `seen: in the raw window (${win})`][cat];
     return `query ${qp} × ${what}: ${why}`;
   }
   if (c < g.nr + g.nc) {
@@ -76,8 +78,9 @@ function render({ model, el }) {
     const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) - 14 : g.W;  // raw ticks keep clear of c0
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && g.x(c) < end) tick(c, String(pos[c]));
     for (let c = 0; c < g.nc; c += Math.max(every, 1)) tick(g.nr + c, `c${c}`);
-    ctx.fillText("key position (raw rows) · compressed row", L + (g.W - L) / 2, y + 14);
+    ctx.fillText(model.get("x_title"), L + (g.W - L) / 2, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
+    img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader
     img.src = canvas.toDataURL("image/png");
     img.width = g.W; img.height = g.H;
     tip.textContent = "hover a cell: query, key, and why it is seen or not";
@@ -92,7 +95,7 @@ function render({ model, el }) {
     tip.textContent = reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g);
   };
   draw();
-  const events = ["cells", "raw_positions", "n_comp", "label", "layer"].map((k) => `change:${k}`);
+  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, draw);
   img.addEventListener("mousemove", hover);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered

@@ -1,7 +1,7 @@
 """The AttentionView figure's geometry (one layout, drawn by ``widgets/attention.js`` on a canvas and here as the
 static PNG) and the static drawing: the heatmap with its three key groups, axes with positions, group labels, the
-per-query mass bars (raw | compressed | sink) and the colour bar, and the legend (masked, dropped, the mass bars'
-colours)."""
+per-query mass bars (raw | compressed | sink) and the colour bar, and the legend (masked, not yet compressed,
+dropped by the indexer, the mass bars' colours)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,13 @@ FIG_W = LEFT + WIDTH + MASS_GAP + MASS_W + 10
 FIG_H = TOP + HEIGHT + X_LABELS + LEGEND
 GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": (230, 85, 13)}
 MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the mass bars' legend
-MASKED = (232, 232, 232)  # weight exactly 0: a future key, outside the raw window, or a compressed row not yet formed
+# Cells of weight exactly 0, by why (the MaskView's colours of the same categories: mask_view.COLOURS); a kept
+# compressed row is drawn by its weight, on the ramp whose middle is the MaskView's "kept" blue
+MASKED = (232, 232, 232)  # a future key, or one outside the raw window
+NOT_YET = (255, 255, 204)  # a compressed row whose group of tokens ends after the query: not formed yet
 DROPPED = (252, 187, 161)  # a compressed row the indexer did not select for this query
-MARK_DROPPED, MARK_MASKED = 1, 2
+MARK_DROPPED, MARK_MASKED, MARK_NOT_YET = 1, 2, 3
+ZERO_KEY = ((MASKED, "weight 0 (masked)"), (NOT_YET, "not yet compressed"), (DROPPED, "dropped by the indexer"))
 TEXT, FAINT = (34, 34, 34), (120, 120, 120)
 
 
@@ -50,6 +54,7 @@ def draw_static(state: dict) -> np.ndarray:
     rgb = colormap(idx)
     rgb[marks == MARK_MASKED] = MASKED
     rgb[marks == MARK_DROPPED] = DROPPED
+    rgb[marks == MARK_NOT_YET] = NOT_YET
     ys = np.asarray(state["row_edges"]) + TOP
     xs = np.asarray(state["col_edges"]) + LEFT  # [cols, 2]
     # every cell as a block: the image indexed by the cell under each pixel
@@ -91,7 +96,7 @@ def draw_static(state: dict) -> np.ndarray:
     draw_text(img, LEFT + 262, ly + 2, state["hi_text"] + "   " + state["scale_text"], TEXT)
     ly += 16
     x = LEFT
-    for colour, text in ((MASKED, "weight 0 (masked)"), (DROPPED, "dropped by the indexer")):
+    for colour, text in ZERO_KEY:
         img[ly : ly + 8, x : x + 12] = colour
         draw_text(img, x + 16, ly + 1, text, TEXT)
         x += 16 + ADVANCE * len(text) + 18

@@ -21,6 +21,7 @@ from .attention_figure import (
     HEIGHT,
     MARK_DROPPED,
     MARK_MASKED,
+    MARK_NOT_YET,
     MASKED,
     MIN_CELL,
     SINK_PX,
@@ -57,7 +58,7 @@ class AttentionModel(ViewModel):
     cols = t.Int(0).tag(sync=True)
     buf = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols]: colour index on the scale
     values = t.Bytes(b"").tag(sync=True)  # float32 [rows, cols]: the weight (max of the pooled cells), for tooltips
-    marks = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols]: MARK_DROPPED by the indexer, MARK_MASKED weight 0
+    marks = t.Bytes(b"").tag(sync=True)  # uint8 [rows, cols] of weight 0: MARK_MASKED, MARK_NOT_YET, MARK_DROPPED
     geometry = t.Dict().tag(sync=True)
     row_edges = t.List().tag(sync=True)  # px [rows + 1] from the heatmap's top
     col_edges = t.List().tag(sync=True)  # px [[x0, x1]] per column from the heatmap's left (groups apart)
@@ -266,15 +267,20 @@ class AttentionView(View):
         col_src = [sp for (g, lo, hi) in present for sp in _pool_spans(lo, hi, fc if g != "sink" else 1)]
         self._row_src, self._col_src, self.values = row_src, col_src, red
         ye = edges(len(row_src), HEIGHT)
-        # colours and marks: weight exactly 0 is masked; a compressed row the indexer dropped is marked so
+        # colours and marks: weight exactly 0 is masked; in the compressed group, a row the indexer dropped and a
+        # row not formed yet for the query are marked so (a pooled cell: dropped if any of its cells is)
         idx, lo_v, hi_v = scale_colours(red, self.scale)
         marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
         for (g, lo, hi), (s, e) in zip(present, spans):
-            if g == "comp":  # candidates the indexer left out, pooled like the weights
+            if g == "comp":  # pooled like the weights
                 rows_cols = (slice(a, b), slice(lo - amap.n_raw, hi - amap.n_raw))
-                left_out = amap.candidates[rows_cols] & ~amap.selected[rows_cols]
-                hit = (maxpool(left_out.astype(np.float64), fr, fc) > 0) & (red[:, s:e] == 0)
-                marks[:, s:e][hit] = MARK_DROPPED
+                cand = amap.candidates[rows_cols]
+                left_out = cand & ~amap.selected[rows_cols]
+                zero = red[:, s:e] == 0
+                not_yet = (maxpool((~cand).astype(np.float64), fr, fc) > 0) & zero
+                dropped = (maxpool(left_out.astype(np.float64), fr, fc) > 0) & zero
+                marks[:, s:e][not_yet] = MARK_NOT_YET
+                marks[:, s:e][dropped] = MARK_DROPPED
         starts = [s for s, _ in row_src]
         if (self.layer, self.head) not in self._mass_cache:
             self._mass_cache[self.layer, self.head] = self.mass_split()

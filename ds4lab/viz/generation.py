@@ -17,19 +17,20 @@ CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
 # Background of a generated token by the probability the model gave it: (lowest log-probability, colour), the last
 # entry for everything below. Sampled text is mostly made of tokens the model found plausible but not certain (a
 # seeded generation of the embedded model: median p 0.03, 90% of tokens under 0.15), so the bins are spaced by
-# half decades from 30% down to 0.3%, green (likely) to red (surprising). The front-end reads the same table
-# (the ``scale`` trait).
+# half decades from 30% down to 0.3%, blue (likely) through grey to orange (surprising): any two bins stay apart for
+# a reader with deuteranopia or protanopia too, and dark text keeps 4.5:1 on each (tests/test_views_extra.py).
+# The front-end reads the same table (the ``scale`` trait).
 LOGPROB_SCALE = (
-    (math.log(0.3), "#74c476"),
-    (math.log(0.1), "#c7e9c0"),
-    (math.log(0.03), "#fff7bc"),
-    (math.log(0.01), "#fdd49e"),
-    (math.log(0.003), "#fc9272"),
-    (None, "#ef6548"),
+    (math.log(0.3), "#4393c3"),
+    (math.log(0.1), "#b3d4e8"),
+    (math.log(0.03), "#ececec"),
+    (math.log(0.01), "#fdd0a2"),
+    (math.log(0.003), "#fdae6b"),
+    (None, "#f16913"),
 )
 LEGEND_TITLE = "colour: the probability the model gave each sampled token (hover: its alternatives) "
 STATUS = {
-    "stop": "stopped (stop button or .stop())",
+    "stop": "stopped (stop button or .stop()): run or step for more",
     "error": "stopped by an error",
     "eos": "end of sequence",
     "ctx": "the context is full",
@@ -101,7 +102,8 @@ class GenerationView(View):
     alternatives each step keeps). Python: ``.step()`` samples one token and returns its ``DecodeStep``,
     ``.run(n)`` up to ``n`` tokens (``max_tokens`` by default) and returns their ``DecodeStep`` list,
     ``.stop()`` asks a running loop to stop before its next token; ``.steps`` and ``.text`` hold everything
-    generated so far. The buttons do the same: run/continue, step, stop.
+    generated so far. The buttons do the same: run, step, stop; a button that cannot act now is disabled (stop
+    while nothing runs, run and step while a run goes or once the generation has ended).
 
     Stopping. ``.run(n)`` is synchronous: it runs in the kernel, which handles messages from the browser
     only between cells and callbacks, so a click on stop during a ``run`` called from a cell waits until the
@@ -146,6 +148,8 @@ class GenerationView(View):
         self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input]), self.model])
         self.model.status = "ready" if self.prompt_ids is not None or session.logits is not None else (
             "the session has no logits: give a prompt, or prefill the session first")
+        self._stoppable = False  # inside arun(): the kernel handles a stop click between tokens
+        self._update_buttons()
 
     def __repr__(self) -> str:
         return f"GenerationView({len(self.steps)} tokens generated, {self.model.status})"
@@ -180,10 +184,19 @@ class GenerationView(View):
         elif sess.tokens != self._tokens_after:
             raise RuntimeError("the session moved on since this view's last token; start a new GenerationView")
 
+    @property
+    def ended(self) -> bool:
+        """Whether the generation cannot go on: an EOS was sampled, or the context is full."""
+        sess = self.session
+        return self.decode.stop_reason is not None or (self._started and len(sess.tokens) >= sess.ctx)
+
     def _update_buttons(self) -> None:
-        done = self.decode.stop_reason is not None
-        self.run_button.disabled = self.step_button.disabled = done
-        self.run_button.description = "continue" if self.steps and not done else "run"
+        """Enable what can act now: run and step while idle (until the generation ends), stop while a run that
+        can be stopped goes (one started by the run button, or ``await view.arun()``: the kernel handles the
+        click between its tokens; a synchronous ``run`` from a cell would see the click only after it ends)."""
+        busy = self._in_run
+        self.run_button.disabled = self.step_button.disabled = busy or self.ended
+        self.stop_button.disabled = not (busy and self._stoppable)
 
     def step(self):
         """Sample and evaluate one token; returns its ``DecodeStep`` (an EOS is returned, shown, and ends the
@@ -218,6 +231,7 @@ class GenerationView(View):
         self.stop_reason = None
         self.model.status = "running"
         self._in_run = True
+        self._update_buttons()
         try:
             while len(out) < n:
                 if self._stop:
@@ -238,10 +252,12 @@ class GenerationView(View):
         except Exception as e:
             self.stop_reason = "error"
             self.model.status = f"stopped by an error: {e}"
+            self._in_run = self._stoppable = False
             self._update_buttons()
             raise
         finally:
             self._in_run = False
+            self._stoppable = False
         if self.decode.stop_reason == "eos":
             self.stop_reason = "eos"
         self.model.status = STATUS.get(self.stop_reason, STATUS["length"])
@@ -270,6 +286,7 @@ class GenerationView(View):
         handles the stop button (and other cells) between tokens: ``await view.arun(100)`` in a cell, or what
         the run button starts when the kernel runs an event loop."""
         out: list = []
+        self._stoppable = True
         for _ in self._steps(n, out):
             await asyncio.sleep(0)
         return out
@@ -300,10 +317,11 @@ class GenerationView(View):
             title = (f"position {r['position']}: token {r['token']} {r['piece']!r}, p={math.exp(r['logprob']):.3f} "
                      f"(logprob {r['logprob']:.2f})\n" + alts)
             text = "⟨eos⟩" if r["eos"] else (r["text"] or "·")
-            spans.append(f"<span style='background:{logprob_colour(r['logprob'])}' title='{html.escape(title)}'>"
-                         f"{html.escape(text)}</span>")
-        legend = LEGEND_TITLE + " ".join(f"<span style='background:{c};white-space:nowrap'>&nbsp;{label}&nbsp;</span>"
-                                         for (_, c), label in zip(LOGPROB_SCALE, scale_labels()))
+            spans.append(f"<span style='background:{logprob_colour(r['logprob'])};box-shadow:inset -1px 0 #fff' "
+                         f"title='{html.escape(title)}'>{html.escape(text)}</span>")
+        legend = LEGEND_TITLE + "<span style='white-space:nowrap'>" + " ".join(
+            f"<span style='background:{c}'>&nbsp;{label}&nbsp;</span>"
+            for (_, c), label in zip(LOGPROB_SCALE, scale_labels())) + "</span>"
         skipped = f"… {m.context_skipped} tokens … " if m.context_skipped else ""
         rows = "".join(
             f"<tr><td>{r['position']}</td><td>{html.escape(repr(r['piece']))}</td><td>{math.exp(r['logprob']):.3f}</td>"

@@ -22,10 +22,30 @@ def state_label(i: int, start: int, end: int) -> str:
     return f"after chunk {i} (tokens {start}–{end - 1})"
 
 
-def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label: str = "") -> dict:
+def indexer_picks(indexer, layer: int, position: int, n_rows: int) -> list[int] | None:
+    """The compressed rows (of the first ``n_rows``) the indexer of ``layer`` let the query at ``position``
+    attend, from ``indexer``: a :class:`ds4lab.hooks.Capture` of ``indexer.topk`` (its last record of that
+    position), or a function ``(layer, position) -> bool [rows] or None``. None where it does not hold them."""
+    if indexer is None or position < 0:
+        return None
+    if callable(indexer) and not hasattr(indexer, "records"):
+        row = indexer(layer, position)
+    else:
+        row = None
+        for rec in reversed(indexer.records(f"blk.{layer}.indexer.topk")):
+            hit = np.nonzero(np.asarray(rec.positions) == position)[0]
+            if len(hit):
+                row = rec.value[hit[-1]]
+                break
+    return None if row is None else np.nonzero(np.asarray(row, bool)[:n_rows])[0].tolist()
+
+
+def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label: str = "", indexer=None) -> dict:
     """What the KV view draws, as JSON: the ring's slot → position map (the write pointer is the slot of the next
     position; positions before ``evicted`` were overwritten), per layer its rows, pending tokens and bytes;
-    positions from ``new_from`` on (default: none) are outlined as written by the step shown."""
+    positions from ``new_from`` on (default: none) are outlined as written by the step shown. On a layer with an
+    indexer, ``picked``: the compressed rows the last query (position ``n_tokens − 1``) attends, where
+    ``indexer`` (see :func:`indexer_picks`) holds its choice, else None."""
     T = kv.n_tokens
     slots = [-1] * geometry.raw_cap
     for p in range(max(0, T - geometry.raw_cap), T):
@@ -43,6 +63,7 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
                 live=live,
                 n_comp=lk.n_comp,
                 n_index=lk.n_index if config.has_indexer(lk.layer) else None,
+                picked=indexer_picks(indexer, lk.layer, T - 1, lk.n_comp) if config.has_indexer(lk.layer) else None,
                 pending=pending,
             )
         )
@@ -74,12 +95,17 @@ class KVCacheView(FollowingView):
     long context can cost more than the step). ``show(checkpoint)`` or the slider scrubs through checkpoints
     without touching the session; the title names the state on display ("after chunk i (tokens a–b)" for a
     prefill's chunks). Cells written by the step shown are outlined; a fresh view outlines nothing.
-    ``layers`` picks the layers drawn (default all). ``slider=False``: the view shows no slider of its own,
-    whatever it scrubs through (a view that embeds it, such as the PrefillView, drives it with its own control);
-    ``scrub`` and ``show`` still work."""
+    ``layers`` picks the layers drawn (default all). ``indexer``: where the indexer's choice of the state's last
+    query is known, its layers mark the compressed rows that query attends and those it dropped: a
+    :class:`ds4lab.hooks.Capture` of ``indexer.topk`` that holds the last position (or a function, see
+    :func:`indexer_picks`); the session itself does not keep that choice. ``slider=False``: the view shows no
+    slider of its own, whatever it scrubs through (a view that embeds it, such as the PrefillView, drives it with
+    its own control); ``scrub`` and ``show`` still work."""
 
-    def __init__(self, session, checkpoints=None, follow: bool = False, layers=None, slider: bool = True):
+    def __init__(self, session, checkpoints=None, follow: bool = False, layers=None, slider: bool = True,
+                 indexer=None):
         self.session = session
+        self.indexer = indexer
         self.has_slider = bool(slider)
         self._checkpoints, self._labels = [], []
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
@@ -112,7 +138,7 @@ class KVCacheView(FollowingView):
         tokens = tuple(sess.tokens)
         new_from = self._new_from(tokens)
         self.model.data = kv_summary(sess.model.config, sess.geometry, sess.kv, new_from,
-                                     label="of the session")
+                                     label="of the session", indexer=self.indexer)
         self._shown = (tokens, new_from)
         self._sync_slider()
 
@@ -127,7 +153,8 @@ class KVCacheView(FollowingView):
         kv = KVView(cfg, state_to_payload(cfg, b, state, checkpoint.tokens, logits))
         tokens = tuple(checkpoint.tokens)
         new_from = self._new_from(tokens) if new_from is None else new_from
-        self.model.data = kv_summary(cfg, sess.geometry, kv, new_from, label=label or f"{len(checkpoint)} tokens")
+        self.model.data = kv_summary(cfg, sess.geometry, kv, new_from, label=label or f"{len(checkpoint)} tokens",
+                                     indexer=self.indexer)
         self._shown = (tokens, new_from)
         self._sync_slider()
 
@@ -194,14 +221,25 @@ class KVCacheView(FollowingView):
         self.show(self._checkpoints[i], label=self._labels[i],
                   new_from=len(self._checkpoints[i - 1].tokens) if i else 0)
 
+    def _attended(self, L: dict) -> str:
+        """How many compressed rows the state's last query attends, in words (the fallback's table)."""
+        k = self.session.model.config.idx_topk
+        if not L["ratio"]:
+            return ""
+        if L["n_index"] is None or L["n_comp"] <= k:
+            return f"all {L['n_comp']}"
+        if L["picked"] is None:
+            return f"top {k} (which ones: not captured)"
+        return f"{len(L['picked'])} of {L['n_comp']}, the indexer's pick"
+
     def static_html(self) -> str:
         d = self.model.data
         drawn = self.model.layers
         rows = "".join(
             f"<tr><td>{L['layer']}</td><td>{L['ratio'] or '—'}</td><td>{L['live'][0]}–{L['live'][1]}</td>"
             f"<td>{L['n_comp'] if L['ratio'] else ''}</td>"
-            f"<td>{'' if L['n_index'] is None else L['n_index']}</td><td>{len(L['pending']) if L['ratio'] else ''}</td>"
-            f"<td>{L['bytes']:,}</td></tr>"
+            f"<td>{'' if L['n_index'] is None else L['n_index']}</td><td>{self._attended(L)}</td>"
+            f"<td>{len(L['pending']) if L['ratio'] else ''}</td><td>{L['bytes']:,}</td></tr>"
             for L in d.get("layers", []) if drawn is None or L["layer"] in drawn
         )
         ev = d.get("evicted", 0)
@@ -211,5 +249,6 @@ class KVCacheView(FollowingView):
             f"{d.get('raw_cap')} slots (write pointer at slot {d.get('pointer')}"
             f"{f', positions 0–{ev - 1} overwritten' if ev else ''}), raw window {d.get('window')}"
             "<table><tr><th>layer</th><th>ratio</th><th>in the raw window</th><th>comp rows</th>"
-            f"<th>indexer rows</th><th>pending in group</th><th>bytes</th></tr>{rows}</table></div>"
+            "<th>indexer rows</th><th>comp rows the last query attends</th><th>pending in group</th><th>bytes</th>"
+            f"</tr>{rows}</table></div>"
         )

@@ -14,8 +14,11 @@ from ..visibility import CATEGORIES, StepMask, step_mask
 from .base import View, ViewModel, widget_file
 from .reduce import png_bytes
 
-# one colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback
-COLOURS = ["#f4f4f4", "#d9d9d9", "#6baed6", "#08519c", "#fdd0a2", "#31a354", "#fb6a4a", "#a1d99b", "#756bb1"]
+# One colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback. Any two
+# stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The indexer's three
+# states agree with the AttentionView (attention_figure): kept = the blue of its weight ramp, dropped by the
+# indexer = DROPPED (salmon), not yet compressed = NOT_YET (pale yellow); the sink is its sink's orange.
+COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", "#ffffcc", "#3182bd", "#fcbba1", "#74c476", "#e6550d"]
 
 
 class MaskModel(ViewModel):
@@ -34,6 +37,12 @@ class MaskModel(ViewModel):
     label = t.Unicode("").tag(sync=True)
     categories = t.List(t.Unicode(), list(CATEGORIES)).tag(sync=True)
     colours = t.List(t.Unicode(), COLOURS).tag(sync=True)
+    x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
+
+
+def key_axis_title(mask: StepMask) -> str:
+    """The title of the key axis: raw rows by position, and compressed rows by index where there are any."""
+    return "key position (raw rows) · compressed row" if len(mask.comp_rows) else "key position (raw rows)"
 
 
 class MaskView(View):
@@ -69,6 +78,7 @@ class MaskView(View):
             self.model.top_k = mask.top_k or 0
             self.model.layer = mask.layer
             self.model.label = label
+            self.model.x_title = key_axis_title(mask)
 
     def counts(self) -> dict[str, int]:
         """Cells per category (what the legend counts)."""
@@ -99,5 +109,6 @@ class MaskView(View):
             f"<div class='ds4-view' style='font:12px monospace'><b>What each query sees — layer {mk.layer}, "
             f"{html.escape(m.label)}</b><br>queries {mk.pos0}–{mk.pos0 + q - 1} × keys: "
             f"{len(mk.raw_positions) - mk.n_own} cached raw rows | {mk.n_own} own rows | {len(mk.comp_rows)} "
-            f"compressed rows (ratio {mk.ratio or '—'}) | sink<br>{self._png()}<br>{legend}</div>"
+            f"compressed rows (ratio {mk.ratio or '—'}) | sink<br>{self._png()}<br>{html.escape(m.x_title)}<br>{legend}"
+            "</div>"
         )
