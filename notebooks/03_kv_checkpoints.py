@@ -71,10 +71,21 @@ print(cp, "|", f"{sess.kv_bytes:,} bytes of KV state")
 
 # %% [markdown]
 # The prefill also kept a checkpoint after every chunk (ds4's session is consistent at each chunk boundary
-# too); `sess.sync` looks through them when a prompt does not extend the live tokens.
+# too); `sess.sync` looks through them when a prompt does not extend the live tokens. The last 156 appears twice:
+# the prefill's last chunk ended there, and `sess.checkpoint()` keeps what it returns as well (`sess.snapshot()`
+# returns one without keeping it).
 
 # %% tags=["nbval-check-output"]
 print([len(c) for c in sess.checkpoints])
+
+# %% [markdown]
+# Each of them is a whole state, so a view can step through them: the slider shows the KV cache as it stood
+# after each one, outlining what that chunk wrote (the raw ring's new slots, the compressed rows it finished).
+
+# %%
+from ds4lab.viz import KVCacheView
+
+KVCacheView(sess, checkpoints=chunks)
 
 
 # %% [markdown]
@@ -140,7 +151,8 @@ print(sess.sync(ids[:150] + model.tokenizer.encode("Second Citizen:\n")))
 #
 # `cp.to_bytes(...)` writes the checkpoint as ds4 does: a header with the dimensions, the token ids, the
 # logits, the row counts and every layer's arrays as float32. `Checkpoint.from_bytes` reads one back;
-# a session with the same chunk size and at least the same context restores it.
+# a session with at least the same context (and the same raw window) restores it, whatever its chunk size: the
+# raw rows are stored in position order and land in the restoring session's own ring.
 
 # %% tags=["nbval-check-output"]
 data = cp.to_bytes()
@@ -168,7 +180,8 @@ print("same tokens:", a == b, f"| max |Δ logits| after 8 tokens = {np.abs(sess.
 # `ds4lab.KVStore(dir, budget_mb=...)` is ds4-server's `KVC` directory: one file per stored prefix, named by
 # the SHA-1 of its text (the tokens' bytes), written atomically (temporary file, then rename), evicted by
 # ds4's score (hits decayed with a half-life, per byte) when the files exceed the budget. Files hold a
-# fixed header, the text, the `DSV4` payload and, in ds4lab's files, a CRC-32 trailer. ds4-server stores
+# fixed header, the text, the `DSV4` payload and, in ds4lab's files, a trailer with the model's fingerprint and a
+# CRC-32 (ds4 reads none of it). ds4-server stores
 # prompts of at least 512 tokens; ours is shorter, so we lower `min_tokens`. `store.save(checkpoint, model)`
 # writes a checkpoint (the model gives the tokenizer that renders its text and the header's quant byte).
 

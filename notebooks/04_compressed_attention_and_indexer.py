@@ -89,23 +89,24 @@ print(len(ids), "tokens; ratios", [cfg.ratio(il) for il in range(cfg.n_layer)], 
 
 # %% [markdown]
 # Capture the whole prefill for three layers of the three kinds (0: raw only, 2: ratio 4, 3: ratio 128),
-# two heads, and every 4th query:
+# two heads, and every 4th query; and, for every layer, which rows the indexer picked for the last query:
 
 # %% tags=["nbval-check-output"]
 prefill = sess.prefill(ids)
-with sess.capture(["attn.scores", "attn.out", "indexer.topk", "indexer.scores"],
-                  layers=[0, 2, 3], heads=[0, 1], queries=range(0, len(ids), 4)) as cap:
-    prefill.run(progress=False)
+with sess.capture(["indexer.topk"], queries=[len(ids) - 1]) as last:
+    with sess.capture(["attn.scores", "attn.out", "indexer.topk", "indexer.scores"],
+                      layers=[0, 2, 3], heads=[0, 1], queries=range(0, len(ids), 4)) as cap:
+        prefill.run(progress=False)
 cap
 
 # %% [markdown]
 # What the last query reads from, layer by layer: the raw ring (the window is its last 64 positions), the
-# compressed rows and the tokens each pools, the indexer's rows.
+# compressed rows and the tokens each pools, the indexer's rows, the ones it picked for that query marked.
 
 # %%
 from ds4lab.viz import KVCacheView
 
-KVCacheView(sess)
+KVCacheView(sess, indexer=last)
 
 # %% tags=["nbval-check-output"]
 for il in (0, 2, 3):

@@ -102,6 +102,10 @@ def test_prefill_mask_uses_the_indexer_choices_of_its_own_steps(model):
     with other.capture(["attn.scores"], layers=[2], heads=[0]) as cap:
         p.step()
     np.testing.assert_array_equal(cap.attention(2).weights[:, 0, :] > 0, mask.seen)
+    # its KV view marks the rows the chunk's last query attends, from the same captures
+    kv = next(L for L in view.kv_view.model.data["layers"] if L["layer"] == view.layer)
+    last = view._topk[-1][view.layer][-1]  # the indexer's choice for position 191, captured by the view's step
+    assert kv["picked"] == np.nonzero(last[:kv["n_comp"]])[0].tolist() and len(kv["picked"]) == cfg.idx_topk
 
 
 def test_views_stay_at_their_cell_unless_they_follow(model):

@@ -68,7 +68,8 @@ class PrefillView(View):
         )
         # the KV view made here has no slider of its own: its states are the chunks, and the slider "show" above
         # drives it with the prompt, the table and the mask (two sliders would let them show different chunks)
-        self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer], slider=False)
+        self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer], slider=False,
+                                                                       indexer=self._picks)
         self._own_kv = kv_view is None
         if not self._own_kv:  # a view given keeps its slider: moved onto one of these chunks, the whole view follows
             self.kv_view.slider.observe(self.guarded(self._kv_slid), names="value")
@@ -117,6 +118,14 @@ class PrefillView(View):
     def _moved_on(self) -> bool:
         tokens = self.session.tokens
         return list(tokens) != self.prefill.ids[: len(tokens)]
+
+    def _picks(self, layer: int, position: int):
+        """The rows the indexer of ``layer`` let the query at ``position`` attend, from the chunk of this view that
+        ran it (the KV view marks them for a state's last query), or None where no chunk here captured it."""
+        for c, topk in zip(self.prefill.chunks, self._topk):
+            if c.start <= position < c.end and layer in topk:
+                return topk[layer][position - c.start]
+        return None
 
     def _buttons(self) -> None:
         done = self.prefill.remaining <= 0 or self._moved_on()
