@@ -40,6 +40,7 @@ if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views'
 import numpy as np
 
 import ds4lab
+from ds4lab.texts import coriolanus
 from ds4lab.viz import KVCacheView, MaskView, PrefillView
 from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
 
@@ -48,47 +49,8 @@ cfg = model.config
 print("compression ratio per layer:", [cfg.ratio(il) for il in range(cfg.n_layer)], "| window", cfg.swa)
 
 # %% tags=["nbval-check-output"]
-prompt = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
-All:
-We know't, we know't.
-
-First Citizen:
-Let us kill him, and we'll have corn at our own price.
-Is't a verdict?
-
-All:
-No more talking on't; let it be done: away, away!
-
-Second Citizen:
-One word, good citizens.
-
-First Citizen:
-We are accounted poor citizens, the patricians good.
-What authority surfeits on would relieve us: if they
-would yield us but the superfluity, while it were
-wholesome, we might guess they relieved us humanely;
-but they think we are too dear: the leanness that
-afflicts us, the object of our misery, is as an
-inventory to particularise their abundance; our
-sufferance is a gain to them Let us revenge this with
-our pikes, ere we become rakes: for the gods know I
-speak this in hunger for bread, not in thirst for revenge.
-
-"""
+prompt = coriolanus(1000)  # the first 1,000 characters of Coriolanus's opening scene
+print(prompt[:62] + " …")
 ids = model.tokenizer.encode(prompt)
 sess = model.session(ctx=512, prefill_chunk=64)
 print(len(ids), "prompt tokens;", sess.geometry)

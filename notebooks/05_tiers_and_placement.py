@@ -34,40 +34,12 @@ if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views'
 import numpy as np
 
 import ds4lab
+from ds4lab.texts import coriolanus
 
 model = ds4lab.load(backend="numpy")  # the embedded model on the float64 reference backend
 
-prompt = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
-All:
-We know't, we know't.
-
-First Citizen:
-Let us kill him, and we'll have corn at our own price.
-Is't a verdict?
-
-All:
-No more talking on't; let it be done: away, away!
-
-Second Citizen:
-One word, good citizens.
-
-First Citizen:
-We are accounted poor citizens, the patricians good.
-"""
+prompt = coriolanus(532)  # the first 532 characters of Coriolanus's opening scene
+print(prompt[:62] + " …")
 ids = model.tokenizer.encode(prompt)
 print(len(ids), "prompt tokens")
 

@@ -39,51 +39,15 @@ from pathlib import Path
 import numpy as np
 
 import ds4lab
+from ds4lab.texts import coriolanus
 from ds4lab.interventions import LogitDiff, ablate_rows, ablate_sink, force_topk, logit_diff, patch_row, replace_experts
 from ds4lab.kv.edit import checkpoint_row, patch_rows, save_kv
 
 model = ds4lab.load(backend="numpy")  # the embedded Shakespeare model, float64 reference backend
 cfg, tok = model.config, model.tokenizer
 
-prompt = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
-All:
-We know't, we know't.
-
-First Citizen:
-Let us kill him, and we'll have corn at our own price.
-Is't a verdict?
-
-All:
-No more talking on't; let it be done: away, away!
-
-Second Citizen:
-One word, good citizens.
-
-First Citizen:
-We are accounted poor citizens, the patricians good.
-What authority surfeits on would relieve us: if they
-would yield us but the superfluity, while it were
-wholesome, we might guess they relieved us humanely;
-but they think we are too dear: the leanness that
-afflicts us, the object of our misery, is as an
-inventory to particularise their abundance; our
-sufferance is a gain to them Let us revenge this with
-our pikes, ere we become rakes: for the gods know I
-speak this in hunger for bread, not in thirst for"""
+prompt = coriolanus(989)  # the first 989 characters of Coriolanus's opening scene
+print(prompt[:62] + " …")
 ids = tok.encode(prompt)
 last = len(ids) - 1  # the token whose forward pass the edits change
 sess = model.session(ctx=512, prefill_chunk=64)

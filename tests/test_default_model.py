@@ -52,3 +52,13 @@ def test_next_token_loss_by_hand():
     want = sum(-(logits[i, ids[i + 1]] - math.log(sum(math.exp(v) for v in logits[i])))
                for i in range(len(ids) - 1)) / (len(ids) - 1)
     assert next_token_loss(model, ids) == pytest.approx(want, rel=1e-6)
+
+
+def test_the_notebooks_prompt_is_the_opening_of_the_training_text():
+    """ds4lab.texts carries tinyshakespeare's first 1,000 characters (the notebooks' prompt) in the package."""
+    from ds4lab.texts import CORIOLANUS_CHARS, coriolanus
+
+    text = data_file("tinyshakespeare.txt").read_text()
+    assert coriolanus() == text[:CORIOLANUS_CHARS] and coriolanus(532) == text[:532]
+    with pytest.raises(ValueError, match="chars is 1001: the package carries the first 1000 characters"):
+        coriolanus(1001)
