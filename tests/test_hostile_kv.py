@@ -23,8 +23,8 @@ import pytest
 import ds4lab
 from ds4lab import cli
 from ds4lab.config import NANO
-from ds4lab.kv.kvfile import KVFile, KVFileError
-from ds4lab.kv.payload import PayloadError, decode_payload, encode_payload
+from ds4lab.kv.kvfile import EXT_Q8, KVFile, KVFileError, pack_payload
+from ds4lab.kv.payload import PayloadError, decode_payload, encode_payload, with_version
 from ds4lab.kv.store import KVStore, KVStoreWarning
 from ds4lab.testing import make_model
 from tests.test_payload import random_payload
@@ -434,15 +434,28 @@ def test_a_store_refusal_names_the_file_and_the_field(emb, tmp_path):
         data = bytearray(good)
         data[offset] = value
         entry.path.write_bytes(bytes(data))
-        other = emb.session(ctx=64, prefill_chunk=16, kv_store=store)
-        with pytest.warns(KVStoreWarning) as seen:
-            assert other.sync(IDS[:41]).source == "cold"
+        with pytest.warns(KVStoreWarning) as seen:  # a store of its own (reporting each file afresh), whose scan
+            store = KVStore(tmp_path, min_tokens=16, checksum=False)  # may already meet the file
+            assert emb.session(ctx=64, prefill_chunk=16, kv_store=store).sync(IDS[:41]).source == "cold"
         assert any(str(entry.path) in str(w.message) and field in str(w.message) for w in seen), \
             [str(w.message) for w in seen]
         assert entry.path.read_bytes() == bytes(data)  # kept as it was
         with pytest.raises(KVFileError, match="newer ds4|GLM 5.2") as ei:
             KVFile.open(entry.path)
         assert ei.value.field.removeprefix("payload ") == field
+    # the same bytes in a file ds4lab's checksum covers are damage, not another writer's file: removed
+    checked = KVStore(tmp_path / "crc", min_tokens=16)
+    entry = checked.save(s.snapshot(), s.model)
+    good = entry.path.read_bytes()
+    for offset, value in ((at, 3), (20, 3), (7, 2)):
+        data = bytearray(good)
+        data[offset] = value
+        entry.path.write_bytes(bytes(data))
+        with pytest.warns(KVStoreWarning):
+            store = KVStore(tmp_path / "crc", min_tokens=16)
+            assert emb.session(ctx=64, prefill_chunk=16, kv_store=store).sync(IDS[:41]).source == "cold"
+        assert not entry.path.exists(), offset
+        entry = checked.save(s.snapshot(), s.model)
 
 
 # -- 19: an entry evicted between lookup and load is a miss --------------------------------------------
@@ -575,3 +588,58 @@ def test_newer_ds4_files_open_with_their_title_and_model(tmp_path, capsys):
     with pytest.raises(KVFileError, match="trailer flags") as ei:
         KVFile.open(entry.path)
     assert ei.value.field == "trailer flags"
+
+
+def test_files_ds4_rewrote_or_wrote_before_the_abi_byte_open(tmp_path):
+    """ds4-server adds its tool-id map to any file it loads by truncating at the payload: a ds4lab file then has its
+    fingerprint and checksum bits left without their trailer, and opens without them; ds4-agent wrote titles in
+    ext bit 3 two days before byte 20 said ABI 2, where a legacy file's bit 3 is ds4lab's checksum."""
+    payload = nano_payload()
+    store = KVStore(tmp_path, min_tokens=1)
+    entry = store.put(b"rewritten", payload, tokens=40, ctx=64, quant_bits=2, fingerprint="ef" * 16)
+    data = bytearray(entry.path.read_bytes()[:entry.header.payload_end])
+    data[6] |= 1  # ext bit 0: ds4-server's map follows
+    entry.path.write_bytes(bytes(data) + b"KTM\x01" + struct.pack("<I", 0))
+    kf = KVFile.open(entry.path)
+    assert kf.fingerprint is None and kf.title is None and kf.checksum_status()[0] == "none"
+    assert "replaced by ds4-server's tool-id map" in kf.summary() and len(kf.token_ids) == 40
+    kf.verify()
+    # a legacy (ABI 0) ds4-agent file with its title in bit 3, and a legacy ds4lab file with its checksum there
+    legacy, text, title = with_version(payload, 1), b"agent, May 25", b"Arden"
+    path = tmp_path / (hashlib.sha1(text).hexdigest() + ".kv")
+    path.write_bytes(spec_header(40, len(legacy), len(text), ctx=64, reason=6, ext=8, abi=0, model=0) + text + legacy
+                     + struct.pack("<I", len(title)) + title)
+    kf = KVFile.open(path)
+    assert kf.title == "Arden" and kf.checksum_status()[0] == "none" and "(checksum)" in kf.summary()
+    old = KVStore(tmp_path / "old", min_tokens=1, payload_version=1)
+    entry = old.put(b"legacy, checked", legacy, tokens=40, ctx=64, quant_bits=2)
+    kf = KVFile.open(entry.path)
+    assert kf.title is None and kf.checksum_status()[0] == "ok" and entry.path.read_bytes()[-8:-4] == b"KCK\x01"
+    # ds4lab's codec payloads say so in byte 20 (0x80 | ABI): ds4 since e8e8779b skips them; without a codec bit
+    # the mark is damage
+    packed = KVStore(tmp_path / "q8", min_tokens=1, compression="q8")
+    entry = packed.put(b"packed", pack_payload(payload, NANO, EXT_Q8), tokens=40, ctx=64, quant_bits=2,
+                       codec_flags=EXT_Q8)
+    data = bytearray(entry.path.read_bytes())
+    assert data[20] == 0x82 and len(KVFile.open(entry.path).token_ids) == 40
+    data[6] &= ~EXT_Q8
+    entry.path.write_bytes(bytes(data))
+    with pytest.raises(KVFileError, match="payload_abi .* is 0x82") as ei:
+        KVFile.open(entry.path)
+    assert ei.value.field == "payload_abi"
+
+
+def test_a_hit_rewrites_hits_and_last_used_alone(tmp_path):
+    """mark_loaded writes the two fields in place: a reason this ds4lab does not know (read as unknown) and the
+    header's other bytes stay as the writer left them."""
+    store = KVStore(tmp_path, min_tokens=1, checksum=False)
+    entry = store.put(b"a hit", nano_payload(), tokens=40, ctx=64, quant_bits=2)
+    data = bytearray(entry.path.read_bytes())
+    data[5], data[21] = 9, 7  # a newer ds4's reason, a reserved byte
+    entry.path.write_bytes(bytes(data))
+    entry = store.entries()[0]
+    assert entry.header.reason == 0  # read as "unknown"
+    store.mark_loaded(entry)
+    after = entry.path.read_bytes()
+    assert after[:12] + after[16:32] + after[40:] == bytes(data[:12] + data[16:32] + data[40:])
+    assert struct.unpack_from("<I", after, 12)[0] == 1

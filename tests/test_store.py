@@ -677,6 +677,6 @@ def test_fuzzed_files_never_crash_and_never_load(tmp_path):
 def test_a_store_directory_that_is_a_file_is_refused_by_name(tmp_path):
     path = tmp_path / "kv"
     path.write_bytes(b"not a folder")
-    with pytest.raises(NotADirectoryError, match=f"{path}: the KV store's directory is not a directory"):
+    with pytest.raises(NotADirectoryError, match=f"{path}: the KV store's directory exists and is not a directory"):
         KVStore(path)
     assert path.read_bytes() == b"not a folder"

@@ -6,21 +6,24 @@ Layout, as ``ds4_kvstore_fill_header`` writes it and ``ds4_kvstore_read_header``
 
      0 "KVC"          3 u8 version = 1      4 u8 routed-expert quant bits of the model (2 or 4)
      5 u8 reason      6 u8 ext flags        7 u8 model id (0 DeepSeek V4 Flash, 1 V4 PRO, 2 GLM 5.2)
-     8 u32 tokens    12 u32 hits           16 u32 ctx_size      20 u8 payload ABI (0 or 2), 21-23 zero
+     8 u32 tokens    12 u32 hits           16 u32 ctx_size      20 u8 payload ABI (0 or 2; + 0x80), 21-23 zero
     24 u64 created   32 u64 last_used      40 u64 payload_bytes
     48 u32 text_bytes, then the cache text, the payload (payload_bytes long), then optional trailers.
 
-Two generations of ds4 wrote these files. Until 2026-05-26 bytes 7 and 20 were reserved (0) and the payload was
-``DSV4`` version 1; since e8e8779b byte 20 is the payload ABI, 2, and ds4 skips a file without it; the payload says
-version 2 (the same bytes for a DeepSeek V4 model), and byte 7 (since 04f151dc) names the model. ds4lab reads both
-(:attr:`KVHeader.legacy`: ABI 0) and writes ABI 2 unless asked for the older form (``payload_version=1``).
-A file is read only if the magic and version match, the ABI byte is 0 or 2, tokens != 0 and the quant byte is 2 or 4;
-reasons above 6 read as "unknown". The payload is ds4's ``DSV4`` session payload (:mod:`.payload`); GLM 5.2's
+Two generations of ds4 wrote these files. Until 2026-05-26 byte 20 was reserved (0) and the payload was ``DSV4``
+version 1; since e8e8779b byte 20 is the payload ABI, 2, and ds4 skips a file without it; the payload says version
+2 (the same bytes for a DeepSeek V4 model). Byte 7 names the model since 04f151dc (2026-05-25; 0, Flash, before).
+ds4lab reads both (:attr:`KVHeader.legacy`: ABI 0) and writes ABI 2 unless asked for the older form
+(``payload_version=1``); its codec payloads (bits 4-6, which ds4 cannot load) add 0x80 to byte 20, so that a ds4
+since e8e8779b skips them instead of finding them in a lookup, failing to load them and never storing its own
+file for that text. A file is read only if the magic and version match, the ABI byte is 0 or 2 (+ 0x80 with a
+codec bit), tokens != 0, payload_bytes != 0 and the quant byte is 2 or 4; reasons above 6 read as "unknown".
+The payload is ds4's ``DSV4`` session payload (:mod:`.payload`); GLM 5.2's
 (model id 2) lays its arrays out otherwise and is refused.
 
 ds4 uses ext bits 0-2 (bit 0: the server's tool-id map trailer; bits 1-2: the key is visible transcript text) and,
-in ABI-2 files, bit 3 (ds4-agent's session title: a u32 length and the title right after the payload). ds4lab's
-own bits, which ds4 never tests:
+since bfe070a2 (2026-05-24), bit 3 (ds4-agent's session title: a u32 length and the title right after the payload).
+ds4lab's own bits, which ds4 never tests:
 
 * bit 4 ``EXT_Q8``: KV rows (raw, compressed and indexer rows) are 8-bit: per array, a f32 scale per row
   (max |x| / 127) then the int8 rows. The pending compressor states and logits stay f32 (the scores hold
@@ -32,8 +35,9 @@ own bits, which ds4 never tests:
   of the GGUF's metadata, tensor directory and data samples) in a trailer. Two models of one configuration write
   payloads of the same shapes, so nothing else in ds4's format tells their files apart.
 * The checksum: a CRC-32 of everything before it, the two fields that change in place (hits, last_used) read as
-  zero. In a legacy file ext bit 3 (``EXT_CHECKSUM``, free then) says it ends the file as an 8-byte trailer, "KCK",
-  1, u32 CRC. In an ABI-2 file bit 3 is ds4's, so the checksum joins the fingerprint in one 28-byte trailer ending
+  zero. In a legacy file ext bit 3 (``EXT_CHECKSUM``) says it ends the file as an 8-byte trailer, "KCK", 1, u32
+  CRC (a legacy file whose bit 3 is set but which does not end so is one of ds4-agent's of May 24-25: a title). In
+  an ABI-2 file bit 3 is ds4's, so the checksum joins the fingerprint in one 28-byte trailer ending
   the file, flagged by bit 7: "KFP", 2, the 16-byte fingerprint (zeros: unknown), u32 flags (1: the CRC is
   there), u32 CRC of everything before it.
 
@@ -42,8 +46,9 @@ ds4 reads nothing past the payload but its own trailers (bits 0 and 3), and acce
 payload long, so it loads ds4lab's files as its own. Not in the header: ds4 rewrites the header (hits,
 last_used) through ``ds4_kvstore_fill_header``; not in a sidecar file: ds4's eviction and another process's rename
 would not move it with the ``.kv``. A file without a fingerprint (what ds4-server writes) cannot be checked against
-a model; the store loads it on ds4's rules and says so. ds4lab writes no tool-id map or title; ds4-server may
-rewrite a file's trailers only to add a tool map (truncating at the payload), which ds4lab then cannot locate.
+a model; the store loads it on ds4's rules and says so. ds4lab writes no tool-id map or title. ds4-server adds its
+tool map to a file it loads by truncating at the payload: a ds4lab file then keeps its fingerprint and checksum bits
+without their trailer, and reads as one without them (``Trailers.stripped``: "KTM" 1 right after the payload).
 
 The quant byte keeps ds4's meaning (the model's routed experts, not the KV rows): ds4 refuses any other value.
 """
@@ -95,6 +100,10 @@ GLM_MODEL_ID = 2  # its payload is not DSV4's layout of a DeepSeek V4 model
 # header byte 20: the payload ABI ds4 wrote, and the DSV4 payload version it goes with (0: before e8e8779b)
 PAYLOAD_VERSION_OF_ABI = {0: 1, 2: 2}
 ABI_OF_PAYLOAD_VERSION = {v: abi for abi, v in PAYLOAD_VERSION_OF_ABI.items()}
+# byte 20's top bit: a ds4lab codec payload (8-bit rows, zlib, zstd), which ds4 cannot load: since e8e8779b ds4
+# skips any byte but 2, so such a file never stands in ds4-server's lookup (it would win the prefix, fail to load
+# and stay, and ds4 would never store its own file for that text)
+CODEC_ABI_MARK = 0x80
 
 EXT_TOOL_MAP = 1 << 0
 EXT_RESPONSES_VISIBLE = 1 << 1
@@ -175,13 +184,13 @@ class KVHeader:
 
     @property
     def legacy(self) -> bool:
-        """Written by a ds4 before 2026-05-26 (or as it wrote them): no ABI byte, payload version 1, ext bit 3 free
-        (ds4lab's checksum)."""
-        return self.payload_abi == 0
+        """Written by a ds4 before 2026-05-26 (or as it wrote them): no ABI byte, payload version 1; ext bit 3 is
+        ds4lab's checksum (or, in ds4-agent's files of 2026-05-24 and 25, its title)."""
+        return self.payload_abi & ~CODEC_ABI_MARK == 0
 
     @property
     def payload_version(self) -> int:
-        return PAYLOAD_VERSION_OF_ABI[self.payload_abi]
+        return PAYLOAD_VERSION_OF_ABI[self.payload_abi & ~CODEC_ABI_MARK]
 
     def pack(self) -> bytes:
         """The fixed header and ``text_bytes``, as ``ds4_kvstore_fill_header`` writes them (bytes 21-23 zero)."""
@@ -202,10 +211,12 @@ class KVHeader:
         if version != KVC_VERSION:
             raise KVFileError(path, "version", version, KVC_VERSION)
         abi &= 0xFF  # ds4 reads byte 20 alone
-        if abi not in PAYLOAD_VERSION_OF_ABI:
-            raise KVFileError(path, "payload_abi", abi, "0 or 2",
-                              f"payload_abi (header byte 20) is {abi}, expected 0 (ds4 before 2026-05-26) or 2 (ds4 "
-                              f"since){': a newer ds4 wrote it, which this ds4lab cannot read' if abi > 2 else ''}")
+        base, codec = abi & ~CODEC_ABI_MARK, ext & (EXT_Q8 | EXT_ZLIB | EXT_ZSTD)
+        if base not in PAYLOAD_VERSION_OF_ABI or (abi & CODEC_ABI_MARK and not codec):
+            newer = ": a newer ds4 wrote it, which this ds4lab cannot read" if base > 2 else ""
+            raise KVFileError(path, "payload_abi", abi, "0 or 2 (+ 0x80 with a codec bit)",
+                              f"payload_abi (header byte 20) is {abi:#04x}, expected 0 (ds4 before 2026-05-26) or 2 "
+                              f"(ds4 since), plus 0x80 for ds4lab's codec payloads (ext bits 4-6){newer}")
         if model not in MODELS or model == GLM_MODEL_ID:
             name = f"{MODELS[model]}'s" if model in MODELS else "an unknown model's"
             raise KVFileError(path, "model_id", model, "0 (DeepSeek V4 Flash) or 1 (V4 PRO)",
@@ -255,36 +266,60 @@ class KVHeader:
 class Trailers:
     """What follows a file's payload, as :func:`read_trailers` found it."""
 
-    title: bytes | None  # ds4-agent's session title (ABI-2 files, ext bit 3)
+    title: bytes | None  # ds4-agent's session title (ext bit 3 of an ABI-2 file, or of its legacy files of May 24-25)
     fingerprint: str | None  # the writing model's, or None (ds4-server's files, or a writer that had none)
     end: int  # where the trailers ds4lab knows end: the file's size, but for ds4-server's tool-id map after them
+    crc_at: int | None = None  # where ds4lab's CRC-32 is stored, None without one
+    crc_covers: int = 0  # the CRC covers the file's bytes before this offset (hits and last_used read as zero)
+    stripped: bool = False  # ds4-server replaced ds4lab's trailers with its tool-id map (it truncates at the payload)
 
 
 def read_trailers(header: KVHeader, size: int, read_at, path) -> Trailers:
-    """Check a file of ``size`` bytes against ``header`` and read its title and fingerprint; ``read_at(offset, n)``
-    returns the file's bytes there. ds4 needs the file to hold the header, text and payload; without a tool-id map
-    (whose length only its own parser knows) ds4lab wants the exact size, so a stray or missing trailer shows."""
+    """Check a file of ``size`` bytes against ``header`` and find what follows its payload; ``read_at(offset, n)``
+    returns the file's bytes there. After the payload come ds4's trailers (ds4-agent's title: a u32 length and the
+    title; ds4-server's tool-id map, ``KTM`` 1) and ds4lab's (module docstring). ds4 needs the file to hold the
+    header, text and payload; without a tool-id map (whose length only its own parser knows) ds4lab wants the exact
+    size, so a stray or missing trailer shows."""
+    ext, end = header.ext_flags, header.payload_end
     parts = [(f"{PREFIX_BYTES}", PREFIX_BYTES), ("text", header.text_bytes), ("payload", header.payload_bytes)]
+    ours = ext & (EXT_FINGERPRINT | (EXT_CHECKSUM if header.legacy else 0))
+    if ext & EXT_TOOL_MAP and ours and size >= end + 8 and bytes(read_at(end, 4)) == TOOL_MAP_MAGIC:
+        # ds4-server added its map to a file ds4lab wrote: it truncated at the payload, so ds4lab's trailers are
+        # gone with their bits left set (one damaged bit cannot make this: ds4lab never writes "KTM" there)
+        return Trailers(None, None, end, stripped=True)
+    # bit 3 of a legacy file: ds4lab's checksum where the file ends in its trailer, else ds4-agent's title
+    title = bool(ext & EXT_SESSION_TITLE) and (not header.legacy or not (
+        size >= end + CHECKSUM_BYTES and bytes(read_at(size - CHECKSUM_BYTES, 4)) == CHECKSUM_MAGIC))
     title_len = None
-    if header.has_title:
-        end = header.payload_end
+    if title:
         if size < end + 4:
             raise _size_error(path, size, parts + [("title length", 4)], "at least ")
         title_len = struct.unpack("<I", read_at(end, 4))[0]
         parts.append(("title", 4 + title_len))
-    parts += header._trailers()
+    after_title = sum(n for _, n in parts)
+    if header.legacy:
+        parts += ([("fingerprint", FINGERPRINT_BYTES)] if ext & EXT_FINGERPRINT else []) + \
+                 ([("checksum", CHECKSUM_BYTES)] if ext & EXT_CHECKSUM and not title else [])
+    elif ext & EXT_FINGERPRINT:
+        parts.append(("fingerprint and checksum", RECORD.size))
     want = sum(n for _, n in parts)
-    if size < want or (size > want and not header.ext_flags & EXT_TOOL_MAP):
+    if size < want or (size > want and not ext & EXT_TOOL_MAP):
         raise _size_error(path, size, parts)
-    title = None if title_len is None else bytes(read_at(header.payload_end + 4, title_len))
-    fingerprint = None
-    if header.ext_flags & EXT_FINGERPRINT:
-        at = header.payload_end + (0 if title_len is None else 4 + title_len)
-        if header.legacy:
-            fingerprint = parse_fingerprint(read_at(at, FINGERPRINT_BYTES), path)
-        else:
-            fingerprint = _parse_record(read_at(at, RECORD.size), path)[0]
-    return Trailers(title, fingerprint, want)
+    fingerprint, crc_at, covers = None, None, 0
+    if header.legacy:
+        if ext & EXT_FINGERPRINT:
+            fingerprint = parse_fingerprint(read_at(after_title, FINGERPRINT_BYTES), path)
+        if ext & EXT_CHECKSUM and not title:
+            trailer = bytes(read_at(want - CHECKSUM_BYTES, CHECKSUM_BYTES))
+            if trailer[:4] != CHECKSUM_MAGIC:
+                raise KVFileError(path, "checksum trailer", trailer[:4], CHECKSUM_MAGIC)
+            crc_at, covers = want - 4, want - CHECKSUM_BYTES
+    elif ext & EXT_FINGERPRINT:
+        fingerprint, has_crc, _ = _parse_record(bytes(read_at(after_title, RECORD.size)), path)
+        if has_crc:
+            crc_at = covers = want - 4
+    return Trailers(None if title_len is None else bytes(read_at(end + 4, title_len)), fingerprint, want, crc_at,
+                    covers)
 
 
 def _size_error(path, size: int, parts, relation: str = "") -> KVFileError:
@@ -317,13 +352,19 @@ def checksum(head, *parts) -> int:
     return crc
 
 
-def _stored_checksum(buf, path) -> tuple[int, int] | None:
-    """``(stored CRC, where the bytes it covers end)`` of a whole file ``buf``, read from its end as its ABI byte and
-    ext flags say (module docstring), or None when the file says it has no checksum; :class:`KVFileError` when
-    the trailer that should hold it is not there."""
+def _structured_checksum(buf, path) -> tuple[int, int] | None:
+    """``(stored CRC, where the bytes it covers end)`` of a whole file ``buf`` whose header and trailers parse
+    (:func:`read_trailers`), or None without a CRC; :class:`KVFileError` where they do not parse."""
+    tr = read_trailers(KVHeader.unpack(buf, path), len(buf), lambda at, n: bytes(buf[at:at + n]), path)
+    return None if tr.crc_at is None else (struct.unpack_from("<I", buf, tr.crc_at)[0], tr.crc_covers)
+
+
+def _checksum_from_the_end(buf, path) -> tuple[int, int] | None:
+    """The same for a file whose header or trailers do not parse (``inspect`` of a damaged file): read from its
+    end as its ABI byte and ext flags say, or None when they say it has none."""
     if len(buf) < 21:
         return None
-    ext, legacy = buf[6], buf[20] == 0
+    ext, legacy = buf[6], buf[20] & ~CODEC_ABI_MARK == 0
     if legacy and ext & EXT_CHECKSUM:
         if len(buf) < PREFIX_BYTES + CHECKSUM_BYTES:
             raise KVFileError(path, "checksum trailer", f"a {len(buf)}-byte file", f"at least {PREFIX_BYTES + 8} bytes")
@@ -340,10 +381,7 @@ def _stored_checksum(buf, path) -> tuple[int, int] | None:
     return None
 
 
-def verify_checksum(buf, path) -> None:
-    """Check the checksum at the end of a whole file ``buf`` (if the file says it has one); :class:`KVFileError`
-    naming the field if its trailer is missing or it does not match."""
-    found = _stored_checksum(buf, path)
+def _compare(buf, found, path) -> None:
     if found is None:
         return
     stored, end = found
@@ -353,12 +391,22 @@ def verify_checksum(buf, path) -> None:
                           f"checksum mismatch: the file's CRC-32 is {actual:#010x}, the trailer says {stored:#010x}")
 
 
+def verify_checksum(buf, path) -> None:
+    """Check the checksum of a whole file ``buf`` (if it has one); :class:`KVFileError` naming the field if its
+    trailer is missing or it does not match (or the header and trailers do not parse)."""
+    _compare(buf, _structured_checksum(buf, path), path)
+
+
 def checksum_status(buf, path) -> tuple[str, str]:
-    """The checksum of a whole file ``buf`` (its header says whether it has one), for ``inspect``: ``("ok", …)``,
-    ``("mismatch", …)`` or ``("none", …)``. Needs only the first 21 bytes and the trailer to parse; never raises."""
+    """The checksum of a whole file ``buf``, for ``inspect`` and the store: ``("ok", …)``, ``("mismatch", …)`` or
+    ``("none", …)``. Where the header or trailers do not parse, it is read from the file's end (a damaged file's
+    checksum still says so); never raises."""
     try:
-        found = _stored_checksum(buf, path)
-        verify_checksum(buf, path)
+        try:
+            found = _structured_checksum(buf, path)
+        except KVFileError:
+            found = _checksum_from_the_end(buf, path)
+        _compare(buf, found, path)
     except KVFileError as e:
         detail = str(e).removeprefix(f"{path}: ")
         return "mismatch", f"MISMATCH: {detail} (the file is damaged)"
@@ -415,8 +463,9 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
     else:
         ours = EXT_FINGERPRINT if digest or with_checksum else 0
     now = int(time.time()) if now is None else now
+    abi = ABI_OF_PAYLOAD_VERSION[payload_version] | (CODEC_ABI_MARK if codec_flags else 0)
     header = KVHeader(quant_bits, reason_code(reason), codec_flags | ours, tokens, 0, ctx, now, now, len(payload),
-                      len(text), payload_abi=ABI_OF_PAYLOAD_VERSION[payload_version])
+                      len(text), payload_abi=abi)
     head = header.pack()
     if legacy:
         fp = FINGERPRINT_MAGIC + digest if digest else b""
@@ -659,7 +708,8 @@ class KVFile:
         """The writing model's fingerprint (``EXT_FINGERPRINT``), or None: a file ds4-server wrote, which cannot
         be checked against a model."""
         self.title: str | None = None if trailers.title is None else trailers.title.decode("utf-8", "replace")
-        """ds4-agent's session title (ABI-2 files with ext bit 3), or None."""
+        """ds4-agent's session title (ext bit 3 of its files), or None."""
+        self._trailers = trailers
 
     @classmethod
     def open(cls, path: str | os.PathLike, config=None) -> KVFile:
@@ -712,7 +762,9 @@ class KVFile:
     def verify(self) -> None:
         """Check the checksum, when the file has one (reads the whole file); :class:`KVFileError` if it does not
         match."""
-        verify_checksum(self._buf, self.path)
+        t = self._trailers
+        _compare(self._buf, None if t.crc_at is None else (struct.unpack_from("<I", self._buf, t.crc_at)[0],
+                                                           t.crc_covers), self.path)
 
     def checksum_status(self) -> tuple[str, str]:
         """``("ok" | "mismatch" | "none", what to print)``: the checksum verified (reads the whole file)."""
@@ -725,8 +777,13 @@ class KVFile:
                          if h.ext_flags & bit) or "raw f32"
         if self._payload_buf is not self._buf:
             codec += f", {len(self._payload_buf):,} unpacked"
-        trailer = ((f" + title {4 + len(self.title.encode())}" if self.title is not None else "")
-                   + "".join(f" + {name} {n}" for name, n in h._trailers()))
+        t = self._trailers
+        title = 0 if t.title is None else 4 + len(t.title)
+        ours = t.end - h.payload_end - title  # ds4lab's trailers' bytes
+        trailer = ((f" + title {title}" if title else "")
+                   + (f" + fingerprint and checksum {ours}" if ours else "")
+                   + (" (ds4lab's trailers replaced by ds4-server's tool-id map)" if t.stripped else "")
+                   + (f" + tool-id map {self.file_size - t.end}" if self.file_size > t.end else ""))
         generation = ("payload ABI 0 (ds4 before 2026-05-26)" if h.legacy else
                       f"payload ABI {h.payload_abi} (ds4 since 2026-05-26)")
         fingerprint = self.fingerprint or ("none (no fingerprint trailer, as in ds4-server's files: which model "

@@ -36,11 +36,11 @@ loaded on ds4's rules (layout, quant byte, chunk layout) with a :class:`KVStoreW
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
 import re
+import struct
 import time
 import warnings
 from dataclasses import dataclass
@@ -57,6 +57,7 @@ from .kvfile import (
     KVFile,
     KVFileError,
     KVHeader,
+    checksum_status,
     kv_file_parts,
     open_regular,
     pack_payload,
@@ -205,7 +206,7 @@ class KVStore:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
         self.dir = Path(dir)
         if self.dir.exists() and not self.dir.is_dir():
-            raise NotADirectoryError(f"{self.dir}: the KV store's directory is not a directory (it is a file)")
+            raise NotADirectoryError(f"{self.dir}: the KV store's directory exists and is not a directory")
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.budget_bytes = int((budget_mb or DEFAULT_BUDGET_MB) * 1024 * 1024)
         self.min_tokens = min_tokens
@@ -249,6 +250,8 @@ class KVStore:
             except FileNotFoundError:  # removed by another process since the listing
                 continue
             except (KVFileError, OSError) as e:
+                if getattr(e, "field", None) in _KEEP_FIELDS and _damaged(path):  # a damaged byte, not a writer's
+                    _unlink(path)
                 self._bad(path, e)
                 continue
             out.append(KVEntry(m.group(1).lower(), path, size, header, fingerprint))
@@ -484,6 +487,7 @@ class KVStore:
         tokens may be another tokenizer's). A file without a fingerprint (ds4-server's) cannot be checked: it
         loads, with a :class:`KVStoreWarning` the first time when ``fingerprint`` is given. The checkpoint
         carries the file's fingerprint."""
+        buf = None
         try:
             try:
                 with open_regular(entry.path) as f:
@@ -502,7 +506,9 @@ class KVStore:
             if tokenizer is not None and not kf.header["ext_flags"] & _VISIBLE_TEXT:
                 _check_token_text(entry.path, kf.text_bytes, token_text(tokenizer, cp.tokens), len(cp))
         except (KVFileError, PayloadError) as e:
-            if e.field.removeprefix("payload ") not in _KEEP_FIELDS:  # another model's file is left alone
+            # another model's or another ds4's file is left alone, unless ds4lab's own checksum proves it damaged
+            damaged = buf is not None and checksum_status(buf, entry.path)[0] == "mismatch"
+            if e.field.removeprefix("payload ") not in _KEEP_FIELDS or damaged:
                 _unlink(entry.path)
             self._bad(entry.path, e)
             if isinstance(e, KVFileError):
@@ -533,10 +539,13 @@ class KVStore:
                 same = (now.created, now.tokens, now.text_bytes, now.payload_bytes)
                 if same != (entry.header.created, entry.tokens, entry.text_bytes, entry.header.payload_bytes):
                     return  # replaced by another writer since the scan
-                f.seek(0)
-                # hits saturates at the u32 maximum (ds4's u32 wraps to 0); the field is outside the checksum
-                hits = min(now.hits + 1, _U32_MAX)
-                f.write(dataclasses.replace(now, hits=hits, last_used=int(time.time())).pack()[:-4])
+                # the two fields alone, in place (outside the checksum; every other byte stays as written, a
+                # reason or reserved byte this ds4lab does not know included); hits saturates at the u32 maximum
+                # (ds4's u32 wraps to 0)
+                f.seek(12)
+                f.write(struct.pack("<I", min(now.hits + 1, _U32_MAX)))
+                f.seek(32)
+                f.write(struct.pack("<Q", int(time.time())))
         except (OSError, KVFileError):
             pass
 
@@ -561,6 +570,16 @@ class KVStore:
             effective_hits={e.sha: effective_hits(e, now, self.half_life_s) for e in entries},
             saves=c["saves"], skipped=c["skipped"], write_errors=c["write_errors"], evictions=c["evictions"],
             bad_files=len(self._reported))
+
+
+def _damaged(path: Path) -> bool:
+    """Whether ds4lab's checksum proves the file damaged (reads it whole: only for a header refused as another
+    writer's, which a flipped bit in byte 7 or 20 can fake)."""
+    try:
+        with open_regular(path) as f:
+            return checksum_status(f.read(), path)[0] == "mismatch"
+    except (OSError, KVFileError):
+        return False
 
 
 def _unlink(path: Path) -> None:
