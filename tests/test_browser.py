@@ -42,13 +42,6 @@ CHART = ".jp-OutputArea-output.jp-RenderedVegaLite"  # an output drawn by Jupyte
 LOCAL = re.compile(r"^(?:https?|wss?)://127\.0\.0\.1[:/]|^(?:data|blob|about):")
 
 
-def coriolanus_cell() -> str:
-    """The first lines of notebook 02's prompt cell, as saved: prompt = the opening of Coriolanus; ids = its tokens."""
-    cells = json.loads((ROOT / "notebooks" / "02_chunked_prefill.ipynb").read_text(encoding="utf-8"))["cells"]
-    found = (re.match(r'(?s)prompt = """.*?"""\n(?-s:ids = .*)', "".join(c["source"])) for c in cells)
-    return next(m[0] for m in found if m)
-
-
 def notebook_cells() -> list[str]:
     """The test's notebook: every view and two charts, on the embedded model and Coriolanus' first 320 tokens
     (the prompt cell of notebooks 02 and 04)."""
@@ -60,7 +53,9 @@ def notebook_cells() -> list[str]:
         "from ds4lab.viz.charts import expert_load_chart, kv_bytes_chart, prefill_chunks_chart\n\n"
         'model = ds4lab.load(backend="numpy")\n'
         "print(ds4lab.__file__)",
-        coriolanus_cell(),  # prompt = """…"""; ids = model.tokenizer.encode(prompt)
+        "from ds4lab.texts import coriolanus\n\n"  # notebook 02's and 04's prompt
+        "prompt = coriolanus(1000)\n"
+        "ids = model.tokenizer.encode(prompt)",
         "sess = model.session(ctx=512, prefill_chunk=64)\n"
         "prefill = PrefillView(sess, ids)  # the stepper, the KV cache and the mask of layer 2 beside it\n"
         "prefill.step()\n"
