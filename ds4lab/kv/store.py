@@ -4,8 +4,8 @@ ds4's ds4_kvstore.c, ds4_server.c).
 Files are ``<dir>/<sha1 of the cache text>.kv`` (:mod:`.kvfile`); the cache text is the stored tokens' bytes.
 A lookup re-lists the directory, keeps the entries whose text is a byte prefix of the prompt (SHA-1 of the
 prompt's first L bytes equals the name) and takes the longest, ties to more tokens; the stored token ids stay
-authoritative. A load rewrites the header with hits + 1 and last_used = now, or deletes the file when it holds
-more than ``cold_max_tokens`` (the live session will store it again). Eviction removes the lowest
+authoritative. A load rewrites the header with hits + 1 and last_used = now and keeps the file whatever its length
+(ds4 since 24fa85ea; before, it deleted a loaded file over ``cold_max_tokens``). Eviction removes the lowest
 ``(eff + 1) · tokens / file_size`` first, ``eff = hits · 2^(−age/half_life)`` (0 below 0.01), until the
 files fit the budget; the file just written is protected. (All as docs/FORMATS.md, "KVC files and the KV store",
 describes it.)
@@ -527,12 +527,10 @@ class KVStore:
                        f"(layout, quant byte, chunk layout)")
 
     def mark_loaded(self, entry: KVEntry) -> None:
-        """Record that ``entry``'s checkpoint was restored: delete a file over ``cold_max_tokens`` (consumed: the
-        live session stores it again), else hits + 1 and last_used = now (ds4_kvstore.c:1236-1258,
-        ``ds4_kvstore_touch_file`` :467-484)."""
-        if 0 < self.cold_max_tokens < entry.tokens:
-            _unlink(entry.path)
-            return
+        """Record that ``entry``'s checkpoint was restored: hits + 1 and last_used = now (``ds4_kvstore_touch_file``,
+        ds4_kvstore.c:467-484). The file stays whatever its length, as in ds4 since 24fa85ea ("the cold-prompt save
+        limit no longer deletes deeper cold or continued checkpoints after their first restore"): eviction alone
+        reclaims files; ``cold_max_tokens`` bounds the cold saves only."""
         try:
             with open_regular(entry.path, "r+b") as f:
                 now = KVHeader.unpack(f.read(PREFIX_BYTES), entry.path)
