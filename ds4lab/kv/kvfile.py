@@ -237,24 +237,6 @@ class KVHeader:
         """Where the payload ends: ds4 reads nothing after it (but its tool-id map, bit 0, or title, bit 3)."""
         return PREFIX_BYTES + self.text_bytes + self.payload_bytes
 
-    def _trailers(self) -> list[tuple[str, int]]:
-        """ds4lab's trailers this header says follow the payload (and a title), by name and size, in file order."""
-        ext = self.ext_flags
-        if self.legacy:
-            return ([("fingerprint", FINGERPRINT_BYTES)] if ext & EXT_FINGERPRINT else []) + \
-                   ([("checksum", CHECKSUM_BYTES)] if ext & EXT_CHECKSUM else [])
-        return [("fingerprint and checksum", RECORD.size)] if ext & EXT_FINGERPRINT else []
-
-    @property
-    def has_title(self) -> bool:
-        return not self.legacy and bool(self.ext_flags & EXT_SESSION_TITLE)
-
-    @property
-    def file_bytes(self) -> int:
-        """Size of a file with this header and no title (52 + text + payload + trailers; ds4lab writes no tool map
-        and no title)."""
-        return self.payload_end + sum(n for _, n in self._trailers())
-
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["reason"] = REASONS[self.reason]
@@ -352,11 +334,11 @@ def checksum(head, *parts) -> int:
     return crc
 
 
-def _structured_checksum(buf, path) -> tuple[int, int] | None:
-    """``(stored CRC, where the bytes it covers end)`` of a whole file ``buf`` whose header and trailers parse
-    (:func:`read_trailers`), or None without a CRC; :class:`KVFileError` where they do not parse."""
-    tr = read_trailers(KVHeader.unpack(buf, path), len(buf), lambda at, n: bytes(buf[at:at + n]), path)
-    return None if tr.crc_at is None else (struct.unpack_from("<I", buf, tr.crc_at)[0], tr.crc_covers)
+def _stored_checksum(buf, trailers: Trailers) -> tuple[int, int] | None:
+    """``(stored CRC, where the bytes it covers end)`` of a whole file ``buf`` whose trailers are ``trailers``, or
+    None without a CRC."""
+    return None if trailers.crc_at is None else (struct.unpack_from("<I", buf, trailers.crc_at)[0],
+                                                 trailers.crc_covers)
 
 
 def _checksum_from_the_end(buf, path) -> tuple[int, int] | None:
@@ -391,19 +373,14 @@ def _compare(buf, found, path) -> None:
                           f"checksum mismatch: the file's CRC-32 is {actual:#010x}, the trailer says {stored:#010x}")
 
 
-def verify_checksum(buf, path) -> None:
-    """Check the checksum of a whole file ``buf`` (if it has one); :class:`KVFileError` naming the field if its
-    trailer is missing or it does not match (or the header and trailers do not parse)."""
-    _compare(buf, _structured_checksum(buf, path), path)
-
-
 def checksum_status(buf, path) -> tuple[str, str]:
     """The checksum of a whole file ``buf``, for ``inspect`` and the store: ``("ok", …)``, ``("mismatch", …)`` or
     ``("none", …)``. Where the header or trailers do not parse, it is read from the file's end (a damaged file's
     checksum still says so); never raises."""
     try:
         try:
-            found = _structured_checksum(buf, path)
+            found = _stored_checksum(buf, read_trailers(KVHeader.unpack(buf, path), len(buf),
+                                                        lambda at, n: bytes(buf[at:at + n]), path))
         except KVFileError:
             found = _checksum_from_the_end(buf, path)
         _compare(buf, found, path)
@@ -762,9 +739,7 @@ class KVFile:
     def verify(self) -> None:
         """Check the checksum, when the file has one (reads the whole file); :class:`KVFileError` if it does not
         match."""
-        t = self._trailers
-        _compare(self._buf, None if t.crc_at is None else (struct.unpack_from("<I", self._buf, t.crc_at)[0],
-                                                           t.crc_covers), self.path)
+        _compare(self._buf, _stored_checksum(self._buf, self._trailers), self.path)
 
     def checksum_status(self) -> tuple[str, str]:
         """``("ok" | "mismatch" | "none", what to print)``: the checksum verified (reads the whole file)."""

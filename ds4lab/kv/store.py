@@ -364,7 +364,7 @@ class KVStore:
         header, parts = kv_file_parts(text, payload, tokens=tokens, ctx=ctx, quant_bits=quant_bits, reason=reason,
                                       codec_flags=codec_flags, fingerprint=fingerprint, with_checksum=self.checksum,
                                       payload_version=self.payload_version)
-        size = header.file_bytes
+        size = sum(len(part) for part in parts)
         if size + -(-size // 100) > self.budget_bytes:  # 1% headroom (ds4_kvstore.c:738-748)
             self._counts["skipped"] += 1
             self._warn(f"KV store skipped {tokens} tokens: the file would be {size / 2**20:.2f} MiB "

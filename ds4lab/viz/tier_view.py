@@ -164,7 +164,8 @@ class TierView(FollowingView):
 
     def image_range(self) -> tuple[int, int]:
         """The bytes at the bottom and top of :meth:`image`'s log y axis: powers of two around the bounds and the
-        steps (below the smallest by one, above the largest with room), as the live chart's axis."""
+        steps (below the smallest by one, above the largest with room), like the live chart's axis (which also
+        snaps them to its tick step)."""
         values = [v for v in (self.batch_bound, self.decode_bound, *(d["bytes"] for d in self.model.steps)) if v > 0]
         e0 = math.floor(math.log2(min(values, default=1))) - 1
         e1 = max(math.ceil(math.log2(max(values, default=2) * 1.2)), e0 + 1)
@@ -188,6 +189,7 @@ class TierView(FollowingView):
 
     def static_html(self) -> str:
         m = self.model
+        lo, top = self.image_range()
         mine = " (this process)" if m.part else ""
         tiers = "".join(
             f"<tr><td><span style='background:{d['colour']}'>&nbsp;&nbsp;</span> {d['tier']}</td>"
@@ -219,8 +221,8 @@ class TierView(FollowingView):
             f"<b>bytes moved per step</b> (red line: a full chunk of {m.chunk} rows × {m.row_bytes:,} B per boundary = "
             f"{self.batch_bound:,} B; orange: a decode step, {self.decode_bound:,} B)<br>"
             f"<div style='display:flex;align-items:stretch;gap:4px'><div style='display:flex;flex-direction:column;"
-            f"justify-content:space-between;text-align:right'><span>{self.image_range()[1]:,} B</span><span>bytes moved"
-            f"<br>(log)</span><span>{self.image_range()[0]:,} B</span></div>"
+            f"justify-content:space-between;text-align:right'><span>{top:,} B</span><span>bytes moved"
+            f"<br>(log)</span><span>{lo:,} B</span></div>"
             f"<img alt='bytes per step' src='data:image/png;base64,{png_base64(self.image())}'/>"
             f"</div><div>steps {m.steps[0]['step'] if m.steps else 0} … {m.last_step}, one bar each</div>"
             "<table><tr><th>step</th><th>mode</th><th>copies</th><th>bytes</th><th>rows per copy</th>"
