@@ -47,19 +47,19 @@ _KEYS = [
     ("sinkhorn_iters", "hyper_connection.sinkhorn_iterations", "u32"),
     ("compress_ratios", "attention.compress_ratios", "u32list"),
     ("swiglu_clamp", "swiglu_clamp_exp", "floatlist"),
-    ("rope_orig_ctx", "rope.scaling.original_context_length", "ctx"),
     ("rope_freq_base", "rope.freq_base", "float"),
-    ("rope_scale_factor", "rope.scaling.factor", "float"),
-    ("yarn_beta_fast", "rope.scaling.yarn_beta_fast", "float"),
-    ("yarn_beta_slow", "rope.scaling.yarn_beta_slow", "float"),
     ("compress_rope_freq_base", "attention.compress_rope_freq_base", "float"),
     ("expert_weight_scale", "expert_weights_scale", "float"),
     ("rms_eps", "attention.layer_norm_rms_epsilon", "float"),
     ("expert_weights_norm", "expert_weights_norm", "bool"),
 ]
-# Optional keys with their defaults (ds4 reads the group counts optionally and hard-codes the HC eps;
-# docs/FORMATS.md, "GGUF model files").
+# Optional keys with their defaults (ds4 reads the group counts and, since its DeepSeek V4 Pro support, the RoPE
+# scaling keys optionally, with these defaults; docs/FORMATS.md, "GGUF model files").
 _OPTIONAL = [
+    ("rope_orig_ctx", "rope.scaling.original_context_length", "ctx", 65536),
+    ("rope_scale_factor", "rope.scaling.factor", "float", 16.0),
+    ("yarn_beta_fast", "rope.scaling.yarn_beta_fast", "float", 32.0),
+    ("yarn_beta_slow", "rope.scaling.yarn_beta_slow", "float", 1.0),
     ("expert_group_count", "expert_group_count", "u32", 0),
     ("expert_group_used", "expert_group_used_count", "u32", 0),
     ("hc_eps", "hyper_connection.epsilon", "float", 1e-6),
@@ -245,14 +245,14 @@ class ModelConfig:
         (docs/FORMATS.md, "GGUF model files").
 
         Dense projections may be stored in any type the loader reads (the real Flash files use the
-        types that section names); routed experts accept the K-/IQ-quants plus F32/F16/Q8_0 for
-        tiny models whose rows are not multiples of 256.
+        types that section names); routed experts accept the K-/IQ-quants and MXFP4 (DeepSeek's own format), plus
+        F32/F16/Q8_0 for tiny models whose rows are not multiples of 256.
         """
         E, V, H, HD = self.n_embd, self.n_vocab, self.n_head, self.head_dim
         dense = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0})
         f32 = frozenset({Q.F32})
         half = frozenset({Q.F16, Q.F32, Q.BF16})
-        experts = frozenset({Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.F32, Q.F16, Q.Q8_0})
+        experts = frozenset({Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.MXFP4, Q.F32, Q.F16, Q.Q8_0})
         s = {
             "token_embd.weight": ((E, V), half, True),
             "output_hc_base.weight": ((self.n_hc,), f32, True),

@@ -41,7 +41,7 @@ from .config import ModelConfig, ModelFileError
 MAX_ARRAY_ELEMENTS = 1 << 22
 MAX_STRING_BYTES = 1 << 24  # a chat template is a few KB; a token a few bytes
 SHORT_FLOATS = 4096  # FLOAT32 arrays up to this long read as their shortest decimals (1e-6, not 9.99999997e-07)
-SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.I32})
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4, Q.I32})
 
 _MAGIC = b"GGUF"
 _VERSION = 3

@@ -1,9 +1,9 @@
 """GGML block quant formats used by DeepSeek V4 Flash files (docs/FORMATS.md, "GGUF model files").
 
-``dequantize`` decodes rows of F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (and I32) with that section's
+``dequantize`` decodes rows of F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, MXFP4 (and I32) with that section's
 formulas, left to right in float32; that is also gguf's order, so the results match its decoders bit
 for bit, and it is the reference the GPU kernels mirror. ``quantize`` covers
-the types test models are written in directly; ``random_blocks`` makes seeded, valid K/IQ/Q8_0 blocks
+the types test models are written in directly; ``random_blocks`` makes seeded, valid K/IQ/Q8_0/MXFP4 blocks
 for test weights, since there is no Python quantizer for the K and IQ types.
 
 Arrays of quantized data are ``uint8`` with the last axis holding one row's bytes.
@@ -126,6 +126,28 @@ def _dequant_iq2_xxs(b: _Blocks) -> np.ndarray:
     return x.reshape(n, 256)
 
 
+# MXFP4 (the OCP microscaling format of DeepSeek V4's own routed experts): a byte e, the block's power-of-two scale,
+# then 16 bytes of 4-bit E2M1 codes, element j < 16 in the low nibble of byte j and element 16 + j in its high one.
+# Code c is sign (bit 3) and magnitude MXFP4_DOUBLED[c & 7] / 2; the scale is 2^(e − 127) (e = 0 read as 2^−127,
+# as ds4 does). Both are kept as ggml does: the doubled integer times half the scale, 2^(e − 128), the same exact
+# product.
+MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12)
+
+
+def mxfp4_half_scale(e: np.ndarray) -> np.ndarray:
+    """2^(e − 128) as float32 bits for E8M0 bytes ``e`` (e < 2 are subnormal floats: 2^−128 and 2^−127)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+_MXFP4_VALUES = np.array([*MXFP4_DOUBLED, *(-v for v in MXFP4_DOUBLED)], dtype=np.float32)
+
+
+def _dequant_mxfp4(b: _Blocks) -> np.ndarray:
+    codes = np.concatenate([b[:, 1:17] & 15, b[:, 1:17] >> 4], axis=1)
+    return mxfp4_half_scale(b[:, :1]) * _MXFP4_VALUES[codes]
+
+
 _DEQUANT: dict[Q, Callable[[_Blocks], np.ndarray]] = {
     Q.F32: _dequant_f32,
     Q.F16: _dequant_f16,
@@ -135,6 +157,7 @@ _DEQUANT: dict[Q, Callable[[_Blocks], np.ndarray]] = {
     Q.Q2_K: _dequant_q2_k,
     Q.Q4_K: _dequant_q4_k,
     Q.IQ2_XXS: _dequant_iq2_xxs,
+    Q.MXFP4: _dequant_mxfp4,
 }
 
 SUPPORTED: frozenset[Q] = frozenset(_DEQUANT)
@@ -156,11 +179,11 @@ def dequantize(raw: np.ndarray, qtype: Q | int, ne0: int) -> np.ndarray:
     return decode(blocks).reshape(raw.shape[:-1] + (ne0,))
 
 
-_QUANTIZABLE = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0})
+_QUANTIZABLE = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.MXFP4})
 
 
 def quantize(x: np.ndarray, qtype: Q | int) -> np.ndarray:
-    """Encode ``x`` (last axis = row) as uint8 rows of ``qtype``; F32, F16, BF16 and Q8_0 only."""
+    """Encode ``x`` (last axis = row) as uint8 rows of ``qtype``; F32, F16, BF16, Q8_0 and MXFP4 only."""
     qt = Q(qtype)
     if qt not in _QUANTIZABLE:
         raise ValueError(f"quantize: unsupported quant type {qt.name}")
@@ -172,7 +195,7 @@ def quantize(x: np.ndarray, qtype: Q | int) -> np.ndarray:
         return np.ascontiguousarray(x, dtype="<f4").view(np.uint8)
     if qt == Q.F16:
         return np.ascontiguousarray(x, dtype="<f2").view(np.uint8)
-    # gguf's BF16 (round to nearest even) and Q8_0 match ggml bit for bit.
+    # gguf's BF16 (round to nearest even), Q8_0 and MXFP4 match ggml bit for bit.
     return gguf.quants.quantize(x, qt)
 
 
@@ -215,6 +238,8 @@ _Q8_0_UNIT_STD = float(np.sqrt((255**2 - 1) / 12))  # uniform integers in [-127,
 _Q2_K_UNIT_STD = 10.0
 _Q4_K_UNIT_STD = 168.5
 # IQ2_XXS: scale = d (n + 0.5) / 4 with n uniform in 0..15, times a grid byte of the table.
+# MXFP4: the 16 codes uniform, in units of half the scale.
+_MXFP4_UNIT_STD = float(np.sqrt(np.mean(_MXFP4_VALUES.astype(np.float64) ** 2)))
 _IQ2_XXS_UNIT_STD = float(np.sqrt(np.mean((np.arange(16) + 0.5) ** 2) / 16 * np.mean(_IQ2XXS_GRID ** 2.0)))
 
 
@@ -273,11 +298,24 @@ def _random_iq2_xxs(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
     return np.concatenate([d, qs], axis=1)
 
 
+def _random_mxfp4(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
+    # Any byte pattern is a block. The scale is a power of two: with log2 of the wanted one n + f, blocks take 2^n or,
+    # with odds p = (4^f − 1) / 3, 2^(n + 1), so E[scale²] is the wanted one's square (4^n (1 + 3p) = 4^(n + f)).
+    n_f = np.log2(std / _MXFP4_UNIT_STD)
+    up = rng.uniform(0, 1, size=n) < (4 ** (n_f - np.floor(n_f)) - 1) / 3
+    e = np.floor(n_f) + 128 + up
+    if not np.all((e >= 2) & (e <= 254)):
+        raise ValueError(f"random_blocks: std {std:.3g} needs MXFP4 scales outside 2^-126 .. 2^126")
+    qs = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
+    return np.concatenate([e.astype(np.uint8)[:, None], qs], axis=1)
+
+
 _RANDOM: dict[Q, Callable[[np.random.Generator, int, float], np.ndarray]] = {
     Q.Q8_0: _random_q8_0,
     Q.Q2_K: _random_q2_k,
     Q.Q4_K: _random_q4_k,
     Q.IQ2_XXS: _random_iq2_xxs,
+    Q.MXFP4: _random_mxfp4,
 }
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import zlib
 from pathlib import Path
-from typing import Callable, Collection, Literal, NamedTuple
+from typing import Callable, Collection, Literal, NamedTuple, Sequence, Union
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -31,8 +31,9 @@ _DATA_DIR = (Path(__file__).resolve().parents[1] / "data"
 _TEXT_CHARS = 300_000
 
 _DENSE_TYPES = frozenset({Q.Q8_0, Q.F16, Q.BF16, Q.F32})
-_EXPERT_TYPES = frozenset({Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.F32})
-_BLOCK_TYPES = frozenset({Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})  # made with quants.random_blocks
+_EXPERT_TYPES = frozenset({Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.MXFP4, Q.Q8_0, Q.F16, Q.F32})
+_BLOCK_TYPES = frozenset({Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})  # made with quants.random_blocks
+ExpertTypes = Union[tuple[str, str], Sequence[tuple[str, str]]]  # one (gate/up, down) pair, or one a layer
 
 # Used when the repository's data/ folder is not there (an installed wheel). It has enough distinct
 # words for the merges of a vocabulary of ~1000 tokens.
@@ -83,14 +84,15 @@ def make_model(
     seed: int = 0,
     *,
     dense_type: str = "Q8_0",
-    expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
+    expert_types: ExpertTypes = ("IQ2_XXS", "Q2_K"),
     router_bias_layers: Literal["auto"] | Collection[int] = "auto",
     tokenizer_text: str | None = None,
 ) -> Path:
     """Write a ds4 GGUF for ``config`` with seeded random weights; the same arguments give the same bytes.
 
     ``dense_type`` (Q8_0, F16, BF16 or F32) is used for the projections the real file stores as Q8_0;
-    ``expert_types`` are (gate/up, down) for the routed experts (IQ2_XXS, Q2_K, Q4_K, Q8_0, F16 or F32).
+    ``expert_types`` are (gate/up, down) for the routed experts (IQ2_XXS, Q2_K, Q4_K, MXFP4, Q8_0, F16 or F32), or
+    a list of such pairs, one a layer (as ds4's q2-q4 Flash file has Q4_K experts in its last six layers only).
     ``router_bias_layers`` lists the layers that get ``exp_probs_b.bias``; "auto" gives it to every
     other non-hash layer starting with the first, so both router paths (with and without bias) exist.
     The tokenizer is trained on ``tokenizer_text`` (default: the start of tinyshakespeare).
@@ -106,7 +108,7 @@ def model_tensors(
     seed: int = 0,
     *,
     dense_type: str = "Q8_0",
-    expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
+    expert_types: ExpertTypes = ("IQ2_XXS", "Q2_K"),
     router_bias_layers: Literal["auto"] | Collection[int] = "auto",
     distinct_rows: int | None = None,
     filled: Callable[[str], bool] | None = None,
@@ -118,8 +120,7 @@ def model_tensors(
     gigabytes of a Flash layer and costs the same to evaluate. ``filled(name)`` False leaves a tensor's
     bytes None: zeros, which :func:`ds4lab.gguf_file.write_gguf` writes as a hole (:func:`make_sparse_model`)."""
     dense = _qtype(dense_type, _DENSE_TYPES, "dense_type")
-    experts = (_qtype(expert_types[0], _EXPERT_TYPES, "expert_types[0]"),
-               _qtype(expert_types[1], _EXPERT_TYPES, "expert_types[1]"))
+    experts = _layer_expert_types(expert_types, config.n_layer)
     if router_bias_layers == "auto":
         bias_layers = set(range(config.n_hash_layer, config.n_layer, 2))
     else:
@@ -128,7 +129,7 @@ def model_tensors(
     for name, (shape, _, required) in config.tensor_specs().items():
         if not required and _layer(name) not in bias_layers:
             continue
-        qtype, dist = _plan(_key(name), shape[0], dense, experts)
+        qtype, dist = _plan(_key(name), shape[0], dense, experts[_layer(name) or 0])
         _check_rows(name, shape[0], qtype)
         if filled is not None and not filled(name):
             tensors.append((name, shape, qtype, None))
@@ -171,7 +172,7 @@ def make_sparse_model(
     filled: Callable[[str], bool] = lambda name: False,
     alignment: int | None = None,
     dense_type: str = "Q8_0",
-    expert_types: tuple[str, str] = ("IQ2_XXS", "Q2_K"),
+    expert_types: ExpertTypes = ("IQ2_XXS", "Q2_K"),
     router_bias_layers: Literal["all"] | Collection[int] = "all",
 ) -> Path:
     """A GGUF of ``config``'s exact layout (the real Flash file's, with :data:`ds4lab.config.FLASH`) that costs
@@ -254,19 +255,18 @@ def model_metadata(config: ModelConfig, name: str, tokens, merges) -> dict:
 
 
 def write_model(config: ModelConfig, path: str | os.PathLike, params: dict, name: str, tokens, merges, *,
-                dense_type: str = "Q8_0", expert_types: tuple[str, str] = ("Q8_0", "Q8_0")) -> Path:
+                dense_type: str = "Q8_0", expert_types: ExpertTypes = ("Q8_0", "Q8_0")) -> Path:
     """Write given float weights (``name -> [ne1, ne0]`` arrays, experts ``[n_expert, out, in]``, the
     I32 hash tables as integer arrays) as a GGUF with the same per-tensor types ``make_model`` uses."""
     dense = _qtype(dense_type, _DENSE_TYPES, "dense_type")
-    experts = (_qtype(expert_types[0], _EXPERT_TYPES, "expert_types[0]"),
-               _qtype(expert_types[1], _EXPERT_TYPES, "expert_types[1]"))
+    experts = _layer_expert_types(expert_types, config.n_layer)
     tensors = []
     for tname, (shape, _, required) in config.tensor_specs().items():
         if tname not in params:
             if required:
                 raise ValueError(f"write_model: tensor {tname} is missing from params")
             continue
-        qtype, _ = _plan(_key(tname), shape[0], dense, experts)
+        qtype, _ = _plan(_key(tname), shape[0], dense, experts[_layer(tname) or 0])
         _check_rows(tname, shape[0], qtype)
         values = np.asarray(params[tname])
         if values.shape != tuple(reversed(shape)):
@@ -342,6 +342,16 @@ def _qtype(name: str, allowed: frozenset, what: str) -> Q:
     if qtype not in allowed:
         raise ValueError(f"{what} {qtype.name} is not one of {', '.join(sorted(t.name for t in allowed))}")
     return qtype
+
+
+def _layer_expert_types(expert_types: ExpertTypes, n_layer: int) -> list[tuple[Q, Q]]:
+    """Each layer's (gate/up, down) routed-expert types from one pair for all or a list of one pair a layer."""
+    pairs = [expert_types] * n_layer if isinstance(expert_types[0], (str, int)) else list(expert_types)
+    if len(pairs) != n_layer or any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"expert_types: one (gate/up, down) pair, or one for each of the {n_layer} layers; "
+                         f"got {expert_types!r}")
+    return [tuple(_qtype(t, _EXPERT_TYPES, f"expert_types of layer {il}") for t in pair)
+            for il, pair in enumerate(pairs)]
 
 
 def _key(name: str) -> str:

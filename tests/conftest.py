@@ -5,8 +5,9 @@ import pytest
 from ds4lab.config import NANO, replace
 
 # Four configurations covering the architecture's variants: hash layers, ratio-4 layers whose indexer
-# is active (more visible rows than top-k), ratio-128 layers, windows shorter than the prompt, and
-# Q8_0 / Q2_K / Q4_K / IQ2_XXS / F16 / F32 tensors.
+# is active (more visible rows than top-k), ratio-128 layers, windows shorter than the prompt,
+# Q8_0 / Q2_K / Q4_K / IQ2_XXS / MXFP4 / F16 / F32 tensors, and routed experts of other types in other layers
+# ("q4k": Q4_K, then MXFP4 as in ds4's native Flash file, as its q2-q4 file changes types in its last layers).
 CONFIGS = {
     "nano": (NANO, dict(dense_type="Q8_0", expert_types=("IQ2_XXS", "Q2_K"))),
     "narrow": (replace(NANO, n_layer=5, head_dim=96, value_dim=96, n_rot=32, idx_dim=32, swa=16, idx_topk=8, o_groups=1,
@@ -15,7 +16,7 @@ CONFIGS = {
                dict(dense_type="F16", expert_types=("Q8_0", "F16"))),
     "q4k": (replace(NANO, n_layer=4, n_hash_layer=0, swa=24, idx_topk=12, n_expert=6, n_expert_used=3,
                     idx_heads=2, n_vocab=768),
-            dict(dense_type="F32", expert_types=("Q4_K", "Q4_K"))),
+            dict(dense_type="F32", expert_types=[("Q4_K", "Q4_K")] * 2 + [("MXFP4", "MXFP4")] * 2)),
     "mixed": (replace(NANO, n_layer=4, compress_ratios=(4, 128, 0, 4), swiglu_clamp=(10.0, 7.0, 10.0, 10.0),
                       n_hash_layer=2, swa=8, idx_topk=20, n_hc=3, n_head=8, o_groups=4, n_vocab=512),
               dict(dense_type="Q8_0", expert_types=("IQ2_XXS", "IQ2_XXS"))),

@@ -219,6 +219,20 @@ def test_hc_epsilon_is_optional():
     assert load(meta).hc_eps == 1e-5
 
 
+
+def test_rope_scaling_keys_are_optional_with_ds4s_defaults():
+    # ds4 reads them with model_get_*_compat since it runs DeepSeek V4 Pro: a file without them opens as Flash.
+    meta = flash_metadata()
+    for key in ("original_context_length", "factor", "yarn_beta_fast", "yarn_beta_slow"):
+        del meta[f"deepseek4.rope.scaling.{key}"]
+    assert load(meta) == config.FLASH
+    meta["deepseek4.rope.scaling.factor"] = (4.0, "FLOAT32")  # present: read, and range-checked
+    assert load(meta).rope_scale_factor == 4.0
+    meta["deepseek4.rope.scaling.factor"] = (-1.0, "FLOAT32")
+    with raises("deepseek4.rope.scaling.factor", "-1"):
+        load(meta)
+
+
 # -- tensor errors -----------------------------------------------------------------------------------
 
 

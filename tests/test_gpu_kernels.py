@@ -117,12 +117,12 @@ def small_on_the_emulator(backend: str, work: int) -> None:
 
 def random_weight(qtype: Q, rows, ne0: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS):
+    if qtype in (Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4):
         return random_blocks(qtype, rows, ne0, rng, 0.05)
     return quantize(rng.standard_normal((*rows, ne0)).astype(np.float32) * 0.05, qtype)
 
 
-KERNEL_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)
+KERNEL_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
@@ -201,7 +201,7 @@ def test_decode_groups_of_32_give_the_decoders_values(gpu, qtype, n_blocks):
     np.testing.assert_allclose(got.T, dequantize(raw[0], qtype, ne0), rtol=2e-7, atol=1e-9)
 
 
-@pytest.mark.parametrize("qtype", (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0, Q.MXFP4), ids=lambda q: q.name)
 def test_qmatmul_gathers_each_pairs_expert(gpu, qtype):
     _, kernels, to_dev, to_host = gpu
     n_expert, rows, ne0 = 7, 40, 512
@@ -484,7 +484,8 @@ def test_pair_batches_cut_each_experts_run_of_slots():
     assert order.shape == (0,) and batches.shape == (0, 3)
 
 
-QGEMM_K = {Q.F32: 100, Q.F16: 70, Q.Q8_0: 96, Q.Q2_K: 512, Q.Q4_K: 256, Q.IQ2_XXS: 256}  # F32/F16: K % BK ≠ 0
+QGEMM_K = {Q.F32: 100, Q.F16: 70, Q.Q8_0: 96, Q.Q2_K: 512, Q.Q4_K: 256, Q.IQ2_XXS: 256,  # F32/F16: K % BK ≠ 0
+           Q.MXFP4: 96}
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
@@ -1017,8 +1018,11 @@ def test_prefill_matmul_is_checked():
 
 
 def test_configs_cover_the_kernel_types():
-    used = {kw["expert_types"][0] for _, kw in CONFIGS.values()} | {kw["dense_type"] for _, kw in CONFIGS.values()}
-    assert {"IQ2_XXS", "Q4_K", "Q8_0", "F32", "F16"} <= used
+    used = {kw["dense_type"] for _, kw in CONFIGS.values()}
+    for _, kw in CONFIGS.values():
+        pairs = kw["expert_types"]
+        used |= set(pairs) if isinstance(pairs[0], str) else {t for pair in pairs for t in pair}
+    assert {Q(t).name for t in KERNEL_TYPES} <= used
 
 
 # -- the fused elementwise kernels ------------------------------------------------------------------------

@@ -107,3 +107,32 @@ def test_inspect_reads_the_flash_layout(flash_layout):
     head = run.stdout.splitlines()[0]
     assert f"{flash_layout.stat().st_size:,} bytes" in head and "1328 tensors" in head and "alignment 64" in head
     assert "43 layers" in run.stdout or "n_layer" in run.stdout
+
+
+# ds4's other Flash files (its download_model.sh): the q2 layers with Q4_K experts in the last six ("q2-q4", 97.6 GB
+# in this layout), Q4_K experts throughout ("q4", 164.6 GB), DeepSeek's own MXFP4 experts ("mxfp4", 156.0 GB).
+OTHER_FLASH_FILES = {
+    "q2-q4": [("IQ2_XXS", "Q2_K")] * 37 + [("Q4_K", "Q4_K")] * 6,
+    "q4": ("Q4_K", "Q4_K"),
+    "mxfp4": ("MXFP4", "MXFP4"),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_FLASH_FILES)
+def test_ds4s_other_flash_files_open(tmp_path, name):
+    if not sparse_files_work(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system does not keep holes")
+    import ds4lab
+
+    expert_types = OTHER_FLASH_FILES[name]
+    path = testing.make_sparse_model(config.FLASH, tmp_path / f"{name}.gguf", filled=small, expert_types=expert_types)
+    try:
+        model = ds4lab.load(path, backend="numpy")
+        assert model.config == config.FLASH
+        types = testing._layer_expert_types(expert_types, 43)
+        tensors = model.file.tensors
+        for il in (0, 36, 37, 42):
+            assert (tensors[f"blk.{il}.ffn_gate_exps.weight"].qtype, tensors[f"blk.{il}.ffn_down_exps.weight"].qtype) \
+                == types[il]
+    finally:
+        path.unlink()

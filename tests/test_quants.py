@@ -10,9 +10,9 @@ from gguf import GGMLQuantizationType as Q
 from ds4lab import quants
 from ds4lab.quants import SUPPORTED, dequantize, quantize, random_blocks, row_bytes
 
-BLOCK_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS]
-# Byte offsets of the f16 fields (d, dmin) inside one block.
-F16_FIELDS = {Q.Q8_0: [0], Q.Q2_K: [80, 82], Q.Q4_K: [0, 2], Q.IQ2_XXS: [0]}
+BLOCK_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4]
+# Byte offsets of the f16 fields (d, dmin) inside one block; MXFP4's scale is a byte (E8M0 at 0).
+F16_FIELDS = {Q.Q8_0: [0], Q.Q2_K: [80, 82], Q.Q4_K: [0, 2], Q.IQ2_XXS: [0], Q.MXFP4: []}
 
 
 def f16(v: float) -> list[int]:
@@ -35,6 +35,9 @@ def random_bytes_with_finite_scales(qtype: Q, rng: np.random.Generator, shape_ro
     for off in F16_FIELDS[qtype]:
         scales = (rng.standard_normal(len(blocks)) * 0.1).astype("<f2")
         blocks[:, off:off + 2] = scales.reshape(-1, 1).view(np.uint8)
+    if qtype == Q.MXFP4:  # exponents up to 250 (past 251 the largest code overflows float32), subnormal 0 and 1 too
+        blocks[:, 0] = rng.integers(0, 251, size=len(blocks))
+        blocks[:4, 0] = [0, 1, 2, 250]
     return raw
 
 
@@ -120,6 +123,34 @@ def test_iq2_xxs_hand_block():
     np.testing.assert_array_equal(dequantize(raw, Q.IQ2_XXS, 256), expected)
 
 
+def test_mxfp4_hand_block():
+    # ds4.c's rule (its ds4_e8m0_to_f32 and E2M1 table), written out: scale 2^(e − 127), e = 0 read as 2^−127; code c
+    # is ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}[c & 7], negative with bit 3; element j < 16 the low nibble of byte j, 16 + j
+    # the high one.
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    qs = np.array([j | (15 - j) << 4 for j in range(16)], np.uint8)  # low nibble j, high 15 − j
+    for e, scale in ((126, 0.5), (130, 8.0), (127, 1.0), (0, 2.0**-127), (1, 2.0**-126), (250, 2.0**123)):
+        raw = np.concatenate([[e], qs]).astype(np.uint8)
+        expected = np.array([scale * e2m1[j] for j in range(16)] + [scale * e2m1[15 - j] for j in range(16)],
+                            np.float32)
+        np.testing.assert_array_equal(dequantize(raw, Q.MXFP4, 32), expected, err_msg=f"e = {e}")
+    half_scales = quants.mxfp4_half_scale(np.array([0, 1, 2, 128], np.uint8)).tolist()
+    assert half_scales == [2.0**-128, 2.0**-127, 2.0**-126, 1.0]
+
+
+def test_mxfp4_quantize_round_trips_its_own_grid():
+    # Values already on a block's grid (a power-of-two scale times E2M1 magnitudes, the largest 6·scale) come back
+    # exactly; gguf's quantizer picks the scale from the block's largest |x|.
+    rng = np.random.default_rng(11)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    scale = np.float32(2.0) ** rng.integers(-6, 6, size=(8, 2))
+    x = rng.choice(e2m1, size=(8, 64)) * scale.repeat(32, axis=1)
+    x[:, 0], x[:, 32] = 6 * scale[:, 0], -6 * scale[:, 1]  # each block's largest |x|: 6·scale
+    raw = quantize(x, Q.MXFP4)
+    assert raw.dtype == np.uint8 and raw.shape == (8, row_bytes(Q.MXFP4, 64)) == (8, 34)
+    np.testing.assert_array_equal(dequantize(raw, Q.MXFP4, 64), x)
+
+
 def test_iq2_xxs_tables_match_ggml():
     # ksigns derived from the formula in docs/FORMATS.md, "GGUF model files", vs the literal ggml table that gguf
     # carries.
@@ -175,7 +206,7 @@ def test_i32():
 
 
 def test_supported_set():
-    assert SUPPORTED == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.I32}
+    assert SUPPORTED == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4, Q.I32}
 
 
 # --- random_blocks --------------------------------------------------------------------------------------
@@ -201,6 +232,8 @@ def test_random_blocks_deterministic_and_scaled(qtype: Q):
 def test_random_blocks_rejects_unrepresentable_std():
     with pytest.raises(ValueError, match="do not fit in f16"):
         random_blocks(Q.Q4_K, (1,), 256, np.random.default_rng(0), std=1e-9)
+    with pytest.raises(ValueError, match="MXFP4 scales outside"):
+        random_blocks(Q.MXFP4, (1,), 32, np.random.default_rng(0), std=1e-60)
     with pytest.raises(ValueError, match="std must be positive"):
         random_blocks(Q.Q8_0, (1,), 32, np.random.default_rng(0), std=0.0)
 
@@ -213,6 +246,7 @@ def test_row_bytes():
     assert row_bytes(Q.Q2_K, 512) == 168
     assert row_bytes(Q.Q4_K, 256) == 144
     assert row_bytes(Q.IQ2_XXS, 256) == 66
+    assert row_bytes(Q.MXFP4, 2048) == 1088
     assert row_bytes(Q.BF16, 3) == 6
     with pytest.raises(ValueError, match=r"Q4_K: row length ne0=100 .* block size 256"):
         row_bytes(Q.Q4_K, 100)

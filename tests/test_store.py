@@ -31,7 +31,7 @@ from ds4lab.kv.kvfile import (
     zstandard,
 )
 from ds4lab.kv.payload import encode_payload
-from ds4lab.kv.store import KVStore, KVStoreWarning, eviction_score
+from ds4lab.kv.store import Incoming, KVStore, KVStoreWarning, eviction_score
 from ds4lab.testing import data_file
 from tests.test_payload import random_payload
 
@@ -220,12 +220,13 @@ def test_a_1gb_file_opens_at_once(tmp_path):
 
 # -- lookup, hits, eviction, budget ------------------------------------------------------------------
 
-def write_entry(dir, text: bytes, *, tokens, size, hits=0, created=0, last_used=0, ctx=4096, quant=2):
-    """A ds4-format file of exactly ``size`` bytes (an arbitrary payload: the scan reads only headers)."""
+def write_entry(dir, text: bytes, *, tokens, size, hits=0, created=0, last_used=0, ctx=4096, quant=2, reason=2):
+    """A ds4-format file of exactly ``size`` bytes (an arbitrary payload: the scan reads only headers); reason 2 is
+    "continued"."""
     payload = size - 52 - len(text)
     path = dir / (hashlib.sha1(text).hexdigest() + ".kv")
     path.write_bytes(spec_header(tokens, payload, len(text), quant=quant, hits=hits, ctx=ctx, created=created,
-                                 last_used=last_used) + text + bytes(payload))
+                                 last_used=last_used, reason=reason) + text + bytes(payload))
     return path.stem
 
 
@@ -254,15 +255,54 @@ def test_eviction_order_is_ds4s_score(tmp_path):
     assert [name[e.sha] for e in store.evict()] == ["D", "A", "C", "G", "F", "B"]
     assert [name[e.sha] for e in store.entries()] == ["E"] and store.stats().evictions == 6
 
+    # room for a file of 525,000 bytes: down to 100,000 (nothing is deleted for one larger than the budget)
     for name_, kw in files.items():
         write_entry(tmp_path, f"entry {name_}".encode(), **kw)
-    # a protected file (the one just written) is kept whatever its score ...
-    assert [name[e.sha] for e in store.evict(protected=sha["A"])] == ["D", "C", "G", "F", "B", "E"]
-    for name_, kw in files.items():
-        write_entry(tmp_path, f"entry {name_}".encode(), **kw)
-    # ... unless it alone is over the budget
-    store.budget_bytes = 50_000
-    assert [name[e.sha] for e in store.evict(protected=sha["A"])] == ["D", "A", "C", "G", "F", "B", "E"]
+    store.budget_bytes = 625_000
+    assert store.evict(extra_bytes=625_001) == []
+    assert [name[e.sha] for e in store.evict(extra_bytes=525_000)] == ["D", "A", "C", "G", "F", "B"]
+
+
+def test_eviction_weighs_reasons_and_the_waypoints_the_incoming_file_extends(tmp_path):
+    """ds4 since ec6a82aa: "cold", "evict" and "shutdown" files score twice a "continued" one; a "continued" file
+    whose text the incoming file extends (same model and quant, a context at least the incoming one's) scores
+    0.05 + 0.45·eff/(eff + 1) of its score."""
+    now = int(time.time())
+    base = {"tokens": 1000, "size": 100_000, "created": now, "last_used": now}  # 0.01 · (eff + 1)
+    sha = {
+        "cold": write_entry(tmp_path, b"a cold prompt", reason=1, **base),  # 0.02
+        "shutdown": write_entry(tmp_path, b"a shutdown", reason=4, **base),  # 0.02
+        "evict": write_entry(tmp_path, b"an evicted state", reason=3, **base),  # 0.02
+        "unknown": write_entry(tmp_path, b"unknown reason", reason=0, **base),  # 0.01
+        "waypoint": write_entry(tmp_path, b"The quick", hits=3, **base),  # 0.04 · (0.05 + 0.45 · 0.75) = 0.0155
+        "fresh waypoint": write_entry(tmp_path, b"The quick brown", **base),  # 0.01 · 0.05 = 0.0005
+        "other quant": write_entry(tmp_path, b"The", quant=4, **base),  # 0.01: not superseded
+        "wider ctx": write_entry(tmp_path, b"The quick brown fox", ctx=1024, **base),  # 0.01: ctx < the incoming's
+        "not a prefix": write_entry(tmp_path, b"The quack", **base),  # 0.01
+    }
+    name = {v: k for k, v in sha.items()}
+    store = KVStore(tmp_path, budget_mb=1, reject_different_quant=True)
+    incoming = Incoming(b"The quick brown fox jumps", model_id=0, quant_bits=2, ctx=4096, reject_different_quant=True)
+    scores = {name[e.sha]: eviction_score(e, now, incoming=incoming) for e in store.entries()}
+    assert scores == pytest.approx({"cold": 0.02, "shutdown": 0.02, "evict": 0.02, "unknown": 0.01,
+                                    "waypoint": 0.0155, "fresh waypoint": 0.0005, "other quant": 0.01,
+                                    "wider ctx": 0.01, "not a prefix": 0.01}, rel=1e-4)
+    alone = {name[e.sha]: eviction_score(e, now) for e in store.entries()}  # no incoming file: the reasons alone
+    assert alone == pytest.approx({**dict.fromkeys(sha, 0.01), "cold": 0.02, "shutdown": 0.02, "evict": 0.02,
+                                   "waypoint": 0.04}, rel=1e-4)
+    # A store that keeps quants apart or not: a Q4_K file is superseded only where quants mix.
+    assert not incoming.supersedes(next(e for e in store.entries() if name[e.sha] == "other quant"))
+    mixing = Incoming(b"The quick brown fox jumps", model_id=0, quant_bits=2, ctx=4096, reject_different_quant=False)
+    assert mixing.supersedes(next(e for e in store.entries() if name[e.sha] == "other quant"))
+
+    # put() makes room before it writes: the superseded waypoints go first, the new file is never a victim
+    payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO)
+    size = 52 + 25 + len(payload) + 28
+    store.budget_bytes = 850_000 + size  # the nine files' 900,000 bytes and the new one: one file must go
+    entry = store.put(b"The quick brown fox jumps", payload, tokens=1000, ctx=4096, quant_bits=2, reason="continued")
+    assert entry is not None and entry.path.exists() and entry.file_size == size
+    left = {name.get(e.sha, "new") for e in store.entries()}
+    assert left == set(sha) - {"fresh waypoint"} | {"new"} and store.stats().evictions == 1
 
 
 def test_budget_is_never_exceeded_after_a_save(tmp_path):
@@ -272,7 +312,7 @@ def test_budget_is_never_exceeded_after_a_save(tmp_path):
     store.budget_bytes = 3 * size + 10
     for i in range(10):
         entry = store.put(b"prompt %04d." % i, payload, tokens=40, ctx=64, quant_bits=2)
-        assert entry.file_size == size and entry.path.exists()  # the new file is protected
+        assert entry.file_size == size and entry.path.exists()  # room is made before it is written
         assert file_bytes(store) <= store.budget_bytes
     assert len(store.entries()) == 3 and store.stats().evictions == 7
     # ds4 wants 1% headroom: a file that fits only without it is not written

@@ -37,7 +37,6 @@ loaded on ds4's rules (layout, quant byte, chunk layout) with a :class:`KVStoreW
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 import struct
@@ -54,6 +53,7 @@ from .kvfile import (
     EXT_RESPONSES_VISIBLE,
     EXT_THINKING_VISIBLE,
     PREFIX_BYTES,
+    REASONS,
     KVFile,
     KVFileError,
     KVHeader,
@@ -126,15 +126,50 @@ def effective_hits(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_
     return hits
 
 
+# ds4 since ec6a82aa (2026-05-26): files a person or a shutdown meant to keep ("cold", "evict", "shutdown") score
+# twice a routine "continued" waypoint, and a waypoint the incoming file extends (same model, quant and a context
+# at most the incoming one's) scores 0.05 + 0.45·h of its score, h = eff / (eff + 1) (ds4_kvstore.c's
+# KV_CACHE_ANCHOR_REASON_SCORE_FACTOR and KV_CACHE_CONTINUED_PREFIX_*_FACTOR).
+ANCHOR_REASONS = frozenset({REASONS.index("cold"), REASONS.index("evict"), REASONS.index("shutdown")})
+ANCHOR_FACTOR = 2.0
+SUPERSEDED_MIN_FACTOR, SUPERSEDED_HIT_FACTOR = 0.05, 0.45
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """The file a store is making room for, as eviction weighs the files it supersedes
+    (``ds4_kvstore_eviction_context``)."""
+
+    text: bytes
+    model_id: int
+    quant_bits: int
+    ctx: int
+    reject_different_quant: bool
+
+    def supersedes(self, entry: KVEntry) -> bool:
+        """Whether ``entry`` is a "continued" waypoint on this file's path that this file serves as widely: its
+        text a strict prefix of ours, the same model (and quant where quants are kept apart), a context no
+        larger than ours (``kv_cache_incoming_supersedes_continued``)."""
+        h = entry.header
+        return (h.reason == REASONS.index("continued") and 0 < h.text_bytes < len(self.text)
+                and h.model_id == self.model_id
+                and not (self.reject_different_quant and h.quant_bits != self.quant_bits)
+                and self.ctx <= h.ctx_size and entry.prefix_of(self.text))
+
+
 def eviction_score(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_S,
-                   protected: str | None = None) -> float:
-    """ds4's ``(eff + 1) · tokens / file_size``; lower goes first, ``protected`` (a sha) never
-    (``ds4_kvstore_entry_eviction_score``, ds4_kvstore.c:486-508)."""
+                   incoming: Incoming | None = None) -> float:
+    """ds4's ``(eff + 1) · tokens / file_size``, weighed by the file's reason and by what ``incoming`` supersedes;
+    lower goes first (``ds4_kvstore_entry_eviction_score``)."""
     if entry.file_size == 0:
         return 0.0
-    if entry.sha == protected:
-        return math.inf
-    return (effective_hits(entry, now, half_life_s) + 1.0) * entry.header.tokens / entry.file_size
+    eff = effective_hits(entry, now, half_life_s)
+    score = (eff + 1.0) * entry.header.tokens / entry.file_size
+    if entry.header.reason in ANCHOR_REASONS:
+        score *= ANCHOR_FACTOR
+    if incoming is not None and incoming.supersedes(entry):
+        score *= SUPERSEDED_MIN_FACTOR + SUPERSEDED_HIT_FACTOR * (eff / (eff + 1.0))
+    return score
 
 
 def routed_quant_bits(model) -> int:
@@ -286,19 +321,20 @@ class KVStore:
                 pass
 
     # -- eviction -------------------------------------------------------------------------------------
-    def evict(self, protected: str | None = None) -> list[KVEntry]:
-        """Delete the lowest-scoring files until the rest fit the budget; returns them in deletion order
-        (``ds4_kvstore_evict``, ds4_kvstore.c:510-561). ``protected`` (a sha) goes last unless it alone is
-        over the budget."""
+    def evict(self, extra_bytes: int = 0, incoming: Incoming | None = None) -> list[KVEntry]:
+        """Delete the lowest-scoring files until the rest and ``extra_bytes`` more fit the budget; returns them in
+        deletion order (``ds4_kvstore_evict``). :meth:`put` calls it before it writes, with the new file's size
+        and ``incoming`` (so the new file is never its own victim, and the waypoints it extends go first); nothing
+        is deleted for a file larger than the whole budget."""
+        if extra_bytes > self.budget_bytes:
+            return []
         entries = self.entries()
         total = sum(e.file_size for e in entries)
-        if any(e.sha == protected and e.file_size > self.budget_bytes for e in entries):
-            protected = None
         now = int(time.time())
         evicted = []
-        while total > self.budget_bytes and entries:
+        while total > self.budget_bytes - extra_bytes and entries:
             # min() keeps the first of equal keys, as ds4's scan does
-            victim = min(entries, key=lambda e: (eviction_score(e, now, self.half_life_s, protected),
+            victim = min(entries, key=lambda e: (eviction_score(e, now, self.half_life_s, incoming),
                                                  e.header.last_used))
             entries.remove(victim)
             try:
@@ -376,6 +412,7 @@ class KVStore:
         existing = self._existing_compatible(path, sha, text, quant_bits, ctx, fingerprint)
         if existing is not None:
             return existing
+        self.evict(size, Incoming(text, header.model_id, quant_bits, ctx, self.reject_different_quant))
         try:
             write_file_atomic(path, parts)
         except OSError as e:
@@ -388,7 +425,6 @@ class KVStore:
         except OSError as e:
             self._warn(f"{self.dir}: the KV store folder could not be synced after writing {path.name}: {e}")
         self._counts["saves"] += 1
-        self.evict(protected=sha)
         return KVEntry(sha, path, size, header, fingerprint)
 
     def _existing_compatible(self, path: Path, sha: str, text: bytes, quant_bits: int, ctx: int,

@@ -47,7 +47,7 @@ from ..quants import ACTIVATION_BLOCK
 from .dialects import KernelSpec
 
 DECODERS = {Q.F32: "dq_f32", Q.F16: "dq_f16", Q.Q8_0: "dq_q8_0", Q.Q2_K: "dq_q2_k", Q.Q4_K: "dq_q4_k",
-            Q.IQ2_XXS: "dq_iq2_xxs"}  # element k of a row; "dq8_..." decodes eight from k
+            Q.IQ2_XXS: "dq_iq2_xxs", Q.MXFP4: "dq_mxfp4"}  # element k of a row; "dq8_..." decodes eight from k
 MAX_PAIRS = 4  # pairs a qmatmul batch shares one decode of the weight row with
 QMATMUL_SIMD_PER_GROUP = 4  # SIMD groups per work-group
 QMATMUL_SIMD_ROWS = 8  # rows per SIMD group: they share each load of x

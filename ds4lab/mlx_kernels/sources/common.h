@@ -79,6 +79,22 @@ DEVICE_FN float dq_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8
 DEVICE_FN float u8_float(uint u) { return from_bits(0x4B000000u | u) - 8388608.0f; }
 DEVICE_FN float i8_float(uint u) { return from_bits(0x4B000000u | (u ^ 128u)) - 8388736.0f; }  // u: the byte of an int8
 
+// MXFP4, 17-byte blocks of 32: an exponent byte e, then 16 bytes of E2M1 codes (element j < 16 the low nibble of byte
+// j, 16 + j its high one). As ggml and ds4lab/quants.py keep it: half the scale, 2^(e − 128) (e < 2 subnormal), times
+// the doubled magnitude, nibble (c & 7) of 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), negative with bit 3 of the code c
+// (set straight in the float's sign bit). Blocks of 17 bytes sit at any address: their bytes are read one at a time.
+DEVICE_FN float mxfp4_half_scale(uint e) { return from_bits(e < 2u ? 0x00200000u << e : (e - 1u) << 23); }
+
+DEVICE_FN float mxfp4_value(uint c, float d) {
+    return from_bits(as_bits(d * u8_float((0xC8643210u >> (4u * (c & 7u))) & 15u)) ^ ((c & 8u) << 28));
+}
+
+DEVICE_FN float dq_mxfp4(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 5) * 17u;
+    uint e = k & 31u;
+    return mxfp4_value((uint(b[1u + (e & 15u)]) >> (4u * (e >> 4))) & 15u, mxfp4_half_scale(b[0]));
+}
+
 // Eight consecutive elements at once, k a multiple of 8: dq8_<type>(row, k, aux).v[i] is
 // dq_<type>(row, k + i, aux), the same values, from wider loads (a SIMD group's 32 lanes then cover 256
 // elements a step). Rows of IQ2_XXS blocks start at even addresses, of Q2_K and Q4_K blocks at multiples
@@ -196,6 +212,17 @@ DEVICE_FN F8 dq8_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t
     return r;
 }
 
+DEVICE_FN F8 dq8_mxfp4(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* b = row + (k >> 5) * 17u;
+    uint e = k & 31u, shift = 4u * (e >> 4);
+    const GLOBAL uint8_t* qs = b + 1u + (e & 15u);
+    float d = mxfp4_half_scale(b[0]);
+    F8 r;
+    #pragma unroll
+    for (uint i = 0; i < 8u; i++) r.v[i] = mxfp4_value((uint(qs[i]) >> shift) & 15u, d);
+    return r;
+}
+
 // Decode products: qmatmul's loop for one row of x. The block's scales multiply a sum of small integers times x
 // (not each weight), and bytes become floats by a byte permute and one add (byte_f32_bits): the integer pipe,
 // busy with decoding, is what bounded these products on the H200.
@@ -252,6 +279,12 @@ DEVICE_FN float dot8_q4_k(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, c
     float qx = fma4_bytes(hi, x.v[4], x.v[5], x.v[6], x.v[7],
                           fma4_bytes(lo, x.v[0], x.v[1], x.v[2], x.v[3], 0.0f, 8388608.0f), 8388608.0f);
     return load_half(b) * u8_float(sm & 255u) * qx - load_half(b + 2) * u8_float(sm >> 8) * xsum;
+}
+
+// MXFP4: its eight values decoded (byte loads; no wide load reads a block of 17 bytes).
+DEVICE_FN float dot8_mxfp4(const GLOBAL uint8_t* row, uint k, F8 x, float xsum, const SHARED_ARG uint* tables,
+                           const GLOBAL uint8_t* aux) {
+    return dot8_sum(dq8_mxfp4(row, k, aux), x);
 }
 
 // A lane's 32 elements of x for dot32, and the sums of its two halves (the types with a minimum use them).
