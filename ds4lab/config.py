@@ -411,3 +411,17 @@ def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     out.check()
     return out
 
+
+# DeepSeek V4 Pro as ds4 runs it since 2026-07 (ds4.c's DS4_SHAPE_PRO): Flash's architecture, wider and deeper.
+PRO = replace(FLASH, n_layer=61, n_embd=7168, n_head=128, o_groups=16, q_lora=1536, n_expert=384, ff_exp=3072,
+              idx_topk=1024, expert_weight_scale=2.5)
+# The dims ds4 matches a file's metadata against to tell Flash from Pro (ds4_shape_matches_metadata).
+_DS4_SHAPE_FIELDS = ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "value_dim", "n_rot", "q_lora",
+                     "o_lora", "o_groups", "n_expert", "n_expert_used", "ff_exp", "n_expert_shared", "n_hash_layer",
+                     "swa", "idx_heads", "idx_dim", "idx_topk", "n_hc", "sinkhorn_iters")
+
+
+def ds4_model_id(cfg: ModelConfig) -> int:
+    """The model id a ds4 KV file of ``cfg``'s model carries (header byte 7): 1 for Pro's shape, else 0 (Flash's id,
+    which ds4lab also writes for the smaller models of Flash's architecture)."""
+    return 1 if all(getattr(cfg, f) == getattr(PRO, f) for f in _DS4_SHAPE_FIELDS) else 0

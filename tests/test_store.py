@@ -15,12 +15,13 @@ import sys
 import time
 import warnings
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ds4lab
-from ds4lab.config import FLASH, NANO
+from ds4lab.config import FLASH, NANO, PRO, ModelConfig, ds4_model_id, replace
 from ds4lab.kv.kvfile import (
     EXT_Q8,
     EXT_ZLIB,
@@ -341,6 +342,35 @@ def test_lookup_takes_the_longest_stored_prefix(tmp_path):
     assert store.lookup("The quick").text_bytes == 9 and store.lookup(b"The quic") is None
     st = store.stats()
     assert (st.lookups, st.hits, st.request_hit_rate) == (4, 3, 0.75)
+
+
+
+def test_lookup_keeps_to_its_models_family(tmp_path):
+    """Header byte 7 names the model (0 Flash, 1 Pro): ds4's lookup takes only its own model's files, and so does a
+    lookup given the model's id; a store writes the id it is given (ds4_model_id of the model's config)."""
+    write_entry(tmp_path, b"The quick", tokens=600, size=2000)
+    pro = Path(tmp_path / (write_entry(tmp_path, b"The quick brown", tokens=700, size=2000) + ".kv"))
+    data = bytearray(pro.read_bytes())
+    data[7] = 1
+    pro.write_bytes(bytes(data))
+    store = KVStore(tmp_path)
+    assert [e.text_bytes for e in store.candidates(b"The quick brown fox")] == [15, 9]
+    assert [e.text_bytes for e in store.candidates(b"The quick brown fox", model_id=0)] == [9]
+    assert [e.text_bytes for e in store.candidates(b"The quick brown fox", model_id=1)] == [15]
+    payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO)
+    entry = store.put(b"a Pro state", payload, tokens=40, ctx=64, quant_bits=2, model_id=1)
+    assert entry.header.model_id == 1 and entry.path.read_bytes()[7] == 1
+    assert KVFile.open(entry.path).summary().count("DeepSeek V4 PRO") == 1
+    with pytest.raises(ValueError, match="model_id 2: ds4lab writes DeepSeek V4 state"):
+        store.put(b"a GLM state", payload, tokens=40, ctx=64, quant_bits=2, model_id=2)
+
+
+def test_ds4_model_id_tells_pro_by_ds4s_shape():
+    # ds4.c's DS4_SHAPE_PRO, written out; Flash and every smaller model of its architecture are id 0
+    assert (PRO.n_layer, PRO.n_embd, PRO.n_head, PRO.q_lora, PRO.o_lora, PRO.o_groups, PRO.n_expert, PRO.ff_exp,
+            PRO.idx_topk, PRO.expert_weight_scale) == (61, 7168, 128, 1536, 1024, 16, 384, 3072, 1024, 2.5)
+    assert [ds4_model_id(c) for c in (FLASH, PRO, NANO, replace(PRO, idx_topk=512))] == [0, 1, 0, 0]
+    assert ModelConfig.from_metadata(PRO.to_metadata()) == PRO
 
 
 # -- sessions ------------------------------------------------------------------------------------------

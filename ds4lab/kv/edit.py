@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ds4_model_id
 from .checkpoint import Checkpoint
 from .kvfile import KVFile, kv_file_parts, write_file_atomic
 from .layout import ROW_FIELDS, KVState
@@ -114,7 +115,8 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
     path = Path(path)
     _, parts = kv_file_parts(token_text(model.tokenizer, cp.tokens), with_version(cp.to_bytes(), payload_version),
                              tokens=len(cp), ctx=cp.ctx, quant_bits=routed_quant_bits(model), reason=reason,
-                             fingerprint=cp.fingerprint, with_checksum=checksum, payload_version=payload_version)
+                             fingerprint=cp.fingerprint, with_checksum=checksum, payload_version=payload_version,
+                             model_id=ds4_model_id(model.config))
     write_file_atomic(path, parts)
     return KVFile.open(path, model.config)
 

@@ -422,11 +422,12 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S
 
 def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int, reason: str = "unknown",
                   codec_flags: int = 0, fingerprint: str | None = None, with_checksum: bool = True,
-                  now: int | None = None, payload_version: int = VERSION) -> tuple[KVHeader, tuple[bytes, ...]]:
+                  now: int | None = None, payload_version: int = VERSION,
+                  model_id: int = 0) -> tuple[KVHeader, tuple[bytes, ...]]:
     """A file's header and its bytes in file order: header, ``text``, ``payload`` (in its stored form, ``codec_flags``
     saying which; ``DSV4`` version ``payload_version``, which sets the header's ABI byte), then the trailers of the
     fingerprint (given one) and, ``with_checksum``, of the CRC (module docstring); created and last_used are ``now``
-    (default: the current time)."""
+    (default: the current time); ``model_id`` is header byte 7 (:data:`MODELS`: 0 Flash, 1 Pro)."""
     check_version(payload_version)
     if not codec_flags & (EXT_ZLIB | EXT_ZSTD):  # a stored payload starts with its DSV4 header: it must agree
         magic, version = struct.unpack_from("<II", payload) if len(payload) >= 8 else (None, None)
@@ -441,8 +442,10 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
         ours = EXT_FINGERPRINT if digest or with_checksum else 0
     now = int(time.time()) if now is None else now
     abi = ABI_OF_PAYLOAD_VERSION[payload_version] | (CODEC_ABI_MARK if codec_flags else 0)
+    if model_id not in MODELS or model_id == GLM_MODEL_ID:
+        raise ValueError(f"model_id {model_id}: ds4lab writes DeepSeek V4 state, 0 (Flash) or 1 (Pro)")
     header = KVHeader(quant_bits, reason_code(reason), codec_flags | ours, tokens, 0, ctx, now, now, len(payload),
-                      len(text), payload_abi=abi)
+                      len(text), model_id=model_id, payload_abi=abi)
     head = header.pack()
     if legacy:
         fp = FINGERPRINT_MAGIC + digest if digest else b""

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
+from ..config import ds4_model_id
 from .checkpoint import Checkpoint, model_fingerprint
 from .kvfile import (
     CODECS,
@@ -321,15 +322,16 @@ class KVStore:
                 pass
 
     # -- eviction -------------------------------------------------------------------------------------
-    def evict(self, extra_bytes: int = 0, incoming: Incoming | None = None) -> list[KVEntry]:
+    def evict(self, extra_bytes: int = 0, incoming: Incoming | None = None, keep: str | None = None) -> list[KVEntry]:
         """Delete the lowest-scoring files until the rest and ``extra_bytes`` more fit the budget; returns them in
         deletion order (``ds4_kvstore_evict``). :meth:`put` calls it before it writes, with the new file's size
         and ``incoming`` (so the new file is never its own victim, and the waypoints it extends go first); nothing
-        is deleted for a file larger than the whole budget."""
+        is deleted for a file larger than the whole budget. ``keep`` (a sha) counts but is never a victim."""
         if extra_bytes > self.budget_bytes:
             return []
         entries = self.entries()
         total = sum(e.file_size for e in entries)
+        entries = [e for e in entries if e.sha != keep]
         now = int(time.time())
         evicted = []
         while total > self.budget_bytes - extra_bytes and entries:
@@ -383,15 +385,17 @@ class KVStore:
             return None
         return self.put(token_text(model.tokenizer, cp.tokens), payload, tokens=len(cp), ctx=cp.ctx,
                         quant_bits=routed_quant_bits(model), reason=reason, codec_flags=self.codec_flags,
-                        fingerprint=cp.fingerprint)
+                        fingerprint=cp.fingerprint, model_id=ds4_model_id(model.config))
 
     def put(self, text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int,
-            reason: str = "unknown", codec_flags: int = 0, fingerprint: str | None = None) -> KVEntry | None:
+            reason: str = "unknown", codec_flags: int = 0, fingerprint: str | None = None,
+            model_id: int = 0) -> KVEntry | None:
         """Write one file atomically: temporary file, fsync, rename (``ds4_kvstore_store_live_prefix_text``,
         ds4_kvstore.c:876-1079); the store's one writer (:meth:`save` packs a checkpoint and calls it; call it
         for a payload already in stored form, e.g. ds4-server's bytes). ``payload`` is in its stored form,
         ``codec_flags`` (:data:`CODECS`) say which.
-        ``fingerprint``: the writing model's (``model.file.fingerprint``), kept in a trailer ds4 never reads. The
+        ``fingerprint``: the writing model's (``model.file.fingerprint``), kept in a trailer ds4 never reads;
+        ``model_id``: header byte 7 (0 Flash, 1 Pro: :func:`ds4lab.config.ds4_model_id`). The
         payload is ``DSV4`` version :attr:`payload_version` (the header's ABI byte follows it).
 
         A file already stored for the text is kept when compatible (ds4's rule, plus: written by the same model,
@@ -399,7 +403,7 @@ class KVStore:
         a failed write leaves it as it was (ds4 deletes it first)."""
         header, parts = kv_file_parts(text, payload, tokens=tokens, ctx=ctx, quant_bits=quant_bits, reason=reason,
                                       codec_flags=codec_flags, fingerprint=fingerprint, with_checksum=self.checksum,
-                                      payload_version=self.payload_version)
+                                      payload_version=self.payload_version, model_id=model_id)
         size = sum(len(part) for part in parts)
         if size + -(-size // 100) > self.budget_bytes:  # 1% headroom (ds4_kvstore.c:738-748)
             self._counts["skipped"] += 1
@@ -425,6 +429,9 @@ class KVStore:
         except OSError as e:
             self._warn(f"{self.dir}: the KV store folder could not be synced after writing {path.name}: {e}")
         self._counts["saves"] += 1
+        # Another process may have written while this one did: ds4 leaves the excess to its next store, here the
+        # store is back within its budget when put returns.
+        self.evict(keep=sha)
         return KVEntry(sha, path, size, header, fingerprint)
 
     def _existing_compatible(self, path: Path, sha: str, text: bytes, quant_bits: int, ctx: int,
@@ -448,14 +455,17 @@ class KVStore:
 
     # -- lookup and load ------------------------------------------------------------------------------
     def candidates(self, text: bytes, ctx: int | None = None, quant_bits: int | None = None,
-                   fingerprint: str | None = None) -> list[KVEntry]:
+                   fingerprint: str | None = None, model_id: int | None = None) -> list[KVEntry]:
         """Entries whose text is a byte prefix of ``text``, best first: longest text, then most tokens
-        (``ds4_kvstore_find_text_prefix``, ds4_kvstore.c:1114-1136). With ``fingerprint`` (the model's), files
-        another model wrote are left out; files without a fingerprint (ds4-server's) stay in."""
+        (``ds4_kvstore_find_text_prefix``). With ``fingerprint`` (the model's), files another model wrote are left
+        out; files without a fingerprint (ds4-server's) stay in. With ``model_id`` (header byte 7), files of
+        another model family are left out, as ds4 does."""
         out = []
         for e in self.entries():
             h = e.header
             if h.tokens < self.min_tokens or (ctx is not None and h.ctx_size > ctx):
+                continue
+            if model_id is not None and h.model_id != model_id:
                 continue
             if self.reject_different_quant and quant_bits is not None and h.quant_bits != quant_bits:
                 continue
@@ -476,8 +486,8 @@ class KVStore:
             n_tokens = len(tokenizer.encode(prompt)) if tokenizer is not None else None
         else:
             n_tokens = len(prompt)
-        found = self.candidates(text, ctx, routed_quant_bits(model) if model is not None else None,
-                                model_fingerprint(model) if model is not None else None)
+        found = self.candidates(text, ctx, *((routed_quant_bits(model), model_fingerprint(model),
+                                              ds4_model_id(model.config)) if model is not None else ()))
         self._count(n_tokens, found[0].tokens if found else 0)
         return found[0] if found else None
 
@@ -492,7 +502,7 @@ class KVStore:
         fingerprint = model_fingerprint(model)
         found = None
         for entry in self.candidates(token_text(model.tokenizer, ids), geometry.ctx, routed_quant_bits(model),
-                                     fingerprint):
+                                     fingerprint, ds4_model_id(model.config)):
             if entry.tokens > len(ids):
                 continue
             try:
