@@ -118,20 +118,22 @@ OTHER_FLASH_FILES = {
 }
 
 
-@pytest.mark.parametrize("name", OTHER_FLASH_FILES)
+@pytest.mark.parametrize("name", [*OTHER_FLASH_FILES, "pro-q2"])
 def test_ds4s_other_flash_files_open(tmp_path, name):
+    """Also DeepSeek V4 Pro's q2 file (61 layers, 430 GB), which ds4 runs since 2026-07."""
     if not sparse_files_work(tmp_path):
         pytest.skip(f"{tmp_path}'s file system does not keep holes")
     import ds4lab
 
-    expert_types = OTHER_FLASH_FILES[name]
-    path = testing.make_sparse_model(config.FLASH, tmp_path / f"{name}.gguf", filled=small, expert_types=expert_types)
+    cfg = config.PRO if name == "pro-q2" else config.FLASH
+    expert_types = OTHER_FLASH_FILES.get(name, ("IQ2_XXS", "Q2_K"))
+    path = testing.make_sparse_model(cfg, tmp_path / f"{name}.gguf", filled=small, expert_types=expert_types)
     try:
         model = ds4lab.load(path, backend="numpy")
-        assert model.config == config.FLASH
-        types = testing._layer_expert_types(expert_types, 43)
+        assert model.config == cfg and config.ds4_model_id(model.config) == (name == "pro-q2")
+        types = testing._layer_expert_types(expert_types, cfg.n_layer)
         tensors = model.file.tensors
-        for il in (0, 36, 37, 42):
+        for il in (0, 36, 37, cfg.n_layer - 1):
             assert (tensors[f"blk.{il}.ffn_gate_exps.weight"].qtype, tensors[f"blk.{il}.ffn_down_exps.weight"].qtype) \
                 == types[il]
     finally:
