@@ -459,6 +459,11 @@ def test_kvcache_view_renders(page):
         box = view.locator(".ds4-layer").nth(layer)
         assert "the last query (position 319) reads the 32 rows the indexer picked" in box.inner_text()
         assert box.locator(".ds4-cell.comp").count() == 80 and box.locator(".ds4-cell.comp.dropped").count() == 48
+        # kept and dropped in the colours the MaskView and the AttentionView give them (below)
+        colour = "el => getComputedStyle(el).backgroundColor"
+        assert box.locator(".ds4-cell.comp.kept").count() == 32
+        assert box.locator(".ds4-cell.comp.kept").first.evaluate(colour) == "rgb(49, 130, 189)"
+        assert box.locator(".ds4-cell.comp.dropped").first.evaluate(colour) == "rgb(252, 187, 161)"
         dropped = box.locator(".ds4-cell.comp.dropped").first.get_attribute("title")
         assert dropped.endswith("dropped by the indexer for the last query (319)"), dropped
     for kind in ("comp", "index"):

@@ -63,9 +63,10 @@ function render({ model, el }) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const chooses = L.n_index !== null && L.n_index > d.idx_topk;
         const reads = picked && chooses ? `<div>the last query (position ${q}) reads the ${picked.size} rows the indexer picked: ` +
-          `<span class="ds4-swatch comp"></span> attended, <span class="ds4-swatch dropped"></span> dropped by the indexer</div>` : "";
+          `<span class="ds4-swatch kept"></span> kept (attended), <span class="ds4-swatch dropped"></span> dropped by the indexer ` +
+          `(the mask's and the attention view's colours; <span class="ds4-swatch comp"></span> green: a layer's rows where no indexer chooses)</div>` : "";
         h += `<div>compressed rows: ${L.n_comp} (row c pools the group of tokens ${R}c–${R}c+${R - 1}${R === 4 ? ", and the group before" : ""})</div>` +
-          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (picked && !picked.has(c) ? " dropped" : "") + ((c + 1) * R > d.new_from ? " new" : ""),
+          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
           const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: every query attends all of them)` :
