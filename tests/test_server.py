@@ -330,6 +330,16 @@ BAD = [  # (endpoint, body, status, param, code)
      "stream", "invalid_type"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": SHAKESPEARE[:6000]}]}, 400,
      "messages", "context_length_exceeded"),
+    # tools are refused by name (ds4-server renders them as DSML; ds4lab would answer as if there were none)
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools",
+     "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400,
+     "tool_choice", "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}, {"role": "assistant",
+              "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f",
+                                                                                        "arguments": "{}"}}]}]},
+     400, "messages[1].tool_calls", "unsupported_parameter"),
     ("completion", {"model": "shakespeare", "prompt": 123}, 400, "prompt", "invalid_type"),
     ("completion", {"model": "shakespeare", "prompt": [1, 99999]}, 400, "prompt", "out_of_range"),
     ("completion", {"model": "shakespeare", "prompt": SHAKESPEARE[:6000]}, 400, "prompt", "context_length_exceeded"),
@@ -361,6 +371,10 @@ def test_bad_requests_through_the_clients(server):
     r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "messages": [
         {"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens is required"
+    r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("tools: ds4lab serve does not do tool calling")
 
 
 def test_a_full_queue_answers_503_with_retry_after():

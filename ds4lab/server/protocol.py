@@ -186,6 +186,21 @@ def _text_content(value, name: str) -> str:
     raise _type_error(name, "a string or a list of text parts", value)
 
 
+# ds4-server renders tool definitions and calls as DeepSeek's DSML blocks and parses them back out of the generated
+# text; ds4lab's server does neither, so a request that offers tools (or carries earlier calls) is refused by name
+# rather than answered as if it had none.
+_TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
+_NO_TOOLS = 'ds4lab serve does not do tool calling (ds4-server does: it writes tools and calls as DSML blocks)'
+
+
+def _refuse_tools(data: dict) -> None:
+    for key in _TOOL_FIELDS:
+        value = data.get(key)
+        if value not in (None, [], "none") and not (key == "tool_choice" and value == {"type": "none"}):
+            raise RequestError(f"{key}: {_NO_TOOLS}; send the request without it", param=key,
+                               code="unsupported_parameter")
+
+
 def _think_mode(data: dict, model: str, limits: Limits) -> str:
     """ds4-server's rules: reasoning_effort max → max, none → none, other efforts → high; thinking disabled,
     think false or the model deepseek-chat → none; deepseek-reasoner → high; else the server's default."""
@@ -232,6 +247,10 @@ def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
         if m.get("role") not in roles:
             raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got "
                                f"{json.dumps(m.get('role'))}", param=f"messages[{i}].role", code="invalid_value")
+        for key in ("tool_calls", "function_call"):
+            if m.get(key):
+                raise RequestError(f"messages[{i}].{key}: {_NO_TOOLS}", param=f"messages[{i}].{key}",
+                                   code="unsupported_parameter")
         out.append({"role": m["role"], "content": _text_content(m.get("content"), f"messages[{i}].content")})
     return out
 
@@ -239,6 +258,7 @@ def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
 def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/chat/completions``."""
     model = _model(data, limits)
+    _refuse_tools(data)
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
     if data.get("n") not in (None, 1):
         raise RequestError(f"n must be 1 (one choice per request), got {json.dumps(data['n'])}", param="n",
@@ -283,6 +303,7 @@ def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
 def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/messages`` (Anthropic): ``max_tokens`` required, ``system`` apart from the messages."""
     model = _model(data, limits)
+    _refuse_tools(data)
     messages = _messages(data, ("user", "assistant"))
     system = data.get("system")
     if system is not None:
