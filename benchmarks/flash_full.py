@@ -1,6 +1,8 @@
 """The full 43-layer Flash model on one GPU: ds4-bench's frontier sweep on a file of the exact Flash q2 layout.
 
-The file (81 GiB) is written sparse on the machine's local disk by ``ds4lab.testing.make_sparse_model``:
+``--experts`` picks the routed experts of another of ds4's Flash files (``testing.FLASH_EXPERT_LAYOUTS``: q2-q4,
+q4, mxfp4). The file (81 GiB for q2) is written sparse on the machine's local disk by
+``ds4lab.testing.make_sparse_model``:
 embeddings, routers, norms, hyper-connection and indexer weights seeded random (routing differs per token),
 the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints,
 for one setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from
@@ -98,7 +100,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-matmul", default="float32", choices=["float32", "tf32", "f16"])
     p.add_argument("--decode-matmul", default="float32", choices=["float32", "q8"],
                    help="q8: the decode products on x quantized to int8 per block, as ds4's decode (ds4lab.load)")
-    p.add_argument("--path", type=Path, default=Path("/tmp/flash.gguf"))
+    p.add_argument("--experts", default="q2", choices=list(testing.FLASH_EXPERT_LAYOUTS),
+                   help="the routed experts of which of ds4's Flash files (q4 and mxfp4 need more than one H200)")
+    p.add_argument("--path", type=Path, default=None,
+                   help="the file (default /tmp/<config>.gguf for q2, else /tmp/<config>-<experts>.gguf)")
     p.add_argument("--ctx-start", type=int, default=2048)
     p.add_argument("--ctx-max", type=int, default=8192)
     p.add_argument("--step-incr", type=int, default=2048)
@@ -118,10 +123,15 @@ def main(argv=None) -> int:
     sampling = {"temperature": args.temperature, "min_p": args.min_p} if args.temperature > 0 else None
     out = {"setting": args.prefill_matmul, "decode_matmul": args.decode_matmul, "backend": args.backend,
            "sampling": sampling, "tiers": args.tiers}
+    args.path = args.path or Path(f"/tmp/{args.config}{'' if args.experts == 'q2' else '-' + args.experts}.gguf")
+    out["experts"] = args.experts
     if not args.path.exists():
         began = time.perf_counter()
         cfg = config.FLASH if args.config == "flash" else config.NANO
-        testing.make_sparse_model(cfg, args.path, seed=1, filled=testing.routing_filled)
+        experts = testing.FLASH_EXPERT_LAYOUTS[args.experts]
+        if not isinstance(experts[0], str):  # one pair a layer: the last layers' pairs for a smaller model
+            experts = experts[-cfg.n_layer:]
+        testing.make_sparse_model(cfg, args.path, seed=1, filled=testing.routing_filled, expert_types=experts)
         out["file_written_s"] = time.perf_counter() - began
     model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul,
                         decode_matmul=args.decode_matmul)

@@ -192,6 +192,16 @@ def make_sparse_model(
     return write_gguf(path, meta, tensors)
 
 
+# The routed experts of ds4's Flash files (its download_model.sh), for make_sparse_model(FLASH, ..., expert_types=):
+# IQ2_XXS gate/up with Q2_K down ("q2", 81 GiB), those with Q4_K experts in the last six layers ("q2-q4", 91 GiB),
+# Q4_K experts ("q4", 153 GiB), DeepSeek's own MXFP4 experts ("mxfp4", 145 GiB).
+FLASH_EXPERT_LAYOUTS = {
+    "q2": ("IQ2_XXS", "Q2_K"),
+    "q2-q4": [("IQ2_XXS", "Q2_K")] * 37 + [("Q4_K", "Q4_K")] * 6,
+    "q4": ("Q4_K", "Q4_K"),
+    "mxfp4": ("MXFP4", "MXFP4"),
+}
+
 # The tensors a decode step mostly reads (routed experts, the Q8_0 projections, the head): holes in a layout
 # model made for speed, where their values do not change the work. What decides routing stays random.
 BIG_PROJECTIONS = ("_exps.weight", "_shexp.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight",

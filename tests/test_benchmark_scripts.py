@@ -34,3 +34,20 @@ def test_flash_full_splits_the_layers_over_tiers_and_reports_their_switches(tmp_
         assert 0 <= row["prefill_switch_share"] < 1 and 0 <= row["decode_switch_share"] < 1, row
     assert "runtime" not in split["decode_step_ms"] and "graphs" not in split
     assert "placement" not in one and "switches" not in one["rows"][0] and one["decode_step_ms"]["runtime"] > 0
+
+
+def test_flash_full_writes_the_expert_layout_asked_for(tmp_path, monkeypatch):
+    """--experts q2-q4 on the nano layout: the last six layers' pairs of ds4's q2-q4 file (all Q4_K), and the
+    sweep runs on it."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4lab.gguf_file import GGUFModelFile
+
+    flash_full = _script("flash_full")
+    monkeypatch.setattr(flash_full, "copy_bandwidth", lambda backend: 1e9)
+    path, out = tmp_path / "nano-q2-q4.gguf", tmp_path / "out.json"
+    assert flash_full.main(["--config", "nano", "--backend", "numpy", "--experts", "q2-q4", "--path", str(path),
+                            "--ctx-start", "64", "--ctx-max", "64", "--gen-tokens", "2", "--json", str(out)]) == 0
+    tensors = GGUFModelFile.open(path).tensors
+    assert {tensors[f"blk.{il}.ffn_down_exps.weight"].qtype for il in range(6)} == {Q.Q4_K}
+    assert json.loads(out.read_text())["experts"] == "q2-q4"

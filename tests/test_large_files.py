@@ -109,24 +109,16 @@ def test_inspect_reads_the_flash_layout(flash_layout):
     assert "43 layers" in run.stdout or "n_layer" in run.stdout
 
 
-# ds4's other Flash files (its download_model.sh): the q2 layers with Q4_K experts in the last six ("q2-q4", 97.6 GB
-# in this layout), Q4_K experts throughout ("q4", 164.6 GB), DeepSeek's own MXFP4 experts ("mxfp4", 156.0 GB).
-OTHER_FLASH_FILES = {
-    "q2-q4": [("IQ2_XXS", "Q2_K")] * 37 + [("Q4_K", "Q4_K")] * 6,
-    "q4": ("Q4_K", "Q4_K"),
-    "mxfp4": ("MXFP4", "MXFP4"),
-}
-
-
-@pytest.mark.parametrize("name", [*OTHER_FLASH_FILES, "pro-q2"])
+@pytest.mark.parametrize("name", ["q2-q4", "q4", "mxfp4", "pro-q2"])
 def test_ds4s_other_flash_files_open(tmp_path, name):
-    """Also DeepSeek V4 Pro's q2 file (61 layers, 430 GB), which ds4 runs since 2026-07."""
+    """ds4's other Flash files (testing.FLASH_EXPERT_LAYOUTS) and DeepSeek V4 Pro's q2 file (61 layers, 430 GB),
+    which ds4 runs since 2026-07."""
     if not sparse_files_work(tmp_path):
         pytest.skip(f"{tmp_path}'s file system does not keep holes")
     import ds4lab
 
     cfg = config.PRO if name == "pro-q2" else config.FLASH
-    expert_types = OTHER_FLASH_FILES.get(name, ("IQ2_XXS", "Q2_K"))
+    expert_types = testing.FLASH_EXPERT_LAYOUTS[name.removeprefix("pro-")]
     path = testing.make_sparse_model(cfg, tmp_path / f"{name}.gguf", filled=small, expert_types=expert_types)
     try:
         model = ds4lab.load(path, backend="numpy")
