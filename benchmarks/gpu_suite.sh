@@ -92,6 +92,11 @@ want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py --
     --json "$OUT/flash_tf32.json"
 want flash_f16 flash && step flash_f16 300 python3 benchmarks/flash_full.py --prefill-matmul f16 \
     --json "$OUT/flash_f16.json"
+# ds4's other Flash files that fit one H200 (q2-q4: 91 GiB) and, over two GPUs, the MXFP4 one (145 GiB)
+want flash_q2q4 flash && step flash_q2q4 300 python3 benchmarks/flash_full.py --experts q2-q4 --prefill-matmul f16 \
+    --json "$OUT/flash_q2q4.json"
+want flash_mxfp4 tiers && [ "$n_gpu" -ge 2 ] && step flash_mxfp4 400 python3 benchmarks/flash_full.py --experts mxfp4 \
+    --prefill-matmul f16 --tiers 2 --json "$OUT/flash_mxfp4.json"
 want tier_split tiers && [ "$n_gpu" -ge 2 ] && step tier_split 200 python3 benchmarks/tier_split.py --json "$OUT/tier_split.json"
 # the whole Flash model over two GPUs (layers split evenly) and on one, frontiers 4K-32K (issue 29's run)
 for t in 2 1; do
