@@ -160,8 +160,7 @@ class GGUFModelFile:
         say("\nconfig")
         problem = None
         try:
-            cfg = ModelConfig.from_metadata(self.metadata, str(self.path))
-            cfg.validate_tensors({n: (t.shape, t.qtype) for n, t in self.tensors.items()}, str(self.path))
+            cfg = model_config(self, str(self.path))
         except ValueError as e:
             problem = str(e)
             say(f"  not a valid ds4 model: {problem}")
@@ -193,12 +192,24 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def model_config(file: GGUFModelFile, source: str) -> ModelConfig:
+    """The configuration of ``file``'s metadata, checked against its tensors (a ModelFileError names the key or
+    tensor). ds4's speculative-decoding add-on (its MTP/DSpark support GGUF: tensors ``mtp.N.*`` and no layers of
+    its own) is named as such rather than reported as a model with missing tensors."""
+    if any(n.startswith("mtp.") for n in file.tensors) and "blk.0.attn_norm.weight" not in file.tensors:
+        raise ModelFileError(f"{source}: ds4's MTP/DSpark support file (tensors mtp.*, no model layers): an add-on "
+                             f"of a Flash model for ds4's speculative decoding (--mtp), not a model of its own; "
+                             f"ds4lab runs the main model file and not speculative decoding")
+    config = ModelConfig.from_metadata(file.metadata, source)
+    config.validate_tensors({n: (t.shape, t.qtype) for n, t in file.tensors.items()}, source)
+    return config
+
+
 def load_model_file(path: str | os.PathLike) -> tuple[ModelConfig, GGUFModelFile]:
     """Open a ds4 GGUF and check it against its own metadata; returns (config, file) or raises."""
     file = GGUFModelFile.open(path)
     source = str(path)
-    config = ModelConfig.from_metadata(file.metadata, source)
-    config.validate_tensors({n: (t.shape, t.qtype) for n, t in file.tensors.items()}, source)
+    config = model_config(file, source)
     _check_tokenizer(file.metadata, config.n_vocab, source)
     return config, file
 

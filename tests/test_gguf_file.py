@@ -1,5 +1,6 @@
 """GGUF reading, writing and checking (ds4lab.gguf_file) and random test models (ds4lab.testing)."""
 
+import io
 import math
 import mmap
 import re
@@ -480,6 +481,19 @@ def test_a_tensor_the_metadata_has_no_use_for_is_refused(nano_path, tmp_path):
     path = rewrite(nano_path, tmp_path / "m.gguf", meta={"deepseek4.hash_layer_count": (2, "UINT32")})
     with raises_for(path, r"blk\.2\.ffn_gate_tid2eid\.weight", "not part of"):
         load_model_file(path)
+
+
+def test_ds4s_mtp_support_file_is_named(nano_path, tmp_path):
+    """ds4's MTP/DSpark support GGUF (its mtp.N.* tensors, no layers of its own) is named as the add-on it is, not
+    reported as a model missing its tensors; `inspect` says the same."""
+    f = GGUFModelFile.open(nano_path)
+    norm = f.tensors["output_norm.weight"]
+    entries = [("mtp.0.e_proj.weight", (256, 256), Q.F16, np.zeros((256, 512), np.uint8)),
+               ("mtp.0.enorm.weight", norm.shape, norm.qtype, norm.data)]
+    path = write_gguf(tmp_path / "DeepSeek-V4-Flash-DSpark-support.gguf", f.metadata, entries)
+    with raises_for(path, "MTP/DSpark support file", "not a model of its own"):
+        load_model_file(path)
+    assert "MTP/DSpark support file" in GGUFModelFile.open(path).print_summary(io.StringIO())
 
 
 @pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
