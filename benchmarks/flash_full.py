@@ -46,12 +46,14 @@ def since_process_start() -> float:
 
 def decode_bytes(model) -> int:
     """Bytes a decoded token reads: every tensor but the routed experts, the embedding table and the hash
-    tables (a row each), plus the selected experts' gate, up and down in every layer."""
+    tables (a row each), plus the selected experts' gate, up and down in every layer (each layer's own types: the
+    q2-q4 file's last layers are Q4_K)."""
     cfg, tensors = model.config, model.file.tensors
     dense = sum(t.nbytes for n, t in tensors.items()
                 if not n.endswith(("_exps.weight", "tid2eid.weight")) and n != "token_embd.weight")
-    per_expert = sum(tensors[f"blk.0.ffn_{k}_exps.weight"].nbytes for k in ("gate", "up", "down")) // cfg.n_expert
-    return dense + cfg.n_layer * cfg.n_expert_used * per_expert
+    experts = sum(tensors[f"blk.{il}.ffn_{k}_exps.weight"].nbytes for il in range(cfg.n_layer)
+                  for k in ("gate", "up", "down"))
+    return dense + experts // cfg.n_expert * cfg.n_expert_used
 
 
 RUNTIME_STEPS = 16  # runtime_step_ms's steps, from the last frontier: the session holds room for them
