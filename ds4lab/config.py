@@ -54,7 +54,8 @@ _KEYS = [
     ("expert_weights_norm", "expert_weights_norm", "bool"),
 ]
 # Optional keys with their defaults (ds4 reads the group counts and, since its DeepSeek V4 Pro support, the RoPE
-# scaling keys optionally, with these defaults; docs/FORMATS.md, "GGUF model files").
+# scaling keys optionally, with these defaults; the HC eps it now requires, ds4lab still defaults to Flash's value;
+# docs/FORMATS.md, "GGUF model files").
 _OPTIONAL = [
     ("rope_orig_ctx", "rope.scaling.original_context_length", "ctx", 65536),
     ("rope_scale_factor", "rope.scaling.factor", "float", 16.0),
@@ -412,9 +413,11 @@ def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     return out
 
 
-# DeepSeek V4 Pro as ds4 runs it since 2026-07 (ds4.c's DS4_SHAPE_PRO): Flash's architecture, wider and deeper.
+# DeepSeek V4 Pro as ds4 runs it since 2026-07 (ds4.c's DS4_SHAPE_PRO): Flash's architecture, wider and deeper, and
+# its first two layers ratio 128 where Flash's have none (ds4_expected_layer_compress_ratio).
 PRO = replace(FLASH, n_layer=61, n_embd=7168, n_head=128, o_groups=16, q_lora=1536, n_expert=384, ff_exp=3072,
-              idx_topk=1024, expert_weight_scale=2.5)
+              idx_topk=1024, expert_weight_scale=2.5,
+              compress_ratios=(128, 128) + tuple(ds4_ratio(il) for il in range(2, 61)))
 # The dims ds4 matches a file's metadata against to tell Flash from Pro (ds4_shape_matches_metadata).
 _DS4_SHAPE_FIELDS = ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "value_dim", "n_rot", "q_lora",
                      "o_lora", "o_groups", "n_expert", "n_expert_used", "ff_exp", "n_expert_shared", "n_hash_layer",

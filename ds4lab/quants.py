@@ -304,8 +304,8 @@ def _random_mxfp4(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
     n_f = np.log2(std / _MXFP4_UNIT_STD)
     up = rng.uniform(0, 1, size=n) < (4 ** (n_f - np.floor(n_f)) - 1) / 3
     e = np.floor(n_f) + 128 + up
-    if not np.all((e >= 2) & (e <= 254)):
-        raise ValueError(f"random_blocks: std {std:.3g} needs MXFP4 scales outside 2^-126 .. 2^126")
+    if not np.all((e >= 2) & (e <= 252)):  # past 252 the largest code, 12 · 2^(e − 128), overflows float32
+        raise ValueError(f"random_blocks: std {std:.3g} needs MXFP4 scales outside 2^-126 .. 2^124")
     qs = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
     return np.concatenate([e.astype(np.uint8)[:, None], qs], axis=1)
 

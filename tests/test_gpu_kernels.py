@@ -135,6 +135,8 @@ def test_dequant_kernel_matches_the_reference_decoder(gpu, qtype, rows, ne0):
     want = dequantize(raw, qtype, ne0)
     # Same operations in the same order; only a fused multiply-add may round differently (≤ 1 ulp).
     np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-9)
+    if qtype == Q.MXFP4:  # a power of two times a small integer: no rounding at all, the same bits (+0 for code 8)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     # dequant_<type>_f16 (a half-operand chunk's weights): the same values rounded to half, to nearest even
     halves = to_host(kernels.dequant(to_dev(blocks(raw, qtype)), qtype, ne0, rows, half=True))
     assert halves.dtype == np.float16

@@ -35,7 +35,7 @@ def random_bytes_with_finite_scales(qtype: Q, rng: np.random.Generator, shape_ro
     for off in F16_FIELDS[qtype]:
         scales = (rng.standard_normal(len(blocks)) * 0.1).astype("<f2")
         blocks[:, off:off + 2] = scales.reshape(-1, 1).view(np.uint8)
-    if qtype == Q.MXFP4:  # exponents up to 250 (past 251 the largest code overflows float32), subnormal 0 and 1 too
+    if qtype == Q.MXFP4:  # exponents up to 250 (past 252 the largest code overflows float32), subnormal 0 and 1 too
         blocks[:, 0] = rng.integers(0, 251, size=len(blocks))
         blocks[:4, 0] = [0, 1, 2, 250]
     return raw

@@ -326,6 +326,21 @@ def test_budget_is_never_exceeded_after_a_save(tmp_path):
     assert [e.text_bytes for e in store.entries()] == [12]  # alone, and within the budget
 
 
+def test_a_file_being_replaced_is_not_counted_when_room_is_made(tmp_path):
+    """The file stored for the same text that a write will replace (here: written for a larger context) neither
+    counts nor is a victim of the eviction before the write (ds4 deletes it first): the other file stays."""
+    payload = encode_payload(random_payload(NANO, 40, 64, 16, seed=None), NANO)
+    text = b"the same text"
+    size = 52 + len(text) + len(payload) + 28
+    write_entry(tmp_path, text, tokens=40, size=50_000, ctx=8192)
+    other = write_entry(tmp_path, b"another text", tokens=40, size=50_000)
+    store = KVStore(tmp_path, min_tokens=1)
+    store.budget_bytes = 50_000 + size + 100
+    entry = store.put(text, payload, tokens=40, ctx=64, quant_bits=2)
+    assert entry.file_size == size and entry.header.ctx_size == 64
+    assert sorted(e.sha for e in store.entries()) == sorted([entry.sha, other]) and store.stats().evictions == 0
+
+
 def test_lookup_takes_the_longest_stored_prefix(tmp_path):
     write_entry(tmp_path, b"The quick", tokens=600, size=2000)
     write_entry(tmp_path, b"The quick brown", tokens=700, size=2000)
@@ -361,6 +376,9 @@ def test_lookup_keeps_to_its_models_family(tmp_path):
     entry = store.put(b"a Pro state", payload, tokens=40, ctx=64, quant_bits=2, model_id=1)
     assert entry.header.model_id == 1 and entry.path.read_bytes()[7] == 1
     assert KVFile.open(entry.path).summary().count("DeepSeek V4 PRO") == 1
+    # a file already stored for the text is kept only for its own model (ds4's kv_cache_existing_compatible)
+    flash = store.put(b"a Pro state", payload, tokens=40, ctx=64, quant_bits=2, model_id=0)
+    assert flash.header.model_id == 0 and flash.path.read_bytes()[7] == 0 and store.stats().saves == 2
     with pytest.raises(ValueError, match="model_id 2: ds4lab writes DeepSeek V4 state"):
         store.put(b"a GLM state", payload, tokens=40, ctx=64, quant_bits=2, model_id=2)
 
@@ -369,6 +387,8 @@ def test_ds4_model_id_tells_pro_by_ds4s_shape():
     # ds4.c's DS4_SHAPE_PRO, written out; Flash and every smaller model of its architecture are id 0
     assert (PRO.n_layer, PRO.n_embd, PRO.n_head, PRO.q_lora, PRO.o_lora, PRO.o_groups, PRO.n_expert, PRO.ff_exp,
             PRO.idx_topk, PRO.expert_weight_scale) == (61, 7168, 128, 1536, 1024, 16, 384, 3072, 1024, 2.5)
+    # ds4_expected_layer_compress_ratio's Pro case: 128 for layers 0 and 1, then 4 and 128 alternating
+    assert PRO.compress_ratios == (128, 128) + (4, 128) * 29 + (4,)
     assert [ds4_model_id(c) for c in (FLASH, PRO, NANO, replace(PRO, idx_topk=512))] == [0, 1, 0, 0]
     assert ModelConfig.from_metadata(PRO.to_metadata()) == PRO
 

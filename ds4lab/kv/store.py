@@ -128,8 +128,9 @@ def effective_hits(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_
 
 
 # ds4 since ec6a82aa (2026-05-26): files a person or a shutdown meant to keep ("cold", "evict", "shutdown") score
-# twice a routine "continued" waypoint, and a waypoint the incoming file extends (same model, quant and a context
-# at most the incoming one's) scores 0.05 + 0.45·h of its score, h = eff / (eff + 1) (ds4_kvstore.c's
+# twice a routine "continued" waypoint, and a waypoint the incoming file extends (same model and quant, written for a
+# context at least the incoming one's: the incoming file loads wherever it does) scores 0.05 + 0.45·h of its score,
+# h = eff / (eff + 1) (ds4_kvstore.c's
 # KV_CACHE_ANCHOR_REASON_SCORE_FACTOR and KV_CACHE_CONTINUED_PREFIX_*_FACTOR).
 ANCHOR_REASONS = frozenset({REASONS.index("cold"), REASONS.index("evict"), REASONS.index("shutdown")})
 ANCHOR_FACTOR = 2.0
@@ -149,8 +150,9 @@ class Incoming:
 
     def supersedes(self, entry: KVEntry) -> bool:
         """Whether ``entry`` is a "continued" waypoint on this file's path that this file serves as widely: its
-        text a strict prefix of ours, the same model (and quant where quants are kept apart), a context no
-        larger than ours (``kv_cache_incoming_supersedes_continued``)."""
+        text a strict prefix of ours, the same model (and quant where quants are kept apart), written for a context
+        at least ours (a file loads in sessions of its context or more: ours loads wherever it does;
+        ``kv_cache_incoming_supersedes_continued``)."""
         h = entry.header
         return (h.reason == REASONS.index("continued") and 0 < h.text_bytes < len(self.text)
                 and h.model_id == self.model_id
@@ -322,14 +324,16 @@ class KVStore:
                 pass
 
     # -- eviction -------------------------------------------------------------------------------------
-    def evict(self, extra_bytes: int = 0, incoming: Incoming | None = None, keep: str | None = None) -> list[KVEntry]:
+    def evict(self, extra_bytes: int = 0, incoming: Incoming | None = None, keep: str | None = None,
+              replacing: str | None = None) -> list[KVEntry]:
         """Delete the lowest-scoring files until the rest and ``extra_bytes`` more fit the budget; returns them in
         deletion order (``ds4_kvstore_evict``). :meth:`put` calls it before it writes, with the new file's size
         and ``incoming`` (so the new file is never its own victim, and the waypoints it extends go first); nothing
-        is deleted for a file larger than the whole budget. ``keep`` (a sha) counts but is never a victim."""
+        is deleted for a file larger than the whole budget. ``keep`` (a sha) counts but is never a victim;
+        ``replacing`` (the sha a write will rename over) neither counts nor is a victim (ds4 deletes it first)."""
         if extra_bytes > self.budget_bytes:
             return []
-        entries = self.entries()
+        entries = [e for e in self.entries() if e.sha != replacing]
         total = sum(e.file_size for e in entries)
         entries = [e for e in entries if e.sha != keep]
         now = int(time.time())
@@ -413,10 +417,10 @@ class KVStore:
             return None
         sha = hashlib.sha1(text).hexdigest()
         path = self.dir / f"{sha}.kv"
-        existing = self._existing_compatible(path, sha, text, quant_bits, ctx, fingerprint)
+        existing = self._existing_compatible(path, sha, text, quant_bits, ctx, fingerprint, model_id)
         if existing is not None:
             return existing
-        self.evict(size, Incoming(text, header.model_id, quant_bits, ctx, self.reject_different_quant))
+        self.evict(size, Incoming(text, model_id, quant_bits, ctx, self.reject_different_quant), replacing=sha)
         try:
             write_file_atomic(path, parts)
         except OSError as e:
@@ -435,9 +439,9 @@ class KVStore:
         return KVEntry(sha, path, size, header, fingerprint)
 
     def _existing_compatible(self, path: Path, sha: str, text: bytes, quant_bits: int, ctx: int,
-                             fingerprint: str | None = None) -> KVEntry | None:
-        """ds4 keeps a file already stored for this text if its quant is acceptable, its ctx is at most ours
-        and its text is ours (``kv_cache_existing_compatible``, ds4_kvstore.c:797-818); here also only if no
+                             fingerprint: str | None = None, model_id: int = 0) -> KVEntry | None:
+        """ds4 keeps a file already stored for this text if it is of the same model id, its quant is acceptable,
+        its ctx is at most ours and its text is ours (``kv_cache_existing_compatible``); here also only if no
         other model wrote it. Otherwise None: the caller's rename replaces it once the new file is written
         (ds4 unlinks it first, so a failed write would lose both)."""
         try:
@@ -448,8 +452,9 @@ class KVStore:
                 stored = f.read(header.text_bytes)
         except (KVFileError, OSError):  # absent or unreadable: the rename replaces it
             return None
-        if ((self.reject_different_quant and header.quant_bits != quant_bits) or header.ctx_size > ctx
-                or stored != text or (fingerprint is not None and theirs is not None and theirs != fingerprint)):
+        if (header.model_id != model_id or (self.reject_different_quant and header.quant_bits != quant_bits)
+                or header.ctx_size > ctx or stored != text
+                or (fingerprint is not None and theirs is not None and theirs != fingerprint)):
             return None
         return KVEntry(sha, path, size, header, theirs)
 

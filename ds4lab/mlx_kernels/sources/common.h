@@ -81,12 +81,13 @@ DEVICE_FN float i8_float(uint u) { return from_bits(0x4B000000u | (u ^ 128u)) - 
 
 // MXFP4, 17-byte blocks of 32: an exponent byte e, then 16 bytes of E2M1 codes (element j < 16 the low nibble of byte
 // j, 16 + j its high one). As ggml and ds4lab/quants.py keep it: half the scale, 2^(e − 128) (e < 2 subnormal), times
-// the doubled magnitude, nibble (c & 7) of 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), negative with bit 3 of the code c
-// (set straight in the float's sign bit). Blocks of 17 bytes sit at any address: their bytes are read one at a time.
+// the doubled magnitude, nibble (c & 7) of 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), negated with bit 3 of the code c
+// (0 − m: code 8 is +0, as there). Blocks of 17 bytes sit at any address: their bytes are read one at a time.
 DEVICE_FN float mxfp4_half_scale(uint e) { return from_bits(e < 2u ? 0x00200000u << e : (e - 1u) << 23); }
 
 DEVICE_FN float mxfp4_value(uint c, float d) {
-    return from_bits(as_bits(d * u8_float((0xC8643210u >> (4u * (c & 7u))) & 15u)) ^ ((c & 8u) << 28));
+    float m = d * u8_float((0xC8643210u >> (4u * (c & 7u))) & 15u);
+    return (c & 8u) != 0u ? 0.0f - m : m;
 }
 
 DEVICE_FN float dq_mxfp4(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
