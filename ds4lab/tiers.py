@@ -404,16 +404,18 @@ class Placement:
         if self.unit_tiers is None:
             return f"Placement({self.rule}, devices={self.devices}, unresolved)"
         units = [_ranges([r["layer"] for r in self.table() if r["tier"] == m.tier], self.n_layer) for m in self.memory]
-        wide = max(5, *map(len, units))
-        lines = [f"Placement {self.rule}: {self.n_layer} layers on {len(self.tiers)} tier(s), "
-                 f"{self.boundaries} copying switch(es) per step",
-                 f"{'tier':>4}  {'device':<10} {'units':<{wide}} {'weights':>12} {'KV':>12} {'activations':>12} "
-                 f"{'total':>12} {'budget':>12}"]
-        for m, names in zip(self.memory, units):
-            budget = "-" if m.budget is None else f"{m.budget:,}"
-            lines.append(f"{m.tier:>4}  {m.device:<10} {names:<{wide}} {m.weights:>12,} {m.kv:>12,} "
-                         f"{m.activations:>12,} {m.total:>12,} {budget:>12}")
-        return "\n".join(lines)
+        rows = [[str(m.tier), m.device, names, f"{m.weights:,}", f"{m.kv:,}", f"{m.activations:,}", f"{m.total:,}",
+                 "-" if m.budget is None else f"{m.budget:,}"] for m, names in zip(self.memory, units)]
+        head = ["tier", "device", "units", "weights", "KV", "activations", "total", "budget"]
+        widths = [max(len(c) for c in column) for column in zip(head, *rows)]
+        left = {1, 2}  # device and units read left to right; the numbers line up on the right
+
+        def line(cells):
+            return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+        title = (f"Placement {self.rule}: {self.n_layer} layers on {plural(len(self.tiers), 'tier')}, "
+                 f"{plural(self.boundaries, 'copying switch', 'copying switches')} per step")
+        return "\n".join([title, line(head), *map(line, rows)]).rstrip()
 
 
 def _copy(p: Placement) -> Placement:
@@ -427,20 +429,25 @@ def _unit_name(layer: int, n_layer: int) -> str:
 
 
 def _ranges(layers: list[int], n_layer: int) -> str:
-    """``embed, layers 0-2, head`` from the unit indices of one tier."""
-    parts, run = [], []
-    for il in layers + [None]:
-        if il is not None and 0 <= il < n_layer and (not run or il == run[-1] + 1):
-            run.append(il)
-            continue
-        if run:
-            parts.append(f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}")
-            run = []
-        if il is not None and 0 <= il < n_layer:
-            run = [il]
-        elif il is not None:
-            parts.append(_unit_name(il, n_layer))
+    """``embed, layers 0-2, head`` (or ``layers 0, 2, 4``) from the unit indices of one tier."""
+    runs: list[list[int]] = []
+    for il in layers:
+        if 0 <= il < n_layer:
+            if runs and il == runs[-1][-1] + 1:
+                runs[-1].append(il)
+            else:
+                runs.append([il])
+    spans = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    one = len(runs) == 1 and len(runs[0]) == 1
+    named = [f"layer {spans[0]}" if one else f"layers {', '.join(spans)}"] if runs else []
+    parts = ([_unit_name(il, n_layer) for il in layers if il < 0] + named
+             + [_unit_name(il, n_layer) for il in layers if il >= n_layer])
     return ", ".join(parts) or "-"
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``1 switch``, ``5 switches``: ``n`` and the word that goes with it (``many`` defaults to ``one + "s"``)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _unit_bytes(model, state) -> tuple[list[int], list[int]]:

@@ -144,18 +144,22 @@ for lk in sess.kv:
     print(line)
 
 # %% [markdown]
-# The window holds at most the last 64 positions: older raw rows are gone, and what the layers keep of
-# those tokens is in the compressed rows. A ratio-4 layer keeps one row per 4 tokens (and its indexer a
+# A query reads the raw rows of the last 64 positions only (the window: `raw` above). The ring that holds them
+# has more slots (256 here, as ds4 sizes it for a chunk's rows and the window before it), so older rows stay
+# in it until their slot is written again, but no query reads them: what the layers keep of those tokens is
+# in the compressed rows. A ratio-4 layer keeps one row per 4 tokens (and its indexer a
 # smaller row of its own for each), a ratio-128 layer one row per 128 tokens (none yet below 128 tokens);
 # the tokens after the last full group wait in the compressor's pending state until their group is complete.
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
-# the bytes per layer. It is a live widget; a saved notebook shows its static table.
+# the bytes per layer. With `follow=True` it redraws after every step of the session: run the GenerationView
+# above for more tokens and watch the ring turn (without it, a view keeps the state of the cell that made it,
+# and `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
 
 # %%
 from ds4lab.viz import KVCacheView
 
-KVCacheView(sess)
+KVCacheView(sess, follow=True)
 
 # %% [markdown]
 # ## Next

@@ -50,7 +50,7 @@ print("compression ratio per layer:", [cfg.ratio(il) for il in range(cfg.n_layer
 
 # %% tags=["nbval-check-output"]
 prompt = coriolanus(1000)  # the first 1,000 characters of Coriolanus's opening scene
-print(prompt[:62] + " …")
+print(prompt[:60] + " …")
 ids = model.tokenizer.encode(prompt)
 sess = model.session(ctx=512, prefill_chunk=64)
 print(len(ids), "prompt tokens;", sess.geometry)

@@ -43,7 +43,7 @@ from ds4lab.texts import coriolanus
 model = ds4lab.load(backend="numpy")  # the embedded model on the float64 reference backend
 
 prompt = coriolanus(1000)  # the first 1,000 characters of Coriolanus's opening scene
-print(prompt[:62] + " …")
+print(prompt[:60] + " …")
 ids = model.tokenizer.encode(prompt)
 cfg = model.config
 sess = model.session(ctx=512, prefill_chunk=64)

@@ -39,7 +39,7 @@ from ds4lab.texts import coriolanus
 model = ds4lab.load(backend="numpy")  # the embedded model on the float64 reference backend
 
 prompt = coriolanus(532)  # the first 532 characters of Coriolanus's opening scene
-print(prompt[:62] + " …")
+print(prompt[:60] + " …")
 ids = model.tokenizer.encode(prompt)
 print(len(ids), "prompt tokens")
 
@@ -66,7 +66,8 @@ for s in sessions.values():
     print(s.placement, end="\n\n")
 
 # %% [markdown]
-# `activations` is the chunk's hidden-state buffer that a tier running anything must hold. Per unit:
+# In each tier's row, `activations` is the chunk's hidden-state buffer that a tier running anything must hold,
+# whatever its layers. The weights and KV bytes come per unit; here those of `by_memory`:
 
 # %% tags=["nbval-check-output"]
 for row in sessions["by_memory"].placement.table():
@@ -103,12 +104,13 @@ for sw in [sw for sw in sessions["alternating"].tier_trace if sw.step in (2, 3)]
 # %% [markdown]
 # `TierView` draws a session's plan and trace: the layer stack coloured by tier, the last step's switches,
 # and the bytes of every step against the two bounds, a full chunk per boundary (batch) and one token per
-# boundary (decode). It refreshes itself after each step of its session.
+# boundary (decode). With `follow=True` it redraws after every step of its session (decode another token in a
+# new cell and watch); without it, `refresh()` does that once.
 
 # %%
 from ds4lab.viz import TierView
 
-TierView(sessions["alternating"])
+TierView(sessions["alternating"], follow=True)
 
 # %% [markdown]
 # Step 2 is the last prefill chunk (tokens 128–155: 28 rows of 4 × 256 float64 values, 8,192 bytes each),

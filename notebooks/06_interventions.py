@@ -47,7 +47,7 @@ model = ds4lab.load(backend="numpy")  # the embedded Shakespeare model, float64 
 cfg, tok = model.config, model.tokenizer
 
 prompt = coriolanus(989)  # the first 989 characters of Coriolanus's opening scene
-print(prompt[:62] + " …")
+print(prompt[:60] + " …")
 ids = tok.encode(prompt)
 last = len(ids) - 1  # the token whose forward pass the edits change
 sess = model.session(ctx=512, prefill_chunk=64)

@@ -28,7 +28,7 @@ def test_flash_full_splits_the_layers_over_tiers_and_reports_their_switches(tmp_
         assert flash_full.main([*common, "--tiers", str(tiers), "--json", str(out)]) == 0
         runs[tiers] = json.loads(out.read_text())
     split, one = runs[2], runs[1]
-    assert split["tiers"] == 2 and "2 tier(s)" in split["placement"] and [r["ctx"] for r in split["rows"]] == [64, 128]
+    assert split["tiers"] == 2 and "2 tiers" in split["placement"] and [r["ctx"] for r in split["rows"]] == [64, 128]
     for row in split["rows"]:
         assert row["switches"]["batch"] >= 1 and row["switches"]["decode"] >= 4, row  # a copying switch a step
         assert 0 <= row["prefill_switch_share"] < 1 and 0 <= row["decode_switch_share"] < 1, row

@@ -450,9 +450,10 @@ def test_kvcache_view_renders(page):
     title = view.locator(".ds4-title").inner_text()
     assert re.match(r"KV cache after chunk 4 \(tokens 256–\d+\): [1-9]\d* tokens, [\d,]+ bytes", title), title
     assert view.locator(".ds4-layer").count() == 6
-    assert view.locator(".ds4-slot-new").count() == 0  # a fresh view outlines nothing as new, and says so
+    # a fresh view outlines what its slider's chunk wrote, as the slider does: chunk 4's 64 slots
+    assert view.locator(".ds4-slot-new").count() == 64
     note = view.locator(".ds4-ringbox .ds4-note")
-    assert "no step outlined: this is the whole state after 320 tokens" in note.inner_text()
+    assert "written by the step shown (positions 256–319)" in note.inner_text()
     assert note.bounding_box()["width"] >= 450  # the legend takes the room the output has
     # the indexer's layers mark what the last query reads: the captured top 32 of 80 rows, the others dropped
     for layer in (2, 4):
@@ -469,12 +470,13 @@ def test_kvcache_view_renders(page):
     for kind in ("comp", "index"):
         assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
     slot = view.locator(".ds4-slot.live").first
-    assert re.fullmatch(r"slot \d+: position \d+ \(in the raw window\)(, overwrote position \d+)?",
-                        slot.locator("title").text_content())
+    assert re.fullmatch(r"slot \d+: position \d+ \(in the raw window\)(, written by this step)?"
+                        r"(, overwrote position \d+)?", slot.locator("title").text_content())
     assert "window" not in view.locator(".ds4-layer").first.inner_text()  # per layer: groups, not windows
     out = _output_of(view)
     slider = out.locator(".widget-hslider")
-    assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "state"
+    assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "chunk"
+    assert slider.locator(".widget-readout").first.inner_text() == "4"  # the title's "after chunk 4"
     out.screenshot(path=str(ARTIFACTS / "kvcache_view.png"))
 
 
@@ -688,7 +690,7 @@ def test_generation_view_renders(page):
 def test_tier_view_renders(page):
     pg, *_ = page
     view = _view(pg, "Tiers:")
-    assert re.search(r"2 tier\(s\), 1 copying boundary", view.locator(".ds4-title").inner_text())
+    assert re.search(r"2 tiers, 1 copying boundary per step", view.locator(".ds4-title").inner_text())
     units = view.locator(".ds4-stack .ds4-unit")
     assert units.count() == 6 + 2  # embedding, 6 layers, head
     assert {units.nth(i).inner_text() for i in range(units.count())} == {"embed", "head"} | {f"L{i}" for i in range(6)}
@@ -698,6 +700,13 @@ def test_tier_view_renders(page):
     assert bars.count() == 2 + 12  # the prompt's 2 chunks, 12 decoded tokens
     tip = _hover_fills(pg, view.locator("svg.ds4-steps rect[data-i]").first, view.locator(".ds4-tip"))
     assert re.match(r"step 0: batch", tip), tip
+    hot = view.locator("svg.ds4-steps rect.ds4-hot")
+    assert hot.count() == 1 and hot.get_attribute("data-bar") == "0"  # the step described is outlined
+    # each bound in the dark shade of its bars (batch blue, decode green); copies in near-black, unit colours the tiers'
+    assert view.locator("line.ds4-bound-batch").get_attribute("stroke") == "#08519c"
+    assert view.locator("line.ds4-bound-decode").get_attribute("stroke") == "#006d2c"
+    arrow = view.locator(".ds4-stack .ds4-arrow:not(.nocopy)").first
+    assert arrow.evaluate("el => getComputedStyle(el).color") == "rgb(37, 37, 37)"
     _output_of(view).screenshot(path=str(ARTIFACTS / "tier_view.png"))
 
 

@@ -163,9 +163,9 @@ def test_kv_slider_agrees_with_the_state_shown(model):
     chunks = sess.prefill(_ids(100, model.config.n_vocab)).run(progress=False)
     kv = KVCacheView(sess, checkpoints=chunks)
     s = kv.slider
-    assert (s.max, s.value, s.disabled, s.readout, s.description) == (3, 3, False, False, "state")
+    assert (s.max, s.value, s.disabled, s.readout, s.description) == (3, 3, False, True, "chunk")
     assert kv.shown_checkpoint == 3 and kv.model.data["label"] == "after chunk 3 (tokens 96–99)"
-    assert kv.model.data["new_from"] == 100  # fresh: nothing outlined
+    assert kv.model.data["new_from"] == 96  # fresh: what chunk 3 wrote outlined, as the slider outlines it
     for i, n in ((1, 64), (0, 32), (2, 96)):
         s.value = i  # the user drags the slider
         d = kv.model.data

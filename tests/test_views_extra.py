@@ -202,6 +202,10 @@ def test_generation_buttons_enable_only_what_can_act(model):
     view.run(100)  # to the end of the context: nothing can act any more
     assert view.stop_reason == "ctx" and len(sess.tokens) == sess.ctx and view.ended
     assert _buttons(view) == (True, True, True) and view.model.status == "the context is full"
+    # a new view of the full session (a cell run again): says so, runs nothing, raises nothing
+    again = GenerationView(sess, seed=2)
+    assert _buttons(again) == (True, True, True) and again.model.status.startswith("the context of 48 tokens is full")
+    assert again.run() == [] and again.stop_reason == "ctx" and again.model.status == "the context is full"
 
 
 # -- colours a colour-blind reader tells apart ----------------------------------------------------------------
@@ -422,7 +426,7 @@ def test_tier_view_bytes_per_step(model):
     lo, top = view.image_range()
     assert lo <= view.decode_bound // 2 and top >= view.batch_bound and {lo, top} <= {2 ** k for k in range(64)}
     img = view.image(height=120, width=480)
-    drawn = {(49, 130, 189), (49, 163, 84), (222, 45, 38), (230, 85, 13)}  # bars, and the bound lines across them
+    drawn = {(49, 130, 189), (49, 163, 84), (8, 81, 156), (0, 109, 44)}  # bars, and the bound lines across them
 
     def height(column):  # the run of drawn pixels up from the x axis
         run = 0

@@ -71,7 +71,7 @@ function render({ model, el }) {
         if (L.n_index !== null) {
           const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: every query attends all of them)` :
             ` — each query attends the top ${d.idx_topk} by the indexer's score` + (picked ? "" :
-              `; which ones the last query (position ${q}) picked: not captured (indexer=, a capture of indexer.topk)`);
+              `; which ones the last query (position ${q}) picked is not recorded: KVCacheView(..., indexer=capture) marks them (notebook 04)`);
           h += `<div>indexer rows: ${L.n_index}${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }

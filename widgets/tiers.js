@@ -1,5 +1,6 @@
 // TierView: the layer stack coloured by tier with the last step's switches between units, per-tier memory,
 // and bytes moved per step (log scale) against a full chunk's (batch) and one token's (decode) copy.
+const plural = (n, one, many) => `${n} ${n === 1 ? one : many || one + "s"}`;
 const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 const fmt = (n) => (n === null || n === undefined ? "-" : n.toLocaleString());
 
@@ -24,6 +25,7 @@ const logAxis = (values) => {
   return { e0, e1, ticks };
 };
 const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 96 };
+const BOUND = { batch: "#08519c", decode: "#006d2c" };  // the dark shades of the batch and decode bars
 
 // The bytes-per-step chart: a bar per step on a log y axis of bytes (a decode step copies one row per boundary, a
 // prefill step up to a chunk of rows: on a linear axis the decode bars would lie on the x axis) and an x axis of
@@ -40,15 +42,16 @@ function stepsChart(steps, batch, decode) {
     const fill = d.mode === "batch" ? "#3182bd" : d.mode === "decode" ? "#31a354" : "#ccc";
     const y0 = d.bytes > 0 ? y(d.bytes) : top + h - 2;
     svg += `<rect data-i="${i}" x="${i * bw}" y="${top}" width="${bw}" height="${h}" fill="transparent"/>` +
-      `<rect x="${i * bw + (bw > 3 ? 1 : 0)}" y="${y0}" width="${Math.max(bw - (bw > 3 ? 2 : 0), 1)}" ` +
+      `<rect data-bar="${i}" x="${i * bw + (bw > 3 ? 1 : 0)}" y="${y0}" width="${Math.max(bw - (bw > 3 ? 2 : 0), 1)}" ` +
       `height="${top + h - y0}" fill="${fill}" pointer-events="none"/>`;
   });
   // the bounds, labelled right of the plot (apart by a line at least, should they be close)
   const yb = batch ? y(batch) : null, yd = decode ? y(decode) : null;
-  if (batch) svg += `<line class="ds4-bound-batch" x1="0" x2="${w}" y1="${yb}" y2="${yb}" stroke="#de2d26" stroke-dasharray="4 2"/>` +
-    `<text x="${w + 4}" y="${yb + 4}" style="fill:#b2182b">chunk ${bytes(batch)}</text>`;
-  if (decode) svg += `<line class="ds4-bound-decode" x1="0" x2="${w}" y1="${yd}" y2="${yd}" stroke="#e6550d" stroke-width="1.5" stroke-dasharray="2 2"/>` +
-    `<text x="${w + 4}" y="${(yb !== null ? Math.max(yd, yb + 12) : yd) + 4}" style="fill:#a63603">decode ${bytes(decode)}</text>`;
+  // each bound in the dark shade of the bars it bounds: batch blue, decode green
+  if (batch) svg += `<line class="ds4-bound-batch" x1="0" x2="${w}" y1="${yb}" y2="${yb}" stroke="${BOUND.batch}" stroke-dasharray="6 3"/>` +
+    `<text x="${w + 4}" y="${yb + 4}" style="fill:${BOUND.batch}">chunk ${bytes(batch)}</text>`;
+  if (decode) svg += `<line class="ds4-bound-decode" x1="0" x2="${w}" y1="${yd}" y2="${yd}" stroke="${BOUND.decode}" stroke-width="1.5" stroke-dasharray="2 2"/>` +
+    `<text x="${w + 4}" y="${(yb !== null ? Math.max(yd, yb + 12) : yd) + 4}" style="fill:${BOUND.decode}">decode ${bytes(decode)}</text>`;
   const every = Math.max(1, Math.ceil(n / 10));
   steps.forEach((d, i) => {
     if (i % every === 0) svg += `<text x="${(i + 0.5) * bw}" y="${top + h + 14}" text-anchor="middle">${d.step}</text>`;
@@ -70,7 +73,7 @@ function render({ model, el }) {
     const units = model.get("units"), tiers = model.get("tiers"), trace = model.get("trace"), steps = model.get("steps");
     const rb = model.get("row_bytes"), chunk = model.get("chunk"), nb = model.get("boundaries");
     const batch = nb * chunk * rb, decode = nb * rb, nLayer = units.length - 2;
-    let h = `<div class="ds4-title">Tiers: ${esc(model.get("rule"))} — ${tiers.length} tier(s), ${nb} copying boundary(ies) per step</div>`;
+    let h = `<div class="ds4-title">Tiers: ${esc(model.get("rule"))} — ${plural(tiers.length, "tier")}, ${plural(nb, "copying boundary", "copying boundaries")} per step</div>`;
     const part = model.get("part");  // a plan over processes: this rank, whose units are solid
     if (part) h += `<div class="ds4-note">this process: ${esc(part)}; the dashed units run in the other processes, ` +
       `which send the hidden state on at each switch</div>`;
@@ -81,7 +84,7 @@ function render({ model, el }) {
     h += `<div class="ds4-stack">`;
     for (const u of units) {
       for (const s of at[u.layer] || [])
-        h += `<span class="ds4-arrow" title="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ${(s.seconds * 1e6).toFixed(0)} µs">` +
+        h += `<span class="ds4-arrow${s.mode === "no-copy" ? " nocopy" : ""}" title="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ${(s.seconds * 1e6).toFixed(0)} µs">` +
           `→ ${s.mode === "no-copy" ? "no-copy" : fmt(s.bytes) + " B"} →</span>`;
       const label = u.layer === -1 ? "embed" : u.layer === nLayer ? "head" : `L${u.layer}`;
       h += `<span class="ds4-unit${u.here ? "" : " ds4-away"}" style="background:${u.colour}" title="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}` +
@@ -94,27 +97,36 @@ function render({ model, el }) {
     h += `</table><div><b>step ${model.get("last_step")}</b>: ` + (trace.length ? trace.map((s) =>
       `before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B`).join("; ") : "no switches") + `</div>`;
     // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
-    h += `<div class="ds4-note">bytes moved per step, on a log scale (blue batch, green decode, grey none); red: a full chunk of ` +
-      `${chunk} rows × ${fmt(rb)} B per boundary = ${fmt(batch)} B; orange: a decode step, ${fmt(decode)} B` +
+    h += `<div class="ds4-note">bytes moved per step, on a log scale (blue batch, green decode, grey none); dashed blue: a full ` +
+      `chunk of ${chunk} rows × ${fmt(rb)} B per boundary = ${fmt(batch)} B; dotted green: a decode step, ${fmt(decode)} B` +
       (batch && decode ? ` (1/${Math.round(batch / decode)} of it)` : "") + `</div>` + stepsChart(steps, batch, decode);
     body.innerHTML = h;
+  };
+  let hovered = null;  // the step under the pointer last: outlined, and its breakdown under the chart
+  const describe = () => {
+    body.querySelectorAll("rect.ds4-hot").forEach((r) => r.classList.remove("ds4-hot"));
+    const d = hovered === null ? undefined : model.get("steps")[hovered], rb = model.get("row_bytes");
+    if (!d) { tip.textContent = ""; return; }
+    const bar = body.querySelector(`rect[data-bar="${hovered}"]`);
+    if (bar) bar.classList.add("ds4-hot");
+    tip.textContent = `step ${d.step}: ${d.mode}, ${plural(d.switches, "switch", "switches")}, ${plural(d.copies, "copy", "copies")}, ${fmt(d.bytes)} bytes` +
+      (d.copies ? ` = ${d.copies} × ${Math.round(d.bytes / d.copies / rb)} rows × ${fmt(rb)} B` : "") +
+      `, ${(d.seconds * 1e6).toFixed(0)} µs`;
   };
   const hover = (ev) => {
     const i = ev.target.dataset ? ev.target.dataset.i : undefined;
     if (i === undefined) return;
-    const d = model.get("steps")[+i], rb = model.get("row_bytes");
-    if (!d) return;
-    tip.textContent = `step ${d.step}: ${d.mode}, ${d.switches} switch(es), ${d.copies} copy(ies), ${fmt(d.bytes)} bytes` +
-      (d.copies ? ` = ${d.copies} × ${Math.round(d.bytes / d.copies / rb)} rows × ${fmt(rb)} B` : "") +
-      `, ${(d.seconds * 1e6).toFixed(0)} µs`;
+    hovered = +i;
+    describe();
   };
+  const redraw = () => { draw(); describe(); };  // a redraw keeps the hovered step's outline and caption current
   draw();
   const events = ["units", "tiers", "trace", "steps", "last_step", "part"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
+  for (const e of events) model.on(e, redraw);
   body.addEventListener("mouseover", hover);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
+    for (const e of events) model.off(e, redraw);
     body.removeEventListener("mouseover", hover);
   };
 }

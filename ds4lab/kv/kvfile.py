@@ -69,6 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import FLASH, PRO
 from .layout import LAYER_FIELDS, ROW_FIELDS
 from .payload import (
     HEADER_BYTES,
@@ -768,16 +769,22 @@ class KVFile:
                                            "wrote it cannot be checked)")
         preview = repr(self.text[:80]) + (" …" if len(self.text) > 80 else "")  # escaped once, by repr
         quant = "Q4_K routed experts" if h.quant_bits == 4 else "routed experts not Q4_K"
+        # the header names a model family; the payload's layer count tells the model itself
+        model = MODELS[h.model_id]
+        if p["n_layer"] != {0: FLASH.n_layer, 1: PRO.n_layer}.get(h.model_id, p["n_layer"]):
+            model = f"id {h.model_id}: {model}'s architecture, a {p['n_layer']}-layer model"
+        dsv4 = [f"{k} {v:#x}" if k == "magic" else f"{k} {v}" for k, v in p.items()]
         lines = [
             f"{self.path}: {self.file_size:,} bytes",
-            (f"KVC v{h.version}, {generation}, model {MODELS[h.model_id]}: reason {REASONS[h.reason]}, model quant "
-             f"byte {h.quant_bits} ({quant}: ds4 writes 4 for Q4_K experts, 2 for any other type), ext "
-             f"{h.ext_flags:#04x} ({ext_names(h.ext_flags, h.legacy)}), tokens {h.tokens}, hits {h.hits}, "
-             f"ctx {h.ctx_size}"),
+            f"KVC v{h.version}, {generation}, model {model}",
+            f"reason {REASONS[h.reason]}, tokens {h.tokens}, hits {h.hits}, ctx {h.ctx_size}, ext {h.ext_flags:#04x} "
+            f"({ext_names(h.ext_flags, h.legacy)})",
+            f"model quant byte {h.quant_bits} ({quant}: ds4 writes 4 for Q4_K experts, 2 for any other type)",
             f"created {_stamp(h.created)}, last used {_stamp(h.last_used)}",
             f"sizes: header {PREFIX_BYTES} + text {h.text_bytes:,} + payload {h.payload_bytes:,} ({codec}){trailer}",
             f"model fingerprint {fingerprint}",
-            "DSV4 " + ", ".join(f"{k} {v:#x}" if k == "magic" else f"{k} {v}" for k, v in p.items()),
+            "DSV4 " + ", ".join(dsv4[:7]),
+            "     " + ", ".join(dsv4[7:]),
             "layer ratio  raw  comp index        bytes",
             *(f"{lk.index:5d} {lk.ratio:5d} {lk.n_raw:4d} {lk.n_comp:5d} {lk.n_index:5d} {lk.nbytes:12,d}"
               for lk in self.layers),

@@ -56,10 +56,11 @@ class KVView:
         return iter(self.layers)
 
     def __repr__(self) -> str:
-        lines = [f"KV state: {self.n_tokens} tokens, {self.nbytes:,} bytes (DSV4 payload)",
-                 "layer ratio raw comp index  bytes"]
-        for lk in self.layers:
-            lines.append(f"{lk.layer:5d} {lk.ratio:5d} {len(lk.raw):3d} {lk.n_comp:4d} {lk.n_index:5d} {lk.nbytes:6,d}")
+        rows = [(lk.layer, lk.ratio, len(lk.raw), lk.n_comp, lk.n_index, f"{lk.nbytes:,}") for lk in self.layers]
+        head = ("layer", "ratio", "raw", "comp", "index", "bytes")
+        widths = [max(len(str(c)) for c in column) for column in zip(head, *rows)]  # every column right-aligned
+        lines = [f"KV state: {self.n_tokens} tokens, {self.nbytes:,} bytes (DSV4 payload)"]
+        lines += [" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in (head, *rows)]
         return "\n".join(lines)
 
 

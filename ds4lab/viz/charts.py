@@ -169,21 +169,23 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
 
 
 def batch_copies_chart(rows: list[dict]):
-    """A chunk-size sweep of a tier plan's batch switches, three panels: copies, bytes moved and seconds copying
-    per chunk size. ``rows``: one dict per chunk size with ``chunk``, ``switches`` (batch copies), ``bytes`` and
-    ``seconds`` (sums over the session's ``tier_trace``)."""
-    x = field("chunk:O", title="prefill_chunk", axis={"labelAngle": 0})
+    """A chunk-size sweep of a tier plan's batch switches, three panels: copies, bytes moved and time copying per
+    chunk size. ``rows``: one dict per chunk size with ``chunk``, ``switches`` (batch copies), ``bytes`` and
+    ``seconds`` (sums over the session's ``tier_trace``). Panels of 150 pixels: the three fit a laptop's notebook
+    beside its file browser."""
+    rows = [dict(r, us=r["seconds"] * 1e6) for r in rows]
+    x = field("chunk:O", title="prefill chunk (tokens)", axis={"labelAngle": 0})
+    tips = tooltip(field("chunk:O", title="prefill chunk"), field("switches:Q", title="batch copies"),
+                   field("bytes:Q", title="bytes moved", format=","), field("us:Q", title="µs copying", format=",.0f"))
 
     def panel(mark, y, title):
-        return dict(unit(rows, mark, x=x, y=y, tooltip=tooltip("chunk:O", "switches:Q", "bytes:Q", "seconds:Q")),
-                    title=title, width=200, height=140)
+        return dict(unit(rows, mark, x=x, y=y, tooltip=tips), title=title, width=150, height=140)
 
     return Chart({"hconcat": [
         panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
-        panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale={"zero": True}),
-              "bytes: the same for every chunk size"),
-        panel({"type": "bar", "color": "#fdae6b"}, field("seconds:Q", title="seconds copying"),
-              "time copying (this machine)"),
+        panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale={"zero": True},
+                                                     axis={"format": "~s"}), "bytes: the same for all"),
+        panel({"type": "bar", "color": "#fdae6b"}, field("us:Q", title="µs copying"), "time copying (here)"),
     ]})
 
 

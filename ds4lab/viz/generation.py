@@ -148,6 +148,9 @@ class GenerationView(View):
         self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input]), self.model])
         self.model.status = "ready" if self.prompt_ids is not None or session.logits is not None else (
             "the session has no logits: give a prompt, or prefill the session first")
+        if self.full:
+            self.model.status = (f"the context of {session.ctx} tokens is full: make a new session "
+                                 f"(model.session(ctx=...)) or give a prompt")
         self._stoppable = False  # inside arun(): the kernel handles a stop click between tokens
         self._update_buttons()
 
@@ -185,10 +188,16 @@ class GenerationView(View):
             raise RuntimeError("the session moved on since this view's last token; start a new GenerationView")
 
     @property
+    def full(self) -> bool:
+        """Whether the session's context is full for this view's next token (before a prompt is synced, only a view
+        that continues the session knows)."""
+        sess = self.session
+        return (self._started or self.prompt_ids is None) and len(sess.tokens) >= sess.ctx
+
+    @property
     def ended(self) -> bool:
         """Whether the generation cannot go on: an EOS was sampled, or the context is full."""
-        sess = self.session
-        return self.decode.stop_reason is not None or (self._started and len(sess.tokens) >= sess.ctx)
+        return self.decode.stop_reason is not None or self.full
 
     def _update_buttons(self) -> None:
         """Enable what can act now: run and step while idle (until the generation ends), stop while a run that
@@ -226,7 +235,6 @@ class GenerationView(View):
         """The generation loop shared by :meth:`run` and :meth:`arun`: appends each step to ``out`` and yields
         after it."""
         n = self.n_input.value if n is None else int(n)
-        sess = self.session
         self._stop = False
         self.stop_reason = None
         self.model.status = "running"
@@ -240,7 +248,7 @@ class GenerationView(View):
                 if self.decode.stop_reason is not None:
                     self.stop_reason = self.decode.stop_reason
                     break
-                if self._started and len(sess.tokens) >= sess.ctx:
+                if self.full:
                     self.stop_reason = "ctx"
                     break
                 out.append(self.step())

@@ -94,7 +94,8 @@ class KVCacheView(FollowingView):
     prefill chunk and decode step (through ``session.step_observers``; a refresh reads the whole state, which on a
     long context can cost more than the step). ``show(checkpoint)`` or the slider scrubs through checkpoints
     without touching the session; the title names the state on display ("after chunk i (tokens a–b)" for a
-    prefill's chunks). Cells written by the step shown are outlined; a fresh view outlines nothing.
+    prefill's chunks). Cells written by the step shown are outlined; a fresh view outlines what its slider's
+    checkpoint added (nothing without one).
     ``layers`` picks the layers drawn (default all). ``indexer``: where the indexer's choice of the state's last
     query is known, its layers mark the compressed rows that query attends and those it dropped: a
     :class:`ds4lab.hooks.Capture` of ``indexer.topk`` that holds the last position (or a function, see
@@ -111,13 +112,17 @@ class KVCacheView(FollowingView):
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
         self._syncing = False  # the slider is being moved to the state on display: do not scrub
         self.model = KVCacheModel(layers=None if layers is None else [int(i) for i in layers])
-        self.slider = W.IntSlider(value=0, min=0, max=0, description="state", readout=False, disabled=True)
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="state", disabled=True)
         self.slider.observe(self.guarded(self._slid), names="value")
         self.widget = W.VBox([self.slider, self.model] if self.has_slider else [self.model])
         self.scrub_through(checkpoints or [])
         self.refresh()
-        self._shown = (self._shown[0], len(self._shown[0]))  # a fresh view outlines nothing as new
-        self.model.data = dict(self.model.data, new_from=len(self._shown[0]))
+        # a fresh view outlines what its checkpoint on display added to the one before (as the slider does), else
+        # nothing
+        i = self.shown_checkpoint
+        new_from = len(self._shown[0]) if i is None else len(self._checkpoints[i - 1].tokens) if i else 0
+        self._shown = (self._shown[0], new_from)
+        self.model.data = dict(self.model.data, new_from=new_from)
         self._follow(follow)
 
     def __repr__(self) -> str:
@@ -162,6 +167,8 @@ class KVCacheView(FollowingView):
         """Let the slider scrub through ``checkpoints`` (a prefill's chunks, or checkpoints); the slider moves to
         the checkpoint of the state on display (after a prefill: the last chunk's)."""
         self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints]
+        # the slider's number is the chunk's (or checkpoint's) in the title: "after chunk 2 (tokens 128–155)"
+        self.slider.description = "chunk" if all(hasattr(c, "checkpoint") for c in checkpoints) else "checkpoint"
         self._labels = [state_label(i, c.start, c.end) if hasattr(c, "checkpoint") else
                         f"checkpoint {i} ({len(c)} tokens)" for i, c in enumerate(checkpoints)]
         with self._quiet():
@@ -199,7 +206,7 @@ class KVCacheView(FollowingView):
             self._syncing = was
 
     def _sync_slider(self) -> None:
-        """Put the slider on the checkpoint on display (the title names it: the slider has no readout)."""
+        """Put the slider on the checkpoint on display (its number the title's)."""
         i = self.shown_checkpoint
         if i is not None:
             with self._quiet():

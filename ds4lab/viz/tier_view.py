@@ -11,7 +11,7 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
-from ..tiers import EMBED
+from ..tiers import EMBED, plural
 from .base import FollowingView, ViewModel, widget_file
 from .reduce import png_base64
 
@@ -90,7 +90,8 @@ class TierView(FollowingView):
 
     def __repr__(self) -> str:
         m = self.model
-        return f"TierView({m.rule}: {len(m.tiers)} tier(s), {m.boundaries} boundaries, last step {m.last_step})"
+        return (f"TierView({m.rule}: {plural(len(m.tiers), 'tier')}, {plural(m.boundaries, 'boundary', 'boundaries')}, "
+                f"last step {m.last_step})")
 
     @property
     def batch_bound(self) -> int:
@@ -141,8 +142,8 @@ class TierView(FollowingView):
     def image(self, height: int = 120, width: int = 480) -> np.ndarray:
         """Bytes per step as bars (batch blue, decode green; a step that moved nothing a grey stub) on a log y axis
         from :meth:`image_range`'s bottom to its top (as the live chart's: a decode step's bytes are a chunk's
-        /64 on Flash, lost on a linear axis), a red line at the batch bound and an orange one at the decode bound,
-        ``width`` pixels shared by the steps."""
+        /64 on Flash, lost on a linear axis), a dark blue line at the batch bound and a dark green one at the decode
+        bound, ``width`` pixels shared by the steps."""
         steps = self.model.steps
         lo, top = self.image_range()
         bw = max(1, width // max(len(steps), 1))
@@ -156,7 +157,7 @@ class TierView(FollowingView):
             h = y(d["bytes"]) if d["bytes"] > 0 else 2
             colour = colours.get(d["mode"], (200, 200, 200)) if d["bytes"] > 0 else (200, 200, 200)
             img[height - h : height, i * bw : i * bw + max(bw - (bw > 2), 1)] = colour
-        for b, colour in ((self.batch_bound, (222, 45, 38)), (self.decode_bound, (230, 85, 13))):
+        for b, colour in ((self.batch_bound, (8, 81, 156)), (self.decode_bound, (0, 109, 44))):
             if b:
                 img[height - y(b), :] = colour
         img[height, :] = (120, 120, 120)
@@ -179,7 +180,8 @@ class TierView(FollowingView):
         out = []
         for u in self.model.units:
             for s in by_unit.get(u["layer"], []):
-                out.append(f"<span style='color:#e6550d'> →{s['mode']} {s['bytes']:,} B→ </span>")
+                colour = "#969696" if s["mode"] == "no-copy" else "#252525"
+                out.append(f"<span style='color:{colour}'> →{s['mode']} {s['bytes']:,} B→ </span>")
             label = u["unit"] if u["layer"] in (EMBED, self.n_layer) else f"L{u['layer']}"
             away = "" if u["here"] else ";opacity:0.45;border-style:dashed"  # run by another process
             out.append(f"<span data-unit='{u['layer']}' data-tier='{u['tier']}' style='background:{u['colour']};"
@@ -211,15 +213,16 @@ class TierView(FollowingView):
         )
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>Tiers: {html.escape(m.rule)}, "
-            f"{len(m.tiers)} tier(s), {m.boundaries} copying boundary(ies) per step</b>"
+            f"{plural(len(m.tiers), 'tier')}, "
+            f"{plural(m.boundaries, 'copying boundary', 'copying boundaries')} per step</b>"
             + (f"<div>{html.escape(_part_note(m.part))}</div>" if m.part else "")
             + f"<div style='margin:4px 0;line-height:2'>{self.stack_html()}</div>"
             "<table><tr><th>tier</th><th>device</th><th>weights</th><th>KV</th><th>activations</th><th>total</th>"
             f"<th>budget</th></tr>{tiers}</table>"
             f"<b>last step ({m.last_step}) switches</b><table><tr><th>before</th><th>tiers</th><th>mode</th>"
             f"<th>bytes</th><th>µs</th></tr>{trace}</table>"
-            f"<b>bytes moved per step</b> (red line: a full chunk of {m.chunk} rows × {m.row_bytes:,} B per boundary = "
-            f"{self.batch_bound:,} B; orange: a decode step, {self.decode_bound:,} B)<br>"
+            f"<b>bytes moved per step</b> (dark blue line: a full chunk of {m.chunk} rows × {m.row_bytes:,} B per "
+            f"boundary = {self.batch_bound:,} B; dark green: a decode step, {self.decode_bound:,} B)<br>"
             f"<div style='display:flex;align-items:stretch;gap:4px'><div style='display:flex;flex-direction:column;"
             f"justify-content:space-between;text-align:right'><span>{top:,} B</span><span>bytes moved"
             f"<br>(log)</span><span>{lo:,} B</span></div>"
