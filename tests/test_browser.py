@@ -646,8 +646,11 @@ def test_generation_view_renders(page):
     assert chips.count() == 6 and len({round(c.bounding_box()["y"]) for c in chips.all()}) == 1
     scale = {chips.nth(i).evaluate("(c) => getComputedStyle(c).backgroundColor") for i in range(6)}
     alts = view.locator(".ds4-alts")
-    tip = _hover_fills(pg, toks.nth(3), alts)
+    assert alts.inner_text().startswith("hover a generated token")  # out of a token: what the panel is for
+    before = alts.bounding_box()["height"]
+    tip = _hover_fills(pg, toks.nth(3), alts, until="el.querySelector('table') !== null")
     assert re.match(r"position \d+: token \d+", tip), tip
+    assert alts.bounding_box()["height"] == pytest.approx(before, abs=2)  # filled, it pushes nothing down
     assert view.locator(".ds4-alts tr").count() >= 2  # the sampled token and its alternatives
     # the bars: each alternative's probability over the largest shown (the note says so), the largest 160 px
     assert "bars: p relative to the most likely" in tip
@@ -664,6 +667,9 @@ def test_generation_view_renders(page):
     assert marked.count() <= 1 and all("◀ sampled" in r.inner_text() for r in marked.all())
     out = _output_of(view)
     out.screenshot(path=str(ARTIFACTS / "generation_view.png"))
+    _hover_fills(pg, view.locator(".ds4-gen .ds4-ctx"), alts, position=(0.02, 0.2),
+                 until="el.querySelector('table') === null")  # the prompt's text has no alternatives
+    assert alts.inner_text().startswith("hover a generated token")
     # the buttons: run / step / stop, each enabled only when it can act, and the status agrees
     buttons = {b.inner_text(): b for b in out.locator(".widget-button").all()}
     assert list(buttons) == ["run", "step", "stop"]

@@ -15,9 +15,22 @@ function render({ model, el }) {
   const text = document.createElement("div"); text.className = "ds4-prompt ds4-gen";
   const tip = document.createElement("div"); tip.className = "ds4-alts";
   el.append(head, legend, text, tip);
+  // Out of a generated token the panel says what it is for, at the height it takes with a token's alternatives, so
+  // that nothing under the view moves when it fills (or empties).
+  let reserved = 0;  // px: the tallest the panel has been; it never shrinks below that
+  const reserve = () => {
+    reserved = Math.max(reserved, tip.offsetHeight);
+    tip.style.minHeight = reserved ? `${reserved}px` : tip.style.minHeight;
+  };
+  const placeholder = () => {
+    const recs = model.get("records"), k = recs.length ? recs[0].top.length : 5;
+    if (!reserved) tip.style.minHeight = `${(3 + k) * 1.6}em`;  // until a token's alternatives were shown
+    tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
+      `position show here</div>`;
+  };
   const showTip = (i) => {
     const r = model.get("records")[i];
-    if (!r) { tip.innerHTML = ""; return; }
+    if (!r) { placeholder(); return; }
     const scale = model.get("scale");
     // the bars: each alternative's probability over the largest shown, so that small ones compare
     const top = Math.max(...r.top.map((a) => a.logprob));
@@ -33,6 +46,7 @@ function render({ model, el }) {
         `background:${colour(scale, a.logprob)}"></span></td><td>${mine ? "◀ sampled" : ""}</td></tr>`;
     }
     tip.innerHTML = h + "</table>";
+    reserve();
   };
   const draw = () => {
     const recs = model.get("records"), scale = model.get("scale");
@@ -54,15 +68,19 @@ function render({ model, el }) {
   const hover = (ev) => {
     const i = ev.target.dataset ? ev.target.dataset.i : undefined;
     if (i !== undefined) showTip(+i);
+    else placeholder();  // the prompt's text, or between tokens: no alternatives to show
   };
   draw();
+  placeholder();
   const events = ["records", "context", "status", "scale"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, draw);
   text.addEventListener("mouseover", hover);
+  text.addEventListener("mouseleave", placeholder);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, draw);
     text.removeEventListener("mouseover", hover);
+    text.removeEventListener("mouseleave", placeholder);
   };
 }
 export default { render };
