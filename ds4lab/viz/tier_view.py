@@ -180,7 +180,7 @@ class TierView(FollowingView):
         out = []
         for u in self.model.units:
             for s in by_unit.get(u["layer"], []):
-                colour = "#969696" if s["mode"] == "no-copy" else "#252525"
+                colour = "#737373" if s["mode"] == "no-copy" else "#252525"
                 out.append(f"<span style='color:{colour}'> →{s['mode']} {s['bytes']:,} B→ </span>")
             label = u["unit"] if u["layer"] in (EMBED, self.n_layer) else f"L{u['layer']}"
             away = "" if u["here"] else ";opacity:0.45;border-style:dashed"  # run by another process
