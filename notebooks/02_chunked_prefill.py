@@ -113,9 +113,12 @@ ring(sess)
 
 # %% tags=["nbval-check-output"]
 for _ in range(2):
+    if not prefill_view.prefill.remaining:  # this cell run again after the prefill was finished
+        print("every chunk is run: run the cell that made prefill_view to start again")
+        break
     show(prefill_view.step())
 ring(sess)
-KVCacheView(sess)
+KVCacheView(sess, checkpoints=prefill_view.chunks)  # its slider: the chunks so far, orange what one wrote
 
 # %% [markdown]
 # The second chunk ended at token 127: the ratio-128 layers (3 and 5) finished their first row, which pools
@@ -304,6 +307,8 @@ print(f"max |Δ logits| against one-shot = {np.abs(s.logits - one.logits).max():
 # indexer keeps. A capture of `indexer.topk` says which.
 
 # %%
-with sess.capture(["indexer.topk"], layers=[2]) as cap:
-    sess.decoder(temperature=0).step()
-MaskView.of_step(sess, 2, len(sess.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")
+step = model.session(ctx=512, prefill_chunk=64)  # a copy of the prefilled session: sess stays as the cells above
+step.restore(sess.snapshot())                    # compared it, whenever this cell runs
+with step.capture(["indexer.topk"], layers=[2]) as cap:
+    step.decoder(temperature=0).step()
+MaskView.of_step(step, 2, len(step.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")

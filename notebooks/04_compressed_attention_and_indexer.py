@@ -46,14 +46,16 @@ prompt = coriolanus(1000)  # the first 1,000 characters of Coriolanus's opening 
 print(prompt[:60] + " …")
 ids = model.tokenizer.encode(prompt)
 cfg = model.config
-sess = model.session(ctx=512, prefill_chunk=64)
 print(len(ids), "tokens; ratios", [cfg.ratio(il) for il in range(cfg.n_layer)], "| indexer top-k", cfg.idx_topk)
 
 # %% [markdown]
 # Capture the whole prefill for three layers of the three kinds (0: raw only, 2: ratio 4, 3: ratio 128),
-# two heads, and every 4th query; and, for every layer, which rows the indexer picked for the last query:
+# two heads, and every 4th query; and, for every layer, which rows the indexer picked for the last query. The
+# session is made here, so that running this cell again captures a fresh prefill (a session that already holds
+# the prompt would have nothing to prefill, and nothing to capture):
 
 # %% tags=["nbval-check-output"]
+sess = model.session(ctx=512, prefill_chunk=64)
 prefill = sess.prefill(ids)
 with sess.capture(["indexer.topk"], queries=[len(ids) - 1]) as last:
     with sess.capture(["attn.scores", "attn.out", "indexer.topk", "indexer.scores"],
@@ -191,9 +193,9 @@ for il, (mass, idx_scores) in layers.items():
 # %%
 from ds4lab.viz.charts import indexer_mass_chart
 
-last = len(ids) - 1
-indexer_mass_chart(layers, n_visible, layer=2, query=last, k=k) & indexer_mass_chart(layers, n_visible, layer=4,
-                                                                                      query=last, k=k)
+q_last = len(ids) - 1
+indexer_mass_chart(layers, n_visible, layer=2, query=q_last, k=k) & indexer_mass_chart(layers, n_visible, layer=4,
+                                                                                        query=q_last, k=k)
 
 # %% [markdown]
 # The chart builders of `ds4lab.viz.charts` reduce a prefill to one row per chunk and layer kind: here the

@@ -33,6 +33,7 @@ if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views'
     await piplite.install(["ds4lab", "anywidget"])
 
 # %% tags=["nbval-check-output"]
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -190,7 +191,9 @@ for il in (2, 4):
           + " ".join(f"{x:.3f}" for x in comp[:, kept[il]].sum(-1) / comp.sum(-1)))
 print(f"forcing the {len(dropped[2])} rows it drops instead:")
 show(logit_diff(sess, ids, [force_topk(il, dropped[il]) for il in (2, 4)], start=last))
-print(f"forcing the {cfg.idx_topk} most recent rows (tokens {len(ids) - 4 * cfg.idx_topk}-{last}):")
+recent = n_rows - cfg.idx_topk  # row c pools tokens 4c-4 ... 4c+3
+print(f"forcing the {cfg.idx_topk} most recent rows ({recent}-{n_rows - 1}, pooling tokens {4 * recent - 4}-"
+      f"{4 * n_rows - 1}):")
 show(logit_diff(sess, ids, [force_topk(il, range(n_rows - cfg.idx_topk, n_rows)) for il in (2, 4)], start=last))
 print("for comparison, every compressed row of layers 2 and 4 ablated:")
 show(logit_diff(sess, ids, [ablate_rows(2), ablate_rows(4)], start=last))
@@ -342,3 +345,4 @@ print("continued from the file == continued from the edited state in memory:",
       np.array_equal(from_file.logits, in_memory.logits))
 print("guess after the edited cache:", top(probs(from_file.logits), 3))
 print("guess after the clean cache: ", top(probs(clean_logits), 3))
+shutil.rmtree(folder)  # the .kv file was only for this cell

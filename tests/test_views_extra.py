@@ -174,6 +174,14 @@ def _buttons(view) -> tuple[bool, bool, bool]:
     return view.run_button.disabled, view.step_button.disabled, view.stop_button.disabled
 
 
+def test_kv_view_names_a_wrong_indexer_argument(model):
+    """A notebook variable reused for something else (an int where the capture was) is named, not a traceback deep
+    in the view."""
+    sess = model.session(ctx=64, prefill_chunk=16)
+    with pytest.raises(TypeError, match=r"indexer= is a capture of indexer.topk .* got int 315"):
+        KVCacheView(sess, indexer=315)
+
+
 def test_generation_buttons_enable_only_what_can_act(model):
     """Idle: run and step, not stop. A synchronous run (from a cell; the kernel sees no click before it ends):
     none. A run the kernel can stop between tokens (the run button's, ``await view.arun()``): stop only. Once the

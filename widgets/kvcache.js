@@ -48,7 +48,7 @@ function render({ model, el }) {
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (positions ${d.new_from}–${T - 1})<br>` :
         `<span class="ds4-swatch new"></span> no step outlined: this is the whole state after ${T} tokens ` +
-        `(after a step, refresh() or the slider outlines what it wrote)<br>`) +
+        `<br>`) +
       `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>` +
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`) +
       `</div></div>`;
@@ -64,7 +64,7 @@ function render({ model, el }) {
         const chooses = L.n_index !== null && L.n_index > d.idx_topk;
         const reads = picked && chooses ? `<div>the last query (position ${q}) reads the ${picked.size} rows the indexer picked: ` +
           `<span class="ds4-swatch kept"></span> kept (attended), <span class="ds4-swatch dropped"></span> dropped by the indexer ` +
-          `(the mask's and the attention view's colours; <span class="ds4-swatch comp"></span> green: a layer's rows where no indexer chooses)</div>` : "";
+          `(the mask view's colours; <span class="ds4-swatch comp"></span> green: a layer's rows where no indexer chooses)</div>` : "";
         h += `<div>compressed rows: ${L.n_comp} (row c pools the group of tokens ${R}c–${R}c+${R - 1}${R === 4 ? ", and the group before" : ""})</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;

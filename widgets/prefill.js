@@ -1,6 +1,6 @@
 // PrefillView: the chunks (run and planned), the prompt coloured by chunk with the chunk shown highlighted and
 // scrolled into the box (once the box is laid out), a progress bar and the chunk table. State comes from Python.
-const PALETTE = ["#c6dbef", "#c7e9c0", "#fdd0a2", "#dadaeb", "#fcbba1", "#d9d9d9", "#9ecae1", "#a1d99b"];
+const PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#bcbddc", "#bdbdbd"];
 const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
 function render({ model, el }) {

@@ -56,14 +56,15 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
               ] if full else []
     x = field("chunk:Q", title="chunk", axis={"tickMinStep": 1, "format": "d"})
     y = field("tokens_per_s:Q", title="tokens/s (measured)")
-    tips = tooltip("chunk:O", "start:Q", "end:Q", "tokens:Q", "ms:Q", "tokens_per_s:Q")
+    tips = tooltip("chunk:O", "start:Q", "end:Q", "tokens:Q", field("ms:Q", format=".1f"),
+                   field("tokens_per_s:Q", title="tokens/s", format=",.0f"))
     layers = [
         unit(spread, {"type": "rect", "opacity": 0.15, "color": "#3182bd"}, y=field("low:Q"), y2={"field": "high"}),
         unit(spread, {"type": "rule", "color": "#3182bd"}, y=field("median:Q"),
              tooltip=tooltip("label:N", "median:Q")),
         unit(timed, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y, tooltip=tips),
     ]
-    notes = ["band: range of the full chunks, rule: their median"]
+    notes = ["band: range of the full chunks; rule: their median"]
     if warmup:
         layers.append(unit([dict(r, run="warm-up") for r in rows[:warmup]],
                            {"type": "point", "filled": False, "size": 40, "color": "#3182bd"}, x=x, y=y,
@@ -79,10 +80,10 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
                      for i, (c, f) in enumerate(zip(chunks, flops))]
         layers.append(unit(predicted, {"type": "line", "color": "#e6550d", "strokeDash": [4, 2]}, x=field("chunk:Q"),
                            y=field("predicted:Q"), tooltip=tooltip("chunk:O", "gflop:Q", "predicted:Q")))
-        notes.append(f"dashed: predicted from FLOPs at the median rate ({rate / 1e9:.2f} GFLOP/s)")
-    # a title over two lines of notes: one line would run past the plot's 320 px (and out of a notebook's width)
+        notes += ["dashed: predicted from FLOPs", f"at the median rate ({rate / 1e9:.2f} GFLOP/s)"]
+    # the notes a line each, none wider than the plot's 260 px: beside kv_bytes_chart it fits a laptop's notebook
     title = {"text": "prefill speed per chunk", "subtitle": notes, "anchor": "start"}
-    return Chart({"layer": layers, "title": title, "width": 320, "height": 160})
+    return Chart({"layer": layers, "title": title, "width": 260, "height": 160})
 
 
 def prefill_cost_chart(runs, model):
@@ -144,8 +145,8 @@ def kv_bytes_chart(session, chunks):
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
     line = unit(rows, {"type": "line", "point": True}, x=field("tokens:Q", title="tokens"),
                 y=field("bytes:Q", title="KV bytes (all layers of the kind)"), color=field("kind:N"),
-                tooltip=tooltip("tokens:Q", "kind:N", "bytes:Q"))
-    return _own_legend(line, title="KV bytes by layer kind", width=320, height=160)
+                tooltip=tooltip("tokens:Q", "kind:N", field("bytes:Q", format=",")))
+    return _own_legend(line, title="KV bytes by layer kind", width=260, height=160)
 
 
 def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20), bytes_per_value: int = 2):

@@ -105,6 +105,9 @@ class KVCacheView(FollowingView):
 
     def __init__(self, session, checkpoints=None, follow: bool = False, layers=None, slider: bool = True,
                  indexer=None):
+        if not (indexer is None or callable(indexer) or hasattr(indexer, "records")):
+            raise TypeError(f"indexer= is a capture of indexer.topk (sess.capture(['indexer.topk'], ...)) or a "
+                            f"function (layer, position) -> rows; got {type(indexer).__name__} {indexer!r:.40}")
         self.session = session
         self.indexer = indexer
         self.has_slider = bool(slider)

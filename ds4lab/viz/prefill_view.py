@@ -15,7 +15,9 @@ from .base import View, ViewModel, token_texts, widget_file
 from .kv_view import KVCacheView, state_label
 from .mask_view import MaskView
 
-PALETTE = ["#c6dbef", "#c7e9c0", "#fdd0a2", "#dadaeb", "#fcbba1", "#d9d9d9", "#9ecae1", "#a1d99b"]
+# Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon or the oranges that mean
+# "dropped by the indexer" and "pending" in the KV and mask views beside them.
+PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#bcbddc", "#bdbdbd"]
 
 
 class PrefillModel(ViewModel):
