@@ -370,6 +370,10 @@ def test_prefill_view_renders(page):
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 0 (tokens 0–63): 64 tokens")
     assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
     assert "nothing overwritten yet" in kv.inner_text()
+    # chunk 0's last query sees 16 compressed rows, fewer than the indexer's top 32: seen, and the tooltip says why
+    # (the last row's compressed columns: x 447 of 485 px, y 284 of 320 in the mask's layout)
+    text = _hover_fills(pg, img, tip, (0.926, 0.8875), until="/compressed row/.test(el.textContent)")
+    assert text.startswith("query 63 × compressed row") and "no more than the indexer's top 32" in text, text
     # a query early in the prompt: its raw window starts at position 0, not at a negative one
     text = _hover_fills(pg, img, tip, (0.15, 0.8), until="el.textContent.includes('all so far')")
     m = re.fullmatch(r"query (\d+) × key position (\d+) \(ring slot \d+, written by this step\): seen: in the raw "

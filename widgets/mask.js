@@ -29,7 +29,12 @@ function reason(model, q, c, cat, g) {
   if (c < g.nr + g.nc) {
     const r = c - g.nr, a = Math.max(0, r * R - (R === 4 ? 4 : 0)), b = r * R + R - 1;
     const what = `compressed row ${r} (pools tokens ${a}–${b}, group ${r * R}–${b})`;
-    const why = { 4: `not yet compressed: its group ends at ${b} > ${qp}`, 5: k ? "seen: kept by the indexer" : "seen",
+    // how many compressed rows this query sees: the indexer chooses only among more than its top k
+    const row = bytes(model.get("cells")).subarray(q * g.N + g.nr, q * g.N + g.nr + g.nc);
+    const seen = row.filter((v) => v >= 5 && v <= 7).length;
+    const kept = !k ? "seen (no indexer on this layer: every closed group's row)" : seen > k ? "seen: kept by the indexer" :
+      `seen: ${seen} visible rows, no more than the indexer's top ${k}, so it keeps them all`;
+    const why = { 4: `not yet compressed: its group ends at ${b} > ${qp}`, 5: kept,
                   6: `dropped by the indexer (it keeps its top ${k})`, 7: `visible; the indexer keeps ${k} of them (capture indexer.topk to see which)` }[cat];
     return `query ${qp} × ${what}: ${why}`;
   }
