@@ -612,8 +612,12 @@ def test_expert_view_renders(page):
     assert view.locator(".ds4-hist .ds4-badge").count() >= 1  # hash layers marked
     for i in range(hists.count()):  # every layer has drawn bars
         assert hists.nth(i).locator("svg rect[pointer-events='none']").count() > 0
-    tip = _hover_fills(pg, view.locator("svg rect[data-e]").nth(2), view.locator(".ds4-tip"))
+    assert view.locator(".ds4-tip").inner_text().startswith("hover a bar")
+    tip = _hover_fills(pg, view.locator("svg rect[data-e]").nth(2), view.locator(".ds4-tip"),
+                       until="/expert \\d+:/.test(el.textContent)")
     assert re.match(r"layer 0 \(hash\), expert 2: \d+ of \d+ tokens", tip), tip
+    # the caption stays in view: under the title, above the stack of histograms
+    assert view.locator(".ds4-tip").bounding_box()["y"] < hists.first.bounding_box()["y"]
     # axes: expert ids 0–7 under the bars, tokens up the left from 0 to the top of the scale (one for every layer)
     top = max(int(re.search(r"max (\d+)", hists.nth(i).locator(".ds4-label").inner_text())[1])
               for i in range(hists.count()))
@@ -633,6 +637,11 @@ def test_expert_view_renders(page):
     out = _output_of(view)
     assert out.locator(".widget-dropdown").count() == 1 and out.locator(".widget-checkbox").count() == 1
     out.screenshot(path=str(ARTIFACTS / "expert_view.png"))
+    out.locator(".widget-dropdown select").select_option(label="hash layers")  # the title counts what is shown
+    view.locator(".ds4-title", has_text="hash layers only").wait_for(timeout=10_000)  # redrawn: a new element
+    assert re.match(r"router: tokens per expert, 3 layers \(hash layers only\) × 8 experts",
+                    view.locator(".ds4-title").inner_text()) and hists.count() == 3
+    out.locator(".widget-dropdown select").select_option(label="all layers")
 
 
 def test_generation_view_renders(page):

@@ -3,19 +3,25 @@ const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replac
 
 function render({ model, el }) {
   el.classList.add("ds4-view");
-  const body = document.createElement("div");
+  // the caption of the bar under the pointer sits under the title, where it stays in view above a tall stack
+  const header = document.createElement("div"), body = document.createElement("div");
   const tip = document.createElement("div"); tip.className = "ds4-tip";
-  el.append(body, tip);
+  const idle = "hover a bar: how many tokens went to that expert, and which tokens most often";
+  tip.textContent = idle;
+  el.append(header, tip, body);
   const draw = () => {
     const n = model.get("n_expert"), show = model.get("show"), common = model.get("common_scale");
     const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
     const vmaxAll = Math.max(1, ...layers.map((L) => Math.max(...L.counts)));
     const bw = Math.max(2, Math.min(32, Math.floor(640 / Math.max(n, 1)))), H = 40;
     const AX = 30, PT = 5;  // px left of the bars for the token axis, above them for its top label
-    let h = `<div class="ds4-title">${esc(model.get("title"))}</div><div class="ds4-note">` +
+    const shown = show === "all" ? "" : ` (${show === "hash" ? "hash" : "learned-router"} layers only)`;
+    header.innerHTML = `<div class="ds4-title">router: tokens per expert, ${layers.length} layer${layers.length === 1 ? "" : "s"}` +
+      `${shown} × ${n} experts, ${model.get("k")} per token</div><div class="ds4-note">` +
       `x: expert 0–${n - 1}, y: tokens routed to it (${common ? "one scale for every layer" : "each layer its own scale"}); ` +
       `<span class="ds4-badge">hash</span> layers route by a fixed table of the token id, the others by the ` +
       `learned router's top ${model.get("k")}</div>`;
+    let h = "";
     // each histogram's axes: tokens up the left (0, half and the top of its scale), expert ids along the bottom
     const every = Math.max(1, Math.ceil(14 / bw));  // an expert id every `every` bars: at least 14 px apart
     for (const L of layers) {
@@ -44,7 +50,7 @@ function render({ model, el }) {
   };
   const hover = (ev) => {
     const d = ev.target.dataset;
-    if (!d || d.e === undefined) return;
+    if (!d || d.e === undefined) { tip.textContent = idle; return; }
     const L = model.get("layers").find((x) => x.layer === +d.l), e = +d.e;
     if (!L) return;
     const c = L.counts[e], top = L.top[e] || [];
