@@ -224,21 +224,25 @@ prefill_cost_chart(runs, model)
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
 # but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
 # 2-core CPU, with nothing else running, six runs gave medians of 0.42–0.50 s for chunks of 30, 0.31–0.35 s for
-# 64 and 0.30–0.34 s for one chunk of 512. What a student should see: the 11 chunks of 30 clearly slowest,
-# 0.12–0.16 s behind one chunk, some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the
-# Python calls of every layer); 64 a little behind 512 (0.01–0.035 s for its 4 extra chunks, about the spread
-# between runs), so on a noisier machine either may come out ahead. On a busy machine the ranges grow, and can
-# overlap. At Flash scale
-# (the real model's dimensions and its q2 weights; a chunk of 2048 tokens at position 32768, then one decode
-# step):
+# 64 and 0.30–0.34 s for one chunk of 512. So the 11 chunks of 30 come out clearly slowest, 0.12–0.16 s behind
+# one chunk: some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the Python calls of
+# every layer). 64 comes out a little behind 512 (0.01–0.035 s for its 4 extra chunks, about the spread between
+# runs), so on a noisier machine either may come out ahead. On a busy machine the ranges grow, and can overlap.
+#
+# ### At Flash scale
+#
+# The same counts for the real model's dimensions and its q2 weights: a chunk of 2048 tokens at position 32768,
+# then one decode step.
 
 # %% tags=["nbval-check-output"]
 from ds4lab.costs import PARTS, flash_table
 
-for r in flash_table():
-    print(f"{r['step']:>22}: {r['GFLOP']:9,.1f} GFLOP ({r['GFLOP_per_token']:.1f} a token), weights read "
-          f"{r['weights_GiB']:5.2f} GiB, KV written {r['kv_written_MiB']:6.2f} MiB, {r['flop_per_byte']:6.1f} FLOP/byte")
-    print("   " + ", ".join(f"{p} {r[p + ' GFLOP']:,.1f}" for p in PARTS))
+for r in flash_table():  # lines under 100 characters: a notebook at laptop width wraps none of them
+    print(f"{r['step']}: {r['GFLOP']:,.1f} GFLOP ({r['GFLOP_per_token']:.1f} a token), "
+          f"{r['flop_per_byte']:.1f} FLOP/byte")
+    print(f"  weights read {r['weights_GiB']:.2f} GiB, KV written {r['kv_written_MiB']:.2f} MiB; GFLOP by part:")
+    parts = [f"{p} {r[p + ' GFLOP']:,.1f}" for p in PARTS]
+    print("    " + ", ".join(parts[:4]) + ",\n    " + ", ".join(parts[4:]))
 
 
 # %% [markdown]

@@ -65,7 +65,8 @@ cap
 
 # %% [markdown]
 # What the last query reads from, layer by layer: the raw ring (the window is its last 64 positions), the
-# compressed rows and the tokens each pools, the indexer's rows, the ones it picked for that query marked.
+# compressed rows and the tokens each pools (on the indexer's layers, the ones it picked for that query marked
+# blue, the others salmon), and the indexer's own rows.
 
 # %%
 from ds4lab.viz import KVCacheView
@@ -120,17 +121,18 @@ zoomed
 # %% [markdown]
 # ## Where the attention goes
 #
-# The weights of a query sum to 1 over raw rows, compressed rows and the sink. Averaged over the queries
-# that see compressed rows:
+# The weights of a query sum to 1 over raw rows, compressed rows and the sink. Averaged over the captured queries
+# from position 128 on (where every layer with a compressor has compressed rows to see: the ratio-128 layer's
+# first closes at token 127):
 
 # %%
 for il in (0, 2, 3):
     a = cap.attention(il)
     late = a.queries >= 128
     mass = {g: a.group(g)[late].sum(-1).mean(0) for g in ("raw", "comp", "sink")}
-    print(f"layer {il} (ratio {a.ratio:3d}): " + "; ".join(
-        f"head {h}: raw {mass['raw'][j]:.2f}, compressed {mass['comp'][j]:.2f}, sink {mass['sink'][j]:.2f}"
-        for j, h in enumerate(a.heads)))
+    for j, h in enumerate(a.heads):
+        print(f"layer {il} (ratio {a.ratio:3d}), head {h}: raw {mass['raw'][j]:.2f}, "
+              f"compressed {mass['comp'][j]:.2f}, sink {mass['sink'][j]:.2f}")
 
 # %% [markdown]
 # ## The indexer's choices

@@ -59,7 +59,8 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         kind = "live" if self.state is not None else "payload"
-        edited = f", edited: {'; '.join(self.edits)}" if self.edits else ""
+        shown = self.edits if len(self.edits) <= 3 else (*self.edits[:2], f"{len(self.edits) - 2} more (.edits)")
+        edited = f", edited: {'; '.join(shown)}" if self.edits else ""
         return f"Checkpoint({len(self.tokens)} tokens, {kind}{edited})"
 
     @property

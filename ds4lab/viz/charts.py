@@ -214,7 +214,8 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
                 axis={"values": list(range(0, n_rows, every_row)), "labelAngle": 0}),
         y=field("q:O", title="query position", axis={"values": [p for _, p in queries][:: max(1, len(queries) // 6)]}),
         color=field("kept:N", title=None, scale=KEPT_COLORS),
-        tooltip=tooltip("q:Q", "r:Q", "kept:N"),
+        tooltip=tooltip(field("q:Q", title="query position"), field("r:Q", title="compressed row"),
+                        field("kept:N", title="the indexer")),
     )
     title = f"layer {layer}'s indexer: top-{capture.cfg.idx_topk} of the visible rows"
     return Chart(dict(spec, title=title, width=420, height=200))
@@ -250,7 +251,9 @@ def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
                 axis={"values": list(range(0, n, _label_step(n, 10))), "labelAngle": 0}),
         y=field("share:Q", title="share of the attention", axis={"format": ".0%"}),
         color=field("kept:N", title=None, scale=KEPT_COLORS),
-        tooltip=tooltip("r:Q", {"field": "share", "type": "quantitative", "format": ".1%"}, "kept:N"),
+        tooltip=tooltip(field("r:Q", title="compressed row"),
+                        field("share:Q", title="share of the attention over compressed rows", format=".1%"),
+                        field("kept:N", title="the indexer")),
     )
     title = f"layer {layer}, query {query}: the top-{k} holds {recall:.0%} of the attention over {n} rows"
     return Chart(dict(spec, title=title, width=420, height=160))
@@ -301,6 +304,7 @@ def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
         x2={"field": "expert_end"},
         y=field("label:O", title=None, sort=order),
         color=field("tokens:Q", title="tokens", scale={"scheme": "blues"}),
-        tooltip=tooltip("label:N", "experts:N", "tokens:Q"),
+        tooltip=tooltip(field("label:N", title="layer"), field("experts:N", title="expert"),
+                        field("tokens:Q", title="tokens routed")),
     )
     return Chart(dict(spec, title="tokens routed to each expert", width=360, height={"step": 14}))
