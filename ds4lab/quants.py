@@ -130,7 +130,7 @@ def _dequant_iq2_xxs(b: _Blocks) -> np.ndarray:
 # then 16 bytes of 4-bit E2M1 codes, element j < 16 in the low nibble of byte j and element 16 + j in its high one.
 # Code c is sign (bit 3) and magnitude MXFP4_DOUBLED[c & 7] / 2; the scale is 2^(e − 127) (e = 0 read as 2^−127,
 # as ds4 does). Both are kept as ggml does: the doubled integer times half the scale, 2^(e − 128), the same exact
-# product.
+# product but for code 8 (+0) and e = 255 (docs/FORMATS.md, "GGUF model files").
 MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12)
 
 

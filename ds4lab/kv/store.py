@@ -130,8 +130,7 @@ def effective_hits(entry: KVEntry, now: int, half_life_s: float = HIT_HALF_LIFE_
 # ds4 since ec6a82aa (2026-05-26): files a person or a shutdown meant to keep ("cold", "evict", "shutdown") score
 # twice a routine "continued" waypoint, and a waypoint the incoming file extends (same model and quant, written for a
 # context at least the incoming one's: the incoming file loads wherever it does) scores 0.05 + 0.45·h of its score,
-# h = eff / (eff + 1) (ds4_kvstore.c's
-# KV_CACHE_ANCHOR_REASON_SCORE_FACTOR and KV_CACHE_CONTINUED_PREFIX_*_FACTOR).
+# h = eff / (eff + 1) (ds4_kvstore.c's KV_CACHE_ANCHOR_REASON_SCORE_FACTOR and KV_CACHE_CONTINUED_PREFIX_*_FACTOR).
 ANCHOR_REASONS = frozenset({REASONS.index("cold"), REASONS.index("evict"), REASONS.index("shutdown")})
 ANCHOR_FACTOR = 2.0
 SUPERSEDED_MIN_FACTOR, SUPERSEDED_HIT_FACTOR = 0.05, 0.45
