@@ -575,6 +575,9 @@ def test_attention_view_renders(page):
                          timeout=5_000)
     size = lambda b: (b["width"], b["height"])  # noqa: E731 (the page may scroll; the figure keeps its size)
     assert size(canvas.bounding_box()) == size(box)
+    # no indexer on layer 3: no cell and no legend key in its salmon
+    pg.wait_for_timeout(300)
+    assert _pixels_of(canvas, (252, 187, 161)) == 0
     out.screenshot(path=str(ARTIFACTS / "attention_view_layer3.png"))
     # a small multiple clicked: head 1, and the tooltip follows
     view.locator(".ds4-att-head[data-head='1']").click()

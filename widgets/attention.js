@@ -11,7 +11,8 @@ function ramp(v) {
 const RAMP = Array.from({ length: 256 }, (_, v) => ramp(v));
 // weight 0, by why: attention_figure.MASKED, NOT_YET, DROPPED (the MaskView's colours of the same categories)
 const MASKED = [232, 232, 232], NOT_YET = [255, 255, 204], DROPPED = [252, 187, 161];
-const ZERO_KEY = [[MASKED, "weight 0 (masked)"], [NOT_YET, "not yet compressed"], [DROPPED, "dropped by the indexer"]];
+// [colour, mark, text]: the legend lists those of the figure shown (a layer without an indexer drops none)
+const ZERO_KEY = [[MASKED, 2, "weight 0 (masked)"], [NOT_YET, 3, "not yet compressed"], [DROPPED, 1, "dropped by the indexer"]];
 // an opaque colour as one pixel of a Uint32Array over ImageData (bytes R, G, B, A in memory: little-endian)
 const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
 const RAMP32 = Uint32Array.from(RAMP, rgba);
@@ -135,7 +136,9 @@ function render({ model, el }) {
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, ly + 5);
     ctx.textAlign = "left"; ctx.fillText(`${model.get("hi_text")}   ${model.get("scale_text")}`, L + 262, ly + 5);
     let x = L;
-    for (const [c, text] of ZERO_KEY) {
+    const present = new Set(bytes(model.get("marks")));
+    for (const [c, mark, text] of ZERO_KEY) {
+      if (!present.has(mark)) continue;
       ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 16, 12, 8);
       ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 18;
     }
