@@ -606,6 +606,14 @@ def test_attention_view_renders(page):
     pg.wait_for_function("(el) => !el.textContent.includes('zoomed')", arg=note.element_handle(), timeout=10_000)
 
 
+def _round_ticks(vmax: int) -> list[int]:
+    """0 and the multiples up to ``vmax`` of the largest whole step 1, 2, 2.5 or 5 × 10^k with two steps or more
+    under it (the ExpertView's token axis)."""
+    steps = [m * 10 ** k for k in range(len(str(vmax))) for m in (1, 2, 2.5, 5) if float(m * 10 ** k).is_integer()]
+    step = int(max(s for s in steps if vmax // s >= 2))
+    return list(range(0, vmax + 1, step))
+
+
 def test_expert_view_renders(page):
     pg, *_ = page
     view = _view(pg, "router: tokens per expert")
@@ -627,7 +635,7 @@ def test_expert_view_renders(page):
     for i in range(hists.count()):
         svg = hists.nth(i).locator("svg")
         assert svg.locator("text.ds4-xtick").all_text_contents() == [str(e) for e in range(8)]
-        assert svg.locator("text.ds4-ytick").all_text_contents() == ["0", str(round(top / 2)), str(top)]
+        assert svg.locator("text.ds4-ytick").all_text_contents() == [str(v) for v in _round_ticks(top)]
         frame, bars = svg.bounding_box(), [r.bounding_box() for r in svg.locator("rect[pointer-events='none']").all()]
         ticks = [t.bounding_box() for t in svg.locator("text").all()]
         assert all(frame["x"] - 1 <= t["x"] and t["x"] + t["width"] <= frame["x"] + frame["width"] + 1 and

@@ -1,6 +1,18 @@
 // ExpertView: one histogram per layer (x: expert id, y: tokens routed), hash-routed layers marked.
 const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
+// Round tick values from 0 up to vmax: the largest step of 1, 2, 2.5 or 5 times a power of ten (whole numbers: token
+// counts) that leaves at least two steps under vmax, so three or four ticks on a 40 px axis.
+const niceTicks = (vmax) => {
+  if (vmax < 2) return [0, vmax];
+  const steps = [];
+  for (let p = 1; p <= vmax; p *= 10) for (const m of [1, 2, 2.5, 5]) if (Number.isInteger(m * p)) steps.push(m * p);
+  const step = steps.filter((st) => Math.floor(vmax / st) >= 2).pop();
+  const out = [];
+  for (let v = 0; v <= vmax; v += step) out.push(v);
+  return out;
+};
+
 function render({ model, el }) {
   el.classList.add("ds4-view");
   // the caption of the bar under the pointer sits under the title, where it stays in view above a tall stack
@@ -36,7 +48,7 @@ function render({ model, el }) {
       });
       let axis = `<line class="ds4-axis" x1="${AX - 0.5}" y1="${PT}" x2="${AX - 0.5}" y2="${PT + H + 0.5}"/>` +
         `<line class="ds4-axis" x1="${AX - 0.5}" y1="${PT + H + 0.5}" x2="${AX + n * bw}" y2="${PT + H + 0.5}"/>`;
-      for (const v of vmax >= 2 ? [0, Math.round(vmax / 2), vmax] : [0, vmax]) {
+      for (const v of niceTicks(vmax)) {
         const y = PT + H - (H * v) / vmax;
         axis += `<line class="ds4-axis" x1="${AX - 4}" y1="${y}" x2="${AX - 1}" y2="${y}"/>` +
           `<text class="ds4-ytick" x="${AX - 6}" y="${y}">${v}</text>`;
