@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .text_table import aligned, plural
+
 EMBED = -1  # the layer index records give the embedding; the output head is n_layer
 MODES = ("decode", "batch")  # what a step asks for; "no-copy" is decided per switch
 
@@ -407,15 +409,10 @@ class Placement:
         rows = [[str(m.tier), m.device, names, f"{m.weights:,}", f"{m.kv:,}", f"{m.activations:,}", f"{m.total:,}",
                  "-" if m.budget is None else f"{m.budget:,}"] for m, names in zip(self.memory, units)]
         head = ["tier", "device", "units", "weights", "KV", "activations", "total", "budget"]
-        widths = [max(len(c) for c in column) for column in zip(head, *rows)]
-        left = {1, 2}  # device and units read left to right; the numbers line up on the right
-
-        def line(cells):
-            return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
         title = (f"Placement {self.rule}: {self.n_layer} layers on {plural(len(self.tiers), 'tier')}, "
                  f"{plural(self.boundaries, 'copying switch', 'copying switches')} per step")
-        return "\n".join([title, line(head), *map(line, rows)]).rstrip()
+        # device and units read left to right; the numbers line up on the right
+        return "\n".join([title, *aligned(head, rows, left={1, 2}, sep="  ")]).rstrip()
 
 
 def _copy(p: Placement) -> Placement:
@@ -443,11 +440,6 @@ def _ranges(layers: list[int], n_layer: int) -> str:
     parts = ([_unit_name(il, n_layer) for il in layers if il < 0] + named
              + [_unit_name(il, n_layer) for il in layers if il >= n_layer])
     return ", ".join(parts) or "-"
-
-
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """``1 switch``, ``5 switches``: ``n`` and the word that goes with it (``many`` defaults to ``one + "s"``)."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _unit_bytes(model, state) -> tuple[list[int], list[int]]:

@@ -71,7 +71,7 @@ function render({ model, el }) {
       (top.length ? " · most often: " + top.map(([t, k]) => `<code>${esc(JSON.stringify(t))}</code> ×${k}`).join(", ") : "");
   };
   draw();
-  const events = ["layers", "show", "common_scale", "title"].map((k) => `change:${k}`);
+  const events = ["layers", "show", "common_scale"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, draw);
   body.addEventListener("mouseover", hover);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered

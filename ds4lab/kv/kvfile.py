@@ -97,7 +97,7 @@ PREFIX_BYTES = FIXED_HEADER + 4  # the fixed header and u32 text_bytes
 REASONS = ("unknown", "cold", "continued", "evict", "shutdown", "agent-system", "agent-session")
 QUANT_BITS = (2, 4)
 MODELS = {0: "DeepSeek V4 Flash", 1: "DeepSeek V4 PRO", 2: "GLM 5.2"}  # header byte 7 (ds4's ds4_variant)
-GLM_MODEL_ID = 2  # its payload is not DSV4's layout of a DeepSeek V4 model
+DSV4_MODEL_IDS = frozenset({0, 1})  # the models whose payload is DSV4's layout (not GLM 5.2's, 2)
 # header byte 20: the payload ABI ds4 wrote, and the DSV4 payload version it goes with (0: before e8e8779b)
 PAYLOAD_VERSION_OF_ABI = {0: 1, 2: 2}
 ABI_OF_PAYLOAD_VERSION = {v: abi for abi, v in PAYLOAD_VERSION_OF_ABI.items()}
@@ -218,7 +218,7 @@ class KVHeader:
             raise KVFileError(path, "payload_abi", abi, "0 or 2 (+ 0x80 with a codec bit)",
                               f"payload_abi (header byte 20) is {abi:#04x}, expected 0 (ds4 before 2026-05-26) or 2 "
                               f"(ds4 since), plus 0x80 for ds4lab's codec payloads (ext bits 4-6){newer}")
-        if model not in MODELS or model == GLM_MODEL_ID:
+        if model not in DSV4_MODEL_IDS:
             name = f"{MODELS[model]}'s" if model in MODELS else "an unknown model's"
             raise KVFileError(path, "model_id", model, "0 (DeepSeek V4 Flash) or 1 (V4 PRO)",
                               f"model_id (header byte 7) is {model}: {name} KV state, whose payload ds4lab does not "
@@ -443,7 +443,7 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
         ours = EXT_FINGERPRINT if digest or with_checksum else 0
     now = int(time.time()) if now is None else now
     abi = ABI_OF_PAYLOAD_VERSION[payload_version] | (CODEC_ABI_MARK if codec_flags else 0)
-    if model_id not in MODELS or model_id == GLM_MODEL_ID:
+    if model_id not in DSV4_MODEL_IDS:
         raise ValueError(f"model_id {model_id}: ds4lab writes DeepSeek V4 state, 0 (Flash) or 1 (Pro)")
     header = KVHeader(quant_bits, reason_code(reason), codec_flags | ours, tokens, 0, ctx, now, now, len(payload),
                       len(text), model_id=model_id, payload_abi=abi)

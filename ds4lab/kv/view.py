@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
+from ..text_table import aligned
 from .payload import LayerPayload, Payload, payload_nbytes
 
 
@@ -58,10 +59,8 @@ class KVView:
     def __repr__(self) -> str:
         rows = [(lk.layer, lk.ratio, len(lk.raw), lk.n_comp, lk.n_index, f"{lk.nbytes:,}") for lk in self.layers]
         head = ("layer", "ratio", "raw", "comp", "index", "bytes")
-        widths = [max(len(str(c)) for c in column) for column in zip(head, *rows)]  # every column right-aligned
-        lines = [f"KV state: {self.n_tokens} tokens, {self.nbytes:,} bytes (DSV4 payload)"]
-        lines += [" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in (head, *rows)]
-        return "\n".join(lines)
+        return "\n".join([f"KV state: {self.n_tokens} tokens, {self.nbytes:,} bytes (DSV4 payload)",
+                          *aligned(head, rows)])
 
 
 def _layer(il: int, ratio: int, saved: LayerPayload, start: int) -> LayerKV:

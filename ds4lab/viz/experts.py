@@ -43,7 +43,6 @@ def capture_prefill(session, prompt, layers=None):
 
 class ExpertModel(ViewModel):
     _esm = widget_file("experts.js")
-    title = t.Unicode("").tag(sync=True)
     n_expert = t.Int(0).tag(sync=True)
     k = t.Int(0).tag(sync=True)  # experts per token
     layers = t.List().tag(sync=True)  # [{layer, hash, n_tokens, counts [n_expert], top: [[[text, n], ...] per expert]}]
@@ -104,9 +103,10 @@ class ExpertView(View):
                 top.append([[text, n] for text, (_, n) in zip(token_texts(tok, [i for i, _ in common]), common)])
             layer_records.append(dict(layer=il, hash=bool(cfg.is_hash_layer(il)), n_tokens=int(len(experts)),
                                       counts=[int(c) for c in counts], top=top))
+        # the saved view's title (the live one counts the layers its filter shows: widgets/experts.js)
+        self.title = (f"router: tokens per expert, {len(layer_records)} layers × {cfg.n_expert} experts, "
+                      f"{cfg.n_expert_used} per token; {cfg.n_hash_layer} hash layer(s)")
         self.model = ExpertModel(
-            title=(f"router: tokens per expert, {len(layer_records)} layers × {cfg.n_expert} experts, "
-                   f"{cfg.n_expert_used} per token; {cfg.n_hash_layer} hash layer(s)"),
             n_expert=cfg.n_expert,
             k=cfg.n_expert_used,
             layers=layer_records,
@@ -161,7 +161,7 @@ class ExpertView(View):
             )
         vmax = max(int(c.max()) for c in self.counts.values())
         return (
-            f"<div class='ds4-view' style='font:12px monospace'><b>{html.escape(self.model.title)}</b><br>"
+            f"<div class='ds4-view' style='font:12px monospace'><b>{html.escape(self.title)}</b><br>"
             f"bars: tokens routed to experts 0…{self.config.n_expert - 1} (one scale, 0…{vmax}); orange = hash-routed "
             "layer, blue = learned router<table><tr><th>layer</th><th>routing</th><th>histogram</th><th>tokens</th>"
             f"<th>experts used</th><th>busiest (tokens)</th><th>max/mean load</th></tr>{''.join(rows)}</table></div>"

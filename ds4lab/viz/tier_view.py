@@ -11,7 +11,8 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
-from ..tiers import EMBED, plural
+from ..text_table import plural
+from ..tiers import EMBED
 from .base import FollowingView, ViewModel, widget_file
 from .reduce import png_base64
 

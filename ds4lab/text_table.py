@@ -1,0 +1,19 @@
+"""Plain-text tables and counted words, for reprs and printed summaries (a notebook shows them in a monospace font)."""
+
+from __future__ import annotations
+
+from typing import Collection, Sequence
+
+
+def aligned(head: Sequence, rows: Sequence[Sequence], left: Collection[int] = (), sep: str = " ") -> list[str]:
+    """``head`` and ``rows`` as lines, each column as wide as its widest cell: right-aligned, so that numbers line
+    up, but for the columns at the indices in ``left``; cells joined by ``sep``."""
+    table = [[str(c) for c in row] for row in (head, *rows)]
+    widths = [max(len(c) for c in column) for column in zip(*table)]
+    return [sep.join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in table]
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``1 switch``, ``5 switches``: ``n`` and the word that goes with it (``many`` defaults to ``one + "s"``)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
