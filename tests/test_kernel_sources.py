@@ -80,7 +80,7 @@ def test_cuda_module_compiles_with_nvcc(tmp_path):
         assert f".entry {spec.name}(" in ptx
         # a programmatic launch (ds4lab.cuda.driver.launch) may start before the kernel before it has flushed its
         # writes: every kernel waits for them, before its first read of global memory unless its body places the
-        # wait itself (after reading only weights and launch constants: qmatmul's prefetch)
+        # wait itself (after reading only weights and launch constants: qmatmul's IQ2_XXS tables)
         entry = ptx[ptx.index(f".entry {spec.name}("):]
         entry = entry[:entry.find(".entry ", 1)] if ".entry " in entry[1:] else entry
         wait, first_read = entry.find("griddepcontrol.wait"), re.search(r"\bld(\.\w+)*\.global", entry)

@@ -20,7 +20,6 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
                                (CUDA's programmatic launches, on compute capability 9 on; a no-op elsewhere): at the
                                top of every CUDA kernel, unless its body calls it after reading only what no kernel
                                writes (weights, launch constants)
-    prefetch_l2(p)             a hint to fetch p's cache line into L2 (CUDA; a no-op elsewhere)
     rint_bits(v)               a word whose low byte is v rounded to the nearest integer (half to even) as an
                                int8, for |v| < 128 (CUDA: one add)
     pack_bytes(a, b, c, d)     the low bytes of a, b, c, d in one word, a's lowest (CUDA: three byte permutes)
@@ -76,7 +75,6 @@ DEVICE_FN void grid_dependency_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-DEVICE_FN void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.L2 [%0];" :: "l"(p)); }
 DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
 DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
@@ -250,7 +248,6 @@ METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define DEVICE_FN inline
 #define CHECK_ALIGNED16(p)
 DEVICE_FN void grid_dependency_wait() {}
-DEVICE_FN void prefetch_l2(const device uint8_t* p) {}
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
 DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
@@ -341,7 +338,6 @@ CPU_HEADER = _COMMON_HEADER + """#if defined(__APPLE__)
 #define DEVICE_FN static inline
 typedef unsigned int uint;
 DEVICE_FN void grid_dependency_wait() {}
-DEVICE_FN void prefetch_l2(const uint8_t*) {}
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;
 using std::rint; using std::sqrt;
 static inline float max(float a, float b) { return a > b ? a : b; }

@@ -506,19 +506,6 @@ DEVICE_FN void store8_h(SHARED_ARG slab_h* p, F8 v) {
     store_h8_shared(p, v.v[0], v.v[1], v.v[2], v.v[3], v.v[4], v.v[5], v.v[6], v.v[7]);
 }
 
-// Before a decode product waits for the kernel before it (grid_dependency_wait), its SIMD group's first weights:
-// rows r0 … r0 + n − 1 (past N − 1 read as N − 1, as the products read them), elements k … k + 1,023 of its split
-// (k … end), a lane's 32 at the bytes their share of the row puts them (within a cache line of a block's quants),
-// prefetched into L2 so that the loads issued after the wait find them there. That is a DOT32 step (Q8_0, IQ2_XXS,
-// Q2_K); the 8-element loops of the other types start on the first quarter of it.
-DEVICE_FN void prefetch_first_step(const GLOBAL uint8_t* rows, uint r0, uint n, uint N, uint rb, uint K, uint k,
-                                   uint end, uint lane) {
-    uint kg = k + 32u * lane;
-    if (K < 32u || kg + 32u > end) return;
-    uint at = (kg / 32u) * rb / (K / 32u);
-    for (uint q = 0; q < n; q++) prefetch_l2(rows + min(r0 + q, N - 1u) * rb + at);
-}
-
 // Element i of a product split over K (qmatmul's parts [S, n]): its S partial sums added in split order, eight
 // loads issued before they are added (one at a time, hc_pre waited on 16 trips to memory for each of its sums).
 DEVICE_FN float split_sum(const GLOBAL float* part, uint S, uint n, uint i) {
