@@ -7,7 +7,8 @@ embeddings, routers, norms, hyper-connection and indexer weights seeded random (
 the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints,
 for one setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from
 the bytes a decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time
-from process start to the first row, (CuPy) the GPU time of a bare replay of each captured step's graph, and a
+from process start to the model loaded, to the first token generated from a 16-token prompt (issue 25's cold
+start: load, kernels compiled or read from their cache, a chunk, a decode step) and to the first row, (CuPy) the GPU time of a bare replay of each captured step's graph, and a
 decode step's wall time in the sweep against a bare runtime step's.
 ``benchmarks/gpu_suite.sh flash`` runs float32, tf32 and f16.
 
@@ -36,6 +37,9 @@ from gpu_slice import copy_bandwidth, gpu_memory, graph_report  # noqa: E402
 
 import ds4lab  # noqa: E402
 from ds4lab import bench, config, testing  # noqa: E402
+
+
+FIRST_PROMPT = 16  # tokens of the prompt whose first generated token is timed from process start
 
 
 def since_process_start() -> float:
@@ -137,11 +141,17 @@ def main(argv=None) -> int:
         out["file_written_s"] = time.perf_counter() - began
     model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul,
                         decode_matmul=args.decode_matmul)
+    out["loaded_s"] = since_process_start()
     tokens = np.random.default_rng(0).integers(0, model.config.n_vocab - 7, args.ctx_max).tolist()
     placement = None
     if args.tiers > 1:
         devices = [f"cuda:{i}" for i in range(args.tiers)] if args.backend == "cupy" else None
         placement = ds4lab.Placement.even(args.tiers, devices=devices)
+    first = model.session(ctx=FIRST_PROMPT + 1, prefill_chunk=args.prefill_chunk, placement=placement)
+    first.prefill(tokens[:FIRST_PROMPT]).run(progress=False)
+    next(iter(first.decoder(temperature=0.0).stream(1)))
+    out["first_token_s"] = since_process_start()
+    del first
     sess = model.session(ctx=args.ctx_max + max(args.gen_tokens, RUNTIME_STEPS) + 1, prefill_chunk=args.prefill_chunk,
                          max_checkpoints=2, placement=placement)
     rows, seen = [], 0

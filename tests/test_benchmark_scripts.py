@@ -34,6 +34,8 @@ def test_flash_full_splits_the_layers_over_tiers_and_reports_their_switches(tmp_
         assert 0 <= row["prefill_switch_share"] < 1 and 0 <= row["decode_switch_share"] < 1, row
     assert "runtime" not in split["decode_step_ms"] and "graphs" not in split
     assert "placement" not in one and "switches" not in one["rows"][0] and one["decode_step_ms"]["runtime"] > 0
+    for run in runs.values():  # process start to the model, to a 16-token prompt's first token, to the first row
+        assert 0 < run["loaded_s"] < run["first_token_s"] < run["first_row_s"], run
 
 
 def test_flash_full_writes_the_expert_layout_asked_for(tmp_path, monkeypatch):

@@ -140,6 +140,34 @@ def test_a_branch_forked_from_a_branch_reaches_the_main_stream_through_it():
     second.join()
 
 
+def test_a_branch_ordered_after_another_reads_what_that_one_made_before():
+    """``a.after(b)``: a's later launches may read b's outputs made so far (a side stream waiting on the other's
+    event), not those b makes after it, and the main stream still reads them only after b's join."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+    from ds4lab.ops import Ops
+
+    backend = EmulatedBackend()
+    ops, k = Ops(backend), backend.kernels
+    x = k.rmsnorm(np.ones((1, 64), np.float32), 1e-6)
+    a, b = ops.branch(1, True), ops.branch(1, True)
+    with b:
+        y = k.rmsnorm(x, 1e-6)
+    with a, pytest.raises(RuntimeError, match="before its join"):
+        k.rmsnorm(y, 1e-6)
+    a.after(b)
+    with b:
+        late = k.rmsnorm(y, 1e-6)
+    with a:
+        z = k.rmsnorm(y, 1e-6)
+        with pytest.raises(RuntimeError, match="before its join"):
+            k.rmsnorm(late, 1e-6)
+    with pytest.raises(RuntimeError, match="before its join"):
+        k.rmsnorm(y, 1e-6)  # the main stream waits for neither
+    a.join()
+    b.join()
+    np.testing.assert_array_equal(k.rmsnorm(z, 1e-6), k.rmsnorm(late, 1e-6))
+
+
 def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
     """A decode step of a compressed, indexed model opens the model's branches on the emulator (and its launches pass
     the checks above): the hyper-connection mixer's matrix in each half, the raw ring's, the compressors' and the

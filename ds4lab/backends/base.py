@@ -29,13 +29,17 @@ class Fetched:
 
 
 class InOrder:
-    """A branch whose work runs in order with the rest (:meth:`Backend.branch`): ``with`` and ``join`` do nothing."""
+    """A branch whose work runs in order with the rest (:meth:`Backend.branch`): ``with``, ``after`` and ``join`` do
+    nothing."""
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         return False
+
+    def after(self, other) -> None:
+        pass
 
     def join(self) -> None:
         pass
@@ -61,7 +65,9 @@ class Backend:
     def branch(self):
         """Work that may run beside what is launched after it: launches made inside ``with branch:`` need only what
         was launched before the branch was made, and what is launched after ``branch.join()`` may read their
-        results. Here everything runs in order (:data:`IN_ORDER`); CuPy runs a branch on a side stream."""
+        results; ``branch.after(other)``: what is launched inside it from then on may read what ``other`` (another
+        branch) was given so far. Here everything runs in order (:data:`IN_ORDER`); CuPy runs a branch on a side
+        stream."""
         return IN_ORDER
 
     def device_key(self):

@@ -76,6 +76,10 @@ class Branch:
     def __exit__(self, *exc):
         return self.side.__exit__(*exc)
 
+    def after(self, other: "Branch") -> None:
+        """Order the branch's next launches after what ``other`` (another branch) was given so far."""
+        _after(other.side, self.side)
+
     def join(self) -> None:
         """Order the current stream after the branch's launches (again after more of them: joined twice is fine)."""
         _after(self.side, self.main)

@@ -75,17 +75,19 @@ class DeviceArray(np.ndarray):
 
 
 class CheckedBranch:
-    """The emulator's branch (``ops.branch``): its launches run in order, and each launch is checked against the
-    rules a side stream's work must keep on a GPU (:mod:`ds4lab.cuda.branches`): inside the branch, no input made
-    on another stream after the fork; elsewhere, no input the branch made unless its ``join()`` came first. A branch
-    made inside another is forked from that one's stream and joins into it, so what it makes reaches the main stream
-    once both have joined, in that order. An input is traced to the kernel output whose memory it views (NumPy's
-    views and contiguous copies share it); arrays made by array-library operations are not traced."""
+    """The emulator's branch (``ops.branch``): its launches run in order, and each launch is checked against the rules
+    a side stream's work must keep on a GPU (:mod:`ds4lab.cuda.branches`): inside the branch, no input made on
+    another stream after the fork unless made in a branch it was ordered ``after()`` since; elsewhere, no input the
+    branch made unless its ``join()`` came first. A branch made inside another is forked from that one's stream and
+    joins into it, so what it makes reaches the main stream once both have joined, in that order. An input is traced
+    to the kernel output whose memory it views (NumPy's views and contiguous copies share it); arrays made by
+    array-library operations are not traced."""
 
     def __init__(self, kernels: "CpuKernels"):
         self.kernels, self.fork = kernels, kernels.clock
         self.parent = kernels.entered[-1] if kernels.entered else None  # the branch it was forked from, or None
         self.joined_at = None  # when it last joined (kernels.clock)
+        self.waits: list[tuple[CheckedBranch, int]] = []  # (other, clock): after(other) at that time
 
     def __enter__(self):
         self.kernels.entered.append(self)
@@ -98,6 +100,10 @@ class CheckedBranch:
     @property
     def joined(self) -> bool:
         return self.joined_at is not None
+
+    def after(self, other: "CheckedBranch") -> None:
+        self.kernels.clock += 1
+        self.waits.append((other, self.kernels.clock))
 
     def join(self) -> None:
         self.kernels.clock += 1
@@ -113,6 +119,8 @@ def _unordered(branch: CheckedBranch | None, made: int, here: CheckedBranch | No
     ``made`` (:data:`BEFORE_JOIN` or :data:`AFTER_FORK`), or None. It may once that work is on a stream ``here``
     descends from (``branch`` joined its parent after it, the parent its own after that, and so on) before the fork
     on ``here``'s way from that stream."""
+    if here is not None and any(other is branch and made < t for other, t in here.waits):
+        return None  # here.after(branch) came after it was made
     path, b = [], here  # here, then the branches it was forked from, outwards
     while b is not None:
         path.append(b)

@@ -160,11 +160,12 @@ class Transformer:
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
         q_a, kv_a = lw.query_projections(a)
         cos, sin = rope
-        # The KV row and the raw ring, and the compressors (their products of a, then their pooled rows) do not need
-        # q: for a decode step's few rows each chain runs beside q's projections and beside the other, the indexer's
+        # The KV row and the raw ring, and the compressors (their products of a, then their pooled rows) do not need q:
+        # for a decode step's few rows each chain runs beside q's projections and beside the other, the indexer's
         # compressor beside the attention rows', forked once its products are made, and the indexer's queries beside
-        # q's (ops.branch: side streams on CuPy, in order elsewhere), until the indexer or the attention reads the
-        # rows they make; the mixer's post and comb (hc_pre's branch) beside all of it, until hc_post.
+        # q's, then its selection once both compressors' rows are made (ops.branch: side streams on CuPy, in order
+        # elsewhere), until the attention reads the rows they make; the mixer's post and comb (hc_pre's branch) beside
+        # all of it, until hc_post.
         kv_side = ops.branch(C, emit is None)
         with kv_side:
             # kv_a stays held: a side stream reads it, and memory freed on the main stream is reused there at once
@@ -210,16 +211,17 @@ class Transformer:
                         "indexer_compressor", lw.indexer_compressor, of_a.index_kv, of_a.index_gate, R, pos0,
                         n_valid, windows, (st.index, st.index_state_kv, st.index_state_score), self.store_index, emit)
                 new = LayerState(raw, comp, comp_kv, comp_sc, index, index_kv, index_sc)
-                if selects:
+                if selects:  # on the queries' branch, once the compressors' rows are made: not after q's product
+                    with query_side:
+                        query_side.after(index_side)
+                        query_side.after(comp_side)
+                        score = ops.indexer_scores(q_idx, w_idx, index)
+                        if emit:
+                            emit("indexer.scores", score)
+                        comp_visible = ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
+                        if emit:
+                            emit("indexer.topk", comp_visible)
                     query_side.join()
-                    index_side.join()  # into the compressors' stream, which it was forked from: that joins next
-                    comp_side.join()
-                    score = ops.indexer_scores(q_idx, w_idx, index)
-                    if emit:
-                        emit("indexer.scores", score)
-                    comp_visible = ops.indexer_allowed(score, comp_visible, n_vis, cfg.idx_topk)
-                    if emit:
-                        emit("indexer.topk", comp_visible)
             if emit:
                 comp_visible = _edit(emit, "attn.comp_visible", comp_visible)
             tail = (comp, comp_visible)  # the keys after the raw window
