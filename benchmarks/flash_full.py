@@ -8,8 +8,9 @@ the routed experts and the big projections holes (zeros: the same bytes read, th
 for one setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from
 the bytes a decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time
 from process start to the model loaded, to the first token generated from a 16-token prompt (issue 25's cold
-start: load, kernels compiled or read from their cache, a chunk, a decode step) and to the first row, (CuPy) the GPU time of a bare replay of each captured step's graph, and a
-decode step's wall time in the sweep against a bare runtime step's.
+start: load, kernels compiled or read from their cache, a chunk, a decode step) and to the first row, (CuPy)
+the GPU time of a bare replay of each captured step's graph, and a decode step's wall time in the sweep against a
+bare runtime step's.
 ``benchmarks/gpu_suite.sh flash`` runs float32, tf32 and f16.
 
 ``--tiers N`` splits the layers evenly over N tiers (``Placement.even``): on CuPy the GPUs cuda:0 … N-1, on
