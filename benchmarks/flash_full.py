@@ -39,7 +39,6 @@ from gpu_slice import copy_bandwidth, gpu_memory, graph_report  # noqa: E402
 import ds4lab  # noqa: E402
 from ds4lab import bench, config, testing  # noqa: E402
 
-
 FIRST_PROMPT = 16  # tokens of the prompt whose first generated token is timed from process start
 
 
