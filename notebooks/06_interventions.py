@@ -269,7 +269,8 @@ print("the two lowest-scored experts instead, one layer at a time (and the post 
       "into the 4 streams):")
 for il in range(cfg.n_layer):
     d = logit_diff(sess, ids, [replace_experts(il, lowest[il])], start=last)
-    gates = " ".join(f"{g:.2f}" for g in cap_moe[f"blk.{il}.hc_ffn.post"][0])
+    # two significant digits, not two decimals: layer 5's gates are far below 0.01
+    gates = " ".join(f"{g:.2g}" for g in cap_moe[f"blk.{il}.hc_ffn.post"][0])
     print(f"  layer {il}: experts {lowest[il].tolist()}: KL {d.kl:.2g} nats, top token {top(d.p_edited, 1)};"
           f"  post gates {gates}")
 print("layer 1 in detail:")
@@ -281,7 +282,7 @@ show(logit_diff(sess, ids, [replace_experts(1, lowest[1])], start=last))
 # the most in layers 0 and 1 (KL 0.09 and 0.3 nats; in layer 1 the line break goes from 0.159 to 0.402) and less
 # and less in later layers (0.012, 0.0075, 1e-4), down to nothing measurable in layer 5 (1e-10). The post gates
 # say why the last two hardly count: the hyper-connections write the FFN's output `y` into each stream `o` as
-# `post[o]·y` (docs/MODEL.md, "Hyper-connections and Sinkhorn"), and for this token layer 4's gates are 0.04–0.14
+# `post[o]·y` (docs/MODEL.md, "Hyper-connections and Sinkhorn"), and for this token layer 4's gates are 0.038–0.14
 # and layer 5's below 0.001: whatever its experts compute, layer 5 adds next to none of it to the streams the head
 # reads.
 

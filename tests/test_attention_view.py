@@ -106,6 +106,40 @@ def test_the_figure_keeps_its_size(cap):
     assert m.yticks and m.xticks and any(text == "sink" for _, text in m.xticks)
 
 
+def test_a_few_compressed_rows_get_legible_columns_and_headers(cap):
+    """A ratio-128 layer's 2 compressed rows are 2 columns (not pooled with the raw window's ×2) at least FEW_PX wide;
+    the group headers sit on one line, each over its own group, none overlapping (at HEADER_CHAR px a character,
+    which bounds both renderers' fonts), shortened where the full one has no room."""
+    view = AttentionView(cap, layer=3, head=0)
+    m = view.model
+    comp = next(g for g in m.groups if g["name"] == "comp")
+    assert comp["stop"] - comp["start"] == 2 and "×2 keys" in m.note  # the raw window still pooled
+    assert all(x1 - x0 >= fig.FEW_PX for x0, x1 in m.col_edges[comp["start"] : comp["stop"]])
+    assert [t for _, t in m.xticks if t.startswith("c")] == ["c0", "c1"]
+    assert [g["label"] for g in m.groups] == ["raw window (320 keys)", "comp", "sink"]
+    for layer, zoom in ((3, None), (2, None), (2, ((280, 320), (300, 401))), (3, ((0, 320), (300, 323)))):
+        view.show(layer, 0)
+        if zoom:
+            view.zoom(*zoom)
+        spans = [(g["label_x"] - fig.HEADER_CHAR * len(g["label"]) / 2,
+                  g["label_x"] + fig.HEADER_CHAR * len(g["label"]) / 2, g) for g in m.groups]
+        assert all(g["label"] and g["x0"] <= g["label_x"] <= g["x1"] and a >= 0 for a, _, g in spans), m.groups
+        assert all(b1 + 4 <= a2 for (_, b1, _), (a2, _, _) in zip(spans, spans[1:])), m.groups
+        assert spans[-1][1] <= WIDTH + fig.MASS_GAP  # clear of the mass bars' header
+    img = draw_static(view._state())  # the static figure: headers on the one line above the group bars, none above
+    assert (img[:12, LEFT : LEFT + WIDTH] < 100).all(axis=2).sum() == 0
+    assert (img[18:25, LEFT : LEFT + WIDTH] < 100).all(axis=2).sum() > 50
+    # one compressed row (200 tokens): one column FEW_PX wide, its short header over it still
+    sess = cap.session.model.session(ctx=512, prefill_chunk=64)
+    with sess.capture(["attn.scores"], layers=[3], heads=[0]) as one:
+        sess.prefill(cap.session.tokens[:200]).run(progress=False)
+    m = AttentionView(one).model
+    assert [(g["label"], g["stop"] - g["start"]) for g in m.groups] == [("raw window (200 keys)", 200), ("comp", 1),
+                                                                          ("sink", 1)]
+    comp = m.groups[1]
+    assert comp["x1"] - comp["x0"] == fig.FEW_PX and comp["x0"] <= comp["label_x"] <= comp["x1"]
+
+
 def test_static_fallback_is_legible(cap):
     view = AttentionView(cap, layer=2, head=0, scale="row")
     html = view.static_html()
@@ -123,7 +157,7 @@ def test_static_fallback_is_legible(cap):
 
 def test_one_map_and_bad_input(cap):
     single = AttentionView(cap.attention(3), scale="log")  # an AttentionMap alone: no tokens, one layer
-    assert single.layers == [3] and (single.model.rows, single.model.cols) == (160, 162)
+    assert single.layers == [3] and (single.model.rows, single.model.cols) == (160, 160 + 2 + 1)  # comp unpooled
     assert single.model.row_labels[0] == "queries 0–1" and "log" in single.model.scale_text
     with pytest.raises(ValueError, match="'sqrt'"):
         AttentionView(cap, scale="sqrt")

@@ -14,6 +14,7 @@ when it cannot run. Deselect with ``-m "not browser"``.
 """
 
 import json
+import math
 import os
 import re
 import secrets
@@ -26,6 +27,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from ds4lab.viz.attention_figure import FEW_PX, FIG_W, HEADER_CHAR, LEFT, TOP, WIDTH
 
 pytestmark = pytest.mark.browser
 
@@ -394,6 +397,20 @@ def test_prefill_view_renders(page):
     # raw rows only
     assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
+    # at chunk 4 its 2 compressed rows are columns FEW_PX wide (a 1 px hairline apart), not 3 px as a raw row's
+    handle.focus()
+    for _ in range(4):
+        handle.press("ArrowRight")
+    pg.wait_for_function("(el) => el.textContent.includes('layer 3, chunk 4')",
+                         arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
+    img.evaluate("(i) => i.decode()")
+    assert _longest_run(img, (49, 130, 189)) == FEW_PX - 1  # the compressed rows' colour: seen (no indexer)
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3_chunk4.png"))
+    handle.focus()  # back to chunk 0: the page as the tests after this one expect it
+    for _ in range(4):
+        handle.press("ArrowLeft")
+    pg.wait_for_function("(el) => el.textContent.includes('layer 3, chunk 0')",
+                         arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
     out.locator(".widget-dropdown select").select_option(label="0: raw only")
     pg.wait_for_function("(el) => el.textContent.includes('layer 0')", arg=mask.locator(".ds4-title").element_handle(),
                          timeout=10_000)
@@ -526,6 +543,33 @@ def _pixels_of(canvas, rgb) -> int:
     )
 
 
+def _longest_run(el, rgb, rows=None) -> float:
+    """The longest horizontal run of pixels of exactly the colour ``rgb`` in a canvas or an image, within its rows
+    ``rows`` = (y0, y1) (CSS px; default all), in CSS px."""
+    return el.evaluate(
+        """(el, [[r, g, b], rows]) => {
+            let c = el;
+            if (el.tagName === 'IMG') {
+                c = document.createElement('canvas'); c.width = el.naturalWidth; c.height = el.naturalHeight;
+                c.getContext('2d').drawImage(el, 0, 0);
+            }
+            const k = c.width / el.getBoundingClientRect().width;
+            const [y0, y1] = rows ? [Math.floor(rows[0] * k), Math.ceil(rows[1] * k)] : [0, c.height];
+            const d = c.getContext('2d').getImageData(0, y0, c.width, y1 - y0).data;
+            let best = 0;
+            for (let y = 0; y < y1 - y0; y++) {
+                for (let x = 0, run = 0; x < c.width; x++) {
+                    const i = (y * c.width + x) * 4;
+                    run = d[i] === r && d[i + 1] === g && d[i + 2] === b ? run + 1 : 0;
+                    best = Math.max(best, run);
+                }
+            }
+            return best / k;
+        }""",
+        [list(rgb), rows],
+    )
+
+
 def _image_hash(canvas) -> int:
     return canvas.evaluate(
         """(c) => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let h = 0;
@@ -578,6 +622,16 @@ def test_attention_view_renders(page):
     # no indexer on layer 3: no cell and no legend key in its salmon
     pg.wait_for_timeout(300)
     assert _pixels_of(canvas, (252, 187, 161)) == 0
+    # its 2 compressed rows: 2 columns FEW_PX wide at least (the green bar over their group), not one of 4 px; the
+    # group headers on one line (no ink above it over the heatmap), at most HEADER_CHAR px a character, as Python
+    # placed them apart (attention_figure.place_headers)
+    k = canvas.bounding_box()["width"] / FIG_W
+    assert _longest_run(canvas, (49, 163, 84), rows=((TOP - 6) * k, (TOP - 4) * k)) >= (2 * FEW_PX - 1) * k
+    assert _ink(canvas, LEFT * k, 0, (LEFT + WIDTH) * k, 14 * k) == 0
+    assert _ink(canvas, (LEFT + WIDTH - 60) * k, 16 * k, (LEFT + WIDTH) * k, 28 * k) > 40  # "comp sink"
+    font = canvas.evaluate("(c) => { const x = c.getContext('2d'); x.font = '11px ui-monospace, Menlo, Consolas, "
+                           "monospace'; return x.measureText('raw window (320 keys) comp sink').width / 31; }")
+    assert font <= HEADER_CHAR
     out.screenshot(path=str(ARTIFACTS / "attention_view_layer3.png"))
     # a small multiple clicked: head 1, and the tooltip follows
     view.locator(".ds4-att-head[data-head='1']").click()
@@ -691,8 +745,10 @@ def test_generation_view_renders(page):
     assert marked.count() <= 1 and all("◀ sampled" in r.inner_text() for r in marked.all())
     out = _output_of(view)
     out.screenshot(path=str(ARTIFACTS / "generation_view.png"))
-    _hover_fills(pg, view.locator(".ds4-gen .ds4-ctx"), alts, position=(0.02, 0.2),
-                 until="el.querySelector('table') === null")  # the prompt's text has no alternatives
+    # the prompt's text has no alternatives: its last line (the box keeps the end of the text in view; its first
+    # lines may be scrolled out of it)
+    _hover_fills(pg, view.locator(".ds4-gen .ds4-ctx"), alts, position=(0.02, 0.98),
+                 until="el.querySelector('table') === null")
     assert alts.inner_text().startswith("hover a generated token")
     # the buttons: run / step / stop, each enabled only when it can act, and the status agrees
     buttons = {b.inner_text(): b for b in out.locator(".widget-button").all()}
@@ -813,6 +869,22 @@ def _side_panel(pg, open_: bool) -> bool:
     return was
 
 
+def _tip_beside_pointer(pg, canvas, tip, at) -> None:
+    """Hover ``canvas`` at ``at`` (fractions of its box): the tooltip shows within 40 px of the pointer, not under it,
+    inside the window and inside the figure's stage (so nothing of it is cut off)."""
+    _hover_fills(pg, canvas, tip, position=at, until="el.checkVisibility() && el.textContent.includes('→')")
+    c, t, stage = canvas.bounding_box(), tip.bounding_box(), canvas.locator("xpath=..").bounding_box()
+    x, y = c["x"] + at[0] * c["width"], c["y"] + at[1] * c["height"]
+    dx, dy = max(t["x"] - x, 0, x - t["x"] - t["width"]), max(t["y"] - y, 0, y - t["y"] - t["height"])
+    assert 0 < max(dx, dy) and math.hypot(dx, dy) <= 40, (at, t, x, y)
+
+    def inside(box, frame):  # with a pixel's slack
+        return (frame["x"] - 1 <= box["x"] and box["x"] + box["width"] <= frame["x"] + frame["width"] + 1
+                and frame["y"] - 1 <= box["y"] and box["y"] + box["height"] <= frame["y"] + frame["height"] + 1)
+
+    assert inside(t, dict(x=0, y=0, **pg.viewport_size)) and inside(t, stage), (at, t, stage)
+
+
 def test_views_fit_a_laptop_screen(page):
     """At 1280 × 800 with the file browser open (an output about 850 px wide) nothing of a view is cut off: the
     attention figure with its mass bars fits the output (drawn smaller), the PrefillView puts the mask under the
@@ -836,6 +908,9 @@ def test_views_fit_a_laptop_screen(page):
             pg.screenshot(path=str(ARTIFACTS / f"laptop_{name}.png"))
         kv, mask = prefill.locator(".ds4-kv").bounding_box(), _mask_of(prefill).bounding_box()
         assert mask["y"] >= kv["y"] + kv["height"] - 1  # under the KV cache, not over it
+        for at in ((0.3, 0.8), (0.85, 0.1)):  # the lowest rows, the upper right: the tooltip where the reader looks
+            _tip_beside_pointer(pg, canvas, att.locator(".ds4-tip"), at)
+        pg.screenshot(path=str(ARTIFACTS / "laptop_attention_tooltip.png"))
         # the attention figure keeps legible text (at least MIN_SCALE of its size) and so, narrower, scrolls
         pg.set_viewport_size({"width": 1000, "height": 800})
         stage = att.locator(".ds4-att-stage")

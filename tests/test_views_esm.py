@@ -73,10 +73,10 @@ INSTRUMENT = """
 }
 """
 
-# Imports the ESM, renders it into a fresh element with a stand-in model, fires every event it listens to, calls
-# its cleanup; reports what was registered before and what is left after.
-RENDER = """
-async ([src, state]) => {
+# A stand-in for anywidget's model holding a view's state (bytes as {"__bytes__": base64}), and the listeners
+# render registers on it, by event name.
+STAND_IN = """
+const standIn = (state) => {
   const decode = (v) => (v && v.__bytes__ !== undefined)
     ? new DataView(Uint8Array.from(atob(v.__bytes__), (c) => c.charCodeAt(0)).buffer) : v;
   const values = Object.fromEntries(Object.entries(state).map(([k, v]) => [k, decode(v)]));
@@ -93,6 +93,14 @@ async ([src, state]) => {
       if (handlers.has(name)) handlers.get(name).delete(fn);
     },
   };
+  return { model, handlers };
+};
+"""
+
+# Imports the ESM, renders it into a fresh element with a stand-in model, fires every event it listens to, calls
+# its cleanup; reports what was registered before and what is left after.
+RENDER = "async ([src, state]) => {" + STAND_IN + """
+  const { model, handlers } = standIn(state);
   const count = () => [...handlers.values()].reduce((n, s) => n + s.size, 0);
   const live = window.__live;
   const snapshot = () => ({ model: count(), dom: live.domCount(), domList: live.domList(),
@@ -111,6 +119,15 @@ async ([src, state]) => {
   if (typeof cleanup === "function") await cleanup();
   window.__recording = false;
   return { cleanup: typeof cleanup, drawn, events, during, after: snapshot(), rootClass: el.className };
+}
+"""
+
+# Renders the ESM with the stylesheet into an element of a given width and leaves it drawn: for layout checks.
+SHOW = "async ([src, state, css, width]) => {" + STAND_IN + """
+  const style = document.createElement("style"); style.textContent = css; document.head.append(style);
+  const el = document.createElement("div"); el.style.width = `${width}px`; document.body.append(el);
+  const mod = await import(URL.createObjectURL(new Blob([src], { type: "text/javascript" })));
+  await mod.default.render({ model: standIn(state).model, el });
 }
 """
 
@@ -189,3 +206,44 @@ def test_render_returns_a_cleanup_that_undoes_it(page, models, name):
     assert all(e.startswith("change:") and e[len("change:"):] in _view_traits(widget) for e in r["events"]), r
     left = {k: v for k, v in r["after"].items() if k != "domList" and v}
     assert not left, f"{name}: left behind after its cleanup: {left} {r['after']['domList']}"
+
+
+# Of a TierView drawn: the stack's switches whose unit starts another line, the step line's switches split over two
+# lines, and how much wider than the view its content is.
+TIER_LAYOUT = """(el) => {
+  const stranded = [...el.querySelectorAll(".ds4-stack .ds4-arrow")].filter((a) => {
+    let u = a.nextElementSibling;
+    while (!u.classList.contains("ds4-unit")) u = u.nextElementSibling;
+    const [ra, ru] = [a.getBoundingClientRect(), u.getBoundingClientRect()];
+    return ra.top + ra.height / 2 < ru.top || ra.top + ra.height / 2 > ru.bottom;
+  }).map((a) => a.textContent);
+  const split = [...el.querySelectorAll(".ds4-switch")].filter((s) => s.getClientRects().length > 1)
+    .map((s) => s.textContent);
+  const tops = new Set([...el.querySelectorAll(".ds4-stack .ds4-unit")].map((u) => u.getBoundingClientRect().top));
+  return { stranded, split, switches: el.querySelectorAll(".ds4-switch").length, lines: tops.size,
+           overflow: el.scrollWidth - el.clientWidth };
+}"""
+
+
+@pytest.mark.parametrize("width", [740, 1200])
+def test_tier_view_lays_out_at_a_laptop_width(page, model_paths, width):
+    """A TierView of 5 copying boundaries (notebook 05's alternating plan) at 740 px, a notebook's width beside
+    JupyterLab's file browser on a 1280 px laptop, and at 1200: no switch of the stack ends a line apart from the
+    unit it feeds, no switch of the step line splits over two lines, nothing is wider than the view; at 1200 the
+    stack is one line."""
+    from ds4lab.viz.base import STYLESHEET, widgets_dir
+    from tests.test_browser import ARTIFACTS
+
+    pg, errors = page
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    sess = model.session(ctx=256, prefill_chunk=32, placement=Placement([0, 1, 0, 1, 0, 1]))
+    view = TierView(sess, follow=True)
+    sess.prefill(((np.arange(80) * 7 + 3) % (model.config.n_vocab - 10) + 5).tolist()).run(progress=False)
+    sess.decoder(seed=3).step()
+    pg.evaluate(SHOW, [view.model._esm, _json_state(view.model), (widgets_dir() / STYLESHEET).read_text(), width])
+    got = pg.locator(".ds4-view.ds4-tiers").evaluate(TIER_LAYOUT)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    pg.locator(".ds4-view.ds4-tiers").screenshot(path=str(ARTIFACTS / f"tier_view_{width}.png"))
+    assert not errors, errors
+    assert not got["stranded"] and not got["split"] and got["overflow"] <= 0, got
+    assert got["switches"] == len(view.model.trace) == 6 and (width < 1200 or got["lines"] == 1), got

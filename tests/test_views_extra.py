@@ -285,6 +285,26 @@ def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
     assert comp.model.x_title == "key position (raw rows)"
 
 
+def test_mask_widens_a_few_compressed_rows(model):
+    """A ratio-128 layer's 2 compressed rows are FEW_PX wide each in the static image, as in widgets/mask.js (a raw
+    column there: a few px); a ratio-4 layer's 80 keep the raw columns' width."""
+    from ds4lab.viz.attention_figure import FEW_PX
+
+    cfg = model.config
+    sess = model.session(ctx=512, prefill_chunk=64)
+    ratio128 = next(i for i in range(cfg.n_layer) if cfg.ratio(i) == 128)
+    ratio4 = next(i for i in range(cfg.n_layer) if cfg.ratio(i) == 4)
+    few, many = MaskView.of_step(sess, ratio128, 256, 64), MaskView.of_step(sess, ratio4, 256, 64)
+    assert (few.model.n_comp, many.model.n_comp) == (2, 80)
+    for view, comp_px in ((few, FEW_PX), (many, None)):
+        n = view.mask.cells.shape[1]
+        sx = 600 // (n + 3)  # px of a raw column (and of each of the 3 gaps between the 4 groups)
+        img = view.image()
+        assert sx < FEW_PX and img.shape[1] == (n + 3) * sx + view.model.n_comp * ((comp_px or sx) - sx)
+    kept = (few.image() == [0x31, 0x82, 0xBD]).all(axis=2)  # the compressed rows' colour (seen: no indexer here)
+    assert kept.sum(axis=1).max() == 2 * (FEW_PX - 1)  # each ends in a white hairline
+
+
 # -- KVCacheView: the rows the last query reads -----------------------------------------------------------------
 def test_kv_view_marks_the_rows_the_indexer_picked_for_the_last_query(model):
     """With a capture of ``indexer.topk`` holding the last position of the state shown, each indexer layer lists
@@ -375,6 +395,21 @@ def test_expert_load_chart_stays_under_the_row_limit(model):
     flash = {il: np.arange(256) for il in range(43)}
     big = expert_load_rows(flash)
     assert len(big) <= 4000 and sum(r["tokens"] for r in big) == 43 * sum(range(256))
+
+
+def test_notebook_06_prints_the_post_gates_its_prose_quotes():
+    """Notebook 06, section 5 (replacing expert choices): its prose reads layer 4's FFN post gates as 0.038–0.14 and
+    layer 5's as below 0.001 off the saved output, so the output prints them to those digits (not 0.00)."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parent.parent / "notebooks" / "06_interventions.ipynb").read_text("utf-8"))
+    prose = " ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown").replace("\n", " ")
+    printed = "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"])
+    gates = {int(il): v.split() for il, v in re.findall(r"layer (\d): experts .* post gates (.+)", printed)}
+    assert "layer 4's gates are 0.038–0.14 and layer 5's below 0.001" in prose
+    assert (min(gates[4], key=float), max(gates[4], key=float)) == ("0.038", "0.14")
+    assert all(0 < float(g) < 1e-3 for g in gates[5]), gates[5]
 
 
 # -- TierView ---------------------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ function render({ model, el }) {
   const stage = document.createElement("div"); stage.className = "ds4-att-stage";
   const canvas = document.createElement("canvas"), off = document.createElement("canvas");
   const sel = document.createElement("div"); sel.className = "ds4-att-sel";
-  stage.append(canvas, sel);
-  const tip = document.createElement("div"); tip.className = "ds4-tip";
+  const tip = document.createElement("div"); tip.className = "ds4-tip";  // beside the pointer (place)
+  stage.append(canvas, sel, tip);
   const note = document.createElement("div"); note.className = "ds4-note";
-  el.append(title, heads, tip, stage, note);
+  el.append(title, heads, stage, note);
   let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
   let scale = 1;  // CSS px per figure px
   // the scale at which the figure fills the view's width (the output's), within [MIN_SCALE, 1]
@@ -106,10 +106,8 @@ function render({ model, el }) {
       ctx.strokeStyle = "#888"; ctx.lineWidth = 1;
       ctx.strokeRect(L + grp.x0 - 0.5, T - 0.5, grp.x1 - grp.x0 + 1, g.hh + 1);
       ctx.fillStyle = GROUP[grp.name]; ctx.fillRect(L + grp.x0, T - 6, grp.x1 - grp.x0, 2);
-      // a label wider than its group (the sink's) ends at the group's right edge, clear of the mass bars' header
-      const wide = ctx.measureText(grp.label).width > grp.x1 - grp.x0;
-      ctx.fillStyle = "#222"; ctx.textAlign = wide ? "right" : "center";
-      ctx.fillText(grp.label, L + (wide ? grp.x1 : (grp.x0 + grp.x1) / 2), grp.name === "comp" ? 9 : 22);
+      // the header where Python put it (attention_figure.place_headers): one line, none overlapping
+      ctx.fillStyle = "#222"; ctx.textAlign = "center"; ctx.fillText(grp.label, L + grp.label_x, 22);
     }
     ctx.fillStyle = "#222";
     for (const [x, text] of model.get("xticks")) {
@@ -120,8 +118,9 @@ function render({ model, el }) {
     ctx.textAlign = "right";
     for (const [y, text] of model.get("yticks")) { ctx.fillRect(L - 4, T + y, 3, 1); ctx.fillText(text, L - 6, T + y); }
     ctx.textAlign = "left"; ctx.fillStyle = "#777"; ctx.fillText(model.get("y_title"), 4, T - 9);
-    // each query's mass, raw | compressed | sink (their colours in the legend)
-    ctx.fillStyle = "#222"; ctx.fillText("mass of query", g.mass_x, 9); ctx.fillText("by key group", g.mass_x, 22);
+    // each query's mass, raw | compressed | sink (their colours in the legend); its title grey as the query axis'
+    // one, apart from the group headers on its line
+    ctx.fillText("mass of query", g.mass_x, 9); ctx.fillText("by key group", g.mass_x, 22);
     model.get("mass").forEach((m, r) => {
       const total = m[0] + m[1] + m[2] || 1;
       let x = g.mass_x;
@@ -161,17 +160,32 @@ function render({ model, el }) {
     const x = p.x - g.left, c = model.get("col_edges").findIndex(([a, b]) => a <= x && x < b);
     return c < 0 ? null : { r, c };
   };
+  // the tooltip next to the pointer, where the reader looks: right of it (left near the stage's right edge), below
+  // or above it, whichever side has more of the map in the window; inside the stage, so never cut off
+  const place = () => {
+    tip.style.left = "0px";  // measured at its full width, not squeezed against the stage's edge
+    const s = stage.getBoundingClientRect(), c = canvas.getBoundingClientRect();
+    const px = c.left + pointer.x * scale, py = c.top + pointer.y * scale, tw = tip.offsetWidth, th = tip.offsetHeight;
+    const below = py - Math.max(s.top, 0) < Math.min(s.bottom, window.innerHeight) - py;
+    const x = px + 14 + tw <= s.right ? px + 14 : Math.max(s.left, px - 14 - tw);
+    const y = Math.min(Math.max(below ? py + 18 : py - 12 - th, s.top), s.bottom - th);
+    tip.style.left = `${x - c.left}px`; tip.style.top = `${y - c.top}px`;
+  };
   const describe = () => {
     const at = pointer && cellAt(pointer);
-    if (!at) { tip.textContent = "\u00a0"; return; }
+    tip.style.display = at ? "block" : "none";
+    if (!at) return;
     const m = model.get("mass")[at.r], rl = model.get("row_labels")[at.r];
     const split = `mass raw ${fmt(m[0])} | compressed ${fmt(m[1])} | sink ${fmt(m[2])}`;
     const where = `layer ${model.get("layer")} head ${model.get("head")} · ${rl}`;
-    if (at.mass) { tip.textContent = `${where}: ${split}`; return; }
-    const i = at.r * model.get("cols") + at.c, marks = bytes(model.get("marks"));
-    const v = floats(model.get("values"))[i];
-    const state = ["", " (dropped by the indexer)", " (masked)", " (not yet compressed)"][marks[i]] ?? "";
-    tip.textContent = `${where} → ${model.get("col_labels")[at.c]}: weight ${fmt(v)}${state} · ${split}`;
+    if (at.mass) tip.textContent = `${where}: ${split}`;
+    else {
+      const i = at.r * model.get("cols") + at.c, marks = bytes(model.get("marks"));
+      const v = floats(model.get("values"))[i];
+      const state = ["", " (dropped by the indexer)", " (masked)", " (not yet compressed)"][marks[i]] ?? "";
+      tip.textContent = `${where} → ${model.get("col_labels")[at.c]}: weight ${fmt(v)}${state} · ${split}`;
+    }
+    place();
   };
   const pos = (ev) => {
     const rect = canvas.getBoundingClientRect(), g = model.get("geometry");

@@ -2,17 +2,22 @@
 // raw rows cached by earlier steps | the step's own rows | compressed rows | sink; a cell's colour is its category.
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
 const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers, key labels; gap between groups
+// a few compressed rows (a ratio-128 layer's: up to a quarter of the 480 px) get columns FEW px wide at least, as in
+// the AttentionView (attention_figure.FEW_PX): they can be told apart and hovered
+const FEW = 22;
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
   const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
+  const ccw = nc * FEW <= 120 ? Math.max(cw, FEW) : cw;  // a compressed column's width
   // header of each group: the longest name that fits its width
   const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
                   [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];
-  // x of column c: groups separated by a gap
+  // x and width of column c: groups separated by a gap
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
-  const x = (c) => L + c * cw + gi(c) * GAP;
-  return { nr, nc, own, Q, N, cw, rh, groups, gi, x, W: x(N - 1) + cw + 24, H: T + Q * rh + B };
+  const x = (c) => L + gi(c) * GAP + Math.min(c, nr) * cw + Math.max(0, Math.min(c, nr + nc) - nr) * ccw;
+  const w = (c) => (c >= nr && c < nr + nc ? ccw : cw);
+  return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, W: x(N - 1) + cw + 24, H: T + Q * rh + B };
 }
 function reason(model, q, c, cat, g) {
   const pos = model.get("raw_positions"), w = model.get("window"), R = model.get("ratio"), k = model.get("top_k");
@@ -61,13 +66,14 @@ function render({ model, el }) {
     const counts = new Array(cats.length).fill(0);
     for (let q = 0; q < g.Q; q++) for (let c = 0; c < g.N; c++) {
       const cat = cells[q * g.N + c]; counts[cat]++;
-      ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.cw, g.rh);
+      // a widened compressed column ends in a white hairline: two of one colour stay apart
+      ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.w(c) - (g.w(c) > g.cw), g.rh);
     }
     ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
     for (const [names, a, b] of g.groups) if (b > a) {  // group headers; the sink's may run past its one column
-      const room = b === g.N ? g.W - g.x(a) : g.x(b - 1) + g.cw - g.x(a);
+      const room = b === g.N ? g.W - g.x(a) : g.x(b - 1) + g.w(b - 1) - g.x(a);
       ctx.fillText(names.find((s) => ctx.measureText(s).width <= room) ?? "", g.x(a), 8);
-      ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.cw - g.x(a), 1);
+      ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.w(b - 1) - g.x(a), 1);
     }
     ctx.textAlign = "right";  // query positions down the left
     const qstep = Math.max(1, Math.ceil(14 / g.rh));
@@ -79,10 +85,11 @@ function render({ model, el }) {
     ctx.textAlign = "center"; ctx.textBaseline = "top";  // key positions (raw), row numbers (compressed) along the bottom
     const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
     const every = Math.max(1, Math.ceil(34 / g.cw));
-    const tick = (c, s) => { ctx.fillRect(g.x(c) + g.cw / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.cw / 2, y); };
+    const tick = (c, s) => { ctx.fillRect(g.x(c) + g.w(c) / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.w(c) / 2, y); };
     const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) - 14 : g.W;  // raw ticks keep clear of c0
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && g.x(c) < end) tick(c, String(pos[c]));
-    for (let c = 0; c < g.nc; c += Math.max(every, 1)) tick(g.nr + c, `c${c}`);
+    const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
+    for (let c = 0; c < g.nc; c += cstep) tick(g.nr + c, `c${c}`);
     ctx.fillText(model.get("x_title"), L + (g.W - L) / 2, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader
@@ -95,7 +102,7 @@ function render({ model, el }) {
     const px = ((ev.clientX - rect.left) / rect.width) * canvas.width, py = ((ev.clientY - rect.top) / rect.height) * canvas.height;
     const q = Math.floor((py - T) / g.rh);
     let c = -1;
-    for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.cw) { c = i; break; }
+    for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.w(i)) { c = i; break; }
     if (q < 0 || q >= g.Q || c < 0) return;
     tip.textContent = reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g);
   };

@@ -77,25 +77,27 @@ function render({ model, el }) {
     const part = model.get("part");  // a plan over processes: this rank, whose units are solid
     if (part) h += `<div class="ds4-note">this process: ${esc(part)}; the dashed units run in the other processes, ` +
       `which send the hidden state on at each switch</div>`;
-    h += `<div class="ds4-note">` + tiers.map((d) => `<span class="ds4-unit" style="background:${d.colour}">tier ${d.tier}</span> ${esc(d.device)}` +
-      (part && d.here ? " (this process)" : "")).join(" ") + `</div>`;
+    h += `<div class="ds4-note">` + tiers.map((d) => `<span class="ds4-key"><span class="ds4-unit" style="background:${d.colour}">tier ${d.tier}</span> ` +
+      `${esc(d.device)}${part && d.here ? " (this process)" : ""}</span>`).join(" ") + `</div>`;
     const at = {};
     for (const s of trace) (at[s.layer] = at[s.layer] || []).push(s);
     h += `<div class="ds4-stack">`;
     for (const u of units) {
+      h += `<span class="ds4-hop">`;  // the switches before a unit and the unit: on one line, whatever the width
       for (const s of at[u.layer] || [])
         h += `<span class="ds4-arrow${s.mode === "no-copy" ? " nocopy" : ""}" title="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ${(s.seconds * 1e6).toFixed(0)} µs">` +
           `→ ${s.mode === "no-copy" ? "no-copy" : fmt(s.bytes) + " B"} →</span>`;
       const label = u.layer === -1 ? "embed" : u.layer === nLayer ? "head" : `L${u.layer}`;
       h += `<span class="ds4-unit${u.here ? "" : " ds4-away"}" style="background:${u.colour}" title="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}` +
-        `${u.here ? "" : ", another process"}), weights ${fmt(u.weights)} B, KV ${fmt(u.kv)} B">${label}</span>`;
+        `${u.here ? "" : ", another process"}), weights ${fmt(u.weights)} B, KV ${fmt(u.kv)} B">${label}</span></span>`;
     }
     h += `</div><table><tr><th>tier</th><th>device</th><th>weights</th><th>KV</th><th>activations</th><th>total</th><th>budget</th></tr>`;
     for (const d of tiers)
       h += `<tr><td><span class="ds4-tok" style="background:${d.colour}">&nbsp;&nbsp;</span> ${d.tier}</td><td>${esc(d.device)}</td>` +
         `<td>${fmt(d.weights)}</td><td>${fmt(d.kv)}</td><td>${fmt(d.activations)}</td><td>${fmt(d.total)}</td><td>${fmt(d.budget)}</td></tr>`;
-    h += `</table><div><b>step ${model.get("last_step")}</b>: ` + (trace.length ? trace.map((s) =>
-      `before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B`).join("; ") : "no switches") + `</div>`;
+    h += `</table><div><b>step ${model.get("last_step")}</b>: ` + (trace.length ? trace.map((s) =>  // a switch on one line
+      `<span class="ds4-switch">before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B</span>`).join("; ") :
+      "no switches") + `</div>`;
     // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
     h += `<div class="ds4-note">bytes moved per step, on a log scale (blue batch, green decode, grey none); dashed blue: a full ` +
       `chunk of ${chunk} rows × ${fmt(rb)} B per boundary = ${fmt(batch)} B; dotted green: a decode step, ${fmt(decode)} B` +

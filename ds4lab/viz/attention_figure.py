@@ -14,6 +14,12 @@ WIDTH, HEIGHT = 720, 480  # px of the heatmap: keys across, queries down, whatev
 MIN_CELL = 3  # px: a cell is never drawn smaller; more cells than fit are max-pooled
 GAP = 4  # px between two key groups
 SINK_PX = 14  # px of the sink column
+# a compressed group of few rows (a ratio-128 layer's) is never pooled and its columns are FEW_PX wide at least, so
+# that they can be told apart and hovered: up to FEW_COLS of them, a quarter of the heatmap
+FEW_PX = 22
+FEW_COLS = WIDTH // 4 // FEW_PX
+HEADER_CHAR = 7  # px per character of a group header at most (11 px monospace on the canvas: 6.6; the pixel font: 6)
+SHORT = {"raw": "raw", "comp": "comp", "sink": "sink"}  # a group's header where its full one has no room
 LEFT, TOP = 118, 40  # query axis (positions and tokens) | group labels above the heatmap
 MASS_GAP, MASS_W = 14, 84  # the stacked bar of each query's mass, right of the heatmap
 X_LABELS = 76  # px under the heatmap for the key positions (written bottom to top)
@@ -36,6 +42,24 @@ def geometry() -> dict:
     """The fixed frame both renderers share (px)."""
     return dict(width=FIG_W, height=FIG_H, left=LEFT, top=TOP, hw=WIDTH, hh=HEIGHT, mass_x=LEFT + WIDTH + MASS_GAP,
                 mass_w=MASS_W, legend_y=TOP + HEIGHT + X_LABELS)
+
+
+def place_headers(groups: list[dict]) -> None:
+    """The groups' headers on one line above the heatmap, never overlapping: right to left, each centred over its
+    group, moved left off the next one's (the sink's may reach into the gap before the mass bars); the full label,
+    else the short one, else none, whichever first keeps its middle over its own group. Sets ``label`` and
+    ``label_x`` (the middle, px from the heatmap's left) of each group."""
+    right = WIDTH + MASS_GAP - 4
+    for grp in reversed(groups):
+        x0, x1 = grp["x0"], grp["x1"]
+        for text in (grp["label"], SHORT[grp["name"]], ""):
+            half = HEADER_CHAR * len(text) / 2
+            mid = min((x0 + x1) / 2, right - half)
+            if not text or (x0 <= mid <= x1 and mid >= half):
+                break
+        grp["label"], grp["label_x"] = text, mid
+        if text:
+            right = mid - half - 4  # 4 px apart at least
 
 
 def mass_segments(mass, x0: int, width: int) -> list[tuple[str, int, int]]:
@@ -68,11 +92,7 @@ def draw_static(state: dict) -> np.ndarray:
         x0, x1 = grp["x0"] + LEFT, grp["x1"] + LEFT
         img[TOP - 1, x0 - 1 : x1 + 1] = img[TOP + HEIGHT, x0 - 1 : x1 + 1] = FAINT
         img[TOP - 1 : TOP + HEIGHT + 1, x0 - 1] = img[TOP - 1 : TOP + HEIGHT + 1, x1] = FAINT
-        row = 0 if grp["name"] == "comp" else 1
-        if ADVANCE * len(grp["label"]) > x1 - x0:  # wider than its group (the sink's): it ends at the group's edge
-            draw_text(img, x1, 6 + 12 * row, grp["label"], TEXT, anchor="right")
-        else:
-            draw_text(img, (x0 + x1) // 2, 6 + 12 * row, grp["label"], TEXT, anchor="center")
+        draw_text(img, LEFT + round(grp["label_x"]), 18, grp["label"], TEXT, anchor="center")  # place_headers
         img[TOP - 6, x0:x1] = GROUP_COLOURS[grp["name"]]
     for x, text in state["xticks"]:
         img[TOP + HEIGHT + 1 : TOP + HEIGHT + 4, LEFT + int(x)] = FAINT
@@ -83,8 +103,8 @@ def draw_static(state: dict) -> np.ndarray:
     draw_text(img, 4, TOP - 12, state["y_title"], FAINT)
     # the mass bars
     mx = g["mass_x"]
-    draw_text(img, mx, 6, "mass of query", TEXT)
-    draw_text(img, mx, 18, "by key group", TEXT)
+    draw_text(img, mx, 6, "mass of query", FAINT)  # grey as the query axis' title, apart from the group headers
+    draw_text(img, mx, 18, "by key group", FAINT)
     for r, m in enumerate(state["mass"]):
         for name, a, b in mass_segments(m, mx, MASS_W):
             img[ys[r] : ys[r + 1], a:b] = GROUP_COLOURS[name]

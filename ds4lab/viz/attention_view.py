@@ -4,7 +4,8 @@ that the front-end draws at the output's width (down to 0.8 of its size; a narro
 
 Cells are scaled up to fill the figure and never drawn below ``MIN_CELL`` px: a map with more cells than fit is
 max-pooled (the note says by how much), and zooming into a region re-reduces it from the full-resolution weights,
-so a small enough region shows every cell. Beside each query, its mass split into raw | compressed | sink; above,
+so a small enough region shows every cell. A few compressed rows (a ratio-128 layer's) are never pooled and keep
+columns ``FEW_PX`` wide. Beside each query, its mass split into raw | compressed | sink; above,
 small multiples of every captured head of the layer."""
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
+from ..text_table import plural
 from .attention_figure import (
+    FEW_COLS,
+    FEW_PX,
     GAP,
     HEIGHT,
     MARK_DROPPED,
@@ -28,6 +32,7 @@ from .attention_figure import (
     WIDTH,
     draw_static,
     geometry,
+    place_headers,
 )
 from .base import View, ViewModel, token_texts, widget_file
 from .reduce import (
@@ -241,44 +246,51 @@ class AttentionView(View):
         a, b, c, d = self.region or (0, Q, 0, K)
         bounds = {"raw": (0, amap.n_raw), "comp": (amap.n_raw, amap.n_raw + amap.n_comp), "sink": (K - 1, K)}
         present = [(g, max(lo, c), min(hi, d)) for g, (lo, hi) in bounds.items() if max(lo, c) < min(hi, d)]
-        # columns: the sink keeps SINK_PX, the other groups share the rest (GAP apart), pooled by one factor
-        pooled = [(g, lo, hi) for g, lo, hi in present if g != "sink"]
-        has_sink = len(pooled) < len(present)
-        avail = WIDTH - GAP * (len(present) - 1) - (SINK_PX if has_sink and pooled else 0)
-        fc = column_factor([hi - lo for _, lo, hi in pooled], avail // MIN_CELL) if pooled else 1
+        # columns: the sink keeps SINK_PX, a compressed group of few rows keeps each row at FEW_PX or more (as wide
+        # as the others where they are wider); the other groups share the rest, pooled by one factor, GAP apart
+        widths = [hi - lo for _, lo, hi in present]
+        few = [g == "comp" and n <= FEW_COLS for (g, _, _), n in zip(present, widths)]
+        pooled = [g != "sink" and not f for (g, _, _), f in zip(present, few)]
+        n_few, alone = sum(n for n, f in zip(widths, few) if f), len(present) == 1
+        avail = WIDTH - GAP * (len(present) - 1) - (SINK_PX if present[-1][0] == "sink" and not alone else 0)
+        slots = (avail - n_few * FEW_PX) // MIN_CELL
+        fc = column_factor([n for n, p in zip(widths, pooled) if p], slots) if any(pooled) else 1
+        fcs = [fc if p else 1 for p in pooled]
         fr = pool_factor(b - a, HEIGHT // MIN_CELL)
-        red, spans = pool_groups(w[a:b, c:d], [hi - lo for _, lo, hi in present], fr, fc,
-                                 [g != "sink" for g, _, _ in present])
-        n_pooled = sum(e - s for (g, _, _), (s, e) in zip(present, spans) if g != "sink")
-        xe = edges(n_pooled, avail)
+        red, spans = pool_groups(w[a:b, c:d], widths, fr, fc, pooled)
+        n_pooled = sum(e - s for (s, e), p in zip(spans, pooled) if p)
+        few_px = max(FEW_PX, avail / (n_pooled + n_few)) if n_few else 0
+        xe = edges(n_pooled, avail - round(n_few * few_px))
         col_edges, groups, x, k = [], [], 0, 0
-        for (g, lo, hi), (s, e) in zip(present, spans):
+        for (g, lo, hi), (s, e), f in zip(present, spans, few):
+            n = e - s
             if g == "sink":
-                x0, x1 = (WIDTH - SINK_PX, WIDTH) if pooled else (0, WIDTH)
-                col_edges.append([x0, x1])
+                xs = [0, WIDTH] if alone else [WIDTH - SINK_PX, WIDTH]
+            elif f:
+                xs = edges(n, round(n * few_px), x)
             else:
-                x0 = x + int(xe[k])
-                col_edges += [[x + int(xe[i]), x + int(xe[i + 1])] for i in range(k, k + e - s)]
-                x1, k = x + int(xe[k + e - s]), k + e - s
-                x = x1 + GAP - int(xe[k])
-            label = self._group_label(amap, g, lo, hi, x1 - x0)
-            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=label))
+                xs, k = x + xe[k : k + n + 1] - xe[k], k + n
+            col_edges += [[int(xs[i]), int(xs[i + 1])] for i in range(n)]
+            x0, x1 = int(xs[0]), int(xs[-1])
+            x = x1 + GAP
+            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=self._group_label(amap, g, lo, hi)))
+        place_headers(groups)
         row_src = _pool_spans(a, b, fr)
-        col_src = [sp for (g, lo, hi) in present for sp in _pool_spans(lo, hi, fc if g != "sink" else 1)]
+        col_src = [sp for (_, lo, hi), f in zip(present, fcs) for sp in _pool_spans(lo, hi, f)]
         self._row_src, self._col_src, self.values = row_src, col_src, red
         ye = edges(len(row_src), HEIGHT)
         # colours and marks: weight exactly 0 is masked; in the compressed group, a row the indexer dropped and a
         # row not formed yet for the query are marked so (a pooled cell: dropped if any of its cells is)
         idx, lo_v, hi_v = scale_colours(red, self.scale)
         marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
-        for (g, lo, hi), (s, e) in zip(present, spans):
+        for (g, lo, hi), (s, e), f in zip(present, spans, fcs):
             if g == "comp":  # pooled like the weights
                 rows_cols = (slice(a, b), slice(lo - amap.n_raw, hi - amap.n_raw))
                 cand = amap.candidates[rows_cols]
                 left_out = cand & ~amap.selected[rows_cols]
                 zero = red[:, s:e] == 0
-                not_yet = (maxpool((~cand).astype(np.float64), fr, fc) > 0) & zero
-                dropped = (maxpool(left_out.astype(np.float64), fr, fc) > 0) & zero
+                not_yet = (maxpool((~cand).astype(np.float64), fr, f) > 0) & zero
+                dropped = (maxpool(left_out.astype(np.float64), fr, f) > 0) & zero
                 marks[:, s:e][not_yet] = MARK_NOT_YET
                 marks[:, s:e][dropped] = MARK_DROPPED
         starts = [s for s, _ in row_src]
@@ -295,7 +307,7 @@ class AttentionView(View):
             m.geometry = geometry()
             m.rows, m.cols = red.shape
             m.row_edges, m.col_edges, m.groups = ye.tolist(), col_edges, groups
-            m.xticks = self._xticks(amap, present, col_src, col_edges, fc)
+            m.xticks = self._xticks(amap, present, spans, col_src, col_edges)
             m.yticks = self._yticks(amap, row_src, ye, fr)
             m.y_title = "query position"
             m.row_labels = [self._query_label(amap, s, e) for s, e in row_src]
@@ -322,17 +334,16 @@ class AttentionView(View):
         self.model.thumb_shape, self.model.thumb_heads, self.model.thumbs = shape, heads, thumbs
 
     # the text
-    def _group_label(self, amap, g, lo, hi, px) -> str:
+    def _group_label(self, amap, g, lo, hi) -> str:
+        """The group's full header (attention_figure.place_headers shortens it where there is no room)."""
         n = hi - lo
         if g == "sink":
             return "sink"
         nr, whole = amap.n_raw, (lo, hi) in ((0, amap.n_raw), (amap.n_raw, amap.n_raw + amap.n_comp))
         if g == "raw":
             p = amap.raw_positions
-            full = f"raw window ({n} keys)" if whole else f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
-        else:
-            full = f"compressed ×{amap.ratio} ({n} rows)" if whole else f"compressed rows {lo - nr}–{hi - 1 - nr}"
-        return full if len(full) * 6 <= px + 40 else {"raw": "raw", "comp": "comp"}[g]
+            return f"raw window ({plural(n, 'key')})" if whole else f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
+        return f"compressed ×{amap.ratio} ({plural(n, 'row')})" if whole else f"compressed rows {lo - nr}–{hi - 1 - nr}"
 
     def _query_label(self, amap, s, e) -> str:
         q = amap.queries
@@ -349,10 +360,10 @@ class AttentionView(View):
         p = amap.raw_positions
         return f"raw key {p[s]}{self._tok(int(p[s]))}" if e - s == 1 else f"raw keys {p[s]}–{p[e - 1]}"
 
-    def _xticks(self, amap, present, col_src, col_edges, fc) -> list:
-        ticks, col = [], 0
-        for g, lo, hi in present:
-            n = math.ceil((hi - lo) / (fc if g != "sink" else 1))
+    def _xticks(self, amap, present, spans, col_src, col_edges) -> list:
+        ticks = []
+        for (g, _, _), (col, stop) in zip(present, spans):
+            n = stop - col
             if g == "sink":
                 x0, x1 = col_edges[col]
                 ticks.append([(x0 + x1) / 2, "sink"])
@@ -368,7 +379,6 @@ class AttentionView(View):
                     else:
                         text = f"c{s - amap.n_raw}"
                     ticks.append([(x0 + x1) / 2, text])
-            col += n
         return ticks
 
     def _yticks(self, amap, row_src, ye, fr) -> list:

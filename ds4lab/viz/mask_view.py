@@ -4,15 +4,15 @@ sink], each cell coloured by why it is seen or not (:mod:`ds4lab.visibility`; fr
 
 from __future__ import annotations
 
-import base64
 import html
 
 import numpy as np
 import traitlets as t
 
 from ..visibility import CATEGORIES, StepMask, step_mask
+from .attention_figure import FEW_PX
 from .base import View, ViewModel, widget_file
-from .reduce import png_bytes
+from .reduce import png_base64
 
 # One colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback. Any two
 # stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The indexer's three
@@ -85,20 +85,22 @@ class MaskView(View):
         n = np.bincount(self.mask.cells.ravel(), minlength=len(CATEGORIES))
         return {c: int(k) for c, k in zip(CATEGORIES, n) if k}
 
-    def _png(self) -> str:
-        """The mask as an image (cells a few pixels wide, groups apart by a white column) for the fallback."""
+    def image(self) -> np.ndarray:
+        """The mask as an RGB image for the fallback: cells a few pixels wide (a few compressed rows FEW_PX wide, as
+        in the live view), groups apart by a white column."""
         mk = self.mask
         rgb = np.array([[int(c[i : i + 2], 16) for i in (1, 3, 5)] for c in COLOURS], np.uint8)[mk.cells]
         nr, nc = len(mk.raw_positions), len(mk.comp_rows)
         cuts = [nr - mk.n_own, nr, nr + nc]  # group boundaries, left to right
-        gap = np.full((rgb.shape[0], 1, 3), 255, np.uint8)
-        parts = np.split(rgb, cuts, axis=1)
+        sx = max(1, min(6, 600 // (rgb.shape[1] + len(cuts))))
+        sy = max(2, min(12, 240 // rgb.shape[0]))
+        px = [sx, sx, max(sx, FEW_PX) if nc * FEW_PX <= 120 else sx, sx]  # per column of each group (widgets/mask.js)
+        gap = np.full((rgb.shape[0], sx, 3), 255, np.uint8)
+        parts = [np.repeat(part, w, axis=1) for part, w in zip(np.split(rgb, cuts, axis=1), px)]
+        if px[2] > sx:  # a widened compressed column ends in a white hairline: two of one colour stay apart
+            parts[2][:, px[2] - 1 :: px[2]] = 255
         img = np.concatenate([p for part in parts for p in (part, gap)][:-1], axis=1)
-        sx = max(1, min(6, 600 // img.shape[1]))
-        sy = max(2, min(12, 240 // img.shape[0]))
-        img = np.repeat(np.repeat(img, sy, axis=0), sx, axis=1)
-        data = base64.b64encode(png_bytes(np.ascontiguousarray(img))).decode()
-        return f"<img alt='mask' src='data:image/png;base64,{data}'>"
+        return np.ascontiguousarray(np.repeat(img, sy, axis=0))
 
     def static_html(self) -> str:
         m, mk = self.model, self.mask
@@ -109,6 +111,7 @@ class MaskView(View):
             f"<div class='ds4-view' style='font:12px monospace'><b>What each query sees — layer {mk.layer}, "
             f"{html.escape(m.label)}</b><br>queries {mk.pos0}–{mk.pos0 + q - 1} × keys: "
             f"{len(mk.raw_positions) - mk.n_own} cached raw rows | {mk.n_own} own rows | {len(mk.comp_rows)} "
-            f"compressed rows (ratio {mk.ratio or '—'}) | sink<br>{self._png()}<br>{html.escape(m.x_title)}<br>{legend}"
-            "</div>"
+            f"compressed rows (ratio {mk.ratio or '—'}) | sink<br>"
+            f"<img alt='mask' src='data:image/png;base64,{png_base64(self.image())}'><br>{html.escape(m.x_title)}<br>"
+            f"{legend}</div>"
         )
