@@ -244,6 +244,10 @@ def test_qmatmul_splits_k_for_few_rows():
     # a kernel's own rows a SIMD group: the routed gate of six experts, 2048 rows, at 8 (float) and 16 (xq8)
     assert S.qmatmul_splits(4096, 2048, 6, 8) == S.qmatmul_splits(4096, 2048, 6) == (1, 4096)
     assert S.qmatmul_splits(4096, 2048, 6, 16) == (2, 2048)
+    # Q8_0 to twice the SIMD groups: attn_output_b (4096 rows, K 8192) at 16 rows (xq8) and 8 (float)
+    assert S.qmatmul_splits(8192, 4096, 1, 16) == (4, 2048) and S.qmatmul_splits(8192, 4096, 1, 16, Q.Q8_0) == (8, 1024)
+    assert S.qmatmul_splits(8192, 4096, 1, 8, Q.Q8_0) == (4, 2048)
+    assert S.qmatmul_splits(4096, 2048, 6, 16, Q.IQ2_XXS) == (2, 2048)
     for K in (1, 100, 256, 1000, 2048, 3000, 4096, 5000, 8448, 16384, 65536):
         for N in (1, 24, 64, 256, 1024, 4096):
             for n_batches in (1, 2, 6):

@@ -215,7 +215,7 @@ class KernelLaunches:
         else:
             order, batches, n_batches = self._plan(experts, P, 1 if q8 else S.MAX_PAIRS)
         rows = S.QMATMUL_XQ8_SIMD_ROWS if q8 else S.QMATMUL_SIMD_ROWS  # a SIMD group's
-        splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches, rows)
+        splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches, rows, qtype)
         dims = self._const(ne0, n_rows, layout.row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
         group_rows = S.QMATMUL_SIMD_PER_GROUP * rows
         spec = S.qmatmul_xq8_spec(qtype) if q8 else S.qmatmul_spec(qtype)

@@ -62,6 +62,11 @@ QMATMUL_SINGLE_PAIR = 1
 # decode loop, 1024 ran the routed IQ2_XXS gate/up 8% faster than 2048 on the H200 (28.7 → 26.4 µs: the
 # 8x1s:1024 variant of qmatmul_bench.py, benchmarks/README.md) and attn_output_a 4%, the rest within 1%.
 QMATMUL_SIMD_GROUPS = 1024
+# Q8_0's products (read in tiles, layout.py) split K until this many times QMATMUL_SIMD_GROUPS: on the H200
+# (qmatmul_bench.py, 2026-12-05) twice as many ran attn_output_b 15.0 -> 13.8 us (q8) and 16.8 -> 14.9 (float32),
+# attn_output_a 10.6 -> 9.7 (q8; float32 12.1 -> 12.5), the rest within 0.2 us; the low-bit experts' products ran
+# slower so (IQ2_XXS gate/up 18.7 -> 20.4 us, Q2_K down 13.8 -> 15.4) and keep QMATMUL_SIMD_GROUPS.
+QMATMUL_Q8_0_GROUPS = 2
 QMATMUL_SPLIT_ALIGN = 256
 QMATMUL_MIN_SPLIT = 4 * QMATMUL_SPLIT_ALIGN
 # qgemm's tiles: BM slots x BN rows of W per work-group, BK along K per shared-memory step, on a grid of
@@ -179,14 +184,15 @@ QMATMUL_REDUCE = KernelSpec("qmatmul_reduce", "qmatmul_reduce.body", (("part", "
                             (("out", "float32"),))
 
 
-def qmatmul_splits(K: int, N: int, n_batches: int, rows: int | None = None) -> tuple[int, int]:
-    """``(S, chunk)``: qmatmul's K splits (see QMATMUL_SIMD_GROUPS) and the elements of each but the last.
-    Rounding the chunk up to the alignment can leave the last splits of a power of two empty: those are
-    dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN. ``rows``: a SIMD group's
-    (QMATMUL_SIMD_ROWS, or QMATMUL_XQ8_SIMD_ROWS for qmatmul_xq8)."""
+def qmatmul_splits(K: int, N: int, n_batches: int, rows: int | None = None, qtype: Q | None = None) -> tuple[int, int]:
+    """``(S, chunk)``: qmatmul's K splits (see QMATMUL_SIMD_GROUPS, and QMATMUL_Q8_0_GROUPS for ``qtype`` Q8_0) and
+    the elements of each but the last. Rounding the chunk up to the alignment can leave the last splits of a power
+    of two empty: those are dropped, so S is a power of two when K is a multiple of S · QMATMUL_SPLIT_ALIGN.
+    ``rows``: a SIMD group's (QMATMUL_SIMD_ROWS, or QMATMUL_XQ8_SIMD_ROWS for qmatmul_xq8)."""
     rows = rows or QMATMUL_SIMD_ROWS
+    groups = QMATMUL_SIMD_GROUPS * (QMATMUL_Q8_0_GROUPS if qtype == Q.Q8_0 else 1)
     S = 1
-    while -(-N // rows) * n_batches * S < QMATMUL_SIMD_GROUPS and 2 * S * QMATMUL_MIN_SPLIT <= K:
+    while -(-N // rows) * n_batches * S < groups and 2 * S * QMATMUL_MIN_SPLIT <= K:
         S *= 2
     chunk = -(-K // (S * QMATMUL_SPLIT_ALIGN)) * QMATMUL_SPLIT_ALIGN
     return -(-K // chunk), chunk
