@@ -7,7 +7,8 @@ rate as a fraction of the device-to-device copy's (read + write) bandwidth. The 
 as a CUDA graph (no host time), each over other weights (other copies, other experts) until 256 MB are
 read, so the 50 MB L2 cache does not serve them. ``--variants`` times other kernel shapes: rows per
 SIMD group x steps unrolled, "s" after them for the single-pair loop (the module recompiled for each),
-after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``), after another the fewest
+after a colon the SIMD groups under which K is split (``QMATMUL_SIMD_GROUPS``; Q8_0's products take
+``QMATMUL_Q8_0_GROUPS`` times that), after another the fewest
 elements a split holds (``QMATMUL_MIN_SPLIT``); ROWS sets qmatmul_xq8's rows too, "specs" (the default)
 leaves every constant as specs.py has it. ``--decode-matmul float32 q8`` times each variant with x in float32
 and quantized to int8 per block (``ds4lab.load(decode_matmul="q8")``).

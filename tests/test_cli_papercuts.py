@@ -329,7 +329,7 @@ def test_bench_ctx_max_past_the_model_context_is_refused_first():
     # --ctx-alloc the same way (it allocated the session's KV for a billion tokens: a MemoryError of 238 GiB)
     proc = ds4lab_cmd("bench", "--backend", "numpy", "--ctx-max", 64, "--ctx-alloc", 10**9, timeout=60)
     line = one_error_line(proc, 2)
-    assert "--ctx-alloc 1000000000 is more than the model's context (4096 tokens" in line
+    assert "--ctx-alloc 1000000000 is more than 4096: the model's context (4096 tokens" in line
 
 
 def test_a_sweep_of_too_many_frontiers_is_refused():

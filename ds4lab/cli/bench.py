@@ -47,9 +47,10 @@ def bench_command(args) -> int:
         points = bench.frontiers(ctx_start, ctx_max, args.step_incr, args.step_mul, flags=True)
     except bench.BenchError as e:
         raise UsageError(str(e)) from None
-    if model.config.context_length and ctx_alloc > max(cap, ctx_max + args.gen_tokens + 1):
-        raise UsageError(f"--ctx-alloc {ctx_alloc} is more than the model's context ({cap} tokens, "
-                         f"deepseek4.context_length)")
+    most = max(cap, ctx_max + args.gen_tokens + 1)  # the default allocation may pass the context by gen_tokens + 1
+    if model.config.context_length and ctx_alloc > most:
+        raise UsageError(f"--ctx-alloc {ctx_alloc} is more than {most}: the model's context ({cap} tokens, "
+                         f"deepseek4.context_length) or --ctx-max + --gen-tokens + 1, whichever is larger")
     tokens, source = bench.prompt_tokens(model, args.prompt_file, min_tokens=ctx_max)
     if len(tokens) < ctx_max:  # before the CSV header, not after it
         raise ValueError(f"{source}: the prompt has {len(tokens)} tokens, need at least ctx_max = {ctx_max}")

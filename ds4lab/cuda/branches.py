@@ -11,7 +11,9 @@ Memory: CuPy's pool gives an array freed on a stream back to that stream's free 
 stream may reuse it at once. So a branch's caller holds what the branch reads until the join; and an array the branch
 made must not be read on the current stream and then freed while the branch is open (between its fork and its last
 ``with``): the branch could reuse the memory under that read. The model's branches read only what was made before
-their fork, and the current stream reads their results only after the join.
+their fork or, in a branch ordered ``after()`` another, what that one made before the call (held by the model until
+all have joined, and made by a branch that launches nothing more), and the current stream reads their results only
+after the join.
 
 Priority: the side streams have the device's highest priority, and a captured graph keeps it per kernel
 (:mod:`.driver`): a side chain's short launches take SMs as the main stream's wide product frees them (the H200's
