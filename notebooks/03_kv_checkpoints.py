@@ -20,7 +20,7 @@
 # %%
 import sys
 
-if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages from this site
     import piplite
 
     await piplite.install(["ds4lab", "anywidget"])
@@ -76,7 +76,8 @@ def kv_arrays(s):
         for name in ("comp_pending", "index_pending"):
             if getattr(lk, name) is not None:
                 kv, score = getattr(lk, name)
-                out[f"{lk.layer}.{name}.kv"], out[f"{lk.layer}.{name}.score"] = kv.copy(), score.copy()
+                out[f"{lk.layer}.{name}.kv"] = kv.copy()
+                out[f"{lk.layer}.{name}.score"] = score.copy()
     return out
 
 before_logits, before_kv = sess.logits.copy(), kv_arrays(sess)
@@ -146,7 +147,8 @@ print(cp2, "| tokens identical:", s2.tokens == list(cp.tokens),
 sess.restore(cp)
 a = [step.token for step in sess.decoder(temperature=0).stream(8)]
 b = [step.token for step in s2.decoder(temperature=0).stream(8)]
-print("same tokens:", a == b, f"| max |Δ logits| after 8 tokens = {np.abs(sess.logits - s2.logits).max():.1e}")
+gap = np.abs(sess.logits - s2.logits).max()
+print("same tokens:", a == b, f"| max |Δ logits| after 8 tokens = {gap:.1e}")
 
 # %% [markdown]
 # ## A disk store
@@ -197,9 +199,10 @@ print(fresh.sync(ids + model.tokenizer.encode("All:\nAgainst him first.\n")))
 
 # %% tags=["nbval-check-output"]
 st = store.stats()
-print(f"entries {st.entries}, {st.bytes:,} bytes of {st.budget_bytes:,}; lookups {st.lookups}, hits {st.hits} "
-      f"({st.request_hit_rate:.0%}); tokens found {st.hit_tokens} of {st.query_tokens} ({st.token_hit_rate:.0%}); "
-      f"saves {st.saves}, evictions {st.evictions}, bad files {st.bad_files}")
+print(f"entries {st.entries}, {st.bytes:,} bytes of {st.budget_bytes:,}")
+print(f"lookups {st.lookups}, hits {st.hits} ({st.request_hit_rate:.0%}); "
+      f"tokens found {st.hit_tokens} of {st.query_tokens} ({st.token_hit_rate:.0%})")
+print(f"saves {st.saves}, evictions {st.evictions}, bad files {st.bad_files}")
 
 # %% [markdown]
 # A store may also keep payloads smaller than ds4 does: `compression="q8"` stores rows as 8-bit values
@@ -208,7 +211,8 @@ print(f"entries {st.entries}, {st.bytes:,} bytes of {st.budget_bytes:,}; lookups
 
 # %%
 for codec in (None, "q8", "q8+zlib"):
-    e = ds4lab.KVStore(tmp / str(codec), budget_mb=64, min_tokens=32, compression=codec).save(cp, model)
+    store_c = ds4lab.KVStore(tmp / str(codec), budget_mb=64, min_tokens=32, compression=codec)
+    e = store_c.save(cp, model)
     print(f"{str(codec):8} {e.file_size:>9,} bytes")
 
 # %%

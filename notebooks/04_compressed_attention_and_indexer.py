@@ -29,7 +29,7 @@
 # %%
 import sys
 
-if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages from this site
     import piplite
 
     await piplite.install(["ds4lab", "anywidget"])
@@ -46,7 +46,8 @@ prompt = coriolanus(1000)  # the first 1,000 characters of Coriolanus's opening 
 print(prompt[:60] + " …")
 ids = model.tokenizer.encode(prompt)
 cfg = model.config
-print(len(ids), "tokens; ratios", [cfg.ratio(il) for il in range(cfg.n_layer)], "| indexer top-k", cfg.idx_topk)
+ratios = [cfg.ratio(il) for il in range(cfg.n_layer)]
+print(len(ids), "tokens; ratios", ratios, "| indexer top-k", cfg.idx_topk)
 
 # %% [markdown]
 # Capture the whole prefill for three layers of the three kinds (0: raw only, 2: ratio 4, 3: ratio 128),
@@ -87,8 +88,9 @@ queries = list(amap.queries)
 for q in (60, 124, 128, 132, 200, 316):
     i = queries.index(q)
     raw = amap.raw_positions[amap.group("raw")[i, 0] > 0]
-    print(f"query {q:3d}: raw rows {raw.min():3d}-{raw.max():3d} ({len(raw)}); compressed rows visible "
-          f"{amap.candidates[i].sum():2d} = ({q} + 1) // 4, attended {amap.selected[i].sum():2d}")
+    seen, kept = amap.candidates[i].sum(), amap.selected[i].sum()
+    print(f"query {q:3d}: raw rows {raw.min():3d}-{raw.max():3d} ({len(raw)}); "
+          f"compressed rows visible {seen:2d} = ({q} + 1) // 4, attended {kept:2d}")
 
 # %% [markdown]
 # Up to query 63 the window holds every earlier token; from 64 on it slides. Query 128 sees 32 compressed
@@ -162,7 +164,8 @@ print(f"and drops {dropped.tolist()}")
 # %%
 from ds4lab.viz.charts import indexer_choices_chart
 
-indexer_choices_chart(cap, layer=2, every=8, start=128)  # every 8th query from 128 on, a cell per visible row
+# every 8th query from 128 on, a cell per visible row
+indexer_choices_chart(cap, layer=2, every=8, start=128)
 
 # %% [markdown]
 # ## Do the indexer's picks follow the attention?
@@ -184,9 +187,12 @@ layers, n_visible = dense_indexer_pass(model, ids)
 k = cfg.idx_topk
 late = n_visible > k
 for il, (mass, idx_scores) in layers.items():
-    print(f"layer {il}: the indexer's top-{k} holds {top_k_recall(mass, idx_scores, n_visible, k).mean():.0%} of the "
-          f"attention over compressed rows; a random top-{k} {(k / n_visible[late]).mean():.0%}, the {k} heaviest "
-          f"rows {top_k_recall(mass, mass, n_visible, k).mean():.0%} ({late.sum()} queries)")
+    held = top_k_recall(mass, idx_scores, n_visible, k).mean()
+    best = top_k_recall(mass, mass, n_visible, k).mean()
+    rand = (k / n_visible[late]).mean()
+    print(f"layer {il}: the indexer's top-{k} holds {held:.0%} of the attention over compressed")
+    print(f"  rows ({late.sum()} queries); a random top-{k} {rand:.0%}, "
+          f"the {k} heaviest rows {best:.0%}")
 
 # %% [markdown]
 # One query, the prompt's last token, in both ratio-4 layers: a bar per compressed row it sees, its share of the
@@ -196,13 +202,15 @@ for il, (mass, idx_scores) in layers.items():
 from ds4lab.viz.charts import indexer_mass_chart
 
 q_last = len(ids) - 1
-indexer_mass_chart(layers, n_visible, layer=2, query=q_last, k=k) & indexer_mass_chart(layers, n_visible, layer=4,
-                                                                                        query=q_last, k=k)
+(indexer_mass_chart(layers, n_visible, layer=2, query=q_last, k=k)
+ & indexer_mass_chart(layers, n_visible, layer=4, query=q_last, k=k))
 
 # %% [markdown]
 # The chart builders of `ds4lab.viz.charts` reduce a prefill to one row per chunk and layer kind: here the
 # KV bytes. The ratio-4 layers grow by a compressed row and an indexer row every 4 tokens, the ratio-128
-# layers by one row every 128, the raw-only layers not at all once the window is full.
+# layers by one row every 128, the raw-only layers not at all once the window is full. The ratio-128 layers
+# hold the most bytes all the same: each keeps its compressor's pending window, the kv and score rows of the
+# 128 tokens a row pools, allocated whole from the first token (a ratio-4 layer's windows hold 8 tokens).
 
 # %%
 from ds4lab.viz.charts import kv_bytes_chart
@@ -248,4 +256,5 @@ expert_load_chart(experts)
 # fused attention output the model used, to rounding:
 
 # %% tags=["nbval-check-output"]
-print(f"max |Σ weights·keys − attn.out| = {np.abs(amap.output() - cap['blk.2.attn.out']).max():.1e}")
+gap = np.abs(amap.output() - cap["blk.2.attn.out"]).max()
+print(f"max |Σ weights·keys − attn.out| = {gap:.1e}")

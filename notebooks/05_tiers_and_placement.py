@@ -25,7 +25,7 @@
 # %%
 import sys
 
-if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages from this site
     import piplite
 
     await piplite.install(["ds4lab", "anywidget"])
@@ -61,7 +61,8 @@ plans = {
     "by_memory": Placement.by_memory([16 << 20, 8 << 20]),
     "alternating": Placement([0, 1, 0, 1, 0, 1]),
 }
-sessions = {name: model.session(ctx=256, prefill_chunk=64, placement=p) for name, p in plans.items()}
+sessions = {name: model.session(ctx=256, prefill_chunk=64, placement=p)
+            for name, p in plans.items()}
 for s in sessions.values():
     print(s.placement, end="\n\n")
 
@@ -71,7 +72,8 @@ for s in sessions.values():
 
 # %% tags=["nbval-check-output"]
 for row in sessions["by_memory"].placement.table():
-    print(f"{row['unit']:>8}: tier {row['tier']} ({row['device']}), weights {row['weights']:>9,}, KV {row['kv']:>7,}")
+    print(f"{row['unit']:>8}: tier {row['tier']} ({row['device']}), "
+          f"weights {row['weights']:>9,}, KV {row['kv']:>7,}")
 
 # %% [markdown]
 # ## Run and trace
@@ -92,7 +94,8 @@ def per_step(s):
         sws = [sw for sw in s.tier_trace if sw.step == step]
         counts = {m: sum(sw.mode == m for sw in sws) for m in ("no-copy", "batch", "decode")}
         modes = ", ".join(f"{m} ×{n}" for m, n in counts.items() if n)
-        print(f"step {step}: {len(sws)} switches ({modes}), {sum(sw.bytes for sw in sws):>9,} bytes")
+        moved = sum(sw.bytes for sw in sws)
+        print(f"step {step}: {len(sws)} switches ({modes}), {moved:>9,} bytes")
 
 per_step(sessions["alternating"])
 
@@ -134,7 +137,8 @@ print("bytes per prefill chunk:", chunk_bytes, "| per decoded token:", token_byt
 CHUNKS = (16, 64, 256)  # the full sweep: (8, 16, 32, 64, 128, 256)
 sweep = []
 for chunk in CHUNKS:
-    if chunk == 64:  # the even(2) session above prefilled with chunks of 64 (its decode steps copy in "decode" mode)
+    # the even(2) session above prefilled with chunks of 64 (its decode steps copy in "decode" mode)
+    if chunk == 64:
         s = sessions["even(2)"]
     else:
         s = model.session(ctx=256, prefill_chunk=chunk, placement=Placement.even(2))
@@ -159,4 +163,5 @@ batch_copies_chart(sweep)
 # %% tags=["nbval-check-output"]
 ref_logits, ref_tokens, _, _ = results["single"]
 for name, (logits, tokens, _, _) in results.items():
-    print(f"{name:12} logits bit-identical: {np.array_equal(logits, ref_logits)}, same tokens: {tokens == ref_tokens}")
+    same = np.array_equal(logits, ref_logits)
+    print(f"{name:12} logits bit-identical: {same}, same tokens: {tokens == ref_tokens}")

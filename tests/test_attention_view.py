@@ -86,6 +86,21 @@ def test_zoom_shows_every_cell_of_the_region(cap):
         view.zoom((0, 500))
 
 
+def test_a_zoomed_view_scales_each_row_by_its_whole_row(cap):
+    """"per row" colours a zoomed region's cells over their query's max across all its keys, as the legend says
+    ("weight / the query's max"): a zoom on the compressed columns drew each row's largest of them at full strength
+    (0.0035 as black), though the row's raw keys held far more."""
+    view = AttentionView(cap, layer=2, head=0, scale="row")
+    w = cap.attention(2).weights[:, 0, :]
+    nr = cap.attention(2).n_raw
+    view.zoom((100, 140), (nr, nr + 40))  # compressed rows only
+    idx = np.frombuffer(view.model.buf, np.uint8).reshape(40, 40)
+    want = np.rint(w[100:140, nr : nr + 40] / w[100:140].max(axis=1, keepdims=True) * 255)
+    np.testing.assert_array_equal(idx, want)
+    assert (idx.max(axis=1) < 255).any()  # rows whose max lies outside the region
+    assert view.model.scale_text == "per row: weight / the query's max"
+
+
 def test_the_figure_keeps_its_size(cap):
     view = AttentionView(cap, layer=2, head=0)
     m = view.model

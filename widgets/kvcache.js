@@ -47,8 +47,7 @@ function render({ model, el }) {
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (positions ${d.new_from}–${T - 1})<br>` :
-        `<span class="ds4-swatch new"></span> no step outlined: this is the whole state after ${T} tokens ` +
-        `<br>`) +
+        `no step outlined: this is the whole state after ${T} tokens<br>`) +
       `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>` +
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`) +
       `</div></div>`;

@@ -100,7 +100,8 @@ function render({ model, el }) {
       "no switches") + `</div>`;
     // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
     h += `<div class="ds4-note">bytes moved per step, on a log scale (blue batch, green decode, grey none); dashed blue: a full ` +
-      `chunk of ${chunk} rows × ${fmt(rb)} B per boundary = ${fmt(batch)} B; dotted green: a decode step, ${fmt(decode)} B` +
+      `chunk, ${plural(chunk, "row")} × ${fmt(rb)} B × ${plural(nb, "boundary", "boundaries")} = ` +
+      `${fmt(batch)} B; dotted green: a decode step, ${fmt(decode)} B` +
       (batch && decode ? ` (1/${Math.round(batch / decode)} of it)` : "") + `</div>` + stepsChart(steps, batch, decode);
     body.innerHTML = h;
   };
@@ -112,7 +113,7 @@ function render({ model, el }) {
     const bar = body.querySelector(`rect[data-bar="${hovered}"]`);
     if (bar) bar.classList.add("ds4-hot");
     tip.textContent = `step ${d.step}: ${d.mode}, ${plural(d.switches, "switch", "switches")}, ${plural(d.copies, "copy", "copies")}, ${fmt(d.bytes)} bytes` +
-      (d.copies ? ` = ${d.copies} × ${Math.round(d.bytes / d.copies / rb)} rows × ${fmt(rb)} B` : "") +
+      (d.copies ? ` = ${d.copies} × ${plural(Math.round(d.bytes / d.copies / rb), "row")} × ${fmt(rb)} B` : "") +
       `, ${(d.seconds * 1e6).toFixed(0)} µs`;
   };
   const hover = (ev) => {

@@ -281,7 +281,9 @@ class AttentionView(View):
         ye = edges(len(row_src), HEIGHT)
         # colours and marks: weight exactly 0 is masked; in the compressed group, a row the indexer dropped and a
         # row not formed yet for the query are marked so (a pooled cell: dropped if any of its cells is)
-        idx, lo_v, hi_v = scale_colours(red, self.scale)
+        # per row: over the query's whole row, not the zoomed columns (the legend's "the query's max")
+        row_max = np.maximum.reduceat(w[a:b].max(axis=1), np.array([s for s, _ in row_src]) - a)
+        idx, lo_v, hi_v = scale_colours(red, self.scale, row_max=row_max)
         marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
         for (g, lo, hi), (s, e), f in zip(present, spans, fcs):
             if g == "comp":  # pooled like the weights

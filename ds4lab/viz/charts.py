@@ -210,7 +210,7 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
     every_row = _label_step(n_rows, 10)
     spec = unit(
         cells, "rect",
-        x=field("r:O", title=f"compressed row ({ratio} tokens each)",
+        x=field("r:O", title=f"compressed row (one every {ratio} tokens)",
                 axis={"values": list(range(0, n_rows, every_row)), "labelAngle": 0}),
         y=field("q:O", title="query position", axis={"values": [p for _, p in queries][:: max(1, len(queries) // 6)]}),
         color=field("kept:N", title=None, scale=KEPT_COLORS),

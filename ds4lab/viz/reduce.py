@@ -61,11 +61,13 @@ def edges(n: int, px: int, start: int = 0) -> np.ndarray:
     return start + np.rint(np.arange(n + 1) * (px / max(n, 1))).astype(np.int64)
 
 
-def scale_colours(values: np.ndarray, scale: str, decades: int = LOG_DECADES) -> tuple[np.ndarray, float, float]:
+def scale_colours(values: np.ndarray, scale: str, decades: int = LOG_DECADES,
+                  row_max: np.ndarray | None = None) -> tuple[np.ndarray, float, float]:
     """Colour indices 0…255 of ``values [rows, cols]`` (≥ 0) on ``scale``, and the range (lo, hi) 0 and 255 stand for.
 
     - ``linear``: v / max · 255, range (0, max);
     - ``row``: each row v / that row's max · 255 (a row of zeros stays 0), range (0, 1): the fraction of the row's max;
+      ``row_max [rows]`` gives the maxima where ``values`` are part of their rows (a zoomed view's columns);
     - ``log``: (log10 v − log10 lo) / decades · 255 with hi = max, lo = max · 10^−decades, values below lo at 0.
     """
     if scale not in SCALES:
@@ -77,7 +79,7 @@ def scale_colours(values: np.ndarray, scale: str, decades: int = LOG_DECADES) ->
     if scale == "linear":
         t, lo = v / hi, 0.0
     elif scale == "row":
-        row_max = v.max(axis=1, keepdims=True)
+        row_max = v.max(axis=1, keepdims=True) if row_max is None else np.asarray(row_max, np.float64)[:, None]
         t, lo, hi = np.divide(v, row_max, out=np.zeros_like(v), where=row_max > 0), 0.0, 1.0
     else:
         lo = hi * 10.0**-decades
