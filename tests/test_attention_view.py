@@ -63,7 +63,7 @@ def test_mass_split_is_the_sums_of_the_weights(cap):
 def test_zoom_shows_every_cell_of_the_region(cap):
     view = AttentionView(cap, layer=2, head=0)
     w = cap.attention(2).weights[:, 0, :]
-    assert "max-pooled ×2 queries, ×2 keys" in view.model.note
+    assert "max-pooled ×2 queries and ×2 keys" in view.model.note
     view.zoom((100, 140), (90, 150))
     m = view.model
     assert (m.rows, m.cols) == (40, 60) and "every cell shown" in m.note and "zoomed" in m.note
@@ -98,6 +98,8 @@ def test_a_zoomed_view_scales_each_row_by_its_whole_row(cap):
     want = np.rint(w[100:140, nr : nr + 40] / w[100:140].max(axis=1, keepdims=True) * 255)
     np.testing.assert_array_equal(idx, want)
     assert (idx.max(axis=1) < 255).any()  # rows whose max lies outside the region
+    view.zoom((0, 100), (0, nr))  # 100 queries each shown, the raw keys pooled: the note names only the keys
+    assert "max-pooled ×2 keys (zoom in" in view.model.note
     assert view.model.scale_text == "per row: weight / the query's max"
 
 
@@ -155,13 +157,27 @@ def test_a_few_compressed_rows_get_legible_columns_and_headers(cap):
     assert comp["x1"] - comp["x0"] == fig.FEW_PX and comp["x0"] <= comp["label_x"] <= comp["x1"]
 
 
+def test_the_mass_key_names_only_the_groups_a_layer_has():
+    """Layer 0 has no compressed rows: its legend keys the mass bars' raw window and sink, not "compressed" (the
+    walk-through read a green key with nothing green above it); layer 2 keys all three."""
+    model = ds4lab.load(backend="numpy")
+    sess = model.session(ctx=256, prefill_chunk=64)
+    with sess.capture(["attn.scores"], layers=[0, 2], heads=[0]) as c:
+        sess.prefill(model.tokenizer.encode(TEXT.read_text(encoding="utf-8")[:1000])[:64]).run(progress=False)
+    for layer, keyed in ((0, False), (2, True)):
+        img = draw_static(AttentionView(c, layer=layer)._state())
+        legend = img[-40:]  # the legend's line at the figure's foot
+        assert (legend == fig.GROUP_COLOURS["comp"]).all(axis=2).any() == keyed, layer
+        assert (legend == fig.GROUP_COLOURS["sink"]).all(axis=2).any()
+
+
 def test_static_fallback_is_legible(cap):
     view = AttentionView(cap, layer=2, head=0, scale="row")
     html = view.static_html()
     png = view._repr_png_()
     w, h = struct.unpack(">II", png[16:24])
     assert (w, h) == (FIG_W, draw_static(view._state()).shape[0]) and w >= 480
-    assert f"width='{FIG_W}'" in html and "max-pooled ×2 queries, ×2 keys" in html
+    assert f"width='{FIG_W}'" in html and "max-pooled ×2 queries and ×2 keys" in html
     img = draw_static(view._state())
     dark = (img < 100).all(axis=2)
     for y, text in view.model.yticks:  # every query-axis label written left of the heatmap (≥ 5 px per digit)

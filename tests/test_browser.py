@@ -588,7 +588,7 @@ def test_attention_view_renders(page):
     view = views.first
     title, note = view.locator(".ds4-title"), view.locator(".ds4-note")
     assert title.inner_text().startswith("layer 2 (ratio 4), head 0:")
-    assert re.match(r"160×201 cells, max-pooled ×2 queries, ×2 keys", note.inner_text()), note.inner_text()
+    assert re.match(r"160×201 cells, max-pooled ×2 queries and ×2 keys", note.inner_text()), note.inner_text()
     canvas = view.locator(".ds4-att-stage canvas")
     stats = _painted(canvas)
     assert stats["cssW"] >= 480, stats

@@ -208,7 +208,7 @@ def test_attention_buffer_matches_reference_reduction(model):
         ],
         axis=1,
     )
-    assert ref.shape == (m.rows, m.cols) and f"max-pooled ×{fr} queries, ×{fc} keys" in m.note
+    assert ref.shape == (m.rows, m.cols) and f"max-pooled ×{fr} queries and ×{fc} keys" in m.note
     np.testing.assert_array_equal(view.values, ref)
     buf = np.frombuffer(m.buf, np.uint8).reshape(m.rows, m.cols)
     np.testing.assert_array_equal(buf, np.clip(np.rint(ref / ref.max() * 255), 0, 255).astype(np.uint8))

@@ -143,10 +143,12 @@ function render({ model, el }) {
     }
     // the key of the mass bars: each query's attention mass on the raw window, the compressed rows and the sink
     ctx.fillStyle = "#222"; ctx.fillText("mass bars:", x, ly + 20); x += ctx.measureText("mass bars:").width + 8;
-    for (const [name, text] of MASS_KEY) {
+    const mass = model.get("mass");  // keyed only where some query's bar has it (a layer without compressed rows)
+    MASS_KEY.forEach(([name, text], i) => {
+      if (!mass.some((m) => m[i] > 0)) return;
       ctx.fillStyle = GROUP[name]; ctx.fillRect(x, ly + 16, 12, 8);
       ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 14;
-    }
+    });
     drawHeads();
     describe();  // the tooltip follows the figure: what is under the pointer now
   };

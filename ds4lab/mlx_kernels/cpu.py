@@ -81,7 +81,9 @@ class CheckedBranch:
     branch made unless its ``join()`` came first. A branch made inside another is forked from that one's stream and
     joins into it, so what it makes reaches the main stream once both have joined, in that order. An input is traced
     to the kernel output whose memory it views (NumPy's views and contiguous copies share it); arrays made by
-    array-library operations are not traced."""
+    array-library operations are not traced. The check is conservative (an ``after()`` covers the other branch's own
+    launches, not those of branches joined into it) and leaves out CuPy's pool (an array freed while another stream
+    may still read it: :mod:`ds4lab.cuda.branches`)."""
 
     def __init__(self, kernels: "CpuKernels"):
         self.kernels, self.fork = kernels, kernels.clock

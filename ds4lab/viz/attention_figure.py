@@ -122,7 +122,9 @@ def draw_static(state: dict) -> np.ndarray:
         x += 16 + ADVANCE * len(text) + 18
     draw_text(img, x, ly + 1, "mass bars:", TEXT)  # the key of the mass bars' colours
     x += ADVANCE * len("mass bars:") + 8
-    for name, text in MASS_KEY:
+    for i, (name, text) in enumerate(MASS_KEY):
+        if not any(m[i] > 0 for m in state["mass"]):  # keyed only where some query's bar has it
+            continue
         img[ly : ly + 8, x : x + 12] = GROUP_COLOURS[name]
         draw_text(img, x + 16, ly + 1, text, TEXT)
         x += 16 + ADVANCE * len(text) + 14

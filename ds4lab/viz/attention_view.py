@@ -405,7 +405,8 @@ class AttentionView(View):
         Q, K = shape
         text = f"{shown[0]}×{shown[1]} cells"
         if fr > 1 or fc > 1:
-            text += f", max-pooled ×{fr} queries, ×{fc} keys (zoom in for every cell)"
+            pooled = " and ".join(f"×{f} {axis}" for f, axis in ((fr, "queries"), (fc, "keys")) if f > 1)
+            text += f", max-pooled {pooled} (zoom in for every cell)"
         else:
             text += ", every cell shown"
         if self.region is not None:
