@@ -494,6 +494,12 @@ def test_kvcache_view_renders(page):
     assert re.fullmatch(r"slot \d+: position \d+ \(in the raw window\)(, written by this step)?"
                         r"(, overwrote position \d+)?", slot.locator("title").text_content())
     assert "window" not in view.locator(".ds4-layer").first.inner_text()  # per layer: groups, not windows
+    # the write pointer's ▲ turned to point out along its line, at the slot it names (it pointed up wherever it was)
+    centre = view.locator(".ds4-ringcentre")
+    cap, ptr = int(centre.nth(0).text_content().split()[0]), int(centre.nth(1).text_content().split()[-1])
+    transform = view.locator(".ds4-pointer-label").get_attribute("transform") or ""
+    turn = re.fullmatch(r"rotate\(([-\d.e]+) [-\d.e]+ [-\d.e]+\)", transform)
+    assert turn and float(turn[1]) == pytest.approx(360 * ptr / cap), (turn, ptr, cap)
     out = _output_of(view)
     slider = out.locator(".widget-hslider")
     assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "chunk"

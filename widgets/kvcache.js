@@ -28,8 +28,10 @@ function ring(d) {
     if (p >= 0) h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p}</text>`;  // an empty slot has no position
   }
   // the write pointer: the slot of the next position
-  const [px, py] = pt(d.pointer, r0 - 4), [qx, qy] = pt(d.pointer, r1 + 4);
-  h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/><text x="${pt(d.pointer, r0 - 14)[0]}" y="${pt(d.pointer, r0 - 14)[1]}" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
+  const [px, py] = pt(d.pointer, r0 - 4), [qx, qy] = pt(d.pointer, r1 + 4), [tx, ty] = pt(d.pointer, r0 - 14);
+  const turn = (360 * d.pointer) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
+  h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
+    `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
   h += `<text x="${c}" y="${c - 14}" class="ds4-ringcentre">${cap} slots</text>` +
     `<text x="${c}" y="${c}" class="ds4-ringcentre">next: slot ${d.pointer}</text>` +
     `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">(position ${T})</text>`;
