@@ -4,14 +4,13 @@
 q4, mxfp4). The file (81 GiB for q2) is written sparse on the machine's local disk by
 ``ds4lab.testing.make_sparse_model``:
 embeddings, routers, norms, hyper-connection and indexer weights seeded random (routing differs per token),
-the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints,
-for one setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from
-the bytes a decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time
-from process start to the model loaded, to the first token generated from a 16-token prompt (issue 25's cold
-start: load, kernels compiled or read from their cache, a chunk, a decode step) and to the first row (each net of
-writing the file where this process wrote it), (CuPy)
-the GPU time of a bare replay of each captured step's graph, and a decode step's wall time in the sweep against a
-bare runtime step's.
+the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints, for one
+setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from the bytes a
+decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time from process start
+to the model loaded, to the first token generated from a 16-token prompt (issue 25's cold start: load, kernels
+compiled or read from their cache, a chunk, a decode step) and to the first row (each net of writing the file
+where this process wrote it), (CuPy) the GPU time of a bare replay of each captured step's graph, and a decode
+step's wall time in the sweep against a bare runtime step's.
 ``benchmarks/gpu_suite.sh flash`` runs float32, tf32 and f16.
 
 ``--tiers N`` splits the layers evenly over N tiers (``Placement.even``): on CuPy the GPUs cuda:0 … N-1, on
@@ -151,7 +150,7 @@ def main(argv=None) -> int:
         placement = ds4lab.Placement.even(args.tiers, devices=devices)
     first = model.session(ctx=FIRST_PROMPT + 1, prefill_chunk=args.prefill_chunk, placement=placement)
     first.prefill(tokens[:FIRST_PROMPT]).run(progress=False)
-    first.decoder(temperature=0.0).step(more=False)  # sampled from the prompt's logits, then evaluated (not an EOS)
+    first.decoder(temperature=0.0).step(more=False)  # sampled from the prompt's logits, then evaluated
     out["first_token_s"] = since_process_start() - written
     del first
     sess = model.session(ctx=args.ctx_max + max(args.gen_tokens, RUNTIME_STEPS) + 1, prefill_chunk=args.prefill_chunk,
