@@ -279,10 +279,11 @@ class AttentionView(View):
         col_src = [sp for (_, lo, hi), f in zip(present, fcs) for sp in _pool_spans(lo, hi, f)]
         self._row_src, self._col_src, self.values = row_src, col_src, red
         ye = edges(len(row_src), HEIGHT)
+        starts = np.array([s for s, _ in row_src])  # each shown row's first query
         # colours and marks: weight exactly 0 is masked; in the compressed group, a row the indexer dropped and a
         # row not formed yet for the query are marked so (a pooled cell: dropped if any of its cells is)
         # per row: over the query's whole row, not the zoomed columns (the legend's "the query's max")
-        row_max = np.maximum.reduceat(w[a:b].max(axis=1), np.array([s for s, _ in row_src]) - a)
+        row_max = np.maximum.reduceat(w[a:b].max(axis=1), starts - a)
         idx, lo_v, hi_v = scale_colours(red, self.scale, row_max=row_max)
         marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
         for (g, lo, hi), (s, e), f in zip(present, spans, fcs):
@@ -295,10 +296,9 @@ class AttentionView(View):
                 dropped = (maxpool(left_out.astype(np.float64), fr, f) > 0) & zero
                 marks[:, s:e][not_yet] = MARK_NOT_YET
                 marks[:, s:e][dropped] = MARK_DROPPED
-        starts = [s for s, _ in row_src]
         if (self.layer, self.head) not in self._mass_cache:
             self._mass_cache[self.layer, self.head] = self.mass_split()
-        row_mass = (np.add.reduceat(self._mass_cache[self.layer, self.head][a:b], np.array(starts) - a, axis=0)
+        row_mass = (np.add.reduceat(self._mass_cache[self.layer, self.head][a:b], starts - a, axis=0)
                     / np.diff([*starts, b])[:, None]).tolist()
         m = self.model
         with m.hold_sync():
