@@ -15,9 +15,11 @@ import ds4lab  # noqa: E402
 from ds4lab.viz import AttentionView  # noqa: E402
 from ds4lab.viz import attention_figure as fig  # noqa: E402
 from ds4lab.viz.attention_figure import FIG_W, LEFT, SINK_PX, TOP, WIDTH, draw_static  # noqa: E402
+from ds4lab.viz.pixel_font import ADVANCE  # noqa: E402
 from ds4lab.viz.reduce import colormap, scale_colours  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # begins with Coriolanus
+WIDGETS = Path(__file__).resolve().parent.parent / "widgets"
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +159,73 @@ def test_a_few_compressed_rows_get_legible_columns_and_headers(cap):
     assert comp["x1"] - comp["x0"] == fig.FEW_PX and comp["x0"] <= comp["label_x"] <= comp["x1"]
 
 
+def _header_spans(groups) -> list[tuple[float, float, dict]]:
+    """Each labelled group header's left and right end (px at HEADER_CHAR a character) and its group."""
+    return [(g["label_x"] - fig.HEADER_CHAR * len(g["label"]) / 2, g["label_x"] + fig.HEADER_CHAR * len(g["label"]) / 2,
+             g) for g in groups if g["label"]]
+
+
+def test_close_group_headers_have_a_line_between_them(cap):
+    """Headers a few px apart read as one phrase ("comp sink", "compressed ×4 (80 rows) sink"): two that close get
+    HEADER_SEP px and a thin line in the middle of their gap, in the static image (and on the canvas, at its font's
+    width: tests/test_browser.py); a compressed group of one row keeps its "comp" header, the line in the narrower
+    gap left."""
+    view = AttentionView(cap, layer=2, head=0)
+    sess = cap.session.model.session(ctx=512, prefill_chunk=64)
+    with sess.capture(["attn.scores"], layers=[3], heads=[0]) as one:
+        sess.prefill(cap.session.tokens[:200]).run(progress=False)
+    for layer, source in ((2, view), (3, view), ("one row", AttentionView(one))):
+        if layer == 3:
+            view.show(3, 0)
+        m = source.model
+        assert [g["label"] for g in m.groups][1:] == (["comp", "sink"] if layer != 2 else
+                                                      ["compressed ×4 (80 rows)", "sink"]), layer
+        (_, comp_end, _), (sink_start, _, _) = _header_spans(m.groups)[1:]
+        assert sink_start - comp_end >= (fig.HEADER_SEP if layer != "one row" else fig.HEADER_MIN), layer
+        assert [g["sep"] for g in m.groups] == [False, True, False]  # the raw window's header: far from the next
+        # in the static image: one column, in the middle (within a glyph's blank columns) of the ink around it
+        img = draw_static(source._state())
+        (x,) = fig.separators(m.groups, ADVANCE)
+        header = img[18 : 18 + 7, LEFT : LEFT + WIDTH]
+        ink = np.nonzero((header < 100).all(axis=2).any(axis=0))[0]
+        assert (img[fig.SEP_Y[0] : fig.SEP_Y[1], LEFT + round(x)] == fig.FAINT).all(), layer
+        left, right = ink[ink < round(x)].max(), ink[ink > round(x)].min()
+        assert right - left >= 4 and abs((round(x) - left) - (right - round(x))) <= 3, (layer, left, x, right)
+    assert m.geometry["sep_y"] == list(fig.SEP_Y)  # where the canvas draws it
+
+
+def test_a_layer_switch_keeps_the_zoom(cap):
+    """The zoom a reader set survives a change of layer: the same queries and raw keys; compressed rows by the tokens
+    they pool (ratio 4's rows 10–30, tokens 36–123, are ratio 128's row 0); nothing left of it: the whole map."""
+    view = AttentionView(cap, layer=2, head=0)
+    view.zoom((100, 140), (90, 150))
+    view.layer_select.value = 3  # the dropdown, as a reader changes it
+    assert view.region == (100, 140, 90, 150) and "zoomed: queries 100–139, columns 90–149 of 323" in view.model.note
+    assert not view.reset_button.disabled
+    np.testing.assert_array_equal(view.values, cap.attention(3).weights[100:140, 0, 90:150])
+    view.show(2, 1)
+    assert view.region == (100, 140, 90, 150)
+    nr = cap.attention(2).n_raw
+    view.zoom((100, 140), (nr + 10, nr + 31))
+    view.show(3, 1)
+    assert view.region == (100, 140, nr, nr + 1) and view.model.col_labels == ["compressed row 0 (tokens 0–127)"]
+    view.show(2, 1)
+    view.zoom((280, 320), (300, 401))  # raw 300–319 | compressed | sink: clamped to layer 3's 2 compressed rows
+    view.show(3, 1)
+    assert view.region == (280, 320, 300, 323)
+    assert [(g["name"], g["stop"] - g["start"]) for g in view.model.groups] == [("raw", 20), ("comp", 2), ("sink", 1)]
+    # a layer without compressed rows: a zoom on them alone leaves nothing, so the whole map
+    model = cap.session.model
+    sess = model.session(ctx=256, prefill_chunk=64)
+    with sess.capture(["attn.scores"], layers=[0, 2], heads=[0]) as c:
+        sess.prefill(cap.session.tokens[:64]).run(progress=False)
+    other = AttentionView(c, layer=2)
+    n = c.attention(2).n_raw
+    other.zoom((10, 60), (n + 2, n + 8))
+    other.show(0, 0)
+    assert other.region is None and "zoomed" not in other.model.note and other.reset_button.disabled
+
+
 def test_the_mass_key_names_only_the_groups_a_layer_has():
     """Layer 0 has no compressed rows: its legend keys the mass bars' raw window and sink, not "compressed" (the
     walk-through read a green key with nothing green above it); layer 2 keys all three."""
@@ -228,3 +297,22 @@ def test_the_indexer_rows_look_alike_in_the_mask_and_the_attention_view(cap):
     img = draw_static(view._state())  # the static figure paints them so, and its legend names them
     for colour, mark in ((fig.NOT_YET, fig.MARK_NOT_YET), (fig.DROPPED, fig.MARK_DROPPED)):
         assert (img == colour).all(axis=2).sum() >= (marks == mark).sum() * 2  # a cell is ≥ 2 × 3 px
+
+
+def test_the_views_place_their_tooltips_with_one_function():
+    """AttentionView's tooltip beside the pointer (styled, at once, kept inside its frame: placeTip) is KVCacheView's
+    and TierView's too, in place of their native titles: one function in widgets/hovertip.js, which each of the three
+    models puts before its own ESM, and no view defines again."""
+    from ds4lab.viz.attention_view import AttentionModel
+    from ds4lab.viz.kv_view import KVCacheModel
+    from ds4lab.viz.tier_view import TierModel
+
+    shared = (WIDGETS / "hovertip.js").read_text(encoding="utf-8")
+    assert "function placeTip(" in shared and "function pointerTip(" in shared
+    for model, f in ((AttentionModel, "attention.js"), (KVCacheModel, "kvcache.js"), (TierModel, "tiers.js")):
+        own = (WIDGETS / f).read_text(encoding="utf-8")
+        assert model()._esm == shared + own, f
+        assert "function placeTip(" not in own and "function pointerTip(" not in own, f
+    for f in ("kvcache.js", "tiers.js"):
+        src = (WIDGETS / f).read_text(encoding="utf-8")
+        assert "title=" not in src and "<title>" not in src and "data-tip=" in src, f

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4lab.viz.attention_figure import FEW_PX, FIG_W, HEADER_CHAR, LEFT, TOP, WIDTH
+from ds4lab.viz.attention_figure import FEW_PX, FIG_W, HEADER_CHAR, LEFT, SEP_Y, TOP, WIDTH
 
 pytestmark = pytest.mark.browser
 
@@ -299,6 +299,19 @@ def _hover_fills(pg, target, tip, position=None, until="el.textContent.trim().le
     return tip.inner_text()
 
 
+def _tip_beside(pg, target, tip, frame) -> None:
+    """The tooltip shown for the pointer on the middle of ``target``: within 40 px of it, not under it, inside the
+    window and inside ``frame`` (the view: nothing of it cut off)."""
+    box, t, f = target.bounding_box(), tip.bounding_box(), frame.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    dx, dy = max(t["x"] - x, 0, x - t["x"] - t["width"]), max(t["y"] - y, 0, y - t["y"] - t["height"])
+    assert 0 < max(dx, dy) and math.hypot(dx, dy) <= 40, (t, x, y)
+    for outer in (dict(x=0, y=0, **pg.viewport_size), f):  # with a pixel's slack
+        assert (outer["x"] - 1 <= t["x"] and t["x"] + t["width"] <= outer["x"] + outer["width"] + 1
+                and outer["y"] - 1 <= t["y"] and t["y"] + t["height"] <= outer["y"] + outer["height"] + 1), (t, outer)
+    assert tip.evaluate("(el) => getComputedStyle(el).boxShadow") != "none"  # the attention figure's style
+
+
 def _painted(canvas) -> dict:
     """Pixels of a canvas that are not blank (transparent or near-white), and its distinct colours."""
     return canvas.evaluate(
@@ -486,13 +499,28 @@ def test_kvcache_view_renders(page):
         assert box.locator(".ds4-cell.comp.kept").count() == 32
         assert box.locator(".ds4-cell.comp.kept").first.evaluate(colour) == "rgb(49, 130, 189)"
         assert box.locator(".ds4-cell.comp.dropped").first.evaluate(colour) == "rgb(252, 187, 161)"
-        dropped = box.locator(".ds4-cell.comp.dropped").first.get_attribute("title")
+        dropped = box.locator(".ds4-cell.comp.dropped").first.get_attribute("data-tip")
         assert dropped.endswith("dropped by the indexer for the last query (319)"), dropped
     for kind in ("comp", "index"):
         assert view.locator(f".ds4-layer .ds4-cell.{kind}").count() > 0, f"no .ds4-cell.{kind} cells"
     slot = view.locator(".ds4-slot.live").first
     assert re.fullmatch(r"slot \d+: position \d+ \(in the raw window\)(, written by this step)?"
-                        r"(, overwrote position \d+)?", slot.locator("title").text_content())
+                        r"(, overwrote position \d+)?", slot.get_attribute("data-tip"))
+    # hovered, a cell or a slot shows its text at once in the styled tooltip beside the pointer, as the attention
+    # figure's (no native title: it waits a second and is unstyled)
+    assert view.locator("[title], title").count() == 0
+    tip = view.locator(".ds4-hovertip")
+    cell = view.locator(".ds4-layer").nth(2).locator(".ds4-cell.comp.dropped").first
+    for target in (cell, slot):
+        want = json.dumps(target.get_attribute("data-tip"))
+        _hover_fills(pg, target, tip, until=f"el.checkVisibility() && el.textContent === {want}")
+        _tip_beside(pg, target, tip, view)
+    out = _output_of(view)
+    cell.scroll_into_view_if_needed()
+    cell.hover()
+    out.screenshot(path=str(ARTIFACTS / "kvcache_view_tooltip.png"))
+    view.locator(".ds4-title").hover()  # off every cell: no tooltip
+    pg.wait_for_function("(el) => !el.checkVisibility()", arg=tip.element_handle(), timeout=5_000)
     assert "window" not in view.locator(".ds4-layer").first.inner_text()  # per layer: groups, not windows
     # the write pointer's ▲ turned to point out along its line, at the slot it names (it pointed up wherever it was)
     centre = view.locator(".ds4-ringcentre")
@@ -500,7 +528,6 @@ def test_kvcache_view_renders(page):
     transform = view.locator(".ds4-pointer-label").get_attribute("transform") or ""
     turn = re.fullmatch(r"rotate\(([-\d.e]+) [-\d.e]+ [-\d.e]+\)", transform)
     assert turn and float(turn[1]) == pytest.approx(360 * ptr / cap), (turn, ptr, cap)
-    out = _output_of(view)
     slider = out.locator(".widget-hslider")
     assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "chunk"
     assert slider.locator(".widget-readout").first.inner_text() == "4"  # the title's "after chunk 4"
@@ -576,6 +603,41 @@ def _longest_run(el, rgb, rows=None) -> float:
     )
 
 
+def _separators(canvas, x0: float, x1: float) -> list[float]:
+    """The x (CSS px) of the thin grey lines in the group headers' row between x0 and x1: pixel columns grey from top
+    to bottom of attention_figure.SEP_Y (a letter's stem is shorter, and dark)."""
+    return canvas.evaluate(
+        """(c, [x0, x1, y0, y1]) => {
+            const k = c.width / c.getBoundingClientRect().width;
+            const [a, b] = [Math.floor(x0 * k), Math.ceil(x1 * k)];
+            const [top, h] = [Math.ceil(y0 * k), Math.floor((y1 - y0) * k)];
+            const d = c.getContext('2d').getImageData(a, top, b - a, h).data, found = [];
+            for (let x = 0; x < b - a; x++) {
+                let grey = 0;
+                for (let y = 0; y < h; y++) {
+                    const i = (y * (b - a) + x) * 4, [r, g, bl] = [d[i], d[i + 1], d[i + 2]];
+                    if (r > 100 && r < 200 && Math.abs(r - g) < 12 && Math.abs(g - bl) < 12) grey++;
+                }
+                if (grey >= h - 1 && !(found.length && found.at(-1) === (a + x - 1) / k)) found.push((a + x) / k);
+            }
+            return found;
+        }""",
+        [x0, x1, *SEP_Y],
+    )
+
+
+def _separated(canvas, x0: float, x1: float) -> bool:
+    """One separator line between x0 and x1 in the headers' row, in the middle of a gap: no text within 2.5 px of it,
+    text within 14 px on both sides (the two headers it separates)."""
+    found = _separators(canvas, x0, x1)
+    if len(found) != 1:
+        return False
+    x = found[0]
+    y0, y1 = 16 * canvas.bounding_box()["width"] / FIG_W, 28 * canvas.bounding_box()["width"] / FIG_W
+    return (_ink(canvas, x - 2.5, y0, x, y1) == 0 and _ink(canvas, x + 1, y0, x + 3.5, y1) == 0
+            and _ink(canvas, x - 14, y0, x, y1) > 0 and _ink(canvas, x + 1, y0, x + 15, y1) > 0)
+
+
 def _image_hash(canvas) -> int:
     return canvas.evaluate(
         """(c) => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let h = 0;
@@ -585,9 +647,10 @@ def _image_hash(canvas) -> int:
 
 
 def test_attention_view_renders(page):
-    """The attention figure: at least 480 px wide, axis text drawn left of and under the heatmap, a tooltip naming
-    layer, head, query, key and mass split; a layer switch keeps the size and re-describes what is under the pointer
-    (no stale tooltip); a drag zooms into a region re-reduced in Python (every cell), a double-click resets."""
+    """The attention figure: at least 480 px wide, axis text drawn left of and under the heatmap, close group headers
+    with a line between them, a tooltip naming layer, head, query, key and mass split; a layer switch keeps the size
+    and re-describes what is under the pointer (no stale tooltip); a drag zooms into a region re-reduced in Python
+    (every cell), which another layer keeps; a double-click resets."""
     pg, *_ = page
     views = pg.locator(".ds4-view:has(.ds4-att-stage)")
     assert views.count() == 1
@@ -604,12 +667,16 @@ def test_attention_view_renders(page):
     # the compressed group) pale yellow, dropped by the indexer salmon
     assert _pixels_of(canvas, (255, 255, 204)) > 2000 and _pixels_of(canvas, (252, 187, 161)) > 500
     box = canvas.bounding_box()
+    # "compressed ×4 (80 rows)" and "sink": a line between them, none between the raw window's header and the next
+    k = box["width"] / FIG_W
+    assert _separated(canvas, (LEFT + WIDTH - 130) * k, (LEFT + WIDTH) * k)
+    assert not _separators(canvas, LEFT * k, (LEFT + WIDTH - 130) * k)
     # axis text: query positions left of the heatmap (x < 118), key positions under it (y 522…596), group labels
     assert _ink(canvas, 0, 40, 112, 520) > 400 and _ink(canvas, 118, 524, 838, 596) > 400
     assert _ink(canvas, 118, 0, 838, 30) > 100
     # small multiples: one per captured head, the shown one marked
     assert view.locator(".ds4-att-head").count() == 2 and view.locator(".ds4-att-head.ds4-sel").inner_text() == "head 0"
-    tip = view.locator(".ds4-tip")
+    tip = view.locator(".ds4-hovertip")
     text = _hover_fills(pg, canvas, tip, position=(0.3, 0.4), until="el.textContent.includes('→')")
     assert re.match(r"layer 2 head 0 · queries \d+–\d+ → raw keys \d+–\d+: weight [\d.e+-]+.* · mass raw [\d.]+ \| "
                     r"compressed [\d.]+ \| sink [\d.e+-]+$", text), text
@@ -635,6 +702,8 @@ def test_attention_view_renders(page):
     assert _longest_run(canvas, (49, 163, 84), rows=((TOP - 6) * k, (TOP - 4) * k)) >= (2 * FEW_PX - 1) * k
     assert _ink(canvas, LEFT * k, 0, (LEFT + WIDTH) * k, 14 * k) == 0
     assert _ink(canvas, (LEFT + WIDTH - 60) * k, 16 * k, (LEFT + WIDTH) * k, 28 * k) > 40  # "comp sink"
+    # a thin grey line between "comp" and "sink", so that they read as two headers (they were 4 px apart)
+    assert _separated(canvas, (LEFT + WIDTH - 60) * k, (LEFT + WIDTH) * k)
     font = canvas.evaluate("(c) => { const x = c.getContext('2d'); x.font = '11px ui-monospace, Menlo, Consolas, "
                            "monospace'; return x.measureText('raw window (320 keys) comp sink').width / 31; }")
     assert font <= HEADER_CHAR
@@ -662,6 +731,19 @@ def test_attention_view_renders(page):
     q = int(re.match(r"layer 3 head 1 · query (\d+)", text)[1])
     assert int(m[3]) <= q <= int(m[4])
     out.screenshot(path=str(ARTIFACTS / "attention_view_zoom.png"))
+    # another layer keeps the zoom: the same queries and raw keys (both layers' raw windows hold the same positions)
+    region = r"zoomed: queries \d+–\d+, columns \d+–\d+ of"  # of the layer's columns (323 here, 401 in layer 2)
+    zoomed = re.search(region, note.inner_text())[0]
+    before = _image_hash(canvas)
+    dropdowns.first.select_option(label="2")
+    pg.wait_for_function("(el) => el.textContent.startsWith('layer 2 (ratio 4), head 1')", arg=title.element_handle(),
+                         timeout=10_000)
+    pg.wait_for_timeout(300)
+    kept = re.search(region, note.inner_text())
+    assert kept and kept[0] == zoomed, note.inner_text()
+    assert note.inner_text().startswith(m[0]) and _image_hash(canvas) != before  # as many cells, layer 2's weights
+    assert not out.locator(".widget-button", has_text="reset zoom").is_disabled()
+    out.screenshot(path=str(ARTIFACTS / "attention_view_zoom_layer2.png"))
     canvas.dblclick(position={"x": 0.5 * box["width"], "y": 0.5 * box["height"]})
     pg.wait_for_function("(el) => !el.textContent.includes('zoomed')", arg=note.element_handle(), timeout=10_000)
 
@@ -800,6 +882,17 @@ def test_tier_view_renders(page):
     arrow = view.locator(".ds4-stack .ds4-arrow:not(.nocopy)").first
     assert arrow.evaluate("el => getComputedStyle(el).color") == "rgb(37, 37, 37)"
     _output_of(view).screenshot(path=str(ARTIFACTS / "tier_view.png"))
+    # a unit or a switch hovered: its text at once in the styled tooltip beside the pointer (no native title)
+    assert view.locator("[title]").count() == 0
+    tip = view.locator(".ds4-hovertip")
+    unit = units.nth(3)
+    text = _hover_fills(pg, unit, tip, until="el.checkVisibility() && el.textContent.length > 0")
+    assert re.fullmatch(r"layer 2: tier \d \(.+\), weights [\d,]+ B, KV [\d,]+ B", text), text
+    _tip_beside(pg, unit, tip, view)
+    text = _hover_fills(pg, arrow, tip, until="el.checkVisibility() && el.textContent.includes('µs')")
+    assert re.fullmatch(r"\d → \d, (batch|decode), [\d,]+ bytes, \d+ µs", text), text
+    _tip_beside(pg, arrow, tip, view)
+    _output_of(view).screenshot(path=str(ARTIFACTS / "tier_view_tooltip.png"))
 
 
 def test_charts_render_offline(page):
@@ -915,7 +1008,7 @@ def test_views_fit_a_laptop_screen(page):
         kv, mask = prefill.locator(".ds4-kv").bounding_box(), _mask_of(prefill).bounding_box()
         assert mask["y"] >= kv["y"] + kv["height"] - 1  # under the KV cache, not over it
         for at in ((0.3, 0.8), (0.85, 0.1)):  # the lowest rows, the upper right: the tooltip where the reader looks
-            _tip_beside_pointer(pg, canvas, att.locator(".ds4-tip"), at)
+            _tip_beside_pointer(pg, canvas, att.locator(".ds4-hovertip"), at)
         pg.screenshot(path=str(ARTIFACTS / "laptop_attention_tooltip.png"))
         # the attention figure keeps legible text (at least MIN_SCALE of its size) and so, narrower, scrolls
         pg.set_viewport_size({"width": 1000, "height": 800})

@@ -5,7 +5,9 @@ Running them is nbval's job: ``python -m pytest`` also collects notebooks/ (see 
 every cell in a fresh kernel and compares the outputs of the cells tagged ``nbval-check-output``.
 """
 
+import html
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +97,24 @@ def test_saved_outputs_load_nothing_from_the_network(name):
         assert not any("vegalite" in k or "vega." in k for k in data) or VEGALITE in data, list(data)
         if VEGALITE in data:
             assert "text/html" not in data and "image/png" in data, list(data)
+
+
+def _drawn_texts(spec: dict) -> list[str]:
+    """The texts of a Vega-Lite chart as Vega draws them (vl-convert's SVG): titles and tick labels, in order."""
+    vlc = pytest.importorskip("vl_convert")
+    return [html.unescape(t) for t in re.findall(r"<text[^>]*>([^<]*)</text>", vlc.vegalite_to_svg(spec))]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_charts_tick_labels_read_as_values(name):
+    """No tick of a saved chart reads as zero with an SI prefix: an axis format "~s" gives every tick the largest
+    one's prefix (notebook 05's bytes moved read 0M, 0.5M, 1M); its bytes axis reads 0, 500 kB, 1 MB."""
+    specs = [o.data[VEGALITE] for c in _code(_read(name)) for o in c.outputs if VEGALITE in o.get("data", {})]
+    for spec in specs:
+        texts = _drawn_texts(spec)
+        assert not [t for t in texts if re.fullmatch(r"-?0(\.\d+)?\s?[kMGTPmµn]B?", t)], (name, texts)
+        if name.startswith("05_") and "bytes moved" in texts:
+            assert texts[texts.index("bytes moved") - 3 : texts.index("bytes moved")] == ["0", "500 kB", "1 MB"], texts
 
 
 def test_views_appear_in_the_notebooks():

@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WIDGETS = ROOT / "widgets"
 MODELS = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel, "mask.js": MaskModel,
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
+# The scripts shared by views (ds4lab.viz.base.widget_module), put before their own ESM.
+SHARED = {"kvcache.js": ["hovertip.js"], "attention.js": ["hovertip.js"], "tiers.js": ["hovertip.js"]}
 # What a built or installed ds4lab must show: every model's ESM and stylesheet read from the installed front-end.
 CHECK = """
 import json, sys
@@ -50,10 +52,13 @@ models = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js"
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
 d = widgets_dir()
 css = (d / STYLESHEET).read_text()
-loaded = {name: [m()._esm == (d / name).read_text() and "export default" in m()._esm, m()._css == css]
+shared = json.loads('SHARED_JSON')
+esm = {name: "".join((d / n).read_text() for n in [*shared.get(name, []), name]) for name in models}
+loaded = {name: [m()._esm == esm[name] and "export default" in m()._esm, m()._css == css]
           for name, m in models.items()}
 print(json.dumps(dict(ds4lab=ds4lab.__file__, widgets=str(d), loaded=loaded)))
 """
+CHECK = CHECK.replace("SHARED_JSON", json.dumps(SHARED))
 NO_BACKEND = re.compile(r"No matching distribution|Could not find a version|Failed to establish|Network is unreachable|"
                         r"Temporary failure in name resolution|ProxyError", re.I)
 
@@ -68,10 +73,12 @@ def test_every_view_loads_its_esm_and_the_stylesheet_through_widgets_dir():
     css = (d / STYLESHEET).read_text()
     for name, model in MODELS.items():
         m = model()
-        assert m._esm == (d / name).read_text() and "export default" in m._esm, name
+        esm = "".join((d / n).read_text() for n in [*SHARED.get(name, []), name])
+        assert m._esm == esm and "export default" in m._esm, name
         assert m._css == css, f"{name}'s model does not carry the shared stylesheet"
-    # one ESM per view and one stylesheet: nothing else, nothing missing, and no copy left in the package
-    assert _front_end_files(WIDGETS) == set(MODELS) | {STYLESHEET}
+    # one ESM per view, the scripts they share and one stylesheet: nothing else, nothing missing, and no copy left in
+    # the package
+    assert _front_end_files(WIDGETS) == set(MODELS) | {STYLESHEET} | {n for names in SHARED.values() for n in names}
     assert not (ROOT / "ds4lab" / "viz" / "static").exists()
 
 

@@ -32,6 +32,7 @@ function find(edges, p) {
   return lo;
 }
 
+
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-att");
   const title = document.createElement("div"); title.className = "ds4-title";
@@ -39,7 +40,7 @@ function render({ model, el }) {
   const stage = document.createElement("div"); stage.className = "ds4-att-stage";
   const canvas = document.createElement("canvas"), off = document.createElement("canvas");
   const sel = document.createElement("div"); sel.className = "ds4-att-sel";
-  const tip = document.createElement("div"); tip.className = "ds4-tip";  // beside the pointer (place)
+  const tip = document.createElement("div"); tip.className = "ds4-hovertip";  // beside the pointer (placeTip)
   stage.append(canvas, sel, tip);
   const note = document.createElement("div"); note.className = "ds4-note";
   el.append(title, heads, stage, note);
@@ -102,13 +103,22 @@ function render({ model, el }) {
     ctx.drawImage(off, L, T);
     ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
     ctx.textBaseline = "middle";
-    for (const grp of model.get("groups")) {
+    const groups = model.get("groups"), headed = groups.filter((grp) => grp.label);
+    for (const grp of groups) {
       ctx.strokeStyle = "#888"; ctx.lineWidth = 1;
       ctx.strokeRect(L + grp.x0 - 0.5, T - 0.5, grp.x1 - grp.x0 + 1, g.hh + 1);
       ctx.fillStyle = GROUP[grp.name]; ctx.fillRect(L + grp.x0, T - 6, grp.x1 - grp.x0, 2);
       // the header where Python put it (attention_figure.place_headers): one line, none overlapping
       ctx.fillStyle = "#222"; ctx.textAlign = "center"; ctx.fillText(grp.label, L + grp.label_x, 22);
     }
+    // a thin line in the middle of the gap between two close headers (attention_figure.separators, at this font's
+    // width): two labels, not one phrase ("comp sink")
+    const half = (grp) => ctx.measureText(grp.label).width / 2, [s0, s1] = g.sep_y;
+    ctx.fillStyle = "#888";
+    headed.forEach((a, i) => {
+      const b = headed[i + 1];
+      if (a.sep && b) ctx.fillRect(L + Math.round((a.label_x + half(a) + b.label_x - half(b)) / 2), s0, 1, s1 - s0);
+    });
     ctx.fillStyle = "#222";
     for (const [x, text] of model.get("xticks")) {
       ctx.fillRect(L + x, T + g.hh + 1, 1, 3);
@@ -162,17 +172,6 @@ function render({ model, el }) {
     const x = p.x - g.left, c = model.get("col_edges").findIndex(([a, b]) => a <= x && x < b);
     return c < 0 ? null : { r, c };
   };
-  // the tooltip next to the pointer, where the reader looks: right of it (left near the stage's right edge), below
-  // or above it, whichever side has more of the map in the window; inside the stage, so never cut off
-  const place = () => {
-    tip.style.left = "0px";  // measured at its full width, not squeezed against the stage's edge
-    const s = stage.getBoundingClientRect(), c = canvas.getBoundingClientRect();
-    const px = c.left + pointer.x * scale, py = c.top + pointer.y * scale, tw = tip.offsetWidth, th = tip.offsetHeight;
-    const below = py - Math.max(s.top, 0) < Math.min(s.bottom, window.innerHeight) - py;
-    const x = px + 14 + tw <= s.right ? px + 14 : Math.max(s.left, px - 14 - tw);
-    const y = Math.min(Math.max(below ? py + 18 : py - 12 - th, s.top), s.bottom - th);
-    tip.style.left = `${x - c.left}px`; tip.style.top = `${y - c.top}px`;
-  };
   const describe = () => {
     const at = pointer && cellAt(pointer);
     tip.style.display = at ? "block" : "none";
@@ -187,7 +186,8 @@ function render({ model, el }) {
       const state = ["", " (dropped by the indexer)", " (masked)", " (not yet compressed)"][marks[i]] ?? "";
       tip.textContent = `${where} → ${model.get("col_labels")[at.c]}: weight ${fmt(v)}${state} · ${split}`;
     }
-    place();
+    const c = canvas.getBoundingClientRect();
+    placeTip(tip, c.left + pointer.x * scale, c.top + pointer.y * scale);
   };
   const pos = (ev) => {
     const rect = canvas.getBoundingClientRect(), g = model.get("geometry");

@@ -1,8 +1,8 @@
 // KVCacheView: the raw ring buffer (slots in a circle: the position each holds, the raw window, the write
 // pointer, what was overwritten) and per layer its compressed rows, indexer rows and the group still pending.
-function cells(n, cls, titles, max = 600) {
+function cells(n, cls, tips, max = 600) {
   let h = "";
-  for (let i = 0; i < Math.min(n, max); i++) h += `<div class="ds4-cell ${cls(i)}" title="${titles(i)}"></div>`;
+  for (let i = 0; i < Math.min(n, max); i++) h += `<div class="ds4-cell ${cls(i)}" data-tip="${tips(i)}"></div>`;
   return h + (n > max ? `<span class="ds4-note">… ${n - max} more</span>` : "");
 }
 function ring(d) {
@@ -16,10 +16,12 @@ function ring(d) {
     const [a, b] = [pt(s, r0), pt(s, r1)], [e, f] = [pt(s + 1, r1), pt(s + 1, r0)];
     const tip = p < 0 ? `slot ${s}: empty` : `slot ${s}: position ${p}` + (p >= T - d.window ? " (in the raw window)" : " (in the ring, outside the window)") +
       (p >= d.new_from ? ", written by this step" : "") + (p >= cap ? `, overwrote position ${p - cap}` : "");
-    h += `<path class="ds4-slot ${cls}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z"><title>${tip}</title></path>`;
+    h += `<path class="ds4-slot ${cls}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z" ` +
+      `data-tip="${tip}"/>`;
     if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot
       const [g, k] = [pt(s, r1 + 2), pt(s + 1, r1 + 2)], [m, n] = [pt(s + 1, r1 + 6), pt(s, r1 + 6)];
-      h += `<path class="ds4-slot-new" d="M${g} A${r1 + 2},${r1 + 2} 0 0 1 ${k} L${m} A${r1 + 6},${r1 + 6} 0 0 0 ${n} Z"><title>${tip}</title></path>`;
+      h += `<path class="ds4-slot-new" d="M${g} A${r1 + 2},${r1 + 2} 0 0 1 ${k} L${m} ` +
+        `A${r1 + 6},${r1 + 6} 0 0 0 ${n} Z" data-tip="${tip}"/>`;
     }
   }
   // positions written on the ring: every cap/8 slots, outside the circle
@@ -39,9 +41,12 @@ function ring(d) {
 }
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-kv");
+  const body = document.createElement("div");
+  el.append(body);
+  const tips = pointerTip(el);  // a slot's or a row's text beside the pointer
   const draw = () => {
     const d = model.get("data"), only = model.get("layers");
-    if (!d || !d.layers) { el.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
+    if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
     let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>`;
     h += `<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">` +
@@ -83,14 +88,16 @@ function render({ model, el }) {
       }
       h += "</div>";
     }
-    el.innerHTML = h;
+    body.innerHTML = h;
   };
+  const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
   const events = ["data", "layers"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
+  for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
+    for (const e of events) model.off(e, redraw);
+    tips.remove();
   };
 }
 export default { render };

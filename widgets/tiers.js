@@ -64,11 +64,13 @@ function stepsChart(steps, batch, decode) {
   return `<svg class="ds4-steps" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}">${svg}</svg>`;
 }
 
+
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-tiers");
   const body = document.createElement("div");
   const tip = document.createElement("div"); tip.className = "ds4-tip";
   el.append(body, tip);
+  const tips = pointerTip(el);  // a unit's or a switch's text beside the pointer
   const draw = () => {
     const units = model.get("units"), tiers = model.get("tiers"), trace = model.get("trace"), steps = model.get("steps");
     const rb = model.get("row_bytes"), chunk = model.get("chunk"), nb = model.get("boundaries");
@@ -85,11 +87,14 @@ function render({ model, el }) {
     for (const u of units) {
       h += `<span class="ds4-hop">`;  // the switches before a unit and the unit: on one line, whatever the width
       for (const s of at[u.layer] || [])
-        h += `<span class="ds4-arrow${s.mode === "no-copy" ? " nocopy" : ""}" title="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ${(s.seconds * 1e6).toFixed(0)} µs">` +
+        h += `<span class="ds4-arrow${s.mode === "no-copy" ? " nocopy" : ""}" ` +
+          `data-tip="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ` +
+          `${(s.seconds * 1e6).toFixed(0)} µs">` +
           `→ ${s.mode === "no-copy" ? "no-copy" : fmt(s.bytes) + " B"} →</span>`;
       const label = u.layer === -1 ? "embed" : u.layer === nLayer ? "head" : `L${u.layer}`;
-      h += `<span class="ds4-unit${u.here ? "" : " ds4-away"}" style="background:${u.colour}" title="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}` +
-        `${u.here ? "" : ", another process"}), weights ${fmt(u.weights)} B, KV ${fmt(u.kv)} B">${label}</span></span>`;
+      h += `<span class="ds4-unit${u.here ? "" : " ds4-away"}" style="background:${u.colour}" ` +
+        `data-tip="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}${u.here ? "" : ", another process"}), ` +
+        `weights ${fmt(u.weights)} B, KV ${fmt(u.kv)} B">${label}</span></span>`;
     }
     h += `</div><table><tr><th>tier</th><th>device</th><th>weights</th><th>KV</th><th>activations</th><th>total</th><th>budget</th></tr>`;
     for (const d of tiers)
@@ -122,7 +127,8 @@ function render({ model, el }) {
     hovered = +i;
     describe();
   };
-  const redraw = () => { draw(); describe(); };  // a redraw keeps the hovered step's outline and caption current
+  // a redraw keeps the hovered step's outline and caption, and the tooltip, current
+  const redraw = () => { draw(); describe(); tips.describe(); };
   draw();
   const events = ["units", "tiers", "trace", "steps", "last_step", "part"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
@@ -131,6 +137,7 @@ function render({ model, el }) {
   return () => {
     for (const e of events) model.off(e, redraw);
     body.removeEventListener("mouseover", hover);
+    tips.remove();
   };
 }
 export default { render };

@@ -20,6 +20,10 @@ FEW_PX = 22
 FEW_COLS = WIDTH // 4 // FEW_PX
 HEADER_CHAR = 7  # px per character of a group header at most (11 px monospace on the canvas: 6.6; the pixel font: 6)
 SHORT = {"raw": "raw", "comp": "comp", "sink": "sink"}  # a group's header where its full one has no room
+# px between two group headers, a thin line in their middle (4 px apart, "comp sink" read as one phrase); only
+# HEADER_MIN where a group is too narrow for more (one compressed row beside the sink), the line still between
+HEADER_SEP, HEADER_MIN = 10, 4
+SEP_Y = (15, 29)  # px: the separator's rows, the header line's height
 LEFT, TOP = 118, 40  # query axis (positions and tokens) | group labels above the heatmap
 MASS_GAP, MASS_W = 14, 84  # the stacked bar of each query's mass, right of the heatmap
 X_LABELS = 76  # px under the heatmap for the key positions (written bottom to top)
@@ -41,25 +45,39 @@ TEXT, FAINT = (34, 34, 34), (120, 120, 120)
 def geometry() -> dict:
     """The fixed frame both renderers share (px)."""
     return dict(width=FIG_W, height=FIG_H, left=LEFT, top=TOP, hw=WIDTH, hh=HEIGHT, mass_x=LEFT + WIDTH + MASS_GAP,
-                mass_w=MASS_W, legend_y=TOP + HEIGHT + X_LABELS)
+                mass_w=MASS_W, legend_y=TOP + HEIGHT + X_LABELS, sep_y=list(SEP_Y))
 
 
 def place_headers(groups: list[dict]) -> None:
     """The groups' headers on one line above the heatmap, never overlapping: right to left, each centred over its
     group, moved left off the next one's (the sink's may reach into the gap before the mass bars); the full label,
-    else the short one, else none, whichever first keeps its middle over its own group. Sets ``label`` and
-    ``label_x`` (the middle, px from the heatmap's left) of each group."""
-    right = WIDTH + MASS_GAP - 4
+    else the short one, else none, whichever first keeps its middle over its own group, HEADER_SEP px off the next
+    header where that fits, else HEADER_MIN. Sets ``label`` and ``label_x`` (the middle, px from the heatmap's left)
+    of each group, and ``sep``: whether a line separates its header from the next one's, close to it
+    (:func:`separators`)."""
+    right, after = WIDTH + MASS_GAP - 4, False  # the left end of the header right of this one; whether there is one
     for grp in reversed(groups):
         x0, x1 = grp["x0"], grp["x1"]
-        for text in (grp["label"], SHORT[grp["name"]], ""):
+        tries = [(text, pad) for text in (grp["label"], SHORT[grp["name"]])
+                 for pad in ((HEADER_SEP, HEADER_MIN) if after else (0,))]
+        for text, pad in [*tries, ("", 0)]:
             half = HEADER_CHAR * len(text) / 2
-            mid = min((x0 + x1) / 2, right - half)
+            mid = min((x0 + x1) / 2, right - pad - half)
             if not text or (x0 <= mid <= x1 and mid >= half):
                 break
         grp["label"], grp["label_x"] = text, mid
+        grp["sep"] = bool(text and after and right - (mid + half) < 2 * HEADER_SEP)  # farther apart, they read apart
         if text:
-            right = mid - half - 4  # 4 px apart at least
+            right, after = mid - half, True
+
+
+def separators(groups: list[dict], char_px: float) -> list[float]:
+    """The x of each header separator (px from the heatmap's left): the middle of the gap between a header marked
+    ``sep`` and the next one at ``char_px`` px a character, the renderer's font (a full label at HEADER_CHAR would
+    put the line off the middle, nearer the next header)."""
+    shown = [g for g in groups if g["label"]]
+    return [(a["label_x"] + char_px * len(a["label"]) / 2 + b["label_x"] - char_px * len(b["label"]) / 2) / 2
+            for a, b in zip(shown, shown[1:]) if a["sep"]]
 
 
 def mass_segments(mass, x0: int, width: int) -> list[tuple[str, int, int]]:
@@ -94,6 +112,8 @@ def draw_static(state: dict) -> np.ndarray:
         img[TOP - 1 : TOP + HEIGHT + 1, x0 - 1] = img[TOP - 1 : TOP + HEIGHT + 1, x1] = FAINT
         draw_text(img, LEFT + round(grp["label_x"]), 18, grp["label"], TEXT, anchor="center")  # place_headers
         img[TOP - 6, x0:x1] = GROUP_COLOURS[grp["name"]]
+    for x in separators(state["groups"], ADVANCE):
+        img[SEP_Y[0] : SEP_Y[1], LEFT + round(x)] = FAINT
     for x, text in state["xticks"]:
         img[TOP + HEIGHT + 1 : TOP + HEIGHT + 4, LEFT + int(x)] = FAINT
         draw_text(img, LEFT + int(x), TOP + HEIGHT + 6, text, TEXT, vertical=True)

@@ -34,7 +34,7 @@ from .attention_figure import (
     geometry,
     place_headers,
 )
-from .base import View, ViewModel, token_texts, widget_file
+from .base import View, ViewModel, token_texts, widget_module
 from .reduce import (
     SCALES,
     colormap,
@@ -54,7 +54,7 @@ TICK_PX = 11  # px between two axis labels at least
 
 
 class AttentionModel(ViewModel):
-    _esm = widget_file("attention.js")
+    _esm = widget_module("attention.js", "hovertip.js")
     title = t.Unicode("").tag(sync=True)
     note = t.Unicode("").tag(sync=True)
     layer = t.Int(0).tag(sync=True)
@@ -88,6 +88,32 @@ class AttentionModel(ViewModel):
 
 def _pool_spans(start: int, stop: int, f: int) -> list[tuple[int, int]]:
     return [(a, min(a + f, stop)) for a in range(start, stop, f)]
+
+
+def _key_spans(amap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per key column of ``amap``: its group (0 raw, 1 compressed, 2 sink) and the first and last token it covers
+    (a raw key its position, a compressed row its window, the sink after every token)."""
+    win = np.array(amap.comp_windows, dtype=np.int64).reshape(-1, 2)
+    end = np.iinfo(np.int64).max
+    group = np.repeat([0, 1, 2], [amap.n_raw, amap.n_comp, 1])
+    return (group, np.concatenate([amap.raw_positions, win[:, 0], [end]]),
+            np.concatenate([amap.raw_positions, win[:, 1], [end]]))
+
+
+def carry_region(old, new, region):
+    """A zoomed ``region`` (a, b, c, d) of layer map ``old`` on layer map ``new``: the same query positions, and keys
+    from the first shown group's first token to the last shown group's last one (raw keys by position, compressed
+    rows by the tokens they pool: a ratio-4 layer's rows 10–30 become the ratio-128 row 0), clamped to ``new``'s;
+    None where nothing of it is left or it is all of ``new``."""
+    a, b, c, d = region
+    qa, qb = np.searchsorted(new.queries, old.queries[a]), np.searchsorted(new.queries, old.queries[b - 1], "right")
+    (og, olo, ohi), (ng, nlo, nhi) = _key_spans(old), _key_spans(new)
+    first = np.nonzero((ng > og[c]) | ((ng == og[c]) & (nhi >= olo[c])))[0]
+    last = np.nonzero((ng < og[d - 1]) | ((ng == og[d - 1]) & (nlo <= ohi[d - 1])))[0]
+    if qa >= qb or not len(first) or not len(last) or first[0] > last[-1]:
+        return None
+    out = (int(qa), int(qb), int(first[0]), int(last[-1]) + 1)
+    return None if out == (0, len(new.queries), 0, len(ng)) else out
 
 
 class AttentionView(View):
@@ -176,14 +202,15 @@ class AttentionView(View):
 
     # what is shown
     def show(self, layer: int, head: int) -> None:
-        """Show ``layer`` and ``head`` (a head not captured in the layer: its first); a new layer resets the zoom."""
+        """Show ``layer`` and ``head`` (a head not captured in the layer: its first); a new layer keeps the zoom on
+        the same queries and keys where it has them (:func:`carry_region`)."""
         if layer not in self.layers:
             raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
         amap = self.map(layer)
         if head not in amap.heads:
             head = int(amap.heads[0])
-        if layer != self.layer:
-            self.region = None
+        if layer != self.layer and self.region is not None:
+            self.region = carry_region(self.map(self.layer), amap, self.region)
         self.layer, self.head = layer, head
         self._syncing = True
         try:

@@ -42,6 +42,17 @@ def widget_file(name: str) -> Path | str:
     return res.read_text(encoding="utf-8")
 
 
+def widget_module(name: str, *shared: str) -> str:
+    """A view's ESM: the front-end scripts ``shared`` (functions several views call, such as ``hovertip.js``), then
+    the view's own file ``name``, as one text (so ``ANYWIDGET_HMR`` does not reload it, as it does a lone file)."""
+    return "".join(_widget_text(n) for n in (*shared, name))
+
+
+def _widget_text(name: str) -> str:
+    res = widget_file(name)
+    return res.read_text(encoding="utf-8") if isinstance(res, Path) else res
+
+
 class ViewModel(anywidget.AnyWidget):
     """The base of every view's anywidget model: the shared stylesheet. A view's model names its ESM
     (``_esm = widget_file("prefill.js")``) and its synced traits."""

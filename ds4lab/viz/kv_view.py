@@ -14,7 +14,7 @@ import traitlets as t
 
 from ..kv.checkpoint import state_to_payload
 from ..kv.view import KVView
-from .base import FollowingView, ViewModel, widget_file
+from .base import FollowingView, ViewModel, widget_module
 
 
 def state_label(i: int, start: int, end: int) -> str:
@@ -83,7 +83,7 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
 
 
 class KVCacheModel(ViewModel):
-    _esm = widget_file("kvcache.js")
+    _esm = widget_module("kvcache.js", "hovertip.js")
     data = t.Dict().tag(sync=True)
     layers = t.List(t.Int(), allow_none=True, default_value=None).tag(sync=True)  # the layers drawn (None: all)
 

@@ -13,7 +13,7 @@ import traitlets as t
 
 from ..text_table import plural
 from ..tiers import EMBED
-from .base import FollowingView, ViewModel, widget_file
+from .base import FollowingView, ViewModel, widget_module
 from .reduce import png_base64
 
 TIER_PALETTE = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fc9272", "#d9d9d9", "#fdd0a2", "#c7e9c0"]
@@ -40,7 +40,7 @@ def _switch_record(s, n_layer: int) -> dict:
 
 
 class TierModel(ViewModel):
-    _esm = widget_file("tiers.js")
+    _esm = widget_module("tiers.js", "hovertip.js")
     rule = t.Unicode("").tag(sync=True)
     part = t.Unicode("").tag(sync=True)  # a plan over processes: this rank and its units ("" in one process)
     units = t.List().tag(sync=True)  # placement.table() rows with their colour and whether this process runs them
