@@ -26,7 +26,9 @@ import nbformat
 
 HERE = Path(__file__).resolve().parent
 CELL_TIMEOUT_S = 120
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+# ipykernel's own kernelspec: JupyterLab writes the kernel's display name into a notebook it opens, so any other
+# name marked every saved notebook modified the moment it was opened
+KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
 
 def sources(prefixes: list[str] = ()) -> list[Path]:

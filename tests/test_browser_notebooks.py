@@ -11,6 +11,7 @@ Skips as tests/test_browser.py does when Chromium, JupyterLab or Playwright is m
 
 import json
 import re
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -293,3 +294,59 @@ def test_a_control_changes_its_view(runs, name):
     assert bool(used["tried"]) == (runs[name]["n_widgets"] > 0 and name not in WITHOUT_CONTROLS), \
         f"{name}: controls tried {used['tried']}; WITHOUT_CONTROLS says {name in WITHOUT_CONTROLS}"
     assert not used["tried"] or used["changed"], f"{name}: no control changed its view: {used['tried']}"
+
+
+@pytest.fixture(scope="module")
+def opened(lab):
+    """Every committed notebook opened as saved, outputs and widget state kept (what a student sees before running
+    anything), each alone in one Chromium page: once its kernel is idle, whether its tab is marked modified, how many
+    saved views it shows (a notebook JupyterLab has not seen is untrusted, so each view's static fallback, the
+    output's text/html), and the notebook's text. Its ``language_info.version`` is this interpreter's first:
+    JupyterLab writes the kernel's into the notebook it opens, so a kernel of another Python than the one that
+    built it marks it modified whatever the notebook holds."""
+    from playwright.sync_api import sync_playwright
+
+    base, token, *_ = lab
+    version = ".".join(map(str, sys.version_info[:3]))
+    for name in NAMES:
+        nb = json.loads((ROOT / "notebooks" / name).read_text(encoding="utf-8"))
+        nb["metadata"]["language_info"]["version"] = version
+        _api(base, token, "PUT", f"contents/saved-{name}", {"type": "notebook", "format": "json", "content": nb})
+    results = {}
+    with sync_playwright() as pw:
+        browser = tb.launch_chromium(pw)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1600})
+            for name in NAMES:
+                pg.goto(f"{base}/lab/tree/saved-{name}?reset&token={token}", wait_until="domcontentloaded",
+                        timeout=60_000)
+                pg.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=60_000)
+                deadline = time.monotonic() + 60
+                while "idle" not in (tb._kernel_states(base, token) or []):
+                    assert time.monotonic() < deadline, f"saved-{name}: its kernel did not start within 60 s"
+                    time.sleep(0.3)
+                n_saved = _saved_counts(name)[0]
+                pg.wait_for_function("(n) => document.querySelectorAll("
+                                     "'.jp-OutputArea-output:has(.ds4-view)').length >= n", arg=n_saved,
+                                     timeout=30_000)
+                time.sleep(1.0)  # the kernel's info is written into the notebook as it connects
+                results[name] = dict(dirty=pg.locator(".lm-TabBar-tab.jp-mod-dirty").count(),
+                                     drawn=pg.locator(".jp-OutputArea-output:has(.ds4-view)").count(),
+                                     n_saved=n_saved, text=pg.locator(".jp-Notebook").inner_text())
+                pg.screenshot(path=str(SHOTS / f"saved-{name[:2]}.png"))
+                for s in _api(base, token, "GET", "sessions"):  # one kernel at a time
+                    _api(base, token, "DELETE", f"sessions/{s['id']}")
+        finally:
+            browser.close()
+    return results
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_saved_notebook_opens_unmodified_with_its_views(opened, name):
+    """Opened as committed, a notebook shows every saved view (no "Error displaying widget") and is not marked
+    modified: its kernelspec is ipykernel's own (any other display name was rewritten on open, and every notebook
+    showed unsaved changes before anything was run)."""
+    r = opened[name]
+    assert r["drawn"] == r["n_saved"], f"{name}: {r['drawn']} of {r['n_saved']} saved views drawn"
+    assert "Error displaying widget" not in r["text"] and "model not found" not in r["text"], name
+    assert r["dirty"] == 0, f"{name}: marked modified on open (saved-{name[:2]}.png)"
