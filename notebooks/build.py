@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jupytext
 import nbformat
+from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
 HERE = Path(__file__).resolve().parent
 CELL_TIMEOUT_S = 120
@@ -92,6 +93,9 @@ def main(argv: list[str]) -> None:
             for i, (cell, (w, c)) in enumerate(zip(code, per_cell), 1) if times else ():
                 first = cell.source.splitlines()[0][:64] if cell.source else ""
                 print(f"  [{i:2d}] {w:5.2f} s, CPU {c:5.2f} s  {first}", file=sys.stderr)
+        # one output per stream where the kernel sent several: JupyterLab merges them itself, and re-rendering a
+        # trusted notebook's unmerged ones showed a line twice
+        CoalesceStreamsPreprocessor().preprocess(nb, {})
         nbformat.write(nb, source.with_suffix(".ipynb"))
 
 

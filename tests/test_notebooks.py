@@ -77,6 +77,11 @@ def test_saved_outputs(name):
     # every live widget carries a static fallback, so the saved notebook still shows it
     bundles = [o.data for o in outputs if "data" in o]
     assert all("text/html" in b for b in bundles if WIDGET in b)
+    # one output per stream a cell: JupyterLab showed a trusted notebook's second stdout output's line twice on
+    # reopening it (notebooks/build.py merges them)
+    for c in cells:
+        names = [o.name for o in c.outputs if o.output_type == "stream"]
+        assert len(names) == len(set(names)), f"a stream in several outputs: {c.source[:60]!r}"
     # nbval compares the tagged cells: each has text to compare
     checked = [c for c in cells if CHECK in c.metadata.get("tags", [])]
     assert checked
