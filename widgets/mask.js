@@ -2,14 +2,13 @@
 // raw rows cached by earlier steps | the step's own rows | compressed rows | sink; a cell's colour is its category.
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
 const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers, key labels; gap between groups
-// a few compressed rows (a ratio-128 layer's: up to a quarter of the 480 px) get columns FEW px wide at least, as in
-// the AttentionView (attention_figure.FEW_PX): they can be told apart and hovered
-const FEW = 22;
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
   const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
-  const ccw = nc * FEW <= 120 ? Math.max(cw, FEW) : cw;  // a compressed column's width
+  // a few compressed rows get columns few_px wide at least (mask_view.FEW_MAX_PX, as the fallback's image)
+  const few = model.get("few_px");
+  const ccw = nc * few <= model.get("few_max_px") ? Math.max(cw, few) : cw;  // a compressed column's width
   // header of each group: the longest name that fits its width
   const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
                   [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];

@@ -14,6 +14,9 @@ from .attention_figure import FEW_PX
 from .base import View, ViewModel, widget_file
 from .reduce import png_base64
 
+# a few compressed rows (a ratio-128 layer's, up to FEW_MAX_PX together: a quarter of the live view's 480 px of
+# keys) get columns FEW_PX wide at least, as in the AttentionView: they can be told apart and hovered
+FEW_MAX_PX = 120
 # One colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback. Any two
 # stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The indexer's three
 # states agree with the AttentionView (attention_figure): kept = the blue of its weight ramp, dropped by the
@@ -38,6 +41,8 @@ class MaskModel(ViewModel):
     categories = t.List(t.Unicode(), list(CATEGORIES)).tag(sync=True)
     colours = t.List(t.Unicode(), COLOURS).tag(sync=True)
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
+    few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed columns as image() does
+    few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
 
 
 def key_axis_title(mask: StepMask) -> str:
@@ -94,7 +99,7 @@ class MaskView(View):
         cuts = [nr - mk.n_own, nr, nr + nc]  # group boundaries, left to right
         sx = max(1, min(6, 600 // (rgb.shape[1] + len(cuts))))
         sy = max(2, min(12, 240 // rgb.shape[0]))
-        px = [sx, sx, max(sx, FEW_PX) if nc * FEW_PX <= 120 else sx, sx]  # per column of each group (widgets/mask.js)
+        px = [sx, sx, max(sx, FEW_PX) if nc * FEW_PX <= FEW_MAX_PX else sx, sx]  # per column of each group
         gap = np.full((rgb.shape[0], sx, 3), 255, np.uint8)
         parts = [np.repeat(part, w, axis=1) for part, w in zip(np.split(rgb, cuts, axis=1), px)]
         if px[2] > sx:  # a widened compressed column ends in a white hairline: two of one colour stay apart
