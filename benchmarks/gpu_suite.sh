@@ -108,24 +108,38 @@ done
 # under .trees/ (benchmarks/stage_trees.sh BRANCH ...), in one call: their ratios come from one machine and one
 # run. COMPARE picks the benchmarks (default "decode qmatmul qgemm qgemm_tf32"); a tree takes about 3-4 minutes
 # with all four, so stage one or two branches a call. COMPARE=flash: the full 43-layer Flash model's frontiers
-# 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file); FLASH_ARGS adds
-# to its arguments (FLASH_ARGS="--decode-matmul q8").
+# 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file; an H200's memory);
+# FLASH_ARGS adds to its arguments (FLASH_ARGS="--decode-matmul q8"). COMPARE=slice_q8: the slice's whole decode
+# step graphs at 4K in q8, replayed (kernel_profile.py; about 40 s a tree, and it fits an H100). QMATMUL_ARGS adds
+# to qmatmul_bench's (QMATMUL_ARGS='--decode-matmul float32 q8 --only routed'). PASSES=2 runs the trees in turn
+# twice (the files of pass 2 named "..._2"). COMPARE=tests: a staged tree's own CuPy kernel tests (this checkout's
+# tests/, data/ and assets copied into it).
 in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree's ds4lab, if COMPARE names BENCH
     local bench=$1 limit=$2; shift 2
     [[ " ${COMPARE:-decode qmatmul qgemm qgemm_tf32} " == *" $bench "* ]] || return 0
     step "${bench}_$name" "$limit" env PYTHONPATH="/tmp/site:$tree" python3 "$tree/$1" "${@:2}" \
         --json "$OUT/${bench}_$name.json"
 }
+tree_tests() {  # the CuPy kernel tests of staged tree $tree, run there (pytest's rootdir puts its ds4lab first)
+    [[ " ${COMPARE:-} " == *" tests "* && "$tree" != "$PWD" ]] || return 0
+    cp -r tests pyproject.toml data "$tree/" && cp -r ds4lab/assets "$tree/ds4lab/"
+    step "tests_$name" 180 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:$tree $pytest_gpu -m gpu tests/test_gpu_kernels.py -k cupy"
+}
 if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
-    for tree in "$PWD" "$PWD"/.trees/*/; do
-        [ -d "$tree/ds4lab" ] || continue
-        name=$(basename "$tree"); [ "$tree" = "$PWD" ] && name=this
-        in_tree decode 150 benchmarks/gpu_slice.py --backend cupy --decode-ctx 4096 --prefill
-        in_tree qmatmul 120 benchmarks/qmatmul_bench.py
-        in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5
-        in_tree qgemm_tf32 90 benchmarks/qgemm_bench.py --tf32 --repeats 5
-        in_tree qgemm_f16 90 benchmarks/qgemm_bench.py --operands f16 --repeats 5  # trees since 9448da3
-        in_tree flash 140 benchmarks/flash_full.py --ctx-max 4096 --gen-tokens 64 ${FLASH_ARGS:-}
+    for pass in $(seq "${PASSES:-1}"); do
+        for tree in "$PWD" "$PWD"/.trees/*/; do
+            [ -d "$tree/ds4lab" ] || continue
+            name=$(basename "$tree"); [ "$tree" = "$PWD" ] && name=this
+            [ "$pass" = 1 ] || name="${name}_$pass"
+            in_tree decode 150 benchmarks/gpu_slice.py --backend cupy --decode-ctx 4096 --prefill
+            in_tree qmatmul 120 benchmarks/qmatmul_bench.py ${QMATMUL_ARGS:-}
+            in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5
+            in_tree qgemm_tf32 90 benchmarks/qgemm_bench.py --tf32 --repeats 5
+            in_tree qgemm_f16 90 benchmarks/qgemm_bench.py --operands f16 --repeats 5  # trees since 9448da3
+            in_tree flash 140 benchmarks/flash_full.py --ctx-max 4096 --gen-tokens 64 ${FLASH_ARGS:-}
+            in_tree slice_q8 120 benchmarks/kernel_profile.py --context 4096 --decode-matmul q8 --repeats 5
+            [ "$pass" = 1 ] && tree_tests
+        done
     done
 fi
 # Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
