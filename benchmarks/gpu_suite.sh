@@ -112,8 +112,8 @@ done
 # FLASH_ARGS adds to its arguments (FLASH_ARGS="--decode-matmul q8"). COMPARE=slice_q8: the slice's whole decode
 # step graphs at 4K in q8, replayed (kernel_profile.py; about 40 s a tree, and it fits an H100). QMATMUL_ARGS adds
 # to qmatmul_bench's (QMATMUL_ARGS='--decode-matmul float32 q8 --only routed'). PASSES=2 runs the trees in turn
-# twice (the files of pass 2 named "..._2"). COMPARE=tests: a staged tree's own CuPy kernel tests (this checkout's
-# tests/, data/ and assets copied into it).
+# twice (the files of pass 2 named "..._pass2"). COMPARE=tests: a staged tree's own CuPy kernel tests, run in the tree
+# (this checkout's data/ and model assets linked into it).
 in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree's ds4lab, if COMPARE names BENCH
     local bench=$1 limit=$2; shift 2
     [[ " ${COMPARE:-decode qmatmul qgemm qgemm_tf32} " == *" $bench "* ]] || return 0
@@ -122,15 +122,17 @@ in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree'
 }
 tree_tests() {  # the CuPy kernel tests of staged tree $tree, run there (pytest's rootdir puts its ds4lab first)
     [[ " ${COMPARE:-} " == *" tests "* && "$tree" != "$PWD" ]] || return 0
-    cp -r tests pyproject.toml data "$tree/" && cp -r ds4lab/assets "$tree/ds4lab/"
+    [ -d "$tree/tests" ] || { echo "== tests_$name: no tests/ staged (stage_trees.sh stages them since 2026-12-05)"; return 0; }
+    ln -sfn "$PWD/data" "$tree/data" && ln -sfn "$PWD/ds4lab/assets" "$tree/ds4lab/assets"
     step "tests_$name" 180 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:$tree $pytest_gpu -m gpu tests/test_gpu_kernels.py -k cupy"
 }
 if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
+    [[ "${PASSES:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "PASSES=${PASSES} is not a count of passes" >&2; exit 2; }
     for pass in $(seq "${PASSES:-1}"); do
         for tree in "$PWD" "$PWD"/.trees/*/; do
             [ -d "$tree/ds4lab" ] || continue
             name=$(basename "$tree"); [ "$tree" = "$PWD" ] && name=this
-            [ "$pass" = 1 ] || name="${name}_$pass"
+            [ "$pass" = 1 ] || name="${name}_pass$pass"
             in_tree decode 150 benchmarks/gpu_slice.py --backend cupy --decode-ctx 4096 --prefill
             in_tree qmatmul 120 benchmarks/qmatmul_bench.py ${QMATMUL_ARGS:-}
             in_tree qgemm 90 benchmarks/qgemm_bench.py --repeats 5

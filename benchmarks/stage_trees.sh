@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stage branches for gpu_suite.sh's "compare" step: each BRANCH's ds4lab/ and benchmarks/ (not the assets)
+# Stage branches for gpu_suite.sh's "compare" step: each BRANCH's ds4lab/, benchmarks/, tests/ and pyproject.toml
+# (not the assets)
 # into .trees/<BRANCH>, a folder git ignores here; carry [".whlC", ".trees"] with the call:
 #     bash benchmarks/stage_trees.sh qgemm-store4 decode-merge
 set -euo pipefail
@@ -14,6 +15,6 @@ rm -rf .trees && mkdir .trees
 for b in "$@"; do
     dir=".trees/${b//\//_}"
     mkdir "$dir"
-    git archive "$b" ds4lab benchmarks ':!ds4lab/assets' | tar -x -C "$dir"
+    git archive "$b" ds4lab benchmarks tests pyproject.toml ':!ds4lab/assets' | tar -x -C "$dir"
     echo "$dir: $(git rev-parse --short "$b") $(git log -1 --format=%s "$b" | cut -c1-70)"
 done

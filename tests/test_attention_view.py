@@ -195,8 +195,9 @@ def test_close_group_headers_have_a_line_between_them(cap):
 
 
 def test_a_layer_switch_keeps_the_zoom(cap):
-    """The zoom a reader set survives a change of layer: the same queries and raw keys; compressed rows by the tokens
-    they pool (ratio 4's rows 10–30, tokens 36–123, are ratio 128's row 0); nothing left of it: the whole map."""
+    """The zoom a reader set survives a change of layer: the same queries and raw keys; compressed rows by their own
+    groups of tokens (ratio 4's rows 10–30, tokens 40–123, are ratio 128's row 0, and back, its rows 0–31: not
+    widened by the window a ratio-4 row also pools); nothing left of it but the sink: the whole map."""
     view = AttentionView(cap, layer=2, head=0)
     view.zoom((100, 140), (90, 150))
     view.layer_select.value = 3  # the dropdown, as a reader changes it
@@ -209,6 +210,10 @@ def test_a_layer_switch_keeps_the_zoom(cap):
     view.zoom((100, 140), (nr + 10, nr + 31))
     view.show(3, 1)
     assert view.region == (100, 140, nr, nr + 1) and view.model.col_labels == ["compressed row 0 (tokens 0–127)"]
+    view.show(2, 1)
+    assert view.region == (100, 140, nr, nr + 32)  # ratio 4's rows 0–31: tokens 0–127
+    view.show(3, 1)
+    assert view.region == (100, 140, nr, nr + 1)  # and back: row 0 again, however often the layer changes
     view.show(2, 1)
     view.zoom((280, 320), (300, 401))  # raw 300–319 | compressed | sink: clamped to layer 3's 2 compressed rows
     view.show(3, 1)
@@ -224,6 +229,14 @@ def test_a_layer_switch_keeps_the_zoom(cap):
     other.zoom((10, 60), (n + 2, n + 8))
     other.show(0, 0)
     assert other.region is None and "zoomed" not in other.model.note and other.reset_button.disabled
+    other.show(2, 0)
+    other.zoom((10, 60), (n + 2, n + c.attention(2).n_comp + 1))  # compressed rows and the sink: not the sink alone
+    other.show(0, 0)
+    assert other.region is None
+    other.show(2, 0)
+    other.zoom((10, 60), (n + c.attention(2).n_comp, n + c.attention(2).n_comp + 1))  # the sink alone stays so
+    other.show(0, 0)
+    assert other.region == (10, 60, c.attention(0).n_raw, c.attention(0).n_raw + 1)
 
 
 def test_the_mass_key_names_only_the_groups_a_layer_has():

@@ -115,11 +115,14 @@ def test_saved_charts_tick_labels_read_as_values(name):
     """No tick of a saved chart reads as zero with an SI prefix: an axis format "~s" gives every tick the largest
     one's prefix (notebook 05's bytes moved read 0M, 0.5M, 1M); its bytes axis reads 0, 500 kB, 1 MB."""
     specs = [o.data[VEGALITE] for c in _code(_read(name)) for o in c.outputs if VEGALITE in o.get("data", {})]
+    bytes_axes = 0
     for spec in specs:
         texts = _drawn_texts(spec)
         assert not [t for t in texts if re.fullmatch(r"-?0(\.\d+)?\s?[kMGTPmµn]B?", t)], (name, texts)
         if name.startswith("05_") and "bytes moved" in texts:
             assert texts[texts.index("bytes moved") - 3 : texts.index("bytes moved")] == ["0", "500 kB", "1 MB"], texts
+            bytes_axes += 1
+    assert bytes_axes == name.startswith("05_"), f"{name}: {bytes_axes} charts with a bytes moved axis"
 
 
 def test_views_appear_in_the_notebooks():

@@ -32,7 +32,6 @@ function find(edges, p) {
   return lo;
 }
 
-
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-att");
   const title = document.createElement("div"); title.className = "ds4-title";

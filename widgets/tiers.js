@@ -64,7 +64,6 @@ function stepsChart(steps, batch, decode) {
   return `<svg class="ds4-steps" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}">${svg}</svg>`;
 }
 
-
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-tiers");
   const body = document.createElement("div");

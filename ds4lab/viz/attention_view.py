@@ -91,20 +91,23 @@ def _pool_spans(start: int, stop: int, f: int) -> list[tuple[int, int]]:
 
 
 def _key_spans(amap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per key column of ``amap``: its group (0 raw, 1 compressed, 2 sink) and the first and last token it covers
-    (a raw key its position, a compressed row its window, the sink after every token)."""
-    win = np.array(amap.comp_windows, dtype=np.int64).reshape(-1, 2)
+    """Per key column of ``amap``: its group (0 raw, 1 compressed, 2 sink) and the first and last token it stands for
+    (a raw key its position, a compressed row c its own group of tokens cR … cR + R − 1, not the window before that a
+    ratio-4 row also pools: matched by windows, a zoom widened at every change of layer; the sink after every
+    token)."""
+    R, rows = amap.ratio, np.asarray(amap.comp_rows, dtype=np.int64)
     end = np.iinfo(np.int64).max
     group = np.repeat([0, 1, 2], [amap.n_raw, amap.n_comp, 1])
-    return (group, np.concatenate([amap.raw_positions, win[:, 0], [end]]),
-            np.concatenate([amap.raw_positions, win[:, 1], [end]]))
+    return (group, np.concatenate([amap.raw_positions, rows * R, [end]]),
+            np.concatenate([amap.raw_positions, rows * R + R - 1, [end]]))
 
 
 def carry_region(old, new, region):
     """A zoomed ``region`` (a, b, c, d) of layer map ``old`` on layer map ``new``: the same query positions, and keys
     from the first shown group's first token to the last shown group's last one (raw keys by position, compressed
-    rows by the tokens they pool: a ratio-4 layer's rows 10–30 become the ratio-128 row 0), clamped to ``new``'s;
-    None where nothing of it is left or it is all of ``new``."""
+    rows by their own groups of tokens: a ratio-4 layer's rows 10–30 become the ratio-128 row 0, and its row 0 the
+    ratio-4 rows 0–31), clamped to ``new``'s; None where nothing of it is left but the sink (a zoom that held more),
+    or it is all of ``new``."""
     a, b, c, d = region
     qa, qb = np.searchsorted(new.queries, old.queries[a]), np.searchsorted(new.queries, old.queries[b - 1], "right")
     (og, olo, ohi), (ng, nlo, nhi) = _key_spans(old), _key_spans(new)
@@ -113,7 +116,8 @@ def carry_region(old, new, region):
     if qa >= qb or not len(first) or not len(last) or first[0] > last[-1]:
         return None
     out = (int(qa), int(qb), int(first[0]), int(last[-1]) + 1)
-    return None if out == (0, len(new.queries), 0, len(ng)) else out
+    sink_only = out[2] == len(ng) - 1 and og[c] != 2
+    return None if sink_only or out == (0, len(new.queries), 0, len(ng)) else out
 
 
 class AttentionView(View):

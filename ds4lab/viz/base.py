@@ -2,8 +2,9 @@
 ``View.guarded``, which shows a callback's error inside the widget), :class:`FollowingView` (a view that refreshes
 after every step of its session when asked, ``follow=True``), :func:`token_texts`, and the
 front-end: :func:`widgets_dir` finds the views' ESM and CSS (``widgets/`` at the repository root, the package
-``ds4lab.widgets`` once installed), :func:`widget_file` hands one of its files to an anywidget model, and
-:class:`ViewModel`, the base of every view's model, carries the one stylesheet they share."""
+``ds4lab.widgets`` once installed), :func:`widget_file` hands one of its files to an anywidget model,
+:func:`widget_module` a view's file after the scripts it shares with others, and :class:`ViewModel`, the base of
+every view's model, carries the one stylesheet they share."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def widget_file(name: str) -> Path | str:
 
 def widget_module(name: str, *shared: str) -> str:
     """A view's ESM: the front-end scripts ``shared`` (functions several views call, such as ``hovertip.js``), then
-    the view's own file ``name``, as one text (so ``ANYWIDGET_HMR`` does not reload it, as it does a lone file)."""
+    the view's own file ``name``, as one text. The cost: ``ANYWIDGET_HMR`` reloads a lone file's path on a change,
+    not this text (rerun the cell instead)."""
     return "".join(_widget_text(n) for n in (*shared, name))
 
 
@@ -55,7 +57,7 @@ def _widget_text(name: str) -> str:
 
 class ViewModel(anywidget.AnyWidget):
     """The base of every view's anywidget model: the shared stylesheet. A view's model names its ESM
-    (``_esm = widget_file("prefill.js")``) and its synced traits."""
+    (``_esm = widget_file("prefill.js")``, or ``widget_module("tiers.js", "hovertip.js")``) and its synced traits."""
 
     _css = widget_file(STYLESHEET)
 

@@ -14,8 +14,9 @@ from .vegalite import Chart, field, tooltip, unit
 MAX_ROWS = 4000  # rows a chart's data may hold
 KEPT_COLORS = {"domain": ["kept", "dropped"], "range": ["#3182bd", "#fcbba1"]}  # the indexer's rows, kept or not
 # An axis label of bytes with an SI prefix, tick by tick: 0, 500 kB, 1 MB (an axis "format" of "~s" gives all its ticks
-# the prefix of the largest: 0M, 0.5M, 1M)
-SI_BYTES = "datum.value ? replace(format(datum.value, '~s') + ' B', regexp('([kMGT]) B$'), ' $1B') : '0'"
+# the prefix of the largest: 0M, 0.5M, 1M); with BYTES_AXIS's whole-byte ticks (no "500m B" under 3 bytes)
+SI_BYTES = "datum.value ? replace(format(datum.value, '~s') + ' B', regexp('([kMGTPE]) B$'), ' $1B') : '0'"
+BYTES_AXIS = {"labelExpr": SI_BYTES, "tickMinStep": 1}
 
 
 def _label_step(n: int, most: int) -> int:
@@ -188,7 +189,7 @@ def batch_copies_chart(rows: list[dict]):
     return Chart({"hconcat": [
         panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
         panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale={"zero": True},
-                                                     axis={"labelExpr": SI_BYTES}), "bytes: the same for all"),
+                                                     axis=BYTES_AXIS), "bytes: the same for all"),
         panel({"type": "bar", "color": "#fdae6b"}, field("us:Q", title="µs copying"), "time copying (here)"),
     ]})
 
