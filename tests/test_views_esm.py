@@ -19,7 +19,7 @@ pytest.importorskip("anywidget")
 import ds4lab  # noqa: E402
 from ds4lab.tiers import Placement  # noqa: E402
 from ds4lab.viz import AttentionView, ExpertView, GenerationView, KVCacheView, PrefillView, TierView  # noqa: E402
-from ds4lab.viz.base import ViewModel  # noqa: E402
+from ds4lab.viz.base import STYLESHEET, ViewModel, widgets_dir  # noqa: E402
 
 pytestmark = pytest.mark.browser
 
@@ -231,7 +231,6 @@ def test_tier_view_lays_out_at_a_laptop_width(page, model_paths, width):
     JupyterLab's file browser on a 1280 px laptop, and at 1200: no switch of the stack ends a line apart from the
     unit it feeds, no switch of the step line splits over two lines, nothing is wider than the view; at 1200 the
     stack is one line."""
-    from ds4lab.viz.base import STYLESHEET, widgets_dir
     from tests.test_browser import ARTIFACTS
 
     pg, errors = page
@@ -247,3 +246,27 @@ def test_tier_view_lays_out_at_a_laptop_width(page, model_paths, width):
     assert not errors, errors
     assert not got["stranded"] and not got["split"] and got["overflow"] <= 0, got
     assert got["switches"] == len(view.model.trace) == 6 and (width < 1200 or got["lines"] == 1), got
+
+
+def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_the_layers(page, model_paths):
+    """A session whose context is full has no next position: the ring's centre and legend say so (they named slot 0
+    and position ctx "next"); the title's total is the layers' bytes plus those the view names: the payload's
+    header, token ids and logits (a student added the layers up and found 8,652 bytes missing)."""
+    from ds4lab.kv.payload import HEADER_BYTES
+
+    pg, errors = page
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    cfg, T = model.config, 64
+    sess = model.session(ctx=T, prefill_chunk=32)
+    sess.prefill(((np.arange(T - 1) * 7 + 3) % (cfg.n_vocab - 10) + 5).tolist()).run(progress=False)
+    sess.decoder(temperature=0, exclude=(model.tokenizer.eos_id,)).step(more=False)  # the last position
+    view = KVCacheView(sess)
+    d = view.model.data
+    assert d["full"] and d["other_bytes"] == HEADER_BYTES + 4 * T + 4 * cfg.n_vocab + 8 * cfg.n_layer
+    assert d["other_bytes"] + sum(L["bytes"] for L in d["layers"]) == d["total_bytes"] == sess.kv.nbytes
+    assert "the context is full" in view.static_html() and f"{d['other_bytes']:,} of header" in view.static_html()
+    pg.evaluate(SHOW, [view.model._esm, _json_state(view.model), (widgets_dir() / STYLESHEET).read_text(), 900])
+    text = pg.locator(".ds4-kv").inner_text()
+    assert not errors, errors
+    assert "context full" in text and "no next position" in text and "takes position" not in text, text[:400]
+    assert f"{d['other_bytes']:,} bytes of header, token ids" in text, text[:400]

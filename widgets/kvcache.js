@@ -34,9 +34,11 @@ function ring(d) {
   const turn = (360 * d.pointer) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
   h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
     `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
-  h += `<text x="${c}" y="${c - 14}" class="ds4-ringcentre">${cap} slots</text>` +
-    `<text x="${c}" y="${c}" class="ds4-ringcentre">next: slot ${d.pointer}</text>` +
-    `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">(position ${T})</text>`;
+  h += `<text x="${c}" y="${c - 14}" class="ds4-ringcentre">${cap} slots</text>` + (d.full
+    ? `<text x="${c}" y="${c}" class="ds4-ringcentre">context full:</text>` +
+      `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">no next position</text>`
+    : `<text x="${c}" y="${c}" class="ds4-ringcentre">next: slot ${d.pointer}</text>` +
+      `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">(position ${T})</text>`);
   return h + "</svg>";
 }
 function render({ model, el }) {
@@ -48,14 +50,17 @@ function render({ model, el }) {
     const d = model.get("data"), only = model.get("layers");
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
-    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>`;
+    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>` +
+      `<div class="ds4-note">the layers below, and ${d.other_bytes.toLocaleString()} bytes of header, token ids (4 B each) ` +
+      `and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
     h += `<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">` +
       `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}.<br>` +
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (positions ${d.new_from}–${T - 1})<br>` :
         `no step outlined: this is the whole state after ${T} tokens<br>`) +
-      `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>` +
+      (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
+        `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>`) +
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`) +
       `</div></div>`;
     for (const L of d.layers) {

@@ -65,7 +65,7 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
     layers = [
         unit(spread, {"type": "rect", "opacity": 0.15, "color": "#3182bd"}, y=field("low:Q"), y2={"field": "high"}),
         unit(spread, {"type": "rule", "color": "#3182bd"}, y=field("median:Q"),
-             tooltip=tooltip("label:N", "median:Q")),
+             tooltip=tooltip("label:N", field("median:Q", title="median tokens/s", format=",.0f"))),
         unit(timed, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y, tooltip=tips),
     ]
     notes = ["band: range of the full chunks; rule: their median"]
@@ -106,7 +106,7 @@ def prefill_cost_chart(runs, model):
         if not repeats:
             raise ValueError(f"chunk size {chunk} has no prefill")
         seconds = [sum(c.seconds for c in chunks) for chunks in repeats]
-        measured += [dict(chunk=str(chunk), repeat=i, seconds=t) for i, t in enumerate(seconds)]
+        measured += [dict(chunk=str(chunk), repeat=i, seconds=t) for i, t in enumerate(seconds, 1)]  # from 1
         spread.append(dict(chunk=str(chunk), low=min(seconds), high=max(seconds), median=_median(seconds),
                            repeats=len(seconds)))
         n_tokens, ctx = repeats[0][-1].end, repeats[0][-1].end
@@ -120,9 +120,10 @@ def prefill_cost_chart(runs, model):
         unit(spread, {"type": "rule", "color": "#3182bd"}, x=x, y=field("low:Q"), y2={"field": "high"}),
         unit(spread, {"type": "tick", "color": "#08519c", "thickness": 2, "size": 18}, x=x,
              y=field("median:Q", title="prefill seconds (measured)"),
-             tooltip=tooltip("chunk:N", "median:Q", "low:Q", "high:Q", "repeats:Q")),
+             tooltip=tooltip("chunk:N", *(field(f"{f}:Q", format=".3f") for f in ("median", "low", "high")),
+                             "repeats:Q")),
         unit(measured, {"type": "point", "color": "#3182bd", "opacity": 0.6}, x=x, y=field("seconds:Q"),
-             tooltip=tooltip("chunk:N", "repeat:Q", "seconds:Q")),
+             tooltip=tooltip("chunk:N", field("repeat:Q", title="timed repeat"), field("seconds:Q", format=".3f"))),
     ], "title": "measured: each repeat, median (tick), range", "width": 220, "height": 160}
     bars = unit(None, {"type": "bar", "color": "#e6550d"}, x=x, y=field("value:Q", title=None),
                 tooltip=tooltip("chunk:N", "measure:N", field("value:Q", format=",.1f")))
@@ -167,6 +168,9 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
                     "datum.value >= 1048576 ? datum.value / 1048576 + 'M' : datum.value / 1024 + 'K'")}),
         y=field("gib:Q", title=f"KV cache (GiB, {bytes_per_value} bytes a value)", scale={"type": "log"}),
         color=field("scheme:N", title="cache", sort=list(SCHEMES)),
+        # a dash per scheme too (one legend with the colours): the shared row's and MLA's lines lie within 12% of
+        # each other, too close for colour alone
+        strokeDash=field("scheme:N", title="cache", sort=list(SCHEMES)),
         tooltip=tooltip("scheme:N", "tokens:Q", field("gib:Q", format=".3~f", title="GiB")),
     )
     title = f"KV cache by context: DS4 against dense caches ({config.n_layer} layers)"

@@ -42,7 +42,9 @@ def indexer_picks(indexer, layer: int, position: int, n_rows: int) -> list[int] 
 
 def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label: str = "", indexer=None) -> dict:
     """What the KV view draws, as JSON: the ring's slot → position map (the write pointer is the slot of the next
-    position; positions before ``evicted`` were overwritten), per layer its rows, pending tokens and bytes;
+    position, where the context has one: ``full``; positions before ``evicted`` were overwritten), per layer its
+    rows, pending tokens and bytes (``other_bytes``: the rest of the payload's total, its header, token ids and
+    logits);
     positions from ``new_from`` on (default: none) are outlined as written by the step shown. On a layer with an
     indexer, ``picked``: the compressed rows the last query (position ``n_tokens − 1``) attends, where
     ``indexer`` (see :func:`indexer_picks`) holds its choice, else None."""
@@ -70,6 +72,10 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
     return dict(
         n_tokens=T,
         total_bytes=int(kv.nbytes),
+        # the payload's bytes besides the layers': its header, the token ids and the next token's logits
+        other_bytes=int(kv.nbytes) - sum(L["bytes"] for L in layers),
+        n_vocab=config.n_vocab,
+        full=T >= geometry.ctx,  # no next position: the write pointer names none
         raw_cap=geometry.raw_cap,
         window=geometry.window,
         slots=slots,
@@ -80,6 +86,16 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
         label=label,
         layers=layers,
     )
+
+
+def _other(d: dict) -> str:
+    """The payload's bytes besides the layers' (the fallback's words; kvcache.js says the same)."""
+    return (f"the layers below, and {d.get('other_bytes', 0):,} of header, token ids (4 B each) and the next "
+            f"token's logits (4 B × {d.get('n_vocab', 0):,})")
+
+
+def _pointer(d: dict) -> str:
+    return "the context is full" if d.get("full") else f"write pointer at slot {d.get('pointer')}"
 
 
 class KVCacheModel(ViewModel):
@@ -255,8 +271,8 @@ class KVCacheView(FollowingView):
         ev = d.get("evicted", 0)
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>KV cache {html.escape(d.get('label', ''))}: "
-            f"{d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes</b> — raw ring of "
-            f"{d.get('raw_cap')} slots (write pointer at slot {d.get('pointer')}"
+            f"{d.get('n_tokens', 0)} tokens, {d.get('total_bytes', 0):,} bytes</b> ({_other(d)}) — raw ring of "
+            f"{d.get('raw_cap')} slots ({_pointer(d)}"
             f"{f', positions 0–{ev - 1} overwritten' if ev else ''}), raw window {d.get('window')}"
             "<table><tr><th>layer</th><th>ratio</th><th>in the raw window</th><th>comp rows</th>"
             "<th>indexer rows</th><th>comp rows the last query attends</th><th>pending in group</th><th>bytes</th>"
