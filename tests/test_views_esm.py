@@ -264,9 +264,10 @@ def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_
     d = view.model.data
     assert d["full"] and d["other_bytes"] == HEADER_BYTES + 4 * T + 4 * cfg.n_vocab + 8 * cfg.n_layer
     assert d["other_bytes"] + sum(L["bytes"] for L in d["layers"]) == d["total_bytes"] == sess.kv.nbytes
-    assert "the context is full" in view.static_html() and f"{d['other_bytes']:,} of header" in view.static_html()
+    fallback = view.static_html()
+    assert "the context is full" in fallback and f"+ {d['other_bytes']:,} bytes: the header" in fallback
     pg.evaluate(SHOW, [view.model._esm, _json_state(view.model), (widgets_dir() / STYLESHEET).read_text(), 900])
     text = pg.locator(".ds4-kv").inner_text()
     assert not errors, errors
     assert "context full" in text and "no next position" in text and "takes position" not in text, text[:400]
-    assert f"{d['other_bytes']:,} bytes of header, token ids" in text, text[:400]
+    assert f"+ {d['other_bytes']:,} bytes: the header, the token ids" in text, text[:400]

@@ -51,8 +51,8 @@ function render({ model, el }) {
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
     let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>` +
-      `<div class="ds4-note">the layers below, and ${d.other_bytes.toLocaleString()} bytes of header, token ids (4 B each) ` +
-      `and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
+      `<div class="ds4-note">= the layers below + ${d.other_bytes.toLocaleString()} bytes: the header, the token ids (4 B ` +
+      `each) and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
     h += `<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">` +
       `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}.<br>` +
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +

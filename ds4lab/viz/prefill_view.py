@@ -94,12 +94,14 @@ class PrefillView(View):
         self.run_button.on_click(self.guarded(lambda _: self.run()))
         self.slider.observe(self.guarded(lambda ch: self.select(ch["new"])), names="value")
         self.layer_pick.observe(self.guarded(lambda ch: self.show_layer(ch["new"])), names="value")
-        # rows that wrap where the output is too narrow for them (a laptop with the file browser open): the mask
-        # goes under the KV cache instead of over it (views.css, .ds4-beside), nothing is cut off
+        # rows that wrap where the output is too narrow for them (a laptop with the file browser open), nothing cut
+        # off (views.css, .ds4-beside); the KV cache and the mask wrap in reverse, so the mask's line goes over the
+        # KV cache's, close under the slider that scrubs it (under the taller KV cache it was 850 px down, out of
+        # view while scrubbing); in reverse, flex-end is the lines' top
         controls = W.HBox([self.step_button, self.run_button, self.slider, self.state, self.layer_pick],
                           layout=W.Layout(flex_flow="row wrap"))
         beside = W.HBox([self.kv_view.widget, self.mask_view.widget],
-                        layout=W.Layout(flex_flow="row wrap", align_items="flex-start"))
+                        layout=W.Layout(flex_flow="row wrap-reverse", align_items="flex-end"))
         beside.add_class("ds4-beside")
         self.widget = W.VBox([controls, self.model, beside])
         self._buttons()
