@@ -21,7 +21,7 @@
 # %%
 import sys
 
-if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages from this site
     import piplite
 
     await piplite.install(["ds4lab", "anywidget"])
@@ -93,7 +93,7 @@ for t in np.argsort(-p)[:5]:
 # would get the prompt rendered as a user turn.
 
 # %% tags=["nbval-check-output"]
-sess = model.session(ctx=256, prefill_chunk=64)
+sess = model.session(ctx=512, prefill_chunk=64)  # room to generate past the ring's 256 slots
 text = sess.generate("ROMEO:\n", max_tokens=64, chat=False, temperature=0.8, seed=1)
 print("ROMEO:\n" + text)
 sess
@@ -136,12 +136,13 @@ sess.kv
 # %% tags=["nbval-check-output"]
 T = len(sess.tokens)
 for lk in sess.kv:
-    line = f"layer {lk.layer}: raw {lk.raw.shape} holds positions {lk.raw_positions[0]}-{lk.raw_positions[-1]}"
-    if lk.ratio:
-        line += f"; comp {lk.comp.shape} = {T} // {lk.ratio}; {T % lk.ratio} tokens pending"
-    if lk.index is not None:
-        line += f"; index {lk.index.shape}"
-    print(line)
+    first, last = lk.raw_positions[0], lk.raw_positions[-1]
+    print(f"layer {lk.layer}: raw {lk.raw.shape} holds positions {first}-{last}")
+    if lk.ratio:  # the compressed rows on a line of their own
+        line = f"         comp {lk.comp.shape} = {T} // {lk.ratio}; {T % lk.ratio} tokens pending"
+        if lk.index is not None:
+            line += f"; index {lk.index.shape}"
+        print(line)
 
 # %% [markdown]
 # A query reads the raw rows of the last 64 positions only (the window: `raw` above). The ring that holds them
@@ -153,8 +154,9 @@ for lk in sess.kv:
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
 # the bytes per layer. With `follow=True` it redraws after every step of the session: run the GenerationView
-# above for more tokens and watch the ring turn (without it, a view keeps the state of the cell that made it,
-# and `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
+# above for more tokens and watch the ring turn; past position 255 it wraps, each new position overwriting the
+# row of the one 256 before it (without `follow`, a view keeps the state of the cell that made it, and
+# `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
 
 # %%
 from ds4lab.viz import KVCacheView

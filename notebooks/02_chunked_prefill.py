@@ -31,7 +31,7 @@
 # %%
 import sys
 
-if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages from this site
     import piplite
 
     await piplite.install(["ds4lab", "anywidget"])
@@ -46,7 +46,8 @@ from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
 
 model = ds4lab.load(backend="numpy")
 cfg = model.config
-print("compression ratio per layer:", [cfg.ratio(il) for il in range(cfg.n_layer)], "| window", cfg.swa)
+print("compression ratio per layer:", [cfg.ratio(il) for il in range(cfg.n_layer)],
+      "| window", cfg.swa)
 
 # %% tags=["nbval-check-output"]
 prompt = coriolanus(1000)  # the first 1,000 characters of Coriolanus's opening scene
@@ -68,12 +69,14 @@ print(len(ids), "prompt tokens;", sess.geometry)
 
 # %% tags=["nbval-check-output"]
 prefill_view = PrefillView(sess, ids)
-print(len(prefill_view.prefill), "chunks planned:", ", ".join(f"{a}-{b - 1}" for a, b in prefill_view.prefill.chunk_bounds()))
+planned = ", ".join(f"{a}-{b - 1}" for a, b in prefill_view.prefill.chunk_bounds())
+print(len(prefill_view.prefill), "chunks planned:", planned)
 
-def show(chunk):
+def show(chunk):  # two lines a chunk: each fits a notebook at laptop width
     comp = ", ".join(f"layer {il} +{r['comp']}" for il, r in chunk.rows.items() if cfg.ratio(il))
     print(f"tokens {chunk.start}-{chunk.end - 1}: {chunk.n_tokens} raw rows per layer; "
-          f"compressed rows: {comp}; KV {chunk.kv_bytes:,} bytes")
+          f"KV {chunk.kv_bytes:,} bytes")
+    print(f"  compressed rows: {comp}")
 
 show(prefill_view.step())
 
@@ -105,9 +108,10 @@ MaskView.of_step(sess, 2, 0, 64, label="chunk 0")
 def ring(sess):
     g, T = sess.geometry, len(sess.tokens)
     first, visible = max(0, T - g.raw_cap), max(0, T - g.window)
-    print(f"{T} tokens: the ring holds positions {first}-{T - 1}; the next token sees {visible}-{T - 1} "
-          f"in slots {visible % g.raw_cap}-{(T - 1) % g.raw_cap}; layer 0's window: "
-          f"{sess.kv[0].raw_positions[0]}-{sess.kv[0].raw_positions[-1]}")
+    slots = f"{visible % g.raw_cap}-{(T - 1) % g.raw_cap}"
+    print(f"{T} tokens: the ring holds positions {first}-{T - 1}; "
+          f"the next token sees {visible}-{T - 1} in slots {slots}")
+    print(f"  layer 0's window: {sess.kv[0].raw_positions[0]}-{sess.kv[0].raw_positions[-1]}")
 
 ring(sess)
 
@@ -118,7 +122,8 @@ for _ in range(2):
         break
     show(prefill_view.step())
 ring(sess)
-KVCacheView(sess, checkpoints=prefill_view.chunks)  # its slider: the chunks so far, orange what one wrote
+# the view's slider: the chunks so far, orange what one wrote
+KVCacheView(sess, checkpoints=prefill_view.chunks)
 
 # %% [markdown]
 # The second chunk ended at token 127: the ratio-128 layers (3 and 5) finished their first row, which pools
@@ -147,9 +152,9 @@ T = len(sess.tokens)
 for il in (2, 3):
     lk = sess.kv[il]
     kv, score = lk.comp_pending
-    print(f"layer {il} (ratio {lk.ratio}): {lk.n_comp} row{'s' * (lk.n_comp != 1)} finished, {T % lk.ratio} tokens "
-          f"pending; "
-          f"pending state kv {kv.shape}, score {score.shape}")
+    rows = f"{lk.n_comp} row{'s' * (lk.n_comp != 1)}"
+    print(f"layer {il} (ratio {lk.ratio}): {rows} finished, {T % lk.ratio} tokens pending")
+    print(f"  pending state: kv {kv.shape}, score {score.shape}")
 
 # %% [markdown]
 # ## Finish and chart
@@ -170,7 +175,8 @@ for chunk in prefill_view.chunks:
 prefill_view
 
 # %%
-kv_bytes_chart(sess, prefill_view.chunks) | prefill_chunks_chart(prefill_view.chunks, model, warmup=1)
+(kv_bytes_chart(sess, prefill_view.chunks)
+ | prefill_chunks_chart(prefill_view.chunks, model, warmup=1))
 
 # %% [markdown]
 # Raw-only layers stop growing once the window is full; ratio-4 layers grow by one row (plus one indexer row)
@@ -208,8 +214,10 @@ for repeat in range(1 + REPEATS):
         sessions[chunk] = s
 for chunk, s in sessions.items():
     chunks = runs[chunk][-1]
-    bounds = ", ".join(f"{c.start}-{c.end - 1}" for c in chunks[:4]) + (", …" if len(chunks) > 4 else "")
-    print(f"chunk {chunk:3d}: raw ring {s.geometry.raw_cap} slots, {len(chunks):2d} step(s): {bounds}")
+    bounds = ", ".join(f"{c.start}-{c.end - 1}" for c in chunks[:4])
+    bounds += ", …" if len(chunks) > 4 else ""
+    print(f"chunk {chunk:3d}: raw ring {s.geometry.raw_cap} slots, {len(chunks):2d} step(s): "
+          f"{bounds}")
 print(f"timed: {REPEATS} fresh prefills of each size, after one untimed round")
 
 # %%
@@ -217,17 +225,21 @@ from ds4lab.viz.charts import prefill_cost_chart
 
 medians = {chunk: float(np.median([sum(c.seconds for c in chunks) for chunks in repeats]))
            for chunk, repeats in runs.items()}
-print(f"median of {REPEATS} prefills:", ", ".join(f"chunk {chunk}: {t:.2f} s" for chunk, t in medians.items()))
+print(f"median of {REPEATS} prefills:",
+      ", ".join(f"chunk {chunk}: {t:.2f} s" for chunk, t in medians.items()))
+one = max(medians)  # the chunk size that takes the prompt in one chunk
+gaps = {chunk: t - medians[one] for chunk, t in medians.items() if chunk != one}
+print(f"behind one chunk of {one}:",
+      ", ".join(f"chunk {chunk}: {gap:+.2f} s" for chunk, gap in gaps.items()))
 prefill_cost_chart(runs, model)
 
 # %% [markdown]
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
 # but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
-# 2-core CPU, with nothing else running, six runs gave medians of 0.42–0.50 s for chunks of 30, 0.31–0.35 s for
-# 64 and 0.30–0.34 s for one chunk of 512. So the 11 chunks of 30 come out clearly slowest, 0.12–0.16 s behind
-# one chunk: some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the Python calls of
-# every layer). 64 comes out a little behind 512 (0.01–0.035 s for its 4 extra chunks, about the spread between
-# runs), so on a noisier machine either may come out ahead. On a busy machine the ranges grow, and can overlap.
+# 2-core CPU, with nothing else running, six runs put the 11 chunks of 30 clearly slowest, 0.12–0.16 s behind one
+# chunk of 512: some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the Python calls of
+# every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs, so either may come
+# out ahead, as in the lines printed above. On a busy machine the ranges grow, and can overlap.
 #
 # ### At Flash scale
 #
@@ -240,7 +252,8 @@ from ds4lab.costs import PARTS, flash_table
 for r in flash_table():  # lines under 100 characters: a notebook at laptop width wraps none of them
     print(f"{r['step']}: {r['GFLOP']:,.1f} GFLOP ({r['GFLOP_per_token']:.1f} a token), "
           f"{r['flop_per_byte']:.1f} FLOP/byte")
-    print(f"  weights read {r['weights_GiB']:.2f} GiB, KV written {r['kv_written_MiB']:.2f} MiB; GFLOP by part:")
+    print(f"  weights read {r['weights_GiB']:.2f} GiB, "
+          f"KV written {r['kv_written_MiB']:.2f} MiB; GFLOP by part:")
     parts = [f"{p} {r[p + ' GFLOP']:,.1f}" for p in PARTS]
     print("    " + ", ".join(parts[:4]) + ",\n    " + ", ".join(parts[4:]))
 
@@ -277,11 +290,13 @@ def kv_arrays(s):
 
 one = sessions[512]
 ref = kv_arrays(one)
-for name, s in [*((f"chunk {chunk:3d}", s) for chunk, s in sessions.items()), ("chunk  64, stepped", sess)]:
+compared = [(f"chunk {chunk:3d}", s) for chunk, s in sessions.items()]
+for name, s in [*compared, ("chunk  64, stepped", sess)]:
     arrays = kv_arrays(s)
     d_logits = np.abs(s.logits - one.logits).max()
     d_kv = max(np.abs(arrays[k] - ref[k]).max() for k in ref)
-    print(f"{name}: max |Δ logits| = {d_logits:.1e}, max |Δ KV| over {len(ref)} arrays = {d_kv:.1e}")
+    print(f"{name}: max |Δ logits| = {d_logits:.1e}, "
+          f"max |Δ KV| over {len(ref)} arrays = {d_kv:.1e}")
 
 # %% [markdown]
 # Zero: each token's computation reads only its own row and the cache, so how the prompt is cut changes
@@ -297,7 +312,8 @@ for name, s in [*((f"chunk {chunk:3d}", s) for chunk, s in sessions.items()), ("
 
 # %% tags=["nbval-check-output"]
 s = model.session(ctx=512, prefill_chunk=64)
-s.restore(prefill_view.chunks[2].checkpoint)  # tokens 0-191 from the stepped prefill, rather than run them again
+# tokens 0-191 from the stepped prefill, rather than run them again
+s.restore(prefill_view.chunks[2].checkpoint)
 s.prefill(ids[:200]).run(progress=False)
 resumed = s.prefill(ids).run(progress=False)
 print([(c.start, c.end) for c in resumed])
@@ -311,8 +327,10 @@ print(f"max |Δ logits| against one-shot = {np.abs(s.logits - one.logits).max():
 # indexer keeps. A capture of `indexer.topk` says which.
 
 # %%
-step = model.session(ctx=512, prefill_chunk=64)  # a copy of the prefilled session: sess stays as the cells above
-step.restore(sess.snapshot())                    # compared it, whenever this cell runs
+# a copy of the prefilled session: sess stays as the cells above compared it, however often this
+# cell runs
+step = model.session(ctx=512, prefill_chunk=64)
+step.restore(sess.snapshot())
 with step.capture(["indexer.topk"], layers=[2]) as cap:
     step.decoder(temperature=0).step()
 MaskView.of_step(step, 2, len(step.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")

@@ -176,14 +176,16 @@ print(entry.path.name, f"{entry.file_size:,} bytes,", entry.tokens, "tokens")
 
 # %%
 kf = ds4lab.KVFile.open(entry.path)
-print(kf.summary())
+for line in kf.summary().splitlines():  # a line too long for a narrow notebook: broken at its colon
+    print(line if len(line) <= 100 else line.replace(": ", ":\n    ", 1))
 
 # %% tags=["nbval-check-output"]
 kf.verify()  # the CRC-32 trailer; raises KVFileError on a damaged file
 print("reason:", kf.header["reason"], "| ratios:", kf.ratios,
       "| token ids match:", np.array_equal(kf.token_ids, cp.tokens))
-print("layer 2 compressed rows:", kf.layers[2].compressed.shape,
-      "| pending state:", {k: v.shape for k, v in kf.layers[2].state.items()})
+print("layer 2 compressed rows:", kf.layers[2].compressed.shape, "| pending state:")
+for k, v in kf.layers[2].state.items():
+    print(f"  {k}: {v.shape}")
 
 # %% [markdown]
 # ## Resume from disk

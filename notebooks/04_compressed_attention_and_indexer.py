@@ -35,6 +35,8 @@ if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages 
     await piplite.install(["ds4lab", "anywidget"])
 
 # %% tags=["nbval-check-output"]
+import textwrap
+
 import numpy as np
 
 import ds4lab
@@ -62,7 +64,11 @@ with sess.capture(["indexer.topk"], queries=[len(ids) - 1]) as last:
     with sess.capture(["attn.scores", "attn.out", "indexer.topk", "indexer.scores"],
                       layers=[0, 2, 3], heads=[0, 1], queries=range(0, len(ids), 4)) as cap:
         prefill.run(progress=False)
-cap
+calls = len({r.step for r in cap.records()})
+print(f"captured {len(cap.records())} records over {calls} forward calls (one a chunk):")
+points = [name.split(".", 2)[1:] for name in cap.names]  # 'blk.2.attn.out': ['2', 'attn.out']
+for il in (0, 2, 3):
+    print(f"  layer {il}:", ", ".join(point for layer, point in points if layer == str(il)))
 
 # %% [markdown]
 # What the last query reads from, layer by layer: the raw ring (the window is its last 64 positions), the
@@ -155,8 +161,10 @@ q = 316
 i = list(pos).index(q)
 kept = np.nonzero(topk[i])[0]
 dropped = np.setdiff1d(np.arange((q + 1) // 4), kept)
-print(f"query {q} keeps rows {kept.tolist()}")
-print(f"and drops {dropped.tolist()}")
+print(f"query {q} keeps {len(kept)} rows:")
+print(textwrap.fill(", ".join(map(str, kept)), 100, initial_indent="  ", subsequent_indent="  "))
+print(f"and drops {len(dropped)}:")
+print(textwrap.fill(", ".join(map(str, dropped)), 100, initial_indent="  ", subsequent_indent="  "))
 
 # %% [markdown]
 # The indexer is not a recency rule: it keeps rows from the whole prompt and drops some recent ones (whose

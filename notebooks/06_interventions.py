@@ -27,7 +27,7 @@
 # %%
 import sys
 
-if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views' packages from this site
+if sys.platform == "emscripten":  # JupyterLite: ds4lab and the views' packages from this site
     import piplite
 
     await piplite.install(["ds4lab", "anywidget"])
@@ -35,14 +35,16 @@ if sys.platform == "emscripten":  # JupyterLite (Pyodide): ds4lab and the views'
 # %% tags=["nbval-check-output"]
 import shutil
 import tempfile
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
 import ds4lab
-from ds4lab.texts import coriolanus
-from ds4lab.interventions import LogitDiff, ablate_rows, ablate_sink, force_topk, logit_diff, patch_row, replace_experts
+from ds4lab.interventions import (LogitDiff, ablate_rows, ablate_sink, force_topk, logit_diff,
+                                  patch_row, replace_experts)
 from ds4lab.kv.edit import checkpoint_row, patch_rows, save_kv
+from ds4lab.texts import coriolanus
 
 model = ds4lab.load(backend="numpy")  # the embedded Shakespeare model, float64 reference backend
 cfg, tok = model.config, model.tokenizer
@@ -55,9 +57,10 @@ sess = model.session(ctx=512, prefill_chunk=64)
 sess.prefill(ids[:-1]).run(progress=False)  # everything but the last token, once
 cp = sess.checkpoint()
 n_rows = len(ids) // 4  # compressed rows of a ratio-4 layer the last token sees
-print(f"{len(ids)} tokens; the last one, {tok.decode([ids[last]])!r} at position {last}, reads the raw rows of "
-      f"positions {len(ids) - cfg.swa}-{last} and the compressed rows of the rest:")
-print("  compressed rows per layer:", [len(ids) // cfg.ratio(il) if cfg.ratio(il) else 0 for il in range(cfg.n_layer)],
+print(f"{len(ids)} tokens; the last one, {tok.decode([ids[last]])!r} at position {last}, reads")
+print(f"the raw rows of positions {len(ids) - cfg.swa}-{last} and the compressed rows of the rest:")
+comp_rows = [len(ids) // cfg.ratio(il) if cfg.ratio(il) else 0 for il in range(cfg.n_layer)]
+print("  compressed rows per layer:", comp_rows,
       f"(in layers 2 and 4 the indexer keeps {cfg.idx_topk} of the {n_rows})")
 
 
@@ -68,24 +71,28 @@ def probs(logits):
 
 
 def top(p, n=5):
-    return ", ".join(f"{tok.decode([int(t)])!r} {p[t]:.3f}" for t in np.argsort(-p, kind="stable")[:n])
+    best = np.argsort(-p, kind="stable")[:n]
+    return ", ".join(f"{tok.decode([int(t)])!r} {p[t]:.3f}" for t in best)
 
 
 def show(d, n=4):
-    """What edits did to the next-token distribution: the KL divergence, the top token clean → edited, and the n
-    tokens whose probability moved most (clean → edited, and the ratio edited / clean)."""
+    """What edits did to the next-token distribution: the KL divergence, the top token clean →
+    edited, and the n tokens whose probability moved most (clean → edited, and the ratio edited /
+    clean), two a line."""
     p, q = d.p_clean, d.p_edited
     kl = f"{d.kl:.3g}" if d.kl >= 1e-9 else f"{d.kl:.1e}"
     print(f"  KL(clean ‖ edited) = {kl} nats; top token {top(p, 1)} → {top(q, 1)}")
-    moved = np.argsort(-np.abs(q - p), kind="stable")[:n]
-    print("  moved most: " + ", ".join(f"{tok.decode([int(t)])!r} {p[t]:.3f} → {q[t]:.3f} (×{q[t] / p[t]:.2f})"
-                                       for t in moved))
+    moved = [f"{tok.decode([int(t)])!r} {p[t]:.3f} → {q[t]:.3f} (×{q[t] / p[t]:.2f})"
+             for t in np.argsort(-np.abs(q - p), kind="stable")[:n]]
+    pairs = [", ".join(moved[i:i + 2]) for i in range(0, n, 2)]
+    print("  moved most: " + (",\n" + " " * 14).join(pairs))
 
 
 sess.prefill(ids).step()
 clean_logits = sess.logits.copy()
 sess.restore(cp)
-print("the model's guess after '…not in thirst for':", top(probs(clean_logits)))
+print("the model's guess after '…not in thirst for':")
+print("  " + top(probs(clean_logits)))
 [revenge] = tok.encode(" revenge")  # one token
 print(f"the play's next word, ' revenge': p = {probs(clean_logits)[revenge]:.1e}")
 
@@ -117,10 +124,11 @@ with e.capture(["attn.scores"], queries=[early]) as cap_early:
 with sess.capture(["attn.scores"]) as cap:
     sess.prefill(ids).step()
 sess.restore(cp)
-print(f"attention mass on the sink per head, at token {early} ({tok.decode([ids[early]])!r}) and at token {last} "
-      f"({tok.decode([ids[last]])!r}):")
+print(f"attention mass on the sink per head, at token {early} ({tok.decode([ids[early]])!r}) "
+      f"and at token {last} ({tok.decode([ids[last]])!r}):")
 for il in range(cfg.n_layer):
-    at_early, at_last = cap_early.attention(il).group("sink")[-1, :, 0], cap.attention(il).group("sink")[0, :, 0]
+    at_early = cap_early.attention(il).group("sink")[-1, :, 0]
+    at_last = cap.attention(il).group("sink")[0, :, 0]
     print(f"  layer {il}:  " + " ".join(f"{x:.2f}" for x in at_early)
           + "   |  " + " ".join(f"{x:.3f}" for x in at_last))
 
@@ -144,7 +152,7 @@ show(logit_diff(sess, ids, every_sink, start=last))
 # %% tags=["nbval-check-output"]
 print(f"attention mass on the compressed rows per head, token {last}:")
 for il in (2, 3, 4, 5):
-    mass = cap.attention(il).group("comp")[0].sum(-1)  # [heads]: each head's weights on the compressed rows
+    mass = cap.attention(il).group("comp")[0].sum(-1)  # [heads]: each head's weight on them
     print(f"  layer {il} (ratio {cfg.ratio(il):3d}): " + " ".join(f"{x:.3f}" for x in mass))
 print("every compressed row ablated:")
 show(logit_diff(sess, ids, [ablate_rows(il) for il in (2, 3, 4, 5)], start=last))
@@ -175,7 +183,9 @@ sess.restore(cp)
 kept = {il: np.flatnonzero(cap_topk[f"blk.{il}.indexer.topk"][0]) for il in (2, 4)}
 dropped = {il: np.setdiff1d(np.arange(n_rows), kept[il]) for il in (2, 4)}
 for il in (2, 4):
-    print(f"layer {il}: the indexer keeps rows {kept[il].tolist()}")
+    print(f"layer {il}: the indexer keeps rows")
+    print(textwrap.fill(", ".join(map(str, kept[il])), 100,
+                        initial_indent="  ", subsequent_indent="  "))
 
 same = logit_diff(sess, ids, [force_topk(il, kept[il]) for il in (2, 4)], start=last)
 print("forcing the rows it keeps: logits bit-identical:", np.array_equal(same.clean, same.edited))
@@ -185,16 +195,17 @@ print(f"forcing all {n_rows} rows (no selection): KL = {dense.kl:.1e} nats, "
       f"largest logit change {dense.max_abs_logit_change:.1e}")
 with sess.intervene(every_row), sess.capture(["attn.scores"], layers=[2, 4]) as cap_dense:
     sess.prefill(ids).step()
+print("  with all rows attended, the kept rows' share of each head's compressed-row mass:")
 for il in (2, 4):
-    comp = cap_dense.attention(il).group("comp")[0]  # [heads, rows]: each head's weights on the 79 rows
-    print(f"  with all rows attended, layer {il}: the kept rows' share of each head's compressed-row mass: "
-          + " ".join(f"{x:.3f}" for x in comp[:, kept[il]].sum(-1) / comp.sum(-1)))
+    comp = cap_dense.attention(il).group("comp")[0]  # [heads, rows]: the weights on the 79 rows
+    share = comp[:, kept[il]].sum(-1) / comp.sum(-1)
+    print(f"    layer {il}: " + " ".join(f"{x:.3f}" for x in share))
 print(f"forcing the {len(dropped[2])} rows it drops instead:")
 show(logit_diff(sess, ids, [force_topk(il, dropped[il]) for il in (2, 4)], start=last))
 recent = n_rows - cfg.idx_topk  # row c pools tokens 4c-4 ... 4c+3
-print(f"forcing the {cfg.idx_topk} most recent rows ({recent}-{n_rows - 1}, pooling tokens {4 * recent - 4}-"
-      f"{4 * n_rows - 1}):")
-show(logit_diff(sess, ids, [force_topk(il, range(n_rows - cfg.idx_topk, n_rows)) for il in (2, 4)], start=last))
+print(f"forcing the {cfg.idx_topk} most recent rows ({recent}-{n_rows - 1}, "
+      f"pooling tokens {4 * recent - 4}-{4 * n_rows - 1}):")
+show(logit_diff(sess, ids, [force_topk(il, range(recent, n_rows)) for il in (2, 4)], start=last))
 print("for comparison, every compressed row of layers 2 and 4 ablated:")
 show(logit_diff(sess, ids, [ablate_rows(2), ablate_rows(4)], start=last))
 
@@ -217,21 +228,24 @@ show(logit_diff(sess, ids, [ablate_rows(2), ablate_rows(4)], start=last))
 other = tok.encode(prompt.replace("bread, not", "bread,\nnot"))
 assert len(other) == len(ids)
 changed = [i for i, (a, b) in enumerate(zip(ids, other)) if a != b]
-print("positions", changed, [tok.decode([ids[i]]) for i in changed], "→", [tok.decode([other[i]]) for i in changed])
+print("positions", changed, [tok.decode([ids[i]]) for i in changed], "→",
+      [tok.decode([other[i]]) for i in changed])
 broken = model.session(ctx=512, prefill_chunk=64)
 broken.prefill(other[:-1]).run(progress=False)
 cp_other = broken.checkpoint()
 broken.prefill(other).step()
 print("the other prompt's own guess:", top(probs(broken.logits)))
 
-patched = logit_diff(sess, ids, [patch_row(il, cp_other, raw=i) for il in range(cfg.n_layer) for i in changed],
-                     start=last)
+every_layer = [patch_row(il, cp_other, raw=i) for il in range(cfg.n_layer) for i in changed]
+patched = logit_diff(sess, ids, every_layer, start=last)
 print("the changed rows patched in every layer:")
 show(patched)
-print(f"KL(other prompt ‖ patched) = {LogitDiff(broken.logits, patched.edited, (), tok).kl:.1e} nats")
-print("patched in one layer at a time, KL(clean ‖ edited):", ", ".join(
-    f"layer {il} {logit_diff(sess, ids, [patch_row(il, cp_other, raw=i) for i in changed], start=last).kl:.2g}"
-    for il in range(cfg.n_layer)))
+kl_other = LogitDiff(broken.logits, patched.edited, (), tok).kl
+print(f"KL(other prompt ‖ patched) = {kl_other:.1e} nats")
+print("patched in one layer at a time, KL(clean ‖ edited):")
+for il in range(cfg.n_layer):
+    one_layer = [patch_row(il, cp_other, raw=i) for i in changed]
+    print(f"  layer {il}: {logit_diff(sess, ids, one_layer, start=last).kl:.2g}")
 
 # %% [markdown]
 # With the line break five tokens back, the current line is short, and the other prompt's guess is no longer a
@@ -254,7 +268,8 @@ print("patched in one layer at a time, KL(clean ‖ edited):", ", ".join(
 with sess.capture(["moe.router", "moe.experts", "moe.weights", "hc_ffn.post"]) as cap_moe:
     sess.prefill(ids).step()
 sess.restore(cp)
-print(f"token {last} ({tok.decode([ids[last]])!r}): router scores of experts 0-7, the two chosen, their route weights")
+print(f"token {last} ({tok.decode([ids[last]])!r}): router scores of experts 0-7, the two chosen, "
+      "their route weights")
 lowest = {}
 for il in range(cfg.n_layer):
     scores = cap_moe[f"blk.{il}.moe.router"][0]
@@ -263,16 +278,18 @@ for il in range(cfg.n_layer):
     assert np.allclose(weights, cfg.expert_weight_scale * scores[chosen] / scores[chosen].sum())
     lowest[il] = np.argsort(scores, kind="stable")[:2]
     routing = "hash " if il < cfg.n_hash_layer else "top-2"
-    print(f"  layer {il} ({routing}): {np.round(scores, 2)}  chosen {chosen.tolist()}, weights {np.round(weights, 3)}")
+    print(f"  layer {il} ({routing}): {np.round(scores, 2)}  chosen {chosen.tolist()}, "
+          f"weights {np.round(weights, 3)}")
 
-print("the two lowest-scored experts instead, one layer at a time (and the post gates that write the FFN's output "
-      "into the 4 streams):")
+print("the two lowest-scored experts instead, one layer at a time, and the post gates that write")
+print("the FFN's output into the 4 streams:")
+print("  layer  experts  KL (nats)  top token     post gates")
 for il in range(cfg.n_layer):
     d = logit_diff(sess, ids, [replace_experts(il, lowest[il])], start=last)
     # two significant digits, not two decimals: layer 5's gates are far below 0.01
     gates = " ".join(f"{g:.2g}" for g in cap_moe[f"blk.{il}.hc_ffn.post"][0])
-    print(f"  layer {il}: experts {lowest[il].tolist()}: KL {d.kl:.2g} nats, top token {top(d.p_edited, 1)};"
-          f"  post gates {gates}")
+    experts = str(lowest[il].tolist())
+    print(f"  {il:5d}  {experts:7}  {d.kl:9.2g}  {top(d.p_edited, 1):12}  {gates}")
 print("layer 1 in detail:")
 show(logit_diff(sess, ids, [replace_experts(1, lowest[1])], start=last))
 
@@ -299,7 +316,9 @@ with sess.intervene([ablate_sink(2), replace_experts(4, lowest[4])]) as iv:
     sess.prefill(ids).step()
     print("inside:", len(sess.tokens), "tokens, edits:", sess.edits)
 print("after: ", len(sess.tokens), "tokens, edits:", sess.edits)
-print(iv.checkpoint)
+print(f"iv.checkpoint: {len(iv.checkpoint)} tokens, its edits:")
+for edit in iv.checkpoint.edits:
+    print("  " + edit)
 sess.prefill(ids).step()
 print("the next step equals the clean one, bit for bit:", np.array_equal(sess.logits, clean_logits))
 sess.restore(cp)
@@ -325,15 +344,18 @@ in_memory.restore(ds4lab.Checkpoint.from_bytes(cp.to_bytes(), cfg, fingerprint=c
 other32 = ds4lab.Checkpoint.from_bytes(cp_other.to_bytes(), cfg)
 edited = in_memory.snapshot()  # a live state holding the file format's float32 values
 for il in range(cfg.n_layer):
-    edited = patch_rows(edited, other32, il, "raw", changed)  # section 4's patch, as a checkpoint edit
-print(edited)
+    edited = patch_rows(edited, other32, il, "raw", changed)  # section 4's patch, in the checkpoint
+print(f"edited: {len(edited)} tokens, its edits:")
+for edit in edited.edits:
+    print("  " + edit)
 
 folder = Path(tempfile.mkdtemp())
 kf = save_kv(edited, folder / "edited.kv", model)
-print(f"{kf.path.name}: {kf.file_size:,} bytes, {kf.header['tokens']} tokens, ctx {kf.header['ctx_size']}; "
-      f"ds4-server's name for it: {kf.sha1[:12]}….kv")
+print(f"{kf.path.name}: {kf.file_size:,} bytes, {kf.header['tokens']} tokens, "
+      f"ctx {kf.header['ctx_size']}; ds4-server's name for it: {kf.sha1[:12]}….kv")
 print("the file's rows are the edit, exactly:",
-      all(np.array_equal(kf.layers[il].raw[i - (len(cp) - kf.layers[il].n_raw)], checkpoint_row(other32, il, "raw", i))
+      all(np.array_equal(kf.layers[il].raw[i - (len(cp) - kf.layers[il].n_raw)],
+                         checkpoint_row(other32, il, "raw", i))
           for il in range(cfg.n_layer) for i in changed))
 
 loaded = ds4lab.Checkpoint.from_bytes(kf.payload(), cfg)

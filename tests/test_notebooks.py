@@ -90,6 +90,35 @@ def test_saved_outputs(name):
         assert texts, f"checked cell without text output: {c.source[:60]!r}"
 
 
+# characters: a student at 1280x800 with JupyterLab's file browser open has a notebook column about 850 px wide,
+# which shows about 100 characters of code or of printed text; longer code lines were cut off, longer printed ones
+# wrapped in the middle of numbers and words
+WIDTH = 100
+
+
+def _printed(output) -> str | None:
+    """What ``output`` shows as plain text: a stream's text, or the text/plain of a value shown as nothing else
+    (a widget or an HTML view has its own layout, and JupyterLab shows its HTML, not its text/plain)."""
+    if output.output_type == "stream":
+        return output.text
+    data = output.get("data", {})
+    if "text/plain" in data and "text/html" not in data and WIDGET not in data:
+        return data["text/plain"]
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_lines_fit_a_narrow_notebook_column(name):
+    """No code line and no printed line of a saved notebook is longer than WIDTH characters."""
+    long = []
+    for n, cell in enumerate(_code(_read(name))):
+        where = f"{name}, code cell {n} (In [{cell.execution_count}])"
+        texts = [("code", cell.source)] + [("output", t) for t in map(_printed, cell.outputs) if t is not None]
+        for what, text in texts:
+            long += [f"{where}, {what} line {i}: {len(line)} characters: {line[:70]!r}…"
+                     for i, line in enumerate(text.splitlines(), 1) if len(line) > WIDTH]
+    assert not long, f"{len(long)} lines over {WIDTH} characters:\n" + "\n".join(long)
+
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_outputs_load_nothing_from_the_network(name):
     """No output loads a script from a CDN or any http(s) URL (DESIGN.md: no CDN): charts are Vega-Lite
