@@ -57,6 +57,7 @@ function render({ model, el }) {
       `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}.<br>` +
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
+      (T < d.raw_cap ? `<span class="ds4-swatch empty"></span> empty: no position written there yet<br>` : "") +
       (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (positions ${d.new_from}–${T - 1})<br>` :
         `no step outlined: this is the whole state after ${T} tokens<br>`) +
       (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
