@@ -812,9 +812,11 @@ def test_generation_view_renders(page):
     assert chips.count() == 6 and len({round(c.bounding_box()["y"]) for c in chips.all()}) == 1
     scale = {chips.nth(i).evaluate("(c) => getComputedStyle(c).backgroundColor") for i in range(6)}
     alts = view.locator(".ds4-alts")
-    assert alts.inner_text().startswith("hover a generated token")  # out of a token: what the panel is for
+    # out of a token: the last one's alternatives (what the panel is for, and no blank room), said to be the last
+    assert alts.inner_text().startswith("the last token generated (hover another for its alternatives)")
+    assert re.search(r"position \d+: token \d+", alts.inner_text()) and alts.locator("tr").count() >= 2
     before = alts.bounding_box()["height"]
-    tip = _hover_fills(pg, toks.nth(3), alts, until="el.querySelector('table') !== null")
+    tip = _hover_fills(pg, toks.nth(3), alts, until="!el.textContent.startsWith('the last token generated')")
     assert re.match(r"position \d+: token \d+", tip), tip
     assert alts.bounding_box()["height"] == pytest.approx(before, abs=2)  # filled, it pushes nothing down
     assert view.locator(".ds4-alts tr").count() >= 2  # the sampled token and its alternatives
@@ -836,8 +838,8 @@ def test_generation_view_renders(page):
     # the prompt's text has no alternatives: its last line (the box keeps the end of the text in view; its first
     # lines may be scrolled out of it)
     _hover_fills(pg, view.locator(".ds4-gen .ds4-ctx"), alts, position=(0.02, 0.98),
-                 until="el.querySelector('table') === null")
-    assert alts.inner_text().startswith("hover a generated token")
+                 until="el.textContent.startsWith('the last token generated')")
+    assert alts.inner_text().startswith("the last token generated")
     # the buttons: run / step / stop, each enabled only when it can act, and the status agrees
     buttons = {b.inner_text(): b for b in out.locator(".widget-button").all()}
     assert list(buttons) == ["run", "step", "stop"]

@@ -93,7 +93,7 @@ def test_generation_records_match_steps_and_logits(model):
     # static fallback: one span per token, coloured by its probability
     page = _bundle_ok(view)
     colours = re.findall(r"<span style='background:(#[0-9a-f]{6});[^']*' title='position", page)
-    bands = [(0.3, "#4393c3"), (0.1, "#b3d4e8"), (0.03, "#ececec"), (0.01, "#fdd0a2"), (0.003, "#fdae6b"),
+    bands = [(0.3, "#4393c3"), (0.1, "#b3d4e8"), (0.03, "#d9d9d9"), (0.01, "#fdd0a2"), (0.003, "#fdae6b"),
              (0.0, "#f16913")]
     assert colours == [next(c for p, c in bands if math.exp(s.logprob) >= p) for s in steps]
 
@@ -262,6 +262,9 @@ def test_generation_bins_stay_apart_and_keep_their_text_legible():
     colours = [c for _, c in LOGPROB_SCALE]
     d, a, b = _closest_pair(colours)
     assert d >= MIN_DELTA_E, f"{a} and {b}: ΔE {d:.1f}"
+    # every bin a tint the page's white does not hide (a walk-through read the middle bin's #ececec as no colour)
+    d, a, b = _closest_pair(colours + ["#ffffff"])
+    assert d >= MIN_DELTA_E, f"{a} and {b}: ΔE {d:.1f}"
 
     def luminance(c):
         return float(np.array([0.2126, 0.7152, 0.0722]) @ _linear(c))
@@ -406,7 +409,9 @@ def test_notebook_06_prints_the_post_gates_its_prose_quotes():
     nb = json.loads((Path(__file__).parent.parent / "notebooks" / "06_interventions.ipynb").read_text("utf-8"))
     prose = " ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown").replace("\n", " ")
     printed = "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"])
-    gates = {int(il): v.split() for il, v in re.findall(r"layer (\d): experts .* post gates (.+)", printed)}
+    # the table's rows: layer, experts, KL, the top token and its p, then the four post gates
+    row = r"^ +(\d) +\[\d+, \d+\] +\S+ +'.*?' \S+ +(.+)$"
+    gates = {int(il): v.split() for il, v in re.findall(row, printed, re.M)}
     assert "layer 4's gates are 0.038–0.14 and layer 5's below 0.001" in prose
     assert (min(gates[4], key=float), max(gates[4], key=float)) == ("0.038", "0.14")
     assert all(0 < float(g) < 1e-3 for g in gates[5]), gates[5]

@@ -22,19 +22,23 @@ function render({ model, el }) {
     reserved = Math.max(reserved, tip.offsetHeight);
     tip.style.minHeight = reserved ? `${reserved}px` : tip.style.minHeight;
   };
+  // Out of a generated token: the last one's alternatives (the panel shows what it is for, and the room it keeps
+  // is not left blank), or before any token what hovering one shows
   const placeholder = () => {
     const recs = model.get("records"), k = recs.length ? recs[0].top.length : 5;
+    if (recs.length) { showTip(recs.length - 1, true); return; }
     if (!reserved) tip.style.minHeight = `${(3 + k) * 1.6}em`;  // until a token's alternatives were shown
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;
   };
-  const showTip = (i) => {
+  const showTip = (i, last = false) => {
     const r = model.get("records")[i];
     if (!r) { placeholder(); return; }
     const scale = model.get("scale");
     // the bars: each alternative's probability over the largest shown, so that small ones compare
     const top = Math.max(...r.top.map((a) => a.logprob));
-    let h = `<div><b>position ${r.position}</b>: token ${r.token} <code>${esc(JSON.stringify(r.piece))}</code> · ` +
+    let h = (last ? `<div class="ds4-note">the last token generated (hover another for its alternatives)</div>` : "") +
+      `<div><b>position ${r.position}</b>: token ${r.token} <code>${esc(JSON.stringify(r.piece))}</code> · ` +
       `p ${pct(r.logprob)} (logprob ${r.logprob.toFixed(3)})${r.eos ? " · end of sequence" : ""}</div>` +
       (r.top.length ? `<div class="ds4-note">top ${r.top.length} alternatives; bars: p relative to the most likely ` +
         `(${pct(top)} = full bar)</div>` : "") + "<table>";
@@ -65,22 +69,26 @@ function render({ model, el }) {
     text.innerHTML = h;
     text.scrollTop = text.scrollHeight;
   };
+  let hovered = false;  // a generated token under the pointer: its alternatives stay shown as tokens arrive
   const hover = (ev) => {
     const i = ev.target.dataset ? ev.target.dataset.i : undefined;
-    if (i !== undefined) showTip(+i);
-    else placeholder();  // the prompt's text, or between tokens: no alternatives to show
+    hovered = i !== undefined;
+    if (hovered) showTip(+i);
+    else placeholder();  // the prompt's text, or between tokens: the last token's alternatives
   };
+  const leave = () => { hovered = false; placeholder(); };
+  const redraw = () => { draw(); if (!hovered) placeholder(); };
   draw();
   placeholder();
   const events = ["records", "context", "status", "scale"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
+  for (const e of events) model.on(e, redraw);
   text.addEventListener("mouseover", hover);
-  text.addEventListener("mouseleave", placeholder);
+  text.addEventListener("mouseleave", leave);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
+    for (const e of events) model.off(e, redraw);
     text.removeEventListener("mouseover", hover);
-    text.removeEventListener("mouseleave", placeholder);
+    text.removeEventListener("mouseleave", leave);
   };
 }
 export default { render };

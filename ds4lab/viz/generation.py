@@ -23,7 +23,7 @@ CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
 LOGPROB_SCALE = (
     (math.log(0.3), "#4393c3"),
     (math.log(0.1), "#b3d4e8"),
-    (math.log(0.03), "#ececec"),
+    (math.log(0.03), "#d9d9d9"),  # grey, yet a tint a reader tells from the page's white (#ececec was not)
     (math.log(0.01), "#fdd0a2"),
     (math.log(0.003), "#fdae6b"),
     (None, "#f16913"),
