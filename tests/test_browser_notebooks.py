@@ -91,15 +91,19 @@ def _api(base: str, token: str, method: str, path: str, body: dict | None = None
     return json.loads(text) if text else None
 
 
-def _run_all(pg, base: str, token: str, name: str) -> None:
-    """Open ``name`` alone (a reset workspace), wait for its kernel, Run All Cells, and wait until every code cell
-    has an execution count."""
+def _open(pg, base: str, token: str, name: str) -> None:
+    """Open the server's notebook ``name`` alone (a reset workspace) and wait for its cells and its kernel."""
     pg.goto(f"{base}/lab/tree/{name}?reset&token={token}", wait_until="domcontentloaded", timeout=60_000)
     pg.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=60_000)
     deadline = time.monotonic() + 60
     while "idle" not in (tb._kernel_states(base, token) or []):
         assert time.monotonic() < deadline, f"{name}: its kernel did not start within 60 s"
         time.sleep(0.3)
+
+
+def _run_all(pg, base: str, token: str, name: str) -> None:
+    """Open ``name`` (:func:`_open`), Run All Cells, and wait until every code cell has an execution count."""
+    _open(pg, base, token, name)
     n_code = sum(c["cell_type"] == "code" for c in _cleared(name)["cells"])
     assert pg.locator(".jp-Notebook .jp-CodeCell").count() == n_code
     pg.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
@@ -318,13 +322,7 @@ def opened(lab):
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 1600})
             for name in NAMES:
-                pg.goto(f"{base}/lab/tree/saved-{name}?reset&token={token}", wait_until="domcontentloaded",
-                        timeout=60_000)
-                pg.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=60_000)
-                deadline = time.monotonic() + 60
-                while "idle" not in (tb._kernel_states(base, token) or []):
-                    assert time.monotonic() < deadline, f"saved-{name}: its kernel did not start within 60 s"
-                    time.sleep(0.3)
+                _open(pg, base, token, f"saved-{name}")
                 n_saved = _saved_counts(name)[0]
                 pg.wait_for_function("(n) => document.querySelectorAll("
                                      "'.jp-OutputArea-output:has(.ds4-view)').length >= n", arg=n_saved,

@@ -119,6 +119,7 @@ def test_saved_lines_fit_a_narrow_notebook_column(name):
                      for i, line in enumerate(text.splitlines(), 1) if len(line) > WIDTH]
     assert not long, f"{len(long)} lines over {WIDTH} characters:\n" + "\n".join(long)
 
+
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_outputs_load_nothing_from_the_network(name):
     """No output loads a script from a CDN or any http(s) URL (DESIGN.md: no CDN): charts are Vega-Lite
