@@ -299,16 +299,22 @@ def _hover_fills(pg, target, tip, position=None, until="el.textContent.trim().le
     return tip.inner_text()
 
 
-def _tip_beside(pg, target, tip, frame) -> None:
-    """The tooltip shown for the pointer on the middle of ``target``: within 40 px of it, not under it, inside the
-    window and inside ``frame`` (the view: nothing of it cut off)."""
-    box, t, f = target.bounding_box(), tip.bounding_box(), frame.bounding_box()
-    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+def _tip_near(pg, tip, x: float, y: float, frame: dict) -> None:
+    """The tooltip shown for the pointer at page px (x, y): within 40 px of it, not under it, inside the window and
+    inside ``frame``'s box (nothing of it cut off)."""
+    t = tip.bounding_box()
     dx, dy = max(t["x"] - x, 0, x - t["x"] - t["width"]), max(t["y"] - y, 0, y - t["y"] - t["height"])
     assert 0 < max(dx, dy) and math.hypot(dx, dy) <= 40, (t, x, y)
-    for outer in (dict(x=0, y=0, **pg.viewport_size), f):  # with a pixel's slack
+    for outer in (dict(x=0, y=0, **pg.viewport_size), frame):  # with a pixel's slack
         assert (outer["x"] - 1 <= t["x"] and t["x"] + t["width"] <= outer["x"] + outer["width"] + 1
                 and outer["y"] - 1 <= t["y"] and t["y"] + t["height"] <= outer["y"] + outer["height"] + 1), (t, outer)
+
+
+def _tip_beside(pg, target, tip, frame) -> None:
+    """The tooltip shown for the pointer on the middle of ``target``: :func:`_tip_near` it, inside ``frame`` (the
+    view), in the attention figure's style."""
+    box = target.bounding_box()
+    _tip_near(pg, tip, box["x"] + box["width"] / 2, box["y"] + box["height"] / 2, frame.bounding_box())
     assert tip.evaluate("(el) => getComputedStyle(el).boxShadow") != "none"  # the attention figure's style
 
 
@@ -971,19 +977,12 @@ def _side_panel(pg, open_: bool) -> bool:
 
 
 def _tip_beside_pointer(pg, canvas, tip, at) -> None:
-    """Hover ``canvas`` at ``at`` (fractions of its box): the tooltip shows within 40 px of the pointer, not under it,
-    inside the window and inside the figure's stage (so nothing of it is cut off)."""
+    """Hover ``canvas`` at ``at`` (fractions of its box): the tooltip shows :func:`_tip_near` the pointer, inside the
+    figure's stage (so nothing of it is cut off)."""
     _hover_fills(pg, canvas, tip, position=at, until="el.checkVisibility() && el.textContent.includes('→')")
-    c, t, stage = canvas.bounding_box(), tip.bounding_box(), canvas.locator("xpath=..").bounding_box()
-    x, y = c["x"] + at[0] * c["width"], c["y"] + at[1] * c["height"]
-    dx, dy = max(t["x"] - x, 0, x - t["x"] - t["width"]), max(t["y"] - y, 0, y - t["y"] - t["height"])
-    assert 0 < max(dx, dy) and math.hypot(dx, dy) <= 40, (at, t, x, y)
-
-    def inside(box, frame):  # with a pixel's slack
-        return (frame["x"] - 1 <= box["x"] and box["x"] + box["width"] <= frame["x"] + frame["width"] + 1
-                and frame["y"] - 1 <= box["y"] and box["y"] + box["height"] <= frame["y"] + frame["height"] + 1)
-
-    assert inside(t, dict(x=0, y=0, **pg.viewport_size)) and inside(t, stage), (at, t, stage)
+    c = canvas.bounding_box()
+    _tip_near(pg, tip, c["x"] + at[0] * c["width"], c["y"] + at[1] * c["height"],
+              canvas.locator("xpath=..").bounding_box())
 
 
 def test_views_fit_a_laptop_screen(page):
