@@ -987,8 +987,9 @@ def _tip_beside_pointer(pg, canvas, tip, at) -> None:
 
 def test_views_fit_a_laptop_screen(page):
     """At 1280 × 800 with the file browser open (an output about 850 px wide) nothing of a view is cut off: the
-    attention figure with its mass bars fits the output (drawn smaller), the PrefillView puts the mask over the KV
-    cache, close under its slider, the controls wrap; narrower still, the attention figure scrolls sideways."""
+    attention figure with its mass bars fits the output (drawn smaller), the PrefillView shows the mask and the KV
+    cache's ring together under its slider (the chunk table beside the prompt), the controls wrap; narrower
+    still, the attention figure scrolls sideways."""
     pg, *_ = page
     size = pg.viewport_size
     att = _output_of(pg.locator(".ds4-view:has(.ds4-att-stage)").first)
@@ -1006,11 +1007,14 @@ def test_views_fit_a_laptop_screen(page):
             out.scroll_into_view_if_needed()
             assert not _cut_off(out), f"{name} view cut off at 1280 px: {_cut_off(out)[:5]}"
             pg.screenshot(path=str(ARTIFACTS / f"laptop_{name}.png"))
-        kv, mask = prefill.locator(".ds4-kv").bounding_box(), _mask_of(prefill).bounding_box()
+        prefill.screenshot(path=str(ARTIFACTS / "laptop_prefill_whole.png"))  # all of it, as one scrolls through
+        ring, mask = prefill.locator(".ds4-ring").bounding_box(), _mask_of(prefill).bounding_box()
         slider = prefill.locator(".widget-hslider").first.bounding_box()
-        assert kv["y"] >= mask["y"] + mask["height"] - 1  # over the KV cache, not overlapping it
-        # close under the slider that scrubs it (under the KV cache it was 850 px down: out of view while scrubbing)
-        assert mask["y"] - (slider["y"] + slider["height"]) < 400, (slider, mask)
+        # both in one screen under the slider that scrubs them (the ring ended 950 px down, the mask over it)
+        for box in (ring, mask):
+            assert box["y"] + box["height"] - (slider["y"] + slider["height"]) < 620, (slider, ring, mask)
+        table, prompt = (prefill.locator(s).first.bounding_box() for s in (".ds4-chunks table", ".ds4-prompt"))
+        assert table["x"] >= prompt["x"] + prompt["width"] and table["y"] < prompt["y"] + prompt["height"]
         for at in ((0.3, 0.8), (0.85, 0.1)):  # the lowest rows, the upper right: the tooltip where the reader looks
             _tip_beside_pointer(pg, canvas, att.locator(".ds4-hovertip"), at)
         pg.screenshot(path=str(ARTIFACTS / "laptop_attention_tooltip.png"))

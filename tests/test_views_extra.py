@@ -273,6 +273,46 @@ def test_generation_bins_stay_apart_and_keep_their_text_legible():
     assert all((luminance(c) + 0.05) / (text + 0.05) >= 4.5 for c in colours)  # WCAG AA for the token's text
 
 
+def _orange(hex_colour: str) -> bool:
+    """A saturated colour of orange's hues (15-45 degrees), as a reader names it; the salmon of "dropped"
+    (saturation 0.36) and the peach of a tier (0.36) are not."""
+    import colorsys
+
+    h, s, v = colorsys.rgb_to_hsv(*(int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)))
+    return 15 <= h * 360 <= 45 and s > 0.5 and v > 0.5
+
+
+def test_orange_means_only_the_step_shown_or_the_readers_pick():
+    """A walk-through read orange as five things across the views (written by the step, pending tokens, dropped
+    rows, the sink, the predicted-FLOP line): every orange in the views' sources, Python and front-end, is the
+    palette's accent now. Excepted: the GenerationView's surprise scale (blue likely to orange surprising, its
+    key always shown) and the dark orange of a warning's text."""
+    from pathlib import Path
+
+    from ds4lab.viz import palette
+    from ds4lab.viz.generation import LOGPROB_SCALE
+
+    root = Path(ds4lab.__file__).parent
+    sources = [*root.joinpath("viz").glob("*.py"), *root.parent.joinpath("widgets").glob("*.js"),
+               root.parent / "widgets" / "views.css"]
+    assert len(sources) > 20 and palette.ACCENT in (root.parent / "widgets" / "views.css").read_text()
+    surprise = {c for _, c in LOGPROB_SCALE}
+    found, accent = [], []
+    for src in sources:
+        for i, line in enumerate(src.read_text().splitlines(), 1):
+            colours = re.findall(r"#[0-9a-fA-F]{6}\b", line)
+            colours += ["#%02x%02x%02x" % tuple(map(int, m)) for m in re.findall(r"rgba?\((\d+), *(\d+), *(\d+)", line)]
+            colours = [c.lower() for c in colours]
+            excepted = surprise if src.name == "generation.py" else {"#a63603"} if "ds4-warn" in line else set()
+            found += [(src.name, i, c) for c in colours if _orange(c) and c != palette.ACCENT and c not in excepted]
+            # the accent itself: Python takes it from the palette; the front-end on what is new or picked only
+            if palette.ACCENT in colours and src.name != "palette.py":
+                accent += [] if src.suffix != ".py" and re.search(r"new|cur|sel|active", line) else [(src.name, i)]
+    assert not found and not accent
+    assert _orange(palette.ACCENT) and not any(_orange(getattr(palette, n)) for n in
+                                               ("KEPT", "DROPPED", "NOT_YET", "PENDING", "SINK", "PREDICTED"))
+
+
 # -- MaskView -------------------------------------------------------------------------------------------------
 def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
     cfg = model.config

@@ -17,7 +17,7 @@ const ZERO_KEY = [[MASKED, 2, "weight 0 (masked)"], [NOT_YET, 3, "not yet compre
 const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
 const RAMP32 = Uint32Array.from(RAMP, rgba);
 const MARK32 = [null, rgba(DROPPED), rgba(MASKED), rgba(NOT_YET)];  // by mark: attention_figure.MARK_*
-const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(230,85,13)" };
+const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(82,82,82)" };  // attention_figure.GROUP_COLOURS
 const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"]];  // attention_figure.MASS_KEY
 // the smallest scale of the figure: its text stays legible and a cell (MIN_CELL = 3 px) keeps at least 2 px
 const MIN_SCALE = 0.8;

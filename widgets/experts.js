@@ -38,7 +38,7 @@ function render({ model, el }) {
     const every = Math.max(1, Math.ceil(14 / bw));  // an expert id every `every` bars: at least 14 px apart
     for (const L of layers) {
       const vmax = common ? vmaxAll : Math.max(1, ...L.counts);
-      const fill = L.hash ? "#e6550d" : "#3182bd";
+      const fill = L.hash ? "#969696" : "#3182bd";  // palette.HASH_ROUTED, learned blue
       let bars = "";
       L.counts.forEach((c, e) => {
         const bh = Math.round((H * c) / vmax), x = AX + e * bw;

@@ -13,7 +13,7 @@ function render({ model, el }) {
     let html = `<div class="ds4-title">Prefill ${shown}${done}/${total} tokens, ${chunks.length}/${bounds.length} chunks of ≤${model.get("chunk")} run</div>`;
     html += `<div class="ds4-bar"><div style="width:${total ? (100 * done) / total : 0}%"></div></div>`;
     if (note) html += `<div class="ds4-note ds4-warn">${esc(note)}</div>`;
-    html += "<div class='ds4-prompt'>";
+    html += "<div class='ds4-chunks'><div class='ds4-prompt'>";
     let ci = 0;
     toks.forEach((t, p) => {
       if (p < first) { html += `<span class="ds4-tok" title="${p}: reused">${esc(t)}</span>`; return; }
@@ -31,7 +31,7 @@ function render({ model, el }) {
         (c ? `<td>${(c.seconds * 1000).toFixed(1)}</td><td>${c.tokens_per_s.toFixed(0)}</td><td>${c.kv_bytes.toLocaleString()}</td>` :
              `<td colspan="3" style="color:#999">not run</td>`) + "</tr>";
     });
-    el.innerHTML = html + "</table>";
+    el.innerHTML = html + "</table></div>";
     pending = true;
     scroll();
   };

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import palette
 from .pixel_font import ADVANCE, draw_text
 from .reduce import colormap
 
@@ -30,13 +31,13 @@ X_LABELS = 76  # px under the heatmap for the key positions (written bottom to t
 LEGEND = 40  # px for the colour bar and the legend
 FIG_W = LEFT + WIDTH + MASS_GAP + MASS_W + 10
 FIG_H = TOP + HEIGHT + X_LABELS + LEGEND
-GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": (230, 85, 13)}
+GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": palette.rgb(palette.SINK)}
 MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the mass bars' legend
 # Cells of weight exactly 0, by why (the MaskView's colours of the same categories: mask_view.COLOURS); a kept
 # compressed row is drawn by its weight, on the ramp whose middle is the MaskView's "kept" blue
 MASKED = (232, 232, 232)  # a future key, or one outside the raw window
-NOT_YET = (255, 255, 204)  # a compressed row whose group of tokens ends after the query: not formed yet
-DROPPED = (252, 187, 161)  # a compressed row the indexer did not select for this query
+NOT_YET = palette.rgb(palette.NOT_YET)  # a compressed row whose group of tokens ends after the query
+DROPPED = palette.rgb(palette.DROPPED)  # a compressed row the indexer did not select for this query
 MARK_DROPPED, MARK_MASKED, MARK_NOT_YET = 1, 2, 3
 ZERO_KEY = ((MASKED, "weight 0 (masked)"), (NOT_YET, "not yet compressed"), (DROPPED, "dropped by the indexer"))
 TEXT, FAINT = (34, 34, 34), (120, 120, 120)

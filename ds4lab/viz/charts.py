@@ -9,10 +9,11 @@ import math
 
 import numpy as np
 
+from . import palette
 from .vegalite import Chart, field, tooltip, unit
 
 MAX_ROWS = 4000  # rows a chart's data may hold
-KEPT_COLORS = {"domain": ["kept", "dropped"], "range": ["#3182bd", "#fcbba1"]}  # the indexer's rows, kept or not
+KEPT_COLORS = {"domain": ["kept", "dropped"], "range": [palette.KEPT, palette.DROPPED]}  # the indexer's rows, kept or not
 # An axis label of bytes with an SI prefix, tick by tick: 0, 500 kB, 1 MB (an axis "format" of "~s" gives all its ticks
 # the prefix of the largest: 0M, 0.5M, 1M); with BYTES_AXIS's whole-byte ticks (no "500m B" under 3 bytes)
 SI_BYTES = "datum.value ? replace(format(datum.value, '~s') + ' B', regexp('([kMGTPE]) B$'), ' $1B') : '0'"
@@ -82,7 +83,7 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
         rate = _median([f / c.seconds for f, c in list(zip(flops, chunks))[warmup:]])  # FLOP/s of the median chunk
         predicted = [dict(chunk=i, predicted=c.n_tokens * rate / f, gflop=f / 1e9)
                      for i, (c, f) in enumerate(zip(chunks, flops))]
-        layers.append(unit(predicted, {"type": "line", "color": "#e6550d", "strokeDash": [4, 2]}, x=field("chunk:Q"),
+        layers.append(unit(predicted, {"type": "line", "color": palette.PREDICTED, "strokeDash": [4, 2]}, x=field("chunk:Q"),
                            y=field("predicted:Q"), tooltip=tooltip("chunk:O", "gflop:Q", "predicted:Q")))
         notes += ["dashed: predicted from FLOPs", f"at the median rate ({rate / 1e9:.2f} GFLOP/s)"]
     # the notes a line each, none wider than the plot's 260 px: beside kv_bytes_chart it fits a laptop's notebook
@@ -125,7 +126,7 @@ def prefill_cost_chart(runs, model):
         unit(measured, {"type": "point", "color": "#3182bd", "opacity": 0.6}, x=x, y=field("seconds:Q"),
              tooltip=tooltip("chunk:N", field("repeat:Q", title="timed repeat"), field("seconds:Q", format=".3f"))),
     ], "title": "measured: each repeat, median (tick), range", "width": 220, "height": 160}
-    bars = unit(None, {"type": "bar", "color": "#e6550d"}, x=x, y=field("value:Q", title=None),
+    bars = unit(None, {"type": "bar", "color": palette.PREDICTED}, x=x, y=field("value:Q", title=None),
                 tooltip=tooltip("chunk:N", "measure:N", field("value:Q", format=",.1f")))
     costs = {"data": {"values": predicted}, "facet": {"column": field("measure:N", title="predicted (ds4lab.costs)")},
              "spec": dict(bars, width=160, height=160), "resolve": {"scale": {"y": "independent"}}}
@@ -194,7 +195,7 @@ def batch_copies_chart(rows: list[dict]):
         panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
         panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale={"zero": True},
                                                      axis=BYTES_AXIS), "bytes: the same for all"),
-        panel({"type": "bar", "color": "#fdae6b"}, field("us:Q", title="µs copying"), "time copying (here)"),
+        panel("bar", field("us:Q", title="µs copying"), "time copying (here)"),
     ]})
 
 

@@ -11,10 +11,11 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
+from . import palette
 from .base import View, ViewModel, token_texts, widget_file
 from .reduce import png_base64
 
-HASH_COLOUR, LEARNED_COLOUR = (230, 85, 13), (49, 130, 189)  # hash-routed layers orange, learned blue
+HASH_COLOUR, LEARNED_COLOUR = palette.rgb(palette.HASH_ROUTED), (49, 130, 189)  # hash-routed grey, learned blue
 
 
 def expert_counts(capture, n_expert: int | None = None) -> dict[int, np.ndarray]:
@@ -128,7 +129,7 @@ class ExpertView(View):
         return f"ExpertView({len(self.counts)} layers, {n} tokens, hash layers {self.hash_layers})"
 
     def image(self, layers=None, bar_height: int = 24, bar_width: int | None = None) -> np.ndarray:
-        """The histograms of ``layers`` (all by default) as one RGB image, a strip per layer, bars orange on
+        """The histograms of ``layers`` (all by default) as one RGB image, a strip per layer, bars grey on
         hash layers and blue elsewhere, all on one scale."""
         n_expert = self.config.n_expert
         bw = bar_width or max(1, min(12, 512 // n_expert))
@@ -162,7 +163,7 @@ class ExpertView(View):
         vmax = max(int(c.max()) for c in self.counts.values())
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>{html.escape(self.title)}</b><br>"
-            f"bars: tokens routed to experts 0…{self.config.n_expert - 1} (one scale, 0…{vmax}); orange = hash-routed "
+            f"bars: tokens routed to experts 0…{self.config.n_expert - 1} (one scale, 0…{vmax}); grey = hash-routed "
             "layer, blue = learned router<table><tr><th>layer</th><th>routing</th><th>histogram</th><th>tokens</th>"
             f"<th>experts used</th><th>busiest (tokens)</th><th>max/mean load</th></tr>{''.join(rows)}</table></div>"
         )

@@ -10,6 +10,7 @@ import numpy as np
 import traitlets as t
 
 from ..visibility import CATEGORIES, StepMask, step_mask
+from . import palette
 from .attention_figure import FEW_PX
 from .base import View, ViewModel, widget_file
 from .reduce import png_base64
@@ -20,8 +21,9 @@ FEW_MAX_PX = 120
 # One colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback. Any two
 # stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The indexer's three
 # states agree with the AttentionView (attention_figure): kept = the blue of its weight ramp, dropped by the
-# indexer = DROPPED (salmon), not yet compressed = NOT_YET (pale yellow); the sink is its sink's orange.
-COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", "#ffffcc", "#3182bd", "#fcbba1", "#74c476", "#e6550d"]
+# indexer = DROPPED (salmon), not yet compressed = NOT_YET (pale yellow); the sink is its grey (palette).
+COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", palette.NOT_YET, palette.KEPT, palette.DROPPED, "#74c476",
+           palette.SINK]
 
 
 class MaskModel(ViewModel):

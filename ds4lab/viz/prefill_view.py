@@ -11,12 +11,13 @@ import ipywidgets as W
 import traitlets as t
 
 from ..visibility import step_mask
+from . import palette
 from .base import View, ViewModel, token_texts, widget_file
 from .kv_view import KVCacheView, state_label
 from .mask_view import MaskView
 
-# Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon or the oranges that mean
-# "dropped by the indexer" and "pending" in the KV and mask views beside them.
+# Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon, yellows or orange that
+# mean "dropped by the indexer", "not yet compressed" and "written by the chunk" in the views beside them.
 PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#bcbddc", "#bdbdbd"]
 
 
@@ -260,7 +261,7 @@ class PrefillView(View):
             while ci < len(m.bounds) and p >= m.bounds[ci][1]:
                 ci += 1
             bg = PALETTE[ci % len(PALETTE)] if m.first <= p < m.done else "transparent"
-            cur = ";outline:1px solid #e6550d" if ci == m.selected else ""  # the chunk shown
+            cur = f";outline:1px solid {palette.ACCENT}" if ci == m.selected else ""  # the chunk shown
             text.append(f"<span style='background:{bg}{cur}' title='position {p}'>{html.escape(tok)}</span>")
         shown = html.escape(self._label(m.selected)) + ": " if m.selected >= 0 else ""
         return (

@@ -16,7 +16,7 @@ from ..tiers import EMBED
 from .base import FollowingView, ViewModel, widget_module
 from .reduce import png_base64
 
-TIER_PALETTE = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fc9272", "#d9d9d9", "#fdd0a2", "#c7e9c0"]
+TIER_PALETTE = ["#9ecae1", "#bcbddc", "#c7e9c0", "#d9d9d9", "#fdd0a2", "#fcc5c0", "#dfc27d", "#99d8c9"]
 MAX_STEPS = 200  # steps kept for the bytes-per-step chart
 
 

@@ -1,0 +1,20 @@
+"""The colours that mean the same thing in every view. Orange is the accent and means one thing: what the step
+shown wrote, or what the reader picked (the chunk shown, a selected region or head, the active unit); nothing
+else is orange, so a class learns it once (tests/test_views_extra.py holds the views' sources to this).
+The front-end (``widgets/*.js``, ``widgets/views.css``) writes the same values."""
+
+from __future__ import annotations
+
+ACCENT = "#e6550d"  # written by the step shown; the reader's pick
+KEPT = "#3182bd"  # a compressed row the indexer selected (the blue of the attention weight ramp's middle)
+DROPPED = "#fcbba1"  # a compressed row the indexer did not select (salmon: pale, unlike the accent)
+NOT_YET = "#ffffcc"  # a compressed row whose group of tokens is not complete yet
+PENDING = "#fdd835"  # the tokens of that group, waiting: NOT_YET's yellow, deep enough to read as a bar
+SINK = "#525252"  # the attention sink: a key whose value is zero, so it takes weight and adds nothing
+PREDICTED = "#737373"  # what ds4lab.costs predicts, beside what was measured (blue)
+HASH_ROUTED = "#969696"  # a layer whose experts come from a fixed table of the token id, not a learned router
+
+
+def rgb(colour: str) -> tuple[int, int, int]:
+    """``"#rrggbb"`` as a tuple of its three bytes (for the views drawn as images)."""
+    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
