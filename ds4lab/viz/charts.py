@@ -13,7 +13,8 @@ from . import palette
 from .vegalite import Chart, field, tooltip, unit
 
 MAX_ROWS = 4000  # rows a chart's data may hold
-KEPT_COLORS = {"domain": ["kept", "dropped"], "range": [palette.KEPT, palette.DROPPED]}  # the indexer's rows, kept or not
+# the indexer's rows, kept or not
+KEPT_COLORS = {"domain": ["kept", "dropped"], "range": [palette.KEPT, palette.DROPPED]}
 # An axis label of bytes with an SI prefix, tick by tick: 0, 500 kB, 1 MB (an axis "format" of "~s" gives all its ticks
 # the prefix of the largest: 0M, 0.5M, 1M); with BYTES_AXIS's whole-byte ticks (no "500m B" under 3 bytes)
 SI_BYTES = "datum.value ? replace(format(datum.value, '~s') + ' B', regexp('([kMGTPE]) B$'), ' $1B') : '0'"
@@ -83,8 +84,9 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
         rate = _median([f / c.seconds for f, c in list(zip(flops, chunks))[warmup:]])  # FLOP/s of the median chunk
         predicted = [dict(chunk=i, predicted=c.n_tokens * rate / f, gflop=f / 1e9)
                      for i, (c, f) in enumerate(zip(chunks, flops))]
-        layers.append(unit(predicted, {"type": "line", "color": palette.PREDICTED, "strokeDash": [4, 2]}, x=field("chunk:Q"),
-                           y=field("predicted:Q"), tooltip=tooltip("chunk:O", "gflop:Q", "predicted:Q")))
+        line = {"type": "line", "color": palette.PREDICTED, "strokeDash": [4, 2]}
+        layers.append(unit(predicted, line, x=field("chunk:Q"), y=field("predicted:Q"),
+                           tooltip=tooltip("chunk:O", "gflop:Q", "predicted:Q")))
         notes += ["dashed: predicted from FLOPs", f"at the median rate ({rate / 1e9:.2f} GFLOP/s)"]
     # the notes a line each, none wider than the plot's 260 px: beside kv_bytes_chart it fits a laptop's notebook
     title = {"text": "prefill speed per chunk", "subtitle": notes, "anchor": "start"}
