@@ -164,7 +164,7 @@ for il in (2, 3):
 # ring as a ring buffer of 256 slots, orange: what the chunk wrote, the write pointer where the next position
 # goes) and what each query of the chunk could see in the layer picked. Chunk 4 (tokens 256–319) wraps the
 # ring: positions 0–63 are overwritten. From position 131 a query of a ratio-4 layer sees more than 32
-# compressed rows: the indexer keeps 32 of them (blue) and drops the rest (peach).
+# compressed rows: the indexer keeps 32 of them (blue) and drops the rest (salmon).
 
 # %% tags=["nbval-check-output"]
 prefill_view.run()

@@ -105,7 +105,7 @@ for q in (60, 124, 128, 132, 200, 316):
 # `AttentionView` draws the map at a fixed size: queries down, keys across in three groups (raw window |
 # compressed rows | sink). Cells are scaled up, and max-pooled only when more than fit at 3 px (the note says by
 # how much). Colour "per row" shows where each query looks, "log" the small weights; the bar beside each row is
-# that query's mass on raw | compressed | sink, and compressed rows the indexer dropped are peach. Drag on the
+# that query's mass on raw | compressed | sink, and compressed rows the indexer dropped are salmon. Drag on the
 # map to zoom in (every cell, with its token; another layer keeps the zoom), double-click to reset; click a head
 # above the map to show it.
 
@@ -118,7 +118,7 @@ AttentionView(cap, layer=2, head=0)
 # Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 70–80 are
 # queries 280–316), here across the border of the last raw keys and the first compressed rows: a query sees the
 # raw keys up to its own position (later ones are grey) and, from 131 on, only the compressed rows the indexer
-# kept (dropped ones are peach). Each row's bar says how its mass splits; the numbers for three of them:
+# kept (dropped ones are salmon). Each row's bar says how its mass splits; the numbers for three of them:
 
 # %% tags=["nbval-check-output"]
 zoomed = AttentionView(cap, layer=2, head=0)

@@ -68,7 +68,10 @@ for s in sessions.values():
 
 # %% [markdown]
 # In each tier's row, `activations` is the chunk's hidden-state buffer that a tier running anything must hold,
-# whatever its layers. The weights and KV bytes come per unit; here those of `by_memory`:
+# whatever its layers. The weights and KV bytes come per unit; here those of `by_memory`. A unit's KV is what
+# the session allocates for it on its device: the whole ring (256 slots) and room for the compressed rows, in
+# the backend's float type (float64 here). A checkpoint (notebook 03) saves only the rows in use, as float32:
+# layer 0 there is 64 rows × 128 × 4 B = 32,768 bytes, here 256 slots × 128 × 8 B = 262,144.
 
 # %% tags=["nbval-check-output"]
 for row in sessions["by_memory"].placement.table():
@@ -131,7 +134,9 @@ print("bytes per prefill chunk:", chunk_bytes, "| per decoded token:", token_byt
 #
 # In batch mode each token's hidden state crosses each boundary once, whatever the chunk size: the chunk
 # size sets how many copies carry those bytes, not how many bytes there are. Smaller chunks mean more
-# switches, each with its own latency (on real devices, a synchronisation).
+# switches, each with its own latency: on two GPUs a transfer and a synchronisation. Here both tiers are
+# this CPU and a copy is a memcpy (128 KiB to 2 MiB), whose microseconds are mostly noise: the same sweep
+# ran its largest chunk fastest on one run and slowest on the next, so the chart leaves time out.
 
 # %% tags=["nbval-check-output"]
 CHUNKS = (16, 64, 256)  # the full sweep: (8, 16, 32, 64, 128, 256)
@@ -144,8 +149,7 @@ for chunk in CHUNKS:
         s = model.session(ctx=256, prefill_chunk=chunk, placement=Placement.even(2))
         s.prefill(ids).run(progress=False)
     copies = [sw for sw in s.tier_trace if sw.mode == "batch"]
-    sweep.append(dict(chunk=chunk, switches=len(copies), bytes=sum(sw.bytes for sw in copies),
-                      seconds=sum(sw.seconds for sw in copies)))
+    sweep.append(dict(chunk=chunk, switches=len(copies), bytes=sum(sw.bytes for sw in copies)))
     print(f"chunk {chunk:3d}: {len(copies):2d} batch copies, {sweep[-1]['bytes']:,} bytes "
           f"= {len(ids)} tokens × {sweep[-1]['bytes'] // len(ids):,}")
 

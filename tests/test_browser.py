@@ -772,11 +772,14 @@ def test_expert_view_renders(page):
     for i in range(hists.count()):  # every layer has drawn bars
         assert hists.nth(i).locator("svg rect[pointer-events='none']").count() > 0
     assert view.locator(".ds4-tip").inner_text().startswith("hover a bar")
-    tip = _hover_fills(pg, view.locator("svg rect[data-e]").nth(2), view.locator(".ds4-tip"),
-                       until="/expert \\d+:/.test(el.textContent)")
-    assert re.match(r"layer 0 \(hash\), expert 2: \d+ of \d+ tokens", tip), tip
-    # the caption stays in view: under the title, above the stack of histograms
-    assert view.locator(".ds4-tip").bounding_box()["y"] < hists.first.bounding_box()["y"]
+    # a bar's text beside the pointer, on every layer (a caption under the title was 350 px from layer 5's bars)
+    for layer, bar in ((0, 2), (5, 0)):
+        target = hists.nth(layer).locator("svg rect[data-e]").nth(bar)
+        tip = _hover_fills(pg, target, view.locator(".ds4-hovertip"), until="/expert \\d+:/.test(el.textContent)")
+        routed = r" \(hash\)" if layer < 3 else ""  # the first three layers route by the token id
+        assert re.match(rf"layer {layer}{routed}, expert {bar}: \d+ of \d+ tokens", tip), tip
+        _tip_beside(pg, target, view.locator(".ds4-hovertip"), view)
+    pg.screenshot(path=str(ARTIFACTS / "expert_view_tooltip.png"))
     # axes: expert ids 0–7 under the bars, tokens up the left from 0 to the top of the scale (one for every layer)
     top = max(int(re.search(r"max (\d+)", hists.nth(i).locator(".ds4-label").inner_text())[1])
               for i in range(hists.count()))
@@ -805,6 +808,7 @@ def test_expert_view_renders(page):
 
 def test_generation_view_renders(page):
     pg, *_ = page
+    pg.mouse.move(0, 0)  # out of every view (the test before left it on a histogram's bar)
     view = _view(pg, "Generation:")
     assert re.match(r"Generation: 12 tokens", view.locator(".ds4-title").inner_text())
     assert view.locator(".ds4-gen .ds4-ctx").inner_text().startswith("First Citizen")

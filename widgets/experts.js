@@ -1,5 +1,5 @@
 // ExpertView: one histogram per layer (x: expert id, y: tokens routed), hash-routed layers marked.
-const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
 
 // Round tick values from 0 up to vmax: the largest step of 1, 2, 2.5 or 5 times a power of ten (whole numbers: token
 // counts) that leaves at least two steps under vmax, so three or four ticks on a 40 px axis.
@@ -14,13 +14,19 @@ const niceTicks = (vmax) => {
 };
 
 function render({ model, el }) {
-  el.classList.add("ds4-view");
-  // the caption of the bar under the pointer sits under the title, where it stays in view above a tall stack
+  el.classList.add("ds4-view", "ds4-experts");
   const header = document.createElement("div"), body = document.createElement("div");
-  const tip = document.createElement("div"); tip.className = "ds4-tip";
-  const idle = "hover a bar: how many tokens went to that expert, and which tokens most often";
-  tip.textContent = idle;
-  el.append(header, tip, body);
+  const hint = document.createElement("div"); hint.className = "ds4-tip";
+  hint.textContent = "hover a bar: how many tokens went to that expert, and which tokens most often";
+  el.append(header, hint, body);
+  const tips = pointerTip(el);  // a bar's text beside the pointer (a caption above a tall stack was far from it)
+  // what a bar's tooltip says: its count and share, and the tokens it was sent most often
+  const describe = (L, e) => {
+    const c = L.counts[e], top = L.top[e] || [];
+    return `layer ${L.layer}${L.hash ? " (hash)" : ""}, expert ${e}: ${c} of ${L.n_tokens} tokens ` +
+      `(${L.n_tokens ? ((100 * c) / L.n_tokens).toFixed(1) : 0}%)` +
+      (top.length ? " · most often: " + top.map(([t, k]) => `${JSON.stringify(t)} ×${k}`).join(", ") : "");
+  };
   const draw = () => {
     const n = model.get("n_expert"), show = model.get("show"), common = model.get("common_scale");
     const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
@@ -42,7 +48,7 @@ function render({ model, el }) {
       let bars = "";
       L.counts.forEach((c, e) => {
         const bh = Math.round((H * c) / vmax), x = AX + e * bw;
-        bars += `<rect data-l="${L.layer}" data-e="${e}" x="${x}" y="${PT}" width="${bw}" height="${H}" fill="transparent"/>` +
+        bars += `<rect data-e="${e}" data-tip="${esc(describe(L, e))}" x="${x}" y="${PT}" width="${bw}" height="${H}" fill="transparent"/>` +
           (bh ? `<rect x="${x}" y="${PT + H - bh}" width="${Math.max(bw - 1, 1)}" height="${bh}" fill="${fill}" pointer-events="none"/>` : "");
         if (e % every === 0) bars += `<text class="ds4-xtick" x="${x + bw / 2}" y="${PT + H + 12}">${e}</text>`;
       });
@@ -60,24 +66,14 @@ function render({ model, el }) {
     }
     body.innerHTML = h;
   };
-  const hover = (ev) => {
-    const d = ev.target.dataset;
-    if (!d || d.e === undefined) { tip.textContent = idle; return; }
-    const L = model.get("layers").find((x) => x.layer === +d.l), e = +d.e;
-    if (!L) return;
-    const c = L.counts[e], top = L.top[e] || [];
-    tip.innerHTML = `layer ${L.layer}${L.hash ? " (hash)" : ""}, expert ${e}: ${c} of ${L.n_tokens} tokens ` +
-      `(${L.n_tokens ? ((100 * c) / L.n_tokens).toFixed(1) : 0}%)` +
-      (top.length ? " · most often: " + top.map(([t, k]) => `<code>${esc(JSON.stringify(t))}</code> ×${k}`).join(", ") : "");
-  };
+  const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
   const events = ["layers", "show", "common_scale"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
-  body.addEventListener("mouseover", hover);
+  for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
-    body.removeEventListener("mouseover", hover);
+    for (const e of events) model.off(e, redraw);
+    tips.remove();
   };
 }
 export default { render };

@@ -22,6 +22,9 @@ function render({ model, el }) {
     reserved = Math.max(reserved, tip.offsetHeight);
     tip.style.minHeight = reserved ? `${reserved}px` : tip.style.minHeight;
   };
+  // a panel filled before it was laid out (JupyterLab renders outputs off-page) measured 0: measure it once it is
+  const sized = new ResizeObserver(reserve);
+  sized.observe(tip);
   // Out of a generated token: the last one's alternatives (the panel shows what it is for, and the room it keeps
   // is not left blank), or before any token what hovering one shows
   const placeholder = () => {
@@ -89,6 +92,7 @@ function render({ model, el }) {
     for (const e of events) model.off(e, redraw);
     text.removeEventListener("mouseover", hover);
     text.removeEventListener("mouseleave", leave);
+    sized.disconnect();
   };
 }
 export default { render };

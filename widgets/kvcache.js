@@ -54,7 +54,9 @@ function render({ model, el }) {
       `<div class="ds4-note">= the layers below + ${d.other_bytes.toLocaleString()} bytes: the header, the token ids (4 B ` +
       `each) and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
     h += `<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">` +
-      `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}.<br>` +
+      `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}; the numbers ` +
+      `around it are the positions those slots hold` + (d.raw_cap > d.window ? `. ${d.raw_cap} slots for a window of ${d.window}: ` +
+      `a chunk's own rows and the window before them fit at once` : "") + `.<br>` +
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (T < d.raw_cap ? `<span class="ds4-swatch empty"></span> empty: no position written there yet<br>` : "") +
@@ -76,7 +78,8 @@ function render({ model, el }) {
         const chooses = L.n_index !== null && L.n_index > d.idx_topk;
         const reads = picked && chooses ? `<div>the last query (position ${q}) reads the ${picked.size} rows the indexer picked: ` +
           `<span class="ds4-swatch kept"></span> kept (attended), <span class="ds4-swatch dropped"></span> dropped by the indexer ` +
-          `(the mask view's colours; <span class="ds4-swatch comp"></span> green: a layer's rows where no indexer chooses)</div>` : "";
+          `(as in the attention and mask views; <span class="ds4-swatch comp"></span> green: a layer's rows where no indexer ` +
+          `chooses)</div>` : "";
         h += `<div>compressed rows: ${L.n_comp} (row c pools the group of tokens ${R}c–${R}c+${R - 1}${R === 4 ? ", and the group before" : ""})</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;

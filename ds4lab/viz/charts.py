@@ -181,24 +181,29 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
 
 
 def batch_copies_chart(rows: list[dict]):
-    """A chunk-size sweep of a tier plan's batch switches, three panels: copies, bytes moved and time copying per
-    chunk size. ``rows``: one dict per chunk size with ``chunk``, ``switches`` (batch copies), ``bytes`` and
-    ``seconds`` (sums over the session's ``tier_trace``). Panels of 150 pixels: the three fit a laptop's notebook
-    beside its file browser."""
-    rows = [dict(r, us=r["seconds"] * 1e6) for r in rows]
+    """A chunk-size sweep of a tier plan's batch switches: copies and bytes moved per chunk size, and the time
+    copying where the rows have it. ``rows``: one dict per chunk size with ``chunk``, ``switches`` (batch copies),
+    ``bytes`` and optionally ``seconds`` (sums over the session's ``tier_trace``; leave it out where a copy is a
+    memcpy of a few kB, whose microseconds are noise). Panels of 150 pixels: three fit a laptop's notebook beside
+    its file browser."""
+    timed = all("seconds" in r for r in rows)
+    rows = [dict(r, us=r["seconds"] * 1e6) if timed else r for r in rows]
     x = field("chunk:O", title="prefill chunk (tokens)", axis={"labelAngle": 0})
     tips = tooltip(field("chunk:O", title="prefill chunk"), field("switches:Q", title="batch copies"),
-                   field("bytes:Q", title="bytes moved", format=","), field("us:Q", title="µs copying", format=",.0f"))
+                   field("bytes:Q", title="bytes moved", format=","),
+                   *([field("us:Q", title="µs copying", format=",.0f")] if timed else []))
 
     def panel(mark, y, title):
         return dict(unit(rows, mark, x=x, y=y, tooltip=tips), title=title, width=150, height=140)
 
-    return Chart({"hconcat": [
+    panels = [
         panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
         panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale={"zero": True},
                                                      axis=BYTES_AXIS), "bytes: the same for all"),
-        panel("bar", field("us:Q", title="µs copying"), "time copying (here)"),
-    ]})
+    ]
+    if timed:
+        panels.append(panel("bar", field("us:Q", title="µs copying"), "time copying (here)"))
+    return Chart({"hconcat": panels})
 
 
 def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):

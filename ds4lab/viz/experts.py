@@ -12,7 +12,7 @@ import numpy as np
 import traitlets as t
 
 from . import palette
-from .base import View, ViewModel, token_texts, widget_file
+from .base import View, ViewModel, token_texts, widget_module
 from .reduce import png_base64
 
 HASH_COLOUR, LEARNED_COLOUR = palette.rgb(palette.HASH_ROUTED), (49, 130, 189)  # hash-routed grey, learned blue
@@ -43,7 +43,7 @@ def capture_prefill(session, prompt, layers=None):
 
 
 class ExpertModel(ViewModel):
-    _esm = widget_file("experts.js")
+    _esm = widget_module("experts.js", "hovertip.js")
     n_expert = t.Int(0).tag(sync=True)
     k = t.Int(0).tag(sync=True)  # experts per token
     layers = t.List().tag(sync=True)  # [{layer, hash, n_tokens, counts [n_expert], top: [[[text, n], ...] per expert]}]
