@@ -495,10 +495,14 @@ def test_kvcache_view_renders(page):
     note = view.locator(".ds4-ringbox .ds4-note")
     assert "written by the step shown (positions 256–319)" in note.inner_text()
     assert note.bounding_box()["width"] >= 450  # the legend takes the room the output has
-    # the indexer's layers mark what the last query reads: the captured top 32 of 80 rows, the others dropped
+    # the indexer's layers mark what the last query reads: the captured top 32 of 80 rows, the others dropped; the
+    # colours' key once, above the layers (a key in each indexer's layer made the view 880 px tall at a laptop's width)
+    key = view.locator(".ds4-key-comp")
+    assert key.count() == 1 and key.bounding_box()["y"] < view.locator(".ds4-layer").first.bounding_box()["y"]
+    assert "dropped by the indexer (as in the attention and mask views)" in key.inner_text()
     for layer in (2, 4):
         box = view.locator(".ds4-layer").nth(layer)
-        assert "the last query (position 319) reads the 32 rows the indexer picked" in box.inner_text()
+        assert "the last query (319) reads the 32 the indexer picked" in box.inner_text()
         assert box.locator(".ds4-cell.comp").count() == 80 and box.locator(".ds4-cell.comp.dropped").count() == 48
         # kept and dropped in the colours the MaskView and the AttentionView give them (below)
         colour = "el => getComputedStyle(el).backgroundColor"
@@ -999,6 +1003,7 @@ def test_views_fit_a_laptop_screen(page):
     att = _output_of(pg.locator(".ds4-view:has(.ds4-att-stage)").first)
     prefill = _output_of(pg.locator(".ds4-view.ds4-prefill").first)
     tiers = _output_of(_view(pg, "Tiers:"))
+    kv = next(v for v in pg.locator(".ds4-kv").all() if v.locator(".ds4-layer").count() > 1)  # all six layers
     pg.set_viewport_size({"width": 1280, "height": 800})
     was = _side_panel(pg, True)
     try:
@@ -1007,7 +1012,7 @@ def test_views_fit_a_laptop_screen(page):
         pg.wait_for_function("([c, o]) => c.getBoundingClientRect().right <= o.getBoundingClientRect().right + 1",
                              arg=[canvas.element_handle(), att.element_handle()], timeout=5_000)
         assert att.bounding_box()["width"] < 900  # the file browser took its share
-        for name, out in (("attention", att), ("prefill", prefill), ("tiers", tiers)):
+        for name, out in (("attention", att), ("prefill", prefill), ("tiers", tiers), ("kvcache", _output_of(kv))):
             out.scroll_into_view_if_needed()
             assert not _cut_off(out), f"{name} view cut off at 1280 px: {_cut_off(out)[:5]}"
             pg.screenshot(path=str(ARTIFACTS / f"laptop_{name}.png"))
@@ -1019,6 +1024,12 @@ def test_views_fit_a_laptop_screen(page):
             assert box["y"] + box["height"] - (slider["y"] + slider["height"]) < 620, (slider, ring, mask)
         table, prompt = (prefill.locator(s).first.bounding_box() for s in (".ds4-chunks table", ".ds4-prompt"))
         assert table["x"] >= prompt["x"] + prompt["width"] and table["y"] < prompt["y"] + prompt["height"]
+        # the KV cache's six layers in two columns, their colours keyed once: the ring and every layer in one
+        # screen of JupyterLab at 800 px (the view was 906 px tall, the ring's top to layer 5's end 800)
+        blocks = [b.bounding_box() for b in kv.locator(".ds4-layer").all()]
+        assert len(blocks) == 6 and len({round(b["y"]) for b in blocks}) == 3, blocks
+        ring_top = kv.locator(".ds4-ring").bounding_box()["y"]
+        assert max(b["y"] + b["height"] for b in blocks) - ring_top < 660
         for at in ((0.3, 0.8), (0.85, 0.1)):  # the lowest rows, the upper right: the tooltip where the reader looks
             _tip_beside_pointer(pg, canvas, att.locator(".ds4-hovertip"), at)
         pg.screenshot(path=str(ARTIFACTS / "laptop_attention_tooltip.png"))

@@ -7,7 +7,7 @@ function cells(n, cls, tips, max = 600) {
 }
 function ring(d) {
   // slot s at angle s/cap of a turn, clockwise from the top
-  const cap = d.raw_cap, S = 260, c = S / 2, r1 = 90, r0 = 64, T = d.n_tokens;
+  const cap = d.raw_cap, S = 240, c = S / 2, r1 = 82, r0 = 58, T = d.n_tokens;
   const pt = (s, r) => { const a = (2 * Math.PI * s) / cap - Math.PI / 2; return [c + r * Math.cos(a), c + r * Math.sin(a)]; };
   let h = `<svg class="ds4-ring" width="${S}" height="${S}" viewBox="0 0 ${S} ${S}">`;
   for (let s = 0; s < cap; s++) {
@@ -64,30 +64,37 @@ function render({ model, el }) {
         `no step outlined: this is the whole state after ${T} tokens<br>`) +
       (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
         `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>`) +
-      (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`) +
-      `</div></div>`;
-    for (const L of d.layers) {
-      if (only && !only.includes(L.layer)) continue;
+      (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`);
+    // the compressed rows' colours, once for the layers shown, in the room beside the ring
+    const shown = d.layers.filter((L) => !only || only.includes(L.layer)), q = T - 1;
+    const picks = shown.some((L) => L.picked && L.n_index !== null && L.n_index > d.idx_topk);
+    if (shown.some((L) => L.ratio)) {
+      h += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> green` + (picks ? ` where no ` +
+        `indexer chooses; on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
+        `(attended), <span class="ds4-swatch dropped"></span> dropped by the indexer (as in the attention and mask views)` : "") +
+        (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows` : "") +
+        ` · <span class="ds4-swatch pending"></span> tokens pending: their group is not complete (not yet compressed)</div>`;
+    }
+    h += `</div></div>`;
+    h += `<div class="ds4-layers">`;
+    for (const L of shown) {
       const R = L.ratio, grp = (c) => [Math.max(0, c * R - (R === 4 ? 4 : 0)), c * R + R - 1];
       // the indexer's choice for the last query, where known: the rows it attends and those it dropped
-      const picked = L.picked ? new Set(L.picked) : null, q = T - 1;
+      const picked = L.picked ? new Set(L.picked) : null;
       const read = (c) => (!picked ? "" : picked.has(c) ? `, attended by the last query (${q})` : `, dropped by the indexer for the last query (${q})`);
       h += `<div class="ds4-layer"><b>layer ${L.layer}</b> · ${R ? `ratio ${R}${L.n_index !== null ? ", indexer" : ""}` : "raw only"} · ${L.bytes.toLocaleString()} bytes`;
       if (R) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const chooses = L.n_index !== null && L.n_index > d.idx_topk;
-        const reads = picked && chooses ? `<div>the last query (position ${q}) reads the ${picked.size} rows the indexer picked: ` +
-          `<span class="ds4-swatch kept"></span> kept (attended), <span class="ds4-swatch dropped"></span> dropped by the indexer ` +
-          `(as in the attention and mask views; <span class="ds4-swatch comp"></span> green: a layer's rows where no indexer ` +
-          `chooses)</div>` : "";
-        h += `<div>compressed rows: ${L.n_comp} (row c pools the group of tokens ${R}c–${R}c+${R - 1}${R === 4 ? ", and the group before" : ""})</div>` +
+        const reads = picked && chooses ? `<div>the last query (${q}) reads the ${picked.size} the indexer picked</div>` : "";
+        h += `<div>${L.n_comp} compressed rows, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}…${R}c+${R - 1}</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
-          const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: every query attends all of them)` :
-            ` — each query attends the top ${d.idx_topk} by the indexer's score` + (picked ? "" :
+          const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: a query attends all)` :
+            `; a query attends its top ${d.idx_topk} by score` + (picked ? "" :
               `; which ones the last query (position ${q}) picked is not recorded: KVCacheView(..., indexer=capture) marks them (notebook 04)`);
-          h += `<div>indexer rows: ${L.n_index}${choice}</div>` +
+          h += `<div>${L.n_index} indexer rows${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +
@@ -97,7 +104,7 @@ function render({ model, el }) {
       }
       h += "</div>";
     }
-    body.innerHTML = h;
+    body.innerHTML = h + "</div>";
   };
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
