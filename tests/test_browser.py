@@ -758,11 +758,11 @@ def test_attention_view_renders(page):
     pg.wait_for_function("(el) => !el.textContent.includes('zoomed')", arg=note.element_handle(), timeout=10_000)
 
 
-def _round_ticks(vmax: int) -> list[int]:
-    """0 and the multiples up to ``vmax`` of the largest whole step 1, 2, 2.5 or 5 × 10^k with two steps or more
-    under it (the ExpertView's token axis)."""
-    steps = [m * 10 ** k for k in range(len(str(vmax))) for m in (1, 2, 2.5, 5) if float(m * 10 ** k).is_integer()]
-    step = int(max(s for s in steps if vmax // s >= 2))
+def _round_ticks(vmax: int, px: int = 40) -> list[int]:
+    """0 and the multiples up to ``vmax`` of the smallest whole step 1, 2, 2.5 or 5 × 10^k whose ticks lie 16 px
+    apart or more on an axis of ``px`` (the ExpertView's token axis: 0, 50 for 97, where 25's four ticks crowded)."""
+    steps = [m * 10 ** k for k in range(len(str(vmax)) + 1) for m in (1, 2, 2.5, 5) if float(m * 10 ** k).is_integer()]
+    step = int(min(s for s in steps if px * s / vmax >= 16))
     return list(range(0, vmax + 1, step))
 
 
@@ -808,6 +808,16 @@ def test_expert_view_renders(page):
     assert re.match(r"router: tokens per expert, 3 layers \(hash layers only\) × 8 experts",
                     view.locator(".ds4-title").inner_text()) and hists.count() == 3
     out.locator(".widget-dropdown select").select_option(label="all layers")
+    # each layer its own scale: its own round ticks, their labels clear of each other (four ticks 10 px apart crowded)
+    out.locator(".widget-checkbox input").uncheck()
+    view.locator(".ds4-note", has_text="each layer its own scale").wait_for(timeout=10_000)
+    for i in range(hists.count()):
+        own = int(re.search(r"max (\d+)", hists.nth(i).locator(".ds4-label").inner_text())[1])
+        labels = hists.nth(i).locator("svg text.ds4-ytick")
+        assert labels.all_text_contents() == [str(v) for v in _round_ticks(own)], own
+        ys = sorted(t.bounding_box()["y"] for t in labels.all())
+        assert all(b - a >= 15 for a, b in zip(ys, ys[1:])), (own, ys)
+    out.locator(".widget-checkbox input").check()
 
 
 def test_generation_view_renders(page):

@@ -1,13 +1,17 @@
 // ExpertView: one histogram per layer (x: expert id, y: tokens routed), hash-routed layers marked.
 const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
 
-// Round tick values from 0 up to vmax: the largest step of 1, 2, 2.5 or 5 times a power of ten (whole numbers: token
-// counts) that leaves at least two steps under vmax, so three or four ticks on a 40 px axis.
-const niceTicks = (vmax) => {
+// Round tick values from 0 up to vmax on an axis of px pixels: the smallest step of 1, 2, 2.5 or 5 times a power of
+// ten (whole numbers: token counts) whose ticks lie MIN_TICK_GAP px apart or more, so two or three ticks on 40 px (four,
+// 10 px apart, crowded each other's labels).
+const MIN_TICK_GAP = 16;
+const niceTicks = (vmax, px) => {
   if (vmax < 2) return [0, vmax];
-  const steps = [];
-  for (let p = 1; p <= vmax; p *= 10) for (const m of [1, 2, 2.5, 5]) if (Number.isInteger(m * p)) steps.push(m * p);
-  const step = steps.filter((st) => Math.floor(vmax / st) >= 2).pop();
+  let step = 1;
+  for (let p = 1; ; p *= 10) {
+    const fits = [1, 2, 2.5, 5].map((m) => m * p).find((st) => Number.isInteger(st) && (px * st) / vmax >= MIN_TICK_GAP);
+    if (fits !== undefined) { step = fits; break; }
+  }
   const out = [];
   for (let v = 0; v <= vmax; v += step) out.push(v);
   return out;
@@ -54,7 +58,7 @@ function render({ model, el }) {
       });
       let axis = `<line class="ds4-axis" x1="${AX - 0.5}" y1="${PT}" x2="${AX - 0.5}" y2="${PT + H + 0.5}"/>` +
         `<line class="ds4-axis" x1="${AX - 0.5}" y1="${PT + H + 0.5}" x2="${AX + n * bw}" y2="${PT + H + 0.5}"/>`;
-      for (const v of niceTicks(vmax)) {
+      for (const v of niceTicks(vmax, H)) {
         const y = PT + H - (H * v) / vmax;
         axis += `<line class="ds4-axis" x1="${AX - 4}" y1="${y}" x2="${AX - 1}" y2="${y}"/>` +
           `<text class="ds4-ytick" x="${AX - 6}" y="${y}">${v}</text>`;
