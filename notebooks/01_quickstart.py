@@ -93,7 +93,7 @@ for t in np.argsort(-p)[:5]:
 # would get the prompt rendered as a user turn.
 
 # %% tags=["nbval-check-output"]
-sess = model.session(ctx=512, prefill_chunk=64)  # room to generate past the ring's 256 slots
+sess = model.session(ctx=512, prefill_chunk=64)  # room for 512 tokens: the ring (256 slots) can wrap
 text = sess.generate("ROMEO:\n", max_tokens=64, chat=False, temperature=0.8, seed=1)
 print("ROMEO:\n" + text)
 sess
@@ -153,9 +153,9 @@ for lk in sess.kv:
 # the tokens after the last full group wait in the compressor's pending state until their group is complete.
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
-# the bytes per layer. With `follow=True` it redraws after every step of the session: run the GenerationView
-# above for more tokens and watch the ring turn; past position 255 it wraps, each new position overwriting the
-# row of the one 256 before it (without `follow`, a view keeps the state of the cell that made it, and
+# the bytes per layer. With `follow=True` it redraws after every step of the session: type 200 in the
+# GenerationView's tokens box above, press run, and watch the ring turn; past position 255 it wraps, each new
+# position overwriting the row of the one 256 before it (without `follow`, a view keeps the state of the cell that made it, and
 # `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
 
 # %%
@@ -169,4 +169,5 @@ KVCacheView(sess, follow=True)
 # - `02_chunked_prefill.ipynb`: how a prompt is evaluated chunk by chunk, and why the result does not depend on the chunk size;
 # - `03_kv_checkpoints.ipynb`: checkpoints, restore, and ds4's on-disk KV store;
 # - `04_compressed_attention_and_indexer.ipynb`: what each query attends, and what the indexer keeps;
-# - `05_tiers_and_placement.ipynb`: layers split over tiers, and what moves between them.
+# - `05_tiers_and_placement.ipynb`: layers split over tiers, and what moves between them;
+# - `06_interventions.ipynb`: change what the model attends or routes to, and measure what it changes.

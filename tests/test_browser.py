@@ -351,13 +351,13 @@ def test_prefill_view_renders(page):
     after the last chunk says so in the view."""
     pg, *_ = page
     view = pg.locator(".ds4-view.ds4-prefill").first  # the first of the two, stepped while shown (titles change)
-    assert _view(pg, "Prefill after chunk 4").evaluate("(v, w) => v === w", view.element_handle())
     title = view.locator(".ds4-title").inner_text()
-    m = re.match(r"Prefill after chunk 4 \(tokens 256–(\d+)\): (\d+)/(\d+) tokens, 5/5 chunks of ≤64 run", title)
-    assert m and m[2] == m[3] and int(m[1]) == int(m[2]) - 1, title
+    m = re.match(r"Prefill: (\d+)/(\d+) tokens, 5/5 chunks of ≤64 run · shown: after chunk 4 \(tokens 256–(\d+)\)$",
+                 title)
+    assert m and m[1] == m[2] and int(m[3]) == int(m[1]) - 1, title
     assert view.locator("tr").count() == 1 + 5  # header + one row per chunk
     toks = view.locator(".ds4-prompt .ds4-tok")
-    assert toks.count() == int(m[2]) and view.locator(".ds4-prompt .ds4-todo").count() == 0
+    assert toks.count() == int(m[1]) and view.locator(".ds4-prompt .ds4-todo").count() == 0
     assert view.locator(".ds4-prompt .ds4-cur").count() == int(m[2]) - 256  # the chunk shown
     box = view.locator(".ds4-prompt")
     cur = view.locator(".ds4-prompt .ds4-tok[data-start]")
@@ -388,7 +388,7 @@ def test_prefill_view_renders(page):
         handle.press("ArrowLeft")
     pg.wait_for_function("(el) => el.textContent.includes('chunk 0')", arg=mask.locator(".ds4-title").element_handle(),
                          timeout=10_000)
-    assert view.locator(".ds4-title").inner_text().startswith("Prefill after chunk 0 (tokens 0–63)")
+    assert view.locator(".ds4-title").inner_text().endswith("shown: after chunk 0 (tokens 0–63)")
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 0 (tokens 0–63): 64 tokens")
     assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
     assert "nothing overwritten yet" in kv.inner_text()
@@ -453,8 +453,8 @@ def test_prefill_view_shown_after_its_run_has_one_control(page):
     the prompt, the KV cache and the mask together (the KV view inside has no slider of its own)."""
     pg, *_ = page
     view = pg.locator(".ds4-view.ds4-prefill").nth(1)  # the second of the two (its title changes)
-    assert view.locator(".ds4-title").inner_text().startswith(
-        "Prefill after chunk 2 (tokens 128–191): 320/320 tokens, 5/5 chunks")
+    assert view.locator(".ds4-title").inner_text() == (
+        "Prefill: 320/320 tokens, 5/5 chunks of ≤64 run · shown: after chunk 2 (tokens 128–191)")
     out = _output_of(view)
     box, kv, mask = view.locator(".ds4-prompt"), out.locator(".ds4-kv"), _mask_of(out)
     assert box.evaluate("(b) => b.scrollTop") > 0
@@ -471,7 +471,7 @@ def test_prefill_view_shown_after_its_run_has_one_control(page):
                          timeout=10_000)
     pg.wait_for_function("(el) => el.textContent.includes('chunk 1')", arg=kv.locator(".ds4-title").element_handle(),
                          timeout=10_000)
-    assert view.locator(".ds4-title").inner_text().startswith("Prefill after chunk 1 (tokens 64–127)")
+    assert view.locator(".ds4-title").inner_text().endswith("shown: after chunk 1 (tokens 64–127)")
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 1 (tokens 64–127): 128 tokens")
     assert mask.locator(".ds4-title").inner_text().startswith("What each query sees — layer 2, chunk 1 (tokens 64–127)")
     assert view.locator("tr.ds4-sel td").first.inner_text().strip() == "1"

@@ -83,7 +83,7 @@ def test_prefill_view_steps_with_the_cache_and_mask_beside(model):
     assert view.mask_view.mask.layer == 3 and kv.model.layers == [3]
     bundle = view._repr_mimebundle_()
     html = bundle["text/html"]
-    assert WIDGET in bundle and "Prefill after chunk 1 (tokens 32–63): 100/100 tokens, 4/4 chunks run" in html
+    assert WIDGET in bundle and "Prefill: 100/100 tokens, 4/4 chunks run · shown: after chunk 1 (tokens 32–63)" in html
     assert "KV cache after chunk 1 (tokens 32–63): 64 tokens" in html and "data:image/png;base64," in html
 
 

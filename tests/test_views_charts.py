@@ -407,7 +407,14 @@ def test_concat_is_flat_and_numpy_values_are_json(monkeypatch):
 
 def test_kv_cache_chart_tells_its_lines_apart_by_dash_as_well(charts):
     """The shared row's and MLA's lines lie within 12% of each other on the log axis (a student saw one line): each
-    scheme has a dash pattern as well as a colour, in one legend."""
+    scheme has a dash pattern as well as a colour, in one legend: Vega-Lite merges the two channels' legends where
+    field, title, domain and legend agree (with a sort alone it drew a second legend of black dots)."""
+    from ds4lab.kv.sizes import SCHEMES
+
     enc = charts["kv_cache_chart"].to_dict()["encoding"]
     assert enc["strokeDash"]["field"] == enc["color"]["field"] == "scheme"
-    assert enc["strokeDash"]["title"] == enc["color"]["title"] and enc["strokeDash"]["sort"] == enc["color"]["sort"]
+    assert enc["strokeDash"]["title"] == enc["color"]["title"] and enc["strokeDash"]["legend"] == enc["color"]["legend"]
+    assert enc["strokeDash"]["scale"]["domain"] == enc["color"]["scale"]["domain"] == list(SCHEMES)
+    vlc = pytest.importorskip("vl_convert")
+    vega = vlc.vegalite_to_vega(charts["kv_cache_chart"].to_dict())
+    assert len(vega["legends"]) == 1 and {"stroke", "strokeDash"} <= set(vega["legends"][0]), vega["legends"]

@@ -45,13 +45,16 @@ function render({ model, el }) {
       `p ${pct(r.logprob)} (logprob ${r.logprob.toFixed(3)})${r.eos ? " · end of sequence" : ""}</div>` +
       (r.top.length ? `<div class="ds4-note">top ${r.top.length} alternatives; bars: p relative to the most likely ` +
         `(${pct(top)} = full bar)</div>` : "") + "<table>";
-    for (const a of r.top) {
-      const w = Math.max(1, Math.round(BAR_PX * Math.exp(a.logprob - top)));
-      const mine = a.token === r.token;
-      h += `<tr class="${mine ? "ds4-sampled" : ""}"><td><code>${esc(JSON.stringify(a.text))}</code></td>` +
-        `<td>${pct(a.logprob)}</td><td style="text-align:left"><span class="ds4-pbar" style="width:${w}px;` +
-        `background:${colour(scale, a.logprob)}"></span></td><td>${mine ? "◀ sampled" : ""}</td></tr>`;
-    }
+    const row = (text, logprob, mark, cls) => {
+      const w = Math.max(1, Math.round(BAR_PX * Math.exp(logprob - top)));
+      return `<tr class="${cls}"><td><code>${esc(JSON.stringify(text))}</code></td>` +
+        `<td>${pct(logprob)}</td><td style="text-align:left"><span class="ds4-pbar" style="width:${w}px;` +
+        `background:${colour(scale, logprob)}"></span></td><td>${mark}</td></tr>`;
+    };
+    for (const a of r.top) h += a.token === r.token ? row(a.text, a.logprob, "◀ sampled", "ds4-sampled") : row(a.text, a.logprob, "", "");
+    // a token sampled from outside the top: its own row under them, said so (else the list never names it)
+    if (r.top.length && !r.top.some((a) => a.token === r.token))
+      h += row(r.piece, r.logprob, `◀ sampled, not in the top ${r.top.length}`, "ds4-sampled");
     tip.innerHTML = h + "</table>";
     reserve();
   };

@@ -30,7 +30,7 @@ function ring(d) {
     if (p >= 0) h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p}</text>`;  // an empty slot has no position
   }
   // the write pointer: the slot of the next position
-  const [px, py] = pt(d.pointer, r0 - 4), [qx, qy] = pt(d.pointer, r1 + 4), [tx, ty] = pt(d.pointer, r0 - 14);
+  const [px, py] = pt(d.pointer, r0 - 2), [qx, qy] = pt(d.pointer, r1 + 4), [tx, ty] = pt(d.pointer, r0 - 8);  // clear of the centre's text
   const turn = (360 * d.pointer) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
   h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
     `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
@@ -60,7 +60,7 @@ function render({ model, el }) {
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (T < d.raw_cap ? `<span class="ds4-swatch empty"></span> empty: no position written there yet<br>` : "") +
-      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (positions ${d.new_from}–${T - 1})<br>` :
+      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (${d.new_from === T - 1 ? `position ${T - 1}` : `positions ${d.new_from}–${T - 1}`})<br>` :
         `no step outlined: this is the whole state after ${T} tokens<br>`) +
       (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
         `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>`) +
@@ -69,8 +69,8 @@ function render({ model, el }) {
     const shown = d.layers.filter((L) => !only || only.includes(L.layer)), q = T - 1;
     const picks = shown.some((L) => L.picked && L.n_index !== null && L.n_index > d.idx_topk);
     if (shown.some((L) => L.ratio)) {
-      h += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> green` + (picks ? ` where no ` +
-        `indexer chooses; on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
+      h += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
+        `tokens` + (picks ? ` (where no indexer chooses); on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
         `(attended), <span class="ds4-swatch dropped"></span> dropped by the indexer (as in the attention and mask views)` : "") +
         (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows` : "") +
         ` · <span class="ds4-swatch pending"></span> tokens pending: their group is not complete (not yet compressed)</div>`;

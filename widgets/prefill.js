@@ -9,8 +9,9 @@ function render({ model, el }) {
     const toks = model.get("tokens"), bounds = model.get("bounds"), chunks = model.get("chunks");
     const done = model.get("done"), total = model.get("total"), sel = model.get("selected");
     const first = model.get("first"), note = model.get("note");
-    const shown = sel >= 0 && chunks[sel] ? `after chunk ${sel} (tokens ${chunks[sel].start}–${chunks[sel].end - 1}): ` : "";
-    let html = `<div class="ds4-title">Prefill ${shown}${done}/${total} tokens, ${chunks.length}/${bounds.length} chunks of ≤${model.get("chunk")} run</div>`;
+    // the prefill's progress, then the chunk whose state is shown (the two read as one: "after chunk 1: 320/320 tokens")
+    const shown = sel >= 0 && chunks[sel] ? ` · shown: after chunk ${sel} (tokens ${chunks[sel].start}–${chunks[sel].end - 1})` : "";
+    let html = `<div class="ds4-title">Prefill: ${done}/${total} tokens, ${chunks.length}/${bounds.length} chunks of ≤${model.get("chunk")} run${shown}</div>`;
     html += `<div class="ds4-bar"><div style="width:${total ? (100 * done) / total : 0}%"></div></div>`;
     if (note) html += `<div class="ds4-note ds4-warn">${esc(note)}</div>`;
     html += "<div class='ds4-chunks'><div class='ds4-prompt'>";

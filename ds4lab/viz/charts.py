@@ -151,10 +151,15 @@ def kv_bytes_chart(session, chunks):
             kind = f"ratio {lk.ratio}" if lk.ratio else "raw only"
             by_kind[kind] = by_kind.get(kind, 0) + lk.nbytes
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
+    # raw rows in the raw window's blue, compressed ones in the compressed rows' greens (no orange: palette.py)
+    kinds = {"domain": ["raw only", "ratio 4", "ratio 128"], "range": ["#3182bd", "#74c476", "#006d2c"]}
     line = unit(rows, {"type": "line", "point": True}, x=field("tokens:Q", title="tokens"),
-                y=field("bytes:Q", title="KV bytes (all layers of the kind)"), color=field("kind:N"),
+                y=field("bytes:Q", title="KV bytes (all layers of the kind)"), color=field("kind:N", scale=kinds),
                 tooltip=tooltip("tokens:Q", "kind:N", field("bytes:Q", format=",")))
     return _own_legend(line, title="KV bytes by layer kind", width=260, height=160)
+
+
+SCHEME_LEGEND = {"symbolType": "stroke", "symbolStrokeWidth": 2, "symbolSize": 300}
 
 
 def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20), bytes_per_value: int = 2):
@@ -170,10 +175,12 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
                 axis={"values": list(contexts), "labelExpr": (
                     "datum.value >= 1048576 ? datum.value / 1048576 + 'M' : datum.value / 1024 + 'K'")}),
         y=field("gib:Q", title=f"KV cache (GiB, {bytes_per_value} bytes a value)", scale={"type": "log"}),
-        color=field("scheme:N", title="cache", sort=list(SCHEMES)),
-        # a dash per scheme too (one legend with the colours): the shared row's and MLA's lines lie within 12% of
-        # each other, too close for colour alone
-        strokeDash=field("scheme:N", title="cache", sort=list(SCHEMES)),
+        # a dash per scheme too: the shared row's and MLA's lines lie within 12% of each other, too close for colour
+        # alone; one legend of both (the same domain and legend: Vega-Lite merges them, else a second legend of
+        # black dots), its symbols strokes that show the dash; no orange (palette.py)
+        color=field("scheme:N", title="cache", legend=SCHEME_LEGEND,
+                    scale={"domain": list(SCHEMES), "range": ["#3182bd", "#756bb1", "#252525", "#31a354", "#e377c2"]}),
+        strokeDash=field("scheme:N", title="cache", legend=SCHEME_LEGEND, scale={"domain": list(SCHEMES)}),
         tooltip=tooltip("scheme:N", "tokens:Q", field("gib:Q", format=".3~f", title="GiB")),
     )
     title = f"KV cache by context: DS4 against dense caches ({config.n_layer} layers)"

@@ -1,7 +1,10 @@
 """The colours that mean the same thing in every view. Orange is the accent and means one thing: what the step
 shown wrote, or what the reader picked (the chunk shown, a selected region or head, the active unit); nothing
 else is orange, so a class learns it once (tests/test_views_extra.py holds the views' sources to this).
-The front-end (``widgets/*.js``, ``widgets/views.css``) writes the same values."""
+The front-end (``widgets/*.js``, ``widgets/views.css``) writes the same values. One exception, kept on purpose: the
+GenerationView's probability scale runs from blue (likely) to orange (surprising), the diverging pair that readers
+with either red-green deficiency tell apart (pinks and purples fell within ΔE 4-8 of its grey); its key is always
+shown beside it."""
 
 from __future__ import annotations
 

@@ -248,7 +248,7 @@ class PrefillView(View):
 
     def static_html(self) -> str:
         m = self.model
-        mark = " style='background:#fff3bf'"
+        mark = f" style='font-weight:600;text-decoration:underline 2px {palette.ACCENT}'"  # the chunk shown, as live
         rows = "".join(
             f"<tr{mark if i == m.selected else ''}><td><span style='background:"
             f"{PALETTE[i % len(PALETTE)]}'>&nbsp;&nbsp;</span> {i}</td>"
@@ -263,10 +263,10 @@ class PrefillView(View):
             bg = PALETTE[ci % len(PALETTE)] if m.first <= p < m.done else "transparent"
             cur = f";outline:1px solid {palette.ACCENT}" if ci == m.selected else ""  # the chunk shown
             text.append(f"<span style='background:{bg}{cur}' title='position {p}'>{html.escape(tok)}</span>")
-        shown = html.escape(self._label(m.selected)) + ": " if m.selected >= 0 else ""
+        shown = " · shown: " + html.escape(self._label(m.selected)) if m.selected >= 0 else ""
         return (
-            f"<div class='ds4-view' style='font:12px monospace'><b>Prefill {shown}{m.done}/{m.total} tokens, "
-            f"{len(m.chunks)}/{len(m.bounds)} chunks run</b><table><tr><th>chunk</th><th>tokens</th><th>n</th>"
+            f"<div class='ds4-view' style='font:12px monospace'><b>Prefill: {m.done}/{m.total} tokens, "
+            f"{len(m.chunks)}/{len(m.bounds)} chunks run{shown}</b><table><tr><th>chunk</th><th>tokens</th><th>n</th>"
             f"<th>ms</th><th>tok/s</th><th>KV bytes</th></tr>{rows}</table>"
             "<div style='white-space:pre-wrap;max-height:8em;overflow:auto;border:1px solid #ddd'>"
             f"{''.join(text)}</div><div style='display:flex;gap:12px;align-items:flex-start'>"
