@@ -93,7 +93,7 @@ for t in np.argsort(-p)[:5]:
 # would get the prompt rendered as a user turn.
 
 # %% tags=["nbval-check-output"]
-sess = model.session(ctx=512, prefill_chunk=64)  # room for 512 tokens: the ring (256 slots) can wrap
+sess = model.session(ctx=512, prefill_chunk=64)  # 512 tokens: room for the 256-slot ring to wrap
 text = sess.generate("ROMEO:\n", max_tokens=64, chat=False, temperature=0.8, seed=1)
 print("ROMEO:\n" + text)
 sess

@@ -314,20 +314,23 @@ def test_the_indexer_rows_look_alike_in_the_mask_and_the_attention_view(cap):
 
 def test_the_views_place_their_tooltips_with_one_function():
     """AttentionView's tooltip beside the pointer (styled, at once, kept inside its frame: placeTip) is KVCacheView's,
-    TierView's and ExpertView's too, in place of native titles or a caption far from the pointer: one function in
-    widgets/hovertip.js, which each of the four models puts before its own ESM, and no view defines again."""
+    TierView's, ExpertView's, MaskView's and PrefillView's too, in place of native titles or a caption far from the
+    pointer: one function in widgets/hovertip.js, which each of the six models puts before its own ESM, and no view
+    defines again."""
     from ds4lab.viz.attention_view import AttentionModel
     from ds4lab.viz.experts import ExpertModel
     from ds4lab.viz.kv_view import KVCacheModel
+    from ds4lab.viz.mask_view import MaskModel
+    from ds4lab.viz.prefill_view import PrefillModel
     from ds4lab.viz.tier_view import TierModel
 
     shared = (WIDGETS / "hovertip.js").read_text(encoding="utf-8")
     assert "function placeTip(" in shared and "function pointerTip(" in shared
     for model, f in ((AttentionModel, "attention.js"), (KVCacheModel, "kvcache.js"), (TierModel, "tiers.js"),
-                     (ExpertModel, "experts.js")):
+                     (ExpertModel, "experts.js"), (MaskModel, "mask.js"), (PrefillModel, "prefill.js")):
         own = (WIDGETS / f).read_text(encoding="utf-8")
         assert model()._esm == shared + own, f
         assert "function placeTip(" not in own and "function pointerTip(" not in own, f
-    for f in ("kvcache.js", "tiers.js", "experts.js"):
+    for f in ("kvcache.js", "tiers.js", "experts.js", "prefill.js"):
         src = (WIDGETS / f).read_text(encoding="utf-8")
         assert "title=" not in src and "<title>" not in src and "data-tip=" in src, f

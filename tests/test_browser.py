@@ -361,8 +361,11 @@ def test_prefill_view_renders(page):
     assert view.locator(".ds4-prompt .ds4-cur").count() == int(m[2]) - 256  # the chunk shown
     box = view.locator(".ds4-prompt")
     cur = view.locator(".ds4-prompt .ds4-tok[data-start]")
-    assert box.evaluate("(b) => b.scrollTop") > 0 and cur.get_attribute("title") == "position 256, chunk 4"
+    assert box.evaluate("(b) => b.scrollTop") > 0 and cur.get_attribute("data-tip") == "position 256, chunk 4"
     assert 0 <= _prompt_offset(box) < box.evaluate("(b) => b.clientHeight") - 10  # the chunk's first line is shown
+    # a token's position and chunk beside the pointer, at once (a native title waited a second)
+    assert _hover_fills(pg, cur, view.locator(".ds4-hovertip")) == "position 256, chunk 4"
+    _tip_beside(pg, cur, view.locator(".ds4-hovertip"), view)
     out = _output_of(view)
     assert out.locator(".widget-button").count() == 2 and out.locator(".widget-dropdown").count() == 1
     assert [s.locator(".widget-label").first.inner_text() for s in _visible_sliders(out)] == ["show"]
@@ -373,13 +376,22 @@ def test_prefill_view_renders(page):
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 4 (tokens 256–")
     assert kv.locator(".ds4-layer").count() == 1  # the layer picked (2)
     assert kv.locator(".ds4-slot").count() == 256 and kv.locator(".ds4-slot-new").count() == int(m[2]) - 256
+    # beside the mask the ring's key is folded under one line (unfolded it took 25 lines of the narrow column): a
+    # click unfolds it, and it stays unfolded when the slider shows another chunk
+    key = kv.locator("details.ds4-keybox")
+    assert key.count() == 1 and not key.evaluate("(d) => d.open")
+    assert kv.locator(".ds4-ring").bounding_box()["height"] > key.bounding_box()["height"] * 5
+    key.locator("summary").click()
     assert "overwritten (evicted): positions 0–" in kv.inner_text()  # 320 positions in 256 slots
     assert mask.locator(".ds4-title").inner_text().startswith("What each query sees — layer 2, chunk 4")
     img = mask.locator("img.ds4-maskimg")
     assert img.evaluate("(i) => i.naturalWidth > 300 && i.naturalHeight > 200")
-    tip = mask.locator(".ds4-tip")
+    assert mask.locator(".ds4-tip").inner_text().startswith("hover a cell")
+    tip = mask.locator(".ds4-hovertip")  # beside the pointer, as the other views' tooltips
     text = _hover_fills(pg, img, tip, (0.5, 0.5), until="/query \\d+/.test(el.textContent)")
     assert re.match(r"query \d+ × ", text), text
+    at = img.bounding_box()
+    _tip_near(pg, tip, at["x"] + at["width"] / 2, at["y"] + at["height"] / 2, mask.bounding_box())
     out.screenshot(path=str(ARTIFACTS / "prefill_view.png"))
     # scrub back to chunk 0 with the keyboard on the slider
     handle = out.locator(".widget-hslider .noUi-handle").first
@@ -389,9 +401,13 @@ def test_prefill_view_renders(page):
     pg.wait_for_function("(el) => el.textContent.includes('chunk 0')", arg=mask.locator(".ds4-title").element_handle(),
                          timeout=10_000)
     assert view.locator(".ds4-title").inner_text().endswith("shown: after chunk 0 (tokens 0–63)")
+    # the pointer still on the mask: its tooltip names chunk 0's cell now (a caption reset until the pointer moved)
+    pg.wait_for_function("(el) => { const m = /^query (\\d+) ×/.exec(el.textContent); return m && +m[1] < 64; }",
+                         arg=tip.element_handle(), timeout=5_000)
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 0 (tokens 0–63): 64 tokens")
     assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
-    assert "nothing overwritten yet" in kv.inner_text()
+    assert "nothing overwritten yet" in kv.inner_text()  # the key still unfolded
+    key.locator("summary").click()  # folded again, as the view began
     # chunk 0's last query sees 16 compressed rows, fewer than the indexer's top 32: seen, and the tooltip says why
     # (the last row's compressed columns: x 447 of 485 px, y 284 of 320 in the mask's layout)
     text = _hover_fills(pg, img, tip, (0.926, 0.8875), until="/compressed row/.test(el.textContent)")
@@ -459,7 +475,7 @@ def test_prefill_view_shown_after_its_run_has_one_control(page):
     box, kv, mask = view.locator(".ds4-prompt"), out.locator(".ds4-kv"), _mask_of(out)
     assert box.evaluate("(b) => b.scrollTop") > 0
     assert 0 <= _prompt_offset(box) <= 8, _prompt_offset(box)  # the chunk starts at the box's top
-    assert view.locator(".ds4-prompt .ds4-tok[data-start]").get_attribute("title") == "position 128, chunk 2"
+    assert view.locator(".ds4-prompt .ds4-tok[data-start]").get_attribute("data-tip") == "position 128, chunk 2"
     sliders = _visible_sliders(out)
     assert [s.locator(".widget-label").first.inner_text() for s in sliders] == ["show"]
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 2 (tokens 128–191): 192 tokens")
@@ -475,7 +491,7 @@ def test_prefill_view_shown_after_its_run_has_one_control(page):
     assert kv.locator(".ds4-title").inner_text().startswith("KV cache after chunk 1 (tokens 64–127): 128 tokens")
     assert mask.locator(".ds4-title").inner_text().startswith("What each query sees — layer 2, chunk 1 (tokens 64–127)")
     assert view.locator("tr.ds4-sel td").first.inner_text().strip() == "1"
-    assert view.locator(".ds4-prompt .ds4-tok[data-start]").get_attribute("title") == "position 64, chunk 1"
+    assert view.locator(".ds4-prompt .ds4-tok[data-start]").get_attribute("data-tip") == "position 64, chunk 1"
     assert 0 <= _prompt_offset(box) <= 8, _prompt_offset(box)
     assert len(_visible_sliders(out)) == 1
     out.screenshot(path=str(ARTIFACTS / "prefill_view_late_chunk1.png"))

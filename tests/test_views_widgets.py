@@ -35,7 +35,8 @@ MODELS = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js"
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
 # The scripts shared by views (ds4lab.viz.base.widget_module), put before their own ESM.
 SHARED = {"kvcache.js": ["hovertip.js"], "attention.js": ["hovertip.js"], "tiers.js": ["hovertip.js"],
-          "experts.js": ["hovertip.js"]}
+          "experts.js": ["hovertip.js"], "mask.js": ["hovertip.js"],
+          "prefill.js": ["hovertip.js"]}
 # What a built or installed ds4lab must show: every model's ESM and stylesheet read from the installed front-end.
 CHECK = """
 import json, sys

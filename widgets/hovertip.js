@@ -1,5 +1,5 @@
-// The tooltip shared by the views (AttentionView, KVCacheView, TierView, ExpertView): ds4lab.viz.base.widget_module puts this
-// file before a view's own ESM, so these functions are its own.
+// The tooltip shared by the views (AttentionView, KVCacheView, TierView, ExpertView, MaskView, PrefillView):
+// ds4lab.viz.base.widget_module puts this file before a view's own ESM, so these functions are its own.
 // The tooltip (class ds4-hovertip, shown) beside the pointer at client px (px, py), where the reader looks: right of
 // it (left near the right edge of the tooltip's offset parent, its frame), below or above it, whichever side has more
 // of the frame in the window; inside the frame, so never cut off.

@@ -46,15 +46,17 @@ function render({ model, el }) {
   const body = document.createElement("div");
   el.append(body);
   const tips = pointerTip(el);  // a slot's or a row's text beside the pointer
+  let keyOpen = false;  // a compact view's key, unfolded by the reader: kept so across redraws
+  const toggled = (ev) => { if (ev.target.classList.contains("ds4-keybox")) keyOpen = ev.target.open; };
+  body.addEventListener("toggle", toggled, true);  // toggle does not bubble: caught on its way down
   const draw = () => {
-    const d = model.get("data"), only = model.get("layers");
+    const d = model.get("data"), only = model.get("layers"), compact = model.get("compact");
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
-    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>` +
-      `<div class="ds4-note">= the layers below + ${d.other_bytes.toLocaleString()} bytes: the header, the token ids (4 B ` +
-      `each) and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
-    h += `<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">` +
-      `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}; the numbers ` +
+    const bytes = `<div class="ds4-note">= the layers below + ${d.other_bytes.toLocaleString()} bytes: the header, the token ` +
+      `ids (4 B each) and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
+    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>`;
+    let key = `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}; the numbers ` +
       `around it are the positions those slots hold` + (d.raw_cap > d.window ? `. ${d.raw_cap} slots for a window of ${d.window}: ` +
       `a chunk's own rows and the window before them fit at once` : "") + `.<br>` +
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
@@ -69,13 +71,17 @@ function render({ model, el }) {
     const shown = d.layers.filter((L) => !only || only.includes(L.layer)), q = T - 1;
     const picks = shown.some((L) => L.picked && L.n_index !== null && L.n_index > d.idx_topk);
     if (shown.some((L) => L.ratio)) {
-      h += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
+      key += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
         `tokens` + (picks ? ` (where no indexer chooses); on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
         `(attended), <span class="ds4-swatch dropped"></span> dropped by the indexer (as in the attention and mask views)` : "") +
         (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows` : "") +
         ` · <span class="ds4-swatch pending"></span> tokens pending: their group is not complete (not yet compressed)</div>`;
     }
-    h += `</div></div>`;
+    // compact (beside another view, as in the PrefillView): the key and the bytes folded under one line, so the
+    // ring and the layer's rows keep the height of the view beside them; a reader unfolds it, and it stays so
+    h += compact ? `<div class="ds4-ringbox">${ring(d)}<details class="ds4-note ds4-keybox"${keyOpen ? " open" : ""}>` +
+      `<summary>key: the colours, the bytes</summary>${bytes}${key}</details></div>` :
+      `${bytes}<div class="ds4-ringbox">${ring(d)}<div class="ds4-note">${key}</div></div>`;
     h += `<div class="ds4-layers">`;
     for (const L of shown) {
       const R = L.ratio, grp = (c) => [Math.max(0, c * R - (R === 4 ? 4 : 0)), c * R + R - 1];
@@ -108,11 +114,12 @@ function render({ model, el }) {
   };
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
-  const events = ["data", "layers"].map((k) => `change:${k}`);
+  const events = ["data", "layers", "compact"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, redraw);
+    body.removeEventListener("toggle", toggled, true);
     tips.remove();
   };
 }

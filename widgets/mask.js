@@ -50,9 +50,13 @@ function render({ model, el }) {
   // drawn off-page and shown as an image: the page's only canvases stay the AttentionView's
   const canvas = document.createElement("canvas"), img = document.createElement("img");
   img.className = "ds4-maskimg"; img.alt = "mask";
-  const tip = document.createElement("div"); tip.className = "ds4-tip";
+  const hint = document.createElement("div"); hint.className = "ds4-tip";
+  hint.textContent = "hover a cell: query, key, and why it is seen or not";
   const legend = document.createElement("div"); legend.className = "ds4-legend";
-  el.append(title, img, tip, legend);
+  // the cell's text beside the pointer (hovertip.js), as the other views' (a line under the image was far from
+  // the rows at the top)
+  const tip = document.createElement("div"); tip.className = "ds4-hovertip";
+  el.append(title, img, hint, legend, tip);
   const draw = () => {
     const g = layout(model), cells = bytes(model.get("cells")), col = model.get("colours"), cats = model.get("categories");
     const p0 = model.get("pos0");
@@ -94,25 +98,35 @@ function render({ model, el }) {
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader
     img.src = canvas.toDataURL("image/png");
     img.width = g.W; img.height = g.H;
-    tip.textContent = "hover a cell: query, key, and why it is seen or not";
   };
-  const hover = (ev) => {
-    const g = layout(model), rect = img.getBoundingClientRect();
-    const px = ((ev.clientX - rect.left) / rect.width) * canvas.width, py = ((ev.clientY - rect.top) / rect.height) * canvas.height;
-    const q = Math.floor((py - T) / g.rh);
-    let c = -1;
-    for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.w(i)) { c = i; break; }
-    if (q < 0 || q >= g.Q || c < 0) return;
-    tip.textContent = reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g);
+  // the cell under the pointer (client px), if any, described beside it; none: no tooltip
+  let pointer = null;
+  const describe = () => {
+    let text = "";
+    if (pointer) {
+      const g = layout(model), rect = img.getBoundingClientRect();
+      const px = ((pointer.x - rect.left) / rect.width) * canvas.width, py = ((pointer.y - rect.top) / rect.height) * canvas.height;
+      const q = Math.floor((py - T) / g.rh);
+      let c = -1;
+      for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.w(i)) { c = i; break; }
+      if (q >= 0 && q < g.Q && c >= 0) text = reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g);
+    }
+    tip.style.display = text ? "block" : "none";
+    if (text) { tip.textContent = text; placeTip(tip, pointer.x, pointer.y); }
   };
+  const move = (ev) => { pointer = { x: ev.clientX, y: ev.clientY }; describe(); };
+  const leave = () => { pointer = null; describe(); };
+  const redraw = () => { draw(); describe(); };  // another step shown under a still pointer: its cell's text
   draw();
   const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
-  img.addEventListener("mousemove", hover);
+  for (const e of events) model.on(e, redraw);
+  img.addEventListener("mousemove", move);
+  img.addEventListener("mouseleave", leave);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
-    img.removeEventListener("mousemove", hover);
+    for (const e of events) model.off(e, redraw);
+    img.removeEventListener("mousemove", move);
+    img.removeEventListener("mouseleave", leave);
   };
 }
 export default { render };

@@ -5,6 +5,9 @@ const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, 
 
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-prefill");
+  const body = document.createElement("div");
+  el.append(body);
+  const tips = pointerTip(el);  // a token's position and chunk beside the pointer (a native title waited a second)
   const draw = () => {
     const toks = model.get("tokens"), bounds = model.get("bounds"), chunks = model.get("chunks");
     const done = model.get("done"), total = model.get("total"), sel = model.get("selected");
@@ -17,12 +20,12 @@ function render({ model, el }) {
     html += "<div class='ds4-chunks'><div class='ds4-prompt'>";
     let ci = 0;
     toks.forEach((t, p) => {
-      if (p < first) { html += `<span class="ds4-tok" title="${p}: reused">${esc(t)}</span>`; return; }
+      if (p < first) { html += `<span class="ds4-tok" data-tip="position ${p}: reused">${esc(t)}</span>`; return; }
       while (ci < bounds.length && p >= bounds[ci][1]) ci++;
       const ran = p < done, cur = ci === sel;
       const bg = ran ? PALETTE[ci % PALETTE.length] : "transparent";
       const start = cur && p === bounds[ci][0] ? ` data-start="1"` : "";
-      html += `<span class="ds4-tok${ran ? "" : " ds4-todo"}${cur ? " ds4-cur" : ""}"${start} style="background:${bg}" title="position ${p}, chunk ${ci}">${esc(t)}</span>`;
+      html += `<span class="ds4-tok${ran ? "" : " ds4-todo"}${cur ? " ds4-cur" : ""}"${start} style="background:${bg}" data-tip="position ${p}, chunk ${ci}">${esc(t)}</span>`;
     });
     html += "</div><table><tr><th>chunk</th><th>tokens</th><th>n</th><th>ms</th><th>tok/s</th><th>KV bytes</th></tr>";
     bounds.forEach(([s, e], i) => {
@@ -32,7 +35,7 @@ function render({ model, el }) {
         (c ? `<td>${(c.seconds * 1000).toFixed(1)}</td><td>${c.tokens_per_s.toFixed(0)}</td><td>${c.kv_bytes.toLocaleString()}</td>` :
              `<td colspan="3" style="color:#999">not run</td>`) + "</tr>";
     });
-    el.innerHTML = html + "</table></div>";
+    body.innerHTML = html + "</table></div>";
     pending = true;
     scroll();
   };
@@ -55,13 +58,15 @@ function render({ model, el }) {
     width = w;
   });
   resized.observe(el);
+  const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
   const events = ["tokens", "bounds", "chunks", "done", "selected", "note"].map((k) => `change:${k}`);
-  for (const e of events) model.on(e, draw);
+  for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
-    for (const e of events) model.off(e, draw);
+    for (const e of events) model.off(e, redraw);
     resized.disconnect();
+    tips.remove();
   };
 }
 export default { render };

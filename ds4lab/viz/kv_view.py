@@ -102,6 +102,7 @@ class KVCacheModel(ViewModel):
     _esm = widget_module("kvcache.js", "hovertip.js")
     data = t.Dict().tag(sync=True)
     layers = t.List(t.Int(), allow_none=True, default_value=None).tag(sync=True)  # the layers drawn (None: all)
+    compact = t.Bool(False).tag(sync=True)  # the ring's key and the bytes folded under one line
 
 
 class KVCacheView(FollowingView):
@@ -117,10 +118,11 @@ class KVCacheView(FollowingView):
     :class:`ds4lab.hooks.Capture` of ``indexer.topk`` that holds the last position (or a function, see
     :func:`indexer_picks`); the session itself does not keep that choice. ``slider=False``: the view shows no
     slider of its own, whatever it scrubs through (a view that embeds it, such as the PrefillView, drives it with
-    its own control); ``scrub`` and ``show`` still work."""
+    its own control); ``scrub`` and ``show`` still work. ``compact=True`` folds the ring's key and the byte count
+    under one line (a view beside another, as in the PrefillView, where the key took 25 lines of a narrow column)."""
 
     def __init__(self, session, checkpoints=None, follow: bool = False, layers=None, slider: bool = True,
-                 indexer=None):
+                 indexer=None, compact: bool = False):
         if not (indexer is None or callable(indexer) or hasattr(indexer, "records")):
             raise TypeError(f"indexer= is a capture of indexer.topk (sess.capture(['indexer.topk'], ...)) or a "
                             f"function (layer, position) -> rows; got {type(indexer).__name__} {indexer!r:.40}")
@@ -130,7 +132,7 @@ class KVCacheView(FollowingView):
         self._checkpoints, self._labels = [], []
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
         self._syncing = False  # the slider is being moved to the state on display: do not scrub
-        self.model = KVCacheModel(layers=None if layers is None else [int(i) for i in layers])
+        self.model = KVCacheModel(layers=None if layers is None else [int(i) for i in layers], compact=bool(compact))
         self.slider = W.IntSlider(value=0, min=0, max=0, description="state", disabled=True)
         self.slider.observe(self.guarded(self._slid), names="value")
         self.widget = W.VBox([self.slider, self.model] if self.has_slider else [self.model])

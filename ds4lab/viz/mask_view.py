@@ -12,7 +12,7 @@ import traitlets as t
 from ..visibility import CATEGORIES, StepMask, step_mask
 from . import palette
 from .attention_figure import FEW_PX
-from .base import View, ViewModel, widget_file
+from .base import View, ViewModel, widget_module
 from .reduce import png_base64
 
 # a few compressed rows (a ratio-128 layer's, up to FEW_MAX_PX together: a quarter of the live view's 480 px of
@@ -27,7 +27,7 @@ COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", palette.NOT_YET, palette.
 
 
 class MaskModel(ViewModel):
-    _esm = widget_file("mask.js")
+    _esm = widget_module("mask.js", "hovertip.js")
     cells = t.Bytes(b"").tag(sync=True)  # [Q, N] uint8 categories, row-major
     n_queries = t.Int(0).tag(sync=True)
     pos0 = t.Int(0).tag(sync=True)

@@ -12,7 +12,7 @@ import traitlets as t
 
 from ..visibility import step_mask
 from . import palette
-from .base import View, ViewModel, token_texts, widget_file
+from .base import View, ViewModel, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
 from .mask_view import MaskView
 
@@ -22,7 +22,7 @@ PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#b
 
 
 class PrefillModel(ViewModel):
-    _esm = widget_file("prefill.js")
+    _esm = widget_module("prefill.js", "hovertip.js")
     tokens = t.List(t.Unicode()).tag(sync=True)
     first = t.Int(0).tag(sync=True)  # position the prefill starts from (earlier tokens were reused)
     bounds = t.List().tag(sync=True)  # [[start, end], ...] of every chunk, run or planned
@@ -72,7 +72,7 @@ class PrefillView(View):
         # the KV view made here has no slider of its own: its states are the chunks, and the slider "show" above
         # drives it with the prompt, the table and the mask (two sliders would let them show different chunks)
         self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer], slider=False,
-                                                                       indexer=self._picks)
+                                                                       indexer=self._picks, compact=True)
         self._own_kv = kv_view is None
         if not self._own_kv:  # a view given keeps its slider: moved onto one of these chunks, the whole view follows
             self.kv_view.slider.observe(self.guarded(self._kv_slid), names="value")
