@@ -155,8 +155,8 @@ for lk in sess.kv:
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
 # the bytes per layer. With `follow=True` it redraws after every step of the session: type 200 in the
 # GenerationView's tokens box above, press run, and watch the ring turn; past position 255 it wraps, each new
-# position overwriting the row of the one 256 before it (without `follow`, a view keeps the state of the cell that made it, and
-# `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
+# position overwriting the row of the one 256 before it (without `follow`, a view keeps the state of the cell
+# that made it, and `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
 
 # %%
 from ds4lab.viz import KVCacheView

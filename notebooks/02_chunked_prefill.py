@@ -160,9 +160,10 @@ for il in (2, 3):
 # ## Finish and chart
 #
 # `run()` steps through the remaining chunks. Then the stepper: its slider shows any chunk again, without
-# touching the session. The prompt box scrolls to the chunk; beside it, the KV cache after that chunk (the raw
-# ring as a ring buffer of 256 slots, orange: what the chunk wrote, the write pointer where the next position
-# goes) and what each query of the chunk could see in the layer picked. Chunk 4 (tokens 256–319) wraps the
+# touching the session. The prompt box scrolls to the chunk; under it, side by side, the KV cache after that
+# chunk (the raw ring as a ring buffer of 256 slots, orange: what the chunk wrote, the write pointer where the
+# next position goes; "key" under the ring unfolds the colours) and what each query of the chunk could see in
+# the layer picked. Chunk 4 (tokens 256–319) wraps the
 # ring: positions 0–63 are overwritten. From position 131 a query of a ratio-4 layer sees more than 32
 # compressed rows: the indexer keeps 32 of them (blue) and drops the rest (salmon).
 

@@ -135,7 +135,7 @@ print("bytes per prefill chunk:", chunk_bytes, "| per decoded token:", token_byt
 # In batch mode each token's hidden state crosses each boundary once, whatever the chunk size: the chunk
 # size sets how many copies carry those bytes, not how many bytes there are. Smaller chunks mean more
 # switches, each with its own latency: on two GPUs a transfer and a synchronisation. Here both tiers are
-# this CPU and a copy is a memcpy (128 KiB to 2 MiB), whose microseconds are mostly noise: the same sweep
+# this CPU and a copy is a memcpy (96 KiB to 1.2 MiB here), whose microseconds are mostly noise: the same sweep
 # ran its largest chunk fastest on one run and slowest on the next, so the chart leaves time out.
 
 # %% tags=["nbval-check-output"]

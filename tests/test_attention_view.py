@@ -331,6 +331,8 @@ def test_the_views_place_their_tooltips_with_one_function():
         own = (WIDGETS / f).read_text(encoding="utf-8")
         assert model()._esm == shared + own, f
         assert "function placeTip(" not in own and "function pointerTip(" not in own, f
-    for f in ("kvcache.js", "tiers.js", "experts.js", "prefill.js"):
+    for f in ("kvcache.js", "tiers.js", "experts.js", "mask.js", "prefill.js"):
         src = (WIDGETS / f).read_text(encoding="utf-8")
-        assert "title=" not in src and "<title>" not in src and "data-tip=" in src, f
+        assert "title=" not in src and "<title>" not in src and "pointerTip(el" in src, f
+    for f in ("kvcache.js", "tiers.js", "prefill.js"):  # their texts as data-tip (the others' made on hover)
+        assert "data-tip=" in (WIDGETS / f).read_text(encoding="utf-8"), f

@@ -295,4 +295,4 @@ def test_generation_panel_names_a_token_sampled_from_outside_the_top(page, model
     rows = pg.locator(".ds4-alts tr").all_inner_texts()
     assert not errors, errors
     assert len(rows) == 3 and "◀ sampled, not in the top 2" in rows[-1], rows
-    assert "◀ sampled" not in "".join(rows[:-1]) and json.dumps(last["piece"]) in rows[-1], rows
+    assert "◀ sampled" not in "".join(rows[:-1]) and json.dumps(last["piece"], ensure_ascii=False) in rows[-1], rows

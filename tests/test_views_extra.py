@@ -298,19 +298,51 @@ def test_orange_means_only_the_step_shown_or_the_readers_pick():
     assert len(sources) > 20 and palette.ACCENT in (root.parent / "widgets" / "views.css").read_text()
     surprise = {c for _, c in LOGPROB_SCALE}
     found, accent = [], []
+    # a colour as #rrggbb, rgb(r, g, b), a Python tuple (r, g, b) or a JS array [r, g, b] (the sink's orange was
+    # a tuple)
+    triples = r"(?:rgba?\(|\(|\[)(\d{1,3}), *(\d{1,3}), *(\d{1,3})\b"
     for src in sources:
         for i, line in enumerate(src.read_text().splitlines(), 1):
             colours = re.findall(r"#[0-9a-fA-F]{6}\b", line)
-            colours += ["#%02x%02x%02x" % tuple(map(int, m)) for m in re.findall(r"rgba?\((\d+), *(\d+), *(\d+)", line)]
+            colours += ["#%02x%02x%02x" % tuple(map(int, m)) for m in re.findall(triples, line)
+                        if max(map(int, m)) < 256]
             colours = [c.lower() for c in colours]
             excepted = surprise if src.name == "generation.py" else {"#a63603"} if "ds4-warn" in line else set()
             found += [(src.name, i, c) for c in colours if _orange(c) and c != palette.ACCENT and c not in excepted]
-            # the accent itself: Python takes it from the palette; the front-end on what is new or picked only
+            # the accent itself: Python takes it from the palette; the front-end on a class of what is new or picked
+            # only (.new, .ds4-cur, .ds4-slot-new, .ds4-att-sel, .ds4-active, ...)
             if palette.ACCENT in colours and src.name != "palette.py":
-                accent += [] if src.suffix != ".py" and re.search(r"new|cur|sel|active", line) else [(src.name, i)]
+                picked = re.search(r"\.(?:ds4-[\w-]*?)?(?:new|cur|sel|active)\b", line)
+                accent += [] if src.suffix != ".py" and picked else [(src.name, i)]
     assert not found and not accent
     assert _orange(palette.ACCENT) and not any(_orange(getattr(palette, n)) for n in
                                                ("KEPT", "DROPPED", "NOT_YET", "PENDING", "SINK", "PREDICTED"))
+
+
+def test_the_front_end_writes_the_palettes_colours():
+    """widgets/*.js and views.css hold their own copies of palette.py's colours (a live view and its static fallback
+    draw the same): each copy is the palette's value."""
+    from pathlib import Path
+
+    from ds4lab.viz import palette
+
+    widgets = Path(ds4lab.__file__).parent.parent / "widgets"
+
+    def rgb(c):
+        return "rgb(%d,%d,%d)" % palette.rgb(c)
+
+    def array(c):
+        return "[%d, %d, %d]" % palette.rgb(c)
+
+    pending = f".ds4-view .ds4-cell.pending, .ds4-view .ds4-swatch.pending {{ background: {palette.PENDING}; }}"
+    copies = [("views.css", pending),
+              ("views.css", f".ds4-view .ds4-pendbar > div {{ background: {palette.PENDING}; }}"),
+              ("views.css", f".ds4-view .ds4-tok.ds4-cur {{ text-decoration: underline 2px {palette.ACCENT};"),
+              ("experts.js", f'const fill = L.hash ? "{palette.HASH_ROUTED}" : '),
+              ("attention.js", f'sink: "{rgb(palette.SINK)}" }}'),
+              ("attention.js", f"NOT_YET = {array(palette.NOT_YET)}, DROPPED = {array(palette.DROPPED)};")]
+    for name, text in copies:
+        assert text in (widgets / name).read_text(), (name, text)
 
 
 # -- MaskView -------------------------------------------------------------------------------------------------

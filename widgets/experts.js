@@ -1,5 +1,4 @@
 // ExpertView: one histogram per layer (x: expert id, y: tokens routed), hash-routed layers marked.
-const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
 
 // Round tick values from 0 up to vmax on an axis of px pixels: the smallest step of 1, 2, 2.5 or 5 times a power of
 // ten (whole numbers: token counts) whose ticks lie MIN_TICK_GAP px apart or more, so two or three ticks on 40 px (four,
@@ -23,14 +22,17 @@ function render({ model, el }) {
   const hint = document.createElement("div"); hint.className = "ds4-tip";
   hint.textContent = "hover a bar: how many tokens went to that expert, and which tokens most often";
   el.append(header, hint, body);
-  const tips = pointerTip(el);  // a bar's text beside the pointer (a caption above a tall stack was far from it)
-  // what a bar's tooltip says: its count and share, and the tokens it was sent most often
-  const describe = (L, e) => {
-    const c = L.counts[e], top = L.top[e] || [];
+  // what a bar's tooltip says, made when it is hovered: its count and share, and the tokens it was sent most often
+  const barText = (under) => {
+    const bar = under.closest("rect[data-e]");
+    const L = bar && model.get("layers").find((x) => x.layer === +bar.dataset.l);
+    if (!L) return "";
+    const e = +bar.dataset.e, c = L.counts[e], top = L.top[e] || [];
     return `layer ${L.layer}${L.hash ? " (hash)" : ""}, expert ${e}: ${c} of ${L.n_tokens} tokens ` +
       `(${L.n_tokens ? ((100 * c) / L.n_tokens).toFixed(1) : 0}%)` +
       (top.length ? " · most often: " + top.map(([t, k]) => `${JSON.stringify(t)} ×${k}`).join(", ") : "");
   };
+  const tips = pointerTip(el, barText);  // beside the pointer (a caption above a tall stack was far from it)
   const draw = () => {
     const n = model.get("n_expert"), show = model.get("show"), common = model.get("common_scale");
     const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
@@ -44,7 +46,7 @@ function render({ model, el }) {
       `<span class="ds4-badge">hash</span> layers route by a fixed table of the token id, the others by the ` +
       `learned router's top ${model.get("k")}</div>`;
     let h = "";
-    // each histogram's axes: tokens up the left (0, half and the top of its scale), expert ids along the bottom
+    // each histogram's axes: tokens up the left (niceTicks' round values), expert ids along the bottom
     const every = Math.max(1, Math.ceil(14 / bw));  // an expert id every `every` bars: at least 14 px apart
     for (const L of layers) {
       const vmax = common ? vmaxAll : Math.max(1, ...L.counts);
@@ -52,7 +54,7 @@ function render({ model, el }) {
       let bars = "";
       L.counts.forEach((c, e) => {
         const bh = Math.round((H * c) / vmax), x = AX + e * bw;
-        bars += `<rect data-e="${e}" data-tip="${esc(describe(L, e))}" x="${x}" y="${PT}" width="${bw}" height="${H}" fill="transparent"/>` +
+        bars += `<rect data-l="${L.layer}" data-e="${e}" x="${x}" y="${PT}" width="${bw}" height="${H}" fill="transparent"/>` +
           (bh ? `<rect x="${x}" y="${PT + H - bh}" width="${Math.max(bw - 1, 1)}" height="${bh}" fill="${fill}" pointer-events="none"/>` : "");
         if (e % every === 0) bars += `<text class="ds4-xtick" x="${x + bw / 2}" y="${PT + H + 12}">${e}</text>`;
       });

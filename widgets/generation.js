@@ -30,7 +30,9 @@ function render({ model, el }) {
   const placeholder = () => {
     const recs = model.get("records"), k = recs.length ? recs[0].top.length : 5;
     if (recs.length) { showTip(recs.length - 1, true); return; }
-    if (!reserved) tip.style.minHeight = `${(3 + k) * 1.6}em`;  // until a token's alternatives were shown
+    // until a token's alternatives were shown: lines for the heading, the note, k alternatives and a sampled token
+    // from outside them
+    if (!reserved) tip.style.minHeight = `${(4 + k) * 1.6}em`;
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;
   };

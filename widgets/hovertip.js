@@ -14,17 +14,19 @@ function placeTip(tip, px, py) {
   tip.style.left = `${x - s.left - frame.clientLeft + frame.scrollLeft}px`;
   tip.style.top = `${y - s.top - frame.clientTop + frame.scrollTop}px`;
 }
-// An element of the view with a data-tip under the pointer shows it in a tooltip beside the pointer (placeTip), at
-// once; describe() re-reads what is under the pointer (after a redraw).
-function pointerTip(el) {
+// What is under the pointer shows in a tooltip beside it (placeTip), at once: by default the data-tip of the
+// element under it; textAt(under, x, y) says otherwise (an image's cell, or a text made only when hovered), "" for
+// none. describe() re-reads what is under the pointer (after a redraw).
+const dataTip = (under) => { const at = under.closest("[data-tip]"); return at ? at.dataset.tip : ""; };
+function pointerTip(el, textAt = dataTip) {
   const tip = document.createElement("div"); tip.className = "ds4-hovertip";
   el.append(tip);
   let pointer = null;  // the last pointer position over the view (client px)
   const describe = () => {
     const under = pointer && document.elementFromPoint(pointer.x, pointer.y);
-    const at = under && el.contains(under) ? under.closest("[data-tip]") : null;
-    tip.style.display = at ? "block" : "none";
-    if (at) { tip.textContent = at.dataset.tip; placeTip(tip, pointer.x, pointer.y); }
+    const text = under && el.contains(under) ? textAt(under, pointer.x, pointer.y) : "";
+    tip.style.display = text ? "block" : "none";
+    if (text) { tip.textContent = text; placeTip(tip, pointer.x, pointer.y); }
   };
   const move = (ev) => { pointer = { x: ev.clientX, y: ev.clientY }; describe(); };
   const leave = () => { pointer = null; describe(); };

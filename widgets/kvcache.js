@@ -46,11 +46,9 @@ function render({ model, el }) {
   const body = document.createElement("div");
   el.append(body);
   const tips = pointerTip(el);  // a slot's or a row's text beside the pointer
-  let keyOpen = false;  // a compact view's key, unfolded by the reader: kept so across redraws
-  const toggled = (ev) => { if (ev.target.classList.contains("ds4-keybox")) keyOpen = ev.target.open; };
-  body.addEventListener("toggle", toggled, true);  // toggle does not bubble: caught on its way down
   const draw = () => {
     const d = model.get("data"), only = model.get("layers"), compact = model.get("compact");
+    const keyOpen = !!body.querySelector("details.ds4-keybox[open]");  // a compact view's key, unfolded: kept so
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
     const bytes = `<div class="ds4-note">= the layers below + ${d.other_bytes.toLocaleString()} bytes: the header, the token ` +
@@ -119,7 +117,6 @@ function render({ model, el }) {
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, redraw);
-    body.removeEventListener("toggle", toggled, true);
     tips.remove();
   };
 }

@@ -53,10 +53,7 @@ function render({ model, el }) {
   const hint = document.createElement("div"); hint.className = "ds4-tip";
   hint.textContent = "hover a cell: query, key, and why it is seen or not";
   const legend = document.createElement("div"); legend.className = "ds4-legend";
-  // the cell's text beside the pointer (hovertip.js), as the other views' (a line under the image was far from
-  // the rows at the top)
-  const tip = document.createElement("div"); tip.className = "ds4-hovertip";
-  el.append(title, img, hint, legend, tip);
+  el.append(title, img, hint, legend);
   const draw = () => {
     const g = layout(model), cells = bytes(model.get("cells")), col = model.get("colours"), cats = model.get("categories");
     const p0 = model.get("pos0");
@@ -99,34 +96,26 @@ function render({ model, el }) {
     img.src = canvas.toDataURL("image/png");
     img.width = g.W; img.height = g.H;
   };
-  // the cell under the pointer (client px), if any, described beside it; none: no tooltip
-  let pointer = null;
-  const describe = () => {
-    let text = "";
-    if (pointer) {
-      const g = layout(model), rect = img.getBoundingClientRect();
-      const px = ((pointer.x - rect.left) / rect.width) * canvas.width, py = ((pointer.y - rect.top) / rect.height) * canvas.height;
-      const q = Math.floor((py - T) / g.rh);
-      let c = -1;
-      for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.w(i)) { c = i; break; }
-      if (q >= 0 && q < g.Q && c >= 0) text = reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g);
-    }
-    tip.style.display = text ? "block" : "none";
-    if (text) { tip.textContent = text; placeTip(tip, pointer.x, pointer.y); }
+  // the cell under the pointer (client px), described beside it (hovertip.js, as the other views': a line under the
+  // image was far from the rows at the top)
+  const cellAt = (under, x, y) => {
+    if (under !== img) return "";
+    const g = layout(model), rect = img.getBoundingClientRect();
+    const px = ((x - rect.left) / rect.width) * canvas.width, py = ((y - rect.top) / rect.height) * canvas.height;
+    const q = Math.floor((py - T) / g.rh);
+    let c = -1;
+    for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.w(i)) { c = i; break; }
+    return q >= 0 && q < g.Q && c >= 0 ? reason(model, q, c, bytes(model.get("cells"))[q * g.N + c], g) : "";
   };
-  const move = (ev) => { pointer = { x: ev.clientX, y: ev.clientY }; describe(); };
-  const leave = () => { pointer = null; describe(); };
-  const redraw = () => { draw(); describe(); };  // another step shown under a still pointer: its cell's text
+  const tips = pointerTip(el, cellAt);
+  const redraw = () => { draw(); tips.describe(); };  // another step shown under a still pointer: its cell's text
   draw();
   const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
-  img.addEventListener("mousemove", move);
-  img.addEventListener("mouseleave", leave);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, redraw);
-    img.removeEventListener("mousemove", move);
-    img.removeEventListener("mouseleave", leave);
+    tips.remove();
   };
 }
 export default { render };

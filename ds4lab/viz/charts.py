@@ -152,7 +152,9 @@ def kv_bytes_chart(session, chunks):
             by_kind[kind] = by_kind.get(kind, 0) + lk.nbytes
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
     # raw rows in the raw window's blue, compressed ones in the compressed rows' greens (no orange: palette.py)
-    kinds = {"domain": ["raw only", "ratio 4", "ratio 128"], "range": ["#3182bd", "#74c476", "#006d2c"]}
+    colours = {"raw only": "#3182bd", "ratio 4": "#74c476", "ratio 128": "#006d2c"}
+    present = [k for k in colours if any(r["kind"] == k for r in rows)]
+    kinds = {"domain": present, "range": [colours[k] for k in present]}
     line = unit(rows, {"type": "line", "point": True}, x=field("tokens:Q", title="tokens"),
                 y=field("bytes:Q", title="KV bytes (all layers of the kind)"), color=field("kind:N", scale=kinds),
                 tooltip=tooltip("tokens:Q", "kind:N", field("bytes:Q", format=",")))
@@ -191,8 +193,8 @@ def batch_copies_chart(rows: list[dict]):
     """A chunk-size sweep of a tier plan's batch switches: copies and bytes moved per chunk size, and the time
     copying where the rows have it. ``rows``: one dict per chunk size with ``chunk``, ``switches`` (batch copies),
     ``bytes`` and optionally ``seconds`` (sums over the session's ``tier_trace``; leave it out where a copy is a
-    memcpy of a few kB, whose microseconds are noise). Panels of 150 pixels: three fit a laptop's notebook beside
-    its file browser."""
+    memcpy within one CPU's memory, whose microseconds are noise). Panels of 150 pixels: three fit a laptop's
+    notebook beside its file browser."""
     timed = all("seconds" in r for r in rows)
     rows = [dict(r, us=r["seconds"] * 1e6) if timed else r for r in rows]
     x = field("chunk:O", title="prefill chunk (tokens)", axis={"labelAngle": 0})

@@ -43,10 +43,11 @@ def default_layer(config) -> int:
 class PrefillView(View):
     """Step a chunked prefill chunk by chunk: ``.step()``, ``.run()`` (or the buttons); the slider scrubs the
     chunks run, one control for the title, the table, the prompt, the KV cache and the mask together.
-    Beside the prompt: the KV cache after the chunk shown (``kv_view``, made here without a slider of its own
-    unless given; a view given keeps its slider, and moved onto one of the chunks it moves this view) with
-    the rows it wrote outlined, and the mask of what each of its queries sees in ``layer`` (``mask_view``; the
-    layer picker changes it). The indexer's choices are captured while stepping (``capture_indexer``).
+    The chunk table beside the prompt; under them, side by side where both fit, the KV cache after the chunk shown
+    (``kv_view``, made here compact and without a slider of its own unless given; a view given keeps its slider,
+    and moved onto one of the chunks it moves this view) with the rows it wrote outlined, and the mask of what
+    each of its queries sees in ``layer`` (``mask_view``; the layer picker changes it). The indexer's choices are
+    captured while stepping (``capture_indexer``).
 
     The widget and code cells drive one prefill: ``step()`` once every chunk is run returns the last chunk and
     says so in the view; once the session moved on (a decode, another prefill) the view can only scrub."""
@@ -261,7 +262,7 @@ class PrefillView(View):
             while ci < len(m.bounds) and p >= m.bounds[ci][1]:
                 ci += 1
             bg = PALETTE[ci % len(PALETTE)] if m.first <= p < m.done else "transparent"
-            cur = f";outline:1px solid {palette.ACCENT}" if ci == m.selected else ""  # the chunk shown
+            cur = f";text-decoration:underline 2px {palette.ACCENT}" if ci == m.selected else ""  # the chunk shown
             text.append(f"<span style='background:{bg}{cur}' title='position {p}'>{html.escape(tok)}</span>")
         shown = " · shown: " + html.escape(self._label(m.selected)) if m.selected >= 0 else ""
         return (
