@@ -219,6 +219,10 @@ def test_a_layer_switch_keeps_the_zoom(cap):
     view.show(3, 1)
     assert view.region == (280, 320, 300, 323)
     assert [(g["name"], g["stop"] - g["start"]) for g in view.model.groups] == [("raw", 20), ("comp", 2), ("sink", 1)]
+    assert not any(g["label"].endswith("none seen") for g in view.model.groups)
+    # raw keys after every query of the zoom: the header says none is seen (a walk-through took the grey for a bug)
+    view.zoom((200, 240), (290, 300))
+    assert [g["label"] for g in view.model.groups] == ["raw keys 290–299 (10) · none seen"]
     # a layer without compressed rows: a zoom on them alone leaves nothing, so the whole map
     model = cap.session.model
     sess = model.session(ctx=256, prefill_chunk=64)

@@ -304,7 +304,11 @@ class AttentionView(View):
             col_edges += [[int(xs[i]), int(xs[i + 1])] for i in range(n)]
             x0, x1 = int(xs[0]), int(xs[-1])
             x = x1 + GAP
-            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=self._group_label(amap, g, lo, hi)))
+            # a zoom kept across layers can hold keys no query of it sees (raw keys after them all): the header says
+            # so, where the map alone looks broken
+            unseen = g != "sink" and not w[a:b, lo:hi].any()
+            label = self._group_label(amap, g, lo, hi) + (" · none seen" if unseen else "")
+            groups.append(dict(name=g, start=s, stop=e, x0=x0, x1=x1, label=label))
         place_headers(groups)
         row_src = _pool_spans(a, b, fr)
         col_src = [sp for (_, lo, hi), f in zip(present, fcs) for sp in _pool_spans(lo, hi, f)]
