@@ -229,7 +229,9 @@ MIN_DELTA_E = 12  # CIE76 ΔE between any two colours of a key, for every reader
 
 
 def _linear(hex_colour: str) -> np.ndarray:
-    c = np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)]) / 255
+    from ds4lab.viz.palette import rgb
+
+    c = np.array(rgb(hex_colour)) / 255
     return np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
 
 
@@ -278,7 +280,9 @@ def _orange(hex_colour: str) -> bool:
     (saturation 0.36) and the peach of a tier (0.36) are not."""
     import colorsys
 
-    h, s, v = colorsys.rgb_to_hsv(*(int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)))
+    from ds4lab.viz.palette import rgb
+
+    h, s, v = colorsys.rgb_to_hsv(*(c / 255 for c in rgb(hex_colour)))
     return 15 <= h * 360 <= 45 and s > 0.5 and v > 0.5
 
 

@@ -28,11 +28,11 @@ function render({ model, el }) {
   // Out of a generated token: the last one's alternatives (the panel shows what it is for, and the room it keeps
   // is not left blank), or before any token what hovering one shows
   const placeholder = () => {
-    const recs = model.get("records"), k = recs.length ? recs[0].top.length : 5;
+    const recs = model.get("records");
     if (recs.length) { showTip(recs.length - 1, true); return; }
-    // until a token's alternatives were shown: lines for the heading, the note, k alternatives and a sampled token
-    // from outside them
-    if (!reserved) tip.style.minHeight = `${(4 + k) * 1.6}em`;
+    // until a token's alternatives were shown: lines for the heading, the note, the decoder's default 5
+    // alternatives and a sampled token from outside them
+    if (!reserved) tip.style.minHeight = `${(4 + 5) * 1.6}em`;
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;
   };
@@ -53,7 +53,10 @@ function render({ model, el }) {
         `<td>${pct(logprob)}</td><td style="text-align:left"><span class="ds4-pbar" style="width:${w}px;` +
         `background:${colour(scale, logprob)}"></span></td><td>${mark}</td></tr>`;
     };
-    for (const a of r.top) h += a.token === r.token ? row(a.text, a.logprob, "◀ sampled", "ds4-sampled") : row(a.text, a.logprob, "", "");
+    for (const a of r.top) {
+      const mine = a.token === r.token;
+      h += row(a.text, a.logprob, mine ? "◀ sampled" : "", mine ? "ds4-sampled" : "");
+    }
     // a token sampled from outside the top: its own row under them, said so (else the list never names it)
     if (r.top.length && !r.top.some((a) => a.token === r.token))
       h += row(r.piece, r.logprob, `◀ sampled, not in the top ${r.top.length}`, "ds4-sampled");

@@ -20,6 +20,7 @@ function placeTip(tip, px, py) {
 const dataTip = (under) => { const at = under.closest("[data-tip]"); return at ? at.dataset.tip : ""; };
 function pointerTip(el, textAt = dataTip) {
   const tip = document.createElement("div"); tip.className = "ds4-hovertip";
+  el.style.position = "relative";  // the view is its tooltip's frame (placeTip's offset parent)
   el.append(tip);
   let pointer = null;  // the last pointer position over the view (client px)
   const describe = () => {

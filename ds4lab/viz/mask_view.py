@@ -96,7 +96,7 @@ class MaskView(View):
         """The mask as an RGB image for the fallback: cells a few pixels wide (a few compressed rows FEW_PX wide, as
         in the live view), groups apart by a white column."""
         mk = self.mask
-        rgb = np.array([[int(c[i : i + 2], 16) for i in (1, 3, 5)] for c in COLOURS], np.uint8)[mk.cells]
+        rgb = np.array([palette.rgb(c) for c in COLOURS], np.uint8)[mk.cells]
         nr, nc = len(mk.raw_positions), len(mk.comp_rows)
         cuts = [nr - mk.n_own, nr, nr + nc]  # group boundaries, left to right
         sx = max(1, min(6, 600 // (rgb.shape[1] + len(cuts))))
