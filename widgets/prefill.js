@@ -1,6 +1,5 @@
 // PrefillView: the chunks (run and planned), the prompt coloured by chunk with the chunk shown highlighted and
 // scrolled into the box (once the box is laid out), a progress bar and the chunk table. State comes from Python.
-const PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#bcbddc", "#bdbdbd"];
 const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
 function render({ model, el }) {
@@ -11,7 +10,7 @@ function render({ model, el }) {
   const draw = () => {
     const toks = model.get("tokens"), bounds = model.get("bounds"), chunks = model.get("chunks");
     const done = model.get("done"), total = model.get("total"), sel = model.get("selected");
-    const first = model.get("first"), note = model.get("note");
+    const first = model.get("first"), note = model.get("note"), PALETTE = model.get("chunk_colours");
     // the prefill's progress, then the chunk whose state is shown (the two read as one: "after chunk 1: 320/320 tokens")
     const shown = sel >= 0 && chunks[sel] ? ` · shown: after chunk ${sel} (tokens ${chunks[sel].start}–${chunks[sel].end - 1})` : "";
     let html = `<div class="ds4-title">Prefill: ${done}/${total} tokens, ${chunks.length}/${bounds.length} chunks of ≤${model.get("chunk")} run${shown}</div>`;
