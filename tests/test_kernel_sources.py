@@ -123,6 +123,7 @@ struct float4 {
     float4() = default;
     float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
 };
+struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
 struct char4 { signed char x, y, z, w; };
 namespace metal { namespace precise { inline float divide(float a, float b) { return a / b; } } }

@@ -30,13 +30,13 @@ decides that, from ``kernels``.
                                       in one transfer where the backend can
     device_key()                      which device arrays made now land on (None: one memory), for weight caches
     device_bytes(raw)                 GGUF bytes as a device array, for the kernels that read blocks
-    block_bytes(raw, qtype)           the same in the kernels' layout (Q8_0 as tiles: mlx_kernels.layout)
+    block_bytes(raw, qtype)           the same in the kernels' layout (tiles: mlx_kernels.layout)
     kernels                           ds4lab's kernels on the current device (a
                                       :class:`ds4lab.mlx_kernels.launches.KernelLaunches`), or None
 
 :mod:`.base` holds the defaults (:class:`.base.Backend`) and the block-form float32 backend CuPy and the
 CPU emulator share (:class:`.base.BlockBackend`); :mod:`.block_weights` the weights kept on the device in
-GGUF block form, Q8_0's as tiles (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). No backend
+GGUF block form, some types' as tiles (``BlockLinear``, ``StackedBlockLinear``, ``BlockEmbedding``). No backend
 imports the model.
 """
 

@@ -89,7 +89,7 @@ class Backend:
         return self.xp.asarray(raw)
 
     def block_bytes(self, raw, qtype):
-        """GGUF rows ``raw`` (uint8, host) on the device in the kernels' layout (:func:`.layout.blocks`: Q8_0's
+        """GGUF rows ``raw`` (uint8, host) on the device in the kernels' layout (:func:`.layout.blocks`: the
         tiles made there from the uploaded bytes, and evaluated now, not by the first step that reads them)."""
         out = layout.blocks(self.device_bytes(raw), qtype, self.xp)
         self.eval(out)

@@ -1,4 +1,4 @@
-"""Weights kept on the device in their GGUF block form (Q8_0's regrouped into tiles: ds4lab.mlx_kernels.layout),
+"""Weights kept on the device in their GGUF block form (some types' regrouped into tiles: ds4lab.mlx_kernels.layout),
 for backends with ds4lab's kernels: :class:`BlockLinear` (one matrix), :class:`StackedBlockLinear` (the experts
 of a routed-expert tensor, the groups of attn_output_a) and :class:`BlockEmbedding` (the token embedding).
 

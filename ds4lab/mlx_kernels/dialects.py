@@ -13,7 +13,6 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     half_t, to_half(x)         the dialect's half type (a "float16" argument's elements) and x rounded to it
     half_bits_f32(h)           the half whose bits are the low 16 of h, as a float
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
-    funnel_r(lo, hi, sh)       the 32 bits of hi:lo from bit sh (sh < 32) (CUDA: one funnel shift)
     dot4_i8(a, b, c)           c + the sum of the four products of a's and b's bytes as signed int8 (CUDA: one dp4a)
     div_rn(a, b)               a / b rounded to nearest (Metal's fast division would not be)
     grid_dependency_wait()     wait for the kernel before this one on its stream to end and its writes to be seen
@@ -24,7 +23,8 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
                                int8, for |v| < 128 (CUDA: one add)
     pack_bytes(a, b, c, d)     the low bytes of a, b, c, d in one word, a's lowest (CUDA: three byte permutes)
     store_f4_shared(p, a, b, c, d), load_f4_shared(p)   four floats to or from 16-byte aligned group-shared memory
-    load_u16(p), load_u32(p), load_f4(p), load_u4(p)   little-endian loads at 2-, 4- and 16-byte aligned addresses
+    load_u16(p), load_u32(p), load_u2(p), load_f4(p), load_u4(p)   little-endian loads at 2-, 4-, 8- and 16-byte
+                               aligned addresses
                                (the CPU dialect stops the process at a misaligned one, where a GPU would fault)
     MmaA, MmaB, MmaTile, mma_load_a, mma_load_b, mma_zero, mma_step, mma_store   a SIMD group's matrix
         units: C[16 x 8] += A[16 x 8] B[8 x 8] from group-shared floats at float32 accuracy;
@@ -79,6 +79,7 @@ DEVICE_FN float load_half(const uint8_t* p) { return __half2float(*reinterpret_c
 DEVICE_FN float half_bits_f32(uint h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 DEVICE_FN uint load_u16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
 DEVICE_FN uint load_u32(const uint8_t* p) { return *reinterpret_cast<const uint*>(p); }
+DEVICE_FN uint2 load_u2(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
 DEVICE_FN float4 load_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 DEVICE_FN float4 load_f4_shared(const float* p) { return *reinterpret_cast<const float4*>(p); }
 DEVICE_FN uint4 load_u4(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -97,7 +98,6 @@ DEVICE_FN half_t to_half(float x) { return __float2half_rn(x); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return __byte_perm(w, 0x4B000000u, 0x7540u + i); }  // one PRMT
-DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
 DEVICE_FN int dot4_i8(uint a, uint b, int c) { return __dp4a(int(a), int(b), c); }
 DEVICE_FN float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 // 1.5 * 2^23 + v holds v's nearest integer in its low mantissa bits; __fadd_rn is never fused with a product.
@@ -252,6 +252,7 @@ DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device
 DEVICE_FN float half_bits_f32(uint h) { return float(as_type<half>(ushort(h))); }
 DEVICE_FN uint load_u16(const device uint8_t* p) { return *(const device ushort*)p; }
 DEVICE_FN uint load_u32(const device uint8_t* p) { return *(const device uint*)p; }
+DEVICE_FN uint2 load_u2(const device uint8_t* p) { return *(const device uint2*)p; }
 DEVICE_FN float4 load_f4(const device float* p) { return *(const device float4*)p; }
 DEVICE_FN float4 load_f4_shared(const threadgroup float* p) { return *(const threadgroup float4*)p; }
 DEVICE_FN uint4 load_u4(const device uint8_t* p) { return *(const device uint4*)p; }
@@ -264,7 +265,6 @@ DEVICE_FN half_t to_half(float x) { return half(x); }
 DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
-DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
 DEVICE_FN int dot4_i8(uint a, uint b, int c) {
     char4 x = as_type<char4>(a), y = as_type<char4>(b);
     return c + int(x.x) * int(y.x) + int(x.y) * int(y.y) + int(x.z) * int(y.z) + int(x.w) * int(y.w);
@@ -357,6 +357,7 @@ struct ThreadCtx {
 };
 static thread_local ThreadCtx ctx;
 struct float4 { float x, y, z, w; };
+struct uint2 { uint x, y; };
 struct uint4 { uint x, y, z, w; };
 // A load at an address its width does not divide faults on a GPU: here it stops the process, so the CPU suite
 // catches what the GPU suite would.
@@ -372,6 +373,7 @@ DEVICE_FN float load_half(const uint8_t* p) { _Float16 h; std::memcpy(&h, aligne
 DEVICE_FN float half_bits_f32(uint h) { uint16_t b = uint16_t(h); _Float16 v; std::memcpy(&v, &b, 2); return float(v); }
 DEVICE_FN uint load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, aligned_at(p, 2), 2); return v; }
 DEVICE_FN uint load_u32(const uint8_t* p) { uint v; std::memcpy(&v, aligned_at(p, 4), 4); return v; }
+DEVICE_FN uint2 load_u2(const uint8_t* p) { uint2 v; std::memcpy(&v, aligned_at(p, 8), 8); return v; }
 DEVICE_FN float4 load_f4(const float* p) { float4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
 DEVICE_FN float4 load_f4_shared(const float* p) { return load_f4(p); }
 DEVICE_FN uint4 load_u4(const uint8_t* p) { uint4 v; std::memcpy(&v, aligned_at(p, 16), 16); return v; }
@@ -381,7 +383,6 @@ DEVICE_FN half_t to_half(float x) { return _Float16(x); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
-DEVICE_FN uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh)); }
 DEVICE_FN int dot4_i8(uint a, uint b, int c) {
     for (uint i = 0; i < 4u; i++) c += int(int8_t(uint8_t(a >> (8u * i)))) * int(int8_t(uint8_t(b >> (8u * i))));
     return c;

@@ -1,7 +1,7 @@
 """Kernel launches written once: the host side shared by the CuPy launcher (:mod:`ds4lab.cuda.kernels`), MLX's
 (:mod:`.fast`) and the CPU emulator (:mod:`.cpu`). A subclass says how to make arrays and how to run
 one kernel; every method here plans a grid and the kernel's outputs. Weights arrive in the kernels' layout
-(:func:`.layout.blocks`: GGUF's blocks, Q8_0's as tiles)."""
+(:func:`.layout.blocks`: GGUF's blocks, some types' regrouped into tiles)."""
 
 from __future__ import annotations
 

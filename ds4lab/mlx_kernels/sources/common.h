@@ -1,8 +1,8 @@
 // Shared by every kernel, in the portable dialect: GLOBAL (the device address space), DEVICE_FN,
 // load_half(p) and simd_sum_f(x) come from the dialect header (see ds4lab/mlx_kernels/dialects.py).
 //
-// Element decoders: dq_<type>(row, k, aux) is element k of a row of GGUF blocks (Q8_0's in the tiles of
-// ds4lab/mlx_kernels/layout.py), written as
+// Element decoders: dq_<type>(row, k, aux) is element k of a row of GGUF blocks (Q8_0's, IQ2_XXS's and Q2_K's in
+// the tiles of ds4lab/mlx_kernels/layout.py), written as
 // ds4lab/quants.py decodes it (same operations in the same order). aux is the IQ2_XXS table block:
 // 256 grid entries of 8 bytes, then the 128 sign bytes (ksigns_iq2xs).
 
@@ -36,12 +36,20 @@ DEVICE_FN float rope_turn(float t0, float t1, const GLOBAL float* cos_t, const G
 }
 
 // Q2_K, 84-byte blocks of 256: element e = 128h + 32j + 16s + l.
+// Q2_K in the kernels' tiles of four blocks (ds4lab/mlx_kernels/layout.py): block j's 64 bytes of quants at byte 64j of
+// its tile, its 16 bytes of scales and minima at 256 + 16j, its d and dmin at 320 + 4j. q2_k_tile_at(k) is k's
+// tile's byte in the row, q2_k_quants_at(k), q2_k_scales_at(k) and q2_k_d_at(k) its block's in the tile.
+DEVICE_FN uint q2_k_tile_at(uint k) { return (k >> 10) * 336u; }
+DEVICE_FN uint q2_k_quants_at(uint k) { return 64u * ((k >> 8) & 3u); }
+DEVICE_FN uint q2_k_scales_at(uint k) { return 256u + 16u * ((k >> 8) & 3u); }
+DEVICE_FN uint q2_k_d_at(uint k) { return 320u + 4u * ((k >> 8) & 3u); }
+
 DEVICE_FN float dq_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 8) * 84u;
+    const GLOBAL uint8_t* t = row + q2_k_tile_at(k);
     uint e = k & 255u, h = e >> 7, j = (e >> 5) & 3u, s = (e >> 4) & 1u, l = e & 15u;
-    uint sc = b[h * 8u + j * 2u + s];
-    uint q = (uint(b[16u + h * 32u + s * 16u + l]) >> (2u * j)) & 3u;
-    return load_half(b + 80) * float(sc & 15u) * float(q) - load_half(b + 82) * float(sc >> 4);
+    uint sc = t[q2_k_scales_at(k) + h * 8u + j * 2u + s];
+    uint q = (uint(t[q2_k_quants_at(k) + h * 32u + s * 16u + l]) >> (2u * j)) & 3u;
+    return load_half(t + q2_k_d_at(k)) * float(sc & 15u) * float(q) - load_half(t + q2_k_d_at(k) + 2u) * float(sc >> 4);
 }
 
 // Q4_K, 144-byte blocks of 256: sub-block 2c takes the low nibbles of qs[32c..], 2c+1 the high ones.
@@ -61,14 +69,20 @@ DEVICE_FN float dq_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t*
     return load_half(b) * float(sm & 255u) * float(q) - load_half(b + 2) * float(sm >> 8);
 }
 
-// IQ2_XXS, 66-byte blocks of 256: f16 d, then eight 8-byte sub-blocks (4 grid indices, then a
-// little-endian word of four 7-bit sign indices and a 4-bit scale).
+// IQ2_XXS, 66-byte blocks of 256: f16 d, then eight 8-byte sub-blocks (4 grid indices, then a little-endian word
+// of four 7-bit sign indices and a 4-bit scale), in the kernels' tiles of four blocks (ds4lab/mlx_kernels/layout.py):
+// block j's sub-blocks at byte 64j of its tile, its d at 256 + 2j. iq2_xxs_tile_at(k) is k's tile's byte in the
+// row, iq2_xxs_sub_at(k) its sub-block's byte in the tile (8-byte aligned), iq2_xxs_scale_at(k) its block's d.
+DEVICE_FN uint iq2_xxs_tile_at(uint k) { return (k >> 10) * 264u; }
+DEVICE_FN uint iq2_xxs_sub_at(uint k) { return 64u * ((k >> 8) & 3u) + 8u * ((k >> 5) & 7u); }
+DEVICE_FN uint iq2_xxs_scale_at(uint k) { return 256u + 2u * ((k >> 8) & 3u); }
+
 DEVICE_FN float dq_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
-    uint e = k & 255u, g = (e >> 3) & 3u, j = e & 7u;
-    const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
+    const GLOBAL uint8_t* t = row + iq2_xxs_tile_at(k);
+    uint g = (k >> 3) & 3u, j = k & 7u;
+    const GLOBAL uint8_t* sub = t + iq2_xxs_sub_at(k);
     uint a1 = uint(sub[4]) | (uint(sub[5]) << 8) | (uint(sub[6]) << 16) | (uint(sub[7]) << 24);
-    float scale = load_half(b) * (0.5f + float(a1 >> 28)) * 0.25f;
+    float scale = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + float(a1 >> 28)) * 0.25f;
     float v = scale * float(aux[uint(sub[g]) * 8u + j]);
     uint signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
     return ((signs >> j) & 1u) ? -v : v;
@@ -162,11 +176,12 @@ DEVICE_FN F8 dq8_k_quant(uint lo, uint hi, uint mask, float d, float m) {
 }
 
 DEVICE_FN F8 dq8_q2_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 8) * 84u;
+    const GLOBAL uint8_t* t = row + q2_k_tile_at(k);
     uint e = k & 255u, h = e >> 7, j = (e >> 5) & 3u, s = (e >> 4) & 1u, l = e & 15u;
-    uint sc = b[h * 8u + j * 2u + s];
-    float d = load_half(b + 80) * u8_float(sc & 15u), m = load_half(b + 82) * u8_float(sc >> 4);
-    const GLOBAL uint8_t* qs = b + 16u + h * 32u + s * 16u + l;
+    uint sc = t[q2_k_scales_at(k) + h * 8u + j * 2u + s];
+    uint dm = q2_k_d_at(k);
+    float d = load_half(t + dm) * u8_float(sc & 15u), m = load_half(t + dm + 2u) * u8_float(sc >> 4);
+    const GLOBAL uint8_t* qs = t + q2_k_quants_at(k) + h * 32u + s * 16u + l;
     return dq8_k_quant(load_u32(qs) >> (2u * j), load_u32(qs + 4u) >> (2u * j), 3u, d, m);
 }
 
@@ -184,14 +199,14 @@ DEVICE_FN F8 dq8_q4_k(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* a
 struct IQ2Group { uint entry; uint signs; float scale; };
 
 DEVICE_FN IQ2Group iq2_xxs_group(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8_t* aux) {
-    const GLOBAL uint8_t* b = row + (k >> 8) * 66u;
-    uint e = k & 255u, g = (e >> 3) & 3u;
-    const GLOBAL uint8_t* sub = b + 2u + 8u * (e >> 5);
-    uint a1 = load_u16(sub + 4u) | (load_u16(sub + 6u) << 16);
+    const GLOBAL uint8_t* t = row + iq2_xxs_tile_at(k);
+    uint g = (k >> 3) & 3u;
+    const GLOBAL uint8_t* sub = t + iq2_xxs_sub_at(k);
+    uint a1 = load_u32(sub + 4u);
     IQ2Group r;
     r.entry = uint(sub[g]);
     r.signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
-    r.scale = load_half(b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    r.scale = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
     return r;
 }
 
@@ -323,7 +338,7 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 // load_x32_q2_k's x) is d[i / 16]·(float(byte i % 4 of q[i / 4]) − bias) − m[i / 16], the same value as
 // dq_<type> gives, with bias 2^23 (unsigned bytes) or 2^23 + 128 (bytes biased by 128). group32_<type>(w, off,
 // k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 16-byte aligned; off a
-// multiple of 16 for Q8_0's tiles, else even: an IQ2_XXS group's bytes start 0 or 2 bytes past a word); tables:
+// multiple of 16 for Q8_0's and Q2_K's tiles, of 8 for IQ2_XXS's); tables:
 // IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), IQ2_XXS's prefill weight slabs
 // eight at a time (group32_eight).
 struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
@@ -343,17 +358,19 @@ DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const 
     return g;
 }
 
-// Q2_K: d·sc·q − dmin·m per element, e = 128h + 32j + 16s + l in a block, q the bit pair j of byte 16 + 32h + 16s + l,
-// sc byte 8h + 2j + s. Group c = (k & 255) / 32 is half h = c >> 2, bit pairs j = 2·jp and 2·jp + 1
-// (jp = (c >> 1) & 1) of the 16 bytes s = c & 1: two runs of 16 (load_x32_q2_k's x), 16 bytes read for 32 elements.
+// Q2_K: d·sc·q − dmin·m per element, e = 128h + 32j + 16s + l in a block, q the bit pair j of its quants' byte
+// 32h + 16s + l, sc its scales' byte 8h + 2j + s. Group c = (k & 255) / 32 is half h = c >> 2, bit pairs j = 2·jp and
+// 2·jp + 1 (jp = (c >> 1) & 1) of the 16 bytes s = c & 1: two runs of 16 (load_x32_q2_k's x), one 16-byte read for
+// 32 elements (the tiles' quants 16-byte aligned).
 DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
                                const GLOBAL uint8_t* aux) {
-    uint b = off + (k >> 8) * 84u, c = (k >> 5) & 7u, h = c >> 2, jp = (c >> 1) & 1u, s = c & 1u;
-    uint scales = load_u32(w + b + h * 8u + 4u * jp) >> (8u * s);  // byte 0: j = 2jp's scale and min, byte 2: 2jp+1's
-    float d = load_half(w + b + 80u), dmin = load_half(w + b + 82u);
-    uint qs[4];
-    #pragma unroll
-    for (uint i = 0; i < 4u; i++) qs[i] = load_u32(w + b + 16u + 32u * h + 16u * s + 4u * i);
+    const GLOBAL uint8_t* t = w + off + q2_k_tile_at(k);
+    uint c = (k >> 5) & 7u, h = c >> 2, jp = (c >> 1) & 1u, s = c & 1u;
+    // byte 0: j = 2jp's scale and min, byte 2: 2jp+1's
+    uint scales = load_u32(t + q2_k_scales_at(k) + h * 8u + 4u * jp) >> (8u * s);
+    float d = load_half(t + q2_k_d_at(k)), dmin = load_half(t + q2_k_d_at(k) + 2u);
+    uint4 v = load_u4(t + q2_k_quants_at(k) + 32u * h + 16u * s);
+    uint qs[4] = {v.x, v.y, v.z, v.w};
     Group32 g;
     #pragma unroll
     for (uint t = 0; t < 2u; t++) {
@@ -382,10 +399,9 @@ DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
 
 DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
                                   const GLOBAL uint8_t* aux) {
-    uint b = off + (k >> 8) * 66u, sub = b + 2u + 8u * ((k >> 5) & 7u), sh = (sub & 3u) * 8u;
-    const GLOBAL uint8_t* p = w + (sub & ~3u);
-    uint w0 = load_u32(p), w1 = load_u32(p + 4u), w2 = sh != 0u ? load_u16(p + 8u) : 0u;  // no read past the block
-    uint idx = funnel_r(w0, w1, sh), a1 = funnel_r(w1, w2, sh);  // four grid indices; signs and scale
+    const GLOBAL uint8_t* t = w + off + iq2_xxs_tile_at(k);
+    uint2 sub = load_u2(t + iq2_xxs_sub_at(k));
+    uint idx = sub.x, a1 = sub.y;  // four grid indices; signs and scale
     Group32 g;
     #pragma unroll
     for (uint j = 0; j < 4u; j++) {
@@ -394,7 +410,7 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
         g.q[2u * j] = (tables[e] ^ m0) + (m0 & 0x01010101u);
         g.q[2u * j + 1u] = (tables[256u + e] ^ m1) + (m1 & 0x01010101u);
     }
-    g.d[0] = g.d[1] = load_half(w + b) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    g.d[0] = g.d[1] = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
     g.m[0] = g.m[1] = 0.0f;
     g.bias = 8388736.0f;
     return g;
