@@ -388,11 +388,13 @@ def test_prefill_view_renders(page):
     assert img.evaluate("(i) => i.naturalWidth > 300 && i.naturalHeight > 200")
     assert mask.locator(".ds4-tip").inner_text().startswith("hover a cell")
     tip = mask.locator(".ds4-hovertip")  # beside the pointer, as the other views' tooltips
-    text = _hover_fills(pg, img, tip, (0.5, 0.5), until="/query \\d+/.test(el.textContent)")
+    # (a fifth of the way across: a cell in every chunk's mask, the first chunk's having the fewest columns)
+    text = _hover_fills(pg, img, tip, (0.2, 0.5), until="/query \\d+/.test(el.textContent)")
     assert re.match(r"query \d+ × ", text), text
     at = img.bounding_box()
-    _tip_near(pg, tip, at["x"] + at["width"] / 2, at["y"] + at["height"] / 2, mask.bounding_box())
+    _tip_near(pg, tip, at["x"] + at["width"] * 0.2, at["y"] + at["height"] / 2, mask.bounding_box())
     out.screenshot(path=str(ARTIFACTS / "prefill_view.png"))
+    width_at_chunk4 = img.evaluate("(i) => i.naturalWidth")
     # scrub back to chunk 0 with the keyboard on the slider
     handle = out.locator(".widget-hslider .noUi-handle").first
     handle.focus()
@@ -408,9 +410,13 @@ def test_prefill_view_renders(page):
     assert kv.locator(".ds4-slot-new").count() == 64 and box.evaluate("(b) => b.scrollTop") == 0
     assert "nothing overwritten yet" in kv.inner_text()  # the key still unfolded
     key.locator("summary").click()  # folded again, as the view began
+    # the mask keeps its scale while scrubbing: its cells are sized for the chunk with the most keys (a narrower
+    # image for chunk 0 moved every cell under a still pointer)
+    assert img.evaluate("(i) => i.naturalWidth") == width_at_chunk4
     # chunk 0's last query sees 16 compressed rows, fewer than the indexer's top 32: seen, and the tooltip says why
-    # (the last row's compressed columns: x 447 of 485 px, y 284 of 320 in the mask's layout)
-    text = _hover_fills(pg, img, tip, (0.926, 0.8875), until="/compressed row/.test(el.textContent)")
+    # (the last row, y 284 of 320 in the mask's layout, where its compressed columns are drawn kept)
+    x = _colour_x(img, (49, 130, 189), 0.8875)
+    text = _hover_fills(pg, img, tip, (x, 0.8875), until="/compressed row/.test(el.textContent)")
     assert text.startswith("query 63 × compressed row") and "no more than the indexer's top 32" in text, text
     # a query early in the prompt: its raw window starts at position 0, not at a negative one
     text = _hover_fills(pg, img, tip, (0.15, 0.8), until="el.textContent.includes('all so far')")
@@ -600,6 +606,28 @@ def _pixels_of(canvas, rgb) -> int:
         }""",
         list(rgb),
     )
+
+
+def _colour_x(img, rgb, y: float) -> float:
+    """Where along the image's row at ``y`` (a fraction of its height) the last run of pixels of exactly the colour
+    ``rgb`` has its middle, as a fraction of its width (fails where the row has none)."""
+    x = img.evaluate(
+        """(el, [[r, g, b], y]) => {
+            const c = document.createElement('canvas'); c.width = el.naturalWidth; c.height = el.naturalHeight;
+            c.getContext('2d').drawImage(el, 0, 0);
+            const d = c.getContext('2d').getImageData(0, Math.floor(y * c.height), c.width, 1).data;
+            let end = -1, start = -1;
+            for (let x = c.width - 1; x >= 0; x--) {
+                const hit = d[4 * x] === r && d[4 * x + 1] === g && d[4 * x + 2] === b;
+                if (hit && end < 0) end = x;
+                if (!hit && end >= 0) { start = x + 1; break; }
+            }
+            return end < 0 ? -1 : (Math.max(start, 0) + end + 1) / 2 / c.width;
+        }""",
+        [list(rgb), y],
+    )
+    assert x >= 0, f"no pixel of {rgb} in the row at {y} of the image"
+    return x
 
 
 def _longest_run(el, rgb, rows=None) -> float:

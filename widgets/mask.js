@@ -5,7 +5,8 @@ const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers,
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
-  const cw = Math.max(2, Math.min(8, Math.floor(480 / N))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
+  const P = Math.max(N, model.get("plan_keys"));  // the columns planned for (a stepper's largest mask)
+  const cw = Math.max(2, Math.min(8, Math.floor(480 / P))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
   // a few compressed rows get columns few_px wide at least (mask_view.FEW_MAX_PX, as the fallback's image)
   const few = model.get("few_px");
   const ccw = nc * few <= model.get("few_max_px") ? Math.max(cw, few) : cw;  // a compressed column's width
@@ -16,7 +17,8 @@ function layout(model) {
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
   const x = (c) => L + gi(c) * GAP + Math.min(c, nr) * cw + Math.max(0, Math.min(c, nr + nc) - nr) * ccw;
   const w = (c) => (c >= nr && c < nr + nc ? ccw : cw);
-  return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, W: x(N - 1) + cw + 24, H: T + Q * rh + B };
+  const drawn = x(N - 1) + cw, W = Math.max(drawn, L + 3 * GAP + P * cw) + 24;  // a smaller mask: blank on its right
+  return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, drawn, W, H: T + Q * rh + B };
 }
 function reason(model, q, c, cat, g) {
   const pos = model.get("raw_positions"), w = model.get("window"), R = model.get("ratio"), k = model.get("top_k");
@@ -90,7 +92,8 @@ function render({ model, el }) {
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && g.x(c) < end) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
     for (let c = 0; c < g.nc; c += cstep) tick(g.nr + c, `c${c}`);
-    ctx.fillText(model.get("x_title"), L + (g.W - L) / 2, y + 14);
+    // the key axis' title under the columns drawn (from the left margin where they are narrower than it)
+    ctx.fillText(model.get("x_title"), Math.max(L + ctx.measureText(model.get("x_title")).width / 2, (L + g.drawn) / 2), y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader
     img.src = canvas.toDataURL("image/png");
@@ -110,7 +113,7 @@ function render({ model, el }) {
   const tips = pointerTip(el, cellAt);
   const redraw = () => { draw(); tips.describe(); };  // another step shown under a still pointer: its cell's text
   draw();
-  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title"].map((k) => `change:${k}`);
+  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title", "plan_keys"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {

@@ -45,6 +45,9 @@ class MaskModel(ViewModel):
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
     few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed columns as image() does
     few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
+    # the most key columns of the masks this view will show (0: this mask's): widgets/mask.js sizes its cells and its
+    # image for them, so a stepper's mask keeps its scale and width from step to step
+    plan_keys = t.Int(0).tag(sync=True)
 
 
 def key_axis_title(mask: StepMask) -> str:

@@ -81,6 +81,7 @@ class PrefillView(View):
         start, end = bounds[0] if bounds else (self.prefill.position, self.prefill.position + 1)
         self.mask_view = MaskView(step_mask(cfg, session.geometry, self.layer, start, end - start),
                                   label=f"chunk 0 (tokens {start}–{end - 1}), not run yet")
+        self._plan_mask()
         # the controls' widths: one line of them fits an output of 960 px (JupyterLab at 1400 px); narrower, it wraps
         narrow = {"description_width": "40px"}
         self.step_button = W.Button(description="step", tooltip="run the next chunk", layout=W.Layout(width="90px"))
@@ -233,7 +234,14 @@ class PrefillView(View):
             self.layer_pick.value = self.layer
         if self._own_kv:
             self.kv_view.model.layers = [self.layer]
+        self._plan_mask()
         self._show_mask()
+
+    def _plan_mask(self) -> None:
+        """Size the mask's cells for the chunk of this layer with the most keys, so scrubbing keeps its scale."""
+        cfg, geometry = self.session.model.config, self.session.geometry
+        self.mask_view.model.plan_keys = max((step_mask(cfg, geometry, self.layer, s, e - s).cells.shape[1]
+                                              for s, e in self.model.bounds), default=0)
 
     def _show_mask(self) -> None:
         i = self.model.selected
