@@ -296,3 +296,22 @@ def test_generation_panel_names_a_token_sampled_from_outside_the_top(page, model
     assert not errors, errors
     assert len(rows) == 3 and "◀ sampled, not in the top 2" in rows[-1], rows
     assert "◀ sampled" not in "".join(rows[:-1]) and json.dumps(last["piece"], ensure_ascii=False) in rows[-1], rows
+
+
+def test_generation_panel_keeps_room_for_the_decoders_own_top_before_any_token(page, model_paths):
+    """Before any token the alternatives' panel keeps the height a token's list will take: the heading, the note, the
+    decoder's ``top`` rows and one for a token sampled outside them (it assumed the default 5, so a view with top=2
+    kept three blank lines, and one with top=8 grew under the page when its first token came)."""
+    pg, errors = page
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    heights = {}
+    for top in (2, 8):
+        view = GenerationView(model.session(ctx=256), list(range(5, 45)), max_tokens=2, seed=3, top=top)
+        assert view.model.top == top
+        pg.evaluate("() => { document.body.innerHTML = ''; }")
+        pg.evaluate(SHOW, [view.model._esm, _json_state(view.model), (widgets_dir() / STYLESHEET).read_text(), 900])
+        heights[top] = pg.locator(".ds4-alts").evaluate(
+            "(el) => [el.getBoundingClientRect().height, parseFloat(getComputedStyle(el).fontSize)]")
+    assert not errors, errors
+    (h2, px), (h8, _) = heights[2], heights[8]
+    assert abs((h8 - h2) - 6 * 1.6 * px) < 1, heights

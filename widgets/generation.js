@@ -30,9 +30,9 @@ function render({ model, el }) {
   const placeholder = () => {
     const recs = model.get("records");
     if (recs.length) { showTip(recs.length - 1, true); return; }
-    // until a token's alternatives were shown: lines for the heading, the note, the decoder's default 5
-    // alternatives and a sampled token from outside them
-    if (!reserved) tip.style.minHeight = `${(4 + 5) * 1.6}em`;
+    // until a token's alternatives were shown: lines for the heading, the note, the decoder's top alternatives
+    // and a sampled token from outside them
+    if (!reserved) tip.style.minHeight = `${(4 + model.get("top")) * 1.6}em`;
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;
   };

@@ -89,6 +89,7 @@ class GenerationModel(ViewModel):
     records = t.List(t.Dict()).tag(sync=True)  # one per generated token: see step_record
     status = t.Unicode("").tag(sync=True)
     scale = t.List().tag(sync=True)  # LOGPROB_SCALE as [[lowest logprob or null, colour, legend label], ...]
+    top = t.Int(5).tag(sync=True)  # alternatives a step keeps (the decoder's top): the panel's room before any
 
 
 class GenerationView(View):
@@ -135,7 +136,7 @@ class GenerationView(View):
         self._in_run = False  # inside run()/arun(): a step leaves the status at "running"
         self._tokens_after: list[int] | None = None  # the session's tokens after this view's last step
         self.model = GenerationModel(scale=[[lo, c, label] for (lo, c), label in
-                                                  zip(LOGPROB_SCALE, scale_labels())])
+                                                  zip(LOGPROB_SCALE, scale_labels())], top=self.decode.top)
         self._show_context(self.prompt_ids if self.prompt_ids is not None else session.tokens)
         self.n_input = W.BoundedIntText(value=self.max_tokens, min=1, max=session.ctx, description="tokens",
                                         layout=W.Layout(width="180px"))
