@@ -3,6 +3,7 @@
 against the full-resolution weights, the fixed figure and the static fallback, and the indexer's rows (kept,
 dropped, not yet compressed) marked and coloured as the MaskView colours them."""
 
+import re
 import struct
 
 import numpy as np
@@ -166,7 +167,7 @@ def _header_spans(groups) -> list[tuple[float, float, dict]]:
 
 
 def test_close_group_headers_have_a_line_between_them(cap):
-    """Headers a few px apart read as one phrase ("comp sink", "compressed ×4 (80 rows) sink"): two that close get
+    """Headers a few px apart read as one phrase ("comp sink", "compressed 4:1 (80 rows) sink"): two that close get
     HEADER_SEP px and a thin line in the middle of their gap, in the static image (and on the canvas, at its font's
     width: tests/test_browser.py); a compressed group of one row keeps its "comp" header, the line in the narrower
     gap left."""
@@ -179,7 +180,7 @@ def test_close_group_headers_have_a_line_between_them(cap):
             view.show(3, 0)
         m = source.model
         assert [g["label"] for g in m.groups][1:] == (["comp", "sink"] if layer != 2 else
-                                                      ["compressed ×4 (80 rows)", "sink"]), layer
+                                                      ["compressed 4:1 (80 rows)", "sink"]), layer
         (_, comp_end, _), (sink_start, _, _) = _header_spans(m.groups)[1:]
         assert sink_start - comp_end >= (fig.HEADER_SEP if layer != "one row" else fig.HEADER_MIN), layer
         assert [g["sep"] for g in m.groups] == [False, True, False]  # the raw window's header: far from the next
@@ -196,8 +197,9 @@ def test_close_group_headers_have_a_line_between_them(cap):
 
 def test_a_layer_switch_keeps_the_zoom(cap):
     """The zoom a reader set survives a change of layer: the same queries and raw keys; compressed rows by their own
-    groups of tokens (ratio 4's rows 10–30, tokens 40–123, are ratio 128's row 0, and back, its rows 0–31: not
-    widened by the window a ratio-4 row also pools); nothing left of it but the sink: the whole map."""
+    groups of tokens (ratio 4's rows 10–30, tokens 40–123, are ratio 128's row 0; not widened by the window a
+    ratio-4 row also pools); nothing left of it but the sink: the whole map. Each layer's region is carried from the
+    one the zoom was made on, so coming back to that layer shows the zoom as made."""
     view = AttentionView(cap, layer=2, head=0)
     view.zoom((100, 140), (90, 150))
     view.layer_select.value = 3  # the dropdown, as a reader changes it
@@ -211,9 +213,9 @@ def test_a_layer_switch_keeps_the_zoom(cap):
     view.show(3, 1)
     assert view.region == (100, 140, nr, nr + 1) and view.model.col_labels == ["compressed row 0 (tokens 0–127)"]
     view.show(2, 1)
-    assert view.region == (100, 140, nr, nr + 32)  # ratio 4's rows 0–31: tokens 0–127
+    assert view.region == (100, 140, nr + 10, nr + 31)  # back where it was made: the zoom as made, not widened
     view.show(3, 1)
-    assert view.region == (100, 140, nr, nr + 1)  # and back: row 0 again, however often the layer changes
+    assert view.region == (100, 140, nr, nr + 1)  # and row 0 again, however often the layer changes
     view.show(2, 1)
     view.zoom((280, 320), (300, 401))  # raw 300–319 | compressed | sink: clamped to layer 3's 2 compressed rows
     view.show(3, 1)
@@ -234,6 +236,7 @@ def test_a_layer_switch_keeps_the_zoom(cap):
     other.show(0, 0)
     assert other.region is None and "zoomed" not in other.model.note and other.reset_button.disabled
     other.show(2, 0)
+    assert other.region == (10, 60, n + 2, n + 8)  # back: the zoom as made (carried from layer 0's, it was lost)
     other.zoom((10, 60), (n + 2, n + c.attention(2).n_comp + 1))  # compressed rows and the sink: not the sink alone
     other.show(0, 0)
     assert other.region is None
@@ -332,11 +335,30 @@ def test_the_views_place_their_tooltips_with_one_function():
     assert "function placeTip(" in shared and "function pointerTip(" in shared
     for model, f in ((AttentionModel, "attention.js"), (KVCacheModel, "kvcache.js"), (TierModel, "tiers.js"),
                      (ExpertModel, "experts.js"), (MaskModel, "mask.js"), (PrefillModel, "prefill.js")):
-        own = (WIDGETS / f).read_text(encoding="utf-8")
-        assert model()._esm == shared + own, f
+        own, esm = (WIDGETS / f).read_text(encoding="utf-8"), model()._esm
+        assert esm.startswith(shared) and esm.endswith(own) and esm.count("function placeTip(") == 1, f
         assert "function placeTip(" not in own and "function pointerTip(" not in own, f
     for f in ("kvcache.js", "tiers.js", "experts.js", "mask.js", "prefill.js"):
         src = (WIDGETS / f).read_text(encoding="utf-8")
         assert "title=" not in src and "<title>" not in src and "pointerTip(el" in src, f
     for f in ("kvcache.js", "tiers.js", "prefill.js"):  # their texts as data-tip (the others' made on hover)
         assert "data-tip=" in (WIDGETS / f).read_text(encoding="utf-8"), f
+
+
+def test_the_views_share_their_text_helpers():
+    """esc and plural are defined once (widgets/text.js) and put before each ESM that calls them: a view's own count
+    of compressed rows read "1 compressed rows" (a walk-through) where its own copy of plural did not exist."""
+    from ds4lab.viz.generation import GenerationModel
+    from ds4lab.viz.kv_view import KVCacheModel
+    from ds4lab.viz.mask_view import MaskModel
+    from ds4lab.viz.prefill_view import PrefillModel
+    from ds4lab.viz.tier_view import TierModel
+
+    shared = (WIDGETS / "text.js").read_text(encoding="utf-8")
+    for model in (GenerationModel, KVCacheModel, MaskModel, PrefillModel, TierModel):
+        esm = model()._esm
+        assert esm.count(shared) == 1 and esm.count("const esc =") == esm.count("const plural =") == 1, model
+    for f in WIDGETS.glob("*.js"):
+        src = f.read_text(encoding="utf-8")
+        assert f.name == "text.js" or ("const esc =" not in src and "const plural =" not in src), f.name
+        assert not re.search(r"\$\{[^}]*\} (compressed|visible|indexer) rows", src), f.name

@@ -721,7 +721,7 @@ def test_attention_view_renders(page):
     # the compressed group) pale yellow, dropped by the indexer salmon
     assert _pixels_of(canvas, (255, 255, 204)) > 2000 and _pixels_of(canvas, (252, 187, 161)) > 500
     box = canvas.bounding_box()
-    # "compressed ×4 (80 rows)" and "sink": a line between them, none between the raw window's header and the next
+    # "compressed 4:1 (80 rows)" and "sink": a line between them, none between the raw window's header and the next
     k = box["width"] / FIG_W
     assert _separated(canvas, (LEFT + WIDTH - 130) * k, (LEFT + WIDTH) * k)
     assert not _separators(canvas, LEFT * k, (LEFT + WIDTH - 130) * k)

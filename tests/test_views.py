@@ -108,6 +108,21 @@ def test_prefill_mask_uses_the_indexer_choices_of_its_own_steps(model):
     assert kv["picked"] == np.nonzero(last[:kv["n_comp"]])[0].tolist() and len(kv["picked"]) == cfg.idx_topk
 
 
+def test_mask_legend_says_kept_only_where_an_indexer_chooses(model):
+    """A compressed row a query sees is "kept" in the legend on an indexer's layer; on a layer without one (ratio
+    128) it is "seen (no indexer here)": a walk-through read "kept" there as the indexer's choice."""
+    cfg = model.config
+    view = PrefillView(model.session(ctx=512, prefill_chunk=64), _ids(192, cfg.n_vocab))
+    view.run()
+    for layer in range(cfg.n_layer):
+        view.show_layer(layer)
+        names = view.mask_view.model.categories
+        has_indexer = bool(cfg.ratio(layer)) and cfg.has_indexer(layer)
+        assert ("kept" in names) == has_indexer and ("seen (no indexer here)" in names) != has_indexer, layer
+        if cfg.ratio(layer) and not has_indexer:
+            assert "seen (no indexer here)" in view.mask_view.static_html()
+
+
 def test_views_stay_at_their_cell_unless_they_follow(model):
     sess = model.session(ctx=256, prefill_chunk=32)
     kv = KVCacheView(sess)

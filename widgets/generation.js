@@ -1,6 +1,5 @@
 // GenerationView: context (greyed), then each generated token coloured by its log-probability; hovering a
 // token lists its top-k alternatives with probabilities. Controls are ipywidgets; state comes from Python.
-const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 const colour = (scale, lp) => {
   for (const [lowest, c] of scale) if (lowest === null || lp >= lowest) return c;
   return scale.length ? scale[scale.length - 1][1] : "transparent";

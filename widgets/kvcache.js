@@ -91,14 +91,14 @@ function render({ model, el }) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const chooses = L.n_index !== null && L.n_index > d.idx_topk;
         const reads = picked && chooses ? `<div>the last query (${q}) reads the ${picked.size} the indexer picked</div>` : "";
-        h += `<div>${L.n_comp} compressed rows, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}…${R}c+${R - 1}</div>` +
+        h += `<div>${plural(L.n_comp, "compressed row")}, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}…${R}c+${R - 1}</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
           const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: a query attends all)` :
             `; a query attends its top ${d.idx_topk} by score` + (picked ? "" :
               `; which ones the last query (position ${q}) picked is not recorded: KVCacheView(..., indexer=capture) marks them (notebook 04)`);
-          h += `<div>${L.n_index} indexer rows${choice}</div>` +
+          h += `<div>${plural(L.n_index, "indexer row")}${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +

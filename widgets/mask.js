@@ -39,7 +39,7 @@ function reason(model, q, c, cat, g) {
     const row = bytes(model.get("cells")).subarray(q * g.N + g.nr, q * g.N + g.nr + g.nc);
     const seen = row.filter((v) => v >= 5 && v <= 7).length;
     const kept = !k ? "seen (no indexer on this layer: every closed group's row)" : seen > k ? "seen: kept by the indexer" :
-      `seen: ${seen} visible rows, no more than the indexer's top ${k}, so it keeps them all`;
+      `seen: ${plural(seen, "visible row")}, no more than the indexer's top ${k}, so it keeps them all`;
     const why = { 4: `not yet compressed: its group ends at ${b} > ${qp}`, 5: kept,
                   6: `dropped by the indexer (it keeps its top ${k})`, 7: `visible; the indexer keeps ${k} of them (capture indexer.topk to see which)` }[cat];
     return `query ${qp} × ${what}: ${why}`;

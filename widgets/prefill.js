@@ -1,6 +1,5 @@
 // PrefillView: the chunks (run and planned), the prompt coloured by chunk with the chunk shown highlighted and
 // scrolled into the box (once the box is laid out), a progress bar and the chunk table. State comes from Python.
-const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-prefill");

@@ -1,7 +1,5 @@
 // TierView: the layer stack coloured by tier with the last step's switches between units, per-tier memory,
 // and bytes moved per step (log scale) against a full chunk's (batch) and one token's (decode) copy.
-const plural = (n, one, many) => `${n} ${n === 1 ? one : many || one + "s"}`;
-const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 const fmt = (n) => (n === null || n === undefined ? "-" : n.toLocaleString());
 
 // Bytes with a binary unit: 1.5 MiB, 12 KiB, 300 B.

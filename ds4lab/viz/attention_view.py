@@ -147,6 +147,9 @@ class AttentionView(View):
         if scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         self.scale, self.region = scale, None
+        # (layer, region) of the last zoom as made: each layer shown gets it carried from there, so a round trip
+        # through other layers (a raw-only one holds no compressed column) comes back to the same region
+        self._zoom_origin: tuple[int, tuple] | None = None
         self._thumb_cache, self._mass_cache = {}, {}  # by (layer, scale), (layer, head): what a switch back reuses
         self.model = AttentionModel()
         amap = self.map(self.layer)
@@ -207,14 +210,15 @@ class AttentionView(View):
     # what is shown
     def show(self, layer: int, head: int) -> None:
         """Show ``layer`` and ``head`` (a head not captured in the layer: its first); a new layer keeps the zoom on
-        the same queries and keys where it has them (:func:`carry_region`)."""
+        the same queries and keys where it has them (:func:`carry_region`, from the layer the zoom was made on)."""
         if layer not in self.layers:
             raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
         amap = self.map(layer)
         if head not in amap.heads:
             head = int(amap.heads[0])
-        if layer != self.layer and self.region is not None:
-            self.region = carry_region(self.map(self.layer), amap, self.region)
+        if layer != self.layer and self._zoom_origin is not None:
+            at, region = self._zoom_origin
+            self.region = region if layer == at else carry_region(self.map(at), amap, region)
         self.layer, self.head = layer, head
         self._syncing = True
         try:
@@ -246,10 +250,11 @@ class AttentionView(View):
         if not (0 <= a < b <= Q and 0 <= c < d <= K):
             raise ValueError(f"zoom region queries {queries}, keys {keys} is not inside the map's {Q} × {K}")
         self.region = None if (a, b, c, d) == (0, Q, 0, K) else (a, b, c, d)
+        self._zoom_origin = None if self.region is None else (self.layer, self.region)
         self._draw()
 
     def reset_zoom(self) -> None:
-        self.region = None
+        self.region = self._zoom_origin = None
         self._draw()
 
     def _on_zoom_request(self, change) -> None:
@@ -380,7 +385,9 @@ class AttentionView(View):
         if g == "raw":
             p = amap.raw_positions
             return f"raw window ({plural(n, 'key')})" if whole else f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
-        return f"compressed ×{amap.ratio} ({plural(n, 'row')})" if whole else f"compressed rows {lo - nr}–{hi - 1 - nr}"
+        if whole:  # "4:1": the compression ratio, not a pooling of the drawing
+            return f"compressed {amap.ratio}:1 ({plural(n, 'row')})"
+        return f"compressed rows {lo - nr}–{hi - 1 - nr}"
 
     def _query_label(self, amap, s, e) -> str:
         q = amap.queries

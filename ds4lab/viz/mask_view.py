@@ -27,7 +27,7 @@ COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", palette.NOT_YET, palette.
 
 
 class MaskModel(ViewModel):
-    _esm = widget_module("mask.js", "hovertip.js")
+    _esm = widget_module("mask.js", "hovertip.js", "text.js")
     cells = t.Bytes(b"").tag(sync=True)  # [Q, N] uint8 categories, row-major
     n_queries = t.Int(0).tag(sync=True)
     pos0 = t.Int(0).tag(sync=True)
@@ -48,6 +48,12 @@ class MaskModel(ViewModel):
     # the most key columns of the masks this view will show (0: this mask's): widgets/mask.js sizes its cells and its
     # image for them, so a stepper's mask keeps its scale and width from step to step
     plan_keys = t.Int(0).tag(sync=True)
+
+
+def legend_names(mask: StepMask) -> list[str]:
+    """The categories' names in the legend: on a layer without an indexer a compressed row is seen, not "kept"
+    (a walk-through read "kept" as the indexer's choice on a ratio-128 layer)."""
+    return [("seen (no indexer here)" if c == "kept" and mask.top_k is None else c) for c in CATEGORIES]
 
 
 def key_axis_title(mask: StepMask) -> str:
@@ -86,6 +92,7 @@ class MaskView(View):
             self.model.ratio = mask.ratio
             self.model.window = mask.window
             self.model.top_k = mask.top_k or 0
+            self.model.categories = legend_names(mask)
             self.model.layer = mask.layer
             self.model.label = label
             self.model.x_title = key_axis_title(mask)
@@ -115,7 +122,9 @@ class MaskView(View):
     def static_html(self) -> str:
         m, mk = self.model, self.mask
         q = len(mk.queries)
-        legend = " ".join(f"<span style='background:{COLOURS[CATEGORIES.index(c)]}'>&nbsp;&nbsp;</span> {c} {n:,}"
+        names = dict(zip(CATEGORIES, m.categories))
+        swatch = "<span style='background:{}'>&nbsp;&nbsp;</span>"
+        legend = " ".join(f"{swatch.format(COLOURS[CATEGORIES.index(c)])} {names[c]} {n:,}"
                           for c, n in self.counts().items())
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>What each query sees — layer {mk.layer}, "

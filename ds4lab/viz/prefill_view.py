@@ -22,7 +22,7 @@ PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#b
 
 
 class PrefillModel(ViewModel):
-    _esm = widget_module("prefill.js", "hovertip.js")
+    _esm = widget_module("prefill.js", "hovertip.js", "text.js")
     chunk_colours = t.List(t.Unicode(), PALETTE).tag(sync=True)  # shared with the fallback (static_html)
     tokens = t.List(t.Unicode()).tag(sync=True)
     first = t.Int(0).tag(sync=True)  # position the prefill starts from (earlier tokens were reused)

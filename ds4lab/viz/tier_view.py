@@ -40,7 +40,7 @@ def _switch_record(s, n_layer: int) -> dict:
 
 
 class TierModel(ViewModel):
-    _esm = widget_module("tiers.js", "hovertip.js")
+    _esm = widget_module("tiers.js", "hovertip.js", "text.js")
     rule = t.Unicode("").tag(sync=True)
     part = t.Unicode("").tag(sync=True)  # a plan over processes: this rank and its units ("" in one process)
     units = t.List().tag(sync=True)  # placement.table() rows with their colour and whether this process runs them

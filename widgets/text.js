@@ -1,0 +1,6 @@
+// Text helpers shared by the views' front-ends: ds4lab.viz.base.widget_module puts this file before a view's own ESM
+// (as hovertip.js), so these functions are its own.
+// s with HTML's special characters escaped, for text put into innerHTML
+const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+// "1 row", "2 rows" (many: the plural where it is not one + "s")
+const plural = (n, one, many) => `${n} ${n === 1 ? one : many || one + "s"}`;
