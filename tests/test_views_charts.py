@@ -319,6 +319,8 @@ def test_prefill_chunks_chart_median_and_prediction(sweep):
     assert band == rule and band[0]["median"] == pytest.approx(np.median(speeds), rel=1e-12)
     assert (band[0]["low"], band[0]["high"]) == (min(speeds), max(speeds))
     assert [p["tokens_per_s"] for p in points] == speeds
+    # a chunk's positions as the tables write them (its tooltip read "start 16, end 32" for positions 16-31)
+    assert [p["positions"] for p in points] == [f"{16 * i}–{16 * i + 15}" for i in range(5)]
     flops = np.array([chunk_cost(model.config, c.start, c.n_tokens, file_types(model.file), ctx=80).total_flops
                       for c in chunks], dtype=np.float64)
     rates = flops / np.array([c.seconds for c in chunks])
@@ -411,10 +413,25 @@ def test_kv_cache_chart_tells_its_lines_apart_by_dash_as_well(charts):
     field, title, domain and legend agree (with a sort alone it drew a second legend of black dots)."""
     from ds4lab.kv.sizes import SCHEMES
 
-    enc = charts["kv_cache_chart"].to_dict()["encoding"]
+    enc = charts["kv_cache_chart"].to_dict()["layer"][0]["encoding"]
     assert enc["strokeDash"]["field"] == enc["color"]["field"] == "scheme"
     assert enc["strokeDash"]["title"] == enc["color"]["title"] and enc["strokeDash"]["legend"] == enc["color"]["legend"]
     assert enc["strokeDash"]["scale"]["domain"] == enc["color"]["scale"]["domain"] == list(SCHEMES)
     vlc = pytest.importorskip("vl_convert")
     vega = vlc.vegalite_to_vega(charts["kv_cache_chart"].to_dict())
     assert len(vega["legends"]) == 1 and {"stroke", "strokeDash"} <= set(vega["legends"][0]), vega["legends"]
+
+
+def test_kv_cache_chart_names_every_cache_at_the_context_hovered(charts):
+    """Hovering the KV cache chart names every cache's size at the context nearest the pointer (a rule's tooltip
+    from the rows pivoted by scheme): the shared row's points lie under MLA's, so their own tooltips never showed."""
+    from ds4lab.kv.sizes import SCHEMES
+
+    spec = charts["kv_cache_chart"].to_dict()
+    lines, rule = spec["layer"]
+    assert "tooltip" not in lines["encoding"] and rule["mark"]["type"] == "rule"
+    assert [t["field"] for t in rule["encoding"]["tooltip"]] == ["tokens", *SCHEMES]
+    assert rule["transform"] == [{"pivot": "scheme", "value": "gib", "groupby": ["tokens"]}]
+    vlc = pytest.importorskip("vl_convert")
+    vega = vlc.vegalite_to_vega(spec)  # compiles: the pivot's fields are the tooltip's
+    assert any(d.get("name", "").startswith("data") for d in vega["data"])

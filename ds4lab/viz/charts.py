@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from . import palette
-from .vegalite import Chart, field, tooltip, unit
+from .vegalite import Chart, field, inline, tooltip, unit
 
 MAX_ROWS = 4000  # rows a chart's data may hold
 # the indexer's rows, kept or not
@@ -53,7 +53,8 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
     the chunks: where the points leave the line, the machine varied, not the work."""
     if not 0 <= warmup <= len(chunks):
         raise ValueError(f"warmup is {warmup}: it must be between 0 and the {len(chunks)} chunks")
-    rows = [dict(chunk=i, start=c.start, end=c.end, tokens=c.n_tokens, tokens_per_s=c.tokens_per_s,
+    # positions "64–127", as the tables and the prose write a chunk (its end is the next chunk's start)
+    rows = [dict(chunk=i, positions=f"{c.start}–{c.end - 1}", tokens=c.n_tokens, tokens_per_s=c.tokens_per_s,
                  ms=c.seconds * 1e3) for i, c in enumerate(chunks)]
     timed = rows[warmup:]
     size = max(r["tokens"] for r in timed) if timed else 0
@@ -62,7 +63,7 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
               ] if full else []
     x = field("chunk:Q", title="chunk", axis={"tickMinStep": 1, "format": "d"})
     y = field("tokens_per_s:Q", title="tokens/s (measured)")
-    tips = tooltip("chunk:O", "start:Q", "end:Q", "tokens:Q", field("ms:Q", format=".1f"),
+    tips = tooltip("chunk:O", "positions:N", "tokens:Q", field("ms:Q", format=".1f"),
                    field("tokens_per_s:Q", title="tokens/s", format=",.0f"))
     layers = [
         unit(spread, {"type": "rect", "opacity": 0.15, "color": "#3182bd"}, y=field("low:Q"), y2={"field": "high"}),
@@ -171,11 +172,11 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
     from ..kv.sizes import SCHEMES, cache_table
 
     rows = [dict(r, gib=r["bytes"] / 2**30) for r in cache_table(config, contexts, bytes_per_value)]
-    spec = unit(
-        rows, {"type": "line", "point": True},
-        x=field("tokens:Q", title="context (tokens)", scale={"type": "log", "base": 2},
-                axis={"values": list(contexts), "labelExpr": (
-                    "datum.value >= 1048576 ? datum.value / 1048576 + 'M' : datum.value / 1024 + 'K'")}),
+    x = field("tokens:Q", title="context (tokens)", scale={"type": "log", "base": 2},
+              axis={"values": list(contexts), "labelExpr": (
+                  "datum.value >= 1048576 ? datum.value / 1048576 + 'M' : datum.value / 1024 + 'K'")})
+    lines = unit(
+        None, {"type": "line", "point": True}, x=x,
         y=field("gib:Q", title=f"KV cache (GiB, {bytes_per_value} bytes a value)", scale={"type": "log"}),
         # a dash per scheme too: the shared row's and MLA's lines lie within 12% of each other, too close for colour
         # alone; one legend of both (the same domain and legend: Vega-Lite merges them, else a second legend of
@@ -183,10 +184,18 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
         color=field("scheme:N", title="cache", legend=SCHEME_LEGEND,
                     scale={"domain": list(SCHEMES), "range": ["#3182bd", "#756bb1", "#252525", "#31a354", "#e377c2"]}),
         strokeDash=field("scheme:N", title="cache", legend=SCHEME_LEGEND, scale={"domain": list(SCHEMES)}),
-        tooltip=tooltip("scheme:N", "tokens:Q", field("gib:Q", format=".3~f", title="GiB")),
     )
+    # the tooltip: every cache at the context nearest the pointer, on a rule there (a point's own tooltip hid the
+    # shared row's under MLA's, whose points cover them)
+    at = {"name": "at", "select": {"type": "point", "fields": ["tokens"], "nearest": True, "on": "mouseover",
+                                   "clear": "mouseout"}}
+    rule = dict(unit(None, {"type": "rule", "color": "#969696"}, x=x,
+                     opacity={"condition": {"param": "at", "empty": False, "value": 1}, "value": 0},
+                     tooltip=tooltip(field("tokens:Q", title="context (tokens)", format=","),
+                                     *(field(f"{s}:Q", title=f"{s} (GiB)", format=".3~f") for s in SCHEMES))),
+                transform=[{"pivot": "scheme", "value": "gib", "groupby": ["tokens"]}], params=[at])
     title = f"KV cache by context: DS4 against dense caches ({config.n_layer} layers)"
-    return Chart(dict(spec, title=title, width=360, height=220))
+    return Chart({"data": inline(rows), "layer": [lines, rule], "title": title, "width": 360, "height": 220})
 
 
 def batch_copies_chart(rows: list[dict]):

@@ -46,10 +46,12 @@ def unit(rows: list[dict] | None, mark: str | dict, **encoding) -> dict:
     """A single-view spec: ``rows`` inline (None: the data of the facet it goes in; NumPy scalars become Python
     numbers, as JSON needs), one ``mark``, channels as keyword arguments."""
     spec = {"mark": mark, "encoding": encoding}
-    if rows is None:
-        return spec
-    rows = [{k: v.item() if isinstance(v, np.generic) else v for k, v in r.items()} for r in rows]
-    return {"data": {"values": rows}, **spec}
+    return spec if rows is None else {"data": inline(rows), **spec}
+
+
+def inline(rows: list[dict]) -> dict:
+    """``rows`` as a spec's inline data (NumPy scalars become Python numbers, as JSON needs)."""
+    return {"values": [{k: v.item() if isinstance(v, np.generic) else v for k, v in r.items()} for r in rows]}
 
 
 class Chart:
