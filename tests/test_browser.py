@@ -579,6 +579,11 @@ def test_mask_of_a_decode_step_renders(page):
 
     # the indexer's rows in the AttentionView's colours: kept its ramp's blue, dropped its salmon
     assert swatch("kept") == "rgb(49, 130, 189)" and swatch("dropped by the indexer") == "rgb(252, 187, 161)"
+    # the step's own row (the query itself) a column FEW_PX wide, as a few compressed rows: at a raw row's 2-3 px
+    # with no header a walk-through could not find the "own" the legend names
+    img = view.locator("img.ds4-maskimg")
+    img.evaluate("(i) => i.decode()")
+    assert _longest_run(img, (8, 81, 156)) == FEW_PX - 1
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 

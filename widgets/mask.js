@@ -7,16 +7,18 @@ function layout(model) {
   const Q = model.get("n_queries"), N = nr + nc + 1;
   const P = Math.max(N, model.get("plan_keys"));  // the columns planned for (a stepper's largest mask)
   const cw = Math.max(2, Math.min(8, Math.floor(480 / P))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
-  // a few compressed rows get columns few_px wide at least (mask_view.FEW_MAX_PX, as the fallback's image)
-  const few = model.get("few_px");
-  const ccw = nc * few <= model.get("few_max_px") ? Math.max(cw, few) : cw;  // a compressed column's width
+  // a few compressed rows, or a step's few own rows (a decode step's one), get columns few_px wide at least
+  // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
+  const few = model.get("few_px"), widen = (n) => (n * few <= model.get("few_max_px") ? Math.max(cw, few) : cw);
+  const ccw = widen(nc), ocw = widen(own);  // a compressed column's width, an own row's
   // header of each group: the longest name that fits its width
   const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
                   [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];
   // x and width of column c: groups separated by a gap
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
-  const x = (c) => L + gi(c) * GAP + Math.min(c, nr) * cw + Math.max(0, Math.min(c, nr + nc) - nr) * ccw;
-  const w = (c) => (c >= nr && c < nr + nc ? ccw : cw);
+  const clamp = (v, hi) => Math.max(0, Math.min(v, hi));
+  const x = (c) => L + gi(c) * GAP + Math.min(c, nr - own) * cw + clamp(c - (nr - own), own) * ocw + clamp(c - nr, nc) * ccw;
+  const w = (c) => [cw, ocw, ccw, cw][gi(c)];
   const drawn = x(N - 1) + cw, W = Math.max(drawn, L + 3 * GAP + P * cw) + 24;  // a smaller mask: blank on its right
   return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, drawn, W, H: T + Q * rh + B };
 }
@@ -88,8 +90,10 @@ function render({ model, el }) {
     const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
     const every = Math.max(1, Math.ceil(34 / g.cw));
     const tick = (c, s) => { ctx.fillRect(g.x(c) + g.w(c) / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.w(c) / 2, y); };
-    const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) - 14 : g.W;  // raw ticks keep clear of c0
-    for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && g.x(c) < end) tick(c, String(pos[c]));
+    // raw ticks keep 4 px clear of c0's label
+    const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) + g.ccw / 2 - ctx.measureText("c0").width / 2 - 4 : g.W;
+    const fits = (c, s) => g.x(c) + g.w(c) / 2 + ctx.measureText(s).width / 2 <= end;
+    for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && fits(c, String(pos[c]))) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
     for (let c = 0; c < g.nc; c += cstep) tick(g.nr + c, `c${c}`);
     // the key axis' title under the columns drawn (from the left margin where they are narrower than it)

@@ -103,19 +103,23 @@ class MaskView(View):
         return {c: int(k) for c, k in zip(CATEGORIES, n) if k}
 
     def image(self) -> np.ndarray:
-        """The mask as an RGB image for the fallback: cells a few pixels wide (a few compressed rows FEW_PX wide, as
-        in the live view), groups apart by a white column."""
+        """The mask as an RGB image for the fallback: cells a few pixels wide (a few compressed rows, or a step's few
+        own rows, FEW_PX wide, as in the live view), groups apart by a white column."""
         mk = self.mask
         rgb = np.array([palette.rgb(c) for c in COLOURS], np.uint8)[mk.cells]
         nr, nc = len(mk.raw_positions), len(mk.comp_rows)
         cuts = [nr - mk.n_own, nr, nr + nc]  # group boundaries, left to right
         sx = max(1, min(6, 600 // (rgb.shape[1] + len(cuts))))
         sy = max(2, min(12, 240 // rgb.shape[0]))
-        px = [sx, sx, max(sx, FEW_PX) if nc * FEW_PX <= FEW_MAX_PX else sx, sx]  # per column of each group
+        def widen(n):
+            return max(sx, FEW_PX) if n * FEW_PX <= FEW_MAX_PX else sx
+
+        px = [sx, widen(mk.n_own), widen(nc), sx]  # per column of each group
         gap = np.full((rgb.shape[0], sx, 3), 255, np.uint8)
         parts = [np.repeat(part, w, axis=1) for part, w in zip(np.split(rgb, cuts, axis=1), px)]
-        if px[2] > sx:  # a widened compressed column ends in a white hairline: two of one colour stay apart
-            parts[2][:, px[2] - 1 :: px[2]] = 255
+        for i in (1, 2):  # a widened column ends in a white hairline: two of one colour stay apart
+            if px[i] > sx:
+                parts[i][:, px[i] - 1 :: px[i]] = 255
         img = np.concatenate([p for part in parts for p in (part, gap)][:-1], axis=1)
         return np.ascontiguousarray(np.repeat(img, sy, axis=0))
 
