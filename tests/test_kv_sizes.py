@@ -57,7 +57,8 @@ def test_the_chart_draws_every_scheme_on_log_axes():
     from ds4lab.viz.charts import kv_cache_chart
 
     spec = kv_cache_chart(FLASH).to_dict()
-    assert spec["encoding"]["x"]["scale"]["type"] == "log" and spec["encoding"]["y"]["scale"]["type"] == "log"
+    enc = spec["layer"][0]["encoding"]  # the lines (the layer after them: the hover's rule)
+    assert enc["x"]["scale"]["type"] == "log" and enc["y"]["scale"]["type"] == "log"
     rows = spec["data"]["values"]
     assert {r["scheme"] for r in rows} == set(SCHEMES) and len(rows) == 6 * len(SCHEMES)
     assert all(r["gib"] > 0 for r in rows)
