@@ -438,6 +438,7 @@ def test_prefill_view_renders(page):
     # raw rows only
     assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
+    width_at_chunk0 = img.evaluate("(i) => i.naturalWidth")
     # at chunk 4 its 2 compressed rows are columns FEW_PX wide (a 1 px hairline apart), not 3 px as a raw row's
     handle.focus()
     for _ in range(4):
@@ -446,6 +447,8 @@ def test_prefill_view_renders(page):
                          arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
     img.evaluate("(i) => i.decode()")
     assert _longest_run(img, (49, 130, 189)) == FEW_PX - 1  # the compressed rows' colour: seen (no indexer)
+    # as wide as at chunk 0, which has none: the width is planned with the widened columns of every chunk
+    assert img.evaluate("(i) => i.naturalWidth") == width_at_chunk0
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3_chunk4.png"))
     handle.focus()  # back to chunk 0: the page as the tests after this one expect it
     for _ in range(4):

@@ -315,3 +315,16 @@ def test_generation_panel_keeps_room_for_the_decoders_own_top_before_any_token(p
     assert not errors, errors
     (h2, px), (h8, _) = heights[2], heights[8]
     assert abs((h8 - h2) - 6 * 1.6 * px) < 1, heights
+    # filled with its last token's list at its longest (the note, the token, the heading, the top rows and a token
+    # sampled outside them) the panel takes the room it kept: nothing under it moves (it grew 15 px)
+    view = GenerationView(model.session(ctx=256), list(range(5, 45)), max_tokens=2, seed=3, top=5)
+    empty = _json_state(view.model)
+    view.run()
+    state = _json_state(view.model)
+    last = state["records"][-1]
+    last["top"] = [a for a in last["top"] if a["token"] != last["token"]][:5]
+    for shown in (empty, state):
+        pg.evaluate("() => { document.body.innerHTML = ''; }")
+        pg.evaluate(SHOW, [view.model._esm, shown, (widgets_dir() / STYLESHEET).read_text(), 900])
+        heights[len(shown["records"])] = pg.locator(".ds4-alts").evaluate("(el) => el.getBoundingClientRect().height")
+    assert len(pg.locator(".ds4-alts tr").all()) == 6 and abs(heights[2] - heights[0]) <= 2, heights

@@ -5,7 +5,8 @@ const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers,
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
-  const P = Math.max(N, model.get("plan_keys"));  // the columns planned for (a stepper's largest mask)
+  // the masks planned for (a stepper's, as [cached, own, compressed] columns): the cells sized for the most columns
+  const plan = model.get("plan"), P = Math.max(N, ...plan.map(([c, o, k]) => c + o + k + 1));
   const cw = Math.max(2, Math.min(8, Math.floor(480 / P))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
   // a few compressed rows, or a step's few own rows (a decode step's one), get columns few_px wide at least
   // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
@@ -19,7 +20,9 @@ function layout(model) {
   const clamp = (v, hi) => Math.max(0, Math.min(v, hi));
   const x = (c) => L + gi(c) * GAP + Math.min(c, nr - own) * cw + clamp(c - (nr - own), own) * ocw + clamp(c - nr, nc) * ccw;
   const w = (c) => [cw, ocw, ccw, cw][gi(c)];
-  const drawn = x(N - 1) + cw, W = Math.max(drawn, L + 3 * GAP + P * cw) + 24;  // a smaller mask: blank on its right
+  // the image as wide as the widest mask planned (with its widened columns): a smaller one blank on its right
+  const span = ([c, o, k]) => L + 3 * GAP + c * cw + o * widen(o) + k * widen(k) + cw;
+  const drawn = x(N - 1) + cw, W = Math.max(drawn, ...plan.map(span)) + 24;
   return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, drawn, W, H: T + Q * rh + B };
 }
 function reason(model, q, c, cat, g) {
@@ -117,7 +120,7 @@ function render({ model, el }) {
   const tips = pointerTip(el, cellAt);
   const redraw = () => { draw(); tips.describe(); };  // another step shown under a still pointer: its cell's text
   draw();
-  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title", "plan_keys"].map((k) => `change:${k}`);
+  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title", "plan"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {

@@ -342,7 +342,8 @@ class AttentionView(View):
                     / np.diff([*starts, b])[:, None]).tolist()
         m = self.model
         with m.hold_sync():
-            m.title = (f"layer {self.layer} (ratio {amap.ratio or '—'}), head {self.head}: {Q} queries × "
+            kind = f"ratio {amap.ratio}" if amap.ratio else "raw only"
+            m.title = (f"layer {self.layer} ({kind}), head {self.head}: {Q} queries × "
                        f"{amap.n_raw} raw | {amap.n_comp} compressed | sink")
             m.note = self._note(amap, (a, b, c, d), (Q, K), red.shape, fr, fc)
             m.layer, m.head, m.scale = self.layer, self.head, self.scale

@@ -87,7 +87,8 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
                      for i, (c, f) in enumerate(zip(chunks, flops))]
         line = {"type": "line", "color": palette.PREDICTED, "strokeDash": [4, 2]}
         layers.append(unit(predicted, line, x=field("chunk:Q"), y=field("predicted:Q"),
-                           tooltip=tooltip("chunk:O", "gflop:Q", "predicted:Q")))
+                           tooltip=tooltip("chunk:O", field("gflop:Q", title="GFLOP", format=",.3~r"),
+                                           field("predicted:Q", title="predicted tokens/s", format=",.0f"))))
         notes += ["dashed: predicted from FLOPs", f"at the median rate ({rate / 1e9:.2f} GFLOP/s)"]
     # the notes a line each, none wider than the plot's 260 px: beside kv_bytes_chart it fits a laptop's notebook
     title = {"text": "prefill speed per chunk", "subtitle": notes, "anchor": "start"}
@@ -192,7 +193,7 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
     rule = dict(unit(None, {"type": "rule", "color": "#969696"}, x=x,
                      opacity={"condition": {"param": "at", "empty": False, "value": 1}, "value": 0},
                      tooltip=tooltip(field("tokens:Q", title="context (tokens)", format=","),
-                                     *(field(f"{s}:Q", title=f"{s} (GiB)", format=".3~f") for s in SCHEMES))),
+                                     *(field(f"{s}:Q", title=f"{s} (GiB)", format=",.4~r") for s in SCHEMES))),
                 transform=[{"pivot": "scheme", "value": "gib", "groupby": ["tokens"]}], params=[at])
     title = f"KV cache by context: DS4 against dense caches ({config.n_layer} layers)"
     return Chart({"data": inline(rows), "layer": [lines, rule], "title": title, "width": 360, "height": 220})

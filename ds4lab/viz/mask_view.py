@@ -45,9 +45,14 @@ class MaskModel(ViewModel):
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
     few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed columns as image() does
     few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
-    # the most key columns of the masks this view will show (0: this mask's): widgets/mask.js sizes its cells and its
-    # image for them, so a stepper's mask keeps its scale and width from step to step
-    plan_keys = t.Int(0).tag(sync=True)
+    # the masks this view will show, as [cached raw rows, own rows, compressed rows] each (none: this mask alone):
+    # widgets/mask.js sizes its cells and its image for the largest, so a stepper's mask keeps its scale and width
+    plan = t.List(t.List(t.Int())).tag(sync=True)
+
+
+def key_groups(mask: StepMask) -> list[int]:
+    """``[cached raw rows, own rows, compressed rows]`` of a mask: the columns of its groups before the sink."""
+    return [len(mask.raw_positions) - mask.n_own, mask.n_own, len(mask.comp_rows)]
 
 
 def legend_names(mask: StepMask) -> list[str]:

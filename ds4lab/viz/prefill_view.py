@@ -14,7 +14,7 @@ from ..visibility import step_mask
 from . import palette
 from .base import View, ViewModel, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
-from .mask_view import MaskView
+from .mask_view import MaskView, key_groups
 
 # Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon, yellows or orange that
 # mean "dropped by the indexer", "not yet compressed" and "written by the chunk" in the views beside them.
@@ -238,10 +238,10 @@ class PrefillView(View):
         self._show_mask()
 
     def _plan_mask(self) -> None:
-        """Size the mask's cells for the chunk of this layer with the most keys, so scrubbing keeps its scale."""
+        """Size the mask for every chunk of this layer (its cells and its width), so scrubbing keeps both."""
         cfg, geometry = self.session.model.config, self.session.geometry
-        self.mask_view.model.plan_keys = max((step_mask(cfg, geometry, self.layer, s, e - s).cells.shape[1]
-                                              for s, e in self.model.bounds), default=0)
+        self.mask_view.model.plan = [key_groups(step_mask(cfg, geometry, self.layer, s, e - s))
+                                     for s, e in self.model.bounds]
 
     def _show_mask(self) -> None:
         i = self.model.selected
