@@ -61,6 +61,24 @@ class StepMask:
         return np.isin(self.cells, (CACHED, OWN, KEPT, SINK))
 
 
+def _raw_keys(config, geometry, pos0: int, n: int):
+    """``(slot_pos, raw_vis, slots)`` of a step: the position each ring slot holds after it, which slots each query
+    sees, and the slots some query sees, by position (a mask's raw columns)."""
+    _, slot_pos, raw_vis = ring_write(np, np.zeros((geometry.raw_cap, 1)), np.zeros((n, 1)), pos0, n, config.swa)
+    slot_pos, raw_vis = np.asarray(slot_pos), np.asarray(raw_vis)
+    slots = np.nonzero(raw_vis.any(axis=0))[0]
+    return slot_pos, raw_vis, slots[np.argsort(slot_pos[slots])]
+
+
+def key_groups(config, geometry, layer: int, pos0: int, n: int) -> list[int]:
+    """``[cached raw rows, own rows, compressed rows, queries]`` of :func:`step_mask`'s mask of the same step: its
+    columns before the sink by group, and its rows, without making its cells (a view plans its drawing with them)."""
+    slot_pos, _, slots = _raw_keys(config, geometry, pos0, n)
+    own = int((slot_pos[slots] >= pos0).sum())
+    R = config.ratio(layer)
+    return [len(slots) - own, own, (pos0 + n) // R if R else 0, n]
+
+
 def step_mask(config, geometry, layer: int, pos0: int, n: int, selected=None) -> StepMask:
     """The mask of the step evaluating positions ``pos0 … pos0+n−1`` of ``layer``. ``selected`` is the capture of
     ``blk.{layer}.indexer.topk`` for this step (``[n, rows]`` bool), needed to tell kept rows from dropped ones
@@ -70,10 +88,7 @@ def step_mask(config, geometry, layer: int, pos0: int, n: int, selected=None) ->
     if n < 1 or pos0 < 0:
         raise ValueError(f"a step needs n ≥ 1 tokens at pos0 ≥ 0, got pos0={pos0}, n={n}")
     q = pos0 + np.arange(n)
-    _, slot_pos, raw_vis = ring_write(np, np.zeros((geometry.raw_cap, 1)), np.zeros((n, 1)), pos0, n, config.swa)
-    slot_pos, raw_vis = np.asarray(slot_pos), np.asarray(raw_vis)
-    slots = np.nonzero(raw_vis.any(axis=0))[0]
-    slots = slots[np.argsort(slot_pos[slots])]
+    slot_pos, raw_vis, slots = _raw_keys(config, geometry, pos0, n)
     k = slot_pos[slots]
     raw = np.where(raw_vis[:, slots], np.where(k[None, :] < pos0, CACHED, OWN),
                    np.where(k[None, :] > q[:, None], FUTURE, OUTSIDE))

@@ -348,6 +348,8 @@ def test_the_views_place_their_tooltips_with_one_function():
 def test_the_views_share_their_text_helpers():
     """esc and plural are defined once (widgets/text.js) and put before each ESM that calls them: a view's own count
     of compressed rows read "1 compressed rows" (a walk-through) where its own copy of plural did not exist."""
+    from ds4lab.viz.attention_view import AttentionModel
+    from ds4lab.viz.experts import ExpertModel
     from ds4lab.viz.generation import GenerationModel
     from ds4lab.viz.kv_view import KVCacheModel
     from ds4lab.viz.mask_view import MaskModel
@@ -355,9 +357,13 @@ def test_the_views_share_their_text_helpers():
     from ds4lab.viz.tier_view import TierModel
 
     shared = (WIDGETS / "text.js").read_text(encoding="utf-8")
-    for model in (GenerationModel, KVCacheModel, MaskModel, PrefillModel, TierModel):
-        esm = model()._esm
-        assert esm.count(shared) == 1 and esm.count("const esc =") == esm.count("const plural =") == 1, model
+    models = {"generation.js": GenerationModel, "kvcache.js": KVCacheModel, "mask.js": MaskModel,
+              "prefill.js": PrefillModel, "tiers.js": TierModel, "attention.js": AttentionModel,
+              "experts.js": ExpertModel}
+    assert set(models) == {f.name for f in WIDGETS.glob("*.js")} - {"hovertip.js", "text.js"}
+    for name, model in models.items():  # each ESM that calls them has them once, before its own code
+        uses = re.search(r"\b(esc|plural)\(", (WIDGETS / name).read_text(encoding="utf-8"))
+        assert model()._esm.count(shared) == (1 if uses else 0), name
     for f in WIDGETS.glob("*.js"):
         src = f.read_text(encoding="utf-8")
         assert f.name == "text.js" or ("const esc =" not in src and "const plural =" not in src), f.name

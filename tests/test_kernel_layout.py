@@ -57,6 +57,12 @@ def test_iq2_xxs_rows_of_whole_tiles_keep_their_length_and_sub_blocks_start_8_by
     for ne0 in (1024, 2048, 4096):  # Flash's IQ2_XXS rows (the routed gate and up: 4096)
         assert layout.row_bytes(Q.IQ2_XXS, ne0) == gguf_row_bytes(Q.IQ2_XXS, ne0)
         assert layout.row_bytes(Q.IQ2_XXS, ne0) % 8 == 0
+    tiling = layout.TILINGS[Q.IQ2_XXS]  # every sub-block of every tile of a row at a multiple of 8
+    (at, size), _ = tiling.fields
+    assert at == 2 and size == 8 * 8
+    starts = [t * tiling.tile_bytes + size * j + 8 * s
+              for t in range(4) for j in range(tiling.blocks) for s in range(8)]
+    assert all(b % 8 == 0 for b in starts) and len(set(starts)) == 4 * tiling.blocks * 8
 
 
 @pytest.mark.parametrize("tiler", TILERS)
@@ -80,6 +86,11 @@ def test_q2_k_rows_of_whole_tiles_keep_their_length_and_quants_start_16_byte_ali
     for ne0 in (1024, 2048, 4096):  # Flash's Q2_K rows (the routed down: 2048)
         assert layout.row_bytes(Q.Q2_K, ne0) == gguf_row_bytes(Q.Q2_K, ne0)
         assert layout.row_bytes(Q.Q2_K, ne0) % 16 == 0
+    tiling = layout.TILINGS[Q.Q2_K]  # a block's quants, 64 bytes first in its tile: four 16-byte aligned runs
+    (at, size), *_ = tiling.fields
+    assert at == 16 and size == 64
+    assert all((t * tiling.tile_bytes + size * j + 16 * h) % 16 == 0 for t in range(4) for j in range(tiling.blocks)
+               for h in range(4))
 
 
 def test_q8_0_rows_of_whole_tiles_keep_their_length_and_rows_start_16_byte_aligned():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ds4lab
+from ds4lab import visibility
 from ds4lab.visibility import CACHED, DROPPED, FUTURE, KEPT, NOT_YET, OUTSIDE, OWN, SINK, UNKNOWN, step_mask
 
 
@@ -101,3 +102,15 @@ def test_hand_worked_mask(model):
     assert r4.comp_rows.size == 32 and r4.cells[0, -18] == KEPT and r4.cells[0, -17] == NOT_YET  # q=64 sees rows 0–15
     with pytest.raises(ValueError, match="layer 6"):
         step_mask(cfg, sess.geometry, 6, 0, 1)
+
+
+@pytest.mark.parametrize("pos0, n", [(0, 64), (64, 64), (256, 64), (300, 5), (320, 1), (1000, 200)])
+def test_key_groups_count_the_masks_columns_without_its_cells(model, pos0, n):
+    """key_groups (what a view plans its drawing with) is the column count of step_mask's groups and its rows, on
+    every layer: raw only, ratio 4 with an indexer, ratio 128; chunks, a short one, a decode step, a long one."""
+    sess = model.session(ctx=2048, prefill_chunk=64)
+    for il in range(model.config.n_layer):
+        mask = step_mask(model.config, sess.geometry, il, pos0, n)
+        want = [len(mask.raw_positions) - mask.n_own, mask.n_own, len(mask.comp_rows), len(mask.queries)]
+        assert visibility.key_groups(model.config, sess.geometry, il, pos0, n) == want, (il, pos0, n)
+        assert sum(want[:3]) + 1 == mask.cells.shape[1]

@@ -29,8 +29,8 @@ function render({ model, el }) {
   const placeholder = () => {
     const recs = model.get("records");
     if (recs.length) { showTip(recs.length - 1, true); return; }
-    // until a token's alternatives were shown: lines for the heading, the note, the decoder's top alternatives
-    // and a sampled token from outside them
+    // until a token's alternatives were shown, the room they take (views.css: every line 1.6em): the note on the
+    // last token, its line, the heading, the decoder's top alternatives and a sampled token from outside them
     if (!reserved) tip.style.minHeight = `${(4 + model.get("top")) * 1.6}em`;
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;

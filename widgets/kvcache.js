@@ -41,12 +41,9 @@ function ring(d) {
       `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">(position ${T})</text>`);
   return h + "</svg>";
 }
-// the pending bar's tooltip: what the group is and how far it has filled (a ratio-128 group is a bar, not cells)
-const pendTip = (L, R) => {
-  const first = L.n_comp * R, filled = L.pending.length;
-  return `group ${L.n_comp} (tokens ${first}–${first + R - 1}): ${filled} of ${R} tokens pending` +
-    (filled ? ` (positions ${L.pending[0]}–${L.pending[filled - 1]})` : "") + `; compressed into row ${L.n_comp} when its last token comes`;
-};
+// the pending bar's tooltip: what its line above does not say, the group's tokens and what becomes of them
+const pendTip = (L, R) =>
+  `group ${L.n_comp}: tokens ${L.n_comp * R}–${L.n_comp * R + R - 1}, compressed into row ${L.n_comp} when its last one comes`;
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-kv");
   const body = document.createElement("div");
@@ -110,7 +107,8 @@ function render({ model, el }) {
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +
           (L.pending.length ? ` (positions ${L.pending[0]}–${L.pending[L.pending.length - 1]})` : "") + `</div>` +
           (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
-           `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}"><div style="width:${(100 * L.pending.length) / R}%"></div></div>`);
+           `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}">` +
+             `<div style="width:${(100 * L.pending.length) / R}%"></div></div>`);
       }
       h += "</div>";
     }

@@ -5,9 +5,12 @@ const L = 44, T = 30, B = 34, GAP = 4;  // margins: query labels, group headers,
 function layout(model) {
   const nr = model.get("raw_positions").length, nc = model.get("n_comp"), own = model.get("n_own");
   const Q = model.get("n_queries"), N = nr + nc + 1;
-  // the masks planned for (a stepper's, as [cached, own, compressed] columns): the cells sized for the most columns
+  // the masks planned for (a stepper's, as [cached, own, compressed, queries]): cells sized for the most columns
+  // and the most queries, so every mask of the plan is drawn at one scale (a decode step's row: 28 px)
   const plan = model.get("plan"), P = Math.max(N, ...plan.map(([c, o, k]) => c + o + k + 1));
-  const cw = Math.max(2, Math.min(8, Math.floor(480 / P))), rh = Math.max(3, Math.min(Q <= 2 ? 28 : 14, Math.floor(260 / Math.max(Q, 1))));  // a decode step's row: 28 px
+  const PQ = Math.max(Q, ...plan.map((p) => p[3]));
+  const cw = Math.max(2, Math.min(8, Math.floor(480 / P)));
+  const rh = Math.max(3, Math.min(PQ <= 2 ? 28 : 14, Math.floor(260 / Math.max(PQ, 1))));
   // a few compressed rows, or a step's few own rows (a decode step's one), get columns few_px wide at least
   // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
   const few = model.get("few_px"), widen = (n) => (n * few <= model.get("few_max_px") ? Math.max(cw, few) : cw);
@@ -18,12 +21,13 @@ function layout(model) {
   // x and width of column c: groups separated by a gap
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
   const clamp = (v, hi) => Math.max(0, Math.min(v, hi));
-  const x = (c) => L + gi(c) * GAP + Math.min(c, nr - own) * cw + clamp(c - (nr - own), own) * ocw + clamp(c - nr, nc) * ccw;
+  const x = (c) => L + gi(c) * GAP + Math.min(c, nr - own) * cw + clamp(c - (nr - own), own) * ocw +
+    clamp(c - nr, nc) * ccw;
   const w = (c) => [cw, ocw, ccw, cw][gi(c)];
   // the image as wide as the widest mask planned (with its widened columns): a smaller one blank on its right
   const span = ([c, o, k]) => L + 3 * GAP + c * cw + o * widen(o) + k * widen(k) + cw;
   const drawn = x(N - 1) + cw, W = Math.max(drawn, ...plan.map(span)) + 24;
-  return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, drawn, W, H: T + Q * rh + B };
+  return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, drawn, W, H: T + PQ * rh + B };
 }
 function reason(model, q, c, cat, g) {
   const pos = model.get("raw_positions"), w = model.get("window"), R = model.get("ratio"), k = model.get("top_k");
@@ -73,7 +77,7 @@ function render({ model, el }) {
     const counts = new Array(cats.length).fill(0);
     for (let q = 0; q < g.Q; q++) for (let c = 0; c < g.N; c++) {
       const cat = cells[q * g.N + c]; counts[cat]++;
-      // a widened compressed column ends in a white hairline: two of one colour stay apart
+      // a widened column (compressed, or a step's own) ends in a white hairline: two of one colour stay apart
       ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.w(c) - (g.w(c) > g.cw), g.rh);
     }
     ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
@@ -94,7 +98,8 @@ function render({ model, el }) {
     const every = Math.max(1, Math.ceil(34 / g.cw));
     const tick = (c, s) => { ctx.fillRect(g.x(c) + g.w(c) / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.w(c) / 2, y); };
     // raw ticks keep 4 px clear of c0's label
-    const stride = 16 * Math.ceil(every / 16), end = g.nc ? g.x(g.nr) + g.ccw / 2 - ctx.measureText("c0").width / 2 - 4 : g.W;
+    const stride = 16 * Math.ceil(every / 16);
+    const end = g.nc ? g.x(g.nr) + g.ccw / 2 - ctx.measureText("c0").width / 2 - 4 : g.W;
     const fits = (c, s) => g.x(c) + g.w(c) / 2 + ctx.measureText(s).width / 2 <= end;
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && fits(c, String(pos[c]))) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart

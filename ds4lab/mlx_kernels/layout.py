@@ -6,13 +6,13 @@ A Q8_0 block is 34 bytes (a half scale, then 32 int8 quants), so a lane that rea
 Q8_0 rows as *tiles* of eight blocks (256 elements, 272 bytes, the same bytes as the eight blocks): bytes
 ``[16j, 16j + 16)`` hold the first 16 quants of block j, ``[128 + 16j, 128 + 16j + 16)`` its last 16, and
 ``[256 + 2j, 256 + 2j + 2)`` its scale. A lane then takes its block in two 16-byte loads, and eight lanes' first
-loads are one 128-byte line.
+loads are 128 contiguous bytes.
 
 An IQ2_XXS block is 66 bytes (a half scale, then eight 8-byte sub-blocks of 32 elements), so a lane's sub-block
 starts 2 bytes past a word in every other block: two word loads and a 16-bit one, funnel-shifted together. Its
 tiles are four blocks (1,024 elements, 264 bytes: one step of a SIMD group's decode loop): bytes ``[64j, 64j +
 64)`` hold block j's sub-blocks, ``[256 + 2j, 256 + 2j + 2)`` its scale, so a lane takes its sub-block in one
-8-byte load and a SIMD group's 32 loads are two 128-byte lines.
+8-byte load and a SIMD group's 32 loads are 256 contiguous bytes.
 
 A Q2_K block is 84 bytes (16 bytes of scales and minima, 64 of two-bit quants, then d and dmin), so a lane's 16
 bytes of quants start 4 bytes past a 16-byte boundary: four word loads. Its tiles are four blocks (1,024 elements,

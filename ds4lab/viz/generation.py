@@ -89,7 +89,7 @@ class GenerationModel(ViewModel):
     records = t.List(t.Dict()).tag(sync=True)  # one per generated token: see step_record
     status = t.Unicode("").tag(sync=True)
     scale = t.List().tag(sync=True)  # LOGPROB_SCALE as [[lowest logprob or null, colour, legend label], ...]
-    top = t.Int(5).tag(sync=True)  # alternatives a step keeps (the decoder's top): the panel's room before any
+    top = t.Int(5).tag(sync=True)  # alternatives a step keeps (the decoder's top): the panel's room before a token
 
 
 class GenerationView(View):

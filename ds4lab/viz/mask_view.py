@@ -43,16 +43,11 @@ class MaskModel(ViewModel):
     categories = t.List(t.Unicode(), list(CATEGORIES)).tag(sync=True)
     colours = t.List(t.Unicode(), COLOURS).tag(sync=True)
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
-    few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed columns as image() does
+    few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed or own columns as image() does
     few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
-    # the masks this view will show, as [cached raw rows, own rows, compressed rows] each (none: this mask alone):
-    # widgets/mask.js sizes its cells and its image for the largest, so a stepper's mask keeps its scale and width
+    # the masks this view will show, as visibility.key_groups gives them (none: this mask alone): widgets/mask.js
+    # sizes its cells and its image for the largest, so a stepper's mask keeps its scale and size
     plan = t.List(t.List(t.Int())).tag(sync=True)
-
-
-def key_groups(mask: StepMask) -> list[int]:
-    """``[cached raw rows, own rows, compressed rows]`` of a mask: the columns of its groups before the sink."""
-    return [len(mask.raw_positions) - mask.n_own, mask.n_own, len(mask.comp_rows)]
 
 
 def legend_names(mask: StepMask) -> list[str]:

@@ -10,11 +10,11 @@ import html
 import ipywidgets as W
 import traitlets as t
 
-from ..visibility import step_mask
+from ..visibility import key_groups, step_mask
 from . import palette
 from .base import View, ViewModel, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
-from .mask_view import MaskView, key_groups
+from .mask_view import MaskView
 
 # Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon, yellows or orange that
 # mean "dropped by the indexer", "not yet compressed" and "written by the chunk" in the views beside them.
@@ -234,14 +234,14 @@ class PrefillView(View):
             self.layer_pick.value = self.layer
         if self._own_kv:
             self.kv_view.model.layers = [self.layer]
-        self._plan_mask()
-        self._show_mask()
+        with self.mask_view.model.hold_sync():  # one redraw: the new plan with the new layer's cells
+            self._plan_mask()
+            self._show_mask()
 
     def _plan_mask(self) -> None:
-        """Size the mask for every chunk of this layer (its cells and its width), so scrubbing keeps both."""
+        """Size the mask for every chunk of this layer (its cells and its image), so scrubbing keeps both."""
         cfg, geometry = self.session.model.config, self.session.geometry
-        self.mask_view.model.plan = [key_groups(step_mask(cfg, geometry, self.layer, s, e - s))
-                                     for s, e in self.model.bounds]
+        self.mask_view.model.plan = [key_groups(cfg, geometry, self.layer, s, e - s) for s, e in self.model.bounds]
 
     def _show_mask(self) -> None:
         i = self.model.selected

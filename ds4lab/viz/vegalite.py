@@ -43,8 +43,8 @@ def tooltip(*fields: str | dict) -> list[dict]:
 
 
 def unit(rows: list[dict] | None, mark: str | dict, **encoding) -> dict:
-    """A single-view spec: ``rows`` inline (None: the data of the facet it goes in; NumPy scalars become Python
-    numbers, as JSON needs), one ``mark``, channels as keyword arguments."""
+    """A single-view spec: ``rows`` inline (None: the data of the facet or layered chart it goes in; NumPy scalars
+    become Python numbers, as JSON needs), one ``mark``, channels as keyword arguments."""
     spec = {"mark": mark, "encoding": encoding}
     return spec if rows is None else {"data": inline(rows), **spec}
 
