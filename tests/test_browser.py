@@ -455,9 +455,12 @@ def test_prefill_view_renders(page):
         handle.press("ArrowLeft")
     pg.wait_for_function("(el) => el.textContent.includes('layer 3, chunk 0')",
                          arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
+    layers_height = kv.locator(".ds4-layers").bounding_box()["height"]
     out.locator(".widget-dropdown select").select_option(label="0: raw only")
     pg.wait_for_function("(el) => el.textContent.includes('layer 0')", arg=mask.locator(".ds4-title").element_handle(),
                          timeout=10_000)
+    # a raw-only layer has one line where layer 3 had four: its box keeps the room, so nothing under it moves
+    assert kv.locator(".ds4-layers").bounding_box()["height"] == pytest.approx(layers_height, abs=1)
     assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer0.png"))
 
