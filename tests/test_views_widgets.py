@@ -34,9 +34,9 @@ WIDGETS = ROOT / "widgets"
 MODELS = {"prefill.js": PrefillModel, "kvcache.js": KVCacheModel, "attention.js": AttentionModel, "mask.js": MaskModel,
           "experts.js": ExpertModel, "generation.js": GenerationModel, "tiers.js": TierModel}
 # The scripts shared by views (ds4lab.viz.base.widget_module), put before their own ESM.
-SHARED = {"kvcache.js": ["hovertip.js", "text.js"], "attention.js": ["hovertip.js"],
+SHARED = {"kvcache.js": ["hovertip.js", "text.js", "reserve.js"], "attention.js": ["hovertip.js"],
           "tiers.js": ["hovertip.js", "text.js"], "experts.js": ["hovertip.js"], "mask.js": ["hovertip.js", "text.js"],
-          "prefill.js": ["hovertip.js", "text.js"], "generation.js": ["text.js"]}
+          "prefill.js": ["hovertip.js", "text.js"], "generation.js": ["text.js", "reserve.js"]}
 # What a built or installed ds4lab must show: every model's ESM and stylesheet read from the installed front-end.
 CHECK = """
 import json, sys

@@ -15,15 +15,8 @@ function render({ model, el }) {
   const tip = document.createElement("div"); tip.className = "ds4-alts";
   el.append(head, legend, text, tip);
   // Out of a generated token the panel says what it is for, at the height it takes with a token's alternatives, so
-  // that nothing under the view moves when it fills (or empties).
-  let reserved = 0;  // px: the tallest the panel has been; it never shrinks below that
-  const reserve = () => {
-    reserved = Math.max(reserved, tip.offsetHeight);
-    tip.style.minHeight = reserved ? `${reserved}px` : tip.style.minHeight;
-  };
-  // a panel filled before it was laid out (JupyterLab renders outputs off-page) measured 0: measure it once it is
-  const sized = new ResizeObserver(reserve);
-  sized.observe(tip);
+  // that nothing under the view moves when it fills (or empties): it never shrinks below the tallest it has been
+  const panel = keepTallest(tip);
   // Out of a generated token: the last one's alternatives (the panel shows what it is for, and the room it keeps
   // is not left blank), or before any token what hovering one shows
   const placeholder = () => {
@@ -31,7 +24,7 @@ function render({ model, el }) {
     if (recs.length) { showTip(recs.length - 1, true); return; }
     // until a token's alternatives were shown, the room they take (views.css: every line 1.6em): the note on the
     // last token, its line, the heading, the decoder's top alternatives and a sampled token from outside them
-    if (!reserved) tip.style.minHeight = `${(4 + model.get("top")) * 1.6}em`;
+    if (!tip.style.minHeight) tip.style.minHeight = `${(4 + model.get("top")) * 1.6}em`;
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;
   };
@@ -60,7 +53,7 @@ function render({ model, el }) {
     if (r.top.length && !r.top.some((a) => a.token === r.token))
       h += row(r.piece, r.logprob, `◀ sampled, not in the top ${r.top.length}`, "ds4-sampled");
     tip.innerHTML = h + "</table>";
-    reserve();
+    panel.hold();
   };
   const draw = () => {
     const recs = model.get("records"), scale = model.get("scale");
@@ -99,7 +92,7 @@ function render({ model, el }) {
     for (const e of events) model.off(e, redraw);
     text.removeEventListener("mouseover", hover);
     text.removeEventListener("mouseleave", leave);
-    sized.disconnect();
+    panel.disconnect();
   };
 }
 export default { render };

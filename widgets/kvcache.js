@@ -113,20 +113,11 @@ function render({ model, el }) {
       h += "</div>";
     }
     body.innerHTML = h + "</div>";
-    keepTallest();
+    layersBox.hold();
   };
   // compact (one layer beside another view): the layers' box keeps the tallest it has been, so a layer of fewer
-  // rows (raw only) moves nothing under the view; measured once laid out (JupyterLab draws outputs off-page first)
-  let tallest = 0;
-  const keepTallest = () => {
-    const box = body.querySelector(".ds4-layers");
-    if (!box || !model.get("compact")) return;
-    box.style.minHeight = "";
-    tallest = Math.max(tallest, box.offsetHeight);
-    box.style.minHeight = `${tallest}px`;
-  };
-  const sized = new ResizeObserver(keepTallest);
-  sized.observe(body);
+  // rows (raw only) moves nothing under the view
+  const layersBox = keepTallest(body, () => (model.get("compact") ? body.querySelector(".ds4-layers") : null));
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
   const events = ["data", "layers", "compact"].map((k) => `change:${k}`);
@@ -134,7 +125,7 @@ function render({ model, el }) {
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, redraw);
-    sized.disconnect();
+    layersBox.disconnect();
     tips.remove();
   };
 }

@@ -83,7 +83,7 @@ def _alternatives(record: dict) -> str:
 
 
 class GenerationModel(ViewModel):
-    _esm = widget_module("generation.js", "text.js")
+    _esm = widget_module("generation.js", "text.js", "reserve.js")
     context = t.List(t.Unicode()).tag(sync=True)  # texts of the last context tokens, shown greyed
     context_skipped = t.Int(0).tag(sync=True)  # earlier context tokens not shown
     records = t.List(t.Dict()).tag(sync=True)  # one per generated token: see step_record

@@ -99,7 +99,7 @@ def _pointer(d: dict) -> str:
 
 
 class KVCacheModel(ViewModel):
-    _esm = widget_module("kvcache.js", "hovertip.js", "text.js")
+    _esm = widget_module("kvcache.js", "hovertip.js", "text.js", "reserve.js")
     data = t.Dict().tag(sync=True)
     layers = t.List(t.Int(), allow_none=True, default_value=None).tag(sync=True)  # the layers drawn (None: all)
     compact = t.Bool(False).tag(sync=True)  # the ring's key and the bytes folded under one line
