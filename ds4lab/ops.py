@@ -43,10 +43,13 @@ A kernel carries its op's name at every layer (here ``foo``; an op that needs se
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from .backends.base import IN_ORDER
-from .mlx_kernels.specs import HC_MAX, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K, indexer_scores_fits
+from .mlx_kernels.specs import HC_MAX, HC_MIX_MAX_ROWS, QGEMM_BM, ROUTE_MAX_EXPERTS, ROUTE_MAX_K, indexer_scores_fits
 from .model import attention, compressor, functional, hc, moe, numerics, rope
 
 
@@ -60,6 +63,17 @@ class _Holding:
     def join(self) -> None:
         self.branch.join()
         self.held = ()
+
+
+class _Started(NamedTuple):
+    """A product started by the kernel that made its input ``x``: ``proj``'s product of ``x`` in parts [G, T, N] (the
+    next mixer's, by hc_post_mix, with ``gram``, X's Gram matrix in parts [G, T, n(n+1)/2]; the router's, by
+    hc_pre_then), for the op that takes that product of that x next (:meth:`Ops.hc_pre`, :meth:`Ops.split_sums`)."""
+
+    x: object
+    proj: object
+    parts: object
+    gram: object = None
 
 
 ATTN_KERNEL_MAX_QUERIES = 16  # decode-sized query blocks use the split-key kernel; chunks see ATTN_CHUNK_KERNEL
@@ -80,6 +94,7 @@ class Ops:
         self.backend = backend
         self.xp = backend.xp
         self.dtype = backend.dtype
+        self._started: _Started | None = None  # the last kernel's start of the next product, until it is taken
 
     @property
     def kernels(self):
@@ -233,7 +248,7 @@ class Ops:
         return y, rope.rope(self.xp, y, cos, sin)
 
     def hc_pre(self, X, fn, scale, base, iters: int, eps: float, norm_eps: float, norm_weight=None,
-               quiet: bool = False):
+               quiet: bool = False, then=None):
         """(x_in, post, comb, mixer) of the mixer before a sublayer (:func:`ds4lab.model.hc.hc_pre`); with
         ``norm_weight``, the sublayer's input ``rmsnorm(x_in, norm_eps, norm_weight)`` in x_in's place. The kernel
         takes ``fn`` of the flat state rather than of its RMS normalisation and divides by the RMS itself (``fn`` is
@@ -241,19 +256,38 @@ class Ops:
         normalises x_in in the same launch: qmatmul_reduce's and rmsnorm's launches saved a sublayer.
         ``mixer.join()`` comes before post or comb are read. For a decode step's few rows (``quiet``: nothing
         emitted meanwhile) post and comb are made on a branch (:meth:`branch`), so the sublayer, which reads x_in
-        alone, starts before the Sinkhorn normalisation ends; elsewhere ``mixer`` is IN_ORDER."""
+        alone, starts before the Sinkhorn normalisation ends; elsewhere ``mixer`` is IN_ORDER.
+
+        A decode step's mixer of F16 weights (up to HC_MIX_MAX_ROWS rows) comes as parts over E of its product and of
+        the streams' Gram matrix, made by the hc_post that wrote X where the halves are chained (:meth:`hc_post`'s
+        ``then``) or here (hc_mix_parts): the same bits either way. The Gram matrix gives x_in's norm before x_in is
+        made, and ``then``, the sublayer's first F16 linear (the router), is started on x_in by its kernel
+        (hc_pre_then: parts over E, which :meth:`split_sums` of that linear and x_in returns)."""
         T, n, E = X.shape
         kernels = self.kernels
+        started, self._started = self._started, None
         if kernels is not None and n <= HC_MAX:
-            mix = self.split_sums(fn, X.reshape(T, n * E))
+            fn_f16 = self._mixer_bytes(fn, T, n, E)
+            if started is not None and started.x is X and started.proj is fn:  # by the hc_post that made X
+                mix, gram = started.parts, started.gram
+            elif fn_f16 is not None:  # the same parts made here: the same bits as the hc_post that starts them
+                mix, gram = kernels.hc_mix_parts(X, fn_f16)
+            else:
+                mix, gram = self.split_sums(fn, X.reshape(T, n * E)), None
             args = (mix, scale, base, X, iters, eps, norm_eps, None if norm_weight is None else (norm_weight, norm_eps))
+            then_f16 = self._f16_bytes(then, T, E) if gram is not None and norm_weight is not None else None
             mixer = self.branch(T, quiet)
             if mixer is IN_ORDER:
-                return (*kernels.hc_pre(*args), IN_ORDER)
-            with mixer:
-                _, post, comb = kernels.hc_pre(*args, part="mixer")
-            x_in = kernels.hc_pre(*args, part="input")[0]
-            return x_in, post, comb, _Holding(mixer, mix)
+                x_in, post, comb, *made = kernels.hc_pre(*args, gram=gram, then=then_f16)
+            else:
+                with mixer:
+                    _, post, comb = kernels.hc_pre(*args, part="mixer", gram=gram)
+                out = kernels.hc_pre(*args, part="input", gram=gram, then=then_f16)
+                x_in, made = out[0], out[3:]
+                mixer = _Holding(mixer, mix, gram)
+            if made:
+                self._started = _Started(x_in, then, made[0])
+            return x_in, post, comb, mixer
         x_in, post, comb = hc.hc_pre(self, X, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
         return (x_in if norm_weight is None else self.rmsnorm(x_in, norm_eps, norm_weight)), post, comb, IN_ORDER
 
@@ -261,21 +295,49 @@ class Ops:
         """``proj(*args)``, as its K splits' sums ``[S, ...]`` where the kernels leave them for the op that reads the
         product to add (a decode step's qmatmul: hc_pre, hc_post, moe_route and swiglu add a product's splits as they
         read them, in qmatmul_reduce's order, so no launch adds them first); without kernels, the product itself."""
+        started = self._started
+        if started is not None and started.proj is proj and len(args) == 1 and started.x is args[0]:
+            self._started = None
+            return started.parts  # started by the kernel that made x (hc_pre_then)
         if self.kernels is not None and hasattr(proj, "split_sums"):
             return proj.split_sums(*args)
         return proj(*args)
 
-    def hc_post(self, y, X, post, comb, pairs: int = 1, extra=None):
+    def hc_post(self, y, X, post, comb, pairs: int = 1, extra=None, then=None):
         """The streams after a sublayer (:func:`ds4lab.model.hc.hc_post`) of output ``y`` (or :meth:`split_sums`' of
         it); with ``pairs`` above 1, ``y`` is each token's ``pairs`` rows (routed experts', :meth:`pair_sum`'s
         input) and the output their sum; ``extra`` (the shared expert's) is added to it. The kernel adds them all as
-        it reads them, in pair_sum's order then the addition's."""
+        it reads them, in pair_sum's order then the addition's. ``then``: the next sublayer's mixer linear (its
+        ``hc.fn``) where that sublayer runs next on the X returned (chained halves), which for a decode step's few
+        rows the kernel starts on the streams it writes (hc_post_mix: the parts :meth:`hc_pre` would otherwise make
+        in a launch of its own, hc_mix_parts, on every sublayer's critical path)."""
         kernels = self.kernels
+        self._started = None
         if kernels is not None:
-            return kernels.hc_post(y, X, post, comb, pairs, extra)
+            fn = self._mixer_bytes(then, *X.shape)
+            if fn is None:
+                return kernels.hc_post(y, X, post, comb, pairs, extra)
+            X_new, mix, gram = kernels.hc_post_mix(y, X, post, comb, pairs, extra, fn)
+            self._started = _Started(X_new, then, mix, gram)
+            return X_new
         if pairs > 1:
             y = self.pair_sum(y, pairs)
         return hc.hc_post(self.xp, y if extra is None else y + extra, X, post, comb)
+
+    @classmethod
+    def _mixer_bytes(cls, fn, T: int, n: int, E: int):
+        """The F16 bytes of an HC mixer's linear ``fn`` over streams ``[T, n, E]`` where the kernels make its product
+        as hc_post_mix's parts (hc_mix_parts where no hc_post started it), else None."""
+        raw = cls._f16_bytes(fn, T, n * E) if n <= HC_MAX else None
+        return raw if raw is not None and raw.shape[0] == 2 * n + n * n else None
+
+    @staticmethod
+    def _f16_bytes(proj, T: int, K: int):
+        """The F16 bytes ``[N, K·2]`` of linear ``proj`` where a kernel can start its product of a decode step's few
+        rows ``[T, K]`` (hc_post_mix, hc_pre_then), else None."""
+        if proj is None or T > HC_MIX_MAX_ROWS or getattr(proj, "qtype", None) != Q.F16 or proj.ne0 != K:
+            return None
+        return proj.raw
 
     # -- mixture of experts ---------------------------------------------------------------------------
     def moe_route(self, logits, bias, k: int, scale: float, table=None, tokens=None):

@@ -10,6 +10,8 @@ included.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -850,6 +852,21 @@ def _gpu_model_or_skip(path, backend, numerics, kernels, prefill_matmul="float32
                        kernels=kernels, prefill_matmul=prefill_matmul, decode_matmul=decode_matmul)
 
 
+def whole_steps(model, monkeypatch) -> None:
+    """Decode steps as the GPU backends run them, each one call of every layer (``Runtime.whole_step``: the halves
+    chained, each starting the next one's mixer), where the backend compiles nothing (the CPU emulator's): the call
+    run as it is."""
+    rt, backend = model.runtime, model.backend
+    if rt.whole(1):
+        return
+    for name, value in (("compiled_rows", 16), ("compiles_ffn", True)):
+        if not hasattr(backend, name):
+            monkeypatch.setattr(backend, name, value, raising=False)
+    monkeypatch.setattr(backend, "compile", lambda fn, carry=None, family=None: fn, raising=False)
+    rt.compile = True
+    assert rt.whole(1)
+
+
 def rel_err(a, b):
     return np.abs(a - b).max(axis=-1) / np.abs(b).max(axis=-1)
 
@@ -865,7 +882,8 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
     """Exact numerics; a 96-token prefill in chunks of 32 (dense products: dequantize + GEMM; routed
     experts: qgemm; chunk attention through attend_chunk), then 12 decode steps (products from the blocks,
     gathered experts, the split-key attention kernel). The CPU emulator runs 72 tokens in chunks of 24 and 3
-    decode steps (the indexer selects from token 67): the same paths, fewer launches."""
+    decode steps (the indexer selects from token 67): the same paths (whole decode steps there too), fewer
+    launches."""
     monkeypatch.setattr(ops, "ATTN_CHUNK_KERNEL", True)  # the default, pinned: this test covers attend_chunk
     emulated = backend.endswith("emulated")
     n_prefill, n_decode, chunk = (72, 3, 24) if emulated else (96, 12, 32)
@@ -880,6 +898,7 @@ def test_gpu_prefill_and_decode_agree_with_float64(model_paths, backend, kernels
             return qgemm(x, raw, qtype, ne0, n_rows, experts, repeat)
 
         monkeypatch.setattr(gpu.backend.kernels, "qgemm", counted)
+        whole_steps(gpu, monkeypatch)  # the decode steps as GPUs run them: each half starting the next one's mixer
     ids = np.random.default_rng(5).integers(0, ref.config.n_vocab - 7, n_prefill + n_decode)
     logits = {}
     for m in (ref, gpu):
@@ -918,26 +937,40 @@ def prefill_then_decode(models) -> list:
 def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, monkeypatch, backend):
     """A model whose router, routed gate and up (K = n_embd = 512), attn_output_b (K = 2 x 256) and HC mixers split
     K (QMATMUL_MIN_SPLIT 256): its logits after a prefill and 3 decode steps are bit for bit those of the same model
-    with every product reduced before it is read (Ops.split_sums giving the product), and each decode step
-    launches six qmatmul_reduce a layer fewer (the two HC mixers, the router, the routed gate and up,
-    attn_output_b). No pair_sum runs: hc_post adds a token's routed-expert rows."""
+    with every product's parts added before they are read (Ops.split_sums giving the product), and each decode step
+    launches four qmatmul_reduce a layer fewer (the router's parts, which hc_pre_then starts on the FFN's input, the
+    routed gate and up, attn_output_b). The HC mixers come as parts over E (no product launch to reduce): in whole
+    steps (whole_steps) each started by the hc_post before it (hc_post_mix) but the first layer's (hc_mix_parts);
+    layer by layer each made by its hc_pre (hc_mix_parts), with the same bits. No pair_sum runs: hc_post adds a
+    token's routed-expert rows."""
     from ds4lab.config import NANO, replace
     from ds4lab.testing import make_model
 
     monkeypatch.setattr(S, "QMATMUL_MIN_SPLIT", 256)
     cfg = replace(NANO, n_layer=2, n_hash_layer=1, n_embd=512, o_lora=256)
+    L = cfg.n_layer
     path = make_model(cfg, tmp_path / "wide.gguf", seed=5)
     ids = np.random.default_rng(9).integers(0, cfg.n_vocab - 7, 75)
-    logits, reduces, launched = [], [], []
-    for reduced in (False, True):
-        if reduced:
-            monkeypatch.setattr(ops.Ops, "split_sums", lambda self, proj, *args: proj(*args))
+    logits, reduces, launched, hc = [], [], [], []
+    split_sums = ops.Ops.split_sums
+
+    def reduced_first(self, proj, *args):  # the parts (a product's splits, or started by a kernel) added first
+        out = split_sums(self, proj, *args)
+        return self.kernels.add_splits(out) if self.kernels is not None and out.ndim == 3 else out
+
+    for variant in ("split", "reduced", "layer by layer"):
+        if variant == "reduced":
+            monkeypatch.setattr(ops.Ops, "split_sums", reduced_first)
         # a model each: its own runtime, so no step replays the CUDA graph the other variant captured
         model = _gpu_model_or_skip(path, backend, "ds4", True)
+        if variant == "layer by layer":
+            model.runtime.whole_step = False
+        else:
+            whole_steps(model, monkeypatch)
         launches = recorded_launches(model.backend.kernels, monkeypatch)
         sess = model.session(ctx=256, prefill_chunk=24)
         sess.prefill(ids[:72]).run(progress=False)  # chunks of 24: qgemm and the GEMMs, no splits
-        steps, n_reduce, n_launched = [sess.logits], 0, 0
+        steps, n_reduce, n_launched, n_hc = [sess.logits], 0, 0, Counter()
         for end in range(73, 76):
             launches.clear()
             sess.sync(ids[:end])
@@ -946,13 +979,21 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
             # eagerly, captured or traced does
             n_reduce += sum(name == "qmatmul_reduce" for name, _ in launches)
             n_launched += bool(launches)
+            n_hc.update(name for name, _ in launches if name.startswith(("hc_post", "hc_mix")) or name == "hc_pre_then")
             assert "pair_sum" not in {name for name, _ in launches}
         logits.append(np.stack(steps))
         reduces.append(n_reduce)
         launched.append(n_launched)
+        hc.append(n_hc)
     np.testing.assert_array_equal(logits[0], logits[1])
-    assert launched[0] == launched[1] > 0
-    assert reduces[1] - reduces[0] == launched[0] * cfg.n_layer * 6
+    np.testing.assert_array_equal(logits[2], logits[0])
+    steps = launched[0]
+    assert steps > 0 and launched == [steps] * 3
+    assert reduces[1] - reduces[0] == steps * L * 4
+    # the last layer's FFN starts no mixer (the head's is plain ops)
+    assert hc[0] == hc[1] == {"hc_post_mix": steps * (2 * L - 1), "hc_post": steps, "hc_mix_parts": steps,
+                              "hc_pre_then": steps * L}
+    assert hc[2] == {"hc_post": steps * 2 * L, "hc_mix_parts": steps * 2 * L, "hc_pre_then": steps * L}
 
 
 # every tiny configuration on the GPU; the CPU emulator (slow) runs nano
@@ -1093,6 +1134,117 @@ def test_hc_post_kernel_matches_float64(gpu, T, n, E):
     want = hc_post(np, *(a.astype(np.float64) for a in (y, X, post, comb)))
     got = to_host(kernels.hc_post(*(to_dev(a) for a in (y, X, post, comb))))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("T,n,E,pairs", [(1, 4, 4096, 6), (3, 4, 300, 1), (2, 3, 130, 2), (16, 5, 64, 1)])
+def test_hc_post_mix_starts_the_next_mixer(gpu, T, n, E, pairs):
+    """hc_post_mix writes hc_post's streams to the bit, and in parts over E the next mixer's product of them (an F16
+    [2n + n², n·E] matrix) and their Gram matrix, each within float32 summation of float64's (2e-6 of the sum of the
+    terms' magnitudes: an element left out is about 1 / (n·E) of it, 6e-5 here at least), hc_mix_parts the same parts
+    of the streams as they are, to the bit; hc_pre given those parts finishes
+    the mixer as from the product summed in float64, and with the sublayer's norm gives rmsnorm(x_in)·w (its sum of
+    squares from the Gram matrix) within float32 rounding of float64's; hc_pre_then starts an F16 linear's product
+    of that x_in, in parts, within float32 summation of its float64 product."""
+    from ds4lab.model.functional import rmsnorm
+    from ds4lab.model.hc import hc_mix
+
+    _, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(T * E + pairs)
+    M = 2 * n + n * n
+    y = rng.standard_normal((T * pairs, E)).astype(np.float32)
+    X = (3.0 * rng.standard_normal((T, n, E))).astype(np.float32)
+    post = rng.uniform(0, 2, (T, n)).astype(np.float32)
+    comb = rng.uniform(0, 1, (T, n, n)).astype(np.float32)
+    extra = rng.standard_normal((T, E)).astype(np.float32)
+    fn = (0.05 * rng.standard_normal((M, n * E))).astype(np.float16)
+    args = [to_dev(a) for a in (y, X, post, comb)]
+    plain = to_host(kernels.hc_post(*args, pairs, to_dev(extra)))
+    X_new, mix, gram = kernels.hc_post_mix(*args, pairs, to_dev(extra), to_dev(fn.view(np.uint8)))
+    assert np.array_equal(to_host(X_new), plain)
+    G = -(-E // S.ROW_GROUP)
+    mix, gram = to_host(mix), to_host(gram)
+    assert mix.shape == (G, T, M) and gram.shape == (G, T, n * (n + 1) // 2)
+    # the parts of streams no hc_post started: the same bits
+    again = kernels.hc_mix_parts(X_new, to_dev(fn.view(np.uint8)))
+    assert [np.array_equal(to_host(a), b) for a, b in zip(again, (mix, gram))] == [True, True]
+    flat = plain.astype(np.float64).reshape(T, n * E)
+    w = fn.astype(np.float64)
+    bound = 2e-6 * (np.abs(flat) @ np.abs(w).T)
+    np.testing.assert_array_less(np.abs(mix.astype(np.float64).sum(axis=0) - flat @ w.T), bound)
+    streams = flat.reshape(T, n, E)
+    upper = np.triu_indices(n)
+    want_gram = np.einsum("tod,tpd->top", streams, streams)[:, upper[0], upper[1]]
+    bound = 2e-6 * np.einsum("tod,tpd->top", np.abs(streams), np.abs(streams))[:, upper[0], upper[1]]
+    np.testing.assert_array_less(np.abs(gram.astype(np.float64).sum(axis=0) - want_gram), bound)
+    scale = rng.uniform(0.5, 1.5, 3).astype(np.float32)
+    base = (0.5 * rng.standard_normal(M)).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    rms = np.sqrt((flat ** 2).mean(axis=1, keepdims=True) + 1e-6)
+    want = hc_mix(np, flat @ w.T / rms, scale.astype(np.float64), base.astype(np.float64), streams, iters=20, eps=1e-6)
+    mixed = [to_dev(a) for a in (mix, scale, base)]
+    got = kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, gram=to_dev(gram))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(to_host(g), w, rtol=0, atol=2e-6 * max(1.0, np.abs(w).max()))
+    normed = kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, (to_dev(norm_w), 1e-5), gram=to_dev(gram))
+    want_in = rmsnorm(np, want[0], 1e-5, norm_w.astype(np.float64))
+    np.testing.assert_allclose(to_host(normed[0]), want_in, rtol=0, atol=2e-6 * np.abs(want_in).max())
+    # its two parts launched apart give the whole launch's bits, as without the Gram matrix
+    parts = [kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, (to_dev(norm_w), 1e-5), part=p, gram=to_dev(gram))
+             for p in ("mixer", "input")]
+    apart = (parts[1][0], parts[0][1], parts[0][2])
+    assert [np.array_equal(to_host(a), to_host(b)) for a, b in zip(apart, normed)] == [True] * 3
+    # hc_pre_then: x_in's groups start the sublayer's first F16 linear (the router) on it, in parts over E's spans
+    router = (0.1 * rng.standard_normal((37, E))).astype(np.float16)
+    *same, started = kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, (to_dev(norm_w), 1e-5), part="input",
+                                    gram=to_dev(gram), then=to_dev(router.view(np.uint8)))
+    assert np.array_equal(to_host(same[0]), to_host(normed[0]))
+    started, x_in = to_host(started).astype(np.float64), to_host(normed[0]).astype(np.float64)
+    r64 = router.astype(np.float64)
+    assert started.shape == (G, T, 37)
+    np.testing.assert_array_less(np.abs(started.sum(axis=0) - x_in @ r64.T), 2e-6 * (np.abs(x_in) @ np.abs(r64).T))
+
+
+def test_a_started_product_is_taken_only_for_the_input_that_started_it(monkeypatch):
+    """Ops.hc_post given the next mixer starts it (hc_post_mix), and the hc_pre of the streams it wrote, with that
+    mixer, launches no product of its own; streams equal in value but another array (a hook's replacement, a tier's
+    copy), or another mixer, get their own (hc_mix_parts). Likewise the router started by hc_pre (hc_pre_then) is
+    taken by split_sums of that router and that x_in only, and once."""
+    from ds4lab.backends.emulated_backend import EmulatedBackend
+
+    backend = EmulatedBackend()
+    o = ops.Ops(backend)
+    rng = np.random.default_rng(3)
+    T, n, E, M = 1, 4, 256, 24
+
+    def f16_linear(rows, ne0):
+        return backend.linear((0.05 * rng.standard_normal((rows, ne0))).astype(np.float16).view(np.uint8), Q.F16, ne0)
+
+    fn, other_fn, router = f16_linear(M, n * E), f16_linear(M, n * E), f16_linear(8, E)
+    y, X = rng.standard_normal((T, E)).astype(np.float32), rng.standard_normal((T, n, E)).astype(np.float32)
+    post, comb = rng.uniform(0, 2, (T, n)).astype(np.float32), rng.uniform(0, 1, (T, n, n)).astype(np.float32)
+    scale, base = np.ones(3, np.float32), np.zeros(M, np.float32)
+    norm = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    launches = recorded_launches(backend.kernels, monkeypatch)
+
+    def products(run):
+        launches.clear()
+        out = run()
+        return out, sum(name.startswith(("qmatmul", "hc_mix_parts")) for name, _ in launches)
+
+    def pre(streams, mixer, then=None):
+        return o.hc_pre(streams, mixer, scale, base, 20, 1e-6, 1e-6, norm, then=then)
+
+    X_new = o.hc_post(y, X, post, comb, then=fn)
+    (x_in, *_), made = products(lambda: pre(X_new, fn, router))
+    assert made == 0 and "hc_pre_then" in {name for name, _ in launches}
+    assert products(lambda: o.split_sums(router, x_in.copy()))[1] == 1  # another array: its own product
+    parts, made = products(lambda: o.split_sums(router, x_in))
+    assert made == 0 and parts.shape == (1, T, 8)
+    assert products(lambda: o.split_sums(router, x_in))[1] == 1  # taken once
+    X_new = o.hc_post(y, X, post, comb, then=fn)
+    assert products(lambda: pre(X_new.copy(), fn))[1] == 1
+    X_new = o.hc_post(y, X, post, comb, then=fn)
+    assert products(lambda: pre(X_new, other_fn))[1] == 1
 
 
 @pytest.mark.parametrize("shape", [(1, 4096), (7, 1024), (3, 5, 96), (2, 16384)])

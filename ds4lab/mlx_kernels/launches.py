@@ -300,46 +300,100 @@ class KernelLaunches:
                           self._const(T, H, D, keys.shape[0]), self._const(scale, dtype=np.float32)],
                          [((T, H, D), "float32")])[0]
 
-    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float, norm=None, part=None):
+    def hc_pre(self, mix, scale, base, X, iters: int, eps: float, norm_eps: float, norm=None, part=None, gram=None,
+               then=None):
         """(x_in [T, E], post [T, n], comb [T, n, n]) from the mixer's linear applied to the flat state ``X [T, n·E]``
         itself, not to its RMS normalisation: the kernel divides by the RMS
         (docs/MODEL.md, "Hyper-connections and Sinkhorn"). ``mix``: the linear's output ``[T, M]``, or its K splits
         ``[S, T, M]`` (qmatmul's parts, added here). ``norm``: ``(weight, eps)`` of the sublayer's rmsnorm, which
         then comes out in x_in's place, as :meth:`rmsnorm` gives it (the same group size: the same sums).
         ``part``: "mixer" launches only the work of post and comb, "input" only that of x_in (the same bits as the
-        whole launch; the other outputs come back unwritten)."""
+        whole launch; the other outputs come back unwritten). ``gram``: X's Gram matrix per token as parts ``[Q, T,
+        n(n+1)/2]`` (:meth:`hc_post_mix`'s), added in order: its trace is X's sum of squares (else summed from X),
+        and it gives x_in's before x_in is made, so with a norm x_in is spread over groups as without one.
+        ``then`` (with ``gram`` and ``norm``, not with part "mixer"): the sublayer's first linear, F16 bytes ``[N,
+        E·2]``, started on x_in by its groups (hc_pre_then): its product comes back as a fourth output, parts ``[G,
+        T, N]`` over E's spans for the op that reads it to add as a product's K splits."""
         T, n, E = X.shape
         S.check_hc_streams("hc_pre", n)
-        parts = mix.reshape((-1, T, mix.shape[-1]))
-        if norm is None:  # groups a token's x_in is spread over
-            G, threads, w, w_eps = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1, S.ROW_GROUP, X, 0.0
-        else:
+        parts, X = mix.reshape((-1, T, mix.shape[-1])), self._f32(X)
+        w, w_eps = (X, 0.0) if norm is None else norm
+        if norm is None or gram is not None:  # groups a token's x_in is spread over
+            G, threads = -(-E // S.ROW_GROUP) if T < S.RMSNORM_WIDE_ROWS else 1, S.ROW_GROUP
+        else:  # one, which sums x_in's squares as rmsnorm does
             G, threads = 1, self._norm_threads(T)
-            w, w_eps = norm
         if part not in (None, "mixer", "input"):
             raise ValueError(f"hc_pre: part {part!r} is not 'mixer' or 'input'")
         groups, y0 = {None: (1 + G, 0), "mixer": (1, 0), "input": (G, 1)}[part]
-        return tuple(self._run(S.HC_PRE, (T, groups), threads,
-                               [self._f32(parts), self._f32(scale), self._f32(base), self._f32(X), self._f32(w),
-                                self._const(T, n, E, iters, G, parts.shape[0], int(norm is not None), y0),
-                                self._const(eps, norm_eps, w_eps, dtype=np.float32)],
-                               [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]))
+        inputs = [self._f32(parts), self._f32(scale), self._f32(base), X, self._f32(w),
+                  X if gram is None else self._f32(gram),
+                  self._const(T, n, E, iters, G, parts.shape[0], int(norm is not None), y0,
+                              0 if gram is None else gram.shape[0], 0 if then is None else then.shape[0]),
+                  self._const(eps, norm_eps, w_eps, dtype=np.float32)]
+        outputs = [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]
+        if then is None:
+            return tuple(self._run(S.HC_PRE, (T, groups), threads, inputs, outputs))
+        if gram is None or norm is None or part == "mixer" or then.shape[1] != 2 * E or -(-E // G) > S.ROW_GROUP:
+            raise ValueError(f"hc_pre: a product started on x_in needs the Gram matrix, the norm, x_in's part, spans "
+                             f"of E = {E} over its {G} groups of at most {S.ROW_GROUP} (fewer than "
+                             f"{S.RMSNORM_WIDE_ROWS} rows), and an F16 linear over E (got [{then.shape[0]}, "
+                             f"{then.shape[1]} bytes])")
+        return tuple(self._run(S.HC_PRE_THEN, (T, groups), threads, [*inputs, then],
+                               [*outputs, ((G, T, then.shape[0]), "float32")]))
 
     def hc_post(self, y, X, post, comb, pairs: int = 1, extra=None):
         """The streams after a sublayer: ``post·y`` plus the combine matrix applied to ``X [T, n, E]``. ``y [T, E]``,
         its K splits ``[S, T, E]`` (qmatmul's parts), or with ``pairs`` above 1 each token's ``pairs`` rows ``[T ·
         pairs, E]``: added here in order, then ``extra [T, E]`` when given."""
         T, n, E = X.shape
-        S.check_hc_streams("hc_post", n)
+        return self._run(S.HC_POST, (-(-T * E // S.ROW_GROUP), 1), S.ROW_GROUP,
+                         self._hc_post_inputs("hc_post", y, X, post, comb, pairs, extra), [((T, n, E), "float32")])[0]
+
+    def hc_post_mix(self, y, X, post, comb, pairs: int = 1, extra=None, fn=None):
+        """:meth:`hc_post`'s ``X_new``, and the next sublayer's mixer started on it: ``fn`` is that mixer's linear,
+        F16 bytes ``[M, n·E·2]``. Returns ``(X_new, mix, gram)``: ``mix [G, T, M]`` the product ``X_new @ fnᵀ`` in
+        parts over E's G spans of ROW_GROUP (for :meth:`hc_pre` to add as a product's K splits), ``gram [G, T,
+        n(n+1)/2]`` the streams' Gram matrix ``Σ_d X_new[o, d]·X_new[o', d]`` (o ≤ o', row by row) in the same parts
+        (hc_pre's ``gram``)."""
+        T, n, E = X.shape
+        self._check_mixer(fn, n, E)
+        inputs = self._hc_post_inputs("hc_post_mix", y, X, post, comb, pairs, extra, fn.shape[0])
+        return tuple(self._run(S.HC_POST_MIX, (-(-E // S.ROW_GROUP), T), S.ROW_GROUP, [*inputs, fn],
+                               [((T, n, E), "float32"), *self._mix_parts_shapes(T, n, E)]))
+
+    def hc_mix_parts(self, X, fn):
+        """``(mix, gram)`` of :meth:`hc_post_mix` for streams ``X [T, n, E]`` as they are (none started them): the
+        same terms added in the same order, so the bits hc_post_mix gives with the X it writes."""
+        T, n, E = X.shape
+        S.check_hc_streams("hc_mix_parts", n)
+        self._check_mixer(fn, n, E)
+        X = self._f32(X)
+        return tuple(self._run(S.HC_MIX_PARTS, (-(-E // S.ROW_GROUP), T), S.ROW_GROUP,
+                               [X, self._const(T, n, E, 0, 0, 0, 0, fn.shape[0]), fn],
+                               self._mix_parts_shapes(T, n, E)))
+
+    @staticmethod
+    def _check_mixer(fn, n: int, E: int) -> None:
+        M = fn.shape[0]
+        if M != 2 * n + n * n or fn.shape[1] != 2 * n * E:
+            raise ValueError(f"hc_post_mix: the mixer's weight [{M}, {fn.shape[1]} bytes] is not F16 [2n + n² = "
+                             f"{2 * n + n * n}, n·E = {n} x {E}]")
+
+    @staticmethod
+    def _mix_parts_shapes(T: int, n: int, E: int) -> list:
+        G = -(-E // S.ROW_GROUP)
+        return [((G, T, 2 * n + n * n), "float32"), ((G, T, n * (n + 1) // 2), "float32")]
+
+    def _hc_post_inputs(self, kernel: str, y, X, post, comb, pairs: int, extra, *more_dims) -> list:
+        T, n, E = X.shape
+        S.check_hc_streams(kernel, n)
         if pairs > 1 and y.ndim != 2:
-            raise ValueError(f"hc_post: a token's {pairs} rows come as [T · pairs, E], not {tuple(y.shape)}")
+            raise ValueError(f"{kernel}: a token's {pairs} rows come as [T · pairs, E], not {tuple(y.shape)}")
         # y's rows: R of them summed, row r of token t at r·r_stride + t·t_stride
         R, r_stride, t_stride = (pairs, E, pairs * E) if pairs > 1 else (_splits(y), T * E, E)
         y = self._f32(y)
-        return self._run(S.HC_POST, (-(-T * E // S.ROW_GROUP), 1), S.ROW_GROUP,
-                         [y, self._f32(X), self._f32(post), self._f32(comb), y if extra is None else self._f32(extra),
-                          self._const(T, n, E, R, r_stride, t_stride, int(extra is not None))],
-                         [((T, n, E), "float32")])[0]
+        return [y, self._f32(X), self._f32(post), self._f32(comb), y if extra is None else self._f32(extra),
+                self._const(T, n, E, R, r_stride, t_stride, int(extra is not None), *more_dims)]
 
     def _norm_rows(self, x, weight):
         """rmsnorm's rows ``x2 [R, D]``, its weight (x2 when there is none: the kernel then reads none) and its

@@ -15,7 +15,10 @@
 ``attend_chunk_f16``   the same on operands rounded to half (``prefill_matmul="f16"``)
 ``hc_pre``           the hyper-connection mixer after its linear (on the flat state: it divides by the RMS): pre, post,
                      Sinkhorn combine, x_in
+``hc_pre_then``      the same, and the sublayer's first F16 product (the router) started on x_in, in parts
 ``hc_post``          the streams after a sublayer: post gates times its output plus the combined streams
+``hc_post_mix``      the same, and the next sublayer's mixer product and the streams' Gram matrix, in parts
+``hc_mix_parts``     those parts of streams as they are (the same bits as hc_post_mix's)
 ``rmsnorm``          one row per work-group
 ``rmsnorm_rope``     the same, and the rows with RoPE on their tail too (one launch for rmsnorm then rope)
 ``store_kv``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
@@ -105,6 +108,12 @@ ATTN_CHUNK_KEYS = 8
 ATTN_CHUNK_KEYS_F16 = 16
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
+HC_MIX_MAX = 2 * HC_MAX + HC_MAX * HC_MAX  # the mixer's rows (2n + n²) hc_post_mix makes, held in registers
+HC_GRAM_MAX = HC_MAX * (HC_MAX + 1) // 2  # the entries of the streams' Gram matrix it makes too
+# Up to this many tokens, a kernel starts the next F16 product on what it writes: hc_post the next sublayer's mixer
+# (hc_post_mix), hc_pre the router (hc_pre_then). A chunk's products are GEMMs; in those kernels every token's groups
+# would read the whole weight again.
+HC_MIX_MAX_ROWS = 16
 ROW_GROUP = 256  # threads per rmsnorm work-group
 # Under this many rows, rmsnorm gives each row the launcher's wide_group of threads, and hc_pre spreads each
 # token's x_in over E / ROW_GROUP work-groups: rows too few to fill the GPU with a group each.
@@ -334,14 +343,22 @@ def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
                        "SCALE_AT": "(P_AT + HEADS * LDP * sizeof(SLAB_T) / 4u)", **step})
 
 
-HC_PRE = KernelSpec("hc_pre", "hc_pre.body",
-                    (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("w", "float32"),
-                     ("dims", "int32"), ("fparams", "float32")),
-                    (("x_in", "float32"), ("post", "float32"), ("comb", "float32")), {"HC_MAX": HC_MAX})
-HC_POST = KernelSpec("hc_post", "hc_post.body",
-                     (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"),
-                      ("extra", "float32"), ("dims", "int32")),
-                     (("out", "float32"),), {"HC_MAX": HC_MAX})
+_HC_PRE_IN = (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("w", "float32"),
+              ("gram", "float32"), ("dims", "int32"), ("fparams", "float32"))
+_HC_PRE_OUT = (("x_in", "float32"), ("post", "float32"), ("comb", "float32"))
+_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": ROW_GROUP}
+HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT, {**_HC_PRE_DEFINES, "HC_THEN": 0})
+HC_PRE_THEN = KernelSpec("hc_pre_then", "hc_pre.body", (*_HC_PRE_IN, ("then_w", "uint8")),
+                         (*_HC_PRE_OUT, ("then_out", "float32")), {**_HC_PRE_DEFINES, "HC_THEN": 1})
+_HC_POST_IN = (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"), ("extra", "float32"),
+               ("dims", "int32"))
+_HC_POST_DEFINES = {"HC_MAX": HC_MAX, "HC_MIX_MAX": HC_MIX_MAX, "HC_GRAM_MAX": HC_GRAM_MAX}
+HC_POST = KernelSpec("hc_post", "hc_post.body", _HC_POST_IN, (("out", "float32"),), {**_HC_POST_DEFINES, "HC_MIX": 0})
+_HC_PARTS_OUT = (("mix_out", "float32"), ("gram_out", "float32"))
+HC_POST_MIX = KernelSpec("hc_post_mix", "hc_post.body", (*_HC_POST_IN, ("fn", "uint8")),
+                         (("out", "float32"), *_HC_PARTS_OUT), {**_HC_POST_DEFINES, "HC_MIX": 1})
+HC_MIX_PARTS = KernelSpec("hc_mix_parts", "hc_post.body", (("X", "float32"), ("dims", "int32"), ("fn", "uint8")),
+                          _HC_PARTS_OUT, {**_HC_POST_DEFINES, "HC_MIX": 2})
 RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body",
                      (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32")),
                      (("y", "float32"),), {"ROPE": 0})
@@ -452,9 +469,10 @@ def all_specs() -> list[KernelSpec]:
             *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, ATTEND_REDUCE_ROPE, *(attend_chunk_spec(operands) for operands in OPERANDS),
-            HC_PRE, HC_POST, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4, COMPRESS_POOL, COMPRESS_STATE, ADD_APE,
-            APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE, COMPRESSED_VISIBLE, RING_WRITE,
-            RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU, PAIR_SUM, MOE_ROUTE, ROUND_HALF]
+            HC_PRE, HC_PRE_THEN, HC_POST, HC_POST_MIX, HC_MIX_PARTS, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4,
+            COMPRESS_POOL, COMPRESS_STATE, ADD_APE, APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE,
+            COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU,
+            PAIR_SUM, MOE_ROUTE, ROUND_HALF]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:

@@ -129,21 +129,25 @@ class Transformer:
             emit("head.logits", logits)
         return logits
 
-    def _hc_pre(self, hc, X, norm_weight, quiet: bool):
+    def _hc_pre(self, hc, X, norm_weight, quiet: bool, then=None):
         """(rmsnorm(x_in, norm_weight), post, comb, mixer): the hyper-connection mixer before a sublayer (see
         :func:`.hc.hc_pre`) and the sublayer's input norm; ``mixer.join()`` before post and comb are read (with
-        ``quiet`` they may be made beside the sublayer: Ops.hc_pre)."""
+        ``quiet`` they may be made beside the sublayer: Ops.hc_pre); ``then``, the sublayer's first linear, may be
+        started there."""
         cfg = self.cfg
         return self.ops.hc_pre(X, hc.fn, hc.scale, hc.base, iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
-                               norm_eps=cfg.rms_eps, norm_weight=norm_weight, quiet=quiet)
+                               norm_eps=cfg.rms_eps, norm_weight=norm_weight, quiet=quiet, then=then)
 
     # -- attention half -------------------------------------------------------------------------------
-    def attention_block(self, il: int, X, pos0, n_valid, rope, windows, st: LayerState, emit=None):
+    def attention_block(self, il: int, X, pos0, n_valid, rope, windows, st: LayerState, emit=None,
+                        chain: bool = False):
         """Layer ``il``'s attention half on the HC state ``X [C, n_hc, E]`` of positions ``pos0 …``, of which the
         first ``n_valid`` rows are real: ``(X, the layer's new state)``. ``rope``: the chunk's (cos, sin);
         ``windows``: those of the start positions of the compressed windows the chunk can complete, or None when
         it ends none of this layer's windows (a decode step, most of the time): then the compressors only move
-        their pending state on, and their pooling, its norm and the rows' append are left out."""
+        their pending state on, and their pooling, its norm and the rows' append are left out. ``chain``: the FFN
+        half runs next on the X returned, in the same call (a whole step's), so its mixer may be started here
+        (:meth:`ds4lab.ops.Ops.hc_post`'s ``then``)."""
         cfg, ops, lw, xp = self.cfg, self.ops, self.layers[il], self.xp
         eps, C, R = cfg.rms_eps, X.shape[0], cfg.ratio(il)
         emit = _in_layer(il, emit)
@@ -248,7 +252,7 @@ class Transformer:
         else:
             y = grouped_output(xp, heads, lw.attn_output_a_groups, out_b)
         mixer.join()
-        return ops.hc_post(y, X, post, comb), new
+        return ops.hc_post(y, X, post, comb, then=lw.hc_ffn.fn if chain else None), new
 
     def _indexer_selects(self, st: LayerState) -> bool:
         """Whether the indexer can leave a query out: not while no query can see more rows than its top-k."""
@@ -282,12 +286,13 @@ class Transformer:
         return self.indexer_quant(self.ops.rope(q, cos, sin))
 
     # -- FFN half -------------------------------------------------------------------------------------
-    def ffn_block(self, il: int, X, tokens, emit=None):
+    def ffn_block(self, il: int, X, tokens, emit=None, chain: bool = False):
         """Layer ``il``'s FFN half on the real rows ``X``; ``tokens`` are their host ids, or device ids where a
-        compiled call passes them in."""
+        compiled call passes them in. ``chain``: the next layer's attention half runs next on the X returned, in the
+        same call, so its mixer may be started here."""
         cfg, ops, lw, xp = self.cfg, self.ops, self.layers[il], self.xp
         emit = _in_layer(il, emit)
-        f, post, comb, mixer = self._hc_pre(lw.hc_ffn, X, lw.ffn_norm, emit is None)
+        f, post, comb, mixer = self._hc_pre(lw.hc_ffn, X, lw.ffn_norm, emit is None, then=lw.ffn_gate_inp)
         if emit:
             emit("hc_ffn.post", post)
             emit("hc_ffn.comb", comb)
@@ -332,4 +337,5 @@ class Transformer:
             emit("moe.out", moe)
         shared_side.join()
         mixer.join()
-        return ops.hc_post(moe, X, post, comb, pairs, shared)  # hc_post adds a token's rows, then the shared expert
+        then = self.layers[il + 1].hc_attn.fn if chain and il + 1 < cfg.n_layer else None  # the next mixer
+        return ops.hc_post(moe, X, post, comb, pairs, shared, then)  # it adds a token's rows, then the shared expert

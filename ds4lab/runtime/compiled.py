@@ -67,11 +67,15 @@ def whole_step(model, n: int, rope_keys: list, window_keys: list, head: bool, en
         X = model.embed_on_device(chunk_ids)
         ids = chunk_ids[:n]
         new = []
+        # one call: each half may start the next one's mixer on the X it returns (a chunk of real rows only, so that
+        # the FFN half is given that X, not its real rows')
+        chain = X.shape[0] == n
         for il, params in enumerate(model.ropes):
             R = cfg.ratio(il)
             X, layer = model.attention_block(il, X, pos0, n_valid, rope[params],
-                                             windows[params, R] if R in ends else None, layer_state(cfg, il, it))
-            X = real_rows(xp, lambda Y: model.ffn_block(il, Y, ids), X, n)
+                                             windows[params, R] if R in ends else None, layer_state(cfg, il, it),
+                                             chain=chain)
+            X = real_rows(xp, lambda Y: model.ffn_block(il, Y, ids, chain=chain), X, n)
             new += present(layer)
         return (X[:n], *new, model.head(X[n - 1:n])) if head else (X[:n], *new)
 

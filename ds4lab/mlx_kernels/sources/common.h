@@ -35,6 +35,9 @@ DEVICE_FN float rope_turn(float t0, float t1, const GLOBAL float* cos_t, const G
     return odd == 0u ? t0 * c - t1 * s : t0 * s + t1 * c;
 }
 
+// Entry (a, b), a ≤ b, of an n×n symmetric matrix kept as its upper triangle row by row (hc_post_mix's Gram matrix).
+DEVICE_FN uint upper_at(uint a, uint b, uint n) { return a * (2u * n - a + 1u) / 2u + b - a; }
+
 // Q2_K, 84-byte blocks of 256: element e = 128h + 32j + 16s + l.
 // Q2_K in the kernels' tiles of four blocks (ds4lab/mlx_kernels/layout.py): block j's 64 bytes of quants at byte 64j of
 // its tile, its 16 bytes of scales and minima at 256 + 16j, its d and dmin at 320 + 4j. q2_k_tile_at(k) is k's
