@@ -356,7 +356,7 @@ class KernelLaunches:
         n(n+1)/2]`` the streams' Gram matrix ``Σ_d X_new[o, d]·X_new[o', d]`` (o ≤ o', row by row) in the same parts
         (hc_pre's ``gram``)."""
         T, n, E = X.shape
-        self._check_mixer(fn, n, E)
+        self._check_mixer("hc_post_mix", fn, n, E)
         inputs = self._hc_post_inputs("hc_post_mix", y, X, post, comb, pairs, extra, fn.shape[0])
         return tuple(self._run(S.HC_POST_MIX, (-(-E // S.ROW_GROUP), T), S.ROW_GROUP, [*inputs, fn],
                                [((T, n, E), "float32"), *self._mix_parts_shapes(T, n, E)]))
@@ -366,17 +366,17 @@ class KernelLaunches:
         same terms added in the same order, so the bits hc_post_mix gives with the X it writes."""
         T, n, E = X.shape
         S.check_hc_streams("hc_mix_parts", n)
-        self._check_mixer(fn, n, E)
+        self._check_mixer("hc_mix_parts", fn, n, E)
         X = self._f32(X)
         return tuple(self._run(S.HC_MIX_PARTS, (-(-E // S.ROW_GROUP), T), S.ROW_GROUP,
                                [X, self._const(T, n, E, 0, 0, 0, 0, fn.shape[0]), fn],
                                self._mix_parts_shapes(T, n, E)))
 
     @staticmethod
-    def _check_mixer(fn, n: int, E: int) -> None:
+    def _check_mixer(kernel: str, fn, n: int, E: int) -> None:
         M = fn.shape[0]
         if M != 2 * n + n * n or fn.shape[1] != 2 * n * E:
-            raise ValueError(f"hc_post_mix: the mixer's weight [{M}, {fn.shape[1]} bytes] is not F16 [2n + n² = "
+            raise ValueError(f"{kernel}: the mixer's weight [{M}, {fn.shape[1]} bytes] is not F16 [2n + n² = "
                              f"{2 * n + n * n}, n·E = {n} x {E}]")
 
     @staticmethod
