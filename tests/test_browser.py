@@ -593,7 +593,35 @@ def test_mask_of_a_decode_step_renders(page):
     img = view.locator("img.ds4-maskimg")
     img.evaluate("(i) => i.decode()")
     assert _longest_run(img, (8, 81, 156)) == FEW_PX - 1
+    # and its position ticked under it: the label was dropped for c0's beside it (c0's now gives way)
+    assert _ink_below(img, (8, 81, 156)) >= 20  # 49 with "320" drawn, 4 (its tick mark) without
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
+
+
+def _ink_below(img, rgb) -> int:
+    """Dark opaque (text) pixels of an image in the 12 px under its columns of exactly the colour ``rgb`` (and 2 px
+    either side)."""
+    return img.evaluate(
+        """(el, [r, g, b]) => {
+            const c = document.createElement('canvas'); c.width = el.naturalWidth; c.height = el.naturalHeight;
+            const ctx = c.getContext('2d'); ctx.drawImage(el, 0, 0);
+            const d = ctx.getImageData(0, 0, c.width, c.height).data, at = (x, y) => (y * c.width + x) * 4;
+            let x0 = c.width, x1 = -1, y1 = -1;
+            for (let y = 0; y < c.height; y++) for (let x = 0; x < c.width; x++) {
+                const i = at(x, y);
+                if (d[i] !== r || d[i + 1] !== g || d[i + 2] !== b) continue;
+                x0 = Math.min(x0, x); x1 = Math.max(x1, x); y1 = y;
+            }
+            let n = 0;
+            for (let y = y1 + 1; y <= Math.min(c.height - 1, y1 + 12); y++)
+                for (let x = Math.max(0, x0 - 2); x <= Math.min(c.width - 1, x1 + 2); x++) {
+                    const i = at(x, y);
+                    if (d[i + 3] > 128 && d[i] < 100 && d[i + 1] < 100 && d[i + 2] < 100) n++;  // (transparent: none)
+                }
+            return n;
+        }""",
+        list(rgb),
+    )
 
 
 def _ink(canvas, x0: float, y0: float, x1: float, y1: float) -> int:

@@ -15,9 +15,9 @@ function layout(model) {
   // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
   const few = model.get("few_px"), widen = (n) => (n * few <= model.get("few_max_px") ? Math.max(cw, few) : cw);
   const ccw = widen(nc), ocw = widen(own);  // a compressed column's width, an own row's
-  // header of each group: the longest name that fits its width
-  const groups = [[["cached by earlier steps", "cached", ""], 0, nr - own], [["this step's own rows", "own", ""], nr - own, nr],
-                  [["compressed", "comp", ""], nr, nr + nc], [["sink"], nr + nc, N]];
+  // header of each group: its names, longest first (draw() takes the longest that fits)
+  const groups = [[["cached by earlier steps", "cached"], 0, nr - own], [["this step's own rows", "own"], nr - own, nr],
+                  [["compressed", "comp"], nr, nr + nc], [["sink"], nr + nc, N]];
   // x and width of column c: groups separated by a gap
   const gi = (c) => (c < nr - own ? 0 : c < nr ? 1 : c < nr + nc ? 2 : 3);
   const clamp = (v, hi) => Math.max(0, Math.min(v, hi));
@@ -71,9 +71,14 @@ function render({ model, el }) {
     title.textContent = `What each query sees — layer ${model.get("layer")}` + (model.get("label") ? `, ${model.get("label")}` : "") +
       ` (raw window ${model.get("window")}` + (g.nc || model.get("ratio") ? `, ratio ${model.get("ratio")}` : ", raw only") +
       (model.get("top_k") ? `, indexer top ${model.get("top_k")}` : "") + ")";
-    canvas.width = g.W; canvas.height = g.H;
+    // the key axis' title under the columns drawn (from the left margin where they are narrower than it): the image
+    // is wide enough for it
     const ctx = canvas.getContext("2d");
-    ctx.clearRect(0, 0, g.W, g.H);
+    ctx.font = "10px sans-serif";
+    const tw = ctx.measureText(model.get("x_title")).width, titleX = Math.max(L + tw / 2, (L + g.drawn) / 2);
+    const W = Math.max(g.W, Math.ceil(titleX + tw / 2) + 4);
+    canvas.width = W; canvas.height = g.H;  // (resizing the canvas resets its context)
+    ctx.clearRect(0, 0, W, g.H);
     const counts = new Array(cats.length).fill(0);
     for (let q = 0; q < g.Q; q++) for (let c = 0; c < g.N; c++) {
       const cat = cells[q * g.N + c]; counts[cat]++;
@@ -81,9 +86,11 @@ function render({ model, el }) {
       ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.w(c) - (g.w(c) > g.cw), g.rh);
     }
     ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
-    for (const [names, a, b] of g.groups) if (b > a) {  // group headers; the sink's may run past its one column
-      const room = b === g.N ? g.W - g.x(a) : g.x(b - 1) + g.w(b - 1) - g.x(a);
-      ctx.fillText(names.find((s) => ctx.measureText(s).width <= room) ?? "", g.x(a), 8);
+    // group headers: the longest name that fits before the next group's column (the sink's to the image's edge); a
+    // group too narrow for any (one compressed row) gets its shortest on a second line, running past its column
+    for (const [names, a, b] of g.groups) if (b > a) {
+      const room = b === g.N ? W - g.x(a) : g.x(b) - 2 - g.x(a), name = names.find((s) => ctx.measureText(s).width <= room);
+      ctx.fillText(name ?? names.at(-1), g.x(a), name === undefined ? 18 : 8);
       ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.w(b - 1) - g.x(a), 1);
     }
     ctx.textAlign = "right";  // query positions down the left
@@ -96,20 +103,25 @@ function render({ model, el }) {
     ctx.textAlign = "center"; ctx.textBaseline = "top";  // key positions (raw), row numbers (compressed) along the bottom
     const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
     const every = Math.max(1, Math.ceil(34 / g.cw));
-    const tick = (c, s) => { ctx.fillRect(g.x(c) + g.w(c) / 2, y - 3, 1, 3); ctx.fillText(s, g.x(c) + g.w(c) / 2, y); };
-    // raw ticks keep 4 px clear of c0's label
+    // a tick is drawn where its label keeps 4 px clear of every label drawn before it: first the step's own first
+    // position (the query itself in a decode step), then raw positions every `stride`, then compressed rows c0, c…
+    const placed = [];
+    const tick = (c, s) => {
+      const mid = g.x(c) + g.w(c) / 2, half = ctx.measureText(s).width / 2;
+      if (placed.some(([l, r]) => mid + half + 4 > l && mid - half - 4 < r)) return;
+      placed.push([mid - half, mid + half]);
+      ctx.fillRect(mid, y - 3, 1, 3); ctx.fillText(s, mid, y);
+    };
+    if (g.own) tick(g.nr - g.own, String(pos[g.nr - g.own]));
     const stride = 16 * Math.ceil(every / 16);
-    const end = g.nc ? g.x(g.nr) + g.ccw / 2 - ctx.measureText("c0").width / 2 - 4 : g.W;
-    const fits = (c, s) => g.x(c) + g.w(c) / 2 + ctx.measureText(s).width / 2 <= end;
-    for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0 && fits(c, String(pos[c]))) tick(c, String(pos[c]));
+    for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
     for (let c = 0; c < g.nc; c += cstep) tick(g.nr + c, `c${c}`);
-    // the key axis' title under the columns drawn (from the left margin where they are narrower than it)
-    ctx.fillText(model.get("x_title"), Math.max(L + ctx.measureText(model.get("x_title")).width / 2, (L + g.drawn) / 2), y + 14);
+    ctx.fillText(model.get("x_title"), titleX, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader
     img.src = canvas.toDataURL("image/png");
-    img.width = g.W; img.height = g.H;
+    img.width = W; img.height = g.H;
   };
   // the cell under the pointer (client px), described beside it (hovertip.js, as the other views': a line under the
   // image was far from the rows at the top)
