@@ -346,7 +346,8 @@ def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
 _HC_PRE_IN = (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("w", "float32"),
               ("gram", "float32"), ("dims", "int32"), ("fparams", "float32"))
 _HC_PRE_OUT = (("x_in", "float32"), ("post", "float32"), ("comb", "float32"))
-_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": ROW_GROUP}
+# hc_pre_then's rows a SIMD group sums at once (their loads in flight together)
+_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": ROW_GROUP, "HC_THEN_ROWS": 8}
 HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT, {**_HC_PRE_DEFINES, "HC_THEN": 0})
 HC_PRE_THEN = KernelSpec("hc_pre_then", "hc_pre.body", (*_HC_PRE_IN, ("then_w", "uint8")),
                          (*_HC_PRE_OUT, ("then_out", "float32")), {**_HC_PRE_DEFINES, "HC_THEN": 1})
