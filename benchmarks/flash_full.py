@@ -18,8 +18,11 @@ another backend N tiers of one device (``--config nano --backend numpy`` tries t
 frontier's tier switches (``Session.tier_trace``: their seconds by mode, and their share of the prefill's and
 the decode's wall time) and the memory of each GPU; the bare-step and graph figures are one GPU's only.
 
+``--layers N`` keeps the layout's first N layers (full width): 30 of them (57 GiB) fit an H100, to compare two
+commits' whole decode steps where no H200 is lent. Figures for the README come from all 43.
+
     python benchmarks/flash_full.py --backend cupy [--prefill-matmul tf32] [--decode-matmul q8] [--ctx-max 8192]
-        [--tiers 2] [--json out.json]
+        [--tiers 2] [--layers 30] [--json out.json]
 """
 
 from __future__ import annotations
@@ -122,6 +125,8 @@ def main(argv=None) -> int:
                    help="split the layers evenly over this many tiers (CuPy: GPUs cuda:0 ... N-1)")
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
                    help="nano: a small model of the same layout, to try the script on a CPU")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the layout's first N layers only (default all): 30 fit an H100's memory")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiers < 1:
@@ -129,11 +134,17 @@ def main(argv=None) -> int:
     sampling = {"temperature": args.temperature, "min_p": args.min_p} if args.temperature > 0 else None
     out = {"setting": args.prefill_matmul, "decode_matmul": args.decode_matmul, "backend": args.backend,
            "sampling": sampling, "tiers": args.tiers}
-    args.path = args.path or Path(f"/tmp/{args.config}{'' if args.experts == 'q2' else '-' + args.experts}.gguf")
+    cfg = config.FLASH if args.config == "flash" else config.NANO
+    if args.layers is not None:
+        if not 1 <= args.layers <= cfg.n_layer:
+            p.error(f"--layers must be 1 to {cfg.n_layer}, not {args.layers}")
+        cfg = config.replace(cfg, n_layer=args.layers)
+    out["layers"] = cfg.n_layer
+    stem = f"{args.config}{'' if args.experts == 'q2' else '-' + args.experts}"
+    args.path = args.path or Path(f"/tmp/{stem}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")
     out["experts"] = args.experts
     if not args.path.exists():
         began = time.perf_counter()
-        cfg = config.FLASH if args.config == "flash" else config.NANO
         experts = testing.FLASH_EXPERT_LAYOUTS[args.experts]
         if not isinstance(experts[0], str):  # one pair a layer: the last layers' pairs for a smaller model
             experts = experts[-cfg.n_layer:]

@@ -338,6 +338,8 @@ class KernelLaunches:
                              f"of E = {E} over its {G} groups of at most {S.ROW_GROUP} (fewer than "
                              f"{S.RMSNORM_WIDE_ROWS} rows), and an F16 linear over E (got [{then.shape[0]}, "
                              f"{then.shape[1]} bytes])")
+        # x_in's G groups HC_THEN_SPLIT times over, each starting its share of the linear's rows
+        groups = groups + (S.HC_THEN_SPLIT - 1) * G
         return tuple(self._run(S.HC_PRE_THEN, (T, groups), threads, [*inputs, then],
                                [*outputs, ((G, T, then.shape[0]), "float32")]))
 
@@ -358,7 +360,7 @@ class KernelLaunches:
         T, n, E = X.shape
         self._check_mixer("hc_post_mix", fn, n, E)
         inputs = self._hc_post_inputs("hc_post_mix", y, X, post, comb, pairs, extra, fn.shape[0])
-        return tuple(self._run(S.HC_POST_MIX, (-(-E // S.ROW_GROUP), T), S.ROW_GROUP, [*inputs, fn],
+        return tuple(self._run(S.HC_POST_MIX, (-(-E // S.ROW_GROUP) * S.HC_MIX_SPLIT, T), S.ROW_GROUP, [*inputs, fn],
                                [((T, n, E), "float32"), *self._mix_parts_shapes(T, n, E)]))
 
     def hc_mix_parts(self, X, fn):
@@ -368,7 +370,7 @@ class KernelLaunches:
         S.check_hc_streams("hc_mix_parts", n)
         self._check_mixer("hc_mix_parts", fn, n, E)
         X = self._f32(X)
-        return tuple(self._run(S.HC_MIX_PARTS, (-(-E // S.ROW_GROUP), T), S.ROW_GROUP,
+        return tuple(self._run(S.HC_MIX_PARTS, (-(-E // S.ROW_GROUP) * S.HC_MIX_SPLIT, T), S.ROW_GROUP,
                                [X, self._const(T, n, E, 0, 0, 0, 0, fn.shape[0]), fn],
                                self._mix_parts_shapes(T, n, E)))
 

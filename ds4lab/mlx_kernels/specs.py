@@ -108,7 +108,11 @@ ATTN_CHUNK_KEYS = 8
 ATTN_CHUNK_KEYS_F16 = 16
 DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
-HC_MIX_MAX = 2 * HC_MAX + HC_MAX * HC_MAX  # the mixer's rows (2n + n²) hc_post_mix makes, held in registers
+HC_MIX_MAX = 2 * HC_MAX + HC_MAX * HC_MAX  # the mixer's rows (2n + n²) hc_post_mix makes
+# the work-groups of a span of E sharing those rows in hc_post_mix (each holding HC_MIX_ROWS of them in registers),
+# and in hc_pre_then the router's rows: a decode step's 16 spans read an F16 product's weights on 64 SMs, not 16
+HC_MIX_SPLIT = HC_THEN_SPLIT = 4
+HC_MIX_ROWS = -(-HC_MIX_MAX // HC_MIX_SPLIT)
 HC_GRAM_MAX = HC_MAX * (HC_MAX + 1) // 2  # the entries of the streams' Gram matrix it makes too
 # Up to this many tokens, a kernel starts the next F16 product on what it writes: hc_post the next sublayer's mixer
 # (hc_post_mix), hc_pre the router (hc_pre_then). A chunk's products are GEMMs; in those kernels every token's groups
@@ -348,12 +352,13 @@ _HC_PRE_IN = (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X
 _HC_PRE_OUT = (("x_in", "float32"), ("post", "float32"), ("comb", "float32"))
 # hc_pre_then's rows a SIMD group sums at once (their loads in flight together)
 _HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": ROW_GROUP, "HC_THEN_ROWS": 8}
-HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT, {**_HC_PRE_DEFINES, "HC_THEN": 0})
+HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT, {**_HC_PRE_DEFINES, "HC_THEN": 0, "HC_THEN_SPLIT": 1})
 HC_PRE_THEN = KernelSpec("hc_pre_then", "hc_pre.body", (*_HC_PRE_IN, ("then_w", "uint8")),
-                         (*_HC_PRE_OUT, ("then_out", "float32")), {**_HC_PRE_DEFINES, "HC_THEN": 1})
+                         (*_HC_PRE_OUT, ("then_out", "float32")),
+                         {**_HC_PRE_DEFINES, "HC_THEN": 1, "HC_THEN_SPLIT": HC_THEN_SPLIT})
 _HC_POST_IN = (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"), ("extra", "float32"),
                ("dims", "int32"))
-_HC_POST_DEFINES = {"HC_MAX": HC_MAX, "HC_MIX_MAX": HC_MIX_MAX, "HC_GRAM_MAX": HC_GRAM_MAX}
+_HC_POST_DEFINES = {"HC_MAX": HC_MAX, "HC_MIX_SPLIT": HC_MIX_SPLIT, "HC_MIX_ROWS": HC_MIX_ROWS, "HC_GRAM_MAX": HC_GRAM_MAX}
 HC_POST = KernelSpec("hc_post", "hc_post.body", _HC_POST_IN, (("out", "float32"),), {**_HC_POST_DEFINES, "HC_MIX": 0})
 _HC_PARTS_OUT = (("mix_out", "float32"), ("gram_out", "float32"))
 HC_POST_MIX = KernelSpec("hc_post_mix", "hc_post.body", (*_HC_POST_IN, ("fn", "uint8")),
