@@ -139,6 +139,7 @@ inline float max(float a, float b) { return a > b ? a : b; }
 inline float min(float a, float b) { return a < b ? a : b; }
 inline uint max(uint a, uint b) { return a > b ? a : b; }
 inline uint min(uint a, uint b) { return a < b ? a : b; }
+inline uint popcount(uint x) { return uint(__builtin_popcount(x)); }
 struct ulong2 { unsigned long x, y; ulong2(unsigned long a, unsigned long b) : x(a), y(b) {} };
 template <class T, int C, int R> struct simdgroup_matrix { T e[2]; T* thread_elements() { return e; } };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;

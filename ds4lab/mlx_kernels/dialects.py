@@ -13,6 +13,7 @@ A body (``sources/*.body``) is the inside of a kernel function. It uses
     half_t, to_half(x)         the dialect's half type (a "float16" argument's elements) and x rounded to it
     half_bits_f32(h)           the half whose bits are the low 16 of h, as a float
     byte_f32_bits(w, i)        the bits of the float 2^23 + (byte i of w) (CUDA: one byte permute)
+    popcount_u(x)              the number of bits set in x (CUDA: one POPC)
     dot4_i8(a, b, c)           c + the sum of the four products of a's and b's bytes as signed int8 (CUDA: one dp4a)
     div_rn(a, b)               a / b rounded to nearest (Metal's fast division would not be)
     grid_dependency_wait()     wait for the kernel before this one on its stream to end and its writes to be seen
@@ -98,6 +99,7 @@ DEVICE_FN half_t to_half(float x) { return __float2half_rn(x); }
 DEVICE_FN uint as_bits(float x) { return __float_as_uint(x); }
 DEVICE_FN float from_bits(uint u) { return __uint_as_float(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return __byte_perm(w, 0x4B000000u, 0x7540u + i); }  // one PRMT
+DEVICE_FN uint popcount_u(uint x) { return uint(__popc(x)); }
 DEVICE_FN int dot4_i8(uint a, uint b, int c) { return __dp4a(int(a), int(b), c); }
 DEVICE_FN float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 // 1.5 * 2^23 + v holds v's nearest integer in its low mantissa bits; __fadd_rn is never fused with a product.
@@ -265,6 +267,7 @@ DEVICE_FN half_t to_half(float x) { return half(x); }
 DEVICE_FN uint as_bits(float x) { return as_type<uint>(x); }
 DEVICE_FN float from_bits(uint u) { return as_type<float>(u); }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
+DEVICE_FN uint popcount_u(uint x) { return popcount(x); }
 DEVICE_FN int dot4_i8(uint a, uint b, int c) {
     char4 x = as_type<char4>(a), y = as_type<char4>(b);
     return c + int(x.x) * int(y.x) + int(x.y) * int(y.y) + int(x.z) * int(y.z) + int(x.w) * int(y.w);
@@ -383,6 +386,7 @@ DEVICE_FN half_t to_half(float x) { return _Float16(x); }
 DEVICE_FN uint as_bits(float x) { uint b; std::memcpy(&b, &x, 4); return b; }
 DEVICE_FN float from_bits(uint u) { float x; std::memcpy(&x, &u, 4); return x; }
 DEVICE_FN uint byte_f32_bits(uint w, uint i) { return 0x4B000000u | ((w >> (8u * i)) & 255u); }
+DEVICE_FN uint popcount_u(uint x) { return uint(__builtin_popcount(x)); }
 DEVICE_FN int dot4_i8(uint a, uint b, int c) {
     for (uint i = 0; i < 4u; i++) c += int(int8_t(uint8_t(a >> (8u * i)))) * int(int8_t(uint8_t(b >> (8u * i))));
     return c;

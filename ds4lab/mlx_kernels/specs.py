@@ -159,7 +159,7 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
 # step (x by the loader named here); the rest take 8 (dot8_<type>). Of the prefill's weight slabs, IQ2_XXS's
 # (qgemm's DQ32).
 GROUP32_X_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
-IQ2_TABLE_WORDS = 768  # IQ2_XXS's tables in group-shared memory: the grid's 512 words, then 256 of sign masks
+IQ2_TABLE_WORDS = 512  # IQ2_XXS's grid in group-shared memory (its sign masks are made in registers)
 
 
 def _decode_loop(qtype: Q) -> dict:

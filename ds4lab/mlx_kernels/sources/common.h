@@ -392,18 +392,21 @@ DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const 
     return g;
 }
 
-// IQ2_XXS's tables in group-shared memory (IQ2_TABLE_WORDS, a kernel define), built by a work-group's threads:
+// IQ2_XXS's grid in group-shared memory (IQ2_TABLE_WORDS, a kernel define), built by a work-group's threads:
 // words 0-255 the grid entries' first words (entry e at e), 256-511 their second words (at 256 + e), each byte
-// biased by 128; words 512-639 and 640-767 the masks of the first and the second four of the eight elements of each
-// 7-bit sign index (0xFF a negative element). A grid byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or
-// 128 − g. Each read's bank is its index mod 32 over all 32 banks: with an entry's two words side by side (2e, 2e + 1)
-// a SIMD group's 32 lookups fell on 16 banks, so more of them on the same bank, and a group-shared read waits for
-// every lane's bank in turn (the decode products' 16 reads a row and group of 32 are what bounds them).
+// biased by 128. Each read's bank is its index mod 32 over all 32 banks: with an entry's two words side by side
+// (2e, 2e + 1) a SIMD group's 32 lookups fell on 16 banks, so more of them on the same bank, and a group-shared read
+// waits for every lane's bank in turn.
 DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
-    if (i < 512u) return load_u32(aux + 4u * (2u * (i & 255u) + (i >> 8))) ^ 0x80808080u;
-    uint signs = uint(aux[2048u + ((i - 512u) & 127u)]) >> (4u * ((i - 512u) >> 7));
-    return (((signs & 15u) * 0x00204081u) & 0x01010101u) * 255u;
+    return load_u32(aux + 4u * (2u * (i & 255u) + (i >> 8))) ^ 0x80808080u;
 }
+
+// A group of eight's signs from its 7-bit sign index si: ksigns_iq2xs[si], si with an eighth sign that makes their
+// count even, made in registers (a table of their masks took half of the decode products' group-shared reads,
+// which bound them); and the mask of four of them (bits 0-3 of s): byte i 0xFF where element i is negative. A grid
+// byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or 128 − g.
+DEVICE_FN uint iq2_xxs_signs(uint si) { return si | ((popcount_u(si) & 1u) << 7); }
+DEVICE_FN uint sign_mask4(uint s) { return (((s & 15u) * 0x00204081u) & 0x01010101u) * 255u; }
 
 DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
                                   const GLOBAL uint8_t* aux) {
@@ -414,7 +417,7 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
     #pragma unroll
     for (uint j = 0; j < 4u; j++) {
         uint e = (idx >> (8u * j)) & 255u, si = (a1 >> (7u * j)) & 127u;
-        uint m0 = tables[512u + si], m1 = tables[640u + si];
+        uint signs = iq2_xxs_signs(si), m0 = sign_mask4(signs), m1 = sign_mask4(signs >> 4);
         g.q[2u * j] = (tables[e] ^ m0) + (m0 & 0x01010101u);
         g.q[2u * j + 1u] = (tables[256u + e] ^ m1) + (m1 & 0x01010101u);
     }
