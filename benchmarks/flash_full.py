@@ -135,19 +135,20 @@ def main(argv=None) -> int:
     out = {"setting": args.prefill_matmul, "decode_matmul": args.decode_matmul, "backend": args.backend,
            "sampling": sampling, "tiers": args.tiers}
     cfg = config.FLASH if args.config == "flash" else config.NANO
+    experts = testing.FLASH_EXPERT_LAYOUTS[args.experts]
+    if not isinstance(experts[0], str):  # one pair a layer: the last layers' pairs for a smaller model
+        experts = experts[-cfg.n_layer:]
     if args.layers is not None:
         if not 1 <= args.layers <= cfg.n_layer:
             p.error(f"--layers must be 1 to {cfg.n_layer}, not {args.layers}")
         cfg = config.replace(cfg, n_layer=args.layers)
+        experts = experts if isinstance(experts[0], str) else experts[:cfg.n_layer]
     out["layers"] = cfg.n_layer
     stem = f"{args.config}{'' if args.experts == 'q2' else '-' + args.experts}"
     args.path = args.path or Path(f"/tmp/{stem}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")
     out["experts"] = args.experts
     if not args.path.exists():
         began = time.perf_counter()
-        experts = testing.FLASH_EXPERT_LAYOUTS[args.experts]
-        if not isinstance(experts[0], str):  # one pair a layer: the last layers' pairs for a smaller model
-            experts = experts[-cfg.n_layer:]
         testing.make_sparse_model(cfg, args.path, seed=1, filled=testing.routing_filled, expert_types=experts)
         out["file_written_s"] = time.perf_counter() - began
     model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul,

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,3 +55,25 @@ def test_flash_full_writes_the_expert_layout_asked_for(tmp_path, monkeypatch):
     tensors = GGUFModelFile.open(path).tensors
     assert {tensors[f"blk.{il}.ffn_down_exps.weight"].qtype for il in range(6)} == {Q.Q4_K}
     assert json.loads(out.read_text())["experts"] == "q2-q4"
+
+
+def test_flash_full_keeps_the_first_layers_asked_for(tmp_path, monkeypatch):
+    """--layers 4 on the nano layout with ds4's q2-q4 experts: a 4-layer file of the layout's first four layers (their
+    ratios and expert pairs), the sweep run on it and the count in the JSON; a count past the layout's is refused."""
+    from ds4lab import config
+    from ds4lab.gguf_file import load_model_file
+    from ds4lab.testing import FLASH_EXPERT_LAYOUTS
+
+    flash_full = _script("flash_full")
+    monkeypatch.setattr(flash_full, "copy_bandwidth", lambda backend: 1e9)
+    path, out = tmp_path / "nano4.gguf", tmp_path / "out.json"
+    assert flash_full.main(["--config", "nano", "--backend", "numpy", "--experts", "q2-q4", "--layers", "4",
+                            "--path", str(path), "--ctx-start", "64", "--ctx-max", "64", "--gen-tokens", "2",
+                            "--json", str(out)]) == 0
+    cfg, f = load_model_file(path)
+    assert cfg.n_layer == 4 and cfg.compress_ratios[:4] == config.NANO.compress_ratios[:4]
+    pairs = FLASH_EXPERT_LAYOUTS["q2-q4"][-6:][:4]
+    assert [f.tensors[f"blk.{il}.ffn_down_exps.weight"].qtype.name for il in range(4)] == [d for _, d in pairs]
+    assert json.loads(out.read_text())["layers"] == 4
+    with pytest.raises(SystemExit):
+        flash_full.main(["--config", "nano", "--layers", "7"])

@@ -352,13 +352,15 @@ _HC_PRE_IN = (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X
 _HC_PRE_OUT = (("x_in", "float32"), ("post", "float32"), ("comb", "float32"))
 # hc_pre_then's rows a SIMD group sums at once (their loads in flight together)
 _HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": ROW_GROUP, "HC_THEN_ROWS": 8}
-HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT, {**_HC_PRE_DEFINES, "HC_THEN": 0, "HC_THEN_SPLIT": 1})
+HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT,
+                    {**_HC_PRE_DEFINES, "HC_THEN": 0, "HC_THEN_SPLIT": 1})
 HC_PRE_THEN = KernelSpec("hc_pre_then", "hc_pre.body", (*_HC_PRE_IN, ("then_w", "uint8")),
                          (*_HC_PRE_OUT, ("then_out", "float32")),
                          {**_HC_PRE_DEFINES, "HC_THEN": 1, "HC_THEN_SPLIT": HC_THEN_SPLIT})
 _HC_POST_IN = (("y", "float32"), ("X", "float32"), ("post", "float32"), ("comb", "float32"), ("extra", "float32"),
                ("dims", "int32"))
-_HC_POST_DEFINES = {"HC_MAX": HC_MAX, "HC_MIX_SPLIT": HC_MIX_SPLIT, "HC_MIX_ROWS": HC_MIX_ROWS, "HC_GRAM_MAX": HC_GRAM_MAX}
+_HC_POST_DEFINES = {"HC_MAX": HC_MAX, "HC_MIX_SPLIT": HC_MIX_SPLIT, "HC_MIX_ROWS": HC_MIX_ROWS,
+                    "HC_GRAM_MAX": HC_GRAM_MAX}
 HC_POST = KernelSpec("hc_post", "hc_post.body", _HC_POST_IN, (("out", "float32"),), {**_HC_POST_DEFINES, "HC_MIX": 0})
 _HC_PARTS_OUT = (("mix_out", "float32"), ("gram_out", "float32"))
 HC_POST_MIX = KernelSpec("hc_post_mix", "hc_post.body", (*_HC_POST_IN, ("fn", "uint8")),
