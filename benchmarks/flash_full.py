@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="flash", choices=("flash", "nano"),
                    help="nano: a small model of the same layout, to try the script on a CPU")
     p.add_argument("--layers", type=int, default=None,
-                   help="the layout's first N layers only (default all): 30 fit an H100's memory")
+                   help="the layout's first N layers only, at least its hash layers (default all): 30 fit an H100")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiers < 1:
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
     if not isinstance(experts[0], str):  # one pair a layer: the last layers' pairs for a smaller model
         experts = experts[-cfg.n_layer:]
     if args.layers is not None:
-        if not 1 <= args.layers <= cfg.n_layer:
-            p.error(f"--layers must be 1 to {cfg.n_layer}, not {args.layers}")
+        if not cfg.n_hash_layer <= args.layers <= cfg.n_layer:  # (the layout's hash layers kept)
+            p.error(f"--layers must be {cfg.n_hash_layer} to {cfg.n_layer}, not {args.layers}")
         cfg = config.replace(cfg, n_layer=args.layers)
         experts = experts if isinstance(experts[0], str) else experts[:cfg.n_layer]
     out["layers"] = cfg.n_layer

@@ -987,8 +987,8 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
         hc.append(n_hc)
     np.testing.assert_array_equal(logits[0], logits[1])
     np.testing.assert_array_equal(logits[2], logits[0])
-    # the counts below are per step launched eagerly or captured; layer by layer, CuPy captures its halves' graphs a
-    # step later than the whole step's (on the H200: 2, 2, 3 steps launched of 3)
+    # the counts below are per step that launched (eagerly or captured); layer by layer on CuPy one step more launches
+    # something, though not the halves' hc kernels (their counts below are per `steps`): 2, 2, 3 of 3 on the H200
     steps = launched[0]
     assert steps > 0 and launched[1] == steps and launched[2] >= steps
     assert reduces[1] - reduces[0] == steps * L * 4
@@ -1138,7 +1138,8 @@ def test_hc_post_kernel_matches_float64(gpu, T, n, E):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("T,n,E,pairs", [(1, 4, 4096, 6), (3, 4, 300, 1), (2, 3, 130, 2), (16, 5, 64, 1)])
+@pytest.mark.parametrize("T,n,E,pairs", [(1, 4, 4096, 6), (3, 4, 300, 1), (2, 3, 130, 2), (16, 5, 64, 1),
+                                         (1, 1, 4088, 1)])
 def test_hc_post_mix_starts_the_next_mixer(gpu, T, n, E, pairs):
     """hc_post_mix writes hc_post's streams to the bit, and in parts over E the next mixer's product of them (an F16
     [2n + n², n·E] matrix) and their Gram matrix, each within float32 summation of float64's (2e-6 of the sum of the
@@ -1195,14 +1196,18 @@ def test_hc_post_mix_starts_the_next_mixer(gpu, T, n, E, pairs):
              for p in ("mixer", "input")]
     apart = (parts[1][0], parts[0][1], parts[0][2])
     assert [np.array_equal(to_host(a), to_host(b)) for a, b in zip(apart, normed)] == [True] * 3
-    # hc_pre_then: x_in's groups start the sublayer's first F16 linear (the router) on it, in parts over E's spans
-    router = (0.1 * rng.standard_normal((37, E))).astype(np.float16)
-    *same, started = kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, (to_dev(norm_w), 1e-5), part="input",
-                                    gram=to_dev(gram), then=to_dev(router.view(np.uint8)))
+    # hc_pre_then: x_in's groups start the sublayer's first F16 linear (the router) on it, in parts over E's spans;
+    # 300 rows: each span's HC_THEN_SPLIT groups take theirs, 8 a SIMD group, and the first group's a second round
+    router = (0.1 * rng.standard_normal((300, E))).astype(np.float16)
+    then = [kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, (to_dev(norm_w), 1e-5), part=p, gram=to_dev(gram),
+                           then=to_dev(router.view(np.uint8))) for p in ("input", None)]
+    *same, started = then[0]
     assert np.array_equal(to_host(same[0]), to_host(normed[0]))
+    assert np.array_equal(to_host(then[1][0]), to_host(normed[0])) and np.array_equal(to_host(then[1][3]),
+                                                                                       to_host(started))
     started, x_in = to_host(started).astype(np.float64), to_host(normed[0]).astype(np.float64)
     r64 = router.astype(np.float64)
-    assert started.shape == (G, T, 37)
+    assert started.shape == (G, T, 300)
     np.testing.assert_array_less(np.abs(started.sum(axis=0) - x_in @ r64.T), 2e-6 * (np.abs(x_in) @ np.abs(r64).T))
 
 

@@ -333,9 +333,9 @@ class KernelLaunches:
         outputs = [((T, E), "float32"), ((T, n), "float32"), ((T, n, n), "float32")]
         if then is None:
             return tuple(self._run(S.HC_PRE, (T, groups), threads, inputs, outputs))
-        if gram is None or norm is None or part == "mixer" or then.shape[1] != 2 * E or -(-E // G) > S.ROW_GROUP:
+        if gram is None or norm is None or part == "mixer" or then.shape[1] != 2 * E or -(-E // G) > S.HC_THEN_SPAN:
             raise ValueError(f"hc_pre: a product started on x_in needs the Gram matrix, the norm, x_in's part, spans "
-                             f"of E = {E} over its {G} groups of at most {S.ROW_GROUP} (fewer than "
+                             f"of E = {E} over its {G} groups of at most {S.HC_THEN_SPAN} (fewer than "
                              f"{S.RMSNORM_WIDE_ROWS} rows), and an F16 linear over E (got [{then.shape[0]}, "
                              f"{then.shape[1]} bytes])")
         # x_in's G groups HC_THEN_SPLIT times over, each starting its share of the linear's rows

@@ -350,8 +350,10 @@ def attend_chunk_spec(operands: str = "float32") -> KernelSpec:
 _HC_PRE_IN = (("mix", "float32"), ("scale", "float32"), ("base", "float32"), ("X", "float32"), ("w", "float32"),
               ("gram", "float32"), ("dims", "int32"), ("fparams", "float32"))
 _HC_PRE_OUT = (("x_in", "float32"), ("post", "float32"), ("comb", "float32"))
-# hc_pre_then's rows a SIMD group sums at once (their loads in flight together)
-_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": ROW_GROUP, "HC_THEN_ROWS": 8}
+# hc_pre_then's span of x_in: a SIMD group's 32 lanes of 8 elements (the launcher's spans no longer); its rows a SIMD
+# group sums at once (their loads in flight together)
+HC_THEN_SPAN = 32 * 8
+_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": HC_THEN_SPAN, "HC_THEN_ROWS": 8}
 HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT,
                     {**_HC_PRE_DEFINES, "HC_THEN": 0, "HC_THEN_SPLIT": 1})
 HC_PRE_THEN = KernelSpec("hc_pre_then", "hc_pre.body", (*_HC_PRE_IN, ("then_w", "uint8")),
@@ -510,8 +512,8 @@ def pool_shape(ratio: int, C: int, W: int) -> tuple[int, int]:
 
 def check_hc_streams(kernel: str, n: int) -> None:
     """The hyper-connection kernels hold a token's n streams (and hc_pre its n x n matrix) in fixed room."""
-    if n > HC_MAX:
-        raise ValueError(f"{kernel} kernel: {n} hyper-connection streams exceed {HC_MAX}")
+    if not 1 <= n <= HC_MAX:
+        raise ValueError(f"{kernel} kernel: {n} hyper-connection streams (it takes 1 to {HC_MAX})")
 
 
 def _check_head_dim(D: int) -> None:
