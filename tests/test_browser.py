@@ -437,6 +437,9 @@ def test_prefill_view_renders(page):
     # ratio 128 at chunk 0 (tokens 0–63) has no compressed row yet, a raw-only layer none ever: the key axis names
     # raw rows only
     assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
+    # a range of positions (the pending group's, "0–63") stays on one line in the stepper's narrow KV column
+    ranges = kv.locator(".ds4-nowrap")
+    assert ranges.count() > 0 and all(r.evaluate("(e) => e.getClientRects().length") == 1 for r in ranges.all())
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
     width_at_chunk0 = img.evaluate("(i) => i.naturalWidth")
     # at chunk 4 its 2 compressed rows are columns FEW_PX wide (a 1 px hairline apart), not 3 px as a raw row's

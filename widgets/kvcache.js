@@ -60,10 +60,10 @@ function render({ model, el }) {
     let key = `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}; the numbers ` +
       `around it are the positions those slots hold` + (d.raw_cap > d.window ? `. ${d.raw_cap} slots for a window of ${d.window}: ` +
       `a chunk's own rows and the window before them fit at once` : "") + `.<br>` +
-      `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? `${lo}–${T - 1}` : "none"} (the last ${d.window})<br>` +
+      `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? fromTo(lo, T - 1) : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (T < d.raw_cap ? `<span class="ds4-swatch empty"></span> empty: no position written there yet<br>` : "") +
-      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (${d.new_from === T - 1 ? `position ${T - 1}` : `positions ${d.new_from}–${T - 1}`})<br>` :
+      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (${d.new_from === T - 1 ? `position ${T - 1}` : `positions ${fromTo(d.new_from, T - 1)}`})<br>` :
         `no step outlined: this is the whole state after ${T} tokens<br>`) +
       (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
         `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>`) +
@@ -94,7 +94,8 @@ function render({ model, el }) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const chooses = L.n_index !== null && L.n_index > d.idx_topk;
         const reads = picked && chooses ? `<div>the last query (${q}) reads the ${picked.size} the indexer picked</div>` : "";
-        h += `<div>${plural(L.n_comp, "compressed row")}, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}…${R}c+${R - 1}</div>` +
+        // the range's ends and "to" joined by no-break spaces: a line broken inside it read as a cut-off text
+        h += `<div>${plural(L.n_comp, "compressed row")}, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
@@ -105,7 +106,7 @@ function render({ model, el }) {
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +
-          (L.pending.length ? ` (positions ${L.pending[0]}–${L.pending[L.pending.length - 1]})` : "") + `</div>` +
+          (L.pending.length ? ` (positions ${fromTo(L.pending[0], L.pending.at(-1))})` : "") + `</div>` +
           (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
            `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}">` +
              `<div style="width:${(100 * L.pending.length) / R}%"></div></div>`);
