@@ -116,7 +116,8 @@ def main(argv=None):
                    help="also profile the chunk's host side (cProfile) and print the top N functions")
     p.add_argument("--top", type=int, default=25, help="kernels listed for the eager step and the chunk")
     p.add_argument("--trace", action="store_true",
-                   help="also list each layer half's kernels by start time, with the gaps between them")
+                   help="also list each graph's kernels by start time, with the gaps between them (each layer "
+                        "half's, then the whole step's: its side streams' kernels beside the main stream's)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -140,7 +141,7 @@ def main(argv=None):
             for captured, seconds in zip(g._graphs.values(), g.replay_seconds()):
                 kernels = kernel_times(lambda: captured.graph.launch(stream), args.repeats)
                 out["graphs"].append(summary(f"graph {key}", kernels, seconds * 1e6))
-                if args.trace and not whole:
+                if args.trace:
                     seq = kernel_sequence(lambda: captured.graph.launch(stream))
                     print_sequence(f"graph {key}", seq)
                     out["graphs"][-1]["sequence"] = seq
