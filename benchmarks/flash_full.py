@@ -136,13 +136,14 @@ def main(argv=None) -> int:
            "sampling": sampling, "tiers": args.tiers}
     cfg = config.FLASH if args.config == "flash" else config.NANO
     experts = testing.FLASH_EXPERT_LAYOUTS[args.experts]
-    if not isinstance(experts[0], str):  # one pair a layer: the last layers' pairs for a smaller model
+    per_layer = not isinstance(experts[0], str)  # one pair a layer: the last layers' pairs for a smaller model
+    if per_layer:
         experts = experts[-cfg.n_layer:]
     if args.layers is not None:
         if not cfg.n_hash_layer <= args.layers <= cfg.n_layer:  # (the layout's hash layers kept)
             p.error(f"--layers must be {cfg.n_hash_layer} to {cfg.n_layer}, not {args.layers}")
         cfg = config.replace(cfg, n_layer=args.layers)
-        experts = experts if isinstance(experts[0], str) else experts[:cfg.n_layer]
+        experts = experts[:cfg.n_layer] if per_layer else experts
     out["layers"] = cfg.n_layer
     stem = f"{args.config}{'' if args.experts == 'q2' else '-' + args.experts}"
     args.path = args.path or Path(f"/tmp/{stem}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")

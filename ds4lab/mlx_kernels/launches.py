@@ -360,8 +360,8 @@ class KernelLaunches:
         T, n, E = X.shape
         self._check_mixer("hc_post_mix", fn, n, E)
         inputs = self._hc_post_inputs("hc_post_mix", y, X, post, comb, pairs, extra, fn.shape[0])
-        return tuple(self._run(S.HC_POST_MIX, (-(-E // S.ROW_GROUP) * S.HC_MIX_SPLIT, T), S.ROW_GROUP, [*inputs, fn],
-                               [((T, n, E), "float32"), *self._mix_parts_shapes(T, n, E)]))
+        grid, parts = self._mix_parts(T, n, E)
+        return tuple(self._run(S.HC_POST_MIX, grid, S.ROW_GROUP, [*inputs, fn], [((T, n, E), "float32"), *parts]))
 
     def hc_mix_parts(self, X, fn):
         """``(mix, gram)`` of :meth:`hc_post_mix` for streams ``X [T, n, E]`` as they are (none started them): the
@@ -370,9 +370,9 @@ class KernelLaunches:
         S.check_hc_streams("hc_mix_parts", n)
         self._check_mixer("hc_mix_parts", fn, n, E)
         X = self._f32(X)
-        return tuple(self._run(S.HC_MIX_PARTS, (-(-E // S.ROW_GROUP) * S.HC_MIX_SPLIT, T), S.ROW_GROUP,
-                               [X, self._const(T, n, E, 0, 0, 0, 0, fn.shape[0]), fn],
-                               self._mix_parts_shapes(T, n, E)))
+        grid, parts = self._mix_parts(T, n, E)
+        return tuple(self._run(S.HC_MIX_PARTS, grid, S.ROW_GROUP,
+                               [X, self._const(T, n, E, 0, 0, 0, 0, fn.shape[0]), fn], parts))
 
     @staticmethod
     def _check_mixer(kernel: str, fn, n: int, E: int) -> None:
@@ -382,9 +382,11 @@ class KernelLaunches:
                              f"{2 * n + n * n}, n·E = {n} x {E}]")
 
     @staticmethod
-    def _mix_parts_shapes(T: int, n: int, E: int) -> list:
+    def _mix_parts(T: int, n: int, E: int) -> tuple:
+        """hc_post_mix's and hc_mix_parts' grid (HC_MIX_SPLIT work-groups for each of E's G spans, a token's each) and
+        the shapes of their parts (mixer product and Gram matrix, a part a span)."""
         G = -(-E // S.ROW_GROUP)
-        return [((G, T, 2 * n + n * n), "float32"), ((G, T, n * (n + 1) // 2), "float32")]
+        return (G * S.HC_MIX_SPLIT, T), [((G, T, 2 * n + n * n), "float32"), ((G, T, n * (n + 1) // 2), "float32")]
 
     def _hc_post_inputs(self, kernel: str, y, X, post, comb, pairs: int, extra, *more_dims) -> list:
         T, n, E = X.shape
