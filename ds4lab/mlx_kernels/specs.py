@@ -110,8 +110,8 @@ DEQUANT_GROUP = 256
 HC_MAX = 5  # hyper-connection streams the mixer kernel handles: its n x n matrix on one SIMD group
 HC_MIX_MAX = 2 * HC_MAX + HC_MAX * HC_MAX  # the mixer's rows (2n + n²) hc_post_mix makes
 # the work-groups of a span of E sharing those rows in hc_post_mix (each holding HC_MIX_ROWS of them in registers),
-# and in hc_pre_then the router's rows: a decode step's 16 spans read an F16 product's weights on 64 SMs, not 16
-HC_MIX_SPLIT = HC_THEN_SPLIT = 4
+# and in hc_pre_then the router's rows: a decode step's 16 spans read an F16 product's weights on 128 SMs, not 16
+HC_MIX_SPLIT = HC_THEN_SPLIT = 8
 HC_MIX_ROWS = -(-HC_MIX_MAX // HC_MIX_SPLIT)
 HC_GRAM_MAX = HC_MAX * (HC_MAX + 1) // 2  # the entries of the streams' Gram matrix it makes too
 # Up to this many tokens, a kernel starts the next F16 product on what it writes: hc_post the next sublayer's mixer
@@ -353,7 +353,7 @@ _HC_PRE_OUT = (("x_in", "float32"), ("post", "float32"), ("comb", "float32"))
 # hc_pre_then's span of x_in: a SIMD group's 32 lanes of 8 elements (the launcher's spans no longer); its rows a SIMD
 # group sums at once (their loads in flight together)
 HC_THEN_SPAN = 32 * 8
-_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": HC_THEN_SPAN, "HC_THEN_ROWS": 8}
+_HC_PRE_DEFINES = {"HC_MAX": HC_MAX, "HC_GRAM_MAX": HC_GRAM_MAX, "HC_THEN_SPAN": HC_THEN_SPAN, "HC_THEN_ROWS": 4}
 HC_PRE = KernelSpec("hc_pre", "hc_pre.body", _HC_PRE_IN, _HC_PRE_OUT,
                     {**_HC_PRE_DEFINES, "HC_THEN": 0, "HC_THEN_SPLIT": 1})
 HC_PRE_THEN = KernelSpec("hc_pre_then", "hc_pre.body", (*_HC_PRE_IN, ("then_w", "uint8")),
