@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_timeline import timeline  # noqa: E402
 from gpu_slice import copy_bandwidth, gpu_memory, graph_report  # noqa: E402
 
 import ds4lab  # noqa: E402
@@ -127,10 +128,15 @@ def main(argv=None) -> int:
                    help="nano: a small model of the same layout, to try the script on a CPU")
     p.add_argument("--layers", type=int, default=None,
                    help="the layout's first N layers only, at least its hash layers (default all): 30 fit an H100")
+    p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                   help="after the sweep, STEPS greedy decode steps with CUDA events around each graph replay "
+                        "(decode_timeline.py: where a step's wall time goes beside its graph; CuPy, one tier)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiers < 1:
         p.error(f"--tiers must be at least 1, not {args.tiers}")
+    if args.timeline and (args.backend != "cupy" or args.tiers != 1 or args.timeline < 2):
+        p.error("--timeline needs --backend cupy, one tier and at least 2 steps")
     sampling = {"temperature": args.temperature, "min_p": args.min_p} if args.temperature > 0 else None
     out = {"setting": args.prefill_matmul, "decode_matmul": args.decode_matmul, "backend": args.backend,
            "sampling": sampling, "tiers": args.tiers}
@@ -166,7 +172,8 @@ def main(argv=None) -> int:
     first.decoder(temperature=0.0).step(more=False)  # sampled from the prompt's logits, then evaluated
     out["first_token_s"] = since_process_start() - written
     del first
-    sess = model.session(ctx=args.ctx_max + max(args.gen_tokens, RUNTIME_STEPS) + 1, prefill_chunk=args.prefill_chunk,
+    room = max(args.gen_tokens, RUNTIME_STEPS, args.timeline)  # the decode steps after the last frontier
+    sess = model.session(ctx=args.ctx_max + room + 1, prefill_chunk=args.prefill_chunk,
                          max_checkpoints=2, placement=placement)
     rows, seen = [], 0
     for row in bench.sweep(model, tokens, args.ctx_start, args.ctx_max, args.step_incr, 1.0, args.gen_tokens,
@@ -189,6 +196,8 @@ def main(argv=None) -> int:
         if hasattr(model.runtime, "compiled"):  # the decode step's GPU time alone, against the sweep's wall time
             out["graphs"] = graph_report(model.runtime)
         out["decode_step_ms"] = {"sweep": 1e3 / rows[-1]["gen_tps"], "runtime": runtime_step_ms(model, sess, tokens)}
+        if args.timeline:
+            out["timeline_ms"] = timeline(sess, args.timeline)
     else:  # a bare runtime step and a graph's replay run on one device: only the sweep's step here
         out["placement"] = repr(sess.placement)
         out["memory"] = device_memory(model.backend, args.tiers)
