@@ -5,8 +5,10 @@ Per replay, on the GPU's clock: the copy of its arguments in, the graph, the cop
 state's own copy among them), and the time from its last copy to the next replay's first (the argmax of the step
 launched ahead, the logits' and the ids' copies to the host, the tables' upload, and any time the GPU had nothing
 queued). ``host_late`` is how long the GPU sat idle because the host had not yet called the next replay (the host's
-clock put on the GPU's by one synchronised event; tens of microseconds of error). Used by ``flash_full.py
---timeline N``; alone on a CPU it has nothing to measure.
+clock put on the GPU's by one synchronised event; tens of microseconds of error). ``parts_us``: what of that time
+between replays each of those launches takes on the stream (events around the session's calls of them: the device's
+choice of the token ahead, the backend's fetches to the host and its uploads), medians in microseconds and how many a
+replay. Used by ``flash_full.py --timeline N``; alone on a CPU it has nothing to measure.
 """
 
 from __future__ import annotations
@@ -21,10 +23,26 @@ def timeline(sess, steps: int) -> dict:
     the session back where it was; returns the medians (ms) of each part and the steps' wall times."""
     import cupy as cp
 
+    from ds4lab import session as session_module
     from ds4lab.cuda import driver, graphs
 
-    replays, inside = [], []
+    replays, inside, launched = [], [], []
     call, launch = graphs._Captured.__call__, driver.GraphExec.launch
+    backend_type = type(sess.model.backend)
+    timed = {(session_module, "argmax_on_device"): "argmax ahead", (session_module, "sample_on_device"): "draw ahead",
+             (backend_type, "fetch"): "fetch to host", (backend_type, "upload"): "upload"}
+    originals = {key: getattr(*key) for key in timed}
+
+    def with_events(label, fn):
+        def run(*args, **kwargs):
+            stream = cp.cuda.get_current_stream()
+            began, ended = cp.cuda.Event(), cp.cuda.Event()
+            began.record(stream)
+            out = fn(*args, **kwargs)
+            ended.record(stream)
+            launched.append((label, began, ended))
+            return out
+        return run
 
     def traced_call(self, args):
         stream = cp.cuda.get_current_stream()
@@ -56,6 +74,8 @@ def timeline(sess, steps: int) -> dict:
     host0 = time.perf_counter()
     walls = []
     graphs._Captured.__call__, driver.GraphExec.launch = traced_call, traced_launch
+    for (owner, name), label in timed.items():
+        setattr(owner, name, with_events(label, originals[owner, name]))
     try:
         for i in range(steps):
             began = time.perf_counter()
@@ -64,6 +84,8 @@ def timeline(sess, steps: int) -> dict:
         cp.cuda.Device().synchronize()
     finally:
         graphs._Captured.__call__, driver.GraphExec.launch = call, launch
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
         sess.restore(snapshot)
 
     def at(e):  # ms on the GPU's clock since ref
@@ -78,4 +100,16 @@ def timeline(sess, steps: int) -> dict:
     out = {k: float(np.median(v)) for k, v in parts.items()}
     out.update(replays=len(replays), step_wall_ms=float(np.median(walls)) * 1e3,
                host_late_mean=float(parts["host_late"].mean()), between_mean=float(parts["between"].mean()))
+    out["parts_us"] = {label: {"median": float(np.median(us)) * 1e3, "per_replay": len(us) / len(replays)}
+                       for label, us in _by_label(launched).items()}
+    return out
+
+
+def _by_label(spans) -> dict:
+    """{label: [ms of each span]} from ``(label, began, ended)`` events."""
+    import cupy as cp
+
+    out = {}
+    for label, began, ended in spans:
+        out.setdefault(label, []).append(cp.cuda.get_elapsed_time(began, ended))
     return out
