@@ -351,3 +351,50 @@ def test_a_decode_launches_its_next_step_ahead_and_gives_the_same_steps(model_pa
     assert len(made) == 2 * 5 and sum(m is not None for m in made) == 5
     # the first step, five ahead, the steps after the restore and in the capture launched anew: 8 launches, 6 steps
     assert launches.count(ahead) == 1 + 8 and launches.count(plain) == 1 + 6  # + the prompt's prefill
+
+
+def _poison_what_no_step_reads(state, cfg) -> int:
+    """NaN into every raw-ring slot outside the window of ``state`` (a CPU state, written in place) and every
+    compressed or indexer row from its count on; returns the rows poisoned."""
+    n, geo, poisoned = state.n_past, state.geometry, 0
+    live = {p % geo.raw_cap for p in range(max(0, n - geo.window), n)}
+    for il, layer in enumerate(state.layers):
+        dead = [s for s in range(geo.raw_cap) if s not in live]
+        layer.raw[dead] = np.nan
+        poisoned += len(dead)
+        for rows, ratio in ((layer.comp, cfg.ratio(il)), (layer.index, 4)):
+            if rows is not None:
+                rows[n // ratio:] = np.nan
+                poisoned += len(rows) - n // ratio
+    return poisoned
+
+
+def test_the_kernels_never_read_ring_slots_past_the_window_nor_rows_past_the_count(model_paths):
+    """What a step's kernels read of the state: the raw ring's slots of the window and the compressed and indexer
+    rows below the count, nothing more. With every other slot and row set to NaN before each chunk and each decode
+    step (chunks of 32 and decode past the ring's wrap: raw_cap 256, window 32), the logits of every step are those
+    of the untouched run, bit for bit (what lets a GPU copy of a state leave those rows out)."""
+    from tests.conftest import emulated_model
+
+    runs = []
+    for poison in (False, True):
+        model = emulated_model(model_paths["nano"])
+        sess = model.session(ctx=340, prefill_chunk=32)
+        assert sess.geometry.raw_cap == 256 and sess.geometry.window == 32
+        logits, poisoned = [], 0
+        prefill = sess.prefill(np.random.default_rng(11).integers(0, 1000, 288).tolist())
+        while prefill.remaining > 0:  # nine chunks of 32
+            if poison and sess.tokens:
+                poisoned += _poison_what_no_step_reads(sess._state, model.config)
+            prefill.step()
+            logits.append(sess.logits.copy())
+        decode = sess.decoder(temperature=0.0)
+        for _ in range(12):  # positions 288-299: past the ring's wrap; ratio-4 windows end on the way
+            if poison:
+                poisoned += _poison_what_no_step_reads(sess._state, model.config)
+            decode.step(more=False)
+            logits.append(sess.logits.copy())
+        runs.append((logits, poisoned))
+    (plain, _), (poisoned_logits, poisoned) = runs
+    assert poisoned > 0 and len(plain) == 9 + 12
+    assert all(np.array_equal(a, b) for a, b in zip(plain, poisoned_logits))
