@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .kv.checkpoint import layer_to_payload
 from .kv.layout import LAYER_FIELDS
 
 # Both paths compute in the backend's float (float32 on the GPUs) and differ by summation order: 1e-3 of a stage's
@@ -229,9 +230,10 @@ def full_test(fast, plain, token: int) -> GraphReport:
 
 
 def _layer_state(model, state, il: int) -> dict:
-    layer = state.layers[il]
-    return {f: np.asarray(model.backend.to_numpy(getattr(layer, f))) for f in LAYER_FIELDS
-            if getattr(layer, f, None) is not None}
+    """Layer ``il``'s state as a .kv payload holds it: the rows a later step reads (a compiled step's copy of the
+    state may leave the others out: runtime.compiled.live_rows)."""
+    saved = layer_to_payload(model.config, model.backend, il, state.layers[il], state.n_past, state.geometry)
+    return {f: getattr(saved, f) for f in LAYER_FIELDS if getattr(saved, f, None) is not None}
 
 
 def prompt_test(fast, plain, ids, ctx: int | None = None, prefill_chunk: int | None = None) -> GraphReport:
