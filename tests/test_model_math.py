@@ -121,7 +121,7 @@ def test_hc_head_is_sigmoid_weighted_sum():
     flat = X[0].reshape(-1)
     flat = flat / np.sqrt((flat ** 2).mean() + 1e-6)
     w = 1 / (1 + np.exp(-((fn @ flat) * 0.7 + base))) + 1e-6
-    got = hc_head(np, X, lambda x: x @ fn.T, scale, base, eps=1e-6, norm_eps=1e-6)
+    got = hc_head(Ops(NumpyBackend()), X, lambda x: x @ fn.T, scale, base, eps=1e-6, norm_eps=1e-6)
     np.testing.assert_allclose(got[0], (w[:, None] * X[0]).sum(0), rtol=1e-12)
 
 

@@ -8,7 +8,7 @@ Sinkhorn-normalized n_hc×n_hc combine matrix (mix the streams).
 
 from __future__ import annotations
 
-from .functional import rmsnorm, sigmoid, softmax
+from .functional import sigmoid, softmax
 
 
 def sinkhorn(xp, logits, iters: int, eps: float):
@@ -46,9 +46,10 @@ def hc_post(xp, y, X, post, comb):
     return post[:, :, None] * y[:, None, :] + xp.einsum("tso,tsd->tod", comb, X)
 
 
-def hc_head(xp, X, fn, scale, base, *, eps: float, norm_eps: float):
-    """The output head's stream collapse: sigmoid weights + eps, no post, no Sinkhorn (docs/MODEL.md, "The head")."""
+def hc_head(ops, X, fn, scale, base, *, eps: float, norm_eps: float):
+    """The output head's stream collapse: sigmoid weights + eps, no post, no Sinkhorn (docs/MODEL.md, "The head").
+    ``ops`` as :func:`hc_pre`'s (its norm one launch with kernels, where the plain ops take several)."""
     T, n, E = X.shape
-    pre = fn(rmsnorm(xp, X.reshape(T, n * E), norm_eps))
-    w = sigmoid(xp, pre * scale[0] + base) + eps
+    pre = fn(ops.rmsnorm(X.reshape(T, n * E), norm_eps))
+    w = sigmoid(ops.xp, pre * scale[0] + base) + eps
     return (w[:, :, None] * X).sum(axis=1)

@@ -25,7 +25,6 @@ import numpy as np
 from ..config import ModelConfig
 from ..kv.layout import LayerState
 from .attention import grouped_output, grouped_output_gathered, join_tail
-from .functional import rmsnorm
 from .hc import hc_head
 from .moe import route_weights, routed_experts, routed_experts_gathered, router_probs, select_topk
 from .rope import RopeParams
@@ -122,9 +121,9 @@ class Transformer:
     def head(self, X, emit=None):
         """Logits ``[T, vocab]`` from the final HC state (docs/MODEL.md, "The head"); emitted as ``head.logits``."""
         cfg, hw = self.cfg, self.head_weights
-        emb = hc_head(self.xp, X, hw.output_hc_fn, hw.output_hc_scale, hw.output_hc_base, eps=cfg.hc_eps,
+        emb = hc_head(self.ops, X, hw.output_hc_fn, hw.output_hc_scale, hw.output_hc_base, eps=cfg.hc_eps,
                       norm_eps=cfg.rms_eps)
-        logits = hw.output(rmsnorm(self.xp, emb, cfg.rms_eps, hw.output_norm))
+        logits = hw.output(self.ops.rmsnorm(emb, cfg.rms_eps, hw.output_norm))
         if emit:
             emit("head.logits", logits)
         return logits
