@@ -356,8 +356,10 @@ def test_a_decode_launches_its_next_step_ahead_and_gives_the_same_steps(model_pa
 def _poison_what_no_step_reads(state, cfg) -> int:
     """NaN into every raw-ring slot outside the window of ``state`` (a CPU state, written in place) and every
     compressed or indexer row from its count on; returns the rows poisoned."""
+    from ds4lab.kv.layout import raw_live_rows
+
     n, geo, poisoned = state.n_past, state.geometry, 0
-    live = {p % geo.raw_cap for p in range(max(0, n - geo.window), n)}
+    live = {p % geo.raw_cap for p in range(n - raw_live_rows(n, geo.window, geo.raw_cap), n)}  # as a payload keeps
     for il, layer in enumerate(state.layers):
         dead = [s for s in range(geo.raw_cap) if s not in live]
         layer.raw[dead] = np.nan

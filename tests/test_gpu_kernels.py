@@ -1197,7 +1197,8 @@ def test_hc_post_mix_starts_the_next_mixer(gpu, T, n, E, pairs):
     apart = (parts[1][0], parts[0][1], parts[0][2])
     assert [np.array_equal(to_host(a), to_host(b)) for a, b in zip(apart, normed)] == [True] * 3
     # hc_pre_then: x_in's groups start the sublayer's first F16 linear (the router) on it, in parts over E's spans;
-    # 300 rows: each span's HC_THEN_SPLIT groups take theirs, 8 a SIMD group, and the first group's a second round
+    # 300 rows: each span's HC_THEN_SPLIT groups take theirs, HC_THEN_ROWS a SIMD group, and the first groups a
+    # second round
     router = (0.1 * rng.standard_normal((300, E))).astype(np.float16)
     then = [kernels.hc_pre(*mixed, X_new, 20, 1e-6, 1e-6, (to_dev(norm_w), 1e-5), part=p, gram=to_dev(gram),
                            then=to_dev(router.view(np.uint8))) for p in ("input", None)]
