@@ -2142,6 +2142,40 @@ def test_cupy_graph_carries_its_state_in_place():
 
 
 @pytest.mark.gpu
+def test_cupy_graph_copies_only_the_live_rows_it_is_given():
+    """A replay given ``live`` row ranges copies those rows of each carried array into its outputs (one range, two, a
+    whole array for None, none for an empty tuple) and leaves the other rows as the outputs' memory held them; the
+    next replay, given those outputs, still finds the whole state in its buffer (carried in place)."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import graphs
+
+    def fn(x, ring, rows, small):
+        return ring + x[:, None], rows * np.float32(2), small + np.float32(1)
+
+    step = graphs.GraphStep(fn, carry=(1, 0))
+    ring, rows, small = (np.arange(16 * 4, dtype=np.float32).reshape(16, 4), np.ones((10, 4), np.float32),
+                         np.zeros(3, np.float32))
+    state, want = [cp.asarray(a) for a in (ring, rows, small)], [ring, rows, small]
+    lives = [None, None, [((14, 16), (0, 3)), ((0, 4),), None], [(), ((0, 10),), None], [((5, 6),), (), None]]
+    for t, live in enumerate(lives):  # eager, the capture, then replays given their live rows
+        x = np.full(16, t, np.float32)
+        want = [want[0] + x[:, None], want[1] * np.float32(2), want[2] + np.float32(1)]
+        out = step(cp.asarray(x), *state, live=live)
+        got = [cp.asnumpy(o) for o in out]
+        for g, w, ranges in zip(got, want, live or [None] * 3):
+            kept = np.ones(len(w), bool) if ranges is None else np.zeros(len(w), bool)
+            for a, b in ranges or ():
+                kept[a:b] = True
+            assert np.array_equal(g[kept], w[kept]), (t, ranges)
+        state = out[:] if isinstance(out, graphs.Outputs) else list(out)
+    assert step.captures == 1 and not step.failures
+
+
+@pytest.mark.gpu
 def test_cupy_graphs_of_a_family_share_their_carried_state():
     """Two graphs with ``carry`` in one family (a decode step's variants), each writing the state in place: one input
     buffer between them, so a call of either given the other's last carried outputs copies only its other inputs in,
