@@ -117,7 +117,8 @@ class _LiveCopy:
         host, m, biggest = self.host[slot], 0, 0
         for k, ranges in enumerate(live):
             rb = self.row_bytes[k]
-            for off, nbytes in ((0, self.whole[k]),) if ranges is None else ((a * rb, (b - a) * rb) for a, b in ranges):
+            whole = ranges is None or rb % 16  # copy_spans copies 16-byte words from 16-byte aligned spans
+            for off, nbytes in ((0, self.whole[k]),) if whole else ((a * rb, (b - a) * rb) for a, b in ranges):
                 if nbytes:
                     host[:, m] = (self.src[k] + off, self.dst[k] + off, nbytes)
                     m, biggest = m + 1, max(biggest, nbytes)
