@@ -14,6 +14,7 @@ import pytest
 import ds4lab
 from ds4lab.mlx_kernels.cpu import compile_module, compiler, launch
 from ds4lab.mlx_kernels.dialects import _SYNCS, SOURCES, KernelSpec
+from ds4lab.testing import live_state_rows
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++20 compiler here for the CPU kernel emulator")
 
@@ -219,16 +220,6 @@ class _CarriedStep:
         return tuple(out)
 
 
-def _live_parts(state, cfg) -> list:
-    """Every array of ``state`` (a CPU state), only the rows runtime.compiled.live_rows names (what a carried step's
-    outputs hold)."""
-    from ds4lab.runtime.compiled import live_rows, present
-
-    arrays = [a for layer in state.layers for a in present(layer)]
-    return [a if live is None else np.concatenate([a[start:stop] for start, stop in live] + [a[:0]])
-            for a, live in zip(arrays, live_rows(cfg, state.geometry, state.n_past))]
-
-
 def _carrying(model):
     """``model`` (on the emulator) with its decode steps compiled as :class:`_CarriedStep` calls."""
     from ds4lab.backends.emulated_backend import EmulatedBackend
@@ -310,7 +301,7 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
             assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(after, before))
             got.append(np.asarray(logits))
             state = new
-        states.append((got, _live_parts(state, model.config)))
+        states.append((got, live_state_rows(state, model.config)))
     (want, want_state), (got, got_state) = states
     assert all(np.array_equal(g, w) for g, w in zip(got, want)) and len(got) == 7
     assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state))

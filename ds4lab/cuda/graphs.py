@@ -95,22 +95,21 @@ def _copy_spans(pairs, stream):
 class _LiveCopy:
     """A replay's copy of the carried state's live rows into its outputs (GraphStep's ``live``): the spans' table made
     on the host each replay, uploaded through pinned memory (two slots, each taken again once its copy has run) and
-    copied by one ``copy_spans`` launch, the destinations from the outputs' buffer."""
+    copied by one ``copy_spans`` launch, the destinations from the outputs' buffer (two ranges at most an array:
+    :meth:`_Captured.check_live`)."""
 
     def __init__(self, carried, offsets):
         self.src, self.dst = [a.data.ptr for a in carried], list(offsets)
         self.whole = [a.nbytes for a in carried]
         self.row_bytes = [a.nbytes // a.shape[0] if a.ndim and a.shape[0] else a.nbytes for a in carried]
         self.stride = 2 * len(carried)  # a ring's window takes two spans where it wraps
-        self.host = [np.frombuffer(cp.cuda.alloc_pinned_memory(24 * self.stride), np.uint64).reshape(3, self.stride)
-                     for _ in range(2)]
+        self.host = [np.frombuffer(cp.cuda.alloc_pinned_memory(24 * self.stride), np.uint64, 3 * self.stride)
+                     .reshape(3, self.stride) for _ in range(2)]
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not the graphs' pool (_copy_spans)
             self.table = [cp.empty((3, self.stride), dtype=cp.uint64) for _ in range(2)]
         self.done, self.turn = [None, None], 0
 
     def launch(self, out, live, stream) -> None:
-        if len(live) != len(self.src):
-            raise CarryError(f"live: {len(live)} arrays' rows for {len(self.src)} carried arrays")
         slot, self.turn = self.turn, self.turn ^ 1
         if self.done[slot] is not None:
             self.done[slot].synchronize()  # its table's last copy has run (a replay ago: done long since)
@@ -315,7 +314,15 @@ class _Captured:
         src, _, _, start, end = run
         (self.in_buf.data + start).copy_from_device_async(src, end - start, stream)
 
+    def check_live(self, live) -> None:
+        """``live`` fits this graph's carried arrays (checked before a replay moves the state on)."""
+        k = self.carry[2] if self.carry else 0
+        if len(live) != k or any(r is not None and len(r) > 2 for r in live):
+            raise CarryError(f"live: {len(live)} arrays' row ranges (two at most each) for {k} carried arrays")
+
     def __call__(self, args, live=None) -> Outputs:
+        if live is not None:
+            self.check_live(live)
         stream = cp.cuda.get_current_stream()
         out = cp.empty(self.layout.size, dtype=cp.uint8)
         last, self.ins.last = self.ins.last, None  # no one's state until this replay returns (it may fail)
