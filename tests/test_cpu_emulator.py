@@ -364,30 +364,38 @@ def test_a_decode_launches_its_next_step_ahead_and_gives_the_same_steps(model_pa
 
 
 def _poison_what_no_step_reads(state, cfg) -> int:
-    """NaN into every raw-ring slot outside the window of ``state`` (a CPU state, written in place) and every
-    compressed or indexer row from its count on; returns the rows poisoned."""
-    from ds4lab.kv.layout import raw_live_rows
+    """NaN into every row of ``state`` (a CPU state, written in place) outside runtime.compiled.live_rows: the raw
+    ring's slots outside the window, the compressed and indexer rows from the count on; returns the rows poisoned."""
+    from ds4lab.runtime.compiled import live_rows, present
 
-    n, geo, poisoned = state.n_past, state.geometry, 0
-    live = {p % geo.raw_cap for p in range(n - raw_live_rows(n, geo.window, geo.raw_cap), n)}  # as a payload keeps
-    for il, layer in enumerate(state.layers):
-        dead = [s for s in range(geo.raw_cap) if s not in live]
-        layer.raw[dead] = np.nan
-        poisoned += len(dead)
-        for rows, ratio in ((layer.comp, cfg.ratio(il)), (layer.index, 4)):
-            if rows is not None:
-                rows[n // ratio:] = np.nan
-                poisoned += len(rows) - n // ratio
+    arrays = [a for layer in state.layers for a in present(layer)]
+    ranges = live_rows(cfg, state.geometry, state.n_past)
+    assert len(ranges) == len(arrays)
+    poisoned = 0
+    for a, live in zip(arrays, ranges):
+        if live is None:
+            continue
+        dead = np.ones(len(a), bool)
+        for start, stop in live:
+            dead[start:stop] = False
+        a[dead] = np.nan
+        poisoned += int(dead.sum())
     return poisoned
 
 
-def test_the_kernels_never_read_ring_slots_past_the_window_nor_rows_past_the_count(model_paths):
-    """What a step's kernels read of the state: the raw ring's slots of the window and the compressed and indexer
-    rows below the count, nothing more. With every other slot and row set to NaN before each chunk and each decode
-    step (chunks of 32 and decode past the ring's wrap: raw_cap 256, window 32), the logits of every step are those
-    of the untouched run, bit for bit (what lets a GPU copy of a state leave those rows out)."""
+@pytest.mark.parametrize("attn_chunk", [True, False], ids=["attend_chunk", "reference-attend"])
+def test_the_kernels_never_read_ring_slots_past_the_window_nor_rows_past_the_count(model_paths, monkeypatch,
+                                                                                   attn_chunk):
+    """What a step's kernels read of the state: runtime.compiled.live_rows' rows (the raw ring's slots of the window,
+    the compressed and indexer rows below the count, the pending states), nothing more. With every other row set to
+    NaN before each chunk and each decode step (chunks of 32 and decode past the ring's wrap: raw_cap 256, window
+    32), the logits of every step are those of the untouched run, bit for bit (what lets a GPU copy of a state leave
+    those rows out). Also with a chunk's attention through the reference (ops.ATTN_CHUNK_KERNEL off), which reads
+    the keys no query sees as zeros."""
+    from ds4lab import ops
     from tests.conftest import emulated_model
 
+    monkeypatch.setattr(ops, "ATTN_CHUNK_KERNEL", attn_chunk)
     runs = []
     for poison in (False, True):
         model = emulated_model(model_paths["nano"])
