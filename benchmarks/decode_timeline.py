@@ -44,14 +44,14 @@ def timeline(sess, steps: int) -> dict:
             return out
         return run
 
-    def traced_call(self, args):
+    def traced_call(self, args, *rest):
         stream = cp.cuda.get_current_stream()
         mark = {"host": time.perf_counter(), "ev": [cp.cuda.Event() for _ in range(4)]}
         replays.append(mark)
         mark["ev"][0].record(stream)
         inside.append(mark)
         try:
-            out = call(self, args)
+            out = call(self, args, *rest)
         finally:
             inside.pop()
         mark["ev"][3].record(stream)

@@ -230,8 +230,8 @@ def full_test(fast, plain, token: int) -> GraphReport:
 
 
 def _layer_state(model, state, il: int) -> dict:
-    """Layer ``il``'s state as a .kv payload holds it: the rows a later step reads (the window's ring slots, the rows
-    below the count: what a state is; the kernels read no other, tests/test_cpu_emulator.py)."""
+    """Layer ``il``'s state as a .kv payload holds it: the rows a later step reads (a compiled step's copy of the
+    state may leave the others out: runtime.compiled.live_rows)."""
     saved = layer_to_payload(model.config, model.backend, il, state.layers[il], state.n_past, state.geometry)
     return {f: getattr(saved, f) for f in LAYER_FIELDS if getattr(saved, f, None) is not None}
 

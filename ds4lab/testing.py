@@ -370,3 +370,13 @@ def _key(name: str) -> str:
 
 def _layer(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("blk.") else None
+
+
+def live_state_rows(state, cfg: ModelConfig, to_numpy=np.asarray) -> list:
+    """Every array of ``state`` (a KVState) as NumPy, only its rows a later step reads (runtime.compiled.live_rows):
+    what two runs' states must agree on, a compiled step's copy leaving the other rows as its memory held them."""
+    from .runtime.compiled import live_rows, present
+
+    arrays = [to_numpy(a) for layer in state.layers for a in present(layer)]
+    return [a if live is None else np.concatenate([a[start:stop] for start, stop in live] + [a[:0]])
+            for a, live in zip(arrays, live_rows(cfg, state.geometry, state.n_past))]

@@ -14,6 +14,7 @@ import pytest
 import ds4lab
 from ds4lab.mlx_kernels.cpu import compile_module, compiler, launch
 from ds4lab.mlx_kernels.dialects import _SYNCS, SOURCES, KernelSpec
+from ds4lab.testing import live_state_rows
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++20 compiler here for the CPU kernel emulator")
 
@@ -193,12 +194,14 @@ def test_a_decode_step_branches_on_the_emulator(model_paths, monkeypatch):
 class _CarriedStep:
     """What a CUDA graph with ``carry`` does (:mod:`ds4lab.cuda.graphs`), on the emulator: the carried inputs are copied
     into arrays only the step holds, which the ops may write in place while it runs (``donated``), and the caller gets
-    copies of the outputs. ``written_in_place`` counts the carried outputs that came back in their input's memory."""
+    copies of the outputs, of the carried ones only the ``live`` rows (the rest NaN here, where a graph's outputs hold
+    whatever their memory held). ``written_in_place`` counts the carried outputs that came back in their input's
+    memory."""
 
     def __init__(self, backend, fn, carry):
         self.backend, self.fn, self.carry, self.written_in_place = backend, fn, carry, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, live=None):
         i, j = self.carry
         own = [np.array(a) for a in args[i:]]
         self.backend.own = {a.ctypes.data: a for a in own}
@@ -207,7 +210,14 @@ class _CarriedStep:
         finally:
             self.backend.own = {}
         self.written_in_place += sum(o.ctypes.data == a.ctypes.data for o, a in zip(out[j:], own))
-        return tuple(np.array(o) for o in out)
+        out = [np.array(o) for o in out]
+        for o, ranges in zip(out[j:], live or ()):
+            if ranges is not None:
+                kept = np.zeros(len(o), bool)
+                for start, stop in ranges:
+                    kept[start:stop] = True
+                o[~kept] = np.nan
+        return tuple(out)
 
 
 def _carrying(model):
@@ -288,10 +298,10 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
             before = [np.array(a) for layer in state.layers for a in layer.arrays() if a is not None]
             logits, new = model.runtime.forward_logits(np.array([t]), state)
             after = [a for layer in state.layers for a in layer.arrays() if a is not None]
-            assert all(np.array_equal(a, b) for a, b in zip(after, before))
+            assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(after, before))
             got.append(np.asarray(logits))
             state = new
-        states.append((got, [np.array(a) for layer in state.layers for a in layer.arrays() if a is not None]))
+        states.append((got, live_state_rows(state, model.config)))
     (want, want_state), (got, got_state) = states
     assert all(np.array_equal(g, w) for g, w in zip(got, want)) and len(got) == 7
     assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state))
@@ -354,30 +364,38 @@ def test_a_decode_launches_its_next_step_ahead_and_gives_the_same_steps(model_pa
 
 
 def _poison_what_no_step_reads(state, cfg) -> int:
-    """NaN into every raw-ring slot outside the window of ``state`` (a CPU state, written in place) and every
-    compressed or indexer row from its count on; returns the rows poisoned."""
-    from ds4lab.kv.layout import raw_live_rows
+    """NaN into every row of ``state`` (a CPU state, written in place) outside runtime.compiled.live_rows: the raw
+    ring's slots outside the window, the compressed and indexer rows from the count on; returns the rows poisoned."""
+    from ds4lab.runtime.compiled import live_rows, present
 
-    n, geo, poisoned = state.n_past, state.geometry, 0
-    live = {p % geo.raw_cap for p in range(n - raw_live_rows(n, geo.window, geo.raw_cap), n)}  # as a payload keeps
-    for il, layer in enumerate(state.layers):
-        dead = [s for s in range(geo.raw_cap) if s not in live]
-        layer.raw[dead] = np.nan
-        poisoned += len(dead)
-        for rows, ratio in ((layer.comp, cfg.ratio(il)), (layer.index, 4)):
-            if rows is not None:
-                rows[n // ratio:] = np.nan
-                poisoned += len(rows) - n // ratio
+    arrays = [a for layer in state.layers for a in present(layer)]
+    ranges = live_rows(cfg, state.geometry, state.n_past)
+    assert len(ranges) == len(arrays)
+    poisoned = 0
+    for a, live in zip(arrays, ranges):
+        if live is None:
+            continue
+        dead = np.ones(len(a), bool)
+        for start, stop in live:
+            dead[start:stop] = False
+        a[dead] = np.nan
+        poisoned += int(dead.sum())
     return poisoned
 
 
-def test_the_kernels_never_read_ring_slots_past_the_window_nor_rows_past_the_count(model_paths):
-    """What a step's kernels read of the state: the raw ring's slots of the window and the compressed and indexer
-    rows below the count, nothing more. With every other slot and row set to NaN before each chunk and each decode
-    step (chunks of 32 and decode past the ring's wrap: raw_cap 256, window 32), the logits of every step are those
-    of the untouched run, bit for bit (what lets a GPU copy of a state leave those rows out)."""
+@pytest.mark.parametrize("attn_chunk", [True, False], ids=["attend_chunk", "reference-attend"])
+def test_the_kernels_never_read_ring_slots_past_the_window_nor_rows_past_the_count(model_paths, monkeypatch,
+                                                                                   attn_chunk):
+    """What a step's kernels read of the state: runtime.compiled.live_rows' rows (the raw ring's slots of the window,
+    the compressed and indexer rows below the count, the pending states), nothing more. With every other row set to
+    NaN before each chunk and each decode step (chunks of 32 and decode past the ring's wrap: raw_cap 256, window
+    32), the logits of every step are those of the untouched run, bit for bit (what lets a GPU copy of a state leave
+    those rows out). Also with a chunk's attention through the reference (ops.ATTN_CHUNK_KERNEL off), which reads
+    the keys no query sees as zeros."""
+    from ds4lab import ops
     from tests.conftest import emulated_model
 
+    monkeypatch.setattr(ops, "ATTN_CHUNK_KERNEL", attn_chunk)
     runs = []
     for poison in (False, True):
         model = emulated_model(model_paths["nano"])

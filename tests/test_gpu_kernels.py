@@ -23,6 +23,7 @@ from ds4lab.mlx_kernels.launches import InPlaceError, operand_round, tf32_round
 from ds4lab.mlx_kernels.layout import blocks
 from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, quantized_activations, random_blocks
+from ds4lab.testing import live_state_rows
 from tests.conftest import CONFIGS, emulated_model
 
 
@@ -862,7 +863,8 @@ def whole_steps(model, monkeypatch) -> None:
     for name, value in (("compiled_rows", 16), ("compiles_ffn", True)):
         if not hasattr(backend, name):
             monkeypatch.setattr(backend, name, value, raising=False)
-    monkeypatch.setattr(backend, "compile", lambda fn, carry=None, family=None: fn, raising=False)
+    monkeypatch.setattr(backend, "compile", lambda fn, carry=None, family=None: lambda *a, live=None: fn(*a),
+                        raising=False)
     rt.compile = True
     assert rt.whole(1)
 
@@ -1835,7 +1837,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
-        b.compile = lambda fn, carry=None, family=None: fn
+        b.compile = lambda fn, carry=None, family=None: lambda *a, live=None: fn(*a)
     # from position 68 the indexer drops rows; positions 75, 79 and 83 end a ratio-4 window: on a GPU the
     # steps that do are a compiled call of their own, run eagerly, captured, then replayed after the others'
     n_prefill, n_decode = 72, 4 if backend == "emulated" else 12
@@ -1853,16 +1855,16 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
             steps.append(sess.logits)
             if compiled and end == n_prefill + 2:  # a state a checkpoint could hold, made by a replay
                 held_state = sess._state
-                held = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
+                held = live_state_rows(held_state, gpu.config, b.to_numpy)
         logits[compiled] = np.stack(steps)
-        states[compiled] = [b.to_numpy(a) for lay in sess._state.layers for a in lay.arrays() if a is not None]
+        states[compiled] = live_state_rows(sess._state, gpu.config, b.to_numpy)
     assert all(np.array_equal(x, y) for x, y in zip(states[True], states[False], strict=True))  # ids given: no feedback
     if backend == "mlx" and whole_step:
         atol = 8 * np.finfo(np.float32).eps * float(np.abs(logits[False]).max())
         np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=atol)
     else:
         assert np.array_equal(logits[True], logits[False])
-    later = [b.to_numpy(a) for lay in held_state.layers for a in lay.arrays() if a is not None]
+    later = live_state_rows(held_state, gpu.config, b.to_numpy)
     assert all(np.array_equal(x, y) for x, y in zip(held, later))  # later replays left it alone
     # keys: ("step", rows, real rows, head, ends, device), or (layer, ends, rows, device) and ("ffn", layer, rows,
     # device): a call per set of the windows a step ends (runtime.tables.ending), run as often as such steps come
@@ -2139,6 +2141,46 @@ def test_cupy_graph_carries_its_state_in_place():
     assert in_place[0] == (False, False, False) and in_place[1] == (True, True, True)  # eager, then the capture
     for t, out in enumerate(held):  # every replay's outputs are still what it returned
         assert [np.array_equal(cp.asnumpy(o), w) for o, w in zip(out[1:], history[t + 1])] == [True] * 3, t
+
+
+@pytest.mark.gpu
+def test_cupy_graph_copies_only_the_live_rows_it_is_given():
+    """A replay given ``live`` row ranges copies those rows of each carried array into its outputs (one range, two, a
+    whole array for None, none for an empty tuple: after a non-carried output, as a whole step's logits come) and
+    leaves the other rows as the outputs' memory held them; the next replay, given those outputs, still finds the
+    whole state in its buffer (carried in place). Ranges that do not fit the carried arrays are refused before the
+    replay."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import graphs
+
+    def fn(x, ring, rows, small):
+        return x * np.float32(3), ring + x[:, None], rows * np.float32(2), small + np.float32(1)
+
+    step = graphs.GraphStep(fn, carry=(1, 1))
+    ring, rows, small = (np.arange(16 * 4, dtype=np.float32).reshape(16, 4), np.ones((10, 4), np.float32),
+                         np.zeros(3, np.float32))
+    state, want = [cp.asarray(a) for a in (ring, rows, small)], [ring, rows, small]
+    lives = [None, None, [((14, 16), (0, 3)), ((0, 4),), None], [(), ((0, 10),), None], [((5, 6),), (), None]]
+    for t, live in enumerate(lives):  # eager, the capture, then replays given their live rows
+        x = np.full(16, t, np.float32)
+        want = [want[0] + x[:, None], want[1] * np.float32(2), want[2] + np.float32(1)]
+        args = [state] if isinstance(state, graphs.Span) else state  # a Span is one argument (not unpacked)
+        out = step(cp.asarray(x), *args, live=live)
+        assert np.array_equal(cp.asnumpy(out[0]), x * np.float32(3))
+        got = [cp.asnumpy(o) for o in out[1:]]
+        for g, w, ranges in zip(got, want, live or [None] * 3):
+            kept = np.ones(len(w), bool) if ranges is None else np.zeros(len(w), bool)
+            for a, b in ranges or ():
+                kept[a:b] = True
+            assert np.array_equal(g[kept], w[kept]), (t, ranges)
+        state = out[1:] if isinstance(out, graphs.Outputs) else list(out[1:])
+    assert step.captures == 1 and not step.failures
+    with pytest.raises(graphs.CarryError, match="row ranges"):
+        step(cp.asarray(x), state, live=[None, None])
 
 
 @pytest.mark.gpu

@@ -457,3 +457,34 @@ def test_rope_rows_gathered_on_the_device_are_the_uploaded_ones(model_paths, mon
     monkeypatch.setattr(MLXBackend, "rope_rows", counted)
     np.testing.assert_array_equal(logits(), want)
     assert 32 in gathered and 1 in gathered  # the chunks' rows and the decode steps'
+
+
+@pytest.mark.parametrize("ctx,chunk", [(340, 32), (100, 32), (4096, 2048)])
+def test_live_rows_are_the_rows_a_kv_payload_holds(nano_np, ctx, chunk):
+    """runtime.compiled.live_rows after n tokens names, for every array of the state, the rows a .kv payload of it
+    keeps (layer_to_payload: the window's ring slots in order, the rows below the count) and None for the pending
+    states, at every n up to the context (rings that wrap and that do not)."""
+    from ds4lab.kv.checkpoint import layer_to_payload
+    from ds4lab.kv.layout import new_state
+    from ds4lab.runtime.compiled import live_rows, present
+
+    cfg = nano_np.config
+    state = new_state(cfg, nano_np.backend, Geometry.for_context(cfg, ctx, chunk))
+    for layer in state.layers:  # every row its own index, so a payload's rows name themselves
+        for a in present(layer):
+            a[...] = np.arange(len(a), dtype=np.float32)[:, None]
+    for n in range(0, ctx + 1, 7):
+        it = iter(live_rows(cfg, state.geometry, n))
+        for il, layer in enumerate(state.layers):
+            saved = layer_to_payload(cfg, nano_np.backend, il, layer, n, state.geometry)
+            for f in ("raw", "comp", "comp_state_kv", "comp_state_score", "index", "index_state_kv",
+                      "index_state_score"):
+                if getattr(layer, f) is None:
+                    continue
+                live, kept = next(it), getattr(saved, f)
+                if live is None:
+                    assert f not in ("raw", "comp", "index") and kept.shape == getattr(layer, f).shape
+                    continue
+                rows = np.concatenate([np.arange(a, b) for a, b in live]) if live else np.zeros(0)
+                assert np.array_equal(kept[:, 0], rows), (n, il, f)
+        assert next(it, None) is None

@@ -45,10 +45,11 @@ _capturing = threading.local()  # .carried: {pointer: array} of the carried inpu
 # Spans of bytes copied by one launch: a block row per span, 16 bytes a thread, the last bytes one by one (every
 # span starts 16-byte aligned: arrays of the pools and of the packed buffers are).
 _COPY_SPANS = r"""
-extern "C" __global__ void copy_spans(const unsigned long long* table, int n) {
-    // table [3, n]: source addresses, destination addresses, byte counts
+extern "C" __global__ void copy_spans(const unsigned long long* table, int n, unsigned long long dst_base) {
+    // table [3, n] (n its row stride; the grid's y the spans copied): source addresses, destination addresses (from
+    // dst_base), byte counts
     const char* src = (const char*)table[blockIdx.y];
-    char* dst = (char*)table[n + blockIdx.y];
+    char* dst = (char*)(dst_base + table[n + blockIdx.y]);
     unsigned long long bytes = table[2 * n + blockIdx.y], words = bytes / 16;
     unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
@@ -87,8 +88,48 @@ def _copy_spans(pairs, stream):
         table = cp.empty(host.shape, dtype=cp.uint64)
     blocks = min(COPY_MAX_BLOCKS, max(1, -(-max(int(b) for b in host[2]) // (16 * COPY_THREADS))))
     with stream:
-        _COPY_KERNEL((blocks, len(pairs)), (COPY_THREADS,), (table, np.int32(len(pairs))))
+        _COPY_KERNEL((blocks, len(pairs)), (COPY_THREADS,), (table, np.int32(len(pairs)), np.uint64(0)))
     return table, host
+
+
+class _LiveCopy:
+    """A replay's copy of the carried state's live rows into its outputs (GraphStep's ``live``): the spans' table made
+    on the host each replay, uploaded through pinned memory (two slots, each taken again once its copy has run) and
+    copied by one ``copy_spans`` launch, the destinations from the outputs' buffer (two ranges at most an array:
+    :meth:`_Captured.check_live`)."""
+
+    def __init__(self, carried, offsets):
+        self.src, self.dst = [a.data.ptr for a in carried], list(offsets)
+        self.whole = [a.nbytes for a in carried]
+        self.row_bytes = [a.nbytes // a.shape[0] if a.ndim and a.shape[0] else a.nbytes for a in carried]
+        self.stride = 2 * len(carried)  # a ring's window takes two spans where it wraps
+        self.host = [np.frombuffer(cp.cuda.alloc_pinned_memory(24 * self.stride), np.uint64, 3 * self.stride)
+                     .reshape(3, self.stride) for _ in range(2)]
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not the graphs' pool (_copy_spans)
+            self.table = [cp.empty((3, self.stride), dtype=cp.uint64) for _ in range(2)]
+        self.done, self.turn = [None, None], 0
+
+    def launch(self, out, live, stream) -> None:
+        slot, self.turn = self.turn, self.turn ^ 1
+        if self.done[slot] is not None:
+            self.done[slot].synchronize()  # its table's last copy has run (a replay ago: done long since)
+        host, m, biggest = self.host[slot], 0, 0
+        for k, ranges in enumerate(live):
+            rb = self.row_bytes[k]
+            whole = ranges is None or rb % 16  # copy_spans copies 16-byte words from 16-byte aligned spans
+            for off, nbytes in ((0, self.whole[k]),) if whole else ((a * rb, (b - a) * rb) for a, b in ranges):
+                if nbytes:
+                    host[:, m] = (self.src[k] + off, self.dst[k] + off, nbytes)
+                    m, biggest = m + 1, max(biggest, nbytes)
+        if not m:
+            return
+        table = self.table[slot]
+        table.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
+        blocks = min(COPY_MAX_BLOCKS, max(1, -(-biggest // (16 * COPY_THREADS))))
+        with stream:
+            _COPY_KERNEL((blocks, m), (COPY_THREADS,), (table, np.int32(self.stride), np.uint64(out.data.ptr)))
+        self.done[slot] = cp.cuda.Event(disable_timing=True)
+        self.done[slot].record(stream)
 
 
 def _graph_pool() -> cp.cuda.MemoryPool:
@@ -208,6 +249,7 @@ class _Captured:
                 self.graph = GraphExec(cp.cuda.runtime.streamEndCapture(stream.ptr))
         self._table.set(host)
         stream.synchronize()
+        self._live = None  # the live rows' copy (_LiveCopy), made at the first replay given them
 
     def _destinations(self, outputs, carried) -> list:
         """(output, where it lands) for every output a replay copies: into the output buffer, or a carried output
@@ -272,7 +314,15 @@ class _Captured:
         src, _, _, start, end = run
         (self.in_buf.data + start).copy_from_device_async(src, end - start, stream)
 
-    def __call__(self, args) -> Outputs:
+    def check_live(self, live) -> None:
+        """``live`` fits this graph's carried arrays (checked before a replay moves the state on)."""
+        k = self.carry[2] if self.carry else 0
+        if len(live) != k or any(r is not None and len(r) > 2 for r in live):
+            raise CarryError(f"live: {len(live)} arrays' row ranges (two at most each) for {k} carried arrays")
+
+    def __call__(self, args, live=None) -> Outputs:
+        if live is not None:
+            self.check_live(live)
         stream = cp.cuda.get_current_stream()
         out = cp.empty(self.layout.size, dtype=cp.uint8)
         last, self.ins.last = self.ins.last, None  # no one's state until this replay returns (it may fail)
@@ -281,7 +331,12 @@ class _Captured:
         (start, end), size = self.span, self.layout.size
         if start:
             out.data.copy_from_device_async(self.out_buf.data, start, stream)
-        if end > start:
+        if end > start and live is not None:
+            if self._live is None:
+                i, j, k = self.carry
+                self._live = _LiveCopy(self.inputs[i:], [self.layout.offs[j + m] for m in range(k)])
+            self._live.launch(out, live, stream)
+        elif end > start:
             (out.data + start).copy_from_device_async(self.in_buf.data + self.in_offs[self.carry[0]], end - start,
                                                       stream)
         if size > end:
@@ -297,7 +352,10 @@ class GraphStep:
     one span). ``carry=(i, j)``: the outputs from j on are the next values of the inputs from i on (the
     last arguments), kept in the graph's input buffer (see the module's docstring). ``family``: a mapping that
     GraphSteps sharing their input buffers hold in common (the same arguments, the same carry), by key; a
-    ``weakref.WeakValueDictionary`` lets a buffer go with the last graph that uses it."""
+    ``weakref.WeakValueDictionary`` lets a buffer go with the last graph that uses it. A call's ``live``: for each
+    carried array, the row ranges of the new state that later steps read (None for all of it,
+    :func:`ds4lab.runtime.compiled.live_rows`): a replay copies only those into its outputs, the other rows of the
+    outputs left as the memory held them (an eager call returns its arrays whole)."""
 
     def __init__(self, fn, carry: tuple[int, int] | None = None, family=None):
         self.fn = fn
@@ -308,12 +366,12 @@ class GraphStep:
         self.failures: dict[tuple, str] = {}
         self.captures = 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, live=None):
         args, signature = _arguments(args)
         key = (cp.cuda.runtime.getDevice(), *signature)
         captured = self._graphs.get(key)
         if captured is not None:
-            return captured(args)
+            return captured(args, live)
         args = _flat(args)
         if key not in self._ran or key in self.failures:
             self._ran.add(key)
@@ -329,7 +387,7 @@ class GraphStep:
             self.failures[key] = f"{type(e).__name__}: {e}"
             return self.fn(*args)
         self.captures += 1
-        return captured(args)
+        return captured(args, live)
 
     def replay_seconds(self, repeats: int = 20) -> list[float]:
         """GPU seconds of one bare replay (no argument copies) of each graph captured, replayed back to back

@@ -3,7 +3,9 @@
 Per layer: the raw ring (``raw_cap`` rows, position p in slot p mod raw_cap), append-only compressed
 rows (capacity ctx/R + 2), in ratio-4 layers append-only indexer rows (ctx/4 + 2), and the pending
 compressor state of each compressor. Row counts are not stored: after T tokens a ratio-R layer holds
-⌊T/R⌋ rows. Rows beyond the count are zero. States are immutable values; a step returns a new one.
+⌊T/R⌋ rows. Rows beyond the count, and ring slots outside the window, are never read: zero in a new state, as a
+step left them or as memory held them in a compiled step's copy (ds4lab.runtime.compiled.live_rows). States are
+immutable values; a step returns a new one.
 """
 
 from __future__ import annotations

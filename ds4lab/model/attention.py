@@ -68,6 +68,9 @@ def attend(xp, q, keys, visible, sinks, scale: float):
     q [T,H,D], keys [N,D] (keys are also the values), visible [T,N] bool, sinks [H] → [T,H,D].
     """
     T, H, D = q.shape
+    # keys no query sees are read as zeros: a compiled step's copy of a state leaves such rows as its memory held them
+    # (ds4lab.cuda.graphs), and their zero weights would not cancel a NaN there
+    keys = xp.where(xp.any(visible, axis=0)[:, None], keys, 0.0)
     # products as matrix multiplications (BLAS on numpy, whose einsum would loop in C without it)
     s = (q.reshape(T * H, D) @ keys.T).reshape(T, H, -1) * scale
     s = xp.where(visible[:, None, :], s, -float("inf"))

@@ -13,12 +13,34 @@ def present(layer: LayerState) -> list:
     return [a for a in layer.arrays() if a is not None]
 
 
+def _has(cfg, il: int) -> tuple[bool, ...]:
+    """Which of LayerState's arrays layer ``il`` has."""
+    R = cfg.ratio(il)
+    return (True,) + (R != 0,) * 3 + (R == 4,) * 3
+
+
 def layer_state(cfg, il: int, arrays) -> LayerState:
     """Layer ``il``'s state from its :func:`present` arrays. From an iterator it takes just the layer's arrays."""
-    R = cfg.ratio(il)
-    has = (True,) + (R != 0,) * 3 + (R == 4,) * 3
     it = iter(arrays)
-    return LayerState.from_arrays([next(it) if h else None for h in has])
+    return LayerState.from_arrays([next(it) if h else None for h in _has(cfg, il)])
+
+
+def live_rows(cfg, geometry, n: int) -> list:
+    """For each array of a whole step's state after ``n`` tokens (every layer's :func:`present` arrays, in order): the
+    row ranges ``((start, stop), ...)`` of it that any later step reads, or None for all of it: the raw ring's slots of
+    the window's positions (one range, or two where they wrap), the compressed and indexer rows below the count (the
+    rows a .kv payload holds); the compressors' pending states whole. The kernels read nothing else
+    (tests/test_cpu_emulator.py), so a copy of the state may leave the rest out."""
+    live = min(geometry.window, geometry.raw_cap, n)
+    a = (n - live) % geometry.raw_cap
+    cap = geometry.raw_cap
+    ring = () if not live else ((a, a + live),) if a + live <= cap else ((a, cap), (0, a + live - cap))
+    out = []
+    for il in range(cfg.n_layer):
+        R = cfg.ratio(il)
+        rows = ((0, n // R),) if R and n // R else ()
+        out += [r for r, h in zip((ring, rows, None, None, rows, None, None), _has(cfg, il)) if h]
+    return out
 
 
 def layer_states(cfg, arrays) -> tuple[LayerState, ...]:
