@@ -2,7 +2,7 @@
 greedy decode (the session's own ``Decode.step``, steps launched ahead as the sweep runs them).
 
 Per replay, on the GPU's clock: the copy of its arguments in, the graph, the copies of its outputs out (the new
-state's own copy among them), and the time from its last copy to the next replay's first (the argmax of the step
+state's own copy among them), and the time from its last copy to the next replay's first (the token of the step
 launched ahead, the logits' and the ids' copies to the host, the tables' upload, and any time the GPU had nothing
 queued). ``host_late`` is how long the GPU sat idle because the host had not yet called the next replay (the host's
 clock put on the GPU's by one synchronised event; tens of microseconds of error). ``parts_us``: what of that time
@@ -29,8 +29,8 @@ def timeline(sess, steps: int) -> dict:
     replays, inside, launched = [], [], []
     call, launch = graphs._Captured.__call__, driver.GraphExec.launch
     backend_type = type(sess.model.backend)
-    timed = {(session_module, "argmax_on_device"): "argmax ahead", (session_module, "sample_on_device"): "draw ahead",
-             (backend_type, "fetch"): "fetch to host", (backend_type, "upload"): "upload"}
+    timed = {(session_module.Decode, "_choose_on_device"): "token ahead", (backend_type, "fetch"): "fetch to host",
+             (backend_type, "upload"): "upload"}
     originals = {key: getattr(*key) for key in timed}
 
     def with_events(label, fn):

@@ -305,6 +305,23 @@ def argmax_on_device(xp, logits, exclude=None):
     return xp.argmax(w, axis=-1).astype(xp.int32)
 
 
+def exclude_mask(exclude, vocab: int) -> np.ndarray:
+    """The ids ``exclude`` as bits, int32 words ``[ceil(vocab / 32)]`` (bit i % 32 of word i // 32 for id i): how
+    the ``next_token`` kernel reads them."""
+    ids = np.asarray(exclude, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"exclude: ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
+    words = np.zeros(-(-vocab // 32), dtype=np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+def draw_params(u, temperature, min_p) -> np.ndarray:
+    """``[temperature, min_rel, u]`` as float32, the ``next_token`` kernel's draw (:func:`sample_on_device`'s rule
+    and parameters: min_rel is min_p where positive, else 0)."""
+    t, mp = _as_f32("temperature", temperature), _as_f32("min_p", min_p)
+    return np.array([t, mp if mp > 0 else _F32_ZERO, np.float32(u)], dtype=np.float32)
+
 def weighted_rule(temperature, top_k, top_p) -> bool:
     """Whether these parameters are ones for which :func:`sample_on_device` draws what :func:`sample` draws: rule 2
     with a positive finite temperature, no top_k and no top_p cut (ds4's defaults). False for anything else,

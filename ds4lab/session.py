@@ -34,6 +34,8 @@ from .sampling import (
     DEFAULT_TOP_P,
     Rng,
     argmax_on_device,
+    draw_params,
+    exclude_mask,
     sample,
     sample_on_device,
     token_and_top_logprobs,
@@ -593,22 +595,32 @@ class Decode:
         if (self._choose_ahead is None or not model.backend.asynchronous or sess.hook_observer is not None
                 or launched.state.n_past + 1 > sess.ctx or not model.runtime.whole(1, launched.run)):
             return None
-        xp = model.backend.xp
         try:
             with launched.run.scope():
-                if self._exclude_on_device is None:
-                    self._exclude_on_device = xp.asarray(self.exclude.astype(np.int32))
-                if self._choose_ahead == "argmax":
-                    ids = argmax_on_device(xp, launched.logits, self._exclude_on_device)
-                else:  # the uniform the host's next sample will draw (the generator is not advanced here)
-                    u = np.float32(self.rng.copy().uniform())
-                    ids = sample_on_device(xp, launched.logits, u, self.params["temperature"], self.params["min_p"],
-                                           self._exclude_on_device)
+                ids = self._choose_on_device(launched.logits)
                 fetched = model.backend.fetch(ids)
             ahead = sess._launch([0], "decode", after=launched, device_ids=ids)
         except MemoryError:  # no room for a third state beside the live and the launched ones: this step goes on
             return None
         return _Pending(ahead, fetched, launched.state)
+
+    def _choose_on_device(self, logits):
+        """The token the device chooses from ``logits [1, V]`` for the step launched ahead (int32 ``[1]``): one
+        kernel launch where the backend has kernels, else the array library's operations."""
+        backend = self.session.model.backend
+        xp, kernels = backend.xp, backend.kernels
+        draw = None
+        if self._choose_ahead != "argmax":  # the uniform the host's next sample will draw (the generator stays)
+            draw = (np.float32(self.rng.copy().uniform()), self.params["temperature"], self.params["min_p"])
+        if self._exclude_on_device is None:  # made once a decode: the ids as the kernel reads them, or as they are
+            host = exclude_mask(self.exclude, logits.shape[-1]) if kernels is not None else self.exclude
+            self._exclude_on_device = xp.asarray(host.astype(np.int32))
+        if kernels is not None:
+            mask = self._exclude_on_device if self.exclude.size else None
+            return kernels.next_token(logits, mask, None if draw is None else backend.upload([draw_params(*draw)])[0])
+        if draw is None:
+            return argmax_on_device(xp, logits, self._exclude_on_device)
+        return sample_on_device(xp, logits, draw[0], draw[1], draw[2], self._exclude_on_device)
 
     def step(self, more: bool = True) -> DecodeStep:
         """Sample the next token and evaluate it. An EOS is returned but not evaluated, and ends the

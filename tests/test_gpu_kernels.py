@@ -1715,6 +1715,54 @@ def test_moe_route_kernel_breaks_ties_toward_the_lower_id(gpu, n, k, biased):
     check_weights(name, weights, probs, selected, k)
 
 
+def _next_token(kernels, to_dev, to_host, logits, exclude, draw=None) -> int:
+    from ds4lab.sampling import draw_params, exclude_mask
+
+    mask = to_dev(exclude_mask(exclude, logits.size)) if len(exclude) else None
+    params = None if draw is None else to_dev(draw_params(*draw))
+    got = to_host(kernels.next_token(to_dev(logits[None]), mask, params))
+    assert got.dtype == np.int32 and got.shape == (1,)
+    return int(got[0])
+
+
+def test_next_token_kernel_is_the_hosts_greedy_token_and_draw(gpu):
+    """next_token, greedy: the host's argmax of the logits with the excluded ids at -inf (NaN never, ties to the
+    first, +inf taken, every logit at -inf or at most -1e30: token 0), over rows shorter than a SIMD group, of a few
+    ids a thread and of Flash's 129,280. Drawn (ds4's default rule, the uniform the host's generator gives next): the
+    host's token for 24 rows of random logits at two temperatures and min_p 0 and 0.05, and its greedy fallback where
+    nothing is drawn (no finite logit; every weight dropped, min_p above 1). A float32 exp and the group's sums in
+    their order may round a draw at a boundary the other way (the host then evaluates its own): none does here."""
+    from ds4lab.sampling import Rng, argmax, sample
+
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(11)
+    wide = (rng.standard_normal(5000) * 3).astype(np.float32)
+    tied = np.round(wide).astype(np.float32)  # many ties
+    rows = [np.array([1.0, np.nan, 3.0, 3.0, -2.0], np.float32), np.full(4, -np.inf, np.float32),
+            np.array([-1e31, -2e30, np.nan, -1e30], np.float32), np.array([1.0, np.inf, 2.0, np.inf], np.float32),
+            wide, tied, (rng.standard_normal(129_280) * 3).astype(np.float32)]
+    for logits in rows:
+        top = int(np.nanargmax(np.where(np.isposinf(logits), np.float32(3e38), logits)))
+        for exclude in (np.zeros(0, np.int64), np.array([2, 3]), np.array([top]), np.arange(logits.size)):
+            host = logits.copy()
+            host[exclude] = -np.inf
+            assert _next_token(kernels, to_dev, to_host, logits, exclude) == argmax(host), (logits[:8], exclude)
+    for seed in range(24):
+        logits = rows[4 + seed % 3] if seed < 6 else (rng.standard_normal(rng.integers(1, 20_000)) * 3).astype(
+            np.float32)
+        t, min_p = (1.0, 0.7)[seed % 2], (0.0, 0.05)[seed // 2 % 2]
+        exclude = np.array([int(np.argmax(logits))]) if seed % 3 == 0 else np.zeros(0, np.int64)
+        host = logits.copy()
+        host[exclude] = -np.inf
+        u = np.float32(Rng(seed).uniform())
+        want = sample(host, temperature=t, top_k=0, top_p=1.0, min_p=min_p, rng=Rng(seed))
+        assert _next_token(kernels, to_dev, to_host, logits, exclude, (u, t, min_p)) == want, seed
+    for logits, min_p in ((rows[1], 0.05), (rows[3], 0.05), (rows[2], 0.05), (wide, 1.5)):
+        u = np.float32(Rng(7).uniform())
+        want = sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=min_p, rng=Rng(7))
+        assert _next_token(kernels, to_dev, to_host, logits, np.zeros(0, np.int64), (u, 1.0, min_p)) == want
+
+
 @pytest.mark.parametrize("T,n,k,V", [(1, 256, 6, 1000), (5, 4, 3, 50), (16, 8, 2, 300)])
 def test_moe_route_kernel_takes_a_hash_layers_experts_from_its_table(gpu, T, n, k, V):
     name, kernels, to_dev, to_host = gpu

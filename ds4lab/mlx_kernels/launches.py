@@ -606,6 +606,22 @@ class KernelLaunches:
                                [((T, n), "float32"), ((T, k), "int32"), ((T, k), "float32")]))
 
 
+    def next_token(self, logits, mask=None, params=None):
+        """The token of a decode step launched ahead, as int32 ``[1]`` on the device, from ``logits [1, V]``: the
+        greedy one (``params`` None), or ds4's default rule's draw with ``params`` float32 ``[temperature, min_rel,
+        u]`` on the device (:func:`ds4lab.sampling.draw_params`); ``mask``: the excluded ids' bits
+        (:func:`ds4lab.sampling.exclude_mask`), None for none."""
+        V = logits.shape[-1]
+        if not 0 < V < S.NEXT_TOKEN_MAX_VOCAB or logits.size != V:
+            raise ValueError(f"next_token kernel: logits of shape {tuple(logits.shape)} (one row of 1 to "
+                             f"{S.NEXT_TOKEN_MAX_VOCAB - 1} logits)")
+        x = self._f32(logits)
+        return self._run(S.NEXT_TOKEN, (1, 1), min(S.NEXT_TOKEN_GROUP, 32 * -(-V // 32)),
+                         [x, self._const(0) if mask is None else mask,
+                          self._const(V, int(mask is not None), int(params is not None)),
+                          self._const(0.0, dtype=np.float32) if params is None else params],
+                         [((1,), "int32")])[0]
+
 class ArrayLaunches(KernelLaunches):
     """The array handling of libraries with NumPy's interface (NumPy, CuPy): outputs are allocated here
     and written by the kernel."""

@@ -38,6 +38,7 @@
 ``swiglu``           the experts' clamped SwiGLU, times each pair's route weight when given
 ``pair_sum``         the routed experts' outputs summed per token, in pair order
 ``moe_route``        a few tokens' routing: sqrt-softplus probabilities, top-k (or hash) experts, their weights
+``next_token``       the token a decode step launched ahead takes: the greedy one, or ds4's default rule's draw
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ RMSNORM_WIDE_ROWS = 64
 STORE_KV_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, store_kv gives each 64-block its SIMD group (up to 8)
 ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flash: 256)
 ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
+NEXT_TOKEN_GROUP = 1024  # next_token's threads: one work-group reads the row (129,280 logits, 517 KB for Flash)
+NEXT_TOKEN_MAX_VOCAB = 1 << 24  # ids it compares as floats, exact below 2^24
 
 
 def dequant_spec(qtype: Q, half: bool = False) -> KernelSpec:
@@ -471,6 +474,10 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
                         ("dims", "int32"), ("fparams", "float32")),
                        (("probs", "float32"), ("selected", "int32"), ("weights", "float32")),
                        {"MAX_EXPERTS": ROUTE_MAX_EXPERTS, "MAX_K": ROUTE_MAX_K})
+NEXT_TOKEN = KernelSpec("next_token", "next_token.body",
+                        (("logits", "float32"), ("mask", "int32"), ("dims", "int32"), ("fparams", "float32")),
+                        (("token", "int32"),),
+                        {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f"})
 
 
 def all_specs() -> list[KernelSpec]:
@@ -482,7 +489,7 @@ def all_specs() -> list[KernelSpec]:
             HC_PRE, HC_PRE_THEN, HC_POST, HC_POST_MIX, HC_MIX_PARTS, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4,
             COMPRESS_POOL, COMPRESS_STATE, ADD_APE, APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE,
             COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU,
-            PAIR_SUM, MOE_ROUTE, ROUND_HALF]
+            PAIR_SUM, MOE_ROUTE, NEXT_TOKEN, ROUND_HALF]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:
