@@ -634,3 +634,23 @@ def test_the_device_sampler_is_ds4s_rule_2_bit_for_bit_on_numpy():
         want = sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.05, rng=FixedU(u))
         assert int(sample_on_device(np, logits[None], np.float32(u), 1.0, 0.05)[0]) == want == token
     assert checked == 120
+
+
+def test_exclude_mask_sets_one_bit_an_id_and_names_a_bad_one():
+    from ds4lab.sampling import exclude_mask
+
+    words = exclude_mask([0, 31, 32, 69, 69], 70).view(np.uint32)
+    assert words.tolist() == [1 | 1 << 31, 1, 1 << 5]  # ids 0 and 31; 32; 69 (given twice)
+    assert exclude_mask([], 33).tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"exclude: ids must be in \[0, 70\), got 3..70"):
+        exclude_mask([3, 70], 70)
+
+
+def test_draw_params_are_the_kernels_float32_rule2_parameters():
+    from ds4lab.sampling import draw_params
+
+    got = draw_params(np.float32(0.25), 0.7, 0.05)
+    assert got.dtype == np.float32 and got.tolist() == [np.float32(0.7), np.float32(0.05), 0.25]
+    assert draw_params(0.5, 1.0, -1.0)[1] == 0.0  # min_p at or below 0: nothing dropped
+    with pytest.raises(TypeError, match="temperature must be a real number"):
+        draw_params(0.5, "hot", 0.05)
