@@ -38,16 +38,17 @@ UPLOAD_THREADS = 16
 
 
 class _PinnedFetch:
-    """A device array's copy into a pinned host buffer, queued on a stream; ``result()`` waits for that copy alone."""
+    """A device array's copy into a pinned host buffer, queued on a stream; ``result()`` waits for that copy alone.
+    Holds the device array until then (the copy may run on another stream than the one that made it)."""
 
-    def __init__(self, host: np.ndarray, stream):
-        self.host, self.event, self.value = host, cp.cuda.Event(disable_timing=True), None
+    def __init__(self, host: np.ndarray, stream, source):
+        self.host, self.event, self.value, self.source = host, cp.cuda.Event(disable_timing=True), None, source
         self.event.record(stream)
 
     def result(self) -> np.ndarray:
         if self.value is None:
             self.event.synchronize()
-            self.value = self.host.copy()  # the buffer serves a later fetch
+            self.value, self.source = self.host.copy(), None  # the buffer serves a later fetch
         return self.value
 
 
@@ -76,6 +77,7 @@ class CupyBackend(BlockBackend):
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
         self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
         self._fetches: dict[tuple, deque] = {}  # (device, shape, dtype) -> the latest fetches, oldest first
+        self._fetch_streams: dict[int, cp.cuda.Stream] = {}  # per device: the stream the fetches copy on
 
     def device_bytes(self, raw):
         """GGUF bytes ``raw`` (a memory-mapped host array) on the current GPU: read into pinned buffers and copied
@@ -173,7 +175,8 @@ class CupyBackend(BlockBackend):
         return on_device
 
     def fetch(self, x) -> _PinnedFetch:
-        """``x``'s copy to a kept pinned buffer, queued now on the current stream (:meth:`Backend.fetch`)."""
+        """``x``'s copy to a kept pinned buffer, queued now on a copy stream after what the current stream has queued
+        (:meth:`Backend.fetch`)."""
         x = cp.ascontiguousarray(x)
         key = (cp.cuda.Device().id, x.shape, x.dtype.str)
         ring = self._fetches.pop(key, None)
@@ -189,9 +192,16 @@ class CupyBackend(BlockBackend):
             oldest = ring.popleft()
             oldest.result()  # read before its buffer takes the next copy
             host = oldest.host
-        stream = cp.cuda.get_current_stream()
+        # The copy waits for x on a stream of its own: the current stream's next launches (the step launched ahead)
+        # do not wait for it.
+        made = cp.cuda.Event(disable_timing=True)
+        made.record(cp.cuda.get_current_stream())
+        stream = self._fetch_streams.get(key[0])
+        if stream is None:
+            stream = self._fetch_streams[key[0]] = cp.cuda.Stream(non_blocking=True)
+        stream.wait_event(made)
         x.data.copy_to_host_async(host.ctypes.data, x.nbytes, stream)
-        ring.append(_PinnedFetch(host, stream))
+        ring.append(_PinnedFetch(host, stream, x))
         return ring[-1]
 
     def device_key(self):
