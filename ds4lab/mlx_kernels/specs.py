@@ -128,9 +128,6 @@ ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flas
 ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
 NEXT_TOKEN_GROUP = 1024  # next_token's threads: one work-group reads the row (129,280 logits, 517 KB for Flash)
 NEXT_TOKEN_MAX_VOCAB = 1 << 24  # ids it compares as floats, exact below 2^24
-# Logits a thread loads at once before it looks at them: nvcc gives the kernel 48 registers with 8 (1,024 threads fit
-# an SM's 64K), 70 with 12 and 84 with 16, too many for a group of 1,024.
-NEXT_TOKEN_LOADS = 8
 
 
 def dequant_spec(qtype: Q, half: bool = False) -> KernelSpec:
@@ -480,8 +477,7 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 NEXT_TOKEN = KernelSpec("next_token", "next_token.body",
                         (("logits", "float32"), ("mask", "int32"), ("dims", "int32"), ("fparams", "float32")),
                         (("token", "int32"),),
-                        {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f",
-                         "LOADS": f"{NEXT_TOKEN_LOADS}u"})
+                        {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f"})
 
 
 def all_specs() -> list[KernelSpec]:
