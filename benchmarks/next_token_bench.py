@@ -1,7 +1,8 @@
 """GPU time of choosing the token of a decode step launched ahead (CuPy): the ``next_token`` kernel against the
 array library's operations it replaced (``argmax_on_device``, ``sample_on_device``), on a row of Flash's 129,280
-logits, greedy and drawn, with one id excluded. CUDA events around ``--repeats`` back-to-back calls each; prints a
-JSON line per variant (microseconds a call)."""
+logits, greedy and drawn, with one id excluded. CUDA events around ``--repeats`` back-to-back calls each, queued while
+the GPU is busy filling a large buffer (so that the events time the GPU, not the host's launches); prints a JSON line
+per variant (microseconds a call)."""
 
 from __future__ import annotations
 
