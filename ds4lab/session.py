@@ -568,6 +568,10 @@ class Decode:
     def __init__(self, session: Session, temperature, top_k, top_p, min_p, seed, top: int, exclude=()):
         self.session = session
         self.exclude = np.asarray(sorted(set(int(t) for t in exclude)), dtype=np.int64)
+        vocab = session.model.config.n_vocab
+        if self.exclude.size and not 0 <= self.exclude[0] <= self.exclude[-1] < vocab:
+            bad = [int(t) for t in self.exclude if not 0 <= t < vocab]
+            raise ValueError(f"exclude: token ids must be in [0, {vocab}), got {bad[:5]}")
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         self.rng = Rng(seed) if seed is not None else Rng.from_time()
         self.top = top

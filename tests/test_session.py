@@ -353,6 +353,10 @@ def test_decode_excludes_tokens_from_sampling_but_not_from_logprobs(nano_np):
     log_z = logits.max() + np.log(np.exp(logits - logits.max()).sum())
     assert abs(step.logprob - (logits[second] - log_z)) < 1e-5
 
+    vocab = nano_np.config.n_vocab
+    for bad in ([-1], [vocab], [3, vocab + 7]):  # named, on every backend (not wrapped as NumPy's indexing would)
+        with pytest.raises(ValueError, match=rf"exclude: token ids must be in \[0, {vocab}\), got \[{bad[-1]}\]"):
+            s.decoder(exclude=bad)
 
 def test_packed_layers_unflatten_once_and_only_when_read():
     """A compiled step's state (PackedLayers) makes its LayerStates on the first read, once; its length is
