@@ -1757,6 +1757,16 @@ def test_next_token_kernel_is_the_hosts_greedy_token_and_draw(gpu):
         u = np.float32(Rng(seed).uniform())
         want = sample(host, temperature=t, top_k=0, top_p=1.0, min_p=min_p, rng=Rng(seed))
         assert _next_token(kernels, to_dev, to_host, logits, exclude, (u, t, min_p)) == want, seed
+    # u = 0: the walk reaches 0 at the first kept id, here past 3,000 ids of which none is kept (whole runs or slices
+    # with a sum of 0) and a finite one dropped by min_p
+    late = wide.copy()
+    late[:3000] = -np.inf
+    late[3000] = wide.max() - 20  # its weight e^-20 under min_p
+    weights = np.exp((late.astype(np.float64) - late.max())).astype(np.float32)
+    first_kept = int(np.flatnonzero(np.isfinite(late) & (weights >= np.float32(0.05)))[0])
+    assert first_kept > 3000
+    none = np.zeros(0, np.int64)
+    assert _next_token(kernels, to_dev, to_host, late, none, (np.float32(0.0), 1.0, 0.05)) == first_kept
     for logits, min_p in ((rows[1], 0.05), (rows[3], 0.05), (rows[2], 0.05), (wide, 1.5)):
         u = np.float32(Rng(7).uniform())
         want = sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=min_p, rng=Rng(7))
