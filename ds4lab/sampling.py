@@ -322,6 +322,7 @@ def draw_params(u, temperature, min_p) -> np.ndarray:
     t, mp = _as_f32("temperature", temperature), _as_f32("min_p", min_p)
     return np.array([t, mp if mp > 0 else _F32_ZERO, np.float32(u)], dtype=np.float32)
 
+
 def weighted_rule(temperature, top_k, top_p) -> bool:
     """Whether these parameters are ones for which :func:`sample_on_device` draws what :func:`sample` draws: rule 2
     with a positive finite temperature, no top_k and no top_p cut (ds4's defaults). False for anything else,

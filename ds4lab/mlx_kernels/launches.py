@@ -605,7 +605,6 @@ class KernelLaunches:
                                 self._const(scale, ROUTER_SUM_FLOOR, dtype=np.float32)],
                                [((T, n), "float32"), ((T, k), "int32"), ((T, k), "float32")]))
 
-
     def next_token(self, logits, mask=None, params=None):
         """The token of a decode step launched ahead, as int32 ``[1]`` on the device, from ``logits [1, V]``: the
         greedy one (``params`` None), or ds4's default rule's draw with ``params`` float32 ``[temperature, min_rel,
@@ -621,6 +620,7 @@ class KernelLaunches:
                           self._const(V, int(mask is not None), int(params is not None)),
                           self._const(0.0, dtype=np.float32) if params is None else params],
                          [((1,), "int32")])[0]
+
 
 class ArrayLaunches(KernelLaunches):
     """The array handling of libraries with NumPy's interface (NumPy, CuPy): outputs are allocated here
