@@ -5,7 +5,8 @@ are cited by file and heading (``docs/MODEL.md, "Attention"``), and each such he
 
 The files checked are git's (tracked, plus untracked ones not ignored) when the repository is a git work
 tree, else every file under the repository's root that ``.gitignore`` does not exclude (``.ci/run`` tests a
-copy of the tracked files, without ``.git``). The data the project reads lives in its own ``data/``.
+copy of the tracked files, without ``.git``); in both, not a virtual environment's (a folder holding
+``pyvenv.cfg``, made in the clone under any name). The data the project reads lives in its own ``data/``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def repo_files() -> list[str]:
         if top.returncode == 0 and Path(top.stdout.strip()).resolve() == ROOT:
             out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
                                  capture_output=True, timeout=60, check=True).stdout
-            return sorted({p for p in out.decode().split("\0") if p and (ROOT / p).is_file()})
+            paths = [p for p in out.decode().split("\0") if p and (ROOT / p).is_file()]
+            venvs = tuple(p[: -len("pyvenv.cfg")] for p in paths if p.endswith("/pyvenv.cfg"))
+            return sorted({p for p in paths if not p.startswith(venvs)})
     except (OSError, subprocess.SubprocessError):
         pass
     return sorted(_walk_unignored())
@@ -96,7 +99,7 @@ def _walk_unignored() -> list[str]:
             if p.is_symlink():
                 continue
             if p.is_dir():
-                if not ignored(rel, True):
+                if not ignored(rel, True) and not (p / "pyvenv.cfg").is_file():
                     stack.append(p)
             elif not ignored(rel, False):
                 out.append(rel)
