@@ -569,8 +569,8 @@ class Decode:
         self.session = session
         self.exclude = np.asarray(sorted(set(int(t) for t in exclude)), dtype=np.int64)
         vocab = session.model.config.n_vocab
-        if self.exclude.size and not 0 <= self.exclude[0] <= self.exclude[-1] < vocab:
-            bad = [int(t) for t in self.exclude if not 0 <= t < vocab]
+        bad = [int(t) for t in self.exclude if not 0 <= t < vocab]
+        if bad:
             raise ValueError(f"exclude: token ids must be in [0, {vocab}), got {bad[:5]}")
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         self.rng = Rng(seed) if seed is not None else Rng.from_time()
@@ -580,7 +580,7 @@ class Decode:
         # how the device chooses the token of a step launched ahead: ds4's argmax, its rule 2 (the defaults), or not
         self._choose_ahead = ("argmax" if np.float32(temperature) <= 0 else
                               "weights" if weighted_rule(temperature, top_k, top_p) else None)
-        self._exclude_on_device = None
+        self._exclude_on_device = None  # the excluded ids on the device, made at the first step launched ahead
 
     def _launched_ahead(self, token: int) -> _Launched | None:
         """The step launched ahead, if it evaluates ``token`` after the live state and nothing observes the step now
@@ -616,12 +616,12 @@ class Decode:
         draw = None
         if self._choose_ahead != "argmax":  # the uniform the host's next sample will draw (the generator stays)
             draw = (np.float32(self.rng.copy().uniform()), self.params["temperature"], self.params["min_p"])
-        if self._exclude_on_device is None:  # made once a decode: the ids as the kernel reads them, or as they are
+        if self.exclude.size and self._exclude_on_device is None:  # once a decode: as the kernel reads them, or ids
             host = exclude_mask(self.exclude, logits.shape[-1]) if kernels is not None else self.exclude
             self._exclude_on_device = xp.asarray(host.astype(np.int32))
         if kernels is not None:
-            mask = self._exclude_on_device if self.exclude.size else None
-            return kernels.next_token(logits, mask, None if draw is None else backend.upload([draw_params(*draw)])[0])
+            params = None if draw is None else backend.upload([draw_params(*draw)])[0]
+            return kernels.next_token(logits, self._exclude_on_device, params)
         if draw is None:
             return argmax_on_device(xp, logits, self._exclude_on_device)
         return sample_on_device(xp, logits, draw[0], draw[1], draw[2], self._exclude_on_device)

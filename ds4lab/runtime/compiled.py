@@ -5,7 +5,7 @@ ids and RoPE tables as device arrays, and the layers' state arrays, flattened (o
 
 from __future__ import annotations
 
-from ..kv.layout import LayerState
+from ..kv.layout import LayerState, raw_live_rows
 
 
 def present(layer: LayerState) -> list:
@@ -31,9 +31,9 @@ def live_rows(cfg, geometry, n: int) -> list:
     the window's positions (one range, or two where they wrap), the compressed and indexer rows below the count (the
     rows a .kv payload holds); the compressors' pending states whole. The kernels read nothing else
     (tests/test_cpu_emulator.py), so a copy of the state may leave the rest out."""
-    live = min(geometry.window, geometry.raw_cap, n)
-    a = (n - live) % geometry.raw_cap
     cap = geometry.raw_cap
+    live = raw_live_rows(n, geometry.window, cap)
+    a = (n - live) % cap
     ring = () if not live else ((a, a + live),) if a + live <= cap else ((a, cap), (0, a + live - cap))
     out = []
     for il in range(cfg.n_layer):
