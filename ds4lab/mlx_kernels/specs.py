@@ -477,7 +477,9 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
 NEXT_TOKEN = KernelSpec("next_token", "next_token.body",
                         (("logits", "float32"), ("mask", "int32"), ("dims", "int32"), ("fparams", "float32")),
                         (("token", "int32"),),
-                        {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f"})
+                        {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f",
+                         "EXCLUDED(i)": "(has_mask && ((uint(mask[(i) >> 5]) >> ((i) & 31u)) & 1u) != 0u)",
+                         "FINITE(x)": "((as_bits(x) & 0x7f800000u) != 0x7f800000u)"})  # by its bits: fast math too
 
 
 def all_specs() -> list[KernelSpec]:
