@@ -213,11 +213,16 @@ class _CarriedStep:
         out = [np.array(o) for o in out]
         for o, ranges in zip(out[j:], live or ()):
             if ranges is not None:
-                kept = np.zeros(len(o), bool)
-                for start, stop in ranges:
-                    kept[start:stop] = True
-                o[~kept] = np.nan
+                o[_outside(ranges, len(o))] = np.nan
         return tuple(out)
+
+
+def _outside(ranges, n: int) -> np.ndarray:
+    """The rows of n outside the row ranges ``((start, stop), ...)`` (runtime.compiled.live_rows'), as a mask."""
+    dead = np.ones(n, bool)
+    for start, stop in ranges:
+        dead[start:stop] = False
+    return dead
 
 
 def _carrying(model):
@@ -375,9 +380,7 @@ def _poison_what_no_step_reads(state, cfg) -> int:
     for a, live in zip(arrays, ranges):
         if live is None:
             continue
-        dead = np.ones(len(a), bool)
-        for start, stop in live:
-            dead[start:stop] = False
+        dead = _outside(live, len(a))
         a[dead] = np.nan
         poisoned += int(dead.sum())
     return poisoned

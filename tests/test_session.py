@@ -358,6 +358,7 @@ def test_decode_excludes_tokens_from_sampling_but_not_from_logprobs(nano_np):
         with pytest.raises(ValueError, match=rf"exclude: token ids must be in \[0, {vocab}\), got \[{bad[-1]}\]"):
             s.decoder(exclude=bad)
 
+
 def test_packed_layers_unflatten_once_and_only_when_read():
     """A compiled step's state (PackedLayers) makes its LayerStates on the first read, once; its length is
     known before that, and it reads like the tuple it stands for."""
