@@ -106,7 +106,8 @@ class _LiveCopy:
         self.src, self.dst = [a.data.ptr for a in carried], list(offsets)
         self.whole = [a.nbytes for a in carried]
         self.row_bytes = [a.nbytes // a.shape[0] if a.ndim and a.shape[0] else a.nbytes for a in carried]
-        cap = max(COPY_MAX_PIECES, 2 * len(carried))  # a ring's window takes two spans where it wraps
+        # the tables' room: pieces() makes at most this many, since a ring's window takes two spans where it wraps
+        self.cap = cap = max(COPY_MAX_PIECES, 2 * len(carried))
         self.host = [np.frombuffer(cp.cuda.alloc_pinned_memory(24 * cap), np.uint64, 3 * cap) for _ in range(2)]
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not the graphs' pool (_copy_spans)
             self.table = [cp.empty(3 * cap, dtype=cp.uint64) for _ in range(2)]
@@ -125,7 +126,7 @@ class _LiveCopy:
                     spans.append((self.src[k] + off, self.dst[k] + off, nbytes))
         if not spans:
             return
-        table, size = pieces(spans, COPY_PIECE, COPY_MAX_PIECES)
+        table, size = pieces(spans, COPY_PIECE, self.cap)
         m = table.shape[1]
         host = self.host[slot][:3 * m]
         host.reshape(3, m)[...] = table
