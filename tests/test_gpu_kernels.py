@@ -1962,6 +1962,31 @@ def test_packing_layout_and_views():
     assert [o - offs[2] for o in offs[2:]] == tail
 
 
+def test_packing_pieces_cover_each_span_in_order():
+    """Spans cut into pieces: each span's bytes exactly once, in order, in pieces of the size (its last one the rest),
+    its addresses moving together; past ``most`` pieces the size doubles until they fit (a span one piece at least)."""
+    from ds4lab.backends.packing import pieces
+
+    rng = np.random.default_rng(1)
+    spans = [(16 * int(rng.integers(0, 1 << 30)), 16 * int(rng.integers(0, 1 << 30)), int(n))
+             for n in (1, 16, 65536, 65537, 200000, 5, 131072 * 3 + 48)]
+    # 17 pieces of 64 KB, 11 of 128 KB, 8 of 256 KB, 7 (one a span) of 512 KB
+    for most, want_size in ((10 ** 6, 65536), (17, 65536), (16, 131072), (11, 131072), (8, 262144), (7, 524288),
+                            (3, 524288)):
+        table, size = pieces(spans, 65536, most)
+        assert size == want_size and table.dtype == np.uint64 and table.shape[1] <= max(most, len(spans))
+        m = 0
+        for src, dst, n in spans:
+            k = max(1, -(-n // size))
+            got = table[:, m:m + k].astype(np.int64)
+            assert (got[0] - src == got[1] - dst).all(), (most, n)
+            assert list(got[0] - src) == [size * i for i in range(k)], (most, n)
+            assert list(got[2]) == [size] * (k - 1) + [n - size * (k - 1)], (most, n)
+            m += k
+        assert m == table.shape[1]
+    assert pieces([], 65536, 8)[0].shape == (3, 0)
+
+
 @pytest.mark.gpu
 def test_cupy_chains_of_programmatic_launches_read_what_the_kernel_before_wrote():
     """On compute capability 9 on, ds4lab's kernels are programmatic launches (ds4lab.cuda.driver.launch): each may be
@@ -2239,6 +2264,33 @@ def test_cupy_graph_copies_only_the_live_rows_it_is_given():
     assert step.captures == 1 and not step.failures
     with pytest.raises(graphs.CarryError, match="row ranges"):
         step(cp.asarray(x), state, live=[None, None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("most", [8192, 4])
+def test_cupy_graph_copies_large_live_spans_in_pieces(most, monkeypatch):
+    """Live spans larger than a piece (64 KB) are copied whole through their pieces, the last one shorter; with at
+    most 4 pieces the pieces grow to 256 KB and still cover the spans."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import graphs
+
+    monkeypatch.setattr(graphs, "COPY_MAX_PIECES", most)
+    step = graphs.GraphStep(lambda x, ring: (x * np.float32(2), ring + x[:1]), carry=(1, 1))
+    want = np.arange(40000 * 4, dtype=np.float32).reshape(40000, 4)  # 640 KB, 16-byte rows
+    state = [cp.asarray(want)]
+    live = [((30000, 40000), (0, 25000))]  # 160,000 and 400,000 bytes
+    for t in range(4):  # eager, the capture, two replays
+        x = np.full(4, t + 1, np.float32)
+        want = want + x[0]
+        out = step(cp.asarray(x), *([state] if isinstance(state, graphs.Span) else state), live=live)
+        got = cp.asnumpy(out[1])
+        assert np.array_equal(got[30000:], want[30000:]) and np.array_equal(got[:25000], want[:25000]), t
+        state = out[1:] if isinstance(out, graphs.Outputs) else list(out[1:])
+    assert step.captures == 1 and not step.failures
 
 
 @pytest.mark.gpu

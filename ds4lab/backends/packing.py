@@ -5,6 +5,8 @@ sits at the same relative offsets in any other buffer laid out this way."""
 
 from __future__ import annotations
 
+import numpy as np
+
 ALIGN = 256  # bytes; every array starts at a multiple (CUDA allocations are aligned this way too)
 
 
@@ -29,3 +31,20 @@ def view_at(buf, shape, dtype, offset: int):
     in one constructor call rather than a slice, a view and a reshape (a decode step makes several on the
     host's side of the step)."""
     return type(buf)(shape, dtype, memptr=buf.data + offset)
+
+
+def pieces(spans, size: int, most: int) -> tuple[np.ndarray, int]:
+    """Spans ``(source, destination, bytes)`` (addresses, 16-byte aligned) cut into pieces of ``size`` bytes (a
+    multiple of 16; a span's last piece the rest), so that a copy launch gives each piece the same few work-groups
+    whatever the spans' sizes: ``(uint64 [3, m] of the pieces' sources, destinations and bytes, the size used)``.
+    Where they would be more than ``most`` pieces the size is doubled until they are not (a span is one piece at
+    least)."""
+    src, dst, nbytes = (np.asarray(a, dtype=np.uint64) for a in zip(*spans)) if spans else [np.zeros(0, np.uint64)] * 3
+    while True:
+        k = np.maximum(1, -(-nbytes.astype(np.int64) // size))  # pieces a span
+        if k.sum() <= max(most, len(k)):
+            break
+        size *= 2
+    span = np.repeat(np.arange(len(k)), k)
+    off = ((np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k)) * size).astype(np.uint64)
+    return np.stack([src[span] + off, dst[span] + off, np.minimum(nbytes[span] - off, np.uint64(size))]), size

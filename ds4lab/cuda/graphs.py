@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import cupy as cp
 import numpy as np
 
-from ..backends.packing import offsets, view_at, views
+from ..backends.packing import offsets, pieces, view_at, views
 from ..mlx_kernels.launches import InPlaceError, holding
 from .driver import GraphExec
 
@@ -58,6 +58,9 @@ extern "C" __global__ void copy_spans(const unsigned long long* table, int n, un
 }
 """
 COPY_THREADS, COPY_MAX_BLOCKS = 256, 512
+# The live rows' copy (_LiveCopy): pieces of 64 KB, four work-groups a piece (four 16-byte words a thread), at most
+# 8,192 pieces (past that the pieces grow, so the grid's rows stay under CUDA's 65,535)
+COPY_PIECE, COPY_PIECE_BLOCKS, COPY_MAX_PIECES = 65536, 4, 8192
 # Kept for the process: the graphs launch its function, and a RawKernel that is collected unloads its module.
 _COPY_KERNEL = cp.RawKernel(_COPY_SPANS, "copy_spans")
 
@@ -93,41 +96,44 @@ def _copy_spans(pairs, stream):
 
 
 class _LiveCopy:
-    """A replay's copy of the carried state's live rows into its outputs (GraphStep's ``live``): the spans' table made
-    on the host each replay, uploaded through pinned memory (two slots, each taken again once its copy has run) and
-    copied by one ``copy_spans`` launch, the destinations from the outputs' buffer (two ranges at most an array:
-    :meth:`_Captured.check_live`)."""
+    """A replay's copy of the carried state's live rows into its outputs (GraphStep's ``live``): the live spans cut
+    into pieces of COPY_PIECE bytes on the host each replay (:func:`ds4lab.backends.packing.pieces`), so that one
+    ``copy_spans`` launch gives every piece the same few work-groups (a grid sized for the largest span left most of
+    its work-groups idle: at 4K, 229 spans, the largest 2.1 MB); the table uploaded through pinned memory (two
+    slots, each taken again once its copy has run), the destinations from the outputs' buffer."""
 
     def __init__(self, carried, offsets):
         self.src, self.dst = [a.data.ptr for a in carried], list(offsets)
         self.whole = [a.nbytes for a in carried]
         self.row_bytes = [a.nbytes // a.shape[0] if a.ndim and a.shape[0] else a.nbytes for a in carried]
-        self.stride = 2 * len(carried)  # a ring's window takes two spans where it wraps
-        self.host = [np.frombuffer(cp.cuda.alloc_pinned_memory(24 * self.stride), np.uint64, 3 * self.stride)
-                     .reshape(3, self.stride) for _ in range(2)]
+        # the tables' room: pieces() makes at most this many, since a ring's window takes two spans where it wraps
+        self.cap = cap = max(COPY_MAX_PIECES, 2 * len(carried))
+        self.host = [np.frombuffer(cp.cuda.alloc_pinned_memory(24 * cap), np.uint64, 3 * cap) for _ in range(2)]
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not the graphs' pool (_copy_spans)
-            self.table = [cp.empty((3, self.stride), dtype=cp.uint64) for _ in range(2)]
+            self.table = [cp.empty(3 * cap, dtype=cp.uint64) for _ in range(2)]
         self.done, self.turn = [None, None], 0
 
     def launch(self, out, live, stream) -> None:
         slot, self.turn = self.turn, self.turn ^ 1
         if self.done[slot] is not None:
             self.done[slot].synchronize()  # its table's last copy has run (a replay ago: done long since)
-        host, m, biggest = self.host[slot], 0, 0
+        spans = []
         for k, ranges in enumerate(live):
             rb = self.row_bytes[k]
             whole = ranges is None or rb % 16  # copy_spans copies 16-byte words from 16-byte aligned spans
             for off, nbytes in ((0, self.whole[k]),) if whole else ((a * rb, (b - a) * rb) for a, b in ranges):
                 if nbytes:
-                    host[:, m] = (self.src[k] + off, self.dst[k] + off, nbytes)
-                    m, biggest = m + 1, max(biggest, nbytes)
-        if not m:
+                    spans.append((self.src[k] + off, self.dst[k] + off, nbytes))
+        if not spans:
             return
-        table = self.table[slot]
-        table.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
-        blocks = min(COPY_MAX_BLOCKS, max(1, -(-biggest // (16 * COPY_THREADS))))
+        table, size = pieces(spans, COPY_PIECE, self.cap)
+        m = table.shape[1]
+        host = self.host[slot][:3 * m]
+        host.reshape(3, m)[...] = table
+        self.table[slot].data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
         with stream:
-            _COPY_KERNEL((blocks, m), (COPY_THREADS,), (table, np.int32(self.stride), np.uint64(out.data.ptr)))
+            _COPY_KERNEL((size // COPY_PIECE * COPY_PIECE_BLOCKS, m), (COPY_THREADS,),
+                         (self.table[slot], np.int32(m), np.uint64(out.data.ptr)))
         self.done[slot] = cp.cuda.Event(disable_timing=True)
         self.done[slot].record(stream)
 
