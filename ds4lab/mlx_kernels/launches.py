@@ -621,8 +621,8 @@ class KernelLaunches:
         fparams = params if draw else self._const(0.0, dtype=np.float32)
         threads = min(S.NEXT_TOKEN_THREADS, 32 * -(-slice_ // 32))
         parts = self._run(S.NEXT_TOKEN_PARTS, (G, 1), threads, [x, mask, dims], [((G * 5,), "float32")])[0]
-        sums = (self._run(S.NEXT_TOKEN_SUMS, (G, 1), threads, [x, parts, mask, dims, fparams], [((G,), "float32")])[0]
-                if draw else parts)  # unread without a draw
+        sums = (self._run(S.NEXT_TOKEN_SUMS, (G, 1), threads, [x, parts, mask, dims, fparams],
+                          [((G * 2,), "float32")])[0] if draw else parts)  # unread without a draw
         return self._run(S.NEXT_TOKEN_PICK, (1, 1), min(S.NEXT_TOKEN_GROUP, 32 * -(-slice_ // 32)),
                          [x, parts, sums, mask, dims, fparams], [((1,), "int32")])[0]
 
