@@ -1767,6 +1767,10 @@ def test_next_token_kernel_is_the_hosts_greedy_token_and_draw(gpu):
     assert first_kept > 3000
     none = np.zeros(0, np.int64)
     assert _next_token(kernels, to_dev, to_host, late, none, (np.float32(0.0), 1.0, 0.05)) == first_kept
+    # u = 0 and min_p 0: the first id, though its weight (and its slice's sum) underflows to 0 under a top of 200
+    under = np.zeros(5000, np.float32)
+    under[-1] = 200
+    assert _next_token(kernels, to_dev, to_host, under, none, (np.float32(0.0), 1.0, 0.0)) == 0
     for logits, min_p in ((rows[1], 0.05), (rows[3], 0.05), (rows[2], 0.05), (wide, 1.5)):
         u = np.float32(Rng(7).uniform())
         want = sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=min_p, rng=Rng(7))

@@ -614,12 +614,17 @@ class KernelLaunches:
         if not 0 < V < S.NEXT_TOKEN_MAX_VOCAB or logits.size != V:
             raise ValueError(f"next_token kernel: logits of shape {tuple(logits.shape)} (one row of 1 to "
                              f"{S.NEXT_TOKEN_MAX_VOCAB - 1} logits)")
-        x = self._f32(logits)
-        return self._run(S.NEXT_TOKEN, (1, 1), min(S.NEXT_TOKEN_GROUP, 32 * -(-V // 32)),
-                         [x, self._const(0) if mask is None else mask,
-                          self._const(V, int(mask is not None), int(params is not None)),
-                          self._const(0.0, dtype=np.float32) if params is None else params],
-                         [((1,), "int32")])[0]
+        x, G = self._f32(logits), min(S.NEXT_TOKEN_SLICES, -(-V // S.NEXT_TOKEN_SLICE))
+        slice_, draw = -(-V // G), params is not None
+        dims = self._const(V, int(mask is not None), slice_, G, int(draw))
+        mask = self._const(0) if mask is None else mask
+        fparams = params if draw else self._const(0.0, dtype=np.float32)
+        threads = min(S.NEXT_TOKEN_THREADS, 32 * -(-slice_ // 32))
+        parts = self._run(S.NEXT_TOKEN_PARTS, (G, 1), threads, [x, mask, dims], [((G * 5,), "float32")])[0]
+        sums = (self._run(S.NEXT_TOKEN_SUMS, (G, 1), threads, [x, parts, mask, dims, fparams],
+                          [((G * 2,), "float32")])[0] if draw else parts)  # unread without a draw
+        return self._run(S.NEXT_TOKEN_PICK, (1, 1), min(S.NEXT_TOKEN_GROUP, 32 * -(-slice_ // 32)),
+                         [x, parts, sums, mask, dims, fparams], [((1,), "int32")])[0]
 
 
 class ArrayLaunches(KernelLaunches):

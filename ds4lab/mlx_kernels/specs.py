@@ -38,7 +38,10 @@
 ``swiglu``           the experts' clamped SwiGLU, times each pair's route weight when given
 ``pair_sum``         the routed experts' outputs summed per token, in pair order
 ``moe_route``        a few tokens' routing: sqrt-softplus probabilities, top-k (or hash) experts, their weights
-``next_token``       the token a decode step launched ahead takes: the greedy one, or ds4's default rule's draw
+``next_token_parts``  the token a decode step launched ahead takes (the greedy one, or ds4's default rule's draw),
+                     in three kernels: each slice of the logits' keys,
+``next_token_sums``  each slice's sum of the draw's weights,
+``next_token_pick``  the slices merged, and the slice where the draw lands walked
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ RMSNORM_WIDE_ROWS = 64
 STORE_KV_SIMD_GROUPS = 8  # under RMSNORM_WIDE_ROWS rows, store_kv gives each 64-block its SIMD group (up to 8)
 ROUTE_MAX_EXPERTS = 1024  # experts moe_route ranks in group-shared memory (Flash: 256)
 ROUTE_MAX_K = 32  # experts per token it selects (Flash: 6)
-NEXT_TOKEN_GROUP = 1024  # next_token's threads: one work-group reads the row (129,280 logits, 517 KB for Flash)
+# next_token's slices: at most 128, of 1,024 ids at least (Flash's 129,280 logits: 127 of 1,018), a work-group of 256
+# threads a slice; the pick's group of 1,024 walks one slice
+NEXT_TOKEN_SLICES, NEXT_TOKEN_SLICE, NEXT_TOKEN_THREADS, NEXT_TOKEN_GROUP = 128, 1024, 256, 1024
 NEXT_TOKEN_MAX_VOCAB = 1 << 24  # ids it compares as floats, exact below 2^24
 
 
@@ -474,12 +479,20 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
                         ("dims", "int32"), ("fparams", "float32")),
                        (("probs", "float32"), ("selected", "int32"), ("weights", "float32")),
                        {"MAX_EXPERTS": ROUTE_MAX_EXPERTS, "MAX_K": ROUTE_MAX_K})
-NEXT_TOKEN = KernelSpec("next_token", "next_token.body",
-                        (("logits", "float32"), ("mask", "int32"), ("dims", "int32"), ("fparams", "float32")),
-                        (("token", "int32"),),
-                        {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f",
-                         "EXCLUDED(i)": "(has_mask && ((uint(mask[(i) >> 5]) >> ((i) & 31u)) & 1u) != 0u)",
-                         "FINITE(x)": "((as_bits(x) & 0x7f800000u) != 0x7f800000u)"})  # by its bits: fast math too
+_NEXT_TOKEN_DEFINES = {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f",
+                       "EXCLUDED(i)": "(has_mask && ((uint(mask[(i) >> 5]) >> ((i) & 31u)) & 1u) != 0u)",
+                       "FINITE(x)": "((as_bits(x) & 0x7f800000u) != 0x7f800000u)"}  # by its bits: fast math too
+NEXT_TOKEN_PARTS = KernelSpec("next_token_parts", "next_token_parts.body",
+                              (("logits", "float32"), ("mask", "int32"), ("dims", "int32")),
+                              (("parts", "float32"),), _NEXT_TOKEN_DEFINES)
+NEXT_TOKEN_SUMS = KernelSpec("next_token_sums", "next_token_sums.body",
+                             (("logits", "float32"), ("parts", "float32"), ("mask", "int32"), ("dims", "int32"),
+                              ("fparams", "float32")),
+                             (("sums", "float32"),), _NEXT_TOKEN_DEFINES)
+NEXT_TOKEN_PICK = KernelSpec("next_token_pick", "next_token_pick.body",
+                             (("logits", "float32"), ("parts", "float32"), ("sums", "float32"), ("mask", "int32"),
+                              ("dims", "int32"), ("fparams", "float32")),
+                             (("token", "int32"),), _NEXT_TOKEN_DEFINES)
 
 
 def all_specs() -> list[KernelSpec]:
@@ -491,7 +504,7 @@ def all_specs() -> list[KernelSpec]:
             HC_PRE, HC_PRE_THEN, HC_POST, HC_POST_MIX, HC_MIX_PARTS, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4,
             COMPRESS_POOL, COMPRESS_STATE, ADD_APE, APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE,
             COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU,
-            PAIR_SUM, MOE_ROUTE, NEXT_TOKEN, ROUND_HALF]
+            PAIR_SUM, MOE_ROUTE, NEXT_TOKEN_PARTS, NEXT_TOKEN_SUMS, NEXT_TOKEN_PICK, ROUND_HALF]
 
 
 def pair_batches(experts: np.ndarray | None, n_pairs: int, size: int = MAX_PAIRS) -> tuple[np.ndarray, np.ndarray]:
