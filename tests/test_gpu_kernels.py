@@ -1994,9 +1994,10 @@ def test_cupy_chains_of_programmatic_launches_read_what_the_kernel_before_wrote(
 
 @pytest.mark.gpu
 def test_cupy_upload_reuses_its_buffers():
-    """CuPy's upload brings every array's values; the same layout again gives back the same arrays with the
-    new values (no array is made per step); past UPLOAD_LAYOUTS other layouts, the least recently used one
-    is made afresh, and arrays still held from it keep their values."""
+    """CuPy's upload brings every array's values; the same layout again gives back the arrays of the upload before
+    the last (two buffers taken in turn, no array made per step) with the new values, leaving the last upload's
+    values alone; past UPLOAD_LAYOUTS other layouts, the least recently used one is made afresh, and arrays still
+    held from it keep their values."""
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
@@ -2020,18 +2021,25 @@ def test_cupy_upload_reuses_its_buffers():
     first = host(5)
     got = b.upload(first)
     check(got, first)
+    second = host(5)
+    got1 = b.upload(second)
+    assert not any(x is y for x, y in zip(got, got1))
+    check(got, first)
+    check(got1, second)
     again = host(5)
     got2 = b.upload(again)
     assert all(x is y for x, y in zip(got, got2))
     check(got2, again)
+    check(got1, second)
     for n in range(6, 6 + cupy_backend.UPLOAD_LAYOUTS):  # 16 other layouts: the one of 5 rows is forgotten
         other = host(n)
         check(b.upload(other), other)
     fresh = host(5)
     got3 = b.upload(fresh)
-    assert not any(x is y for x, y in zip(got, got3))
+    assert not any(x is y for pair in (got1, got2) for x, y in zip(pair, got3))
     check(got3, fresh)
-    check(got2, again)  # the forgotten buffer's arrays are unchanged
+    check(got2, again)  # the forgotten buffers' arrays are unchanged
+    check(got1, second)
 
 
 @pytest.mark.gpu
