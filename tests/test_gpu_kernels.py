@@ -2043,6 +2043,35 @@ def test_cupy_upload_reuses_its_buffers():
 
 
 @pytest.mark.gpu
+def test_cupy_upload_waits_for_its_buffers_readers():
+    """A kernel still reading an upload's arrays (held back about 0.1 s) when the next upload but one of the layout
+    comes, which takes the same buffer: it reads the values it was given, and the later upload's arrays hold theirs."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.backends import cupy_backend
+
+    late_copy = cp.RawKernel(r"""
+    extern "C" __global__ void late_copy(const float* src, float* dst, int n, long long cycles) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) {}
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) dst[i] = src[i];
+    }""", "late_copy")
+    b = cupy_backend.CupyBackend()
+    values = [np.full(1000, v, np.float32) for v in (1, 2, 3)]
+    first = b.upload([values[0]])[0]
+    out = cp.zeros(1000, cp.float32)
+    late_copy((4,), (256,), (first, out, np.int32(1000), np.int64(200_000_000)))
+    b.upload([values[1]])
+    third = b.upload([values[2]])[0]
+    assert third.data.ptr == first.data.ptr  # the same buffer, taken again
+    assert np.array_equal(cp.asnumpy(out), values[0]) and np.array_equal(cp.asnumpy(third), values[2])
+
+
+@pytest.mark.gpu
 def test_cupy_device_bytes_uploads_every_byte_in_pieces(monkeypatch, tmp_path):
     """Weights go up in pieces through pinned buffers, several threads at once: every byte arrives, at every
     size around a piece's (one piece or less, a piece and a byte, a ragged last piece), in the tensor's shape;

@@ -151,39 +151,40 @@ class CupyBackend(BlockBackend):
 
     def upload(self, arrays):
         """One host-to-device transfer for all of them (a step's tables, positions and ids), through a pinned
-        staging buffer into a device buffer, two of each kept per device and layout and taken in turn. The copy runs
-        on a stream of its own, after the current stream's launches enqueued so far (the readers of its buffer's
-        last contents, two uploads of the layout ago), and the current stream's next launches wait for it: the step's
-        stream holds an event's wait, not the copy. The arrays returned are one of two sets of objects (no array is
-        made per step), rewritten by the next upload but one of the same shapes: a caller enqueues its readers
-        before that (a CUDA graph replay copies them into its own buffer first)."""
+        staging buffer into a device buffer, two of each kept per device and layout and taken in turn. The arrays
+        returned are one of the two sets of objects (no array is made per step), rewritten by the next upload but one
+        of the same shapes: a caller enqueues its readers on the current stream before the next upload of them (a
+        CUDA graph replay copies them into its own buffer first). So the copy into a half waits only for what the
+        current stream held at the upload after that half's last one (its readers, and a step launched ahead), on a
+        stream of its own, and the current stream's next launches wait for it: where the host runs ahead, the copy is
+        done before the stream reaches its readers, and the step's stream holds an event's wait, not the copy."""
         key = (cp.cuda.runtime.getDevice(), *((a.shape, a.dtype) for a in arrays))
         slot = self._uploads.pop(key, None)
         if slot is None:
             if len(self._uploads) >= UPLOAD_LAYOUTS:  # forget the least recently used layout
                 for half in self._uploads.pop(next(iter(self._uploads)))[:2]:
-                    half[-1].synchronize()
+                    half[4].synchronize()
             host = [np.asarray(a, dtype=np.float32 if a.dtype.kind == "f" else np.int32) for a in arrays]
             offs, size = offsets(a.nbytes for a in host)
 
-            def half():
+            def half():  # staging, its views, device, its views, its copy's event, its readers' event
                 staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
                 device = cp.empty(size, dtype=cp.uint8)
-                return staging, views(staging, host, offs), device, views(device, host, offs), cp.cuda.Event()
+                return (staging, views(staging, host, offs), device, views(device, host, offs), cp.cuda.Event(),
+                        cp.cuda.Event(disable_timing=True))
 
             slot = [half(), half(), 0]
         self._uploads[key] = slot  # the most recently used last
         turn = slot[2]
         slot[2] ^= 1
-        staging, staged, device, on_device, copied = slot[turn]
+        stream = cp.cuda.get_current_stream()
+        slot[turn ^ 1][5].record(stream)  # the other half's readers (of the last upload) are enqueued by now
+        staging, staged, device, on_device, copied, read = slot[turn]
         copied.synchronize()  # this half's last copy has left its staging buffer
         for dst, a in zip(staged, arrays):
             dst[...] = a  # cast to float32 or int32 as it is written
-        stream = cp.cuda.get_current_stream()
-        read = cp.cuda.Event(disable_timing=True)
-        read.record(stream)
         upload = self._copy_stream(key[0], self._upload_streams)
-        upload.wait_event(read)
+        upload.wait_event(read)  # recorded at the last upload (never recorded: no wait)
         device.data.copy_from_host_async(staging.ctypes.data, staging.nbytes, upload)
         copied.record(upload)
         stream.wait_event(copied)
