@@ -2023,9 +2023,10 @@ def test_cupy_chains_of_programmatic_launches_read_what_the_kernel_before_wrote(
 
 @pytest.mark.gpu
 def test_cupy_upload_reuses_its_buffers():
-    """CuPy's upload brings every array's values; the same layout again gives back the same arrays with the
-    new values (no array is made per step); past UPLOAD_LAYOUTS other layouts, the least recently used one
-    is made afresh, and arrays still held from it keep their values."""
+    """CuPy's upload brings every array's values; the same layout again gives back the arrays of the upload before
+    the last (two buffers taken in turn, no array made per step) with the new values, leaving the last upload's
+    values alone; past UPLOAD_LAYOUTS other layouts, the least recently used one is made afresh, and arrays still
+    held from it keep their values."""
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
@@ -2049,18 +2050,54 @@ def test_cupy_upload_reuses_its_buffers():
     first = host(5)
     got = b.upload(first)
     check(got, first)
+    second = host(5)
+    got1 = b.upload(second)
+    assert not any(x is y for x, y in zip(got, got1))
+    check(got, first)
+    check(got1, second)
     again = host(5)
     got2 = b.upload(again)
     assert all(x is y for x, y in zip(got, got2))
     check(got2, again)
+    check(got1, second)
     for n in range(6, 6 + cupy_backend.UPLOAD_LAYOUTS):  # 16 other layouts: the one of 5 rows is forgotten
         other = host(n)
         check(b.upload(other), other)
     fresh = host(5)
     got3 = b.upload(fresh)
-    assert not any(x is y for x, y in zip(got, got3))
+    assert not any(x is y for pair in (got1, got2) for x, y in zip(pair, got3))
     check(got3, fresh)
-    check(got2, again)  # the forgotten buffer's arrays are unchanged
+    check(got2, again)  # the forgotten buffers' arrays are unchanged
+    check(got1, second)
+
+
+@pytest.mark.gpu
+def test_cupy_upload_waits_for_its_buffers_readers():
+    """A kernel still reading an upload's arrays (held back about 0.1 s) when the next upload but one of the layout
+    comes, which takes the same buffer: it reads the values it was given, and the later upload's arrays hold theirs."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.backends import cupy_backend
+
+    late_copy = cp.RawKernel(r"""
+    extern "C" __global__ void late_copy(const float* src, float* dst, int n, long long cycles) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) {}
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) dst[i] = src[i];
+    }""", "late_copy")
+    b = cupy_backend.CupyBackend()
+    values = [np.full(1000, v, np.float32) for v in (1, 2, 3)]
+    first = b.upload([values[0]])[0]
+    out = cp.zeros(1000, cp.float32)
+    late_copy((4,), (256,), (first, out, np.int32(1000), np.int64(200_000_000)))
+    b.upload([values[1]])
+    third = b.upload([values[2]])[0]
+    assert third.data.ptr == first.data.ptr  # the same buffer, taken again
+    assert np.array_equal(cp.asnumpy(out), values[0]) and np.array_equal(cp.asnumpy(third), values[2])
 
 
 @pytest.mark.gpu

@@ -75,9 +75,10 @@ class CupyBackend(BlockBackend):
         self.chunk_operands = chunk_operands  # prefill_matmul (see ds4lab.load)
         self.decode_matmul = decode_matmul
         self._kernels: dict[int, object] = {}  # CUDA modules are per device: one set per GPU used (tiers)
-        self._uploads: dict[tuple, tuple] = {}  # (device, shapes and dtypes) -> staging and device buffers
+        self._uploads: dict[tuple, list] = {}  # (device, shapes and dtypes) -> two staging and device buffers, turn
         self._fetches: dict[tuple, deque] = {}  # (device, shape, dtype) -> the latest fetches, oldest first
         self._fetch_streams: dict[int, cp.cuda.Stream] = {}  # per device: the stream the fetches copy on
+        self._upload_streams: dict[int, cp.cuda.Stream] = {}  # per device: the stream the uploads copy on
 
     def device_bytes(self, raw):
         """GGUF bytes ``raw`` (a memory-mapped host array) on the current GPU: read into pinned buffers and copied
@@ -150,29 +151,51 @@ class CupyBackend(BlockBackend):
 
     def upload(self, arrays):
         """One host-to-device transfer for all of them (a step's tables, positions and ids), through a pinned
-        staging buffer into a device buffer, both kept per device and layout. The arrays returned are the same
-        objects each time (no array is made per step) and are rewritten by the next upload of the same shapes,
-        which the stream orders after every launch enqueued before it: a caller uses them within its step (a
-        CUDA graph replay copies them into its own buffer first)."""
+        staging buffer into a device buffer, two of each kept per device and layout and taken in turn. The arrays
+        returned are one of the two sets of objects (no array is made per step), rewritten by the next upload but one
+        of the same shapes: a caller enqueues its readers on the current stream before the next upload of them (a
+        CUDA graph replay copies them into its own buffer first). So the copy into a half waits only for what the
+        current stream held at the upload after that half's last one (its readers, and a step launched ahead), on a
+        stream of its own, and the current stream's next launches wait for it: where the host runs ahead, the copy is
+        done before the stream reaches its readers, and the step's stream holds an event's wait, not the copy."""
         key = (cp.cuda.runtime.getDevice(), *((a.shape, a.dtype) for a in arrays))
         slot = self._uploads.pop(key, None)
         if slot is None:
             if len(self._uploads) >= UPLOAD_LAYOUTS:  # forget the least recently used layout
-                self._uploads.pop(next(iter(self._uploads)))[-1].synchronize()
+                for half in self._uploads.pop(next(iter(self._uploads)))[:2]:
+                    half[4].synchronize()
             host = [np.asarray(a, dtype=np.float32 if a.dtype.kind == "f" else np.int32) for a in arrays]
             offs, size = offsets(a.nbytes for a in host)
-            staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
-            device = cp.empty(size, dtype=cp.uint8)
-            slot = (staging, views(staging, host, offs), device, views(device, host, offs), cp.cuda.Event())
+
+            def half():  # staging, its views, device, its views, its copy's event, its readers' event
+                staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
+                device = cp.empty(size, dtype=cp.uint8)
+                return (staging, views(staging, host, offs), device, views(device, host, offs), cp.cuda.Event(),
+                        cp.cuda.Event(disable_timing=True))
+
+            slot = [half(), half(), 0]
         self._uploads[key] = slot  # the most recently used last
-        staging, staged, device, on_device, copied = slot
-        copied.synchronize()  # the previous upload has left the staging buffer
+        turn = slot[2]
+        slot[2] ^= 1
+        stream = cp.cuda.get_current_stream()
+        slot[turn ^ 1][5].record(stream)  # the other half's readers (of the last upload) are enqueued by now
+        staging, staged, device, on_device, copied, read = slot[turn]
+        copied.synchronize()  # this half's last copy has left its staging buffer
         for dst, a in zip(staged, arrays):
             dst[...] = a  # cast to float32 or int32 as it is written
-        stream = cp.cuda.get_current_stream()
-        device.data.copy_from_host_async(staging.ctypes.data, staging.nbytes, stream)
-        copied.record(stream)
+        upload = self._copy_stream(key[0], self._upload_streams)
+        upload.wait_event(read)  # recorded at the last upload (never recorded: no wait)
+        device.data.copy_from_host_async(staging.ctypes.data, staging.nbytes, upload)
+        copied.record(upload)
+        stream.wait_event(copied)
         return on_device
+
+    @staticmethod
+    def _copy_stream(device: int, streams: dict) -> cp.cuda.Stream:
+        """The device's stream in ``streams``, made at its first use."""
+        if device not in streams:
+            streams[device] = cp.cuda.Stream(non_blocking=True)
+        return streams[device]
 
     def fetch(self, x) -> _PinnedFetch:
         """``x``'s copy to a kept pinned buffer, queued now on a copy stream after what the current stream has queued
@@ -196,9 +219,7 @@ class CupyBackend(BlockBackend):
         # do not wait for it.
         made = cp.cuda.Event(disable_timing=True)
         made.record(cp.cuda.get_current_stream())
-        stream = self._fetch_streams.get(key[0])
-        if stream is None:
-            stream = self._fetch_streams[key[0]] = cp.cuda.Stream(non_blocking=True)
+        stream = self._copy_stream(key[0], self._fetch_streams)
         stream.wait_event(made)
         x.data.copy_to_host_async(host.ctypes.data, x.nbytes, stream)
         ring.append(_PinnedFetch(host, stream, x))
