@@ -430,7 +430,7 @@ def test_a_store_refusal_names_the_file_and_the_field(emb, tmp_path):
     entry = store.save(s.snapshot(), s.model)
     good = entry.path.read_bytes()
     at = 52 + entry.text_bytes + 4  # the DSV4 payload's version
-    for offset, value, field in ((at, 3, "version"), (20, 3, "payload_abi"), (7, 2, "model_id")):
+    for offset, value, field in ((at, 3, "version"), (3, 2, "version"), (20, 3, "payload_abi"), (7, 2, "model_id")):
         data = bytearray(good)
         data[offset] = value
         entry.path.write_bytes(bytes(data))

@@ -210,7 +210,10 @@ class KVHeader:
         if magic != KVC_MAGIC:
             raise KVFileError(path, "magic", magic, KVC_MAGIC, f"not a KVC file: magic is {magic!r}, expected b'KVC'")
         if version != KVC_VERSION:
-            raise KVFileError(path, "version", version, KVC_VERSION)
+            who = ("a newer ds4, or a fork of it, wrote it, which this ds4lab cannot read" if version > KVC_VERSION
+                   else "no ds4 writes it")
+            raise KVFileError(path, "version", version, KVC_VERSION,
+                              f"version (header byte 3) is {version}, expected {KVC_VERSION}: {who}")
         abi &= 0xFF  # ds4 reads byte 20 alone
         base, codec = abi & ~CODEC_ABI_MARK, ext & (EXT_Q8 | EXT_ZLIB | EXT_ZSTD)
         if base not in PAYLOAD_VERSION_OF_ABI or (abi & CODEC_ABI_MARK and not codec):
