@@ -17,6 +17,10 @@
 #
 # This notebook loads it, looks at its layers, computes next-token probabilities, generates text with a
 # session and looks at the KV cache the session keeps. Everything runs on a laptop CPU in seconds.
+#
+# Saving: JupyterLab keeps the views' live state in a saved notebook only with *Settings → Save Widget State
+# Automatically* checked. Without it, a notebook you ran, saved and opened again shows "model not found" where
+# each view was, until you run its cells again.
 
 # %%
 import sys

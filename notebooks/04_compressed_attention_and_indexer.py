@@ -186,8 +186,10 @@ indexer_choices_chart(cap, layer=2, every=8, start=128)
 # with a loss of its own: the KL divergence from this summed attention to the indexer's softmax. This model's
 # indexer was trained that way (`training/train_indexer.py`; the model card's section "The indexer"), after a
 # few steps that taught the model to put its attention over compressed rows on a few of them (before those, it
-# spread it almost evenly, and even the 32 heaviest rows held only a third). Below: the indexer's top 32 hold
-# most of the weight, close to the oracle, far above random.
+# spread it almost evenly: over the model card's 2,000 held-out tokens the 32 heaviest rows held only a third,
+# where now they hold 88-92% and a random 32 about 19%). This prompt is short, 320 tokens: a query sees at most
+# 80 compressed rows, so even a random 32 of them hold most of the weight (61% below). The indexer's top 32 hold
+# nearly all of it, as the oracle does.
 
 # %% tags=["nbval-check-output"]
 from ds4lab.evaluate import dense_indexer_pass, top_k_recall

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("anywidget")
 import ds4lab  # noqa: E402
-from ds4lab.visibility import DROPPED  # noqa: E402
-from ds4lab.viz import AttentionView, KVCacheView, PrefillView  # noqa: E402
+from ds4lab.visibility import CATEGORIES, DROPPED  # noqa: E402
+from ds4lab.viz import AttentionView, KVCacheView, MaskView, PrefillView  # noqa: E402
 from ds4lab.viz.attention_figure import (  # noqa: E402
     GAP,
     HEIGHT,
@@ -121,6 +121,14 @@ def test_mask_legend_says_kept_only_where_an_indexer_chooses(model):
         assert ("kept" in names) == has_indexer and ("seen (no indexer here)" in names) != has_indexer, layer
         if cfg.ratio(layer) and not has_indexer:
             assert "seen (no indexer here)" in view.mask_view.static_html()
+    # a ratio-4 layer's first chunk: no query sees more than the indexer's top k rows, so it keeps them all
+    layer = next(il for il in range(cfg.n_layer) if cfg.ratio(il) == 4 and cfg.has_indexer(il))
+    first = MaskView.of_step(view.session, layer, 0, 64)
+    cells = first.mask.cells
+    assert (cells == CATEGORIES.index("kept")).any() and not np.isin(cells, [DROPPED, CATEGORIES.index(
+        "indexer candidate")]).any()
+    assert f"seen (≤ {cfg.idx_topk} visible: the indexer keeps all)" in first.model.categories
+    assert "kept" not in first.model.categories
 
 
 def test_views_stay_at_their_cell_unless_they_follow(model):

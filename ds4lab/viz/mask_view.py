@@ -51,9 +51,14 @@ class MaskModel(ViewModel):
 
 
 def legend_names(mask: StepMask) -> list[str]:
-    """The categories' names in the legend: on a layer without an indexer a compressed row is seen, not "kept"
-    (a walk-through read "kept" as the indexer's choice on a ratio-128 layer)."""
-    return [("seen (no indexer here)" if c == "kept" and mask.top_k is None else c) for c in CATEGORIES]
+    """The categories' names in the legend: a compressed row a query sees is "kept" only where the indexer chooses
+    among more rows than its top k for some query of the mask; on a layer without an indexer it is seen (a
+    walk-through read "kept" as the indexer's choice on a ratio-128 layer), and where no query sees more than k
+    rows the indexer keeps them all (one read "kept" as a choice in a ratio-4 layer's first chunks)."""
+    chooses = np.isin(mask.cells, [CATEGORIES.index("dropped by the indexer"), CATEGORIES.index("indexer candidate")])
+    kept = ("seen (no indexer here)" if mask.top_k is None else "kept" if chooses.any()
+            else f"seen (≤ {mask.top_k} visible: the indexer keeps all)")
+    return [kept if c == "kept" else c for c in CATEGORIES]
 
 
 def key_axis_title(mask: StepMask) -> str:
