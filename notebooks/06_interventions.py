@@ -277,9 +277,11 @@ for il in range(cfg.n_layer):
     weights = cap_moe[f"blk.{il}.moe.weights"][0]
     assert np.allclose(weights, cfg.expert_weight_scale * scores[chosen] / scores[chosen].sum())
     lowest[il] = np.argsort(scores, kind="stable")[:2]
-    routing = "hash" if il < cfg.n_hash_layer else "top-2"
-    fixed = np.array2string(weights, precision=3, floatmode="fixed")  # 0.810, not numpy's shortest 0.81
-    print(f"  layer {il} {f'({routing}):':8} {np.round(scores, 2)}  chosen {chosen.tolist()}, weights {fixed}")
+    routing = "(hash):" if il < cfg.n_hash_layer else "(top-2):"
+    # three decimals in every row: numpy's shortest form prints 0.81 beside 0.809
+    fixed = np.array2string(weights, precision=3, floatmode="fixed")
+    print(f"  layer {il} {routing:8} {np.round(scores, 2)}  chosen {chosen.tolist()}, "
+          f"weights {fixed}")
 
 print("the two lowest-scored experts instead, one layer at a time, and the post gates that write")
 print("the FFN's output into the 4 streams:")
