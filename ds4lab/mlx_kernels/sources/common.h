@@ -393,20 +393,26 @@ DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const 
 }
 
 // IQ2_XXS's grid in group-shared memory (IQ2_TABLE_WORDS, a kernel define), built by a work-group's threads:
-// words 0-255 the grid entries' first words (entry e at e), 256-511 their second words (at 256 + e), each byte
-// biased by 128. Each read's bank is its index mod 32 over all 32 banks: with an entry's two words side by side
-// (2e, 2e + 1) a SIMD group's 32 lookups fell on 16 banks, so more of them on the same bank, and a group-shared read
-// waits for every lane's bank in turn.
+// words 0-255 the grid entries' first words (entry e at e), 256-511 their second words (at 256 + e). Each read's
+// bank is its index mod 32 over all 32 banks: with an entry's two words side by side (2e, 2e + 1) a SIMD group's 32
+// lookups fell on 16 banks, so more of them on the same bank, and a group-shared read waits for every lane's bank in
+// turn.
 DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
-    return load_u32(aux + 4u * (2u * (i & 255u) + (i >> 8))) ^ 0x80808080u;
+    return load_u32(aux + 4u * (2u * (i & 255u) + (i >> 8)));
 }
 
 // A group of eight's signs from its 7-bit sign index si: ksigns_iq2xs[si], si with an eighth sign that makes their
 // count even, made in registers (a table of their masks took half of the decode products' group-shared reads,
-// which bound them); and the mask of four of them (bits 0-3 of s): byte i 0xFF where element i is negative. A grid
-// byte g and mask byte M give (g ^ 0x80 ^ M) + (M & 1): 128 + g or 128 − g.
+// which bound them).
 DEVICE_FN uint iq2_xxs_signs(uint si) { return si | ((popcount_u(si) & 1u) << 7); }
-DEVICE_FN uint sign_mask4(uint s) { return (((s & 15u) * 0x00204081u) & 0x01010101u) * 255u; }
+// Four grid bytes g (8, 25 or 43) with the signs of bits 0-3 of s, biased by 128: n holds 0x01 in a negative
+// element's byte, and (g ^ 0xFF) + 1 there is -g in two's complement (no carry: g ≥ 8), as the products on
+// quantized x read them; the bias (^ 0x80) is for the float products' byte conversion, and those on quantized x undo
+// it (dot32_q8), so the compiler drops both.
+DEVICE_FN uint signed_grid4(uint g, uint s) {
+    uint n = ((s & 15u) * 0x00204081u) & 0x01010101u;
+    return ((g ^ (n * 255u)) + n) ^ 0x80808080u;
+}
 
 DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
                                   const GLOBAL uint8_t* aux) {
@@ -417,9 +423,9 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
     #pragma unroll
     for (uint j = 0; j < 4u; j++) {
         uint e = (idx >> (8u * j)) & 255u, si = (a1 >> (7u * j)) & 127u;
-        uint signs = iq2_xxs_signs(si), m0 = sign_mask4(signs), m1 = sign_mask4(signs >> 4);
-        g.q[2u * j] = (tables[e] ^ m0) + (m0 & 0x01010101u);
-        g.q[2u * j + 1u] = (tables[256u + e] ^ m1) + (m1 & 0x01010101u);
+        uint signs = iq2_xxs_signs(si);
+        g.q[2u * j] = signed_grid4(tables[e], signs);
+        g.q[2u * j + 1u] = signed_grid4(tables[256u + e], signs >> 4);
     }
     g.d[0] = g.d[1] = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
     g.m[0] = g.m[1] = 0.0f;
