@@ -17,6 +17,7 @@ bit-identical checks, seeded samples), never timings.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -79,18 +80,24 @@ def execute(nb) -> tuple[float, list[tuple[float, float]]]:
 
 
 def main(argv: list[str]) -> None:
-    run, times = "--no-execute" not in argv, "--times" in argv
-    chosen = sources([a for a in argv if not a.startswith("--")])
+    # argparse: a mistyped flag (or --help) is refused before anything is overwritten
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("prefixes", nargs="*", metavar="NN", help="only the notebooks whose name starts with these")
+    p.add_argument("--no-execute", action="store_true", help="the .ipynb's cells from the .py, without outputs")
+    p.add_argument("--times", action="store_true", help="print the kernel's wall and CPU seconds of every cell")
+    args = p.parse_args(argv)
+    chosen = sources(args.prefixes)
     if not chosen:
-        raise SystemExit(f"no notebook source NN_*.py in {HERE} matches {argv}")
+        p.error(f"no notebook source NN_*.py in {HERE} matches {' '.join(args.prefixes)}")
     for source in chosen:
         nb = cells_of(source)
-        if run:
+        if not args.no_execute:
             wall, per_cell = execute(nb)
             print(f"{source.stem}: {wall:.1f} s wall; cells: {sum(w for w, _ in per_cell):.1f} s in the kernel, "
                   f"{sum(c for _, c in per_cell):.1f} s of its CPU time", file=sys.stderr)
             code = [c for c in nb.cells if c.cell_type == "code"]
-            for i, (cell, (w, c)) in enumerate(zip(code, per_cell), 1) if times else ():
+            for i, (cell, (w, c)) in enumerate(zip(code, per_cell), 1) if args.times else ():
                 first = cell.source.splitlines()[0][:64] if cell.source else ""
                 print(f"  [{i:2d}] {w:5.2f} s, CPU {c:5.2f} s  {first}", file=sys.stderr)
         # one output per stream where the kernel sent several: JupyterLab merges them itself, and re-rendering a

@@ -56,6 +56,22 @@ def test_the_build_command_runs_every_paired_source():
     assert [p.name for p in build.sources(["02"])] == [s for s in SOURCES if s.startswith("02")]
 
 
+def test_the_build_command_refuses_what_it_does_not_know(monkeypatch, capsys):
+    """--help and a mistyped flag or prefix stop notebooks/build.py before it writes a notebook (it once took any
+    "--" word as nothing and rebuilt every notebook)."""
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    monkeypatch.setattr(build, "execute", lambda nb: pytest.fail("a notebook was run"))
+    monkeypatch.setattr(build.nbformat, "write", lambda *a: pytest.fail("a notebook was written"))
+    for argv, code, said in ((["--help"], 0, "--no-execute"), (["--no-exec"], 2, "unrecognized arguments: --no-exec"),
+                             (["99"], 2, "matches 99")):
+        with pytest.raises(SystemExit) as e:
+            build.main(argv)
+        out = capsys.readouterr()
+        assert e.value.code == code and said in out.out + out.err, (argv, out)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_cells_match_the_paired_source(name):
     """The .py is the cells as text: the saved .ipynb must have the same cells, sources and tags, in order."""
