@@ -354,6 +354,20 @@ def test_inspect_verifies_the_checksum(tmp_path, capsys):
     assert code == 0 and "checksum: none" in out
 
 
+def test_inspect_reads_no_checksum_from_a_file_cut_short(tmp_path, capsys):
+    """A .kv file cut short (or one shorter than the fixed header) has no trailer at its end: inspect says it read
+    none, rather than a verdict on whatever bytes end it, and the one error line names the file's size."""
+    store = KVStore(tmp_path / "c", min_tokens=1)
+    entry = store.put(b"inspected text", nano_payload(), tokens=40, ctx=64, quant_bits=2)
+    data = entry.path.read_bytes()
+    for cut, said in ((5000, "the file's size is not the one its header gives"), (30, "30 bytes, fewer than")):
+        path = tmp_path / f"cut{cut}.kv"
+        path.write_bytes(data[:cut])
+        code, out, err = inspect(path, capsys)
+        assert code != 0 and f"checksum: not read ({said}" in out and "MISMATCH" not in out, out
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_huge_timestamps_are_printed_raw(tmp_path, capsys):
     payload = nano_payload()
     text = b"from the far future"

@@ -51,7 +51,7 @@ def _inspect_kv_damaged(path: Path) -> None:
     """What a ``.kv`` file that does not parse still shows: its size, fixed header and checksum verdict."""
     import mmap
 
-    from ..kv.kvfile import KVFileError, KVHeader, checksum_status, open_regular
+    from ..kv.kvfile import PREFIX_BYTES, KVFileError, KVHeader, checksum_status, open_regular, read_trailers
 
     try:
         with open_regular(path) as f:
@@ -60,13 +60,21 @@ def _inspect_kv_damaged(path: Path) -> None:
     except (OSError, KVFileError, ValueError):
         return
     print(f"{path}: {size:,} bytes (damaged: see the error below)")
+    # a file cut short (or grown) holds no trailer where its end is: its last bytes read as one would only mislead
+    unread = f"checksum: not read ({size} bytes, fewer than the fixed header's {PREFIX_BYTES})" if size < PREFIX_BYTES \
+        else None
     try:
         header = KVHeader.unpack(data, path)
     except KVFileError:
         pass
     else:
         print("KVC header: " + ", ".join(f"{k} {v}" for k, v in header.as_dict().items()))
-    print(f"checksum: {checksum_status(data, path)[1]}")
+        try:
+            read_trailers(header, size, lambda at, n: bytes(data[at:at + n]), path)
+        except KVFileError as e:
+            if e.field == "file size":
+                unread = "checksum: not read (the file's size is not the one its header gives)"
+    print(unread or f"checksum: {checksum_status(data, path)[1]}")
 
 
 def _inspect_gguf(path: Path) -> int:
