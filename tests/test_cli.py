@@ -213,7 +213,8 @@ def test_interactive_ctrl_c_stops_generation(nano):
     (["run", "-p", "x", "--top-p", "1.5"], 2, "--top-p"),
     (["run", "-p", "x", "--seed", "abc"], 2, "--seed"),
     (["run", "-p", "x", "--prompt-file", "f"], 2, "not allowed with argument"),
-    (["run", "-p", "x", "--ctx", "1"], 2, "--ctx must be at least 2"),
+    (["run", "-p", "x", "--ctx", "1"], 2, "--ctx must be at least 3, got 1"),
+    (["run", "-p", "x", "--ctx", "2"], 2, "--ctx must be at least 3, got 2"),  # a prompt token leaves no room
     (["run", "-p", "x", "--backend", "numpy", "--prefill-matmul", "tf32"], 2,
      "--prefill-matmul tf32 needs --backend cupy (got --backend numpy)"),
     (["run", "-p", "x", "--backend", "numpy", "--decode-matmul", "q8"], 2,

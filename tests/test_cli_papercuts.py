@@ -408,7 +408,7 @@ def test_lite_build_reports_a_failing_command_in_one_line(capsys):
 def test_run_refuses_a_ctx_above_the_model_context_like_serve(ctx):
     """``-c 100000`` once ran with a context past the model's 4096, ``-c 100000000`` ended in MemoryError."""
     proc = ds4lab_cmd("run", "-p", "ROMEO:", "-c", ctx, "-n", 1, *FAST)
-    assert f"--ctx must be in [2, 4096] for this model, got {ctx}" in one_error_line(proc, 2)
+    assert f"--ctx must be in [3, 4096] for this model, got {ctx}" in one_error_line(proc, 2)
     no_work_started(proc)
 
 
@@ -421,7 +421,7 @@ def test_run_accepts_the_model_context_itself():
 def test_chat_ctx_command_is_capped_at_the_model_context():
     proc = ds4lab_cmd("run", "--nothink", "--ctx", 64, *FAST, input="/ctx 100000\n/stats\n/quit\n")
     assert proc.returncode == 0, proc.stderr
-    assert "/ctx must be in [2, 4096] for this model, got 100000" in proc.stderr
+    assert "/ctx must be in [3, 4096] for this model, got 100000" in proc.stderr
     assert "session: 0/64 tokens" in proc.stdout  # the session was kept
 
 

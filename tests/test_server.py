@@ -118,13 +118,24 @@ def test_memory_text_continuation_keeps_the_live_tokens(reference):
                                                                                *tk.encode("JULIET: the end")]
 
 
-def test_serve_usage_errors(capsys):
+def test_serve_usage_errors(capsys, tmp_path):
     from ds4lab import cli
 
     assert cli.main(["serve", "--backend", "numpy", "--gpu-device", "0,1"]) == 2
     assert "--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got numpy" in capsys.readouterr().err
     assert cli.main(["serve", "--backend", "numpy", "--ctx", "999999"]) == 2
-    assert "--ctx must be in [2, 4096] for this model, got 999999" in capsys.readouterr().err
+    assert "--ctx must be in [3, 4096] for this model, got 999999" in capsys.readouterr().err
+    # a malformed GPU list is refused as it is parsed, whatever the backend; a KV folder that cannot be made names
+    # the flag (it once said only "/proc/nope: No such file or directory")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--gpu-device", "abc"])
+    assert e.value.code == 2 and "--gpu-device: expected distinct GPU numbers such as 0,1, got 'abc'" in \
+        capsys.readouterr().err
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    for where, why in ((blocker, "exists and is not a folder"), (blocker / "kv", "cannot make the folder")):
+        assert cli.main(["serve", "--backend", "numpy", "--kv-disk-dir", str(where)]) == 2
+        assert f"--kv-disk-dir {where}: {why}" in capsys.readouterr().err
 
 
 def test_a_listen_failure_names_the_address_and_the_reason():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import RENDER, THINK_MAX_MIN_CTX, describe, effective_think, err, read_text
+from .common import MIN_CTX, RENDER, THINK_MAX_MIN_CTX, describe, effective_think, err, read_text
 from .generate import Turn, generate, no_room, sync
 
 REPL_HELP = """Commands:
@@ -173,10 +173,10 @@ def repl(model, args, ctx: int) -> int:
                 except ValueError:
                     n = 0
                 most = chat.model.config.context_length
-                if n < 2:
-                    err(f"/ctx needs an integer of at least 2, got {rest!r}")
+                if n < MIN_CTX:
+                    err(f"/ctx needs an integer of at least {MIN_CTX}, got {rest!r}")
                 elif most and n > most:
-                    err(f"/ctx must be in [2, {most}] for this model, got {n}")
+                    err(f"/ctx must be in [{MIN_CTX}, {most}] for this model, got {n}")
                 else:
                     chat.set_ctx(n)
                     print(f"New session: ctx {n}, prefill chunk {chat.sess.prefill_chunk}.")

@@ -13,6 +13,8 @@ DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4_cli.c; an empty --system d
 DEFAULT_TOKENS = 50000  # ds4's -n default, clamped to the room left in the context
 DEFAULT_CTX = 32768  # ds4's --ctx default, capped at the model's trained context
 THINK_MAX_MIN_CTX = 393216  # ds4 downgrades Think Max to normal thinking below this context
+# the smallest context that generates: a prompt token, a generated one and the slot ds4 keeps free (generate.no_room)
+MIN_CTX = 3
 
 
 class UsageError(Exception):
@@ -69,13 +71,13 @@ def describe(model) -> str:
 
 def context_size(ctx: int | None, model, flag: str = "--ctx") -> int:
     """The session's context: ``ctx`` (the flag's value), else :data:`DEFAULT_CTX` capped at the model's
-    context length; a value outside [2, the model's context length] is a usage error naming ``flag``."""
+    context length; a value outside [MIN_CTX, the model's context length] is a usage error naming ``flag``."""
     most = model.config.context_length
     if ctx is None:
         return min(DEFAULT_CTX, most) if most else DEFAULT_CTX
-    if ctx < 2 or (most and ctx > most):
-        raise UsageError(f"{flag} must be in [2, {most}] for this model, got {ctx}" if most else
-                         f"{flag} must be at least 2, got {ctx}")
+    if ctx < MIN_CTX or (most and ctx > most):
+        raise UsageError(f"{flag} must be in [{MIN_CTX}, {most}] for this model, got {ctx}" if most else
+                         f"{flag} must be at least {MIN_CTX}, got {ctx}")
     return ctx
 
 

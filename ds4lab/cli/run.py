@@ -7,6 +7,7 @@ import sys
 
 from .chat import repl
 from .common import (
+    MIN_CTX,
     RENDER,
     THINK_MAX_MIN_CTX,
     UsageError,
@@ -91,8 +92,8 @@ def run_command(args) -> int:
         return graph_command(args)
     if args.raw and args.prompt is None and args.prompt_file is None:
         raise UsageError("--raw needs -p or --prompt-file")
-    if args.ctx is not None and args.ctx < 2:
-        raise UsageError("--ctx must be at least 2")
+    if args.ctx is not None and args.ctx < MIN_CTX:
+        raise UsageError(f"--ctx must be at least {MIN_CTX}, got {args.ctx}")
     think_flag = args.think  # None: no thinking flag given
     args.think = args.think or "high"
     text = args.prompt if args.prompt is not None else None

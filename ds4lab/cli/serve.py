@@ -4,6 +4,7 @@ ds4-server names them; the address, model and disk cache go to stderr once it li
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .common import DEFAULT_CTX, UsageError, context_size, describe, err, load_model
 
@@ -33,7 +34,7 @@ def add_serve_parser(sub) -> None:
                     help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length)")
     sv.add_argument("-n", "--max-tokens", "--tokens", dest="max_tokens", type=_positive_int, default=393216,
                     metavar="N", help="most tokens a request may generate, and the default (393216, as ds4-server)")
-    sv.add_argument("--gpu-device", default=None, metavar="LIST",
+    sv.add_argument("--gpu-device", type=_gpu_list, default=None, metavar="LIST",
                     help="CUDA GPUs to split the layers over evenly, e.g. 0,1 (cupy backend)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: a free one)")
@@ -71,21 +72,38 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--seed", type=_seed, default=None, metavar="N", help="default seed (default: time-based)")
     sv.set_defaults(func=serve_command)
 
-def _placement(args, backend: str):
-    """``--gpu-device 0,1``: the layers split evenly over those CUDA GPUs (CuPy), as ds4-server's flag places them."""
-    if args.gpu_device is None:
-        return None
-    if backend != "cupy":
-        raise UsageError(f"--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got {backend}")
+def _gpu_list(text: str) -> list[int]:
+    """``--gpu-device``'s value, checked as it is parsed (before the backend is looked at): distinct GPU numbers."""
     try:
-        ids = [int(x) for x in args.gpu_device.split(",")]
+        ids = [int(x) for x in text.split(",")]
     except ValueError:
         ids = []
     if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-        raise UsageError(f"--gpu-device takes distinct GPU numbers such as 0,1, got {args.gpu_device!r}")
+        raise argparse.ArgumentTypeError(f"expected distinct GPU numbers such as 0,1, got {text!r}")
+    return ids
+
+
+def _placement(ids: list[int] | None, backend: str):
+    """``--gpu-device 0,1``: the layers split evenly over those CUDA GPUs (CuPy), as ds4-server's flag places them."""
+    if ids is None:
+        return None
+    if backend != "cupy":
+        raise UsageError(f"--gpu-device places layers on CUDA GPUs: it needs the cupy backend, got {backend}")
     from .. import Placement
 
     return Placement.even(len(ids), devices=[f"cuda:{i}" for i in ids])
+
+
+def _kv_disk_dir(path: Path | None) -> None:
+    """``--kv-disk-dir`` made (with its parents) before the model loads, or refused naming the flag."""
+    if path is None:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"--kv-disk-dir {path}: exists and is not a folder") from None
+    except OSError as e:
+        raise UsageError(f"--kv-disk-dir {path}: cannot make the folder ({e.strerror})") from None
 
 
 def serve_command(args) -> int:
@@ -94,8 +112,9 @@ def serve_command(args) -> int:
     except ImportError as e:
         raise UsageError(f"ds4lab serve needs the server extra ({e.name} is missing): "
                          "pip install 'ds4lab[server]'") from None
+    _kv_disk_dir(args.kv_disk_dir)
     model = load_model(args)
-    placement = _placement(args, model.backend.name)
+    placement = _placement(args.gpu_device, model.backend.name)
     ctx = context_size(args.ctx, model)
     worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,
                         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
