@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..text_table import plural
+
 
 class _Progress:
     """Prefill progress on stderr: one updating line on a terminal, one line per chunk otherwise."""
@@ -127,6 +129,7 @@ class Turn:
     def line(self) -> str:
         prefill = self.evaluated / self.prefill_seconds if self.prefill_seconds > 0 and self.evaluated else 0.0
         gen = len(self.tokens) / self.gen_seconds if self.gen_seconds > 0 and self.tokens else 0.0
+        # one format whatever the counts ("1 tokens" too): scripts and tests parse this line
         return (f"prompt {self.prompt_tokens} tokens ({self.reused} reused, {self.source}; {self.evaluated} "
                 f"evaluated), prefill {prefill:.2f} t/s, generation {gen:.2f} t/s ({len(self.tokens)} tokens, "
                 f"{self.stop}), KV {self.kv_bytes} bytes")
@@ -168,8 +171,8 @@ def no_room(n: int, ctx: int, what: str = "the prompt", fix: str = "--ctx", most
     """The error for a prompt that leaves nothing to generate: as in ds4, generation stops one slot short of the
     context (n_predict is clamped to ctx - prompt - 1), so a prompt of ctx - 1 or more tokens gets no token.
     ``most``: the model's context length, past which no ``fix`` can go (the message then asks for fewer tokens)."""
-    problem = (f"{what} has {n} tokens and the context holds {ctx}: nothing is left to generate (ds4 keeps one "
-               f"slot free and generates at most ctx - prompt - 1 = {max(0, ctx - n - 1)} tokens)")
+    problem = (f"{what} has {plural(n, 'token')} and the context holds {ctx}: nothing is left to generate (ds4 "
+               f"keeps one slot free and generates at most ctx - prompt - 1 = {max(0, ctx - n - 1)} tokens)")
     if most and n + 2 > most:  # no context the model takes has room: the prompt must shrink
         raise_ctx = f"use {fix} {most} and " if ctx < most else ""
         return (f"{problem}; the model's context is at most {most} tokens: {raise_ctx}shorten {what} to at most "
