@@ -9,7 +9,7 @@ import html
 import numpy as np
 import traitlets as t
 
-from ..visibility import CATEGORIES, StepMask, step_mask
+from ..visibility import CATEGORIES, DROPPED, UNKNOWN, StepMask, step_mask
 from . import palette
 from .attention_figure import FEW_PX
 from .base import View, ViewModel, widget_module
@@ -55,8 +55,7 @@ def legend_names(mask: StepMask) -> list[str]:
     among more rows than its top k for some query of the mask; on a layer without an indexer it is seen (a
     walk-through read "kept" as the indexer's choice on a ratio-128 layer), and where no query sees more than k
     rows the indexer keeps them all (one read "kept" as a choice in a ratio-4 layer's first chunks)."""
-    chooses = np.isin(mask.cells, [CATEGORIES.index("dropped by the indexer"), CATEGORIES.index("indexer candidate")])
-    kept = ("seen (no indexer here)" if mask.top_k is None else "kept" if chooses.any()
+    kept = ("seen (no indexer here)" if mask.top_k is None else "kept" if np.isin(mask.cells, [DROPPED, UNKNOWN]).any()
             else f"seen (≤ {mask.top_k} visible: the indexer keeps all)")
     return [kept if c == "kept" else c for c in CATEGORIES]
 
