@@ -136,6 +136,11 @@ def test_serve_usage_errors(capsys, tmp_path):
     for where, why in ((blocker, "exists and is not a folder"), (blocker / "kv", "cannot make the folder")):
         assert cli.main(["serve", "--backend", "numpy", "--kv-disk-dir", str(where)]) == 2
         assert f"--kv-disk-dir {where}: {why}" in capsys.readouterr().err
+    # the folder it makes before the model loads is the store's: its owner's alone (its files hold prompts' text)
+    from ds4lab.cli.serve import _kv_disk_dir
+
+    _kv_disk_dir(tmp_path / "new" / "kv")
+    assert (tmp_path / "new" / "kv").stat().st_mode & 0o777 == 0o700
 
 
 def test_a_listen_failure_names_the_address_and_the_reason():

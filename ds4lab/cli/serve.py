@@ -95,15 +95,16 @@ def _placement(ids: list[int] | None, backend: str):
 
 
 def _kv_disk_dir(path: Path | None) -> None:
-    """``--kv-disk-dir`` made (with its parents) before the model loads, or refused naming the flag."""
+    """``--kv-disk-dir`` made as the store makes it (owner-only) before the model loads, or refused naming the flag."""
     if path is None:
         return
+    from ..kv.store import make_store_dir
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UsageError(f"--kv-disk-dir {path}: exists and is not a folder") from None
-    except OSError as e:
-        raise UsageError(f"--kv-disk-dir {path}: cannot make the folder ({e.strerror})") from None
+        make_store_dir(path)
+    except OSError as e:  # no errno: the store's refusal of a file of that name; else the system's reason
+        why = f"cannot make the folder ({e.strerror})" if e.errno else "exists and is not a folder"
+        raise UsageError(f"--kv-disk-dir {path}: {why}") from None
 
 
 def serve_command(args) -> int:

@@ -225,6 +225,16 @@ class KVStoreStats:
     bad_files: int  # damaged, foreign or incompatible files met (each reported once)
 
 
+def make_store_dir(path) -> Path:
+    """A KV store's directory, made with its parents where it is not, for its owner alone (its files hold the
+    prompts' text); a file of its name is refused (NotADirectoryError, with no errno: the store's own refusal)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path}: the KV store's directory exists and is not a directory")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 class KVStore:
     """A directory of ``KVC`` files with ds4-server's lookup, hit decay, eviction and write policy.
 
@@ -241,10 +251,7 @@ class KVStore:
             raise ValueError(f"compression must be one of {', '.join(map(repr, CODECS))}, got {compression!r}")
         if half_life_s <= 0:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
-        self.dir = Path(dir)
-        if self.dir.exists() and not self.dir.is_dir():
-            raise NotADirectoryError(f"{self.dir}: the KV store's directory exists and is not a directory")
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.dir = make_store_dir(dir)
         self.budget_bytes = int((budget_mb or DEFAULT_BUDGET_MB) * 1024 * 1024)
         self.min_tokens = min_tokens
         self.cold_max_tokens = cold_max_tokens
