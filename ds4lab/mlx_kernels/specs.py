@@ -481,7 +481,10 @@ MOE_ROUTE = KernelSpec("moe_route", "moe_route.body",
                        {"MAX_EXPERTS": ROUTE_MAX_EXPERTS, "MAX_K": ROUTE_MAX_K})
 _NEXT_TOKEN_DEFINES = {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np.float32(NEG_INF)) + "f",
                        "EXCLUDED(i)": "(has_mask && ((uint(mask[(i) >> 5]) >> ((i) & 31u)) & 1u) != 0u)",
-                       "FINITE(x)": "((as_bits(x) & 0x7f800000u) != 0x7f800000u)"}  # by its bits: fast math too
+                       "FINITE(x)": "((as_bits(x) & 0x7f800000u) != 0x7f800000u)",  # by its bits: fast math too
+                       # key (m, n) takes (x, y) where x is larger, or equal with a larger negated id (a lower id)
+                       "TAKE_FIRST_MAX(m, n, x, y)":
+                           "if ((x) > (m) || ((x) == (m) && (y) > (n))) { m = (x); n = (y); }"}
 NEXT_TOKEN_PARTS = KernelSpec("next_token_parts", "next_token_parts.body",
                               (("logits", "float32"), ("mask", "int32"), ("dims", "int32")),
                               (("parts", "float32"),), _NEXT_TOKEN_DEFINES)
