@@ -348,8 +348,9 @@ DEVICE_FN LaneX load_x32_q2_k(const GLOBAL float* x, uint k) {
 // k, tables, aux) reads the group at k (a multiple of 32) of the row at byte off of w (w 16-byte aligned; off a
 // multiple of 16 for Q8_0's and Q2_K's tiles, of 8 for IQ2_XXS's); tables:
 // IQ2_XXS's, see iq2_xxs_table_word. The decode products take them (dot32), IQ2_XXS's prefill weight slabs
-// eight at a time (group32_eight).
-struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; };
+// eight at a time (group32_eight). Q2_K's also sets sc and mins, its halves' 4-bit scales and minima, and dd and
+// dmin, its block's (d[h] = dd·sc[h], m[h] = dmin·mins[h]): dot32_q8 applies them to integer sums.
+struct Group32 { uint q[8]; float d[2]; float m[2]; float bias; uint sc[2]; uint mins[2]; float dd, dmin; };
 
 // Q8_0 (its tiles: two 16-byte loads, the scale a third).
 DEVICE_FN Group32 group32_q8_0(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
@@ -387,7 +388,11 @@ DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const 
         for (uint i = 0; i < 4u; i++) g.q[4u * t + i] = (qs[i] >> (4u * jp + 2u * t)) & 0x03030303u;
         g.d[t] = d * u8_float(sc & 15u);
         g.m[t] = dmin * u8_float(sc >> 4);
+        g.sc[t] = sc & 15u;  // the same as integers, for the products on quantized x
+        g.mins[t] = sc >> 4;
     }
+    g.dd = d;
+    g.dmin = dmin;
     g.bias = 8388608.0f;
     return g;
 }
@@ -504,8 +509,9 @@ DEVICE_FN float dot32_q8(Group32 g, LaneQ x, bool halves) {
     int s[2] = {0, 0};
     #pragma unroll
     for (uint i = 0; i < 8u; i++) s[i >> 2] = dot4_i8(g.q[i] ^ flip, x.q[i], s[i >> 2]);
-    if (halves)
-        return x.d * ((g.d[0] * float(s[0]) - g.m[0] * float(x.sum[0])) + (g.d[1] * float(s[1]) - g.m[1] * float(x.sum[1])));
+    if (halves)  // the halves' scales and minima applied to the integer sums, then d and dmin once (exact: |sums| < 2^24)
+        return x.d * (g.dd * float(int(g.sc[0]) * s[0] + int(g.sc[1]) * s[1])
+                      - g.dmin * float(int(g.mins[0]) * x.sum[0] + int(g.mins[1]) * x.sum[1]));
     return g.d[0] * x.d * float(s[0] + s[1]);
 }
 
