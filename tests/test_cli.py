@@ -181,7 +181,9 @@ def test_interactive_ctrl_c_stops_generation(nano):
     proc = subprocess.Popen([sys.executable, "-m", "ds4lab.cli", "run", "-m", str(nano), "--nothink", "--temp", "0",
                              "--ctx", "4096", *FAST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
-    proc.stdin.write("Hello\n/stats\n/quit\n")
+    # "ROMEO:" runs nano's greedy reply 877 tokens to its EOS ("Hello" 341: on a loaded machine that reply once ended
+    # before the signal came, and the test failed on the stop reason)
+    proc.stdin.write("ROMEO:\n/stats\n/quit\n")
     proc.stdin.close()
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
