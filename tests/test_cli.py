@@ -178,9 +178,16 @@ def test_interactive_commands(nano, tmp_path):
 
 def test_interactive_ctrl_c_stops_generation(nano):
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    proc = subprocess.Popen([sys.executable, "-m", "ds4lab.cli", "run", "-m", str(nano), "--nothink", "--temp", "0",
-                             "--ctx", "4096", *FAST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
+    # A process that ignores SIGINT (one a shell started with '&', and so every process under it) passes that on to
+    # its children across exec, where a handler would be reset to the default: the CLI then never sees the Ctrl+C.
+    # A handler in this process while the CLI starts gives it the default, as a terminal's foreground process has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "ds4lab.cli", "run", "-m", str(nano), "--nothink", "--temp",
+                                 "0", "--ctx", "4096", *FAST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     # "ROMEO:" runs nano's greedy reply 877 tokens to its EOS ("Hello" 341: on a loaded machine that reply once ended
     # before the signal came, and the test failed on the stop reason)
     proc.stdin.write("ROMEO:\n/stats\n/quit\n")
