@@ -188,8 +188,7 @@ def test_interactive_ctrl_c_stops_generation(nano):
                                 stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
     finally:
         signal.signal(signal.SIGINT, previous)
-    # "ROMEO:" runs nano's greedy reply 877 tokens to its EOS ("Hello" 341: on a loaded machine that reply once ended
-    # before the signal came, and the test failed on the stop reason)
+    # "ROMEO:" runs nano's greedy reply 877 tokens to its EOS ("Hello": 341), room for the signal to come mid-reply
     proc.stdin.write("ROMEO:\n/stats\n/quit\n")
     proc.stdin.close()
     out: list[str] = []
