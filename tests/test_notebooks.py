@@ -47,11 +47,17 @@ def test_every_notebook_is_a_pair():
     assert 'formats = "ipynb,py:percent"' in config
 
 
-def test_the_build_command_runs_every_paired_source():
-    """notebooks/build.py picks up every NN_*.py, a notebook added later included."""
+def build_module():
+    """notebooks/build.py as a module (it is a script, not a package's)."""
     spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
+    return build
+
+
+def test_the_build_command_runs_every_paired_source():
+    """notebooks/build.py picks up every NN_*.py, a notebook added later included."""
+    build = build_module()
     assert [p.name for p in build.sources()] == SOURCES
     assert [p.name for p in build.sources(["02"])] == [s for s in SOURCES if s.startswith("02")]
 
@@ -59,9 +65,7 @@ def test_the_build_command_runs_every_paired_source():
 def test_the_build_command_refuses_what_it_does_not_know(monkeypatch, capsys):
     """--help and a mistyped flag or prefix stop notebooks/build.py before it writes a notebook (it once took any
     "--" word as nothing and rebuilt every notebook)."""
-    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    build = build_module()
     monkeypatch.setattr(build, "execute", lambda nb: pytest.fail("a notebook was run"))
     monkeypatch.setattr(build.nbformat, "write", lambda *a: pytest.fail("a notebook was written"))
     for argv, code, said in ((["--help"], 0, "--no-execute"), (["--no-exec"], 2, "unrecognized arguments: --no-exec"),
