@@ -619,11 +619,12 @@ class KernelLaunches:
         dims = self._const(V, int(mask is not None), slice_, G, int(draw))
         mask = self._const(0) if mask is None else mask
         fparams = params if draw else self._const(0.0, dtype=np.float32)
-        threads = min(S.NEXT_TOKEN_THREADS, 32 * -(-slice_ // 32))
+        lanes = 32 * -(-slice_ // 32)  # a slice's ids in whole SIMD groups
+        threads = min(S.NEXT_TOKEN_THREADS, lanes)
         parts = self._run(S.NEXT_TOKEN_PARTS, (G, 1), threads, [x, mask, dims], [((G * 5,), "float32")])[0]
         sums = (self._run(S.NEXT_TOKEN_SUMS, (G, 1), threads, [x, parts, mask, dims, fparams],
                           [((G * 2,), "float32")])[0] if draw else parts)  # unread without a draw
-        return self._run(S.NEXT_TOKEN_PICK, (1, 1), min(S.NEXT_TOKEN_GROUP, 32 * -(-slice_ // 32)),
+        return self._run(S.NEXT_TOKEN_PICK, (1, 1), min(S.NEXT_TOKEN_GROUP, lanes),
                          [x, parts, sums, mask, dims, fparams], [((1,), "int32")])[0]
 
 

@@ -484,7 +484,11 @@ _NEXT_TOKEN_DEFINES = {"NONE": f"{NEXT_TOKEN_MAX_VOCAB}u", "LOGIT_FLOOR": str(np
                        "FINITE(x)": "((as_bits(x) & 0x7f800000u) != 0x7f800000u)",  # by its bits: fast math too
                        # key (m, n) takes (x, y) where x is larger, or equal with a larger negated id (a lower id)
                        "TAKE_FIRST_MAX(m, n, x, y)":
-                           "if ((x) > (m) || ((x) == (m) && (y) > (n))) { m = (x); n = (y); }"}
+                           "if ((x) > (m) || ((x) == (m) && (y) > (n))) { m = (x); n = (y); }",
+                       # a draw's weight w of id i (logit x) from the kernel's top, t and min_rel: exp((x - top) / t),
+                       # -1 where the rule does not keep the id (excluded, not finite, or a weight under min_rel)
+                       "DRAW_WEIGHT(w, i, x)": "float w = EXCLUDED(i) || !FINITE(x) ? -1.0f : exp(((x) - top) / t); "
+                                               "w = w < min_rel ? -1.0f : w"}
 NEXT_TOKEN_PARTS = KernelSpec("next_token_parts", "next_token_parts.body",
                               (("logits", "float32"), ("mask", "int32"), ("dims", "int32")),
                               (("parts", "float32"),), _NEXT_TOKEN_DEFINES)
