@@ -459,10 +459,12 @@ DEVICE_FN Group32 group32_iq2_xxs_signed(const GLOBAL uint8_t* w, uint off, uint
     const GLOBAL uint8_t* t = w + off + iq2_xxs_tile_at(k);
     uint2 sub = load_u2(t + iq2_xxs_sub_at(k));
     uint idx = sub.x, a1 = sub.y;
+    // bit 7j: the parity of sign field j (bits 7j .. 7j + 6), all four at once where a POPC each took more
+    uint t1 = a1 ^ (a1 >> 1), parity = t1 ^ (t1 >> 2) ^ (t1 >> 4) ^ (a1 >> 6);
     Group32 g;
     #pragma unroll
     for (uint j = 0; j < 4u; j++) {
-        uint e = (idx >> (8u * j)) & 255u, signs = iq2_xxs_signs((a1 >> (7u * j)) & 127u);
+        uint e = (idx >> (8u * j)) & 255u, signs = ((a1 >> (7u * j)) & 127u) | (((parity >> (7u * j)) & 1u) << 7);
         g.q[2u * j] = tables[256u * (signs & 15u) + e] ^ 0x80808080u;
         g.q[2u * j + 1u] = tables[4096u + 256u * (signs >> 4) + e] ^ 0x80808080u;
     }
