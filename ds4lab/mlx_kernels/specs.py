@@ -167,15 +167,16 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
 # step (x by the loader named here); the rest take 8 (dot8_<type>). Of the prefill's weight slabs, IQ2_XXS's
 # (qgemm's DQ32).
 GROUP32_X_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
-IQ2_TABLE_WORDS = 512  # IQ2_XXS's grid in group-shared memory (its sign masks are made in registers)
+IQ2_TABLE_WORDS = 512  # IQ2_XXS's grid in qgemm's group-shared memory (the decode loops': its signed grid)
 
 
 def _decode_loop(qtype: Q) -> dict:
     grouped = qtype in GROUP32_X_LOADERS
-    return {"DOT32": int(grouped), "GROUP32": typed("group32", qtype) if grouped else "0",
+    group32 = "group32_iq2_xxs_signed" if qtype == Q.IQ2_XXS else typed("group32", qtype)  # (its signed grid)
+    return {"DOT32": int(grouped), "GROUP32": group32 if grouped else "0",
             "GROUP32_HALVES": int(qtype == Q.Q2_K), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
             "DOT8": typed("dot8", qtype), "XSUM": int(qtype == Q.Q4_K),
-            "IQ2_TABLES": int(qtype == Q.IQ2_XXS), "IQ2_TABLE_WORDS": IQ2_TABLE_WORDS}
+            "IQ2_TABLES": int(qtype == Q.IQ2_XXS)}
 
 
 # decode_matmul="q8": the types whose decode products take x quantized, and how (ds4.c quantizes x to Q8_0's blocks

@@ -438,6 +438,42 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
     return g;
 }
 
+// IQ2_XXS's grid with the signs applied, for the decode products on quantized x (qmatmul_xq8; IQ2_SIGNED_WORDS,
+// 32 KB of group-shared memory): word 4096h + 256n + e is word h of entry e with bits 0-3 of n negating its bytes,
+// in two's complement. A group's eight lookups then take its signs as an index, where the masks made in registers
+// cost six operations a word (the products are bound by their instructions); e lowest, so lookups spread over the
+// banks as the grid's do. Built from aux by a work-group's threads, a lane an entry's word for its 16 sign nibbles.
+#define IQ2_SIGNED_WORDS 8192u
+DEVICE_FN void iq2_xxs_signed_tables(SHARED_ARG uint* tables, const GLOBAL uint8_t* aux, uint tid, uint threads) {
+    for (uint i = tid; i < 512u; i += threads) {
+        uint h = i >> 8, e = i & 255u, g = load_u32(aux + 4u * (2u * e + h));
+        #pragma unroll
+        for (uint n = 0; n < 16u; n++) tables[4096u * h + 256u * n + e] = signed_grid4(g, n) ^ 0x80808080u;
+    }
+}
+
+// group32_iq2_xxs from the signed grid (biased by 128 as group32_iq2_xxs's bytes; dot32_q8 undoes it, so the
+// compiler drops both).
+DEVICE_FN Group32 group32_iq2_xxs_signed(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
+                                         const GLOBAL uint8_t* aux) {
+    const GLOBAL uint8_t* t = w + off + iq2_xxs_tile_at(k);
+    uint2 sub = load_u2(t + iq2_xxs_sub_at(k));
+    uint idx = sub.x, a1 = sub.y;
+    // bit 7j: the parity of sign field j (bits 7j .. 7j + 6), all four at once where a POPC each took more
+    uint t1 = a1 ^ (a1 >> 1), parity = t1 ^ (t1 >> 2) ^ (t1 >> 4) ^ (a1 >> 6);
+    Group32 g;
+    #pragma unroll
+    for (uint j = 0; j < 4u; j++) {
+        uint e = (idx >> (8u * j)) & 255u, signs = ((a1 >> (7u * j)) & 127u) | (((parity >> (7u * j)) & 1u) << 7);
+        g.q[2u * j] = tables[256u * (signs & 15u) + e] ^ 0x80808080u;
+        g.q[2u * j + 1u] = tables[4096u + 256u * (signs >> 4) + e] ^ 0x80808080u;
+    }
+    g.d[0] = g.d[1] = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    g.m[0] = g.m[1] = 0.0f;
+    g.bias = 8388736.0f;
+    return g;
+}
+
 // Σ_i element i · x.v[i] over a group; halves: the group's two halves have scales and minima of their own (Q2_K),
 // else d[0] scales the whole sum and m is 0 (a constant, so the compiler drops that work).
 DEVICE_FN float dot32(Group32 g, LaneX x, bool halves) {
