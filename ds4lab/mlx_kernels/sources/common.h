@@ -397,7 +397,8 @@ DEVICE_FN Group32 group32_q2_k(const GLOBAL uint8_t* w, uint off, uint k, const 
     return g;
 }
 
-// IQ2_XXS's grid in group-shared memory (IQ2_TABLE_WORDS, a kernel define), built by a work-group's threads:
+// IQ2_XXS's grid in qgemm's group-shared memory (IQ2_TABLE_WORDS, a kernel define; the decode products take the
+// signed grid, iq2_xxs_signed_tables), built by a work-group's threads:
 // words 0-255 the grid entries' first words (entry e at e), 256-511 their second words (at 256 + e). Each read's
 // bank is its index mod 32 over all 32 banks: with an entry's two words side by side (2e, 2e + 1) a SIMD group's 32
 // lookups fell on 16 banks, so more of them on the same bank, and a group-shared read waits for every lane's bank in
@@ -407,13 +408,13 @@ DEVICE_FN uint iq2_xxs_table_word(uint i, const GLOBAL uint8_t* aux) {
 }
 
 // A group of eight's signs from its 7-bit sign index si: ksigns_iq2xs[si], si with an eighth sign that makes their
-// count even, made in registers (a table of their masks took half of the decode products' group-shared reads,
-// which bound them).
+// count even, made in registers (a table of the masks alone took half of the decode products' group-shared reads,
+// which bound them; those now look up words with the signs applied, group32_iq2_xxs_signed).
 DEVICE_FN uint iq2_xxs_signs(uint si) { return si | ((popcount_u(si) & 1u) << 7); }
 // Four grid bytes g (8, 25 or 43) with the signs of bits 0-3 of s, biased by 128: n holds 0x01 in a negative
 // element's byte, and (g ^ 0xFF) + 1 there is -g in two's complement (no carry: g ≥ 8), as the products on
-// quantized x read them; the bias (^ 0x80) is for the float products' byte conversion, and those on quantized x undo
-// it (dot32_q8), so the compiler drops both.
+// quantized x read them; the bias (^ 0x80) is for the float products' byte conversion (the signed grid stores the
+// words unbiased: the compiler drops both XORs there).
 DEVICE_FN uint signed_grid4(uint g, uint s) {
     uint n = ((s & 15u) * 0x00204081u) & 0x01010101u;
     return ((g ^ (n * 255u)) + n) ^ 0x80808080u;
