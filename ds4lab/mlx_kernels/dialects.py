@@ -64,6 +64,7 @@ CUDA_HEADER = _COMMON_HEADER + """#include <cuda_fp16.h>
 #define GLOBAL
 #define SHARED_ARG
 #define DEVICE_FN __device__ inline
+#define IQ2_SIGNED_GRID 1  // the decode products' IQ2_XXS tables (common.h)
 typedef unsigned int uint;
 // Hopper's programmatic dependent launch (ds4lab.cuda.driver.launch): a kernel may be launched before the one before
 // it on the stream has ended (as its work-groups exit, without the gap of a full launch) and waits here for it to end
@@ -248,6 +249,9 @@ DEVICE_FN void slab_h8_from(SHARED_ARG float* dst, const GLOBAL half_t* src, uin
 METAL_HEADER = _COMMON_HEADER + """#define GLOBAL device
 #define SHARED_ARG threadgroup
 #define DEVICE_FN inline
+// The decode products' IQ2_XXS tables: the plain grid (2 KB), not the signed one (32 KB: all the threadgroup memory
+// a work-group may have, which on an Apple GPU would leave room for few work-groups a core)
+#define IQ2_SIGNED_GRID 0
 #define CHECK_ALIGNED16(p)
 DEVICE_FN void grid_dependency_wait() {}
 DEVICE_FN float load_half(const device uint8_t* p) { return float(*(const device half*)p); }
@@ -339,6 +343,7 @@ CPU_HEADER = _COMMON_HEADER + """#if defined(__APPLE__)
 #define GLOBAL
 #define SHARED_ARG
 #define DEVICE_FN static inline
+#define IQ2_SIGNED_GRID 1  // as CUDA's
 typedef unsigned int uint;
 DEVICE_FN void grid_dependency_wait() {}
 using std::ceil; using std::exp; using std::exp2; using std::fabs; using std::floor; using std::log2;

@@ -167,12 +167,12 @@ def qmatmul_spec(qtype: Q) -> KernelSpec:
 # step (x by the loader named here); the rest take 8 (dot8_<type>). Of the prefill's weight slabs, IQ2_XXS's
 # (qgemm's DQ32).
 GROUP32_X_LOADERS = {Q.Q8_0: "load_x32", Q.IQ2_XXS: "load_x32", Q.Q2_K: "load_x32_q2_k"}
-IQ2_TABLE_WORDS = 512  # IQ2_XXS's grid in qgemm's group-shared memory (the decode loops': its signed grid)
+IQ2_TABLE_WORDS = 512  # IQ2_XXS's grid in qgemm's group-shared memory (the decode loops': common.h's)
 
 
 def _decode_loop(qtype: Q) -> dict:
     grouped = qtype in GROUP32_X_LOADERS
-    group32 = "group32_iq2_xxs_signed" if qtype == Q.IQ2_XXS else typed("group32", qtype)  # (its signed grid)
+    group32 = "group32_iq2_xxs_decode" if qtype == Q.IQ2_XXS else typed("group32", qtype)  # (the dialect's tables)
     return {"DOT32": int(grouped), "GROUP32": group32 if grouped else "0",
             "GROUP32_HALVES": int(qtype == Q.Q2_K), "LOAD_X32": GROUP32_X_LOADERS.get(qtype, "load_x32"),
             "DOT8": typed("dot8", qtype), "XSUM": int(qtype == Q.Q4_K),

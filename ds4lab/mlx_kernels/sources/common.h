@@ -439,11 +439,11 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
     return g;
 }
 
-// IQ2_XXS's grid with the signs applied, for the decode products on quantized x (qmatmul_xq8; IQ2_SIGNED_WORDS,
-// 32 KB of group-shared memory): word 4096h + 256n + e is word h of entry e with bits 0-3 of n negating its bytes,
-// in two's complement. A group's eight lookups then take its signs as an index, where the masks made in registers
-// cost six operations a word (the products are bound by their instructions); e lowest, so lookups spread over the
-// banks as the grid's do. Built from aux by a work-group's threads, a lane an entry's word for its 16 sign nibbles.
+// IQ2_XXS's grid with the signs applied, for the decode products (IQ2_SIGNED_WORDS, 32 KB of group-shared memory):
+// word 4096h + 256n + e is word h of entry e with bits 0-3 of n negating its bytes, in two's complement. A group's
+// eight lookups then take its signs as an index, where the masks made in registers cost six operations a word; e
+// lowest, so lookups spread over the banks as the grid's do. Built from aux by a work-group's threads, a lane an
+// entry's word for its 16 sign nibbles.
 #define IQ2_SIGNED_WORDS 8192u
 DEVICE_FN void iq2_xxs_signed_tables(SHARED_ARG uint* tables, const GLOBAL uint8_t* aux, uint tid, uint threads) {
     for (uint i = tid; i < 512u; i += threads) {
@@ -453,8 +453,8 @@ DEVICE_FN void iq2_xxs_signed_tables(SHARED_ARG uint* tables, const GLOBAL uint8
     }
 }
 
-// group32_iq2_xxs from the signed grid (biased by 128 as group32_iq2_xxs's bytes; dot32_q8 undoes it, so the
-// compiler drops both).
+// group32_iq2_xxs from the signed grid (its bytes biased by 128 as group32_iq2_xxs's, which dot32 converts so;
+// dot32_q8 undoes it, and the compiler drops both XORs).
 DEVICE_FN Group32 group32_iq2_xxs_signed(const GLOBAL uint8_t* w, uint off, uint k, const SHARED_ARG uint* tables,
                                          const GLOBAL uint8_t* aux) {
     const GLOBAL uint8_t* t = w + off + iq2_xxs_tile_at(k);
@@ -474,6 +474,20 @@ DEVICE_FN Group32 group32_iq2_xxs_signed(const GLOBAL uint8_t* w, uint off, uint
     g.bias = 8388736.0f;
     return g;
 }
+
+// The decode products' IQ2_XXS tables (IQ2_SIGNED_GRID, the dialect's): IQ2_DECODE_WORDS words built by
+// iq2_xxs_decode_tables, read by group32_iq2_xxs_decode.
+#if IQ2_SIGNED_GRID
+#define IQ2_DECODE_WORDS IQ2_SIGNED_WORDS
+#define iq2_xxs_decode_tables iq2_xxs_signed_tables
+#define group32_iq2_xxs_decode group32_iq2_xxs_signed
+#else
+#define IQ2_DECODE_WORDS 512u
+DEVICE_FN void iq2_xxs_decode_tables(SHARED_ARG uint* tables, const GLOBAL uint8_t* aux, uint tid, uint threads) {
+    for (uint i = tid; i < IQ2_DECODE_WORDS; i += threads) tables[i] = iq2_xxs_table_word(i, aux);
+}
+#define group32_iq2_xxs_decode group32_iq2_xxs
+#endif
 
 // Σ_i element i · x.v[i] over a group; halves: the group's two halves have scales and minima of their own (Q2_K),
 // else d[0] scales the whole sum and m is 0 (a constant, so the compiler drops that work).
