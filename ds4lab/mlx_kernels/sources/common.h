@@ -96,6 +96,12 @@ DEVICE_FN float dq_iq2_xxs(const GLOBAL uint8_t* row, uint k, const GLOBAL uint8
 DEVICE_FN float u8_float(uint u) { return from_bits(0x4B000000u | u) - 8388608.0f; }
 DEVICE_FN float i8_float(uint u) { return from_bits(0x4B000000u | (u ^ 128u)) - 8388736.0f; }  // u: the byte of an int8
 
+// An IQ2_XXS sub-block's scale, d·(s + ½)/4, from its tile t (at element k) and its word a1 (s: the top 4 bits), as
+// dq_iq2_xxs takes it.
+DEVICE_FN float iq2_xxs_scale(const GLOBAL uint8_t* t, uint k, uint a1) {
+    return load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+}
+
 // MXFP4, 17-byte blocks of 32: an exponent byte e, then 16 bytes of E2M1 codes (element j < 16 the low nibble of byte
 // j, 16 + j its high one). As ggml and ds4lab/quants.py keep it: half the scale, 2^(e − 128) (e < 2 subnormal), times
 // the doubled magnitude, nibble (c & 7) of 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), negated with bit 3 of the code c
@@ -209,7 +215,7 @@ DEVICE_FN IQ2Group iq2_xxs_group(const GLOBAL uint8_t* row, uint k, const GLOBAL
     IQ2Group r;
     r.entry = uint(sub[g]);
     r.signs = aux[2048u + ((a1 >> (7u * g)) & 127u)];
-    r.scale = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    r.scale = iq2_xxs_scale(t, k, a1);
     return r;
 }
 
@@ -433,7 +439,7 @@ DEVICE_FN Group32 group32_iq2_xxs(const GLOBAL uint8_t* w, uint off, uint k, con
         g.q[2u * j] = signed_grid4(tables[e], signs);
         g.q[2u * j + 1u] = signed_grid4(tables[256u + e], signs >> 4);
     }
-    g.d[0] = g.d[1] = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    g.d[0] = g.d[1] = iq2_xxs_scale(t, k, a1);
     g.m[0] = g.m[1] = 0.0f;
     g.bias = 8388736.0f;
     return g;
@@ -469,7 +475,7 @@ DEVICE_FN Group32 group32_iq2_xxs_signed(const GLOBAL uint8_t* w, uint off, uint
         g.q[2u * j] = tables[256u * (signs & 15u) + e] ^ 0x80808080u;
         g.q[2u * j + 1u] = tables[4096u + 256u * (signs >> 4) + e] ^ 0x80808080u;
     }
-    g.d[0] = g.d[1] = load_half(t + iq2_xxs_scale_at(k)) * (0.5f + u8_float(a1 >> 28)) * 0.25f;
+    g.d[0] = g.d[1] = iq2_xxs_scale(t, k, a1);
     g.m[0] = g.m[1] = 0.0f;
     g.bias = 8388736.0f;
     return g;
