@@ -191,6 +191,13 @@ class Ops:
         y = numerics.hadamard_fp4_sim(self.xp, x)
         return numerics.f16_round(self.xp, y) if f16 else y
 
+    def rope_hadamard_fp4(self, x, cos, sin):
+        """:meth:`hadamard_fp4` of :meth:`rope`'s ``x``: one launch with kernels (the indexer's queries)."""
+        n, kernels = x.shape[-1], self.kernels
+        if kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0:
+            return kernels.rope_hadamard_fp4(x, cos, sin)
+        return self.hadamard_fp4(self.rope(x, cos, sin))
+
     def compress_chunk(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
         """``(pooled, new_kv, new_sc)`` of :func:`ds4lab.model.compressor.compress_chunk`: with kernels, one
         pools (compress_pool), another makes the new state (compress_state)."""

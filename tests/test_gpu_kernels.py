@@ -1297,6 +1297,26 @@ def test_hadamard_fp4_kernel_equals_the_plain_path(gpu, rows, n):
     assert np.array_equal(got, want), np.abs(got - want).max()
 
 
+@pytest.mark.parametrize("shape,n_rot", [((1, 64, 128), 64), ((3, 64, 128), 64), ((2, 5, 32), 16), ((70, 4, 128), 64)])
+def test_rope_hadamard_fp4_kernel_equals_rope_then_hadamard_fp4(gpu, shape, n_rot):
+    """The indexer's queries: RoPE then the Hadamard + FP4 step in one launch, several rows (heads) a position: the
+    bits of the two kernels it replaces on the emulator; on a GPU RoPE's a·c − b·s may be one FMA in one kernel and
+    not the other, and an FP4 rounding then move by one code: at most 1 in 1,000 elements, by at most a step."""
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(shape[0])
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 20, shape[:-1] + (1,))).astype(np.float32)
+    angle = rng.uniform(-40, 40, (shape[0], n_rot // 2))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    got = to_host(kernels.rope_hadamard_fp4(to_dev(x), to_dev(cos), to_dev(sin)))
+    want = to_host(kernels.hadamard_fp4(kernels.rope(to_dev(x), to_dev(cos), to_dev(sin))))
+    if name == "emulated":
+        np.testing.assert_array_equal(got, want)
+    else:
+        apart = got != want
+        step = 2.0 * np.abs(want).max(axis=-1, keepdims=True) / 3.0  # an FP4 code's step is at most scale·2 <= max/3·2
+        assert apart.mean() <= 1e-3 and (np.abs(got - want) <= step)[apart].all()
+
+
 def test_hadamard_fp4_kernel_rounds_stored_rows_to_f16(gpu):
     # Rows small enough that their FP4 codes times the scale fall among f16's subnormals, and one large enough
     # to overflow f16: the f16 rounding of a stored indexer row changes them, and must match the plain path's.

@@ -282,7 +282,9 @@ class Transformer:
         """The indexer's queries."""
         cfg = self.cfg
         q = lw.indexer_attn_q_b(qr).reshape(qr.shape[0], cfg.idx_heads, cfg.idx_dim)
-        return self.indexer_quant(self.ops.rope(q, cos, sin))
+        if self.numerics == "exact":
+            return self.ops.rope(q, cos, sin)
+        return self.ops.rope_hadamard_fp4(q, cos, sin)  # indexer_quant's step after RoPE, one launch with kernels
 
     # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens, emit=None, chain: bool = False):
