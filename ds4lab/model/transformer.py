@@ -99,9 +99,6 @@ class Transformer:
         """FP8 on the non-RoPE dims, then F16 rounding, as every cached attention row is stored."""
         return x if self.numerics == "exact" else self.ops.store_kv(x, self.cfg.n_rot)
 
-    def indexer_quant(self, x):
-        return x if self.numerics == "exact" else self.ops.hadamard_fp4(x)
-
     def store_index(self, x):
         """Hadamard + FP4, then F16 rounding, as every indexer row is stored."""
         return x if self.numerics == "exact" else self.ops.hadamard_fp4(x, f16=True)
@@ -279,12 +276,13 @@ class Transformer:
         return rows, new_kv, new_sc
 
     def _indexer_query(self, lw: LayerWeights, qr, cos, sin):
-        """The indexer's queries."""
+        """The indexer's queries: turned by RoPE, then (but in exact numerics) its Hadamard + FP4 step, one launch with
+        kernels."""
         cfg = self.cfg
         q = lw.indexer_attn_q_b(qr).reshape(qr.shape[0], cfg.idx_heads, cfg.idx_dim)
         if self.numerics == "exact":
             return self.ops.rope(q, cos, sin)
-        return self.ops.rope_hadamard_fp4(q, cos, sin)  # indexer_quant's step after RoPE, one launch with kernels
+        return self.ops.rope_hadamard_fp4(q, cos, sin)
 
     # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens, emit=None, chain: bool = False):
