@@ -189,10 +189,10 @@ class Ops:
         y = numerics.hadamard_fp4_sim(self.xp, x)
         return numerics.f16_round(self.xp, y) if f16 else y
 
-    def rope_hadamard_fp4(self, x, cos, sin):
+    def hadamard_fp4_rope(self, x, cos, sin):
         """:meth:`hadamard_fp4` of :meth:`rope`'s ``x``: one launch with kernels (the indexer's queries)."""
         if self._hadamard_kernel(x.shape[-1]):
-            return self.kernels.rope_hadamard_fp4(x, cos, sin)
+            return self.kernels.hadamard_fp4_rope(x, cos, sin)
         return self.hadamard_fp4(self.rope(x, cos, sin))
 
     def _hadamard_kernel(self, n: int) -> bool:

@@ -1298,7 +1298,7 @@ def test_hadamard_fp4_kernel_equals_the_plain_path(gpu, rows, n):
 
 
 @pytest.mark.parametrize("shape,n_rot", [((1, 64, 128), 64), ((3, 64, 128), 64), ((2, 5, 32), 16), ((70, 4, 128), 64)])
-def test_rope_hadamard_fp4_kernel_equals_rope_then_hadamard_fp4(gpu, shape, n_rot):
+def test_hadamard_fp4_rope_kernel_equals_rope_then_hadamard_fp4(gpu, shape, n_rot):
     """The indexer's queries: RoPE then the Hadamard + FP4 step in one launch, several rows (heads) a position: the
     bits of the two kernels it replaces on the emulator; on a GPU RoPE's a·c − b·s may be one FMA in one kernel and
     not the other, and an FP4 rounding then move by one code: at most 1 in 1,000 elements, by at most a step."""
@@ -1307,7 +1307,7 @@ def test_rope_hadamard_fp4_kernel_equals_rope_then_hadamard_fp4(gpu, shape, n_ro
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 20, shape[:-1] + (1,))).astype(np.float32)
     angle = rng.uniform(-40, 40, (shape[0], n_rot // 2))
     cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
-    got = to_host(kernels.rope_hadamard_fp4(to_dev(x), to_dev(cos), to_dev(sin)))
+    got = to_host(kernels.hadamard_fp4_rope(to_dev(x), to_dev(cos), to_dev(sin)))
     want = to_host(kernels.hadamard_fp4(kernels.rope(to_dev(x), to_dev(cos), to_dev(sin))))
     if name == "emulated":
         np.testing.assert_array_equal(got, want)

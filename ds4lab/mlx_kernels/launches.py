@@ -447,12 +447,12 @@ class KernelLaunches:
                          [x2, self._const(R, n, int(f16)), self._const(1.0 / n ** 0.5, dtype=np.float32)],
                          [((R, n), "float32")])[0].reshape(x.shape)
 
-    def rope_hadamard_fp4(self, x, cos, sin):
+    def hadamard_fp4_rope(self, x, cos, sin):
         """:meth:`hadamard_fp4` of :meth:`rope`'s ``x [T, ..., n]`` in one launch (the indexer's queries)."""
         n = x.shape[-1]
         x2 = self._f32(x).reshape(-1, n)
         R = x2.shape[0]
-        return self._run(S.ROPE_HADAMARD_FP4, (R, 1), n,
+        return self._run(S.HADAMARD_FP4_ROPE, (R, 1), n,
                          [x2, self._f32(cos), self._f32(sin), self._const(R, n, 0, R // x.shape[0], 2 * cos.shape[-1]),
                           self._const(1.0 / n ** 0.5, dtype=np.float32)],
                          [((R, n), "float32")])[0].reshape(x.shape)

@@ -23,7 +23,7 @@
 ``rmsnorm_rope``     the same, and the rows with RoPE on their tail too (one launch for rmsnorm then rope)
 ``store_kv``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
-``rope_hadamard_fp4``  the same after RoPE on each row's tail (the indexer's queries: one launch for rope then it)
+``hadamard_fp4_rope``  the same after RoPE on each row's tail (the indexer's queries: one launch for rope then it)
 ``compress_pool``    the compressor's softmax pooling of every window of a chunk's timeline
 ``compress_state``   the compressor's pending state after a chunk
 ``add_ape``          the compressor's scores: the gate's output plus each position's APE row
@@ -390,7 +390,7 @@ STORE_KV = KernelSpec("store_kv", "store_kv.body", (("x", "float32"), ("dims", "
 HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
                           (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),),
                           {"ROPE": 0})
-ROPE_HADAMARD_FP4 = KernelSpec("rope_hadamard_fp4", "hadamard_fp4.body",
+HADAMARD_FP4_ROPE = KernelSpec("hadamard_fp4_rope", "hadamard_fp4.body",
                                (("x", "float32"), ("cos_t", "float32"), ("sin_t", "float32"), ("dims", "int32"),
                                 ("fparams", "float32")),
                                (("y", "float32"),), {"ROPE": 1})
@@ -516,7 +516,7 @@ def all_specs() -> list[KernelSpec]:
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, ATTEND_REDUCE_ROPE, *(attend_chunk_spec(operands) for operands in OPERANDS),
             HC_PRE, HC_PRE_THEN, HC_POST, HC_POST_MIX, HC_MIX_PARTS, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4,
-            ROPE_HADAMARD_FP4,
+            HADAMARD_FP4_ROPE,
             COMPRESS_POOL, COMPRESS_STATE, ADD_APE, APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE,
             COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU,
             PAIR_SUM, MOE_ROUTE, NEXT_TOKEN_PARTS, NEXT_TOKEN_SUMS, NEXT_TOKEN_PICK, ROUND_HALF]
