@@ -181,23 +181,18 @@ class Ops:
             return kernels.store_kv(x, n_rot)
         return numerics.f16_round(self.xp, numerics.fp8_kv_sim(self.xp, x, n_rot))
 
-    def hadamard_fp4(self, x, f16: bool = False):
+    def hadamard_fp4(self, x, f16: bool = False, rope=None):
         """The indexer's Hadamard + FP4 step (docs/MODEL.md, "Numerics"); with ``f16`` also the F16 rounding
-        of a stored row."""
-        if self._hadamard_kernel(x.shape[-1]):
-            return self.kernels.hadamard_fp4(x, f16)
+        of a stored row. ``rope``: ``(cos, sin)``, ``x`` turned by :meth:`rope` first (the indexer's queries: one
+        launch with kernels)."""
+        n = x.shape[-1]
+        kernels = self.kernels
+        if kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0:
+            return kernels.hadamard_fp4(x, f16, rope)
+        if rope is not None:
+            x = self.rope(x, *rope)
         y = numerics.hadamard_fp4_sim(self.xp, x)
         return numerics.f16_round(self.xp, y) if f16 else y
-
-    def hadamard_fp4_rope(self, x, cos, sin):
-        """:meth:`hadamard_fp4` of :meth:`rope`'s ``x``: one launch with kernels (the indexer's queries)."""
-        if self._hadamard_kernel(x.shape[-1]):
-            return self.kernels.hadamard_fp4_rope(x, cos, sin)
-        return self.hadamard_fp4(self.rope(x, cos, sin))
-
-    def _hadamard_kernel(self, n: int) -> bool:
-        """Whether the kernels take rows of ``n`` (a thread an element, a SIMD group a 32-block)."""
-        return self.kernels is not None and n % 32 == 0 and n <= 1024 and n & (n - 1) == 0
 
     def compress_chunk(self, state_kv, state_sc, kv, sc, pos0, n_valid, ratio: int):
         """``(pooled, new_kv, new_sc)`` of :func:`ds4lab.model.compressor.compress_chunk`: with kernels, one

@@ -1307,7 +1307,7 @@ def test_hadamard_fp4_rope_kernel_equals_rope_then_hadamard_fp4(gpu, shape, n_ro
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 20, shape[:-1] + (1,))).astype(np.float32)
     angle = rng.uniform(-40, 40, (shape[0], n_rot // 2))
     cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
-    got = to_host(kernels.hadamard_fp4_rope(to_dev(x), to_dev(cos), to_dev(sin)))
+    got = to_host(kernels.hadamard_fp4(to_dev(x), rope=(to_dev(cos), to_dev(sin))))
     want = to_host(kernels.hadamard_fp4(kernels.rope(to_dev(x), to_dev(cos), to_dev(sin))))
     if name == "emulated":
         np.testing.assert_array_equal(got, want)

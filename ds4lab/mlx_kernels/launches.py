@@ -437,24 +437,20 @@ class KernelLaunches:
         return self._run(S.STORE_KV, (R, 1), 32 * simd_groups, [x2, self._const(R, D, n_rot)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
-    def hadamard_fp4(self, x, f16: bool = False):
-        """The indexer's Hadamard + FP4 step on rows of ``x``; with ``f16`` the result is rounded to f16 too, as
-        stored rows are."""
+    def hadamard_fp4(self, x, f16: bool = False, rope=None):
+        """The indexer's Hadamard + FP4 step on rows of ``x [T, ..., n]``; with ``f16`` the result is rounded to f16
+        too, as stored rows are. ``rope``: ``(cos, sin)``, the rows turned by :meth:`rope` first, in the same launch
+        (hadamard_fp4_rope: the indexer's queries)."""
         n = x.shape[-1]
         x2 = self._f32(x).reshape(-1, n)
         R = x2.shape[0]
-        return self._run(S.HADAMARD_FP4, (R, 1), n,
-                         [x2, self._const(R, n, int(f16)), self._const(1.0 / n ** 0.5, dtype=np.float32)],
-                         [((R, n), "float32")])[0].reshape(x.shape)
-
-    def hadamard_fp4_rope(self, x, cos, sin):
-        """:meth:`hadamard_fp4` of :meth:`rope`'s ``x [T, ..., n]`` in one launch (the indexer's queries)."""
-        n = x.shape[-1]
-        x2 = self._f32(x).reshape(-1, n)
-        R = x2.shape[0]
-        return self._run(S.HADAMARD_FP4_ROPE, (R, 1), n,
-                         [x2, self._f32(cos), self._f32(sin), self._const(R, n, 0, R // x.shape[0], 2 * cos.shape[-1]),
-                          self._const(1.0 / n ** 0.5, dtype=np.float32)],
+        if rope is None:
+            spec, inputs = S.HADAMARD_FP4, [x2, self._const(R, n, int(f16))]
+        else:
+            cos, sin = rope
+            spec, inputs = S.HADAMARD_FP4_ROPE, [x2, self._f32(cos), self._f32(sin),
+                                                 self._const(R, n, int(f16), R // x.shape[0], 2 * cos.shape[-1])]
+        return self._run(spec, (R, 1), n, [*inputs, self._const(1.0 / n ** 0.5, dtype=np.float32)],
                          [((R, n), "float32")])[0].reshape(x.shape)
 
     def compress_pool(self, state_kv, state_sc, kv, sc, pos0, ratio: int):

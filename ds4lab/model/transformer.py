@@ -282,7 +282,7 @@ class Transformer:
         q = lw.indexer_attn_q_b(qr).reshape(qr.shape[0], cfg.idx_heads, cfg.idx_dim)
         if self.numerics == "exact":
             return self.ops.rope(q, cos, sin)
-        return self.ops.hadamard_fp4_rope(q, cos, sin)
+        return self.ops.hadamard_fp4(q, rope=(cos, sin))
 
     # -- FFN half -------------------------------------------------------------------------------------
     def ffn_block(self, il: int, X, tokens, emit=None, chain: bool = False):
