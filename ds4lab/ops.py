@@ -229,7 +229,8 @@ class Ops:
 
     # -- norms, RoPE, hyper-connections ---------------------------------------------------------------
     def rmsnorm(self, x, eps: float, weight=None):
-        """:func:`ds4lab.model.functional.rmsnorm` over the last axis."""
+        """:func:`ds4lab.model.functional.rmsnorm` over the last axis (also of :meth:`split_sums`' of a stacked
+        product: its K splits, which the kernel adds as it reads them)."""
         kernels = self.kernels
         if kernels is not None:
             return kernels.rmsnorm(x, eps, weight)

@@ -422,6 +422,32 @@ def test_qmatmul_on_quantized_x_matches_float64(gpu, monkeypatch, qtype, rows, n
     assert np.abs(got - plain).max() > 1e-4 * scale
 
 
+@pytest.mark.parametrize("n_split,P,D,lo,N", [(4, 1, 1024, 0, 1536), (4, 1, 512, 1024, 1536), (1, 2, 128, 64, 256),
+                                             (3, 3, 192, 0, 320)])
+def test_rmsnorm_of_a_products_splits_equals_reduce_then_rmsnorm(gpu, n_split, P, D, lo, N):
+    """rmsnorm_parts and rmsnorm_rope_parts on Columns of a product's K splits: the floats of qmatmul_reduce, then the
+    columns, then rmsnorm / rmsnorm_rope (the same sums in the same order; on a GPU within a float's last bits, a
+    compiler may fuse one kernel's square into its sum and not the other's)."""
+    from ds4lab.mlx_kernels.launches import Columns
+
+    name, kernels, to_dev, to_host = gpu
+    rng = np.random.default_rng(D + P)
+    parts = to_dev((3 * rng.standard_normal((n_split, P, N))).astype(np.float32))
+    w = to_dev(rng.uniform(0.5, 1.5, D).astype(np.float32))
+    angle = rng.uniform(-40, 40, (P, 32))
+    cos, sin = to_dev(np.cos(angle).astype(np.float32)), to_dev(np.sin(angle).astype(np.float32))
+    cols = Columns(parts, lo, lo + D)
+    x = kernels.product(cols)
+    tol = 0 if name == "emulated" else 1e-6
+    for got, want in [(kernels.rmsnorm(cols, 1e-6, w), kernels.rmsnorm(x, 1e-6, w)),
+                      *zip(kernels.rmsnorm_rope(cols, 1e-6, w, cos, sin), kernels.rmsnorm_rope(x, 1e-6, w, cos, sin))]:
+        got, want = to_host(got), to_host(want)
+        assert got.shape == (P, D)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=0)
+    sums = to_host(parts).sum(axis=0, dtype=np.float64)[:, lo:lo + D]
+    np.testing.assert_allclose(to_host(x), sums, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("qtype", sorted(S.QUANT_X, key=lambda q: q.name), ids=lambda q: q.name)
 def test_quantized_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
     """decode_matmul="q8" over a whole row of 2,816 elements, unsplit: two full steps of 1,024 and a third that
@@ -940,11 +966,12 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
     """A model whose router, routed gate and up (K = n_embd = 512), attn_output_b (K = 2 x 256) and HC mixers split
     K (QMATMUL_MIN_SPLIT 256): its logits after a prefill and 3 decode steps are bit for bit those of the same model
     with every product's parts added before they are read (Ops.split_sums giving the product), and each decode step
-    launches four qmatmul_reduce a layer fewer (the router's parts, which hc_pre_then starts on the FFN's input, the
-    routed gate and up, attn_output_b). The HC mixers come as parts over E (no product launch to reduce): in whole
-    steps (whole_steps) each started by the hc_post before it (hc_post_mix) but the first layer's (hc_mix_parts);
-    layer by layer each made by its hc_pre (hc_mix_parts), with the same bits. No pair_sum runs: hc_post adds a
-    token's routed-expert rows."""
+    launches six qmatmul_reduce a layer fewer (the router's parts, which hc_pre_then starts on the FFN's input, the
+    routed gate and up, attn_output_b, and q_a's and kv_a's columns of their stacked product, which rmsnorm_parts and
+    rmsnorm_rope_parts read as they are: Ops.split_sums gives Columns, each added apart here). The HC mixers come as
+    parts over E (no product launch to reduce): in whole steps (whole_steps) each started by the hc_post before it
+    (hc_post_mix) but the first layer's (hc_mix_parts); layer by layer each made by its hc_pre (hc_mix_parts), with
+    the same bits. No pair_sum runs: hc_post adds a token's routed-expert rows."""
     from ds4lab.config import NANO, replace
     from ds4lab.testing import make_model
 
@@ -958,6 +985,8 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
 
     def reduced_first(self, proj, *args):  # the parts (a product's splits, or started by a kernel) added first
         out = split_sums(self, proj, *args)
+        if isinstance(out, list):  # a stacked product's Columns
+            return [self.kernels.product(c) for c in out] if self.kernels is not None else out
         return self.kernels.add_splits(out) if self.kernels is not None and out.ndim == 3 else out
 
     for variant in ("split", "reduced", "layer by layer"):
@@ -993,7 +1022,7 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
     # something, though not the halves' hc kernels (their counts below are per `steps`): 2, 2, 3 of 3 on the H200
     steps = launched[0]
     assert steps > 0 and launched[1] == steps and launched[2] >= steps
-    assert reduces[1] - reduces[0] == steps * L * 4
+    assert reduces[1] - reduces[0] == steps * L * 6
     # the last layer's FFN starts no mixer (the head's is plain ops)
     assert hc[0] == hc[1] == {"hc_post_mix": steps * (2 * L - 1), "hc_post": steps, "hc_mix_parts": steps,
                               "hc_pre_then": steps * L}

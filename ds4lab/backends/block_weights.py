@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ..mlx_kernels.launches import Columns
 from ..mlx_kernels.specs import DECODERS
 from ..quants import dequantize
 
@@ -53,6 +54,16 @@ class BlockLinear:
         if x.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, reduce=False)
         return self(x)[None]
+
+    def split_columns(self, x, bounds: list[int]) -> list:
+        """The product of ``x [T, ne0]`` cut at ``bounds`` (columns ``bounds[i]:bounds[i + 1]``, a stacked product's
+        tensors): for a decode step's few rows :class:`~ds4lab.mlx_kernels.launches.Columns` of its K splits, which
+        the kernels that read them add (rmsnorm, rmsnorm_rope); for a chunk, views of the product."""
+        if x.shape[0] <= KERNEL_MAX_ROWS:
+            parts = self.split_sums(x)
+            return [Columns(parts, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        y = self(x)
+        return [y[..., lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
 class StackedBlockLinear:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -82,6 +83,21 @@ def _check_in_place(name: str, x) -> None:
 def _splits(a) -> int:
     """The K splits of a product given as qmatmul's parts ``[S, rows, n]``; 1 for the product itself ``[rows, n]``."""
     return a.shape[0] if a.ndim == 3 else 1
+
+
+class Columns(NamedTuple):
+    """Columns ``lo:hi`` of the product whose K splits are ``parts [S, P, N]`` (qmatmul's with reduce False): one
+    tensor's share of a stacked product (q_a's and kv_a's) for the kernels that add the splits as they read them
+    (:meth:`KernelLaunches.rmsnorm`, :meth:`~KernelLaunches.rmsnorm_rope`, :meth:`~KernelLaunches.qmatmul`), so no
+    launch adds them first."""
+
+    parts: object
+    lo: int
+    hi: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts.shape[1], self.hi - self.lo
 
 
 class KernelLaunches:
@@ -223,6 +239,13 @@ class KernelLaunches:
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]
         return parts if not reduce else self.add_splits(parts)
+
+    def product(self, x):
+        """The product itself ``[P, hi - lo]`` of :class:`Columns` (its splits added by qmatmul_reduce); an array as
+        it is."""
+        if not isinstance(x, Columns):
+            return x
+        return self.add_splits(x.parts)[:, x.lo:x.hi]
 
     def add_splits(self, parts):
         """A product from its K splits ``parts [S, P, n]`` (qmatmul's with reduce False): their sum in split order,
@@ -399,30 +422,37 @@ class KernelLaunches:
         return [y, self._f32(X), self._f32(post), self._f32(comb), y if extra is None else self._f32(extra),
                 self._const(T, n, E, R, r_stride, t_stride, int(extra is not None), *more_dims)]
 
-    def _norm_rows(self, x, weight):
-        """rmsnorm's rows ``x2 [R, D]``, its weight (x2 when there is none: the kernel then reads none) and its
-        group size."""
-        x2 = self._f32(x).reshape(-1, x.shape[-1])
+    def _norm_rows(self, x, weight, spec, parts_spec):
+        """``(spec, or parts_spec for Columns, x's array, its weight (x's when there is none: the kernel then reads
+        none), R, D, dims after [R, D, has_w, M, n_rot], group size)`` of rmsnorm's rows of ``x`` (an array ``[...,
+        D]`` or :class:`Columns`: rows of a product's splits, read as they are)."""
+        if isinstance(x, Columns):
+            parts = self._f32(x.parts)
+            xS, R, N = parts.shape
+            spec, x2, more = parts_spec, parts, (xS, R * N, N, x.lo)
+        else:
+            x2, more = self._f32(x).reshape(-1, x.shape[-1]), ()
+            R = x2.shape[0]
         w = self._f32(weight) if weight is not None else x2
-        return x2, w, self._norm_threads(x2.shape[0])
+        return spec, x2, w, R, x.shape[-1], more, self._norm_threads(R)
 
     def _norm_threads(self, rows: int) -> int:
         """rmsnorm's group size for ``rows`` rows (hc_pre's norm takes the same, so its sums are rmsnorm's)."""
         return S.ROW_GROUP if rows >= S.RMSNORM_WIDE_ROWS else self.wide_group
 
     def rmsnorm(self, x, eps: float, weight=None):
-        x2, w, threads = self._norm_rows(x, weight)
-        R, D = x2.shape
-        return self._run(S.RMSNORM, (R, 1), threads,
-                         [x2, w, self._const(R, D, int(weight is not None)), self._const(eps, dtype=np.float32)],
+        """rmsnorm of ``x``'s rows (an array, or :class:`Columns` of a product's splits: rmsnorm_parts)."""
+        spec, x2, w, R, D, more, threads = self._norm_rows(x, weight, S.RMSNORM, S.RMSNORM_PARTS)
+        dims = self._const(R, D, int(weight is not None), *((1, 0) + more if more else ()))
+        return self._run(spec, (R, 1), threads, [x2, w, dims, self._const(eps, dtype=np.float32)],
                          [((R, D), "float32")])[0].reshape(x.shape)
 
     def rmsnorm_rope(self, x, eps: float, weight, cos, sin):
-        """``(rmsnorm(x), rope(rmsnorm(x)))`` for ``x [T, ..., D]`` in one launch (:meth:`rmsnorm`, :meth:`rope`)."""
-        x2, w, threads = self._norm_rows(x, weight)
-        R, D = x2.shape
-        dims = self._const(R, D, int(weight is not None), R // x.shape[0], 2 * cos.shape[-1])
-        y, rot = self._run(S.RMSNORM_ROPE, (R, 1), threads,
+        """``(rmsnorm(x), rope(rmsnorm(x)))`` for ``x [T, ..., D]`` (or :class:`Columns`) in one launch
+        (:meth:`rmsnorm`, :meth:`rope`)."""
+        spec, x2, w, R, D, more, threads = self._norm_rows(x, weight, S.RMSNORM_ROPE, S.RMSNORM_ROPE_PARTS)
+        dims = self._const(R, D, int(weight is not None), R // x.shape[0], 2 * cos.shape[-1], *more)
+        y, rot = self._run(spec, (R, 1), threads,
                            [x2, w, self._f32(cos), self._f32(sin), dims, self._const(eps, dtype=np.float32)],
                            [((R, D), "float32"), ((R, D), "float32")])
         return y.reshape(x.shape), rot.reshape(x.shape)

@@ -21,6 +21,7 @@
 ``hc_mix_parts``     those parts of streams as they are (the same bits as hc_post_mix's)
 ``rmsnorm``          one row per work-group
 ``rmsnorm_rope``     the same, and the rows with RoPE on their tail too (one launch for rmsnorm then rope)
+``rmsnorm_parts``, ``rmsnorm_rope_parts``  the same of a product's K splits, added as they are read (no reduce)
 ``store_kv``         FP8 (non-RoPE dims) + F16 rounding of attention rows as they are written
 ``hadamard_fp4``     Walsh–Hadamard + FP4 rounding of the indexer's q and rows
 ``hadamard_fp4_rope``  the same after RoPE on each row's tail (the indexer's queries: one launch for rope then it)
@@ -379,13 +380,15 @@ HC_POST_MIX = KernelSpec("hc_post_mix", "hc_post.body", (*_HC_POST_IN, ("fn", "u
                          (("out", "float32"), *_HC_PARTS_OUT), {**_HC_POST_DEFINES, "HC_MIX": 1})
 HC_MIX_PARTS = KernelSpec("hc_mix_parts", "hc_post.body", (("X", "float32"), ("dims", "int32"), ("fn", "uint8")),
                           _HC_PARTS_OUT, {**_HC_POST_DEFINES, "HC_MIX": 2})
-RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body",
-                     (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32")),
-                     (("y", "float32"),), {"ROPE": 0})
-RMSNORM_ROPE = KernelSpec("rmsnorm_rope", "rmsnorm.body",
-                          (("x", "float32"), ("w", "float32"), ("cos_t", "float32"), ("sin_t", "float32"),
-                           ("dims", "int32"), ("fparams", "float32")),
-                          (("y", "float32"), ("rot", "float32")), {"ROPE": 1})
+_RMSNORM_IN = (("x", "float32"), ("w", "float32"), ("dims", "int32"), ("fparams", "float32"))
+_RMSNORM_ROPE_IN = (("x", "float32"), ("w", "float32"), ("cos_t", "float32"), ("sin_t", "float32"), ("dims", "int32"),
+                    ("fparams", "float32"))
+RMSNORM = KernelSpec("rmsnorm", "rmsnorm.body", _RMSNORM_IN, (("y", "float32"),), {"ROPE": 0, "X_PARTS": 0})
+RMSNORM_ROPE = KernelSpec("rmsnorm_rope", "rmsnorm.body", _RMSNORM_ROPE_IN, (("y", "float32"), ("rot", "float32")),
+                          {"ROPE": 1, "X_PARTS": 0})
+RMSNORM_PARTS = KernelSpec("rmsnorm_parts", "rmsnorm.body", _RMSNORM_IN, (("y", "float32"),), {"ROPE": 0, "X_PARTS": 1})
+RMSNORM_ROPE_PARTS = KernelSpec("rmsnorm_rope_parts", "rmsnorm.body", _RMSNORM_ROPE_IN,
+                                (("y", "float32"), ("rot", "float32")), {"ROPE": 1, "X_PARTS": 1})
 STORE_KV = KernelSpec("store_kv", "store_kv.body", (("x", "float32"), ("dims", "int32")), (("y", "float32"),))
 HADAMARD_FP4 = KernelSpec("hadamard_fp4", "hadamard_fp4.body",
                           (("x", "float32"), ("dims", "int32"), ("fparams", "float32")), (("y", "float32"),),
@@ -515,7 +518,8 @@ def all_specs() -> list[KernelSpec]:
             *(qgemm_spec(q, operands) for operands in OPERANDS for q in DECODERS),
             *(indexer_chunk_spec(operands) for operands in OPERANDS),
             ATTEND_PARTIAL, ATTEND_REDUCE, ATTEND_REDUCE_ROPE, *(attend_chunk_spec(operands) for operands in OPERANDS),
-            HC_PRE, HC_PRE_THEN, HC_POST, HC_POST_MIX, HC_MIX_PARTS, RMSNORM, RMSNORM_ROPE, STORE_KV, HADAMARD_FP4,
+            HC_PRE, HC_PRE_THEN, HC_POST, HC_POST_MIX, HC_MIX_PARTS, RMSNORM, RMSNORM_ROPE, RMSNORM_PARTS,
+            RMSNORM_ROPE_PARTS, STORE_KV, HADAMARD_FP4,
             HADAMARD_FP4_ROPE,
             COMPRESS_POOL, COMPRESS_STATE, ADD_APE, APPEND_ROWS, APPEND_ROWS_IN_PLACE, COMPRESS_STATE_IN_PLACE,
             COMPRESSED_VISIBLE, RING_WRITE, RING_WRITE_IN_PLACE, INDEXER_SCORES, INDEXER_ALLOWED, ROPE, SWIGLU,

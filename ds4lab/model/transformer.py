@@ -158,7 +158,7 @@ class Transformer:
             emit("hc_attn.post", post)
             emit("hc_attn.comb", comb)
         selects = bool(R) and cfg.has_indexer(il) and self._indexer_selects(st)
-        q_a, kv_a = lw.query_projections(a)
+        q_a, kv_a = ops.split_sums(lw.query_projections, a)  # as the norms read them: K splits on kernel backends
         cos, sin = rope
         # The KV row and the raw ring, and the compressors (their products of a, then their pooled rows) do not need q:
         # for a decode step's few rows each chain runs beside q's projections and beside the other, the indexer's

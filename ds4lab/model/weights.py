@@ -77,6 +77,15 @@ class Weights:
                     out[i] = y[..., lo:hi]
             return out
 
+        def split_sums(x):  # each tensor's product as the backend leaves it for the op that reads it (Ops.split_sums)
+            out = [None] * len(names)
+            for which, product, bounds in products:
+                for i, y in zip(which, product.split_columns(x, bounds)):
+                    out[i] = y
+            return out
+
+        if all(hasattr(product, "split_columns") for _, product, _ in products):
+            apply.split_sums = split_sums
         return apply
 
     def vector(self, name: str):
@@ -310,9 +319,11 @@ class LayerWeights(_Named):
         bias = p + "exp_probs_b.bias"
         self._router_bias = bias if bias in source else None
 
-    def query_projections(self, a) -> tuple:
-        """``(q_a, kv)``: the query's and the KV row's products of ``a``, one product per weight type."""
-        return tuple(self.source.linears(*self._query)(a))
+    @property
+    def query_projections(self):
+        """``a -> [q_a, kv]``: the query's and the KV row's products of ``a``, one product per weight type (where the
+        backend leaves products as their K splits, ``.split_sums`` gives them so: Ops.split_sums)."""
+        return self.source.linears(*self._query)
 
     def compressor_projections(self, a, indexer_selects: bool) -> CompressorProjections:
         """The compressors' products of ``a`` (and the indexer's head weights), one product per weight type (not one
