@@ -109,7 +109,8 @@ done
 # run. COMPARE picks the benchmarks (default "decode qmatmul qgemm qgemm_tf32"); a tree takes about 3-4 minutes
 # with all four, so stage one or two branches a call. COMPARE=flash: the full 43-layer Flash model's frontiers
 # 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file; an H200's memory);
-# FLASH_ARGS adds to its arguments (FLASH_ARGS="--decode-matmul q8"). COMPARE=slice_q8: the slice's whole decode
+# FLASH_ARGS adds to its arguments (FLASH_ARGS="--decode-matmul q8 --timeline 64"; on a GPU of less than 100 GB
+# "--layers 30" is added unless it names --layers); the table of compare_summary.py ends the step. COMPARE=slice_q8: the slice's whole decode
 # step graphs at 4K in q8, replayed (kernel_profile.py; about 40 s a tree, and it fits an H100). QMATMUL_ARGS adds
 # to qmatmul_bench's (QMATMUL_ARGS='--decode-matmul float32 q8 --only routed'). PASSES=2 runs the trees in turn
 # twice (the files of pass 2 named "..._pass2"). COMPARE=tests: a staged tree's own CuPy kernel tests, run in the tree
@@ -128,6 +129,12 @@ tree_tests() {  # the CuPy kernel tests of staged tree $tree, run there (pytest'
 }
 if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
     [[ "${PASSES:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "PASSES=${PASSES} is not a count of passes" >&2; exit 2; }
+    # the whole layout needs an H200's memory: on a smaller GPU its first 30 layers, unless FLASH_ARGS says
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    if [[ " ${FLASH_ARGS:-} " != *" --layers "* ]] && [ "${gpu_mib:-0}" -lt 100000 ]; then
+        FLASH_ARGS="${FLASH_ARGS:-} --layers 30"
+        echo "== compare: ${gpu_mib} MiB of GPU memory, the flash runs take --layers 30"
+    fi
     for pass in $(seq "${PASSES:-1}"); do
         for tree in "$PWD" "$PWD"/.trees/*/; do
             [ -d "$tree/ds4lab" ] || continue
@@ -143,6 +150,8 @@ if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" le
             [ "$pass" = 1 ] && tree_tests
         done
     done
+    # the ratios of the flash runs (this tree's step over each other's, pass by pass) in the call's output
+    [[ " ${COMPARE:-} " == *" flash "* ]] && python3 benchmarks/compare_summary.py "$OUT"
 fi
 # Nsight Compute on one launch each of the prefill's two largest kernels (TF32 variants): speed of light,
 # occupancy, warp states, the busiest pipes. ncu runs the GPU at base clocks: read ratios, not times.

@@ -77,3 +77,33 @@ def test_flash_full_keeps_the_first_layers_asked_for(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["layers"] == 4
     with pytest.raises(SystemExit):
         flash_full.main(["--config", "nano", "--layers", "7"])
+
+
+def test_compare_summary_gives_this_trees_step_over_each_others_pass_by_pass(tmp_path):
+    """compare_summary.py on the flash_<tree>[_pass<k>].json files of a compare run: "this" first in each pass, the
+    others by name, "this"'s replay-to-replay time over theirs (none for a run without a timeline), and each
+    frontier's decode / prefill tokens/s; a folder without such files is an error that says what to run."""
+    summary = _script("compare_summary")
+
+    def write(name, step, rows, timeline=True):
+        data = {"layers": 30, "rows": [{"ctx": c, "gen_tps": g, "prefill_tps": p} for c, g, p in rows]}
+        if timeline:
+            data["timeline_ms"] = {"replay_to_replay": step, "graph": step - 0.1, "copy_out": 0.05}
+        (tmp_path / f"flash_{name}.json").write_text(json.dumps(data))
+
+    write("this", 5.5, [(2048, 100.0, 1300.0), (4096, 180.0, 1450.0)])
+    write("main", 5.0, [(4096, 200.0, 1500.0)])
+    write("this_pass2", 6.0, [(4096, 170.0, 1400.0)])
+    write("main_pass2", 4.8, [(4096, 205.0, 1510.0)])
+    write("old", 0, [(4096, 150.0, 1000.0)], timeline=False)
+    lines = summary.table(tmp_path).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [(c[0], c[1]) for c in cells] == [("this", "1"), ("main", "1"), ("old", "1"), ("this", "2"),
+                                             ("main", "2")]
+    assert [c[4] for c in cells] == ["", "1.100", "", "", "1.250"]
+    assert cells[0][7:] == ["100.0 / 1,300", "180.0 / 1,450"] and cells[1][7:] == ["", "200.0 / 1,500"]
+    assert cells[2][3] == "" and cells[3][3] == "6.000"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="no flash_"):
+        summary.table(empty)
