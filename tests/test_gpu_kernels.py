@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 import ds4lab
 from ds4lab import ops
 from ds4lab.mlx_kernels import specs as S
-from ds4lab.mlx_kernels.launches import InPlaceError, operand_round, tf32_round
+from ds4lab.mlx_kernels.launches import Columns, InPlaceError, operand_round, tf32_round
 from ds4lab.mlx_kernels.layout import blocks
 from ds4lab.model.attention import attend
 from ds4lab.quants import dequantize, quantize, quantized_activations, random_blocks
@@ -428,8 +428,6 @@ def test_rmsnorm_of_a_products_splits_equals_reduce_then_rmsnorm(gpu, n_split, P
     """rmsnorm_parts and rmsnorm_rope_parts on Columns of a product's K splits: the floats of qmatmul_reduce, then the
     columns, then rmsnorm / rmsnorm_rope (the same sums in the same order; on a GPU within a float's last bits, a
     compiler may fuse one kernel's square into its sum and not the other's)."""
-    from ds4lab.mlx_kernels.launches import Columns
-
     name, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(D + P)
     parts = to_dev((3 * rng.standard_normal((n_split, P, N))).astype(np.float32))
@@ -437,7 +435,7 @@ def test_rmsnorm_of_a_products_splits_equals_reduce_then_rmsnorm(gpu, n_split, P
     angle = rng.uniform(-40, 40, (P, 32))
     cos, sin = to_dev(np.cos(angle).astype(np.float32)), to_dev(np.sin(angle).astype(np.float32))
     cols = Columns(parts, lo, lo + D)
-    x = kernels.product(cols)
+    x = kernels.add_splits(parts)[:, lo:lo + D]
     tol = 0 if name == "emulated" else 1e-6
     for got, want in [(kernels.rmsnorm(cols, 1e-6, w), kernels.rmsnorm(x, 1e-6, w)),
                       *zip(kernels.rmsnorm_rope(cols, 1e-6, w, cos, sin), kernels.rmsnorm_rope(x, 1e-6, w, cos, sin))]:
@@ -985,8 +983,8 @@ def test_decode_steps_add_the_products_splits_where_they_read_them(tmp_path, mon
 
     def reduced_first(self, proj, *args):  # the parts (a product's splits, or started by a kernel) added first
         out = split_sums(self, proj, *args)
-        if isinstance(out, list):  # a stacked product's Columns
-            return [self.kernels.product(c) for c in out] if self.kernels is not None else out
+        if isinstance(out, list):  # a stacked product's tensors: Columns of its splits for a decode step's rows
+            return [self.kernels.add_splits(c.parts)[:, c.lo:c.hi] if isinstance(c, Columns) else c for c in out]
         return self.kernels.add_splits(out) if self.kernels is not None and out.ndim == 3 else out
 
     for variant in ("split", "reduced", "layer by layer"):

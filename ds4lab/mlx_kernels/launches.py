@@ -88,8 +88,7 @@ def _splits(a) -> int:
 class Columns(NamedTuple):
     """Columns ``lo:hi`` of the product whose K splits are ``parts [S, P, N]`` (qmatmul's with reduce False): one
     tensor's share of a stacked product (q_a's and kv_a's) for the kernels that add the splits as they read them
-    (:meth:`KernelLaunches.rmsnorm`, :meth:`~KernelLaunches.rmsnorm_rope`, :meth:`~KernelLaunches.qmatmul`), so no
-    launch adds them first."""
+    (:meth:`KernelLaunches.rmsnorm`, :meth:`~KernelLaunches.rmsnorm_rope`), so no launch adds them first."""
 
     parts: object
     lo: int
@@ -239,13 +238,6 @@ class KernelLaunches:
                           32 * S.QMATMUL_SIMD_PER_GROUP, [self._f32(x), w, self.aux, order, batches, dims],
                           [((splits, P, n_rows), "float32")])[0]
         return parts if not reduce else self.add_splits(parts)
-
-    def product(self, x):
-        """The product itself ``[P, hi - lo]`` of :class:`Columns` (its splits added by qmatmul_reduce); an array as
-        it is."""
-        if not isinstance(x, Columns):
-            return x
-        return self.add_splits(x.parts)[:, x.lo:x.hi]
 
     def add_splits(self, parts):
         """A product from its K splits ``parts [S, P, n]`` (qmatmul's with reduce False): their sum in split order,
