@@ -27,6 +27,9 @@ if [ -f /tmp/w/mlx_cuda.txz.0 ] && [ -f .mlxB/mlx_cuda.txz.1 ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 n_gpu=$(nvidia-smi -L | wc -l)
+# the whole Flash layout needs an H200's memory: on a smaller GPU flash_full.py takes its first 30 layers
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+flash_fit=""; [ "${gpu_mib:-0}" -lt 100000 ] && flash_fit="--layers 30"
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     echo "== $name (limit ${limit}s)"
@@ -87,11 +90,15 @@ for c in 4096 32768; do
     want "trace$c" profile && step "trace$c" 200 python3 benchmarks/kernel_profile.py --context "$c" --decode-matmul q8 \
         --trace --json "$OUT/trace$c.json"
 done
-want flash_f32 flash && step flash_f32 300 python3 benchmarks/flash_full.py --json "$OUT/flash_f32.json"
-want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py --prefill-matmul tf32 \
+want flash_f32 flash && step flash_f32 300 python3 benchmarks/flash_full.py $flash_fit --json "$OUT/flash_f32.json"
+want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py $flash_fit --prefill-matmul tf32 \
     --json "$OUT/flash_tf32.json"
-want flash_f16 flash && step flash_f16 300 python3 benchmarks/flash_full.py --prefill-matmul f16 \
+want flash_f16 flash && step flash_f16 300 python3 benchmarks/flash_full.py $flash_fit --prefill-matmul f16 \
     --json "$OUT/flash_f16.json"
+# issue 25's figures: decode (q8, with the step's timeline) and prefill (f16) at the frontiers 4K-32K
+want flash_sweep flash && step flash_sweep 300 python3 benchmarks/flash_full.py $flash_fit --prefill-matmul f16 \
+    --decode-matmul q8 --timeline 64 --ctx-start 4096 --step-incr 4096 --ctx-max 32768 --gen-tokens 64 \
+    --json "$OUT/flash_sweep.json"
 # ds4's other Flash files that fit one H200 (q2-q4: 91 GiB) and, over two GPUs, the MXFP4 one (145 GiB)
 want flash_q2q4 flash && step flash_q2q4 300 python3 benchmarks/flash_full.py --experts q2-q4 --prefill-matmul f16 \
     --json "$OUT/flash_q2q4.json"
@@ -129,11 +136,9 @@ tree_tests() {  # the CuPy kernel tests of staged tree $tree, run there (pytest'
 }
 if [[ "$what" == *" compare "* ]]; then  # only when asked for by name: "all" leaves it out
     [[ "${PASSES:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "PASSES=${PASSES} is not a count of passes" >&2; exit 2; }
-    # the whole layout needs an H200's memory: on a smaller GPU its first 30 layers, unless FLASH_ARGS says
-    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-    if [[ " ${FLASH_ARGS:-} " != *" --layers "* ]] && [ "${gpu_mib:-0}" -lt 100000 ]; then
-        FLASH_ARGS="${FLASH_ARGS:-} --layers 30"
-        echo "== compare: ${gpu_mib} MiB of GPU memory, the flash runs take --layers 30"
+    if [[ " ${FLASH_ARGS:-} " != *" --layers "* ]] && [ -n "$flash_fit" ]; then
+        FLASH_ARGS="${FLASH_ARGS:-} $flash_fit"
+        echo "== compare: ${gpu_mib} MiB of GPU memory, the flash runs take $flash_fit"
     fi
     for pass in $(seq "${PASSES:-1}"); do
         for tree in "$PWD" "$PWD"/.trees/*/; do
