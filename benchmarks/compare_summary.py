@@ -1,9 +1,8 @@
 """The table of a ``gpu_suite.sh compare`` run with ``COMPARE=flash``: for each staged tree and pass, the decode step's
 replay-to-replay time, the working tree's ("this", run first in each pass) divided by it (above 1: this tree is
 slower), the graph's and the outputs' copy's parts of it, and each frontier's decode and prefill tokens/s; the rows
-come from the
-``flash_<tree>[_pass<k>].json`` files ``flash_full.py --timeline`` wrote. gpu_suite.sh prints it at the end of the
-call, so the call's output carries the ratios (the JSON files come back with it).
+come from the ``flash_<tree>[_pass<k>].json`` files ``flash_full.py --timeline`` wrote. gpu_suite.sh prints it at
+the end of the call, so the call's output carries the ratios (the JSON files come back with it).
 
     python benchmarks/compare_summary.py OUT_DIR
 """

@@ -117,11 +117,11 @@ done
 # with all four, so stage one or two branches a call. COMPARE=flash: the full 43-layer Flash model's frontiers
 # 2048 and 4096 (flash_full.py; about 25 s a tree once the first has written the sparse file; an H200's memory);
 # FLASH_ARGS adds to its arguments (FLASH_ARGS="--decode-matmul q8 --timeline 64"; on a GPU of less than 100 GB
-# "--layers 30" is added unless it names --layers); the table of compare_summary.py ends the step. COMPARE=slice_q8: the slice's whole decode
-# step graphs at 4K in q8, replayed (kernel_profile.py; about 40 s a tree, and it fits an H100). QMATMUL_ARGS adds
-# to qmatmul_bench's (QMATMUL_ARGS='--decode-matmul float32 q8 --only routed'). PASSES=2 runs the trees in turn
-# twice (the files of pass 2 named "..._pass2"). COMPARE=tests: a staged tree's own CuPy kernel tests, run in the tree
-# (this checkout's data/ and model assets linked into it).
+# "--layers 30" is added unless it names --layers); the table of compare_summary.py ends the step.
+# COMPARE=slice_q8: the slice's whole decode step graphs at 4K in q8, replayed (kernel_profile.py; about 40 s a
+# tree, and it fits an H100). QMATMUL_ARGS adds to qmatmul_bench's (QMATMUL_ARGS='--decode-matmul float32 q8 --only
+# routed'). PASSES=2 runs the trees in turn twice (the files of pass 2 named "..._pass2"). COMPARE=tests: a staged
+# tree's own CuPy kernel tests, run in the tree (this checkout's data/ and model assets linked into it).
 in_tree() {  # in_tree BENCH SECONDS SCRIPT ARGS...: SCRIPT of $tree with $tree's ds4lab, if COMPARE names BENCH
     local bench=$1 limit=$2; shift 2
     [[ " ${COMPARE:-decode qmatmul qgemm qgemm_tf32} " == *" $bench "* ]] || return 0

@@ -69,23 +69,23 @@ class Weights:
             ends = np.cumsum([tensors[i].shape[1] for i in which])
             products.append((which, self.backend.linear(raw, qtype, ne0), [0, *ends.tolist()]))
 
-        def apply(x):
-            out = [None] * len(names)
-            for which, product, bounds in products:
-                y = product(x)
-                for i, lo, hi in zip(which, bounds, bounds[1:]):
-                    out[i] = y[..., lo:hi]
-            return out
+        def each_tensor(cut):  # x -> every tensor's share of its product, each product cut by cut(product, x, bounds)
+            def run(x):
+                out = [None] * len(names)
+                for which, product, bounds in products:
+                    for i, y in zip(which, cut(product, x, bounds)):
+                        out[i] = y
+                return out
+            return run
 
-        def split_sums(x):  # each tensor's product as the backend leaves it for the op that reads it (Ops.split_sums)
-            out = [None] * len(names)
-            for which, product, bounds in products:
-                for i, y in zip(which, product.split_columns(x, bounds)):
-                    out[i] = y
-            return out
+        def columns(product, x, bounds):
+            y = product(x)
+            return [y[..., lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
+        apply = each_tensor(columns)
         if all(hasattr(product, "split_columns") for _, product, _ in products):
-            apply.split_sums = split_sums
+            # each tensor's product as the backend leaves it for the op that reads it (Ops.split_sums)
+            apply.split_sums = each_tensor(lambda product, x, bounds: product.split_columns(x, bounds))
         return apply
 
     def vector(self, name: str):
