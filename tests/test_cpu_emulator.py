@@ -195,14 +195,20 @@ class _CarriedStep:
     """What a CUDA graph with ``carry`` does (:mod:`ds4lab.cuda.graphs`), on the emulator: the carried inputs are copied
     into arrays only the step holds, which the ops may write in place while it runs (``donated``), and the caller gets
     copies of the outputs, of the carried ones only the ``live`` rows (the rest NaN here, where a graph's outputs hold
-    whatever their memory held). ``written_in_place`` counts the carried outputs that came back in their input's
-    memory."""
+    whatever their memory held). Given ``written``, a carried output is the caller's copy of two calls back (of the
+    family, ``made``), as a graph's recycled buffer is, with only the rows packing.stale_rows names copied into it:
+    a row a step changes outside ``written`` would reach the next step as it was. ``written_in_place`` counts the
+    carried outputs that came back in their input's memory, ``recycled`` those made from an older copy."""
 
-    def __init__(self, backend, fn, carry):
-        self.backend, self.fn, self.carry, self.written_in_place = backend, fn, carry, 0
+    def __init__(self, backend, fn, carry, made):
+        self.backend, self.fn, self.carry, self.made = backend, fn, carry, made
+        self.written_in_place = self.recycled = 0
 
-    def __call__(self, *args, live=None):
+    def __call__(self, *args, live=None, written=None):
+        from ds4lab.backends.packing import stale_rows
+
         i, j = self.carry
+        k = len(args) - i
         own = [np.array(a) for a in args[i:]]
         self.backend.own = {a.ctypes.data: a for a in own}
         try:
@@ -211,9 +217,22 @@ class _CarriedStep:
             self.backend.own = {}
         self.written_in_place += sum(o.ctypes.data == a.ctypes.data for o, a in zip(out[j:], own))
         out = [np.array(o) for o in out]
-        for o, ranges in zip(out[j:], live or ()):
+        made = self.made  # (the carried outputs, live, written) of the family's last calls, each given the last's
+        if made and not all(a is b for a, b in zip(args[i:], made[-1][0], strict=True)):
+            made.clear()  # a state from elsewhere: no older copy holds its rows
+        older = made[-2] if len(made) == 2 and None not in (live, written, made[-1][2]) else None
+        for m, (o, ranges) in enumerate(zip(out[j:j + k], live or ())):
+            stale = None if older is None else stale_rows(ranges, older[1][m], [made[-1][2][m], written[m]])
+            if stale is not None:
+                copy = older[0][m].copy()
+                for a, b in stale:
+                    copy[a:b] = o[a:b]
+                o[...] = copy
+                self.recycled += 1
             if ranges is not None:
                 o[_outside(ranges, len(o))] = np.nan
+        made.append((out[j:j + k], live, written))
+        del made[:-2]
         return tuple(out)
 
 
@@ -231,10 +250,10 @@ def _carrying(model):
     from ds4lab.runtime import Runtime
 
     class Carrying(EmulatedBackend):
-        can_compile, compiled_rows, compiles_ffn, own = True, 16, True, {}
+        can_compile, compiled_rows, compiles_ffn, own, made = True, 16, True, {}, {}
 
         def compile(self, fn, carry=None, family=None):
-            return _CarriedStep(self, fn, carry)
+            return _CarriedStep(self, fn, carry, [] if family is None else self.made.setdefault(id(family), []))
 
         def donated(self, x) -> bool:
             a = self.own.get(x.ctypes.data)
@@ -322,6 +341,36 @@ def test_a_decode_step_that_carries_its_state_writes_it_in_place_and_changes_not
                   if cfg.ratio(il) != 0 and (p + 1) % cfg.ratio(il) != 0)
     assert pending > 0
     assert sum(g.written_in_place for g in steps.values()) == 7 * per_step + pending > 7 * cfg.n_layer
+    # from the third step on, the caller's copy of each ring, compressed and indexer array was the copy of two steps
+    # back with only the rows packing.stale_rows names copied into it
+    assert sum(g.recycled for g in steps.values()) == 5 * per_step
+
+
+def test_a_recycled_copy_of_the_state_takes_the_ring_slots_a_step_overwrote(model_paths, monkeypatch):
+    """A ring of 33 slots for the window's 32 (DS4_METAL_GRAPH_RAW_CAP), so that every other decode step past position
+    33 writes a slot that the copy of two steps back held live: decode steps compiled with ``carry`` on the emulator,
+    the caller's copies made from those of two steps back with only the rows packing.stale_rows names (the live rows
+    not live then, and runtime.compiled.written_rows' since), give the eager steps' logits and live state bit for bit
+    over 48 positions."""
+    from tests.conftest import emulated_model
+
+    monkeypatch.setenv("DS4_METAL_GRAPH_RAW_CAP", "33")
+    eager, carried = emulated_model(model_paths["nano"]), _carrying(emulated_model(model_paths["nano"]))
+    ids = np.random.default_rng(6).integers(0, eager.config.n_vocab - 7, 48)
+    runs = []
+    for model in (eager, carried):
+        state = model.new_state(64, 32)
+        assert (state.geometry.raw_cap, state.geometry.window, state.geometry.step) == (33, 32, 1)
+        logits = []
+        for t in ids:
+            step_logits, state = model.runtime.forward_logits(np.array([t]), state)
+            logits.append(np.asarray(step_logits))
+        runs.append((logits, live_state_rows(state, model.config)))
+    (want, want_state), (got, got_state) = runs
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(np.array_equal(g, w) for g, w in zip(got_state, want_state, strict=True))
+    steps = [g for key, g in carried.runtime.compiled.items() if key[:4] == ("step", 1, 1, True)]
+    assert sum(g.recycled for g in steps) >= 46 * carried.config.n_layer  # every ring from the third step on
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, min_p=0.05, seed=3)],

@@ -2013,6 +2013,37 @@ def test_packing_layout_and_views():
     assert [o - offs[2] for o in offs[2:]] == tail
 
 
+def test_packing_stale_rows_are_the_live_rows_an_older_copy_lacks():
+    """stale_rows against sets of rows (Hypothesis): exactly the live rows (ranges apart) that were not live then or
+    that a step since wrote, each once; None (every row) where live, then or a step's writes are None."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ds4lab.backends.packing import stale_rows
+
+    span = st.tuples(st.integers(0, 40), st.integers(0, 12)).map(lambda p: (p[0], p[0] + p[1]))
+    ranges = st.lists(span, max_size=3).map(tuple)
+    # live rows as the callers give them: ranges apart, in any order
+    apart = st.lists(st.integers(0, 50), unique=True, max_size=6).map(
+        lambda e: tuple((a, b) for a, b in zip(sorted(e)[::2], sorted(e)[1::2]))).flatmap(st.permutations).map(tuple)
+
+    def rows(rs):
+        return {r for a, b in rs for r in range(a, b)}
+
+    @settings(max_examples=400, deadline=None)
+    @given(apart, ranges, st.lists(ranges, max_size=3))
+    def check(live, then, written):
+        got = stale_rows(live, then, written)
+        want = rows(live) - (rows(then) - rows(r for w in written for r in w))
+        assert rows(got) == want and sum(b - a for a, b in got) == len(want), (got, want)
+
+    check()
+    assert stale_rows(((0, 4),), ((0, 3),), [((2, 3),)]) == ((2, 4),)  # row 2 rewritten, row 3 new
+    assert stale_rows(None, ((0, 3),), []) is None
+    assert stale_rows(((0, 4),), None, []) == ((0, 4),) == stale_rows(((0, 4),), ((0, 4),), [None])
+    assert stale_rows(((0, 4),), ((0, 4),), []) == ()
+
+
 def test_packing_pieces_cover_each_span_in_order():
     """Spans cut into pieces: each span's bytes exactly once, in order, in pieces of the size (its last one the rest),
     its addresses moving together; past ``most`` pieces the size doubles until they fit (a span one piece at least)."""
@@ -2352,6 +2383,77 @@ def test_cupy_graph_copies_only_the_live_rows_it_is_given():
     assert step.captures == 1 and not step.failures
     with pytest.raises(graphs.CarryError, match="row ranges"):
         step(cp.asarray(x), state, live=[None, None])
+
+
+@pytest.mark.gpu
+def test_cupy_graph_recycles_an_output_buffer_once_nothing_holds_it(monkeypatch):
+    """A replay given ``live`` and ``written`` row ranges takes back the output buffer of an earlier replay whose
+    outputs nothing holds any more (no Outputs, no view of them) and copies into it only the live rows that buffer
+    lacks (packing.stale_rows: not live then, or written since), here a ring slot and a row a step; a buffer that a
+    view still holds is never written, and a state copied in from elsewhere (a restore) gets every live row copied.
+    Every replay's live rows are the plain formulas', over a ring of 4 slots that wraps, a window of 3 (each step
+    writes the slot of a position the buffer of two steps back held live)."""
+    found, why = _cupy_kernels()
+    if found is None:
+        pytest.skip(why)
+    import cupy as cp
+
+    from ds4lab.cuda import graphs
+
+    def fn(pos, kv, raw, rows, pend):
+        new_raw = cp.where((cp.arange(4, dtype=cp.int32) == pos % 4)[:, None], kv, raw)
+        new_rows = cp.where((cp.arange(64, dtype=cp.int32) == pos)[:, None], kv * np.float32(2), rows)
+        if graphs.donated(raw):  # the graph's own copy: written in place, as the KV ring and rows are
+            raw[...], rows[...] = new_raw, new_rows
+            new_raw, new_rows = raw, rows
+        return kv * np.float32(3), new_raw, new_rows, pend + kv
+
+    def ring(start, count):  # the slots of positions [start, start + count)
+        a = start % 4
+        return ((a, a + count),) if a + count <= 4 else ((a, 4), (0, a + count - 4))
+
+    copied, real = [], graphs._LiveCopy.launch
+    monkeypatch.setattr(graphs._LiveCopy, "launch",
+                        lambda self, out, rows, stream: copied.append(rows) or real(self, out, rows, stream))
+    step = graphs.GraphStep(fn, carry=(2, 1))
+    rng = np.random.default_rng(4)
+    want = [np.zeros((4, 8), np.float32), np.zeros((64, 8), np.float32), np.zeros((1, 8), np.float32)]
+    state, history, back, kept = [cp.asarray(a) for a in want], [], None, None
+    for t in range(20):
+        if t == 12:  # back to the state after position 8 (a replay's outputs still held)
+            state, want = back[1:], history[8]
+        kv = rng.standard_normal((1, 8)).astype(np.float32)
+        raw, rows, pend = (np.array(a) for a in want)
+        raw[t % 4], rows[t] = kv[0], 2 * kv[0]
+        want = [raw, rows, pend + kv]
+        history.append(want)
+        live = [ring(max(0, t - 2), min(t + 1, 3)), ((0, t + 1),), None]  # a window of 3 positions
+        written = [ring(t, 1), ((t, t + 1),), None]
+        out = step(cp.asarray(np.int32([t])), cp.asarray(kv), *([state] if isinstance(state, graphs.Span) else state),
+                   live=live, written=written)
+        assert np.array_equal(cp.asnumpy(out[0]), 3 * kv)
+        for got, w, r in zip(out[1:], want, live):
+            got = cp.asnumpy(got)
+            for a, b in ((0, len(w)),) if r is None else r:
+                assert np.array_equal(got[a:b], w[a:b]), (t, a, b)
+        if t == 5:  # a view of one array of step 5's outputs, the only thing left holding their buffer
+            kept = out[2]
+            kept_host = cp.asnumpy(kept)
+        if t == 8:
+            back = out
+        state = out[1:] if isinstance(out, graphs.Outputs) else list(out[1:])
+        del out
+    assert step.captures == 1 and not step.failures
+    assert np.array_equal(cp.asnumpy(kept), kept_host)  # never written while the view held it
+    # rows' copy a replay (t >= 1): the whole count at the capture, at the restore (t = 12) and where no buffer was
+    # free; otherwise the one row written since the buffer's step (or the two rows of two steps)
+    rows_copied = [c[1] for c in copied]
+    assert len(rows_copied) == 19
+    assert rows_copied[0] == ((0, 2),) and rows_copied[12 - 1] == ((0, 13),)
+    partial = [t for t, c in enumerate(rows_copied, 1) if c != ((0, t + 1),)]
+    assert len(partial) >= 8 and all(sum(b - a for a, b in rows_copied[t - 1]) <= 2 for t in partial), rows_copied
+    with pytest.raises(graphs.CarryError, match="written"):
+        step(cp.asarray(np.int32([20])), cp.asarray(kv), state, live=None, written=[None])
 
 
 @pytest.mark.gpu

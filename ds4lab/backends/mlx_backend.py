@@ -153,7 +153,7 @@ class MLXBackend(Backend):
 
     def compile(self, fn, carry=None, family=None):
         compiled = mx.compile(fn)  # MLX's arrays are never written in place: the carried state is new arrays
-        return lambda *args, live=None: compiled(*args)  # new arrays whole: no rows to leave out
+        return lambda *args, live=None, written=None: compiled(*args)  # new arrays whole: no rows to leave out
 
     def eval(self, *xs):
         mx.eval(*xs)

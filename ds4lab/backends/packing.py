@@ -48,3 +48,25 @@ def pieces(spans, size: int, most: int) -> tuple[np.ndarray, int]:
     span = np.repeat(np.arange(len(k)), k)
     off = ((np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k)) * size).astype(np.uint64)
     return np.stack([src[span] + off, dst[span] + off, np.minimum(nbytes[span] - off, np.uint64(size))]), size
+
+
+def _minus(ranges, cut) -> tuple:
+    """Row ranges ``((start, stop), ...)`` less the rows of the ranges ``cut``."""
+    out = []
+    for a, b in ranges:
+        parts = [(a, b)]
+        for c, d in cut:
+            parts = [p for x, y in parts for p in ((x, min(y, c)), (max(x, d), y)) if p[0] < p[1]]
+        out += parts
+    return tuple(out)
+
+
+def stale_rows(live, then, written):
+    """The row ranges of ``live`` (the rows of an array that later steps read) that an earlier copy of the array does
+    not hold as they are now: the rows that were not among its live rows when it was made (``then``) or that a step
+    since wrote (``written``: each step's row ranges). None (every row) where ``live``, ``then`` or any step's writes
+    are None. A copy brought up to date with these rows holds the array's live rows as a copy made now would."""
+    if live is None or then is None or any(w is None for w in written):
+        return live
+    held = _minus(then, [r for w in written for r in w])
+    return _minus(live, held)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import cupy as cp
 import numpy as np
 
-from ..backends.packing import offsets, pieces, view_at, views
+from ..backends.packing import offsets, pieces, stale_rows, view_at, views
 from ..mlx_kernels.launches import InPlaceError, holding
 from .driver import GraphExec
 
@@ -154,6 +154,73 @@ class _Layout:
         self.offs, self.size = offsets(self.nbytes)
 
 
+class _Lent:
+    """What a lent output buffer's memory holds (cupy's UnownedMemory keeps its owner): it dies with the last array
+    over the buffer, and its finalizer hands the buffer back."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Filled:
+    """A family's output buffer, and what it holds: the carried arrays' ``live`` rows as the input buffer held them
+    after replay ``tick`` (None: not known)."""
+
+    __slots__ = ("buf", "signature", "tick", "live")
+
+    def __init__(self, buf, signature, tick, live):
+        self.buf, self.signature, self.tick, self.live = buf, signature, tick, live
+
+
+class _Recycled:
+    """The output buffers of a family's replays, handed back once nothing holds them (no :class:`Outputs`, no view),
+    and what each holds: a replay that takes one back copies into it only the live rows it does not hold as they are
+    now (:func:`ds4lab.backends.packing.stale_rows`), not every live row. A decode step writes a ring slot and at
+    most a compressed row a layer, where the live rows at 32K are about 20 MB a ratio-4 layer. ``tick`` counts the
+    replays that moved the input buffer's state on; ``log`` holds the rows each of the last ones wrote (the
+    caller's ``written``); a state copied in from elsewhere is a tick with no log, which no buffer filled before it
+    reuses its rows across."""
+
+    KEEP, LOG = 2, 8  # buffers kept while none is lent again; replays' writes remembered
+
+    def __init__(self):
+        self.tick, self.log, self.spare = 0, {}, []
+
+    def replaced(self) -> None:
+        self.tick += 1
+
+    def moved(self, written) -> None:
+        self.tick += 1
+        self.log[self.tick] = written
+        self.log.pop(self.tick - self.LOG, None)
+
+    def take(self, layout: _Layout, live):
+        """An output buffer for a replay that has just moved the state on, lent (its memory held by a :class:`_Lent`),
+        and the row ranges of each carried array to copy into it."""
+        filled = next((f for f in self.spare if f.signature == layout.signature), None)
+        if filled is None:
+            buf, rows = cp.empty(layout.size, dtype=cp.uint8), live
+        else:
+            self.spare.remove(filled)
+            buf, rows = filled.buf, self._stale(filled, live)
+        lent = _Lent()
+        weakref.finalize(lent, self._back, _Filled(buf, layout.signature, self.tick, live)).atexit = False
+        mem = cp.cuda.UnownedMemory(buf.data.ptr, buf.nbytes, lent, buf.device.id)
+        return cp.ndarray(buf.shape, cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0)), rows
+
+    def _stale(self, filled: _Filled, live) -> list:
+        ticks = range(filled.tick + 1, self.tick + 1)
+        if any(self.log.get(t) is None for t in ticks):
+            return live
+        rows = [stale_rows(r, then, [self.log[t][k] for t in ticks])
+                for k, (r, then) in enumerate(zip(live, filled.live))]
+        # at most two ranges an array, as live's: the copy's table is sized for those
+        return [s if s is None or len(s) <= 2 else r for s, r in zip(rows, live)]
+
+    def _back(self, filled: _Filled) -> None:
+        self.spare.append(filled)
+        del self.spare[:-self.KEEP]
+
+
 class _Inputs:
     """A graph's input buffer, laid out by a :class:`_Layout`, which the graphs of a family share; ``last`` (a weak
     reference) names the replay's outputs whose carried state the buffer holds, None where it holds no one's."""
@@ -162,6 +229,7 @@ class _Inputs:
         self.offs = layout.offs
         self.buf = cp.empty(layout.size, dtype=cp.uint8)
         self.last = None
+        self.recycled = _Recycled()
 
 
 class Outputs(Sequence):
@@ -290,11 +358,11 @@ class _Captured:
             pairs.append((o, dst))
         return pairs
 
-    def _copy_in(self, args, stream, last) -> None:
+    def _copy_in(self, args, stream, last) -> bool:
         """One device copy per run of arguments that sits in one buffer at the input layout's relative
         offsets (a :class:`Span` is such a run); none for the previous replay's carried outputs (``last``, a
-        weak reference to them), which are in place already."""
-        offs, i, run = self.in_offs, 0, None  # run: [source pointer, its memory, base, start, end]
+        weak reference to them), which are in place already. Returns whether they were."""
+        offs, i, run, in_place = self.in_offs, 0, None, False  # run: [source pointer, its memory, base, start, end]
         last = last() if last is not None else None
         for a in args:
             n = len(a) if type(a) is Span else 1
@@ -303,6 +371,7 @@ class _Captured:
             if (type(a) is Span and last is not None and a.outputs is last
                     and (i, a.start, n) == self.carry):
                 i += n
+                in_place = True
                 continue
             src, start = a.data, offs[i]
             base, end = src.ptr - start, start + a.nbytes
@@ -315,33 +384,42 @@ class _Captured:
             run = [src, src.mem, base, start, end]
         if run is not None:
             self._copy(run, stream)
+        return in_place
 
     def _copy(self, run, stream) -> None:
         src, _, _, start, end = run
         (self.in_buf.data + start).copy_from_device_async(src, end - start, stream)
 
-    def check_live(self, live) -> None:
-        """``live`` fits this graph's carried arrays (checked before a replay moves the state on)."""
+    def check_live(self, live, written) -> None:
+        """``live`` and ``written`` fit this graph's carried arrays (checked before a replay moves the state on)."""
         k = self.carry[2] if self.carry else 0
-        if len(live) != k or any(r is not None and len(r) > 2 for r in live):
-            raise CarryError(f"live: {len(live)} arrays' row ranges (two at most each) for {k} carried arrays")
+        for name, ranges, most in (("live", live, 2), ("written", written, None)):
+            if ranges is not None and (len(ranges) != k or any(r is not None and most is not None and len(r) > most
+                                                               for r in ranges)):
+                raise CarryError(f"{name}: {len(ranges)} arrays' row ranges{' (two at most each)' if most else ''} "
+                                 f"for {k} carried arrays")
 
-    def __call__(self, args, live=None) -> Outputs:
-        if live is not None:
-            self.check_live(live)
+    def __call__(self, args, live=None, written=None) -> Outputs:
+        self.check_live(live, written)
         stream = cp.cuda.get_current_stream()
-        out = cp.empty(self.layout.size, dtype=cp.uint8)
         last, self.ins.last = self.ins.last, None  # no one's state until this replay returns (it may fail)
-        self._copy_in(args, stream, last)
+        if not self._copy_in(args, stream, last) and self.carry:
+            self.ins.recycled.replaced()
         self.graph.launch(stream)
         (start, end), size = self.span, self.layout.size
+        if self.carry:
+            self.ins.recycled.moved(written)
+        if end > start and live is not None:  # a recycled buffer, and the live rows it lacks
+            out, rows = self.ins.recycled.take(self.layout, live)
+        else:
+            out = cp.empty(size, dtype=cp.uint8)
         if start:
             out.data.copy_from_device_async(self.out_buf.data, start, stream)
         if end > start and live is not None:
             if self._live is None:
                 i, j, k = self.carry
                 self._live = _LiveCopy(self.inputs[i:], [self.layout.offs[j + m] for m in range(k)])
-            self._live.launch(out, live, stream)
+            self._live.launch(out, rows, stream)
         elif end > start:
             (out.data + start).copy_from_device_async(self.in_buf.data + self.in_offs[self.carry[0]], end - start,
                                                       stream)
@@ -361,7 +439,10 @@ class GraphStep:
     ``weakref.WeakValueDictionary`` lets a buffer go with the last graph that uses it. A call's ``live``: for each
     carried array, the row ranges of the new state that later steps read (None for all of it,
     :func:`ds4lab.runtime.compiled.live_rows`): a replay copies only those into its outputs, the other rows of the
-    outputs left as the memory held them (an eager call returns its arrays whole)."""
+    outputs left as the memory held them (an eager call returns its arrays whole). A call's ``written``: for each
+    carried array, the row ranges the call writes (None for any, :func:`ds4lab.runtime.compiled.written_rows`); with
+    them, a replay whose outputs go into a buffer that an earlier replay's outputs held, once nothing holds those,
+    copies only the live rows written since (:class:`_Recycled`)."""
 
     def __init__(self, fn, carry: tuple[int, int] | None = None, family=None):
         self.fn = fn
@@ -372,12 +453,12 @@ class GraphStep:
         self.failures: dict[tuple, str] = {}
         self.captures = 0
 
-    def __call__(self, *args, live=None):
+    def __call__(self, *args, live=None, written=None):
         args, signature = _arguments(args)
         key = (cp.cuda.runtime.getDevice(), *signature)
         captured = self._graphs.get(key)
         if captured is not None:
-            return captured(args, live)
+            return captured(args, live, written)
         args = _flat(args)
         if key not in self._ran or key in self.failures:
             self._ran.add(key)
@@ -393,7 +474,7 @@ class GraphStep:
             self.failures[key] = f"{type(e).__name__}: {e}"
             return self.fn(*args)
         self.captures += 1
-        return captured(args, live)
+        return captured(args, live, written)
 
     def replay_seconds(self, repeats: int = 20) -> list[float]:
         """GPU seconds of one bare replay (no argument copies) of each graph captured, replayed back to back

@@ -31,15 +31,36 @@ def live_rows(cfg, geometry, n: int) -> list:
     the window's positions (one range, or two where they wrap), the compressed and indexer rows below the count (the
     rows a .kv payload holds); the compressors' pending states whole. The kernels read nothing else
     (tests/test_cpu_emulator.py), so a copy of the state may leave the rest out."""
-    cap = geometry.raw_cap
-    live = raw_live_rows(n, geometry.window, cap)
-    a = (n - live) % cap
-    ring = () if not live else ((a, a + live),) if a + live <= cap else ((a, cap), (0, a + live - cap))
+    live = raw_live_rows(n, geometry.window, geometry.raw_cap)
+    return _by_array(cfg, _slots(n - live, live, geometry.raw_cap), lambda R: ((0, n // R),) if n // R else ())
+
+
+def written_rows(cfg, geometry, n0: int, n: int) -> list:
+    """For each array of a whole step's state, as :func:`live_rows`: the row ranges that the chunk of positions
+    ``[n0, n)`` writes, or None for all of it: the ring's slots of those positions, the compressed and indexer rows
+    its windows complete (they are appended, never rewritten), the pending states whole
+    (tests/test_cpu_emulator.py checks that a step changes nothing else). A copy of the state made before the chunk
+    needs only these rows of it to be the state after (:func:`ds4lab.backends.packing.stale_rows`)."""
+    return _by_array(cfg, _slots(n0, n - n0, geometry.raw_cap),
+                     lambda R: ((n0 // R, n // R),) if n // R > n0 // R else ())
+
+
+def _slots(start: int, count: int, cap: int) -> tuple:
+    """The ring slots of positions ``[start, start + count)``: one range, or two where they wrap."""
+    if count >= cap:
+        return ((0, cap),)
+    a = start % cap
+    return () if not count else ((a, a + count),) if a + count <= cap else ((a, cap), (0, a + count - cap))
+
+
+def _by_array(cfg, ring: tuple, rows) -> list:
+    """Per state array, in :func:`present`'s order: ``ring`` for a raw ring, ``rows(R)`` for a ratio-R layer's
+    compressed and indexer rows, None for its pending states."""
     out = []
     for il in range(cfg.n_layer):
         R = cfg.ratio(il)
-        rows = ((0, n // R),) if R and n // R else ()
-        out += [r for r, h in zip((ring, rows, None, None, rows, None, None), _has(cfg, il)) if h]
+        r = rows(R) if R else ()
+        out += [x for x, h in zip((ring, r, None, None, r, None, None), _has(cfg, il)) if h]
     return out
 
 

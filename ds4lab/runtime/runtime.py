@@ -29,7 +29,17 @@ import numpy as np
 from ..kv.layout import KVState, PackedLayers
 from ..model.transformer import DEVICE_ROUTING_ROWS
 from ..tiers import NO_TIERS, TierRun
-from .compiled import attention_half, ffn_half, layer_state, layer_states, live_rows, present, real_rows, whole_step
+from .compiled import (
+    attention_half,
+    ffn_half,
+    layer_state,
+    layer_states,
+    live_rows,
+    present,
+    real_rows,
+    whole_step,
+    written_rows,
+)
 from .tables import ChunkTables, chunk_tables, rope_keys
 
 
@@ -195,8 +205,10 @@ class Runtime:
             arrays = arrays if isinstance(arrays, (tuple, list)) else [arrays]  # a replay's: one span, passed whole
         else:
             arrays = [a for layer in state.layers for a in present(layer)]
-        # the rows of the new state later steps read (a CUDA graph copies only those out of its buffer)
-        out = step(*inputs, *arrays, live=live_rows(cfg, state.geometry, state.n_past + n))
+        # the rows of the new state later steps read, and those this step writes (a CUDA graph copies only those out
+        # of its buffer, and of them only the ones an older copy it writes over does not hold)
+        out = step(*inputs, *arrays, live=live_rows(cfg, state.geometry, state.n_past + n),
+                   written=written_rows(cfg, state.geometry, state.n_past, state.n_past + n))
         layers = PackedLayers(out[1:-1] if head else out[1:], cfg.n_layer, lambda a: layer_states(cfg, a))
         return out[0], KVState(layers, state.n_past + n, state.geometry), out[-1] if head else None
 
