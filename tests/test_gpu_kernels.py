@@ -887,8 +887,8 @@ def whole_steps(model, monkeypatch) -> None:
     for name, value in (("compiled_rows", 16), ("compiles_ffn", True)):
         if not hasattr(backend, name):
             monkeypatch.setattr(backend, name, value, raising=False)
-    monkeypatch.setattr(backend, "compile", lambda fn, carry=None, family=None: lambda *a, live=None: fn(*a),
-                        raising=False)
+    monkeypatch.setattr(backend, "compile",
+                        lambda fn, carry=None, family=None: lambda *a, live=None, written=None: fn(*a), raising=False)
     rt.compile = True
     assert rt.whole(1)
 
@@ -1946,7 +1946,7 @@ def test_compiled_decode_equals_eager(model_paths, backend, whole_step):
     rt, b = gpu.runtime, gpu.backend
     if backend == "emulated":
         b.compiled_rows, b.compiles_ffn = 16, True
-        b.compile = lambda fn, carry=None, family=None: lambda *a, live=None: fn(*a)
+        b.compile = lambda fn, carry=None, family=None: lambda *a, live=None, written=None: fn(*a)
     # from position 68 the indexer drops rows; positions 75, 79 and 83 end a ratio-4 window: on a GPU the
     # steps that do are a compiled call of their own, run eagerly, captured, then replayed after the others'
     n_prefill, n_decode = 72, 4 if backend == "emulated" else 12

@@ -222,7 +222,7 @@ def test_a_gpu_models_cpu_tier_decides_its_own_steps(monkeypatch, tmp_path):
     def compile(fn, carry=None, family=None):  # a call runs on the device it was traced on, as MLX's traces must
         traced_on = device()
 
-        def call(*args, live=None):
+        def call(*args, live=None, written=None):
             assert device() == traced_on, f"a call traced on the {traced_on} ran on the {device()}"
             return fn(*args)
         return call
