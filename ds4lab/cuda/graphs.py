@@ -180,10 +180,12 @@ class _Recycled:
     caller's ``written``); a state copied in from elsewhere is a tick with no log, which no buffer filled before it
     reuses its rows across."""
 
-    KEEP, LOG = 2, 8  # buffers kept while none is lent again; replays' writes remembered
+    LOG = 8  # replays' writes remembered: a buffer back after more replays than this is filled whole
 
     def __init__(self):
-        self.tick, self.log, self.spare = 0, {}, []
+        # spare: the buffer last handed back (a decode loop hands back one a step, the state of two steps back, and
+        # takes it the next step; one it replaces goes back to CuPy's pool, which held such memory before)
+        self.tick, self.log, self.spare = 0, {}, None
 
     def replaced(self) -> None:
         self.tick += 1
@@ -196,11 +198,11 @@ class _Recycled:
     def take(self, layout: _Layout, live):
         """An output buffer for a replay that has just moved the state on, lent (its memory held by a :class:`_Lent`),
         and the row ranges of each carried array to copy into it."""
-        filled = next((f for f in self.spare if f.signature == layout.signature), None)
-        if filled is None:
+        filled, self.spare = self.spare, None
+        if filled is None or filled.signature != layout.signature:
+            filled = None  # another layout's goes back to the pool before this one is made
             buf, rows = cp.empty(layout.size, dtype=cp.uint8), live
         else:
-            self.spare.remove(filled)
             buf, rows = filled.buf, self._stale(filled, live)
         lent = _Lent()
         weakref.finalize(lent, self._back, _Filled(buf, layout.signature, self.tick, live)).atexit = False
@@ -217,8 +219,7 @@ class _Recycled:
         return [s if s is None or len(s) <= 2 else r for s, r in zip(rows, live)]
 
     def _back(self, filled: _Filled) -> None:
-        self.spare.append(filled)
-        del self.spare[:-self.KEEP]
+        self.spare = filled
 
 
 class _Inputs:
