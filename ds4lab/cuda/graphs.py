@@ -163,7 +163,7 @@ class _Lent:
 
 class _Filled:
     """A family's output buffer, and what it holds: the carried arrays' ``live`` rows as the input buffer held them
-    after replay ``tick`` (None: not known)."""
+    after replay ``tick``."""
 
     __slots__ = ("buf", "signature", "tick", "live")
 
