@@ -118,10 +118,18 @@ def main(argv=None):
     p.add_argument("--trace", action="store_true",
                    help="also list each graph's kernels by start time, with the gaps between them (each layer "
                         "half's, then the whole step's: its side streams' kernels beside the main stream's)")
+    p.add_argument("--no-programmatic", action="store_true",
+                   help="launch every kernel as usual, not as a programmatic dependent launch (which starts as the "
+                        "kernel before it ends and waits for its writes inside): each kernel's time its own")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     import cupy as cp
+
+    if args.no_programmatic:
+        from ds4lab.cuda import driver
+
+        driver.PROGRAMMATIC = False
 
     cfg = SLICE if args.config == "flash" else NANO
     tensors = model_tensors(cfg, seed=0, distinct_rows=8)

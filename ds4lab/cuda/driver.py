@@ -102,6 +102,10 @@ def _programmatic(function_ptr: int) -> bool:
     return min(versions) >= 90
 
 
+# False: every kernel launched as usual, starting once the one before it has ended, so that a profile's kernel times
+# are the kernels' own, not also their waits for the one before (benchmarks/kernel_profile.py --no-programmatic)
+PROGRAMMATIC = True
+
 _ALLOW_EARLY_START = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
 _ALLOW_EARLY_START.value[0] = 1  # programmaticStreamSerializationAllowed, an int at the union's start
 
@@ -114,7 +118,7 @@ def launch(function, grid: tuple, threads: int, args) -> None:
     reading only what no kernel writes). What it saves is the gap between two kernels of a chain (in a captured graph
     too: a programmatic edge). Elsewhere CuPy launches it as usual."""
     ptr = function.kernel.ptr
-    if not _programmatic(ptr):
+    if not (PROGRAMMATIC and _programmatic(ptr)):
         function(grid, (threads,), args)
         return
     pointers = (ctypes.c_void_p * len(args))(*(a.data.ptr for a in args))
