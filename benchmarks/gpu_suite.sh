@@ -85,11 +85,17 @@ want qgemm slice && step qgemm 60 python3 benchmarks/qgemm_bench.py --repeats 5 
 want resources profile && step resources 120 python3 benchmarks/kernel_resources.py
 want qmatmul profile && step qmatmul 120 python3 benchmarks/qmatmul_bench.py --variants 8x1s 4x1s --json "$OUT/qmatmul.json"
 want profile profile && step profile 150 python3 benchmarks/kernel_profile.py --json "$OUT/profile.json"
-# each layer half's kernels by start time at 4K and 32K (q8): where a longer context's decode time goes
+# each layer half's kernels by start time at 4K and 32K (q8): where a longer context's decode time goes; "own"
+# (only when named): the same with every kernel launched as usual, each kernel's time its own (--no-programmatic)
 for c in 4096 32768; do
     want "trace$c" profile && step "trace$c" 200 python3 benchmarks/kernel_profile.py --context "$c" --decode-matmul q8 \
         --trace --json "$OUT/trace$c.json"
+    [[ "$what" == *" trace_own$c "* ]] && step "trace_own$c" 200 python3 benchmarks/kernel_profile.py --context "$c" \
+        --decode-matmul q8 --trace --no-programmatic --json "$OUT/trace_own$c.json"
 done
+# a decode step's attention kernels alone (each in a graph of 20 launches) at 4K-32K
+want attn_bench profile && step attn_bench 200 python3 benchmarks/decode_attention_bench.py \
+    --contexts 4096 8192 16384 32768 --json "$OUT/attn_bench.json"
 want flash_f32 flash && step flash_f32 300 python3 benchmarks/flash_full.py $flash_fit --json "$OUT/flash_f32.json"
 want flash_tf32 flash && step flash_tf32 300 python3 benchmarks/flash_full.py $flash_fit --prefill-matmul tf32 \
     --json "$OUT/flash_tf32.json"
