@@ -96,7 +96,8 @@ def _copy_spans(pairs, stream):
 
 
 class _LiveCopy:
-    """A replay's copy of the carried state's live rows into its outputs (GraphStep's ``live``): the live spans cut
+    """A replay's copy of the carried state's live rows into its outputs (GraphStep's ``live``; into a recycled
+    buffer, only those of them it lacks: :class:`_Recycled`), two ranges an array at most: the spans cut
     into pieces of COPY_PIECE bytes on the host each replay (:func:`ds4lab.backends.packing.pieces`), so that one
     ``copy_spans`` launch gives every piece the same few work-groups (a grid sized for the largest span left most of
     its work-groups idle: at 4K, 229 spans, the largest 2.1 MB); the table uploaded through pinned memory (two
@@ -113,12 +114,12 @@ class _LiveCopy:
             self.table = [cp.empty(3 * cap, dtype=cp.uint64) for _ in range(2)]
         self.done, self.turn = [None, None], 0
 
-    def launch(self, out, live, stream) -> None:
+    def launch(self, out, rows, stream) -> None:
         slot, self.turn = self.turn, self.turn ^ 1
         if self.done[slot] is not None:
             self.done[slot].synchronize()  # its table's last copy has run (a replay ago: done long since)
         spans = []
-        for k, ranges in enumerate(live):
+        for k, ranges in enumerate(rows):
             rb = self.row_bytes[k]
             whole = ranges is None or rb % 16  # copy_spans copies 16-byte words from 16-byte aligned spans
             for off, nbytes in ((0, self.whole[k]),) if whole else ((a * rb, (b - a) * rb) for a, b in ranges):
