@@ -395,11 +395,10 @@ class _Captured:
     def check_live(self, live, written) -> None:
         """``live`` and ``written`` fit this graph's carried arrays (checked before a replay moves the state on)."""
         k = self.carry[2] if self.carry else 0
-        for name, ranges, most in (("live", live, 2), ("written", written, None)):
-            if ranges is not None and (len(ranges) != k or any(r is not None and most is not None and len(r) > most
-                                                               for r in ranges)):
-                raise CarryError(f"{name}: {len(ranges)} arrays' row ranges{' (two at most each)' if most else ''} "
-                                 f"for {k} carried arrays")
+        if live is not None and (len(live) != k or any(r is not None and len(r) > 2 for r in live)):
+            raise CarryError(f"live: {len(live)} arrays' row ranges (two at most each) for {k} carried arrays")
+        if written is not None and len(written) != k:
+            raise CarryError(f"written: {len(written)} arrays' row ranges for {k} carried arrays")
 
     def __call__(self, args, live=None, written=None) -> Outputs:
         self.check_live(live, written)
@@ -411,13 +410,14 @@ class _Captured:
         (start, end), size = self.span, self.layout.size
         if self.carry:
             self.ins.recycled.moved(written)
-        if end > start and live is not None:  # a recycled buffer, and the live rows it lacks
+        copies_live = end > start and live is not None
+        if copies_live:  # a recycled buffer, and the live rows it lacks
             out, rows = self.ins.recycled.take(self.layout, live)
         else:
             out = cp.empty(size, dtype=cp.uint8)
         if start:
             out.data.copy_from_device_async(self.out_buf.data, start, stream)
-        if end > start and live is not None:
+        if copies_live:
             if self._live is None:
                 i, j, k = self.carry
                 self._live = _LiveCopy(self.inputs[i:], [self.layout.offs[j + m] for m in range(k)])
