@@ -1597,16 +1597,17 @@ def test_indexer_chunk_refuses_heads_that_split_a_tile(gpu):
 # 2500 rows: past those a 256-thread group holds in registers; 9000: past a 1,024-thread group's (a decode step's).
 @pytest.mark.parametrize("T,N,k,seed", [(1, 40, 16, 0), (3, 300, 32, 1), (2, 1030, 512, 2), (16, 70, 8, 3),
                                         (40, 600, 64, 4), (2, 2500, 512, 5), (1, 9000, 512, 6)])
-@pytest.mark.parametrize("ties", [True, False])
-def test_indexer_allowed_kernel_equals_the_plain_selection(gpu, T, N, k, seed, ties):
+@pytest.mark.parametrize("scores", ["ties", "distinct", "adjacent"])
+def test_indexer_allowed_kernel_equals_the_plain_selection(gpu, T, N, k, seed, scores):
     from ds4lab.model.attention import indexer_allowed
 
     _, kernels, to_dev, to_host = gpu
     rng = np.random.default_rng(seed)
-    # With ties: scores on a coarse grid, so that rows tied with the k-th (and +0/−0) are common and fill the
-    # room left to right; without: distinct scores (the usual case: the tied rows are the k-th alone).
+    # ties: scores on a coarse grid, so that rows tied with the k-th (and +0/−0) are common and fill the room left
+    # to right; distinct: the usual case (the kernel stops once a candidate key falls between the k-th and the
+    # next); adjacent: the next score one float below the k-th, so that only the last pass's candidate does.
     score = rng.standard_normal((T, N)).astype(np.float32)
-    if ties:
+    if scores == "ties":
         score = np.round(score * 4) / 4
         score[:, ::7] = -0.0
     n_vis = rng.integers(1, N + 1, T)
@@ -1614,6 +1615,10 @@ def test_indexer_allowed_kernel_equals_the_plain_selection(gpu, T, N, k, seed, t
     if T > 1:
         n_vis[1] = min(k, N)  # exactly k visible: no selection
     visible = np.arange(N)[None, :] < n_vis[:, None]
+    if scores == "adjacent":
+        for t in np.flatnonzero(n_vis > k):
+            order = np.argsort(-score[t, :n_vis[t]], kind="stable")
+            score[t, order[k]] = np.nextafter(score[t, order[k - 1]], np.float32(-np.inf))
     want = indexer_allowed(np, score, visible, n_vis, k)
     got = to_host(kernels.indexer_allowed(to_dev(score), to_dev(visible), to_dev(n_vis.astype(np.int32)), k))
     assert got.dtype == np.bool_ and np.array_equal(got, want)
@@ -2392,7 +2397,9 @@ def test_cupy_graph_recycles_an_output_buffer_once_nothing_holds_it(monkeypatch)
     lacks (packing.stale_rows: not live then, or written since), here a ring slot and a row a step; a buffer that a
     view still holds is never written, and a state copied in from elsewhere (a restore) gets every live row copied.
     Every replay's live rows are the plain formulas', over a ring of 4 slots that wraps, a window of 3 (each step
-    writes the slot of a position the buffer of two steps back held live)."""
+    writes the slot of a position the buffer of two steps back held live). After the restore to position 8 the
+    steps go on from position 9, as a session's do: the rows not live at 8 were never copied into its buffer, so
+    they hold whatever that memory held (a step 12 after 8 would read them as live)."""
     found, why = _cupy_kernels()
     if found is None:
         pytest.skip(why)
@@ -2418,19 +2425,19 @@ def test_cupy_graph_recycles_an_output_buffer_once_nothing_holds_it(monkeypatch)
     step = graphs.GraphStep(fn, carry=(2, 1))
     rng = np.random.default_rng(4)
     want = [np.zeros((4, 8), np.float32), np.zeros((64, 8), np.float32), np.zeros((1, 8), np.float32)]
-    state, history, back, kept = [cp.asarray(a) for a in want], [], None, None
-    for t in range(20):
+    state, history, back, kept = [cp.asarray(a) for a in want], {}, None, None
+    positions = [t if t < 12 else t - 3 for t in range(20)]  # step 12 restores position 8 and goes on from 9
+    for t, pos in enumerate(positions):
         if t == 12:  # back to the state after position 8 (a replay's outputs still held)
             state, want = back[1:], history[8]
         kv = rng.standard_normal((1, 8)).astype(np.float32)
         raw, rows, pend = (np.array(a) for a in want)
-        raw[t % 4], rows[t] = kv[0], 2 * kv[0]
-        want = [raw, rows, pend + kv]
-        history.append(want)
-        live = [ring(max(0, t - 2), min(t + 1, 3)), ((0, t + 1),), None]  # a window of 3 positions
-        written = [ring(t, 1), ((t, t + 1),), None]
-        out = step(cp.asarray(np.int32([t])), cp.asarray(kv), *([state] if isinstance(state, graphs.Span) else state),
-                   live=live, written=written)
+        raw[pos % 4], rows[pos] = kv[0], 2 * kv[0]
+        want = history[pos] = [raw, rows, pend + kv]
+        live = [ring(max(0, pos - 2), min(pos + 1, 3)), ((0, pos + 1),), None]  # a window of 3 positions
+        written = [ring(pos, 1), ((pos, pos + 1),), None]
+        out = step(cp.asarray(np.int32([pos])), cp.asarray(kv),
+                   *([state] if isinstance(state, graphs.Span) else state), live=live, written=written)
         assert np.array_equal(cp.asnumpy(out[0]), 3 * kv)
         for got, w, r in zip(out[1:], want, live):
             got = cp.asnumpy(got)
@@ -2445,12 +2452,12 @@ def test_cupy_graph_recycles_an_output_buffer_once_nothing_holds_it(monkeypatch)
         del out
     assert step.captures == 1 and not step.failures
     assert np.array_equal(cp.asnumpy(kept), kept_host)  # never written while the view held it
-    # rows' copy a replay (t >= 1): the whole count at the capture, at the restore (t = 12) and where no buffer was
-    # free; otherwise the one row written since the buffer's step (or the two rows of two steps)
+    # rows' copy a replay (t >= 1): the whole count at the capture, at the restore (t = 12, position 9) and where no
+    # buffer was free; otherwise the one row written since the buffer's step (or the two rows of two steps)
     rows_copied = [c[1] for c in copied]
     assert len(rows_copied) == 19
-    assert rows_copied[0] == ((0, 2),) and rows_copied[12 - 1] == ((0, 13),)
-    partial = [t for t, c in enumerate(rows_copied, 1) if c != ((0, t + 1),)]
+    assert rows_copied[0] == ((0, 2),) and rows_copied[12 - 1] == ((0, 10),)
+    partial = [t for t, c in enumerate(rows_copied, 1) if c != ((0, positions[t] + 1),)]
     assert len(partial) >= 8 and all(sum(b - a for a, b in rows_copied[t - 1]) <= 2 for t in partial), rows_copied
     with pytest.raises(graphs.CarryError, match="written"):
         step(cp.asarray(np.int32([20])), cp.asarray(kv), state, live=None, written=[None])
