@@ -204,14 +204,18 @@ FLASH_EXPERT_LAYOUTS = {
 
 # The tensors a decode step mostly reads (routed experts, the Q8_0 projections, the head): holes in a layout
 # model made for speed, where their values do not change the work. What decides routing stays random.
-BIG_PROJECTIONS = ("_exps.weight", "_shexp.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight",
-                   "attn_output_a.weight", "attn_output_b.weight", "output.weight")
+# attn_q_a is not among them (4.5 MB a Flash layer), and the indexer's own q_b is filled (17 MB a ratio-4 layer):
+# the indexer's queries read both, and zeros there tie every indexer score, the top-k's slowest case, which real
+# weights never give.
+BIG_PROJECTIONS = ("_exps.weight", "_shexp.weight", "attn_q_b.weight", "attn_kv.weight", "attn_output_a.weight",
+                   "attn_output_b.weight", "output.weight")
 
 
 def routing_filled(name: str) -> bool:
     """``filled`` for :func:`make_sparse_model`: embeddings, routers, norms, hyper-connection and indexer
-    weights random (routing differs per token), :data:`BIG_PROJECTIONS` holes."""
-    return not name.endswith(BIG_PROJECTIONS)
+    weights random (routing differs per token, and so do the indexer's scores row to row),
+    :data:`BIG_PROJECTIONS` holes."""
+    return ".indexer." in name or not name.endswith(BIG_PROJECTIONS)
 
 
 @functools.lru_cache(maxsize=2)

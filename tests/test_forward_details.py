@@ -164,3 +164,22 @@ def test_stored_rows_carry_ds4_numerics(nano_ds4):
         np.testing.assert_array_equal(nx.fp8_kv_sim(np, rows, 64), rows)
     # indexer rows: FP4 grid values in the Hadamard domain
     np.testing.assert_array_equal(nx.fp4_sim(np, layer.index), layer.index)
+
+
+def test_the_benchmarks_sparse_file_gives_the_indexer_distinct_scores(tmp_path):
+    """flash_full.py's file (testing.routing_filled) leaves the big projections holes, but the indexer's queries
+    (attn_q_a's rows through its own q_b) and keys are random, so each query's scores differ row to row as real
+    weights' do: with attn_q_a a hole every score was 0, every row tied, the top-k's slowest case."""
+    from ds4lab import testing
+    from tests.conftest import CONFIGS
+
+    cfg = CONFIGS["nano"][0]
+    path = testing.make_sparse_model(cfg, tmp_path / "sparse.gguf", seed=1, filled=testing.routing_filled)
+    model = ds4lab.load(path, backend="numpy")
+    ids = np.random.default_rng(5).integers(0, 1000, 64)
+    rec, _, _ = run_recorded(model, ids)
+    layers = [il for il in range(cfg.n_layer) if cfg.has_indexer(il)]
+    assert layers
+    for il in layers:
+        last = rec[f"blk.{il}.indexer.scores"][-1][:64 // cfg.compress_ratios[il]]  # the rows the last query sees
+        assert len(np.unique(last)) > len(last) // 2, (il, last)  # a few heads here: a row may score 0 (relu)
