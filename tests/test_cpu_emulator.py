@@ -66,6 +66,25 @@ def test_threads_waiting_at_different_barriers_stop_with_the_kernels_name(tmp_pa
     assert "kernel divergent: the group's threads wait at different barriers" in run.stderr
 
 
+def test_a_launch_past_a_kernels_launch_bounds_is_refused_as_cuda_would(tmp_path):
+    """A spec's launch_bounds reach the CUDA module as __launch_bounds__, and the emulator refuses a group wider than
+    them (CUDA fails such a launch), so a launcher that outgrows them fails in the CPU suite first."""
+    from ds4lab.mlx_kernels import specs as S
+    from ds4lab.mlx_kernels.dialects import cuda_module_source
+
+    spec = _spec(tmp_path, "bounded", "y[THREAD_IN_GROUP] = x[THREAD_IN_GROUP];\n")
+    spec = KernelSpec(spec.name, spec.body, spec.inputs, spec.outputs, launch_bounds=(32, 4))
+    assert "__launch_bounds__(32, 4) bounded(" in cuda_module_source([spec])
+    lib = compile_module([spec])
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros(64, np.float32)
+    launch(lib, spec, (1, 1), 32, [x, y])
+    assert np.array_equal(y[:32], x[:32])
+    with pytest.raises(ValueError, match="bounded: 64 threads a group, past its launch bounds' 32"):
+        launch(lib, spec, (1, 1), 64, [x, y])
+    assert S.INDEXER_SCORES.launch_bounds == (S.INDEXER_GROUP, S.INDEXER_GROUPS_PER_SM)
+
+
 def test_every_shared_helper_that_waits_is_known_to_the_launcher():
     """A kernel runs without fibers unless its body names one of ``_SYNCS``: a helper in common.h that
     waits (directly or through another helper) must be in that list."""

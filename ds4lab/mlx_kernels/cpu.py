@@ -56,6 +56,8 @@ def launch(lib: ctypes.CDLL, spec, grid, threads: int, args) -> None:
     then its outputs, C-contiguous NumPy arrays."""
     if not all(a.flags.c_contiguous for a in args):  # the launchers pass contiguous arrays only
         raise ValueError(f"{spec.name}: every argument must be a C-contiguous array")
+    if spec.launch_bounds and threads > spec.launch_bounds[0]:  # CUDA would refuse the launch
+        raise ValueError(f"{spec.name}: {threads} threads a group, past its launch bounds' {spec.launch_bounds[0]}")
     for (name, dtype), a in zip((*spec.inputs, *spec.outputs), args):  # a GPU would read the bytes as they are
         if a.dtype != np.dtype(dtype):
             raise TypeError(f"{spec.name}: argument {name} is {a.dtype}, the kernel reads {dtype}")

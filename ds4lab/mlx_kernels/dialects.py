@@ -504,13 +504,16 @@ _C_TYPES = {"float32": "float", "float16": "half_t", "uint8": "uint8_t", "int32"
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """A kernel: its name, the body file, inputs and outputs as (name, dtype name), and constants."""
+    """A kernel: its name, the body file, inputs and outputs as (name, dtype name), and constants.
+    ``launch_bounds``: (threads a group, groups an SM) for CUDA's ``__launch_bounds__`` in the CuPy module, so that
+    its registers leave room for that many groups (None: the compiler's choice)."""
 
     name: str
     body: str
     inputs: tuple[tuple[str, str], ...]
     outputs: tuple[tuple[str, str], ...]
     defines: dict = field(default_factory=dict)
+    launch_bounds: tuple[int, int] | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -552,7 +555,8 @@ def cuda_module_source(specs) -> str:
         args += [f"{_C_TYPES[t]}* __restrict__ {n}" for n, t in spec.outputs]
         body = spec.body_source("cuda")
         wait = "" if places_its_wait(body) else "grid_dependency_wait();\n"
-        parts.append(f'extern "C" __global__ void {spec.name}({", ".join(args)}) {{\n{wait}{body}}}\n')
+        bounds = f"__launch_bounds__({spec.launch_bounds[0]}, {spec.launch_bounds[1]}) " if spec.launch_bounds else ""
+        parts.append(f'extern "C" __global__ void {bounds}{spec.name}({", ".join(args)}) {{\n{wait}{body}}}\n')
     return "\n".join(parts)
 
 

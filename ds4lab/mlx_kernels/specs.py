@@ -441,10 +441,13 @@ RING_WRITE_IN_PLACE = KernelSpec("ring_write_in_place", "ring_write.body",
 
 # indexer_scores: a work-group per query and INDEXER_ROWS compressed rows, q's head dim at most
 # INDEXER_MAX_DQ (Flash: 128; the q rows staged take MAX_DQ × 33 floats of group-shared memory, the group's rows
-# ROWS × MAX_DQ: 25 KB in all, under Metal's 32 KB).
+# ROWS × MAX_DQ: 25 KB in all, under Metal's 32 KB). On CUDA its registers are capped for INDEXER_GROUPS_PER_SM
+# groups an SM (64 a thread, no spills; left alone NVRTC took 78, three groups an SM, and a 32K context's 512
+# groups took two rounds of the H100's 132 SMs).
 INDEXER_GROUP = 256
 INDEXER_ROWS = 16
 INDEXER_MAX_DQ = 128
+INDEXER_GROUPS_PER_SM = 4
 
 
 def indexer_scores_fits(Dq: int) -> bool:
@@ -456,7 +459,8 @@ INDEXER_SCORES = KernelSpec("indexer_scores", "indexer_scores.body",
                             (("q", "float32"), ("w", "float32"), ("k", "float32"), ("dims", "int32")),
                             (("out", "float32"),),
                             {"MAX_DQ": INDEXER_MAX_DQ, "ROWS": INDEXER_ROWS, "THREADS": INDEXER_GROUP,
-                             "SIMD_GROUPS": INDEXER_GROUP // 32, "SG_ROWS": INDEXER_ROWS // (INDEXER_GROUP // 32)})
+                             "SIMD_GROUPS": INDEXER_GROUP // 32, "SG_ROWS": INDEXER_ROWS // (INDEXER_GROUP // 32)},
+                            launch_bounds=(INDEXER_GROUP, INDEXER_GROUPS_PER_SM))
 
 # Rows a thread of indexer_allowed keeps in registers: with a decode step's wide groups (1,024 threads), every row
 # of a 32K context at ratio 4; a few queries' groups take no fewer threads than INDEXER_ALLOWED_MIN_GROUP.
@@ -467,7 +471,7 @@ INDEXER_ALLOWED_MIN_GROUP = ROW_GROUP
 def indexer_allowed_threads(T: int, N: int, wide_group: int) -> int:
     """indexer_allowed's group size for ``T`` queries over ``N`` rows: ROW_GROUP for a chunk; for a few queries (a
     decode step) the fewest threads that hold every row in registers, from INDEXER_ALLOWED_MIN_GROUP up to the
-    launcher's ``wide_group`` (a 32K context's). Each of the 16 passes costs every SIMD group its reductions, so
+    launcher's ``wide_group`` (a 32K context's). Each of its passes (16 at most) costs every SIMD group its reductions, so
     threads past that cost time (decode_attention_bench.py: 1,024 rows took 21.3 µs on 1,024 threads, 13.3 on 256)."""
     if T >= RMSNORM_WIDE_ROWS:
         return ROW_GROUP
