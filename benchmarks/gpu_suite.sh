@@ -177,6 +177,13 @@ want ncu_attn ncu && step ncu_attn 200 ncu --kernel-name regex:attend_chunk_tf32
 want ncu_hc_pre ncu && step ncu_hc_pre 200 ncu --kernel-name regex:^hc_pre\$ --launch-skip 100 --launch-count 2 \
     $NCU_SECTIONS --section SchedulerStats --section SourceCounters python3 benchmarks/gpu_slice.py --backend cupy \
     --decode-ctx 4096 --prefill
+# a decode step's chain on a ratio-4 layer at 32K (decode_attention_bench.py's first launches, outside its graphs):
+# the indexer's two kernels and the split-key attention, where their warps wait (one run a kernel: ncu's launch count
+# is over every launch its regex matches)
+for k in indexer_scores indexer_allowed attend_partial; do
+    want ncu_decode_attn ncu && step "ncu_$k" 120 ncu --kernel-name "regex:^$k\$" --launch-count 1 $NCU_SECTIONS \
+        --section SchedulerStats --section SourceCounters python3 benchmarks/decode_attention_bench.py --contexts 32768
+done
 # and on one launch of the routed gate's decode product, float32 x and quantized x (their stall reasons)
 for k in qmatmul_iq2_xxs qmatmul_xq8_iq2_xxs; do
     want "ncu_$k" ncu && step "ncu_$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 2 --launch-count 1 \

@@ -1540,7 +1540,7 @@ def test_ring_write_kernel_equals_the_plain_ring(gpu, monkeypatch, cap, D, C, po
 
 
 @pytest.mark.parametrize("T,H,Dq,N", [(1, 4, 128, 1), (1, 64, 128, 1030), (3, 2, 32, 17), (16, 4, 128, 70),
-                                     (2, 3, 40, 9), (1, 5, 20, 33)])
+                                     (2, 3, 40, 9), (1, 5, 20, 33), (2, 40, 24, 50)])
 def test_indexer_scores_kernel_matches_float64(gpu, T, H, Dq, N):
     from ds4lab.model.attention import indexer_scores
 
