@@ -3,8 +3,10 @@
 ``--experts`` picks the routed experts of another of ds4's Flash files (``testing.FLASH_EXPERT_LAYOUTS``: q2-q4,
 q4, mxfp4). The file (81 GiB for q2) is written sparse on the machine's local disk by
 ``ds4lab.testing.make_sparse_model``:
-embeddings, routers, norms, hyper-connection and indexer weights seeded random (routing differs per token),
-the routed experts and the big projections holes (zeros: the same bytes read, the same work done). Prints, for one
+embeddings, routers, norms, hyper-connection and indexer weights seeded random (routing differs per token, and the
+indexer's scores row to row), the routed experts and the big projections holes (zeros: the same bytes read, the
+same work done). The sweep warms up first (``bench.sweep``'s ``warmup``: 8 untimed decode steps, so the first
+frontier's decode leaves out the graph captures; before 2026-12-06 it included them). Prints, for one
 setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from the bytes a
 decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time from process start
 to the model loaded, to the first token generated from a 16-token prompt (issue 25's cold start: load, kernels

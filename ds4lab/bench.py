@@ -2,7 +2,10 @@
 one row per frontier.
 
 One session of ``ctx_alloc`` tokens walks a fixed token sequence to frontiers ``ctx_start``, then
-``+step_incr`` (or ``ceil(cur·step_mul)``) up to ``ctx_max``. At each frontier:
+``+step_incr`` (or ``ceil(cur·step_mul)``) up to ``ctx_max``. First, untimed, ``warmup`` decode steps after the
+sequence's first few tokens, then the session emptied: a GPU runtime captures its decode graphs and loads its
+kernels on the first steps, once a process, which the first frontier's figures would otherwise include (ds4 warms
+its prefill kernels up once before the first prompt; llama-bench runs a warm-up too). At each frontier:
 
 1. ``sess.sync(prompt[:frontier])``: an incremental prefill from the previous frontier (timed, final
    logits readback included);
@@ -39,6 +42,8 @@ DEFAULT_CTX_MAX = 32768
 DEFAULT_STEP_INCR = 2048
 DEFAULT_STEP_MUL = 1.0
 DEFAULT_GEN_TOKENS = 128
+DEFAULT_WARMUP = 8  # decode steps: each kind of step graph runs eagerly once, is captured the next, then replays
+WARMUP_PROMPT = 16  # tokens the warm-up decodes after (fewer when ctx_start is smaller)
 MAX_FRONTIERS = 100_000  # a sweep's points are listed before it runs
 
 # The opening of "I promessi sposi" (Manzoni, 1840; public domain): the built-in text when ds4's own
@@ -177,14 +182,17 @@ def peak_rss_bytes() -> int:
 def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max: int = DEFAULT_CTX_MAX,
           step_incr: int = DEFAULT_STEP_INCR, step_mul: float = DEFAULT_STEP_MUL,
           gen_tokens: int = DEFAULT_GEN_TOKENS, prefill_chunk: int | None = None,
-          ctx_alloc: int | None = None, session=None, sampling: dict | None = None) -> Iterator[FrontierRow]:
+          ctx_alloc: int | None = None, session=None, sampling: dict | None = None,
+          warmup: int = DEFAULT_WARMUP) -> Iterator[FrontierRow]:
     """Walk ``tokens`` to each frontier and yield a :class:`FrontierRow` as soon as it is measured.
 
     ``session`` (optional) is used instead of a new ``model.session(ctx_alloc, prefill_chunk)``; it must
     be empty and hold more than ``ctx_max + gen_tokens`` tokens. ``sampling``: the decode's parameters
     (``Session.decoder``'s: temperature, top_k, top_p, min_p, seed) in place of ds4-bench's greedy argmax; seed 0
-    unless given.
+    unless given. ``warmup``: untimed decode steps before the first frontier (the module's docstring; 0: none).
     """
+    if warmup < 0:
+        raise BenchError(f"warmup must be 0 or more decode steps, got {warmup}")
     ctx_alloc = check_sweep(ctx_start, ctx_max, step_incr, step_mul, gen_tokens, ctx_alloc)
     if len(tokens) < ctx_max:
         raise BenchError(f"the prompt has {len(tokens)} tokens, need at least ctx_max = {ctx_max}")
@@ -196,6 +204,14 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
         raise BenchError(f"the session's context ({session.ctx}) must be greater than ctx_max + gen_tokens")
     sess = session
     eos = model.tokenizer.eos_id
+    params = {"temperature": 0.0, "seed": 0, **(sampling or {})}  # ds4_session_argmax_excluding(EOS) by default
+    if warmup:
+        sess.sync(tokens[:min(WARMUP_PROMPT, ctx_start)])
+        steps = min(warmup, sess.ctx - len(sess.tokens) - 1)
+        decode = sess.decoder(top=1, exclude=[eos], **params)
+        for i in range(steps):
+            decode.step(more=i + 1 < steps)
+        sess.reset()
     previous = 0
     for frontier in frontiers(ctx_start, ctx_max, step_incr, step_mul):
         began = time.perf_counter()
@@ -204,7 +220,6 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
 
         snapshot = sess.checkpoint()
         kvcache_bytes = sess.kv_bytes
-        params = {"temperature": 0.0, "seed": 0, **(sampling or {})}  # ds4_session_argmax_excluding(EOS) by default
         decode = sess.decoder(top=1, exclude=[eos], **params)
         probe = []
         began = time.perf_counter()

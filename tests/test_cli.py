@@ -326,6 +326,25 @@ def test_bench_library_agrees_with_a_session(nano_np):
     assert row.probe == want != rows[0].probe
 
 
+def test_bench_warms_up_untimed_and_leaves_the_rows_as_they_were(nano_np):
+    """``warmup`` decode steps run after the sequence's first 16 tokens before the first frontier, and the session
+    is emptied after them: the first frontier is prefilled from zero and every row's probe is a cold sweep's."""
+    tokens, _ = bench.prompt_tokens(nano_np, None, min_tokens=60)
+    sess = nano_np.session(ctx=60 + 6 + 1, prefill_chunk=32, max_checkpoints=2)
+    decoders, resets = [], []
+    decoder, reset = sess.decoder, sess.reset
+    sess.decoder = lambda *a, **k: decoders.append(len(sess.tokens)) or decoder(*a, **k)
+    sess.reset = lambda: resets.append(len(sess.tokens)) or reset()
+    rows = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, step_incr=20, gen_tokens=6, session=sess,
+                            warmup=3))
+    assert decoders == [16, 40, 60] and resets[-1] == 16 + 3  # (sync also resets an empty session)
+    cold = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, step_incr=20, gen_tokens=6, warmup=0))
+    assert [(r.prefill_tokens, r.probe) for r in rows] == [(r.prefill_tokens, r.probe) for r in cold]
+    assert [r.prefill_tokens for r in rows] == [40, 20]
+    with pytest.raises(bench.BenchError, match="warmup must be 0 or more decode steps, got -1"):
+        next(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, gen_tokens=6, warmup=-1))
+
+
 def test_bench_frontiers_follow_ds4():
     assert bench.frontiers(2048, 8192) == [2048, 4096, 6144, 8192]
     assert bench.frontiers(100, 1000, step_incr=300) == [100, 400, 700, 1000]

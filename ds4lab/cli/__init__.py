@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multiplicative step (default 1)")
     bench.add_argument("-n", "--gen-tokens", "--tokens", dest="gen_tokens", type=_positive_int, default=128,
                        metavar="N", help="greedy tokens generated at each frontier (default 128)")
+    bench.add_argument("--warmup", type=_nonnegative_int, default=8, metavar="N",
+                       help="untimed decode steps before the first frontier, so that its figures leave out the "
+                            "first steps' one-time work (graph captures, kernel loads); 0: none (default 8)")
     bench.add_argument("--csv", type=_path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
     bench.add_argument("--plot", type=_path, default=None, metavar="FILE",
                        help="draw prefill and generation t/s against context with Altair (.png, .svg, .html)")

@@ -59,7 +59,7 @@ def bench_command(args) -> int:
         f"prompt {source} ({len(tokens)} tokens), {len(points)} frontiers {points[0]}..{points[-1]}, "
         f"{args.gen_tokens} generated tokens each")
     rows = bench.sweep(model, tokens, ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
-                       session=sess)
+                       session=sess, warmup=args.warmup)
     began = time.perf_counter()
     if args.csv is None:
         done = bench.write_csv(rows, sys.stdout)
