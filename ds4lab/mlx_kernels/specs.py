@@ -471,8 +471,9 @@ INDEXER_ALLOWED_MIN_GROUP = ROW_GROUP
 def indexer_allowed_threads(T: int, N: int, wide_group: int) -> int:
     """indexer_allowed's group size for ``T`` queries over ``N`` rows: ROW_GROUP for a chunk; for a few queries (a
     decode step) the fewest threads that hold every row in registers, from INDEXER_ALLOWED_MIN_GROUP up to the
-    launcher's ``wide_group`` (a 32K context's). Each of its passes (16 at most) costs every SIMD group its reductions, so
-    threads past that cost time (decode_attention_bench.py: 1,024 rows took 21.3 µs on 1,024 threads, 13.3 on 256)."""
+    launcher's ``wide_group`` (a 32K context's). Each of its passes (16 at most) costs every SIMD group its
+    reductions, so threads past that cost time (decode_attention_bench.py: 1,024 rows took 21.3 µs on 1,024
+    threads, 13.3 on 256)."""
     if T >= RMSNORM_WIDE_ROWS:
         return ROW_GROUP
     return min(wide_group, max(INDEXER_ALLOWED_MIN_GROUP, 32 * -(-N // (32 * INDEXER_ALLOWED_CACHED))))
