@@ -42,7 +42,10 @@ DEFAULT_CTX_MAX = 32768
 DEFAULT_STEP_INCR = 2048
 DEFAULT_STEP_MUL = 1.0
 DEFAULT_GEN_TOKENS = 128
-DEFAULT_WARMUP = 8  # decode steps: each kind of step graph runs eagerly once, is captured the next, then replays
+# Decode steps: each kind of step graph a few steps make (a ratio-4 window ends every 4th) runs eagerly once, is
+# captured the next time, then replays. A step that ends a ratio-128 window (one in 128) is not among them: a sweep
+# of 128 tokens a frontier still meets its first one at the first frontier.
+DEFAULT_WARMUP = 8
 WARMUP_PROMPT = 16  # tokens the warm-up decodes after (fewer when ctx_start is smaller)
 MAX_FRONTIERS = 100_000  # a sweep's points are listed before it runs
 
