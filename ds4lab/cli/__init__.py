@@ -20,6 +20,14 @@ import os
 import sys
 from pathlib import Path
 
+from ..bench import (
+    DEFAULT_CTX_MAX,
+    DEFAULT_CTX_START,
+    DEFAULT_GEN_TOKENS,
+    DEFAULT_STEP_INCR,
+    DEFAULT_STEP_MUL,
+    DEFAULT_WARMUP,
+)
 from ..platform_support import require_processes
 from .bench import bench_command
 from .common import (
@@ -175,20 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="raw benchmark text, no chat template (default: ds4's prompt, data/promessi_sposi.txt "
                             "of the checkout ds4lab runs from, else a built-in text)")
     bench.add_argument("--ctx-start", type=_positive_int, default=None, metavar="N",
-                       help="first frontier (default 2048, capped at --ctx-max)")
+                       help=f"first frontier (default {DEFAULT_CTX_START}, capped at --ctx-max)")
     bench.add_argument("--ctx-max", type=_positive_int, default=None, metavar="N",
-                       help="last frontier (default 32768, capped at the model's context length)")
+                       help=f"last frontier (default {DEFAULT_CTX_MAX}, capped at the model's context length)")
     bench.add_argument("--ctx-alloc", type=_positive_int, default=None, metavar="N",
                        help="session context (default ctx-max + gen-tokens + 1)")
-    bench.add_argument("--step-incr", type=_positive_int, default=2048, metavar="N",
-                       help="linear step when --step-mul is 1 (default 2048)")
-    bench.add_argument("--step-mul", type=_ranged_float(1, 1e6), default=1.0, metavar="F",
-                       help="multiplicative step (default 1)")
-    bench.add_argument("-n", "--gen-tokens", "--tokens", dest="gen_tokens", type=_positive_int, default=128,
-                       metavar="N", help="greedy tokens generated at each frontier (default 128)")
-    bench.add_argument("--warmup", type=_nonnegative_int, default=8, metavar="N",
+    bench.add_argument("--step-incr", type=_positive_int, default=DEFAULT_STEP_INCR, metavar="N",
+                       help=f"linear step when --step-mul is 1 (default {DEFAULT_STEP_INCR})")
+    bench.add_argument("--step-mul", type=_ranged_float(1, 1e6), default=DEFAULT_STEP_MUL, metavar="F",
+                       help=f"multiplicative step (default {DEFAULT_STEP_MUL:g})")
+    bench.add_argument("-n", "--gen-tokens", "--tokens", dest="gen_tokens", type=_positive_int,
+                       default=DEFAULT_GEN_TOKENS, metavar="N",
+                       help=f"greedy tokens generated at each frontier (default {DEFAULT_GEN_TOKENS})")
+    bench.add_argument("--warmup", type=_nonnegative_int, default=DEFAULT_WARMUP, metavar="N",
                        help="untimed decode steps before the first frontier, so that its figures leave out the "
-                            "first steps' one-time work (graph captures, kernel loads); 0: none (default 8)")
+                            "first steps' one-time work (graph captures, kernel loads); 0: none "
+                            f"(default {DEFAULT_WARMUP})")
     bench.add_argument("--csv", type=_path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
     bench.add_argument("--plot", type=_path, default=None, metavar="FILE",
                        help="draw prefill and generation t/s against context with Altair (.png, .svg, .html)")
