@@ -448,13 +448,15 @@ def test_rmsnorm_of_a_products_splits_equals_reduce_then_rmsnorm(gpu, n_split, P
 
 @pytest.mark.parametrize("qtype", sorted(S.QUANT_X, key=lambda q: q.name), ids=lambda q: q.name)
 def test_quantized_decode_loop_over_several_steps(gpu, monkeypatch, qtype):
-    """decode_matmul="q8" over a whole row of 2,816 elements, unsplit: two full steps of 1,024 and a third that
-    only some lanes take (the rest quantize zeros and add nothing); 9 rows of two experts, the last SIMD group's
-    rows past N reading row N - 1. Within 2e-6 of the scale of float64's product of the quantized x."""
+    """decode_matmul="q8" over a whole row, unsplit: a first window of x's quantized blocks (a work-group's
+    threads' worth), then 2,816 elements, two full steps of 1,024 and a third that only some lanes take (the
+    threads past the end quantize zeros no lane reads); 9 rows of two experts, the SIMD group's rows past N reading
+    row N - 1, the work-group's other SIMD groups holding no rows (they quantize and meet the barriers all the same).
+    Within 2e-6 of the scale of float64's product of the quantized x."""
     name, kernels, to_dev, to_host = gpu
     monkeypatch.setattr(kernels, "decode_matmul", "q8")
     monkeypatch.setattr(S, "QMATMUL_SIMD_GROUPS", 1)  # no split of K
-    rows, ne0 = 9, 2816
+    rows, ne0 = 9, 32 * 32 * S.QMATMUL_SIMD_PER_GROUP + 2816
     raw = random_weight(qtype, (2, rows), ne0, seed=45)
     x = np.random.default_rng(46).standard_normal((3, ne0)).astype(np.float32)
     ids = np.array([1, 0, 1], np.int32)
