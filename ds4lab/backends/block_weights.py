@@ -48,12 +48,12 @@ class BlockLinear:
         return out.reshape(tuple(lead) + (self.n_rows,))
 
     def split_sums(self, x):
-        """The product of ``x [T, ne0]`` (or of another product's K splits ``[S', T, ne0]``, which qmatmul adds as it
-        reads them) as its K splits' sums ``[S, T, rows]`` for a kernel that adds them as it reads them (a decode
-        step's qmatmul, whose splits would take a launch of their own to add), or ``[1, T, rows]``."""
-        if x.shape[-2] <= KERNEL_MAX_ROWS:
+        """The product of ``x [T, ne0]`` as its K splits' sums ``[S, T, rows]`` for a kernel that adds them as it
+        reads them (a decode step's qmatmul, whose splits would take a launch of their own to add), or ``[1, T,
+        rows]``."""
+        if x.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernels.qmatmul(x, self.raw, self.qtype, self.ne0, self.n_rows, reduce=False)
-        return self(self.kernels.add_splits(x) if x.ndim == 3 else x)[None]
+        return self(x)[None]
 
     def split_columns(self, x, bounds: list[int]) -> list:
         """The product of ``x [T, ne0]`` cut at ``bounds`` (columns ``bounds[i]:bounds[i + 1]``, a stacked product's

@@ -221,23 +221,17 @@ class KernelLaunches:
         ``repeat``: a token's pairs share its row of x). Few rows and a long K: K split over more SIMD groups
         (:func:`.specs.qmatmul_splits`), then summed; with ``reduce`` False, the splits' sums ``[S, P, n_rows]``
         for a kernel that adds them as it reads them (hc_pre, hc_post, swiglu, moe_route: Ops.split_sums).
-        ``decode_matmul`` "q8": x quantized (see the class), each pair a batch of its own. ``x`` may itself be a
-        product's K splits ``[S, rows, ne0]`` (attn_output_a's for attn_output_b): the quantized loop adds them as
-        it reads x, in qmatmul_reduce's order; the float loop gets them added first."""
+        ``decode_matmul`` "q8": x quantized (see the class), each pair a batch of its own."""
+        P = x.shape[0] * repeat
         ids = experts is not None and not self.on_host(experts)
         q8 = self.decode_matmul == "q8" and Q(qtype) in S.QUANT_X
-        if x.ndim == 3 and (x.shape[0] == 1 or not q8):
-            x = self.add_splits(x)
-        x_parts, x_rows = _splits(x), x.shape[-2]
-        P = x_rows * repeat
         if ids:  # ids on the device: each pair its own batch, its expert read from the ids themselves
             order, batches, n_batches = self._const(*range(P)), self._i32(experts), P
         else:
             order, batches, n_batches = self._plan(experts, P, 1 if q8 else S.MAX_PAIRS)
         rows = S.QMATMUL_XQ8_SIMD_ROWS if q8 else S.QMATMUL_SIMD_ROWS  # a SIMD group's
         splits, chunk = S.qmatmul_splits(ne0, n_rows, n_batches, rows, qtype)
-        dims = self._const(ne0, n_rows, layout.row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids),
-                           x_parts, x_rows * ne0)
+        dims = self._const(ne0, n_rows, layout.row_bytes(qtype, ne0), n_batches, P, splits, chunk, repeat, int(ids))
         group_rows = S.QMATMUL_SIMD_PER_GROUP * rows
         spec = S.qmatmul_xq8_spec(qtype) if q8 else S.qmatmul_spec(qtype)
         parts = self._run(spec, (-(-n_rows // group_rows), n_batches * splits),

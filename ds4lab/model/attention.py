@@ -89,12 +89,10 @@ def grouped_output(xp, heads, out_a_groups, out_b):
     return out_b(low)
 
 
-def grouped_output_gathered(ops, heads, stacked, n_groups: int, out_b):
+def grouped_output_gathered(xp, heads, stacked, n_groups: int, out_b):
     """The same projection with every (token, group) pair in one product: ``stacked(x_pairs, groups)``
-    multiplies row p by group ``groups[p]``'s low-rank slice; pairs are token-major. The low-rank rows go to
-    ``out_b`` as ``ops.split_sums`` leaves them (a decode step's K splits, which attn_output_b's product adds as it
-    reads them)."""
+    multiplies row p by group ``groups[p]``'s low-rank slice; pairs are token-major."""
     T, H, D = heads.shape
     flat = heads.reshape(T * n_groups, (H // n_groups) * D)
-    low = ops.split_sums(stacked, flat, np.tile(np.arange(n_groups), T))
-    return out_b(low.reshape(*low.shape[:-2], T, -1))
+    low = stacked(flat, np.tile(np.arange(n_groups), T))
+    return out_b(low.reshape(T, -1))

@@ -242,7 +242,7 @@ class Transformer:
         out_b = partial(ops.split_sums, lw.attn_output_b)  # hc_post adds its K splits
         stacked = lw.attn_output_a_stacked
         if stacked is not None and C * cfg.o_groups <= self.gather_max_pairs:  # a decode step: one launch
-            y = grouped_output_gathered(ops, heads, stacked, cfg.o_groups, out_b)
+            y = grouped_output_gathered(xp, heads, stacked, cfg.o_groups, out_b)
         elif stacked is not None:  # a chunk: one batched GEMM over the groups
             y = out_b(stacked.grouped(heads.reshape(C, cfg.o_groups, -1)))
         else:
