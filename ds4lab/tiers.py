@@ -315,7 +315,7 @@ class Placement:
         n_tiers = len(self.devices or self.budgets or ()) or max(unit_tiers) + 1
         for u, t in enumerate(unit_tiers):
             if not 0 <= t < n_tiers:
-                raise ValueError(f"{_unit_name(u - 1, cfg.n_layer)} is on tier {t}, but the plan has tiers "
+                raise ValueError(f"{unit_name(u - 1, cfg.n_layer)} is on tier {t}, but the plan has tiers "
                                  f"0…{n_tiers - 1}")
         tiers = make_tiers(backend, self.devices, n_tiers, self.group)
         memory = []
@@ -399,7 +399,7 @@ class Placement:
     def table(self) -> list[dict]:
         """One row per unit, embedding first and head last: layer, name, tier, device, weight and KV bytes."""
         u = self._resolved()
-        return [dict(layer=i - 1, unit=_unit_name(i - 1, len(u) - 2), tier=t, device=self.tiers[t].device,
+        return [dict(layer=i - 1, unit=unit_name(i - 1, len(u) - 2), tier=t, device=self.tiers[t].device,
                      weights=self._weights[i], kv=self._kv[i]) for i, t in enumerate(u)]
 
     def __repr__(self) -> str:
@@ -421,7 +421,8 @@ def _copy(p: Placement) -> Placement:
     return out
 
 
-def _unit_name(layer: int, n_layer: int) -> str:
+def unit_name(layer: int, n_layer: int) -> str:
+    """A unit's name: "embed" (EMBED), "layer N", or "head" (``n_layer``)."""
     return "embed" if layer == EMBED else "head" if layer == n_layer else f"layer {layer}"
 
 
@@ -437,8 +438,8 @@ def _ranges(layers: list[int], n_layer: int) -> str:
     spans = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
     one = len(runs) == 1 and len(runs[0]) == 1
     named = [f"layer {spans[0]}" if one else f"layers {', '.join(spans)}"] if runs else []
-    parts = ([_unit_name(il, n_layer) for il in layers if il < 0] + named
-             + [_unit_name(il, n_layer) for il in layers if il >= n_layer])
+    parts = ([unit_name(il, n_layer) for il in layers if il < 0] + named
+             + [unit_name(il, n_layer) for il in layers if il >= n_layer])
     return ", ".join(parts) or "-"
 
 
@@ -537,7 +538,7 @@ class TierRun:
         if x is not None:
             src.settle(x)  # the layers before the boundary are not part of the switch time
         shape = (self.rows, n_hc, n_embd)
-        what = f"step {self.step}: the hidden state before {_unit_name(layer, self.placement.n_layer)}"
+        what = f"step {self.step}: the hidden state before {unit_name(layer, self.placement.n_layer)}"
         x, seconds = self.ranks.move(x, src.rank, dst.rank, shape, dtype, what)
         return x, seconds, int(np.prod(shape)) * dtype.size
 

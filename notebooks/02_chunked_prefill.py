@@ -118,7 +118,7 @@ ring(sess)
 # %% tags=["nbval-check-output"]
 for _ in range(2):
     if not prefill_view.prefill.remaining:  # this cell run again after the prefill was finished
-        print("every chunk is run: run the cell that made prefill_view to start again")
+        print("every chunk is run: run the cells from the one that made sess to start again")
         break
     show(prefill_view.step())
 ring(sess)
@@ -237,7 +237,7 @@ prefill_cost_chart(runs, model)
 # %% [markdown]
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
 # but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
-# 2-core CPU, with nothing else running, six runs put the 11 chunks of 30 clearly slowest, 0.12–0.16 s behind one
+# 2-core CPU, with nothing else running, seven runs put the 11 chunks of 30 clearly slowest, 0.12–0.18 s behind one
 # chunk of 512: some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the Python calls of
 # every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs, so either may come
 # out ahead, as in the lines printed above. On a busy machine the ranges grow, and can overlap.

@@ -54,6 +54,8 @@ print(len(ids), "prompt tokens")
 
 # %% tags=["nbval-check-output"]
 from ds4lab import Placement
+from ds4lab.text_table import plural
+from ds4lab.tiers import unit_name
 
 plans = {
     "single": Placement.single(),
@@ -98,13 +100,14 @@ def per_step(s):
         counts = {m: sum(sw.mode == m for sw in sws) for m in ("no-copy", "batch", "decode")}
         modes = ", ".join(f"{m} ×{n}" for m, n in counts.items() if n)
         moved = sum(sw.bytes for sw in sws)
-        print(f"step {step}: {len(sws)} switches ({modes}), {moved:>9,} bytes")
+        print(f"step {step}: {plural(len(sws), 'switch', 'switches')} ({modes}), {moved:>9,} bytes")
 
 per_step(sessions["alternating"])
 
 # %% tags=["nbval-check-output"]
 for sw in [sw for sw in sessions["alternating"].tier_trace if sw.step in (2, 3)]:
-    print(f"step {sw.step}, before unit {sw.layer:2d}: tier {sw.from_tier} -> {sw.to_tier}  "
+    unit = unit_name(sw.layer, model.config.n_layer)
+    print(f"step {sw.step}, before {unit:8}: tier {sw.from_tier} -> {sw.to_tier}  "
           f"{sw.mode:8} {sw.bytes:>8,} bytes")
 
 # %% [markdown]
@@ -150,7 +153,8 @@ for chunk in CHUNKS:
         s.prefill(ids).run(progress=False)
     copies = [sw for sw in s.tier_trace if sw.mode == "batch"]
     sweep.append(dict(chunk=chunk, switches=len(copies), bytes=sum(sw.bytes for sw in copies)))
-    print(f"chunk {chunk:3d}: {len(copies):2d} batch copies, {sweep[-1]['bytes']:,} bytes "
+    copied = plural(len(copies), "batch copy", "batch copies")
+    print(f"chunk {chunk:3d}: {copied:>16}, {sweep[-1]['bytes']:,} bytes "
           f"= {len(ids)} tokens × {sweep[-1]['bytes'] // len(ids):,}")
 
 # %%

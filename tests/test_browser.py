@@ -566,12 +566,13 @@ def test_kvcache_view_renders(page):
     view.locator(".ds4-title").hover()  # off every cell: no tooltip
     pg.wait_for_function("(el) => !el.checkVisibility()", arg=tip.element_handle(), timeout=5_000)
     assert "window" not in view.locator(".ds4-layer").first.inner_text()  # per layer: groups, not windows
-    # the write pointer's ▲ turned to point out along its line, at the slot it names (it pointed up wherever it was)
+    # the write pointer's ▲ turned to point out along its line, through the middle of the slot it names (it pointed
+    # up wherever it was; on the slot's edge the line hid the band of the slot written last)
     centre = view.locator(".ds4-ringcentre")
     cap, ptr = int(centre.nth(0).text_content().split()[0]), int(centre.nth(1).text_content().split()[-1])
     transform = view.locator(".ds4-pointer-label").get_attribute("transform") or ""
     turn = re.fullmatch(r"rotate\(([-\d.e]+) [-\d.e]+ [-\d.e]+\)", transform)
-    assert turn and float(turn[1]) == pytest.approx(360 * ptr / cap), (turn, ptr, cap)
+    assert turn and float(turn[1]) == pytest.approx(360 * (ptr + 0.5) / cap), (turn, ptr, cap)
     slider = out.locator(".widget-hslider")
     assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "chunk"
     assert slider.locator(".widget-readout").first.inner_text() == "4"  # the title's "after chunk 4"
@@ -849,10 +850,12 @@ def test_attention_view_renders(page):
 
 def _round_ticks(vmax: int, px: int = 40) -> list[int]:
     """0 and the multiples up to ``vmax`` of the smallest whole step 1, 2, 2.5 or 5 × 10^k whose ticks lie 16 px
-    apart or more on an axis of ``px`` (the ExpertView's token axis: 0, 50 for 97, where 25's four ticks crowded)."""
+    apart or more on an axis of ``px`` (the ExpertView's token axis: 0, 50 for 97, where 25's four ticks crowded),
+    then ``vmax`` itself where it lies 16 px or more above the last (0, 50, 97: the tallest bar's height)."""
     steps = [m * 10 ** k for k in range(len(str(vmax)) + 1) for m in (1, 2, 2.5, 5) if float(m * 10 ** k).is_integer()]
     step = int(min(s for s in steps if px * s / vmax >= 16))
-    return list(range(0, vmax + 1, step))
+    ticks = list(range(0, vmax + 1, step))
+    return ticks + [vmax] if px * (vmax - ticks[-1]) / vmax >= 16 else ticks
 
 
 def test_expert_view_renders(page):

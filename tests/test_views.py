@@ -176,6 +176,10 @@ def test_widget_and_code_share_one_story(model):
         v2.step()
     v2.select(0)  # scrubbing still works
     assert v2.kv_view.model.data["n_tokens"] == 32
+    # a new view of the prompt its session holds already (the cell that made it run again): nothing to step, said
+    # at once, not by a stepper of no chunks
+    with pytest.raises(ValueError, match="already holds all 70 tokens of this prompt: nothing to prefill"):
+        PrefillView(sess, _ids(70, model.config.n_vocab))
 
 
 def test_kv_slider_agrees_with_the_state_shown(model):

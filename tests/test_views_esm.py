@@ -270,6 +270,8 @@ def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_
     text = pg.locator(".ds4-kv").inner_text()
     assert not errors, errors
     assert "context full" in text and "no next position" in text and "takes position" not in text, text[:400]
+    # and the ring draws no write pointer (its line and ▲ stood at slot 0 under "no next position")
+    assert pg.locator(".ds4-kv .ds4-pointer").count() == 0 and pg.locator(".ds4-kv .ds4-pointer-label").count() == 0
     assert ("empty: no position written there yet" in text) == (T < d["raw_cap"]), text[:400]  # grey slots keyed
     early = model.session(ctx=256, prefill_chunk=32)  # 40 positions in a ring of more slots: empty ones, keyed
     early.prefill(list(range(5, 45))).run(progress=False)
@@ -278,6 +280,7 @@ def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_
     assert shown.data["raw_cap"] > 40
     pg.evaluate(SHOW, [shown._esm, _json_state(shown), (widgets_dir() / STYLESHEET).read_text(), 900])
     assert "empty: no position written there yet" in pg.locator(".ds4-kv").inner_text()
+    assert pg.locator(".ds4-kv .ds4-pointer").count() == 1  # a context with a next position: its pointer drawn
     assert f"+ {d['other_bytes']:,} bytes: the header, the token ids" in text, text[:400]
 
 

@@ -2,7 +2,8 @@
 
 // Round tick values from 0 up to vmax on an axis of px pixels: the smallest step of 1, 2, 2.5 or 5 times a power of
 // ten (whole numbers: token counts) whose ticks lie MIN_TICK_GAP px apart or more, so two or three ticks on 40 px (four,
-// 10 px apart, crowded each other's labels).
+// 10 px apart, crowded each other's labels); then vmax itself at the axis' top where that much clear of the last, so
+// the tallest bar's height reads off the axis (on a layer's own scale the round ticks stopped well short of it).
 const MIN_TICK_GAP = 16;
 const niceTicks = (vmax, px) => {
   if (vmax < 2) return [0, vmax];
@@ -13,6 +14,7 @@ const niceTicks = (vmax, px) => {
   }
   const out = [];
   for (let v = 0; v <= vmax; v += step) out.push(v);
+  if ((px * (vmax - out.at(-1))) / vmax >= MIN_TICK_GAP) out.push(vmax);
   return out;
 };
 

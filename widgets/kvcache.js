@@ -29,11 +29,14 @@ function ring(d) {
     const [x, y] = pt(s + 0.5, r1 + 18), p = d.slots[s];
     if (p >= 0) h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p}</text>`;  // an empty slot has no position
   }
-  // the write pointer: the slot of the next position
-  const [px, py] = pt(d.pointer, r0 - 2), [qx, qy] = pt(d.pointer, r1 + 4), [tx, ty] = pt(d.pointer, r0 - 8);  // clear of the centre's text
-  const turn = (360 * d.pointer) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
-  h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
-    `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
+  // the write pointer: through the middle of the next position's slot (on its edge it hid the band of the slot
+  // written last); none once the context is full
+  if (!d.full) {
+    const m = d.pointer + 0.5, [px, py] = pt(m, r0 - 2), [qx, qy] = pt(m, r1 + 4), [tx, ty] = pt(m, r0 - 8);  // clear of the centre's text
+    const turn = (360 * m) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
+    h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
+      `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
+  }
   h += `<text x="${c}" y="${c - 14}" class="ds4-ringcentre">${cap} slots</text>` + (d.full
     ? `<text x="${c}" y="${c}" class="ds4-ringcentre">context full:</text>` +
       `<text x="${c}" y="${c + 14}" class="ds4-ringcentre">no next position</text>`

@@ -57,6 +57,9 @@ class PrefillView(View):
         cfg = session.model.config
         self.session = session
         self.prefill = session.prefill(prompt)
+        if not self.prefill.remaining:  # a view of no chunk could never step: say why now, not at the first step
+            raise ValueError(f"the session already holds all {len(self.prefill.ids)} tokens of this prompt: nothing "
+                             "to prefill; step it on a new session (model.session(...)) or a longer prompt")
         self.layer = default_layer(cfg) if layer is None else int(layer)
         if not 0 <= self.layer < cfg.n_layer:
             raise ValueError(f"layer {layer} is not a layer of this model (0…{cfg.n_layer - 1})")
@@ -167,8 +170,6 @@ class PrefillView(View):
     def _all_run(self):
         """Every chunk is run: the last one, said in the view (a step then is no error: the widget's run and a
         code cell's step may both have been asked)."""
-        if not self.prefill.chunks:
-            raise RuntimeError("this prompt has no tokens to prefill")
         n = len(self.prefill.chunks)
         self.model.note = f"all {n} chunks are run: showing {self._label(n - 1)}"
         self.select(n - 1)

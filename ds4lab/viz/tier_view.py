@@ -12,7 +12,7 @@ import numpy as np
 import traitlets as t
 
 from ..text_table import plural
-from ..tiers import EMBED
+from ..tiers import EMBED, unit_name
 from .base import FollowingView, ViewModel, widget_module
 from .reduce import png_base64
 
@@ -34,8 +34,7 @@ def _part_note(part: str) -> str:
 
 
 def _switch_record(s, n_layer: int) -> dict:
-    unit = "embed" if s.layer == EMBED else "head" if s.layer == n_layer else f"layer {s.layer}"
-    return dict(step=s.step, layer=s.layer, unit=unit, from_tier=s.from_tier, to_tier=s.to_tier, mode=s.mode,
+    return dict(step=s.step, layer=s.layer, unit=unit_name(s.layer, n_layer), from_tier=s.from_tier, to_tier=s.to_tier, mode=s.mode,
                 bytes=int(s.bytes), seconds=float(s.seconds))
 
 
