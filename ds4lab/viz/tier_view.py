@@ -34,8 +34,8 @@ def _part_note(part: str) -> str:
 
 
 def _switch_record(s, n_layer: int) -> dict:
-    return dict(step=s.step, layer=s.layer, unit=unit_name(s.layer, n_layer), from_tier=s.from_tier, to_tier=s.to_tier, mode=s.mode,
-                bytes=int(s.bytes), seconds=float(s.seconds))
+    return dict(step=s.step, layer=s.layer, unit=unit_name(s.layer, n_layer), from_tier=s.from_tier,
+                to_tier=s.to_tier, mode=s.mode, bytes=int(s.bytes), seconds=float(s.seconds))
 
 
 class TierModel(ViewModel):
