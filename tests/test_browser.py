@@ -597,16 +597,18 @@ def test_mask_of_a_decode_step_renders(page):
     img = view.locator("img.ds4-maskimg")
     img.evaluate("(i) => i.decode()")
     assert _longest_run(img, (8, 81, 156)) == FEW_PX - 1
-    # and its position ticked under it: the label was dropped for c0's beside it (c0's now gives way)
+    # and its position ticked under it: the label was dropped for c0's beside it (c0's gave way, then was missing
+    # where every other mask has it: now it starts at its tick, clear of the position's)
     assert _ink_below(img, (8, 81, 156)) >= 20  # 49 with "320" drawn, 4 (its tick mark) without
+    assert _ink_below(img, (8, 81, 156), right_of=(8, 24)) >= 20  # "c0"
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 
-def _ink_below(img, rgb) -> int:
+def _ink_below(img, rgb, right_of: tuple[int, int] | None = None) -> int:
     """Dark opaque (text) pixels of an image in the 12 px under its columns of exactly the colour ``rgb`` (and 2 px
-    either side)."""
+    either side); with ``right_of`` = (a, b), under the columns a to b px right of them instead."""
     return img.evaluate(
-        """(el, [r, g, b]) => {
+        """(el, [[r, g, b], right]) => {
             const c = document.createElement('canvas'); c.width = el.naturalWidth; c.height = el.naturalHeight;
             const ctx = c.getContext('2d'); ctx.drawImage(el, 0, 0);
             const d = ctx.getImageData(0, 0, c.width, c.height).data, at = (x, y) => (y * c.width + x) * 4;
@@ -617,14 +619,15 @@ def _ink_below(img, rgb) -> int:
                 x0 = Math.min(x0, x); x1 = Math.max(x1, x); y1 = y;
             }
             let n = 0;
+            const [xa, xb] = right ? [x1 + right[0], x1 + right[1]] : [x0 - 2, x1 + 2];
             for (let y = y1 + 1; y <= Math.min(c.height - 1, y1 + 12); y++)
-                for (let x = Math.max(0, x0 - 2); x <= Math.min(c.width - 1, x1 + 2); x++) {
+                for (let x = Math.max(0, xa); x <= Math.min(c.width - 1, xb); x++) {
                     const i = at(x, y);
                     if (d[i + 3] > 128 && d[i] < 100 && d[i + 1] < 100 && d[i + 2] < 100) n++;  // (transparent: none)
                 }
             return n;
         }""",
-        list(rgb),
+        [list(rgb), right_of],
     )
 
 
