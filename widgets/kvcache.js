@@ -18,8 +18,10 @@ function ring(d) {
       (p >= d.new_from ? ", written by this step" : "") + (p >= cap ? `, overwrote position ${p - cap}` : "");
     h += `<path class="ds4-slot ${cls}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z" ` +
       `data-tip="${tip}"/>`;
-    if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot
-      const [g, k] = [pt(s, r1 + 2), pt(s + 1, r1 + 2)], [m, n] = [pt(s + 1, r1 + 6), pt(s, r1 + 6)];
+    if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot, 3 px wide
+      // at least (a slot of a 512-slot ring is 1 px there: one decode step's band was all but invisible)
+      const e = Math.max(0, (3 * cap) / (2 * Math.PI * (r1 + 4)) - 1) / 2;
+      const [g, k] = [pt(s - e, r1 + 2), pt(s + 1 + e, r1 + 2)], [m, n] = [pt(s + 1 + e, r1 + 6), pt(s - e, r1 + 6)];
       h += `<path class="ds4-slot-new" d="M${g} A${r1 + 2},${r1 + 2} 0 0 1 ${k} L${m} ` +
         `A${r1 + 6},${r1 + 6} 0 0 0 ${n} Z" data-tip="${tip}"/>`;
     }
@@ -29,10 +31,10 @@ function ring(d) {
     const [x, y] = pt(s + 0.5, r1 + 18), p = d.slots[s];
     if (p >= 0) h += `<text x="${x}" y="${y}" class="ds4-ringlabel">${p}</text>`;  // an empty slot has no position
   }
-  // the write pointer: through the middle of the next position's slot (on its edge it hid the band of the slot
-  // written last); none once the context is full
+  // the write pointer: through the middle of the next position's slot, ending at the ring's edge (past it, it hid
+  // the band of the slot written last, its neighbour); none once the context is full
   if (!d.full) {
-    const m = d.pointer + 0.5, [px, py] = pt(m, r0 - 2), [qx, qy] = pt(m, r1 + 4), [tx, ty] = pt(m, r0 - 8);  // clear of the centre's text
+    const m = d.pointer + 0.5, [px, py] = pt(m, r0 - 2), [qx, qy] = pt(m, r1), [tx, ty] = pt(m, r0 - 8);  // clear of the centre's text
     const turn = (360 * m) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
     h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
       `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
