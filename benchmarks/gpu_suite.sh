@@ -106,7 +106,7 @@ want flash_sweep flash && step flash_sweep 300 python3 benchmarks/flash_full.py 
     --decode-matmul q8 --timeline 64 --ctx-start 4096 --step-incr 4096 --ctx-max 32768 --gen-tokens 64 \
     --json "$OUT/flash_sweep.json"
 # ds4's other Flash files that fit one H200 (q2-q4: 91 GiB) and, over two GPUs, the MXFP4 one (145 GiB)
-want flash_q2q4 flash && step flash_q2q4 300 python3 benchmarks/flash_full.py --experts q2-q4 --prefill-matmul f16 \
+want flash_q2q4 flash && [ -z "$flash_fit" ] && step flash_q2q4 300 python3 benchmarks/flash_full.py --experts q2-q4 --prefill-matmul f16 \
     --json "$OUT/flash_q2q4.json"
 want flash_mxfp4 tiers && [ "$n_gpu" -ge 2 ] && step flash_mxfp4 400 python3 benchmarks/flash_full.py --experts mxfp4 \
     --prefill-matmul f16 --tiers 2 --json "$OUT/flash_mxfp4.json"

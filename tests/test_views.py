@@ -180,6 +180,17 @@ def test_widget_and_code_share_one_story(model):
     # at once, not by a stepper of no chunks
     with pytest.raises(ValueError, match="already holds all 70 tokens of this prompt: nothing to prefill"):
         PrefillView(sess, _ids(70, model.config.n_vocab))
+    # a view whose prompt the session took whole after it was made (another cell's prefill): a line, no IndexError
+    s3 = model.session(ctx=256, prefill_chunk=32)
+    v3 = PrefillView(s3, _ids(70, model.config.n_vocab))
+    s3.prefill(_ids(70, model.config.n_vocab)).run(progress=False)
+    v3.step_button.click()
+    line = v3.widget.children[-1].value
+    assert "RuntimeError: the session holds this prompt&#x27;s 70 tokens, prefilled elsewhere" in line
+    assert v3.step_button.disabled and v3.run_button.disabled
+    for call in (v3.step, v3.run):
+        with pytest.raises(RuntimeError, match="none of its chunks"):
+            call()
 
 
 def test_kv_slider_agrees_with_the_state_shown(model):

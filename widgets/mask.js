@@ -106,19 +106,19 @@ function render({ model, el }) {
     // a tick is drawn where its label keeps 4 px clear of every label drawn before it: first the step's own first
     // position (the query itself in a decode step), then raw positions every `stride`, then compressed rows c0, c…
     const placed = [];
-    // (starting at the tick with `left`: the first compressed row's label, which centred ran into the label of the
-    // own rows just before it)
+    // (starting at the tick with `left`: c0's label where centred it ran into the label of the own rows before it)
     const tick = (c, s, left = false) => {
       const mid = g.x(c) + g.w(c) / 2, width = ctx.measureText(s).width, l0 = left ? mid - 1 : mid - width / 2;
-      if (placed.some(([l, r]) => l0 + width + 4 > l && l0 - 4 < r)) return;
+      if (placed.some(([l, r]) => l0 + width + 4 > l && l0 - 4 < r)) return false;
       placed.push([l0, l0 + width]);
       ctx.fillRect(mid, y - 3, 1, 3); ctx.fillText(s, l0 + width / 2, y);
+      return true;
     };
     if (g.own) tick(g.nr - g.own, String(pos[g.nr - g.own]));
     const stride = 16 * Math.ceil(every / 16);
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
-    for (let c = 0; c < g.nc; c += cstep) tick(g.nr + c, `c${c}`, c === 0);
+    for (let c = 0; c < g.nc; c += cstep) if (!tick(g.nr + c, `c${c}`) && c === 0) tick(g.nr, "c0", true);
     ctx.fillText(model.get("x_title"), titleX, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader

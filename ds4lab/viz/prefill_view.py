@@ -81,7 +81,7 @@ class PrefillView(View):
         self._own_kv = kv_view is None
         if not self._own_kv:  # a view given keeps its slider: moved onto one of these chunks, the whole view follows
             self.kv_view.slider.observe(self.guarded(self._kv_slid), names="value")
-        start, end = bounds[0] if bounds else (self.prefill.position, self.prefill.position + 1)
+        start, end = bounds[0]
         self.mask_view = MaskView(step_mask(cfg, session.geometry, self.layer, start, end - start),
                                   label=f"chunk 0 (tokens {start}–{end - 1}), not run yet")
         self._plan_mask()
@@ -171,6 +171,11 @@ class PrefillView(View):
         """Every chunk is run: the last one, said in the view (a step then is no error: the widget's run and a
         code cell's step may both have been asked)."""
         n = len(self.prefill.chunks)
+        if not n:  # the session took the whole prompt after this view was made (another prefill of it): none ran here
+            self.model.note = (f"the session holds this prompt's {len(self.prefill.ids)} tokens, prefilled elsewhere: "
+                               "this view ran none of its chunks")
+            self._buttons()
+            raise RuntimeError(self.model.note)
         self.model.note = f"all {n} chunks are run: showing {self._label(n - 1)}"
         self.select(n - 1)
         return self.prefill.chunks[-1]
