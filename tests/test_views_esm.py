@@ -281,6 +281,18 @@ def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_
     pg.evaluate(SHOW, [shown._esm, _json_state(shown), (widgets_dir() / STYLESHEET).read_text(), 900])
     assert "empty: no position written there yet" in pg.locator(".ds4-kv").inner_text()
     assert pg.locator(".ds4-kv .ds4-pointer").count() == 1  # a context with a next position: its pointer drawn
+    # one decode step's slot, outlined outside the ring 3 px wide at least (a slot of a ring of 256 slots or more is
+    # 1-2 px there: the band was all but invisible beside the pointer)
+    watching = KVCacheView(early, follow=True)
+    early.decoder(temperature=0, exclude=(model.tokenizer.eos_id,)).step(more=False)
+    assert watching.model.data["new_from"] == 40 and watching.model.data["raw_cap"] >= 256
+    pg.evaluate("() => { document.body.innerHTML = ''; }")
+    pg.evaluate(SHOW, [watching.model._esm, _json_state(watching.model), (widgets_dir() / STYLESHEET).read_text(), 900])
+    band = pg.locator(".ds4-kv .ds4-slot-new")
+    assert band.count() == 1
+    arc = (band.evaluate("(p) => p.getTotalLength()") - 2 * 4) / 2  # its perimeter: two arcs and two 4 px sides
+    assert arc >= 2.9, arc
+    watching.detach()
     assert f"+ {d['other_bytes']:,} bytes: the header, the token ids" in text, text[:400]
 
 
