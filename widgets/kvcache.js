@@ -9,6 +9,9 @@ function ring(d) {
   // slot s at angle s/cap of a turn, clockwise from the top
   const cap = d.raw_cap, S = 240, c = S / 2, r1 = 82, r0 = 58, T = d.n_tokens;
   const pt = (s, r) => { const a = (2 * Math.PI * s) / cap - Math.PI / 2; return [c + r * Math.cos(a), c + r * Math.sin(a)]; };
+  // slots added on each side of a band of slots the step shown wrote, so it is 3 px wide at least (a slot of a
+  // 512-slot ring is 1 px there: one decode step's band was all but invisible)
+  const widen = Math.max(0, (3 * cap) / (2 * Math.PI * (r1 + 4)) - 1) / 2;
   let h = `<svg class="ds4-ring" width="${S}" height="${S}" viewBox="0 0 ${S} ${S}">`;
   for (let s = 0; s < cap; s++) {
     const p = d.slots[s];
@@ -18,10 +21,9 @@ function ring(d) {
       (p >= d.new_from ? ", written by this step" : "") + (p >= cap ? `, overwrote position ${p - cap}` : "");
     h += `<path class="ds4-slot ${cls}" d="M${a} L${b} A${r1},${r1} 0 0 1 ${e} L${f} A${r0},${r0} 0 0 0 ${a} Z" ` +
       `data-tip="${tip}"/>`;
-    if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot, 3 px wide
-      // at least (a slot of a 512-slot ring is 1 px there: one decode step's band was all but invisible)
-      const e = Math.max(0, (3 * cap) / (2 * Math.PI * (r1 + 4)) - 1) / 2;
-      const [g, k] = [pt(s - e, r1 + 2), pt(s + 1 + e, r1 + 2)], [m, n] = [pt(s + 1 + e, r1 + 6), pt(s - e, r1 + 6)];
+    if (p >= 0 && p >= d.new_from) {  // written by the step shown: an orange band just outside the slot (widened)
+      const [g, k] = [pt(s - widen, r1 + 2), pt(s + 1 + widen, r1 + 2)];
+      const [m, n] = [pt(s + 1 + widen, r1 + 6), pt(s - widen, r1 + 6)];
       h += `<path class="ds4-slot-new" d="M${g} A${r1 + 2},${r1 + 2} 0 0 1 ${k} L${m} ` +
         `A${r1 + 6},${r1 + 6} 0 0 0 ${n} Z" data-tip="${tip}"/>`;
     }

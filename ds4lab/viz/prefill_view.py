@@ -142,12 +142,16 @@ class PrefillView(View):
         done = self.prefill.remaining <= 0 or self._moved_on()
         self.step_button.disabled = self.run_button.disabled = done
 
+    def _refuse(self, why: str):
+        """A step this view cannot run: ``why`` in the view, its buttons off, raised (in the widget, the error line)."""
+        self.model.note = why
+        self._buttons()
+        raise RuntimeError(why)
+
     def _run_one(self):
         if self._moved_on():
-            self.model.note = (f"the session moved on ({len(self.session.tokens)} tokens, not this prompt's "
-                               "first ones): this view can only scrub the chunks it ran")
-            self._buttons()
-            raise RuntimeError(self.model.note)
+            self._refuse(f"the session moved on ({len(self.session.tokens)} tokens, not this prompt's first ones): "
+                         "this view can only scrub the chunks it ran")
         if self._indexer_layers:
             with self.session.capture(["indexer.topk"], layers=self._indexer_layers) as cap:
                 chunk = self.prefill.step()
@@ -172,10 +176,8 @@ class PrefillView(View):
         code cell's step may both have been asked)."""
         n = len(self.prefill.chunks)
         if not n:  # the session took the whole prompt after this view was made (another prefill of it): none ran here
-            self.model.note = (f"the session holds this prompt's {len(self.prefill.ids)} tokens, prefilled elsewhere: "
-                               "this view ran none of its chunks")
-            self._buttons()
-            raise RuntimeError(self.model.note)
+            self._refuse(f"the session holds this prompt's {len(self.prefill.ids)} tokens, prefilled elsewhere: this "
+                         "view ran none of its chunks")
         self.model.note = f"all {n} chunks are run: showing {self._label(n - 1)}"
         self.select(n - 1)
         return self.prefill.chunks[-1]
