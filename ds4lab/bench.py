@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+PLOT_SUFFIXES = (".png", ".svg", ".html", ".json")  # save_plot's formats (Vega-Lite's spec: .json)
 CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes",
                "peak_rss_bytes")
 
@@ -297,11 +298,12 @@ def chart(rows: Iterable[FrontierRow | dict], title: str | None = None):
 
 
 def save_plot(rows: Iterable[FrontierRow | dict], path: str | Path, title: str | None = None) -> Path:
-    """Save :func:`chart` as ``.html`` (Altair alone) or ``.png`` / ``.svg`` (needs vl-convert-python)."""
+    """Save :func:`chart` as ``.html`` or ``.json`` (Altair alone) or ``.png`` / ``.svg`` (needs vl-convert-python),
+    by the suffix in any case."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in (".html", ".png", ".svg", ".json"):
-        raise BenchError(f"--plot needs a .png, .svg, .html or .json file name, got {path.name!r}")
+    if suffix not in PLOT_SUFFIXES:
+        raise BenchError(f"--plot needs a {', '.join(PLOT_SUFFIXES)} file name, got {path.name!r}")
     c = chart(rows, title)
     if suffix in (".png", ".svg"):
         try:
@@ -309,5 +311,5 @@ def save_plot(rows: Iterable[FrontierRow | dict], path: str | Path, title: str |
         except ImportError:
             raise BenchError(f"saving {suffix} needs vl-convert-python: pip install vl-convert-python "
                              "(or use a .html file name)") from None
-    c.save(str(path))
+    c.save(str(path), format=suffix[1:])  # Altair reads the suffix as it is: .PNG would be no format
     return path

@@ -43,7 +43,7 @@ import numpy as np
 import ds4lab
 from ds4lab.interventions import (LogitDiff, ablate_rows, ablate_sink, force_topk, logit_diff,
                                   patch_row, replace_experts)
-from ds4lab.kv.edit import checkpoint_row, patch_rows, save_kv
+from ds4lab.kv.edit import checkpoint_row, load_kv, patch_rows, save_kv
 from ds4lab.texts import coriolanus
 
 model = ds4lab.load(backend="numpy")  # the embedded Shakespeare model, float64 reference backend
@@ -333,7 +333,8 @@ print("the block's logits differ from the clean ones:", not np.array_equal(iv.lo
 # rows from another checkpoint, `edit_rows` writes any values. The edited checkpoint carries its edits, and
 # `save_kv` writes it as one `KVC` file in ds4-server's format (header, the text of its tokens, the `DSV4`
 # payload, ds4lab's fingerprint and checksum trailers, which ds4 never reads). ds4-server would load it from
-# its KV directory under the name `<sha1 of the text>.kv`.
+# its KV directory under the name `<sha1 of the text>.kv`; `load_kv` reads it back, refusing a damaged file (its
+# checksum) or another model's (its fingerprint).
 #
 # Here the edit is section 4's patch made permanent: the two rows of the line break, in every layer, copied into
 # the first prompt's checkpoint. A `.kv` file holds float32 rows, so to compare bit for bit we start from the
@@ -360,7 +361,7 @@ print("the file's rows are the edit, exactly:",
                          checkpoint_row(other32, il, "raw", i))
           for il in range(cfg.n_layer) for i in changed))
 
-loaded = ds4lab.Checkpoint.from_bytes(kf.payload(), cfg)
+loaded = load_kv(kf.path, model)  # its checksum and model fingerprint checked
 from_file = model.session(ctx=512, prefill_chunk=64)
 from_file.restore(loaded)
 from_file.prefill(ids).step()

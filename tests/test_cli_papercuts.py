@@ -526,3 +526,84 @@ def test_inspect_and_make_model_help_explain_their_arguments(capsys):
         cli.main(["make-model", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--seed N seed of the random weights (default 0)" in text, text
+
+
+# -- a bad-input probe of the command line (2026-12-06) ------------------------------------------------------------
+
+SWEEP = [*FAST, "--ctx-start", 32, "--ctx-max", 64, "-n", 2]
+
+
+@pytest.mark.parametrize("case", ["model", "prompt-file", "plot-is-csv"])
+def test_bench_output_that_names_an_input_is_refused_first(case, tmp_path):
+    """``--csv`` naming the file of ``-m`` overwrote the model with a CSV header (then blamed the file for changing),
+    and naming ``--prompt-file`` replaced the text with the CSV, exit 0."""
+    model, text = tmp_path / "victim.gguf", tmp_path / "prompt.txt"
+    model.write_bytes((Path(ds4lab.__file__).parent / "assets" / "shakespeare.gguf").read_bytes())
+    text.write_text("ROMEO: " * 200)
+    before = {p: p.read_bytes() for p in (model, text)}
+    argv = {"model": ["-m", model, "--csv", model],
+            "prompt-file": ["--prompt-file", text, "--csv", tmp_path / "." / "prompt.txt"],
+            "plot-is-csv": ["--csv", tmp_path / "out.html", "--plot", tmp_path / "out.html"]}[case]
+    proc = ds4lab_cmd("bench", *argv, *SWEEP)
+    line = one_error_line(proc, 2)
+    flag, other = {"model": ("--csv", "-m"), "prompt-file": ("--csv", "--prompt-file"),
+                   "plot-is-csv": ("--plot", "--csv")}[case]
+    assert f"{flag} " in line and f"is the file of {other} " in line
+    assert proc.stdout == "" and "prefill" not in proc.stderr  # before any work
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert not (tmp_path / "out.html").exists()
+
+
+def test_bench_plot_suffix_in_any_case(tmp_path):
+    """``--plot x.Html`` passed the check, ran the sweep, then failed in Altair: 'Unsupported format: Html'."""
+    target = tmp_path / "x.Html"
+    proc = ds4lab_cmd("bench", *SWEEP, "--plot", target)
+    assert proc.returncode == 0, proc.stderr
+    assert target.read_text().lstrip().lower().startswith("<!doctype html")
+
+
+def test_bench_gen_tokens_past_the_context_is_refused_first():
+    """-n 99999999 grew the default allocation with it: MemoryError for 23.8 GiB after loading the model."""
+    proc = ds4lab_cmd("bench", *FAST, "-n", 99999999)
+    line = one_error_line(proc, 2)
+    assert "-n/--gen-tokens 99999999 is more than the model's context (4096 tokens" in line
+    assert proc.stdout == "" and "prefill" not in proc.stderr  # before any work
+
+
+def test_a_prompt_that_is_not_utf8_is_read_as_a_file_is():
+    """A -p holding a byte that is not UTF-8 ended in "'utf-8' codec can't encode character '\\udce9'"."""
+    proc = ds4lab_cmd("run", *FAST, "-p", "caf\udce9", "-n", 2)  # the argument's bytes: b"caf\xe9"
+    assert proc.returncode == 0 and "codec" not in proc.stderr, proc.stderr
+    assert cli_common.decoded("caf\udce9") == "caf\ufffd" and cli_common.decoded("café") == "café"
+
+
+def test_chat_commands_with_a_word_after_them_say_so():
+    """'/quit now' was an 'unknown command: /quit'."""
+    proc = ds4lab_cmd("run", *FAST, "-n", 2, input="/quit now\n/stats please\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "/quit takes no argument, got 'now'" in proc.stderr and "/stats takes no argument" in proc.stderr
+    assert "unknown command" not in proc.stderr
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_serve_refuses_an_empty_host(host, capsys):
+    """``--host ""`` listened on every interface and announced http://:PORT/v1."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--host", host])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--host: an empty address" in err and len(err.splitlines()) == 1
+
+
+def test_serve_leaves_no_kv_folder_when_the_model_fails(tmp_path):
+    """``--kv-disk-dir new/a/b`` made the folders, then the model failed to load and they stayed."""
+    pytest.importorskip("starlette")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"x")
+    (tmp_path / "kept").mkdir()
+    for folder, model in ((tmp_path / "new" / "a" / "b", tmp_path / "missing.gguf"),
+                          (tmp_path / "new" / "a" / "b", bad), (tmp_path / "kept" / "a", bad)):
+        proc = ds4lab_cmd("serve", "--backend", "numpy", "--kv-disk-dir", folder, "-m", model)
+        assert str(model) in one_error_line(proc, 1)
+        assert not (tmp_path / "new").exists() and not (tmp_path / "kept" / "a").exists()
+    assert (tmp_path / "kept").is_dir()

@@ -310,6 +310,29 @@ def test_a_ds4_server_file_without_fingerprint_loads_with_a_warning(twins, tmp_p
     assert "none" in KVFile.open(entry.path).summary().split("model fingerprint")[1].splitlines()[0]
 
 
+def test_load_kv_checks_the_checksum_and_the_model(twins, tmp_path):
+    """A lone .kv file read by load_kv is checked as a store checks one: Checkpoint.from_bytes(kf.payload()) took
+    a damaged file and another model's of the same shape without a word."""
+    from ds4lab.kv.edit import load_kv, save_kv
+
+    a, b = twins
+    sa = a.session(ctx=64, prefill_chunk=16)
+    sa.prefill(IDS[:40]).run(progress=False)
+    kf = save_kv(sa.checkpoint(), tmp_path / "a.kv", a)
+    cp = load_kv(kf.path, a)
+    assert list(cp.tokens) == IDS[:40] and cp.fingerprint == a.file.fingerprint
+    with pytest.raises(KVFileError, match=f"{a.file.fingerprint}.*{b.file.fingerprint}") as ei:
+        load_kv(kf.path, b)
+    assert ei.value.field == "model fingerprint" and str(kf.path) in str(ei.value)
+    data = bytearray(kf.path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a payload byte (the payload is most of the file): the checksum fails
+    flipped = tmp_path / "flipped.kv"
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(KVFileError, match="checksum") as ei:
+        load_kv(flipped, a)
+    assert str(flipped) in str(ei.value)
+
+
 # -- 11: invalid token ids are refused before the session is touched -----------------------------------
 
 @pytest.mark.parametrize("bad,position,shown", [

@@ -39,6 +39,7 @@ from .common import (
     EXIT_USAGE,
     THINK_MAX_MIN_CTX,
     UsageError,
+    decoded,
     err,
 )
 from .inspect_file import inspect_command
@@ -132,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "session across turns. Text goes to stdout; progress and timings to stderr.")
     _add_model_args(run)
     src = run.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", default=None, help="prompt text (a user message unless --raw)")
+    src.add_argument("-p", "--prompt", type=decoded, default=None, help="prompt text (a user message unless --raw)")
     src.add_argument("--prompt-file", type=_path, default=None, metavar="FILE", help="read the prompt from FILE")
-    run.add_argument("-sys", "--system", default=DEFAULT_SYSTEM,
+    run.add_argument("-sys", "--system", type=decoded, default=DEFAULT_SYSTEM,
                      help=f"system prompt (default: {DEFAULT_SYSTEM!r}; an empty string disables it)")
     think = run.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_const", const="high",
@@ -201,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_WARMUP})")
     bench.add_argument("--csv", type=_path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
     bench.add_argument("--plot", type=_path, default=None, metavar="FILE",
-                       help="draw prefill and generation t/s against context with Altair (.png, .svg, .html)")
+                       help="draw prefill and generation t/s against context with Altair (.png, .svg, .html; "
+                            ".json: the Vega-Lite spec)")
     bench.set_defaults(func=bench_command)
 
     insp = sub.add_parser("inspect", help="describe a GGUF model file or a .kv cache file",

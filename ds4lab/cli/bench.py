@@ -7,17 +7,19 @@ import sys
 import time
 from pathlib import Path
 
-from .common import UsageError, check_input, check_output, describe, err, load_model, read_text
+from .common import UsageError, check_distinct, check_input, check_output, describe, err, load_model, read_text
 
 
 def bench_command(args) -> int:
     from .. import bench
 
-    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".svg", ".html", ".json"):
-        raise UsageError(f"--plot needs a .png, .svg or .html file name, got {args.plot.name!r}")
-    # Every file before any work: the outputs can be written, the inputs read.
+    if args.plot is not None and args.plot.suffix.lower() not in bench.PLOT_SUFFIXES:
+        raise UsageError(f"--plot needs a {', '.join(bench.PLOT_SUFFIXES)} file name, got {args.plot.name!r}")
+    # Every file before any work: the outputs can be written, the inputs read, and neither output is an input.
     check_output(args.csv, "--csv")
     check_output(args.plot, "--plot")
+    check_distinct([(args.csv, "--csv"), (args.plot, "--plot")],
+                   [(args.model, "-m"), (args.prompt_file, "--prompt-file")])
     check_input(args.model, "-m")
     if args.prompt_file is not None:
         check_input(args.prompt_file, "--prompt-file")
@@ -35,6 +37,9 @@ def bench_command(args) -> int:
     cap = model.config.context_length or bench.DEFAULT_CTX_MAX
     if model.config.context_length and args.ctx_max and args.ctx_max > cap:
         raise UsageError(f"--ctx-max {args.ctx_max} is more than the model's context ({cap} tokens, "
+                         f"deepseek4.context_length)")
+    if model.config.context_length and args.gen_tokens > cap:  # its allocation passes the context by gen_tokens
+        raise UsageError(f"-n/--gen-tokens {args.gen_tokens} is more than the model's context ({cap} tokens, "
                          f"deepseek4.context_length)")
     ctx_max = args.ctx_max or min(bench.DEFAULT_CTX_MAX, cap)
     ctx_start = args.ctx_start or min(bench.DEFAULT_CTX_START, ctx_max)

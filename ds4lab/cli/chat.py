@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import MIN_CTX, RENDER, THINK_MAX_MIN_CTX, describe, effective_think, err, read_text
+from .common import MIN_CTX, RENDER, THINK_MAX_MIN_CTX, decoded, describe, effective_think, err, read_text
 from .generate import Turn, generate, no_room, sync
 
 REPL_HELP = """Commands:
@@ -19,6 +19,7 @@ REPL_HELP = """Commands:
   /stats         Show the session: tokens, KV bytes, and what the last turn reused.
   /quit, /exit   Leave the prompt (Ctrl+D too).
   Ctrl+C         Stop the current generation and return to the prompt."""
+NO_ARGUMENT = ("/help", "/think", "/think-max", "/nothink", "/stats", "/quit", "/exit")  # a word after them is refused
 
 
 class Chat:
@@ -143,13 +144,15 @@ def repl(model, args, ctx: int) -> int:
         except KeyboardInterrupt:
             print()
             continue
-        cmd = line.strip()
+        cmd = decoded(line).strip()
         if not cmd:
             continue
         word, _, rest = cmd.partition(" ")
         rest = rest.strip()
         try:
-            if cmd in ("/quit", "/exit"):
+            if word in NO_ARGUMENT and rest:
+                err(f"{word} takes no argument, got {rest!r}")
+            elif cmd in ("/quit", "/exit"):
                 return 0
             elif cmd == "/help":
                 print(REPL_HELP)

@@ -122,6 +122,33 @@ def check_output(path: Path | None, flag: str) -> None:
         raise OSError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
+def check_distinct(outputs: list, inputs: list) -> None:
+    """Refuse, before any work, an output path (``(path, flag)``; None: not given) that names an input's file or an
+    earlier output's: writing it would destroy what the command reads, or the other output."""
+    named = [(p, f) for p, f in inputs if p is not None]
+    for path, flag in outputs:
+        if path is None:
+            continue
+        for other, other_flag in named:
+            if _same_file(path, other):
+                raise UsageError(f"{flag} {path} is the file of {other_flag} {other}: writing it would overwrite "
+                                 f"that; give another file name")
+        named.append((path, flag))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet: the same file only by name
+        return a.resolve() == b.resolve()
+
+
+def decoded(text: str) -> str:
+    """Text from the command line or a terminal with the bytes that are not UTF-8 (which Python keeps as lone
+    surrogates) replaced by U+FFFD, as :func:`read_text` reads a file: the tokenizer cannot encode a surrogate."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def read_text(path: Path) -> str:
     try:
         return Path(path).read_text(encoding="utf-8", errors="replace")

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .common import DEFAULT_CTX, UsageError, context_size, describe, err, load_model
+from .common import DEFAULT_CTX, UsageError, check_input, context_size, describe, err, load_model
+
+
+def _host(text: str) -> str:
+    """An address to listen on; an empty one is refused (the server would listen on every interface, and announce
+    http://:PORT)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty address; give one such as 127.0.0.1 (0.0.0.0: every interface)")
+    return text
 
 
 def _port(text: str) -> int:
@@ -36,7 +44,7 @@ def add_serve_parser(sub) -> None:
                     metavar="N", help="most tokens a request may generate, and the default (393216, as ds4-server)")
     sv.add_argument("--gpu-device", type=_gpu_list, default=None, metavar="LIST",
                     help="CUDA GPUs to split the layers over evenly, e.g. 0,1 (cupy backend)")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: a free one)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, metavar="N",
                     help="requests that may wait for the model; more get 503 with Retry-After (default 16)")
@@ -94,17 +102,29 @@ def _placement(ids: list[int] | None, backend: str):
     return Placement.even(len(ids), devices=[f"cuda:{i}" for i in ids])
 
 
-def _kv_disk_dir(path: Path | None) -> None:
-    """``--kv-disk-dir`` made as the store makes it (owner-only) before the model loads, or refused naming the flag."""
+def _kv_disk_dir(path: Path | None) -> list[Path]:
+    """``--kv-disk-dir`` made as the store makes it (owner-only) before the model loads, or refused naming the flag;
+    the folders this made (deepest first), for :func:`_unmake` if the model then fails to load."""
     if path is None:
-        return
+        return []
     from ..kv.store import make_store_dir
 
+    made = [d for d in (path, *path.parents) if not d.exists()]
     try:
         make_store_dir(path)
     except OSError as e:  # no errno: the store's refusal of a file of that name; else the system's reason
         why = f"cannot make the folder ({e.strerror})" if e.errno else "exists and is not a folder"
         raise UsageError(f"--kv-disk-dir {path}: {why}") from None
+    return made
+
+
+def _unmake(folders: list[Path]) -> None:
+    """The folders _kv_disk_dir made, removed where still empty: a serve that fails to start leaves none behind."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:  # something was put there meanwhile, or it is gone: left as it is
+            return
 
 
 def serve_command(args) -> int:
@@ -113,8 +133,13 @@ def serve_command(args) -> int:
     except ImportError as e:
         raise UsageError(f"ds4lab serve needs the server extra ({e.name} is missing): "
                          "pip install 'ds4lab[server]'") from None
-    _kv_disk_dir(args.kv_disk_dir)
-    model = load_model(args)
+    check_input(args.model, "-m")  # before the folder is made
+    made = _kv_disk_dir(args.kv_disk_dir)
+    try:
+        model = load_model(args)
+    except BaseException:
+        _unmake(made)
+        raise
     placement = _placement(args.gpu_device, model.backend.name)
     ctx = context_size(args.ctx, model)
     worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,

@@ -8,7 +8,8 @@ checkpoint of the same model; the source is never modified. An edited checkpoint
 each edit in ``edits``: a session restored from it says so (``Session.edits``), ``sync`` never reuses it as
 the state of its tokens, and ``KVStore.save`` refuses it (a store entry would be found as the clean state of
 its text). ``save_kv`` writes it to a path of the caller's choosing, as one ``KVC`` file in ds4-server's
-format (docs/FORMATS.md): ds4's format has no field for the edits, so the file does not carry them.
+format (docs/FORMATS.md): ds4's format has no field for the edits, so the file does not carry them; ``load_kv``
+reads one back, checked.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ds4_model_id
-from .checkpoint import Checkpoint
-from .kvfile import KVFile, kv_file_parts, write_file_atomic
+from .checkpoint import Checkpoint, model_fingerprint
+from .kvfile import KVFile, KVFileError, kv_file_parts, write_file_atomic
 from .layout import ROW_FIELDS, KVState
-from .payload import VERSION, decode_payload, encode_payload, with_version
-from .store import routed_quant_bits, token_text
+from .payload import VERSION, PayloadError, decode_payload, encode_payload, with_version
+from .store import checked_checkpoint, routed_quant_bits, token_text
 
 
 def row_slot(cp: Checkpoint, layer: int, kind: str, index: int) -> int:
@@ -106,8 +107,8 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
     """Write ``cp`` (edited or not) to ``path`` as one ``KVC`` file — the header, the text of its tokens, its
     ``DSV4`` payload, ``model``'s fingerprint trailer and, with ``checksum``, the CRC trailer — exactly as a
     :class:`~.store.KVStore` writes one (fsynced, then renamed into place), and open it back. ds4-server loads
-    it under its store's name for the text, ``KVFile.sha1 + ".kv"``; ds4lab with ``KVFile.open`` and
-    ``Checkpoint.from_bytes(kf.payload(), model.config)``. Payload rows are float32 (ds4's format), ``DSV4``
+    it under its store's name for the text, ``KVFile.sha1 + ".kv"``; ds4lab with :func:`load_kv` (its checksum and
+    model fingerprint checked). Payload rows are float32 (ds4's format), ``DSV4``
     version ``payload_version``: 2 for ds4 since 2026-05-26, 1 for a ds4 built before."""
     cp.check_model(model.config, getattr(getattr(model, "file", None), "fingerprint", None))
     if cp.logits is None:
@@ -119,6 +120,19 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
                              model_id=ds4_model_id(model.config))
     write_file_atomic(path, parts)
     return KVFile.open(path, model.config)
+
+
+def load_kv(path: str | os.PathLike, model) -> Checkpoint:
+    """One ``.kv`` file (``save_kv``'s, a :class:`~.store.KVStore`'s or ds4-server's) as a checkpoint of ``model``,
+    with the checks a store makes before it loads one: the file's structure and checksum, and its model fingerprint
+    against ``model``'s where the file carries one (ds4-server's files carry none, so another model's file of the same
+    shape cannot be told apart there). A refusal is a :class:`~.kvfile.KVFileError` naming the file and the field.
+    ``Session.restore`` makes the result the live state."""
+    kf = KVFile.open(path, model.config)
+    try:
+        return checked_checkpoint(kf, model.config, model_fingerprint(model))
+    except PayloadError as e:
+        raise KVFileError.of_payload(kf.path, e) from e
 
 
 def _config(cp: Checkpoint):

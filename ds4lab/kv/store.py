@@ -86,6 +86,18 @@ _VISIBLE_TEXT = EXT_RESPONSES_VISIBLE | EXT_THINKING_VISIBLE  # ds4's key is vis
 _U32_MAX = 0xFFFFFFFF
 
 
+def checked_checkpoint(kf: KVFile, config, fingerprint: str | None) -> Checkpoint:
+    """The checkpoint of an opened file after the checks a load makes: its checksum (:meth:`KVFile.verify`) and its
+    model fingerprint against ``fingerprint`` (the loading model's) where both are known; the checkpoint carries the
+    file's fingerprint. A :class:`KVFileError` or :class:`PayloadError` otherwise."""
+    kf.verify()
+    if fingerprint is not None and kf.fingerprint is not None and kf.fingerprint != fingerprint:
+        raise KVFileError(kf.path, "model fingerprint", kf.fingerprint, f"{fingerprint} (this model's)",
+                          f"written by another model: its model fingerprint is {kf.fingerprint}, this "
+                          f"model's is {fingerprint}")
+    return Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
+
+
 class KVStoreWarning(UserWarning):
     """A store file that was skipped or removed, or a save that failed."""
 
@@ -554,12 +566,7 @@ class KVStore:
             kf = KVFile(buf, entry.path, config)
             if kf.sha1 != entry.sha:
                 raise KVFileError(entry.path, "text", f"SHA-1 {kf.sha1}", f"{entry.sha} (the file's name)")
-            kf.verify()
-            if fingerprint is not None and kf.fingerprint is not None and kf.fingerprint != fingerprint:
-                raise KVFileError(entry.path, "model fingerprint", kf.fingerprint, f"{fingerprint} (this model's)",
-                                  f"written by another model: its model fingerprint is {kf.fingerprint}, this "
-                                  f"model's is {fingerprint}")
-            cp = Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
+            cp = checked_checkpoint(kf, config, fingerprint)
             if tokenizer is not None and not kf.header["ext_flags"] & _VISIBLE_TEXT:
                 _check_token_text(entry.path, kf.text_bytes, token_text(tokenizer, cp.tokens), len(cp))
         except (KVFileError, PayloadError) as e:
