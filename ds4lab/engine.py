@@ -135,5 +135,7 @@ def load(path: str | Path | None = None, backend: str = "auto", numerics: str = 
     ds4's CPU and CUDA decode products do (blocks of 32 for Q8_0 weights, Q8_K's 256 for the low-bit experts) and
     sum the products in integers, four an instruction.
     """
+    if path is not None and not str(path):
+        raise ValueError("path: an empty path (None loads the embedded model)")
     return Model(Path(path) if path is not None else default_model_path(), backend, numerics, device, kernels,
                  prefill_matmul, decode_matmul)

@@ -165,14 +165,35 @@ class AttentionMap:
         )
 
 
-def _select(spec, n: int) -> np.ndarray | None:
+def _select(spec, n: int, what: str | None = None) -> np.ndarray | None:
+    """The sorted indices ``spec`` names (an int, a slice of ``range(n)`` or an iterable); with ``what`` each must be
+    one of ``0 … n - 1``, else a ValueError names it (a layer or head that does not exist recorded nothing)."""
     if spec is None:
         return None
     if isinstance(spec, (int, np.integer)):
         spec = [spec]
     if isinstance(spec, slice):
         spec = range(n)[spec]
-    return np.asarray(sorted(set(int(i) for i in spec)), dtype=np.int64)
+    out = np.asarray(sorted(set(int(i) for i in spec)), dtype=np.int64)
+    if what is not None and out.size and not (0 <= out[0] and out[-1] < n):
+        bad = out[0] if out[0] < 0 else out[-1]
+        raise ValueError(f"{what} {bad} does not exist: this model's are 0 … {n - 1}")
+    return out
+
+
+def _check_point(point: str, n_layer: int) -> None:
+    """Refuse a hook point name that no step emits (a misspelling recorded nothing): a name of POINTS, alone or as
+    ``blk.N.<name>`` of a layer N of the model, or ``head.logits``; a name with a glob character passes as it is."""
+    if any(c in point for c in "*?["):
+        return
+    name = point
+    if point.startswith("blk."):
+        il, _, name = point[4:].partition(".")
+        if not il.isdigit() or int(il) >= n_layer:
+            raise ValueError(f"hook point {point!r}: layer {il!r} is not a layer of this model (0 … {n_layer - 1})")
+    if name not in POINTS and point != "head.logits":
+        raise ValueError(f"unknown hook point {point!r}; the points are head.logits and, per layer, "
+                         f"{', '.join(POINTS)}")
 
 
 class Capture:
@@ -182,14 +203,15 @@ class Capture:
         self.session = session
         cfg = session.model.config
         self.cfg = cfg
-        self.layers = _select(layers, cfg.n_layer)
-        self.heads = _select(heads, cfg.n_head)
+        self.layers = _select(layers, cfg.n_layer, "layer")
+        self.heads = _select(heads, cfg.n_head, "head")
         self.queries = None if queries is None else set(_select(queries, 1 << 62).tolist())
         if isinstance(points, str):
             points = [points]
         layer_ids = range(cfg.n_layer) if self.layers is None else self.layers
         self.patterns = []
         for pt in points:
+            _check_point(pt, cfg.n_layer)
             if pt.startswith("blk.") or pt.startswith("head."):
                 self.patterns.append(pt)
             else:

@@ -25,7 +25,7 @@ from .kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
 from .kv.kvfile import KVFileError
 from .kv.layout import Geometry, KVState, env_int, expected_row_counts, new_state
 from .kv.payload import PayloadError, payload_nbytes
-from .kv.store import prompt_text
+from .kv.store import KVStore, prompt_text
 from .kv.view import KVView
 from .sampling import (
     DEFAULT_MIN_P,
@@ -125,10 +125,18 @@ class Session:
 
     def __init__(self, model, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16,
                  kv_store=None, placement: Placement | None = None):
+        if kv_store is not None and not isinstance(kv_store, KVStore):
+            raise TypeError(f"kv_store must be a ds4lab.KVStore (KVStore(folder)), got {kv_store!r}")
+        if placement is not None and not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a ds4lab.Placement (Placement.even(...), ...), got {placement!r}")
         self.model = model
         self.kv_store = kv_store  # a ds4lab.KVStore: disk checkpoints as ds4-server writes and reads them
         self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk)
-        self._state: KVState = new_state(model.config, model.backend, self.geometry)
+        try:
+            self._state: KVState = new_state(model.config, model.backend, self.geometry)
+        except MemoryError:
+            raise MemoryError(f"ctx {ctx}: the session's KV state does not fit in memory; ask for a smaller ctx "
+                              f"(the model's context is {model.config.context_length or 'not given'})") from None
         # The resolved plan; every step's switches go to tier_trace, steps counted from 0.
         self.placement = (placement or Placement.single()).resolve(model, self._state)
         self._state = self.placement.place_state(self._state)
@@ -261,6 +269,9 @@ class Session:
         values, and a payload is checked against this session (ds4's loader rules); the session is unchanged
         on any refusal. On a session placed over ranks this process keeps its own layers of a whole checkpoint
         (nothing moves between ranks: every rank restores the same one), or takes back a part it checkpointed."""
+        if not isinstance(cp, Checkpoint):
+            raise TypeError(f"restore takes a Checkpoint (Session.checkpoint(), ds4lab.kv.edit.load_kv(path, model), "
+                            f"Checkpoint.from_bytes), got {type(cp).__name__}")
         if cp.part is not None and cp.part != self._part:
             raise ValueError(f"the checkpoint holds one part of a split state ({cp.part}); this session's part is "
                              f"{self._part or 'the whole state'}: restore a whole checkpoint (Session.gather's)")

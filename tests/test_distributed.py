@@ -247,7 +247,7 @@ def test_arrays_go_round_the_ring_the_shorter_way(size, src, dst, path):
     assert Ranks(FakeGroup(0, size)).path(src, dst) == path
 
 
-def test_plans_over_ranks_that_cannot_run_say_why(reference):
+def test_plans_over_ranks_that_cannot_run_say_why(reference, tmp_path):
     model = reference["model"]
     with pytest.raises(ValueError, match=r"tier 'rank:1': the group has 1 rank\(s\), 0…0; start every rank with "
                                          "mlx.launch"):
@@ -258,7 +258,8 @@ def test_plans_over_ranks_that_cannot_run_say_why(reference):
     with pytest.raises(ValueError, match="need the mlx backend, not numpy"):
         numpy_model.session(ctx=CTX, prefill_chunk=CHUNK, placement=Placement.over_ranks())
     with pytest.raises(ValueError, match="a kv_store saves whole states"):
-        model.session(ctx=CTX, prefill_chunk=CHUNK, placement=Placement.over_ranks(), kv_store=object())
+        model.session(ctx=CTX, prefill_chunk=CHUNK, placement=Placement.over_ranks(),
+                      kv_store=ds4lab.KVStore(tmp_path))
 
 
 def test_a_part_of_a_split_state_stays_with_its_session(reference):

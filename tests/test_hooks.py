@@ -1,5 +1,7 @@
 """Capture: named hook points, attention maps materialised for a selection and checked against the fused path."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,22 @@ def test_capture_does_not_change_results(model):
     with b.capture(["attn.scores", "moe.experts"], queries=range(40, 60)):
         b.prefill(ids).run(progress=False)
     assert np.array_equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("points, kwargs, named", [
+    (["attn.score"], {}, "unknown hook point 'attn.score'"),
+    (["blk.0.attn.score"], {}, "unknown hook point 'blk.0.attn.score'"),
+    (["blk.99.attn.scores"], {}, "hook point 'blk.99.attn.scores': layer '99' is not a layer"),
+    (["attn.scores"], dict(layers=[99]), "layer 99 does not exist"),
+    (["attn.scores"], dict(layers=[-1]), "layer -1 does not exist"),
+    (["attn.out"], dict(heads=[999]), "head 999 does not exist"),
+])
+def test_capture_refuses_what_no_step_emits(model, points, kwargs, named):
+    """A misspelled point or a layer the model lacks recorded nothing, silently; a head it lacks failed later with
+    an IndexError inside the hooks."""
+    sess = model.session(ctx=64, prefill_chunk=16)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        sess.capture(points, **kwargs)
+    with sess.capture(["blk.*.attn.scores", "head.logits", "moe.experts"], layers=slice(0, 2)) as cap:
+        sess.prefill(_prompt(8, model.config.n_vocab)).run(progress=False)
+    assert {r.name for r in cap.records()} >= {"blk.0.attn.scores", "head.logits", "blk.1.moe.experts"}

@@ -1,6 +1,8 @@
 """Sessions: chunked prefill vs one-shot, decode vs one-shot, checkpoints, sync, failure atomicity,
 geometry rules and the one reusable compiled step."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -493,3 +495,50 @@ def test_live_rows_are_the_rows_a_kv_payload_holds(nano_np, ctx, chunk):
                 rows = np.concatenate([np.arange(a, b) for a, b in live]) if live else np.zeros(0)
                 assert np.array_equal(kept[:, 0], rows), (n, il, f)
         assert next(it, None) is None
+
+
+# -- a bad-input probe of the Python API (2026-12-06): each of these failed later, or not at all, naming nothing --
+
+@pytest.mark.parametrize("kwargs, error, named", [
+    (dict(ctx="64"), TypeError, "ctx must be an integer, got '64'"),
+    (dict(ctx=True), TypeError, "ctx must be an integer"),
+    (dict(ctx=64, prefill_chunk=2.5), TypeError, "prefill_chunk must be an integer, got 2.5"),
+    (dict(ctx=64, kv_store="dir"), TypeError, "kv_store must be a ds4lab.KVStore"),
+    (dict(ctx=64, placement="even"), TypeError, "placement must be a ds4lab.Placement"),
+    (dict(ctx=10**9), MemoryError, "ctx 1000000000: the session's KV state does not fit in memory"),
+])
+def test_session_arguments_are_checked_when_made(nano_np, kwargs, error, named):
+    """prefill_chunk=2.5 failed at the first prefill (slice indices), kv_store="dir" at the first sync, placement
+    "even" with an AttributeError, ctx=10**9 with numpy's MemoryError of 238 GiB (no ctx named)."""
+    if error is MemoryError and not _allocation_fails(nano_np, 10**9):
+        pytest.skip("this machine allocates a KV state for 10**9 tokens")
+    with pytest.raises(error, match=re.escape(named)):
+        nano_np.session(**kwargs)
+    assert nano_np.session(ctx=np.int64(64), prefill_chunk=np.int32(16)).prefill_chunk == 16  # NumPy's ints are ints
+
+
+def _allocation_fails(model, ctx) -> bool:
+    from ds4lab.kv.layout import new_state
+
+    try:
+        new_state(model.config, model.backend, Geometry.for_context(model.config, ctx, 16))
+    except MemoryError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("bad", [None, b"DSV4", "cache.kv"])
+def test_restore_names_what_it_takes(nano_np, bad):
+    sess = nano_np.session(ctx=64, prefill_chunk=16)
+    with pytest.raises(TypeError, match=f"restore takes a Checkpoint .*got {type(bad).__name__}"):
+        sess.restore(bad)
+    assert sess.tokens == []
+
+
+@pytest.mark.parametrize("device", ["tpu", "GPU", "cuda:x"])
+def test_load_refuses_an_unknown_device(device):
+    """load(device="tpu") with backend auto silently loaded numpy."""
+    with pytest.raises(ValueError, match=f"unknown device '{re.escape(device)}'; choose cpu, gpu"):
+        ds4lab.load(device=device)
+    with pytest.raises(ValueError, match="path: an empty path"):
+        ds4lab.load("")

@@ -42,6 +42,8 @@ imports the model.
 
 from __future__ import annotations
 
+import re
+
 BACKENDS = ("mlx", "numpy", "cupy")
 PREFILL_MATMULS = ("auto", "float32", "tf32", "f16")
 DECODE_MATMULS = ("float32", "q8")
@@ -59,6 +61,8 @@ def resolve_backend(name: str = "auto", device: str | None = None) -> str:
     MLX's GPU."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if device is not None and device not in ("cpu", "gpu") and not re.fullmatch(r"cuda(:\d+)?", str(device)):
+        raise ValueError(f"unknown device {device!r}; choose cpu, gpu (MLX) or cuda:N (CuPy)")
     if name == "numpy" and device not in (None, "cpu"):
         raise ValueError(f"device {device!r}: the numpy backend runs on the CPU")
     if name in ("numpy", "cupy") or (name == "mlx" and device != "gpu"):
