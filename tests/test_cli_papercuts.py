@@ -607,3 +607,14 @@ def test_serve_leaves_no_kv_folder_when_the_model_fails(tmp_path):
         assert str(model) in one_error_line(proc, 1)
         assert not (tmp_path / "new").exists() and not (tmp_path / "kept" / "a").exists()
     assert (tmp_path / "kept").is_dir()
+
+
+def test_system_prompt_on_plain_text_says_it_has_no_effect(tmp_path):
+    """-sys was dropped without a word where the prompt is continued as plain text (--think said so)."""
+    proc = ds4lab_cmd("run", *FAST, "-sys", "Be brief.", "-p", "ROMEO:", "-n", 2)
+    assert proc.returncode == 0 and "warning: -sys has no effect" in proc.stderr, proc.stderr
+    assert "-sys" not in ds4lab_cmd("run", *FAST, "-p", "ROMEO:", "-n", 2).stderr  # the default: no warning
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert f"--prompt-file {empty}: the prompt is empty" in one_error_line(
+        ds4lab_cmd("run", *FAST, "--prompt-file", empty), 1)

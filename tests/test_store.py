@@ -773,3 +773,12 @@ def test_a_store_directory_that_is_a_file_is_refused_by_name(tmp_path):
     with pytest.raises(NotADirectoryError, match=f"{path}: the KV store's directory exists and is not a directory"):
         KVStore(path)
     assert path.read_bytes() == b"not a folder"
+
+
+@pytest.mark.parametrize("budget", [-1, "512", True, float("nan")])
+def test_a_budget_that_is_not_megabytes_is_refused(tmp_path, budget):
+    """budget_mb=-1 was taken, and every later save skipped with a warning; "512" failed in int() far from here."""
+    with pytest.raises(ValueError, match="budget_mb must be a number of megabytes"):
+        KVStore(tmp_path / "kv", budget_mb=budget)
+    assert not (tmp_path / "kv").exists()
+    assert KVStore(tmp_path / "kv", budget_mb=np.int64(5)).budget_bytes == 5 << 20

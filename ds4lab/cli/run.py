@@ -7,6 +7,7 @@ import sys
 
 from .chat import repl
 from .common import (
+    DEFAULT_SYSTEM,
     MIN_CTX,
     RENDER,
     THINK_MAX_MIN_CTX,
@@ -111,6 +112,10 @@ def run_command(args) -> int:
             why = "the model has no chat template" if raw_by_default else "--raw"
             err(f"warning: {_THINK_FLAGS[think_flag]} has no effect: the prompt is continued as plain text ({why}); "
                 "add --chat to render it as a chat turn with thinking")
+        if args.system not in ("", DEFAULT_SYSTEM):
+            why = "the model has no chat template" if raw_by_default else "--raw"
+            err(f"warning: -sys has no effect: the prompt is continued as plain text ({why}); add --chat to render "
+                "it as a chat turn with the system prompt")
     else:
         if args.think == "max" and ctx < THINK_MAX_MIN_CTX:
             err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
@@ -121,7 +126,8 @@ def run_command(args) -> int:
 
     ids = _one_shot_ids(model, args, text, ctx)
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"--prompt-file {args.prompt_file}: the prompt is empty" if args.prompt_file is not None
+                         else "the prompt is empty")
     if len(ids) >= ctx - 1:
         raise ValueError(no_room(len(ids), ctx, most=model.config.context_length))
     sess = model.session(ctx=ctx, prefill_chunk=args.prefill_chunk)

@@ -37,6 +37,7 @@ loaded on ds4's rules (layout, quant byte, chunk layout) with a :class:`KVStoreW
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 import re
 import struct
@@ -263,6 +264,9 @@ class KVStore:
             raise ValueError(f"compression must be one of {', '.join(map(repr, CODECS))}, got {compression!r}")
         if half_life_s <= 0:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real)
+                                      or not budget_mb >= 0):
+            raise ValueError(f"budget_mb must be a number of megabytes, 0 or more (0: the default), got {budget_mb!r}")
         self.dir = make_store_dir(dir)
         self.budget_bytes = int((budget_mb or DEFAULT_BUDGET_MB) * 1024 * 1024)
         self.min_tokens = min_tokens
