@@ -533,6 +533,17 @@ def test_inspect_and_make_model_help_explain_their_arguments(capsys):
 SWEEP = [*FAST, "--ctx-start", 32, "--ctx-max", 64, "-n", 2]
 
 
+def test_bench_output_that_names_the_default_prompt_is_refused():
+    from ds4lab.bench import default_prompt_path
+
+    prompt = default_prompt_path()
+    if prompt is None:
+        pytest.skip("no data/promessi_sposi.txt beside this ds4lab")
+    before = prompt.stat().st_size
+    line = one_error_line(ds4lab_cmd("bench", "--csv", prompt, *SWEEP), 2)
+    assert f"is the file of --prompt-file {prompt}" in line and prompt.stat().st_size == before
+
+
 @pytest.mark.parametrize("case", ["model", "prompt-file", "plot-is-csv"])
 def test_bench_output_that_names_an_input_is_refused_first(case, tmp_path):
     """``--csv`` naming the file of ``-m`` overwrote the model with a CSV header (then blamed the file for changing),
@@ -602,11 +613,14 @@ def test_serve_leaves_no_kv_folder_when_the_model_fails(tmp_path):
     bad.write_bytes(b"x")
     (tmp_path / "kept").mkdir()
     for folder, model in ((tmp_path / "new" / "a" / "b", tmp_path / "missing.gguf"),
-                          (tmp_path / "new" / "a" / "b", bad), (tmp_path / "kept" / "a", bad)):
+                          (tmp_path / "new" / "a" / "b", bad), (tmp_path / "kept" / "a", bad),
+                          (tmp_path / "new" / ".." / "kept", bad)):  # kept, not new/kept: the folder was there
         proc = ds4lab_cmd("serve", "--backend", "numpy", "--kv-disk-dir", folder, "-m", model)
         assert str(model) in one_error_line(proc, 1)
         assert not (tmp_path / "new").exists() and not (tmp_path / "kept" / "a").exists()
-    assert (tmp_path / "kept").is_dir()
+        assert (tmp_path / "kept").is_dir()
+    proc = ds4lab_cmd("serve", "--backend", "numpy", "--kv-disk-dir", tmp_path / "new", "--ctx", 99999999)
+    assert "--ctx" in one_error_line(proc, 2) and not (tmp_path / "new").exists()  # a refused setting too
 
 
 def test_system_prompt_on_plain_text_says_it_has_no_effect(tmp_path):

@@ -61,8 +61,8 @@ def resolve_backend(name: str = "auto", device: str | None = None) -> str:
     MLX's GPU."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
-    if device is not None and device not in ("cpu", "gpu") and not re.fullmatch(r"cuda(:\d+)?", str(device)):
-        raise ValueError(f"unknown device {device!r}; choose cpu, gpu (MLX) or cuda:N (CuPy)")
+    if device is not None and device not in ("cpu", "gpu") and not re.fullmatch(r"(cuda:)?\d+|cuda", str(device)):
+        raise ValueError(f"unknown device {device!r}; choose cpu, gpu or cuda:N")
     if name == "numpy" and device not in (None, "cpu"):
         raise ValueError(f"device {device!r}: the numpy backend runs on the CPU")
     if name in ("numpy", "cupy") or (name == "mlx" and device != "gpu"):

@@ -12,19 +12,21 @@ from .common import UsageError, check_distinct, check_input, check_output, descr
 
 def bench_command(args) -> int:
     from .. import bench
+    from ..engine import default_model_path
 
     if args.plot is not None and args.plot.suffix.lower() not in bench.PLOT_SUFFIXES:
         raise UsageError(f"--plot needs a {', '.join(bench.PLOT_SUFFIXES)} file name, got {args.plot.name!r}")
     # Every file before any work: the outputs can be written, the inputs read, and neither output is an input.
     check_output(args.csv, "--csv")
     check_output(args.plot, "--plot")
-    check_distinct([(args.csv, "--csv"), (args.plot, "--plot")],
-                   [(args.model, "-m"), (args.prompt_file, "--prompt-file")])
     check_input(args.model, "-m")
     if args.prompt_file is not None:
         check_input(args.prompt_file, "--prompt-file")
-        if not read_text(args.prompt_file).strip():
-            raise ValueError(f"--prompt-file {args.prompt_file}: the file is empty")
+    check_distinct([(args.csv, "--csv"), (args.plot, "--plot")],
+                   [(args.model or default_model_path(), "-m"),
+                    (args.prompt_file or bench.default_prompt_path(), "--prompt-file")])
+    if args.prompt_file is not None and not read_text(args.prompt_file).strip():
+        raise ValueError(f"--prompt-file {args.prompt_file}: the file is empty")
     if args.plot is not None:
         bench._import_altair()  # fail before the sweep, not after it
         if args.plot.suffix.lower() in (".png", ".svg"):

@@ -144,14 +144,14 @@ def repl(model, args, ctx: int) -> int:
         except KeyboardInterrupt:
             print()
             continue
-        cmd = decoded(line).strip()
+        cmd = line.strip()  # as typed: /read's path keeps its bytes; text for the model is decoded()
         if not cmd:
             continue
         word, _, rest = cmd.partition(" ")
         rest = rest.strip()
         try:
             if word in NO_ARGUMENT and rest:
-                err(f"{word} takes no argument, got {rest!r}")
+                err(f"{word} takes no argument, got {decoded(rest)!r}")
             elif cmd in ("/quit", "/exit"):
                 return 0
             elif cmd == "/help":
@@ -189,9 +189,9 @@ def repl(model, args, ctx: int) -> int:
                 else:
                     _turn(chat, read_text(Path(rest)))
             elif cmd.startswith("/"):
-                err(f"unknown command: {word} (type /help for commands)")
+                err(f"unknown command: {decoded(word)} (type /help for commands)")
             else:
-                _turn(chat, cmd)
+                _turn(chat, decoded(cmd))
         except KeyboardInterrupt:
             print()
             err("interrupted")

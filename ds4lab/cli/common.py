@@ -137,9 +137,11 @@ def check_distinct(outputs: list, inputs: list) -> None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` would overwrite regular file ``b`` (a terminal or pipe, such as /dev/stdin and
+    /dev/stdout, may be one device and still two streams)."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist yet: the same file only by name
+        return stat.S_ISREG(os.stat(b).st_mode) and os.path.samefile(a, b)
+    except OSError:  # a does not exist yet: b's file only by name
         return a.resolve() == b.resolve()
 
 

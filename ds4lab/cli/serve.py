@@ -4,6 +4,7 @@ ds4-server names them; the address, model and disk cache go to stderr once it li
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from .common import DEFAULT_CTX, UsageError, check_input, context_size, describe, err, load_model
@@ -104,23 +105,31 @@ def _placement(ids: list[int] | None, backend: str):
 
 def _kv_disk_dir(path: Path | None) -> list[Path]:
     """``--kv-disk-dir`` made as the store makes it (owner-only) before the model loads, or refused naming the flag;
-    the folders this made (deepest first), for :func:`_unmake` if the model then fails to load."""
+    the folders this made, for :func:`_unmake` if the model or a setting is then refused. They are made here one
+    level at a time as the path names them, so that the list holds what was made (``new/../kv`` makes ``new``)."""
     if path is None:
         return []
     from ..kv.store import make_store_dir
 
-    made = [d for d in (path, *path.parents) if not d.exists()]
+    made: list[Path] = []
     try:
+        for i in range(1, len(path.parts) + 1):
+            level = Path(*path.parts[:i])
+            if not os.path.lexists(level):
+                level.mkdir(mode=0o700)
+                made.append(level)
         make_store_dir(path)
     except OSError as e:  # no errno: the store's refusal of a file of that name; else the system's reason
+        _unmake(made)
         why = f"cannot make the folder ({e.strerror})" if e.errno else "exists and is not a folder"
         raise UsageError(f"--kv-disk-dir {path}: {why}") from None
     return made
 
 
-def _unmake(folders: list[Path]) -> None:
-    """The folders _kv_disk_dir made, removed where still empty: a serve that fails to start leaves none behind."""
-    for d in folders:
+def _unmake(made: list[Path]) -> None:
+    """The folders _kv_disk_dir made, removed (the last made first) where still empty: a serve whose model or
+    settings are refused leaves none behind."""
+    for d in reversed(made):
         try:
             d.rmdir()
         except OSError:  # something was put there meanwhile, or it is gone: left as it is
@@ -137,11 +146,11 @@ def serve_command(args) -> int:
     made = _kv_disk_dir(args.kv_disk_dir)
     try:
         model = load_model(args)
+        placement = _placement(args.gpu_device, model.backend.name)
+        ctx = context_size(args.ctx, model)
     except BaseException:
         _unmake(made)
         raise
-    placement = _placement(args.gpu_device, model.backend.name)
-    ctx = context_size(args.ctx, model)
     worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,
                         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
                         kv_cache_min_tokens=args.kv_cache_min_tokens,

@@ -124,13 +124,13 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
 
 def load_kv(path: str | os.PathLike, model) -> Checkpoint:
     """One ``.kv`` file (``save_kv``'s, a :class:`~.store.KVStore`'s or ds4-server's) as a checkpoint of ``model``,
-    with the checks a store makes before it loads one: the file's structure and checksum, and its model fingerprint
-    against ``model``'s where the file carries one (ds4-server's files carry none, so another model's file of the same
-    shape cannot be told apart there). A refusal is a :class:`~.kvfile.KVFileError` naming the file and the field.
-    ``Session.restore`` makes the result the live state."""
+    with the checks a store makes before it loads one: the file's structure and checksum, its model fingerprint
+    against ``model``'s where the file carries one (ds4-server's files carry none), and its text against the text
+    of its token ids in ``model``'s tokenizer. A refusal is a :class:`~.kvfile.KVFileError` naming the file and the
+    field. ``Session.restore`` makes the result the live state."""
     kf = KVFile.open(path, model.config)
     try:
-        return checked_checkpoint(kf, model.config, model_fingerprint(model))
+        return checked_checkpoint(kf, model.config, model_fingerprint(model), model.tokenizer)
     except PayloadError as e:
         raise KVFileError.of_payload(kf.path, e) from e
 

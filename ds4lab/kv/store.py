@@ -87,16 +87,21 @@ _VISIBLE_TEXT = EXT_RESPONSES_VISIBLE | EXT_THINKING_VISIBLE  # ds4's key is vis
 _U32_MAX = 0xFFFFFFFF
 
 
-def checked_checkpoint(kf: KVFile, config, fingerprint: str | None) -> Checkpoint:
-    """The checkpoint of an opened file after the checks a load makes: its checksum (:meth:`KVFile.verify`) and its
-    model fingerprint against ``fingerprint`` (the loading model's) where both are known; the checkpoint carries the
-    file's fingerprint. A :class:`KVFileError` or :class:`PayloadError` otherwise."""
+def checked_checkpoint(kf: KVFile, config, fingerprint: str | None, tokenizer=None) -> Checkpoint:
+    """The checkpoint of an opened file after the checks a load makes: its checksum (:meth:`KVFile.verify`), its
+    model fingerprint against ``fingerprint`` (the loading model's) where both are known and, with ``tokenizer``
+    (the loading model's), its text against the text of its token ids (ds4-server's key, unless the file says its
+    key is visible transcript text). The checkpoint carries the file's fingerprint. A :class:`KVFileError` or
+    :class:`PayloadError` otherwise."""
     kf.verify()
     if fingerprint is not None and kf.fingerprint is not None and kf.fingerprint != fingerprint:
         raise KVFileError(kf.path, "model fingerprint", kf.fingerprint, f"{fingerprint} (this model's)",
                           f"written by another model: its model fingerprint is {kf.fingerprint}, this "
                           f"model's is {fingerprint}")
-    return Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
+    cp = Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
+    if tokenizer is not None and not kf.header["ext_flags"] & _VISIBLE_TEXT:
+        _check_token_text(kf.path, kf.text_bytes, token_text(tokenizer, cp.tokens), len(cp))
+    return cp
 
 
 class KVStoreWarning(UserWarning):
@@ -265,7 +270,7 @@ class KVStore:
         if half_life_s <= 0:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
         if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real)
-                                      or not budget_mb >= 0):
+                                      or not 0 <= budget_mb < float("inf")):
             raise ValueError(f"budget_mb must be a number of megabytes, 0 or more (0: the default), got {budget_mb!r}")
         self.dir = make_store_dir(dir)
         self.budget_bytes = int((budget_mb or DEFAULT_BUDGET_MB) * 1024 * 1024)
@@ -570,9 +575,7 @@ class KVStore:
             kf = KVFile(buf, entry.path, config)
             if kf.sha1 != entry.sha:
                 raise KVFileError(entry.path, "text", f"SHA-1 {kf.sha1}", f"{entry.sha} (the file's name)")
-            cp = checked_checkpoint(kf, config, fingerprint)
-            if tokenizer is not None and not kf.header["ext_flags"] & _VISIBLE_TEXT:
-                _check_token_text(entry.path, kf.text_bytes, token_text(tokenizer, cp.tokens), len(cp))
+            cp = checked_checkpoint(kf, config, fingerprint, tokenizer)
         except (KVFileError, PayloadError) as e:
             # another model's or another ds4's file is left alone, unless ds4lab's own checksum proves it damaged
             damaged = buf is not None and checksum_status(buf, entry.path)[0] == "mismatch"
