@@ -115,8 +115,8 @@ def _kv_disk_dir(path: Path | None) -> list[Path]:
     try:
         for i in range(1, len(path.parts) + 1):
             level = Path(*path.parts[:i])
-            if not os.path.lexists(level):
-                level.mkdir(mode=0o700)
+            if not os.path.lexists(level):  # the parents as os.makedirs makes them; the store's own folder 0o700
+                level.mkdir(mode=0o700 if i == len(path.parts) else 0o777)
                 made.append(level)
         make_store_dir(path)
     except OSError as e:  # no errno: the store's refusal of a file of that name; else the system's reason
