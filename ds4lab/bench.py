@@ -143,11 +143,13 @@ def check_sweep(ctx_start: int, ctx_max: int, step_incr: int, step_mul: float, g
         raise BenchError(f"{show('step_mul')} must be >= 1, got {step_mul}")
     if ctx_alloc is None:
         ctx_alloc = ctx_max + gen_tokens + 1
+    if int(ctx_alloc) != ctx_alloc:
+        raise BenchError(f"{show('ctx_alloc')} must be a positive integer, got {ctx_alloc}")
     if ctx_alloc <= ctx_max + gen_tokens:
         raise BenchError(f"{show('ctx_alloc', ctx_alloc)} must be greater than {show('ctx_max')} + "
                          f"{show('gen_tokens')} = {ctx_max} + {gen_tokens} = {ctx_max + gen_tokens} (the sweep's "
                          "last frontier and its generation probe)")
-    return ctx_alloc
+    return int(ctx_alloc)
 
 
 def default_prompt_path() -> Path | None:
@@ -198,6 +200,8 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
     if warmup < 0:
         raise BenchError(f"warmup must be 0 or more decode steps, got {warmup}")
     ctx_alloc = check_sweep(ctx_start, ctx_max, step_incr, step_mul, gen_tokens, ctx_alloc)
+    # whole numbers check_sweep took as floats (64.0) count and slice as ints from here on
+    ctx_start, ctx_max, step_incr, gen_tokens = int(ctx_start), int(ctx_max), int(step_incr), int(gen_tokens)
     if len(tokens) < ctx_max:
         raise BenchError(f"the prompt has {len(tokens)} tokens, need at least ctx_max = {ctx_max}")
     if session is None:

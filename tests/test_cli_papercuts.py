@@ -632,3 +632,16 @@ def test_system_prompt_on_plain_text_says_it_has_no_effect(tmp_path):
     empty.write_text("")
     assert f"--prompt-file {empty}: the prompt is empty" in one_error_line(
         ds4lab_cmd("run", *FAST, "--prompt-file", empty), 1)
+
+
+def test_bench_sweep_takes_whole_numbers_given_as_floats(model):
+    """ctx_max=64.0 passed check_sweep, then the session said "ctx must be an integer, got 67.0", naming a ctx
+    the caller never gave; a ctx_alloc of 100.5 was not checked at all."""
+    from ds4lab import bench
+
+    assert bench.check_sweep(32.0, 64.0, 32.0, 1.0, 2.0) == 67 and type(bench.check_sweep(32, 64, 32, 1.0, 2)) is int
+    with pytest.raises(bench.BenchError, match=r"^ctx_alloc must be a positive integer, got 100.5$"):
+        bench.check_sweep(32, 64, 32, 1.0, 2, ctx_alloc=100.5)
+    tokens, _ = bench.prompt_tokens(model, min_tokens=64)
+    rows = list(bench.sweep(model, tokens, 32.0, 64.0, 32.0, 1.0, 2.0, prefill_chunk=32, warmup=0))
+    assert [r.ctx_tokens for r in rows] == [32, 64] and all(type(r.ctx_tokens) is int for r in rows)
