@@ -133,8 +133,8 @@ def check_sweep(ctx_start: int, ctx_max: int, step_incr: int, step_mul: float, g
     name the arguments (``ctx_start=4096 must be <= ctx_max=256``), or with ``flags`` the command line's flags
     (``--ctx-start 4096 must be <= --ctx-max 256``)."""
     show = _namer(flags)
-    for name, value in (("ctx_start", ctx_start), ("ctx_max", ctx_max), ("step_incr", step_incr),
-                        ("gen_tokens", gen_tokens)):
+    counts = [("ctx_start", ctx_start), ("ctx_max", ctx_max), ("step_incr", step_incr), ("gen_tokens", gen_tokens)]
+    for name, value in counts + ([("ctx_alloc", ctx_alloc)] if ctx_alloc is not None else []):
         if int(value) != value or value <= 0:
             raise BenchError(f"{show(name)} must be a positive integer, got {value}")
     if ctx_start > ctx_max:
@@ -143,8 +143,6 @@ def check_sweep(ctx_start: int, ctx_max: int, step_incr: int, step_mul: float, g
         raise BenchError(f"{show('step_mul')} must be >= 1, got {step_mul}")
     if ctx_alloc is None:
         ctx_alloc = ctx_max + gen_tokens + 1
-    if int(ctx_alloc) != ctx_alloc:
-        raise BenchError(f"{show('ctx_alloc')} must be a positive integer, got {ctx_alloc}")
     if ctx_alloc <= ctx_max + gen_tokens:
         raise BenchError(f"{show('ctx_alloc', ctx_alloc)} must be greater than {show('ctx_max')} + "
                          f"{show('gen_tokens')} = {ctx_max} + {gen_tokens} = {ctx_max + gen_tokens} (the sweep's "

@@ -108,14 +108,12 @@ def run_command(args) -> int:
     raw_by_default = _settle_raw(args, model, text)
     if args.raw:
         think = "none (plain text)"
-        if think_flag in ("high", "max"):
-            why = "the model has no chat template" if raw_by_default else "--raw"
-            err(f"warning: {_THINK_FLAGS[think_flag]} has no effect: the prompt is continued as plain text ({why}); "
-                "add --chat to render it as a chat turn with thinking")
-        if args.system not in ("", DEFAULT_SYSTEM):
-            why = "the model has no chat template" if raw_by_default else "--raw"
-            err(f"warning: -sys has no effect: the prompt is continued as plain text ({why}); add --chat to render "
-                "it as a chat turn with the system prompt")
+        why = "the model has no chat template" if raw_by_default else "--raw"
+        unused = [(_THINK_FLAGS[think_flag], "thinking")] if think_flag in ("high", "max") else []
+        unused += [("-sys", "the system prompt")] if args.system not in ("", DEFAULT_SYSTEM) else []
+        for flag, what in unused:  # chat settings a plain-text continuation leaves out
+            err(f"warning: {flag} has no effect: the prompt is continued as plain text ({why}); add --chat to render "
+                f"it as a chat turn with {what}")
     else:
         if args.think == "max" and ctx < THINK_MAX_MIN_CTX:
             err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
