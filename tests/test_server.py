@@ -118,6 +118,31 @@ def test_memory_text_continuation_keeps_the_live_tokens(reference):
                                                                                *tk.encode("JULIET: the end")]
 
 
+def test_memory_text_continuation_keeps_text_that_spells_a_control_token(reference):
+    """The reuse never makes a control token of text: a prompt whose text after the live tokens spells one (a
+    user's "<｜User｜>") keeps its own plain tokens there, and live control tokens stand only where the prompt has
+    the same ones (a live User token is not the prompt's plain text spelling it)."""
+    from ds4lab.server.worker import Worker
+
+    tk = reference.tokenizer
+    user = tk.tokens[tk.user_id]
+    worker = Worker(reference, ctx=256)
+    live = [tk.bos_id, *(tk.encode(c)[0] for c in "ROMEO: h")]
+    worker.session.sync(live)
+    tail = tk.encode(f"el, {user}JULIET:")
+    prompt = [tk.bos_id, *tk.encode("ROMEO: hel"), *tail]
+    assert tk.user_id not in prompt and tk.user_id in tk.encode_rendered(f"el, {user}JULIET:")
+    out = worker._continuation(prompt)
+    assert out[:len(live)] == live and tk.user_id not in out and tk.decode(out) == tk.decode(prompt)
+    assert out[len(live):] == tk.encode("el") + tail  # only the token the live text ends in is encoded again
+
+    worker.session.sync([tk.bos_id, tk.user_id, *tk.encode("hi")])
+    plain = [tk.bos_id, *tk.encode(f"{user}hi there")]  # the same bytes, the control token spelled as text
+    assert worker._continuation(plain) == plain
+    chat = [tk.bos_id, tk.user_id, *tk.encode("hi there")]
+    assert worker._continuation(chat) == chat  # the live tokens a prefix: as it is
+
+
 def test_serve_usage_errors(capsys, tmp_path):
     from ds4lab import cli
 
