@@ -11,6 +11,7 @@ does not (Pyodide); ``train_bpe`` alone imports ``tokenizers``, when it is calle
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import re
@@ -36,6 +37,7 @@ REASONING_EFFORT_MAX_PREFIX = (
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
 
+PIECE_CACHE = 1 << 16  # pretokenized pieces whose ids a Tokenizer keeps
 _FULLWIDTH_BAR = "\uff5c"  # token strings containing it decode literally
 
 # ---------------------------------------------------------------------------------------------------------
@@ -169,8 +171,11 @@ class Tokenizer:
         # Later duplicates win, as in ds4's hash tables (table_put overwrites).
         self._token_id = {t: i for i, t in enumerate(self.tokens)}
         self._merge_rank = {m: r for r, m in enumerate(merges)}
-        self._piece_cache: dict[str, tuple[int, ...]] = {}
+        # A piece's ids, kept for the PIECE_CACHE most recent: text repeats its words, and a server's tokenizer
+        # must not grow with every new word it is sent.
+        self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._bpe)
         self._token_bytes = [self._decode_token(t) for t in self.tokens]
+        self.max_token_bytes = max(map(len, self._token_bytes), default=1)  # the longest token's text
 
         ids = []
         for special in SPECIAL_TOKENS:
@@ -245,12 +250,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """BPE-encode plain text; special-token strings are treated as ordinary text."""
         ids: list[int] = []
-        cache = self._piece_cache
         for piece in pretokenize(text):
-            piece_ids = cache.get(piece)
-            if piece_ids is None:
-                piece_ids = cache[piece] = self._bpe(piece)
-            ids.extend(piece_ids)
+            ids.extend(self._piece_ids(piece))
         return ids
 
     def encode_rendered(self, text: str) -> list[int]:

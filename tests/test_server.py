@@ -384,6 +384,24 @@ BAD = [  # (endpoint, body, status, param, code)
     ("completion", {"model": "shakespeare", "prompt": 123}, 400, "prompt", "invalid_type"),
     ("completion", {"model": "shakespeare", "prompt": [1, 99999]}, 400, "prompt", "out_of_range"),
     ("completion", {"model": "shakespeare", "prompt": SHAKESPEARE[:6000]}, 400, "prompt", "context_length_exceeded"),
+    # JSON that Python's reader refuses past its limits (was a plain-text 500)
+    ("chat", b"[" * 100000, 400, None, "invalid_json"),
+    ("completion", b'{"model": "shakespeare", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None,
+     "invalid_json"),
+    # what the server does not do is refused by name, not answered as if it had been asked for nothing
+    ("completion", {"model": "shakespeare", "prompt": "x", "n": 3}, 400, "n", "unsupported_parameter"),
+    ("completion", {"model": "shakespeare", "prompt": "x", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    ("completion", {"model": "shakespeare", "prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("completion", {"model": "shakespeare", "prompt": "x", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
+    ("completion", {"model": "shakespeare", "prompt": "x", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n",
+     "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
+     "logprobs", "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
+              "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage", "invalid_type"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
+              "output_config": {"effort": "huge"}}, 400, "output_config.effort", "invalid_value"),
 ]
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "messages": "/v1/messages"}
 
@@ -396,6 +414,47 @@ def test_bad_openai_requests_are_refused_naming_the_field(server, api, body, sta
     error = r.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
     assert param is None or param.split("[")[0] in error["message"]
+
+
+def test_requests_that_are_no_api_call_are_refused_in_its_error_shape(server):
+    """A body past what the context can hold is refused before it is read (was read whole and tokenized on the
+    event loop, every other request waiting); an unknown path or method is answered as JSON."""
+    from ds4lab.server.protocol import max_body_bytes
+
+    tk = server.worker.model.tokenizer
+    limit = max_body_bytes(server.app.state.server.limits, tk)
+    big = b'{"model": "shakespeare", "prompt": "' + b"a" * limit + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert str(limit) in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/messages", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["type"] == "error"
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/v1/nothing" in r.json()[
+        "error"]["message"]
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and "POST" in r.headers["allow"]
+    r = httpx.get(server.url + "/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
+    r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": "lots"}})
+    assert r.status_code == 400 and "thinking.budget_tokens must be an integer" in r.json()["error"]["message"]
+
+
+def test_the_tokenizer_keeps_a_bounded_number_of_pieces(monkeypatch):
+    """A server's tokenizer sees new words with every request: it keeps the ids of the PIECE_CACHE most recent
+    pieces, not every piece it was ever sent, and encodes the same with a small cache as with none kept."""
+    from ds4lab import tokenizer as tokenizer_module
+    from ds4lab.gguf_file import GGUFModelFile
+
+    meta = GGUFModelFile.open(ROOT / "ds4lab" / "assets" / "shakespeare.gguf").metadata
+    monkeypatch.setattr(tokenizer_module, "PIECE_CACHE", 8)
+    small = tokenizer_module.Tokenizer.from_metadata(meta)
+    text = " ".join(f"w{i}x{i * 7}" for i in range(200))
+    ids = small.encode(text)
+    assert small._piece_ids.cache_info().currsize == 8
+    monkeypatch.setattr(tokenizer_module, "PIECE_CACHE", 0)
+    assert tokenizer_module.Tokenizer.from_metadata(meta).encode(text) == ids
 
 
 def test_bad_requests_through_the_clients(server):

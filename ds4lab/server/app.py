@@ -24,6 +24,7 @@ from .protocol import (
     Limits,
     RequestError,
     anthropic_error,
+    max_body_bytes,
     openai_error,
     parse_chat,
     parse_completion,
@@ -85,9 +86,18 @@ def create_app(worker: Worker, limits: Limits) -> Starlette:
               Route("/v1/completions", endpoint("completion"), methods=["POST"]),
               Route("/v1/messages", endpoint("messages"), methods=["POST"]),
               Route("/ds4lab/stats", stats)]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route})
     app.state.server = state
     return app
+
+
+async def _no_route(request: HTTPRequest, exc) -> Response:
+    """An unknown path or method, answered in the API's error shape as every other refusal."""
+    what = "no such endpoint" if exc.status_code == 404 else f"{request.method} is not allowed here"
+    e = RequestError(f"{request.method} {request.url.path}: {what}", code="not_found" if exc.status_code == 404
+                     else "method_not_allowed", status=exc.status_code)
+    api = "messages" if request.url.path.rstrip("/") == "/v1/messages" else "chat"
+    return _error_response(e, api, exc.headers)
 
 
 def _model_card(state: ServerState, name: str) -> dict:
@@ -95,16 +105,38 @@ def _model_card(state: ServerState, name: str) -> dict:
             "context_length": state.limits.ctx}
 
 
-def _error_response(e: RequestError, api: str) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else None
+def _error_response(e: RequestError, api: str, headers: dict | None = None) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else headers  # 405: its Allow header
     body = anthropic_error(e) if api == "messages" else openai_error(e)
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
+async def _body(request: HTTPRequest, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes before more of it is read."""
+    too_large = RequestError(f"the request body is larger than this server reads ({limit} bytes for its context)",
+                             code="request_too_large", status=413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _parse(api: str, body: bytes, state: ServerState):
+    tokenizer = state.worker.model.tokenizer
+    return _PARSERS[api](parse_json(body), state.limits, tokenizer)
+
+
 async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response:
     try:
-        data = parse_json(await request.body())
-        req = _PARSERS[api](data, state.limits, state.worker.model.tokenizer)
+        body = await _body(request, max_body_bytes(state.limits, state.worker.model.tokenizer))
+        # read and tokenized in a thread: a long prompt does not hold up the other requests' responses
+        req = await asyncio.to_thread(_parse, api, body, state)
         job = Job(req, asyncio.get_running_loop())
         state.worker.submit(job)
     except RequestError as e:

@@ -78,11 +78,19 @@ class Request:
     messages: list = field(default_factory=list, repr=False)
 
 
+def max_body_bytes(limits: Limits, tokenizer) -> int:
+    """The largest request body read: room for a context's worth of the longest tokens written as JSON escapes
+    (six bytes a byte), and each token its own message's keys; a larger body cannot fit the context."""
+    return limits.ctx * (6 * tokenizer.max_token_bytes + 64) + (1 << 16)
+
+
 def parse_json(body: bytes) -> dict:
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python reads
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body is not valid JSON: it nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}",
                            code="invalid_json")
@@ -95,14 +103,15 @@ def _type_error(name: str, want: str, value) -> RequestError:
     return RequestError(f"{name} must be {want}, got {json.dumps(value)[:80]}", param=name, code="invalid_type")
 
 
-def _int(data: dict, name: str, default, lo: int, hi: int):
-    value = data.get(name)
+def _int(data: dict, name: str, default, lo: int, hi: int, path: str | None = None):
+    """``data[name]``, an integer in [lo, hi] (``path``: the field's name in the request, when nested)."""
+    value, path = data.get(name), path or name
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, "an integer", value)
+        raise _type_error(path, "an integer", value)
     if not lo <= value <= hi:
-        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", param=name, code="out_of_range")
+        raise RequestError(f"{path} must be in [{lo}, {hi}], got {value}", param=path, code="out_of_range")
     return value
 
 
@@ -117,12 +126,12 @@ def _float(data: dict, name: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
-def _bool(data: dict, name: str, default: bool = False) -> bool:
+def _bool(data: dict, name: str, default: bool = False, path: str | None = None) -> bool:
     value = data.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _type_error(name, "true or false", value)
+        raise _type_error(path or name, "true or false", value)
     return value
 
 
@@ -201,23 +210,47 @@ def _refuse_tools(data: dict) -> None:
                                code="unsupported_parameter")
 
 
+_NOTHING = object()  # no value but null is taken
+_CHAT_UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0}
+_COMPLETION_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": _NOTHING}
+
+
+def _refuse_unsupported(data: dict, allowed: dict) -> None:
+    """Fields whose other values ask for what this server does not do (several choices, log-probabilities, the
+    prompt echoed): refused by name unless absent or the one value it does anyway (n 1, echo false)."""
+    for key, ok in allowed.items():
+        value = data.get(key)
+        if value is not None and not (type(value) is type(ok) and value == ok):
+            only = "" if ok is _NOTHING else f" (only {json.dumps(ok)})"
+            raise RequestError(f"{key} {json.dumps(value)[:80]}: ds4lab serve does not do this{only}; send the "
+                               "request without it", param=key, code="unsupported_parameter")
+
+
+def _include_usage(data: dict) -> bool:
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    return _bool(options or {}, "include_usage", path="stream_options.include_usage")
+
+
 def _think_mode(data: dict, model: str, limits: Limits) -> str:
     """ds4-server's rules: reasoning_effort max → max, none → none, other efforts → high; thinking disabled,
     think false or the model deepseek-chat → none; deepseek-reasoner → high; else the server's default."""
     mode = THINKING_MODELS.get(model) or (limits.think if limits.chat_model else "none")
-    effort = data.get("reasoning_effort")
+    effort, name = data.get("reasoning_effort"), "reasoning_effort"
     if effort is None and isinstance(data.get("output_config"), dict):
-        effort = data["output_config"].get("effort")
+        effort, name = data["output_config"].get("effort"), "output_config.effort"
     if effort is not None:
         efforts = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
         if effort not in efforts:
-            raise RequestError(f"reasoning_effort must be one of {', '.join(efforts)}, got {json.dumps(effort)}",
-                               param="reasoning_effort", code="invalid_value")
+            raise RequestError(f"{name} must be one of {', '.join(efforts)}, got {json.dumps(effort)}",
+                               param=name, code="invalid_value")
         mode = {"max": "max", "none": "none"}.get(effort, "high")
     thinking = data.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
             raise _type_error("thinking", '{"type": "enabled"} or {"type": "disabled"}', thinking)
+        _int(thinking, "budget_tokens", None, 1, 1 << 62, "thinking.budget_tokens")  # checked, not used (as ds4)
         mode = "none" if thinking["type"] == "disabled" else (mode if mode != "none" else "high")
     if data.get("think") is not None:
         mode = ("high" if mode == "none" else mode) if _bool(data, "think") else "none"
@@ -260,23 +293,19 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     model = _model(data, limits)
     _refuse_tools(data)
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
-    if data.get("n") not in (None, 1):
-        raise RequestError(f"n must be 1 (one choice per request), got {json.dumps(data['n'])}", param="n",
-                           code="out_of_range")
-    options = data.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _type_error("stream_options", "an object", options)
+    _refuse_unsupported(data, _CHAT_UNSUPPORTED)
     mode = _think_mode(data, model, limits)
     ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
-                   include_usage=_bool(options or {}, "include_usage"), stop=_stop(data, "stop"),
+                   include_usage=_include_usage(data), stop=_stop(data, "stop"),
                    thinking=mode != "none", messages=messages)
 
 
 def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/completions``: the prompt as plain text (or token ids), continued without a chat template."""
     model = _model(data, limits)
+    _refuse_unsupported(data, _COMPLETION_UNSUPPORTED)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -292,12 +321,9 @@ def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
         raise _type_error("prompt", "a string or a list of token ids", prompt)
     if not ids:
         raise RequestError("prompt is empty", param="prompt", code="invalid_value")
-    options = data.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _type_error("stream_options", "an object", options)
     return Request("completion", model, _check_length(ids, limits, "prompt"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
-                   include_usage=_bool(options or {}, "include_usage"), stop=_stop(data, "stop"))
+                   include_usage=_include_usage(data), stop=_stop(data, "stop"))
 
 
 def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
