@@ -83,10 +83,14 @@ def step_mask(config, geometry, layer: int, pos0: int, n: int, selected=None) ->
     """The mask of the step evaluating positions ``pos0 … pos0+n−1`` of ``layer``. ``selected`` is the capture of
     ``blk.{layer}.indexer.topk`` for this step (``[n, rows]`` bool), needed to tell kept rows from dropped ones
     where a query sees more than the indexer's top-k."""
+    for name, value in (("layer", layer), ("pos0", pos0), ("n", n)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
     if not 0 <= layer < config.n_layer:
         raise ValueError(f"layer {layer} is not a layer of this model (0…{config.n_layer - 1})")
-    if n < 1 or pos0 < 0:
-        raise ValueError(f"a step needs n ≥ 1 tokens at pos0 ≥ 0, got pos0={pos0}, n={n}")
+    if n < 1 or pos0 < 0 or pos0 + n > geometry.ctx:
+        raise ValueError(f"a step needs n ≥ 1 tokens at pos0 ≥ 0 within the context of {geometry.ctx}, got "
+                         f"pos0={pos0}, n={n}")
     q = pos0 + np.arange(n)
     slot_pos, raw_vis, slots = _raw_keys(config, geometry, pos0, n)
     k = slot_pos[slots]

@@ -124,9 +124,11 @@ class AttentionView(View):
     """Heatmap of one layer and head of a :class:`ds4lab.hooks.Capture` (or an ``AttentionMap``): queries down,
     keys across in three groups (raw window | compressed rows | sink), on a ``scale`` of ``SCALES`` ("linear",
     "row": each query over its max, "log"). ``zoom(queries=(a, b), keys=(c, d))`` shows a region of the map's
-    rows and columns (half-open indices), ``reset_zoom()`` the whole map."""
+    rows and columns (half-open indices), ``reset_zoom()`` the whole map. ``head`` is a head's number, as
+    ``show`` and ``weights`` take it (None: the first captured)."""
 
-    def __init__(self, source, layer: int | None = None, head: int = 0, scale: str = "row", tokens=None):
+    def __init__(self, source, layer: int | None = None, head: int | None = None, scale: str = "row",
+                 tokens=None):
         from ..hooks import AttentionMap, Capture
 
         if isinstance(source, Capture):
@@ -153,10 +155,11 @@ class AttentionView(View):
         self._thumb_cache, self._mass_cache = {}, {}  # by (layer, scale), (layer, head): what a switch back reuses
         self.model = AttentionModel()
         amap = self.map(self.layer)
+        head = int(amap.heads[0]) if head is None else self._captured_head(amap, head)
         narrow = dict(layout=W.Layout(width="130px"), style={"description_width": "40px"})
         self.layer_select = W.Dropdown(options=self.layers, value=self.layer, description="layer", **narrow)
-        self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head", **narrow,
-                                      value=int(amap.heads[head]) if head < len(amap.heads) else int(amap.heads[0]))
+        self.head_select = W.Dropdown(options=[int(h) for h in amap.heads], description="head", value=head,
+                                      **narrow)
         self.scale_select = W.ToggleButtons(options=[("linear", "linear"), ("per row", "row"), ("log", "log")],
                                             value=scale, style={"button_width": "76px"},
                                             tooltips=["colour: weight / max", "colour: weight / the query's max",
@@ -165,7 +168,7 @@ class AttentionView(View):
         self.head = self.head_select.value
         self._syncing = False  # True while show() sets the controls: their observers then do nothing
         on = self.guarded  # an error of a switch shows in the view
-        self.layer_select.observe(on(lambda ch: self._syncing or self.show(ch["new"], self.head)), names="value")
+        self.layer_select.observe(on(lambda ch: self._syncing or self.show(ch["new"])), names="value")
         self.head_select.observe(on(lambda ch: self._syncing or self.show(self.layer, ch["new"])), names="value")
         self.scale_select.observe(on(lambda ch: self._syncing or self.set_scale(ch["new"])), names="value")
         self.reset_button.on_click(on(lambda _: self.reset_zoom()))
@@ -189,11 +192,16 @@ class AttentionView(View):
     def weights(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
         """The full-resolution weights ``[queries, keys]`` of one head (default: the one shown)."""
         amap = self.map(self.layer if layer is None else layer)
-        head = self.head if head is None else head
-        hits = np.nonzero(amap.heads == head)[0]
-        if not len(hits):
-            raise ValueError(f"head {head} was not captured (heads {[int(h) for h in amap.heads]})")
-        return amap.weights[:, int(hits[0]), :]
+        head = self._captured_head(amap, self.head if head is None else head)
+        return amap.weights[:, int(np.nonzero(amap.heads == head)[0][0]), :]
+
+    @staticmethod
+    def _captured_head(amap, head) -> int:
+        """``head`` as an int, refused (naming the heads there are) unless the map holds it."""
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or head not in amap.heads:
+            raise ValueError(f"head {head!r} was not captured in layer {amap.layer} (heads "
+                             f"{[int(h) for h in amap.heads]})")
+        return int(head)
 
     def mass_split(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
         """Each query's attention mass on the raw window, the compressed rows and the sink: ``[queries, 3]``."""
@@ -208,14 +216,16 @@ class AttentionView(View):
         return " " + repr(text)
 
     # what is shown
-    def show(self, layer: int, head: int) -> None:
-        """Show ``layer`` and ``head`` (a head not captured in the layer: its first); a new layer keeps the zoom on
-        the same queries and keys where it has them (:func:`carry_region`, from the layer the zoom was made on)."""
+    def show(self, layer: int, head: int | None = None) -> None:
+        """Show ``layer`` and ``head`` (None: the head shown, or the layer's first where it was not captured); a
+        new layer keeps the zoom on the same queries and keys where it has them (:func:`carry_region`, from the
+        layer the zoom was made on)."""
         if layer not in self.layers:
             raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
         amap = self.map(layer)
-        if head not in amap.heads:
-            head = int(amap.heads[0])
+        if head is None:
+            head = self.head if self.head in amap.heads else int(amap.heads[0])
+        head = self._captured_head(amap, head)
         if layer != self.layer and self._zoom_origin is not None:
             at, region = self._zoom_origin
             self.region = region if layer == at else carry_region(self.map(at), amap, region)
@@ -246,6 +256,10 @@ class AttentionView(View):
         """Show the map's rows ``queries = (a, b)`` and columns ``keys = (c, d)`` (half-open indices into
         ``AttentionMap.weights``; None: all), re-reduced from the full-resolution weights."""
         Q, K = self.weights().shape
+        for name, pair in (("queries", queries), ("keys", keys)):
+            if pair is not None and not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                                         and all(isinstance(i, (int, np.integer)) for i in pair)):
+                raise TypeError(f"zoom: {name} is a pair of indices (start, end), got {pair!r}")
         (a, b), (c, d) = queries or (0, Q), keys or (0, K)
         if not (0 <= a < b <= Q and 0 <= c < d <= K):
             raise ValueError(f"zoom region queries {queries}, keys {keys} is not inside the map's {Q} × {K}")

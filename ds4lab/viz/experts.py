@@ -86,6 +86,8 @@ class ExpertView(View):
             raise ValueError("the capture holds no expert choices: capture 'moe.experts' over a prefill or decode")
         self.hash_layers = [il for il in self.counts if cfg.is_hash_layer(il)]
         ids = np.asarray(sess.tokens if tokens is None else tokens, dtype=np.int64)
+        if ids.ndim != 1 or ((ids < 0) | (ids >= cfg.n_vocab)).any():
+            raise ValueError(f"tokens must be a list of token ids in [0, {cfg.n_vocab}), got {tokens!r:.60}")
         tok = sess.model.tokenizer
         layer_records = []
         for il, counts in self.counts.items():

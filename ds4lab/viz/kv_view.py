@@ -12,9 +12,9 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
-from ..kv.checkpoint import state_to_payload
+from ..kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
 from ..kv.view import KVView
-from .base import FollowingView, ViewModel, widget_module
+from .base import FollowingView, ViewModel, check_session, layer_number, widget_module
 
 
 def state_label(i: int, start: int, end: int) -> str:
@@ -126,13 +126,16 @@ class KVCacheView(FollowingView):
         if not (indexer is None or callable(indexer) or hasattr(indexer, "records")):
             raise TypeError(f"indexer= is a capture of indexer.topk (sess.capture(['indexer.topk'], ...)) or a "
                             f"function (layer, position) -> rows; got {type(indexer).__name__} {indexer!r:.40}")
+        check_session(session, "KVCacheView")
+        cfg = session.model.config
+        layers = None if layers is None else [layer_number(cfg, i, "layers") for i in np.atleast_1d(layers)]
         self.session = session
         self.indexer = indexer
         self.has_slider = bool(slider)
         self._checkpoints, self._labels = [], []
         self._shown: tuple[tuple, int] = ((), 0)  # tokens of the state on display, and its first new position
         self._syncing = False  # the slider is being moved to the state on display: do not scrub
-        self.model = KVCacheModel(layers=None if layers is None else [int(i) for i in layers], compact=bool(compact))
+        self.model = KVCacheModel(layers=layers, compact=bool(compact))
         self.slider = W.IntSlider(value=0, min=0, max=0, description="state", disabled=True)
         self.slider.observe(self.guarded(self._slid), names="value")
         self.widget = W.VBox([self.slider, self.model] if self.has_slider else [self.model])
@@ -188,6 +191,12 @@ class KVCacheView(FollowingView):
         """Let the slider scrub through ``checkpoints`` (a prefill's chunks, or checkpoints); the slider moves to
         the checkpoint of the state on display (after a prefill: the last chunk's)."""
         self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints]
+        model = self.session.model
+        for i, c in enumerate(self._checkpoints):  # refused here, not when the slider reaches it
+            if not isinstance(c, Checkpoint):
+                raise TypeError(f"checkpoints[{i}] is a {type(c).__name__}: give checkpoints (sess.checkpoint(), "
+                                "store.load) or a prefill's chunks")
+            c.check_model(model.config, model_fingerprint(model))
         # the slider's number is the chunk's (or checkpoint's) in the title: "after chunk 2 (tokens 128–155)"
         self.slider.description = "chunk" if all(hasattr(c, "checkpoint") for c in checkpoints) else "checkpoint"
         self._labels = [state_label(i, c.start, c.end) if hasattr(c, "checkpoint") else

@@ -8,11 +8,12 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
+import numpy as np
 import traitlets as t
 
 from ..visibility import key_groups, step_mask
 from . import palette
-from .base import View, ViewModel, token_texts, widget_module
+from .base import View, ViewModel, check_session, layer_number, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
 from .mask_view import MaskView
 
@@ -54,15 +55,19 @@ class PrefillView(View):
     says so in the view; once the session moved on (a decode, another prefill) the view can only scrub."""
 
     def __init__(self, session, prompt, kv_view=None, layer: int | None = None, capture_indexer: bool = True):
+        check_session(session, "PrefillView")
         cfg = session.model.config
+        # every argument checked before session.prefill, which moves the session onto the prompt
+        self.layer = default_layer(cfg) if layer is None else layer_number(cfg, layer)
+        if kv_view is not None and not (isinstance(kv_view, KVCacheView) and kv_view.session is session):
+            raise ValueError("kv_view must be a KVCacheView of this session (KVCacheView(session, ...)), got "
+                             f"{type(kv_view).__name__}" + (" of another session" if isinstance(kv_view, KVCacheView)
+                                                            else ""))
         self.session = session
         self.prefill = session.prefill(prompt)
         if not self.prefill.remaining:  # a view of no chunk could never step: say why now, not at the first step
             raise ValueError(f"the session already holds all {len(self.prefill.ids)} tokens of this prompt: nothing "
                              "to prefill; step it on a new session (model.session(...)) or a longer prompt")
-        self.layer = default_layer(cfg) if layer is None else int(layer)
-        if not 0 <= self.layer < cfg.n_layer:
-            raise ValueError(f"layer {layer} is not a layer of this model (0…{cfg.n_layer - 1})")
         self._indexer_layers = [i for i in range(cfg.n_layer) if cfg.has_indexer(i)] if capture_indexer else []
         self._topk: list[dict] = []  # per chunk run: layer -> its captured indexer.topk
         bounds = [[s, e] for s, e in self.prefill.chunk_bounds()]
@@ -224,6 +229,8 @@ class PrefillView(View):
 
     def select(self, i: int) -> None:
         """Show the state after chunk ``i`` (of those run): the prompt's chunk, the KV cache, the mask."""
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"select takes a chunk's number, got {i!r}")
         if not 0 <= i < len(self.prefill.chunks):
             raise IndexError(f"chunk {i} is not run: {len(self.prefill.chunks)} chunks of this prefill are")
         c = self.prefill.chunks[i]
@@ -237,7 +244,7 @@ class PrefillView(View):
 
     def show_layer(self, layer: int) -> None:
         """Draw ``layer`` in the mask (and in the KV view made here)."""
-        self.layer = int(layer)
+        self.layer = layer_number(self.session.model.config, layer)
         if self.layer_pick.value != self.layer:
             self.layer_pick.value = self.layer
         if self._own_kv:

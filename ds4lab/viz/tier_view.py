@@ -13,7 +13,7 @@ import traitlets as t
 
 from ..text_table import plural
 from ..tiers import EMBED, unit_name
-from .base import FollowingView, ViewModel, widget_module
+from .base import FollowingView, ViewModel, check_session, widget_module
 from .reduce import png_base64
 
 TIER_PALETTE = ["#9ecae1", "#bcbddc", "#c7e9c0", "#d9d9d9", "#fdd0a2", "#fcc5c0", "#dfc27d", "#99d8c9"]
@@ -63,6 +63,7 @@ class TierView(FollowingView):
     """
 
     def __init__(self, session, follow: bool = False):
+        check_session(session, "TierView")
         self.session = session
         p = session.placement
         cfg = session.model.config
