@@ -363,6 +363,25 @@ def test_prefill_view_renders(page):
     cur = view.locator(".ds4-prompt .ds4-tok[data-start]")
     assert box.evaluate("(b) => b.scrollTop") > 0 and cur.get_attribute("data-tip") == "position 256, chunk 4"
     assert 0 <= _prompt_offset(box) < box.evaluate("(b) => b.clientHeight") - 10  # the chunk's first line is shown
+    # a new width (the file browser opened or closed) reflows the prompt and scrolls to the same chunk again: each
+    # resize added the chunk's offset to the scroll already made (a walk-through saw chunk 4's end for chunk 2's)
+    # (chunk 2: the last one's scroll is the box's end, which no second scroll passes)
+    handle = _output_of(view).locator(".widget-hslider .noUi-handle").first
+    handle.focus()
+    for key in ("ArrowLeft", "ArrowLeft"):
+        handle.press(key)
+    pg.wait_for_function("(el) => el.textContent.endsWith('after chunk 2 (tokens 128–191)')",
+                         arg=view.locator(".ds4-title").element_handle(), timeout=10_000)
+    size = pg.viewport_size
+    for width in (1200, 1400):
+        pg.set_viewport_size({"width": width, "height": size["height"]})
+        pg.wait_for_timeout(300)
+        assert 0 <= _prompt_offset(box) < box.evaluate("(b) => b.clientHeight") - 10, width
+    pg.set_viewport_size(size)
+    for key in ("ArrowRight", "ArrowRight"):
+        handle.press(key)
+    pg.wait_for_function("(el) => el.textContent.includes('shown: after chunk 4')",
+                         arg=view.locator(".ds4-title").element_handle(), timeout=10_000)
     # a token's position and chunk beside the pointer, at once (a native title waited a second)
     assert _hover_fills(pg, cur, view.locator(".ds4-hovertip")) == "position 256, chunk 4"
     _tip_beside(pg, cur, view.locator(".ds4-hovertip"), view)

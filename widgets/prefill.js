@@ -46,8 +46,9 @@ function render({ model, el }) {
     const box = el.querySelector(".ds4-prompt"), at = el.querySelector(".ds4-tok[data-start]");
     if (!box || !at) { pending = false; return; }
     if (!box.isConnected || !box.clientHeight) return;
-    // the chunk's first line where the prompt's first line is unscrolled (at the box's top, under its padding)
-    box.scrollTop = Math.max(0, box.scrollTop + at.getBoundingClientRect().top - box.firstElementChild.getBoundingClientRect().top);
+    // the chunk's first line where the prompt's first line is unscrolled (both move with the scroll, so their
+    // difference is the same however the box is scrolled: a resize scrolled it again by as much)
+    box.scrollTop = Math.max(0, at.getBoundingClientRect().top - box.firstElementChild.getBoundingClientRect().top);
     pending = false;
   };
   const resized = new ResizeObserver(() => {
