@@ -11,8 +11,8 @@
 #
 # ds4lab runs the DeepSeek V4 Flash architecture (the model that antirez's C engine
 # [ds4](https://github.com/antirez/ds4) runs) in Python you can read and take apart. The package
-# embeds a small model of the same architecture: 6 layers, 256 wide, a 2048-token vocabulary, trained
-# on tinyshakespeare (17 MB). Every mechanism of the 284B model is active in it within a few hundred
+# embeds a small model of the same architecture (a 17 MB file): 6 layers, 256 wide, a 2048-token vocabulary,
+# trained on tinyshakespeare (about 1 MB of Shakespeare's plays). Every mechanism of the 284B model is active in it within a few hundred
 # tokens, which makes it a good specimen.
 #
 # This notebook loads it, looks at its layers, computes next-token probabilities, generates text with a

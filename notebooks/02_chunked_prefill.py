@@ -175,6 +175,13 @@ for chunk in prefill_view.chunks:
 # %%
 prefill_view
 
+# %% [markdown]
+# Its *step* and *run* buttons are off: this prefill is done. To click through one yourself, give the view a
+# fresh session and the same prompt: *step* runs the next chunk, *run* the rest.
+
+# %%
+PrefillView(model.session(ctx=512, prefill_chunk=64), ids)
+
 # %%
 (kv_bytes_chart(sess, prefill_view.chunks)
  | prefill_chunks_chart(prefill_view.chunks, model, warmup=1))

@@ -51,8 +51,9 @@ print(cp, "|", f"{sess.kv_bytes:,} bytes of KV state")
 print([len(c) for c in sess.checkpoints])
 
 # %% [markdown]
-# Each of them is a whole state, so a view can step through them: the slider shows the KV cache as it stood
-# after each one, outlining what that chunk wrote (the raw ring's new slots, the compressed rows it finished).
+# Each of them is a whole state, so a view can step through them. The prefill's chunks carry theirs (the three
+# chunk checkpoints above, without `sess.checkpoint()`'s repeat): the slider shows the KV cache as it stood after
+# each chunk, outlining what that chunk wrote (the raw ring's new slots, the compressed rows it finished).
 
 # %%
 from ds4lab.viz import KVCacheView

@@ -157,9 +157,8 @@ print("mask", topk.shape, "scores", scores.shape, "| same as the map's selection
       np.array_equal(topk[:, :amap.n_comp], amap.selected), "| most rows kept:", topk.sum(1).max())
 
 # %%
-q = 316
-i = list(pos).index(q)
-kept = np.nonzero(topk[i])[0]
+q = len(ids) - 1  # the last query: the one whose picks the KV cache view at the top marks
+kept = np.nonzero(last["blk.2.indexer.topk"][0])[0]
 dropped = np.setdiff1d(np.arange((q + 1) // 4), kept)
 print(f"query {q} keeps {len(kept)} rows:")
 print(textwrap.fill(", ".join(map(str, kept)), 100, initial_indent="  ", subsequent_indent="  "))
@@ -207,7 +206,8 @@ for il, (mass, idx_scores) in layers.items():
 
 # %% [markdown]
 # One query, the prompt's last token, in both ratio-4 layers: a bar per compressed row it sees, its share of the
-# attention over them; blue where the indexer keeps the row. The tall bars are blue.
+# attention over them; blue where the indexer keeps the row. The tall bars are blue. (Each chart's title gives this
+# one query's share held by the top 32, lower than the average over every query above.)
 
 # %%
 from ds4lab.viz.charts import indexer_mass_chart

@@ -370,8 +370,10 @@ def test_prefill_view_renders(page):
     handle.focus()
     for key in ("ArrowLeft", "ArrowLeft"):
         handle.press(key)
-    pg.wait_for_function("(el) => el.textContent.endsWith('after chunk 2 (tokens 128–191)')",
-                         arg=view.locator(".ds4-title").element_handle(), timeout=10_000)
+    from playwright.sync_api import expect
+
+    title = view.locator(".ds4-title")  # found anew at each try: a redraw replaces the element
+    expect(title).to_contain_text("shown: after chunk 2 (tokens 128–191)", timeout=10_000)
     size = pg.viewport_size
     for width in (1200, 1400):
         pg.set_viewport_size({"width": width, "height": size["height"]})
@@ -380,8 +382,7 @@ def test_prefill_view_renders(page):
     pg.set_viewport_size(size)
     for key in ("ArrowRight", "ArrowRight"):
         handle.press(key)
-    pg.wait_for_function("(el) => el.textContent.includes('shown: after chunk 4')",
-                         arg=view.locator(".ds4-title").element_handle(), timeout=10_000)
+    expect(title).to_contain_text("shown: after chunk 4", timeout=10_000)
     # a token's position and chunk beside the pointer, at once (a native title waited a second)
     assert _hover_fills(pg, cur, view.locator(".ds4-hovertip")) == "position 256, chunk 4"
     _tip_beside(pg, cur, view.locator(".ds4-hovertip"), view)

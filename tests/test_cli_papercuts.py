@@ -204,6 +204,13 @@ def test_inspect_a_file_that_is_neither_gguf_nor_kvc(tmp_path):
     line = one_error_line(ds4lab_cmd("inspect", path), 1)
     assert f"{path}: neither a GGUF model nor a KVC cache file" in line
     assert "b'GGUF'" in line and "b'KVC'" in line and "b'# do'" in line
+    empty, loop = tmp_path / "empty.kv", tmp_path / "loop"
+    empty.write_bytes(b"")
+    loop.symlink_to(loop)
+    assert one_error_line(ds4lab_cmd("inspect", empty), 1).endswith(
+        f"{empty}: the file is empty (0 bytes): neither a GGUF model nor a KVC cache file")  # was "starts with b''"
+    assert one_error_line(ds4lab_cmd("inspect", loop), 1).endswith(
+        f"{loop}: a symbolic link to nothing (or a loop of links)")  # was "no such file"
 
 
 def test_kv_summary_says_what_the_quant_byte_means_and_escapes_the_text_once(model, tmp_path):

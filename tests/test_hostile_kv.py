@@ -682,3 +682,15 @@ def test_a_hit_rewrites_hits_and_last_used_alone(tmp_path):
     after = entry.path.read_bytes()
     assert after[:12] + after[16:32] + after[40:] == bytes(data[:12] + data[16:32] + data[40:])
     assert struct.unpack_from("<I", after, 12)[0] == 1
+
+
+@pytest.mark.parametrize("field", ["n_layer", "head_dim", "indexer_head_dim", "vocab"])
+def test_a_header_size_of_zero_is_named_without_a_model(field):
+    """Read without a model (inspect), a header whose layer count, widths or vocabulary is 0 is named as such (a
+    vocabulary of 0 shifted the row counts onto the logits: "layer 0 compressed row count is 3230597403")."""
+    data = bytearray(nano_payload())
+    struct.pack_into("<I", data, 4 * ("n_layer", "head_dim", "indexer_head_dim", "vocab").index(field) + 32, 0)
+    with pytest.raises(PayloadError, match=rf"KV checkpoint header is not a DS4 layout: {field} is 0, expected at "
+                                           "least 1") as ei:
+        decode_payload(bytes(data), None)
+    assert ei.value.field == field

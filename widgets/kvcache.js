@@ -108,7 +108,7 @@ function render({ model, el }) {
         if (L.n_index !== null) {
           const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: a query attends all)` :
             `; a query attends its top ${d.idx_topk} by score` + (picked ? "" :
-              `; which ones the last query (position ${q}) picked is not recorded: KVCacheView(..., indexer=capture) marks them (notebook 04)`);
+              `; which ones the last query (position ${q}) picked is not shown here (notebook 04 shows them)`);
           h += `<div>${plural(L.n_index, "indexer row")}${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
         }

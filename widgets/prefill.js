@@ -31,7 +31,7 @@ function render({ model, el }) {
       const sw = `<span class="ds4-tok" style="background:${PALETTE[i % PALETTE.length]}">&nbsp;&nbsp;</span>`;
       html += `<tr class="${i === sel ? "ds4-sel" : ""}"><td>${sw} ${i}</td><td>${s}–${e - 1}</td><td>${e - s}</td>` +
         (c ? `<td>${(c.seconds * 1000).toFixed(1)}</td><td>${c.tokens_per_s.toFixed(0)}</td><td>${c.kv_bytes.toLocaleString()}</td>` :
-             `<td colspan="3" style="color:#999">not run</td>`) + "</tr>";
+             `<td colspan="3" class="ds4-note">not run</td>`) + "</tr>";
     });
     body.innerHTML = html + "</table></div>";
     pending = true;

@@ -12,11 +12,14 @@ from .common import EXIT_RUNTIME, err
 def inspect_command(args) -> int:
     path: Path = args.file
     if not path.exists():
-        raise OSError(f"{path}: no such file")
+        raise OSError(f"{path}: " + ("a symbolic link to nothing (or a loop of links)" if path.is_symlink() else
+                                     "no such file"))
     if not path.is_file():
         raise OSError(f"{path}: not a regular file")
     with path.open("rb") as f:
         magic = f.read(4)
+    if not magic:
+        raise ValueError(f"{path}: the file is empty (0 bytes): neither a GGUF model nor a KVC cache file")
     if magic == b"GGUF" or path.suffix.lower() == ".gguf":
         return _inspect_gguf(path)
     if magic[:3] == b"KVC":

@@ -405,6 +405,10 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
                             ("indexer_head_dim", cfg.idx_dim), ("vocab", cfg.n_vocab)):
             if h[field] != want:
                 raise _fail(msg, field, h[field], want)
+    else:  # no model to compare with (inspect): sizes of 0 would shift every field after them into nonsense
+        for field in ("n_layer", "head_dim", "indexer_head_dim", "vocab"):
+            if h[field] == 0:
+                raise _fail("KV checkpoint header is not a DS4 layout", field, 0, "at least 1")
     ring, comp_cap = h["raw_cap"], h["comp_cap"]
     if session:
         # ds4.c:16497 (since bb543791 the window alone: prefill_cap is not compared)

@@ -15,10 +15,18 @@ from .vegalite import Chart, field, inline, tooltip, unit
 MAX_ROWS = 4000  # rows a chart's data may hold
 # the indexer's rows, kept or not
 KEPT_COLORS = {"domain": ["kept", "dropped"], "range": [palette.KEPT, palette.DROPPED]}
-# An axis label of bytes with an SI prefix, tick by tick: 0, 500 kB, 1 MB (an axis "format" of "~s" gives all its ticks
-# the prefix of the largest: 0M, 0.5M, 1M); with BYTES_AXIS's whole-byte ticks (no "500m B" under 3 bytes)
-SI_BYTES = "datum.value ? replace(format(datum.value, '~s') + ' B', regexp('([kMGTPE]) B$'), ' $1B') : '0'"
-BYTES_AXIS = {"labelExpr": SI_BYTES, "tickMinStep": 1}
+# An axis label of bytes in binary units, tick by tick: 0, 256 KiB, 1.25 MiB, as TierView and the notebooks' text
+# write them (an axis "format" of "~s" gave every tick the largest one's decimal prefix: 0M, 0.5M, 1M)
+BINARY_BYTES = ("datum.value >= 1048576 ? format(datum.value / 1048576, '~g') + ' MiB' : datum.value >= 1024 ? "
+                "format(datum.value / 1024, '~g') + ' KiB' : datum.value ? datum.value + ' B' : '0'")
+
+
+def bytes_axis(largest: float, most: int = 6) -> tuple[dict, dict]:
+    """The scale and axis of a bytes field up to ``largest``: ticks at whole multiples of a power of two (at most
+    ``most`` steps above 0; Vega's own ticks fall on decimal values, 488.28 KiB), labelled in binary units."""
+    step = 1 << max(0, math.ceil(math.log2(max(largest, 1) / most)))
+    top = step * max(1, math.ceil(largest / step))
+    return {"domain": [0, top]}, {"values": list(range(0, top + 1, step)), "labelExpr": BINARY_BYTES}
 
 
 def _label_step(n: int, most: int) -> int:
@@ -120,7 +128,7 @@ def prefill_cost_chart(runs, model):
                       dict(chunk=str(chunk), measure="weights read (MiB)",
                            value=sum(c.weight_bytes for c in costs) / 2**20)]
     order = [str(c) for c in runs]
-    x = field("chunk:N", sort=order, title="prefill_chunk", axis={"labelAngle": 0})
+    x = field("chunk:N", sort=order, title="prefill chunk (tokens)", axis={"labelAngle": 0})
     times = {"layer": [
         unit(spread, {"type": "rule", "color": "#3182bd"}, x=x, y=field("low:Q"), y2={"field": "high"}),
         unit(spread, {"type": "tick", "color": "#08519c", "thickness": 2, "size": 18}, x=x,
@@ -219,10 +227,11 @@ def batch_copies_chart(rows: list[dict]):
     def panel(mark, y, title):
         return dict(unit(rows, mark, x=x, y=y, tooltip=tips), title=title, width=150, height=140)
 
+    scale, axis = bytes_axis(max(r["bytes"] for r in rows))
     panels = [
         panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
-        panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale={"zero": True},
-                                                     axis=BYTES_AXIS), "bytes: the same for all"),
+        panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale=scale, axis=axis),
+              "bytes: the same for all"),
     ]
     if timed:
         panels.append(panel("bar", field("us:Q", title="µs copying"), "time copying (here)"))

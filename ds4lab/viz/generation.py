@@ -345,6 +345,6 @@ class GenerationView(View):
             f"<div class='ds4-view' style='font:12px monospace'><b>Generation: {len(m.records)} tokens — "
             f"{html.escape(m.status)}</b><br>{legend}"
             "<div style='white-space:pre-wrap;max-height:16em;overflow:auto;border:1px solid #ddd;padding:4px'>"
-            f"<span style='color:#999'>{html.escape(skipped)}{context}</span>{''.join(spans)}</div>"
+            f"<span style='color:#767676'>{html.escape(skipped)}{context}</span>{''.join(spans)}</div>"
             f"<table><tr><th>position</th><th>token</th><th>p</th><th>top alternatives</th></tr>{rows}</table></div>"
         )
