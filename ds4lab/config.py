@@ -11,9 +11,15 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 ARCH = "deepseek4"
+
+
+def is_int(x) -> bool:
+    """A whole number as a count, index or position takes it: a Python or NumPy integer, not a bool or a float."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 class ModelFileError(ValueError):
@@ -148,6 +154,14 @@ class ModelConfig:
         """W = coff·D: ratio-4 compressors project twice as wide (the overlapping halves;
         docs/MODEL.md, "Attention")."""
         return (2 if self.ratio(il) == 4 else 1) * dim
+
+    def check_layer(self, layer, name: str = "layer") -> int:
+        """``layer`` as an int, refused by ``name`` unless it is a whole number below ``n_layer``."""
+        if not is_int(layer):
+            raise TypeError(f"{name} must be a layer number, got {layer!r}")
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"{name} {layer} is not a layer of this model (0…{self.n_layer - 1})")
+        return int(layer)
 
     def has_indexer(self, il: int) -> bool:
         return self.ratio(il) == 4

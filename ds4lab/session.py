@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
+from .config import is_int
 from .kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
 from .kv.kvfile import KVFileError
 from .kv.layout import Geometry, KVState, env_int, expected_row_counts, new_state
@@ -325,7 +326,7 @@ class Session:
         """The prompt's token ids, checked before anything touches the session: integers, each in
         ``[0, n_vocab)`` (a ValueError names the first bad one and its position), fewer than ``ctx``."""
         if not isinstance(prompt, str):
-            _check_token_ids(prompt, self.model.config.n_vocab)
+            check_token_ids(prompt, self.model.config.n_vocab)
         ids = self.model.token_ids(prompt).tolist()
         if len(ids) >= self.ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx} and one slot "
@@ -474,8 +475,9 @@ class Session:
         return "".join(step.text for step in (tqdm(steps, total=max_tokens, disable=not progress)))
 
 
-def _check_token_ids(prompt, n_vocab: int) -> None:
-    """Raise ValueError naming the first element of ``prompt`` that is not an integer token id below ``n_vocab``."""
+def check_token_ids(prompt, n_vocab: int, then: str = "nothing was evaluated") -> None:
+    """Raise ValueError naming the first element of ``prompt`` that is not an integer token id below ``n_vocab``
+    (its message ending with what ``then`` came of it)."""
     arr = np.asarray(prompt) if not isinstance(prompt, np.ndarray) else prompt
     if arr.ndim != 1 or arr.size == 0:
         return  # Model.token_ids reports the shape
@@ -488,13 +490,13 @@ def _check_token_ids(prompt, n_vocab: int) -> None:
     else:  # floats, strings, objects (e.g. ints beyond 64 bits): the first element that is not a valid id
         items = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)  # as given, not as numpy casts
         i, value = next(((i, t) for i, t in enumerate(items)
-                         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab),
+                         if not is_int(t) or not 0 <= t < n_vocab),
                         (None, None))
         if i is None:
             return
         value = repr(value)
     raise ValueError(f"token {i} is {value}: token ids are integers in [0, {n_vocab}) for this model's vocabulary "
-                     f"of {n_vocab}; nothing was evaluated")
+                     f"of {n_vocab}; {then}")
 
 
 class Prefill:

@@ -38,6 +38,7 @@ REASONING_EFFORT_MAX_PREFIX = (
 )
 
 PIECE_CACHE = 1 << 16  # pretokenized pieces whose ids a Tokenizer keeps
+PIECE_CACHE_CHARS = 64  # the longest piece kept (a long run of letters is rarely sent twice)
 _FULLWIDTH_BAR = "\uff5c"  # token strings containing it decode literally
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,6 +187,13 @@ class Tokenizer:
         (self.bos_id, self.eos_id, self.user_id, self.assistant_id,
          self.think_id, self.think_end_id, self.dsml_id) = ids
 
+    def __getstate__(self) -> dict:  # the cache wraps a bound method: a pickle (a process's copy) starts without it
+        return {k: v for k, v in self.__dict__.items() if k != "_piece_ids"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._bpe)
+
     @classmethod
     def from_metadata(cls, meta: dict) -> Tokenizer:
         """Build from GGUF metadata entries ``key -> (value, type_name)``."""
@@ -251,7 +259,7 @@ class Tokenizer:
         """BPE-encode plain text; special-token strings are treated as ordinary text."""
         ids: list[int] = []
         for piece in pretokenize(text):
-            ids.extend(self._piece_ids(piece))
+            ids.extend(self._piece_ids(piece) if len(piece) <= PIECE_CACHE_CHARS else self._bpe(piece))
         return ids
 
     def encode_rendered(self, text: str) -> list[int]:

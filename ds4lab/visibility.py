@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import is_int
 from .model.attention import compressed_visible, ring_write
 
 # a cell's category: why key k is or is not seen by query q (the mask view's colours and tooltips)
@@ -83,11 +84,10 @@ def step_mask(config, geometry, layer: int, pos0: int, n: int, selected=None) ->
     """The mask of the step evaluating positions ``pos0 … pos0+n−1`` of ``layer``. ``selected`` is the capture of
     ``blk.{layer}.indexer.topk`` for this step (``[n, rows]`` bool), needed to tell kept rows from dropped ones
     where a query sees more than the indexer's top-k."""
-    for name, value in (("layer", layer), ("pos0", pos0), ("n", n)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    config.check_layer(layer)
+    for name, value in (("pos0", pos0), ("n", n)):
+        if not is_int(value):
             raise TypeError(f"{name} must be an integer, got {value!r}")
-    if not 0 <= layer < config.n_layer:
-        raise ValueError(f"layer {layer} is not a layer of this model (0…{config.n_layer - 1})")
     if n < 1 or pos0 < 0 or pos0 + n > geometry.ctx:
         raise ValueError(f"a step needs n ≥ 1 tokens at pos0 ≥ 0 within the context of {geometry.ctx}, got "
                          f"pos0={pos0}, n={n}")

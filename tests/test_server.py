@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -429,6 +430,10 @@ def test_requests_that_are_no_api_call_are_refused_in_its_error_shape(server):
     assert str(limit) in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/messages", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["type"] == "error"
+    # the same body sent in chunks, without a Content-Length: read up to the limit, then refused
+    r = httpx.post(server.url + "/v1/completions", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/v1/nothing" in r.json()[
         "error"]["message"]
@@ -436,6 +441,11 @@ def test_requests_that_are_no_api_call_are_refused_in_its_error_shape(server):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and "POST" in r.headers["allow"]
     r = httpx.get(server.url + "/v1/messages")
     assert r.status_code == 405 and r.json()["type"] == "error"
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json={})  # an Anthropic client's: its error shape
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(server.url + "/v1/completions", json={"model": "shakespeare", "prompt": "x", "n": 1.0,
+                                                         "echo": False, "max_tokens": 1})
+    assert r.status_code == 200  # the one value the server does anyway, as a float: accepted
     r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "max_tokens": 8, "messages": [
         {"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": "lots"}})
     assert r.status_code == 400 and "thinking.budget_tokens must be an integer" in r.json()["error"]["message"]
@@ -455,6 +465,8 @@ def test_the_tokenizer_keeps_a_bounded_number_of_pieces(monkeypatch):
     assert small._piece_ids.cache_info().currsize == 8
     monkeypatch.setattr(tokenizer_module, "PIECE_CACHE", 0)
     assert tokenizer_module.Tokenizer.from_metadata(meta).encode(text) == ids
+    copy = pickle.loads(pickle.dumps(small))  # as a process's copy: the cache, a bound method's, made anew
+    assert copy.encode(text) == ids and copy._piece_ids.cache_info().currsize == 0
 
 
 def test_bad_requests_through_the_clients(server):

@@ -88,9 +88,15 @@ def test_attention_view_shows_the_head_asked_for_or_refuses(heads_cap):
     view = AttentionView(heads_cap, layer=2, head=3)
     assert view.head == 3 == view.head_select.value
     np.testing.assert_array_equal(view.weights(), amap.weights[:, 1, :])
-    for head in (1, -1, 99, 2.0):
-        with pytest.raises(ValueError, match=rf"head {head!r} was not captured in layer 2 \(heads \[2, 3\]\)"):
+    for head in (1, -1, 99):
+        with pytest.raises(ValueError, match=rf"head {head} was not captured in layer 2 \(heads \[2, 3\]\)"):
             AttentionView(heads_cap, layer=2, head=head)
+    for head in (2.0, "2", True):
+        with pytest.raises(TypeError, match=rf"head must be a head's number, got {head!r}"):
+            AttentionView(heads_cap, layer=2, head=head)
+    for layer in (2.0, True):
+        with pytest.raises(TypeError, match=rf"layer must be a layer number, got {layer!r}"):
+            AttentionView(heads_cap, layer=layer)
     with pytest.raises(ValueError, match="head 1 was not captured"):
         view.show(2, 1)
     assert view.head == 3
@@ -101,10 +107,14 @@ def test_attention_view_shows_the_head_asked_for_or_refuses(heads_cap):
 
 
 def test_kv_cache_view_refuses_layers_and_checkpoints_it_cannot_show(sess, model_paths):
-    with pytest.raises(ValueError, match=r"layers 99 is not a layer of this model"):
-        KVCacheView(sess, layers=[99])
-    with pytest.raises(ValueError, match=r"layers -1 is not a layer"):
+    with pytest.raises(ValueError, match=r"layers\[1\] 99 is not a layer of this model"):
+        KVCacheView(sess, layers=[0, 99])
+    with pytest.raises(ValueError, match=r"layers\[0\] -1 is not a layer"):
         KVCacheView(sess, layers=-1)
+    with pytest.raises(TypeError, match=r"layers\[0\] must be a layer number, got True"):
+        KVCacheView(sess, layers=[True, 2])
+    with pytest.raises(TypeError, match=r"layers\[1\] must be a layer number, got 2.5"):
+        KVCacheView(sess, layers=[1, 2.5])
     with pytest.raises(TypeError, match=r"checkpoints\[0\] is a int"):
         KVCacheView(sess, checkpoints=[1, 2])
     other = ds4lab.load(model_paths["nano"], backend="numpy").session(ctx=256, prefill_chunk=32)
@@ -112,6 +122,15 @@ def test_kv_cache_view_refuses_layers_and_checkpoints_it_cannot_show(sess, model
     with pytest.raises(PayloadError, match="KV checkpoint was written for another model configuration: n_vocab"):
         KVCacheView(sess, checkpoints=[other.checkpoint()])
     assert KVCacheView(sess, layers=[np.int64(1)]).model.layers == [1]
+    # a checkpoint of this model that no session of this context can hold: refused at once, the view unchanged
+    model = sess.model
+    longer = model.session(ctx=512, prefill_chunk=32)
+    longer.sync(model.tokenizer.encode(PROMPT * 4))
+    view = KVCacheView(sess, checkpoints=sess.checkpoints)
+    before = (view.checkpoints, view.slider.max)
+    with pytest.raises(PayloadError, match="does not fit current context: ctx is 512"):
+        view.scrub_through([*sess.checkpoints, longer.checkpoint()])
+    assert (view.checkpoints, view.slider.max) == before
 
 
 def test_mask_of_a_step_must_be_one_the_session_can_take(sess):
@@ -119,9 +138,9 @@ def test_mask_of_a_step_must_be_one_the_session_can_take(sess):
         MaskView.of_step(sess, 2, 10000, 4)
     with pytest.raises(ValueError, match=r"within the context of 256, got pos0=0, n=1000000"):
         MaskView.of_step(sess, 2, 0, 10**6)  # (tried to allocate 233 GiB)
-    with pytest.raises(TypeError, match="layer must be an integer, got '2'"):
+    with pytest.raises(TypeError, match="layer must be a layer number, got '2'"):
         MaskView.of_step(sess, "2", 0, 4)
-    with pytest.raises(TypeError, match="layer must be an integer, got 2.5"):
+    with pytest.raises(TypeError, match="layer must be a layer number, got 2.5"):
         MaskView.of_step(sess, 2.5, 0, 4)
     assert MaskView.of_step(sess, 2, 252, 4).mask.pos0 == 252  # the context's last positions
 
@@ -133,5 +152,6 @@ def test_generation_and_expert_views_refuse_counts_and_ids_out_of_range(sess):
     with sess.capture(["moe.experts"], layers=[0]) as cap:
         sess.prefill(PROMPT + " More.").run(progress=False)
     for tokens in ([-1] * 10, [10**9] * 10):
-        with pytest.raises(ValueError, match=r"tokens must be a list of token ids in \[0, "):
+        with pytest.raises(ValueError, match=rf"token 0 is {tokens[0]}: token ids are integers in \[0, 2048\) .*; "
+                                             "give the ids the capture ran on"):
             ExpertView(cap, tokens=tokens)

@@ -392,6 +392,7 @@ def test_concat_is_flat_and_numpy_values_are_json(monkeypatch):
     assert len((titled | c).to_dict()["hconcat"]) == 2
     rows = [dict(chunk=np.int64(16), switches=np.int64(2), bytes=np.int64(4096), seconds=np.float64(0.1))]
     json.dumps(batch_copies_chart(rows).to_dict())
+    json.dumps(batch_copies_chart([]).to_dict())  # no chunk size yet: empty panels, not max() of nothing
     # the time panel only where every row was timed (copies within a CPU's memory time noise: notebook 05 leaves it out)
     def titles(rows):
         return [p["title"] for p in batch_copies_chart(rows).to_dict()["hconcat"]]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from ..arch import NEG_INF, coff
-from ..config import ModelConfig
+from ..config import ModelConfig, is_int
 
 DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA
 RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
@@ -43,11 +43,11 @@ class Geometry:
     @classmethod
     def for_context(cls, cfg: ModelConfig, ctx: int, chunk: int | None = None,
                     raw_cap: int | None = None) -> "Geometry":
-        if not _is_int(ctx):
+        if not is_int(ctx):
             raise TypeError(f"ctx must be an integer, got {ctx!r}")
         if ctx < 2:
             raise ValueError(f"ctx must be at least 2, got {ctx}")
-        if chunk is not None and not _is_int(chunk):
+        if chunk is not None and not is_int(chunk):
             raise TypeError(f"prefill_chunk must be an integer, got {chunk!r}")
         if chunk is None:
             chunk = chunk_from_env(ctx)
@@ -65,10 +65,6 @@ class Geometry:
         """The most tokens one forward call may take: a chunk's rows and the window before it must
         fit in the ring together (ds4 caps resumed chunks at raw_cap the same way)."""
         return self.chunk if self.raw_cap >= self.ctx else min(self.chunk, self.raw_cap - self.window)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def chunk_from_env(ctx: int) -> int:

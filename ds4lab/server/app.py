@@ -96,7 +96,7 @@ async def _no_route(request: HTTPRequest, exc) -> Response:
     what = "no such endpoint" if exc.status_code == 404 else f"{request.method} is not allowed here"
     e = RequestError(f"{request.method} {request.url.path}: {what}", code="not_found" if exc.status_code == 404
                      else "method_not_allowed", status=exc.status_code)
-    api = "messages" if request.url.path.rstrip("/") == "/v1/messages" else "chat"
+    api = "messages" if request.url.path.startswith("/v1/messages") else "chat"  # count_tokens among them
     return _error_response(e, api, exc.headers)
 
 

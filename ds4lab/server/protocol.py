@@ -220,7 +220,7 @@ def _refuse_unsupported(data: dict, allowed: dict) -> None:
     prompt echoed): refused by name unless absent or the one value it does anyway (n 1, echo false)."""
     for key, ok in allowed.items():
         value = data.get(key)
-        if value is not None and not (type(value) is type(ok) and value == ok):
+        if value is not None and not (value == ok and isinstance(value, bool) == isinstance(ok, bool)):
             only = "" if ok is _NOTHING else f" (only {json.dumps(ok)})"
             raise RequestError(f"{key} {json.dumps(value)[:80]}: ds4lab serve does not do this{only}; send the "
                                "request without it", param=key, code="unsupported_parameter")

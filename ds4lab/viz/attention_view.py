@@ -17,6 +17,7 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
+from ..config import is_int
 from ..text_table import plural
 from .attention_figure import (
     FEW_COLS,
@@ -143,9 +144,7 @@ class AttentionView(View):
             raise TypeError(f"AttentionView takes a Capture (with attn.scores) or an AttentionMap, not {type(source)}")
         if not self.layers:
             raise ValueError("the capture holds no attention maps: capture 'attn.scores'")
-        self.layer = self.layers[0] if layer is None else layer
-        if self.layer not in self.layers:
-            raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
+        self.layer = self.layers[0] if layer is None else self._captured_layer(layer)
         if scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         self.scale, self.region = scale, None
@@ -195,11 +194,21 @@ class AttentionView(View):
         head = self._captured_head(amap, self.head if head is None else head)
         return amap.weights[:, int(np.nonzero(amap.heads == head)[0][0]), :]
 
+    def _captured_layer(self, layer) -> int:
+        """``layer`` as an int, refused (naming the layers there are) unless the capture holds it."""
+        if not is_int(layer):
+            raise TypeError(f"layer must be a layer number, got {layer!r}")
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
+        return int(layer)
+
     @staticmethod
     def _captured_head(amap, head) -> int:
         """``head`` as an int, refused (naming the heads there are) unless the map holds it."""
-        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or head not in amap.heads:
-            raise ValueError(f"head {head!r} was not captured in layer {amap.layer} (heads "
+        if not is_int(head):
+            raise TypeError(f"head must be a head's number, got {head!r}")
+        if head not in amap.heads:
+            raise ValueError(f"head {head} was not captured in layer {amap.layer} (heads "
                              f"{[int(h) for h in amap.heads]})")
         return int(head)
 
@@ -220,8 +229,7 @@ class AttentionView(View):
         """Show ``layer`` and ``head`` (None: the head shown, or the layer's first where it was not captured); a
         new layer keeps the zoom on the same queries and keys where it has them (:func:`carry_region`, from the
         layer the zoom was made on)."""
-        if layer not in self.layers:
-            raise ValueError(f"layer {layer} was not captured (layers {self.layers})")
+        layer = self._captured_layer(layer)
         amap = self.map(layer)
         if head is None:
             head = self.head if self.head in amap.heads else int(amap.heads[0])

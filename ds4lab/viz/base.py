@@ -15,7 +15,6 @@ from pathlib import Path
 
 import anywidget
 import ipywidgets as W
-import numpy as np
 
 WIDGETS_PACKAGE = "ds4lab.widgets"  # what the wheel installs widgets/ as (pyproject.toml, [tool.setuptools])
 STYLESHEET = "views.css"  # the style of every view
@@ -69,15 +68,6 @@ def check_session(session, view: str) -> None:
 
     if not isinstance(session, Session):
         raise TypeError(f"{view} takes a session (model.session(...)), not {type(session).__name__}")
-
-
-def layer_number(config, layer, name: str = "layer") -> int:
-    """``layer`` as an int, refused by name unless it is a whole number below the model's layer count."""
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-        raise TypeError(f"{name} must be a layer number, got {layer!r}")
-    if not 0 <= layer < config.n_layer:
-        raise ValueError(f"{name} {layer} is not a layer of this model (0…{config.n_layer - 1})")
-    return int(layer)
 
 
 def token_texts(tokenizer, ids) -> list[str]:

@@ -17,7 +17,8 @@ MAX_ROWS = 4000  # rows a chart's data may hold
 KEPT_COLORS = {"domain": ["kept", "dropped"], "range": [palette.KEPT, palette.DROPPED]}
 # An axis label of bytes in binary units, tick by tick: 0, 256 KiB, 1.25 MiB, as TierView and the notebooks' text
 # write them (an axis "format" of "~s" gave every tick the largest one's decimal prefix: 0M, 0.5M, 1M)
-BINARY_BYTES = ("datum.value >= 1048576 ? format(datum.value / 1048576, '~g') + ' MiB' : datum.value >= 1024 ? "
+BINARY_BYTES = ("datum.value >= 1073741824 ? format(datum.value / 1073741824, '~g') + ' GiB' : "
+                "datum.value >= 1048576 ? format(datum.value / 1048576, '~g') + ' MiB' : datum.value >= 1024 ? "
                 "format(datum.value / 1024, '~g') + ' KiB' : datum.value ? datum.value + ' B' : '0'")
 
 
@@ -227,7 +228,7 @@ def batch_copies_chart(rows: list[dict]):
     def panel(mark, y, title):
         return dict(unit(rows, mark, x=x, y=y, tooltip=tips), title=title, width=150, height=140)
 
-    scale, axis = bytes_axis(max(r["bytes"] for r in rows))
+    scale, axis = bytes_axis(max((r["bytes"] for r in rows), default=0))
     panels = [
         panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
         panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale=scale, axis=axis),

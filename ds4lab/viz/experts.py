@@ -11,6 +11,7 @@ import ipywidgets as W
 import numpy as np
 import traitlets as t
 
+from ..session import check_token_ids
 from . import palette
 from .base import View, ViewModel, token_texts, widget_module
 from .reduce import png_base64
@@ -85,9 +86,9 @@ class ExpertView(View):
         if not self.counts:
             raise ValueError("the capture holds no expert choices: capture 'moe.experts' over a prefill or decode")
         self.hash_layers = [il for il in self.counts if cfg.is_hash_layer(il)]
+        if tokens is not None:
+            check_token_ids(tokens, cfg.n_vocab, then="give the ids the capture ran on")
         ids = np.asarray(sess.tokens if tokens is None else tokens, dtype=np.int64)
-        if ids.ndim != 1 or ((ids < 0) | (ids >= cfg.n_vocab)).any():
-            raise ValueError(f"tokens must be a list of token ids in [0, {cfg.n_vocab}), got {tokens!r:.60}")
         tok = sess.model.tokenizer
         layer_records = []
         for il, counts in self.counts.items():

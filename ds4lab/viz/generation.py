@@ -8,9 +8,9 @@ import html
 import math
 
 import ipywidgets as W
-import numpy as np
 import traitlets as t
 
+from ..config import is_int
 from .base import View, ViewModel, check_session, token_texts, widget_module
 
 CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
@@ -121,7 +121,7 @@ class GenerationView(View):
 
     def __init__(self, session, prompt=None, max_tokens: int = 64, chat: bool | None = None, **sampling):
         check_session(session, "GenerationView")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a whole number of tokens, 1 or more, got {max_tokens!r}")
         self.session = session
         self.max_tokens = int(max_tokens)

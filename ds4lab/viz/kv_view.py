@@ -14,7 +14,7 @@ import traitlets as t
 
 from ..kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
 from ..kv.view import KVView
-from .base import FollowingView, ViewModel, check_session, layer_number, widget_module
+from .base import FollowingView, ViewModel, check_session, widget_module
 
 
 def state_label(i: int, start: int, end: int) -> str:
@@ -128,7 +128,9 @@ class KVCacheView(FollowingView):
                             f"function (layer, position) -> rows; got {type(indexer).__name__} {indexer!r:.40}")
         check_session(session, "KVCacheView")
         cfg = session.model.config
-        layers = None if layers is None else [layer_number(cfg, i, "layers") for i in np.atleast_1d(layers)]
+        if layers is not None:
+            layers = list(layers) if isinstance(layers, (list, tuple, range, np.ndarray)) else [layers]
+            layers = [cfg.check_layer(il, f"layers[{i}]") for i, il in enumerate(layers)]
         self.session = session
         self.indexer = indexer
         self.has_slider = bool(slider)
@@ -190,13 +192,14 @@ class KVCacheView(FollowingView):
     def scrub_through(self, checkpoints) -> None:
         """Let the slider scrub through ``checkpoints`` (a prefill's chunks, or checkpoints); the slider moves to
         the checkpoint of the state on display (after a prefill: the last chunk's)."""
-        self._checkpoints = [getattr(c, "checkpoint", c) for c in checkpoints]
-        model = self.session.model
-        for i, c in enumerate(self._checkpoints):  # refused here, not when the slider reaches it
+        states = [getattr(c, "checkpoint", c) for c in checkpoints]
+        sess = self.session
+        for i, c in enumerate(states):  # refused here, the view unchanged, not when the slider reaches it
             if not isinstance(c, Checkpoint):
                 raise TypeError(f"checkpoints[{i}] is a {type(c).__name__}: give checkpoints (sess.checkpoint(), "
                                 "store.load) or a prefill's chunks")
-            c.check_model(model.config, model_fingerprint(model))
+            c.check_fits(sess.model.config, sess.geometry, model_fingerprint(sess.model))
+        self._checkpoints = states
         # the slider's number is the chunk's (or checkpoint's) in the title: "after chunk 2 (tokens 128–155)"
         self.slider.description = "chunk" if all(hasattr(c, "checkpoint") for c in checkpoints) else "checkpoint"
         self._labels = [state_label(i, c.start, c.end) if hasattr(c, "checkpoint") else

@@ -8,12 +8,12 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
-import numpy as np
 import traitlets as t
 
+from ..config import is_int
 from ..visibility import key_groups, step_mask
 from . import palette
-from .base import View, ViewModel, check_session, layer_number, token_texts, widget_module
+from .base import View, ViewModel, check_session, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
 from .mask_view import MaskView
 
@@ -58,7 +58,7 @@ class PrefillView(View):
         check_session(session, "PrefillView")
         cfg = session.model.config
         # every argument checked before session.prefill, which moves the session onto the prompt
-        self.layer = default_layer(cfg) if layer is None else layer_number(cfg, layer)
+        self.layer = default_layer(cfg) if layer is None else cfg.check_layer(layer)
         if kv_view is not None and not (isinstance(kv_view, KVCacheView) and kv_view.session is session):
             raise ValueError("kv_view must be a KVCacheView of this session (KVCacheView(session, ...)), got "
                              f"{type(kv_view).__name__}" + (" of another session" if isinstance(kv_view, KVCacheView)
@@ -229,7 +229,7 @@ class PrefillView(View):
 
     def select(self, i: int) -> None:
         """Show the state after chunk ``i`` (of those run): the prompt's chunk, the KV cache, the mask."""
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        if not is_int(i):
             raise TypeError(f"select takes a chunk's number, got {i!r}")
         if not 0 <= i < len(self.prefill.chunks):
             raise IndexError(f"chunk {i} is not run: {len(self.prefill.chunks)} chunks of this prefill are")
@@ -244,7 +244,7 @@ class PrefillView(View):
 
     def show_layer(self, layer: int) -> None:
         """Draw ``layer`` in the mask (and in the KV view made here)."""
-        self.layer = layer_number(self.session.model.config, layer)
+        self.layer = self.session.model.config.check_layer(layer)
         if self.layer_pick.value != self.layer:
             self.layer_pick.value = self.layer
         if self._own_kv:
