@@ -92,8 +92,7 @@ class Edit:
 def _layer_check(layer: int, need: str | None = None):
     """A check that ``layer`` exists and, by ``need``, has compressed rows ("comp") or an indexer ("indexer")."""
     def check(cfg):
-        if not 0 <= layer < cfg.n_layer:
-            raise ValueError(f"layer {layer} is not a layer of this model (0 … {cfg.n_layer - 1})")
+        cfg.check_layer(layer)
         R = cfg.ratio(layer)
         if need == "comp" and not R:
             raise ValueError(f"layer {layer} has no compressed rows (ratio 0: raw window only)")

@@ -32,8 +32,7 @@ def row_slot(cp: Checkpoint, layer: int, kind: str, index: int) -> int:
     """Where row ``index`` of ``kind`` lives in layer ``layer``'s array of a live state: a raw position's ring
     slot, or the row itself. A ValueError names the value when the checkpoint holds no such row."""
     cfg, T = _config(cp), len(cp)
-    if not 0 <= layer < cfg.n_layer:
-        raise ValueError(f"layer {layer} is not a layer of this model (0 … {cfg.n_layer - 1})")
+    layer = cfg.check_layer(layer)
     if kind not in ROW_FIELDS:
         raise ValueError(f"row kind {kind!r} is not one of {', '.join(ROW_FIELDS)}")
     R = cfg.ratio(layer)
