@@ -20,12 +20,13 @@ import math
 
 import numpy as np
 
-from .config import replace
+from .config import is_int, replace
 from .kv.layout import layer_comp_cap
 from .model.attention import visible_rows
 from .model.functional import topk_mask
 from .model.transformer import Transformer
 from .runtime import Runtime
+from .session import check_token_ids
 
 HELD_OUT_PREDICTIONS = 2000  # the model card's held-out slice: its first 2000 predictions
 # A top-k no layer's compressed rows reach: every visible row is attended and the indexer does not run.
@@ -33,10 +34,14 @@ FULL_ATTENTION = 1 << 30
 
 
 def next_token_loss(model, ids) -> float:
-    """Mean next-token cross-entropy (nats) of ``ids[1:]`` given their prefixes, from one prefill."""
+    """Mean next-token cross-entropy (nats) of ``ids[1:]`` given their prefixes, from one prefill (``ids``: token ids,
+    or a text, encoded)."""
+    if isinstance(ids, str):
+        ids = model.tokenizer.encode(ids)
+    check_token_ids(ids, model.config.n_vocab, then="nothing was scored")  # a negative id indexed from the end
     ids = np.asarray(ids)
-    if len(ids) < 2:
-        raise ValueError("need at least two tokens to score a prediction")
+    if ids.ndim != 1 or len(ids) < 2:
+        raise ValueError(f"need a list of at least two tokens to score a prediction, got shape {ids.shape}")
     logits = model.logits(ids[:-1]).astype(np.float64)
     top = logits.max(axis=-1, keepdims=True)
     lse = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
@@ -45,6 +50,8 @@ def next_token_loss(model, ids) -> float:
 
 def held_out_split(text: str, fraction: float = 0.9) -> tuple[str, str]:
     """The training part and the held-out tail (the last ``1 − fraction`` of the characters)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction is the training part's share, between 0 and 1, got {fraction}")
     cut = int(len(text) * fraction)
     return text[:cut], text[cut:]
 
@@ -52,8 +59,8 @@ def held_out_split(text: str, fraction: float = 0.9) -> tuple[str, str]:
 def with_top_k(model, top_k: int):
     """A copy of ``model`` (same weights, backend and numerics) whose indexer keeps ``top_k`` compressed rows per
     query; ``FULL_ATTENTION`` lets every query attend all its visible rows."""
-    if top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if not is_int(top_k) or top_k < 1:
+        raise ValueError(f"top_k must be a whole number of rows, at least 1, got {top_k!r}")
     out = copy.copy(model)
     out.config = replace(model.config, idx_topk=top_k)
     out.transformer = Transformer(out.config, model.transformer.weights, model.transformer.ops, model.numerics)
@@ -148,6 +155,8 @@ def indexer_figures(model, ids) -> dict:
 
 def held_out_ids(model, predictions: int = HELD_OUT_PREDICTIONS) -> np.ndarray:
     """The first ``predictions + 1`` tokens of the held-out tinyshakespeare text (the repository's ``data/``)."""
+    if not is_int(predictions) or predictions < 1:
+        raise ValueError(f"predictions must be a whole number, at least 1, got {predictions!r}")
     from .testing import data_file
 
     _, held_out = held_out_split(data_file("tinyshakespeare.txt").read_text(encoding="utf-8"))

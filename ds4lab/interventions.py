@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kv.checkpoint import Checkpoint
+from .config import is_int
+from .kv.checkpoint import Checkpoint, model_fingerprint
 from .kv.edit import checkpoint_row
 from .model.transformer import EDITABLE, Replace
 
@@ -74,7 +75,7 @@ class Site:
 class Edit:
     """``fn(value, site)`` at the points ``point`` matches (``blk.{il}.attn.sinks``; ``*`` allowed in the layer),
     returning the value the model uses instead (``value`` itself: applied, nothing changed), or None where there is
-    nothing for it to edit (it did not apply). ``label`` says what it does; ``check(config)`` raises a ValueError
+    nothing for it to edit (it did not apply). ``label`` says what it does; ``check(model)`` raises a ValueError
     naming the value when the edit cannot apply to a model."""
 
     point: str
@@ -91,7 +92,8 @@ class Edit:
 
 def _layer_check(layer: int, need: str | None = None):
     """A check that ``layer`` exists and, by ``need``, has compressed rows ("comp") or an indexer ("indexer")."""
-    def check(cfg):
+    def check(model):
+        cfg = model.config
         cfg.check_layer(layer)
         R = cfg.ratio(layer)
         if need == "comp" and not R:
@@ -102,11 +104,15 @@ def _layer_check(layer: int, need: str | None = None):
     return check
 
 
-def _rows(rows) -> np.ndarray:
-    rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
-    if rows.ndim != 1 or (rows < 0).any():
-        raise ValueError(f"rows must be non-negative row numbers, got {rows.tolist()}")
-    return rows
+def _rows(rows, what: str = "rows") -> np.ndarray:
+    """Row, head or position numbers: a non-empty list of whole numbers >= 0 (True or 1.7 is not one: the cast
+    read them as 1), refused by ``what`` otherwise (an empty list edited nothing, and said nothing)."""
+    items = list(np.atleast_1d(np.asarray(rows, dtype=object)).ravel()) if np.ndim(rows) <= 1 else None
+    if items is None or not all(is_int(i) and i >= 0 for i in items):
+        raise ValueError(f"{what} must be whole numbers >= 0, got {rows!r:.80}")
+    if not items:
+        raise ValueError(f"{what} is empty: the edit would change nothing")
+    return np.asarray(items, dtype=np.int64)
 
 
 def _mask(rows: np.ndarray, n: int) -> np.ndarray:
@@ -118,15 +124,16 @@ def _mask(rows: np.ndarray, n: int) -> np.ndarray:
 # -- the named edits --------------------------------------------------------------------------------------
 def ablate_sink(layer: int, heads=None) -> Edit:
     """Layer ``layer``'s sink logit to −inf for ``heads`` (default all): the softmax runs over the keys alone."""
-    sel = None if heads is None else _rows(heads)
+    sel = None if heads is None else _rows(heads, "heads")
 
     def fn(value, site):
         s = site.numpy(value).astype(np.float64)
         s[slice(None) if sel is None else sel] = -np.inf
         return site.floats(s)
 
-    def check(cfg):
-        _layer_check(layer)(cfg)
+    def check(model):
+        cfg = model.config
+        _layer_check(layer)(model)
         if sel is not None and (sel >= cfg.n_head).any():
             raise ValueError(f"heads {sel.tolist()}: this model has heads 0 … {cfg.n_head - 1}")
 
@@ -152,7 +159,7 @@ def force_topk(layer: int, rows, queries=None) -> Edit:
     positions; default all) attends exactly those of ``rows`` it can see (row c is visible from position
     (c+1)·R − 1 on: a row not written yet stays masked)."""
     sel = _rows(rows)
-    at = None if queries is None else _rows(queries)
+    at = None if queries is None else _rows(queries, "queries")
 
     def fn(value, site):
         m = site.numpy(value).astype(bool)
@@ -194,8 +201,8 @@ def patch_row(layer: int, source: Checkpoint, *, raw: int | None = None, comp: i
         array[slot] = row
         return dataclasses.replace(state, **{kind: site.floats(array)})
 
-    def check(cfg):
-        source.check_model(cfg)
+    def check(model):  # the fingerprint too: a model of the same shape with other weights is another model
+        source.check_model(model.config, model_fingerprint(model))
 
     what = f"raw position {at}" if kind == "raw" else f"{kind} row {at}"
     return Edit(f"blk.{layer}.attn.state", fn, f"blk.{layer} {what} patched from a {len(source)}-token checkpoint",
@@ -206,8 +213,8 @@ def replace_experts(layer: int, experts, positions=None) -> Edit:
     """The routed experts of layer ``layer`` replaced by ``experts`` (``n_expert_used`` distinct ids) for the
     tokens at the absolute ``positions`` (default every token); their weights are the router's probabilities
     of those experts, normalised as the model normalises its own choice."""
-    ids = np.asarray(experts, dtype=np.int64)
-    at = None if positions is None else _rows(positions)
+    ids = _rows(experts, "experts")
+    at = None if positions is None else _rows(positions, "positions")
 
     def fn(value, site):
         chosen = site.numpy(value).astype(np.int64)
@@ -216,8 +223,9 @@ def replace_experts(layer: int, experts, positions=None) -> Edit:
         new[slice(None) if at is None else np.isin(pos, at)] = ids
         return value if np.array_equal(new, chosen) else new  # the router's own choice: the model's own value
 
-    def check(cfg):
-        _layer_check(layer)(cfg)
+    def check(model):
+        cfg = model.config
+        _layer_check(layer)(model)
         if ids.shape != (cfg.n_expert_used,) or len(set(ids.tolist())) != len(ids) or not (
                 (0 <= ids) & (ids < cfg.n_expert)).all():
             raise ValueError(f"experts {ids.tolist()}: expected {cfg.n_expert_used} distinct ids in "
@@ -263,7 +271,7 @@ class Intervention:
             raise ValueError("an intervention needs at least one edit")
         for e in self.edits:
             if e.check is not None:
-                e.check(session.model.config)
+                e.check(session.model)
         self.keep = keep
         self.applied = [0] * len(self.edits)
         self.checkpoint: Checkpoint | None = None

@@ -25,6 +25,8 @@ and the head's logits reach every rank.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -32,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .config import is_int
 from .text_table import aligned, plural
 
 EMBED = -1  # the layer index records give the embedding; the output head is n_layer
@@ -197,6 +200,17 @@ class TierMemory:
 Plan = Callable[[int, list[int], int], list[int]]  # (n_layer, unit costs, activation bytes) -> unit tiers
 
 
+
+def _byte_counts(values) -> list[int]:
+    """Budgets: a non-empty list of positive, finite byte counts (1e9 is one), refused by name otherwise."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"budgets is a list of byte counts, one a tier, got {values!r}")
+    values = list(values)
+    if not values or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and math.isfinite(b) and b >= 1
+                             for b in values):
+        raise ValueError(f"budgets must be positive byte counts, got {values}")
+    return [int(b) for b in values]
+
 class Placement:
     """Which tier runs the embedding, each layer and the output head.
 
@@ -210,7 +224,11 @@ class Placement:
     def __init__(self, layer_tiers: Sequence[int], devices: Sequence[str] | None = None, *,
                  embed_tier: int | None = None, head_tier: int | None = None,
                  budgets: Sequence[int] | None = None, group=None):
-        tiers = [int(t) for t in layer_tiers]
+        tiers = list(layer_tiers)
+        bad = next((i for i, t in enumerate(tiers) if not is_int(t) or t < 0), None)
+        if bad is not None:
+            raise ValueError(f"layer_tiers[{bad}] is {tiers[bad]!r}: a tier is a whole number >= 0")
+        tiers = [int(t) for t in tiers]
         if not tiers:
             raise ValueError("layer_tiers is empty")
 
@@ -226,8 +244,10 @@ class Placement:
         self.rule = rule
         self.group = group  # the mx.distributed group of "rank:N" tiers (None: the global group)
         self._plan = plan
+        if isinstance(devices, str):  # read letter by letter it named devices 'c' and 'p'
+            raise TypeError(f"devices is a list of device names, one a tier, got the string {devices!r}")
         self.devices = None if devices is None else tuple(devices)
-        self.budgets = None if budgets is None else tuple(int(b) for b in budgets)
+        self.budgets = None if budgets is None else tuple(_byte_counts(budgets))
         if self.devices is not None and not self.devices:
             raise ValueError("devices is empty; leave it None for logical tiers")
         if self.budgets is not None and self.devices is not None and len(self.budgets) != len(self.devices):
@@ -252,8 +272,8 @@ class Placement:
     @classmethod
     def even(cls, n_tiers: int, devices: Sequence[str] | None = None) -> "Placement":
         """Contiguous, equal runs of layers; the embedding on the first tier, the head on the last."""
-        if n_tiers < 1:
-            raise ValueError(f"n_tiers must be at least 1, got {n_tiers}")
+        if not is_int(n_tiers) or n_tiers < 1:
+            raise ValueError(f"n_tiers must be a whole number, at least 1, got {n_tiers!r}")
         if devices is not None and len(devices) != n_tiers:
             raise ValueError(f"{len(devices)} devices for {n_tiers} tiers")
 
@@ -281,9 +301,7 @@ class Placement:
     def by_memory(cls, budgets_bytes: Sequence[int], devices: Sequence[str] | None = None) -> "Placement":
         """Contiguous runs sized in proportion to each tier's budget, counting every unit's weight and KV
         bytes (as llama.cpp's tensor split does with its proportions); each tier must then fit its budget."""
-        budgets = [int(b) for b in budgets_bytes]
-        if not budgets or min(budgets) <= 0:
-            raise ValueError(f"budgets must be positive byte counts, got {list(budgets_bytes)}")
+        budgets = _byte_counts(budgets_bytes)
 
         def plan(n_layer: int, costs: list[int], act: int) -> list[int]:
             room = [b - act for b in budgets]

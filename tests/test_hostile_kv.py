@@ -694,3 +694,37 @@ def test_a_header_size_of_zero_is_named_without_a_model(field):
                                            "least 1") as ei:
         decode_payload(bytes(data), None)
     assert ei.value.field == field
+
+
+def test_patch_row_refuses_a_checkpoint_of_another_models_weights(twins):
+    """patch_row checked its source's configuration only: a checkpoint of a model of the same shape with other
+    weights patched its rows in silently, where patch_rows, restore and save_kv refuse it by fingerprint."""
+    from ds4lab.interventions import patch_row
+
+    a, b = twins
+    sa, sb = a.session(ctx=64, prefill_chunk=16), b.session(ctx=64, prefill_chunk=16)
+    sa.sync(IDS[:40])
+    sb.sync(IDS[:40])
+    tokens, layer = list(sb.tokens), next(il for il in range(NANO.n_layer) if NANO.ratio(il))
+    with pytest.raises(PayloadError, match=f"{a.file.fingerprint}.*{b.file.fingerprint}"):
+        sb.intervene([patch_row(layer, sa.checkpoint(), comp=1)])
+    assert sb.tokens == tokens and sb.edits == ()
+    with pytest.warns(UserWarning, match="never applied"):  # its own model's: taken (no step runs in the block)
+        with sb.intervene([patch_row(layer, sb.checkpoint(), comp=1)]):
+            pass
+
+
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """write_file_atomic removed its temporary file on an OSError only: Ctrl+C in the fsync left x.kv.tmp.<pid>."""
+    from ds4lab.kv import kvfile
+
+    target = tmp_path / "x.kv"
+    target.write_bytes(b"before")
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvfile.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        kvfile.write_file_atomic(target, [b"after"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.kv"] and target.read_bytes() == b"before"

@@ -370,3 +370,37 @@ def test_edits_through_the_gpu_kernels_agree_with_the_reference(model_paths):
 
     assert rel(got.clean, ref.clean) < 1e-3 and rel(got.edited, ref.edited) < 1e-3
     assert rel(ref.edited, ref.clean) > 1e-2  # the edits move the logits ten times the tolerance and more
+
+
+def test_edits_refuse_numbers_that_are_not_row_head_or_expert_ids(model):
+    """Bools and fractions were cast to ids (heads [True, False] ablated heads 1 and 0, experts [0.5, 5.9] were
+    [0, 5]), and an empty list made an edit that changed nothing and said nothing."""
+    for make, what, bad in ((lambda v: ablate_sink(2, v), "heads", [True, False]),
+                            (lambda v: ablate_rows(2, v), "rows", [1.7]),
+                            (lambda v: force_topk(2, v), "rows", ["1"]),
+                            (lambda v: replace_experts(2, v), "experts", [0.5, 5.9]),
+                            (lambda v: force_topk(2, [0], queries=v), "queries", [-1])):
+        with pytest.raises(ValueError, match=f"{what} must be whole numbers >= 0, got"):
+            make(bad)
+    for make, what in ((lambda v: ablate_sink(2, v), "heads"), (lambda v: force_topk(2, v), "rows"),
+                       (lambda v: ablate_rows(2, v), "rows")):
+        with pytest.raises(ValueError, match=f"{what} is empty: the edit would change nothing"):
+            make([])
+    assert ablate_sink(2, np.array([0, 1])).label == ablate_sink(2, [0, 1]).label
+
+
+def test_next_token_loss_checks_its_ids(model):
+    from ds4lab.evaluate import held_out_split, next_token_loss, with_top_k
+
+    ids = _prompt(12, model.config.n_vocab, 0)
+    with pytest.raises(ValueError, match="token 2 is -1: .*; nothing was scored"):  # it indexed from the end
+        next_token_loss(model, ids[:2] + [-1])
+    with pytest.raises(ValueError, match=f"token 1 is {model.config.n_vocab}"):  # was an IndexError
+        next_token_loss(model, [1, model.config.n_vocab])
+    text = model.tokenizer.decode(ids)
+    assert next_token_loss(model, text) == next_token_loss(model, model.tokenizer.encode(text))
+    for fraction in (0, 1.5, -0.5):
+        with pytest.raises(ValueError, match="fraction is the training part's share"):
+            held_out_split("abc", fraction)
+    with pytest.raises(ValueError, match="top_k must be a whole number of rows, at least 1, got 2.5"):
+        with_top_k(model, 2.5)

@@ -127,7 +127,7 @@ def test_by_memory_splits_in_proportion(model):
 @pytest.mark.parametrize("placement, message", [
     (lambda: Placement(layer_tiers=[0, 1]), "has 2 entries; the model has 6 layers"),
     (lambda: Placement(layer_tiers=[0, 0, 1, 1, 2, 2], devices=["cpu", "cpu"]), "layer 4 is on tier 2"),
-    (lambda: Placement(layer_tiers=[0, 0, 0, -1, 0, 0]), "layer 3 is on tier -1"),
+    (lambda: Placement(layer_tiers=[0, 0, 0, -1, 0, 0]), "3] is -1: a tier is a whole number >= 0"),
     (lambda: Placement(layer_tiers=[0] * 6, budgets=[1_000_000]), "tier 0 (logical:0) needs"),
     (lambda: Placement.by_memory([1 << 20, 1 << 20]), "the budgets leave"),
     (lambda: Placement.by_memory([20 << 20, 1000]), "tier 1's budget of 1,000 bytes"),
@@ -147,8 +147,19 @@ def test_budget_error_names_the_bytes(model):
 
 
 def test_constructor_errors():
-    with pytest.raises(ValueError, match="n_tiers must be at least 1"):
-        Placement.even(0)
+    for n in (0, 2.5, True, "2"):  # 2.5 made 3 tiers, True 1, "2" a comparison error
+        with pytest.raises(ValueError, match=f"n_tiers must be a whole number, at least 1, got {n!r}"):
+            Placement.even(n)
+    with pytest.raises(ValueError, match=r"layer_tiers\[2\] is 1.5: a tier is a whole number"):
+        Placement([0, 0, 1.5, 1, 1, 1])  # was cut to 1
+    with pytest.raises(TypeError, match="devices is a list of device names, one a tier, got the string 'cp'"):
+        Placement.even(2, devices="cp")  # read as devices 'c' and 'p'
+    for budgets in ([float("nan")], [-1, -1], []):
+        with pytest.raises(ValueError, match="budgets must be positive byte counts"):
+            Placement([0] * 6, budgets=budgets)
+    with pytest.raises(TypeError, match="budgets is a list of byte counts"):
+        Placement.by_memory(1 << 30)
+    assert Placement.by_memory([1e9, 2e9]).budgets == (1_000_000_000, 2_000_000_000)
     with pytest.raises(ValueError, match="3 devices for 2 tiers"):
         Placement.even(2, devices=["cpu"] * 3)
     with pytest.raises(ValueError, match="budgets must be positive"):

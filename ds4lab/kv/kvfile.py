@@ -463,8 +463,8 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
 
 
 def write_file_atomic(path: Path, parts) -> None:
-    """Write ``parts`` to a temporary file beside ``path``, fsync it and rename it over ``path``: a failed write
-    (an OSError) leaves no temporary file and whatever ``path`` held before."""
+    """Write ``parts`` to a temporary file beside ``path``, fsync it and rename it over ``path``: a failed or
+    interrupted write (an OSError, Ctrl+C) leaves no temporary file and whatever ``path`` held before."""
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     size = sum(len(p) for p in parts)
     try:
@@ -477,7 +477,7 @@ def write_file_atomic(path: Path, parts) -> None:
         if written != size:
             raise OSError(f"wrote {written} bytes, expected {size}")
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
