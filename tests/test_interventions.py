@@ -327,6 +327,22 @@ def test_edited_checkpoint_saved_as_kv_and_reloaded(model, prefixes, tmp_path):
                 ca, ce = np.delete(ca, 3, axis=0), np.delete(ce, 3, axis=0)
             np.testing.assert_array_equal(ca, ce)
     assert kf.text_bytes == a.text_bytes and kf.fingerprint == model.file.fingerprint
+    # the file says its state was edited, so that what loads it knows (its payload cannot say so): a restored session
+    # is marked edited and a store refuses to keep it as the state of its text (the mark was lost on the way)
+    from ds4lab.kv.edit import load_kv
+    from ds4lab.kv.store import EDITED_IN_FILE
+
+    assert kf.edited and not a.edited and "the state was edited" in kf.summary()
+    back = load_kv(kf.path, model)
+    assert back.edits == (EDITED_IN_FILE,) and load_kv(a.path, model).edits == ()
+    fresh = model.session(ctx=sess.ctx, prefill_chunk=sess.geometry.chunk)
+    fresh.restore(back)
+    assert fresh.edits == (EDITED_IN_FILE,)
+    with pytest.raises(ValueError, match="this checkpoint is edited"):
+        ds4lab.KVStore(tmp_path / "store").save(back, model)
+    with pytest.raises(ValueError, match="an edited state cannot be marked so in a DSV4 version 1 file"):
+        save_kv(edited, tmp_path / "old.kv", model, payload_version=1)
+    assert not (tmp_path / "old.kv").exists()
     # a session restored from the file continues as one whose state was edited in memory
     loaded = ds4lab.Checkpoint.from_bytes(kf.payload(), cfg)
     from_file, _, _ = _step(sess, loaded)

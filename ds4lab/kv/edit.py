@@ -108,7 +108,8 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
     :class:`~.store.KVStore` writes one (fsynced, then renamed into place), and open it back. ds4-server loads
     it under its store's name for the text, ``KVFile.sha1 + ".kv"``; ds4lab with :func:`load_kv` (its checksum and
     model fingerprint checked). Payload rows are float32 (ds4's format), ``DSV4``
-    version ``payload_version``: 2 for ds4 since 2026-05-26, 1 for a ds4 built before."""
+    version ``payload_version``: 2 for ds4 since 2026-05-26, 1 for a ds4 built before. An edited checkpoint's file
+    says it was edited (its trailer's flag; version 2 only), so that what loads it is marked edited too."""
     cp.check_model(model.config, getattr(getattr(model, "file", None), "fingerprint", None))
     if cp.logits is None:
         raise ValueError("a .kv file holds next-token logits; this checkpoint has none")
@@ -116,7 +117,7 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
     _, parts = kv_file_parts(token_text(model.tokenizer, cp.tokens), with_version(cp.to_bytes(), payload_version),
                              tokens=len(cp), ctx=cp.ctx, quant_bits=routed_quant_bits(model), reason=reason,
                              fingerprint=cp.fingerprint, with_checksum=checksum, payload_version=payload_version,
-                             model_id=ds4_model_id(model.config))
+                             model_id=ds4_model_id(model.config), edited=bool(cp.edits))
     write_file_atomic(path, parts)
     return KVFile.open(path, model.config)
 

@@ -39,7 +39,8 @@ ds4lab's own bits, which ds4 never tests:
   CRC (a legacy file whose bit 3 is set but which does not end so is one of ds4-agent's of May 24-25: a title). In
   an ABI-2 file bit 3 is ds4's, so the checksum joins the fingerprint in one 28-byte trailer ending
   the file, flagged by bit 7: "KFP", 2, the 16-byte fingerprint (zeros: unknown), u32 flags (1: the CRC is
-  there), u32 CRC of everything before it.
+  there; 2: the state was edited, its rows no longer the ones its tokens give: ``ds4lab.kv.edit``), u32 CRC of
+  everything before it.
 
 In a legacy file the fingerprint trailer ("KFP", 1, 16 bytes) comes right after the payload, then the checksum.
 ds4 reads nothing past the payload but its own trailers (bits 0 and 3), and accepts a file at least 52 + text +
@@ -130,6 +131,7 @@ FINGERPRINT_BYTES = len(FINGERPRINT_MAGIC) + FINGERPRINT_DIGEST
 RECORD_MAGIC = b"KFP\x02"  # an ABI-2 file's trailer: the fingerprint, flags and the checksum
 RECORD = struct.Struct("<4s16sII")
 RECORD_CRC = 1  # its flag: the CRC field holds the checksum
+RECORD_EDITED = 2  # its flag: the state was edited (Checkpoint.edits), which the payload cannot say
 STATE_FIELDS = tuple(f for f in LAYER_FIELDS if f not in ROW_FIELDS)
 
 _HEADER = struct.Struct("<3sBBBBBIIIIQQQI")
@@ -258,6 +260,7 @@ class Trailers:
     crc_at: int | None = None  # where ds4lab's CRC-32 is stored, None without one
     crc_covers: int = 0  # the CRC covers the file's bytes before this offset (hits and last_used read as zero)
     stripped: bool = False  # ds4-server replaced ds4lab's trailers with its tool-id map (it truncates at the payload)
+    edited: bool = False  # the trailer's RECORD_EDITED flag
 
 
 def read_trailers(header: KVHeader, size: int, read_at, path) -> Trailers:
@@ -291,7 +294,7 @@ def read_trailers(header: KVHeader, size: int, read_at, path) -> Trailers:
     want = sum(n for _, n in parts)
     if size < want or (size > want and not ext & EXT_TOOL_MAP):
         raise _size_error(path, size, parts)
-    fingerprint, crc_at, covers = None, None, 0
+    fingerprint, crc_at, covers, edited = None, None, 0, False
     if header.legacy:
         if ext & EXT_FINGERPRINT:
             fingerprint = parse_fingerprint(read_at(after_title, FINGERPRINT_BYTES), path)
@@ -301,11 +304,11 @@ def read_trailers(header: KVHeader, size: int, read_at, path) -> Trailers:
                 raise KVFileError(path, "checksum trailer", trailer[:4], CHECKSUM_MAGIC)
             crc_at, covers = want - 4, want - CHECKSUM_BYTES
     elif ext & EXT_FINGERPRINT:
-        fingerprint, has_crc, _ = _parse_record(bytes(read_at(after_title, RECORD.size)), path)
+        fingerprint, has_crc, _, edited = _parse_record(bytes(read_at(after_title, RECORD.size)), path)
         if has_crc:
             crc_at = covers = want - 4
     return Trailers(None if title_len is None else bytes(read_at(end + 4, title_len)), fingerprint, want, crc_at,
-                    covers)
+                    covers, edited=edited)
 
 
 def _size_error(path, size: int, parts, relation: str = "") -> KVFileError:
@@ -314,16 +317,17 @@ def _size_error(path, size: int, parts, relation: str = "") -> KVFileError:
     return KVFileError(path, "file size", size, f"{relation}{total} = {what}")
 
 
-def _parse_record(record: bytes, path) -> tuple[str | None, bool, int]:
-    """(fingerprint or None, whether the CRC is there, the CRC) of an ABI-2 file's 28-byte trailer."""
+def _parse_record(record: bytes, path) -> tuple[str | None, bool, int, bool]:
+    """(fingerprint or None, whether the CRC is there, the CRC, whether the state was edited) of an ABI-2 file's
+    28-byte trailer."""
     if len(record) != RECORD.size or record[:4] != RECORD_MAGIC:
         raise KVFileError(path, "fingerprint trailer", bytes(record[:4]), RECORD_MAGIC)
     _, digest, flags, crc = RECORD.unpack(record)
     # a damaged flags field must not turn the checksum off: without the CRC flag the CRC field is zero
-    if flags not in (0, RECORD_CRC) or (flags == 0 and crc != 0):
+    if flags & ~(RECORD_CRC | RECORD_EDITED) or (not flags & RECORD_CRC and crc != 0):
         raise KVFileError(path, "trailer flags", f"{flags} with CRC field {crc:#010x}",
-                          "1, or 0 with a zero CRC field")
-    return (digest.hex() if any(digest) else None), bool(flags & RECORD_CRC), crc
+                          "1 or 3, or 0 or 2 with a zero CRC field")
+    return (digest.hex() if any(digest) else None), bool(flags & RECORD_CRC), crc, bool(flags & RECORD_EDITED)
 
 
 def checksum(head, *parts) -> int:
@@ -362,7 +366,7 @@ def _checksum_from_the_end(buf, path) -> tuple[int, int] | None:
         if len(buf) < PREFIX_BYTES + RECORD.size:
             raise KVFileError(path, "fingerprint trailer", f"a {len(buf)}-byte file",
                               f"at least {PREFIX_BYTES + RECORD.size} bytes")
-        _, has_crc, crc = _parse_record(bytes(buf[len(buf) - RECORD.size:]), path)
+        _, has_crc, crc, _ = _parse_record(bytes(buf[len(buf) - RECORD.size:]), path)
         return (crc, len(buf) - 4) if has_crc else None
     return None
 
@@ -427,11 +431,12 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S
 def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_bits: int, reason: str = "unknown",
                   codec_flags: int = 0, fingerprint: str | None = None, with_checksum: bool = True,
                   now: int | None = None, payload_version: int = VERSION,
-                  model_id: int = 0) -> tuple[KVHeader, tuple[bytes, ...]]:
+                  model_id: int = 0, edited: bool = False) -> tuple[KVHeader, tuple[bytes, ...]]:
     """A file's header and its bytes in file order: header, ``text``, ``payload`` (in its stored form, ``codec_flags``
     saying which; ``DSV4`` version ``payload_version``, which sets the header's ABI byte), then the trailers of the
     fingerprint (given one) and, ``with_checksum``, of the CRC (module docstring); created and last_used are ``now``
-    (default: the current time); ``model_id`` is header byte 7 (:data:`MODELS`: 0 Flash, 1 Pro)."""
+    (default: the current time); ``model_id`` is header byte 7 (:data:`MODELS`: 0 Flash, 1 Pro); ``edited`` sets the
+    trailer's RECORD_EDITED flag (a legacy file has no field for it)."""
     check_version(payload_version)
     if not codec_flags & (EXT_ZLIB | EXT_ZSTD):  # a stored payload starts with its DSV4 header: it must agree
         magic, version = struct.unpack_from("<II", payload) if len(payload) >= 8 else (None, None)
@@ -439,11 +444,14 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
             raise ValueError(f"the payload is not DSV4 version {payload_version}: its header says magic "
                              f"{magic if magic is None else hex(magic)}, version {version}")
     legacy = ABI_OF_PAYLOAD_VERSION[payload_version] == 0
+    if legacy and edited:
+        raise ValueError(f"an edited state cannot be marked so in a DSV4 version {payload_version} file (its trailers "
+                         f"have no field for it); write version {VERSION}")
     digest = _digest(fingerprint) if fingerprint is not None else None
     if legacy:
         ours = (EXT_CHECKSUM if with_checksum else 0) | (EXT_FINGERPRINT if digest else 0)
     else:
-        ours = EXT_FINGERPRINT if digest or with_checksum else 0
+        ours = EXT_FINGERPRINT if digest or with_checksum or edited else 0
     now = int(time.time()) if now is None else now
     abi = ABI_OF_PAYLOAD_VERSION[payload_version] | (CODEC_ABI_MARK if codec_flags else 0)
     if model_id not in DSV4_MODEL_IDS:
@@ -457,7 +465,8 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
         return header, (head, text, payload, fp, *crc)
     if not ours:
         return header, (head, text, payload)
-    record = RECORD.pack(RECORD_MAGIC, digest or bytes(FINGERPRINT_DIGEST), RECORD_CRC if with_checksum else 0, 0)
+    flags = (RECORD_CRC if with_checksum else 0) | (RECORD_EDITED if edited else 0)
+    record = RECORD.pack(RECORD_MAGIC, digest or bytes(FINGERPRINT_DIGEST), flags, 0)
     crc = checksum(head, text, payload, record[:-4]) if with_checksum else 0
     return header, (head, text, payload, record[:-4] + struct.pack("<I", crc))
 
@@ -693,6 +702,8 @@ class KVFile:
         be checked against a model."""
         self.title: str | None = None if trailers.title is None else trailers.title.decode("utf-8", "replace")
         """ds4-agent's session title (ext bit 3 of its files), or None."""
+        self.edited: bool = trailers.edited
+        """The writer marked the state edited (``ds4lab.kv.edit``): its rows are not the ones its tokens give."""
         self._trailers = trailers
 
     @classmethod
@@ -785,7 +796,8 @@ class KVFile:
             f"model quant byte {h.quant_bits} ({quant}: ds4 writes 4 for Q4_K experts, 2 for any other type)",
             f"created {_stamp(h.created)}, last used {_stamp(h.last_used)}",
             f"sizes: header {PREFIX_BYTES} + text {h.text_bytes:,} + payload {h.payload_bytes:,} ({codec}){trailer}",
-            f"model fingerprint {fingerprint}",
+            f"model fingerprint {fingerprint}" + (" · the state was edited (its rows are not its tokens')"
+                                                  if self.edited else ""),
             "DSV4 " + ", ".join(dsv4[:7]),
             "     " + ", ".join(dsv4[7:]),
             "layer ratio  raw  comp index        bytes",

@@ -36,6 +36,7 @@ loaded on ds4's rules (layout, quant byte, chunk layout) with a :class:`KVStoreW
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import numbers
 import os
@@ -87,18 +88,24 @@ _VISIBLE_TEXT = EXT_RESPONSES_VISIBLE | EXT_THINKING_VISIBLE  # ds4's key is vis
 _U32_MAX = 0xFFFFFFFF
 
 
+EDITED_IN_FILE = "edited before it was saved (the file says so; what the edits were, it does not keep)"
+
+
 def checked_checkpoint(kf: KVFile, config, fingerprint: str | None, tokenizer=None) -> Checkpoint:
     """The checkpoint of an opened file after the checks a load makes: its checksum (:meth:`KVFile.verify`), its
     model fingerprint against ``fingerprint`` (the loading model's) where both are known and, with ``tokenizer``
     (the loading model's), its text against the text of its token ids (ds4-server's key, unless the file says its
-    key is visible transcript text). The checkpoint carries the file's fingerprint. A :class:`KVFileError` or
-    :class:`PayloadError` otherwise."""
+    key is visible transcript text). The checkpoint carries the file's fingerprint, and an edit where the file says
+    its state was edited (a session restored from it says so, and a store refuses to keep it). A
+    :class:`KVFileError` or :class:`PayloadError` otherwise."""
     kf.verify()
     if fingerprint is not None and kf.fingerprint is not None and kf.fingerprint != fingerprint:
         raise KVFileError(kf.path, "model fingerprint", kf.fingerprint, f"{fingerprint} (this model's)",
                           f"written by another model: its model fingerprint is {kf.fingerprint}, this "
                           f"model's is {fingerprint}")
     cp = Checkpoint.from_bytes(kf.payload(), config, fingerprint=kf.fingerprint)
+    if kf.edited:
+        cp = dataclasses.replace(cp, edits=(EDITED_IN_FILE,))
     if tokenizer is not None and not kf.header["ext_flags"] & _VISIBLE_TEXT:
         _check_token_text(kf.path, kf.text_bytes, token_text(tokenizer, cp.tokens), len(cp))
     return cp
