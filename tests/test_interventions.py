@@ -420,3 +420,28 @@ def test_next_token_loss_checks_its_ids(model):
             held_out_split("abc", fraction)
     with pytest.raises(ValueError, match="top_k must be a whole number of rows, at least 1, got 2.5"):
         with_top_k(model, 2.5)
+
+
+def test_row_edits_refuse_what_they_would_change_otherwise(model, prefixes):
+    """Row numbers that are not whole numbers were read as others (1.7 and "1" as row 1), complex rows lost their
+    imaginary part with a warning, a row of 1e300 passed and failed at save_kv as an inf, and an empty edit failed
+    in a numpy broadcast."""
+    _, cp_a, cp_b = prefixes
+    width = model.config.head_dim
+    for index in (1.7, "1", True):
+        with pytest.raises(ValueError, match=f"a comp row is a whole number, got {index!r}"):
+            edit_rows(cp_a, 2, "comp", {index: np.zeros(width)})
+    with pytest.raises(ValueError, match="complex values"):
+        edit_rows(cp_a, 2, "comp", {1: np.zeros(width, complex)})
+    with pytest.raises(ValueError, match="finite as float32: False"):
+        edit_rows(cp_a, 2, "comp", {1: np.full(width, 1e300)})
+    with pytest.raises(ValueError, match="rows is a dict"):
+        edit_rows(cp_a, 2, "comp", {})
+    for indices in ([], None, [[0, 1]]):
+        with pytest.raises(ValueError, match="indices: the rows to patch|a comp row is a whole number"):
+            patch_rows(cp_a, cp_b, 2, "comp", indices)
+    assert patch_rows(cp_a, cp_b, 2, "comp", np.array([3])).edits == patch_rows(cp_a, cp_b, 2, "comp", 3).edits
+    # a layer none of whose rows has closed yet (ratio 128 after 72 tokens): said so, not "rows 0 … -1"
+    ratio_128 = next(il for il in range(model.config.n_layer) if model.config.ratio(il) > len(cp_a))
+    with pytest.raises(ValueError, match="none yet: its first closes at token 127"):
+        edit_rows(cp_a, ratio_128, "comp", {0: np.zeros(width)})

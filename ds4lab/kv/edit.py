@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ds4_model_id
+from ..config import ds4_model_id, is_int
 from .checkpoint import Checkpoint, model_fingerprint
 from .kvfile import KVFile, KVFileError, kv_file_parts, write_file_atomic
 from .layout import ROW_FIELDS, KVState
@@ -35,6 +35,8 @@ def row_slot(cp: Checkpoint, layer: int, kind: str, index: int) -> int:
     layer = cfg.check_layer(layer)
     if kind not in ROW_FIELDS:
         raise ValueError(f"row kind {kind!r} is not one of {', '.join(ROW_FIELDS)}")
+    if not is_int(index):  # 1.7 or "1" was read as row 1
+        raise ValueError(f"a {kind} row is a whole number, got {index!r}")
     R = cfg.ratio(layer)
     if kind == "raw":
         window, raw_cap = _raw_window(cp)
@@ -46,8 +48,8 @@ def row_slot(cp: Checkpoint, layer: int, kind: str, index: int) -> int:
     if kind == "comp" and not R or kind == "index" and not cfg.has_indexer(layer):
         raise ValueError(f"layer {layer} (ratio {R}) has no {kind} rows")
     if not 0 <= index < T // R:
-        raise ValueError(f"{kind} row {index} is not a row of layer {layer} after {T} tokens "
-                         f"(rows 0 … {T // R - 1})")
+        rows = f"rows 0 … {T // R - 1}" if T // R else f"none yet: its first closes at token {R - 1}"
+        raise ValueError(f"{kind} row {index} is not a row of layer {layer} after {T} tokens ({rows})")
     return index
 
 
@@ -65,13 +67,19 @@ def edit_rows(cp: Checkpoint, layer: int, kind: str, rows: dict, label: str | No
     describes the edit in the copy's ``edits`` (default: which rows)."""
     cfg = _config(cp)
     width = cfg.idx_dim if kind == "index" else cfg.head_dim
+    if not isinstance(rows, dict) or not rows:
+        raise ValueError(f"rows is a dict {{index: values}} of at least one row, got {rows!r:.60}")
     slots, values = [], []
     for index, value in rows.items():
-        slots.append(row_slot(cp, layer, kind, int(index)))
+        slots.append(row_slot(cp, layer, kind, index))
+        if np.iscomplexobj(value):  # the cast below kept the real part, with only a warning
+            raise ValueError(f"{kind} row {index} of layer {layer}: complex values; a row holds real numbers")
         value = np.asarray(value, dtype=np.float64)
-        if value.shape != (width,) or not np.isfinite(value).all():
-            raise ValueError(f"{kind} row {index} of layer {layer}: values of shape {value.shape} (finite: "
-                             f"{bool(np.isfinite(value).all())}), expected {width} finite values")
+        # finite as the state's float32 holds them: 1e300 passed here and failed at save_kv as an inf
+        finite = bool(np.isfinite(value).all() and (np.abs(value) <= np.finfo(np.float32).max).all())
+        if value.shape != (width,) or not finite:
+            raise ValueError(f"{kind} row {index} of layer {layer}: values of shape {value.shape} (finite as float32: "
+                             f"{finite}), expected {width} finite values")
         values.append(value)
     label = label or f"blk.{layer}.{kind}[{', '.join(str(int(i)) for i in rows)}] edited"
     edits = cp.edits + (label,)
@@ -95,8 +103,12 @@ def patch_rows(cp: Checkpoint, source: Checkpoint, layer: int, kind: str, indice
     """A copy of ``cp`` whose rows ``indices`` of ``kind`` in layer ``layer`` are ``source``'s rows of the same
     indices (another prompt's checkpoint of the same model)."""
     source.check_model(_config(cp), cp.fingerprint)
-    indices = [int(i) for i in np.atleast_1d(indices)]
-    rows = {i: checkpoint_row(source, layer, kind, i) for i in indices}
+    given = [indices] if is_int(indices) else list(indices) if isinstance(indices, (list, tuple, range,
+                                                                                     np.ndarray)) else []
+    if not given:
+        raise ValueError(f"indices: the rows to patch, a number or a list of them, got {indices!r:.60}")
+    rows = {i: checkpoint_row(source, layer, kind, i) for i in given}  # each checked there
+    indices = [int(i) for i in given]
     return edit_rows(cp, layer, kind, rows, label=f"blk.{layer}.{kind}{indices} patched from another checkpoint "
                                                   f"({len(source)} tokens)")
 
