@@ -728,3 +728,13 @@ def test_an_interrupted_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         kvfile.write_file_atomic(target, [b"after"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.kv"] and target.read_bytes() == b"before"
+
+
+def test_a_failed_write_names_the_path_asked_for(tmp_path):
+    """A save into a missing folder named its temporary file (x.kv.tmp.<pid>), which the user never gave."""
+    from ds4lab.kv import kvfile
+
+    target = tmp_path / "missing" / "x.kv"
+    with pytest.raises(FileNotFoundError) as ei:
+        kvfile.write_file_atomic(target, [b"data"])
+    assert ei.value.filename == str(target) and ".tmp." not in str(ei.value)

@@ -486,9 +486,11 @@ def write_file_atomic(path: Path, parts) -> None:
         if written != size:
             raise OSError(f"wrote {written} bytes, expected {size}")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename == str(tmp):  # the user's path, not the temporary one beside it
+            raise type(e)(e.errno, e.strerror, str(path)) from None
         raise
 
 
