@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as Q
 
 from .arch import coff
-from .config import ModelConfig
+from .config import ModelConfig, is_int
 from .gguf_file import tensor_byte_shape
 from .kv.layout import graph_caps, layer_comp_cap
 
@@ -120,11 +120,14 @@ class ChunkCost:
         return self.total_flops / self.bytes_moved
 
 
-def _check(cfg, start: int, n: int, ctx: int) -> None:
-    if n < 1:
-        raise ValueError(f"a chunk needs at least one token, got {n}")
-    if start < 0:
-        raise ValueError(f"start must be ≥ 0, got {start}")
+def _check(cfg, start: int, n: int, ctx: int, **sizes) -> None:
+    """The chunk's positions within the context, and each of ``sizes`` (chunk, bytes per value, ...) a whole
+    number >= 1 (0 or -5 priced nothing, or less than nothing)."""
+    if not isinstance(cfg, ModelConfig):  # a Model for its config failed on an attribute
+        raise TypeError(f"the first argument is a ModelConfig (model.config), not {type(cfg).__name__}")
+    for name, value in dict(start=start, n=n, ctx=ctx, **sizes).items():
+        if not is_int(value) or value < (0 if name == "start" else 1):
+            raise ValueError(f"{name} must be a whole number, at least {0 if name == 'start' else 1}, got {value!r}")
     if start + n > ctx:
         raise ValueError(f"positions {start}…{start + n - 1} exceed the context of {ctx} tokens")
 
@@ -142,7 +145,8 @@ def chunk_cost(cfg: ModelConfig, start: int, n: int, types: dict[str, Q] | None 
     context (default ``start + n``), ``chunk`` its prefill chunk (default ``n``): they size the reference path's
     KV arrays, which its activation peak scores whole."""
     ctx = start + n if ctx is None else ctx
-    _check(cfg, start, n, ctx)
+    _check(cfg, start, n, ctx, chunk=n if chunk is None else chunk, kv_bytes_per_value=kv_bytes_per_value,
+           activation_itemsize=activation_itemsize)
     types = q2_types(cfg) if types is None else types
     E, H, D, V, F = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.n_vocab, cfg.ff_exp
     hc, k, end = cfg.n_hc, cfg.n_expert_used, start + n
@@ -220,6 +224,7 @@ def activation_bytes(cfg: ModelConfig, n: int, ctx: int, chunk: int, itemsize: i
 
     ds4's kernels make no score tensor and write the state in place; their peak is the hidden states and the
     chunk's projections."""
+    _check(cfg, 0, n, ctx, chunk=chunk, itemsize=itemsize)
     raw_cap = graph_caps(cfg, ctx, chunk)[0]
     widest = state = 0
     for il in range(cfg.n_layer):

@@ -15,7 +15,16 @@ import ds4lab
 from ds4lab import testing
 from ds4lab.backends.numpy_backend import NumpyBackend
 from ds4lab.config import FLASH, NANO
-from ds4lab.costs import PARTS, chunk_cost, file_types, flash_table, prefill_costs, q2_types, weight_nbytes
+from ds4lab.costs import (
+    PARTS,
+    activation_bytes,
+    chunk_cost,
+    file_types,
+    flash_table,
+    prefill_costs,
+    q2_types,
+    weight_nbytes,
+)
 from ds4lab.kv.payload import payload_nbytes
 
 # One layer of each kind (raw only, ratio 4 with its indexer, ratio 128), small enough to count by hand.
@@ -60,8 +69,17 @@ def test_tiny_config_by_hand():
 
 
 def test_bad_chunks_are_refused():
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match="n must be a whole number, at least 1, got 0"):
         chunk_cost(TINY, 0, 0, types={})
+    # sizes that priced nothing, or less than nothing (chunk 0, -4 bytes a value, a negative chunk of activations)
+    for kw, field in ((dict(chunk=0), "chunk"), (dict(kv_bytes_per_value=-4), "kv_bytes_per_value"),
+                      (dict(start=1.5), "start")):
+        with pytest.raises(ValueError, match=f"{field} must be a whole number"):
+            chunk_cost(TINY, **dict(dict(start=0, n=4, types={}), **kw))
+    with pytest.raises(ValueError, match="n must be a whole number, at least 1, got -10"):
+        activation_bytes(TINY, -10, 256, 64)
+    with pytest.raises(TypeError, match=r"a ModelConfig \(model.config\), not Model"):
+        chunk_cost(ds4lab.load(backend="numpy"), 0, 4)
     with pytest.raises(ValueError, match="exceed the context of 8"):
         chunk_cost(TINY, 4, 5, types={}, ctx=8)
     with pytest.raises(ValueError, match="not part of a model"):
