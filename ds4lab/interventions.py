@@ -295,6 +295,8 @@ class Intervention:
         return self.checkpoint
 
     def __enter__(self) -> "Intervention":
+        if hasattr(self, "_entry"):  # a second block read the first's logits and added to its counts
+            raise RuntimeError("an Intervention runs one block: make another with sess.intervene(...)")
         s = self.session
         self._entry = s.snapshot()
         self._kept = {id(cp) for cp in s.checkpoints}

@@ -445,3 +445,16 @@ def test_row_edits_refuse_what_they_would_change_otherwise(model, prefixes):
     ratio_128 = next(il for il in range(model.config.n_layer) if model.config.ratio(il) > len(cp_a))
     with pytest.raises(ValueError, match="none yet: its first closes at token 127"):
         edit_rows(cp_a, ratio_128, "comp", {0: np.zeros(width)})
+
+
+def test_an_intervention_runs_one_block(model, prefixes):
+    """A second block on the same Intervention read the first block's logits and added to its counts."""
+    sess, cp_a, _ = prefixes
+    sess.restore(cp_a)
+    iv = sess.intervene([ablate_sink(2)])
+    with iv:
+        sess.decoder(temperature=0).step()
+    with pytest.raises(RuntimeError, match="an Intervention runs one block"):
+        with iv:
+            pass
+    assert sess.hook_observer is None
