@@ -424,6 +424,9 @@ def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
+ABSURD_BYTES = 1 << 50  # a tensor's extent past any model file: its directory entry is damaged
+
+
 def _tensors(mapped: mmap.mmap, entries: list, data_start: int, alignment: int,
              file_size: int) -> dict[str, TensorInfo]:
     """Each entry's data as a read-only view of the mapping, once its type and extent are checked and the
@@ -438,8 +441,12 @@ def _tensors(mapped: mmap.mmap, entries: list, data_start: int, alignment: int,
             raise _Malformed(f"tensor {name}: data offset {offset} is not a multiple of the alignment {alignment}")
         start = data_start + offset
         if start + nbytes > file_size:
+            # a shape or offset past any real file (a damaged directory) is not a file cut short
+            why = ("the file is truncated" if max(nbytes, offset) < ABSURD_BYTES else
+                   f"its dims {list(dims)} or its offset {offset} ask for more than a pebibyte: the tensor "
+                   "directory is damaged")
             raise _Malformed(f"tensor {name}: data bytes {start}..{start + nbytes} extend past the end of the file "
-                             f"({file_size} bytes); the file is truncated")
+                             f"({file_size} bytes); {why}")
         if offset != expected:
             raise _Malformed(f"tensor {name}: its data starts at offset {offset}, but tensor {before} before it ends "
                              f"at {expected} by its shape and type: one of them disagrees with the data written")

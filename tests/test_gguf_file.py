@@ -201,6 +201,19 @@ def test_truncated_tensor_data(nano_path, tmp_path):
         GGUFModelFile.open(path)
 
 
+def test_a_tensor_offset_past_any_file_is_a_damaged_directory(nano_path, tmp_path):
+    """An offset (or dims) past any real file said "the file is truncated", which no longer file mends."""
+    data = bytearray(nano_path.read_bytes())
+    at = data.index(b"token_embd.weight") + len(b"token_embd.weight")
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<Q", data, at + 4 + 8 * n_dims + 4, 1 << 55)
+    path = tmp_path / "far.gguf"
+    path.write_bytes(data)
+    with raises_for(path, r"token_embd\.weight", f"its offset {1 << 55} ask for more than a pebibyte: the tensor "
+                    "directory is damaged"):
+        GGUFModelFile.open(path)
+
+
 @pytest.mark.parametrize("keep, message", [
     (30, "more than 30 bytes can hold"),  # the counts are intact but nothing else is
     (5000, r"tokenizer\.ggml\.tokens claims 1024 STRING elements"),  # inside the tokenizer strings
