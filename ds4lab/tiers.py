@@ -333,8 +333,10 @@ class Placement:
         n_tiers = len(self.devices or self.budgets or ()) or max(unit_tiers) + 1
         for u, t in enumerate(unit_tiers):
             if not 0 <= t < n_tiers:
+                given = (f" (one a device: {plural(len(self.devices), 'device')} given)" if self.devices else
+                         f" (one a budget: {plural(len(self.budgets), 'budget')} given)" if self.budgets else "")
                 raise ValueError(f"{unit_name(u - 1, cfg.n_layer)} is on tier {t}, but the plan has tiers "
-                                 f"0…{n_tiers - 1}")
+                                 f"0…{n_tiers - 1}{given}")
         tiers = make_tiers(backend, self.devices, n_tiers, self.group)
         memory = []
         for t in range(n_tiers):

@@ -126,7 +126,10 @@ def test_by_memory_splits_in_proportion(model):
 
 @pytest.mark.parametrize("placement, message", [
     (lambda: Placement(layer_tiers=[0, 1]), "has 2 entries; the model has 6 layers"),
-    (lambda: Placement(layer_tiers=[0, 0, 1, 1, 2, 2], devices=["cpu", "cpu"]), "layer 4 is on tier 2"),
+    (lambda: Placement(layer_tiers=[0, 0, 1, 1, 2, 2], devices=["cpu", "cpu"]),
+     "layer 4 is on tier 2, but the plan has tiers 0…1 (one a device: 2 devices given)"),
+    (lambda: Placement(layer_tiers=[0, 0, 1, 1, 1, 1], budgets=[1e9]),
+     "layer 2 is on tier 1, but the plan has tiers 0…0 (one a budget: 1 budget given)"),
     (lambda: Placement(layer_tiers=[0, 0, 0, -1, 0, 0]), "3] is -1: a tier is a whole number >= 0"),
     (lambda: Placement(layer_tiers=[0] * 6, budgets=[1_000_000]), "tier 0 (logical:0) needs"),
     (lambda: Placement.by_memory([1 << 20, 1 << 20]), "the budgets leave"),
