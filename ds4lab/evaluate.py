@@ -109,6 +109,8 @@ def top_k_rows(scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
 def top_k_recall(mass: np.ndarray, scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
     """For each query that sees more than ``k`` rows: the share of its mass over its visible rows that falls on
     the ``k`` visible rows of highest score (ties to the lower row, as the indexer breaks them)."""
+    if not is_int(k) or k < 1:
+        raise ValueError(f"k must be a whole number of rows, at least 1, got {k!r}")
     keep = n_visible > k
     m = np.where(_visible(n_visible, mass.shape[1]), mass, 0.0)
     return (m * top_k_rows(scores, n_visible, k)).sum(axis=-1)[keep] / m.sum(axis=-1)[keep]

@@ -420,6 +420,10 @@ def test_next_token_loss_checks_its_ids(model):
             held_out_split("abc", fraction)
     with pytest.raises(ValueError, match="top_k must be a whole number of rows, at least 1, got 2.5"):
         with_top_k(model, 2.5)
+    from ds4lab.evaluate import top_k_recall
+
+    with pytest.raises(ValueError, match="k must be a whole number of rows, at least 1, got 0"):  # a broadcast error
+        top_k_recall(np.ones((2, 4)), np.ones((2, 4)), np.array([4, 4]), 0)
 
 
 def test_row_edits_refuse_what_they_would_change_otherwise(model, prefixes):
