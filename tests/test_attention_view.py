@@ -136,7 +136,7 @@ def test_a_few_compressed_rows_get_legible_columns_and_headers(cap):
     assert comp["stop"] - comp["start"] == 2 and "×2 keys" in m.note  # the raw window still pooled
     assert all(x1 - x0 >= fig.FEW_PX for x0, x1 in m.col_edges[comp["start"] : comp["stop"]])
     assert [t for _, t in m.xticks if t.startswith("c")] == ["c0", "c1"]
-    assert [g["label"] for g in m.groups] == ["raw window (320 keys)", "comp", "sink"]
+    assert [g["label"] for g in m.groups] == ["raw keys 0–319 (320)", "comp", "sink"]  # no "window": it is 64
     for layer, zoom in ((3, None), (2, None), (2, ((280, 320), (300, 401))), (3, ((0, 320), (300, 323)))):
         view.show(layer, 0)
         if zoom:
@@ -154,7 +154,7 @@ def test_a_few_compressed_rows_get_legible_columns_and_headers(cap):
     with sess.capture(["attn.scores"], layers=[3], heads=[0]) as one:
         sess.prefill(cap.session.tokens[:200]).run(progress=False)
     m = AttentionView(one).model
-    assert [(g["label"], g["stop"] - g["start"]) for g in m.groups] == [("raw window (200 keys)", 200), ("comp", 1),
+    assert [(g["label"], g["stop"] - g["start"]) for g in m.groups] == [("raw keys 0–199 (200)", 200), ("comp", 1),
                                                                           ("sink", 1)]
     comp = m.groups[1]
     assert comp["x1"] - comp["x0"] == fig.FEW_PX and comp["x0"] <= comp["label_x"] <= comp["x1"]

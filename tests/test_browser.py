@@ -828,7 +828,7 @@ def test_attention_view_renders(page):
     # a thin grey line between "comp" and "sink", so that they read as two headers (they were 4 px apart)
     assert _separated(canvas, (LEFT + WIDTH - 60) * k, (LEFT + WIDTH) * k)
     font = canvas.evaluate("(c) => { const x = c.getContext('2d'); x.font = '11px ui-monospace, Menlo, Consolas, "
-                           "monospace'; return x.measureText('raw window (320 keys) comp sink').width / 31; }")
+                           "monospace'; return x.measureText('raw keys 0–319 (320) comp sink').width / 30; }")
     assert font <= HEADER_CHAR
     out.screenshot(path=str(ARTIFACTS / "attention_view_layer3.png"))
     # a small multiple clicked: head 1, and the tooltip follows

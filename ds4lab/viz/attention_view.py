@@ -407,7 +407,8 @@ class AttentionView(View):
         nr, whole = amap.n_raw, (lo, hi) in ((0, amap.n_raw), (amap.n_raw, amap.n_raw + amap.n_comp))
         if g == "raw":
             p = amap.raw_positions
-            return f"raw window ({plural(n, 'key')})" if whole else f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
+            # every raw position some query saw: not "the window", which each query has of its own (64 here)
+            return f"raw keys {p[lo]}–{p[hi - 1]} ({n})"
         if whole:  # "4:1": the compression ratio, not a pooling of the drawing
             return f"compressed {amap.ratio}:1 ({plural(n, 'row')})"
         return f"compressed rows {lo - nr}–{hi - 1 - nr}"
