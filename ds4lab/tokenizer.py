@@ -172,9 +172,7 @@ class Tokenizer:
         # Later duplicates win, as in ds4's hash tables (table_put overwrites).
         self._token_id = {t: i for i, t in enumerate(self.tokens)}
         self._merge_rank = {m: r for r, m in enumerate(merges)}
-        # A piece's ids, kept for the PIECE_CACHE most recent: text repeats its words, and a server's tokenizer
-        # must not grow with every new word it is sent.
-        self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._bpe)
+        self._new_piece_cache()
         self._token_bytes = [self._decode_token(t) for t in self.tokens]
         self.max_token_bytes = max(map(len, self._token_bytes), default=1)  # the longest token's text
 
@@ -187,12 +185,17 @@ class Tokenizer:
         (self.bos_id, self.eos_id, self.user_id, self.assistant_id,
          self.think_id, self.think_end_id, self.dsml_id) = ids
 
+    def _new_piece_cache(self) -> None:
+        """A piece's ids, kept for the PIECE_CACHE most recent: text repeats its words, and a server's tokenizer
+        must not grow with every new word it is sent."""
+        self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._bpe)
+
     def __getstate__(self) -> dict:  # the cache wraps a bound method: a pickle (a process's copy) starts without it
         return {k: v for k, v in self.__dict__.items() if k != "_piece_ids"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._bpe)
+        self._new_piece_cache()
 
     @classmethod
     def from_metadata(cls, meta: dict) -> Tokenizer:

@@ -8,8 +8,8 @@ checkpoint of the same model; the source is never modified. An edited checkpoint
 each edit in ``edits``: a session restored from it says so (``Session.edits``), ``sync`` never reuses it as
 the state of its tokens, and ``KVStore.save`` refuses it (a store entry would be found as the clean state of
 its text). ``save_kv`` writes it to a path of the caller's choosing, as one ``KVC`` file in ds4-server's
-format (docs/FORMATS.md): ds4's format has no field for the edits, so the file does not carry them; ``load_kv``
-reads one back, checked.
+format (docs/FORMATS.md): ds4's format has no field for the edits, so the file carries only ds4lab's mark that its
+state was edited (its trailer's flag); ``load_kv`` reads one back, checked, and marked edited where the file says so.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def save_kv(cp: Checkpoint, path: str | os.PathLike, model, reason: str = "shutd
     model fingerprint checked). Payload rows are float32 (ds4's format), ``DSV4``
     version ``payload_version``: 2 for ds4 since 2026-05-26, 1 for a ds4 built before. An edited checkpoint's file
     says it was edited (its trailer's flag; version 2 only), so that what loads it is marked edited too."""
-    cp.check_model(model.config, getattr(getattr(model, "file", None), "fingerprint", None))
+    cp.check_model(model.config, model_fingerprint(model))
     if cp.logits is None:
         raise ValueError("a .kv file holds next-token logits; this checkpoint has none")
     path = Path(path)
