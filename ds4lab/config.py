@@ -22,6 +22,14 @@ def is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def check_count(value, name: str, least: int = 1, of: str | None = None) -> int:
+    """``value`` as an int, refused by ``name`` unless a whole number (``of``: of what) of at least ``least``."""
+    if not is_int(value) or value < least:
+        what = "a whole number" + (f" of {of}" if of else "")
+        raise ValueError(f"{name} must be {what}, at least {least}, got {value!r}")
+    return int(value)
+
+
 class ModelFileError(ValueError):
     """A model file that cannot be used; the message names the file and the key or tensor."""
 

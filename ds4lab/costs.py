@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as Q
 
 from .arch import coff
-from .config import ModelConfig, is_int
+from .config import ModelConfig, check_count
 from .gguf_file import tensor_byte_shape
 from .kv.layout import graph_caps, layer_comp_cap
 
@@ -126,8 +126,7 @@ def _check(cfg, start: int, n: int, ctx: int, **sizes) -> None:
     if not isinstance(cfg, ModelConfig):  # a Model for its config failed on an attribute
         raise TypeError(f"the first argument is a ModelConfig (model.config), not {type(cfg).__name__}")
     for name, value in dict(start=start, n=n, ctx=ctx, **sizes).items():
-        if not is_int(value) or value < (0 if name == "start" else 1):
-            raise ValueError(f"{name} must be a whole number, at least {0 if name == 'start' else 1}, got {value!r}")
+        check_count(value, name, least=0 if name == "start" else 1)
     if start + n > ctx:
         raise ValueError(f"positions {start}…{start + n - 1} exceed the context of {ctx} tokens")
 

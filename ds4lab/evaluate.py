@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from .config import is_int, replace
+from .config import check_count, replace
 from .kv.layout import layer_comp_cap
 from .model.attention import visible_rows
 from .model.functional import topk_mask
@@ -59,8 +59,7 @@ def held_out_split(text: str, fraction: float = 0.9) -> tuple[str, str]:
 def with_top_k(model, top_k: int):
     """A copy of ``model`` (same weights, backend and numerics) whose indexer keeps ``top_k`` compressed rows per
     query; ``FULL_ATTENTION`` lets every query attend all its visible rows."""
-    if not is_int(top_k) or top_k < 1:
-        raise ValueError(f"top_k must be a whole number of rows, at least 1, got {top_k!r}")
+    check_count(top_k, "top_k", of="rows")
     out = copy.copy(model)
     out.config = replace(model.config, idx_topk=top_k)
     out.transformer = Transformer(out.config, model.transformer.weights, model.transformer.ops, model.numerics)
@@ -109,8 +108,7 @@ def top_k_rows(scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
 def top_k_recall(mass: np.ndarray, scores: np.ndarray, n_visible: np.ndarray, k: int) -> np.ndarray:
     """For each query that sees more than ``k`` rows: the share of its mass over its visible rows that falls on
     the ``k`` visible rows of highest score (ties to the lower row, as the indexer breaks them)."""
-    if not is_int(k) or k < 1:
-        raise ValueError(f"k must be a whole number of rows, at least 1, got {k!r}")
+    check_count(k, "k", of="rows")
     keep = n_visible > k
     m = np.where(_visible(n_visible, mass.shape[1]), mass, 0.0)
     return (m * top_k_rows(scores, n_visible, k)).sum(axis=-1)[keep] / m.sum(axis=-1)[keep]
@@ -157,8 +155,7 @@ def indexer_figures(model, ids) -> dict:
 
 def held_out_ids(model, predictions: int = HELD_OUT_PREDICTIONS) -> np.ndarray:
     """The first ``predictions + 1`` tokens of the held-out tinyshakespeare text (the repository's ``data/``)."""
-    if not is_int(predictions) or predictions < 1:
-        raise ValueError(f"predictions must be a whole number, at least 1, got {predictions!r}")
+    check_count(predictions, "predictions")
     from .testing import data_file
 
     _, held_out = held_out_split(data_file("tinyshakespeare.txt").read_text(encoding="utf-8"))

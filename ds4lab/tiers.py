@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import is_int
+from .config import check_count, is_int
 from .text_table import aligned, plural
 
 EMBED = -1  # the layer index records give the embedding; the output head is n_layer
@@ -200,7 +200,6 @@ class TierMemory:
 Plan = Callable[[int, list[int], int], list[int]]  # (n_layer, unit costs, activation bytes) -> unit tiers
 
 
-
 def _byte_counts(values) -> list[int]:
     """Budgets: a non-empty list of positive, finite byte counts (1e9 is one), refused by name otherwise."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
@@ -210,6 +209,7 @@ def _byte_counts(values) -> list[int]:
                              for b in values):
         raise ValueError(f"budgets must be positive byte counts, got {values}")
     return [int(b) for b in values]
+
 
 class Placement:
     """Which tier runs the embedding, each layer and the output head.
@@ -272,8 +272,7 @@ class Placement:
     @classmethod
     def even(cls, n_tiers: int, devices: Sequence[str] | None = None) -> "Placement":
         """Contiguous, equal runs of layers; the embedding on the first tier, the head on the last."""
-        if not is_int(n_tiers) or n_tiers < 1:
-            raise ValueError(f"n_tiers must be a whole number, at least 1, got {n_tiers!r}")
+        check_count(n_tiers, "n_tiers")
         if devices is not None and len(devices) != n_tiers:
             raise ValueError(f"{len(devices)} devices for {n_tiers} tiers")
 
