@@ -135,9 +135,16 @@ def attention_shape(mass: np.ndarray, n_visible: np.ndarray) -> dict:
     """How concentrated the attention over the compressed rows is: the mean entropy (nats) of each query's mass
     over its visible rows, against that of an even spread over them (the mean of log n), and how many rows back
     from the newest visible one the heaviest sits (10th, 50th and 90th percentiles over the queries). Every query
-    sees at least one row."""
+    sees at least one row, holding some of its mass."""
+    n_visible = np.asarray(n_visible)
     m = np.where(_visible(n_visible, mass.shape[1]), mass, 0.0)
-    p = m / m.sum(axis=-1, keepdims=True)
+    total = m.sum(axis=-1, keepdims=True)
+    empty = np.nonzero(~(total[:, 0] > 0))[0]
+    if len(empty):  # a spread over nothing: 0/0, a NaN entropy and a warning
+        q = int(empty[0])
+        raise ValueError(f"query {q} sees {int(n_visible[q])} rows holding mass {float(total[q, 0])}: every query "
+                         "needs a visible row with mass")
+    p = m / total
     entropy = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(axis=-1)
     back = n_visible - 1 - p.argmax(axis=-1)
     return {"entropy": float(entropy.mean()), "even_entropy": float(np.log(n_visible).mean()),

@@ -230,8 +230,9 @@ class Capture:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.session.hook_observer = self._prev_observer
-        self._active = False
+        if self._active:
+            self.session._end_observer(self._observe, self._prev_observer)
+            self._active = False
 
     # -- recording ------------------------------------------------------------------------------------
     def _wanted(self, name: str) -> bool:

@@ -23,8 +23,8 @@ session that never intervened, bit for bit. The block's result stays readable on
 (``iv.logits``, ``iv.tokens``, ``iv.checkpoint``: a checkpoint marked with the edits). With ``keep=True``
 the session keeps the edited state, and says so: ``sess.edits`` lists the edits, checkpoints taken from it
 carry them (``Checkpoint.edits``), ``sync`` never reuses it, and its ``kv_store`` never saves it (a store entry
-would be restored as the state of its text). An edit that never applied inside its block (e.g. rows that did
-not exist yet) is reported with a warning when the block ends.
+would be restored as the state of its text). An edit that never applied inside its block (rows that did not
+exist yet, positions or queries that no step reached) is reported with a warning when the block ends.
 
 Checkpoint edits (rows overwritten in a saved state, saved as a ``.kv`` file) are in :mod:`ds4lab.kv.edit`.
 """
@@ -147,6 +147,8 @@ def ablate_rows(layer: int, rows=None) -> Edit:
 
     def fn(value, site):
         m = site.numpy(value).astype(bool)
+        if sel is not None and not (sel < m.shape[1]).any():
+            return None  # none of the rows exists yet: nothing to edit
         keep = np.zeros(m.shape[1], bool) if sel is None else ~_mask(sel, m.shape[1])
         return site.array(m & keep)
 
@@ -165,11 +167,12 @@ def force_topk(layer: int, rows, queries=None) -> Edit:
         m = site.numpy(value).astype(bool)
         C, n = m.shape
         pos = site.query_positions(C)
+        here = np.ones(C, bool) if at is None else np.isin(pos, at)
+        if not here.any():
+            return None  # none of the queries is in this step
         R = site.model.config.ratio(layer)
         forced = (np.arange(n)[None, :] < ((pos + 1) // R)[:, None]) & _mask(sel, n)[None, :]
-        if at is not None:
-            forced = np.where(np.isin(pos, at)[:, None], forced, m)
-        return site.array(forced)
+        return site.array(np.where(here[:, None], forced, m))
 
     who = "" if at is None else f" at positions {at.tolist()}"
     return Edit(f"blk.{layer}.attn.comp_visible", fn, f"blk.{layer} indexer top-k forced to rows {sel.tolist()}{who}",
@@ -219,8 +222,11 @@ def replace_experts(layer: int, experts, positions=None) -> Edit:
     def fn(value, site):
         chosen = site.numpy(value).astype(np.int64)
         pos = site.pos0 + np.arange(chosen.shape[0])
+        here = slice(None) if at is None else np.isin(pos, at)
+        if at is not None and not here.any():
+            return None  # none of the positions is in this step
         new = chosen.copy()
-        new[slice(None) if at is None else np.isin(pos, at)] = ids
+        new[here] = ids
         return value if np.array_equal(new, chosen) else new  # the router's own choice: the model's own value
 
     def check(model):
@@ -306,7 +312,8 @@ class Intervention:
 
     def __exit__(self, exc_type, *exc) -> None:
         s = self.session
-        s.hook_observer, s._active_edits = self._prev_observer, self._prev_active
+        s._end_observer(self._observe, self._prev_observer)
+        s._active_edits = self._prev_active
         self.checkpoint = s.snapshot()
         if not self.keep:
             s.restore(self._entry)

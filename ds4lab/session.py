@@ -204,6 +204,15 @@ class Session:
     # Called as fn(name, value) at the hook points of every step this session runs while set (ds4lab.hooks.Capture
     # sets it for its with block); each step hands it to the model's runtime, so sessions capture independently.
     hook_observer = None
+
+    def _end_observer(self, observer, previous) -> None:
+        """At the end of the block that set ``observer``, put ``previous`` back; refused, with nothing changed,
+        while a block opened inside it is still open (closed in this order, that one would put this block's
+        observer back after it: edits applied past their block)."""
+        if self.hook_observer != observer:  # bound methods: equal, not the same object
+            raise RuntimeError("a capture or intervention opened inside this block is still open: close it first")
+        self.hook_observer = previous
+
     # The step a Decode launched ahead of the live state (a _Pending), kept here so that any change of the state
     # drops it (_commit) with the device memory of its state.
     _ahead = None

@@ -35,6 +35,9 @@ def test_attention_shape_by_hand():
     assert got["entropy"] == pytest.approx((np.log(4) + h2) / 2, rel=1e-12)
     assert got["even_entropy"] == pytest.approx((np.log(4) + np.log(3)) / 2, rel=1e-12)
     assert got["heaviest_back"] == pytest.approx([1.2, 2.0, 2.8], rel=1e-12)  # numpy's linear percentiles of 3, 1
+    for n in ([4, 0], [4, 3]):  # a query seeing nothing, one whose visible rows hold no mass (0/0 before)
+        with pytest.raises(ValueError, match="query 1 sees"):
+            attention_shape(mass * np.array([[1.0], [float(n[1] == 0)]]), np.array(n))
 
 
 @pytest.fixture(scope="module")

@@ -462,3 +462,42 @@ def test_an_intervention_runs_one_block(model, prefixes):
         with iv:
             pass
     assert sess.hook_observer is None
+
+
+def test_edits_with_nothing_to_edit_in_the_block_are_reported(model, prefixes):
+    """Rows past the state and positions or queries no step reached edit nothing: counted as not applied (each
+    counted once before), so the block warns; the step's own position is applied."""
+    sess, cp, _ = prefixes
+    cfg = model.config
+    own = list(range(cfg.n_expert_used))
+    step = PREFIX  # the position _step evaluates
+    for edit in (ablate_rows(4, rows=[PREFIX]), replace_experts(4, own, positions=[step + 1]),
+                 force_topk(2, [0], queries=[step + 1])):
+        with pytest.warns(UserWarning, match="never applied"):
+            _, _, iv = _step(sess, cp, [edit])
+        assert iv.applied == [0]
+    _, _, iv = _step(sess, cp, [ablate_rows(4, rows=[3, PREFIX]), replace_experts(4, own, positions=[step]),
+                                force_topk(2, [0], queries=[step])])
+    assert iv.applied == [1, 1, 1]
+
+
+def test_blocks_closed_out_of_order_are_refused(model, prefixes):
+    """An intervention closed (by hand) while a capture opened inside it is still open: closed in that order, the
+    capture put the intervention's observer back, so its edit ran on after the block. Refused now, nothing changed."""
+    sess, cp, _ = prefixes
+    sess.restore(cp)
+    iv = sess.intervene([ablate_sink(2)])
+    iv.__enter__()
+    cap = sess.capture(["attn.sinks"], layers=[2])
+    cap.__enter__()
+    with pytest.raises(RuntimeError, match="opened inside this block is still open"):
+        iv.__exit__(None, None, None)
+    sess.decoder(temperature=0).step()  # still inside both blocks: the capture sees the edited sinks
+    assert np.isneginf(cap["blk.2.attn.sinks"]).all()
+    cap.__exit__(None, None, None)
+    iv.__exit__(None, None, None)
+    assert sess.hook_observer is None and list(sess.tokens) == list(cp.tokens)
+    sess.prefill(list(cp.tokens) + [NEXT]).step()
+    after = sess.logits.copy()
+    clean, _, _ = _step(sess, cp)
+    np.testing.assert_array_equal(after, clean)

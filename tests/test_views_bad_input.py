@@ -104,6 +104,8 @@ def test_attention_view_shows_the_head_asked_for_or_refuses(heads_cap):
     assert (view.layer, view.head) == (3, 3)
     with pytest.raises(TypeError, match=r"zoom: queries is a pair of indices \(start, end\), got 5"):
         view.zoom(queries=5)
+    with pytest.raises(TypeError, match=r"zoom: keys is a pair of indices \(start, end\), got \(True, 3\)"):
+        view.zoom(keys=(True, 3))  # read as (1, 3) before
 
 
 def test_kv_cache_view_refuses_layers_and_checkpoints_it_cannot_show(sess, model_paths):

@@ -266,7 +266,7 @@ class AttentionView(View):
         Q, K = self.weights().shape
         for name, pair in (("queries", queries), ("keys", keys)):
             if pair is not None and not (isinstance(pair, (tuple, list)) and len(pair) == 2
-                                         and all(isinstance(i, (int, np.integer)) for i in pair)):
+                                         and all(is_int(i) for i in pair)):
                 raise TypeError(f"zoom: {name} is a pair of indices (start, end), got {pair!r}")
         (a, b), (c, d) = queries or (0, Q), keys or (0, K)
         if not (0 <= a < b <= Q and 0 <= c < d <= K):
