@@ -360,6 +360,25 @@ def test_lookup_takes_the_longest_stored_prefix(tmp_path):
 
 
 
+def test_short_pro_file_opens_without_a_config(tmp_path):
+    """A Pro file (model id 1, 61 layers) of fewer than 128 tokens: its first two layers (ratio 128) hold no rows
+    yet, only their compressors' pending states, so the row counts cannot tell their ratio; Flash's schedule (0)
+    read those states as trailing bytes, a damaged file. Header byte 7 says Pro: Pro's schedule."""
+    T, ctx = 100, 1024
+    payload = random_payload(PRO, T, ctx, 256)
+    text = b"a short Pro prompt"
+    path = Path(KVStore(tmp_path).put(text, encode_payload(payload, PRO), tokens=T, ctx=ctx, quant_bits=2,
+                                      model_id=1).path)
+    kf = KVFile.open(path)
+    assert kf.ratios == PRO.compress_ratios and kf.header["model"] == "DeepSeek V4 PRO"
+    assert np.array_equal(kf.layers[0].state["comp_state_kv"], payload.layers[0].comp_state_kv)
+    data = bytearray(path.read_bytes())
+    data[7] = 0  # the same bytes said to be Flash's: its schedule, and the states do not fit it
+    (tmp_path / "flash.kv").write_bytes(bytes(data))
+    with pytest.raises(KVFileError, match="trailing"):
+        KVFile.open(tmp_path / "flash.kv")
+
+
 def test_lookup_keeps_to_its_models_family(tmp_path):
     """Header byte 7 names the model (0 Flash, 1 Pro): ds4's lookup takes only its own model's files, and so does a
     lookup given the model's id; a store writes the id it is given (ds4_model_id of the model's config)."""

@@ -219,12 +219,13 @@ class KVHeader:
         abi &= 0xFF  # ds4 reads byte 20 alone
         base, codec = abi & ~CODEC_ABI_MARK, ext & (EXT_Q8 | EXT_ZLIB | EXT_ZSTD)
         if base not in PAYLOAD_VERSION_OF_ABI or (abi & CODEC_ABI_MARK and not codec):
-            newer = ": a newer ds4 wrote it, which this ds4lab cannot read" if base > 2 else ""
+            newer = ": a newer ds4 or a fork of it (forks write 3 and 4) wrote it, which this ds4lab cannot read" \
+                if base > 2 else ""
             raise KVFileError(path, "payload_abi", abi, "0 or 2 (+ 0x80 with a codec bit)",
                               f"payload_abi (header byte 20) is {abi:#04x}, expected 0 (ds4 before 2026-05-26) or 2 "
                               f"(ds4 since), plus 0x80 for ds4lab's codec payloads (ext bits 4-6){newer}")
         if model not in DSV4_MODEL_IDS:
-            name = f"{MODELS[model]}'s" if model in MODELS else "an unknown model's"
+            name = f"{MODELS[model]}'s" if model in MODELS else "a model of a newer ds4's"
             raise KVFileError(path, "model_id", model, "0 (DeepSeek V4 Flash) or 1 (V4 PRO)",
                               f"model_id (header byte 7) is {model}: {name} KV state, whose payload ds4lab does not "
                               f"read (it reads DeepSeek V4's: 0 Flash, 1 PRO)")
@@ -690,7 +691,7 @@ class KVFile:
         try:  # the DSV4 payload, checked against itself (and ``config``) by the one payload parser
             q8 = bool(hdr.ext_flags & EXT_Q8)
             self._layout = parse_layout(self._payload_buf, config, base=base, size=size, q8=q8,
-                                        version=hdr.payload_version)
+                                        version=hdr.payload_version, like=PRO if hdr.model_id == 1 else FLASH)
         except PayloadError as e:
             raise KVFileError(path, f"payload {e.field}", e.got, e.expected, f"payload: {e}") from None
         for field, payload_field in (("tokens", "n_tokens"), ("ctx_size", "ctx")):  # ds4 writes both from the session

@@ -339,9 +339,11 @@ def with_version(data, version: int) -> bytes:
     return bytes(out)
 
 
-def infer_ratios(n_tokens: int, n_comp, n_index) -> tuple[int, ...]:
+def infer_ratios(n_tokens: int, n_comp, n_index, like=FLASH) -> tuple[int, ...]:
     """Per-layer compression ratios from the row counts (the file does not store them); where the counts do
-    not tell (no rows yet), ds4's schedule."""
+    not tell (no rows yet), the schedule of ``like`` (ds4's Flash or Pro, whose first two layers differ: 0 and 128)
+    for a model of its depth, else ds4's Flash schedule."""
+    n_layer = len(n_comp)
     out = []
     for il, (nc, ni) in enumerate(zip(n_comp, n_index)):
         if ni:
@@ -350,7 +352,8 @@ def infer_ratios(n_tokens: int, n_comp, n_index) -> tuple[int, ...]:
             out.append(128)
         else:
             possible = [0] + [r for r in (4, 128) if n_tokens < r]
-            out.append(ds4_ratio(il) if ds4_ratio(il) in possible else 0)
+            ratio = like.compress_ratios[il] if n_layer == like.n_layer else ds4_ratio(il)
+            out.append(ratio if ratio in possible else 0)
     return tuple(out)
 
 
@@ -361,7 +364,7 @@ def _count_field(index: int, n_layer: int) -> str:
 
 def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | None = None, base: int = 0,
                  size: int | None = None, q8: bool = False, full_ok: bool = False,
-                 version: int | None = None) -> PayloadLayout:
+                 version: int | None = None, like=FLASH) -> PayloadLayout:
     """Check a payload at ``buf[base:base + size]`` (default: to the end) and locate every array in it.
 
     Nothing is read but the header and the row counts, nothing is copied, and every size is checked
@@ -372,7 +375,8 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     and chunk, as ``ds4_session_load_payload`` does (graph path, ds4.c:16327-16656), check by check.
     Without them it is checked against itself: its own context, ring and compressed capacity.
     ``cfg`` gives the layer dimensions and per-layer ratios; without it the ratios are inferred from the
-    row counts (:func:`infer_ratios`). ``q8``: a payload whose KV rows (:data:`ROW_FIELDS`) are 8-bit (version
+    row counts (:func:`infer_ratios`; ``like``: the ds4 model whose schedule fills in layers with no rows yet, Pro
+    for a KVC file that says so). ``q8``: a payload whose KV rows (:data:`ROW_FIELDS`) are 8-bit (version
     ``Q8_VERSION_BIT | v``). ``full_ok``: the session is the one that wrote it (its own ctx), which held
     ``T == ctx`` legally; ds4's rule (``T < ctx``) is for a session that is to go on generating. ``version``: the
     one the payload must have (a KVC file's header says it), else 1 or 2.
@@ -444,7 +448,7 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     if inferred:
         # a config carrying only what the layout depends on (dataclasses.replace: no checks on file values)
         cfg = dataclasses.replace(FLASH, n_layer=n_layer, head_dim=h["head_dim"], idx_dim=h["indexer_head_dim"],
-                                  n_vocab=h["vocab"], compress_ratios=infer_ratios(T, counts[0], counts[1]))
+                                  n_vocab=h["vocab"], compress_ratios=infer_ratios(T, counts[0], counts[1], like))
     for kind, label in ((0, "compressed"), (1, "indexer")):
         for il in range(n_layer):
             field, n = _count_field(kind * n_layer + il, n_layer), counts[kind][il]
