@@ -221,7 +221,10 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
     previous = 0
     for frontier in frontiers(ctx_start, ctx_max, step_incr, step_mul):
         began = time.perf_counter()
-        sess.sync(tokens[:frontier])
+        if previous == 0:  # from zero, as ds4-bench: sync would restore the warm-up's checkpoint (or a caller's)
+            sess.prefill(tokens[:frontier]).run(progress=False)
+        else:
+            sess.sync(tokens[:frontier])
         prefill_seconds = time.perf_counter() - began
 
         snapshot = sess.checkpoint()

@@ -331,13 +331,17 @@ def test_bench_warms_up_untimed_and_leaves_the_rows_as_they_were(nano_np):
     is emptied after them: the first frontier is prefilled from zero and every row's probe is a cold sweep's."""
     tokens, _ = bench.prompt_tokens(nano_np, None, min_tokens=60)
     sess = nano_np.session(ctx=60 + 6 + 1, prefill_chunk=32, max_checkpoints=2)
-    decoders, resets = [], []
-    decoder, reset = sess.decoder, sess.reset
+    decoders, resets, restores = [], [], []
+    decoder, reset, restore = sess.decoder, sess.reset, sess.restore
     sess.decoder = lambda *a, **k: decoders.append(len(sess.tokens)) or decoder(*a, **k)
     sess.reset = lambda: resets.append(len(sess.tokens)) or reset()
+    sess.restore = lambda cp: restores.append(len(cp)) or restore(cp)
     rows = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, step_incr=20, gen_tokens=6, session=sess,
                             warmup=3))
-    assert decoders == [16, 40, 60] and resets[-1] == 16 + 3  # (sync also resets an empty session)
+    assert decoders == [16, 40, 60] and resets[-1] == 16 + 3  # (prefill also resets an empty session)
+    # only the frontiers' snapshots are restored (the first frontier restored the warm-up's 16 tokens and
+    # evaluated 24 where its row said 40: a prefill rate 1.7x too high)
+    assert restores == [40, 60]
     cold = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, step_incr=20, gen_tokens=6, warmup=0))
     assert [(r.prefill_tokens, r.probe) for r in rows] == [(r.prefill_tokens, r.probe) for r in cold]
     assert [r.prefill_tokens for r in rows] == [40, 20]

@@ -298,8 +298,17 @@ def test_geometry_follows_ds4(nano_np, monkeypatch):
     s = nano_np.session(ctx=1000, prefill_chunk=512)
     assert s.geometry.raw_cap == 300
     s.prefill(PROMPT).run(progress=False)
+    for env in ("32", "0", "-5"):  # the window or less: one slot past it, a token a step (was step 0: a division by 0)
+        monkeypatch.setenv("DS4_METAL_GRAPH_RAW_CAP", env)
+        g = Geometry.for_context(cfg, 4096, 512)
+        assert (g.raw_cap, g.step) == (33, 1), env
+    assert Geometry.for_context(cfg, 32, 32).raw_cap == 32  # a ring of the whole context takes whole chunks
+    short = nano_np.session(ctx=1000, prefill_chunk=512)
+    short.prefill(PROMPT[:40]).run(progress=False)
     monkeypatch.delenv("DS4_METAL_GRAPH_RAW_CAP")
     ref = nano_np.session(ctx=1000, prefill_chunk=512)
+    ref.prefill(PROMPT[:40]).run(progress=False)
+    np.testing.assert_allclose(short.logits, ref.logits, rtol=1e-9, atol=1e-9)
     ref.prefill(PROMPT).run(progress=False)
     np.testing.assert_allclose(s.logits, ref.logits, rtol=1e-9, atol=1e-9)
 

@@ -57,7 +57,9 @@ class Geometry:
         default_cap, window, comp_cap = graph_caps(cfg, ctx, chunk)
         if raw_cap is None:
             raw_cap = raw_cap_from_env()
-        raw_cap = default_cap if raw_cap is None else max(window, min(raw_cap, ctx, RAW_CAP_MAX))
+        # ds4 keeps an override at the window or more; one slot more, so that a step can take a token (a ring of just
+        # the window, smaller than the context, would take none: step 0)
+        raw_cap = default_cap if raw_cap is None else max(min(window + 1, ctx), min(raw_cap, ctx, RAW_CAP_MAX))
         return cls(ctx=ctx, chunk=chunk, raw_cap=raw_cap, window=window, comp_cap=comp_cap)
 
     @property
