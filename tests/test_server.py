@@ -395,6 +395,15 @@ BAD = [  # (endpoint, body, status, param, code)
     ("completion", {"model": "shakespeare", "prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
     ("completion", {"model": "shakespeare", "prompt": "x", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
     ("completion", {"model": "shakespeare", "prompt": "x", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    # sampler controls that would change the tokens (ignored before: a 200 as if they had not been sent)
+    ("completion", {"model": "shakespeare", "prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias",
+     "unsupported_parameter"),
+    ("completion", {"model": "shakespeare", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty",
+     "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, 400,
+     "presence_penalty", "unsupported_parameter"),
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
+              "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n",
      "unsupported_parameter"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
@@ -444,7 +453,8 @@ def test_requests_that_are_no_api_call_are_refused_in_its_error_shape(server):
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={})  # an Anthropic client's: its error shape
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(server.url + "/v1/completions", json={"model": "shakespeare", "prompt": "x", "n": 1.0,
-                                                         "echo": False, "max_tokens": 1})
+                                                         "echo": False, "max_tokens": 1, "frequency_penalty": 0,
+                                                         "presence_penalty": 0.0, "logit_bias": {}})
     assert r.status_code == 200  # the one value the server does anyway, as a float: accepted
     r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "max_tokens": 8, "messages": [
         {"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": "lots"}})

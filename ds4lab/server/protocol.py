@@ -211,13 +211,18 @@ def _refuse_tools(data: dict) -> None:
 
 
 _NOTHING = object()  # no value but null is taken
-_CHAT_UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0}
-_COMPLETION_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": _NOTHING}
+# the sampler's other controls: penalties, biases and a forced format change the tokens, so ignoring them would not do
+_SAMPLER_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
+_CHAT_UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
+                     **_SAMPLER_UNSUPPORTED}
+_COMPLETION_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": _NOTHING,
+                           **_SAMPLER_UNSUPPORTED}
 
 
 def _refuse_unsupported(data: dict, allowed: dict) -> None:
     """Fields whose other values ask for what this server does not do (several choices, log-probabilities, the
-    prompt echoed): refused by name unless absent or the one value it does anyway (n 1, echo false)."""
+    prompt echoed, penalties, logit biases, a response format): refused by name unless absent or the one value it
+    does anyway (n 1, echo false, penalty 0, no biases, plain text)."""
     for key, ok in allowed.items():
         value = data.get(key)
         if value is not None and not (value == ok and isinstance(value, bool) == isinstance(ok, bool)):
