@@ -465,7 +465,9 @@ def test_serve_port_out_of_range_is_refused_while_parsing(port, capsys):
     assert f"--port: expected a port number in [0, 65535], got '{port}'" in err and len(err.splitlines()) == 1
 
 
-def test_serve_port_in_use_names_the_address():
+def test_serve_port_in_use_names_the_address(tmp_path):
+    """Before the model loads (it was said after loading it: minutes for the Flash file), and the --kv-disk-dir
+    made for it is taken away again."""
     import socket
 
     pytest.importorskip("uvicorn")
@@ -473,9 +475,12 @@ def test_serve_port_in_use_names_the_address():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = ds4lab_cmd("serve", "--backend", "numpy", "--port", port, timeout=120)
+        proc = ds4lab_cmd("serve", "--backend", "numpy", "--port", port, "--kv-disk-dir", tmp_path / "new" / "kv",
+                          timeout=120)
     line = one_error_line(proc, 1)
     assert f"cannot listen on --host 127.0.0.1 --port {port}: Address already in use" in line, line
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # no model described: none was loaded
+    assert not (tmp_path / "new").exists()
 
 
 def test_bench_errors_name_the_flags():
@@ -652,3 +657,18 @@ def test_bench_sweep_takes_whole_numbers_given_as_floats(model):
     tokens, _ = bench.prompt_tokens(model, min_tokens=64)
     rows = list(bench.sweep(model, tokens, 32.0, 64.0, 32.0, 1.0, 2.0, prefill_chunk=32, warmup=0))
     assert [r.ctx_tokens for r in rows] == [32, 64] and all(type(r.ctx_tokens) is int for r in rows)
+
+
+@pytest.mark.parametrize("flag", ["--think", "--think-max"])
+def test_serve_says_when_a_think_flag_does_nothing(flag, capsys, monkeypatch):
+    """On a model without a chat template no request thinks: ``serve --think`` said "think none" and nothing more
+    (``run --think`` warns); the flag is named now. The server is not started: serve() is replaced."""
+    pytest.importorskip("starlette")
+    import ds4lab.server as server
+
+    monkeypatch.setattr(server, "serve", lambda worker, app, *a, sock, **k: sock.close())
+    assert cli.main(["serve", "--backend", "numpy", "--port", "0", flag]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {flag} has no effect: the model has no chat template, so no request thinks" in err, err
+    assert cli.main(["serve", "--backend", "numpy", "--port", "0"]) == 0  # the default: no flag, no warning
+    assert "warning" not in capsys.readouterr().err

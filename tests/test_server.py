@@ -174,7 +174,7 @@ def test_a_listen_failure_names_the_address_and_the_reason():
     import errno
     import socket
 
-    from ds4lab.server.running import _listen
+    from ds4lab.server.running import listen
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -182,12 +182,12 @@ def test_a_listen_failure_names_the_address_and_the_reason():
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match=rf"^cannot listen on --host 127\.0\.0\.1 --port {port}: "
                                           "Address already in use$") as e:
-            _listen("127.0.0.1", port)
+            listen("127.0.0.1", port)
         assert e.value.errno == errno.EADDRINUSE
     with pytest.raises(OSError, match=r"^cannot listen on --host 192\.0\.2\.1 --port 8000: "):
-        _listen("192.0.2.1", 8000)  # TEST-NET-1: an address no machine here has
+        listen("192.0.2.1", 8000)  # TEST-NET-1: an address no machine here has
     with pytest.raises(OSError, match=r"^cannot listen on --host 127\.0\.0\.1 --port 70000: "):
-        _listen("127.0.0.1", 70000)  # the Python API takes any int: bind's OverflowError, named the same way
+        listen("127.0.0.1", 70000)  # the Python API takes any int: bind's OverflowError, named the same way
 
 
 def test_models_are_listed(server):

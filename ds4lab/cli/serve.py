@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .common import DEFAULT_CTX, UsageError, check_input, context_size, describe, err, load_model
+from .common import DEFAULT_CTX, THINK_MAX_MIN_CTX, UsageError, check_input, context_size, describe, err, load_model
 
 
 def _host(text: str) -> str:
@@ -73,7 +73,7 @@ def add_serve_parser(sub) -> None:
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
                        help="chat requests do not think unless they ask (the default for models without a chat "
                             "template, such as the embedded one)")
-    sv.set_defaults(think="high")
+    sv.set_defaults(think=None)  # "high" once read: None says no thinking flag was given
     sv.add_argument("--temp", type=_ranged_float(0, 2), default=1.0, metavar="F", help="default temperature (1)")
     sv.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N", help="default top-k (0: no cap)")
     sv.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F", help="default top-p (1)")
@@ -142,28 +142,40 @@ def serve_command(args) -> int:
     except ImportError as e:
         raise UsageError(f"ds4lab serve needs the server extra ({e.name} is missing): "
                          "pip install 'ds4lab[server]'") from None
+    from ..server.running import listen
+
+    think_flag, args.think = args.think, args.think or "high"
     check_input(args.model, "-m")  # before the folder is made
     made = _kv_disk_dir(args.kv_disk_dir)
+    sock = None
     try:
+        sock = listen(args.host, args.port)  # before the model loads: a port in use is said at once, not after it
         model = load_model(args)
         placement = _placement(args.gpu_device, model.backend.name)
         ctx = context_size(args.ctx, model)
+        worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,
+                            kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
+                            kv_cache_min_tokens=args.kv_cache_min_tokens,
+                            kv_cache_cold_max_tokens=args.kv_cache_cold_max_tokens,
+                            kv_cache_continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+                            kv_cache_boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
+                            kv_cache_boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+                            queue_size=args.queue_size, think=args.think, model_name=args.model_name,
+                            temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                            placement=placement)
     except BaseException:
+        if sock is not None:
+            sock.close()
         _unmake(made)
         raise
-    worker, app = build(model, ctx=ctx, prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens,
-                        kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
-                        kv_cache_min_tokens=args.kv_cache_min_tokens,
-                        kv_cache_cold_max_tokens=args.kv_cache_cold_max_tokens,
-                        kv_cache_continued_interval_tokens=args.kv_cache_continued_interval_tokens,
-                        kv_cache_boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
-                        kv_cache_boundary_align_tokens=args.kv_cache_boundary_align_tokens,
-                        queue_size=args.queue_size, think=args.think, model_name=args.model_name,
-                        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                        placement=placement)
+    flag = {"high": "--think", "max": "--think-max"}.get(think_flag)
+    if flag and not model.is_chat:
+        err(f"warning: {flag} has no effect: the model has no chat template, so no request thinks")
+    elif think_flag == "max" and ctx < THINK_MAX_MIN_CTX:
+        err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
     disk = f"KV cache {worker.store.dir}" if worker.store is not None else "no disk KV cache"
     think = args.think if model.is_chat else "none (the model has no chat template)"
     err(f"{describe(model)}, ctx {ctx}, prefill chunk {worker.session.prefill_chunk}, think {think}, {disk}")
-    serve(worker, app, args.host, args.port, announce=lambda url: err(f"serving {url}/v1 as model "
-                                                                      f"{app.state.server.name!r}"))
+    serve(worker, app, args.host, args.port, sock=sock,
+          announce=lambda url: err(f"serving {url}/v1 as model {app.state.server.name!r}"))
     return 0

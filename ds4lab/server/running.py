@@ -74,7 +74,7 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port``. A failure (the port in use, an address not of this machine, a port out of
     range) is an ``OSError`` naming the address as ``ds4lab serve``'s flags give it, and the reason."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -92,9 +92,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(worker: Worker, app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
-          announce=print) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM; ``announce(url)`` once the address is bound."""
-    sock = _listen(host, port)
+          announce=print, sock: socket.socket | None = None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM; ``announce(url)`` once the address is bound (``sock``: bound already, by
+    :func:`listen`)."""
+    sock = listen(host, port) if sock is None else sock
     announce(f"http://{host}:{sock.getsockname()[1]}")
     _Server(uvicorn.Config(app, log_level=log_level), worker).run(sockets=[sock])
 
@@ -106,7 +107,7 @@ class ServerThread:
 
     def __init__(self, model, host: str = "127.0.0.1", port: int = 0, **settings):
         self.worker, self.app = build(model, **settings)
-        self._sock = _listen(host, port)
+        self._sock = listen(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         self._server = _Server(uvicorn.Config(self.app, log_level="warning"), self.worker)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
