@@ -25,6 +25,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import struct
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -230,6 +231,7 @@ def write_gguf(
     path = Path(path)
     if path.exists() and not path.is_file():
         raise ValueError(f"{path}: exists and is not a regular file; refusing to replace it")
+    given, path = path, Path(os.path.realpath(path))  # through a symlink: its file is replaced, the link stays
     arch, arch_type = metadata.get("general.architecture", (None, None))
     if arch_type != "STRING":
         raise ValueError("metadata needs general.architecture as a STRING")
@@ -253,10 +255,12 @@ def write_gguf(
             pass
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.filename is None:  # numpy's "N requested and M written" names no file
-            raise OSError(e.errno, f"writing {path}: {e.strerror or e}") if e.errno else OSError(
-                f"writing {path}: {e}") from e
+            why = e.strerror or str(e)
+            if not e.errno and shutil.disk_usage(path.parent).free < 1 << 20:  # numpy says not why: a full disk
+                why += f" (no space left on the device: {shutil.disk_usage(path.parent).free:,} bytes free)"
+            raise OSError(e.errno, f"writing {given}: {why}") if e.errno else OSError(f"writing {given}: {why}") from e
         raise
-    return path
+    return given
 
 
 def _write_tensor_data(f, tensors: list, alignment: int) -> None:

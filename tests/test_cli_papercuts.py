@@ -672,3 +672,32 @@ def test_serve_says_when_a_think_flag_does_nothing(flag, capsys, monkeypatch):
     assert f"warning: {flag} has no effect: the model has no chat template, so no request thinks" in err, err
     assert cli.main(["serve", "--backend", "numpy", "--port", "0"]) == 0  # the default: no flag, no warning
     assert "warning" not in capsys.readouterr().err
+
+
+def test_output_errors_say_why(tmp_path, monkeypatch):
+    """A read-only file system was reported as "permission denied"; a write that ran out of disk said only numpy's
+    "N requested and M written". Both causes are simulated here (no mount in a test)."""
+    import os
+    import shutil
+
+    from ds4lab import gguf_file
+    from ds4lab.cli.common import check_output
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
+    with pytest.raises(OSError, match=r"-o .*x\.gguf: cannot create a file in .* \(a read-only file system\)"):
+        check_output(tmp_path / "x.gguf", "-o")
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=0))
+    with pytest.raises(OSError, match=r"\(permission denied\)"):
+        check_output(tmp_path / "x.gguf", "-o")
+    monkeypatch.undo()
+
+    def cut(*a):
+        raise OSError("34816 requested and 1536 written")
+
+    monkeypatch.setattr(gguf_file, "_write_tensor_data", cut)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=0))
+    with pytest.raises(OSError, match=r"writing .*x\.gguf: 34816 requested and 1536 written \(no space left on the "
+                                      r"device: 0 bytes free\)"):
+        gguf_file.write_gguf(tmp_path / "x.gguf", {"general.architecture": ("deepseek4", "STRING")}, [])
+    assert list(tmp_path.iterdir()) == []

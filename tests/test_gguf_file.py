@@ -603,3 +603,13 @@ def test_a_refused_file_leaves_no_mapping_behind(tmp_path):
     with pytest.raises(ModelFileError) as e:
         GGUFModelFile.open(path)
     assert e.value.__context__ is None and e.value.__cause__ is None
+
+
+def test_write_gguf_through_a_symlink_replaces_its_file_and_keeps_the_link(tmp_path):
+    """make-model -o link.gguf put a regular file where the link was and left the file it named as it was."""
+    real = write_small(tmp_path / "real.gguf", [])
+    link = tmp_path / "link.gguf"
+    link.symlink_to("real.gguf")
+    assert write_small(link) == link
+    assert link.is_symlink() and GGUFModelFile.open(real).tensors.keys() == {n for n, *_ in small_tensors()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.gguf", "real.gguf"]

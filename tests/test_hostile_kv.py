@@ -738,3 +738,15 @@ def test_a_failed_write_names_the_path_asked_for(tmp_path):
     with pytest.raises(FileNotFoundError) as ei:
         kvfile.write_file_atomic(target, [b"data"])
     assert ei.value.filename == str(target) and ".tmp." not in str(ei.value)
+
+
+def test_a_write_through_a_symlink_replaces_its_file_and_keeps_the_link(tmp_path):
+    """The rename put a regular file where the link was and left the file it named as it was."""
+    from ds4lab.kv import kvfile
+
+    (tmp_path / "real.kv").write_bytes(b"before")
+    link = tmp_path / "link.kv"
+    link.symlink_to("real.kv")
+    kvfile.write_file_atomic(link, [b"after"])
+    assert link.is_symlink() and (tmp_path / "real.kv").read_bytes() == b"after"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.kv", "real.kv"]

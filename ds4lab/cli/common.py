@@ -108,7 +108,8 @@ def check_output(path: Path | None, flag: str) -> None:
         raise OSError(f"{flag} {path}: {parent} is not a folder")
     if not path.exists():
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise OSError(f"{flag} {path}: cannot create a file in {parent} (permission denied)")
+            why = "a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "permission denied"
+            raise OSError(f"{flag} {path}: cannot create a file in {parent} ({why})")
         return
     if stat.S_ISFIFO(path.stat().st_mode):
         return  # a pipe: opening it to test would wait for a reader

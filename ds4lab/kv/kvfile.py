@@ -474,7 +474,9 @@ def kv_file_parts(text: bytes, payload: bytes, *, tokens: int, ctx: int, quant_b
 
 def write_file_atomic(path: Path, parts) -> None:
     """Write ``parts`` to a temporary file beside ``path``, fsync it and rename it over ``path``: a failed or
-    interrupted write (an OSError, Ctrl+C) leaves no temporary file and whatever ``path`` held before."""
+    interrupted write (an OSError, Ctrl+C) leaves no temporary file and whatever ``path`` held before. Through a
+    symlink, the file it names is replaced and the link stays."""
+    given, path = path, Path(os.path.realpath(path))
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     size = sum(len(p) for p in parts)
     try:
@@ -491,7 +493,7 @@ def write_file_atomic(path: Path, parts) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError) and e.filename == str(tmp):  # the user's path, not the temporary one beside it
-            raise type(e)(e.errno, e.strerror, str(path)) from None
+            raise type(e)(e.errno, e.strerror, str(given)) from None
         raise
 
 
