@@ -701,3 +701,23 @@ def test_output_errors_say_why(tmp_path, monkeypatch):
                                       r"device: 0 bytes free\)"):
         gguf_file.write_gguf(tmp_path / "x.gguf", {"general.architecture": ("deepseek4", "STRING")}, [])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_warnings_are_one_line_like_the_rest(monkeypatch, capsys):
+    """A KV store's failed save under serve printed Python's format: the library's file and line, the category and
+    a line of its source. The command prints it as its other lines."""
+    import warnings
+
+    from ds4lab.cli import run as run_cli
+
+    real = run_cli.load_model
+
+    def warning_load(args):
+        warnings.warn("a KV file could not be saved: No space left on device", ds4lab.KVStoreWarning, stacklevel=2)
+        return real(args)
+
+    monkeypatch.setattr(run_cli, "load_model", warning_load)
+    assert cli.main(["run", "--backend", "numpy", "-p", "ROMEO:", "-n", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "ds4lab: warning: a KV file could not be saved: No space left on device\n" in err, err
+    assert "KVStoreWarning" not in err and ".py:" not in err

@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from ..bench import (
@@ -158,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"most tokens to generate per turn (default {DEFAULT_TOKENS}, capped by the context)")
     run.add_argument("--temp", type=_ranged_float(0, 100), default=1.0, metavar="F",
                      help="temperature (default 1; 0 = greedy)")
-    run.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N", help="top-k (default 0: no cap)")
-    run.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F", help="nucleus mass (default 1)")
+    run.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N",
+                     help="top-k (default 0: no cap; more than 1024 is 1024, as in ds4)")
+    run.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F",
+                     help="nucleus mass (default 1; 0 is taken as 1, no cut, as in ds4)")
     run.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F",
                      help="keep tokens at least F times as likely as the top one (default 0.05)")
     run.add_argument("--seed", type=_seed, default=None, metavar="N", help="sampling seed (default: time-based)")
@@ -252,6 +255,11 @@ def _unknown_leading_options(parser: argparse.ArgumentParser, argv: list[str]) -
     return unknown
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line like the command's others (Python's format adds the library's file, line and source)."""
+    err(f"warning: {message}")
+
+
 def main(argv: list[str] | None = None) -> int:
     require_processes("the ds4lab command")
     parser = build_parser()
@@ -261,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args = parser.parse_args(argv)  # usage errors exit 2 here, with one line
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return args.func(args)
     except UsageError as e:
         print(f"ds4lab {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

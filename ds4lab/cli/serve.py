@@ -64,7 +64,8 @@ def add_serve_parser(sub) -> None:
                     help="cold checkpoints leave out the prompt's last N tokens (default 32)")
     sv.add_argument("--kv-cache-boundary-align-tokens", type=_nonnegative_int, default=None, metavar="N",
                     help="align cold and continued checkpoints to N tokens (default: the prefill chunk step; "
-                         "ds4-server's 2048 is its chunk)")
+                         "ds4-server's 2048 is its chunk; 0: cold ones unaligned, continued ones on the chunk step, "
+                         "where prefill passes)")
     think = sv.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_const", const="high",
                        help="chat requests think unless they say otherwise (the default for chat models)")
@@ -74,9 +75,12 @@ def add_serve_parser(sub) -> None:
                        help="chat requests do not think unless they ask (the default for models without a chat "
                             "template, such as the embedded one)")
     sv.set_defaults(think=None)  # "high" once read: None says no thinking flag was given
-    sv.add_argument("--temp", type=_ranged_float(0, 2), default=1.0, metavar="F", help="default temperature (1)")
-    sv.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N", help="default top-k (0: no cap)")
-    sv.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F", help="default top-p (1)")
+    sv.add_argument("--temp", type=_ranged_float(0, 2), default=1.0, metavar="F",
+                    help="default temperature (1; at most 2, the APIs' range, where run takes up to 100)")
+    sv.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N",
+                    help="default top-k (0: no cap; more than 1024 is 1024, as in ds4)")
+    sv.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F",
+                    help="default top-p (1; 0 is taken as 1, no cut, as in ds4)")
     sv.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F", help="default min-p (0.05)")
     sv.add_argument("--seed", type=_seed, default=None, metavar="N", help="default seed (default: time-based)")
     sv.set_defaults(func=serve_command)
