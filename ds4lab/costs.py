@@ -78,6 +78,14 @@ def file_types(model_file) -> dict[str, Q]:
     return {name: t.qtype for name, t in model_file.tensors.items()}
 
 
+def float_weight_bytes(model_file, itemsize: int) -> int:
+    """Bytes the weights of an opened GGUF take converted to floats of ``itemsize`` bytes, as a backend without
+    kernels keeps them once used (the numpy backend: float64): every tensor but the routed experts (converted one
+    expert at a time into a bounded cache) and the token embedding (read by rows)."""
+    return itemsize * sum(math.prod(t.shape) for name, t in model_file.tensors.items()
+                          if not name.endswith(EXPERT_SUFFIXES) and name != "token_embd.weight")
+
+
 def tensor_nbytes(shape, qtype) -> int:
     """Bytes a tensor of GGUF dims ``shape`` (ne0 first) takes stored as ``qtype``."""
     return math.prod(tensor_byte_shape(tuple(shape), Q(qtype)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -9,11 +10,13 @@ import numpy as np
 
 from .backends import get_backend
 from .config import ModelConfig, ModelFileError
+from .costs import float_weight_bytes
 from .gguf_file import load_model_file
 from .kv.layout import Geometry, new_state
 from .model.transformer import Transformer
-from .model.weights import Weights
+from .model.weights import EXPERT_CACHE_BYTES, Weights
 from .ops import Ops
+from .platform_support import available_memory
 from .runtime import Runtime
 from .tokenizer import Tokenizer
 
@@ -84,8 +87,26 @@ class Model:
         """
         from .session import Session
 
+        self._warn_if_weights_outgrow_memory()
         return Session(self, ctx=ctx, prefill_chunk=prefill_chunk, max_checkpoints=max_checkpoints, kv_store=kv_store,
                        placement=placement)
+
+    _memory_checked = False
+
+    def _warn_if_weights_outgrow_memory(self) -> None:
+        """Once, before a first session runs steps: on the numpy backend the dense weights are kept as float64 once a
+        step uses them; where that outgrows the memory available, say so (the process is otherwise killed for memory
+        some minutes in, without a word: the Flash file on a 24 GB machine)."""
+        if self._memory_checked or self.backend.name != "numpy":
+            return
+        self._memory_checked = True
+        need = float_weight_bytes(self.file, np.dtype(self.backend.np_dtype).itemsize) + EXPERT_CACHE_BYTES
+        have = available_memory()
+        if have is not None and need > have:
+            warnings.warn(f"{self.path.name} on the numpy backend keeps its weights as float64 once used: about "
+                          f"{need / 2**30:.1f} GiB, where this machine has {have / 2**30:.1f} GiB available, so its "
+                          "steps will likely be stopped for memory (a GPU backend keeps the weights quantized)",
+                          stacklevel=3)
 
     def logits(self, tokens) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32) for every position of a prefill of ``tokens`` from zero.

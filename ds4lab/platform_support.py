@@ -8,6 +8,7 @@ deep inside a library.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -22,3 +23,19 @@ def require_processes(what: str) -> None:
     if in_browser():
         raise RuntimeError(f"{what} cannot run in the browser (Pyodide has no processes, threads or server "
                            "sockets); use the Python API there: ds4lab.load(backend='numpy'), model.session(...)")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give a process now without swapping (Linux's MemAvailable, else the free
+    pages); None where neither can be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None

@@ -130,3 +130,22 @@ def test_ds4s_other_flash_files_open(tmp_path, name):
                 == types[il]
     finally:
         path.unlink()
+
+
+def test_a_numpy_session_of_the_flash_layout_says_it_outgrows_memory(flash_layout, monkeypatch):
+    """Run on the numpy backend, the Flash file's dense weights become float64 as steps use them: about 51 GiB
+    (50.5 GiB of weights but the experts and the embedding, 0.5 GiB of expert cache). A helper's run on the 24 GB
+    machine was killed for memory after 89 s without a word; the first session says so now."""
+    import warnings
+
+    import ds4lab
+    import ds4lab.engine as engine
+
+    monkeypatch.setattr(engine, "available_memory", lambda: 24_000_000_000)
+    model = ds4lab.load(flash_layout, backend="numpy")
+    with pytest.warns(UserWarning, match=r"flash\.gguf on the numpy backend keeps its weights as float64 once used: "
+                                         r"about 51\.0 GiB, where this machine has 22\.4 GiB available"):
+        model.session(ctx=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.session(ctx=64)  # said once a model

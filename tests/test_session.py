@@ -551,3 +551,19 @@ def test_load_refuses_an_unknown_device(device):
         ds4lab.load(device=device)
     with pytest.raises(ValueError, match="path: an empty path"):
         ds4lab.load("")
+
+
+def test_the_memory_warning_is_said_where_the_weights_outgrow_memory(model_paths, monkeypatch):
+    """The embedded model's float64 weights and expert cache (about 0.5 GiB) against the memory available."""
+    import warnings
+
+    import ds4lab.engine as engine
+
+    monkeypatch.setattr(engine, "available_memory", lambda: 1 << 20)
+    model = ds4lab.load(model_paths["nano"], backend="numpy")
+    with pytest.warns(UserWarning, match=r"about 0\.5 GiB, where this machine has 0\.0 GiB available"):
+        model.session(ctx=64)
+    monkeypatch.setattr(engine, "available_memory", lambda: 8 << 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds4lab.load(model_paths["nano"], backend="numpy").session(ctx=64)  # room enough: nothing said
