@@ -8,7 +8,8 @@ kernels on the first steps, once a process, which the first frontier's figures w
 its prefill kernels up once before the first prompt; llama-bench runs a warm-up too). At each frontier:
 
 1. ``sess.sync(prompt[:frontier])``: an incremental prefill from the previous frontier (timed, final
-   logits readback included);
+   logits readback included); at the first frontier ``sess.prefill(...)`` from zero (sync would restore the
+   warm-up's checkpoint);
 2. a checkpoint (not timed);
 3. ``gen_tokens`` greedy decode steps that never choose EOS (timed), the same probe at every frontier (with
    ``sampling``, steps drawn by those parameters instead, never EOS either);

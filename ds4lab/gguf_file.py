@@ -253,11 +253,12 @@ def write_gguf(
             writer.close()  # flushes what is buffered: on a full disk it fails again
         except OSError:
             pass
+        free = shutil.disk_usage(path.parent).free  # before the unlink gives the partial file's space back
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.filename is None:  # numpy's "N requested and M written" names no file
             why = e.strerror or str(e)
-            if not e.errno and shutil.disk_usage(path.parent).free < 1 << 20:  # numpy says not why: a full disk
-                why += f" (no space left on the device: {shutil.disk_usage(path.parent).free:,} bytes free)"
+            if not e.errno and free < 1 << 20:  # numpy says not why: a full disk
+                why += f" (no space left on the device: {free:,} bytes free)"
             raise OSError(e.errno, f"writing {given}: {why}") if e.errno else OSError(f"writing {given}: {why}") from e
         raise
     return given

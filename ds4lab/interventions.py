@@ -147,8 +147,9 @@ def ablate_rows(layer: int, rows=None) -> Edit:
 
     def fn(value, site):
         m = site.numpy(value).astype(bool)
-        if sel is not None and not (sel < m.shape[1]).any():
-            return None  # none of the rows exists yet: nothing to edit
+        written = (int(site.query_positions(m.shape[0]).max()) + 1) // site.model.config.ratio(layer)
+        if not (written if sel is None else (sel < written).any()):
+            return None  # none of the rows is written yet (the mask spans the capacity): nothing to edit
         keep = np.zeros(m.shape[1], bool) if sel is None else ~_mask(sel, m.shape[1])
         return site.array(m & keep)
 

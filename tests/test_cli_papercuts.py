@@ -672,6 +672,11 @@ def test_serve_says_when_a_think_flag_does_nothing(flag, capsys, monkeypatch):
     assert f"warning: {flag} has no effect: the model has no chat template, so no request thinks" in err, err
     assert cli.main(["serve", "--backend", "numpy", "--port", "0"]) == 0  # the default: no flag, no warning
     assert "warning" not in capsys.readouterr().err
+    # a chat model: Think Max below its context falls back to normal thinking, and the header says the mode used
+    monkeypatch.setattr(ds4lab.Model, "is_chat", property(lambda self: True))
+    assert cli.main(["serve", "--backend", "numpy", "--port", "0", "--ctx", "4096", flag]) == 0
+    err = capsys.readouterr().err
+    assert ", think high," in err and ("ctx=4096 uses normal thinking" in err) == (flag == "--think-max"), err
 
 
 def test_output_errors_say_why(tmp_path, monkeypatch):
@@ -690,13 +695,19 @@ def test_output_errors_say_why(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=0))
     with pytest.raises(OSError, match=r"\(permission denied\)"):
         check_output(tmp_path / "x.gguf", "-o")
+    monkeypatch.delattr(os, "statvfs")  # Windows has none
+    with pytest.raises(OSError, match=r"\(permission denied\)"):
+        check_output(tmp_path / "x.gguf", "-o")
     monkeypatch.undo()
 
     def cut(*a):
         raise OSError("34816 requested and 1536 written")
 
+    def usage(folder):  # a full disk while the partial file is there: its unlink gives the space back
+        return SimpleNamespace(free=0 if any(p.name.endswith(".tmp") for p in tmp_path.iterdir()) else 1 << 30)
+
     monkeypatch.setattr(gguf_file, "_write_tensor_data", cut)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=0))
+    monkeypatch.setattr(shutil, "disk_usage", usage)
     with pytest.raises(OSError, match=r"writing .*x\.gguf: 34816 requested and 1536 written \(no space left on the "
                                       r"device: 0 bytes free\)"):
         gguf_file.write_gguf(tmp_path / "x.gguf", {"general.architecture": ("deepseek4", "STRING")}, [])

@@ -471,7 +471,8 @@ def test_edits_with_nothing_to_edit_in_the_block_are_reported(model, prefixes):
     cfg = model.config
     own = list(range(cfg.n_expert_used))
     step = PREFIX  # the position _step evaluates
-    for edit in (ablate_rows(4, rows=[PREFIX]), replace_experts(4, own, positions=[step + 1]),
+    for edit in (ablate_rows(4, rows=[PREFIX]), ablate_rows(4, rows=[30]),  # past the capacity; not written yet
+                 replace_experts(4, own, positions=[step + 1]),
                  force_topk(2, [0], queries=[step + 1])):
         with pytest.warns(UserWarning, match="never applied"):
             _, _, iv = _step(sess, cp, [edit])

@@ -5,6 +5,7 @@ loaded apart (sessions, the sampler, the tokenizer); reuse is read from ``usage`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -184,6 +185,9 @@ def test_a_listen_failure_names_the_address_and_the_reason():
                                           "Address already in use$") as e:
             listen("127.0.0.1", port)
         assert e.value.errno == errno.EADDRINUSE
+    with contextlib.closing(listen("127.0.0.1", 0)) as first:  # a second serve started while the first loads
+        with pytest.raises(OSError, match="Address already in use"):
+            listen("127.0.0.1", first.getsockname()[1])  # (bound alone, both would have taken the port)
     with pytest.raises(OSError, match=r"^cannot listen on --host 192\.0\.2\.1 --port 8000: "):
         listen("192.0.2.1", 8000)  # TEST-NET-1: an address no machine here has
     with pytest.raises(OSError, match=r"^cannot listen on --host 127\.0\.0\.1 --port 70000: "):

@@ -31,7 +31,7 @@ from ds4lab.kv.kvfile import (
     pack_payload,
     zstandard,
 )
-from ds4lab.kv.payload import encode_payload
+from ds4lab.kv.payload import encode_payload, parse_layout
 from ds4lab.kv.store import Incoming, KVStore, KVStoreWarning, eviction_score
 from ds4lab.testing import data_file
 from tests.test_payload import random_payload
@@ -371,6 +371,7 @@ def test_short_pro_file_opens_without_a_config(tmp_path):
                                       model_id=1).path)
     kf = KVFile.open(path)
     assert kf.ratios == PRO.compress_ratios and kf.header["model"] == "DeepSeek V4 PRO"
+    assert parse_layout(encode_payload(payload, PRO)).ratios == PRO.compress_ratios  # a bare payload: by its depth
     assert np.array_equal(kf.layers[0].state["comp_state_kv"], payload.layers[0].comp_state_kv)
     data = bytearray(path.read_bytes())
     data[7] = 0  # the same bytes said to be Flash's: its schedule, and the states do not fit it

@@ -93,6 +93,16 @@ def check_input(path: Path | None, flag: str) -> None:
         raise OSError(f"{flag} {path}: not readable (permission denied)")
 
 
+def _why_not_writable(folder: Path) -> str:
+    """A read-only file system, where the system says so (statvfs: not on Windows), else permission denied."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "a read-only file system"
+    except (AttributeError, OSError):
+        pass
+    return "permission denied"
+
+
 def check_output(path: Path | None, flag: str) -> None:
     """Refuse an output path before any work, naming it: a folder, a parent folder that is missing, not a folder
     or not writable, or an existing file that refuses writes (such as /proc/version). Nothing is created or
@@ -108,8 +118,7 @@ def check_output(path: Path | None, flag: str) -> None:
         raise OSError(f"{flag} {path}: {parent} is not a folder")
     if not path.exists():
         if not os.access(parent, os.W_OK | os.X_OK):
-            why = "a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "permission denied"
-            raise OSError(f"{flag} {path}: cannot create a file in {parent} ({why})")
+            raise OSError(f"{flag} {path}: cannot create a file in {parent} ({_why_not_writable(parent)})")
         return
     if stat.S_ISFIFO(path.stat().st_mode):
         return  # a pipe: opening it to test would wait for a reader
@@ -165,8 +174,18 @@ def read_text(path: Path) -> str:
 # Thinking modes: the one asked for, the one a context allows, and how the chat template renders it
 
 
+THINK_FLAGS = {"none": "--nothink", "high": "--think", "max": "--think-max"}  # the flag that asks for each mode
+
+
 def effective_think(mode: str, ctx: int) -> str:
     return "high" if mode == "max" and ctx < THINK_MAX_MIN_CTX else mode
+
+
+def thinking_mode(mode: str, ctx: int) -> str:
+    """The mode a context allows for ``mode`` (ds4's rule), with a warning where Think Max falls back."""
+    if effective_think(mode, ctx) != mode:
+        err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
+    return effective_think(mode, ctx)
 
 
 RENDER = {"none": False, "high": True, "max": "max"}

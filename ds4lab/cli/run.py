@@ -10,7 +10,7 @@ from .common import (
     DEFAULT_SYSTEM,
     MIN_CTX,
     RENDER,
-    THINK_MAX_MIN_CTX,
+    THINK_FLAGS,
     UsageError,
     check_input,
     context_size,
@@ -19,6 +19,7 @@ from .common import (
     err,
     load_model,
     read_text,
+    thinking_mode,
 )
 from .generate import no_room, run_prompt
 
@@ -85,7 +86,6 @@ def graph_command(args) -> int:
     return 0 if report.passed else 1
 
 
-_THINK_FLAGS = {"none": "--nothink", "high": "--think", "max": "--think-max"}
 
 
 def run_command(args) -> int:
@@ -109,15 +109,13 @@ def run_command(args) -> int:
     if args.raw:
         think = "none (plain text)"
         why = "the model has no chat template" if raw_by_default else "--raw"
-        unused = [(_THINK_FLAGS[think_flag], "thinking")] if think_flag in ("high", "max") else []
+        unused = [(THINK_FLAGS[think_flag], "thinking")] if think_flag in ("high", "max") else []
         unused += [("-sys", "the system prompt")] if args.system not in ("", DEFAULT_SYSTEM) else []
         for flag, what in unused:  # chat settings a plain-text continuation leaves out
             err(f"warning: {flag} has no effect: the prompt is continued as plain text ({why}); add --chat to render "
                 f"it as a chat turn with {what}")
     else:
-        if args.think == "max" and ctx < THINK_MAX_MIN_CTX:
-            err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
-        think = effective_think(args.think, ctx)
+        think = thinking_mode(args.think, ctx)
 
     if text is None:
         return repl(model, args, ctx)

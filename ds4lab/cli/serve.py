@@ -7,7 +7,17 @@ import argparse
 import os
 from pathlib import Path
 
-from .common import DEFAULT_CTX, THINK_MAX_MIN_CTX, UsageError, check_input, context_size, describe, err, load_model
+from .common import (
+    DEFAULT_CTX,
+    THINK_FLAGS,
+    UsageError,
+    check_input,
+    context_size,
+    describe,
+    err,
+    load_model,
+    thinking_mode,
+)
 
 
 def _host(text: str) -> str:
@@ -172,13 +182,14 @@ def serve_command(args) -> int:
             sock.close()
         _unmake(made)
         raise
-    flag = {"high": "--think", "max": "--think-max"}.get(think_flag)
-    if flag and not model.is_chat:
-        err(f"warning: {flag} has no effect: the model has no chat template, so no request thinks")
-    elif think_flag == "max" and ctx < THINK_MAX_MIN_CTX:
-        err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
+    if model.is_chat:
+        think = thinking_mode(args.think, ctx)
+    else:
+        think = "none (the model has no chat template)"
+        if think_flag in ("high", "max"):
+            err(f"warning: {THINK_FLAGS[think_flag]} has no effect: the model has no chat template, so no request "
+                "thinks")
     disk = f"KV cache {worker.store.dir}" if worker.store is not None else "no disk KV cache"
-    think = args.think if model.is_chat else "none (the model has no chat template)"
     err(f"{describe(model)}, ctx {ctx}, prefill chunk {worker.session.prefill_chunk}, think {think}, {disk}")
     serve(worker, app, args.host, args.port, sock=sock,
           announce=lambda url: err(f"serving {url}/v1 as model {app.state.server.name!r}"))

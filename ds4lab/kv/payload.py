@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import FLASH, ds4_ratio
+from ..config import FLASH, PRO, ds4_ratio
 from .layout import (
     LAYER_FIELDS,
     ROW_FIELDS,
@@ -339,11 +339,12 @@ def with_version(data, version: int) -> bytes:
     return bytes(out)
 
 
-def infer_ratios(n_tokens: int, n_comp, n_index, like=FLASH) -> tuple[int, ...]:
+def infer_ratios(n_tokens: int, n_comp, n_index, like=None) -> tuple[int, ...]:
     """Per-layer compression ratios from the row counts (the file does not store them); where the counts do
-    not tell (no rows yet), the schedule of ``like`` (ds4's Flash or Pro, whose first two layers differ: 0 and 128)
-    for a model of its depth, else ds4's Flash schedule."""
+    not tell (no rows yet), the schedule of ``like`` (ds4's Flash or Pro, whose first two layers differ: 0 and 128;
+    default: Pro for a payload of Pro's 61 layers, else Flash) for a model of its depth, else Flash's schedule."""
     n_layer = len(n_comp)
+    like = like or (PRO if n_layer == PRO.n_layer else FLASH)
     out = []
     for il, (nc, ni) in enumerate(zip(n_comp, n_index)):
         if ni:
@@ -364,7 +365,7 @@ def _count_field(index: int, n_layer: int) -> str:
 
 def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | None = None, base: int = 0,
                  size: int | None = None, q8: bool = False, full_ok: bool = False,
-                 version: int | None = None, like=FLASH) -> PayloadLayout:
+                 version: int | None = None, like=None) -> PayloadLayout:
     """Check a payload at ``buf[base:base + size]`` (default: to the end) and locate every array in it.
 
     Nothing is read but the header and the row counts, nothing is copied, and every size is checked
@@ -375,11 +376,11 @@ def parse_layout(buf, cfg=None, *, ctx: int | None = None, prefill_cap: int | No
     and chunk, as ``ds4_session_load_payload`` does (graph path, ds4.c:16327-16656), check by check.
     Without them it is checked against itself: its own context, ring and compressed capacity.
     ``cfg`` gives the layer dimensions and per-layer ratios; without it the ratios are inferred from the
-    row counts (:func:`infer_ratios`; ``like``: the ds4 model whose schedule fills in layers with no rows yet, Pro
-    for a KVC file that says so). ``q8``: a payload whose KV rows (:data:`ROW_FIELDS`) are 8-bit (version
-    ``Q8_VERSION_BIT | v``). ``full_ok``: the session is the one that wrote it (its own ctx), which held
-    ``T == ctx`` legally; ds4's rule (``T < ctx``) is for a session that is to go on generating. ``version``: the
-    one the payload must have (a KVC file's header says it), else 1 or 2.
+    row counts (:func:`infer_ratios`; ``like``: the ds4 model whose schedule fills in layers with no rows yet, the
+    one a KVC file's header names; default: by the payload's depth). ``q8``: a payload whose KV rows
+    (:data:`ROW_FIELDS`) are 8-bit (version ``Q8_VERSION_BIT | v``). ``full_ok``: the session is the one that
+    wrote it (its own ctx), which held ``T == ctx`` legally; ds4's rule (``T < ctx``) is for a session that is to
+    go on generating. ``version``: the one the payload must have (a KVC file's header says it), else 1 or 2.
 
     The chunk the payload was written with (``prefill_cap``) need not be the session's: ds4 has ignored it since
     bb543791 (2026-05-23, "scratch scheduling capacity, not durable KV layout"); the raw rows are stored in

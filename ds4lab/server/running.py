@@ -74,14 +74,20 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default
+
+
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``. A failure (the port in use, an address not of this machine, a port out of
-    range) is an ``OSError`` naming the address as ``ds4lab serve``'s flags give it, and the reason."""
+    """A socket listening on ``host:port`` (clients that come before the server runs wait in its queue). A failure
+    (the port in use, an address not of this machine, a port out of range) is an ``OSError`` naming the address as
+    ``ds4lab serve``'s flags give it, and the reason. Listening at once, not only bound: two bound sockets can
+    share a port, so a second serve started meanwhile would pass this and fail once its model had loaded."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except (OSError, OverflowError) as e:
         sock.close()
         reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
