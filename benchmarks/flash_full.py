@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--ctx-max", type=int, default=8192)
     p.add_argument("--step-incr", type=int, default=2048)
     p.add_argument("--gen-tokens", type=int, default=32)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="default: the library's, ds4's rule (4096 tokens where the context is longer)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="decode by ds4's sampling with this temperature (default 0: ds4-bench's greedy argmax)")
     p.add_argument("--min-p", type=float, default=0.05, help="with --temperature above 0 (ds4's default 0.05)")

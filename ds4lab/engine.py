@@ -81,7 +81,7 @@ class Model:
                 placement=None):
         """A live timeline with step-wise prefill and decode (see :class:`ds4lab.session.Session`).
 
-        ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 2048 when ctx > 2048.
+        ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 4096 when ctx > 4096 (Pro: 8192).
         ``kv_store`` (a :class:`ds4lab.KVStore`) adds ds4-server's disk checkpoints. ``placement`` (a
         :class:`ds4lab.Placement`) splits the layers over tiers; the default is one tier.
         """

@@ -11,9 +11,9 @@
 #
 # A prompt is evaluated in **chunks**: each step runs every layer over up to `prefill_chunk` tokens,
 # writing their KV rows, and the next chunk attends to what the earlier ones left in the cache. ds4 does
-# this on GPUs with chunks of 2048 tokens (`DS4_METAL_PREFILL_CHUNK`): the graph's batch buffers are
-# sized for one chunk, so memory does not grow with the prompt. Three rules make chunking invisible in
-# the results:
+# this on GPUs with chunks of 4096 tokens (`DS4_METAL_PREFILL_CHUNK`; 2048 in its earlier versions): the graph's
+# batch buffers are sized for one chunk, so memory does not grow with the prompt. Three rules make chunking
+# invisible in the results:
 #
 # 1. **Chunks end on absolute multiples of the chunk size.** A prefill resumed at token 3000 with chunk
 #    2048 runs 3000–4095 first, so compressed rows are finished on the same schedule as in a cold prompt.

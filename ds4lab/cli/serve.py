@@ -74,7 +74,7 @@ def add_serve_parser(sub) -> None:
                     help="cold checkpoints leave out the prompt's last N tokens (default 32)")
     sv.add_argument("--kv-cache-boundary-align-tokens", type=_nonnegative_int, default=None, metavar="N",
                     help="align cold and continued checkpoints to N tokens (default: the prefill chunk step; "
-                         "ds4-server's 2048 is its chunk; 0: cold ones unaligned, continued ones on the chunk step, "
+                         "ds4-server aligns to 2048; 0: cold ones unaligned, continued ones on the chunk step, "
                          "where prefill passes)")
     think = sv.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_const", const="high",

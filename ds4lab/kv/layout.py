@@ -17,9 +17,13 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from ..arch import NEG_INF, coff
-from ..config import ModelConfig, is_int
+from ..config import ModelConfig, ds4_model_id, is_int
 
-DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA
+# ds4's default prefill chunk on Metal and CUDA since 9ba160ae: 4096 tokens for Flash, 8192 for Pro, where the prompt
+# is longer (2048 at 8d57664). On an H100 (flash_full.py, 30 layers) chunks of 4096 prefilled 1.13-1.14x the tokens a
+# second that chunks of 2048 did (benchmarks/README.md).
+DEFAULT_CHUNK = 4096
+PRO_CHUNK = 8192
 RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
 # Initial value of the *_state_score arrays; kv states start at 0 (docs/FORMATS.md, "The DSV4 session payload").
 STATE_SCORE_INIT = NEG_INF
@@ -50,7 +54,7 @@ class Geometry:
         if chunk is not None and not is_int(chunk):
             raise TypeError(f"prefill_chunk must be an integer, got {chunk!r}")
         if chunk is None:
-            chunk = chunk_from_env(ctx)
+            chunk = chunk_from_env(ctx, PRO_CHUNK if ds4_model_id(cfg) == 1 else DEFAULT_CHUNK)
         if chunk < 1:
             raise ValueError(f"prefill_chunk must be positive, got {chunk}")
         chunk = min(chunk, ctx)
@@ -69,11 +73,13 @@ class Geometry:
         return self.chunk if self.raw_cap >= self.ctx else min(self.chunk, self.raw_cap - self.window)
 
 
-def chunk_from_env(ctx: int) -> int:
-    """ds4_default_prefill_cap_for_prompt(ctx): DS4_METAL_PREFILL_CHUNK or 2048, ds4's quirks included."""
+def chunk_from_env(ctx: int, default: int = DEFAULT_CHUNK) -> int:
+    """ds4's prefill chunk for a context (ds4_prefill_cap_for_prompt, the context in the prompt's place):
+    DS4_METAL_PREFILL_CHUNK, else ``default`` (the model's: :data:`DEFAULT_CHUNK`, :data:`PRO_CHUNK`) where the
+    context is longer, else the whole context; ds4's quirks included."""
     env = os.environ.get("DS4_METAL_PREFILL_CHUNK")
     if env is None:
-        return DEFAULT_CHUNK if ctx > DEFAULT_CHUNK else ctx
+        return default if ctx > default else ctx
     try:
         v = int(env)
     except ValueError:

@@ -17,8 +17,8 @@ restore (hits, or consuming a long file). What it needs of the model (tokenizer,
 fingerprint) is passed in, or comes from the checkpoint (tokens, context, fingerprint). Sessions created with
 ``kv_store=store`` hold ds4-server's policy (docs/FORMATS.md, the same section): they save "continued"
 checkpoints when the live token count reaches a multiple of :meth:`KVStore.continued_step`
-(``ceil(continued_interval / align) · align``, align defaulting to the session's chunk step, as ds4's 2048 is
-its chunk), save the live state as "evict" before a cold prefill or a disk load replaces it, and look here in
+(``ceil(continued_interval / align) · align``, align defaulting to the session's chunk step, as ds4-server's 2048
+was its chunk), save the live state as "evict" before a cold prefill or a disk load replaces it, and look here in
 ``sync`` when no in-memory checkpoint is a prefix; ``Session.load(entry, prompt)`` restores a chosen entry.
 
 Beyond ds4: writes are fsynced before the rename; files carry a CRC-32 trailer by default; payloads may be
@@ -393,7 +393,7 @@ class KVStore:
     # -- writing --------------------------------------------------------------------------------------
     def continued_step(self, chunk_step: int) -> int:
         """ds4-server's spacing of "continued" checkpoints: ``⌈continued_interval / align⌉ · align`` tokens,
-        ``align`` defaulting to ``chunk_step`` (the session's chunk step, as ds4's 2048 is its chunk); 0 when
+        ``align`` defaulting to ``chunk_step`` (the session's chunk step, as ds4-server's 2048 was its chunk); 0 when
         ``continued_interval`` is 0 (none). A session stores one whenever its token count is a multiple of it
         (``ds4_kvstore_continued_store_target``, ds4_kvstore.c:684-702)."""
         align = self.align or chunk_step

@@ -76,7 +76,7 @@ class Worker:
         self.store = store
         self.session = model.session(ctx=ctx, prefill_chunk=prefill_chunk, kv_store=store, placement=placement)
         self.boundary_trim = boundary_trim
-        # ds4 aligns cold checkpoints to 2048, its prefill chunk: here the session's chunk step unless given
+        # ds4 aligns cold checkpoints to 2048 (its prefill chunk at 8d57664): here the session's chunk step unless given
         self.boundary_align = self.session.geometry.step if boundary_align is None else boundary_align
         self.queue_size = queue_size
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
