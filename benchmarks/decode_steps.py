@@ -29,12 +29,14 @@ def main(argv=None) -> int:
     p.add_argument("--frontier", type=int, nargs="+", default=[12288, 16384])
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prefill-chunk", type=int, default=None, help="default: the library's")
-    p.add_argument("--config", default="flash", choices=("flash", "nano"))
+    p.add_argument("--config", default="flash", choices=("flash", "nano"),
+                   help="nano: a small model of the same layout on the numpy backend, to try the script on a CPU")
+    p.add_argument("--path", type=Path, default=None, help="the file (default: flash_full.py's)")
     args = p.parse_args(argv)
     cfg = config.FLASH if args.config == "flash" else config.NANO
     if args.layers is not None:
         cfg = config.replace(cfg, n_layer=args.layers)
-    path = Path(f"/tmp/{args.config}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")
+    path = args.path or Path(f"/tmp/{args.config}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")
     if not path.exists():
         testing.make_sparse_model(cfg, path, seed=1, filled=testing.routing_filled)
     backend = "cupy" if args.config == "flash" else "numpy"

@@ -107,3 +107,16 @@ def test_compare_summary_gives_this_trees_step_over_each_others_pass_by_pass(tmp
     empty.mkdir()
     with pytest.raises(SystemExit, match="no flash_"):
         summary.table(empty)
+
+
+def test_decode_steps_times_every_step_of_each_frontier(tmp_path, capsys):
+    """decode_steps.py on the nano layout (numpy): a line per frontier, as many step times as asked, the slowest
+    steps named by their positions after the frontier."""
+    decode_steps = _script("decode_steps")
+    path = tmp_path / "nano.gguf"
+    assert decode_steps.main(["--config", "nano", "--path", str(path), "--frontier", "48", "64", "--steps", "8"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["frontier"] for r in rows] == [48, 64] and path.exists()
+    for r in rows:
+        assert len(r["slowest"]) == 8 and all(r["frontier"] <= pos < r["frontier"] + 8 for pos, _ in r["slowest"])
+        assert len(r["by_16"]) == 1 and r["percentiles_ms"][0] <= r["percentiles_ms"][3]
