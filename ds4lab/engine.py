@@ -75,13 +75,15 @@ class Model:
 
     def new_state(self, ctx: int, prefill_chunk: int | None = None):
         """An empty KV state sized for ``ctx`` tokens (see :class:`Geometry`)."""
-        return new_state(self.config, self.backend, Geometry.for_context(self.config, ctx, prefill_chunk))
+        return new_state(self.config, self.backend, Geometry.for_context(
+            self.config, ctx, prefill_chunk, long_chunks=self.backend.long_prefill_chunks))
 
     def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16, kv_store=None,
                 placement=None):
         """A live timeline with step-wise prefill and decode (see :class:`ds4lab.session.Session`).
 
-        ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 4096 when ctx > 4096 (Pro: 8192).
+        ``prefill_chunk`` defaults to ds4's rule: ``DS4_METAL_PREFILL_CHUNK``, else 2048 when ctx > 2048 (on CuPy
+        ds4's later 4096 when ctx > 4096; Pro: 8192).
         ``kv_store`` (a :class:`ds4lab.KVStore`) adds ds4-server's disk checkpoints. ``placement`` (a
         :class:`ds4lab.Placement`) splits the layers over tiers; the default is one tier.
         """

@@ -132,7 +132,8 @@ class Session:
             raise TypeError(f"placement must be a ds4lab.Placement (Placement.even(...), ...), got {placement!r}")
         self.model = model
         self.kv_store = kv_store  # a ds4lab.KVStore: disk checkpoints as ds4-server writes and reads them
-        self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk)
+        self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk,
+                                             long_chunks=model.backend.long_prefill_chunks)
         try:
             self._state: KVState = new_state(model.config, model.backend, self.geometry)
         except MemoryError:

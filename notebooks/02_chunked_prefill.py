@@ -11,7 +11,7 @@
 #
 # A prompt is evaluated in **chunks**: each step runs every layer over up to `prefill_chunk` tokens,
 # writing their KV rows, and the next chunk attends to what the earlier ones left in the cache. ds4 does
-# this on GPUs with chunks of 4096 tokens (`DS4_METAL_PREFILL_CHUNK`; 2048 in its earlier versions): the graph's
+# this on GPUs with chunks of 2048 tokens (`DS4_METAL_PREFILL_CHUNK`; 4096 in its later versions): the graph's
 # batch buffers are sized for one chunk, so memory does not grow with the prompt. Three rules make chunking
 # invisible in the results:
 #

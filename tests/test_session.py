@@ -285,15 +285,20 @@ def test_geometry_follows_ds4(nano_np, monkeypatch):
     cfg = nano_np.config
     monkeypatch.delenv("DS4_METAL_PREFILL_CHUNK", raising=False)
     monkeypatch.delenv("DS4_METAL_GRAPH_RAW_CAP", raising=False)
-    # ds4's rule since 9ba160ae: 4096 (Pro: 8192) where the context is longer, else the whole context in one chunk
-    assert chunk_from_env(8192) == 4096 and chunk_from_env(4096) == 4096 and chunk_from_env(1000) == 1000
-    assert chunk_from_env(32768, PRO_CHUNK) == 8192 and Geometry.for_context(PRO, 32768).chunk == 8192
+    assert chunk_from_env(4096) == 2048 and chunk_from_env(1000) == 1000
     for env, want in (("512", 512), ("9999", 4096), ("0", 4096), ("-3", 4096), ("abc", 4096)):
         monkeypatch.setenv("DS4_METAL_PREFILL_CHUNK", env)
         assert chunk_from_env(4096) == want, env
+        assert Geometry.for_context(cfg, 4096, long_chunks=True).chunk == want  # the variable wins there too
     monkeypatch.delenv("DS4_METAL_PREFILL_CHUNK")
-    g = Geometry.for_context(cfg, 8192)
-    assert (g.chunk, g.raw_cap, g.window) == (4096, 4352, 32)  # align_up(32 + 4096, 256)
+    g = Geometry.for_context(cfg, 4096)
+    assert (g.chunk, g.raw_cap, g.window) == (2048, 2304, 32)  # align_up(32 + 2048, 256)
+    # ds4's later rule (since 9ba160ae), a backend's whose chunks run eagerly (CuPy): 4096, Pro 8192, where the
+    # context is longer, else the whole context in one chunk
+    g = Geometry.for_context(cfg, 8192, long_chunks=True)
+    assert (g.chunk, g.raw_cap) == (4096, 4352) and Geometry.for_context(cfg, 4096, long_chunks=True).chunk == 4096
+    assert Geometry.for_context(PRO, 32768, long_chunks=True).chunk == 8192 == PRO_CHUNK
+    assert Geometry.for_context(PRO, 32768).chunk == 2048
     assert Geometry.for_context(cfg, 100, 64).raw_cap == 100  # never more than ctx
     monkeypatch.setenv("DS4_METAL_GRAPH_RAW_CAP", "300")
     g = Geometry.for_context(cfg, 4096, 512)

@@ -56,6 +56,9 @@ class Backend:
     # Whether work is queued on a device while the host goes on: a step launched before the previous one's results
     # are read runs while the host works on them (Decode's greedy steps, ds4lab.session).
     asynchronous = False
+    # Whether a session's default prefill chunk is ds4's later one (4096, kv/layout.LONG_CHUNK): for a backend whose
+    # long chunks run eagerly, not padded to the step.
+    long_prefill_chunks = False
 
     def fetch(self, x) -> Fetched:
         """``x`` on the host, as ``fetch(x).result()``: where launches are asynchronous its copy is queued now, so that

@@ -133,6 +133,7 @@ class CupyBackend(BlockBackend):
         return out
 
     compiled_rows = 16  # a chunk of more rows runs eagerly: its launches are few against its GPU time
+    long_prefill_chunks = True  # so chunks of 4096 pad nothing (1.13-1.14x the prefill rate of 2048 on an H100)
     compiles_ffn = True  # decode routing stays on the device, so the FFN half is a graph too
 
     @property

@@ -115,7 +115,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", default="ds4", choices=["ds4", "exact"],
                    help="ds4 (default): FP8/FP4/F16 simulations as ds4 computes; exact: none")
     p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
-                   help="prefill chunk (default: ds4's rule, DS4_METAL_PREFILL_CHUNK or 4096; 8192 for Pro)")
+                   help="prefill chunk (default: ds4's rule, DS4_METAL_PREFILL_CHUNK or 2048; on cupy ds4's later "
+                        "4096, 8192 for Pro)")
     p.add_argument("--prefill-matmul", default="auto", choices=["auto", "float32", "tf32", "f16"],
                    help="cupy: tf32 / f16 run a chunk's products on TF32 / half operands (as ds4's GPU prefill "
                         "casts them to half; README, Benchmarks, gives the speed of each); float32 keeps float32 "

@@ -19,10 +19,12 @@ import numpy as np
 from ..arch import NEG_INF, coff
 from ..config import ModelConfig, ds4_model_id, is_int
 
-# ds4's default prefill chunk on Metal and CUDA since 9ba160ae: 4096 tokens for Flash, 8192 for Pro, where the prompt
-# is longer (2048 at 8d57664). On an H100 (flash_full.py, 30 layers) chunks of 4096 prefilled 1.13-1.14x the tokens a
-# second that chunks of 2048 did (benchmarks/README.md).
-DEFAULT_CHUNK = 4096
+DEFAULT_CHUNK = 2048  # ds4's prefill chunk on Metal and CUDA at 8d57664, the commit docs/MODEL.md follows
+# ds4's since 9ba160ae where the prompt is longer: 4096 tokens for Flash, 8192 for Pro. A backend whose chunks run
+# eagerly takes it (Backend.long_prefill_chunks: CuPy, where on an H100 chunks of 4096 prefilled 1.13-1.14x as fast as
+# chunks of 2048, benchmarks/README.md); one that pads every chunk to the step (MLX on Metal) would compute twice the
+# rows of a short prompt's chunk.
+LONG_CHUNK = 4096
 PRO_CHUNK = 8192
 RAW_CAP_MAX = 8192  # the raw ring never exceeds this many rows (ds4.c:13946-13977)
 # Initial value of the *_state_score arrays; kv states start at 0 (docs/FORMATS.md, "The DSV4 session payload").
@@ -46,7 +48,8 @@ class Geometry:
 
     @classmethod
     def for_context(cls, cfg: ModelConfig, ctx: int, chunk: int | None = None,
-                    raw_cap: int | None = None) -> "Geometry":
+                    raw_cap: int | None = None, long_chunks: bool = False) -> "Geometry":
+        """``chunk`` None: ds4's rule (:func:`chunk_from_env`), its later chunks with ``long_chunks``."""
         if not is_int(ctx):
             raise TypeError(f"ctx must be an integer, got {ctx!r}")
         if ctx < 2:
@@ -54,7 +57,8 @@ class Geometry:
         if chunk is not None and not is_int(chunk):
             raise TypeError(f"prefill_chunk must be an integer, got {chunk!r}")
         if chunk is None:
-            chunk = chunk_from_env(ctx, PRO_CHUNK if ds4_model_id(cfg) == 1 else DEFAULT_CHUNK)
+            chunk = chunk_from_env(ctx, (PRO_CHUNK if ds4_model_id(cfg) == 1 else LONG_CHUNK) if long_chunks
+                                   else DEFAULT_CHUNK)
         if chunk < 1:
             raise ValueError(f"prefill_chunk must be positive, got {chunk}")
         chunk = min(chunk, ctx)
@@ -74,9 +78,9 @@ class Geometry:
 
 
 def chunk_from_env(ctx: int, default: int = DEFAULT_CHUNK) -> int:
-    """ds4's prefill chunk for a context (ds4_prefill_cap_for_prompt, the context in the prompt's place):
-    DS4_METAL_PREFILL_CHUNK, else ``default`` (the model's: :data:`DEFAULT_CHUNK`, :data:`PRO_CHUNK`) where the
-    context is longer, else the whole context; ds4's quirks included."""
+    """ds4's prefill chunk for a context (ds4_default_prefill_cap_for_prompt, the context in the prompt's place):
+    DS4_METAL_PREFILL_CHUNK, else ``default`` (:data:`DEFAULT_CHUNK`; :data:`LONG_CHUNK` or :data:`PRO_CHUNK` as
+    ds4 chooses since 9ba160ae) where the context is longer, else the whole context; ds4's quirks included."""
     env = os.environ.get("DS4_METAL_PREFILL_CHUNK")
     if env is None:
         return default if ctx > default else ctx
