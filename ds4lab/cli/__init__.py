@@ -104,6 +104,19 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _add_sampling_args(p: argparse.ArgumentParser, temperature_max: float, scope: str = "") -> None:
+    """--temp, --top-k, --top-p, --min-p and --seed (``scope``: what they set, e.g. serve's per-request defaults)."""
+    p.add_argument("--temp", type=_ranged_float(0, temperature_max), default=1.0, metavar="F",
+                   help=f"{scope}temperature (default 1; 0 = greedy; at most {temperature_max:g})")
+    p.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N",
+                   help=f"{scope}top-k (default 0: no cap; more than 1024 is 1024, as in ds4)")
+    p.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F",
+                   help=f"{scope}nucleus mass top-p (default 1; 0 is taken as 1, no cut, as in ds4)")
+    p.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F",
+                   help=f"{scope}min-p: keep tokens at least F times as likely as the top one (default 0.05)")
+    p.add_argument("--seed", type=_seed, default=None, metavar="N", help=f"{scope}sampling seed (default: time-based)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=_path, default=None, help="GGUF model file (default: the embedded model)")
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "numpy", "cupy"],
@@ -158,15 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "than that length is refused)")
     run.add_argument("-n", "--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
                      help=f"most tokens to generate per turn (default {DEFAULT_TOKENS}, capped by the context)")
-    run.add_argument("--temp", type=_ranged_float(0, 100), default=1.0, metavar="F",
-                     help="temperature (default 1; 0 = greedy)")
-    run.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N",
-                     help="top-k (default 0: no cap; more than 1024 is 1024, as in ds4)")
-    run.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F",
-                     help="nucleus mass (default 1; 0 is taken as 1, no cut, as in ds4)")
-    run.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F",
-                     help="keep tokens at least F times as likely as the top one (default 0.05)")
-    run.add_argument("--seed", type=_seed, default=None, metavar="N", help="sampling seed (default: time-based)")
+    _add_sampling_args(run, temperature_max=100)
     graph = run.add_mutually_exclusive_group()
     for flag, test, what in (("--graph-test", "decode", "layer 0's stages and the logits of one decode step"),
                              ("--graph-full-test", "full", "the same decode step through every layer"),

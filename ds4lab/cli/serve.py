@@ -42,7 +42,7 @@ def _port(text: str) -> int:
 def add_serve_parser(sub) -> None:
     """``ds4lab serve``: ds4-server's flags (-m, --ctx, --prefill-chunk, -n/--max-tokens, --kv-disk-*, --kv-cache-*,
     --host, --port) and the sampling and thinking defaults of ``run``."""
-    from . import _add_model_args, _nonnegative_int, _path, _positive_int, _ranged_float, _seed  # built by now
+    from . import _add_model_args, _add_sampling_args, _nonnegative_int, _path, _positive_int  # built by now
 
     sv = sub.add_parser("serve", help="serve the model over HTTP: OpenAI and Anthropic APIs, as ds4-server",
                         description="ds4-server's API: /v1/models, /v1/chat/completions, /v1/completions, "
@@ -85,14 +85,7 @@ def add_serve_parser(sub) -> None:
                        help="chat requests do not think unless they ask (the default for models without a chat "
                             "template, such as the embedded one)")
     sv.set_defaults(think=None)  # "high" once read: None says no thinking flag was given
-    sv.add_argument("--temp", type=_ranged_float(0, 2), default=1.0, metavar="F",
-                    help="default temperature (1; at most 2, the APIs' range, where run takes up to 100)")
-    sv.add_argument("--top-k", type=_nonnegative_int, default=0, metavar="N",
-                    help="default top-k (0: no cap; more than 1024 is 1024, as in ds4)")
-    sv.add_argument("--top-p", type=_ranged_float(0, 1), default=1.0, metavar="F",
-                    help="default top-p (1; 0 is taken as 1, no cut, as in ds4)")
-    sv.add_argument("--min-p", type=_ranged_float(0, 1), default=0.05, metavar="F", help="default min-p (0.05)")
-    sv.add_argument("--seed", type=_seed, default=None, metavar="N", help="default seed (default: time-based)")
+    _add_sampling_args(sv, temperature_max=2, scope="requests' default ")  # 2: the APIs' range (run takes 100)
     sv.set_defaults(func=serve_command)
 
 def _gpu_list(text: str) -> list[int]:
