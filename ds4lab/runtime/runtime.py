@@ -42,6 +42,10 @@ from .compiled import (
 )
 from .tables import ChunkTables, chunk_tables, rope_keys
 
+# Positions a session's RoPE tables are made for up front (32 pairs of float32 cos and sin: 32 MiB a table at
+# this size); a session of a longer context doubles them as its steps get there.
+ROPE_PRESIZE_MAX = 1 << 17
+
 
 class Runtime:
     """Runs chunks of ``model`` on ``backend``. Knobs: ``compile`` (default: whether the backend compiles by
@@ -62,6 +66,15 @@ class Runtime:
         self._families: dict[tuple, weakref.WeakValueDictionary] = {}
         self.trace_count = 0
         self._keys = rope_keys(model)
+
+    def rope_tables_for(self, ctx: int) -> None:
+        """The RoPE tables kept for the positions a session of ``ctx`` reaches (up to ROPE_PRESIZE_MAX), made now:
+        made as steps needed them, a table doubled at the first step past a power of two (30 ms of one decode step
+        at 32K on an H100, the Flash layout's 30 layers: the slow first step of a sweep's last frontier)."""
+        rope_keys, window_keys = self._keys
+        margin = 2 * max((R for _, R in window_keys), default=0)  # windows' positions run past the tokens'
+        for params in [*rope_keys, *(p for p, _ in window_keys)]:
+            params.kept(min(ctx + margin, ROPE_PRESIZE_MAX))
 
     def compiles(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` runs its attention half compiled (MLX) or as a CUDA graph (CuPy)."""
