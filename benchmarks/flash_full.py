@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     room = max(args.gen_tokens, RUNTIME_STEPS, args.timeline)  # the decode steps after the last frontier
     sess = model.session(ctx=args.ctx_max + room + 1, prefill_chunk=args.prefill_chunk,
                          max_checkpoints=2, placement=placement)
+    out["prefill_chunk"] = sess.geometry.chunk
     rows, seen = [], 0
     for row in bench.sweep(model, tokens, args.ctx_start, args.ctx_max, args.step_incr, 1.0, args.gen_tokens,
                            session=sess, sampling=sampling):

@@ -139,7 +139,7 @@ class Session:
         except MemoryError:
             raise MemoryError(f"ctx {ctx}: the session's KV state does not fit in memory; ask for a smaller ctx "
                               f"(the model's context is {model.config.context_length or 'not given'})") from None
-        model.runtime.rope_tables_for(ctx)
+        model.runtime.rope_tables_for(self.geometry)
         # The resolved plan; every step's switches go to tier_trace, steps counted from 0.
         self.placement = (placement or Placement.single()).resolve(model, self._state)
         self._state = self.placement.place_state(self._state)

@@ -590,3 +590,25 @@ def test_rope_tables_are_made_for_the_sessions_context(nano_np, monkeypatch):
         cos, _ = params.rows(np.array([8191, 8192, 8999]))  # what a step past 8192 reads: no table made again
         assert rope._ROWS[params] is made[params]
         np.testing.assert_array_equal(cos, params.tables(np.array([8191, 8192, 8999]))[0])
+
+
+def test_a_backend_of_long_chunks_gets_ds4s_later_chunk(nano_np, monkeypatch):
+    """Session and Model.new_state pass the backend's long_prefill_chunks (CuPy's) to the geometry."""
+    monkeypatch.setattr(nano_np.backend, "long_prefill_chunks", True)
+    assert nano_np.session(ctx=9000).geometry.chunk == 4096
+    assert nano_np.new_state(9000).geometry.chunk == 4096
+    monkeypatch.setattr(nano_np.backend, "long_prefill_chunks", False)
+    assert nano_np.session(ctx=9000).geometry.chunk == 2048
+
+
+def test_rope_tables_cover_the_windows_past_the_last_token(nano_np, monkeypatch):
+    """A context of a power of two: the last positions' windows run past it, into the margin the session
+    made its tables with (without it the last chunk's tables doubled)."""
+    from ds4lab.model import rope
+
+    monkeypatch.setattr(rope, "_ROWS", {})
+    ctx = 16384
+    sess = nano_np.session(ctx=ctx, prefill_chunk=512)
+    made = dict(rope._ROWS)
+    nano_np.runtime.tables(np.arange(512) % 100, ctx - 512, 512)  # the last chunk's tables, windows included
+    assert all(rope._ROWS[p] is made[p] for p in made) and sess.geometry.ctx == ctx

@@ -67,14 +67,17 @@ class Runtime:
         self.trace_count = 0
         self._keys = rope_keys(model)
 
-    def rope_tables_for(self, ctx: int) -> None:
-        """The RoPE tables kept for the positions a session of ``ctx`` reaches (up to ROPE_PRESIZE_MAX), made now:
-        made as steps needed them, a table doubled at the first step past a power of two (30 ms of one decode step
-        at 32K on an H100, the Flash layout's 30 layers: the slow first step of a sweep's last frontier)."""
+    def rope_tables_for(self, geometry) -> None:
+        """The RoPE tables kept for the positions a session of ``geometry`` reaches (its context, up to
+        ROPE_PRESIZE_MAX), made now: made as steps needed them, a table doubled at the first step past a power of
+        two (30 ms of one decode step at 32K on an H100, the Flash layout's 30 layers: the slow first step of a
+        sweep's last frontier)."""
         rope_keys, window_keys = self._keys
-        margin = 2 * max((R for _, R in window_keys), default=0)  # windows' positions run past the tokens'
+        # windows' positions run up to two windows past the tokens'; a chunk padded to the step, a step past them
+        margin = 2 * max((R for _, R in window_keys), default=0)
+        margin += geometry.step if self.compiles(geometry.step) else 0
         for params in [*rope_keys, *(p for p, _ in window_keys)]:
-            params.kept(min(ctx + margin, ROPE_PRESIZE_MAX))
+            params.kept(min(geometry.ctx, ROPE_PRESIZE_MAX) + margin)
 
     def compiles(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` runs its attention half compiled (MLX) or as a CUDA graph (CuPy)."""
