@@ -70,8 +70,8 @@ class Runtime:
     def rope_tables_for(self, geometry) -> None:
         """The RoPE tables kept for the positions a session of ``geometry`` reaches (its context, up to
         ROPE_PRESIZE_MAX), made now: made as steps needed them, a table doubled at the first step past a power of
-        two (30 ms of one decode step at 32K on an H100, the Flash layout's 30 layers: the slow first step of a
-        sweep's last frontier)."""
+        two, on the host (likely the 30 ms first decode step at 32K on an H100 with the Flash layout's 30 layers,
+        benchmarks/README.md)."""
         rope_keys, window_keys = self._keys
         # windows' positions run up to two windows past the tokens'; a chunk padded to the step, a step past them
         margin = 2 * max((R for _, R in window_keys), default=0)
