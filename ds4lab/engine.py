@@ -73,10 +73,14 @@ class Model:
             raise ValueError("expected a non-empty 1-D sequence of integer token ids (or a string)")
         return ids.astype(np.int64)
 
+    def geometry(self, ctx: int, prefill_chunk: int | None = None) -> Geometry:
+        """The context, chunk and ring of a state of ``ctx`` tokens on this model's backend (see :class:`Geometry`:
+        the default chunk is ds4's rule, its later one where the backend runs long chunks eagerly)."""
+        return Geometry.for_context(self.config, ctx, prefill_chunk, long_chunks=self.backend.long_prefill_chunks)
+
     def new_state(self, ctx: int, prefill_chunk: int | None = None):
-        """An empty KV state sized for ``ctx`` tokens (see :class:`Geometry`)."""
-        return new_state(self.config, self.backend, Geometry.for_context(
-            self.config, ctx, prefill_chunk, long_chunks=self.backend.long_prefill_chunks))
+        """An empty KV state sized for ``ctx`` tokens (see :meth:`geometry`)."""
+        return new_state(self.config, self.backend, self.geometry(ctx, prefill_chunk))
 
     def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16, kv_store=None,
                 placement=None):

@@ -26,7 +26,6 @@ def require_processes(what: str) -> None:
                            "sockets); use the Python API there: ds4lab.load(backend='numpy'), model.session(...)")
 
 
-
 def available_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes of memory a process can take now without swapping or being stopped: Linux's MemAvailable, lowered to
     the headroom of a cgroup v2 memory limit (a container's, which is what stops a process there); elsewhere the

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .config import is_int
 from .kv.checkpoint import Checkpoint, model_fingerprint, state_to_payload
 from .kv.kvfile import KVFileError
-from .kv.layout import Geometry, KVState, env_int, expected_row_counts, new_state
+from .kv.layout import KVState, env_int, expected_row_counts, new_state
 from .kv.payload import PayloadError, payload_nbytes
 from .kv.store import KVStore, prompt_text
 from .kv.view import KVView
@@ -132,8 +132,7 @@ class Session:
             raise TypeError(f"placement must be a ds4lab.Placement (Placement.even(...), ...), got {placement!r}")
         self.model = model
         self.kv_store = kv_store  # a ds4lab.KVStore: disk checkpoints as ds4-server writes and reads them
-        self.geometry = Geometry.for_context(model.config, ctx, prefill_chunk,
-                                             long_chunks=model.backend.long_prefill_chunks)
+        self.geometry = model.geometry(ctx, prefill_chunk)
         try:
             self._state: KVState = new_state(model.config, model.backend, self.geometry)
         except MemoryError:

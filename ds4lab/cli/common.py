@@ -183,9 +183,10 @@ def effective_think(mode: str, ctx: int) -> str:
 
 def thinking_mode(mode: str, ctx: int) -> str:
     """The mode a context allows for ``mode`` (ds4's rule), with a warning where Think Max falls back."""
-    if effective_think(mode, ctx) != mode:
+    used = effective_think(mode, ctx)
+    if used != mode:
         err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
-    return effective_think(mode, ctx)
+    return used
 
 
 RENDER = {"none": False, "high": True, "max": "max"}

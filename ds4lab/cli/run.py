@@ -86,8 +86,6 @@ def graph_command(args) -> int:
     return 0 if report.passed else 1
 
 
-
-
 def run_command(args) -> int:
     if args.graph_test:
         return graph_command(args)
