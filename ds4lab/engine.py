@@ -79,8 +79,12 @@ class Model:
         return Geometry.for_context(self.config, ctx, prefill_chunk, long_chunks=self.backend.long_prefill_chunks)
 
     def new_state(self, ctx: int, prefill_chunk: int | None = None):
-        """An empty KV state sized for ``ctx`` tokens (see :meth:`geometry`)."""
-        return new_state(self.config, self.backend, self.geometry(ctx, prefill_chunk))
+        """An empty KV state sized for ``ctx`` tokens (see :meth:`geometry`), the RoPE tables made for its positions
+        (:meth:`Runtime.rope_tables_for`)."""
+        geometry = self.geometry(ctx, prefill_chunk)
+        state = new_state(self.config, self.backend, geometry)
+        self.runtime.rope_tables_for(geometry)
+        return state
 
     def session(self, ctx: int = 4096, prefill_chunk: int | None = None, max_checkpoints: int = 16, kv_store=None,
                 placement=None):

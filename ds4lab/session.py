@@ -132,13 +132,12 @@ class Session:
             raise TypeError(f"placement must be a ds4lab.Placement (Placement.even(...), ...), got {placement!r}")
         self.model = model
         self.kv_store = kv_store  # a ds4lab.KVStore: disk checkpoints as ds4-server writes and reads them
-        self.geometry = model.geometry(ctx, prefill_chunk)
         try:
-            self._state: KVState = new_state(model.config, model.backend, self.geometry)
+            self._state: KVState = model.new_state(ctx, prefill_chunk)
         except MemoryError:
             raise MemoryError(f"ctx {ctx}: the session's KV state does not fit in memory; ask for a smaller ctx "
                               f"(the model's context is {model.config.context_length or 'not given'})") from None
-        model.runtime.rope_tables_for(self.geometry)
+        self.geometry = self._state.geometry
         # The resolved plan; every step's switches go to tier_trace, steps counted from 0.
         self.placement = (placement or Placement.single()).resolve(model, self._state)
         self._state = self.placement.place_state(self._state)

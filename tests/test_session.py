@@ -534,6 +534,17 @@ def test_session_arguments_are_checked_when_made(nano_np, kwargs, error, named):
     assert nano_np.session(ctx=np.int64(64), prefill_chunk=np.int32(16)).prefill_chunk == 16  # NumPy's ints are ints
 
 
+def test_numpy_ints_make_the_first_rope_tables(nano_np, monkeypatch):
+    """A first session of NumPy ints made its RoPE tables from ctx.bit_length(), which NumPy's ints lack (the test
+    above passed only where an earlier test had made the tables already): the geometry holds Python ints."""
+    from ds4lab.model import rope
+
+    monkeypatch.setattr(rope, "_ROWS", {})
+    sess = nano_np.session(ctx=np.int64(5000), prefill_chunk=np.int32(512))
+    assert type(sess.geometry.ctx) is int and type(sess.geometry.chunk) is int
+    assert all(len(cos) >= 5000 for cos, _ in rope._ROWS.values())
+
+
 def _allocation_fails(model, ctx) -> bool:
     from ds4lab.kv.layout import new_state
 
@@ -590,6 +601,16 @@ def test_rope_tables_are_made_for_the_sessions_context(nano_np, monkeypatch):
         cos, _ = params.rows(np.array([8191, 8192, 8999]))  # what a step past 8192 reads: no table made again
         assert rope._ROWS[params] is made[params]
         np.testing.assert_array_equal(cos, params.tables(np.array([8191, 8192, 8999]))[0])
+
+
+def test_model_new_state_makes_the_rope_tables_too(nano_np, monkeypatch):
+    """Model.new_state (Model.logits' state) makes the tables for its context as a session does."""
+    from ds4lab.model import rope
+
+    monkeypatch.setattr(rope, "_ROWS", {})
+    nano_np.new_state(9000, 512)
+    assert set(rope._ROWS) == set(nano_np.transformer.ropes)
+    assert all(len(cos) >= 9000 for cos, _ in rope._ROWS.values())
 
 
 def test_a_backend_of_long_chunks_gets_ds4s_later_chunk(nano_np, monkeypatch):

@@ -56,6 +56,8 @@ class Geometry:
             raise ValueError(f"ctx must be at least 2, got {ctx}")
         if chunk is not None and not is_int(chunk):
             raise TypeError(f"prefill_chunk must be an integer, got {chunk!r}")
+        # Python ints from here on: NumPy's have no bit_length (the RoPE tables' sizes) and may overflow
+        ctx, chunk = int(ctx), None if chunk is None else int(chunk)
         if chunk is None:
             chunk = chunk_from_env(ctx, (PRO_CHUNK if ds4_model_id(cfg) == 1 else LONG_CHUNK) if long_chunks
                                    else DEFAULT_CHUNK)
