@@ -49,12 +49,20 @@ model
 # 284B file. A DS4 layer's attention is one of three kinds, set by its **compression ratio**:
 #
 # - **ratio 0** (layers 0 and 1): only the *raw sliding window*, the KV rows of the last `swa` tokens;
-# - **ratio 4**: the window plus one *compressed row* per 4 tokens, and an *indexer* that picks the
-#   `idx_topk` rows each query may attend once more than that are visible;
+# - **ratio 4**: the window plus one *compressed row* per 4 tokens (each pooling 8, so neighbouring rows
+#   overlap), and an *indexer* that picks the `idx_topk` rows each query may attend once more than that are
+#   visible;
 # - **ratio 128**: the window plus one compressed row per 128 tokens, all of them visible.
 #
 # The first `n_hash_layer` layers choose their experts by a hash of the token id; the others by the
 # router's top-k.
+#
+# Between the layers the hidden state is not one vector but `n_hc` of them (4 *streams*, DeepSeek's
+# *hyper-connections*). Before each attention and each FFN a small mixer reads all the streams: the
+# sublayer's input is their weighted sum (the *pre* weights), and after it each stream becomes a mix of the
+# old streams (an `n_hc × n_hc` matrix made nearly doubly stochastic by Sinkhorn steps) plus the sublayer's
+# output scaled by that stream's *post gate*. The head reads the streams at the end (docs/MODEL.md,
+# "Hyper-connections and Sinkhorn").
 
 # %% tags=["nbval-check-output"]
 cfg = model.config
@@ -153,7 +161,8 @@ for lk in sess.kv:
 # has more slots (256 here, as ds4 sizes it for a chunk's rows and the window before it), so older rows stay
 # in it until their slot is written again, but no query reads them: what the layers keep of those tokens is
 # in the compressed rows. A ratio-4 layer keeps one row per 4 tokens (and its indexer a
-# smaller row of its own for each), a ratio-128 layer one row per 128 tokens (none yet below 128 tokens);
+# row of its own for each: a key, only scored to choose which compressed rows a query reads; 128 wide here
+# like the KV row, 128 against the KV row's 512 in Flash), a ratio-128 layer one row per 128 tokens (none yet below 128 tokens);
 # the tokens after the last full group wait in the compressor's pending state until their group is complete.
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,

@@ -90,7 +90,7 @@ show(prefill_view.step())
 # The picture of a chunk in one layer: a row per query of the chunk, a column per key it could read — the raw
 # rows earlier chunks left in the ring, the chunk's own rows, the compressed rows, and the sink (a logit with
 # no value). In chunk 0 of layer 2 (ratio 4) the own rows form the causal triangle (a query never sees a later
-# position), and a compressed row becomes visible only to queries after its group of 4 tokens closed. Hover a
+# position), and a compressed row becomes visible from the query that completes its group of 4 tokens on. Hover a
 # cell: it says why the key is or is not visible.
 
 # %%
@@ -244,9 +244,9 @@ prefill_cost_chart(runs, model)
 # %% [markdown]
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
 # but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
-# 2-core CPU, with nothing else running, seven runs put the 11 chunks of 30 clearly slowest, 0.12–0.18 s behind one
-# chunk of 512: some 15 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights, and the Python calls of
-# every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs, so either may come
+# 2-core CPU every run put the 11 chunks of 30 clearly slowest, 0.12–0.24 s behind one chunk of 512 (this
+# run's gap is printed above): some 10–20 ms a chunk on top of the same 4.3 GFLOP (a pass over the weights,
+# and the Python calls of every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs, so either may come
 # out ahead, as in the lines printed above. On a busy machine the ranges grow, and can overlap.
 #
 # ### At Flash scale

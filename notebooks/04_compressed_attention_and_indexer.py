@@ -167,7 +167,7 @@ print(textwrap.fill(", ".join(map(str, dropped)), 100, initial_indent="  ", subs
 
 # %% [markdown]
 # The indexer is not a recency rule: it keeps rows from the whole prompt and drops some recent ones (whose
-# tokens the raw window covers anyway). The chart shows every query's choice among the rows it could see:
+# tokens the raw window covers anyway). The chart shows the choice of every 8th query from position 128 on among the rows it could see:
 
 # %%
 from ds4lab.viz.charts import indexer_choices_chart

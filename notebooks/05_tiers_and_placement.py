@@ -19,8 +19,8 @@
 #
 # Every switch is recorded. Without `devices`, tiers are *logical*: each is its own device, a switch makes
 # a real copy and the bytes are real; with MLX, `devices=["cpu", "gpu"]` runs layers on each device's
-# stream. (ds4 itself runs one device per process; these switches are the design of the articles ds4lab
-# was described from.) Results never depend on the plan.
+# stream. (ds4 itself runs one device per process; these switches are ds4lab's, to show what a split of
+# the layers over devices moves.) Results never depend on the plan.
 
 # %%
 import sys

@@ -276,30 +276,31 @@ for il in range(cfg.n_layer):
     chosen = cap_moe[f"blk.{il}.moe.experts"][0]
     weights = cap_moe[f"blk.{il}.moe.weights"][0]
     assert np.allclose(weights, cfg.expert_weight_scale * scores[chosen] / scores[chosen].sum())
-    lowest[il] = np.argsort(scores, kind="stable")[:2]
+    # the two lowest-scored experts not chosen: a swap that changes both of the token's experts
+    lowest[il] = [e for e in np.argsort(scores, kind="stable") if e not in chosen][:2]
     routing = "(hash):" if il < cfg.n_hash_layer else "(top-2):"
     # three decimals in every row: numpy's shortest form prints 0.81 beside 0.809
     fixed = np.array2string(weights, precision=3, floatmode="fixed")
     print(f"  layer {il} {routing:8} {np.round(scores, 2)}  chosen {chosen.tolist()}, "
           f"weights {fixed}")
 
-print("the two lowest-scored experts instead, one layer at a time, and the post gates that write")
-print("the FFN's output into the 4 streams:")
+print("the two lowest-scored experts not chosen instead, one layer at a time, and the post gates")
+print("that write the FFN's output into the 4 streams:")
 print("  layer  experts  KL (nats)  top token     post gates")
 for il in range(cfg.n_layer):
     d = logit_diff(sess, ids, [replace_experts(il, lowest[il])], start=last)
     # two significant digits, not two decimals: layer 5's gates are far below 0.01
     gates = " ".join(f"{g:.2g}" for g in cap_moe[f"blk.{il}.hc_ffn.post"][0])
-    experts = str(lowest[il].tolist())
+    experts = str([int(e) for e in lowest[il]])
     print(f"  {il:5d}  {experts:7}  {d.kl:9.2g}  {top(d.p_edited, 1):12}  {gates}")
 print("layer 1 in detail:")
 show(logit_diff(sess, ids, [replace_experts(1, lowest[1])], start=last))
 
 # %% [markdown]
 # In the hash layers the scores only weight the experts the token id picked: layer 1 routes ' for' to experts
-# 1 and 3, though the router scores experts 0 and 7 above 3. Swapping in the two lowest-scored experts changes
-# the most in layers 0 and 1 (KL 0.09 and 0.3 nats; in layer 1 the line break goes from 0.159 to 0.402) and less
-# and less in later layers (0.012, 0.0075, 1e-4), down to nothing measurable in layer 5 (1e-10). The post gates
+# 1 and 3, though the router scores experts 0 and 7 above 3. Swapping in the two lowest-scored experts the token
+# did not get changes the most in layers 0 and 1 (KL 0.41 and 0.3 nats; in layer 1 the line break goes from
+# 0.159 to 0.402) and less and less in later layers (0.012, 0.0075, 1e-4), down to nothing measurable in layer 5 (1e-10). The post gates
 # say why the last two hardly count: the hyper-connections write the FFN's output `y` into each stream `o` as
 # `post[o]·y` (docs/MODEL.md, "Hyper-connections and Sinkhorn"), and for this token layer 4's gates are 0.038–0.14
 # and layer 5's below 0.001: whatever its experts compute, layer 5 adds next to none of it to the streams the head

@@ -265,7 +265,7 @@ def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_
     assert d["full"] and d["other_bytes"] == HEADER_BYTES + 4 * T + 4 * cfg.n_vocab + 8 * cfg.n_layer
     assert d["other_bytes"] + sum(L["bytes"] for L in d["layers"]) == d["total_bytes"] == sess.kv.nbytes
     fallback = view.static_html()
-    assert "the context is full" in fallback and f"+ {d['other_bytes']:,} bytes: the header" in fallback
+    assert "the context is full" in fallback and f"plus {d['other_bytes']:,} bytes for the header" in fallback
     pg.evaluate(SHOW, [view.model._esm, _json_state(view.model), (widgets_dir() / STYLESHEET).read_text(), 900])
     text = pg.locator(".ds4-kv").inner_text()
     assert not errors, errors
@@ -293,7 +293,7 @@ def test_kv_view_of_a_full_context_names_no_next_position_and_the_bytes_outside_
     arc = (band.evaluate("(p) => p.getTotalLength()") - 2 * 4) / 2  # its perimeter: two arcs and two 4 px sides
     assert arc >= 2.9, arc
     watching.detach()
-    assert f"+ {d['other_bytes']:,} bytes: the header, the token ids" in text, text[:400]
+    assert f"plus {d['other_bytes']:,} bytes for the header, the token ids" in text, text[:400]
 
 
 def test_generation_panel_names_a_token_sampled_from_outside_the_top(page, model_paths):

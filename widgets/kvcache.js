@@ -61,9 +61,12 @@ function render({ model, el }) {
     const keyOpen = !!body.querySelector("details.ds4-keybox[open]");  // a compact view's key, unfolded: kept so
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
-    const bytes = `<div class="ds4-note">= the layers below + ${d.other_bytes.toLocaleString()} bytes: the header, the token ` +
+    const bytes = `<div class="ds4-note">the total: the layers below plus ${d.other_bytes.toLocaleString()} bytes for the header, the token ` +
       `ids (4 B each) and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
-    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>`;
+    let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>` +
+      // a fresh state's bytes puzzle without this: its compressors' pending state is there before any token
+      (T ? "" : `<div class="ds4-note">no token yet: these bytes are what a state holds from the start (the compressors' ` +
+        `pending state on the compressed layers, the header, the logits)</div>`);
     let key = `<b>raw ring</b> (every layer holds the same positions): position p goes to slot p mod ${d.raw_cap}; the numbers ` +
       `around it are the positions those slots hold` + (d.raw_cap > d.window ? `. ${d.raw_cap} slots for a window of ${d.window}: ` +
       `a chunk's own rows and the window before them fit at once` : "") + `.<br>` +
@@ -71,7 +74,7 @@ function render({ model, el }) {
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (T < d.raw_cap ? `<span class="ds4-swatch empty"></span> empty: no position written there yet<br>` : "") +
       (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (${d.new_from === T - 1 ? `position ${T - 1}` : `positions ${fromTo(d.new_from, T - 1)}`})<br>` :
-        `no step outlined: this is the whole state after ${T} tokens<br>`) +
+        `showing the whole cache after ${T} tokens (no step outlined)<br>`) +
       (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
         `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>`) +
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`);
@@ -106,11 +109,12 @@ function render({ model, el }) {
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
-          const choice = !chooses ? ` (≤ top-k ${d.idx_topk}: a query attends all)` :
-            `; a query attends its top ${d.idx_topk} by score` + (picked ? "" :
-              `; which ones the last query (position ${q}) picked is not shown here (notebook 04 shows them)`);
+          // indexer rows are keys only: a query attends the compressed rows their scores pick
+          const choice = !chooses ? ` (${d.idx_topk} or fewer, the indexer's top-k: a query attends every compressed row)` :
+            `, scored by each query to choose the ${d.idx_topk} compressed rows it attends` + (picked ? "" :
+              `; the last query's (${q}) choice is drawn when the view gets a capture of indexer.topk (indexer=)`);
           h += `<div>${plural(L.n_index, "indexer row")}${choice}</div>` +
-            `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}`) + `</div>`;
+            `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +
           (L.pending.length ? ` (positions ${fromTo(L.pending[0], L.pending.at(-1))})` : "") + `</div>` +

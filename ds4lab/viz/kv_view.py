@@ -90,8 +90,8 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
 
 def _other(d: dict) -> str:
     """The payload's bytes besides the layers' (the fallback's words; kvcache.js says the same)."""
-    return (f"= the layers below + {d.get('other_bytes', 0):,} bytes: the header, the token ids (4 B each) and the "
-            f"next token's logits (4 B × {d.get('n_vocab', 0):,})")
+    return (f"the total: the layers below plus {d.get('other_bytes', 0):,} bytes for the header, the token ids "
+            f"(4 B each) and the next token's logits (4 B × {d.get('n_vocab', 0):,})")
 
 
 def _pointer(d: dict) -> str:
