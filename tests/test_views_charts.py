@@ -98,6 +98,7 @@ def charts(prefilled, dense):
         indexer_mass_chart,
         kv_bytes_chart,
         kv_cache_chart,
+        logit_diff_chart,
         prefill_chunks_chart,
         prefill_cost_chart,
     )
@@ -114,6 +115,7 @@ def charts(prefilled, dense):
         "indexer_mass_chart": indexer_mass_chart(*dense, layer=2, query=79, k=16),
         "batch_copies_chart": batch_copies_chart([dict(chunk=16, switches=5, bytes=4096, seconds=0.01),
                                                   dict(chunk=64, switches=2, bytes=4096, seconds=0.004)]),
+        "logit_diff_chart": logit_diff_chart(_logit_diff(model)),
         "hconcat": kv_bytes_chart(sess, chunks) | speed,
         "vconcat": kv_bytes_chart(sess, chunks) & speed,
     }
@@ -121,7 +123,37 @@ def charts(prefilled, dense):
 
 CHARTS = ["prefill_chunks_chart", "kv_bytes_chart", "expert_load_chart", "kv_cache_chart", "indexer_choices_chart",
           "indexer_mass_chart",
-          "batch_copies_chart", "prefill_cost_chart", "hconcat", "vconcat"]
+          "batch_copies_chart", "prefill_cost_chart", "logit_diff_chart", "hconcat", "vconcat"]
+
+
+def _logit_diff(model):
+    """Clean logits with tokens 5 > 6 > 7 ..., edited ones where token 40 rose to the top."""
+    from ds4lab.interventions import LogitDiff
+
+    clean = np.zeros(model.config.n_vocab, np.float32)
+    clean[5:15] = np.arange(10, 0, -1)
+    edited = clean.copy()
+    edited[40] = 12.0
+    return LogitDiff(clean, edited, ("blk.2 sink ablated (every head)",), model.tokenizer)
+
+
+def test_logit_diff_chart_shows_both_runs_likeliest_tokens(prefilled):
+    """The n likeliest tokens of either run (so the one the edits made likely shows: 40), ordered by the clean
+    probability, each with its two bars' probabilities; the KL and the edits in the title."""
+    from ds4lab.viz.charts import logit_diff_chart
+
+    model = prefilled[0]
+    diff = _logit_diff(model)
+    spec = logit_diff_chart(diff, n=3).spec
+    rows = spec["data"]["values"]
+    assert [r["id"] for r in rows if r["run"] == "clean"] == [5, 6, 7, 40]
+    for r in rows:
+        want = diff.p_clean if r["run"] == "clean" else diff.p_edited
+        assert r["p"] == pytest.approx(float(want[r["id"]]), rel=1e-12)
+    assert spec["encoding"]["y"]["sort"] == [repr(model.tokenizer.decode([t])) for t in (5, 6, 7, 40)]
+    assert f"{diff.kl:.3g} nats" in spec["title"]["text"] and "sink ablated" in spec["title"]["subtitle"]
+    with pytest.raises(ValueError, match="n must be 1 or more, got 0"):
+        logit_diff_chart(diff, n=0)
 
 
 def test_altair_default_html_loads_vega_from_a_cdn(alt):

@@ -1,6 +1,6 @@
-"""The charts of a prefill, of the KV cache and of the router, as Vega-Lite specs (:mod:`ds4lab.viz.vegalite`
-says how they are shown and why they are not built with Altair). Data is reduced first, far under the 5000
-rows a browser draws comfortably.
+"""The charts of a prefill, of the KV cache, of the router and of an intervention's effect, as Vega-Lite specs
+(:mod:`ds4lab.viz.vegalite` says how they are shown and why they are not built with Altair). Data is reduced
+first, far under the 5000 rows a browser draws comfortably.
 """
 
 from __future__ import annotations
@@ -359,3 +359,35 @@ def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
                         field("tokens:Q", title="tokens routed")),
     )
     return Chart(dict(spec, title="tokens routed to each expert", width=360, height={"step": 14}))
+
+
+def logit_diff_chart(diff, n: int = 6):
+    """Next-token probabilities clean and under an intervention's edits (a :class:`ds4lab.interventions.LogitDiff`),
+    side by side for the ``n`` likeliest tokens of each run (so a token the edits made likely shows, and one they
+    made unlikely), ordered by their clean probability; the KL divergence in the title."""
+    if n < 1:
+        raise ValueError(f"n must be 1 or more, got {n}")
+    p, q = diff.p_clean, diff.p_edited
+    ids = list(dict.fromkeys(int(t) for t in [*np.argsort(-p, kind="stable")[:n], *np.argsort(-q, kind="stable")[:n]]))
+    ids.sort(key=lambda t: (-p[t], -q[t]))
+    texts = [repr(diff.tokenizer.decode([t])) for t in ids]
+    # two tokens may read the same (a byte token beside a merged one): their ids tell them apart
+    labels = [f"{x} ({t})" if texts.count(x) > 1 else x for x, t in zip(texts, ids)]
+    rows = [dict(token=label, id=t, run=run, p=float(probs[t]))
+            for label, t in zip(labels, ids) for run, probs in (("clean", p), ("edited", q))]
+    spec = unit(
+        rows, "bar",
+        y=field("token:N", title=None, sort=labels),
+        yOffset=field("run:N", sort=["clean", "edited"]),
+        x=field("p:Q", title="probability of the next token"),
+        color=field("run:N", title=None, sort=["clean", "edited"],
+                    scale={"domain": ["clean", "edited"], "range": [palette.CLEAN, palette.ACCENT]}),
+        tooltip=tooltip(field("token:N", title="token"), field("id:Q", title="id"), field("run:N", title="run"),
+                        field("p:Q", title="probability", format=".4f")),
+    )
+    kl = f"{diff.kl:.3g}" if diff.kl >= 1e-9 else f"{diff.kl:.1e}"
+    edits = "; ".join(diff.labels)
+    if len(edits) > 120:  # a patch over every layer names a dozen rows: the first stands for them
+        edits = f"{len(diff.labels)} edits: {diff.labels[0]}; …"
+    title = {"text": f"next token, clean and edited: KL(clean ‖ edited) = {kl} nats", "subtitle": edits or "edited"}
+    return Chart(dict(spec, title=title, width=360, height={"step": 11}))

@@ -15,6 +15,7 @@ NOT_YET = "#ffffcc"  # a compressed row whose group of tokens is not complete ye
 PENDING = "#fdd835"  # the tokens of that group, waiting: NOT_YET's yellow, deep enough to read as a bar
 SINK = "#525252"  # the attention sink: a key whose value is zero, so it takes weight and adds nothing
 PREDICTED = "#737373"  # what ds4lab.costs predicts, beside what was measured (blue)
+CLEAN = "#bdbdbd"  # a clean run's bar beside the edited one's (the edit is the reader's pick: the accent)
 HASH_ROUTED = "#969696"  # a layer whose experts come from a fixed table of the token id, not a learned router
 
 
