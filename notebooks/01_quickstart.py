@@ -61,8 +61,8 @@ model
 # *hyper-connections*). Before each attention and each FFN a small mixer reads all the streams: the
 # sublayer's input is their weighted sum (the *pre* weights), and after it each stream becomes a mix of the
 # old streams (an `n_hc × n_hc` matrix made nearly doubly stochastic by Sinkhorn steps) plus the sublayer's
-# output scaled by that stream's *post gate*. The head reads the streams at the end (docs/MODEL.md,
-# "Hyper-connections and Sinkhorn").
+# output scaled by that stream's *post gate*. The head reads the streams at the end
+# (docs/MODEL.md, "Hyper-connections and Sinkhorn").
 
 # %% tags=["nbval-check-output"]
 cfg = model.config
