@@ -248,15 +248,6 @@ for il in range(cfg.n_layer):
     print(f"  layer {il}: {logit_diff(sess, ids, one_layer, start=last).kl:.2g}")
 
 # %% [markdown]
-# `logit_diff_chart` draws a comparison: the likeliest next tokens of either run, clean (grey) beside patched
-# (orange). Hover a bar for its probability.
-
-# %%
-from ds4lab.viz.charts import logit_diff_chart
-
-logit_diff_chart(patched)
-
-# %% [markdown]
 # With the line break five tokens back, the current line is short, and the other prompt's guess is no longer a
 # line break (' this' 0.089 first). Patching just the two changed rows gives the first prompt's last token
 # the same distribution: KL 0.74 nats from its own, and 1.6e-7 from the other prompt's. So what the last token
@@ -264,6 +255,15 @@ logit_diff_chart(patched)
 # time localises it further: layer 5 alone moves the distribution by 0.74 nats, layer 0 by 0.001, the others by
 # less. The effect is large because it is local: the rows are in the raw window, where this model looks.
 #
+# `logit_diff_chart` draws such a comparison: the likeliest next tokens of either run, clean (grey) beside
+# edited (orange; here the patched run). Hover a bar for its probability.
+
+# %%
+from ds4lab.viz.charts import logit_diff_chart
+
+logit_diff_chart(patched)
+
+# %% [markdown]
 # ## 5. Replace an expert choice
 #
 # Each layer's router gives every routed expert a score `p = sqrt(softplus(logit))` (docs/MODEL.md, "Mixture of

@@ -588,29 +588,21 @@ def test_the_memory_warning_is_said_where_the_weights_outgrow_memory(model_paths
         ds4lab.load(model_paths["nano"], backend="numpy").session(ctx=64)  # room enough: nothing said
 
 
-def test_rope_tables_are_made_for_the_sessions_context(nano_np, monkeypatch):
-    """A session makes its RoPE tables for its context when it is made: made as steps needed them, a table doubled
-    at the first step past a power of two, 30 ms of that one decode step at 32K (the Flash layout on an H100)."""
+@pytest.mark.parametrize("make", ["session", "new_state"])
+def test_rope_tables_are_made_for_the_sessions_context(nano_np, monkeypatch, make):
+    """A session (and Model.new_state, Model.logits' state) makes its RoPE tables for its context when it is made:
+    made as steps needed them, a table doubled at the first step past a power of two, 30 ms of that one decode
+    step at 32K (the Flash layout on an H100)."""
     from ds4lab.model import rope
 
     monkeypatch.setattr(rope, "_ROWS", {})
-    nano_np.session(ctx=9000, prefill_chunk=512)
+    getattr(nano_np, make)(9000, 512)
     made = dict(rope._ROWS)
     assert set(made) == set(nano_np.transformer.ropes) and all(len(cos) >= 9000 for cos, _ in made.values())
     for params in made:
         cos, _ = params.rows(np.array([8191, 8192, 8999]))  # what a step past 8192 reads: no table made again
         assert rope._ROWS[params] is made[params]
         np.testing.assert_array_equal(cos, params.tables(np.array([8191, 8192, 8999]))[0])
-
-
-def test_model_new_state_makes_the_rope_tables_too(nano_np, monkeypatch):
-    """Model.new_state (Model.logits' state) makes the tables for its context as a session does."""
-    from ds4lab.model import rope
-
-    monkeypatch.setattr(rope, "_ROWS", {})
-    nano_np.new_state(9000, 512)
-    assert set(rope._ROWS) == set(nano_np.transformer.ropes)
-    assert all(len(cos) >= 9000 for cos, _ in rope._ROWS.values())
 
 
 def test_a_backend_of_long_chunks_gets_ds4s_later_chunk(nano_np, monkeypatch):

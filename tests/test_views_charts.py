@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ds4lab
+from ds4lab.viz import palette
 
 # A script fetched from the network: a CDN, <script src="http...">, an http(s) URL in a <script> element,
 # import/require of a URL, a quoted .js URL; any URL at all in an application/javascript output.
@@ -152,8 +153,36 @@ def test_logit_diff_chart_shows_both_runs_likeliest_tokens(prefilled):
         assert r["p"] == pytest.approx(float(want[r["id"]]), rel=1e-12)
     assert spec["encoding"]["y"]["sort"] == [repr(model.tokenizer.decode([t])) for t in (5, 6, 7, 40)]
     assert f"{diff.kl:.3g} nats" in spec["title"]["text"] and "sink ablated" in spec["title"]["subtitle"]
-    with pytest.raises(ValueError, match="n must be 1 or more, got 0"):
-        logit_diff_chart(diff, n=0)
+    color = spec["encoding"]["color"]["scale"]
+    assert color == {"domain": ["clean", "edited"], "range": [palette.CLEAN, palette.ACCENT]}
+
+
+def test_logit_diff_chart_tells_tokens_of_one_text_apart_and_refuses_what_it_cannot_draw(prefilled):
+    """Tokens that decode alike get their ids; a long list of edits is named by its first; n and non-finite
+    logits are refused by name."""
+    from ds4lab.interventions import LogitDiff
+    from ds4lab.viz.charts import logit_diff_chart
+
+    model = prefilled[0]
+    tok = model.tokenizer
+    ids = range(model.config.n_vocab)
+    same = next((a, b) for a in ids for b in ids if a < b and tok.decode([a]) == tok.decode([b]))
+    clean = np.zeros(model.config.n_vocab, np.float32)
+    clean[list(same)] = [5.0, 4.0]
+    diff = LogitDiff(clean, clean, tuple(f"blk.{i} raw position 312 patched" for i in range(12)), tok)
+    spec = logit_diff_chart(diff, n=2).spec
+    text = repr(tok.decode([same[0]]))
+    assert spec["encoding"]["y"]["sort"] == [f"{text} ({same[0]})", f"{text} ({same[1]})"]
+    assert spec["title"]["subtitle"] == "12 edits: blk.0 raw position 312 patched; …"
+    assert "KL(clean ‖ edited) = 0.0e+00 nats" in spec["title"]["text"]
+    for n, message in ((0, "n must be a whole number, at least 1, got 0"), (2.5, "got 2.5"),
+                       (1001, "more than a chart draws well")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            logit_diff_chart(diff, n=n)
+    bad = clean.copy()
+    bad[3] = np.nan
+    with pytest.raises(ValueError, match="the edited logits are not all finite"):
+        logit_diff_chart(LogitDiff(clean, bad, (), tok))
 
 
 def test_altair_default_html_loads_vega_from_a_cdn(alt):

@@ -85,7 +85,8 @@ function render({ model, el }) {
       key += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
         `tokens` + (picks ? ` (where no indexer chooses); on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
         `(attended), <span class="ds4-swatch dropped"></span> dropped by the indexer (as in the attention and mask views)` : "") +
-        (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows` : "") +
+        (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows: keys only, a query's scores of them pick the ` +
+          `compressed rows it attends` : "") +
         ` · <span class="ds4-swatch pending"></span> tokens pending: their group is not complete (not yet compressed)</div>`;
     }
     // compact (beside another view, as in the PrefillView): the key and the bytes folded under one line, so the
@@ -110,8 +111,9 @@ function render({ model, el }) {
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
           // indexer rows are keys only: a query attends the compressed rows their scores pick
-          const choice = !chooses ? ` (${d.idx_topk} or fewer, the indexer's top-k: a query attends every compressed row)` :
-            `, scored by each query to choose the ${d.idx_topk} compressed rows it attends` + (picked ? "" :
+          // one line in a column of the laptop's two (tests/test_browser.py): the cells' tips say the rest
+          const choice = !chooses ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
+            `, scored to pick a query's top ${d.idx_topk}` + (picked ? "" :
               `; the last query's (${q}) choice is drawn when the view gets a capture of indexer.topk (indexer=)`);
           h += `<div>${plural(L.n_index, "indexer row")}${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;

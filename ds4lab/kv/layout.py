@@ -58,6 +58,7 @@ class Geometry:
             raise TypeError(f"prefill_chunk must be an integer, got {chunk!r}")
         # Python ints from here on: NumPy's have no bit_length (the RoPE tables' sizes) and may overflow
         ctx, chunk = int(ctx), None if chunk is None else int(chunk)
+        raw_cap = None if raw_cap is None else int(raw_cap)
         if chunk is None:
             chunk = chunk_from_env(ctx, (PRO_CHUNK if ds4_model_id(cfg) == 1 else LONG_CHUNK) if long_chunks
                                    else DEFAULT_CHUNK)

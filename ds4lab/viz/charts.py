@@ -365,8 +365,14 @@ def logit_diff_chart(diff, n: int = 6):
     """Next-token probabilities clean and under an intervention's edits (a :class:`ds4lab.interventions.LogitDiff`),
     side by side for the ``n`` likeliest tokens of each run (so a token the edits made likely shows, and one they
     made unlikely), ordered by their clean probability; the KL divergence in the title."""
-    if n < 1:
-        raise ValueError(f"n must be 1 or more, got {n}")
+    from ..config import check_count
+
+    n = check_count(n, "n")
+    if 4 * n > MAX_ROWS:  # two bars a token, up to 2n tokens
+        raise ValueError(f"n={n}: up to {4 * n} bars, more than a chart draws well ({MAX_ROWS})")
+    for run, logits in (("clean", diff.clean), ("edited", diff.edited)):
+        if not np.all(np.isfinite(logits)):  # softmax would make every probability NaN
+            raise ValueError(f"the {run} logits are not all finite: no probabilities to draw")
     p, q = diff.p_clean, diff.p_edited
     ids = list(dict.fromkeys(int(t) for t in [*np.argsort(-p, kind="stable")[:n], *np.argsort(-q, kind="stable")[:n]]))
     ids.sort(key=lambda t: (-p[t], -q[t]))
@@ -388,6 +394,7 @@ def logit_diff_chart(diff, n: int = 6):
     kl = f"{diff.kl:.3g}" if diff.kl >= 1e-9 else f"{diff.kl:.1e}"
     edits = "; ".join(diff.labels)
     if len(edits) > 120:  # a patch over every layer names a dozen rows: the first stands for them
-        edits = f"{len(diff.labels)} edits: {diff.labels[0]}; …"
+        first = diff.labels[0] if len(diff.labels[0]) <= 100 else diff.labels[0][:99] + "…"
+        edits = f"{len(diff.labels)} edits: {first}; …" if len(diff.labels) > 1 else first
     title = {"text": f"next token, clean and edited: KL(clean ‖ edited) = {kl} nats", "subtitle": edits or "edited"}
     return Chart(dict(spec, title=title, width=360, height={"step": 11}))

@@ -90,6 +90,9 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
 
 def _other(d: dict) -> str:
     """The payload's bytes besides the layers' (the fallback's words; kvcache.js says the same)."""
+    if not d.get("n_tokens"):
+        return ("no token yet: these bytes are what a state holds from the start (the compressors' pending state on "
+                "the compressed layers, the header, the logits)")
     return (f"the total: the layers below plus {d.get('other_bytes', 0):,} bytes for the header, the token ids "
             f"(4 B each) and the next token's logits (4 B × {d.get('n_vocab', 0):,})")
 
