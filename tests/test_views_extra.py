@@ -544,6 +544,12 @@ def test_tier_view_bytes_per_step(model):
     assert manual.model.steps == [] and manual.model.last_step == -1
     manual.refresh()
     assert manual.model.steps == got and manual.model.trace == view.model.trace
+    # a following view's button has nothing to read (a walk-through clicked it and saw nothing change): it says so
+    # until the view is detached
+    assert view.refresh_button.disabled and "following" in view.refresh_button.description
+    assert not manual.refresh_button.disabled and manual.refresh_button.description == "refresh"
+    view.detach()
+    assert not view.refresh_button.disabled and view.refresh_button.description == "refresh"
     assert "data:image/png;base64," in _bundle_ok(view)
     # the saved image's log axis: each bar's height is log2 of its bytes above the axis' bottom, so a decode step
     # (1/16 of a chunk here, 1/64 on Flash) stands clear of the x axis

@@ -89,6 +89,20 @@ class TierView(FollowingView):
         self.refresh()
         self._follow(follow)
 
+    def _follow(self, follow: bool) -> None:
+        super()._follow(follow)
+        self._show_following(follow)
+
+    def detach(self) -> None:
+        super().detach()
+        self._show_following(False)
+
+    def _show_following(self, follow: bool) -> None:
+        """A following view redraws after every step: its button, with nothing left to read, says so instead."""
+        self.refresh_button.disabled = follow
+        self.refresh_button.description = "following" if follow else "refresh"
+        self.refresh_button.tooltip = "redrawn after each step of the session" if follow else "read the steps run since"
+
     def __repr__(self) -> str:
         m = self.model
         return (f"TierView({m.rule}: {plural(len(m.tiers), 'tier')}, {plural(m.boundaries, 'boundary', 'boundaries')}, "
