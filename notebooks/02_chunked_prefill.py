@@ -122,8 +122,8 @@ for _ in range(2):
         break
     show(prefill_view.step())
 ring(sess)
-# the view's slider: the chunks so far, orange what one wrote
-KVCacheView(sess, checkpoints=prefill_view.chunks)
+# the view's slider: the chunks so far, orange what one wrote; the indexer's picks from prefill_view
+KVCacheView(sess, checkpoints=prefill_view.chunks, indexer=prefill_view.picked_rows)
 
 # %% [markdown]
 # The second chunk ended at token 127: the ratio-128 layers (3 and 5) finished their first row, which pools
@@ -244,10 +244,10 @@ prefill_cost_chart(runs, model)
 # %% [markdown]
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
 # but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
-# 2-core CPU every run put the 11 chunks of 30 clearly slowest, 0.12–0.24 s behind one chunk of 512 (this
-# run's gap is printed above): some 12–24 ms for each of the 10 chunks more on top of the same 4.3 GFLOP (a pass over the weights,
-# and the Python calls of every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs, so either may come
-# out ahead, as in the lines printed above. On a busy machine the ranges grow, and can overlap.
+# 2-core CPU every run put the 11 chunks of 30 clearly slowest, 0.12–0.24 s behind one chunk of 512 (this run's
+# gap is printed above): some 12–24 ms for each of the 10 chunks more, on top of the same 4.3 GFLOP (a pass over
+# the weights, and the Python calls of every layer). Between 64 and 512 (4 chunks more) the gap was about the
+# spread between runs, so either may come out ahead. On a busy machine the ranges grow, and can overlap.
 #
 # ### At Flash scale
 #

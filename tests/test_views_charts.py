@@ -173,7 +173,9 @@ def test_logit_diff_chart_tells_tokens_of_one_text_apart_and_refuses_what_it_can
     spec = logit_diff_chart(diff, n=2).spec
     text = repr(tok.decode([same[0]]))
     assert spec["encoding"]["y"]["sort"] == [f"{text} ({same[0]})", f"{text} ({same[1]})"]
-    assert spec["title"]["subtitle"] == "12 edits: blk.0 raw position 312 patched; …"
+    assert spec["title"]["subtitle"] == "12 edits in layers 0–11: raw position 312 patched"
+    long = LogitDiff(clean, clean, ("blk.3 " + "x" * 200,), tok)
+    assert logit_diff_chart(long).spec["title"]["subtitle"] == "blk.3 " + "x" * 153 + "…"
     assert "KL(clean ‖ edited) = 0.0e+00 nats" in spec["title"]["text"]
     for n, message in ((0, "n must be a whole number, at least 1, got 0"), (2.5, "got 2.5"),
                        (1001, "more than a chart draws well")):

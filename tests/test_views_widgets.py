@@ -166,7 +166,7 @@ def _private(name: str) -> bool:
 
 def test_views_use_public_names_only():
     """No module of ds4lab/viz imports a private name (from another module of ds4lab or elsewhere), or reaches
-    a private attribute of an object other than ``self`` or ``cls`` (sessions, prefills, captures, widgets)."""
+    a private attribute of an object other than ``self``, ``cls`` or ``super()`` (sessions, prefills, captures, widgets)."""
     found = []
     for path in sorted((ROOT / "ds4lab" / "viz").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -177,7 +177,9 @@ def test_views_use_public_names_only():
             elif isinstance(node, ast.Import):
                 found += [f"{where} imports {a.name}" for a in node.names if any(map(_private, a.name.split(".")))]
             elif isinstance(node, ast.Attribute) and _private(node.attr):
-                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                own |= isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "super"  # self's too
+                if not own:
                     found.append(f"{where} reaches {ast.unparse(node)}")
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
                     "getattr", "hasattr", "setattr") and len(node.args) > 1:

@@ -62,7 +62,7 @@ function render({ model, el }) {
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
     const bytes = `<div class="ds4-note">the total: the layers below plus ${d.other_bytes.toLocaleString()} bytes for the header, the token ` +
-      `ids (4 B each) and the next token's logits (4 B × ${d.n_vocab.toLocaleString()})</div>`;
+      `ids (4 B each) and the next token's logits (4&nbsp;B&nbsp;×&nbsp;${d.n_vocab.toLocaleString()})</div>`;
     let h = `<div class="ds4-title">KV cache ${d.label ? d.label + ": " : ""}${T} tokens, ${d.total_bytes.toLocaleString()} bytes</div>` +
       // a fresh state's bytes puzzle without this: its compressors' pending state is there before any token
       (T ? "" : `<div class="ds4-note">no token yet: these bytes are what a state holds from the start (the compressors' ` +

@@ -6,6 +6,7 @@ first, far under the 5000 rows a browser draws comfortably.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -361,6 +362,20 @@ def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
     return Chart(dict(spec, title="tokens routed to each expert", width=360, height={"step": 14}))
 
 
+def _edits_line(labels) -> str:
+    """Edits' labels in one line: a patch over every layer has a dozen ("blk.0 raw position 312 patched ..."), said
+    once each with the layers they span."""
+    text = "; ".join(labels)
+    if len(text) <= 120 or len(labels) == 1:
+        return (text if len(text) <= 160 else text[:159] + "…") or "edited"
+    found = [re.match(r"blk\.(\d+) (.*)", label) for label in labels]
+    what = list(dict.fromkeys(m[2] if m else label for m, label in zip(found, labels)))
+    layers = sorted({int(m[1]) for m in found if m})
+    where = f" in layers {layers[0]}–{layers[-1]}" if len(layers) > 1 and all(found) else ""
+    line = f"{len(labels)} edits{where}: " + "; ".join(what)
+    return line if len(line) <= 160 else line[:159] + "…"
+
+
 def logit_diff_chart(diff, n: int = 6):
     """Next-token probabilities clean and under an intervention's edits (a :class:`ds4lab.interventions.LogitDiff`),
     side by side for the ``n`` likeliest tokens of each run (so a token the edits made likely shows, and one they
@@ -392,9 +407,6 @@ def logit_diff_chart(diff, n: int = 6):
                         field("p:Q", title="probability", format=".4f")),
     )
     kl = f"{diff.kl:.3g}" if diff.kl >= 1e-9 else f"{diff.kl:.1e}"
-    edits = "; ".join(diff.labels)
-    if len(edits) > 120:  # a patch over every layer names a dozen rows: the first stands for them
-        first = diff.labels[0] if len(diff.labels[0]) <= 100 else diff.labels[0][:99] + "…"
-        edits = f"{len(diff.labels)} edits: {first}; …" if len(diff.labels) > 1 else first
-    title = {"text": f"next token, clean and edited: KL(clean ‖ edited) = {kl} nats", "subtitle": edits or "edited"}
+    title = {"text": f"next token, clean and edited: KL(clean ‖ edited) = {kl} nats",
+             "subtitle": _edits_line(diff.labels)}
     return Chart(dict(spec, title=title, width=360, height={"step": 11}))

@@ -82,7 +82,7 @@ class PrefillView(View):
         # the KV view made here has no slider of its own: its states are the chunks, and the slider "show" above
         # drives it with the prompt, the table and the mask (two sliders would let them show different chunks)
         self.kv_view = kv_view if kv_view is not None else KVCacheView(session, layers=[self.layer], slider=False,
-                                                                       indexer=self._picks, compact=True)
+                                                                       indexer=self.picked_rows, compact=True)
         self._own_kv = kv_view is None
         if not self._own_kv:  # a view given keeps its slider: moved onto one of these chunks, the whole view follows
             self.kv_view.slider.observe(self.guarded(self._kv_slid), names="value")
@@ -135,9 +135,10 @@ class PrefillView(View):
         tokens = self.session.tokens
         return list(tokens) != self.prefill.ids[: len(tokens)]
 
-    def _picks(self, layer: int, position: int):
+    def picked_rows(self, layer: int, position: int):
         """The rows the indexer of ``layer`` let the query at ``position`` attend, from the chunk of this view that
-        ran it (the KV view marks them for a state's last query), or None where no chunk here captured it."""
+        ran it, or None where no chunk here captured it: a KV view's ``indexer=`` (it marks them for a state's
+        last query), as the view's own does."""
         for c, topk in zip(self.prefill.chunks, self._topk):
             if c.start <= position < c.end and layer in topk:
                 return topk[layer][position - c.start]
