@@ -166,7 +166,8 @@ def _private(name: str) -> bool:
 
 def test_views_use_public_names_only():
     """No module of ds4lab/viz imports a private name (from another module of ds4lab or elsewhere), or reaches
-    a private attribute of an object other than ``self``, ``cls`` or ``super()`` (sessions, prefills, captures, widgets)."""
+    a private attribute of an object other than ``self``, ``cls`` or ``super()`` (sessions, prefills, captures,
+    widgets)."""
     found = []
     for path in sorted((ROOT / "ds4lab" / "viz").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
