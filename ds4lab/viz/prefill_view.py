@@ -137,8 +137,8 @@ class PrefillView(View):
 
     def picked_rows(self, layer: int, position: int):
         """The rows the indexer of ``layer`` let the query at ``position`` attend, from the chunk of this view that
-        ran it, or None where no chunk here captured it: a KV view's ``indexer=`` (it marks them for a state's
-        last query), as the view's own does."""
+        ran it, or None where no chunk here captured it. Given as a KVCacheView's ``indexer=``, it marks them for
+        a state's last query, as this view's own KV view does."""
         for c, topk in zip(self.prefill.chunks, self._topk):
             if c.start <= position < c.end and layer in topk:
                 return topk[layer][position - c.start]
