@@ -366,14 +366,13 @@ def _edits_line(labels) -> str:
     """Edits' labels in one line: a patch over every layer has a dozen ("blk.0 raw position 312 patched ..."), said
     once each with the layers they span."""
     text = "; ".join(labels)
-    if len(text) <= 120 or len(labels) == 1:
-        return (text if len(text) <= 160 else text[:159] + "…") or "edited"
-    found = [re.match(r"blk\.(\d+) (.*)", label) for label in labels]
-    what = list(dict.fromkeys(m[2] if m else label for m, label in zip(found, labels)))
-    layers = sorted({int(m[1]) for m in found if m})
-    where = f" in layers {layers[0]}–{layers[-1]}" if len(layers) > 1 and all(found) else ""
-    line = f"{len(labels)} edits{where}: " + "; ".join(what)
-    return line if len(line) <= 160 else line[:159] + "…"
+    if len(text) > 120 and len(labels) > 1:
+        found = [re.match(r"blk\.(\d+) (.*)", label) for label in labels]
+        what = list(dict.fromkeys(m[2] if m else label for m, label in zip(found, labels)))
+        layers = sorted({int(m[1]) for m in found if m})
+        where = f" in layers {layers[0]}–{layers[-1]}" if len(layers) > 1 and all(found) else ""
+        text = f"{len(labels)} edits{where}: " + "; ".join(what)
+    return (text if len(text) <= 160 else text[:159] + "…") or "edited"
 
 
 def logit_diff_chart(diff, n: int = 6):
@@ -406,7 +405,7 @@ def logit_diff_chart(diff, n: int = 6):
         tooltip=tooltip(field("token:N", title="token"), field("id:Q", title="id"), field("run:N", title="run"),
                         field("p:Q", title="probability", format=".4f")),
     )
-    kl = f"{diff.kl:.3g}" if diff.kl >= 1e-9 else f"{diff.kl:.1e}"
-    title = {"text": f"next token, clean and edited: KL(clean ‖ edited) = {kl} nats",
+    kl = diff.kl  # a property: two softmaxes over the vocabulary each time it is read
+    title = {"text": f"next token, clean and edited: KL(clean ‖ edited) = {kl:{'.3g' if kl >= 1e-9 else '.1e'}} nats",
              "subtitle": _edits_line(diff.labels)}
     return Chart(dict(spec, title=title, width=360, height={"step": 11}))
