@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 import ds4lab
-from ds4lab import config, testing
+from ds4lab import config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from flash_full import FIRST_PROMPT  # noqa: E402
+from flash_full import FIRST_PROMPT, sparse_file  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -36,9 +36,7 @@ def main(argv=None) -> int:
     cfg = config.FLASH if args.config == "flash" else config.NANO
     if args.layers is not None:
         cfg = config.replace(cfg, n_layer=args.layers)
-    path = args.path or Path(f"/tmp/{args.config}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")
-    if not path.exists():
-        testing.make_sparse_model(cfg, path, seed=1, filled=testing.routing_filled)
+    path, _ = sparse_file(cfg, args.config, args.layers, args.path)
     backend = "cupy" if args.config == "flash" else "numpy"
     model = ds4lab.load(path, backend=backend, prefill_matmul="f16" if backend == "cupy" else "auto",
                         decode_matmul="q8" if backend == "cupy" else "float32")

@@ -48,6 +48,18 @@ from ds4lab import bench, config, testing  # noqa: E402
 FIRST_PROMPT = 16  # tokens of the prompt whose first generated token is timed from process start
 
 
+def sparse_file(cfg, stem: str, layers: int | None, path: Path | None = None,
+                experts=testing.FLASH_EXPERT_LAYOUTS["q2"]) -> tuple[Path, float | None]:
+    """The synthetic file of ``cfg`` and the seconds its writing took (None where it existed): ``path``, else
+    /tmp/<stem>[-<layers>l].gguf, the name decode_steps.py finds this script's file by."""
+    path = path or Path(f"/tmp/{stem}{'' if layers is None else f'-{cfg.n_layer}l'}.gguf")
+    if path.exists():
+        return path, None
+    began = time.perf_counter()
+    testing.make_sparse_model(cfg, path, seed=1, filled=testing.routing_filled, expert_types=experts)
+    return path, time.perf_counter() - began
+
+
 def since_process_start() -> float:
     """Seconds since this process started (Linux: its start time in /proc, in clock ticks since boot)."""
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -155,12 +167,10 @@ def main(argv=None) -> int:
         experts = experts[:cfg.n_layer] if per_layer else experts
     out["layers"] = cfg.n_layer
     stem = f"{args.config}{'' if args.experts == 'q2' else '-' + args.experts}"
-    args.path = args.path or Path(f"/tmp/{stem}{'' if args.layers is None else f'-{cfg.n_layer}l'}.gguf")
     out["experts"] = args.experts
-    if not args.path.exists():
-        began = time.perf_counter()
-        testing.make_sparse_model(cfg, args.path, seed=1, filled=testing.routing_filled, expert_types=experts)
-        out["file_written_s"] = time.perf_counter() - began
+    args.path, written = sparse_file(cfg, stem, args.layers, args.path, experts)
+    if written is not None:
+        out["file_written_s"] = written
     model = ds4lab.load(args.path, backend=args.backend, prefill_matmul=args.prefill_matmul,
                         decode_matmul=args.decode_matmul)
     written = out.get("file_written_s", 0.0)  # the process's times below leave the file's writing out
