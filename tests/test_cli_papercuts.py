@@ -4,7 +4,10 @@ Most cases run ``ds4lab`` on the embedded default model with the NumPy backend (
 expected before any work are checked to come before the run's header line and with nothing on stdout.
 """
 
+import errno
 import inspect
+import io
+import os
 import re
 import sys
 from pathlib import Path
@@ -18,8 +21,7 @@ from ds4lab import cli
 from ds4lab.backends import cuda_device_label, device_label, resolve_backend
 from ds4lab.cli import DEFAULT_SYSTEM
 from ds4lab.cli import common as cli_common
-from ds4lab.cli.bench import _NamedWrites
-from ds4lab.cli.common import describe
+from ds4lab.cli.common import NamedWrites, describe
 from tests.test_cli import FAST, STATS, ds4lab_cmd, one_error_line
 
 
@@ -147,9 +149,40 @@ def test_csv_write_errors_name_the_file(tmp_path):
         def flush(self):
             raise OSError(5, "Input/output error")
 
-    out = _NamedWrites(Broken(), tmp_path / "x.csv")
-    with pytest.raises(OSError, match=re.escape(f"{tmp_path / 'x.csv'}: Input/output error")):
-        out.write("a,b\n")
+    out = NamedWrites(Broken(), tmp_path / "x.csv")
+    for write in (lambda: out.write("a,b\n"), out.flush):
+        with pytest.raises(OSError) as e:
+            write()
+        assert (e.value.errno, e.value.strerror, e.value.filename) == (5, "Input/output error", str(tmp_path / "x.csv"))
+
+
+class _FullDisk(io.StringIO):
+    """A stdout on a full disk: writes are kept until a flush, which fails as a full disk's does."""
+
+    def flush(self):
+        if self.getvalue():
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("command", [["inspect", str(ds4lab.default_model_path())],
+                                     ["run", "-p", "ROMEO:", "-n", "2", "--temp", "0", *FAST]])
+def test_a_full_disk_on_stdout_is_named(command, monkeypatch, capsys):
+    # the run's text and inspect's table are flushed only at the end: the failure is reported, by name, and exits 1
+    monkeypatch.setattr(sys, "stdout", _FullDisk())
+    assert cli.main(command) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "ds4lab: error: stdout: No space left on device"
+
+
+def test_a_closed_pipe_on_stdout_is_still_quiet(monkeypatch, capsys):
+    class Closed(_FullDisk):
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    monkeypatch.setattr(os, "dup2", lambda *a: None)  # main points the real stdout at /dev/null
+    monkeypatch.setattr(Closed, "fileno", lambda self: 1, raising=False)
+    assert cli.main(["inspect", str(ds4lab.default_model_path())]) == 1
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("content", ["", "  \n", "ROMEO: too short"])

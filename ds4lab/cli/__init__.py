@@ -42,6 +42,7 @@ from .common import (
     UsageError,
     decoded,
     err,
+    named_stdout,
 )
 from .inspect_file import inspect_command
 from .make_model import make_model_command
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args = parser.parse_args(argv)  # usage errors exit 2 here, with one line
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), named_stdout():
             warnings.showwarning = _show_warning
             return args.func(args)
     except UsageError as e:

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-from .common import UsageError, check_distinct, check_input, check_output, describe, err, load_model, read_text
+from .common import (
+    NamedWrites,
+    UsageError,
+    check_distinct,
+    check_input,
+    check_output,
+    describe,
+    err,
+    load_model,
+    named_error,
+    read_text,
+)
 
 
 def bench_command(args) -> int:
@@ -74,9 +84,9 @@ def bench_command(args) -> int:
         try:
             out = open(args.csv, "w", encoding="utf-8")
         except OSError as e:
-            raise _named(args.csv, e) from None
+            raise named_error(args.csv, e) from None
         with out:
-            done = bench.write_csv(_echo_rows(rows), _NamedWrites(out, args.csv))
+            done = bench.write_csv(_echo_rows(rows), NamedWrites(out, args.csv))
     err(f"bench: {len(done)} frontiers in {time.perf_counter() - began:.1f} s"
         + (f", CSV in {args.csv}" if args.csv else ""))
     if args.plot is not None:
@@ -84,28 +94,9 @@ def bench_command(args) -> int:
             bench.save_plot(done, args.plot, title=f"{model.path.name} ({model.backend.name}), prefill chunk "
                                                    f"{sess.prefill_chunk}, {args.gen_tokens} generated tokens")
         except OSError as e:
-            raise _named(args.plot, e) from None
+            raise named_error(args.plot, e) from None
         err(f"bench: plot in {args.plot}")
     return 0
-
-
-class _NamedWrites:
-    """A text file whose write and flush errors name it (EIO from a write carries no file name)."""
-
-    def __init__(self, out, path: Path):
-        self.out, self.path = out, path
-
-    def write(self, text: str) -> int:
-        try:
-            return self.out.write(text)
-        except OSError as e:
-            raise _named(self.path, e) from None
-
-    def flush(self) -> None:
-        try:
-            self.out.flush()
-        except OSError as e:
-            raise _named(self.path, e) from None
 
 
 def _echo_rows(rows):
@@ -113,8 +104,3 @@ def _echo_rows(rows):
         err(f"bench: ctx {row.ctx_tokens}: prefill {row.prefill_tps:.2f} t/s, generation {row.gen_tps:.2f} t/s, "
             f"KV {row.kvcache_bytes} bytes")
         yield row
-
-
-def _named(path: Path, e: OSError) -> OSError:
-    """``e`` as an error that names ``path`` (a write error such as EIO carries no file name)."""
-    return OSError(f"{path}: {e.strerror or e}") if not e.filename else e

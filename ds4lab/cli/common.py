@@ -3,6 +3,7 @@ error on stderr, the checks of input and output files before any work, and loadi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
@@ -23,6 +24,48 @@ class UsageError(Exception):
 
 def err(message: str) -> None:
     print(f"ds4lab: {message}", file=sys.stderr, flush=True)
+
+
+def named_error(path, e: OSError) -> OSError:
+    """``e`` naming ``path`` where it names no file (a write error such as ENOSPC or EIO carries none: Python says
+    "[Errno 28] No space left on device" and nothing of which file); its errno kept, so a closed pipe is still a
+    BrokenPipeError."""
+    return e if e.filename else OSError(e.errno, e.strerror or str(e), str(path))
+
+
+class NamedWrites:
+    """A text stream whose write and flush errors name it (:func:`named_error`); the rest is the stream's own."""
+
+    def __init__(self, out, path):
+        self.out, self.path = out, path
+
+    def write(self, text: str) -> int:
+        try:
+            return self.out.write(text)
+        except OSError as e:
+            raise named_error(self.path, e) from None
+
+    def flush(self) -> None:
+        try:
+            self.out.flush()
+        except OSError as e:
+            raise named_error(self.path, e) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self.out, name)
+
+
+@contextlib.contextmanager
+def named_stdout():
+    """``sys.stdout`` as "stdout" in its write errors while a command runs; the text still buffered at the end is
+    flushed inside, so a full disk is reported there too (not as an exception ignored at the interpreter's exit)."""
+    stdout = sys.stdout
+    sys.stdout = NamedWrites(stdout, "stdout")
+    try:
+        yield
+        sys.stdout.flush()
+    finally:
+        sys.stdout = stdout
 
 
 def _check_backend_flags(name: str, device: str | None) -> None:
