@@ -101,6 +101,20 @@ def test_thinking_modes_follow_ds4_server(reference):
     assert e.value.param == "reasoning_effort"
 
 
+def test_no_tools_is_not_a_tool_request(reference):
+    # what clients send when they have none (README, "ds4lab serve"): answered like a request without the field
+    tk = reference.tokenizer
+    limits = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for extra in ({"tools": []}, {"functions": []}, {"tool_choice": "none"}, {"tool_choice": {"type": "none"}},
+                  {"tools": None}):
+        assert parse_chat(dict(base, **extra), limits, tk).prompt == parse_chat(base, limits, tk).prompt, extra
+    for extra in ({"tools": [{"type": "function"}]}, {"tool_choice": "required"}, {"function_call": "auto"}):
+        with pytest.raises(RequestError) as e:
+            parse_chat(dict(base, **extra), limits, tk)
+        assert e.value.param == next(iter(extra)), extra
+
+
 def test_memory_text_continuation_keeps_the_live_tokens(reference):
     """ds4-server's "memory-text" reuse: the live tokens spell the prompt's first bytes in other tokens (a reply
     sent back and tokenized again): the prompt becomes the live tokens and its remaining text, tokenized."""
