@@ -49,13 +49,16 @@ model
 # 284B file. A DS4 layer's attention is one of three kinds, set by its **compression ratio**:
 #
 # - **ratio 0** (layers 0 and 1): only the *raw sliding window*, the KV rows of the last `swa` tokens;
-# - **ratio 4**: the window plus one *compressed row* per 4 tokens (each pooling 8, so neighbouring rows
-#   overlap), and an *indexer* that picks the `idx_topk` rows each query may attend once more than that are
-#   visible;
+# - **ratio 4**: the window plus one *compressed row* per 4 tokens (row `w` pooling tokens 4w−4 … 4w+3, so
+#   neighbouring rows overlap; row 0 pools tokens 0–3 only), and an *indexer*: once a query sees more than
+#   `idx_topk` compressed rows, it picks the `idx_topk` of them the query attends;
 # - **ratio 128**: the window plus one compressed row per 128 tokens, all of them visible.
 #
-# The first `n_hash_layer` layers choose their experts by a hash of the token id; the others by the
-# router's top-k.
+# A KV row is one vector that serves as both the key and the value of every query head: each layer has one KV
+# head, shared by all its query heads (notebook 04 looks at what that saves).
+#
+# The first `n_hash_layer` layers choose their experts from a fixed table indexed by the token id (no router);
+# the others by the router's top-k.
 #
 # Between the layers the hidden state is not one vector but `n_hc` of them (4 *streams*, DeepSeek's
 # *hyper-connections*). Before each attention and each FFN a small mixer reads all the streams: the
@@ -160,10 +163,12 @@ for lk in sess.kv:
 # A query reads the raw rows of the last 64 positions only (the window: `raw` above). The ring that holds them
 # has more slots (256 here, as ds4 sizes it for a chunk's rows and the window before it), so older rows stay
 # in it until their slot is written again, but no query reads them: what the layers keep of those tokens is
-# in the compressed rows. A ratio-4 layer keeps one row per 4 tokens (and its indexer a
-# row of its own for each: a key, only scored to choose which compressed rows a query reads; 128 wide here
-# like the KV row, 128 against the KV row's 512 in Flash), a ratio-128 layer one row per 128 tokens (none yet below 128 tokens);
-# the tokens after the last full group wait in the compressor's pending state until their group is complete.
+# in the compressed rows. A ratio-4 layer keeps one row per 4 tokens, and beside each its indexer keeps one of
+# its own: a key only, which a query scores to choose the compressed rows it reads (indexer rows are 128 wide,
+# here as in Flash; the KV rows 128 here, 512 in Flash). A ratio-128 layer keeps one row per 128 tokens (none
+# yet below 128 tokens). The tokens after the last full group wait in the compressor's pending state until their
+# group is complete: a ratio-128 layer keeps room for 128 tokens' projections there from the first token on,
+# which is why its bytes start larger than a ratio-4 layer's (notebook 02 follows them chunk by chunk).
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
 # the bytes per layer. With `follow=True` it redraws after every step of the session: type 200 in the

@@ -110,7 +110,7 @@ def ring(sess):
     first, visible = max(0, T - g.raw_cap), max(0, T - g.window)
     slots = f"{visible % g.raw_cap}-{(T - 1) % g.raw_cap}"
     print(f"{T} tokens: the ring holds positions {first}-{T - 1}; "
-          f"the next token sees {visible}-{T - 1} in slots {slots}")
+          f"the last token's window is {visible}-{T - 1}, in slots {slots}")
     print(f"  layer 0's window: {sess.kv[0].raw_positions[0]}-{sess.kv[0].raw_positions[-1]}")
 
 ring(sess)
@@ -243,16 +243,18 @@ prefill_cost_chart(runs, model)
 
 # %% [markdown]
 # Measured time moves with the machine; the counted work does not. The FLOPs hardly depend on the chunk size,
-# but every chunk reads every weight once, so small chunks read the weights many more times. On this project's
-# 2-core CPU every run put the 11 chunks of 30 clearly slowest, 0.12–0.24 s behind one chunk of 512 (this run's
+# but every chunk reads every weight once, so small chunks read the weights many more times. On the 2-core CPU
+# these notebooks were written on, every run put the 11 chunks of 30 clearly slowest, 0.12–0.24 s behind one chunk of 512 (this run's
 # gap is printed above): some 12–24 ms for each of the 10 chunks more, on top of the same 4.3 GFLOP (a pass over
 # the weights, and the Python calls of every layer). Between 64 and 512 (4 chunks more) the gap was about the
 # spread between runs, so either may come out ahead. On a busy machine the ranges grow, and can overlap.
 #
 # ### At Flash scale
 #
-# The same counts for the real model's dimensions and its q2 weights: a chunk of 2048 tokens at position 32768,
-# then one decode step.
+# The same counts for the real model's dimensions and its weights as the q2 file stores them (the routed experts
+# in 2-bit blocks, the rest 8-bit or 16-bit): a chunk of 2048 tokens at position 32768, then one decode step.
+# FLOP/byte is the step's arithmetic over the bytes it reads: a GPU needs some hundreds of them to be bound by
+# its arithmetic rather than by its memory, so the chunk is compute-bound and the decode step memory-bound.
 
 # %% tags=["nbval-check-output"]
 from ds4lab.costs import PARTS, flash_table

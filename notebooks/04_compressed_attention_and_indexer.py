@@ -183,9 +183,9 @@ indexer_choices_chart(cap, layer=2, every=8, start=128)
 # random top-32 of n rows holds 32/n on average; the 32 heaviest rows (the oracle) are the best any indexer
 # can do. The language-model loss sends the indexer no gradient (its choice is discrete), so DeepSeek trains it
 # with a loss of its own: the KL divergence from this summed attention to the indexer's softmax. This model's
-# indexer was trained that way (`training/train_indexer.py`; the model card's section "The indexer"), after a
-# few steps that taught the model to put its attention over compressed rows on a few of them (before those, it
-# spread it almost evenly: over the model card's 2,000 held-out tokens the 32 heaviest rows held only a third,
+# indexer was trained that way (`training/train_indexer.py`; the section "The indexer" of the model card,
+# `ds4lab/assets/MODEL_CARD.md`), after a few steps that taught the model to put its attention over compressed
+# rows on a few of them (before those, it spread it almost evenly: over the model card's 2,000 held-out tokens the 32 heaviest rows held only a third,
 # where now they hold 88-92% and a random 32 about 19%). This prompt is short, 320 tokens: a query sees at most
 # 80 compressed rows, so even a random 32 of them hold most of the weight (61% below). The indexer's top 32 hold
 # nearly all of it, as the oracle does.

@@ -114,7 +114,8 @@ for sw in [sw for sw in sessions["alternating"].tier_trace if sw.step in (2, 3)]
 # `TierView` draws a session's plan and trace: the layer stack coloured by tier, the last step's switches,
 # and the bytes of every step against the two bounds, a full chunk per boundary (batch) and one token per
 # boundary (decode). With `follow=True` it redraws after every step of its session (decode another token in a
-# new cell and watch); without it, `refresh()` does that once.
+# new cell and watch): its greyed button reads "following" meanwhile, and becomes "refresh" once `detach()` stops
+# that; a view made without `follow` redraws when its button is clicked or `refresh()` is called.
 
 # %%
 from ds4lab.viz import TierView

@@ -212,10 +212,10 @@ show(logit_diff(sess, ids, [ablate_rows(2), ablate_rows(4)], start=last))
 # %% [markdown]
 # The kept rows are spread over the whole prompt, not the most recent ones. Forcing them changes nothing, bit for
 # bit. Attending all 79 rows instead changes the logits by less than 1e-4: given every row, the heads put 96–100%
-# of their compressed-row mass on the 32 the indexer kept (the model card finds the same held-out perplexity,
-# 64.72, with the indexer's selection and with every row attended). Forcing the 47 dropped rows, or the 32 most
-# recent, moves the distribution by 0.0011 nats, the same as ablating every compressed row of layers 2 and 4:
-# those rows are not what the query reads. All of it is small, for section 2's reason.
+# of their compressed-row mass on the 32 the indexer kept (the model card, `ds4lab/assets/MODEL_CARD.md`, finds
+# the same held-out perplexity, 64.72, with the indexer's selection and with every row attended). Forcing the 47
+# dropped rows, or the 32 most recent, moves the distribution by 0.0011 nats, the same as ablating every
+# compressed row of layers 2 and 4: those rows are not what the query reads. All of it is small, for section 2's reason.
 #
 # ## 4. Patch a KV row from another prompt
 #

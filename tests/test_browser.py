@@ -597,6 +597,23 @@ def test_kvcache_view_renders(page):
     assert slider.count() == 1 and slider.locator(".widget-label").first.inner_text() == "chunk"
     assert slider.locator(".widget-readout").first.inner_text() == "4"  # the title's "after chunk 4"
     out.screenshot(path=str(ARTIFACTS / "kvcache_view.png"))
+    # after chunk 1 the last query sees 32 rows, no more than the top 32: attended all, no choice, so they keep the
+    # colour the key gives compressed rows (they were the key's unlisted "kept" blue). Handles, not locators: the
+    # view's locator finds it by its title, which the slider changes (and the title is drawn anew)
+    handle, body = slider.locator(".noUi-handle").first.element_handle(), view.element_handle()
+    title = "(el) => el.querySelector('.ds4-title').textContent.startsWith('KV cache after chunk %d')"
+    handle.focus()
+    for _ in range(3):
+        handle.press("ArrowLeft")
+    pg.wait_for_function(title % 1, arg=body, timeout=10_000)
+    layer2 = body.query_selector_all(".ds4-layer")[2]
+    assert len(layer2.query_selector_all(".ds4-cell.comp")) == 32, layer2.inner_text()
+    assert "all compressed rows attended" in layer2.inner_text()
+    assert layer2.query_selector_all(".ds4-cell.comp.kept, .ds4-cell.comp.dropped") == []
+    assert "kept" not in body.query_selector(".ds4-key-comp").inner_text()
+    for _ in range(3):  # back to chunk 4, as the view began
+        handle.press("ArrowRight")
+    pg.wait_for_function(title % 4, arg=body, timeout=10_000)
 
 
 def test_mask_of_a_decode_step_renders(page):

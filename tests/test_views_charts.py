@@ -407,6 +407,9 @@ def test_prefill_chunks_chart_leaves_warm_up_chunks_out(sweep):
     assert (band[0]["low"], band[0]["high"]) == (min(speeds[2:]), max(speeds[2:]))
     assert [p["tokens_per_s"] for p in points] == speeds[2:] and [p["tokens_per_s"] for p in hollow] == speeds[:2]
     assert layers[3]["mark"]["filled"] is False and {p["run"] for p in hollow} == {"warm-up"}
+    notes = prefill_chunks_chart(chunks, model, warmup=2).to_dict()["title"]["subtitle"]
+    assert notes[:2] == ["band: range of the 16-token chunks; rule: median",
+                         "hollow: chunks 0-1, warm-up: not in band, rate"]
     flops = np.array([chunk_cost(model.config, c.start, c.n_tokens, file_types(model.file), ctx=80).total_flops
                       for c in chunks], dtype=np.float64)
     rate = np.median(flops[2:] / np.array([c.seconds for c in chunks[2:]]))

@@ -107,14 +107,14 @@ function render({ model, el }) {
         const reads = picked && chooses ? `<div>the last query (${q}) reads the ${picked.size} the indexer picked</div>` : "";
         // the range's ends and "to" joined by no-break spaces: a line broken inside it read as a cut-off text
         h += `<div>${plural(L.n_comp, "compressed row")}, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}</div>` +
-          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
+          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked || !chooses ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
           // indexer rows are keys only: a query attends the compressed rows their scores pick
           // one line in a column of the laptop's two (tests/test_browser.py): the cells' tips say the rest
           const choice = !chooses ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
             `, scored to pick a query's top ${d.idx_topk}` + (picked ? "" :
-              `; the last query's (${q}) choice is drawn when the view gets a capture of indexer.topk (indexer=)`);
+              `; the last query's (${q}) picks are drawn when the view is given them (notebook 04)`);
           h += `<div>${plural(L.n_index, "indexer row")}${choice}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }

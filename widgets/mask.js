@@ -43,7 +43,7 @@ function reason(model, q, c, cat, g) {
   }
   if (c < g.nr + g.nc) {
     const r = c - g.nr, a = Math.max(0, r * R - (R === 4 ? 4 : 0)), b = r * R + R - 1;
-    const what = `compressed row ${r} (pools tokens ${a}–${b}, group ${r * R}–${b})`;
+    const what = `compressed row ${r} (pools tokens ${a}–${b}; made when token ${b} arrives)`;
     // how many compressed rows this query sees: the indexer chooses only among more than its top k
     const row = bytes(model.get("cells")).subarray(q * g.N + g.nr, q * g.N + g.nr + g.nc);
     const seen = row.filter((v) => v >= 5 && v <= 7).length;

@@ -81,12 +81,12 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
              tooltip=tooltip("label:N", field("median:Q", title="median tokens/s", format=",.0f"))),
         unit(timed, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y, tooltip=tips),
     ]
-    notes = ["band: range of the full chunks; rule: their median"]
+    notes = [f"band: range of the {size}-token chunks; rule: median"]  # a shorter last chunk is a point alone
     if warmup:
         layers.append(unit([dict(r, run="warm-up") for r in rows[:warmup]],
                            {"type": "point", "filled": False, "size": 40, "color": "#3182bd"}, x=x, y=y,
                            tooltip=tooltip("run:N", *tips)))
-        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'}, warm-up, left out")
+        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'}, warm-up: not in band, rate")
     if model is not None and timed:
         from ..costs import chunk_cost
 
