@@ -633,6 +633,9 @@ def test_mask_of_a_decode_step_renders(page):
     # with no header a walk-through could not find the "own" the legend names
     img = view.locator("img.ds4-maskimg")
     img.evaluate("(i) => i.decode()")
+    # a mask of its own takes the output's room (mask_view.SIZE_PX: 720 px of keys; under half of it when it had the
+    # PrefillView's 480): the 145 keys 4 px each
+    assert img.evaluate("(i) => i.naturalWidth") >= 600
     assert _longest_run(img, (8, 81, 156)) == FEW_PX - 1
     # and its position ticked under it: the label was dropped for c0's beside it (c0's gave way, then was missing
     # where every other mask has it: now it starts at its tick, clear of the position's)

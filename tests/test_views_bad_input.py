@@ -145,6 +145,11 @@ def test_mask_of_a_step_must_be_one_the_session_can_take(sess):
     with pytest.raises(TypeError, match="layer must be a layer number, got 2.5"):
         MaskView.of_step(sess, 2.5, 0, 4)
     assert MaskView.of_step(sess, 2, 252, 4).mask.pos0 == 252  # the context's last positions
+    mask = MaskView.of_step(sess, 2, 0, 4).mask
+    for bad in ((0, 300), (720,), 720, (720.5, 300), ("720", 300), (True, 300)):
+        with pytest.raises(ValueError, match=r"size_px is .*: expected two positive whole numbers of px"):
+            MaskView(mask, size_px=bad)
+    assert MaskView(mask, size_px=(400, 200)).model.size_px == [400, 200]
 
 
 def test_generation_and_expert_views_refuse_counts_and_ids_out_of_range(sess):

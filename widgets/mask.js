@@ -9,8 +9,9 @@ function layout(model) {
   // and the most queries, so every mask of the plan is drawn at one scale (a decode step's row: 28 px)
   const plan = model.get("plan"), P = Math.max(N, ...plan.map(([c, o, k]) => c + o + k + 1));
   const PQ = Math.max(Q, ...plan.map((p) => p[3]));
-  const cw = Math.max(2, Math.min(8, Math.floor(480 / P)));
-  const rh = Math.max(3, Math.min(PQ <= 2 ? 28 : 14, Math.floor(260 / Math.max(PQ, 1))));
+  const [keysPx, queriesPx] = model.get("size_px");  // the cells' room (mask_view.SIZE_PX, or a PrefillView's)
+  const cw = Math.max(2, Math.min(8, Math.floor(keysPx / P)));
+  const rh = Math.max(3, Math.min(PQ <= 2 ? 28 : 14, Math.floor(queriesPx / Math.max(PQ, 1))));
   // a few compressed rows, or a step's few own rows (a decode step's one), get columns few_px wide at least
   // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
   const few = model.get("few_px"), widen = (n) => (n * few <= model.get("few_max_px") ? Math.max(cw, few) : cw);
@@ -94,8 +95,9 @@ function render({ model, el }) {
       ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.w(b - 1) - g.x(a), 1);
     }
     ctx.textAlign = "right";  // query positions down the left
+    // every 8th position (a multiple of 8 where rows are too thin for labels 14 px apart): 128, 136, … read as steps
     const qstep = Math.max(1, Math.ceil(14 / g.rh));
-    for (let q = 0; q < g.Q; q += qstep * Math.ceil(8 / qstep)) ctx.fillText(String(p0 + q), L - 4, T + q * g.rh + g.rh / 2);
+    for (let q = 0; q < g.Q; q += 8 * Math.ceil(qstep / 8)) ctx.fillText(String(p0 + q), L - 4, T + q * g.rh + g.rh / 2);
     if (g.Q > 1) ctx.fillText(String(p0 + g.Q - 1), L - 4, T + (g.Q - 1) * g.rh + g.rh / 2);
     if (g.Q * g.rh >= 100) {  // the axis title fits beside the rows (a decode step's one row has its position)
       ctx.save(); ctx.translate(8, T + (g.Q * g.rh) / 2); ctx.rotate(-Math.PI / 2); ctx.textAlign = "center"; ctx.fillText("query position", 0, 0); ctx.restore();
@@ -115,6 +117,7 @@ function render({ model, el }) {
       return true;
     };
     if (g.own) tick(g.nr - g.own, String(pos[g.nr - g.own]));
+    if (g.nr > g.own) tick(0, String(pos[0]), true);  // where the cached rows start: the window's first position
     const stride = 16 * Math.ceil(every / 16);
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
@@ -139,7 +142,7 @@ function render({ model, el }) {
   const tips = pointerTip(el, cellAt);
   const redraw = () => { draw(); tips.describe(); };  // another step shown under a still pointer: its cell's text
   draw();
-  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title", "plan"].map((k) => `change:${k}`);
+  const events = ["cells", "raw_positions", "n_comp", "label", "layer", "x_title", "plan", "size_px"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {

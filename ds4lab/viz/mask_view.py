@@ -9,15 +9,20 @@ import html
 import numpy as np
 import traitlets as t
 
+from ..config import is_int
 from ..visibility import CATEGORIES, DROPPED, UNKNOWN, StepMask, step_mask
 from . import palette
 from .attention_figure import FEW_PX
 from .base import View, ViewModel, widget_module
 from .reduce import png_base64
 
-# a few compressed rows (a ratio-128 layer's, up to FEW_MAX_PX together: a quarter of the live view's 480 px of
-# keys) get columns FEW_PX wide at least, as in the AttentionView: they can be told apart and hovered
+# a few compressed rows (a ratio-128 layer's, up to FEW_MAX_PX together: a quarter of a PrefillView mask's 480 px
+# of keys) get columns FEW_PX wide at least, as in the AttentionView: they can be told apart and hovered
 FEW_MAX_PX = 120
+# the px the live view's cells may take, keys across and queries down: a view of its own takes most of a notebook's
+# output (960 px in JupyterLab at 1400); beside the PrefillView's KV cache, the room left there (PREFILL_SIZE_PX)
+SIZE_PX = (720, 360)
+PREFILL_SIZE_PX = (480, 260)
 # One colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback. Any two
 # stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The indexer's three
 # states agree with the AttentionView (attention_figure): kept = the blue of its weight ramp, dropped by the
@@ -45,6 +50,7 @@ class MaskModel(ViewModel):
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
     few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed or own columns as image() does
     few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
+    size_px = t.List(t.Int(), list(SIZE_PX)).tag(sync=True)  # the cells' room: keys across, queries down
     # the masks this view will show, as visibility.key_groups gives them (none: this mask alone): widgets/mask.js
     # sizes its cells and its image for the largest, so a stepper's mask keeps its scale and size
     plan = t.List(t.List(t.Int())).tag(sync=True)
@@ -67,10 +73,13 @@ def key_axis_title(mask: StepMask) -> str:
 
 class MaskView(View):
     """The mask of a :class:`ds4lab.visibility.StepMask` (``MaskView.of_step(session, layer, pos0, n)`` makes
-    one); ``show(mask, label)`` draws another. Hover a cell for the query, the key and the reason."""
+    one); ``show(mask, label)`` draws another. Hover a cell for the query, the key and the reason. ``size_px``:
+    the room its cells may take, keys across and queries down (cells 2-8 px wide, 3-14 px tall, 28 for one query)."""
 
-    def __init__(self, mask: StepMask, label: str = ""):
-        self.model = MaskModel()
+    def __init__(self, mask: StepMask, label: str = "", size_px: tuple[int, int] = SIZE_PX):
+        if not isinstance(size_px, (tuple, list)) or len(size_px) != 2 or not all(is_int(v) and v > 0 for v in size_px):
+            raise ValueError(f"size_px is {size_px!r}: expected two positive whole numbers of px (keys, queries)")
+        self.model = MaskModel(size_px=[int(v) for v in size_px])
         self.widget = self.model
         self.mask = mask
         self.show(mask, label)

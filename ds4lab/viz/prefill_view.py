@@ -15,7 +15,7 @@ from ..visibility import key_groups, step_mask
 from . import palette
 from .base import View, ViewModel, check_session, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
-from .mask_view import MaskView
+from .mask_view import PREFILL_SIZE_PX, MaskView
 
 # Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon, yellows or orange that
 # mean "dropped by the indexer", "not yet compressed" and "written by the chunk" in the views beside them.
@@ -88,7 +88,7 @@ class PrefillView(View):
             self.kv_view.slider.observe(self.guarded(self._kv_slid), names="value")
         start, end = bounds[0]
         self.mask_view = MaskView(step_mask(cfg, session.geometry, self.layer, start, end - start),
-                                  label=f"chunk 0 (tokens {start}–{end - 1}), not run yet")
+                                  label=f"chunk 0 (tokens {start}–{end - 1}), not run yet", size_px=PREFILL_SIZE_PX)
         self._plan_mask()
         # the controls' widths: one line of them fits an output of 960 px (JupyterLab at 1400 px); narrower, it wraps
         narrow = {"description_width": "40px"}
