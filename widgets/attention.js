@@ -10,7 +10,7 @@ function ramp(v) {
 }
 const RAMP = Array.from({ length: 256 }, (_, v) => ramp(v));
 // weight 0, by why: attention_figure.MASKED, NOT_YET, DROPPED (the MaskView's colours of the same categories)
-const MASKED = [232, 232, 232], NOT_YET = [255, 255, 204], DROPPED = [252, 187, 161];
+const MASKED = [217, 217, 217], NOT_YET = [255, 255, 204], DROPPED = [252, 187, 161];
 // [colour, mark, text]: the legend lists those of the figure shown (a layer without an indexer drops none)
 const ZERO_KEY = [[MASKED, 2, "weight 0 (masked)"], [NOT_YET, 3, "not yet compressed"], [DROPPED, 1, "dropped by the indexer"]];
 // an opaque colour as one pixel of a Uint32Array over ImageData (bytes R, G, B, A in memory: little-endian)

@@ -35,7 +35,7 @@ GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": palette.r
 MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the mass bars' legend
 # Cells of weight exactly 0, by why (the MaskView's colours of the same categories: mask_view.COLOURS); a kept
 # compressed row is drawn by its weight, on the ramp whose middle is the MaskView's "kept" blue
-MASKED = (232, 232, 232)  # a future key, or one outside the raw window
+MASKED = (217, 217, 217)  # a future key, or one outside the raw window: a grey apart from a weight near 0
 NOT_YET = palette.rgb(palette.NOT_YET)  # a compressed row whose group of tokens ends after the query
 DROPPED = palette.rgb(palette.DROPPED)  # a compressed row the indexer did not select for this query
 MARK_DROPPED, MARK_MASKED, MARK_NOT_YET = 1, 2, 3
