@@ -55,7 +55,8 @@ model
 # - **ratio 128**: the window plus one compressed row per 128 tokens, all of them visible.
 #
 # A KV row is one vector that serves as both the key and the value of every query head: each layer has one KV
-# head, shared by all its query heads (notebook 04 looks at what that saves).
+# head, shared by all its query heads (notebook 02's chart of the cache at Flash scale sets what this keeps beside
+# MHA's, GQA's and MLA's caches).
 #
 # The first `n_hash_layer` layers choose their experts from a fixed table indexed by the token id (no router);
 # the others by the router's top-k.

@@ -183,11 +183,11 @@ for line in kf.summary().splitlines():  # a line too long for a narrow notebook:
 # %% [markdown]
 # The header's words, in the order printed: the *payload ABI* is the version of the `DSV4` payload's layout
 # (ds4 refuses a file of a version it does not know); *hits* counts the times a server reused the file; *ext* is
-# a byte of flags, here bit 7, "this file ends in ds4lab's fingerprint trailer"; the *model quant byte* records
-# the bits of the model's routed experts (not of the KV rows, which are float32), so that ds4-server can refuse a
-# cache made by a differently quantized model when told to (`--kv-cache-reject-different-quant`); and the `DSV4`
-# line repeats the session's geometry (context, chunk, ring), which a reader needs to lay out the arrays.
-# docs/FORMATS.md has every byte.
+# a byte of flags, here bit 7, "this file ends in ds4lab's fingerprint trailer"; the *model quant byte* says how
+# the model's routed experts are stored (4 for Q4_K, 2 for any other type; nothing of the KV rows, which are
+# float32), so that ds4-server can refuse a cache made by a differently quantized model when told to
+# (`--kv-cache-reject-different-quant`); and the `DSV4` line repeats the session's geometry (context, chunk,
+# ring), which a reader needs to lay out the arrays. docs/FORMATS.md has every byte.
 
 # %% tags=["nbval-check-output"]
 kf.verify()  # the CRC-32 trailer; raises KVFileError on a damaged file

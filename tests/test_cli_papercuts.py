@@ -167,10 +167,17 @@ class _FullDisk(io.StringIO):
 @pytest.mark.parametrize("command", [["inspect", str(ds4lab.default_model_path())],
                                      ["run", "-p", "ROMEO:", "-n", "2", "--temp", "0", *FAST]])
 def test_a_full_disk_on_stdout_is_named(command, monkeypatch, capsys):
-    # the run's text and inspect's table are flushed only at the end: the failure is reported, by name, and exits 1
+    # the run's text fails at its first token's flush, inspect's table at the command's end (named_stdout's flush,
+    # before the interpreter's exit): both reported by name, exit 1
     monkeypatch.setattr(sys, "stdout", _FullDisk())
     assert cli.main(command) == 1
     assert capsys.readouterr().err.splitlines()[-1] == "ds4lab: error: stdout: No space left on device"
+
+
+def test_a_command_started_with_stdout_closed_runs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", None)  # what Python gives a process started with `>&-`
+    assert cli.main(["inspect", str(ds4lab.default_model_path())]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_a_closed_pipe_on_stdout_is_still_quiet(monkeypatch, capsys):

@@ -73,8 +73,8 @@ function render({ model, el }) {
       `<span class="ds4-swatch live"></span> in the raw window: positions ${T ? fromTo(lo, T - 1) : "none"} (the last ${d.window})<br>` +
       `<span class="ds4-swatch stale"></span> in the ring, outside the window<br>` +
       (T < d.raw_cap ? `<span class="ds4-swatch empty"></span> empty: no position written there yet<br>` : "") +
-      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (${d.new_from === T - 1 ? `position ${T - 1}` : `positions ${fromTo(d.new_from, T - 1)}`})<br>` :
-        `showing the whole cache after ${T} tokens (no step outlined)<br>`) +
+      (d.new_from < T ? `<span class="ds4-swatch new"></span> written by the step shown (${d.new_from === T - 1 ? `position ${T - 1}` : `positions ${fromTo(d.new_from, T - 1)}`}): arc, bars under rows<br>` :
+        `showing the whole cache after ${T} tokens (no step marked)<br>`) +
       (d.full ? `▲ write pointer: none, the context is full (${T} positions)<br>` :
         `▲ write pointer: slot ${d.pointer} takes position ${T} next<br>`) +
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`);
@@ -97,25 +97,26 @@ function render({ model, el }) {
     h += `<div class="ds4-layers">`;
     for (const L of shown) {
       const R = L.ratio, grp = (c) => [Math.max(0, c * R - (R === 4 ? 4 : 0)), c * R + R - 1];
-      // the indexer's choice for the last query, where known: the rows it attends and those it dropped
-      const picked = L.picked ? new Set(L.picked) : null;
-      const read = (c) => (!picked ? "" : picked.has(c) ? `, attended by the last query (${q})` : `, dropped by the indexer for the last query (${q})`);
+      // the indexer's choice for the last query, where known and where it chose (more rows visible than its top k:
+      // below that it attends them all, drawn as compressed rows): the rows it attends and those it dropped
+      const chooses = L.n_index !== null && L.n_index > d.idx_topk;
+      const choice = L.picked && chooses ? new Set(L.picked) : null;
+      const read = (c) => (!choice ? "" : choice.has(c) ? `, attended by the last query (${q})` : `, dropped by the indexer for the last query (${q})`);
       h += `<div class="ds4-layer"><b>layer ${L.layer}</b> · ${R ? `ratio ${R}${L.n_index !== null ? ", indexer" : ""}` : "raw only"} · ${L.bytes.toLocaleString()} bytes`;
       if (R) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
-        const chooses = L.n_index !== null && L.n_index > d.idx_topk;
-        const reads = picked && chooses ? `<div>the last query (${q}) reads the ${picked.size} the indexer picked</div>` : "";
+        const reads = choice ? `<div>the last query (${q}) reads the ${choice.size} the indexer picked</div>` : "";
         // the range's ends and "to" joined by no-break spaces: a line broken inside it read as a cut-off text
         h += `<div>${plural(L.n_comp, "compressed row")}, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}</div>` +
-          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!picked || !chooses ? "" : picked.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
+          reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!choice ? "" : choice.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {
           // indexer rows are keys only: a query attends the compressed rows their scores pick
           // one line in a column of the laptop's two (tests/test_browser.py): the cells' tips say the rest
-          const choice = !chooses ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
-            `, scored to pick a query's top ${d.idx_topk}` + (picked ? "" :
+          const scoring = !chooses ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
+            `, scored to pick a query's top ${d.idx_topk}` + (choice ? "" :
               `; the last query's (${q}) picks are drawn when the view is given them (notebook 04)`);
-          h += `<div>${plural(L.n_index, "indexer row")}${choice}</div>` +
+          h += `<div>${plural(L.n_index, "indexer row")}${scoring}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +

@@ -95,10 +95,12 @@ function render({ model, el }) {
       ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.w(b - 1) - g.x(a), 1);
     }
     ctx.textAlign = "right";  // query positions down the left
-    // every 8th position (a multiple of 8 where rows are too thin for labels 14 px apart): 128, 136, … read as steps
-    const qstep = Math.max(1, Math.ceil(14 / g.rh));
-    for (let q = 0; q < g.Q; q += 8 * Math.ceil(qstep / 8)) ctx.fillText(String(p0 + q), L - 4, T + q * g.rh + g.rh / 2);
-    if (g.Q > 1) ctx.fillText(String(p0 + g.Q - 1), L - 4, T + (g.Q - 1) * g.rh + g.rh / 2);
+    // every 8th position (rows are 3 px at least: labels 24 px apart), 128, 136, … read as steps; then the last row's,
+    // unless it would touch the label before it
+    const label = (q) => ctx.fillText(String(p0 + q), L - 4, T + q * g.rh + g.rh / 2);
+    for (let q = 0; q < g.Q; q += 8) label(q);
+    const last = g.Q - 1;
+    if (last % 8 && (last % 8) * g.rh >= 12) label(last);
     if (g.Q * g.rh >= 100) {  // the axis title fits beside the rows (a decode step's one row has its position)
       ctx.save(); ctx.translate(8, T + (g.Q * g.rh) / 2); ctx.rotate(-Math.PI / 2); ctx.textAlign = "center"; ctx.fillText("query position", 0, 0); ctx.restore();
     }

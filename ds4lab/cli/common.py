@@ -60,6 +60,9 @@ def named_stdout():
     """``sys.stdout`` as "stdout" in its write errors while a command runs; the text still buffered at the end is
     flushed inside, so a full disk is reported there too (not as an exception ignored at the interpreter's exit)."""
     stdout = sys.stdout
+    if stdout is None:  # started with stdout closed (`ds4lab ... >&-`): nothing to name, and print() writes nowhere
+        yield
+        return
     sys.stdout = NamedWrites(stdout, "stdout")
     try:
         yield

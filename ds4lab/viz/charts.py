@@ -81,12 +81,16 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
              tooltip=tooltip("label:N", field("median:Q", title="median tokens/s", format=",.0f"))),
         unit(timed, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y, tooltip=tips),
     ]
-    notes = [f"band: range of the {size}-token chunks; rule: median"]  # a shorter last chunk is a point alone
+    # (a shorter last chunk is a point alone; no timed chunk, no band)
+    notes = [f"band: range of the {size}-token chunks; rule: median"] if spread else []
     if warmup:
         layers.append(unit([dict(r, run="warm-up") for r in rows[:warmup]],
                            {"type": "point", "filled": False, "size": 40, "color": "#3182bd"}, x=x, y=y,
                            tooltip=tooltip("run:N", *tips)))
-        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'}, warm-up: not in band, rate")
+        # what they are left out of, where it is drawn: the band, and the rate of the dashed line below
+        left_out = [name for name, drawn in (("band", spread), ("rate", model is not None and timed)) if drawn]
+        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'}, warm-up"
+                     + (f": not in {', '.join(left_out)}" if left_out else ""))
     if model is not None and timed:
         from ..costs import chunk_cost
 

@@ -45,7 +45,7 @@ def kv_summary(config, geometry, kv: KVView, new_from: int | None = None, label:
     position, where the context has one: ``full``; positions before ``evicted`` were overwritten), per layer its
     rows, pending tokens and bytes (``other_bytes``: the rest of the payload's total, its header, token ids and
     logits);
-    positions from ``new_from`` on (default: none) are outlined as written by the step shown. On a layer with an
+    positions from ``new_from`` on (default: none) are marked (orange) as written by the step shown. On a layer with an
     indexer, ``picked``: the compressed rows the last query (position ``n_tokens − 1``) attends, where
     ``indexer`` (see :func:`indexer_picks`) holds its choice, else None."""
     T = kv.n_tokens
@@ -114,7 +114,7 @@ class KVCacheView(FollowingView):
     prefill chunk and decode step (through ``session.step_observers``; a refresh reads the whole state, which on a
     long context can cost more than the step). ``show(checkpoint)`` or the slider scrubs through checkpoints
     without touching the session; the title names the state on display ("after chunk i (tokens a–b)" for a
-    prefill's chunks). Cells written by the step shown are outlined; a fresh view outlines what its slider's
+    prefill's chunks). Cells written by the step shown are marked in orange; a fresh view marks what its slider's
     checkpoint added (nothing without one).
     ``layers`` picks the layers drawn (default all). ``indexer``: where the indexer's choice of the state's last
     query is known, its layers mark the compressed rows that query attends and those it dropped: a
@@ -167,7 +167,7 @@ class KVCacheView(FollowingView):
         return len(shown) if tokens[: len(shown)] == shown else 0
 
     def refresh(self) -> None:
-        """Show the session's state now (the cells written since the state shown before outlined)."""
+        """Show the session's state now (the cells written since the state shown before marked)."""
         sess = self.session
         tokens = tuple(sess.tokens)
         new_from = self._new_from(tokens)

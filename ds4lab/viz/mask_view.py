@@ -74,7 +74,8 @@ def key_axis_title(mask: StepMask) -> str:
 class MaskView(View):
     """The mask of a :class:`ds4lab.visibility.StepMask` (``MaskView.of_step(session, layer, pos0, n)`` makes
     one); ``show(mask, label)`` draws another. Hover a cell for the query, the key and the reason. ``size_px``:
-    the room its cells may take, keys across and queries down (cells 2-8 px wide, 3-14 px tall, 28 for one query)."""
+    the room the live view's cells may take, keys across and queries down (cells 2-8 px wide, 3-14 px tall, 28 for
+    one or two queries); the saved notebook's fallback image keeps its own sizes."""
 
     def __init__(self, mask: StepMask, label: str = "", size_px: tuple[int, int] = SIZE_PX):
         if not isinstance(size_px, (tuple, list)) or len(size_px) != 2 or not all(is_int(v) and v > 0 for v in size_px):

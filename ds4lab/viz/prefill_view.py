@@ -47,7 +47,7 @@ class PrefillView(View):
     chunks run, one control for the title, the table, the prompt, the KV cache and the mask together.
     The chunk table beside the prompt; under them, side by side where both fit, the KV cache after the chunk shown
     (``kv_view``, made here compact and without a slider of its own unless given; a view given keeps its slider,
-    and moved onto one of the chunks it moves this view) with the rows it wrote outlined, and the mask of what
+    and moved onto one of the chunks it moves this view) with the rows it wrote marked, and the mask of what
     each of its queries sees in ``layer`` (``mask_view``; the layer picker changes it). The indexer's choices are
     captured while stepping (``capture_indexer``).
 
