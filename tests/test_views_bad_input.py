@@ -3,6 +3,8 @@ position the model or capture does not have, another model's checkpoints or KV v
 argument, before anything changes (a PrefillView that refused a layer had already moved its session onto the new
 prompt), and a view never shows something other than what was asked (a head not captured showed another one)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -146,8 +148,13 @@ def test_mask_of_a_step_must_be_one_the_session_can_take(sess):
         MaskView.of_step(sess, 2.5, 0, 4)
     assert MaskView.of_step(sess, 2, 252, 4).mask.pos0 == 252  # the context's last positions
     mask = MaskView.of_step(sess, 2, 0, 4).mask
-    for bad in ((0, 300), (720,), 720, (720.5, 300), ("720", 300), (True, 300)):
-        with pytest.raises(ValueError, match=r"size_px is .*: expected two positive whole numbers of px"):
+    for bad, message in (((720,), "size_px is (720,): expected two numbers of px (keys, queries)"),
+                         (720, "size_px is 720: expected two numbers of px (keys, queries)"),
+                         ((0, 300), "size_px[0] must be a whole number of px, at least 1, got 0"),
+                         ((720.5, 300), "size_px[0] must be a whole number of px, at least 1, got 720.5"),
+                         (("720", 300), "size_px[0] must be a whole number of px, at least 1, got '720'"),
+                         ((720, True), "size_px[1] must be a whole number of px, at least 1, got True")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             MaskView(mask, size_px=bad)
     assert MaskView(mask, size_px=(400, 200)).model.size_px == [400, 200]
 

@@ -80,7 +80,9 @@ function render({ model, el }) {
       (d.evicted ? `overwritten (evicted): positions 0–${d.evicted - 1}` : `nothing overwritten yet (the ring wraps at position ${d.raw_cap})`);
     // the compressed rows' colours, once for the layers shown, in the room beside the ring
     const shown = d.layers.filter((L) => !only || only.includes(L.layer)), q = T - 1;
-    const picks = shown.some((L) => L.picked && L.n_index !== null && L.n_index > d.idx_topk);
+    // an indexer chooses where a query sees more compressed rows than its top k; below that it attends them all
+    const chooses = (L) => L.n_index !== null && L.n_index > d.idx_topk;
+    const picks = shown.some((L) => L.picked && chooses(L));
     if (shown.some((L) => L.ratio)) {
       key += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
         `tokens` + (picks ? ` (where no indexer chooses); on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
@@ -97,10 +99,9 @@ function render({ model, el }) {
     h += `<div class="ds4-layers">`;
     for (const L of shown) {
       const R = L.ratio, grp = (c) => [Math.max(0, c * R - (R === 4 ? 4 : 0)), c * R + R - 1];
-      // the indexer's choice for the last query, where known and where it chose (more rows visible than its top k:
-      // below that it attends them all, drawn as compressed rows): the rows it attends and those it dropped
-      const chooses = L.n_index !== null && L.n_index > d.idx_topk;
-      const choice = L.picked && chooses ? new Set(L.picked) : null;
+      // the indexer's choice for the last query, where known and where it chose (else the rows are drawn as
+      // compressed rows): the rows it attends and those it dropped
+      const choice = L.picked && chooses(L) ? new Set(L.picked) : null;
       const read = (c) => (!choice ? "" : choice.has(c) ? `, attended by the last query (${q})` : `, dropped by the indexer for the last query (${q})`);
       h += `<div class="ds4-layer"><b>layer ${L.layer}</b> · ${R ? `ratio ${R}${L.n_index !== null ? ", indexer" : ""}` : "raw only"} · ${L.bytes.toLocaleString()} bytes`;
       if (R) {
@@ -113,7 +114,7 @@ function render({ model, el }) {
         if (L.n_index !== null) {
           // indexer rows are keys only: a query attends the compressed rows their scores pick
           // one line in a column of the laptop's two (tests/test_browser.py): the cells' tips say the rest
-          const scoring = !chooses ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
+          const scoring = !chooses(L) ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
             `, scored to pick a query's top ${d.idx_topk}` + (choice ? "" :
               `; the last query's (${q}) picks are drawn when the view is given them (notebook 04)`);
           h += `<div>${plural(L.n_index, "indexer row")}${scoring}</div>` +

@@ -9,7 +9,7 @@ import html
 import numpy as np
 import traitlets as t
 
-from ..config import is_int
+from ..config import check_count
 from ..visibility import CATEGORIES, DROPPED, UNKNOWN, StepMask, step_mask
 from . import palette
 from .attention_figure import FEW_PX
@@ -78,9 +78,9 @@ class MaskView(View):
     one or two queries); the saved notebook's fallback image keeps its own sizes."""
 
     def __init__(self, mask: StepMask, label: str = "", size_px: tuple[int, int] = SIZE_PX):
-        if not isinstance(size_px, (tuple, list)) or len(size_px) != 2 or not all(is_int(v) and v > 0 for v in size_px):
-            raise ValueError(f"size_px is {size_px!r}: expected two positive whole numbers of px (keys, queries)")
-        self.model = MaskModel(size_px=[int(v) for v in size_px])
+        if not isinstance(size_px, (tuple, list)) or len(size_px) != 2:
+            raise ValueError(f"size_px is {size_px!r}: expected two numbers of px (keys, queries)")
+        self.model = MaskModel(size_px=[check_count(v, f"size_px[{i}]", of="px") for i, v in enumerate(size_px)])
         self.widget = self.model
         self.mask = mask
         self.show(mask, label)
