@@ -165,7 +165,8 @@ for il in (2, 3):
 # next position goes; "key" under the ring unfolds the colours) and what each query of the chunk could see in
 # the layer picked. Chunk 4 (tokens 256–319) wraps the
 # ring: positions 0–63 are overwritten. From position 131 a query of a ratio-4 layer sees more than 32
-# compressed rows: the indexer keeps 32 of them (blue) and drops the rest (salmon).
+# compressed rows: the indexer keeps 32 of them (green, as every compressed row; raw rows are blue) and drops
+# the rest (salmon).
 
 # %% tags=["nbval-check-output"]
 prefill_view.run()

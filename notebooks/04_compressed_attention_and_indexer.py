@@ -72,8 +72,8 @@ for il in (0, 2, 3):
 
 # %% [markdown]
 # What the last query reads from, layer by layer: the raw ring (the window is its last 64 positions), the
-# compressed rows and the tokens each pools (on the indexer's layers, the ones it picked for that query marked
-# blue, the others salmon), and the indexer's own rows.
+# compressed rows (green) and the tokens each pools (on the indexer's layers, the ones it did not pick for that
+# query salmon), and the indexer's own rows.
 
 # %%
 from ds4lab.viz import KVCacheView
@@ -206,7 +206,7 @@ for il, (mass, idx_scores) in layers.items():
 
 # %% [markdown]
 # One query, the prompt's last token, in both ratio-4 layers: a bar per compressed row it sees, its share of the
-# attention over them; blue where the indexer keeps the row. The tall bars are blue. (Each chart's title gives this
+# attention over them; green where the indexer keeps the row. The tall bars are green. (Each chart's title gives this
 # one query's share held by the top 32, lower than the average over every query above.)
 
 # %%

@@ -13,11 +13,11 @@ pytest.importorskip("anywidget")
 from pathlib import Path  # noqa: E402
 
 import ds4lab  # noqa: E402
-from ds4lab.viz import AttentionView  # noqa: E402
+from ds4lab.viz import AttentionView, palette  # noqa: E402
 from ds4lab.viz import attention_figure as fig  # noqa: E402
 from ds4lab.viz.attention_figure import FIG_W, LEFT, SINK_PX, TOP, WIDTH, draw_static  # noqa: E402
 from ds4lab.viz.pixel_font import ADVANCE  # noqa: E402
-from ds4lab.viz.reduce import colormap, scale_colours  # noqa: E402
+from ds4lab.viz.reduce import scale_colours  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # begins with Coriolanus
 WIDGETS = Path(__file__).resolve().parent.parent / "widgets"
@@ -294,14 +294,14 @@ def _hex(rgb) -> str:
 
 
 def test_the_indexer_rows_look_alike_in_the_mask_and_the_attention_view(cap):
-    """Kept, dropped by the indexer and not yet compressed: one colour each, the same in both views (a kept row is
-    drawn by its weight in the AttentionView, on the ramp whose middle is the MaskView's kept blue); at full
-    resolution each compressed cell of weight 0 is marked by why, from the map's candidates and selection."""
+    """Dropped by the indexer and not yet compressed: one colour each, the same in both views (a kept row is drawn
+    by its weight in the AttentionView, as every cell it attends); at full resolution each compressed cell of weight
+    0 is marked by why, from the map's candidates and selection."""
     from ds4lab.visibility import DROPPED, KEPT, NOT_YET
     from ds4lab.viz.mask_view import COLOURS
 
     assert COLOURS[DROPPED] == _hex(fig.DROPPED) and COLOURS[NOT_YET] == _hex(fig.NOT_YET)
-    assert COLOURS[KEPT] == "#3182bd" and np.abs(colormap(np.array([127, 128])) - [0x31, 0x82, 0xBD]).max() <= 1
+    assert COLOURS[KEPT] == palette.COMPRESSED and fig.GROUP_COLOURS["comp"] == palette.rgb(palette.COMPRESSED)
     assert [text for _, text in fig.ZERO_KEY] == ["weight 0 (masked)", "not yet compressed", "dropped by the indexer"]
     view = AttentionView(cap, layer=2, head=0)
     amap = cap.attention(2)

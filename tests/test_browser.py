@@ -435,7 +435,7 @@ def test_prefill_view_renders(page):
     assert img.evaluate("(i) => i.naturalWidth") == width_at_chunk4
     # chunk 0's last query sees 16 compressed rows, fewer than the indexer's top 32: seen, and the tooltip says why
     # (the last row, y 284 of 320 in the mask's layout, where its compressed columns are drawn kept)
-    x = _colour_x(img, (49, 130, 189), 0.8875)
+    x = _colour_x(img, (49, 163, 84), 0.8875)
     text = _hover_fills(pg, img, tip, (x, 0.8875), until="/compressed row/.test(el.textContent)")
     assert text.startswith("query 63 × compressed row") and "no more than the indexer's top 32" in text, text
     # a query early in the prompt: its raw window starts at position 0, not at a negative one
@@ -469,7 +469,7 @@ def test_prefill_view_renders(page):
     pg.wait_for_function("(el) => el.textContent.includes('layer 3, chunk 4')",
                          arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
     img.evaluate("(i) => i.decode()")
-    assert _longest_run(img, (49, 130, 189)) == FEW_PX - 1  # the compressed rows' colour: seen (no indexer)
+    assert _longest_run(img, (49, 163, 84)) == FEW_PX - 1  # the compressed rows' colour: seen (no indexer)
     # as wide as at chunk 0, which has none: the width is planned with the widened columns of every chunk
     assert img.evaluate("(i) => i.naturalWidth") == width_at_chunk0
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3_chunk4.png"))
@@ -550,15 +550,16 @@ def test_kvcache_view_renders(page):
     # colours' key once, above the layers (a key in each indexer's layer made the view 880 px tall at a laptop's width)
     key = view.locator(".ds4-key-comp")
     assert key.count() == 1 and key.bounding_box()["y"] < view.locator(".ds4-layer").first.bounding_box()["y"]
-    assert "dropped by the indexer (as in the attention and mask views)" in key.inner_text()
+    key_text = " ".join(key.inner_text().split())  # a swatch between two words leaves two spaces
+    assert "those the indexer drops are salmon (as in the attention and mask views)" in key_text
     for layer in (2, 4):
         box = view.locator(".ds4-layer").nth(layer)
         assert "the last query (319) reads the 32 the indexer picked" in box.inner_text()
         assert box.locator(".ds4-cell.comp").count() == 80 and box.locator(".ds4-cell.comp.dropped").count() == 48
-        # kept and dropped in the colours the MaskView and the AttentionView give them (below)
+        # kept: the compressed rows' green, dropped: salmon, as the MaskView and the AttentionView give them (below)
         colour = "el => getComputedStyle(el).backgroundColor"
         assert box.locator(".ds4-cell.comp.kept").count() == 32
-        assert box.locator(".ds4-cell.comp.kept").first.evaluate(colour) == "rgb(49, 130, 189)"
+        assert box.locator(".ds4-cell.comp.kept").first.evaluate(colour) == "rgb(49, 163, 84)"
         assert box.locator(".ds4-cell.comp.dropped").first.evaluate(colour) == "rgb(252, 187, 161)"
         dropped = box.locator(".ds4-cell.comp.dropped").first.get_attribute("data-tip")
         assert dropped.endswith("dropped by the indexer for the last query (319)"), dropped
@@ -627,8 +628,8 @@ def test_mask_of_a_decode_step_renders(page):
         key = view.locator(".ds4-key").filter(has_text=re.compile(f"^{name}$"))
         return key.locator(".ds4-swatch").evaluate("(s) => getComputedStyle(s).backgroundColor")
 
-    # the indexer's rows in the AttentionView's colours: kept its ramp's blue, dropped its salmon
-    assert swatch("kept") == "rgb(49, 130, 189)" and swatch("dropped by the indexer") == "rgb(252, 187, 161)"
+    # kept: the compressed rows' green (raw rows are blues); dropped: the AttentionView's salmon
+    assert swatch("kept") == "rgb(49, 163, 84)" and swatch("dropped by the indexer") == "rgb(252, 187, 161)"
     # the step's own row (the query itself) a column FEW_PX wide, as a few compressed rows: at a raw row's 2-3 px
     # with no header a walk-through could not find the "own" the legend names
     img = view.locator("img.ds4-maskimg")

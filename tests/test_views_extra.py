@@ -349,6 +349,34 @@ def test_the_front_end_writes_the_palettes_colours():
         assert text in (widgets / name).read_text(), (name, text)
 
 
+def test_raw_rows_are_blue_and_compressed_rows_green_in_every_view():
+    """A student's walk-through read blue as four things on one screen (the raw window, cached and own keys, the
+    indexer's kept rows): the raw window's rows are blues and the compressed rows greens in the KV, mask and
+    attention views and the indexer's charts, a row the indexer keeps staying green."""
+    import colorsys
+    from pathlib import Path
+
+    from ds4lab.visibility import CACHED, KEPT, OWN, UNKNOWN
+    from ds4lab.viz import attention_figure, charts, palette
+    from ds4lab.viz.mask_view import COLOURS
+
+    def hue(c):
+        return colorsys.rgb_to_hsv(*(v / 255 for v in palette.rgb(c)))[0] * 360
+
+    assert all(190 <= hue(COLOURS[c]) <= 230 for c in (CACHED, OWN)) and 190 <= hue(palette.RAW) <= 230
+    assert all(90 <= hue(COLOURS[c]) <= 150 for c in (KEPT, UNKNOWN)) and COLOURS[KEPT] == palette.COMPRESSED
+    assert attention_figure.GROUP_COLOURS["raw"] == palette.rgb(palette.RAW)
+    assert attention_figure.GROUP_COLOURS["comp"] == palette.rgb(palette.COMPRESSED)
+    assert charts.KEPT_COLORS["range"][0] == palette.COMPRESSED
+    widgets = Path(ds4lab.__file__).parent.parent / "widgets"
+    css, js = (widgets / "views.css").read_text(), (widgets / "attention.js").read_text()
+    assert f".ds4-view .ds4-cell.live, .ds4-view .ds4-swatch.live {{ background: {palette.RAW}; }}" in css
+    assert f".ds4-view .ds4-cell.comp, .ds4-view .ds4-swatch.comp {{ background: {palette.COMPRESSED}; }}" in css
+    assert not re.search(r"\.kept\b[^{]*\{[^}]*background", css)  # a kept row keeps the compressed rows' green
+    raw, comp = palette.rgb(palette.RAW), palette.rgb(palette.COMPRESSED)
+    assert 'raw: "rgb(%d,%d,%d)", comp: "rgb(%d,%d,%d)"' % (*raw, *comp) in js
+
+
 # -- MaskView -------------------------------------------------------------------------------------------------
 def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
     cfg = model.config
@@ -380,7 +408,7 @@ def test_mask_widens_a_few_compressed_rows(model):
         sx = 600 // (n + 3)  # px of a raw column (and of each of the 3 gaps between the 4 groups)
         img = view.image()
         assert sx < FEW_PX and img.shape[1] == (n + 3) * sx + view.model.n_comp * ((comp_px or sx) - sx)
-    kept = (few.image() == [0x31, 0x82, 0xBD]).all(axis=2)  # the compressed rows' colour (seen: no indexer here)
+    kept = (few.image() == [0x31, 0xA3, 0x54]).all(axis=2)  # the compressed rows' colour (seen: no indexer here)
     assert kept.sum(axis=1).max() == 2 * (FEW_PX - 1)  # each ends in a white hairline
 
 

@@ -85,8 +85,8 @@ function render({ model, el }) {
     const picks = shown.some((L) => L.picked && chooses(L));
     if (shown.some((L) => L.ratio)) {
       key += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
-        `tokens` + (picks ? ` (where no indexer chooses); on an indexer's layer, for the last query (position ${q}): <span class="ds4-swatch kept"></span> kept ` +
-        `(attended), <span class="ds4-swatch dropped"></span> dropped by the indexer (as in the attention and mask views)` : "") +
+        `tokens` + (picks ? `; on an indexer's layer, for the last query (position ${q}), those it attends stay green and ` +
+        `those the indexer drops are <span class="ds4-swatch dropped"></span> salmon (as in the attention and mask views)` : "") +
         (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows: keys only, a query's scores of them pick the ` +
           `compressed rows it attends` : "") +
         ` · <span class="ds4-swatch pending"></span> tokens pending: their group is not complete (not yet compressed)</div>`;

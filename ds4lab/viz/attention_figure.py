@@ -31,10 +31,11 @@ X_LABELS = 76  # px under the heatmap for the key positions (written bottom to t
 LEGEND = 40  # px for the colour bar and the legend
 FIG_W = LEFT + WIDTH + MASS_GAP + MASS_W + 10
 FIG_H = TOP + HEIGHT + X_LABELS + LEGEND
-GROUP_COLOURS = {"raw": (49, 130, 189), "comp": (49, 163, 84), "sink": palette.rgb(palette.SINK)}
+GROUP_COLOURS = {"raw": palette.rgb(palette.RAW), "comp": palette.rgb(palette.COMPRESSED),
+                 "sink": palette.rgb(palette.SINK)}
 MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the mass bars' legend
-# Cells of weight exactly 0, by why (the MaskView's colours of the same categories: mask_view.COLOURS); a kept
-# compressed row is drawn by its weight, on the ramp whose middle is the MaskView's "kept" blue
+# Cells of weight exactly 0, by why (the MaskView's colours of the same categories: mask_view.COLOURS); every
+# other cell, raw or compressed, is drawn by its weight on the ramp
 MASKED = (217, 217, 217)  # a future key, or one outside the raw window: a grey apart from a weight near 0
 NOT_YET = palette.rgb(palette.NOT_YET)  # a compressed row whose group of tokens ends after the query
 DROPPED = palette.rgb(palette.DROPPED)  # a compressed row the indexer did not select for this query

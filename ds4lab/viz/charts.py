@@ -168,7 +168,7 @@ def kv_bytes_chart(session, chunks):
             by_kind[kind] = by_kind.get(kind, 0) + lk.nbytes
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
     # raw rows in the raw window's blue, compressed ones in the compressed rows' greens (no orange: palette.py)
-    colours = {"raw only": "#3182bd", "ratio 4": "#74c476", "ratio 128": "#006d2c"}
+    colours = {"raw only": palette.RAW, "ratio 4": "#74c476", "ratio 128": "#006d2c"}
     present = [k for k in colours if any(r["kind"] == k for r in rows)]
     kinds = {"domain": present, "range": [colours[k] for k in present]}
     line = unit(rows, {"type": "line", "point": True}, x=field("tokens:Q", title="tokens"),
@@ -247,7 +247,7 @@ def batch_copies_chart(rows: list[dict]):
 def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
     """Which compressed rows layer ``layer``'s indexer kept among those each query could see, from a capture
     of ``blk.{layer}.indexer.topk``: a cell per visible row for every ``every``-th query position from
-    ``start`` (kept blue, dropped salmon)."""
+    ``start`` (kept green, the compressed rows' colour; dropped salmon)."""
     if every < 1:
         raise ValueError(f"every must be 1 or more, got {every}")
     name = f"blk.{layer}.indexer.topk"
@@ -278,7 +278,7 @@ def indexer_choices_chart(capture, layer: int, every: int = 8, start: int = 0):
 def indexer_mass_chart(layers: dict, n_visible, layer: int, query: int, k: int):
     """For one query of a dense indexer pass (:func:`ds4lab.evaluate.dense_indexer_pass`: ``layers`` and
     ``n_visible``), a bar per compressed row it sees: the share of its attention over those rows that the row
-    receives (summed over the heads), blue where the indexer's top-``k`` keeps the row, salmon where it drops it.
+    receives (summed over the heads), green where the indexer's top-``k`` keeps the row, salmon where it drops it.
     The title gives the share the kept rows hold: the query's recall. The kept rows are the dense pass's top-k:
     the running model's choice in the first indexed layer; in later ones, whose inputs the dense pass's earlier
     layers changed by attending every row, a query's choice can differ by a few rows."""

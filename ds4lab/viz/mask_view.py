@@ -24,10 +24,11 @@ FEW_MAX_PX = 120
 SIZE_PX = (720, 360)
 PREFILL_SIZE_PX = (480, 260)
 # One colour per category of ds4lab.visibility (index = category), shared by the widget and the fallback. Any two
-# stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The indexer's three
-# states agree with the AttentionView (attention_figure): kept = the blue of its weight ramp, dropped by the
-# indexer = DROPPED (salmon), not yet compressed = NOT_YET (pale yellow); the sink is its grey (palette).
-COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", palette.NOT_YET, palette.KEPT, palette.DROPPED, "#74c476",
+# stay apart for a reader with deuteranopia or protanopia as well (tests/test_views_extra.py). The raw window's rows
+# are blues and the compressed rows greens, as in the KV and attention views (palette.RAW, COMPRESSED); the
+# indexer's states agree with the AttentionView (attention_figure): dropped by the indexer = DROPPED (salmon), not
+# yet compressed = NOT_YET (pale yellow); the sink is its grey (palette).
+COLOURS = ["#f4f4f4", "#bdbdbd", "#6baed6", "#08519c", palette.NOT_YET, palette.KEPT, palette.DROPPED, "#006d2c",
            palette.SINK]
 
 

@@ -1,6 +1,8 @@
 """The colours that mean the same thing in every view. Orange is the accent and means one thing: what the step
 shown wrote, or what the reader picked (the chunk shown, a selected region or head, the active unit); nothing
-else is orange, so a class learns it once (tests/test_views_extra.py holds the views' sources to this).
+else is orange, so a class learns it once (tests/test_views_extra.py holds the views' sources to this). Blue is
+the raw window's rows and green the compressed rows, in every view that shows both (a student's walk-through read
+the indexer's "kept" blue as raw rows beside the green of the compressed ones).
 The front-end (``widgets/*.js``, ``widgets/views.css``) writes the same values. One exception, kept on purpose: the
 GenerationView's probability scale runs from blue (likely) to orange (surprising), the diverging pair that readers
 with either red-green deficiency tell apart (pinks and purples fell within ΔE 4-8 of its grey); its key is always
@@ -9,7 +11,9 @@ shown beside it."""
 from __future__ import annotations
 
 ACCENT = "#e6550d"  # written by the step shown; the reader's pick
-KEPT = "#3182bd"  # a compressed row the indexer selected (the blue of the attention weight ramp's middle)
+RAW = "#3182bd"  # the raw window's rows (the ring), and their keys in the attention's mass bars
+COMPRESSED = "#31a354"  # the compressed rows
+KEPT = COMPRESSED  # a compressed row the indexer selected is a compressed row a query sees: the rows it drops stand out
 DROPPED = "#fcbba1"  # a compressed row the indexer did not select (salmon: pale, unlike the accent)
 NOT_YET = "#ffffcc"  # a compressed row whose group of tokens is not complete yet
 PENDING = "#fdd835"  # the tokens of that group, waiting: NOT_YET's yellow, deep enough to read as a bar
