@@ -6,7 +6,9 @@ pure-Python wheels it needs that Pyodide's distribution lacks, served by the sit
     python -m http.server -d lite/_output # serve it
     python lite/build.py --no-download    # offline: ds4lab's wheel only (piplite fetches the rest from PyPI)
 
-What goes in: ``lite/jupyter_lite_config.json``; the notebooks ``notebooks/NN_*.ipynb`` (with their saved outputs);
+What goes in: ``lite/jupyter_lite_config.json``; the notebooks ``notebooks/NN_*.ipynb`` (with their saved outputs)
+and the documents they link to, ``docs/*.md``, in folders of the same names, so that a notebook's link to
+``../docs/MODEL.md`` opens the document in the site as in a checkout;
 the front ends of the Pyodide kernel, ipywidgets and anywidget as this environment has them (the environment's
 other JupyterLab extensions are left out); ds4lab's wheel built from this checkout; and, unless ``--no-download``,
 the wheels in :data:`WHEELS` from PyPI, the widget packages at the versions of their front ends here. Pyodide
@@ -91,12 +93,15 @@ def build(output: Path, download: bool = True) -> Path:
     with tempfile.TemporaryDirectory(prefix="ds4lab-lite-") as tmp:
         wheels = build_wheels(Path(tmp), download)
         contents = Path(tmp) / "contents"
-        contents.mkdir()
+        (contents / "notebooks").mkdir(parents=True)
         for nb in notebooks():
             # Multi-line strings joined, as a Jupyter server serves them: JupyterLite hands the file to JupyterLab as
             # it is, and JupyterLab shows a stream output saved as a list of lines with commas between them.
-            (contents / nb.name).write_text(json.dumps(nbformat.read(nb, as_version=4), ensure_ascii=False),
-                                            encoding="utf-8")
+            (contents / "notebooks" / nb.name).write_text(
+                json.dumps(nbformat.read(nb, as_version=4), ensure_ascii=False), encoding="utf-8")
+        (contents / "docs").mkdir()
+        for doc in sorted((ROOT / "docs").glob("*.md")):
+            shutil.copy2(doc, contents / "docs" / doc.name)
         if output.exists():
             shutil.rmtree(output)
         cmd = [sys.executable, "-m", "jupyter", "lite", "build", "--lite-dir", str(HERE), "--output-dir", str(output),

@@ -66,7 +66,7 @@ model
 # sublayer's input is their weighted sum (the *pre* weights), and after it each stream becomes a mix of the
 # old streams (an `n_hc × n_hc` matrix made nearly doubly stochastic by Sinkhorn steps) plus the sublayer's
 # output scaled by that stream's *post gate*. The head reads the streams at the end
-# (docs/MODEL.md, "Hyper-connections and Sinkhorn").
+# ([docs/MODEL.md](../docs/MODEL.md), "Hyper-connections and Sinkhorn").
 
 # %% tags=["nbval-check-output"]
 cfg = model.config

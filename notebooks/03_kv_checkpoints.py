@@ -187,7 +187,7 @@ for line in kf.summary().splitlines():  # a line too long for a narrow notebook:
 # the model's routed experts are stored (4 for Q4_K, 2 for any other type; nothing of the KV rows, which are
 # float32), so that ds4-server can refuse a cache made by a differently quantized model when told to
 # (`--kv-cache-reject-different-quant`); and the `DSV4` line repeats the session's geometry (context, chunk,
-# ring), which a reader needs to lay out the arrays. docs/FORMATS.md has every byte.
+# ring), which a reader needs to lay out the arrays. [docs/FORMATS.md](../docs/FORMATS.md) has every byte.
 
 # %% tags=["nbval-check-output"]
 kf.verify()  # the CRC-32 trailer; raises KVFileError on a damaged file

@@ -45,15 +45,29 @@ def _config(site: Path) -> dict:
 def test_the_notebooks_are_served_as_saved(site):
     saved = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert len(saved) >= 6
-    assert sorted(p.name for p in (site / "files").glob("*.ipynb")) == [p.name for p in saved]
+    assert sorted(p.name for p in (site / "files" / "notebooks").glob("*.ipynb")) == [p.name for p in saved]
     for nb in saved:
-        served = json.loads((site / "files" / nb.name).read_text())
+        served = json.loads((site / "files" / "notebooks" / nb.name).read_text())
         assert served == nbformat.read(nb, as_version=4), nb.name
         # every multi-line string joined (JupyterLab would show a list of lines with commas between them)
         texts = [c["source"] for c in served["cells"]] + [
             v for c in served["cells"] for o in c.get("outputs", [])
             for v in [o.get("text", ""), *o.get("data", {}).values()] if not isinstance(v, dict)]
         assert not [t for t in texts if isinstance(t, list)], nb.name
+
+
+def test_the_notebooks_links_open_documents_of_the_site(site):
+    """A notebook's link to ../docs/MODEL.md opens the document in the site as in a checkout (notebooks and docs
+    in folders of the same names); a student's walk-through found the pointer plain text, since a link would not
+    have resolved."""
+    from tests.test_notebooks import relative_links
+
+    served = sorted((site / "files" / "notebooks").glob("*.ipynb"))
+    links = [(nb.name, link) for nb in served for link in relative_links(nb)]
+    assert len(links) >= 4 and {link for _, link in links} >= {"../docs/MODEL.md", "../docs/FORMATS.md"}
+    missing = [(name, link) for name, link in links if not (site / "files" / "notebooks" / link).is_file()]
+    assert not missing
+    assert (site / "files" / "docs" / "MODEL.md").read_bytes() == (ROOT / "docs" / "MODEL.md").read_bytes()
 
 
 def test_piplite_indexes_the_ds4lab_wheel(site):

@@ -40,6 +40,21 @@ def _cells(nb):
     return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
 
 
+def relative_links(path: Path) -> list[str]:
+    """The targets of a saved notebook's markdown links that are paths, not addresses (nor a cell's anchors)."""
+    nb = nbformat.read(path, as_version=4)
+    links = [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"\]\(([^)\s]+)\)", c.source)]
+    return [link for link in links if not re.match(r"[a-z][a-z0-9+.-]*:|#", link)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_links_to_files_resolve_in_the_checkout(name):
+    """A notebook points to the docs by a link (the walk-through's "docs/MODEL.md" was plain text): each relative
+    link names a file of the repository, from the notebook's folder (lite/build.py keeps the same layout)."""
+    missing = [link for link in relative_links(NOTEBOOK_DIR / name) if not (NOTEBOOK_DIR / link).is_file()]
+    assert not missing
+
+
 def test_every_notebook_is_a_pair():
     """Each NN_name.ipynb has its NN_name.py and each source its saved notebook, paired by notebooks/jupytext.toml."""
     assert NAMES and [Path(n).stem for n in NAMES] == [Path(s).stem for s in SOURCES]
