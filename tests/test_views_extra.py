@@ -352,7 +352,8 @@ def test_the_front_end_writes_the_palettes_colours():
 def test_raw_rows_are_blue_and_compressed_rows_green_in_every_view():
     """A student's walk-through read blue as four things on one screen (the raw window, cached and own keys, the
     indexer's kept rows): the raw window's rows are blues and the compressed rows greens in the KV, mask and
-    attention views and the indexer's charts, a row the indexer keeps staying green."""
+    attention views and the indexer's charts, a row the indexer keeps staying green; the PrefillView's chunks, which
+    were tinted blue, green and purple beside them, grey."""
     import colorsys
     from pathlib import Path
 
@@ -375,6 +376,10 @@ def test_raw_rows_are_blue_and_compressed_rows_green_in_every_view():
     assert not re.search(r"\.kept\b[^{]*\{[^}]*background", css)  # a kept row keeps the compressed rows' green
     raw, comp = palette.rgb(palette.RAW), palette.rgb(palette.COMPRESSED)
     assert 'raw: "rgb(%d,%d,%d)", comp: "rgb(%d,%d,%d)"' % (*raw, *comp) in js
+    # the prompt's chunks beside them: bands of greys in turn, no hue a reader would take for one of these
+    from ds4lab.viz.prefill_view import PALETTE
+
+    assert len(set(PALETTE)) == len(PALETTE) >= 2 and all(len(set(palette.rgb(c))) == 1 for c in PALETTE)
 
 
 # -- MaskView -------------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ from .base import View, ViewModel, check_session, token_texts, widget_module
 from .kv_view import KVCacheView, state_label
 from .mask_view import PREFILL_SIZE_PX, MaskView
 
-# Chunk colours in the prompt: blues, greens, purples and greys, none of them the salmon, yellows or orange that
-# mean "dropped by the indexer", "not yet compressed" and "written by the chunk" in the views beside them.
-PALETTE = ["#c6dbef", "#c7e9c0", "#dadaeb", "#d9d9d9", "#9ecae1", "#a1d99b", "#bcbddc", "#bdbdbd"]
+# The chunks in the prompt: bands of two greys in turn. Every hue means something in the views beside them (blue
+# the raw window, green the compressed rows, salmon dropped, yellow pending, orange written by the chunk shown), so
+# a chunk tinted blue or green read as one of those; the chunk's number is in the table and the tooltip.
+PALETTE = ["#e8e8e8", "#cccccc"]
 
 
 class PrefillModel(ViewModel):
