@@ -719,6 +719,21 @@ def test_serve_says_when_a_think_flag_does_nothing(flag, capsys, monkeypatch):
     assert ", think high," in err and ("ctx=4096 uses normal thinking" in err) == (flag == "--think-max"), err
 
 
+def test_serve_cors_flag_reaches_the_app(monkeypatch):
+    """``serve --cors`` gives the app ds4-server's CORS headers (tests/test_server.py checks what they do); without
+    it the app has none. The server is not started: serve() is replaced."""
+    pytest.importorskip("starlette")
+    import ds4lab.server as server
+
+    apps = []
+    monkeypatch.setattr(server, "serve", lambda worker, app, *a, sock, **k: (apps.append(app), sock.close()))
+    assert cli.main(["serve", "--backend", "numpy", "--port", "0", "--cors"]) == 0
+    assert cli.main(["serve", "--backend", "numpy", "--port", "0"]) == 0
+    [cors] = [m.kwargs["cors"] for m in apps[0].user_middleware]
+    [plain] = [m.kwargs["cors"] for m in apps[1].user_middleware]
+    assert cors is True and plain is False
+
+
 def test_output_errors_say_why(tmp_path, monkeypatch):
     """A read-only file system was reported as "permission denied"; a write that ran out of disk said only numpy's
     "N requested and M written". Both causes are simulated here (no mount in a test)."""

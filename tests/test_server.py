@@ -517,6 +517,32 @@ def test_bad_requests_through_the_clients(server):
     assert r.json()["error"]["message"].startswith("tools: ds4lab serve does not do tool calling")
 
 
+CORS = {"access-control-allow-origin": "*", "access-control-allow-methods": "GET, POST, OPTIONS",
+        "access-control-allow-headers": "*"}
+
+
+def test_a_preflight_gets_204_and_cors_adds_its_headers_everywhere(server):
+    """A browser's JavaScript client asks OPTIONS first: ds4-server answers 204 on any path (ds4lab answered 405),
+    and with --cors every response, errors and event streams included, carries the Access-Control-Allow-* headers;
+    without it none does."""
+    preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 204 and r.content == b"" and not CORS.keys() & r.headers.keys()
+    assert not CORS.keys() & httpx.get(server.url + "/v1/models").headers.keys()
+    with ServerThread(ds4lab.load(backend="numpy"), ctx=256, max_tokens=8, cors=True) as srv:
+        replies = [httpx.options(srv.url + "/v1/chat/completions", headers=preflight),
+                   httpx.options(srv.url + "/anything"),
+                   httpx.get(srv.url + "/v1/models"),
+                   httpx.get(srv.url + "/v1/nothing"),
+                   httpx.post(srv.url + "/v1/completions", json={"model": "shakespeare", "prompt": "x", "n": 2}),
+                   httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                       "model": "shakespeare", "prompt": "HAMLET:", "max_tokens": 2, "stream": True})]
+    assert [r.status_code for r in replies] == [204, 204, 200, 404, 400, 200]
+    for r in replies:
+        assert {k: r.headers.get(k) for k in CORS} == CORS, (r.request.method, r.request.url)
+    assert replies[-1].headers["content-type"].startswith("text/event-stream") and "[DONE]" in replies[-1].text
+
+
 def test_a_full_queue_answers_503_with_retry_after():
     with ServerThread(ds4lab.load(backend="numpy"), ctx=256, max_tokens=32, queue_size=1) as srv:
         body = {"model": "shakespeare", "prompt": "HAMLET:", "max_tokens": 8, "seed": 1}

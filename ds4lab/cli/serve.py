@@ -57,6 +57,8 @@ def add_serve_parser(sub) -> None:
                     help="CUDA GPUs to split the layers over evenly, e.g. 0,1 (cupy backend)")
     sv.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: a free one)")
+    sv.add_argument("--cors", action="store_true",
+                    help="add Access-Control-Allow-* headers for browser JavaScript clients (does not change --host)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, metavar="N",
                     help="requests that may wait for the model; more get 503 with Retry-After (default 16)")
     sv.add_argument("--model-name", default=None, metavar="NAME",
@@ -169,7 +171,7 @@ def serve_command(args) -> int:
                             kv_cache_boundary_align_tokens=args.kv_cache_boundary_align_tokens,
                             queue_size=args.queue_size, think=args.think, model_name=args.model_name,
                             temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                            placement=placement)
+                            placement=placement, cors=args.cors)
     except BaseException:
         if sock is not None:
             sock.close()

@@ -4,7 +4,9 @@
 ``message_stop``). A client that goes away cancels its request: the worker stops after the step under way.
 
 ``GET /v1/models``, ``GET /v1/models/{name}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/messages``, and ``GET /ds4lab/stats`` (ds4lab's: the queue, the session, the store's stats)."""
+``POST /v1/messages``, and ``GET /ds4lab/stats`` (ds4lab's: the queue, the session, the store's stats). As in
+ds4-server, ``OPTIONS`` on any path answers 204, and with ``cors`` every response carries the
+``Access-Control-Allow-*`` headers a browser's JavaScript client needs (:class:`_Preflight`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from itertools import count
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,6 +41,9 @@ DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the handler looks f
 _PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages}
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "shutdown": "error"}
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "shutdown": "end_turn"}
+# ds4-server's --cors headers, on every response (the preflight's 204, errors and event streams included)
+CORS_HEADERS = ((b"access-control-allow-origin", b"*"), (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-allow-headers", b"*"))
 
 
 @dataclass
@@ -52,8 +58,9 @@ class ServerState:
         return self.limits.model_names[0]
 
 
-def create_app(worker: Worker, limits: Limits) -> Starlette:
-    """The Starlette app serving ``worker`` (started and closed with the app's lifespan)."""
+def create_app(worker: Worker, limits: Limits, cors: bool = False) -> Starlette:
+    """The Starlette app serving ``worker`` (started and closed with the app's lifespan); ``cors``: ds4-server's
+    ``--cors``."""
     state = ServerState(worker, limits, int(time.time()))
 
     async def models(request: HTTPRequest) -> Response:
@@ -86,9 +93,32 @@ def create_app(worker: Worker, limits: Limits) -> Starlette:
               Route("/v1/completions", endpoint("completion"), methods=["POST"]),
               Route("/v1/messages", endpoint("messages"), methods=["POST"]),
               Route("/ds4lab/stats", stats)]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route},
+                    middleware=[Middleware(_Preflight, cors=cors)])
     app.state.server = state
     return app
+
+
+class _Preflight:
+    """ASGI middleware: an ``OPTIONS`` request on any path gets 204 and no body, as ds4-server answers a browser's
+    preflight (with or without ``--cors``); with ``cors`` every response gets :data:`CORS_HEADERS`."""
+
+    def __init__(self, app, cors: bool):
+        self.app, self.headers = app, list(CORS_HEADERS) if cors else []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204, "headers": self.headers})
+            return await send({"type": "http.response.body", "body": b""})
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers if self.headers else send)
 
 
 async def _no_route(request: HTTPRequest, exc) -> Response:

@@ -27,9 +27,9 @@ def build(model, *, ctx: int, prefill_chunk: int | None = None, max_tokens: int 
           kv_cache_boundary_trim_tokens: int = BOUNDARY_TRIM_TOKENS, kv_cache_boundary_align_tokens: int | None = None,
           queue_size: int = DEFAULT_QUEUE_SIZE, think: str = "high", model_name: str | None = None,
           temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
-          min_p: float = DEFAULT_MIN_P, seed: int | None = None, placement=None):
+          min_p: float = DEFAULT_MIN_P, seed: int | None = None, placement=None, cors: bool = False):
     """The worker and the Starlette app for ``model``; the keyword arguments are ``ds4lab serve``'s flags
-    (``placement``: a :class:`ds4lab.Placement` of the layers, ``--gpu-device``'s)."""
+    (``placement``: a :class:`ds4lab.Placement` of the layers, ``--gpu-device``'s; ``cors``: ``--cors``)."""
     if ctx > model.config.context_length:
         raise ValueError(f"ctx {ctx} is larger than the model's context length {model.config.context_length}")
     store = None
@@ -44,7 +44,7 @@ def build(model, *, ctx: int, prefill_chunk: int | None = None, max_tokens: int 
     name = model_name or model.path.stem
     limits = Limits((name,), ctx, max_tokens, Sampling(temperature, top_k, top_p, min_p, seed), think,
                     model.is_chat)
-    return worker, create_app(worker, limits)
+    return worker, create_app(worker, limits, cors)
 
 
 class _Server(uvicorn.Server):
