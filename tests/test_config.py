@@ -247,6 +247,18 @@ def test_missing_tensor_is_named():
         validate(tensors)
 
 
+def test_a_file_of_some_layers_says_it_is_one_part_of_a_split_model():
+    """ds4 ships Pro's Q4 model as two files of layers 0-30 and 31-60 (its two-machine split): the first tensor
+    found missing was named as if the file were damaged; now the file says which layers it holds."""
+    tensors = flash_tensors()
+    second_half = {n: t for n, t in tensors.items() if not n.startswith(tuple(f"blk.{il}." for il in range(20)))}
+    with raises("holds the tensors of layers 20-42 only, of the metadata's 43", "split by layers"):
+        validate(second_half)
+    first_half = {n: t for n, t in tensors.items() if not n.startswith(("blk.21.", "blk.42.", "output"))}
+    with raises("layers 0-20, 22-41 only"):
+        validate(first_half)
+
+
 def test_wrong_shape_is_named():
     tensors = flash_tensors()
     tensors["blk.4.indexer.proj.weight"] = ((4096, 63), Q.F16)
