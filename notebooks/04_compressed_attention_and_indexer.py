@@ -115,7 +115,7 @@ from ds4lab.viz import AttentionView
 AttentionView(cap, layer=2, head=0)
 
 # %% [markdown]
-# Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 70–80 are
+# Zoomed from code: rows and columns are the map's own (its queries are every 4th position, so rows 70–79 are
 # queries 280–316), here across the border of the last raw keys and the first compressed rows: a query sees the
 # raw keys up to its own position (later ones are grey) and, from 131 on, only the compressed rows the indexer
 # kept (dropped ones are salmon). Each row's bar says how its mass splits; the numbers for three of them:

@@ -368,3 +368,29 @@ def test_the_views_share_their_text_helpers():
         src = f.read_text(encoding="utf-8")
         assert f.name == "text.js" or ("const esc =" not in src and "const plural =" not in src), f.name
         assert not re.search(r"\$\{[^}]*\} (compressed|visible|indexer) rows", src), f.name
+
+
+def test_each_key_group_is_drawn_on_its_own_ramp(cap):
+    """A teacher's walk-through saw compressed rows' weights in blue under the green "compressed" header: a cell's
+    ramp is its key group's now (white -> blue -> navy raw, white -> green -> dark green compressed), in the static
+    figure, the thumbnails and the front-end (which writes reduce.RAMPS' stops), and the colour bar shows both."""
+    from ds4lab.viz.reduce import RAMPS, colormap
+
+    view = AttentionView(cap, layer=2, head=0)
+    state = view._state()
+    img = draw_static(state)
+    ramp = {g: {tuple(c) for c in colormap(np.arange(256, dtype=np.uint8), g)} for g in RAMPS}
+    marks = {fig.MASKED, fig.NOT_YET, fig.DROPPED, (255, 255, 255)}
+    for grp in state["groups"]:
+        cells = {tuple(c) for c in img[TOP + 1 : TOP + fig.HEIGHT - 1, LEFT + grp["x0"] + 1 : LEFT + grp["x1"] - 1]
+                 .reshape(-1, 3)} - marks
+        assert cells and cells <= ramp[grp["name"]], grp["name"]
+    ly = fig.geometry()["legend_y"] + 8  # the colour bar: raw above, compressed below
+    assert tuple(img[ly + 2, LEFT + 128]) in ramp["raw"] and tuple(img[ly + 7, LEFT + 128]) in ramp["comp"]
+    shape, thumbs = view.model.thumb_shape, np.frombuffer(view.model.thumbs, np.uint8)
+    first = thumbs[: shape[0] * shape[1] * 3].reshape(shape[0], shape[1], 3)
+    assert {tuple(c) for c in first[:, -2].reshape(-1, 3)} - marks <= ramp["comp"]
+    assert {tuple(c) for c in first[:, 0].reshape(-1, 3)} - marks <= ramp["raw"]
+    js = (Path(ds4lab.__file__).parent.parent / "widgets" / "attention.js").read_text()
+    for g, stops in RAMPS.items():
+        assert f"{g}: {[list(s) for s in stops]}" in js, g

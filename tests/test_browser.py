@@ -457,6 +457,9 @@ def test_prefill_view_renders(page):
     # ratio 128 at chunk 0 (tokens 0–63) has no compressed row yet, a raw-only layer none ever: the key axis names
     # raw rows only
     assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
+    # and the KV view says so (it read "0 compressed rows, row c pooling tokens 128c to 128c+127")
+    layer3 = kv.locator(".ds4-layer").first.inner_text()
+    assert "no compressed row yet: row c will pool tokens 128c\xa0to\xa0128c+127" in layer3, layer3
     # a range of positions (the pending group's, "0–63") stays on one line in the stepper's narrow KV column
     ranges = kv.locator(".ds4-nowrap")
     assert ranges.count() > 0 and all(r.evaluate("(e) => e.getClientRects().length") == 1 for r in ranges.all())

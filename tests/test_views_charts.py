@@ -409,12 +409,12 @@ def test_prefill_chunks_chart_leaves_warm_up_chunks_out(sweep):
     assert layers[3]["mark"]["filled"] is False and {p["run"] for p in hollow} == {"warm-up"}
     notes = prefill_chunks_chart(chunks, model, warmup=2).to_dict()["title"]["subtitle"]
     assert notes[:2] == ["band: range of the 16-token chunks; rule: median",
-                         "hollow: chunks 0-1, warm-up: not in band, rate"]
+                         "hollow: chunks 0-1 (warm-up), left out of the band and the rate"]
     # no model, no rate; every chunk a warm-up, no band
     assert prefill_chunks_chart(chunks, warmup=2).to_dict()["title"]["subtitle"][1] == (
-        "hollow: chunks 0-1, warm-up: not in band")
+        "hollow: chunks 0-1 (warm-up), left out of the band")
     all_warm = prefill_chunks_chart(chunks, model, warmup=5).to_dict()["title"]["subtitle"]
-    assert all_warm == ["hollow: chunks 0-4, warm-up"]
+    assert all_warm == ["hollow: chunks 0-4 (warm-up)"]
     flops = np.array([chunk_cost(model.config, c.start, c.n_tokens, file_types(model.file), ctx=80).total_flops
                       for c in chunks], dtype=np.float64)
     rate = np.median(flops[2:] / np.array([c.seconds for c in chunks[2:]]))

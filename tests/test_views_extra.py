@@ -352,12 +352,12 @@ def test_the_front_end_writes_the_palettes_colours():
 def test_raw_rows_are_blue_and_compressed_rows_green_in_every_view():
     """A student's walk-through read blue as four things on one screen (the raw window, cached and own keys, the
     indexer's kept rows): the raw window's rows are blues and the compressed rows greens in the KV, mask and
-    attention views and the indexer's charts, a row the indexer keeps staying green; the PrefillView's chunks, which
-    were tinted blue, green and purple beside them, grey."""
+    attention views and the indexer's charts, a row the indexer keeps staying green, a raw row outside the window
+    grey as in the mask; the PrefillView's chunks, which were tinted blue, green and purple beside them, grey."""
     import colorsys
     from pathlib import Path
 
-    from ds4lab.visibility import CACHED, KEPT, OWN, UNKNOWN
+    from ds4lab.visibility import CACHED, KEPT, OUTSIDE, OWN, UNKNOWN
     from ds4lab.viz import attention_figure, charts, palette
     from ds4lab.viz.mask_view import COLOURS
 
@@ -374,6 +374,9 @@ def test_raw_rows_are_blue_and_compressed_rows_green_in_every_view():
     assert f".ds4-view .ds4-cell.live, .ds4-view .ds4-swatch.live {{ background: {palette.RAW}; }}" in css
     assert f".ds4-view .ds4-cell.comp, .ds4-view .ds4-swatch.comp {{ background: {palette.COMPRESSED}; }}" in css
     assert not re.search(r"\.kept\b[^{]*\{[^}]*background", css)  # a kept row keeps the compressed rows' green
+    # a raw row outside the window: the mask's grey in the ring too (it was a pale blue, the mask's "cached")
+    assert f".ds4-view .ds4-cell.stale, .ds4-view .ds4-swatch.stale {{ background: {COLOURS[OUTSIDE]}; }}" in css
+    assert f".ds4-view .ds4-slot.stale {{ fill: {COLOURS[OUTSIDE]}; }}" in css
     raw, comp = palette.rgb(palette.RAW), palette.rgb(palette.COMPRESSED)
     assert 'raw: "rgb(%d,%d,%d)", comp: "rgb(%d,%d,%d)"' % (*raw, *comp) in js
     # the prompt's chunks beside them: bands of greys in turn, no hue a reader would take for one of these

@@ -3,19 +3,23 @@
 // head above. The figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE
 // of it; narrower outputs scroll it sideways): nothing is cut off.
 // Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
-function ramp(v) {
-  const t = v / 255, lo = [255, 255, 255], mid = [49, 130, 189], hi = [40, 10, 80];
+// a weight's ramp in each key group, white -> the group's colour -> its darkest (reduce.RAMPS): blue raw, green
+// compressed, grey the sink, as the mass bars and the KV view colour them
+const STOPS = { raw: [[255, 255, 255], [49, 130, 189], [8, 48, 107]], comp: [[255, 255, 255], [49, 163, 84], [0, 68, 27]],
+  sink: [[255, 255, 255], [82, 82, 82], [0, 0, 0]] };
+function ramp(v, [lo, mid, hi]) {
+  const t = v / 255;
   const [a, b, u] = t < 0.5 ? [lo, mid, t * 2] : [mid, hi, t * 2 - 1];
   return [0, 1, 2].map((i) => Math.round(a[i] + (b[i] - a[i]) * u));
 }
-const RAMP = Array.from({ length: 256 }, (_, v) => ramp(v));
+const RAMP = Object.fromEntries(Object.entries(STOPS).map(([g, s]) => [g, Array.from({ length: 256 }, (_, v) => ramp(v, s))]));
 // weight 0, by why: attention_figure.MASKED, NOT_YET, DROPPED (the MaskView's colours of the same categories)
 const MASKED = [217, 217, 217], NOT_YET = [255, 255, 204], DROPPED = [252, 187, 161];
 // [colour, mark, text]: the legend lists those of the figure shown (a layer without an indexer drops none)
 const ZERO_KEY = [[MASKED, 2, "weight 0 (masked)"], [NOT_YET, 3, "not yet compressed"], [DROPPED, 1, "dropped by the indexer"]];
 // an opaque colour as one pixel of a Uint32Array over ImageData (bytes R, G, B, A in memory: little-endian)
 const rgba = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
-const RAMP32 = Uint32Array.from(RAMP, rgba);
+const RAMP32 = Object.fromEntries(Object.entries(RAMP).map(([g, r]) => [g, Uint32Array.from(r, rgba)]));
 const MARK32 = [null, rgba(DROPPED), rgba(MASKED), rgba(NOT_YET)];  // by mark: attention_figure.MARK_*
 const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(82,82,82)" };  // attention_figure.GROUP_COLOURS
 const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"]];  // attention_figure.MASS_KEY
@@ -89,7 +93,9 @@ function render({ model, el }) {
     xe.forEach(([a, b], c) => colOf.fill(c, a, b));
     const heat = new ImageData(g.hw, g.hh), px = new Uint32Array(heat.data.buffer);
     const white = rgba([255, 255, 255]), colours = new Uint32Array(rows * cols);
-    for (let i = 0; i < rows * cols; i++) colours[i] = marks[i] ? MARK32[marks[i]] : RAMP32[buf[i]];
+    const groups = model.get("groups"), ramps = new Array(cols).fill(RAMP32.raw);  // each column's group's ramp
+    for (const grp of groups) ramps.fill(RAMP32[grp.name], grp.start, grp.stop);
+    for (let i = 0; i < rows * cols; i++) colours[i] = marks[i] ? MARK32[marks[i]] : ramps[i % cols][buf[i]];
     for (let r = 0; r < rows; r++) {
       for (let y = ye[r]; y < ye[r + 1]; y++) {
         const o = y * g.hw, base = r * cols;
@@ -102,7 +108,7 @@ function render({ model, el }) {
     ctx.drawImage(off, L, T);
     ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
     ctx.textBaseline = "middle";
-    const groups = model.get("groups"), headed = groups.filter((grp) => grp.label);
+    const headed = groups.filter((grp) => grp.label);
     for (const grp of groups) {
       ctx.strokeStyle = "#888"; ctx.lineWidth = 1;
       ctx.strokeRect(L + grp.x0 - 0.5, T - 0.5, grp.x1 - grp.x0 + 1, g.hh + 1);
@@ -140,7 +146,12 @@ function render({ model, el }) {
     });
     // the colour bar and the legend
     const ly = g.legend_y + 8;
-    for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly, 1, 10); }
+    // the raw and compressed ramps one above the other where both are shown (attention_figure.ramp_stripes)
+    const shown = ["raw", "comp"].filter((n) => groups.some((grp) => grp.name === n));
+    const stripes = shown.length === 2 ? [["raw", 0, 5], ["comp", 5, 10]] : [[shown[0] || "raw", 0, 10]];
+    for (const [name, y0, y1] of stripes) {
+      for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly + y0, 1, y1 - y0); }
+    }
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, ly + 5);
     ctx.textAlign = "left"; ctx.fillText(`${model.get("hi_text")}   ${model.get("scale_text")}`, L + 262, ly + 5);
     let x = L;
@@ -150,8 +161,8 @@ function render({ model, el }) {
       ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 16, 12, 8);
       ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 18;
     }
-    // the key of the mass bars: each query's attention mass on the raw window, the compressed rows and the sink
-    ctx.fillStyle = "#222"; ctx.fillText("mass bars:", x, ly + 20); x += ctx.measureText("mass bars:").width + 8;
+    // the key of the groups' colours: a cell's ramp and each query's mass bar (attention_figure.GROUPS_KEY)
+    ctx.fillStyle = "#222"; ctx.fillText("cells, bars:", x, ly + 20); x += ctx.measureText("cells, bars:").width + 8;
     const mass = model.get("mass");  // keyed only where some query's bar has it (a layer without compressed rows)
     MASS_KEY.forEach(([name, text], i) => {
       if (!mass.some((m) => m[i] > 0)) return;

@@ -108,7 +108,8 @@ function render({ model, el }) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const reads = choice ? `<div>the last query (${q}) reads the ${choice.size} the indexer picked</div>` : "";
         // the range's ends and "to" joined by no-break spaces: a line broken inside it read as a cut-off text
-        h += `<div>${plural(L.n_comp, "compressed row")}, row c pooling tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}</div>` +
+        const pools = `tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}`;  // row c's
+        h += `<div>${L.n_comp ? `${plural(L.n_comp, "compressed row")}, row c pooling ${pools}` : `no compressed row yet: row c will pool ${pools}`}</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!choice ? "" : choice.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
         if (L.n_index !== null) {

@@ -70,8 +70,8 @@ function render({ model, el }) {
     const g = layout(model), cells = bytes(model.get("cells")), col = model.get("colours"), cats = model.get("categories");
     const p0 = model.get("pos0");
     title.textContent = `What each query sees — layer ${model.get("layer")}` + (model.get("label") ? `, ${model.get("label")}` : "") +
-      ` (raw window ${model.get("window")}` + (g.nc || model.get("ratio") ? `, ratio ${model.get("ratio")}` : ", raw only") +
-      (model.get("top_k") ? `, indexer top ${model.get("top_k")}` : "") + ")";
+      ` · raw window ${model.get("window")}` + (g.nc || model.get("ratio") ? `, ratio ${model.get("ratio")}` : ", raw only") +
+      (model.get("top_k") ? `, indexer top ${model.get("top_k")}` : "");
     // the key axis' title under the columns drawn (from the left margin where they are narrower than it): the image
     // is wide enough for it
     const ctx = canvas.getContext("2d");

@@ -33,9 +33,10 @@ FIG_W = LEFT + WIDTH + MASS_GAP + MASS_W + 10
 FIG_H = TOP + HEIGHT + X_LABELS + LEGEND
 GROUP_COLOURS = {"raw": palette.rgb(palette.RAW), "comp": palette.rgb(palette.COMPRESSED),
                  "sink": palette.rgb(palette.SINK)}
-MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the mass bars' legend
+MASS_KEY = (("raw", "raw window"), ("comp", "compressed"), ("sink", "sink"))  # the key groups' legend
+GROUPS_KEY = "cells, bars:"  # their colours key both: a cell's ramp and a query's mass bar
 # Cells of weight exactly 0, by why (the MaskView's colours of the same categories: mask_view.COLOURS); every
-# other cell, raw or compressed, is drawn by its weight on the ramp
+# other cell is drawn by its weight on its key group's ramp (reduce.RAMPS: blue raw, green compressed)
 MASKED = (217, 217, 217)  # a future key, or one outside the raw window: a grey apart from a weight near 0
 NOT_YET = palette.rgb(palette.NOT_YET)  # a compressed row whose group of tokens ends after the query
 DROPPED = palette.rgb(palette.DROPPED)  # a compressed row the indexer did not select for this query
@@ -88,6 +89,23 @@ def mass_segments(mass, x0: int, width: int) -> list[tuple[str, int, int]]:
     return [(g, int(cuts[i]), int(cuts[i + 1])) for i, g in enumerate(("raw", "comp", "sink"))]
 
 
+def column_groups(groups: list[dict], cols: int) -> np.ndarray:
+    """The key group (raw, comp, sink) of each of the map's ``cols`` columns: the ramp its cells are drawn on."""
+    names = np.full(cols, "raw", dtype=object)
+    for grp in groups:
+        names[grp["start"] : grp["stop"]] = grp["name"]
+    return names
+
+
+def ramp_stripes(groups: list[dict]) -> list[tuple[str, int, int]]:
+    """The colour bar's stripes (group, y0, y1 px in its 10): the raw and compressed ramps one above the other where
+    the map shows both, else the one it shows (the sink's is one column: its mass bar and header say it)."""
+    shown = [n for n in ("raw", "comp") if any(g["name"] == n for g in groups)]
+    if len(shown) == 2:
+        return [("raw", 0, 5), ("comp", 5, 10)]
+    return [(shown[0] if shown else "raw", 0, 10)]
+
+
 def draw_static(state: dict) -> np.ndarray:
     """The figure as an RGB image ``[FIG_H, FIG_W, 3]`` from the model's state (the same one the canvas draws)."""
     g = geometry()
@@ -95,7 +113,7 @@ def draw_static(state: dict) -> np.ndarray:
     rows, cols = state["rows"], state["cols"]
     idx = np.frombuffer(state["buf"], np.uint8).reshape(rows, cols)
     marks = np.frombuffer(state["marks"], np.uint8).reshape(rows, cols)
-    rgb = colormap(idx)
+    rgb = colormap(idx, column_groups(state["groups"], cols))
     rgb[marks == MARK_MASKED] = MASKED
     rgb[marks == MARK_DROPPED] = DROPPED
     rgb[marks == MARK_NOT_YET] = NOT_YET
@@ -132,8 +150,8 @@ def draw_static(state: dict) -> np.ndarray:
             img[ys[r] : ys[r + 1], a:b] = GROUP_COLOURS[name]
     # the colour bar and the legend
     ly = g["legend_y"] + 8
-    ramp = colormap(np.arange(256, dtype=np.uint8))
-    img[ly : ly + 10, LEFT : LEFT + 256] = ramp[None, :, :]
+    for name, y0, y1 in ramp_stripes(state["groups"]):
+        img[ly + y0 : ly + y1, LEFT : LEFT + 256] = colormap(np.arange(256, dtype=np.uint8), name)[None, :, :]
     draw_text(img, LEFT - 6, ly + 2, state["lo_text"], TEXT, anchor="right")
     draw_text(img, LEFT + 262, ly + 2, state["hi_text"] + "   " + state["scale_text"], TEXT)
     ly += 16
@@ -142,8 +160,8 @@ def draw_static(state: dict) -> np.ndarray:
         img[ly : ly + 8, x : x + 12] = colour
         draw_text(img, x + 16, ly + 1, text, TEXT)
         x += 16 + ADVANCE * len(text) + 18
-    draw_text(img, x, ly + 1, "mass bars:", TEXT)  # the key of the mass bars' colours
-    x += ADVANCE * len("mass bars:") + 8
+    draw_text(img, x, ly + 1, GROUPS_KEY, TEXT)  # the key of the groups' colours: the cells' ramps, the mass bars
+    x += ADVANCE * len(GROUPS_KEY) + 8
     for i, (name, text) in enumerate(MASS_KEY):
         if not any(m[i] > 0 for m in state["mass"]):  # keyed only where some query's bar has it
             continue

@@ -392,7 +392,9 @@ class AttentionView(View):
             Q, K = amap.weights.shape[0], amap.weights.shape[2]
             fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
             small = [maxpool(self.weights(self.layer, h), fr, fc) for h in heads]
-            rgb = np.stack([colormap(scale_colours(s, self.scale)[0]) for s in small])
+            first_key = np.arange(small[0].shape[1]) * fc  # each pooled column's group: its first key's
+            names = np.where(first_key < amap.n_raw, "raw", np.where(first_key < K - 1, "comp", "sink"))
+            rgb = np.stack([colormap(scale_colours(s, self.scale)[0], names) for s in small])
             rgb[np.stack(small) == 0] = MASKED
             self._thumb_cache[self.layer, self.scale] = (list(rgb.shape[1:3]), rgb.tobytes())
         shape, thumbs = self._thumb_cache[self.layer, self.scale]

@@ -89,8 +89,8 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
                            tooltip=tooltip("run:N", *tips)))
         # what they are left out of, where it is drawn: the band, and the rate of the dashed line below
         left_out = [name for name, drawn in (("band", spread), ("rate", model is not None and timed)) if drawn]
-        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'}, warm-up"
-                     + (f": not in {', '.join(left_out)}" if left_out else ""))
+        notes.append(f"hollow: {'chunk 0' if warmup == 1 else f'chunks 0-{warmup - 1}'} (warm-up)"
+                     + (f", left out of the {' and the '.join(left_out)}" if left_out else ""))
     if model is not None and timed:
         from ..costs import chunk_cost
 
@@ -195,9 +195,10 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
         y=field("gib:Q", title=f"KV cache (GiB, {bytes_per_value} bytes a value)", scale={"type": "log"}),
         # a dash per scheme too: the shared row's and MLA's lines lie within 12% of each other, too close for colour
         # alone; one legend of both (the same domain and legend: Vega-Lite merges them, else a second legend of
-        # black dots), its symbols strokes that show the dash; no orange (palette.py)
+        # black dots), its symbols strokes that show the dash. DS4 black, the dense caches greys: the views' hues
+        # mean kinds of rows (blue raw, green compressed, purple the indexer's; palette.py), which these are not
         color=field("scheme:N", title="cache", legend=SCHEME_LEGEND,
-                    scale={"domain": list(SCHEMES), "range": ["#3182bd", "#756bb1", "#252525", "#31a354", "#e377c2"]}),
+                    scale={"domain": list(SCHEMES), "range": ["#000000", "#525252", "#737373", "#969696", "#b0b0b0"]}),
         strokeDash=field("scheme:N", title="cache", legend=SCHEME_LEGEND, scale={"domain": list(SCHEMES)}),
     )
     # the tooltip: every cache at the context nearest the pointer, on a rule there (a point's own tooltip hid the

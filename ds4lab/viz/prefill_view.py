@@ -20,7 +20,7 @@ from .mask_view import PREFILL_SIZE_PX, MaskView
 # The chunks in the prompt: bands of two greys in turn. Every hue means something in the views beside them (blue
 # the raw window, green the compressed rows, salmon dropped, yellow pending, orange written by the chunk shown), so
 # a chunk tinted blue or green read as one of those; the chunk's number is in the table and the tooltip.
-PALETTE = ["#e8e8e8", "#cccccc"]
+PALETTE = ["#e0e0e0", "#b9b9b9"]  # apart enough on a projector
 
 
 class PrefillModel(ViewModel):

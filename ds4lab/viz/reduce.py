@@ -10,6 +10,8 @@ import zlib
 
 import numpy as np
 
+from . import palette
+
 SCALES = ("linear", "row", "log")  # colour scales: weight / max, weight / its row's max, log10 weight
 LOG_DECADES = 4  # the log scale spans max·10⁻⁴ … max
 
@@ -87,10 +89,20 @@ def scale_colours(values: np.ndarray, scale: str, decades: int = LOG_DECADES,
     return np.clip(np.rint(t * 255.0), 0, 255).astype(np.uint8), lo, hi
 
 
-def colormap(v: np.ndarray) -> np.ndarray:
-    """uint8 → RGB along a white → blue → dark-purple ramp (the same ramp the front-end draws)."""
+# A weight's ramp in each key group: white -> the group's colour -> its darkest shade, so a cell says which kind of
+# row it is as the mass bars and the KV view do (blue raw, green compressed; palette.py), and how much weight it has
+RAMPS = {"raw": ((255, 255, 255), palette.rgb(palette.RAW), (8, 48, 107)),
+         "comp": ((255, 255, 255), palette.rgb(palette.COMPRESSED), (0, 68, 27)),
+         "sink": ((255, 255, 255), palette.rgb(palette.SINK), (0, 0, 0))}
+
+
+def colormap(v: np.ndarray, group="raw") -> np.ndarray:
+    """uint8 → RGB along the ramp of the key group ``group`` (:data:`RAMPS`; the same ramps the front-end draws):
+    a name, or an array of names along ``v``'s last axis (a map's columns)."""
     t = v.astype(np.float64)[..., None] / 255.0
-    lo, mid, hi = np.array([255, 255, 255.0]), np.array([49, 130, 189.0]), np.array([40, 10, 80.0])
+    names = np.asarray(group)
+    stops = np.array([RAMPS[n] for n in names.ravel()], np.float64).reshape(*names.shape, 3, 3)
+    lo, mid, hi = stops[..., 0, :], stops[..., 1, :], stops[..., 2, :]
     rgb = np.where(t < 0.5, lo + (mid - lo) * (t * 2), mid + (hi - mid) * (t * 2 - 1))
     return np.rint(rgb).astype(np.uint8)
 
