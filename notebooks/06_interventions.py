@@ -266,10 +266,10 @@ logit_diff_chart(patched)
 # %% [markdown]
 # ## 5. Replace an expert choice
 #
-# Each layer's router gives every routed expert a score `p = sqrt(softplus(logit))` ([docs/MODEL.md](../docs/MODEL.md), "Mixture of
-# experts"): positive, but not probabilities (they do not sum to 1). Layers 0-2 pick a token's `n_expert_used`
-# (2) of the 8 experts by its token id (hash routing: a fixed table, token id → experts), the others take the
-# two highest scores. The route weights are the chosen experts' scores normalised to sum to
+# Each layer's router gives every routed expert a score `p = sqrt(softplus(logit))`
+# ([docs/MODEL.md](../docs/MODEL.md), "Mixture of experts"): positive, but not probabilities (they do not sum to
+# 1). Layers 0-2 pick a token's `n_expert_used` (2) of the 8 experts by its token id (hash routing: a fixed table,
+# token id → experts), the others take the two highest scores. The route weights are the chosen experts' scores normalised to sum to
 # `expert_weight_scale` (1.5): `w_i = 1.5 · p_i / (p_a + p_b)`. `replace_experts` swaps the experts; their
 # weights come from their scores the same way.
 
@@ -311,8 +311,8 @@ show(logit_diff(sess, ids, [replace_experts(1, lowest[1])], start=last))
 # did not get changes the most in layers 0 and 1 (KL 0.41 and 0.3 nats; in layer 1 the line break goes from
 # 0.159 to 0.402) and less and less in later layers (0.012, 0.0075, 1e-4), down to nothing measurable in layer 5 (1e-10). The post gates
 # say why the last two hardly count: the hyper-connections write the FFN's output `y` into each stream `o` as
-# `post[o]·y` ([docs/MODEL.md](../docs/MODEL.md), "Hyper-connections and Sinkhorn"), and for this token layer 4's gates are 0.038–0.14
-# and layer 5's below 0.001: whatever its experts compute, layer 5 adds next to none of it to the streams the head
+# `post[o]·y` ([docs/MODEL.md](../docs/MODEL.md), "Hyper-connections and Sinkhorn"), and for this token layer 4's
+# gates are 0.038–0.14 and layer 5's below 0.001: whatever its experts compute, layer 5 adds next to none of it to the streams the head
 # reads.
 
 # %% [markdown]

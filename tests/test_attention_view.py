@@ -13,7 +13,7 @@ pytest.importorskip("anywidget")
 from pathlib import Path  # noqa: E402
 
 import ds4lab  # noqa: E402
-from ds4lab.viz import AttentionView, palette  # noqa: E402
+from ds4lab.viz import AttentionView  # noqa: E402
 from ds4lab.viz import attention_figure as fig  # noqa: E402
 from ds4lab.viz.attention_figure import FIG_W, LEFT, SINK_PX, TOP, WIDTH, draw_static  # noqa: E402
 from ds4lab.viz.pixel_font import ADVANCE  # noqa: E402
@@ -297,11 +297,10 @@ def test_the_indexer_rows_look_alike_in_the_mask_and_the_attention_view(cap):
     """Dropped by the indexer and not yet compressed: one colour each, the same in both views (a kept row is drawn
     by its weight in the AttentionView, as every cell it attends); at full resolution each compressed cell of weight
     0 is marked by why, from the map's candidates and selection."""
-    from ds4lab.visibility import DROPPED, KEPT, NOT_YET
+    from ds4lab.visibility import DROPPED, NOT_YET
     from ds4lab.viz.mask_view import COLOURS
 
     assert COLOURS[DROPPED] == _hex(fig.DROPPED) and COLOURS[NOT_YET] == _hex(fig.NOT_YET)
-    assert COLOURS[KEPT] == palette.COMPRESSED and fig.GROUP_COLOURS["comp"] == palette.rgb(palette.COMPRESSED)
     assert [text for _, text in fig.ZERO_KEY] == ["weight 0 (masked)", "not yet compressed", "dropped by the indexer"]
     view = AttentionView(cap, layer=2, head=0)
     amap = cap.attention(2)
@@ -374,7 +373,8 @@ def test_each_key_group_is_drawn_on_its_own_ramp(cap):
     """A teacher's walk-through saw compressed rows' weights in blue under the green "compressed" header: a cell's
     ramp is its key group's now (white -> blue -> navy raw, white -> green -> dark green compressed), in the static
     figure, the thumbnails and the front-end (which writes reduce.RAMPS' stops), and the colour bar shows both."""
-    from ds4lab.viz.reduce import RAMPS, colormap
+    from ds4lab.viz.attention_view import THUMB_COLS
+    from ds4lab.viz.reduce import RAMPS, colormap, pool_factor
 
     view = AttentionView(cap, layer=2, head=0)
     state = view._state()
@@ -387,10 +387,19 @@ def test_each_key_group_is_drawn_on_its_own_ramp(cap):
         assert cells and cells <= ramp[grp["name"]], grp["name"]
     ly = fig.geometry()["legend_y"] + 8  # the colour bar: raw above, compressed below
     assert tuple(img[ly + 2, LEFT + 128]) in ramp["raw"] and tuple(img[ly + 7, LEFT + 128]) in ramp["comp"]
-    shape, thumbs = view.model.thumb_shape, np.frombuffer(view.model.thumbs, np.uint8)
-    first = thumbs[: shape[0] * shape[1] * 3].reshape(shape[0], shape[1], 3)
-    assert {tuple(c) for c in first[:, -2].reshape(-1, 3)} - marks <= ramp["comp"]
-    assert {tuple(c) for c in first[:, 0].reshape(-1, 3)} - marks <= ramp["raw"]
+    for layer in (2, 3):  # layer 3: 320 raw keys, 2 compressed rows and the sink, columns pooled by more than 3
+        view.show(layer, 0)
+        amap = cap.attention(layer)
+        shape, thumbs = view.model.thumb_shape, np.frombuffer(view.model.thumbs, np.uint8)
+        first = thumbs[: shape[0] * shape[1] * 3].reshape(shape[0], shape[1], 3)
+        n_comp = -(-amap.n_comp // pool_factor(amap.weights.shape[2], THUMB_COLS))  # its pooled columns
+        for cols, g in ((slice(0, 1), "raw"), (slice(-1 - n_comp, -1), "comp"), (slice(-1, None), "sink")):
+            assert {tuple(c) for c in first[:, cols].reshape(-1, 3)} - marks <= ramp[g], (layer, g)
+    view.show(2, 0)
+    sink = cap.attention(2).weights.shape[2] - 1
+    view.zoom(keys=(sink, sink + 1))  # the sink alone: its ramp in the colour bar
+    img = draw_static(view._state())
+    assert tuple(img[ly + 5, LEFT + 128]) in ramp["sink"] and tuple(img[ly + 5, LEFT + 128]) not in ramp["raw"]
     js = (Path(ds4lab.__file__).parent.parent / "widgets" / "attention.js").read_text()
     for g, stops in RAMPS.items():
         assert f"{g}: {[list(s) for s in stops]}" in js, g

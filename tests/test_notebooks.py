@@ -44,7 +44,7 @@ def relative_links(path: Path) -> list[str]:
     """The targets of a saved notebook's markdown links that are paths, not addresses (nor a cell's anchors)."""
     nb = nbformat.read(path, as_version=4)
     links = [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"\]\(([^)\s]+)\)", c.source)]
-    return [link for link in links if not re.match(r"[a-z][a-z0-9+.-]*:|#", link)]
+    return [link.split("#")[0] for link in links if not re.match(r"[a-z][a-z0-9+.-]*:|#", link)]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -148,7 +148,7 @@ function render({ model, el }) {
     const ly = g.legend_y + 8;
     // the raw and compressed ramps one above the other where both are shown (attention_figure.ramp_stripes)
     const shown = ["raw", "comp"].filter((n) => groups.some((grp) => grp.name === n));
-    const stripes = shown.length === 2 ? [["raw", 0, 5], ["comp", 5, 10]] : [[shown[0] || "raw", 0, 10]];
+    const stripes = shown.length === 2 ? [["raw", 0, 5], ["comp", 5, 10]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 10]];
     for (const [name, y0, y1] of stripes) {
       for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly + y0, 1, y1 - y0); }
     }

@@ -6,7 +6,8 @@
 ``GET /v1/models``, ``GET /v1/models/{name}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/messages``, and ``GET /ds4lab/stats`` (ds4lab's: the queue, the session, the store's stats). As in
 ds4-server, ``OPTIONS`` on any path answers 204, and with ``cors`` every response carries the
-``Access-Control-Allow-*`` headers a browser's JavaScript client needs (:class:`_Preflight`)."""
+``Access-Control-Allow-*`` headers a browser's JavaScript client needs (:class:`_Cors`; an unhandled error's 500,
+which Starlette answers outside the app's middleware, aside)."""
 
 from __future__ import annotations
 
@@ -94,12 +95,12 @@ def create_app(worker: Worker, limits: Limits, cors: bool = False) -> Starlette:
               Route("/v1/messages", endpoint("messages"), methods=["POST"]),
               Route("/ds4lab/stats", stats)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route},
-                    middleware=[Middleware(_Preflight, cors=cors)])
+                    middleware=[Middleware(_Cors, cors=cors)])
     app.state.server = state
     return app
 
 
-class _Preflight:
+class _Cors:
     """ASGI middleware: an ``OPTIONS`` request on any path gets 204 and no body, as ds4-server answers a browser's
     preflight (with or without ``--cors``); with ``cors`` every response gets :data:`CORS_HEADERS`."""
 
@@ -108,17 +109,22 @@ class _Preflight:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+        elif scope["method"] == "OPTIONS":
             await send({"type": "http.response.start", "status": 204, "headers": self.headers})
-            return await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            await self.app(scope, receive, self._with_headers(send) if self.headers else send)
+
+    def _with_headers(self, send):
+        """``send``, adding the headers to the response's start."""
 
         async def send_with_headers(message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *self.headers]}
             await send(message)
 
-        await self.app(scope, receive, send_with_headers if self.headers else send)
+        return send_with_headers
 
 
 async def _no_route(request: HTTPRequest, exc) -> Response:

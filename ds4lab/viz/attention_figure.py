@@ -1,7 +1,7 @@
 """The AttentionView figure's geometry (one layout, drawn by ``widgets/attention.js`` on a canvas and here as the
 static PNG) and the static drawing: the heatmap with its three key groups, axes with positions, group labels, the
 per-query mass bars (raw | compressed | sink) and the colour bar, and the legend (masked, not yet compressed,
-dropped by the indexer, the mass bars' colours)."""
+dropped by the indexer, the key groups' colours: their cells' ramps and mass bars)."""
 
 from __future__ import annotations
 
@@ -99,11 +99,12 @@ def column_groups(groups: list[dict], cols: int) -> np.ndarray:
 
 def ramp_stripes(groups: list[dict]) -> list[tuple[str, int, int]]:
     """The colour bar's stripes (group, y0, y1 px in its 10): the raw and compressed ramps one above the other where
-    the map shows both, else the one it shows (the sink's is one column: its mass bar and header say it)."""
+    the map shows both, else the one it shows (the sink's only where a zoom shows nothing else: one column beside
+    them, its mass bar and header say it)."""
     shown = [n for n in ("raw", "comp") if any(g["name"] == n for g in groups)]
     if len(shown) == 2:
         return [("raw", 0, 5), ("comp", 5, 10)]
-    return [(shown[0] if shown else "raw", 0, 10)]
+    return [(shown[0] if shown else "sink" if groups else "raw", 0, 10)]
 
 
 def draw_static(state: dict) -> np.ndarray:

@@ -391,9 +391,11 @@ class AttentionView(View):
         if (self.layer, self.scale) not in self._thumb_cache:
             Q, K = amap.weights.shape[0], amap.weights.shape[2]
             fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
-            small = [maxpool(self.weights(self.layer, h), fr, fc) for h in heads]
-            first_key = np.arange(small[0].shape[1]) * fc  # each pooled column's group: its first key's
-            names = np.where(first_key < amap.n_raw, "raw", np.where(first_key < K - 1, "comp", "sink"))
+            # each group pooled on its own, as the map is: a column's ramp is its group's (none mixes two)
+            widths = [amap.n_raw, amap.n_comp, 1]
+            small = [pool_groups(self.weights(self.layer, h), widths, fr, fc, [True, True, False])[0] for h in heads]
+            names = np.concatenate([np.full(e - s, g) for g, (s, e) in zip(
+                ("raw", "comp", "sink"), pool_groups(np.zeros((1, K)), widths, 1, fc, [True, True, False])[1])])
             rgb = np.stack([colormap(scale_colours(s, self.scale)[0], names) for s in small])
             rgb[np.stack(small) == 0] = MASKED
             self._thumb_cache[self.layer, self.scale] = (list(rgb.shape[1:3]), rgb.tobytes())
