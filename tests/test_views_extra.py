@@ -342,7 +342,7 @@ def test_the_front_end_writes_the_palettes_colours():
     copies = [("views.css", pending),
               ("views.css", f".ds4-view .ds4-pendbar > div {{ background: {palette.PENDING}; }}"),
               ("views.css", f".ds4-view .ds4-tok.ds4-cur {{ text-decoration: underline 2px {palette.ACCENT};"),
-              ("experts.js", f'const fill = L.hash ? "{palette.HASH_ROUTED}" : '),
+              ("experts.js", f'const fill = L.hash ? "{palette.HASH_ROUTED}" : "{palette.LEARNED_ROUTED}"'),
               ("attention.js", f'sink: "{rgb(palette.SINK)}" }}'),
               ("attention.js", f"NOT_YET = {array(palette.NOT_YET)}, DROPPED = {array(palette.DROPPED)};")]
     for name, text in copies:

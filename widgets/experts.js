@@ -45,14 +45,14 @@ function render({ model, el }) {
     header.innerHTML = `<div class="ds4-title">router: tokens per expert, ${layers.length} layer${layers.length === 1 ? "" : "s"}` +
       `${shown} × ${n} experts, ${model.get("k")} per token</div><div class="ds4-note">` +
       `x: expert 0–${n - 1}, y: tokens routed to it (${common ? "one scale for every layer" : "each layer its own scale"}); ` +
-      `<span class="ds4-badge">hash</span> layers route by a fixed table of the token id, the others by the ` +
-      `learned router's top ${model.get("k")}</div>`;
+      `<span class="ds4-badge">hash</span> layers (light grey bars) route by a fixed table of the token id, the others ` +
+      `(dark grey) by the learned router's top ${model.get("k")}</div>`;
     let h = "";
     // each histogram's axes: tokens up the left (niceTicks' round values), expert ids along the bottom
     const every = Math.max(1, Math.ceil(14 / bw));  // an expert id every `every` bars: at least 14 px apart
     for (const L of layers) {
       const vmax = common ? vmaxAll : Math.max(1, ...L.counts);
-      const fill = L.hash ? "#969696" : "#3182bd";  // palette.HASH_ROUTED, learned blue
+      const fill = L.hash ? "#969696" : "#525252";  // palette.HASH_ROUTED, LEARNED_ROUTED
       let bars = "";
       L.counts.forEach((c, e) => {
         const bh = Math.round((H * c) / vmax), x = AX + e * bw;

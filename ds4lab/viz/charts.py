@@ -360,7 +360,7 @@ def expert_load_chart(source, hash_layers=None, max_rows: int = MAX_ROWS):
                 axis={"values": ticks, "labelExpr": "floor(datum.value)", "grid": False}),
         x2={"field": "expert_end"},
         y=field("label:O", title=None, sort=order),
-        color=field("tokens:Q", title="tokens", scale={"scheme": "blues"}),
+        color=field("tokens:Q", title="tokens", scale={"scheme": "greys"}),  # no row hue (palette.py)
         tooltip=tooltip(field("label:N", title="layer"), field("experts:N", title="expert"),
                         field("tokens:Q", title="tokens routed")),
     )

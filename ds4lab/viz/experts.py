@@ -16,7 +16,7 @@ from . import palette
 from .base import View, ViewModel, token_texts, widget_module
 from .reduce import png_base64
 
-HASH_COLOUR, LEARNED_COLOUR = palette.rgb(palette.HASH_ROUTED), (49, 130, 189)  # hash-routed grey, learned blue
+HASH_COLOUR, LEARNED_COLOUR = palette.rgb(palette.HASH_ROUTED), palette.rgb(palette.LEARNED_ROUTED)
 
 
 def expert_counts(capture, n_expert: int | None = None) -> dict[int, np.ndarray]:
@@ -166,8 +166,9 @@ class ExpertView(View):
         vmax = max(int(c.max()) for c in self.counts.values())
         return (
             f"<div class='ds4-view' style='font:12px monospace'><b>{html.escape(self.title)}</b><br>"
-            f"bars: tokens routed to experts 0…{self.config.n_expert - 1} (one scale, 0…{vmax}); grey = hash-routed "
-            "layer, blue = learned router<table><tr><th>layer</th><th>routing</th><th>histogram</th><th>tokens</th>"
+            f"bars: tokens routed to experts 0…{self.config.n_expert - 1} (one scale, 0…{vmax}); light grey = "
+            "hash-routed layer, dark grey = learned router<table><tr><th>layer</th><th>routing</th><th>histogram</th>"
+            "<th>tokens</th>"
             f"<th>experts used</th><th>busiest (tokens)</th><th>max/mean load</th></tr>{''.join(rows)}</table></div>"
         )
 

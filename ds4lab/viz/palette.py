@@ -21,6 +21,7 @@ SINK = "#525252"  # the attention sink: a key whose value is zero, so it takes w
 PREDICTED = "#737373"  # what ds4lab.costs predicts, beside what was measured (blue)
 CLEAN = "#bdbdbd"  # a clean run's bar beside the edited one's (the edit is the reader's pick: the accent)
 HASH_ROUTED = "#969696"  # a layer whose experts come from a fixed table of the token id, not a learned router
+LEARNED_ROUTED = "#525252"  # one whose learned router picks them: a darker grey (blue and green are kinds of rows)
 
 
 def rgb(colour: str) -> tuple[int, int, int]:
