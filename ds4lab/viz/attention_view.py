@@ -394,8 +394,7 @@ class AttentionView(View):
             # each group pooled on its own, as the map is: a column's ramp is its group's (none mixes two)
             widths = [amap.n_raw, amap.n_comp, 1]
             small = [pool_groups(self.weights(self.layer, h), widths, fr, fc, [True, True, False])[0] for h in heads]
-            names = np.concatenate([np.full(e - s, g) for g, (s, e) in zip(
-                ("raw", "comp", "sink"), pool_groups(np.zeros((1, K)), widths, 1, fc, [True, True, False])[1])])
+            names = np.repeat(["raw", "comp", "sink"], [-(-amap.n_raw // fc), -(-amap.n_comp // fc), 1])
             rgb = np.stack([colormap(scale_colours(s, self.scale)[0], names) for s in small])
             rgb[np.stack(small) == 0] = MASKED
             self._thumb_cache[self.layer, self.scale] = (list(rgb.shape[1:3]), rgb.tobytes())
