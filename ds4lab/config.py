@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from .text_table import runs
+
 ARCH = "deepseek4"
 
 
@@ -335,7 +337,7 @@ class ModelConfig:
         held = [il for il in range(self.n_layer) if any(n.startswith(f"blk.{il}.") for n in tensors)]
         if 0 < len(held) < self.n_layer:  # not one tensor of some layers: a file of a model split by layers
             raise ModelFileError(
-                f"{source}: holds the tensors of layers {_spans(held)} only, of the metadata's {self.n_layer}: one "
+                f"{source}: holds the tensors of layers {runs(held)} only, of the metadata's {self.n_layer}: one "
                 "part of a model split by layers over files (as ds4's two-machine PRO Q4 pair is); ds4lab reads a "
                 "model from one file that holds every layer")
         for name in tensors:
@@ -361,17 +363,6 @@ class ModelConfig:
             if g != u:
                 raise ModelFileError(f"{source}: tensor blk.{il}.ffn_up_exps.weight has type {Q(u).name} "
                                      f"but gate has {Q(g).name}; they must match")
-
-
-def _spans(numbers: list[int]) -> str:
-    """Ascending integers as runs: [0, 1, 2, 5] -> "0-2, 5"."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _get(meta: dict, key: str, source: str):

@@ -14,6 +14,17 @@ def aligned(head: Sequence, rows: Sequence[Sequence], left: Collection[int] = ()
             for row in table]
 
 
+def runs(numbers: Sequence[int]) -> str:
+    """Ascending integers as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 def plural(n: int, one: str, many: str | None = None) -> str:
     """``1 switch``, ``5 switches``: ``n`` and the word that goes with it (``many`` defaults to ``one + "s"``)."""
     return f"{n} {one if n == 1 else (many or one + 's')}"

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .config import check_count, is_int
-from .text_table import aligned, plural
+from .text_table import aligned, plural, runs
 
 EMBED = -1  # the layer index records give the embedding; the output head is n_layer
 MODES = ("decode", "batch")  # what a step asks for; "no-copy" is decided per switch
@@ -447,16 +447,8 @@ def unit_name(layer: int, n_layer: int) -> str:
 
 def _ranges(layers: list[int], n_layer: int) -> str:
     """``embed, layers 0-2, head`` (or ``layers 0, 2, 4``) from the unit indices of one tier."""
-    runs: list[list[int]] = []
-    for il in layers:
-        if 0 <= il < n_layer:
-            if runs and il == runs[-1][-1] + 1:
-                runs[-1].append(il)
-            else:
-                runs.append([il])
-    spans = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
-    one = len(runs) == 1 and len(runs[0]) == 1
-    named = [f"layer {spans[0]}" if one else f"layers {', '.join(spans)}"] if runs else []
+    held = [il for il in layers if 0 <= il < n_layer]
+    named = [f"layer {held[0]}" if len(held) == 1 else f"layers {runs(held)}"] if held else []
     parts = ([unit_name(il, n_layer) for il in layers if il < 0] + named
              + [unit_name(il, n_layer) for il in layers if il >= n_layer])
     return ", ".join(parts) or "-"
