@@ -393,8 +393,9 @@ class AttentionView(View):
             fr, fc = pool_factor(Q, THUMB_ROWS), pool_factor(K, THUMB_COLS)
             # each group pooled on its own, as the map is: a column's ramp is its group's (none mixes two)
             widths = [amap.n_raw, amap.n_comp, 1]
-            small = [pool_groups(self.weights(self.layer, h), widths, fr, fc, [True, True, False])[0] for h in heads]
-            names = np.repeat(["raw", "comp", "sink"], [-(-amap.n_raw // fc), -(-amap.n_comp // fc), 1])
+            pooled = [pool_groups(self.weights(self.layer, h), widths, fr, fc, [True, True, False]) for h in heads]
+            small = [red for red, _ in pooled]
+            names = np.repeat(["raw", "comp", "sink"], [e - s for s, e in pooled[0][1]])
             rgb = np.stack([colormap(scale_colours(s, self.scale)[0], names) for s in small])
             rgb[np.stack(small) == 0] = MASKED
             self._thumb_cache[self.layer, self.scale] = (list(rgb.shape[1:3]), rgb.tobytes())
