@@ -1041,9 +1041,13 @@ def test_tier_view_renders(page):
     assert re.match(r"step 0: batch", tip), tip
     hot = view.locator("svg.ds4-steps rect.ds4-hot")
     assert hot.count() == 1 and hot.get_attribute("data-bar") == "0"  # the step described is outlined
-    # each bound in the dark shade of its bars (batch blue, decode green); copies in near-black, unit colours the tiers'
-    assert view.locator("line.ds4-bound-batch").get_attribute("stroke") == "#08519c"
-    assert view.locator("line.ds4-bound-decode").get_attribute("stroke") == "#006d2c"
+    # each bound in a dark shade of its bars (batch dark grey, decode grey: no hue of a kind of row); copies in
+    # near-black, unit colours the tiers'
+    from ds4lab.viz import palette, tier_view
+
+    assert view.locator("line.ds4-bound-batch").get_attribute("stroke") == tier_view.BATCH_BOUND
+    assert view.locator("line.ds4-bound-decode").get_attribute("stroke") == tier_view.DECODE_BOUND
+    assert [bars.nth(i).get_attribute("fill") for i in (0, 2)] == [palette.BATCH, palette.DECODE]
     arrow = view.locator(".ds4-stack .ds4-arrow:not(.nocopy)").first
     assert arrow.evaluate("el => getComputedStyle(el).color") == "rgb(37, 37, 37)"
     _output_of(view).screenshot(path=str(ARTIFACTS / "tier_view.png"))

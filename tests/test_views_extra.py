@@ -385,6 +385,42 @@ def test_raw_rows_are_blue_and_compressed_rows_green_in_every_view():
     assert len(set(PALETTE)) == len(PALETTE) >= 2 and all(len(set(palette.rgb(c))) == 1 for c in PALETTE)
 
 
+
+def test_what_is_not_a_kind_of_row_takes_no_rows_hue(model):
+    """A teacher's walk-through read the TierView's blue and purple tiers, its blue and green batch and decode bars
+    and the speed charts' blue points as kinds of rows: the tiers take pale tans, pinks, greys and teals, the bars
+    and the measured points greys and black, in the live view, its static image and the charts alike."""
+    import colorsys
+    from pathlib import Path
+
+    from ds4lab.viz import charts, palette, tier_view
+
+    def row_hue(c):  # blue (raw), green (compressed) or purple (the indexer's rows), as a reader names them
+        h, s, _ = colorsys.rgb_to_hsv(*(v / 255 for v in palette.rgb(c)))
+        return s > 0.15 and any(lo <= h * 360 <= hi for lo, hi in ((190, 230), (90, 150), (240, 290)))
+
+    assert row_hue(palette.RAW) and row_hue(palette.COMPRESSED) and row_hue("#756bb1")  # the check names them
+    assert len(set(tier_view.TIER_PALETTE)) == len(tier_view.TIER_PALETTE) == 8
+    assert not any(row_hue(c) or _orange(c) for c in tier_view.TIER_PALETTE)
+    greys = (palette.BATCH, palette.DECODE, palette.MEASURED, tier_view.BATCH_BOUND, tier_view.DECODE_BOUND)
+    assert all(len(set(palette.rgb(c))) == 1 for c in greys) and palette.BATCH != palette.DECODE
+    js = (Path(ds4lab.__file__).parent.parent / "widgets" / "tiers.js").read_text()
+    assert f'const FILL = {{ batch: "{palette.BATCH}", decode: "{palette.DECODE}", none: "{tier_view.NONE}" }};' in js
+    assert f'const BOUND = {{ batch: "{tier_view.BATCH_BOUND}", decode: "{tier_view.DECODE_BOUND}" }};' in js
+    sess = model.session(ctx=256, prefill_chunk=16, placement=Placement.even(2))
+    sess.prefill(model.tokenizer.encode(PROMPT)[:40]).run(progress=False)
+    list(sess.decoder(seed=1).stream(2))
+    drawn = {tuple(c) for c in TierView(sess).image().reshape(-1, 3)}
+    assert {palette.rgb(palette.BATCH), palette.rgb(palette.DECODE)} <= drawn
+    assert not any(row_hue("#%02x%02x%02x" % c) for c in drawn)
+    chunks = model.session(ctx=256, prefill_chunk=16).prefill(model.tokenizer.encode(PROMPT)[:40]).run(progress=False)
+    specs = [charts.prefill_chunks_chart(chunks, model, warmup=1).spec,
+             charts.prefill_cost_chart({16: [chunks]}, model).spec,
+             charts.batch_copies_chart([dict(chunk=16, switches=3, bytes=4096, seconds=1e-5)]).spec]
+    colours = re.findall(r"'color': '(#[0-9a-f]{6})'", repr(specs))
+    assert len(colours) >= 10 and not any(row_hue(c) for c in colours)
+    assert all("'mark': 'bar'" not in repr(s) for s in specs)  # no mark left to vega-lite's default blue
+
 # -- MaskView -------------------------------------------------------------------------------------------------
 def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
     cfg = model.config
@@ -592,7 +628,10 @@ def test_tier_view_bytes_per_step(model):
     lo, top = view.image_range()
     assert lo <= view.decode_bound // 2 and top >= view.batch_bound and {lo, top} <= {2 ** k for k in range(64)}
     img = view.image(height=120, width=480)
-    drawn = {(49, 130, 189), (49, 163, 84), (8, 81, 156), (0, 109, 44)}  # bars, and the bound lines across them
+    from ds4lab.viz import palette, tier_view
+
+    # bars, and the bound lines across them
+    drawn = {palette.rgb(c) for c in (palette.BATCH, palette.DECODE, tier_view.BATCH_BOUND, tier_view.DECODE_BOUND)}
 
     def height(column):  # the run of drawn pixels up from the x axis
         run = 0

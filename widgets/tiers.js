@@ -23,7 +23,9 @@ const logAxis = (values) => {
   return { e0, e1, ticks };
 };
 const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 96 };
-const BOUND = { batch: "#08519c", decode: "#006d2c" };  // the dark shades of the batch and decode bars
+// batch dark grey, decode grey, none a pale stub; the bounds a dark shade of the bars each bounds (tier_view.py)
+const FILL = { batch: "#525252", decode: "#969696", none: "#d9d9d9" };
+const BOUND = { batch: "#000000", decode: "#636363" };
 
 // The bytes-per-step chart: a bar per step on a log y axis of bytes (a decode step copies one row per boundary, a
 // prefill step up to a chunk of rows: on a linear axis the decode bars would lie on the x axis) and an x axis of
@@ -37,7 +39,7 @@ function stepsChart(steps, batch, decode) {
   for (const v of ticks) svg += `<line x1="-4" x2="${w}" y1="${y(v)}" y2="${y(v)}" stroke="#eee"/>` +
     `<text x="-6" y="${y(v) + 4}" text-anchor="end">${bytes(v)}</text>`;
   steps.forEach((d, i) => {
-    const fill = d.mode === "batch" ? "#3182bd" : d.mode === "decode" ? "#31a354" : "#ccc";
+    const fill = FILL[d.mode] || FILL.none;
     const y0 = d.bytes > 0 ? y(d.bytes) : top + h - 2;
     svg += `<rect data-i="${i}" x="${i * bw}" y="${top}" width="${bw}" height="${h}" fill="transparent"/>` +
       `<rect data-bar="${i}" x="${i * bw + (bw > 3 ? 1 : 0)}" y="${y0}" width="${Math.max(bw - (bw > 3 ? 2 : 0), 1)}" ` +
@@ -45,7 +47,6 @@ function stepsChart(steps, batch, decode) {
   });
   // the bounds, labelled right of the plot (apart by a line at least, should they be close)
   const yb = batch ? y(batch) : null, yd = decode ? y(decode) : null;
-  // each bound in the dark shade of the bars it bounds: batch blue, decode green
   if (batch) svg += `<line class="ds4-bound-batch" x1="0" x2="${w}" y1="${yb}" y2="${yb}" stroke="${BOUND.batch}" stroke-dasharray="6 3"/>` +
     `<text x="${w + 4}" y="${yb + 4}" style="fill:${BOUND.batch}">chunk ${bytes(batch)}</text>`;
   if (decode) svg += `<line class="ds4-bound-decode" x1="0" x2="${w}" y1="${yd}" y2="${yd}" stroke="${BOUND.decode}" stroke-width="1.5" stroke-dasharray="2 2"/>` +
@@ -101,9 +102,9 @@ function render({ model, el }) {
       `<span class="ds4-switch">before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B</span>`).join("; ") :
       "no switches") + `</div>`;
     // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
-    h += `<div class="ds4-note">bytes moved per step, on a log scale (blue batch, green decode, grey none); dashed blue: a full ` +
+    h += `<div class="ds4-note">bytes moved per step, on a log scale (dark grey batch, grey decode, a pale stub none); dashed black: a full ` +
       `chunk, ${plural(chunk, "row")} × ${fmt(rb)} B × ${plural(nb, "boundary", "boundaries")} = ` +
-      `${fmt(batch)} B; dotted green: a decode step, ${fmt(decode)} B` +
+      `${fmt(batch)} B; dotted grey: a decode step, ${fmt(decode)} B` +
       (batch && decode ? ` (1/${Math.round(batch / decode)} of it)` : "") + `</div>` + stepsChart(steps, batch, decode);
     body.innerHTML = h;
   };

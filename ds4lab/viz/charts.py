@@ -76,16 +76,17 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
     tips = tooltip("chunk:O", "positions:N", "tokens:Q", field("ms:Q", format=".1f"),
                    field("tokens_per_s:Q", title="tokens/s", format=",.0f"))
     layers = [
-        unit(spread, {"type": "rect", "opacity": 0.15, "color": "#3182bd"}, y=field("low:Q"), y2={"field": "high"}),
-        unit(spread, {"type": "rule", "color": "#3182bd"}, y=field("median:Q"),
+        unit(spread, {"type": "rect", "opacity": 0.15, "color": palette.MEASURED}, y=field("low:Q"),
+             y2={"field": "high"}),
+        unit(spread, {"type": "rule", "color": palette.MEASURED}, y=field("median:Q"),
              tooltip=tooltip("label:N", field("median:Q", title="median tokens/s", format=",.0f"))),
-        unit(timed, {"type": "point", "filled": True, "size": 40, "color": "#3182bd"}, x=x, y=y, tooltip=tips),
+        unit(timed, {"type": "point", "filled": True, "size": 40, "color": palette.MEASURED}, x=x, y=y, tooltip=tips),
     ]
     # (a shorter last chunk is a point alone; no timed chunk, no band)
     notes = [f"band: range of the {size}-token chunks; rule: median"] if spread else []
     if warmup:
         layers.append(unit([dict(r, run="warm-up") for r in rows[:warmup]],
-                           {"type": "point", "filled": False, "size": 40, "color": "#3182bd"}, x=x, y=y,
+                           {"type": "point", "filled": False, "size": 40, "color": palette.MEASURED}, x=x, y=y,
                            tooltip=tooltip("run:N", *tips)))
         # what they are left out of, where it is drawn: the band, and the rate of the dashed line below
         left_out = [name for name, drawn in (("band", spread), ("rate", model is not None and timed)) if drawn]
@@ -136,12 +137,12 @@ def prefill_cost_chart(runs, model):
     order = [str(c) for c in runs]
     x = field("chunk:N", sort=order, title="prefill chunk (tokens)", axis={"labelAngle": 0})
     times = {"layer": [
-        unit(spread, {"type": "rule", "color": "#3182bd"}, x=x, y=field("low:Q"), y2={"field": "high"}),
-        unit(spread, {"type": "tick", "color": "#08519c", "thickness": 2, "size": 18}, x=x,
+        unit(spread, {"type": "rule", "color": palette.MEASURED}, x=x, y=field("low:Q"), y2={"field": "high"}),
+        unit(spread, {"type": "tick", "color": palette.MEASURED, "thickness": 2, "size": 18}, x=x,
              y=field("median:Q", title="prefill seconds (measured)"),
              tooltip=tooltip("chunk:N", *(field(f"{f}:Q", format=".3f") for f in ("median", "low", "high")),
                              "repeats:Q")),
-        unit(measured, {"type": "point", "color": "#3182bd", "opacity": 0.6}, x=x, y=field("seconds:Q"),
+        unit(measured, {"type": "point", "color": palette.MEASURED, "opacity": 0.6}, x=x, y=field("seconds:Q"),
              tooltip=tooltip("chunk:N", field("repeat:Q", title="timed repeat"), field("seconds:Q", format=".3f"))),
     ], "title": "measured: each repeat, median (tick), range", "width": 220, "height": 160}
     bars = unit(None, {"type": "bar", "color": palette.PREDICTED}, x=x, y=field("value:Q", title=None),
@@ -231,17 +232,18 @@ def batch_copies_chart(rows: list[dict]):
                    field("bytes:Q", title="bytes moved", format=","),
                    *([field("us:Q", title="µs copying", format=",.0f")] if timed else []))
 
-    def panel(mark, y, title):
-        return dict(unit(rows, mark, x=x, y=y, tooltip=tips), title=title, width=150, height=140)
+    def panel(mark, y, title):  # in the TierView's batch grey: vega-lite's default blue is the raw rows'
+        return dict(unit(rows, dict(mark, color=palette.BATCH), x=x, y=y, tooltip=tips), title=title, width=150,
+                    height=140)
 
     scale, axis = bytes_axis(max((r["bytes"] for r in rows), default=0))
     panels = [
-        panel("bar", field("switches:Q", title="batch copies"), "copies: one per chunk"),
+        panel({"type": "bar"}, field("switches:Q", title="batch copies"), "copies: one per chunk"),
         panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale=scale, axis=axis),
               "bytes: the same for all"),
     ]
     if timed:
-        panels.append(panel("bar", field("us:Q", title="µs copying"), "time copying (here)"))
+        panels.append(panel({"type": "bar"}, field("us:Q", title="µs copying"), "time copying (here)"))
     return Chart({"hconcat": panels})
 
 

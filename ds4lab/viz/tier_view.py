@@ -14,9 +14,15 @@ import traitlets as t
 from ..text_table import plural
 from ..tiers import EMBED, unit_name
 from .base import FollowingView, ViewModel, check_session, widget_module
+from .palette import BATCH, DECODE, rgb
 from .reduce import png_base64
 
-TIER_PALETTE = ["#9ecae1", "#bcbddc", "#c7e9c0", "#d9d9d9", "#fdd0a2", "#fcc5c0", "#dfc27d", "#99d8c9"]
+# Pale tan, pink, grey and teal, then paler and darker twins: no hue of a kind of row (palette.py), and black text
+# reads on each
+TIER_PALETTE = ["#dfc27d", "#f1b6da", "#d9d9d9", "#80cdc1", "#f6e8c3", "#fde0ef", "#bababa", "#c7eae5"]
+# the bounds' lines: a dark shade of the bars each bounds
+BATCH_BOUND, DECODE_BOUND = "#000000", "#636363"
+NONE = "#d9d9d9"  # a step that moved nothing: a stub on the x axis
 MAX_STEPS = 200  # steps kept for the bytes-per-step chart
 
 
@@ -155,24 +161,24 @@ class TierView(FollowingView):
             m.steps = [dict(d) for d in self._totals.values()]
 
     def image(self, height: int = 120, width: int = 480) -> np.ndarray:
-        """Bytes per step as bars (batch blue, decode green; a step that moved nothing a grey stub) on a log y axis
+        """Bytes per step as bars (batch dark grey, decode grey; a step that moved nothing a pale stub) on a log y axis
         from :meth:`image_range`'s bottom to its top (as the live chart's: a decode step's bytes are a chunk's
-        /64 on Flash, lost on a linear axis), a dark blue line at the batch bound and a dark green one at the decode
-        bound, ``width`` pixels shared by the steps."""
+        /64 on Flash, lost on a linear axis), a black line at the batch bound and a grey one at the decode bound,
+        ``width`` pixels shared by the steps."""
         steps = self.model.steps
         lo, top = self.image_range()
         bw = max(1, width // max(len(steps), 1))
         img = np.full((height + 1, max(len(steps), 1) * bw, 3), 255, np.uint8)
-        colours = {"batch": (49, 130, 189), "decode": (49, 163, 84)}
+        colours = {"batch": rgb(BATCH), "decode": rgb(DECODE)}
 
         def y(b):  # pixels above the x axis
             return int(round(height * (math.log2(b) - math.log2(lo)) / (math.log2(top) - math.log2(lo))))
 
         for i, d in enumerate(steps):
             h = y(d["bytes"]) if d["bytes"] > 0 else 2
-            colour = colours.get(d["mode"], (200, 200, 200)) if d["bytes"] > 0 else (200, 200, 200)
+            colour = colours.get(d["mode"], rgb(NONE)) if d["bytes"] > 0 else rgb(NONE)
             img[height - h : height, i * bw : i * bw + max(bw - (bw > 2), 1)] = colour
-        for b, colour in ((self.batch_bound, (8, 81, 156)), (self.decode_bound, (0, 109, 44))):
+        for b, colour in ((self.batch_bound, rgb(BATCH_BOUND)), (self.decode_bound, rgb(DECODE_BOUND))):
             if b:
                 img[height - y(b), :] = colour
         img[height, :] = (120, 120, 120)
@@ -236,8 +242,9 @@ class TierView(FollowingView):
             f"<th>budget</th></tr>{tiers}</table>"
             f"<b>last step ({m.last_step}) switches</b><table><tr><th>before</th><th>tiers</th><th>mode</th>"
             f"<th>bytes</th><th>µs</th></tr>{trace}</table>"
-            f"<b>bytes moved per step</b> (dark blue line: a full chunk, {plural(m.chunk, 'row')} × {m.row_bytes:,} B"
-            f" × {plural(m.boundaries, 'boundary', 'boundaries')} = {self.batch_bound:,} B; dark green: a decode "
+            f"<b>bytes moved per step</b> (dark grey bars batch, grey decode; black line: a full chunk, "
+            f"{plural(m.chunk, 'row')} × {m.row_bytes:,} B"
+            f" × {plural(m.boundaries, 'boundary', 'boundaries')} = {self.batch_bound:,} B; grey line: a decode "
             f"step, {self.decode_bound:,} B)<br>"
             f"<div style='display:flex;align-items:stretch;gap:4px'><div style='display:flex;flex-direction:column;"
             f"justify-content:space-between;text-align:right'><span>{top:,} B</span><span>bytes moved"
