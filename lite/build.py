@@ -8,7 +8,8 @@ pure-Python wheels it needs that Pyodide's distribution lacks, served by the sit
 
 What goes in: ``lite/jupyter_lite_config.json``; the notebooks ``notebooks/NN_*.ipynb`` (with their saved outputs)
 and the documents they link to, ``docs/*.md``, in folders of the same names, so that a notebook's link to
-``../docs/MODEL.md`` opens the document in the site as in a checkout;
+``../docs/MODEL.md`` opens the document in the site as in a checkout (and the files of the repository those
+documents link to, such as ``benchmarks/README.md``, at their paths too);
 the front ends of the Pyodide kernel, ipywidgets and anywidget as this environment has them (the environment's
 other JupyterLab extensions are left out); ds4lab's wheel built from this checkout; and, unless ``--no-download``,
 the wheels in :data:`WHEELS` from PyPI, the widget packages at the versions of their front ends here. Pyodide
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +50,23 @@ def notebooks() -> list[Path]:
     if not found:
         raise SystemExit("no notebooks/NN_*.ipynb to put in the site")
     return found
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The targets of ``markdown``'s links that are paths, not addresses nor anchors, without their fragments."""
+    links = re.findall(r"\]\(([^)\s]+)\)", markdown)
+    return [link.split("#")[0] for link in links if not re.match(r"[a-z][a-z0-9+.-]*:|#", link)]
+
+
+def linked_outside_docs() -> list[Path]:
+    """The files of the repository outside docs/ that docs/*.md link to, relative to the repository's root."""
+    found = set()
+    for doc in (ROOT / "docs").glob("*.md"):
+        for link in relative_links(doc.read_text(encoding="utf-8")):
+            path = (doc.parent / link).resolve()
+            if path.is_file() and path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "docs"):
+                found.add(path.relative_to(ROOT))
+    return sorted(found)
 
 
 def labextension(name: str) -> Path:
@@ -102,6 +121,9 @@ def build(output: Path, download: bool = True) -> Path:
         (contents / "docs").mkdir()
         for doc in sorted((ROOT / "docs").glob("*.md")):
             shutil.copy2(doc, contents / "docs" / doc.name)
+        for path in linked_outside_docs():
+            (contents / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, contents / path)
         if output.exists():
             shutil.rmtree(output)
         cmd = [sys.executable, "-m", "jupyter", "lite", "build", "--lite-dir", str(HERE), "--output-dir", str(output),

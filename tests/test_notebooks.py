@@ -41,9 +41,13 @@ def _cells(nb):
 
 
 def relative_links(path: Path) -> list[str]:
-    """The targets of a saved notebook's markdown links that are paths, not addresses (nor a cell's anchors)."""
-    nb = nbformat.read(path, as_version=4)
-    links = [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"\]\(([^)\s]+)\)", c.source)]
+    """The targets of a saved notebook's markdown links (or a Markdown file's) that are paths, not addresses (nor a
+    cell's anchors)."""
+    if path.suffix == ".md":
+        texts = [path.read_text(encoding="utf-8")]
+    else:
+        texts = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+    links = [m for text in texts for m in re.findall(r"\]\(([^)\s]+)\)", text)]
     return [link.split("#")[0] for link in links if not re.match(r"[a-z][a-z0-9+.-]*:|#", link)]
 
 
