@@ -172,14 +172,19 @@ for lk in sess.kv:
 # which is why its bytes start larger than a ratio-4 layer's (notebook 02 follows them chunk by chunk).
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
-# the bytes per layer. With `follow=True` it redraws after every step of the session: type 200 in the
-# GenerationView's tokens box above, press run, and watch the ring turn; past position 255 it wraps, each new
-# position overwriting the row of the one 256 before it (without `follow`, a view keeps the state of the cell
-# that made it, and `refresh()` brings it up to date). It is a live widget; a saved notebook shows its static table.
+# the bytes per layer. With `follow=True` it redraws after every step of the session. The cell below shows the
+# GenerationView again (the same widget: its buttons drive the one above) right over it: type 200 in its tokens
+# box, pick a pace of 10 tokens/s (the embedded model makes hundreds a second), press run, and watch the ring
+# turn; past position 255 it wraps, each new position overwriting the row of the one 256 before it (without
+# `follow`, a view keeps the state of the cell that made it, and `refresh()` brings it up to date). These are live
+# widgets; a saved notebook shows their static tables.
 
 # %%
+from IPython.display import display
+
 from ds4lab.viz import KVCacheView
 
+display(generation)
 KVCacheView(sess, follow=True)
 
 # %% [markdown]

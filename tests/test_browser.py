@@ -1024,6 +1024,20 @@ def test_generation_view_renders(page):
     n = int(re.match(r"Generation: (\d+) tokens — stopped .*: run or step for more$", title.inner_text())[1])
     assert 12 < n < 312, title.inner_text()
     out.screenshot(path=str(ARTIFACTS / "generation_view_stopped.png"))
+    # the pace box: 4 tokens/s spaces a run's tokens a quarter second apart, so a class sees them come one by one
+    out.locator(".widget-dropdown select").select_option(label="4 tokens/s")
+    tokens.fill("3")
+    tokens.press("Enter")
+    began = time.monotonic()
+    buttons["run"].click()
+    counts = [n]
+    while counts[-1] < n + 3 and time.monotonic() - began < 20:
+        pg.wait_for_timeout(50)
+        counts.append(int(re.match(r"Generation: (\d+)", title.inner_text())[1]))
+    pg.wait_for_function("(el) => el.textContent.includes('paused')", arg=title.element_handle(), timeout=10_000)
+    took = time.monotonic() - began
+    assert title.inner_text().startswith(f"Generation: {n + 3} tokens"), title.inner_text()
+    assert took >= 0.5 and {n + 1, n + 2} <= set(counts), (took, counts)  # two waits; each count seen on the way
 
 
 def test_tier_view_renders(page):

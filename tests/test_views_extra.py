@@ -169,6 +169,57 @@ def test_generation_interrupt_keeps_tokens(model, monkeypatch):
     assert [s.token for s in out] == [s.token for s in ref.decoder(seed=9).stream(4)]
 
 
+def test_generation_pace_spaces_a_runs_tokens(model, monkeypatch):
+    """A teacher's class saw 200 tokens in under 5 s while the KV ring was to turn: the pace box (and ``pace=``)
+    waits between two tokens of a run, none after the last; a stop or an interrupt during the wait ends the run
+    there, every token kept."""
+    from ds4lab.viz import generation
+
+    sess = model.session(ctx=256, prefill_chunk=32)
+    sess.sync(PROMPT)
+    view = GenerationView(sess, seed=4, pace=0.25)
+    assert view.pace == 0.25 and view.pace_input in view.widget.children[0].children
+    assert [s for _, s in view.pace_input.options] == [s for _, s in generation.PACES]
+    waits = []
+    monkeypatch.setattr(generation.time, "sleep", waits.append)
+    assert len(view.run(4)) == 4 and waits == [0.25] * 3
+    view.pace = 0.05  # not a choice of the box: added as one
+    assert view.pace_input.value == 0.05 and view.pace_input.options[-1] == ("0.05 s a token", 0.05)
+    waits.clear()
+    view.run(2)
+    assert waits == [0.05]
+
+    def interrupted(seconds):
+        waits.append(seconds)
+        if len(waits) == 2:
+            raise KeyboardInterrupt
+
+    waits.clear()
+    monkeypatch.setattr(generation.time, "sleep", interrupted)
+    out = view.run(5)
+    assert len(out) == 2 and view.stop_reason == "interrupted" and len(view.model.records) == 8
+    assert view.model.status == generation.STATUS["interrupted"] and _buttons(view) == (False, False, True)
+
+    async def stopped_in_a_wait():  # the run button's run: the kernel handles the stop click during the wait
+        view.pace = 0.2
+        task = asyncio.ensure_future(view.arun(5))
+        while len(view.steps) < 9:
+            await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        view.stop()
+        out = await task
+        return out, time.perf_counter() - started
+
+    out, took = asyncio.run(stopped_in_a_wait())
+    assert len(out) == 1 and view.stop_reason == "stop" and took < 0.5
+    ref = model.session(ctx=256, prefill_chunk=32)
+    ref.sync(PROMPT)
+    assert [s.token for s in view.steps] == [s.token for s in ref.decoder(seed=4).stream(9)]
+    for bad in (-1, float("nan"), 61, "fast", True):
+        with pytest.raises(ValueError, match="pace must be the seconds between two tokens"):
+            GenerationView(sess, pace=bad)
+
+
 def _buttons(view) -> tuple[bool, bool, bool]:
     """Which of run, step, stop are disabled."""
     return view.run_button.disabled, view.step_button.disabled, view.stop_button.disabled

@@ -4,8 +4,10 @@ its top-k alternatives on hover. The widget's front-end is ``widgets/generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import math
+import time
 
 import ipywidgets as W
 import traitlets as t
@@ -14,6 +16,9 @@ from ..config import is_int
 from .base import View, ViewModel, check_session, token_texts, widget_module
 
 CONTEXT_SHOWN = 256  # context tokens shown (greyed) before the generated text
+# The pace box's choices, seconds at least between two tokens of a run: a class watching a following view (the KV
+# ring turning) sees nothing at the embedded model's hundreds of tokens a second
+PACES = (("full speed", 0.0), ("10 tokens/s", 0.1), ("4 tokens/s", 0.25), ("1 token/s", 1.0))
 
 # Background of a generated token by the probability the model gave it: (lowest log-probability, colour), the last
 # entry for everything below. Sampled text is mostly made of tokens the model found plausible but not certain (a
@@ -104,8 +109,10 @@ class GenerationView(View):
     alternatives each step keeps). Python: ``.step()`` samples one token and returns its ``DecodeStep``,
     ``.run(n)`` up to ``n`` tokens (``max_tokens`` by default) and returns their ``DecodeStep`` list,
     ``.stop()`` asks a running loop to stop before its next token; ``.steps`` and ``.text`` hold everything
-    generated so far. The buttons do the same: run, step, stop; a button that cannot act now is disabled (stop
-    while nothing runs, run and step while a run goes or once the generation has ended).
+    generated so far. ``pace``: seconds at least between two tokens of a run (0: as fast as they come; the pace box
+    offers the :data:`PACES`), so that a class can follow a view that redraws after every step. The buttons do the
+    same: run, step, stop; a button that cannot act now is disabled (stop while nothing runs, run and step while a
+    run goes or once the generation has ended).
 
     Stopping. ``.run(n)`` is synchronous: it runs in the kernel, which handles messages from the browser
     only between cells and callbacks, so a click on stop during a ``run`` called from a cell waits until the
@@ -119,10 +126,13 @@ class GenerationView(View):
     generated before it (a step is atomic, so the session and the view stay consistent).
     """
 
-    def __init__(self, session, prompt=None, max_tokens: int = 64, chat: bool | None = None, **sampling):
+    def __init__(self, session, prompt=None, max_tokens: int = 64, chat: bool | None = None, pace: float = 0.0,
+                 **sampling):
         check_session(session, "GenerationView")
         if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a whole number of tokens, 1 or more, got {max_tokens!r}")
+        if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 60:
+            raise ValueError(f"pace must be the seconds between two tokens, from 0 to 60, got {pace!r}")
         self.session = session
         self.max_tokens = int(max_tokens)
         tok = session.model.tokenizer
@@ -147,10 +157,14 @@ class GenerationView(View):
         self.run_button = W.Button(description="run", tooltip="generate up to this many tokens")
         self.step_button = W.Button(description="step", tooltip="generate one token")
         self.stop_button = W.Button(description="stop", tooltip="stop a run before its next token")
+        paces = PACES if any(pace == s for _, s in PACES) else (*PACES, (f"{pace:g} s a token", float(pace)))
+        self.pace_input = W.Dropdown(options=paces, value=float(pace), description="pace",
+                                     layout=W.Layout(width="200px"))
         self.run_button.on_click(self.guarded(lambda _: self._run_clicked()))
         self.step_button.on_click(self.guarded(lambda _: None if self.running else self._clicked(self.step)))
         self.stop_button.on_click(self.guarded(lambda _: self.stop()))
-        self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input]), self.model])
+        self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input,
+                                      self.pace_input]), self.model])
         self.model.status = "ready" if self.prompt_ids is not None or session.logits is not None else (
             "the session has no logits: give a prompt, or prefill the session first")
         if self.full:
@@ -161,6 +175,17 @@ class GenerationView(View):
 
     def __repr__(self) -> str:
         return f"GenerationView({len(self.steps)} tokens generated, {self.model.status})"
+
+    @property
+    def pace(self) -> float:
+        """Seconds at least between two tokens of a run (the pace box)."""
+        return self.pace_input.value
+
+    @pace.setter
+    def pace(self, seconds: float) -> None:
+        if not any(seconds == s for _, s in self.pace_input.options):
+            self.pace_input.options = (*self.pace_input.options, (f"{seconds:g} s a token", float(seconds)))
+        self.pace_input.value = float(seconds)
 
     @property
     def text(self) -> str:
@@ -237,8 +262,8 @@ class GenerationView(View):
         self._stop = True
 
     def _steps(self, n: int | None, out: list):
-        """The generation loop shared by :meth:`run` and :meth:`arun`: appends each step to ``out`` and yields
-        after it."""
+        """The generation loop shared by :meth:`run` and :meth:`arun`: appends each step to ``out``, and between two
+        tokens yields the seconds to wait (the pace; arun hands the event loop over there even at 0)."""
         n = self.n_input.value if n is None else int(n)
         self._stop = False
         self.stop_reason = None
@@ -247,6 +272,8 @@ class GenerationView(View):
         self._update_buttons()
         try:
             while len(out) < n:
+                if out:
+                    yield self.pace
                 if self._stop:
                     self.stop_reason = "stop"
                     break
@@ -257,7 +284,6 @@ class GenerationView(View):
                     self.stop_reason = "ctx"
                     break
                 out.append(self.step())
-                yield
             else:
                 self.stop_reason = "length"
         except KeyboardInterrupt:
@@ -290,8 +316,13 @@ class GenerationView(View):
         request, an EOS, a full context or a kernel interrupt; returns this run's ``DecodeStep`` list."""
         self._check_idle()
         out: list = []
-        for _ in self._steps(n, out):
-            pass
+        steps = self._steps(n, out)
+        for wait in steps:
+            try:
+                time.sleep(wait)
+            except KeyboardInterrupt:  # between two tokens: the loop ends as on an interrupt during one
+                with contextlib.suppress(StopIteration):
+                    steps.throw(KeyboardInterrupt)
         return out
 
     async def arun(self, n: int | None = None) -> list:
@@ -300,8 +331,8 @@ class GenerationView(View):
         the run button starts when the kernel runs an event loop."""
         out: list = []
         self._stoppable = True
-        for _ in self._steps(n, out):
-            await asyncio.sleep(0)
+        for wait in self._steps(n, out):
+            await asyncio.sleep(wait)
         return out
 
     def _run_clicked(self) -> None:
