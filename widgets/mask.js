@@ -75,7 +75,7 @@ function render({ model, el }) {
     // the key axis' title under the columns drawn (from the left margin where they are narrower than it): the image
     // is wide enough for it
     const ctx = canvas.getContext("2d");
-    ctx.font = "10px sans-serif";
+    ctx.font = "11px sans-serif";
     const tw = ctx.measureText(model.get("x_title")).width, titleX = Math.max(L + tw / 2, (L + g.drawn) / 2);
     const W = Math.max(g.W, Math.ceil(titleX + tw / 2) + 4);
     canvas.width = W; canvas.height = g.H;  // (resizing the canvas resets its context)
@@ -86,7 +86,7 @@ function render({ model, el }) {
       // a widened column (compressed, or a step's own) ends in a white hairline: two of one colour stay apart
       ctx.fillStyle = col[cat]; ctx.fillRect(g.x(c), T + q * g.rh, g.w(c) - (g.w(c) > g.cw), g.rh);
     }
-    ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
+    ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
     // group headers: the longest name that fits before the next group's column (the sink's to the image's edge); a
     // group too narrow for any (one compressed row) gets its shortest on a second line, running past its column
     for (const [names, a, b] of g.groups) if (b > a) {
