@@ -49,7 +49,7 @@ model
 # 284B file. A DS4 layer's attention is one of three kinds, set by its **compression ratio**:
 #
 # - **ratio 0** (layers 0 and 1): only the *raw sliding window*, the KV rows of the last `swa` tokens;
-# - **ratio 4**: the window plus one *compressed row* per 4 tokens (row `w` pooling tokens 4w−4 … 4w+3, so
+# - **ratio 4**: the window plus one *compressed row* per 4 tokens (row `c` pooling tokens 4c−4 … 4c+3, so
 #   neighbouring rows overlap; row 0 pools tokens 0–3 only), and an *indexer*: once a query sees more than
 #   `idx_topk` compressed rows, it picks the `idx_topk` of them the query attends;
 # - **ratio 128**: the window plus one compressed row per 128 tokens, all of them visible.
@@ -173,18 +173,18 @@ for lk in sess.kv:
 #
 # `KVCacheView` draws the same cache: the raw ring's slots, the compressed rows and the tokens they pool,
 # the bytes per layer. With `follow=True` it redraws after every step of the session. The cell below shows the
-# GenerationView again (the same widget: its buttons drive the one above) right over it: type 200 in its tokens
-# box, pick a pace of 10 tokens/s (the embedded model makes hundreds a second), press run, and watch the ring
-# turn; past position 255 it wraps, each new position overwriting the row of the one 256 before it (without
-# `follow`, a view keeps the state of the cell that made it, and `refresh()` brings it up to date). These are live
-# widgets; a saved notebook shows their static tables.
+# GenerationView's buttons again (`generation.controls`: the same buttons, driving the generation above) right over
+# it: type 200 in the tokens box, pick a pace of 10 tokens/s (the embedded model makes hundreds a second), press
+# run, and watch the ring turn; past position 255 it wraps, each new position overwriting the row of the one 256
+# before it (without `follow`, a view keeps the state of the cell that made it, and `refresh()` brings it up to
+# date). These are live widgets; a saved notebook shows the view's static table.
 
 # %%
 from IPython.display import display
 
 from ds4lab.viz import KVCacheView
 
-display(generation)
+display(generation.controls)
 KVCacheView(sess, follow=True)
 
 # %% [markdown]

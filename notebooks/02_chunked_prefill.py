@@ -144,7 +144,7 @@ MaskView.of_step(sess, 0, 128, 64, label="chunk 2")
 # A ratio-R compressor scores each token and, when a group of R tokens is complete, pools it (a softmax over
 # the group's tokens, per channel) into one row. Until then the group's projections wait in the pending
 # state, which is part of the KV state and of a saved checkpoint. The ratio-4 compressor overlaps its
-# groups: row `w` pools tokens `4w−4 … 4w+3`, so its state holds 8 rows, the previous group's 4 and the
+# groups: row `c` pools tokens `4c−4 … 4c+3`, so its state holds 8 rows, the previous group's 4 and the
 # current one's (each twice as wide: the two halves feed the two groups).
 
 # %% tags=["nbval-check-output"]

@@ -13,8 +13,8 @@
 # query attends three kinds of columns:
 #
 # - **raw rows**: the KV rows of the last `swa` tokens, itself included (64 here, 128 in Flash);
-# - **compressed rows**: a ratio-4 layer pools every 4 tokens into one row (overlapping: row `w` mixes
-#   tokens `4w−4 … 4w+3`), a ratio-128 layer every 128 tokens. Query `q` sees row `c` once the row's last
+# - **compressed rows**: a ratio-4 layer pools every 4 tokens into one row (overlapping: row `c` mixes
+#   tokens `4c−4 … 4c+3`), a ratio-128 layer every 128 tokens. Query `q` sees row `c` once the row's last
 #   token is in: `(c + 1)·R ≤ q + 1`. A recent token can be both a raw row and part of a compressed row;
 # - the **sink**: one learned logit per head, added to the softmax's denominator with no value, so a head
 #   can give its attention to nothing.

@@ -178,7 +178,11 @@ def test_generation_pace_spaces_a_runs_tokens(model, monkeypatch):
     sess = model.session(ctx=256, prefill_chunk=32)
     sess.sync(PROMPT)
     view = GenerationView(sess, seed=4, pace=0.25)
-    assert view.pace == 0.25 and view.pace_input in view.widget.children[0].children
+    assert view.pace == 0.25 and view.widget.children[0] is view.row
+    assert view.controls.widget.children == view.row.children == (
+        view.run_button, view.step_button, view.stop_button, view.n_input, view.pace_input)
+    bundle = view.controls._repr_mimebundle_()  # shown again over a following view, with a saved notebook's text
+    assert "GenerationView's buttons" in bundle["text/html"] and bundle["text/plain"].startswith("Controls of")
     assert [s for _, s in view.pace_input.options] == [s for _, s in generation.PACES]
     waits = []
     monkeypatch.setattr(generation.time, "sleep", waits.append)
@@ -470,7 +474,9 @@ def test_what_is_not_a_kind_of_row_takes_no_rows_hue(model):
              charts.batch_copies_chart([dict(chunk=16, switches=3, bytes=4096, seconds=1e-5)]).spec]
     colours = re.findall(r"'color': '(#[0-9a-f]{6})'", repr(specs))
     assert len(colours) >= 10 and not any(row_hue(c) for c in colours)
-    assert all("'mark': 'bar'" not in repr(s) for s in specs)  # no mark left to vega-lite's default blue
+    # no mark left to vega-lite's default blue (a line's points included), and only the warm-up's points hollow
+    assert all("'mark': 'bar'" not in repr(s) and "'point': True" not in repr(s) for s in specs)
+    assert repr(specs).count("'filled': False") == 1 and "'run': 'warm-up'" in repr(specs[0])
 
 # -- MaskView -------------------------------------------------------------------------------------------------
 def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
@@ -489,7 +495,9 @@ def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
 
 def test_mask_widens_a_few_compressed_rows(model):
     """A ratio-128 layer's 2 compressed rows are FEW_PX wide each in the static image, as in widgets/mask.js (a raw
-    column there: a few px); a ratio-4 layer's 80 keep the raw columns' width."""
+    column there: a few px); a ratio-4 layer's 80 keep the raw columns' width. The sink's one column is FEW_PX wide
+    in both (a teacher could hardly find it at a raw column's width)."""
+    from ds4lab.viz import palette
     from ds4lab.viz.attention_figure import FEW_PX
 
     cfg = model.config
@@ -502,7 +510,10 @@ def test_mask_widens_a_few_compressed_rows(model):
         n = view.mask.cells.shape[1]
         sx = 600 // (n + 3)  # px of a raw column (and of each of the 3 gaps between the 4 groups)
         img = view.image()
-        assert sx < FEW_PX and img.shape[1] == (n + 3) * sx + view.model.n_comp * ((comp_px or sx) - sx)
+        widened = view.model.n_comp * ((comp_px or sx) - sx) + FEW_PX - sx  # the compressed rows', the sink's
+        assert sx < FEW_PX and img.shape[1] == (n + 3) * sx + widened
+        sink = (img == palette.rgb(palette.SINK)).all(axis=2)
+        assert sink.sum(axis=1).max() == FEW_PX and sink[:, -FEW_PX:].all()  # the last column
     kept = (few.image() == [0x31, 0xA3, 0x54]).all(axis=2)  # the compressed rows' colour (seen: no indexer here)
     assert kept.sum(axis=1).max() == 2 * (FEW_PX - 1)  # each ends in a white hairline
 

@@ -117,7 +117,7 @@ function render({ model, el }) {
           // one line in a column of the laptop's two (tests/test_browser.py): the cells' tips say the rest
           const scoring = !chooses(L) ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
             `, scored to pick a query's top ${d.idx_topk}` + (choice ? "" :
-              `; the last query's (${q}) picks are drawn when the view is given them (notebook 04)`);
+              `; to see the last query's (${q}) picks, give the view indexer= (notebook 04)`);
           h += `<div>${plural(L.n_index, "indexer row")}${scoring}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }

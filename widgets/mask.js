@@ -15,7 +15,8 @@ function layout(model) {
   // a few compressed rows, or a step's few own rows (a decode step's one), get columns few_px wide at least
   // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
   const few = model.get("few_px"), widen = (n) => (n * few <= model.get("few_max_px") ? Math.max(cw, few) : cw);
-  const ccw = widen(nc), ocw = widen(own);  // a compressed column's width, an own row's
+  // a compressed column's width, an own row's, the sink's (one column: as wide as a few, so it can be found)
+  const ccw = widen(nc), ocw = widen(own), scw = widen(1);
   // header of each group: its names, longest first (draw() takes the longest that fits)
   const groups = [[["cached by earlier steps", "cached"], 0, nr - own], [["this step's own rows", "own"], nr - own, nr],
                   [["compressed", "comp"], nr, nr + nc], [["sink"], nr + nc, N]];
@@ -24,10 +25,10 @@ function layout(model) {
   const clamp = (v, hi) => Math.max(0, Math.min(v, hi));
   const x = (c) => L + gi(c) * GAP + Math.min(c, nr - own) * cw + clamp(c - (nr - own), own) * ocw +
     clamp(c - nr, nc) * ccw;
-  const w = (c) => [cw, ocw, ccw, cw][gi(c)];
+  const w = (c) => [cw, ocw, ccw, scw][gi(c)];
   // the image as wide as the widest mask planned (with its widened columns): a smaller one blank on its right
-  const span = ([c, o, k]) => L + 3 * GAP + c * cw + o * widen(o) + k * widen(k) + cw;
-  const drawn = x(N - 1) + cw, W = Math.max(drawn, ...plan.map(span)) + 24;
+  const span = ([c, o, k]) => L + 3 * GAP + c * cw + o * widen(o) + k * widen(k) + scw;
+  const drawn = x(N - 1) + scw, W = Math.max(drawn, ...plan.map(span)) + 24;
   return { nr, nc, own, Q, N, cw, ccw, rh, groups, gi, x, w, drawn, W, H: T + PQ * rh + B };
 }
 function reason(model, q, c, cat, g) {
@@ -92,7 +93,11 @@ function render({ model, el }) {
     for (const [names, a, b] of g.groups) if (b > a) {
       const room = b === g.N ? W - g.x(a) : g.x(b) - 2 - g.x(a), name = names.find((s) => ctx.measureText(s).width <= room);
       ctx.fillText(name ?? names.at(-1), g.x(a), name === undefined ? 18 : 8);
-      ctx.fillRect(g.x(a), T - 4, g.x(b - 1) + g.w(b - 1) - g.x(a), 1);
+      // the rows this step wrote under a bar of the accent, as the KV view marks them (a rule over the others)
+      const own = names.at(-1) === "own", width = g.x(b - 1) + g.w(b - 1) - g.x(a);
+      ctx.fillStyle = own ? model.get("written") : "#333";
+      ctx.fillRect(g.x(a), own ? T - 6 : T - 4, width, own ? 3 : 1);
+      ctx.fillStyle = "#333";
     }
     ctx.textAlign = "right";  // query positions down the left
     // every 8th position (rows are 3 px at least: labels 24 px apart), 128, 136, … read as steps; then the last row's,
@@ -107,23 +112,25 @@ function render({ model, el }) {
     ctx.textAlign = "center"; ctx.textBaseline = "top";  // key positions (raw), row numbers (compressed) along the bottom
     const pos = model.get("raw_positions"), y = T + g.Q * g.rh + 3;
     const every = Math.max(1, Math.ceil(34 / g.cw));
-    // a tick is drawn where its label keeps 4 px clear of every label drawn before it: first the step's own first
+    // a tick is drawn where its label keeps 6 px clear of every label drawn before it: first the step's own first
     // position (the query itself in a decode step), then raw positions every `stride`, then compressed rows c0, c…
     const placed = [];
-    // (starting at the tick with `left`: c0's label where centred it ran into the label of the own rows before it)
-    const tick = (c, s, left = false) => {
-      const mid = g.x(c) + g.w(c) / 2, width = ctx.measureText(s).width, l0 = left ? mid - 1 : mid - width / 2;
-      if (placed.some(([l, r]) => l0 + width + 4 > l && l0 - 4 < r)) return false;
+    // (`align` "left": starting at the tick, as c0's, which centred ran into the label of the own rows before it;
+    // "right": ending at it, as a decode step's one own row's, leaving c0 room on its right)
+    const tick = (c, s, align = "centre") => {
+      const mid = g.x(c) + g.w(c) / 2, width = ctx.measureText(s).width;
+      const l0 = align === "left" ? mid - 1 : align === "right" ? mid + 1 - width : mid - width / 2;
+      if (placed.some(([l, r]) => l0 + width + 6 > l && l0 - 6 < r)) return false;
       placed.push([l0, l0 + width]);
       ctx.fillRect(mid, y - 3, 1, 3); ctx.fillText(s, l0 + width / 2, y);
       return true;
     };
-    if (g.own) tick(g.nr - g.own, String(pos[g.nr - g.own]));
-    if (g.nr > g.own) tick(0, String(pos[0]), true);  // where the cached rows start: the window's first position
+    if (g.own) tick(g.nr - g.own, String(pos[g.nr - g.own]), g.own === 1 && g.nc ? "right" : "centre");
+    if (g.nr > g.own) tick(0, String(pos[0]), "left");  // where the cached rows start: the window's first position
     const stride = 16 * Math.ceil(every / 16);
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
-    for (let c = 0; c < g.nc; c += cstep) if (!tick(g.nr + c, `c${c}`) && c === 0) tick(g.nr, "c0", true);
+    for (let c = 0; c < g.nc; c += cstep) if (!tick(g.nr + c, `c${c}`) && c === 0) tick(g.nr, "c0", "left");
     ctx.fillText(model.get("x_title"), titleX, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader

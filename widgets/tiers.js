@@ -25,7 +25,7 @@ const logAxis = (values) => {
 const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 96 };
 // batch dark grey, decode grey, none a pale stub; the bounds a dark shade of the bars each bounds (tier_view.py)
 const FILL = { batch: "#525252", decode: "#969696", none: "#d9d9d9" };
-const BOUND = { batch: "#000000", decode: "#636363" };
+const BOUND = { batch: "#000000", decode: "#000000" };  // both black: dashed, dotted (on the decode bars' tops)
 
 // The bytes-per-step chart: a bar per step on a log y axis of bytes (a decode step copies one row per boundary, a
 // prefill step up to a chunk of rows: on a linear axis the decode bars would lie on the x axis) and an x axis of
@@ -102,9 +102,10 @@ function render({ model, el }) {
       `<span class="ds4-switch">before ${esc(s.unit)} ${s.from_tier}→${s.to_tier} ${s.mode} ${fmt(s.bytes)} B</span>`).join("; ") :
       "no switches") + `</div>`;
     // bytes per step: bars on axes (bytes, step), with the batch (full chunk) and decode bounds as lines
-    h += `<div class="ds4-note">bytes moved per step, on a log scale (dark grey batch, grey decode, a pale stub none); dashed black: a full ` +
+    h += `<div class="ds4-note">bytes moved per step, on a log scale: a dark grey bar a prefill chunk's copies (batch), a grey one a ` +
+      `decode step's, a pale stub a step that moved nothing; dashed line: a full ` +
       `chunk, ${plural(chunk, "row")} × ${fmt(rb)} B × ${plural(nb, "boundary", "boundaries")} = ` +
-      `${fmt(batch)} B; dotted grey: a decode step, ${fmt(decode)} B` +
+      `${fmt(batch)} B; dotted line: a decode step, ${fmt(decode)} B` +
       (batch && decode ? ` (1/${Math.round(batch / decode)} of it)` : "") + `</div>` + stepsChart(steps, batch, decode);
     body.innerHTML = h;
   };

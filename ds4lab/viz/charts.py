@@ -142,7 +142,9 @@ def prefill_cost_chart(runs, model):
              y=field("median:Q", title="prefill seconds (measured)"),
              tooltip=tooltip("chunk:N", *(field(f"{f}:Q", format=".3f") for f in ("median", "low", "high")),
                              "repeats:Q")),
-        unit(measured, {"type": "point", "color": palette.MEASURED, "opacity": 0.6}, x=x, y=field("seconds:Q"),
+        # filled: hollow points are the warm-up left out in prefill_chunks_chart beside it
+        unit(measured, {"type": "point", "filled": True, "color": palette.MEASURED, "opacity": 0.6}, x=x,
+             y=field("seconds:Q"),
              tooltip=tooltip("chunk:N", field("repeat:Q", title="timed repeat"), field("seconds:Q", format=".3f"))),
     ], "title": "measured: each repeat, median (tick), range", "width": 220, "height": 160}
     bars = unit(None, {"type": "bar", "color": palette.PREDICTED}, x=x, y=field("value:Q", title=None),
@@ -239,7 +241,8 @@ def batch_copies_chart(rows: list[dict]):
     scale, axis = bytes_axis(max((r["bytes"] for r in rows), default=0))
     panels = [
         panel({"type": "bar"}, field("switches:Q", title="batch copies"), "copies: one per chunk"),
-        panel({"type": "line", "point": True}, field("bytes:Q", title="bytes moved", scale=scale, axis=axis),
+        panel({"type": "line", "point": {"filled": True, "color": palette.BATCH}},
+              field("bytes:Q", title="bytes moved", scale=scale, axis=axis),
               "bytes: the same for all"),
     ]
     if timed:

@@ -45,6 +45,23 @@ STATUS = {
 }
 
 
+class Controls(View):
+    """A GenerationView's buttons and boxes alone (``view.controls``), to show again right over a view that follows
+    the session: a row of its own holding the same widgets, so either row drives the one generation."""
+
+    def __init__(self, view: GenerationView):
+        self.view = view
+        self.widget = W.HBox(view.row.children)
+        self.widget.add_class("ds4-view")  # a view of its own where it is shown (the notebooks' browser tests)
+
+    def __repr__(self) -> str:
+        return f"Controls of {self.view!r}"
+
+    def static_html(self) -> str:
+        return ("<div class='ds4-view' style='font:12px monospace'>[run] [step] [stop] tokens, pace: the "
+                "GenerationView's buttons, live while the notebook's kernel runs</div>")
+
+
 def logprob_colour(logprob: float) -> str:
     for lowest, colour in LOGPROB_SCALE:
         if lowest is None or logprob >= lowest:
@@ -110,7 +127,8 @@ class GenerationView(View):
     ``.run(n)`` up to ``n`` tokens (``max_tokens`` by default) and returns their ``DecodeStep`` list,
     ``.stop()`` asks a running loop to stop before its next token; ``.steps`` and ``.text`` hold everything
     generated so far. ``pace``: seconds at least between two tokens of a run (0: as fast as they come; the pace box
-    offers the :data:`PACES`), so that a class can follow a view that redraws after every step. The buttons do the
+    offers the :data:`PACES`), so that a class can follow a view that redraws after every step; ``.controls`` is
+    the row of buttons and boxes alone, to show again right over such a view. The buttons do the
     same: run, step, stop; a button that cannot act now is disabled (stop while nothing runs, run and step while a
     run goes or once the generation has ended).
 
@@ -163,8 +181,9 @@ class GenerationView(View):
         self.run_button.on_click(self.guarded(lambda _: self._run_clicked()))
         self.step_button.on_click(self.guarded(lambda _: None if self.running else self._clicked(self.step)))
         self.stop_button.on_click(self.guarded(lambda _: self.stop()))
-        self.widget = W.VBox([W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input,
-                                      self.pace_input]), self.model])
+        self.row = W.HBox([self.run_button, self.step_button, self.stop_button, self.n_input, self.pace_input])
+        self.widget = W.VBox([self.row, self.model])
+        self.controls = Controls(self)
         self.model.status = "ready" if self.prompt_ids is not None or session.logits is not None else (
             "the session has no logits: give a prompt, or prefill the session first")
         if self.full:

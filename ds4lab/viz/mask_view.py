@@ -48,6 +48,7 @@ class MaskModel(ViewModel):
     label = t.Unicode("").tag(sync=True)
     categories = t.List(t.Unicode(), list(CATEGORIES)).tag(sync=True)
     colours = t.List(t.Unicode(), COLOURS).tag(sync=True)
+    written = t.Unicode(palette.ACCENT).tag(sync=True)  # the bar over the rows the step wrote (the KV view's mark)
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
     few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed or own columns as image() does
     few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
@@ -129,7 +130,7 @@ class MaskView(View):
         def widen(n):
             return max(sx, FEW_PX) if n * FEW_PX <= FEW_MAX_PX else sx
 
-        px = [sx, widen(mk.n_own), widen(nc), sx]  # per column of each group
+        px = [sx, widen(mk.n_own), widen(nc), widen(1)]  # per column of each group (the sink's one widened)
         gap = np.full((rgb.shape[0], sx, 3), 255, np.uint8)
         parts = [np.repeat(part, w, axis=1) for part, w in zip(np.split(rgb, cuts, axis=1), px)]
         for i in (1, 2):  # a widened column ends in a white hairline: two of one colour stay apart

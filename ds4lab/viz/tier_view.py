@@ -20,8 +20,8 @@ from .reduce import png_base64
 # Pale tan, pink, grey and teal, then paler and darker twins: no hue of a kind of row (palette.py), and black text
 # reads on each
 TIER_PALETTE = ["#dfc27d", "#f1b6da", "#d9d9d9", "#80cdc1", "#f6e8c3", "#fde0ef", "#bababa", "#c7eae5"]
-# the bounds' lines: a dark shade of the bars each bounds
-BATCH_BOUND, DECODE_BOUND = "#000000", "#636363"
+# the bounds' lines: black, dashed and dotted (a decode step's bars reach its bound: a grey line there was lost)
+BATCH_BOUND, DECODE_BOUND = "#000000", "#000000"
 NONE = "#d9d9d9"  # a step that moved nothing: a stub on the x axis
 MAX_STEPS = 200  # steps kept for the bytes-per-step chart
 
@@ -163,8 +163,8 @@ class TierView(FollowingView):
     def image(self, height: int = 120, width: int = 480) -> np.ndarray:
         """Bytes per step as bars (batch dark grey, decode grey; a step that moved nothing a pale stub) on a log y axis
         from :meth:`image_range`'s bottom to its top (as the live chart's: a decode step's bytes are a chunk's
-        /64 on Flash, lost on a linear axis), a black line at the batch bound and a grey one at the decode bound,
-        ``width`` pixels shared by the steps."""
+        /64 on Flash, lost on a linear axis), black lines at the batch and the decode bounds, ``width`` pixels shared
+        by the steps."""
         steps = self.model.steps
         lo, top = self.image_range()
         bw = max(1, width // max(len(steps), 1))
@@ -242,9 +242,10 @@ class TierView(FollowingView):
             f"<th>budget</th></tr>{tiers}</table>"
             f"<b>last step ({m.last_step}) switches</b><table><tr><th>before</th><th>tiers</th><th>mode</th>"
             f"<th>bytes</th><th>µs</th></tr>{trace}</table>"
-            f"<b>bytes moved per step</b> (dark grey bars batch, grey decode; black line: a full chunk, "
+            f"<b>bytes moved per step</b> (a dark grey bar a prefill chunk's copies, a grey one a decode step's; "
+            f"upper line: a full chunk, "
             f"{plural(m.chunk, 'row')} × {m.row_bytes:,} B"
-            f" × {plural(m.boundaries, 'boundary', 'boundaries')} = {self.batch_bound:,} B; grey line: a decode "
+            f" × {plural(m.boundaries, 'boundary', 'boundaries')} = {self.batch_bound:,} B; lower line: a decode "
             f"step, {self.decode_bound:,} B)<br>"
             f"<div style='display:flex;align-items:stretch;gap:4px'><div style='display:flex;flex-direction:column;"
             f"justify-content:space-between;text-align:right'><span>{top:,} B</span><span>bytes moved"
