@@ -309,6 +309,126 @@ def test_thinking_comes_back_as_reasoning(server, reference):
             ("thinking", reasoning), ("text", answer)]
 
 
+def _streamed_response(client, **kw) -> list:
+    """A streamed response's events, as the openai client reads them (its helper's final response needs a
+    ``response.completed``; one cut by max_output_tokens ends on ``response.incomplete``, as OpenAI's does)."""
+    with client.responses.stream(**kw) as stream:
+        return list(stream)
+
+
+def test_responses_whole_and_streamed_match_the_python_api(server, reference):
+    """OpenAI's Responses API (ds4-server's /v1/responses, what Codex CLI sends): the text a session samples for
+    the same conversation, whole and streamed; the events in order with consecutive sequence numbers, the deltas
+    adding up to the final item's text, the final response the whole one's."""
+    client = _openai(server)
+    messages = [{"role": "system", "content": "A play."}, {"role": "user", "content": "ROMEO: What light?"}]
+    ids = _chat_ids(reference, messages)
+    want, n = _expected(reference, ids, 6, seed=13)
+    kw = dict(model="shakespeare", instructions="A play.", max_output_tokens=6, extra_body={"seed": 13})
+    whole = client.responses.create(input="ROMEO: What light?", **kw)
+    status = "incomplete" if n == 6 else "completed"
+    assert (whole.output_text, whole.status, whole.object) == (want, status, "response")
+    assert [o.type for o in whole.output] == ["message"] and whole.output[0].status == status
+    assert (whole.incomplete_details.reason if n == 6 else whole.incomplete_details) == (
+        "max_output_tokens" if n == 6 else None)
+    u = whole.usage
+    assert (u.input_tokens, u.output_tokens, u.total_tokens) == (len(ids), n, len(ids) + n)
+    assert u.output_tokens_details.reasoning_tokens == 0
+    # the same conversation as message items (an earlier turn's reasoning item left out), streamed
+    items = [{"type": "reasoning", "summary": []},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ROMEO: "},
+                                                             {"type": "input_text", "text": "What light?"}]}]
+    events = _streamed_response(client, input=items, **kw)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{status}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events[4:-4]) == want == events[-4].text
+    final = events[-1].response
+    assert final.output_text == want and final.usage.input_tokens_details.cached_tokens == len(ids)  # a repeat
+    assert final.output[0].id == events[2].item.id == events[-2].item.id != whole.output[0].id
+    assert final.model_dump(exclude={"id", "created_at", "output", "usage"}) == whole.model_dump(
+        exclude={"id", "created_at", "output", "usage"})
+
+
+def _responses_of(events, summary: bool, finish: str = "stop") -> tuple[list, dict]:
+    """What /v1/responses sends for a worker's ``events`` (("text", channel, text), ...) ending in a request done as
+    ``finish``: the streamed events read by the openai client's own models (a shape it does not know fails), and
+    the whole response."""
+    import asyncio
+
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from ds4lab.server import responses
+    from ds4lab.server.protocol import Request
+    from ds4lab.server.worker import Job, Outcome
+
+    req = Request("responses", "shakespeare", [1, 2, 3], 8, Sampling(1.0, 0, 1.0, 0.0), stream=True, thinking=True,
+                  summary=summary)
+    n = sum(len(t) for _, _, t in events)
+    out = Outcome(3, 0, n, finish, None, "cold", 0.0, 0.0, sum(len(t) for _, c, t in events if c == "reasoning"))
+
+    async def run():
+        job = Job(req, asyncio.get_running_loop())
+        for e in [*events, ("done", out)]:
+            job.events.put_nowait(e)
+        return [chunk async for chunk in responses.stream(job, responses.Ids(7))]
+
+    chunks = asyncio.run(run())
+    blocks = [b for c in chunks for b in c.split("\n\n") if b]  # a chunk may carry several events
+    assert all(b.startswith("event: ") and b.split("\n")[1].startswith("data: ") for b in blocks)
+    streamed = [TypeAdapter(ResponseStreamEvent).validate_json(b.split("\ndata: ", 1)[1]) for b in blocks]
+    assert [b.split("\n")[0][len("event: "):] for b in blocks] == [e.type for e in streamed]
+    text = "".join(t for _, c, t in events if c == "text")
+    reasoning = "".join(t for _, c, t in events if c == "reasoning")
+    whole = responses.whole(responses.Ids(7), Job(req, None), out, reasoning, text)
+    return streamed, Response.model_validate(whole)
+
+
+def test_responses_send_the_reasoning_as_a_summary_when_asked():
+    """Thinking on: the reasoning comes back as a reasoning item, its summary the text before </think>, only where
+    reasoning.summary asks for it (ds4-server's rule); the reasoning item is done before the message opens, and the
+    stream's last event holds the whole response. (The embedded model never writes </think>: the worker's events
+    are given here.)"""
+    events = [("text", "reasoning", "Who"), ("text", "reasoning", " speaks?"), ("text", "text", "Peace,"),
+              ("text", "text", " peace!")]
+    streamed, whole = _responses_of(events, summary=True)
+    kinds = [e.type for e in streamed]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.reasoning_summary_part.added", "response.reasoning_summary_text.delta",
+                     "response.reasoning_summary_text.delta", "response.reasoning_summary_text.done",
+                     "response.reasoning_summary_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    assert [(e.output_index, e.item.type) for e in streamed if e.type == "response.output_item.done"] == [
+        (0, "reasoning"), (1, "message")]
+    assert [(o.type, o.status) for o in whole.output] == [("reasoning", "completed"), ("message", "completed")]
+    assert whole.output[0].summary[0].text == "Who speaks?" and whole.output_text == "Peace, peace!"
+    assert streamed[-1].response.output == whole.output and whole.usage.output_tokens_details.reasoning_tokens == 11
+    # not asked for: thought, not sent (the usage still counts it)
+    streamed, whole = _responses_of(events, summary=False)
+    assert [o.type for o in whole.output] == ["message"] and whole.output_text == "Peace, peace!"
+    assert not [e for e in streamed if "reasoning" in e.type] and streamed[-1].response.output == whole.output
+    # cut inside the reasoning by max_output_tokens: no message, the reasoning incomplete, response.incomplete
+    streamed, whole = _responses_of(events[:2], summary=True, finish="length")
+    assert [(o.type, o.status) for o in whole.output] == [("reasoning", "incomplete")]
+    assert (whole.status, whole.incomplete_details.reason, streamed[-1].type) == (
+        "incomplete", "max_output_tokens", "response.incomplete")
+    # cut inside the answer: the reasoning ended at its </think>, completed; the message incomplete
+    streamed, whole = _responses_of(events, summary=True, finish="length")
+    assert [(o.type, o.status) for o in whole.output] == [("reasoning", "completed"), ("message", "incomplete")]
+    assert streamed[-1].response.output == whole.output
+    # the server stopped under way: failed, with its error
+    streamed, whole = _responses_of(events, summary=True, finish="shutdown")
+    assert (whole.status, whole.error.code, streamed[-1].type) == ("failed", "server_error", "response.failed")
+
+
 def _store_entries(srv) -> dict:
     return {(REASONS[e.header.reason], e.tokens) for e in srv.worker.store.entries()}
 
@@ -430,8 +550,39 @@ BAD = [  # (endpoint, body, status, param, code)
               "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage", "invalid_type"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
               "output_config": {"effort": "huge"}}, 400, "output_config.effort", "invalid_value"),
+    # /v1/responses: no stored responses, no tools, plain text, message items
+    ("responses", {"model": "shakespeare"}, 400, "input", "missing_field"),
+    ("responses", {"model": "shakespeare", "input": []}, 400, "input", "invalid_type"),
+    ("responses", {"model": "shakespeare", "input": "x", "previous_response_id": "resp_1"}, 400,
+     "previous_response_id", "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": "x", "conversation": "conv_1"}, 400, "conversation",
+     "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": "x", "tools": [{"type": "function", "name": "f"}]}, 400,
+     "tools", "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": [{"type": "function_call_output", "call_id": "c",
+                                                      "output": "1"}]}, 400, "input[0].type",
+     "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role",
+     "invalid_value"),
+    ("responses", {"model": "shakespeare", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     400, "input[0].content[0]", "invalid_type"),
+    ("responses", {"model": "shakespeare", "input": [{"type": "reasoning", "summary": []}]}, 400, "input",
+     "invalid_value"),
+    ("responses", {"model": "shakespeare", "input": "x", "instructions": 5}, 400, "instructions", "invalid_type"),
+    ("responses", {"model": "shakespeare", "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens",
+     "out_of_range"),
+    ("responses", {"model": "shakespeare", "input": "x", "reasoning": {"effort": "huge"}}, 400, "reasoning.effort",
+     "invalid_value"),
+    ("responses", {"model": "shakespeare", "input": "x", "reasoning": {"summary": "long"}}, 400,
+     "reasoning.summary", "invalid_value"),
+    ("responses", {"model": "shakespeare", "input": "x", "text": {"format": {"type": "json_object"}}}, 400,
+     "text.format", "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": "x", "top_logprobs": 3}, 400, "top_logprobs",
+     "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": SHAKESPEARE[:6000]}, 400, "input", "context_length_exceeded"),
 ]
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "messages": "/v1/messages"}
+_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "messages": "/v1/messages",
+          "responses": "/v1/responses"}
 
 
 @pytest.mark.parametrize("api,body,status,param,code", BAD, ids=[f"{b[0]}-{b[3]}-{b[4]}" for b in BAD])

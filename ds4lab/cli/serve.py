@@ -46,8 +46,9 @@ def add_serve_parser(sub) -> None:
 
     sv = sub.add_parser("serve", help="serve the model over HTTP: OpenAI and Anthropic APIs, as ds4-server",
                         description="ds4-server's API: /v1/models, /v1/chat/completions, /v1/completions, "
-                                    "/v1/messages (Anthropic), streamed or not; one live session reused across "
-                                    "requests, requests one at a time, a disk KV cache with --kv-disk-dir.")
+                                    "/v1/responses, /v1/messages (Anthropic), whole or streamed; a disk KV cache "
+                                    "with --kv-disk-dir; one live session reused across requests, one request at "
+                                    "a time.")
     _add_model_args(sv)
     sv.add_argument("-c", "--ctx", type=_positive_int, default=None, metavar="N",
                     help=f"context size (default: {DEFAULT_CTX}, capped at the model's context length)")

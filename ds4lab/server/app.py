@@ -1,11 +1,12 @@
 """The HTTP side (Starlette): ds4-server's endpoints, each request checked (:mod:`.protocol`), queued on the one
 :class:`~.worker.Worker` and answered in its protocol's shape, whole or streamed as server-sent events (OpenAI's
 ``chat.completion.chunk``/``text_completion`` chunks and ``[DONE]``; Anthropic's ``message_start`` …
-``message_stop``). A client that goes away cancels its request: the worker stops after the step under way.
+``message_stop``; the Responses API's ``response.created`` … ``response.completed``, :mod:`.responses`). A client
+that goes away cancels its request: the worker stops after the step under way.
 
 ``GET /v1/models``, ``GET /v1/models/{name}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/messages``, and ``GET /ds4lab/stats`` (ds4lab's: the queue, the session, the store's stats). As in
-ds4-server, ``OPTIONS`` on any path answers 204, and with ``cors`` every response carries the
+``POST /v1/messages``, ``POST /v1/responses``, and ``GET /ds4lab/stats`` (ds4lab's: the queue, the session, the
+store's stats). As in ds4-server, ``OPTIONS`` on any path answers 204, and with ``cors`` every response carries the
 ``Access-Control-Allow-*`` headers a browser's JavaScript client needs (:class:`_Cors`; an unhandled error's 500,
 which Starlette answers outside the app's middleware, aside)."""
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from itertools import count
 
 from starlette.applications import Starlette
@@ -24,6 +25,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import responses
 from .protocol import (
     Limits,
     RequestError,
@@ -34,12 +36,15 @@ from .protocol import (
     parse_completion,
     parse_json,
     parse_messages,
+    parse_responses,
 )
+from .sse import events, sse
 from .worker import Job, Outcome, Worker
 
-KEEPALIVE_S = 1.0  # an SSE comment while the model is busy elsewhere: also how a gone client is noticed
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the handler looks for a gone client
-_PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages}
+_PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages,
+            "responses": parse_responses}
+_ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg"}
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "shutdown": "error"}
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "shutdown": "end_turn"}
 # ds4-server's --cors headers, on every response (the preflight's 204, errors and event streams included)
@@ -93,6 +98,7 @@ def create_app(worker: Worker, limits: Limits, cors: bool = False) -> Starlette:
               Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
               Route("/v1/completions", endpoint("completion"), methods=["POST"]),
               Route("/v1/messages", endpoint("messages"), methods=["POST"]),
+              Route("/v1/responses", endpoint("responses"), methods=["POST"]),
               Route("/ds4lab/stats", stats)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route},
                     middleware=[Middleware(_Cors, cors=cors)])
@@ -177,10 +183,10 @@ async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response
         state.worker.submit(job)
     except RequestError as e:
         return _error_response(e, api)
-    prefix = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg"}[api]
-    rid = f"{prefix}-{next(state.ids)}"
+    n = next(state.ids)
+    rid = responses.Ids(n) if api == "responses" else f"{_ID_PREFIX[api]}-{n}"
     if req.stream:
-        stream = _anthropic_stream if api == "messages" else _openai_stream
+        stream = {"messages": _anthropic_stream, "responses": responses.stream}.get(api, _openai_stream)
         return StreamingResponse(stream(job, rid), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     reasoning, text = [], []
@@ -206,7 +212,8 @@ async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response
             elif kind == "error":
                 return _error_response(event[1], api)
             elif kind == "done":
-                return JSONResponse(_whole(api, rid, job, event[1], "".join(reasoning), "".join(text)))
+                whole = responses.whole if api == "responses" else partial(_whole, api)
+                return JSONResponse(whole(rid, job, event[1], "".join(reasoning), "".join(text)))
     finally:
         job.cancelled.set()  # a no-op once done; stops the worker if this handler was cancelled
 
@@ -244,28 +251,6 @@ def _anthropic_usage(out: Outcome | None, prompt_tokens: int = 0, cached: int = 
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-async def _events(job: Job):
-    """The job's events, with None every KEEPALIVE_S while nothing happens; marks the job cancelled when the
-    response stops being consumed (the client went away)."""
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                yield None
-                continue
-            yield event
-            if event[0] in ("done", "error"):
-                return
-    finally:
-        job.cancelled.set()
-
-
-def _sse(data: dict, event: str | None = None) -> str:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 async def _openai_stream(job: Job, rid: str):
     req, created = job.request, int(time.time())
     chat = req.api == "chat"
@@ -280,9 +265,9 @@ async def _openai_stream(job: Job, rid: str):
             body["choices"] = []
         if usage is not None:
             body["usage"] = usage
-        return _sse(body)
+        return sse(body)
 
-    async for event in _events(job):
+    async for event in events(job):
         if event is None:
             yield ": keep-alive\n\n"
         elif event[0] == "start" and chat:
@@ -291,7 +276,7 @@ async def _openai_stream(job: Job, rid: str):
             key = "reasoning_content" if event[1] == "reasoning" else "content"
             yield chunk({key: event[2]}, event[2]) if chat or event[1] == "text" else ""
         elif event[0] == "error":
-            yield _sse(openai_error(event[1]))
+            yield sse(openai_error(event[1]))
             yield "data: [DONE]\n\n"
         elif event[0] == "done":
             out: Outcome = event[1]
@@ -308,39 +293,39 @@ async def _anthropic_stream(job: Job, rid: str):
 
     def open_block(kind: str):
         nonlocal block, index
-        events = [_sse({"type": "content_block_stop", "index": index}, "content_block_stop")] if block else []
+        events = [sse({"type": "content_block_stop", "index": index}, "content_block_stop")] if block else []
         block, index = kind, index + 1
         start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
                                                                                                    "text": ""}
-        events.append(_sse({"type": "content_block_start", "index": index, "content_block": start},
+        events.append(sse({"type": "content_block_start", "index": index, "content_block": start},
                            "content_block_start"))
         return "".join(events)
 
-    async for event in _events(job):
+    async for event in events(job):
         if event is None:
-            yield _sse({"type": "ping"}, "ping")
+            yield sse({"type": "ping"}, "ping")
         elif event[0] == "start" or event[0] == "done" and not started:  # a request stopped in its prefill
             started = True
             usage = _anthropic_usage(None, *event[1:]) if event[0] == "start" else _anthropic_usage(event[1])
             message = {"id": rid, "type": "message", "role": "assistant", "model": req.model, "content": [],
                        "stop_reason": None, "stop_sequence": None, "usage": dict(usage, output_tokens=0)}
-            yield _sse({"type": "message_start", "message": message}, "message_start")
+            yield sse({"type": "message_start", "message": message}, "message_start")
         elif event[0] == "text":
             kind = "thinking" if event[1] == "reasoning" else "text"
             if block != kind:
                 yield open_block(kind)
             delta = {"type": "thinking_delta", "thinking": event[2]} if kind == "thinking" else {
                 "type": "text_delta", "text": event[2]}
-            yield _sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
         elif event[0] == "error":
-            yield _sse(anthropic_error(event[1]), "error")
+            yield sse(anthropic_error(event[1]), "error")
         if event is not None and event[0] == "done":
             out: Outcome = event[1]
             if block != "text":
                 yield open_block("text")
-            yield _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
             delta = {"stop_reason": "stop_sequence" if out.stop else _ANTHROPIC_STOP[out.finish],
                      "stop_sequence": out.stop}
-            yield _sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": out.completion_tokens}},
+            yield sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": out.completion_tokens}},
                        "message_delta")
-            yield _sse({"type": "message_stop"}, "message_stop")
+            yield sse({"type": "message_stop"}, "message_stop")

@@ -1,9 +1,11 @@
-"""The requests the server takes, read and checked: OpenAI's chat and text completions and Anthropic's messages
-become one :class:`Request` (token ids, sampling, limits); anything malformed is a :class:`RequestError` naming
-the field, which the app sends as the protocol's error JSON (:func:`openai_error`, :func:`anthropic_error`).
+"""The requests the server takes, read and checked: OpenAI's chat and text completions and responses and
+Anthropic's messages become one :class:`Request` (token ids, sampling, limits); anything malformed is a
+:class:`RequestError` naming the field, which the app sends as the protocol's error JSON (:func:`openai_error`,
+:func:`anthropic_error`).
 
 The fields and their meaning follow ds4-server (ds4_server.c's parse_chat_request, parse_completion_request,
-parse_anthropic_request): ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``,
+parse_anthropic_request, parse_responses_request): ``max_tokens`` (or ``max_completion_tokens``,
+``max_output_tokens``), ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``stop``/``stop_sequences``, and the thinking
 switches ``reasoning_effort``, ``thinking``, ``think`` and the model names ``deepseek-chat`` (no thinking) and
 ``deepseek-reasoner`` (thinking)."""
@@ -76,6 +78,7 @@ class Request:
     stop: tuple[str, ...] = ()
     thinking: bool = False  # the output starts inside <think>: reasoning first, then the answer
     messages: list = field(default_factory=list, repr=False)
+    summary: bool = False  # /v1/responses: the reasoning sent as a summary item (reasoning.summary asked for it)
 
 
 def max_body_bytes(limits: Limits, tokenizer) -> int:
@@ -346,3 +349,106 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
                    stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages)
+
+
+# OpenAI's Responses API (ds4-server's parse_responses_request): ``input`` a string or a list of items (messages, their
+# content a string or parts of input_text / output_text; earlier reasoning items are left out, as the chat template
+# leaves out earlier turns' thinking), ``instructions`` a system message first, ``reasoning.effort`` the thinking
+# mode (none and minimal: none), ``reasoning.summary`` whether the reasoning comes back. No stored state: a request
+# carries its whole conversation.
+_RESPONSE_ROLES = ("system", "developer", "user", "assistant")
+_RESPONSE_PARTS = ("input_text", "output_text", "text")
+_RESPONSES_UNSUPPORTED = {"top_logprobs": 0, "background": False, **_SAMPLER_UNSUPPORTED}
+
+
+def _response_content(value, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _type_error(name, "a string or a list of text parts", value)
+    parts = []
+    for i, part in enumerate(value):
+        if not (isinstance(part, dict) and part.get("type") in _RESPONSE_PARTS and isinstance(part.get("text"), str)):
+            raise _type_error(f"{name}[{i}]", 'a text part {"type": "input_text", "text": "..."}', part)
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _response_input(data: dict) -> list[dict]:
+    value = data.get("input")
+    if value is None:
+        raise RequestError("input is required", param="input", code="missing_field")
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _type_error("input", "a string or a non-empty list of items", value)
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _type_error(f"input[{i}]", "an item object", item)
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue
+        if kind != "message":
+            tools = "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output"
+            why = _NO_TOOLS if kind in tools else "ds4lab serve takes message items (and reasoning, left out)"
+            raise RequestError(f"input[{i}].type {json.dumps(kind)[:80]}: {why}", param=f"input[{i}].type",
+                               code="unsupported_parameter")
+        if item.get("role") not in _RESPONSE_ROLES:
+            raise RequestError(f"input[{i}].role must be one of {', '.join(_RESPONSE_ROLES)}, got "
+                               f"{json.dumps(item.get('role'))}", param=f"input[{i}].role", code="invalid_value")
+        out.append({"role": item["role"], "content": _response_content(item.get("content"), f"input[{i}].content")})
+    if not out:
+        raise RequestError("input holds no message", param="input", code="invalid_value")
+    return out
+
+
+def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, bool]:
+    """The thinking mode and whether the reasoning is sent back (``reasoning.summary`` auto, concise or detailed)."""
+    value = data.get("reasoning")
+    if value is None:
+        return _think_mode({}, model, limits), False
+    if not isinstance(value, dict):
+        raise _type_error("reasoning", 'an object {"effort": ..., "summary": ...}', value)
+    effort = value.get("effort")
+    effort = "none" if effort == "minimal" else effort
+    try:
+        mode = _think_mode({"reasoning_effort": effort}, model, limits)
+    except RequestError as e:
+        raise RequestError(e.message.replace("reasoning_effort", "reasoning.effort"), param="reasoning.effort",
+                           code=e.code) from None
+    summary = value.get("summary")
+    if summary not in (None, "auto", "concise", "detailed"):
+        raise RequestError(f"reasoning.summary must be auto, concise or detailed, got {json.dumps(summary)[:80]}",
+                           param="reasoning.summary", code="invalid_value")
+    return mode, summary is not None
+
+
+def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
+    """``POST /v1/responses`` (OpenAI's Responses API, as Codex CLI sends it), without stored state or tools."""
+    model = _model(data, limits)
+    _refuse_tools(data)
+    for key in ("previous_response_id", "conversation"):
+        if data.get(key) is not None:
+            raise RequestError(f"{key}: ds4lab serve keeps no responses; send the whole conversation in input",
+                               param=key, code="unsupported_parameter")
+    _refuse_unsupported(data, _RESPONSES_UNSUPPORTED)
+    text = data.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise _type_error("text", 'an object {"format": {"type": "text"}}', text)
+    fmt = (text or {}).get("format")
+    if fmt not in (None, {"type": "text"}):
+        raise RequestError(f"text.format {json.dumps(fmt)[:80]}: ds4lab serve writes plain text only; send the "
+                           "request without it", param="text.format", code="unsupported_parameter")
+    messages = _response_input(data)
+    instructions = data.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _type_error("instructions", "a string", instructions)
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
+    mode, summary = _response_reasoning(data, model, limits)
+    ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    return Request("responses", model, _check_length(ids, limits, "input"),
+                   _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
+                   stream=_bool(data, "stream"), thinking=mode != "none", messages=messages,
+                   summary=summary and mode != "none")

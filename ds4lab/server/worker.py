@@ -46,6 +46,7 @@ class Outcome:
     source: str  # where the reused prefix came from: live, checkpoint, disk or cold
     prefill_seconds: float
     decode_seconds: float
+    reasoning_tokens: int = 0  # of completion_tokens, those before </think> (the one holding it included)
 
 
 class Job:
@@ -160,7 +161,7 @@ class Worker:
         decode = sess.decoder(**req.sampling.params(), top=1)
         channels = Channels(req.thinking, req.stop)
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
-        generated, finish = 0, "length"
+        generated, reasoning, finish = 0, 0, "length"
         began = time.perf_counter()
         n = max(0, min(req.max_tokens, room))
         for i in range(n):
@@ -172,6 +173,7 @@ class Worker:
                 finish = "stop"
                 break
             generated += 1
+            reasoning += channels.channel == "reasoning"
             for channel, text in channels.feed(step.text):
                 job.emit("text", channel, text)
             if channels.stop is not None:
@@ -186,7 +188,7 @@ class Worker:
         c["cached_tokens"] += result.reused
         c["completion_tokens"] += generated
         job.emit("done", Outcome(len(ids), result.reused, generated, finish, channels.stop, result.source,
-                                 prefill_seconds, time.perf_counter() - began))
+                                 prefill_seconds, time.perf_counter() - began, reasoning))
 
     def _continuation(self, ids: list[int]) -> list[int]:
         """ds4-server's "memory-text" reuse: when the live tokens are not a prefix of ``ids`` but their text is a

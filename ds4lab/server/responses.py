@@ -1,0 +1,141 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as ds4-server answers it (ds4_server.c's responses_final_response
+and responses_sse_*): a response object whose ``output`` holds a reasoning item (only where ``reasoning.summary``
+asked for it: its summary is the reasoning text) and a message item with one ``output_text`` part, whole or streamed
+as ``response.created`` ... ``response.completed`` events, each with its ``sequence_number``. A response cut by
+``max_output_tokens`` is ``incomplete``, one the server could not finish ``failed`` (and streamed as
+``response.incomplete`` / ``response.failed``, the event clients end on)."""
+
+from __future__ import annotations
+
+import time
+
+from .protocol import Request, RequestError
+from .sse import events, sse
+from .worker import Job, Outcome
+
+_STATUS = {"stop": "completed", "cancelled": "completed", "length": "incomplete", "shutdown": "failed"}
+
+
+class Ids:
+    """The ids of one response and of its two items."""
+
+    def __init__(self, n: int):
+        self.response, self.reasoning, self.message = f"resp_{n}", f"rs_{n}", f"msg_{n}"
+
+
+def usage(out: Outcome) -> dict:
+    """ds4-server's: the prompt's tokens not reused are written to the cache (its cache_write_tokens)."""
+    written = out.prompt_tokens - out.cached_tokens
+    return {"input_tokens": out.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": out.cached_tokens, "cache_write_tokens": written},
+            "output_tokens": out.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens},
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def response(ids: Ids, req: Request, created: int, status: str, output: list, out: Outcome | None = None) -> dict:
+    """The response object: what the request asked for, its status, output and usage (None while in progress)."""
+    return {"id": ids.response, "object": "response", "created_at": created, "status": status, "model": req.model,
+            "output": output, "usage": usage(out) if out else None,
+            "error": {"code": "server_error", "message": "the server stopped before the response was done"}
+            if status == "failed" else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "max_output_tokens": req.max_tokens, "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
+            "reasoning": {"effort": "high" if req.thinking else "none",
+                          "summary": "auto" if req.summary else None},
+            "text": {"format": {"type": "text"}}, "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
+            "previous_response_id": None, "store": False, "metadata": {}}
+
+
+def reasoning_item(ids: Ids, text: str, status: str) -> dict:
+    summary = [{"type": "summary_text", "text": text}] if text else []
+    return {"id": ids.reasoning, "type": "reasoning", "status": status, "summary": summary}
+
+
+def message_item(ids: Ids, text: str, status: str) -> dict:
+    return {"id": ids.message, "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str) -> list:
+    """The output items: the reasoning where a summary was asked for and there is some, the message where there is
+    text (ds4's rule: an answer cut inside its reasoning has no message)."""
+    item_status = "completed" if status == "completed" else "incomplete"
+    thought = "completed" if text else item_status  # the answer began: the reasoning ended at its </think>
+    return ([reasoning_item(ids, reasoning, thought)] if req.summary and reasoning else []) + (
+        [message_item(ids, text, item_status)] if text else [])
+
+
+def whole(ids: Ids, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
+    status = _STATUS[out.finish]
+    return response(ids, job.request, int(time.time()), status, _items(ids, job.request, reasoning, text, status),
+                    out)
+
+
+async def stream(job: Job, ids: Ids):
+    """The events of a streamed response: its creation, each item added, its text as deltas, each item done, and
+    the response at the end (``response.completed``, ``.incomplete`` or ``.failed``)."""
+    req, created, seq = job.request, int(time.time()), 0
+    texts = {"reasoning": [], "text": []}
+    opened = []  # the items opened so far, in order: "reasoning", "message"
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        seq += 1
+        return sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
+
+    def open_item(name: str) -> str:
+        opened.append(name)
+        at = dict(item_id=ids.reasoning if name == "reasoning" else ids.message, output_index=len(opened) - 1)
+        if name == "reasoning":
+            return (event("response.output_item.added", output_index=at["output_index"],
+                          item=reasoning_item(ids, "", "in_progress"))
+                    + event("response.reasoning_summary_part.added", **at, summary_index=0,
+                            part={"type": "summary_text", "text": ""}))
+        item = message_item(ids, "", "in_progress")
+        return (event("response.output_item.added", output_index=at["output_index"], item=dict(item, content=[]))
+                + event("response.content_part.added", **at, content_index=0, part=item["content"][0]))
+
+    def close_item(name: str, status: str) -> str:
+        text, index = "".join(texts[name if name == "reasoning" else "text"]), opened.index(name)
+        if name == "reasoning":
+            at = dict(item_id=ids.reasoning, output_index=index, summary_index=0)
+            return (event("response.reasoning_summary_text.done", **at, text=text)
+                    + event("response.reasoning_summary_part.done", **at, part={"type": "summary_text", "text": text})
+                    + event("response.output_item.done", output_index=index,
+                            item=reasoning_item(ids, text, status)))
+        item = message_item(ids, text, status)
+        at = dict(item_id=ids.message, output_index=index, content_index=0)
+        return (event("response.output_text.done", **at, text=text, logprobs=[])
+                + event("response.content_part.done", **at, part=item["content"][0])
+                + event("response.output_item.done", output_index=index, item=item))
+
+    yield event("response.created", response=response(ids, req, created, "in_progress", []))
+    yield event("response.in_progress", response=response(ids, req, created, "in_progress", []))
+    async for ev in events(job):
+        if ev is None:
+            yield ": keep-alive\n\n"
+        elif ev[0] == "text":
+            channel, text = ev[1], ev[2]
+            texts[channel].append(text)
+            if channel == "reasoning" and not req.summary:
+                continue  # thought, not sent: the answer follows
+            name = "reasoning" if channel == "reasoning" else "message"
+            if name not in opened:
+                yield (close_item("reasoning", "completed") if opened == ["reasoning"] else "") + open_item(name)
+            at = dict(item_id=ids.reasoning if name == "reasoning" else ids.message, output_index=len(opened) - 1)
+            yield (event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text)
+                   if name == "reasoning" else event("response.output_text.delta", **at, content_index=0, delta=text,
+                                                    logprobs=[]))
+        elif ev[0] == "error":
+            e: RequestError = ev[1]
+            yield event("error", code=e.code, message=e.message, param=e.param)
+        elif ev[0] == "done":
+            out: Outcome = ev[1]
+            status = _STATUS[out.finish]
+            item_status = "completed" if status == "completed" else "incomplete"
+            if opened:  # the message, or the reasoning where no answer followed
+                yield close_item(opened[-1], item_status)
+            reasoning, text = "".join(texts["reasoning"]), "".join(texts["text"])
+            final = response(ids, req, created, status, _items(ids, req, reasoning, text, status), out)
+            yield event(f"response.{status}", response=final)
