@@ -9,7 +9,7 @@ pure-Python wheels it needs that Pyodide's distribution lacks, served by the sit
 What goes in: ``lite/jupyter_lite_config.json``; the notebooks ``notebooks/NN_*.ipynb`` (with their saved outputs)
 and the documents they link to, ``docs/*.md``, in folders of the same names, so that a notebook's link to
 ``../docs/MODEL.md`` opens the document in the site as in a checkout (and the files of the repository those
-documents link to, such as ``benchmarks/README.md``, at their paths too);
+documents link to, such as ``benchmarks/README.md``, and those these link to, at their paths too);
 the front ends of the Pyodide kernel, ipywidgets and anywidget as this environment has them (the environment's
 other JupyterLab extensions are left out); ds4lab's wheel built from this checkout; and, unless ``--no-download``,
 the wheels in :data:`WHEELS` from PyPI, the widget packages at the versions of their front ends here. Pyodide
@@ -59,13 +59,18 @@ def relative_links(markdown: str) -> list[str]:
 
 
 def linked_outside_docs() -> list[Path]:
-    """The files of the repository outside docs/ that docs/*.md link to, relative to the repository's root."""
-    found = set()
-    for doc in (ROOT / "docs").glob("*.md"):
+    """The files of the repository outside docs/ and notebooks/ (the site holds those already) that docs/*.md link
+    to, and those the Markdown files among them link to in turn, relative to the repository's root."""
+    found, todo = set(), sorted((ROOT / "docs").glob("*.md"))
+    while todo:
+        doc = todo.pop()
         for link in relative_links(doc.read_text(encoding="utf-8")):
             path = (doc.parent / link).resolve()
-            if path.is_file() and path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "docs"):
+            inside = path.is_relative_to(ROOT) and not any(path.is_relative_to(ROOT / d) for d in ("docs", "notebooks"))
+            if path.is_file() and inside and path.relative_to(ROOT) not in found:
                 found.add(path.relative_to(ROOT))
+                if path.suffix == ".md":
+                    todo.append(path)
     return sorted(found)
 
 

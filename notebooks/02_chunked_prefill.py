@@ -88,10 +88,11 @@ show(prefill_view.step())
 # ## What a chunk's queries see
 #
 # The picture of a chunk in one layer: a row per query of the chunk, a column per key it could read — the raw
-# rows earlier chunks left in the ring, the chunk's own rows, the compressed rows, and the sink (a logit with
-# no value). In chunk 0 of layer 2 (ratio 4) the own rows form the causal triangle (a query never sees a later
-# position), and a compressed row becomes visible from the query that completes its group of 4 tokens on. Hover a
-# cell: it says why the key is or is not visible.
+# rows earlier chunks left in the ring, the chunk's own rows (under an orange bar: written by this step, as the
+# ring's orange arc marks them), the compressed rows, and the sink (a logit with no value). In chunk 0 of layer 2
+# (ratio 4) the own rows form the causal triangle (a query never sees a later position), and a compressed row
+# becomes visible from the query that completes its group of 4 tokens on. Hover a cell: it says why the key is or is
+# not visible.
 
 # %%
 MaskView.of_step(sess, 2, 0, 64, label="chunk 0")

@@ -1061,8 +1061,8 @@ def test_tier_view_renders(page):
     assert re.match(r"step 0: batch", tip), tip
     hot = view.locator("svg.ds4-steps rect.ds4-hot")
     assert hot.count() == 1 and hot.get_attribute("data-bar") == "0"  # the step described is outlined
-    # each bound in a dark shade of its bars (batch dark grey, decode grey: no hue of a kind of row); copies in
-    # near-black, unit colours the tiers'
+    # the bounds black (dashed, dotted) and the bars greys (batch dark, decode lighter: no hue of a kind of row);
+    # copies in near-black, unit colours the tiers'
     from ds4lab.viz import palette, tier_view
 
     assert view.locator("line.ds4-bound-batch").get_attribute("stroke") == tier_view.BATCH_BOUND

@@ -68,14 +68,16 @@ def test_the_notebooks_links_open_documents_of_the_site(site):
     missing = [(name, link) for name, link in links if not (site / "files" / "notebooks" / link).is_file()]
     assert not missing
     assert (site / "files" / "docs" / "MODEL.md").read_bytes() == (ROOT / "docs" / "MODEL.md").read_bytes()
-    # and the documents' own links to files of the repository outside docs/ (DISTRIBUTED.md's benchmarks/README.md)
+    # and the documents' own links to files of the repository outside docs/ (DISTRIBUTED.md's benchmarks/README.md),
+    # and theirs in turn (benchmarks/README.md's ../README.md): every Markdown file served opens its links
     docs = sorted((site / "files" / "docs").glob("*.md"))
-    links = [(doc, link) for doc in docs for link in relative_links(doc)]
     assert len(docs) == len(list((ROOT / "docs").glob("*.md"))) >= 4
-    assert "../benchmarks/README.md" in {link for _, link in links}
-    assert not [(doc.name, link) for doc, link in links if not (doc.parent / link).is_file()]
-    served = site / "files" / "benchmarks" / "README.md"
-    assert served.read_bytes() == (ROOT / "benchmarks" / "README.md").read_bytes()
+    served = sorted((site / "files").rglob("*.md"))
+    links = [(doc, link) for doc in served for link in relative_links(doc)]
+    assert {"../benchmarks/README.md", "../README.md"} <= {link for _, link in links}
+    assert not [(str(doc.relative_to(site)), link) for doc, link in links if not (doc.parent / link).is_file()]
+    for name in ("benchmarks/README.md", "README.md"):
+        assert (site / "files" / name).read_bytes() == (ROOT / name).read_bytes()
 
 
 def test_piplite_indexes_the_ds4lab_wheel(site):

@@ -336,7 +336,7 @@ def test_responses_whole_and_streamed_match_the_python_api(server, reference):
     assert u.output_tokens_details.reasoning_tokens == 0
     # the same conversation as message items (an earlier turn's reasoning item left out), streamed
     items = [{"type": "reasoning", "summary": []},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ROMEO: "},
+             {"type": "message", "role": "user", "content": ["ROMEO: ",  # a bare string part, as ds4 reads it
                                                              {"type": "input_text", "text": "What light?"}]}]
     events = _streamed_response(client, input=items, **kw)
     kinds = [e.type for e in events]
@@ -352,12 +352,21 @@ def test_responses_whole_and_streamed_match_the_python_api(server, reference):
     assert final.output[0].id == events[2].item.id == events[-2].item.id != whole.output[0].id
     assert final.model_dump(exclude={"id", "created_at", "output", "usage"}) == whole.model_dump(
         exclude={"id", "created_at", "output", "usage"})
+    # thinking on: the embedded model never writes </think>, so every token is reasoning (counted by the worker), sent
+    # back as an incomplete reasoning item (summary asked for), with no message
+    messages = [{"role": "user", "content": "MERCUTIO: Nay, gentle Romeo"}]
+    want, n = _expected(reference, reference.tokenizer.render_chat(messages, think=True), 4, seed=9)
+    thought = client.responses.create(model="shakespeare", input=messages[0]["content"], max_output_tokens=4,
+                                      reasoning={"effort": "high", "summary": "auto"}, extra_body={"seed": 9})
+    assert thought.usage.output_tokens_details.reasoning_tokens == thought.usage.output_tokens == n > 0
+    assert [(o.type, o.status) for o in thought.output] == [("reasoning", "incomplete")]
+    assert thought.output[0].summary[0].text == want and thought.output_text == ""
 
 
-def _responses_of(events, summary: bool, finish: str = "stop") -> tuple[list, dict]:
+def _responses_of(events, summary: str | None, finish: str = "stop", error: RequestError | None = None):
     """What /v1/responses sends for a worker's ``events`` (("text", channel, text), ...) ending in a request done as
-    ``finish``: the streamed events read by the openai client's own models (a shape it does not know fails), and
-    the whole response."""
+    ``finish`` (or failed with ``error``): the streamed events read by the openai client's own models (a shape it
+    does not know fails), and the whole response (None where the worker failed)."""
     import asyncio
 
     from openai.types.responses import Response, ResponseStreamEvent
@@ -368,13 +377,15 @@ def _responses_of(events, summary: bool, finish: str = "stop") -> tuple[list, di
     from ds4lab.server.worker import Job, Outcome
 
     req = Request("responses", "shakespeare", [1, 2, 3], 8, Sampling(1.0, 0, 1.0, 0.0), stream=True, thinking=True,
-                  summary=summary)
+                  effort="medium", summary=summary)
     n = sum(len(t) for _, _, t in events)
-    out = Outcome(3, 0, n, finish, None, "cold", 0.0, 0.0, sum(len(t) for _, c, t in events if c == "reasoning"))
+    in_reasoning = bool(events) and events[-1][1] == "reasoning"  # no </think> met: the answer never began
+    out = Outcome(3, 0, n, finish, None, "cold", 0.0, 0.0, sum(len(t) for _, c, t in events if c == "reasoning"),
+                  in_reasoning)
 
     async def run():
         job = Job(req, asyncio.get_running_loop())
-        for e in [*events, ("done", out)]:
+        for e in [*events, ("error", error) if error else ("done", out)]:
             job.events.put_nowait(e)
         return [chunk async for chunk in responses.stream(job, responses.Ids(7))]
 
@@ -383,10 +394,17 @@ def _responses_of(events, summary: bool, finish: str = "stop") -> tuple[list, di
     assert all(b.startswith("event: ") and b.split("\n")[1].startswith("data: ") for b in blocks)
     streamed = [TypeAdapter(ResponseStreamEvent).validate_json(b.split("\ndata: ", 1)[1]) for b in blocks]
     assert [b.split("\n")[0][len("event: "):] for b in blocks] == [e.type for e in streamed]
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    if error:
+        return streamed, None
     text = "".join(t for _, c, t in events if c == "text")
     reasoning = "".join(t for _, c, t in events if c == "reasoning")
     whole = responses.whole(responses.Ids(7), Job(req, None), out, reasoning, text)
     return streamed, Response.model_validate(whole)
+
+
+def _done_items(streamed) -> list:
+    return [(e.item.type, e.item.status) for e in streamed if e.type == "response.output_item.done"]
 
 
 def test_responses_send_the_reasoning_as_a_summary_when_asked():
@@ -396,7 +414,7 @@ def test_responses_send_the_reasoning_as_a_summary_when_asked():
     are given here.)"""
     events = [("text", "reasoning", "Who"), ("text", "reasoning", " speaks?"), ("text", "text", "Peace,"),
               ("text", "text", " peace!")]
-    streamed, whole = _responses_of(events, summary=True)
+    streamed, whole = _responses_of(events, summary="detailed")
     kinds = [e.type for e in streamed]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.reasoning_summary_part.added", "response.reasoning_summary_text.delta",
@@ -405,28 +423,50 @@ def test_responses_send_the_reasoning_as_a_summary_when_asked():
                      "response.output_item.added", "response.content_part.added", "response.output_text.delta",
                      "response.output_text.delta", "response.output_text.done", "response.content_part.done",
                      "response.output_item.done", "response.completed"]
-    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
     assert [(e.output_index, e.item.type) for e in streamed if e.type == "response.output_item.done"] == [
         (0, "reasoning"), (1, "message")]
     assert [(o.type, o.status) for o in whole.output] == [("reasoning", "completed"), ("message", "completed")]
     assert whole.output[0].summary[0].text == "Who speaks?" and whole.output_text == "Peace, peace!"
     assert streamed[-1].response.output == whole.output and whole.usage.output_tokens_details.reasoning_tokens == 11
+    assert (whole.reasoning.effort, whole.reasoning.summary) == ("medium", "detailed")  # as asked
     # not asked for: thought, not sent (the usage still counts it)
-    streamed, whole = _responses_of(events, summary=False)
+    streamed, whole = _responses_of(events, summary=None)
     assert [o.type for o in whole.output] == ["message"] and whole.output_text == "Peace, peace!"
     assert not [e for e in streamed if "reasoning" in e.type] and streamed[-1].response.output == whole.output
-    # cut inside the reasoning by max_output_tokens: no message, the reasoning incomplete, response.incomplete
-    streamed, whole = _responses_of(events[:2], summary=True, finish="length")
-    assert [(o.type, o.status) for o in whole.output] == [("reasoning", "incomplete")]
-    assert (whole.status, whole.incomplete_details.reason, streamed[-1].type) == (
-        "incomplete", "max_output_tokens", "response.incomplete")
+    # ended inside the reasoning (max_output_tokens, or an EOS before </think>): no message, the reasoning
+    # incomplete in the stream as in the whole response; cut by the length, response.incomplete
+    for finish, status in (("length", "incomplete"), ("stop", "completed")):
+        streamed, whole = _responses_of(events[:2], summary="auto", finish=finish)
+        assert [(o.type, o.status) for o in whole.output] == _done_items(streamed) == [("reasoning", "incomplete")]
+        assert (whole.status, streamed[-1].type) == (status, f"response.{status}")
+    cut = _responses_of(events[:2], "auto", "length")[1]
+    assert whole.incomplete_details is None and cut.incomplete_details.reason == "max_output_tokens"
     # cut inside the answer: the reasoning ended at its </think>, completed; the message incomplete
-    streamed, whole = _responses_of(events, summary=True, finish="length")
-    assert [(o.type, o.status) for o in whole.output] == [("reasoning", "completed"), ("message", "incomplete")]
+    streamed, whole = _responses_of(events, summary="auto", finish="length")
+    assert [(o.type, o.status) for o in whole.output] == _done_items(streamed) == [("reasoning", "completed"),
+                                                                                     ("message", "incomplete")]
     assert streamed[-1].response.output == whole.output
     # the server stopped under way: failed, with its error
-    streamed, whole = _responses_of(events, summary=True, finish="shutdown")
+    streamed, whole = _responses_of(events, summary="auto", finish="shutdown")
     assert (whole.status, whole.error.code, streamed[-1].type) == ("failed", "server_error", "response.failed")
+
+
+def test_a_response_the_worker_fails_ends_failed_with_its_items_closed():
+    """The worker's error under way (an engine error, a request refused at shutdown): the open item is closed
+    incomplete and response.failed ends the stream with the error, as ds4-server ends it (the openai client waits
+    for one of the response's last events)."""
+    events = [("text", "text", "Peace,"), ("text", "text", " peace!")]
+    error = RequestError("the model failed: out of memory", code="engine_error", status=500, type="server_error")
+    streamed, _ = _responses_of(events, summary=None, error=error)
+    assert [e.type for e in streamed][-5:] == ["response.output_text.delta", "response.output_text.done",
+                                               "response.content_part.done", "response.output_item.done",
+                                               "response.failed"]
+    final = streamed[-1].response
+    assert _done_items(streamed) == [(o.type, o.status) for o in final.output] == [("message", "incomplete")]
+    assert (final.status, final.error.code, final.error.message) == ("failed", "server_error", error.message)
+    assert final.output_text == "Peace, peace!" and final.usage is None
+    streamed, _ = _responses_of([], summary=None, error=error)  # before any text: no item, failed
+    assert [e.type for e in streamed] == ["response.created", "response.in_progress", "response.failed"]
 
 
 def _store_entries(srv) -> dict:
@@ -565,6 +605,8 @@ BAD = [  # (endpoint, body, status, param, code)
     ("responses", {"model": "shakespeare", "input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role",
      "invalid_value"),
     ("responses", {"model": "shakespeare", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     400, "input[0].content[0].type", "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
      400, "input[0].content[0]", "invalid_type"),
     ("responses", {"model": "shakespeare", "input": [{"type": "reasoning", "summary": []}]}, 400, "input",
      "invalid_value"),

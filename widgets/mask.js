@@ -129,7 +129,7 @@ function render({ model, el }) {
     if (g.nr > g.own) tick(0, String(pos[0]), "left");  // where the cached rows start: the window's first position
     const stride = 16 * Math.ceil(every / 16);
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0) tick(c, String(pos[c]));
-    const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 4) / g.ccw);  // the widest label and 4 px apart
+    const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 6) / g.ccw);  // the widest label and 6 px apart
     for (let c = 0; c < g.nc; c += cstep) if (!tick(g.nr + c, `c${c}`) && c === 0) tick(g.nr, "c0", "left");
     ctx.fillText(model.get("x_title"), titleX, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");

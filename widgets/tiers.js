@@ -23,7 +23,7 @@ const logAxis = (values) => {
   return { e0, e1, ticks };
 };
 const PLOT = { w: 480, h: 140, left: 72, bottom: 34, top: 8, right: 96 };
-// batch dark grey, decode grey, none a pale stub; the bounds a dark shade of the bars each bounds (tier_view.py)
+// batch dark grey, decode grey, none a pale stub; the bounds black, dashed and dotted (tier_view.py)
 const FILL = { batch: "#525252", decode: "#969696", none: "#d9d9d9" };
 const BOUND = { batch: "#000000", decode: "#000000" };  // both black: dashed, dotted (on the decode bars' tops)
 

@@ -78,7 +78,10 @@ class Request:
     stop: tuple[str, ...] = ()
     thinking: bool = False  # the output starts inside <think>: reasoning first, then the answer
     messages: list = field(default_factory=list, repr=False)
-    summary: bool = False  # /v1/responses: the reasoning sent as a summary item (reasoning.summary asked for it)
+    # /v1/responses: reasoning.effort as asked (None: not asked), and reasoning.summary (auto, concise or detailed:
+    # the reasoning sent back as a summary item; None: not sent)
+    effort: str | None = None
+    summary: str | None = None
 
 
 def max_body_bytes(limits: Limits, tokenizer) -> int:
@@ -362,13 +365,21 @@ _RESPONSES_UNSUPPORTED = {"top_logprobs": 0, "background": False, **_SAMPLER_UNS
 
 
 def _response_content(value, name: str) -> str:
-    if isinstance(value, str):
-        return value
+    """An item's content: a string (null: none), or a list of text parts or strings (ds4-server's)."""
+    if value is None or isinstance(value, str):
+        return value or ""
     if not isinstance(value, list):
         raise _type_error(name, "a string or a list of text parts", value)
     parts = []
     for i, part in enumerate(value):
-        if not (isinstance(part, dict) and part.get("type") in _RESPONSE_PARTS and isinstance(part.get("text"), str)):
+        if isinstance(part, str):
+            parts.append(part)
+            continue
+        if isinstance(part, dict) and part.get("type") not in (*_RESPONSE_PARTS, None):
+            raise RequestError(f"{name}[{i}].type {json.dumps(part['type'])[:80]}: ds4lab serve reads text parts "
+                               f"only ({', '.join(_RESPONSE_PARTS)})", param=f"{name}[{i}].type",
+                               code="unsupported_parameter")
+        if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
             raise _type_error(f"{name}[{i}]", 'a text part {"type": "input_text", "text": "..."}', part)
         parts.append(part["text"])
     return "".join(parts)
@@ -403,17 +414,17 @@ def _response_input(data: dict) -> list[dict]:
     return out
 
 
-def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, bool]:
-    """The thinking mode and whether the reasoning is sent back (``reasoning.summary`` auto, concise or detailed)."""
+def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, str | None, str | None]:
+    """The thinking mode, ``reasoning.effort`` as asked and ``reasoning.summary`` (auto, concise or detailed: the
+    reasoning is sent back; None: it is not)."""
     value = data.get("reasoning")
     if value is None:
-        return _think_mode({}, model, limits), False
+        return _think_mode({}, model, limits), None, None
     if not isinstance(value, dict):
         raise _type_error("reasoning", 'an object {"effort": ..., "summary": ...}', value)
     effort = value.get("effort")
-    effort = "none" if effort == "minimal" else effort
     try:
-        mode = _think_mode({"reasoning_effort": effort}, model, limits)
+        mode = _think_mode({"reasoning_effort": "none" if effort == "minimal" else effort}, model, limits)
     except RequestError as e:
         raise RequestError(e.message.replace("reasoning_effort", "reasoning.effort"), param="reasoning.effort",
                            code=e.code) from None
@@ -421,7 +432,7 @@ def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, bo
     if summary not in (None, "auto", "concise", "detailed"):
         raise RequestError(f"reasoning.summary must be auto, concise or detailed, got {json.dumps(summary)[:80]}",
                            param="reasoning.summary", code="invalid_value")
-    return mode, summary is not None
+    return mode, effort, summary
 
 
 def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
@@ -446,9 +457,9 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
         if not isinstance(instructions, str):
             raise _type_error("instructions", "a string", instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
-    mode, summary = _response_reasoning(data, model, limits)
+    mode, effort, summary = _response_reasoning(data, model, limits)
     ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
-                   stream=_bool(data, "stream"), thinking=mode != "none", messages=messages,
-                   summary=summary and mode != "none")
+                   stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, effort=effort,
+                   summary=summary if mode != "none" else None)

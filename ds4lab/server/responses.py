@@ -33,16 +33,19 @@ def usage(out: Outcome) -> dict:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
-def response(ids: Ids, req: Request, created: int, status: str, output: list, out: Outcome | None = None) -> dict:
-    """The response object: what the request asked for, its status, output and usage (None while in progress)."""
+_STOPPED = {"code": "server_error", "message": "the server stopped before the response was done"}
+
+
+def response(ids: Ids, req: Request, created: int, status: str, output: list, out: Outcome | None = None,
+             error: dict | None = None) -> dict:
+    """The response object: what the request asked for, its status, output and usage (None while in progress, or
+    where it failed before its end)."""
     return {"id": ids.response, "object": "response", "created_at": created, "status": status, "model": req.model,
             "output": output, "usage": usage(out) if out else None,
-            "error": {"code": "server_error", "message": "the server stopped before the response was done"}
-            if status == "failed" else None,
+            "error": error or _STOPPED if status == "failed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "max_output_tokens": req.max_tokens, "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
-            "reasoning": {"effort": "high" if req.thinking else "none",
-                          "summary": "auto" if req.summary else None},
+            "reasoning": {"effort": req.effort, "summary": req.summary},
             "text": {"format": {"type": "text"}}, "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
             "previous_response_id": None, "store": False, "metadata": {}}
 
@@ -57,24 +60,25 @@ def message_item(ids: Ids, text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str) -> list:
-    """The output items: the reasoning where a summary was asked for and there is some, the message where there is
-    text (ds4's rule: an answer cut inside its reasoning has no message)."""
-    item_status = "completed" if status == "completed" else "incomplete"
-    thought = "completed" if text else item_status  # the answer began: the reasoning ended at its </think>
+def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str, in_reasoning: bool) -> list:
+    """The output items: the reasoning where a summary was asked for and there is some (incomplete where the
+    generation ended before its </think>, as ds4-server marks it), the message where there is text (ds4's rule: an
+    answer cut inside its reasoning has no message)."""
+    thought = "incomplete" if in_reasoning else "completed"
     return ([reasoning_item(ids, reasoning, thought)] if req.summary and reasoning else []) + (
-        [message_item(ids, text, item_status)] if text else [])
+        [message_item(ids, text, "completed" if status == "completed" else "incomplete")] if text else [])
 
 
 def whole(ids: Ids, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
     status = _STATUS[out.finish]
-    return response(ids, job.request, int(time.time()), status, _items(ids, job.request, reasoning, text, status),
-                    out)
+    output = _items(ids, job.request, reasoning, text, status, out.in_reasoning)
+    return response(ids, job.request, int(time.time()), status, output, out)
 
 
 async def stream(job: Job, ids: Ids):
     """The events of a streamed response: its creation, each item added, its text as deltas, each item done, and
-    the response at the end (``response.completed``, ``.incomplete`` or ``.failed``)."""
+    the response at the end (``response.completed``, ``.incomplete`` or ``.failed``: also where the worker failed
+    under way, the item open then closed incomplete)."""
     req, created, seq = job.request, int(time.time()), 0
     texts = {"reasoning": [], "text": []}
     opened = []  # the items opened so far, in order: "reasoning", "message"
@@ -127,15 +131,18 @@ async def stream(job: Job, ids: Ids):
             yield (event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text)
                    if name == "reasoning" else event("response.output_text.delta", **at, content_index=0, delta=text,
                                                     logprobs=[]))
-        elif ev[0] == "error":
-            e: RequestError = ev[1]
-            yield event("error", code=e.code, message=e.message, param=e.param)
-        elif ev[0] == "done":
-            out: Outcome = ev[1]
-            status = _STATUS[out.finish]
-            item_status = "completed" if status == "completed" else "incomplete"
+        elif ev[0] in ("done", "error"):
+            out: Outcome | None = ev[1] if ev[0] == "done" else None
+            status = _STATUS[out.finish] if out else "failed"
+            in_reasoning = out.in_reasoning if out else "message" not in opened
             if opened:  # the message, or the reasoning where no answer followed
-                yield close_item(opened[-1], item_status)
+                thought = "incomplete" if in_reasoning else "completed"
+                yield close_item(opened[-1], thought if opened[-1] == "reasoning" else
+                                 "completed" if status == "completed" else "incomplete")
+            error = None
+            if out is None:
+                e: RequestError = ev[1]
+                error = {"code": "server_error", "message": e.message}  # the one code of OpenAI's that fits
             reasoning, text = "".join(texts["reasoning"]), "".join(texts["text"])
-            final = response(ids, req, created, status, _items(ids, req, reasoning, text, status), out)
-            yield event(f"response.{status}", response=final)
+            output = _items(ids, req, reasoning, text, status, in_reasoning)
+            yield event(f"response.{status}", response=response(ids, req, created, status, output, out, error))

@@ -47,6 +47,7 @@ class Outcome:
     prefill_seconds: float
     decode_seconds: float
     reasoning_tokens: int = 0  # of completion_tokens, those before </think> (the one holding it included)
+    in_reasoning: bool = False  # the generation ended before </think> (thinking on): its reasoning is unfinished
 
 
 class Job:
@@ -188,7 +189,8 @@ class Worker:
         c["cached_tokens"] += result.reused
         c["completion_tokens"] += generated
         job.emit("done", Outcome(len(ids), result.reused, generated, finish, channels.stop, result.source,
-                                 prefill_seconds, time.perf_counter() - began, reasoning))
+                                 prefill_seconds, time.perf_counter() - began, reasoning,
+                                 channels.channel == "reasoning"))
 
     def _continuation(self, ids: list[int]) -> list[int]:
         """ds4-server's "memory-text" reuse: when the live tokens are not a prefix of ``ids`` but their text is a

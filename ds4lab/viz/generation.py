@@ -62,6 +62,19 @@ class Controls(View):
                 "GenerationView's buttons, live while the notebook's kernel runs</div>")
 
 
+def _pace_seconds(pace) -> float:
+    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 60:
+        raise ValueError(f"pace must be the seconds between two tokens, from 0 to 60, got {pace!r}")
+    return float(pace)
+
+
+def _end_at_wait(steps) -> None:
+    """End the generation loop ``steps`` where it waits, as an interrupt during a token ends it (every token kept,
+    the status and buttons set)."""
+    with contextlib.suppress(StopIteration):
+        steps.throw(KeyboardInterrupt)
+
+
 def logprob_colour(logprob: float) -> str:
     for lowest, colour in LOGPROB_SCALE:
         if lowest is None or logprob >= lowest:
@@ -149,8 +162,7 @@ class GenerationView(View):
         check_session(session, "GenerationView")
         if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a whole number of tokens, 1 or more, got {max_tokens!r}")
-        if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 60:
-            raise ValueError(f"pace must be the seconds between two tokens, from 0 to 60, got {pace!r}")
+        _pace_seconds(pace)  # refused before the view takes the session
         self.session = session
         self.max_tokens = int(max_tokens)
         tok = session.model.tokenizer
@@ -175,9 +187,8 @@ class GenerationView(View):
         self.run_button = W.Button(description="run", tooltip="generate up to this many tokens")
         self.step_button = W.Button(description="step", tooltip="generate one token")
         self.stop_button = W.Button(description="stop", tooltip="stop a run before its next token")
-        paces = PACES if any(pace == s for _, s in PACES) else (*PACES, (f"{pace:g} s a token", float(pace)))
-        self.pace_input = W.Dropdown(options=paces, value=float(pace), description="pace",
-                                     layout=W.Layout(width="200px"))
+        self.pace_input = W.Dropdown(options=PACES, value=0.0, description="pace", layout=W.Layout(width="200px"))
+        self.pace = pace
         self.run_button.on_click(self.guarded(lambda _: self._run_clicked()))
         self.step_button.on_click(self.guarded(lambda _: None if self.running else self._clicked(self.step)))
         self.stop_button.on_click(self.guarded(lambda _: self.stop()))
@@ -202,6 +213,7 @@ class GenerationView(View):
 
     @pace.setter
     def pace(self, seconds: float) -> None:
+        seconds = _pace_seconds(seconds)
         if not any(seconds == s for _, s in self.pace_input.options):
             self.pace_input.options = (*self.pace_input.options, (f"{seconds:g} s a token", float(seconds)))
         self.pace_input.value = float(seconds)
@@ -291,7 +303,7 @@ class GenerationView(View):
         self._update_buttons()
         try:
             while len(out) < n:
-                if out:
+                if out and not (self._stop or self.ended):  # a wait between two tokens: none after the last
                     yield self.pace
                 if self._stop:
                     self.stop_reason = "stop"
@@ -339,9 +351,8 @@ class GenerationView(View):
         for wait in steps:
             try:
                 time.sleep(wait)
-            except KeyboardInterrupt:  # between two tokens: the loop ends as on an interrupt during one
-                with contextlib.suppress(StopIteration):
-                    steps.throw(KeyboardInterrupt)
+            except KeyboardInterrupt:
+                _end_at_wait(steps)
         return out
 
     async def arun(self, n: int | None = None) -> list:
@@ -350,9 +361,24 @@ class GenerationView(View):
         the run button starts when the kernel runs an event loop."""
         out: list = []
         self._stoppable = True
-        for wait in self._steps(n, out):
-            await asyncio.sleep(wait)
+        steps = self._steps(n, out)
+        for wait in steps:
+            try:
+                await self._wait(wait)
+            except KeyboardInterrupt:
+                _end_at_wait(steps)
+            except asyncio.CancelledError:  # the task cancelled: the view says so, then the task ends
+                _end_at_wait(steps)
+                raise
         return out
+
+    async def _wait(self, seconds: float) -> None:
+        """The pace between two tokens, in slices: a stop click ends the wait, not only the run after it."""
+        end = time.monotonic() + seconds
+        while True:
+            await asyncio.sleep(max(0.0, min(0.1, end - time.monotonic())))
+            if self._stop or time.monotonic() >= end:
+                return
 
     def _run_clicked(self) -> None:
         if self.running:

@@ -133,7 +133,7 @@ class MaskView(View):
         px = [sx, widen(mk.n_own), widen(nc), widen(1)]  # per column of each group (the sink's one widened)
         gap = np.full((rgb.shape[0], sx, 3), 255, np.uint8)
         parts = [np.repeat(part, w, axis=1) for part, w in zip(np.split(rgb, cuts, axis=1), px)]
-        for i in (1, 2):  # a widened column ends in a white hairline: two of one colour stay apart
+        for i in (1, 2, 3):  # a widened column ends in a white hairline (two of one colour stay apart), as live
             if px[i] > sx:
                 parts[i][:, px[i] - 1 :: px[i]] = 255
         img = np.concatenate([p for part in parts for p in (part, gap)][:-1], axis=1)

@@ -17,9 +17,9 @@ from .base import FollowingView, ViewModel, check_session, widget_module
 from .palette import BATCH, DECODE, rgb
 from .reduce import png_base64
 
-# Pale tan, pink, grey and teal, then paler and darker twins: no hue of a kind of row (palette.py), and black text
-# reads on each
-TIER_PALETTE = ["#dfc27d", "#f1b6da", "#d9d9d9", "#80cdc1", "#f6e8c3", "#fde0ef", "#bababa", "#c7eae5"]
+# Pale tan, pink and grey, then paler and darker twins: no hue of a kind of row (palette.py: a teal read as green),
+# and black text reads on each
+TIER_PALETTE = ["#dfc27d", "#f1b6da", "#d9d9d9", "#f6e8c3", "#fde0ef", "#bababa", "#c7b299", "#e9a3c9"]
 # the bounds' lines: black, dashed and dotted (a decode step's bars reach its bound: a grey line there was lost)
 BATCH_BOUND, DECODE_BOUND = "#000000", "#000000"
 NONE = "#d9d9d9"  # a step that moved nothing: a stub on the x axis
