@@ -645,8 +645,10 @@ def test_mask_of_a_decode_step_renders(page):
     from ds4lab.viz import palette
 
     assert _longest_run(img, palette.rgb(palette.ACCENT)) == FEW_PX
-    # the sink a column as wide too: at a raw row's 2-3 px a walk-through could hardly find it
-    assert _longest_run(img, palette.rgb(palette.SINK)) == FEW_PX - 1
+    # the sink a column as wide as the AttentionView's: at a raw row's 2-3 px a walk-through could hardly find it
+    from ds4lab.viz.attention_figure import SINK_PX
+
+    assert _longest_run(img, palette.rgb(palette.SINK)) == SINK_PX - 1
     # and its position ticked under it: the label was dropped for c0's beside it (c0's gave way, then was missing
     # where every other mask has it: now it starts at its tick, clear of the position's)
     assert _ink_below(img, (8, 81, 156)) >= 20  # 49 with "320" drawn, 4 (its tick mark) without

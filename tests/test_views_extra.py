@@ -520,10 +520,10 @@ def test_mask_key_axis_names_compressed_rows_only_where_there_are_some(model):
 
 def test_mask_widens_a_few_compressed_rows(model):
     """A ratio-128 layer's 2 compressed rows are FEW_PX wide each in the static image, as in widgets/mask.js (a raw
-    column there: a few px); a ratio-4 layer's 80 keep the raw columns' width. The sink's one column is FEW_PX wide
-    in both (a teacher could hardly find it at a raw column's width)."""
+    column there: a few px); a ratio-4 layer's 80 keep the raw columns' width. The sink's one column is SINK_PX wide
+    in both, as the AttentionView's (a teacher could hardly find it at a raw column's width)."""
     from ds4lab.viz import palette
-    from ds4lab.viz.attention_figure import FEW_PX
+    from ds4lab.viz.attention_figure import FEW_PX, SINK_PX
 
     cfg = model.config
     sess = model.session(ctx=512, prefill_chunk=64)
@@ -535,10 +535,10 @@ def test_mask_widens_a_few_compressed_rows(model):
         n = view.mask.cells.shape[1]
         sx = 600 // (n + 3)  # px of a raw column (and of each of the 3 gaps between the 4 groups)
         img = view.image()
-        widened = view.model.n_comp * ((comp_px or sx) - sx) + FEW_PX - sx  # the compressed rows', the sink's
+        widened = view.model.n_comp * ((comp_px or sx) - sx) + SINK_PX - sx  # the compressed rows', the sink's
         assert sx < FEW_PX and img.shape[1] == (n + 3) * sx + widened
         sink = (img == palette.rgb(palette.SINK)).all(axis=2)
-        assert sink.sum(axis=1).max() == FEW_PX - 1 and sink[:, -FEW_PX:-1].all()  # the last column, a hairline
+        assert sink.sum(axis=1).max() == SINK_PX - 1 and sink[:, -SINK_PX:-1].all()  # the last column, a hairline
     kept = (few.image() == [0x31, 0xA3, 0x54]).all(axis=2)  # the compressed rows' colour (seen: no indexer here)
     assert kept.sum(axis=1).max() == 2 * (FEW_PX - 1)  # each ends in a white hairline
 

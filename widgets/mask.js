@@ -15,8 +15,8 @@ function layout(model) {
   // a few compressed rows, or a step's few own rows (a decode step's one), get columns few_px wide at least
   // (mask_view.FEW_MAX_PX, as the fallback's image): they can be found, told apart and hovered
   const few = model.get("few_px"), widen = (n) => (n * few <= model.get("few_max_px") ? Math.max(cw, few) : cw);
-  // a compressed column's width, an own row's, the sink's (one column: as wide as a few, so it can be found)
-  const ccw = widen(nc), ocw = widen(own), scw = widen(1);
+  // a compressed column's width, an own row's, the sink's (as wide as the AttentionView's, so it can be found)
+  const ccw = widen(nc), ocw = widen(own), scw = Math.max(cw, model.get("sink_px"));
   // header of each group: its names, longest first (draw() takes the longest that fits)
   const groups = [[["cached by earlier steps", "cached"], 0, nr - own], [["this step's own rows", "own"], nr - own, nr],
                   [["compressed", "comp"], nr, nr + nc], [["sink"], nr + nc, N]];

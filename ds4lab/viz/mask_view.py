@@ -12,7 +12,7 @@ import traitlets as t
 from ..config import check_count
 from ..visibility import CATEGORIES, DROPPED, UNKNOWN, StepMask, step_mask
 from . import palette
-from .attention_figure import FEW_PX
+from .attention_figure import FEW_PX, SINK_PX
 from .base import View, ViewModel, widget_module
 from .reduce import png_base64
 
@@ -52,6 +52,7 @@ class MaskModel(ViewModel):
     x_title = t.Unicode("").tag(sync=True)  # the key axis' title: what the columns are
     few_px = t.Int(FEW_PX).tag(sync=True)  # widgets/mask.js widens a few compressed or own columns as image() does
     few_max_px = t.Int(FEW_MAX_PX).tag(sync=True)
+    sink_px = t.Int(SINK_PX).tag(sync=True)  # the sink's column, as wide as the AttentionView's
     size_px = t.List(t.Int(), list(SIZE_PX)).tag(sync=True)  # the cells' room: keys across, queries down
     # the masks this view will show, as visibility.key_groups gives them (none: this mask alone): widgets/mask.js
     # sizes its cells and its image for the largest, so a stepper's mask keeps its scale and size
@@ -130,7 +131,7 @@ class MaskView(View):
         def widen(n):
             return max(sx, FEW_PX) if n * FEW_PX <= FEW_MAX_PX else sx
 
-        px = [sx, widen(mk.n_own), widen(nc), widen(1)]  # per column of each group (the sink's one widened)
+        px = [sx, widen(mk.n_own), widen(nc), max(sx, SINK_PX)]  # per column of each group
         gap = np.full((rgb.shape[0], sx, 3), 255, np.uint8)
         parts = [np.repeat(part, w, axis=1) for part, w in zip(np.split(rgb, cuts, axis=1), px)]
         for i in (1, 2, 3):  # a widened column ends in a white hairline (two of one colour stay apart), as live
