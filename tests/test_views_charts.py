@@ -442,9 +442,9 @@ def test_prefill_cost_chart(sweep):
     values = {(r["chunk"], r["measure"]): r["value"] for r in costs["data"]["values"]}
     for chunk in runs:
         cs = prefill_costs(model.config, 80, chunk, types, ctx=80)
-        assert values[str(chunk), "GFLOP"] == pytest.approx(sum(c.total_flops for c in cs) / 1e9, rel=1e-12)
-        assert values[str(chunk), "weights read (MiB)"] == sum(c.weight_bytes for c in cs) / 2**20
-    assert values["16", "weights read (MiB)"] > 2 * values["40", "weights read (MiB)"]
+        assert values[str(chunk), "predicted: GFLOP"] == pytest.approx(sum(c.total_flops for c in cs) / 1e9, rel=1e-12)
+        assert values[str(chunk), "predicted: weights read (MiB)"] == sum(c.weight_bytes for c in cs) / 2**20
+    assert values["16", "predicted: weights read (MiB)"] > 2 * values["40", "predicted: weights read (MiB)"]
     with pytest.raises(ValueError, match="chunk size 8 has no prefill"):
         prefill_cost_chart({8: []}, model)
 

@@ -110,6 +110,9 @@ def prefill_chunks_chart(chunks, model=None, warmup: int = 0):
     return Chart({"layer": layers, "title": title, "width": 260, "height": 160})
 
 
+PANEL_TITLE = {"fontSize": 12, "fontWeight": "bold"}  # a panel's title beside a facet's column headers
+
+
 def prefill_cost_chart(runs, model):
     """A chunk-size sweep on ``model``, measured beside predicted. ``runs``: ``{prefill_chunk: [chunks of a
     prefill, ...]}``, the same prompt prefilled once or more per chunk size (each a list of ``PrefillChunk``).
@@ -131,8 +134,9 @@ def prefill_cost_chart(runs, model):
                            repeats=len(seconds)))
         n_tokens, ctx = repeats[0][-1].end, repeats[0][-1].end
         costs = prefill_costs(config, n_tokens, int(chunk), types, ctx=ctx)
-        predicted += [dict(chunk=str(chunk), measure="GFLOP", value=sum(c.total_flops for c in costs) / 1e9),
-                      dict(chunk=str(chunk), measure="weights read (MiB)",
+        predicted += [dict(chunk=str(chunk), measure="predicted: GFLOP",
+                           value=sum(c.total_flops for c in costs) / 1e9),
+                      dict(chunk=str(chunk), measure="predicted: weights read (MiB)",
                            value=sum(c.weight_bytes for c in costs) / 2**20)]
     order = [str(c) for c in runs]
     x = field("chunk:N", sort=order, title="prefill chunk (tokens)", axis={"labelAngle": 0})
@@ -146,13 +150,16 @@ def prefill_cost_chart(runs, model):
         unit(measured, {"type": "point", "filled": True, "color": palette.MEASURED, "opacity": 0.6}, x=x,
              y=field("seconds:Q"),
              tooltip=tooltip("chunk:N", field("repeat:Q", title="timed repeat"), field("seconds:Q", format=".3f"))),
-    ], "title": "measured: each repeat, median (tick), range", "width": 220, "height": 160}
+    ], "title": {"text": "measured: each repeat, median (tick), range", **PANEL_TITLE}, "width": 220, "height": 160}
     bars = unit(None, {"type": "bar", "color": palette.PREDICTED}, x=x, y=field("value:Q", title=None),
                 tooltip=tooltip("chunk:N", "measure:N", field("value:Q", format=",.1f")))
-    costs = {"data": {"values": predicted}, "facet": {"column": field("measure:N", title="predicted (ds4lab.costs)")},
+    # each column headed as the measured panel is titled, on one line with it (a facet's own title sat above, smaller)
+    header = {"labelFontSize": PANEL_TITLE["fontSize"], "labelFontWeight": "bold"}
+    costs = {"data": {"values": predicted}, "facet": {"column": field("measure:N", title=None, header=header)},
              "spec": dict(bars, width=160, height=160), "resolve": {"scale": {"y": "independent"}}}
     n_tokens = next(iter(runs.values()))[0][-1].end
-    return Chart({"hconcat": [times, costs], "title": f"prefill of {n_tokens} tokens by chunk size"})
+    return Chart({"hconcat": [times, costs],
+                  "title": f"prefill of {n_tokens} tokens by chunk size: measured, and predicted by ds4lab.costs"})
 
 
 def kv_bytes_chart(session, chunks):
