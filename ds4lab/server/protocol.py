@@ -278,6 +278,12 @@ def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
 
 # -- the three request kinds ------------------------------------------------------------------------------
 
+def _check_role(message: dict, name: str, roles: tuple[str, ...]) -> None:
+    if message.get("role") not in roles:
+        raise RequestError(f"{name}.role must be one of {', '.join(roles)}, got {json.dumps(message.get('role'))}",
+                           param=f"{name}.role", code="invalid_value")
+
+
 def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
     messages = data.get("messages")
     if messages is None:
@@ -288,9 +294,7 @@ def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise _type_error(f"messages[{i}]", "an object with role and content", m)
-        if m.get("role") not in roles:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got "
-                               f"{json.dumps(m.get('role'))}", param=f"messages[{i}].role", code="invalid_value")
+        _check_role(m, f"messages[{i}]", roles)
         for key in ("tool_calls", "function_call"):
             if m.get(key):
                 raise RequestError(f"messages[{i}].{key}: {_NO_TOOLS}", param=f"messages[{i}].{key}",
@@ -405,9 +409,7 @@ def _response_input(data: dict) -> list[dict]:
             why = _NO_TOOLS if kind in tools else "ds4lab serve takes message items (and reasoning, left out)"
             raise RequestError(f"input[{i}].type {json.dumps(kind)[:80]}: {why}", param=f"input[{i}].type",
                                code="unsupported_parameter")
-        if item.get("role") not in _RESPONSE_ROLES:
-            raise RequestError(f"input[{i}].role must be one of {', '.join(_RESPONSE_ROLES)}, got "
-                               f"{json.dumps(item.get('role'))}", param=f"input[{i}].role", code="invalid_value")
+        _check_role(item, f"input[{i}]", _RESPONSE_ROLES)
         out.append({"role": item["role"], "content": _response_content(item.get("content"), f"input[{i}].content")})
     if not out:
         raise RequestError("input holds no message", param="input", code="invalid_value")
