@@ -317,7 +317,7 @@ def _streamed_response(client, **kw) -> list:
 
 
 def test_responses_whole_and_streamed_match_the_python_api(server, reference):
-    """OpenAI's Responses API (ds4-server's /v1/responses, what Codex CLI sends): the text a session samples for
+    """OpenAI's Responses API (ds4-server's /v1/responses): the text a session samples for
     the same conversation, whole and streamed; the events in order with consecutive sequence numbers, the deltas
     adding up to the final item's text, the final response the whole one's."""
     client = _openai(server)

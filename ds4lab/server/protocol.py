@@ -438,7 +438,8 @@ def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, st
 
 
 def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
-    """``POST /v1/responses`` (OpenAI's Responses API, as Codex CLI sends it), without stored state or tools."""
+    """``POST /v1/responses`` (OpenAI's Responses API), without stored state or tools (an agent such as Codex CLI,
+    which always lists tools, is refused by name)."""
     model = _model(data, limits)
     _refuse_tools(data)
     for key in ("previous_response_id", "conversation"):
