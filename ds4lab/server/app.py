@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from functools import partial
 from itertools import count
 
 from starlette.applications import Starlette
@@ -212,13 +211,14 @@ async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response
             elif kind == "error":
                 return _error_response(event[1], api)
             elif kind == "done":
-                whole = responses.whole if api == "responses" else partial(_whole, api)
-                return JSONResponse(whole(rid, job, event[1], "".join(reasoning), "".join(text)))
+                return JSONResponse(_whole(api, rid, job, event[1], "".join(reasoning), "".join(text)))
     finally:
         job.cancelled.set()  # a no-op once done; stops the worker if this handler was cancelled
 
 
-def _whole(api: str, rid: str, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
+def _whole(api: str, rid, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
+    if api == "responses":
+        return responses.whole(rid, job, out, reasoning, text)
     req, now = job.request, int(time.time())
     if api == "messages":
         content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if req.thinking else [])

@@ -50,6 +50,11 @@ def response(ids: Ids, req: Request, created: int, status: str, output: list, ou
             "previous_response_id": None, "store": False, "metadata": {}}
 
 
+def _item_status(status: str) -> str:
+    """A message item's status at the response's end: completed, or incomplete where the response is not."""
+    return "completed" if status == "completed" else "incomplete"
+
+
 def reasoning_item(ids: Ids, text: str, status: str) -> dict:
     summary = [{"type": "summary_text", "text": text}] if text else []
     return {"id": ids.reasoning, "type": "reasoning", "status": status, "summary": summary}
@@ -66,7 +71,7 @@ def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str, in_re
     answer cut inside its reasoning has no message)."""
     thought = "incomplete" if in_reasoning else "completed"
     return ([reasoning_item(ids, reasoning, thought)] if req.summary and reasoning else []) + (
-        [message_item(ids, text, "completed" if status == "completed" else "incomplete")] if text else [])
+        [message_item(ids, text, _item_status(status))] if text else [])
 
 
 def whole(ids: Ids, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
@@ -137,8 +142,7 @@ async def stream(job: Job, ids: Ids):
             in_reasoning = out.in_reasoning if out else "message" not in opened
             if opened:  # the message, or the reasoning where no answer followed
                 thought = "incomplete" if in_reasoning else "completed"
-                yield close_item(opened[-1], thought if opened[-1] == "reasoning" else
-                                 "completed" if status == "completed" else "incomplete")
+                yield close_item(opened[-1], thought if opened[-1] == "reasoning" else _item_status(status))
             error = None
             if out is None:
                 e: RequestError = ev[1]
