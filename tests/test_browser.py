@@ -1179,10 +1179,26 @@ def test_views_fit_a_laptop_screen(page):
     prefill = _output_of(pg.locator(".ds4-view.ds4-prefill").first)
     tiers = _output_of(_view(pg, "Tiers:"))
     kv = next(v for v in pg.locator(".ds4-kv").all() if v.locator(".ds4-layer").count() > 1)  # all six layers
+    canvas, heads = att.locator(".ds4-att-stage canvas"), att.locator(".ds4-att-heads")
+    notebook = pg.locator(".jp-NotebookPanel-notebook").first
+    # a teacher's 1400 × 900, the file browser closed: the heads' small multiples beside the figure, the whole view
+    # (its colour bar and key too) in one screen (with the heads above the figure it was 843 px tall)
+    pg.set_viewport_size({"width": 1400, "height": 900})
+    was = _side_panel(pg, False)
+    pg.wait_for_function("([c, h]) => h.getBoundingClientRect().left >= c.getBoundingClientRect().right",
+                         arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)
+    att.scroll_into_view_if_needed()
+    assert att.bounding_box()["height"] <= notebook.bounding_box()["height"], (att.bounding_box(), notebook.bounding_box())
+    pg.screenshot(path=str(ARTIFACTS / "screen_1400_attention.png"))
     pg.set_viewport_size({"width": 1280, "height": 800})
-    was = _side_panel(pg, True)
+    _side_panel(pg, True)
     try:
-        canvas = att.locator(".ds4-att-stage canvas")
+        # no room beside it: the heads under the figure, which with its key and the controls still fits one screen
+        pg.wait_for_function("([c, h]) => h.getBoundingClientRect().top >= c.getBoundingClientRect().bottom",
+                             arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)
+        att.scroll_into_view_if_needed()
+        c, a = canvas.bounding_box(), att.bounding_box()
+        assert c["y"] + c["height"] - a["y"] <= notebook.bounding_box()["height"], (a, c, notebook.bounding_box())
         # the figure redraws at the output's width: its right edge (the mass bars) inside the output
         pg.wait_for_function("([c, o]) => c.getBoundingClientRect().right <= o.getBoundingClientRect().right + 1",
                              arg=[canvas.element_handle(), att.element_handle()], timeout=5_000)

@@ -1,6 +1,6 @@
 // AttentionView: a figure of fixed layout (geometry from Python): the heatmap in three key groups (raw | compressed |
 // sink) with axes, each query's mass as a stacked bar, a colour bar and a legend; small multiples of every captured
-// head above. The figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE
+// head beside it where the output has room, else under it (so the figure and its key fit a laptop's screen). The figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE
 // of it; narrower outputs scroll it sideways): nothing is cut off.
 // Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
 // a weight's ramp in each key group, white -> the group's colour -> its darkest (reduce.RAMPS): blue raw, green
@@ -39,14 +39,16 @@ function find(edges, p) {
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-att");
   const title = document.createElement("div"); title.className = "ds4-title";
+  const body = document.createElement("div"); body.className = "ds4-att-body";
   const heads = document.createElement("div"); heads.className = "ds4-att-heads";
   const stage = document.createElement("div"); stage.className = "ds4-att-stage";
   const canvas = document.createElement("canvas"), off = document.createElement("canvas");
   const sel = document.createElement("div"); sel.className = "ds4-att-sel";
   const tip = document.createElement("div"); tip.className = "ds4-hovertip";  // beside the pointer (placeTip)
   stage.append(canvas, sel, tip);
+  body.append(stage, heads);
   const note = document.createElement("div"); note.className = "ds4-note";
-  el.append(title, heads, stage, note);
+  el.append(title, body, note);
   let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
   let scale = 1;  // CSS px per figure px
   // the scale at which the figure fills the view's width (the output's), within [MIN_SCALE, 1]
@@ -57,7 +59,9 @@ function render({ model, el }) {
 
   const drawHeads = () => {
     const [tr, tc] = model.get("thumb_shape"), hs = model.get("thumb_heads"), buf = bytes(model.get("thumbs"));
-    heads.replaceChildren();
+    const caption = document.createElement("div"); caption.className = "ds4-att-caption";
+    caption.textContent = "heads captured: click to show";
+    heads.replaceChildren(caption);
     hs.forEach((h, k) => {
       const box = document.createElement("div"); box.className = "ds4-att-head" + (h === model.get("head") ? " ds4-sel" : "");
       box.dataset.head = h; box.title = `show head ${h}`;
@@ -83,7 +87,6 @@ function render({ model, el }) {
     const dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(g.width * scale * dpr); canvas.height = Math.round(g.height * scale * dpr);
     canvas.style.width = `${g.width * scale}px`; canvas.style.height = `${g.height * scale}px`;
-    heads.style.marginLeft = `${g.left * scale}px`;
     const ctx = canvas.getContext("2d");
     ctx.setTransform(canvas.width / g.width, 0, 0, canvas.height / g.height, 0, 0);
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
