@@ -400,6 +400,8 @@ def test_prefill_view_renders(page):
     # click unfolds it, and it stays unfolded when the slider shows another chunk
     key = kv.locator("details.ds4-keybox")
     assert key.count() == 1 and not key.evaluate("(d) => d.open")
+    # the ring at its 240 px beside the mask, whatever the screen's height (alone it grows with it: 330 px here)
+    assert kv.locator(".ds4-ring").bounding_box()["height"] == pytest.approx(240, abs=1)
     assert kv.locator(".ds4-ring").bounding_box()["height"] > key.bounding_box()["height"] * 5
     key.locator("summary").click()
     assert "overwritten (evicted): positions 0–" in kv.inner_text()  # 320 positions in 256 slots
@@ -549,6 +551,9 @@ def test_kvcache_view_renders(page):
     note = view.locator(".ds4-ringbox .ds4-note")
     assert "written by the step shown (positions 256–319)" in note.inner_text()
     assert note.bounding_box()["width"] >= 450  # the legend takes the room the output has
+    # on a tall screen the ring is drawn larger (30% of its height, at most 330 px; it was 240 on every screen)
+    ring = view.locator(".ds4-ring").bounding_box()
+    assert ring["width"] == ring["height"] == pytest.approx(min(330, 0.3 * pg.viewport_size["height"]), abs=1)
     # the indexer's layers mark what the last query reads: the captured top 32 of 80 rows, the others dropped; the
     # colours' key once, above the layers (a key in each indexer's layer made the view 880 px tall at a laptop's width)
     key = view.locator(".ds4-key-comp")
@@ -1219,8 +1224,8 @@ def test_views_fit_a_laptop_screen(page):
         # screen of JupyterLab at 800 px (the view was 906 px tall, the ring's top to layer 5's end 800)
         blocks = [b.bounding_box() for b in kv.locator(".ds4-layer").all()]
         assert len(blocks) == 6 and len({round(b["y"]) for b in blocks}) == 3, blocks
-        ring_top = kv.locator(".ds4-ring").bounding_box()["y"]
-        assert max(b["y"] + b["height"] for b in blocks) - ring_top < 660
+        ring = kv.locator(".ds4-ring").bounding_box()
+        assert max(b["y"] + b["height"] for b in blocks) - ring["y"] < 660 and ring["width"] == pytest.approx(240, abs=1)
         for at in ((0.3, 0.8), (0.85, 0.1)):  # the lowest rows, the upper right: the tooltip where the reader looks
             _tip_beside_pointer(pg, canvas, att.locator(".ds4-hovertip"), at)
         pg.screenshot(path=str(ARTIFACTS / "laptop_attention_tooltip.png"))

@@ -58,6 +58,7 @@ function render({ model, el }) {
   const tips = pointerTip(el);  // a slot's or a row's text beside the pointer
   const draw = () => {
     const d = model.get("data"), only = model.get("layers"), compact = model.get("compact");
+    el.classList.toggle("ds4-compact", compact);  // views.css sizes a compact view's ring apart
     const keyOpen = !!body.querySelector("details.ds4-keybox[open]");  // a compact view's key, unfolded: kept so
     if (!d || !d.layers) { body.innerHTML = "<div class='ds4-note'>empty</div>"; return; }
     const T = d.n_tokens, lo = Math.max(0, T - d.window);
