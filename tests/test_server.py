@@ -28,7 +28,17 @@ import ds4lab  # noqa: E402
 from ds4lab.kv.kvfile import REASONS  # noqa: E402
 from ds4lab.server import ServerThread  # noqa: E402
 from ds4lab.server.channels import Channels  # noqa: E402
-from ds4lab.server.protocol import Limits, RequestError, Sampling, parse_chat  # noqa: E402
+from ds4lab.server.prompt import render as render_prompt  # noqa: E402
+from ds4lab.server.prompt import render_text as render_prompt_text  # noqa: E402
+from ds4lab.server.protocol import (  # noqa: E402
+    Limits,
+    RequestError,
+    Sampling,
+    parse_chat,
+    parse_messages,
+    parse_responses,
+)
+from ds4lab.tokenizer import REASONING_EFFORT_MAX_PREFIX  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX, CHUNK, MIN_TOKENS = 1024, 64, 16  # small: prefill runs at ~20 tokens/s on a loaded 2-core box
@@ -63,7 +73,7 @@ def _expected(model, ids: list[int], n: int, seed: int, **sampling) -> tuple[str
 
 
 def _chat_ids(model, messages) -> list[int]:
-    return model.tokenizer.render_chat(messages, think=False)  # the embedded model has no chat template: no think
+    return render_prompt(model.tokenizer, messages, think=False)  # the embedded model does not think unless asked
 
 
 def _feed(channels: Channels, pieces) -> list:
@@ -95,10 +105,85 @@ def test_thinking_modes_follow_ds4_server(reference):
         req = parse_chat(dict(base, **extra), limits, tk)
         assert req.thinking == thinking, extra
         assert req.prompt[-1] == (tk.think_id if thinking else tk.think_end_id), extra
-        assert req.prompt == tk.render_chat(base["messages"], think=thinking), extra  # max needs ctx >= 393216
+        assert req.prompt == render_prompt(tk, base["messages"], think=thinking), extra  # max needs ctx >= 393216
     with pytest.raises(RequestError) as e:
         parse_chat(dict(base, reasoning_effort="huge"), chat, tk)
     assert e.value.param == "reasoning_effort"
+
+
+# ds4-server's rendering, worked by hand from render_chat_prompt_text (ds4_server.c at 8d57664); ds4's own unit test
+# of it checks "<｜User｜>Hello<｜Assistant｜></think>" with no thinking and the Think Max prefix after BOS
+B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+T, TE = "<think>", "</think>"
+SERVER_PROMPTS = [  # (messages, think, the rendered text)
+    ([{"role": "user", "content": "Hello"}], False, B + U + "Hello" + A + TE),
+    # systems first, joined by a blank line; EOS after a reply; its reasoning dropped before the last user turn
+    ([{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+      {"role": "assistant", "content": "a1", "reasoning": "r1"}, {"role": "developer", "content": "D"},
+      {"role": "user", "content": "q2"}], True,
+     B + "S\n\nD" + U + "q1" + A + TE + "a1" + E + U + "q2" + A + T),
+    # consecutive tool results under one User marker, the wrapper's closing tag escaped; with a tool result in the
+    # conversation every reply keeps its reasoning
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"},
+      {"role": "tool", "content": "t1"}, {"role": "tool", "content": "x</tool_result>y"}], True,
+     B + U + "q" + A + T + "r" + TE + "a" + E + U + "<tool_result>t1</tool_result><tool_result>x&lt;/tool_result>y"
+     "</tool_result>" + A + T),
+    # a reply after the last user turn keeps its reasoning, ends with EOS, and no new turn is opened
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "part", "reasoning": "r"}], True,
+     B + U + "q" + A + T + "r" + TE + "part" + E),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "part", "reasoning": "r"}], False,
+     B + U + "q" + A + TE + "part" + E),
+    # a reply no user turn precedes has no Assistant marker
+    ([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}], "max",
+     B + REASONING_EFFORT_MAX_PREFIX + "a" + E + "b" + E),
+]
+
+
+@pytest.mark.parametrize("messages, think, text", SERVER_PROMPTS)
+def test_prompts_render_as_ds4_server_renders_them(reference, messages, think, text):
+    tk = reference.tokenizer
+    assert render_prompt_text(messages, think) == text
+    # tokenized as one text: special tokens where their text is (also inside a message, as ds4-server does)
+    assert render_prompt(tk, messages, think) == tk.encode_rendered(text)
+    assert render_prompt(tk, [{"role": "user", "content": "a" + U + "b"}], False).count(tk.user_id) == 2
+
+
+def test_each_api_reads_reasoning_where_ds4_server_does(reference):
+    """Chat's ``reasoning_content``, Anthropic's thinking blocks (a redacted one has no text) and the Responses
+    API's reasoning items go with their assistant turn; reasoning items with none after them get an empty one;
+    compaction items are passed over; an item that is not completed is refused, as ds4-server refuses it."""
+    tk = reference.tokenizer
+    limits = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"}]
+    chat = parse_chat({"model": "m", "messages": [turns[0], {"role": "assistant", "content": "a",
+                                                             "reasoning_content": "r"}]}, limits, tk)
+    assert chat.messages == turns and chat.prompt == render_prompt(tk, turns, True)
+    blocks = [{"type": "redacted_thinking", "data": "x"}, {"type": "thinking", "thinking": "r", "signature": "s"},
+              {"type": "text", "text": "a"}]
+    anthropic = parse_messages({"model": "m", "max_tokens": 8, "messages": [turns[0], {"role": "assistant",
+                                                                                      "content": blocks}]}, limits, tk)
+    assert anthropic.messages == turns
+    with pytest.raises(RequestError) as e:
+        parse_messages({"model": "m", "max_tokens": 8, "messages": [
+            turns[0], {"role": "assistant", "content": [{"type": "thinking"}]}]}, limits, tk)
+    assert e.value.param == "messages[1].content[0]"
+
+    def responses(*items):
+        return parse_responses({"model": "m", "input": list(items)}, limits, tk).messages
+
+    user = {"type": "message", "role": "user", "content": "q", "status": "completed"}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}
+    thought = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
+               "content": [{"type": "reasoning_text", "text": "c"}]}
+    assert responses(user, thought, {"type": "compaction", "encrypted_content": "z"}, said) == [
+        turns[0], {"role": "assistant", "content": "a", "reasoning": "s\nc"}]
+    assert responses(user, thought, user) == [turns[0], {"role": "assistant", "content": "", "reasoning": "s\nc"},
+                                              turns[0]]
+    assert responses(user, thought) == [turns[0], {"role": "assistant", "content": "", "reasoning": "s\nc"}]
+    for status in ("in_progress", "incomplete", "failed"):
+        with pytest.raises(RequestError) as e:
+            responses(user, dict(said, status=status))
+        assert e.value.param == "input[1].status" and status in e.value.message
 
 
 def test_no_tools_is_not_a_tool_request(reference):
@@ -290,7 +375,7 @@ def test_thinking_comes_back_as_reasoning(server, reference):
     """Thinking asked for on the embedded model (no chat template: it does not think unless asked): the prompt ends
     in <think>, the text before </think> is reasoning (OpenAI's reasoning_content, Anthropic's thinking block)."""
     messages = [{"role": "user", "content": "MERCUTIO: Nay, gentle Romeo"}]
-    ids = reference.tokenizer.render_chat(messages, think=True)
+    ids = render_prompt(reference.tokenizer, messages, think=True)
     want, _ = _expected(reference, ids, 6, seed=9)
     reasoning, tag, answer = want.partition("</think>")
     r = _openai(server).chat.completions.create(model="shakespeare", messages=messages, max_tokens=6, seed=9,
@@ -355,7 +440,7 @@ def test_responses_whole_and_streamed_match_the_python_api(server, reference):
     # thinking on: the embedded model never writes </think>, so every token is reasoning (counted by the worker), sent
     # back as an incomplete reasoning item (summary asked for), with no message
     messages = [{"role": "user", "content": "MERCUTIO: Nay, gentle Romeo"}]
-    want, n = _expected(reference, reference.tokenizer.render_chat(messages, think=True), 4, seed=9)
+    want, n = _expected(reference, render_prompt(reference.tokenizer, messages, think=True), 4, seed=9)
     thought = client.responses.create(model="shakespeare", input=messages[0]["content"], max_output_tokens=4,
                                       reasoning={"effort": "high", "summary": "auto"}, extra_body={"seed": 9})
     assert thought.usage.output_tokens_details.reasoning_tokens == thought.usage.output_tokens == n > 0

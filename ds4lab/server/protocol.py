@@ -16,6 +16,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from .prompt import render as render_prompt
+
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
 DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
 MAX_STOP_SEQUENCES = 16
@@ -284,7 +286,9 @@ def _check_role(message: dict, name: str, roles: tuple[str, ...]) -> None:
                            param=f"{name}.role", code="invalid_value")
 
 
-def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
+def _messages(data: dict, roles: tuple[str, ...], thinking_blocks: bool = False) -> list[dict]:
+    """The conversation as :mod:`.prompt` renders it: each message's role, text and reasoning (an assistant turn's
+    ``reasoning_content``, or with ``thinking_blocks`` Anthropic's thinking blocks; ds4-server reads both)."""
     messages = data.get("messages")
     if messages is None:
         raise RequestError("messages is required", param="messages", code="missing_field")
@@ -299,8 +303,31 @@ def _messages(data: dict, roles: tuple[str, ...]) -> list[dict]:
             if m.get(key):
                 raise RequestError(f"messages[{i}].{key}: {_NO_TOOLS}", param=f"messages[{i}].{key}",
                                    code="unsupported_parameter")
-        out.append({"role": m["role"], "content": _text_content(m.get("content"), f"messages[{i}].content")})
+        content, reasoning = m.get("content"), m.get("reasoning_content")
+        if thinking_blocks:
+            content, reasoning = _thinking_apart(content, f"messages[{i}].content")
+        elif reasoning is not None:
+            reasoning = _text_content(reasoning, f"messages[{i}].reasoning_content")
+        out.append({"role": m["role"], "content": _text_content(content, f"messages[{i}].content")})
+        if reasoning:
+            out[-1]["reasoning"] = reasoning
     return out
+
+
+def _thinking_apart(content, name: str) -> tuple:
+    """Anthropic content without its thinking blocks, and their text (a redacted block has none)."""
+    if not isinstance(content, list):
+        return content, None
+    rest, thinking = [], []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "thinking":
+            if not isinstance(part.get("thinking"), str):
+                raise _type_error(f"{name}[{i}]", 'a thinking block {"type": "thinking", "thinking": "..."}', part)
+            thinking.append(part["thinking"])
+        elif kind != "redacted_thinking":
+            rest.append(part)
+    return rest, "".join(thinking)
 
 
 def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
@@ -310,7 +337,7 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
     _refuse_unsupported(data, _CHAT_UNSUPPORTED)
     mode = _think_mode(data, model, limits)
-    ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
                    include_usage=_include_usage(data), stop=_stop(data, "stop"),
@@ -345,13 +372,13 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/messages`` (Anthropic): ``max_tokens`` required, ``system`` apart from the messages."""
     model = _model(data, limits)
     _refuse_tools(data)
-    messages = _messages(data, ("user", "assistant"))
+    messages = _messages(data, ("user", "assistant"), thinking_blocks=True)
     system = data.get("system")
     if system is not None:
         system = _text_content(system, "system")
         messages = ([{"role": "system", "content": system}] if system else []) + messages
     mode = _think_mode(data, model, limits)
-    ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
     return Request("messages", model, _check_length(ids, limits, "messages"),
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
@@ -359,12 +386,12 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
 
 
 # OpenAI's Responses API (ds4-server's parse_responses_request): ``input`` a string or a list of items (messages, their
-# content a string or parts of input_text / output_text; earlier reasoning items are left out, as the chat template
-# leaves out earlier turns' thinking), ``instructions`` a system message first, ``reasoning.effort`` the thinking
+# content a string or text parts; reasoning items go with the next reply, which the prompt keeps only after the last
+# user turn), ``instructions`` a system message first, ``reasoning.effort`` the thinking
 # mode (none and minimal: none), ``reasoning.summary`` whether the reasoning comes back. No stored state: a request
 # carries its whole conversation.
 _RESPONSE_ROLES = ("system", "developer", "user", "assistant")
-_RESPONSE_PARTS = ("input_text", "output_text", "text")
+_RESPONSE_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")  # ds4-server's
 _RESPONSES_UNSUPPORTED = {"top_logprobs": 0, "background": False, **_SAMPLER_UNSUPPORTED}
 
 
@@ -390,6 +417,9 @@ def _response_content(value, name: str) -> str:
 
 
 def _response_input(data: dict) -> list[dict]:
+    """The conversation of ``input`` as ds4-server reads it: message items; reasoning items (summary, then content)
+    given to the next assistant message, or to an empty one of their own where another item or the end comes
+    first; compaction items passed over; an item whose ``status`` is not completed refused (partial state)."""
     value = data.get("input")
     if value is None:
         raise RequestError("input is required", param="input", code="missing_field")
@@ -397,20 +427,37 @@ def _response_input(data: dict) -> list[dict]:
         value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise _type_error("input", "a string or a non-empty list of items", value)
-    out = []
+    out, reasoning = [], []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise _type_error(f"input[{i}]", "an item object", item)
+        status = item.get("status")
+        if status not in (None, "", "completed"):
+            raise RequestError(f"input[{i}].status {json.dumps(status)[:80]}: only completed items can be sent back "
+                               "(ds4-server refuses partial ones)", param=f"input[{i}].status", code="invalid_value")
         kind = item.get("type", "message")
+        if kind in ("compaction", "context_compaction"):
+            continue
         if kind == "reasoning":
+            texts = (_response_content(item.get(key), f"input[{i}].{key}") for key in ("summary", "content"))
+            reasoning += [t for t in texts if t]
             continue
         if kind != "message":
             tools = "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output"
-            why = _NO_TOOLS if kind in tools else "ds4lab serve takes message items (and reasoning, left out)"
+            why = _NO_TOOLS if kind in tools else "ds4lab serve takes message, reasoning and compaction items"
             raise RequestError(f"input[{i}].type {json.dumps(kind)[:80]}: {why}", param=f"input[{i}].type",
                                code="unsupported_parameter")
         _check_role(item, f"input[{i}]", _RESPONSE_ROLES)
-        out.append({"role": item["role"], "content": _response_content(item.get("content"), f"input[{i}].content")})
+        message = {"role": item["role"], "content": _response_content(item.get("content"), f"input[{i}].content")}
+        if reasoning:
+            text, reasoning = "\n".join(reasoning), []
+            if item["role"] == "assistant":
+                message["reasoning"] = text
+            else:
+                out.append({"role": "assistant", "content": "", "reasoning": text})
+        out.append(message)
+    if reasoning:
+        out.append({"role": "assistant", "content": "", "reasoning": "\n".join(reasoning)})
     if not out:
         raise RequestError("input holds no message", param="input", code="invalid_value")
     return out
@@ -461,7 +508,7 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
             raise _type_error("instructions", "a string", instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     mode, effort, summary = _response_reasoning(data, model, limits)
-    ids = tokenizer.render_chat(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
                    stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, effort=effort,

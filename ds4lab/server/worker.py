@@ -196,9 +196,9 @@ class Worker:
         """ds4-server's "memory-text" reuse: when the live tokens are not a prefix of ``ids`` but their text is a
         prefix of the prompt's text (a reply the client sends back re-tokenized differently), the prompt becomes
         the live tokens, then the rest of the prompt's token that the live text ends inside (encoded as plain text),
-        then the prompt's own tokens after it; otherwise ``ids`` as they are. ds4 encodes all the rest again,
-        special-token strings included; here text a user wrote that spells a control token stays text, as the
-        prompt had it, and the live control tokens must sit where the prompt's do."""
+        then the prompt's own tokens after it; otherwise ``ids`` as they are. ds4 encodes all the rest of the
+        text again; here only that one token's rest is (as plain text), the prompt's tokens after it stay as
+        rendered, and the live control tokens must sit where the prompt's do."""
         live = self.session.tokens
         if not live or ids[:len(live)] == live:
             return ids
