@@ -1205,6 +1205,9 @@ def test_views_fit_a_laptop_screen(page):
         att.scroll_into_view_if_needed()
         c, a = canvas.bounding_box(), att.bounding_box()
         assert c["y"] + c["height"] - a["y"] <= notebook.bounding_box()["height"], (a, c, notebook.bounding_box())
+        # the note (cells, pooling, how to zoom) right under the figure, before the heads
+        n = att.locator(".ds4-note").last.bounding_box()
+        assert c["y"] + c["height"] <= n["y"] < heads.bounding_box()["y"], (c, n)
         # the figure redraws at the output's width: its right edge (the mass bars) inside the output
         pg.wait_for_function("([c, o]) => c.getBoundingClientRect().right <= o.getBoundingClientRect().right + 1",
                              arg=[canvas.element_handle(), att.element_handle()], timeout=5_000)

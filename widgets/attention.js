@@ -46,9 +46,12 @@ function render({ model, el }) {
   const sel = document.createElement("div"); sel.className = "ds4-att-sel";
   const tip = document.createElement("div"); tip.className = "ds4-hovertip";  // beside the pointer (placeTip)
   stage.append(canvas, sel, tip);
-  body.append(stage, heads);
+  // the note (cells, pooling, how to zoom) under the figure it is about, wherever the heads go
   const note = document.createElement("div"); note.className = "ds4-note";
-  el.append(title, body, note);
+  const fig = document.createElement("div"); fig.className = "ds4-att-fig";
+  fig.append(stage, note);
+  body.append(fig, heads);
+  el.append(title, body);
   let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
   let scale = 1;  // CSS px per figure px
   // the scale at which the figure fills the view's width (the output's), within [MIN_SCALE, 1]
@@ -87,6 +90,7 @@ function render({ model, el }) {
     const dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(g.width * scale * dpr); canvas.height = Math.round(g.height * scale * dpr);
     canvas.style.width = `${g.width * scale}px`; canvas.style.height = `${g.height * scale}px`;
+    fig.style.width = canvas.style.width;  // a long note wraps under the figure rather than widen it
     const ctx = canvas.getContext("2d");
     ctx.setTransform(canvas.width / g.width, 0, 0, canvas.height / g.height, 0, 0);
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
