@@ -313,7 +313,7 @@ for name, s in [*compared, ("chunk  64, stepped", sess)]:
 # %% [markdown]
 # Zero: each token's computation reads only its own row and the cache, so how the prompt is cut changes
 # the order of work, not the numbers (on a float32 GPU backend the same comparison agrees to rounding).
-# The last row is the session we stepped through by hand, button by button: it agrees too.
+# The last row is the session we stepped through chunk by chunk above: it agrees too.
 
 # %% [markdown]
 # ## Resuming a prefill

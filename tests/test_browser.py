@@ -620,7 +620,17 @@ def test_kvcache_view_renders(page):
     assert "all compressed rows attended" in layer2.inner_text()
     assert layer2.query_selector_all(".ds4-cell.comp.kept, .ds4-cell.comp.dropped") == []
     assert "kept" not in body.query_selector(".ds4-key-comp").inner_text()
-    for _ in range(3):  # back to chunk 4, as the view began
+    # after chunk 2 the pointer is at slot 192, its ▲ left of the ring's centre: clear of the centre's text (it
+    # read "◀next: slot 192")
+    handle.press("ArrowRight")
+    pg.wait_for_function(title % 2, arg=body, timeout=10_000)
+    clear = body.evaluate("""(el) => {
+        const a = el.querySelector('.ds4-pointer-label').getBoundingClientRect();
+        return [...el.querySelectorAll('.ds4-ringcentre')].every((t) => { const b = t.getBoundingClientRect();
+            return a.right <= b.left || b.right <= a.left || a.bottom <= b.top || b.bottom <= a.top; }); }""")
+    assert clear and "next: slot 192" in body.inner_text()
+    body.query_selector(".ds4-ring").screenshot(path=str(ARTIFACTS / "kvcache_ring_slot192.png"))
+    for _ in range(2):  # back to chunk 4, as the view began
         handle.press("ArrowRight")
     pg.wait_for_function(title % 4, arg=body, timeout=10_000)
 

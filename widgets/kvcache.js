@@ -36,7 +36,8 @@ function ring(d) {
   // the write pointer: through the middle of the next position's slot, ending at the ring's edge (past it, it hid
   // the band of the slot written last, its neighbour); none once the context is full
   if (!d.full) {
-    const m = d.pointer + 0.5, [px, py] = pt(m, r0 - 2), [qx, qy] = pt(m, r1), [tx, ty] = pt(m, r0 - 8);  // clear of the centre's text
+    // the ▲ at the line's inner end, clear of the centre's text (10 px, so that "next: slot 192" ends 6 px short of it)
+    const m = d.pointer + 0.5, [px, py] = pt(m, r0 - 2), [qx, qy] = pt(m, r1), [tx, ty] = pt(m, r0 - 5);
     const turn = (360 * m) / cap;  // the ▲ turned to point out along the pointer, at the slot it names
     h += `<line x1="${px}" y1="${py}" x2="${qx}" y2="${qy}" class="ds4-pointer"/>` +
       `<text x="${tx}" y="${ty}" transform="rotate(${turn} ${tx} ${ty})" class="ds4-ringlabel ds4-pointer-label">▲</text>`;
@@ -109,7 +110,8 @@ function render({ model, el }) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const reads = choice ? `<div>the last query (${q}) reads the ${choice.size} the indexer picked</div>` : "";
         // the range's ends and "to" joined by no-break spaces: a line broken inside it read as a cut-off text
-        const pools = `tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}`;  // row c's
+        // row c's; a ratio-4 row also takes the group before its own (group c: tokens 4c to 4c+3), said so
+        const pools = `tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}` + (R === 4 ? " (its group and the one before)" : "");
         h += `<div>${L.n_comp ? `${plural(L.n_comp, "compressed row")}, row c pooling ${pools}` : `no compressed row yet: row c will pool ${pools}`}</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!choice ? "" : choice.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
@@ -118,11 +120,11 @@ function render({ model, el }) {
           // one line in a column of the laptop's two (tests/test_browser.py): the cells' tips say the rest
           const scoring = !chooses(L) ? ` (≤ ${d.idx_topk}: all compressed rows attended)` :
             `, scored to pick a query's top ${d.idx_topk}` + (choice ? "" :
-              `; to see the last query's (${q}) picks, give the view indexer= (notebook 04)`);
+              `; to see the last query's (${q}) picks, pass the view indexer=… (see notebook 04)`);
           h += `<div>${plural(L.n_index, "indexer row")}${scoring}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }
-        h += `<div>group ${L.n_comp} pending: ${L.pending.length} of ${R} tokens` +
+        h += `<div>group ${L.n_comp} (tokens ${fromTo(L.n_comp * R, L.n_comp * R + R - 1)}) pending: ${L.pending.length} of ${R}` +
           (L.pending.length ? ` (positions ${fromTo(L.pending[0], L.pending.at(-1))})` : "") + `</div>` +
           (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
            `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}">` +

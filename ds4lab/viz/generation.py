@@ -59,7 +59,7 @@ class Controls(View):
 
     def static_html(self) -> str:
         return ("<div class='ds4-view' style='font:12px monospace'>[run] [step] [stop] tokens, pace: the "
-                "GenerationView's buttons, live while the notebook's kernel runs</div>")
+                "GenerationView's buttons, live once this cell runs (after the page is reloaded, run it again)</div>")
 
 
 def _pace_seconds(pace) -> float:
