@@ -668,6 +668,19 @@ def test_mask_of_a_decode_step_renders(page):
     # where every other mask has it: now it starts at its tick, clear of the position's)
     assert _ink_below(img, (8, 81, 156)) >= 20  # 49 with "320" drawn, 4 (its tick mark) without
     assert _ink_below(img, (8, 81, 156), right_of=(8, 24)) >= 20  # "c0"
+    # "own" and "compressed" on the headers' line, a thin grey line between them (they read as one phrase): one
+    # column grey over the line's height, right of the own column's start
+    lines = img.evaluate("""(el) => {
+        const c = document.createElement('canvas'); c.width = el.naturalWidth; c.height = el.naturalHeight;
+        const ctx = c.getContext('2d'); ctx.drawImage(el, 0, 0);
+        const d = ctx.getImageData(0, 0, c.width, 16).data, found = [];
+        for (let x = 0; x < c.width; x++) {
+            let n = 0;
+            for (let y = 2; y < 15; y++) { const i = (y * c.width + x) * 4; n += d[i] === 153 && d[i + 3] === 255; }
+            if (n === 13) found.push(x);
+        }
+        return found; }""")
+    assert len(lines) == 1, lines
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 

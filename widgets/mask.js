@@ -90,9 +90,19 @@ function render({ model, el }) {
     ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
     // group headers: the longest name that fits before the next group's column (the sink's to the image's edge); a
     // group too narrow for any (one compressed row) gets its shortest on a second line, running past its column
+    // a header ending close to the next group's column: the next header starts 12 px past it, a thin line in the
+    // middle (a decode step's "own" and "compressed" read as one phrase), as the AttentionView separates its own
+    let from = 0;  // where the next header on the first line may start
     for (const [names, a, b] of g.groups) if (b > a) {
-      const room = b === g.N ? W - g.x(a) : g.x(b) - 2 - g.x(a), name = names.find((s) => ctx.measureText(s).width <= room);
-      ctx.fillText(name ?? names.at(-1), g.x(a), name === undefined ? 18 : 8);
+      const x = Math.max(g.x(a), from);
+      const room = b === g.N ? W - x : g.x(b) - 2 - x, name = names.find((s) => ctx.measureText(s).width <= room);
+      ctx.fillText(name ?? names.at(-1), name === undefined ? g.x(a) : x, name === undefined ? 18 : 8);
+      const end = x + ctx.measureText(name ?? "").width;
+      from = 0;
+      if (name !== undefined && b < g.N && g.x(b) - end < 12) {
+        ctx.fillStyle = "#999"; ctx.fillRect(Math.round(end + 6), 2, 1, 13);
+        from = end + 12;
+      }
       // the rows this step wrote under a bar of the accent, as the KV view marks them (a rule over the others)
       const own = names.at(-1) === "own", width = g.x(b - 1) + g.w(b - 1) - g.x(a);
       ctx.fillStyle = own ? model.get("written") : "#333";
