@@ -110,8 +110,8 @@ function render({ model, el }) {
         // the rows the last query reads (on an indexer's layer: its top k, where the choice was captured)
         const reads = choice ? `<div>the last query (${q}) reads the ${choice.size} the indexer picked</div>` : "";
         // the range's ends and "to" joined by no-break spaces: a line broken inside it read as a cut-off text
-        // row c's; a ratio-4 row also takes the group before its own (group c: tokens 4c to 4c+3), said so
-        const pools = `tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}` + (R === 4 ? " (its group and the one before)" : "");
+        // row c's (a ratio-4 row also takes the group before its own: the pending group's line names its tokens)
+        const pools = `tokens ${R === 4 ? "4c−4" : `${R}c`}&nbsp;to&nbsp;${R}c+${R - 1}`;
         h += `<div>${L.n_comp ? `${plural(L.n_comp, "compressed row")}, row c pooling ${pools}` : `no compressed row yet: row c will pool ${pools}`}</div>` +
           reads + `<div class="ds4-strip">` + cells(L.n_comp, (c) => "comp" + (!choice ? "" : choice.has(c) ? " kept" : " dropped") + ((c + 1) * R > d.new_from ? " new" : ""),
                 (c) => `row ${c}: pools tokens ${grp(c)[0]}–${grp(c)[1]}${read(c)}`) + `</div>`;
@@ -125,7 +125,7 @@ function render({ model, el }) {
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }
         h += `<div>group ${L.n_comp} (tokens ${fromTo(L.n_comp * R, L.n_comp * R + R - 1)}) pending: ${L.pending.length} of ${R}` +
-          (L.pending.length ? ` (positions ${fromTo(L.pending[0], L.pending.at(-1))})` : "") + `</div>` +
+          (L.pending.length ? ` in: ${fromTo(L.pending[0], L.pending.at(-1))}` : "") + `</div>` +
           (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
            `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}">` +
              `<div style="width:${(100 * L.pending.length) / R}%"></div></div>`);
