@@ -385,8 +385,13 @@ def test_each_key_group_is_drawn_on_its_own_ramp(cap):
         cells = {tuple(c) for c in img[TOP + 1 : TOP + fig.HEIGHT - 1, LEFT + grp["x0"] + 1 : LEFT + grp["x1"] - 1]
                  .reshape(-1, 3)} - marks
         assert cells and cells <= ramp[grp["name"]], grp["name"]
-    ly = fig.geometry()["legend_y"] + 8  # the colour bar: raw above, compressed below
-    assert tuple(img[ly + 2, LEFT + 128]) in ramp["raw"] and tuple(img[ly + 7, LEFT + 128]) in ramp["comp"]
+    ly = fig.geometry()["legend_y"] + 4  # the colour bar: raw above, compressed below, a white gap between them
+    assert tuple(img[ly + 3, LEFT + 128]) in ramp["raw"] and tuple(img[ly + 13, LEFT + 128]) in ramp["comp"]
+    assert tuple(img[ly + 8, LEFT + 128]) == (255, 255, 255)
+    # each stripe named on its right (touching, a teacher and a student read them as one ramp): ink beside each
+    name_x = LEFT + 262 + 6 * len(state["hi_text"]) + 10
+    for y0, y1 in ((ly, ly + 7), (ly + 10, ly + 17)):
+        assert (img[y0:y1, name_x : name_x + 30] < 100).all(axis=2).sum() > 10
     for layer in (2, 3):  # layer 3: 320 raw keys, 2 compressed rows and the sink, columns pooled by more than 3
         view.show(layer, 0)
         amap = cap.attention(layer)

@@ -23,6 +23,7 @@ const RAMP32 = Object.fromEntries(Object.entries(RAMP).map(([g, r]) => [g, Uint3
 const MARK32 = [null, rgba(DROPPED), rgba(MASKED), rgba(NOT_YET)];  // by mark: attention_figure.MARK_*
 const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(82,82,82)" };  // attention_figure.GROUP_COLOURS
 const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"]];  // attention_figure.MASS_KEY
+const STRIPE_NAMES = { raw: "raw", comp: "compressed", sink: "sink" };  // attention_figure.STRIPE_NAMES
 // the smallest scale of the figure: its text stays legible and a cell (MIN_CELL = 3 px) keeps at least 2 px
 const MIN_SCALE = 0.8;
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
@@ -152,29 +153,38 @@ function render({ model, el }) {
       });
     });
     // the colour bar and the legend
-    const ly = g.legend_y + 8;
-    // the raw and compressed ramps one above the other where both are shown (attention_figure.ramp_stripes)
+    const ly = g.legend_y + 4, mid = ly + 8.5;
+    // the raw and compressed ramps one above the other where both are shown, 3 px apart and each named on its right
+    // (touching, they read as one ramp): attention_figure.ramp_stripes, BAR_H 17
     const shown = ["raw", "comp"].filter((n) => groups.some((grp) => grp.name === n));
-    const stripes = shown.length === 2 ? [["raw", 0, 5], ["comp", 5, 10]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 10]];
+    const stripes = shown.length === 2 ? [["raw", 0, 7], ["comp", 10, 17]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 17]];
     for (const [name, y0, y1] of stripes) {
       for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly + y0, 1, y1 - y0); }
     }
-    ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, ly + 5);
-    ctx.textAlign = "left"; ctx.fillText(`${model.get("hi_text")}   ${model.get("scale_text")}`, L + 262, ly + 5);
-    let x = L;
+    ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, mid);
+    ctx.textAlign = "left"; ctx.fillText(model.get("hi_text"), L + 262, mid);
+    let x = L + 262 + ctx.measureText(model.get("hi_text")).width + 10;
+    if (stripes.length === 2) {
+      ctx.font = "10px ui-monospace, Menlo, Consolas, monospace";  // two lines 10 px apart
+      for (const [name, y0, y1] of stripes) ctx.fillText(STRIPE_NAMES[name], x, ly + (y0 + y1) / 2);
+      x += ctx.measureText(STRIPE_NAMES.comp).width + 16;
+      ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
+    }
+    ctx.fillText(model.get("scale_text"), x, mid);
+    x = L;
     const present = new Set(bytes(model.get("marks")));
     for (const [c, mark, text] of ZERO_KEY) {
       if (!present.has(mark)) continue;
-      ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 16, 12, 8);
-      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 18;
+      ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 23, 12, 8);
+      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 27); x += 16 + ctx.measureText(text).width + 18;
     }
     // the key of the groups' colours: a cell's ramp and each query's mass bar (attention_figure.GROUPS_KEY)
-    ctx.fillStyle = "#222"; ctx.fillText("cells, bars:", x, ly + 20); x += ctx.measureText("cells, bars:").width + 8;
+    ctx.fillStyle = "#222"; ctx.fillText("cells, bars:", x, ly + 27); x += ctx.measureText("cells, bars:").width + 8;
     const mass = model.get("mass");  // keyed only where some query's bar has it (a layer without compressed rows)
     MASS_KEY.forEach(([name, text], i) => {
       if (!mass.some((m) => m[i] > 0)) return;
-      ctx.fillStyle = GROUP[name]; ctx.fillRect(x, ly + 16, 12, 8);
-      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 20); x += 16 + ctx.measureText(text).width + 14;
+      ctx.fillStyle = GROUP[name]; ctx.fillRect(x, ly + 23, 12, 8);
+      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 27); x += 16 + ctx.measureText(text).width + 14;
     });
     drawHeads();
     describe();  // the tooltip follows the figure: what is under the pointer now

@@ -97,14 +97,18 @@ def column_groups(groups: list[dict], cols: int) -> np.ndarray:
     return names
 
 
+BAR_H = 17  # px of the colour bar: two stripes of 7, 3 apart, each named on its right (touching, read as one ramp)
+STRIPE_NAMES = {"raw": "raw", "comp": "compressed", "sink": "sink"}
+
+
 def ramp_stripes(groups: list[dict]) -> list[tuple[str, int, int]]:
-    """The colour bar's stripes (group, y0, y1 px in its 10): the raw and compressed ramps one above the other where
-    the map shows both, else the one it shows (the sink's only where a zoom shows nothing else: one column beside
-    them, its mass bar and header say it)."""
+    """The colour bar's stripes (group, y0, y1 px in its BAR_H): the raw and compressed ramps one above the other
+    where the map shows both, else the one it shows (the sink's only where a zoom shows nothing else: one column
+    beside them, its mass bar and header say it)."""
     shown = [n for n in ("raw", "comp") if any(g["name"] == n for g in groups)]
     if len(shown) == 2:
-        return [("raw", 0, 5), ("comp", 5, 10)]
-    return [(shown[0] if shown else "sink" if groups else "raw", 0, 10)]
+        return [("raw", 0, 7), ("comp", 10, BAR_H)]
+    return [(shown[0] if shown else "sink" if groups else "raw", 0, BAR_H)]
 
 
 def draw_static(state: dict) -> np.ndarray:
@@ -150,12 +154,19 @@ def draw_static(state: dict) -> np.ndarray:
         for name, a, b in mass_segments(m, mx, MASS_W):
             img[ys[r] : ys[r + 1], a:b] = GROUP_COLOURS[name]
     # the colour bar and the legend
-    ly = g["legend_y"] + 8
-    for name, y0, y1 in ramp_stripes(state["groups"]):
+    ly = g["legend_y"] + 4
+    mid = ly + BAR_H // 2 - 3  # the pixel font's 7 rows centred on the bar
+    draw_text(img, LEFT - 6, mid, state["lo_text"], TEXT, anchor="right")
+    draw_text(img, LEFT + 262, mid, state["hi_text"], TEXT)
+    x = LEFT + 262 + ADVANCE * len(state["hi_text"]) + 10
+    stripes = ramp_stripes(state["groups"])
+    for name, y0, y1 in stripes:
         img[ly + y0 : ly + y1, LEFT : LEFT + 256] = colormap(np.arange(256, dtype=np.uint8), name)[None, :, :]
-    draw_text(img, LEFT - 6, ly + 2, state["lo_text"], TEXT, anchor="right")
-    draw_text(img, LEFT + 262, ly + 2, state["hi_text"] + "   " + state["scale_text"], TEXT)
-    ly += 16
+        if len(stripes) == 2:
+            draw_text(img, x, ly + (y0 + y1) // 2 - 3, STRIPE_NAMES[name], TEXT)
+    x += ADVANCE * len(STRIPE_NAMES["comp"]) + 16 if len(stripes) == 2 else 0
+    draw_text(img, x, mid, state["scale_text"], TEXT)
+    ly += BAR_H + 6  # the key's swatches 23 px under the bar's top, as the canvas draws them
     x = LEFT
     for colour, text in ZERO_KEY:
         img[ly : ly + 8, x : x + 12] = colour
