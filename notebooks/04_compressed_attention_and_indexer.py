@@ -104,7 +104,8 @@ for q in (60, 124, 128, 132, 200, 316):
 #
 # `AttentionView` draws the map at a fixed size: queries down, keys across in three groups (raw window |
 # compressed rows | sink). Cells are scaled up, and max-pooled only when more than fit at 3 px (the note says by
-# how much). Colour "per row" shows where each query looks, "log" the small weights; the bar beside each row is
+# how much; a pooled cell shows its largest weight, so a row the indexer dropped for one of its queries shows salmon
+# only once you zoom in: the note counts those cells). Colour "per row" shows where each query looks, "log" the small weights; the bar beside each row is
 # that query's mass on raw | compressed | sink, and compressed rows the indexer dropped are salmon. Drag on the
 # map to zoom in (every cell, with its token; another layer keeps the zoom), double-click to reset; click one of the
 # heads' small pictures (beside the map, or under it on a narrower screen) to show that head.

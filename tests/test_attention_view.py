@@ -63,6 +63,21 @@ def test_mass_split_is_the_sums_of_the_weights(cap):
     np.testing.assert_allclose(m.mass, (split[0::2] + split[1::2]) / 2, rtol=0, atol=1e-12)
 
 
+def test_the_note_counts_drops_that_pooling_hides(cap):
+    """A pooled cell shows its largest weight: where one of its queries attends a compressed row the indexer
+    dropped for the other, it is not salmon, and a student read the indexer as acting only late in the prompt.
+    The note counts such cells, here from the captured choice in 2 × 2 blocks, as the view pools them."""
+    view = AttentionView(cap, layer=2, head=0)
+    amap = cap.attention(2)
+    w = amap.weights[:, 0, amap.n_raw : amap.n_raw + amap.n_comp]
+    dropped = amap.candidates & ~amap.selected
+    blocks = lambda x: x.reshape(x.shape[0] // 2, 2, x.shape[1] // 2, 2)  # noqa: E731
+    hidden = int(((blocks(w).max(axis=(1, 3)) > 0) & blocks(dropped).any(axis=(1, 3))).sum())
+    assert hidden > 0 and f"(zoom in for every cell; {hidden:,} hide a drop of the indexer's under a weight)" in view.model.note
+    view.zoom((100, 140), (300, 360))  # every cell: none hidden
+    assert "hide a drop" not in view.model.note
+
+
 def test_zoom_shows_every_cell_of_the_region(cap):
     view = AttentionView(cap, layer=2, head=0)
     w = cap.attention(2).weights[:, 0, :]

@@ -348,6 +348,7 @@ class AttentionView(View):
         row_max = np.maximum.reduceat(w[a:b].max(axis=1), starts - a)
         idx, lo_v, hi_v = scale_colours(red, self.scale, row_max=row_max)
         marks = np.where(red == 0, MARK_MASKED, 0).astype(np.uint8)
+        hidden = 0  # pooled cells that show a weight and hold a row the indexer dropped for one of their queries
         for (g, lo, hi), (s, e), f in zip(present, spans, fcs):
             if g == "comp":  # pooled like the weights
                 rows_cols = (slice(a, b), slice(lo - amap.n_raw, hi - amap.n_raw))
@@ -355,7 +356,8 @@ class AttentionView(View):
                 left_out = cand & ~amap.selected[rows_cols]
                 zero = red[:, s:e] == 0
                 not_yet = (maxpool((~cand).astype(np.float64), fr, f) > 0) & zero
-                dropped = (maxpool(left_out.astype(np.float64), fr, f) > 0) & zero
+                any_dropped = maxpool(left_out.astype(np.float64), fr, f) > 0
+                dropped, hidden = any_dropped & zero, int((any_dropped & ~zero).sum())
                 marks[:, s:e][not_yet] = MARK_NOT_YET
                 marks[:, s:e][dropped] = MARK_DROPPED
         if (self.layer, self.head) not in self._mass_cache:
@@ -367,7 +369,7 @@ class AttentionView(View):
             kind = f"ratio {amap.ratio}" if amap.ratio else "raw only"
             m.title = (f"layer {self.layer} ({kind}), head {self.head}: {Q} queries × "
                        f"{amap.n_raw} raw | {amap.n_comp} compressed | sink")
-            m.note = self._note(amap, (a, b, c, d), (Q, K), red.shape, fr, fc)
+            m.note = self._note(amap, (a, b, c, d), (Q, K), red.shape, fr, fc, hidden)
             m.layer, m.head, m.scale = self.layer, self.head, self.scale
             m.geometry = geometry()
             m.rows, m.cols = red.shape
@@ -470,13 +472,15 @@ class AttentionView(View):
             return "0", "1", "per row: weight / the query's max"
         return f"{lo:.1e}", f"{hi:.3g}", "log: weight, 4 decades"
 
-    def _note(self, amap, region, shape, shown, fr, fc) -> str:
+    def _note(self, amap, region, shape, shown, fr, fc, hidden: int = 0) -> str:
         a, b, c, d = region
         Q, K = shape
         text = f"{shown[0]}×{shown[1]} cells"
         if fr > 1 or fc > 1:
             pooled = " and ".join(f"×{f} {axis}" for f, axis in ((fr, "queries"), (fc, "keys")) if f > 1)
-            text += f", max-pooled {pooled} (zoom in for every cell)"
+            # a pooled cell shows its largest weight: a row the indexer dropped for one of its queries is not salmon
+            hides = f"; {hidden:,} hide a drop of the indexer's under a weight" if hidden else ""
+            text += f", max-pooled {pooled} (zoom in for every cell{hides})"
         else:
             text += ", every cell shown"
         if self.region is not None:
