@@ -982,6 +982,11 @@ def test_expert_view_renders(page):
     view.locator(".ds4-title", has_text="hash layers only").wait_for(timeout=10_000)  # redrawn: a new element
     assert re.match(r"router: tokens per expert, 3 layers \(hash layers only\) × 8 experts",
                     view.locator(".ds4-title").inner_text()) and hists.count() == 3
+    # the learned-router layers alone: the key explains their bars only (it still named the hash layers' light grey)
+    select = out.locator(".widget-dropdown select")
+    select.select_option(value=next(o for o in select.locator("option").all_inner_texts() if "learned" in o))
+    view.locator(".ds4-title", has_text="learned-router layers only").wait_for(timeout=10_000)
+    assert "hash" not in view.locator(".ds4-note").first.inner_text() and hists.count() == 3
     out.locator(".widget-dropdown select").select_option(label="all layers")
     # each layer its own scale: its own round ticks, their labels clear of each other (four ticks 10 px apart crowded)
     out.locator(".widget-checkbox input").uncheck()

@@ -564,6 +564,10 @@ def test_kv_view_marks_the_rows_the_indexer_picked_for_the_last_query(model):
     assert L["picked"] == np.nonzero(topk[-1][: L["n_comp"]])[0].tolist() and len(L["picked"]) == k
     assert all(M["picked"] is None for i, M in layers.items() if i != il)  # not captured, or no indexer
     assert f"{k} of {L['n_comp']}, the indexer's pick" in kv.static_html()
+    kv.scrub(0)  # after chunk 0 (64 tokens) a ratio-128 layer has no row: none attended, in words ("all 0" read
+    empty = [M for M in kv.model.data["layers"] if M["ratio"] and not M["n_comp"]]  # as a count of rows)
+    assert empty and "<td>none yet</td>" in kv.static_html() and "all 0" not in kv.static_html()
+    kv.scrub(1)
     kv.scrub(1)  # after chunk 1: the last query is position 127, which sees 32 rows: all of them
     L = next(L for L in kv.model.data["layers"] if L["layer"] == il)
     assert L["n_comp"] == 128 // R and L["picked"] == np.nonzero(topk[pos == 127][0][: L["n_comp"]])[0].tolist()

@@ -45,8 +45,11 @@ function render({ model, el }) {
     header.innerHTML = `<div class="ds4-title">router: tokens per expert, ${layers.length} layer${layers.length === 1 ? "" : "s"}` +
       `${shown} × ${n} experts, ${model.get("k")} per token</div><div class="ds4-note">` +
       `x: expert 0–${n - 1}, y: tokens routed to it (${common ? "one scale for every layer" : "each layer its own scale"}); ` +
-      `<span class="ds4-badge">hash</span> layers (light grey bars) route by a fixed table of the token id, the others ` +
-      `(dark grey) by the learned router's top ${model.get("k")}</div>`;
+      // the key of the bars shown only (the learned layers alone: no light grey bars to explain)
+      ({ all: `<span class="ds4-badge">hash</span> layers (light grey bars) route by a fixed table of the token id, ` +
+              `the others (dark grey) by the learned router's top ${model.get("k")}`,
+         hash: `<span class="ds4-badge">hash</span> layers (light grey bars) route by a fixed table of the token id`,
+         learned: `the learned router picks each token's top ${model.get("k")} (dark grey bars)` }[show]) + `</div>`;
     let h = "";
     // each histogram's axes: tokens up the left (niceTicks' round values), expert ids along the bottom
     const every = Math.max(1, Math.ceil(14 / bw));  // an expert id every `every` bars: at least 14 px apart

@@ -269,6 +269,8 @@ class KVCacheView(FollowingView):
         k = self.session.model.config.idx_topk
         if not L["ratio"]:
             return ""
+        if not L["n_comp"]:
+            return "none yet"  # "all 0" read as a count of rows attended
         if L["n_index"] is None or L["n_comp"] <= k:
             return f"all {L['n_comp']}"
         if L["picked"] is None:
