@@ -73,7 +73,8 @@ def test_the_note_counts_drops_that_pooling_hides(cap):
     dropped = amap.candidates & ~amap.selected
     blocks = lambda x: x.reshape(x.shape[0] // 2, 2, x.shape[1] // 2, 2)  # noqa: E731
     hidden = int(((blocks(w).max(axis=(1, 3)) > 0) & blocks(dropped).any(axis=(1, 3))).sum())
-    assert hidden > 0 and f"(zoom in for every cell; {hidden:,} hide a drop of the indexer's under a weight)" in view.model.note
+    assert hidden > 0
+    assert f"(zoom in for every cell; {hidden:,} hide a drop of the indexer's under a weight)" in view.model.note
     view.zoom((100, 140), (300, 360))  # every cell: none hidden
     assert "hide a drop" not in view.model.note
 
