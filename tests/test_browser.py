@@ -1015,6 +1015,8 @@ def test_generation_view_renders(page):
     chips = view.locator(".ds4-note .ds4-key")
     assert chips.count() == 6 and len({round(c.bounding_box()["y"]) for c in chips.all()}) == 1
     scale = {chips.nth(i).evaluate("(c) => getComputedStyle(c).backgroundColor") for i in range(6)}
+    # which probability: the model's softmax (a student asked whether the sampler's temperature was in it)
+    assert "(its softmax, before temperature and top-p;" in view.locator(".ds4-note").first.inner_text()
     alts = view.locator(".ds4-alts")
     # out of a token: the last one's alternatives (what the panel is for, and no blank room), said to be the last
     assert alts.inner_text().startswith("the last token generated (hover another for its alternatives)")

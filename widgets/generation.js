@@ -59,7 +59,9 @@ function render({ model, el }) {
     const recs = model.get("records"), scale = model.get("scale");
     head.textContent = `Generation: ${recs.length} tokens — ${model.get("status")}`;
     // the chips stay on one line together (ds4-scale): the line breaks before them, never between them
-    legend.innerHTML = "colour: the probability the model gave each sampled token (hover: its alternatives) " +
+    // generation.LEGEND_TITLE: the model's own softmax (ds4's logprobs), not the sampler's temperature and top-p
+    legend.innerHTML = "colour: the probability the model gave each sampled token (its softmax, before temperature " +
+      "and top-p; hover: its alternatives) " +
       `<span class="ds4-scale">` + scale.map(([, c, label]) =>
         `<span class="ds4-tok ds4-key" style="background:${c}">&nbsp;${esc(label)}&nbsp;</span>`).join(" ") + "</span>";
     const skipped = model.get("context_skipped");

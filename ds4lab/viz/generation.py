@@ -34,7 +34,9 @@ LOGPROB_SCALE = (
     (math.log(0.003), "#fdae6b"),
     (None, "#f16913"),
 )
-LEGEND_TITLE = "colour: the probability the model gave each sampled token (hover: its alternatives) "
+# the probability of the model's own softmax (ds4's logprobs), not of the sampler's temperature and top-p
+LEGEND_TITLE = ("colour: the probability the model gave each sampled token (its softmax, before temperature and top-p; "
+                "hover: its alternatives) ")
 STATUS = {
     "stop": "stopped (stop button or .stop()): run or step for more",
     "error": "stopped by an error",
