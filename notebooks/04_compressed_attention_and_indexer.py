@@ -218,18 +218,6 @@ q_last = len(ids) - 1
  & indexer_mass_chart(layers, n_visible, layer=4, query=q_last, k=k))
 
 # %% [markdown]
-# The chart builders of `ds4lab.viz.charts` reduce a prefill to one row per chunk and layer kind: here the
-# KV bytes. The ratio-4 layers grow by a compressed row and an indexer row every 4 tokens, the ratio-128
-# layers by one row every 128, the raw-only layers not at all once the window is full. The ratio-128 layers
-# hold the most bytes all the same: each keeps its compressor's pending window, the kv and score rows of the
-# 128 tokens a row pools, allocated whole from the first token (a ratio-4 layer's windows hold 8 tokens).
-
-# %%
-from ds4lab.viz.charts import kv_bytes_chart
-
-kv_bytes_chart(sess, prefill.chunks)
-
-# %% [markdown]
 # ## Ratio 128: few rows, all visible
 #
 # Layer 3 has one row for tokens 0–127 and one for 128–255; no indexer. A row becomes visible at the query
