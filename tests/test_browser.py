@@ -950,6 +950,8 @@ def test_expert_view_renders(page):
     assert view.locator(".ds4-hist .ds4-badge").count() >= 1  # hash layers marked
     for i in range(hists.count()):  # every layer has drawn bars
         assert hists.nth(i).locator("svg rect[pointer-events='none']").count() > 0
+    # 8 experts: each bar's hover target 48 px wide (at 32 a student found them small on a 1920 px screen)
+    assert hists.first.locator("svg rect[data-e]").first.bounding_box()["width"] == pytest.approx(48, abs=0.5)
     assert view.locator(".ds4-tip").inner_text().startswith("hover a bar")
     # a bar's text beside the pointer, on every layer (a caption under the title was 350 px from layer 5's bars)
     for layer, bar in ((0, 2), (5, 0)):

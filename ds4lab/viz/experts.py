@@ -132,8 +132,8 @@ class ExpertView(View):
         return f"ExpertView({len(self.counts)} layers, {n} tokens, hash layers {self.hash_layers})"
 
     def image(self, layers=None, bar_height: int = 24, bar_width: int | None = None) -> np.ndarray:
-        """The histograms of ``layers`` (all by default) as one RGB image, a strip per layer, bars grey on
-        hash layers and blue elsewhere, all on one scale."""
+        """The histograms of ``layers`` (all by default) as one RGB image, a strip per layer, bars light grey
+        on hash layers and dark grey elsewhere, all on one scale."""
         n_expert = self.config.n_expert
         bw = bar_width or max(1, min(12, 512 // n_expert))
         vmax = max(max(int(c.max()) for c in self.counts.values()), 1)
