@@ -200,7 +200,9 @@ PrefillView(model.session(ctx=512, prefill_chunk=64), ids)
 # On the right, each chunk's tokens/s. Chunk 0 (hollow) is the process's first step: it dequantizes the weights
 # it uses, which later steps reuse, so it is left out. The other chunks of one size do the same work, so their
 # spread is the machine's noise: the band is their range, the rule their median. The dashed line is each chunk's
-# speed predicted from its FLOPs (`ds4lab.costs`) at the median rate.
+# speed predicted from its FLOPs (`ds4lab.costs`) at the median rate. On a small, busy machine (a 2-core laptop or
+# CI box) the band can span a factor of three and hide the dashed line: compare the rule with it, and rerun the cell
+# when the machine is idle for a narrower band.
 #
 # ## Compare chunk sizes
 #
