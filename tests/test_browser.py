@@ -1024,8 +1024,13 @@ def test_generation_view_renders(page):
     assert alts.inner_text().startswith("the last token generated (hover another for its alternatives)")
     assert re.search(r"position \d+: token \d+", alts.inner_text()) and alts.locator("tr").count() >= 2
     before = alts.bounding_box()["height"]
+    # the token's line, from the panel's top (hovering may scroll the page)
+    line = lambda: alts.locator("b", has_text="position").bounding_box()["y"] - alts.bounding_box()["y"]  # noqa: E731
+    was = line()
     tip = _hover_fills(pg, toks.nth(3), alts, until="!el.textContent.startsWith('the last token generated')")
-    assert re.match(r"position \d+: token \d+", tip), tip
+    assert re.match(r"the token under the pointer \(off the text: the last one generated\)\nposition \d+: token \d+",
+                    tip), tip
+    assert line() == pytest.approx(was, abs=1)  # it stays where it was (the panel's first line went, it moved up)
     assert alts.bounding_box()["height"] == pytest.approx(before, abs=2)  # filled, it pushes nothing down
     assert view.locator(".ds4-alts tr").count() >= 2  # the sampled token and its alternatives
     # the bars: each alternative's probability over the largest shown (the note says so), the largest 160 px

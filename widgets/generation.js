@@ -34,7 +34,9 @@ function render({ model, el }) {
     const scale = model.get("scale");
     // the bars: each alternative's probability over the largest shown, so that small ones compare
     const top = Math.max(...r.top.map((a) => a.logprob));
-    let h = (last ? `<div class="ds4-note">the last token generated (hover another for its alternatives)</div>` : "") +
+    // a first line in either case, so that the token's line does not move up a line when one is hovered
+    let h = `<div class="ds4-note">${last ? "the last token generated (hover another for its alternatives)" :
+      "the token under the pointer (off the text: the last one generated)"}</div>` +
       `<div><b>position ${r.position}</b>: token ${r.token} <code>${esc(JSON.stringify(r.piece))}</code> · ` +
       `p ${pct(r.logprob)} (logprob ${r.logprob.toFixed(3)})${r.eos ? " · end of sequence" : ""}</div>` +
       (r.top.length ? `<div class="ds4-note">top ${r.top.length} alternatives; bars: p relative to the most likely ` +
