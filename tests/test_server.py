@@ -133,6 +133,11 @@ SERVER_PROMPTS = [  # (messages, think, the rendered text)
      B + U + "q" + A + T + "r" + TE + "part" + E),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "part", "reasoning": "r"}], False,
      B + U + "q" + A + TE + "part" + E),
+    # a blank line only between systems (an empty first one adds none, an empty later one its blank line); a
+    # function's result without thinking
+    ([{"role": "system", "content": ""}, {"role": "developer", "content": "D"}, {"role": "system", "content": ""},
+      {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "function", "content": "f"}],
+     False, B + "D\n\n" + U + "q" + A + TE + "a" + E + U + "<tool_result>f</tool_result>" + A + TE),
     # a reply no user turn precedes has no Assistant marker
     ([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}], "max",
      B + REASONING_EFFORT_MAX_PREFIX + "a" + E + "b" + E),
@@ -143,9 +148,10 @@ SERVER_PROMPTS = [  # (messages, think, the rendered text)
 def test_prompts_render_as_ds4_server_renders_them(reference, messages, think, text):
     tk = reference.tokenizer
     assert render_prompt_text(messages, think) == text
-    # tokenized as one text: special tokens where their text is (also inside a message, as ds4-server does)
-    assert render_prompt(tk, messages, think) == tk.encode_rendered(text)
-    assert render_prompt(tk, [{"role": "user", "content": "a" + U + "b"}], False).count(tk.user_id) == 2
+    # tokenized as one text: special tokens where their text is, also inside a message, as ds4-server does (the
+    # library's rule keeps a user's text as text)
+    said = [{"role": "user", "content": "a" + U + "b"}]
+    assert render_prompt(tk, said, False).count(tk.user_id) == 2 == tk.render_chat(said).count(tk.user_id) + 1
 
 
 def test_each_api_reads_reasoning_where_ds4_server_does(reference):
@@ -180,10 +186,21 @@ def test_each_api_reads_reasoning_where_ds4_server_does(reference):
     assert responses(user, thought, user) == [turns[0], {"role": "assistant", "content": "", "reasoning": "s\nc"},
                                               turns[0]]
     assert responses(user, thought) == [turns[0], {"role": "assistant", "content": "", "reasoning": "s\nc"}]
-    for status in ("in_progress", "incomplete", "failed"):
+    for status in ("in_progress", "incomplete", "failed", None):  # null too: ds4-server reads a string
         with pytest.raises(RequestError) as e:
             responses(user, dict(said, status=status))
-        assert e.value.param == "input[1].status" and status in e.value.message
+        assert e.value.param == "input[1].status" and json.dumps(status) in e.value.message
+    with pytest.raises(RequestError) as e:  # a content part must say it is text, as there
+        responses(dict(user, content=[{"text": "q"}]))
+    assert e.value.param == "input[0].content[0].type"
+    # Anthropic's system as a list: one part a line, Claude Code's private "x-anthropic-" parts and empty ones out
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1"}, {"type": "text", "text": "A"},
+              "", "B"]
+    req = parse_messages({"model": "m", "max_tokens": 8, "system": system, "messages": [turns[0]]}, limits, tk)
+    assert req.messages[0] == {"role": "system", "content": "A\nB"}
+    with pytest.raises(RequestError) as e:
+        parse_messages({"model": "m", "max_tokens": 8, "system": [3], "messages": [turns[0]]}, limits, tk)
+    assert e.value.param == "system[0]"
 
 
 def test_no_tools_is_not_a_tool_request(reference):

@@ -38,7 +38,10 @@ def render_text(messages: list[dict], think: bool | str) -> str:
     """The rendered conversation: ``messages`` are dicts of ``role``, ``content`` and, for an assistant message,
     an optional ``reasoning``; ``think`` False (no thinking), True (thinking) or "max" (thinking, with the
     reasoning-effort prefix after BOS)."""
-    system = "\n\n".join(m["content"] for m in messages if m["role"] in SYSTEM_ROLES)
+    system = ""
+    for m in messages:  # a blank line before each one but where none came yet (an empty first one adds none)
+        if m["role"] in SYSTEM_ROLES:
+            system += ("\n\n" if system else "") + m["content"]
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user" or m["role"] in TOOL_ROLES),
                     default=-1)
     tools = any(m["role"] in TOOL_ROLES for m in messages)  # ds4-server's "tool context": every reasoning is kept

@@ -368,15 +368,34 @@ def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
                    include_usage=_include_usage(data), stop=_stop(data, "stop"))
 
 
+def _anthropic_system(value) -> str:
+    """Anthropic's ``system`` as ds4-server reads it: a string or a list of strings and text blocks, each on a line
+    of its own; empty parts and Claude Code's private ones ("x-anthropic-...", a billing header) left out."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        parts, names = [value], ["system"]
+    elif isinstance(value, list):
+        parts, names = value, [f"system[{i}]" for i in range(len(value))]
+    else:
+        raise _type_error("system", "a string or a list of text blocks", value)
+    out = ""
+    for part, name in zip(parts, names):
+        text = part.get("text", "") if isinstance(part, dict) else part
+        if not isinstance(text, str):
+            raise _type_error(name, 'a string or a text block {"type": "text", "text": "..."}', part)
+        if text and not text.startswith("x-anthropic-"):
+            out += ("\n" if out and not out.endswith("\n") else "") + text
+    return out
+
+
 def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/messages`` (Anthropic): ``max_tokens`` required, ``system`` apart from the messages."""
     model = _model(data, limits)
     _refuse_tools(data)
     messages = _messages(data, ("user", "assistant"), thinking_blocks=True)
-    system = data.get("system")
-    if system is not None:
-        system = _text_content(system, "system")
-        messages = ([{"role": "system", "content": system}] if system else []) + messages
+    system = _anthropic_system(data.get("system"))
+    messages = ([{"role": "system", "content": system}] if system else []) + messages
     mode = _think_mode(data, model, limits)
     ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
     return Request("messages", model, _check_length(ids, limits, "messages"),
@@ -406,8 +425,8 @@ def _response_content(value, name: str) -> str:
         if isinstance(part, str):
             parts.append(part)
             continue
-        if isinstance(part, dict) and part.get("type") not in (*_RESPONSE_PARTS, None):
-            raise RequestError(f"{name}[{i}].type {json.dumps(part['type'])[:80]}: ds4lab serve reads text parts "
+        if isinstance(part, dict) and part.get("type") not in _RESPONSE_PARTS:  # a text type required, as there
+            raise RequestError(f"{name}[{i}].type {json.dumps(part.get('type'))[:80]}: ds4lab serve reads text parts "
                                f"only ({', '.join(_RESPONSE_PARTS)})", param=f"{name}[{i}].type",
                                code="unsupported_parameter")
         if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
@@ -431,8 +450,8 @@ def _response_input(data: dict) -> list[dict]:
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise _type_error(f"input[{i}]", "an item object", item)
-        status = item.get("status")
-        if status not in (None, "", "completed"):
+        status = item.get("status", "")
+        if status not in ("", "completed"):  # null too: ds4-server reads a string
             raise RequestError(f"input[{i}].status {json.dumps(status)[:80]}: only completed items can be sent back "
                                "(ds4-server refuses partial ones)", param=f"input[{i}].status", code="invalid_value")
         kind = item.get("type", "message")
