@@ -74,9 +74,9 @@ def test_the_note_counts_drops_that_pooling_hides(cap):
     blocks = lambda x: x.reshape(x.shape[0] // 2, 2, x.shape[1] // 2, 2)  # noqa: E731
     hidden = int(((blocks(w).max(axis=(1, 3)) > 0) & blocks(dropped).any(axis=(1, 3))).sum())
     assert hidden > 0
-    assert f"(zoom in for every cell; {hidden:,} hide a drop of the indexer's under a weight)" in view.model.note
-    view.zoom((100, 140), (300, 360))  # every cell: none hidden
-    assert "hide a drop" not in view.model.note
+    assert f"(zoom in for every cell; {hidden:,} pooled cells hide an indexer-dropped row under a weight)" in view.model.note
+    view.zoom((0, 320), (0, amap.n_raw))  # the raw keys alone, still pooled: no compressed row, none hidden
+    assert "max-pooled ×2 queries" in view.model.note and "hide an indexer-dropped" not in view.model.note
 
 
 def test_zoom_shows_every_cell_of_the_region(cap):
@@ -404,10 +404,10 @@ def test_each_key_group_is_drawn_on_its_own_ramp(cap):
     ly = fig.geometry()["legend_y"] + 4  # the colour bar: raw above, compressed below, a white gap between them
     assert tuple(img[ly + 3, LEFT + 128]) in ramp["raw"] and tuple(img[ly + 13, LEFT + 128]) in ramp["comp"]
     assert tuple(img[ly + 8, LEFT + 128]) == (255, 255, 255)
-    # each stripe named on its right (touching, a teacher and a student read them as one ramp): ink beside each
-    name_x = LEFT + 262 + 6 * len(state["hi_text"]) + 10
-    for y0, y1 in ((ly, ly + 7), (ly + 10, ly + 17)):
-        assert (img[y0:y1, name_x : name_x + 30] < 100).all(axis=2).sum() > 10
+    # each stripe named on its left, before the scale's "0" (touching, a student read them as one ramp): ink there
+    # at each stripe's rows, none between them
+    names = (img[:, LEFT - fig.STRIPE_NAME_GAP - 30 : LEFT - fig.STRIPE_NAME_GAP] < 100).all(axis=2)
+    assert names[ly : ly + 8].sum() > 10 and names[ly + 12 : ly + 20].sum() > 10 and not names[ly + 8 : ly + 12].any()
     for layer in (2, 3):  # layer 3: 320 raw keys, 2 compressed rows and the sink, columns pooled by more than 3
         view.show(layer, 0)
         amap = cap.attention(layer)

@@ -1032,6 +1032,14 @@ def test_generation_view_renders(page):
                     tip), tip
     assert line() == pytest.approx(was, abs=1)  # it stays where it was (the panel's first line went, it moved up)
     assert alts.bounding_box()["height"] == pytest.approx(before, abs=2)  # filled, it pushes nothing down
+    # over every token: the panel keeps its height (a token sampled outside the top 5 adds a row: it grew by one
+    # the first time) and the bars start where they did (they moved 10-14 px with the token's width)
+    seen = set()
+    for i in range(12):
+        _hover_fills(pg, toks.nth(i), alts, until=f"el.textContent.includes('position ') && !el.textContent.startsWith('the last')")
+        bar_x = alts.locator(".ds4-pbar").first.bounding_box()["x"] - alts.bounding_box()["x"]
+        seen.add((round(alts.bounding_box()["height"]), round(bar_x)))
+    assert len({h for h, _ in seen}) == 1 and max(x for _, x in seen) - min(x for _, x in seen) <= 1, seen
     assert view.locator(".ds4-alts tr").count() >= 2  # the sampled token and its alternatives
     # the bars: each alternative's probability over the largest shown (the note says so), the largest 160 px
     assert "bars: p relative to the most likely" in tip

@@ -153,38 +153,32 @@ function render({ model, el }) {
       });
     });
     // the colour bar and the legend
-    const ly = g.legend_y + 4, mid = ly + 8.5;
-    // the raw and compressed ramps one above the other where both are shown, 3 px apart and each named on its right
-    // (touching, they read as one ramp): attention_figure.ramp_stripes, BAR_H 17
+    const ly = g.legend_y + 4, mid = ly + 10;
+    // the raw and compressed ramps one above the other where both are shown, 4 px apart and each named on its left
+    // (touching, they read as one ramp): attention_figure.ramp_stripes, BAR_H 20, STRIPE_NAME_GAP 22
     const shown = ["raw", "comp"].filter((n) => groups.some((grp) => grp.name === n));
-    const stripes = shown.length === 2 ? [["raw", 0, 7], ["comp", 10, 17]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 17]];
+    const stripes = shown.length === 2 ? [["raw", 0, 8], ["comp", 12, 20]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 20]];
     for (const [name, y0, y1] of stripes) {
       for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly + y0, 1, y1 - y0); }
     }
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, mid);
+    if (stripes.length === 2) for (const [name, y0, y1] of stripes) ctx.fillText(STRIPE_NAMES[name], L - 22, ly + (y0 + y1) / 2);
     ctx.textAlign = "left"; ctx.fillText(model.get("hi_text"), L + 262, mid);
-    let x = L + 262 + ctx.measureText(model.get("hi_text")).width + 10;
-    if (stripes.length === 2) {
-      ctx.font = "10px ui-monospace, Menlo, Consolas, monospace";  // two lines 10 px apart
-      for (const [name, y0, y1] of stripes) ctx.fillText(STRIPE_NAMES[name], x, ly + (y0 + y1) / 2);
-      x += ctx.measureText(STRIPE_NAMES.comp).width + 16;
-      ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
-    }
-    ctx.fillText(model.get("scale_text"), x, mid);
-    x = L;
+    ctx.fillText(model.get("scale_text"), L + 262 + ctx.measureText(model.get("hi_text")).width + 12, mid);
+    let x = L;
     const present = new Set(bytes(model.get("marks")));
     for (const [c, mark, text] of ZERO_KEY) {
       if (!present.has(mark)) continue;
-      ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 23, 12, 8);
-      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 27); x += 16 + ctx.measureText(text).width + 18;
+      ctx.fillStyle = `rgb(${c})`; ctx.fillRect(x, ly + 26, 12, 8);
+      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 30); x += 16 + ctx.measureText(text).width + 18;
     }
     // the key of the groups' colours: a cell's ramp and each query's mass bar (attention_figure.GROUPS_KEY)
-    ctx.fillStyle = "#222"; ctx.fillText("cells, bars:", x, ly + 27); x += ctx.measureText("cells, bars:").width + 8;
+    ctx.fillStyle = "#222"; ctx.fillText("cells, bars:", x, ly + 30); x += ctx.measureText("cells, bars:").width + 8;
     const mass = model.get("mass");  // keyed only where some query's bar has it (a layer without compressed rows)
     MASS_KEY.forEach(([name, text], i) => {
       if (!mass.some((m) => m[i] > 0)) return;
-      ctx.fillStyle = GROUP[name]; ctx.fillRect(x, ly + 23, 12, 8);
-      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 27); x += 16 + ctx.measureText(text).width + 14;
+      ctx.fillStyle = GROUP[name]; ctx.fillRect(x, ly + 26, 12, 8);
+      ctx.fillStyle = "#222"; ctx.fillText(text, x + 16, ly + 30); x += 16 + ctx.measureText(text).width + 14;
     });
     drawHeads();
     describe();  // the tooltip follows the figure: what is under the pointer now
@@ -200,7 +194,7 @@ function render({ model, el }) {
     return c < 0 ? null : { r, c };
   };
   const describe = () => {
-    const at = pointer && cellAt(pointer);
+    const at = !drag && pointer && cellAt(pointer);  // none while a zoom is dragged: it covered the region
     tip.style.display = at ? "block" : "none";
     if (!at) return;
     const m = model.get("mass")[at.r], rl = model.get("row_labels")[at.r];
@@ -240,6 +234,7 @@ function render({ model, el }) {
     if (!drag) return;
     const at = cellAt(pos(ev)), first = drag.at;
     drag = null; sel.style.display = "none";
+    describe();  // the tooltip again, where the pointer is
     if (!at || at.mass || (at.r === first.r && at.c === first.c)) return;  // a click, not a region
     model.set("zoom_request", [Math.min(first.r, at.r), Math.max(first.r, at.r), Math.min(first.c, at.c), Math.max(first.c, at.c)]);
     model.save_changes();

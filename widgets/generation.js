@@ -21,10 +21,11 @@ function render({ model, el }) {
   // is not left blank), or before any token what hovering one shows
   const placeholder = () => {
     const recs = model.get("records");
-    if (recs.length) { showTip(recs.length - 1, true); return; }
-    // until a token's alternatives were shown, the room they take (views.css: every line 1.6em): the note on the
-    // last token, its line, the heading, the decoder's top alternatives and a sampled token from outside them
+    // the room a token's alternatives take, from the start (views.css: every line 1.6em): the panel's first line,
+    // the token's, the heading, the decoder's top alternatives and a sampled token from outside them (that last
+    // row, first shown on hover, moved what follows down a line)
     if (!tip.style.minHeight) tip.style.minHeight = `${(4 + model.get("top")) * 1.6}em`;
+    if (recs.length) { showTip(recs.length - 1, true); return; }
     tip.innerHTML = `<div class="ds4-note">hover a generated token: the model's most likely tokens at its ` +
       `position show here</div>`;
   };

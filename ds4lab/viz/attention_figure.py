@@ -97,8 +97,9 @@ def column_groups(groups: list[dict], cols: int) -> np.ndarray:
     return names
 
 
-BAR_H = 17  # px of the colour bar: two stripes of 7, 3 apart, each named on its right (touching, read as one ramp)
+BAR_H = 20  # px of the colour bar: two stripes of 8, 4 apart, each named on its left (touching, read as one ramp)
 STRIPE_NAMES = {"raw": "raw", "comp": "compressed", "sink": "sink"}
+STRIPE_NAME_GAP = 22  # px from a stripe's name to the bar (the scale's "0" between them)
 
 
 def ramp_stripes(groups: list[dict]) -> list[tuple[str, int, int]]:
@@ -107,7 +108,7 @@ def ramp_stripes(groups: list[dict]) -> list[tuple[str, int, int]]:
     beside them, its mass bar and header say it)."""
     shown = [n for n in ("raw", "comp") if any(g["name"] == n for g in groups)]
     if len(shown) == 2:
-        return [("raw", 0, 7), ("comp", 10, BAR_H)]
+        return [("raw", 0, 8), ("comp", 12, BAR_H)]
     return [(shown[0] if shown else "sink" if groups else "raw", 0, BAR_H)]
 
 
@@ -158,15 +159,13 @@ def draw_static(state: dict) -> np.ndarray:
     mid = ly + BAR_H // 2 - 3  # the pixel font's 7 rows centred on the bar
     draw_text(img, LEFT - 6, mid, state["lo_text"], TEXT, anchor="right")
     draw_text(img, LEFT + 262, mid, state["hi_text"], TEXT)
-    x = LEFT + 262 + ADVANCE * len(state["hi_text"]) + 10
+    draw_text(img, LEFT + 262 + ADVANCE * len(state["hi_text"]) + 12, mid, state["scale_text"], TEXT)
     stripes = ramp_stripes(state["groups"])
     for name, y0, y1 in stripes:
         img[ly + y0 : ly + y1, LEFT : LEFT + 256] = colormap(np.arange(256, dtype=np.uint8), name)[None, :, :]
-        if len(stripes) == 2:
-            draw_text(img, x, ly + (y0 + y1) // 2 - 3, STRIPE_NAMES[name], TEXT)
-    x += ADVANCE * len(STRIPE_NAMES["comp"]) + 16 if len(stripes) == 2 else 0
-    draw_text(img, x, mid, state["scale_text"], TEXT)
-    ly += BAR_H + 6  # the key's swatches 23 px under the bar's top, as the canvas draws them
+        if len(stripes) == 2:  # left of the "0"
+            draw_text(img, LEFT - STRIPE_NAME_GAP, ly + (y0 + y1) // 2 - 3, STRIPE_NAMES[name], TEXT, anchor="right")
+    ly += BAR_H + 6  # the key's swatches 26 px under the bar's top, as the canvas draws them
     x = LEFT
     for colour, text in ZERO_KEY:
         img[ly : ly + 8, x : x + 12] = colour

@@ -479,7 +479,7 @@ class AttentionView(View):
         if fr > 1 or fc > 1:
             pooled = " and ".join(f"×{f} {axis}" for f, axis in ((fr, "queries"), (fc, "keys")) if f > 1)
             # a pooled cell shows its largest weight: a row the indexer dropped for one of its queries is not salmon
-            hides = f"; {hidden:,} hide a drop of the indexer's under a weight" if hidden else ""
+            hides = f"; {hidden:,} pooled cells hide an indexer-dropped row under a weight" if hidden else ""
             text += f", max-pooled {pooled} (zoom in for every cell{hides})"
         else:
             text += ", every cell shown"
