@@ -74,7 +74,8 @@ def test_the_note_counts_drops_that_pooling_hides(cap):
     blocks = lambda x: x.reshape(x.shape[0] // 2, 2, x.shape[1] // 2, 2)  # noqa: E731
     hidden = int(((blocks(w).max(axis=(1, 3)) > 0) & blocks(dropped).any(axis=(1, 3))).sum())
     assert hidden > 0
-    assert f"(zoom in for every cell; {hidden:,} pooled cells hide an indexer-dropped row under a weight)" in view.model.note
+    note = f"(zoom in for every cell; {hidden:,} pooled cells hide an indexer-dropped row under a weight)"
+    assert note in view.model.note
     view.zoom((0, 320), (0, amap.n_raw))  # the raw keys alone, still pooled: no compressed row, none hidden
     assert "max-pooled ×2 queries" in view.model.note and "hide an indexer-dropped" not in view.model.note
 
