@@ -491,6 +491,22 @@ def test_prefill_view_renders(page):
     assert kv.locator(".ds4-layers").bounding_box()["height"] == pytest.approx(layers_height, abs=1)
     assert img.get_attribute("alt") == "mask: query position (down) × key position (raw rows) (across)"
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer0.png"))
+    # on a 2x screen the mask's image has twice the pixels of its box (at 1x it was soft there), and the pointer
+    # still finds its cells
+    cdp, size = pg.context.new_cdp_session(pg), pg.viewport_size
+    cdp.send("Emulation.setDeviceMetricsOverride", dict(size, deviceScaleFactor=2, mobile=False))
+    try:
+        out.locator(".widget-dropdown select").select_option(label="2: ratio 4, indexer")
+        pg.wait_for_function("(el) => el.textContent.includes('layer 2')",
+                             arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
+        img.evaluate("(i) => i.decode()")
+        assert img.evaluate("(i) => [i.naturalWidth, i.naturalHeight]") == [2 * img.evaluate("(i) => i.width"),
+                                                                           2 * img.evaluate("(i) => i.height")]
+        assert _hover_fills(pg, img, tip, (0.15, 0.8), until="el.textContent.includes('all so far')")
+        mask.screenshot(path=str(ARTIFACTS / "prefill_view_mask_2x.png"))
+    finally:
+        cdp.send("Emulation.clearDeviceMetricsOverride")
+        out.locator(".widget-dropdown select").select_option(label="0: raw only")
 
 
 def _visible_sliders(out) -> list:
@@ -1036,7 +1052,8 @@ def test_generation_view_renders(page):
     # the first time) and the bars start where they did (they moved 10-14 px with the token's width)
     seen = set()
     for i in range(12):
-        _hover_fills(pg, toks.nth(i), alts, until=f"el.textContent.includes('position ') && !el.textContent.startsWith('the last')")
+        _hover_fills(pg, toks.nth(i), alts,
+                     until="el.textContent.includes('position ') && !el.textContent.startsWith('the last')")
         bar_x = alts.locator(".ds4-pbar").first.bounding_box()["x"] - alts.bounding_box()["x"]
         seen.add((round(alts.bounding_box()["height"]), round(bar_x)))
     assert len({h for h, _ in seen}) == 1 and max(x for _, x in seen) - min(x for _, x in seen) <= 1, seen

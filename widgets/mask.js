@@ -67,6 +67,7 @@ function render({ model, el }) {
   hint.textContent = "hover a cell: query, key, and why it is seen or not";
   const legend = document.createElement("div"); legend.className = "ds4-legend";
   el.append(title, img, hint, legend);
+  let size = [0, 0];  // the image's layout px (its pixels are these times the device's pixel ratio)
   const draw = () => {
     const g = layout(model), cells = bytes(model.get("cells")), col = model.get("colours"), cats = model.get("categories");
     const p0 = model.get("pos0");
@@ -79,8 +80,12 @@ function render({ model, el }) {
     ctx.font = "11px sans-serif";
     const tw = ctx.measureText(model.get("x_title")).width, titleX = Math.max(L + tw / 2, (L + g.drawn) / 2);
     const W = Math.max(g.W, Math.ceil(titleX + tw / 2) + 4);
-    canvas.width = W; canvas.height = g.H;  // (resizing the canvas resets its context)
+    // the image at the screen's pixel density, shown at W x H px (at 1 px a CSS px it was soft on a 2x screen)
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.round(W * dpr); canvas.height = Math.round(g.H * dpr);  // (resizing resets the context)
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.clearRect(0, 0, W, g.H);
+    size = [W, g.H];
     const counts = new Array(cats.length).fill(0);
     for (let q = 0; q < g.Q; q++) for (let c = 0; c < g.N; c++) {
       const cat = cells[q * g.N + c]; counts[cat]++;
@@ -152,7 +157,7 @@ function render({ model, el }) {
   const cellAt = (under, x, y) => {
     if (under !== img) return "";
     const g = layout(model), rect = img.getBoundingClientRect();
-    const px = ((x - rect.left) / rect.width) * canvas.width, py = ((y - rect.top) / rect.height) * canvas.height;
+    const px = ((x - rect.left) / rect.width) * size[0], py = ((y - rect.top) / rect.height) * size[1];
     const q = Math.floor((py - T) / g.rh);
     let c = -1;
     for (let i = 0; i < g.N; i++) if (px >= g.x(i) && px < g.x(i) + g.w(i)) { c = i; break; }
