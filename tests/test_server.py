@@ -236,10 +236,11 @@ def test_memory_text_continuation_keeps_the_live_tokens(reference):
                                                                                *tk.encode("JULIET: the end")]
 
 
-def test_memory_text_continuation_keeps_text_that_spells_a_control_token(reference):
-    """The reuse never makes a control token of text: a prompt whose text after the live tokens spells one (a
-    user's "<｜User｜>") keeps its own plain tokens there, and live control tokens stand only where the prompt has
-    the same ones (a live User token is not the prompt's plain text spelling it)."""
+def test_memory_text_continuation_tokenizes_the_rest_as_ds4_server_does(reference):
+    """After the live tokens, the rest of the prompt's text is tokenized whole as rendered chat text, as ds4-server
+    does (build_prompt_from_exact_prefix_and_text_suffix): across the token the live text ends inside (BPE may
+    merge it otherwise than the prompt's tokens did), and text that spells a control token is that token, as the
+    server's prompts have it."""
     from ds4lab.server.worker import Worker
 
     tk = reference.tokenizer
@@ -247,18 +248,13 @@ def test_memory_text_continuation_keeps_text_that_spells_a_control_token(referen
     worker = Worker(reference, ctx=256)
     live = [tk.bos_id, *(tk.encode(c)[0] for c in "ROMEO: h")]
     worker.session.sync(live)
-    tail = tk.encode(f"el, {user}JULIET:")
-    prompt = [tk.bos_id, *tk.encode("ROMEO: hel"), *tail]
-    assert tk.user_id not in prompt and tk.user_id in tk.encode_rendered(f"el, {user}JULIET:")
+    prompt = tk.encode_rendered(f"{tk.tokens[tk.bos_id]}ROMEO: hel, {user}JULIET:")
+    assert prompt[:len(live)] != live and tk.user_id in prompt
     out = worker._continuation(prompt)
-    assert out[:len(live)] == live and tk.user_id not in out and tk.decode(out) == tk.decode(prompt)
-    assert out[len(live):] == tk.encode("el") + tail  # only the token the live text ends in is encoded again
-
-    worker.session.sync([tk.bos_id, tk.user_id, *tk.encode("hi")])
-    plain = [tk.bos_id, *tk.encode(f"{user}hi there")]  # the same bytes, the control token spelled as text
-    assert worker._continuation(plain) == plain
-    chat = [tk.bos_id, tk.user_id, *tk.encode("hi there")]
-    assert worker._continuation(chat) == chat  # the live tokens a prefix: as it is
+    assert out == live + tk.encode_rendered(f"el, {user}JULIET:") and tk.decode(out) == tk.decode(prompt)
+    # the live text no prefix of the prompt's: the prompt as it is
+    assert worker._continuation(tk.encode_rendered(f"{tk.tokens[tk.bos_id]}JULIET:")) == \
+        tk.encode_rendered(f"{tk.tokens[tk.bos_id]}JULIET:")
 
 
 def test_serve_usage_errors(capsys, tmp_path):
@@ -458,8 +454,12 @@ def test_responses_whole_and_streamed_match_the_python_api(server, reference):
     # back as an incomplete reasoning item (summary asked for), with no message
     messages = [{"role": "user", "content": "MERCUTIO: Nay, gentle Romeo"}]
     want, n = _expected(reference, render_prompt(reference.tokenizer, messages, think=True), 4, seed=9)
+    # sampled at ds4's defaults whatever the request asks, as ds4-server samples a thinking request (the seed kept)
     thought = client.responses.create(model="shakespeare", input=messages[0]["content"], max_output_tokens=4,
-                                      reasoning={"effort": "high", "summary": "auto"}, extra_body={"seed": 9})
+                                      reasoning={"effort": "high", "summary": "auto"}, temperature=0.1, top_p=0.2,
+                                      extra_body={"seed": 9})
+    assert want != _expected(reference, render_prompt(reference.tokenizer, messages, think=True), 4, seed=9,
+                             temperature=0.1, top_p=0.2)[0]  # (what the request's own sampling gives)
     assert thought.usage.output_tokens_details.reasoning_tokens == thought.usage.output_tokens == n > 0
     assert [(o.type, o.status) for o in thought.output] == [("reasoning", "incomplete")]
     assert thought.output[0].summary[0].text == want and thought.output_text == ""

@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from .prompt import render as render_prompt
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
@@ -53,6 +54,11 @@ class Sampling:
     def params(self) -> dict:
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     seed=self.seed)
+
+    def for_thinking(self) -> Sampling:
+        """What ds4-server samples a thinking request with, whatever it asked: ds4's defaults (temperature 1, no
+        top-k, top-p 1, min-p 0.05), the request's seed kept."""
+        return Sampling(DEFAULT_TEMPERATURE, 0, DEFAULT_TOP_P, DEFAULT_MIN_P, self.seed)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,7 @@ import asyncio
 import queue
 import threading
 import time
-from bisect import bisect_left
 from dataclasses import asdict, dataclass
-from itertools import accumulate
 
 from ..kv.checkpoint import model_fingerprint
 from ..kv.store import routed_quant_bits, token_text
@@ -159,7 +157,8 @@ class Worker:
             sess.checkpoint()  # chunk kept it already; a repeat of this prompt restores exactly this state
         prefill_seconds = time.perf_counter() - began
         job.emit("start", len(ids), result.reused)
-        decode = sess.decoder(**req.sampling.params(), top=1)
+        sampling = req.sampling.for_thinking() if req.thinking else req.sampling  # ds4-server's rule
+        decode = sess.decoder(**sampling.params(), top=1)
         channels = Channels(req.thinking, req.stop)
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
         generated, reasoning, finish = 0, 0, "length"
@@ -195,27 +194,20 @@ class Worker:
     def _continuation(self, ids: list[int]) -> list[int]:
         """ds4-server's "memory-text" reuse: when the live tokens are not a prefix of ``ids`` but their text is a
         prefix of the prompt's text (a reply the client sends back re-tokenized differently), the prompt becomes
-        the live tokens, then the rest of the prompt's token that the live text ends inside (encoded as plain text),
-        then the prompt's own tokens after it; otherwise ``ids`` as they are. ds4 encodes all the rest of the
-        text again; here only that one token's rest is (as plain text), the prompt's tokens after it stay as
-        rendered, and the live control tokens must sit where the prompt's do."""
+        the live tokens, then the rest of the prompt's text tokenized as rendered chat text (special tokens where
+        their text is: ds4_kvstore.c's build_prompt_from_exact_prefix_and_text_suffix); otherwise ``ids``."""
         live = self.session.tokens
         if not live or ids[:len(live)] == live:
             return ids
         tk = self.model.tokenizer
-        held = token_text(tk, live)
-        ends = list(accumulate(len(tk.token_bytes(t)) for t in ids))
-        j = bisect_left(ends, len(held))  # ids[j]'s text holds the live text's last byte
-        if j == len(ids) or _specials(tk, live) != _specials(tk, ids[:j + 1]):
-            return ids  # the prompt's text is shorter, or its control tokens are not the live ones
-        text = token_text(tk, ids[:j + 1])
+        held, text = token_text(tk, live), token_text(tk, ids)
         if not text.startswith(held):
             return ids
         try:
-            rest = tk.encode(text[len(held):].decode("utf-8"))
+            rest = tk.encode_rendered(text[len(held):].decode("utf-8"))
         except UnicodeDecodeError:  # the live text ends inside a character
             return ids
-        out = list(live) + rest + list(ids[j + 1:])
+        out = list(live) + rest
         return out if len(out) < self.session.ctx - 1 else ids
 
     def _sync(self, ids: list[int], job: Job) -> SyncResult:
@@ -283,13 +275,3 @@ class Worker:
             store.pop("effective_hits")
             c["store"] = dict(store, dir=str(self.store.dir))
         return c
-
-
-def _specials(tk, ids) -> list[tuple[int, int]]:
-    """(byte offset, id) of each control token in ``ids``' text."""
-    out, at = [], 0
-    for t in ids:
-        if t in tk.special_ids:
-            out.append((at, t))
-        at += len(tk.token_bytes(t))
-    return out
