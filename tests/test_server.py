@@ -236,6 +236,55 @@ def test_memory_text_continuation_keeps_the_live_tokens(reference):
                                                                                *tk.encode("JULIET: the end")]
 
 
+def test_a_thinking_reply_is_continued_from_the_live_tokens_by_its_visible_text(reference):
+    """ds4-server's "thinking-visible" reuse: the next turn's prompt leaves the reply's reasoning out, so its tokens
+    are no prefix of the live ones (which hold the reasoning); after a thinking reply that closed its thinking and
+    stopped, the server keeps the text the next prompt starts with (the prompt without its "<think>", "</think>",
+    the answer, EOS) and continues such a prompt from the live tokens, reasoning and all. Not for the Responses
+    API, a reply cut by max_tokens or still thinking, a conversation with tool results, or a live state that moved."""
+    from ds4lab.server.worker import Worker
+
+    tk = reference.tokenizer
+    limits = Limits(("m",), 1024, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    turn1 = [{"role": "user", "content": "ROMEO: Speak."}]
+    first = parse_chat({"model": "m", "messages": turn1}, limits, tk)
+    assert first.thinking and first.text.endswith(T)
+    worker = Worker(reference, ctx=1024)
+    live = first.prompt + tk.encode("I ponder.") + [tk.think_end_id] + tk.encode("Hark!")  # what the reply left
+    worker.session.sync(live)
+    worker._remember_visible(first, "stop", "Hark!", in_reasoning=False)
+    assert worker.visible == (first.text[: -len(T)] + TE + "Hark!" + E, len(live))
+    turn2 = turn1 + [{"role": "assistant", "content": "Hark!"}, {"role": "user", "content": "Again."}]
+    second = parse_chat({"model": "m", "messages": turn2}, limits, tk)
+    assert second.prompt[:len(live)] != live  # the reasoning is not in the prompt
+    assert worker._visible_continuation(second) == live + tk.encode_rendered(U + "Again." + A + T)
+    responses = parse_responses({"model": "m", "input": turn2}, limits, tk)
+    assert responses.text == second.text and worker._visible_continuation(responses) is None
+    tools = parse_chat({"model": "m", "messages": turn2[:2] + [{"role": "tool", "content": "7"}]}, limits, tk)
+    for req, finish, thinking in ((first, "length", False), (first, "stop", True), (tools, "stop", False)):
+        worker._remember_visible(req, finish, "Hark!", in_reasoning=thinking)
+        assert worker.visible is None, (finish, thinking)
+    worker._remember_visible(first, "stop", "Hark!", in_reasoning=False)
+    worker.session.sync(live + tk.encode(" more"))  # the live state moved on: the key no longer stands for it
+    assert worker._visible_continuation(second) is None
+
+
+def test_the_server_continues_a_thinking_reply_by_its_visible_text(server, reference):
+    """The same through a request: with the key kept (the embedded model never closes its thinking, so the reply is
+    laid in the live state here), the next turn is evaluated from the live tokens: only its new text."""
+    tk, worker = reference.tokenizer, server.worker
+    turn1 = [{"role": "user", "content": "ROMEO: Speak."}]
+    live = render_prompt(tk, turn1, True) + tk.encode("I ponder.") + [tk.think_end_id] + tk.encode("Hark!")
+    worker.session.sync(live)  # (the worker is idle between requests)
+    worker.visible = (render_prompt_text(turn1, True)[: -len(T)] + TE + "Hark!" + E, len(live))
+    turn2 = turn1 + [{"role": "assistant", "content": "Hark!"}, {"role": "user", "content": "Again."}]
+    r = _openai(server).chat.completions.create(model="shakespeare", messages=turn2, max_tokens=2, seed=1,
+                                                reasoning_effort="high")
+    rest = tk.encode_rendered(U + "Again." + A + T)
+    assert r.usage.prompt_tokens_details.cached_tokens == len(live)
+    assert r.usage.prompt_tokens == len(live) + len(rest) != len(render_prompt(tk, turn2, True))
+
+
 def test_memory_text_continuation_tokenizes_the_rest_as_ds4_server_does(reference):
     """After the live tokens, the rest of the prompt's text is tokenized whole as rendered chat text, as ds4-server
     does (build_prompt_from_exact_prefix_and_text_suffix): across the token the live text ends inside (BPE may

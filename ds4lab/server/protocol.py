@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from .prompt import render as render_prompt
+from .prompt import render_text
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
 DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
@@ -86,6 +86,7 @@ class Request:
     stop: tuple[str, ...] = ()
     thinking: bool = False  # the output starts inside <think>: reasoning first, then the answer
     messages: list = field(default_factory=list, repr=False)
+    text: str = field(default="", repr=False)  # the chat APIs' rendered prompt (its text is what ds4-server matches)
     # /v1/responses: reasoning.effort as asked (None: not asked), and reasoning.summary (auto, concise or detailed:
     # the reasoning sent back as a summary item; None: not sent)
     effort: str | None = None
@@ -343,11 +344,12 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
     _refuse_unsupported(data, _CHAT_UNSUPPORTED)
     mode = _think_mode(data, model, limits)
-    ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
+    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    ids = tokenizer.encode_rendered(text)
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
                    include_usage=_include_usage(data), stop=_stop(data, "stop"),
-                   thinking=mode != "none", messages=messages)
+                   thinking=mode != "none", messages=messages, text=text)
 
 
 def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
@@ -403,11 +405,12 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     system = _anthropic_system(data.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + messages
     mode = _think_mode(data, model, limits)
-    ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
+    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    ids = tokenizer.encode_rendered(text)
     return Request("messages", model, _check_length(ids, limits, "messages"),
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
-                   stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages)
+                   stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages, text=text)
 
 
 # OpenAI's Responses API (ds4-server's parse_responses_request): ``input`` a string or a list of items (messages, their
@@ -533,8 +536,9 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
             raise _type_error("instructions", "a string", instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     mode, effort, summary = _response_reasoning(data, model, limits)
-    ids = render_prompt(tokenizer, messages, think={"none": False, "high": True, "max": "max"}[mode])
+    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    ids = tokenizer.encode_rendered(text)
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
-                   stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, effort=effort,
+                   stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, text=text, effort=effort,
                    summary=summary if mode != "none" else None)

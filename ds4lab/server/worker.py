@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 from ..kv.checkpoint import model_fingerprint
 from ..kv.store import routed_quant_bits, token_text
 from ..session import SyncResult
+from ..tokenizer import EOS, THINK, THINK_END
 from .channels import Channels
+from .prompt import TOOL_ROLES
 from .protocol import Request, RequestError
 
 DEFAULT_QUEUE_SIZE = 16
@@ -85,6 +87,9 @@ class Worker:
         self.running: Job | None = None
         self.counts = dict.fromkeys(("requests", "refused", "cancelled", "errors", "prompt_tokens", "cached_tokens",
                                      "completion_tokens"), 0)
+        # ds4-server's "thinking-visible" key: after a thinking reply, the text the next turn's prompt will start
+        # with (its reasoning left out) and the live length it stands for (_visible_continuation)
+        self.visible: tuple[str, int] | None = None
 
     # -- the queue ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,7 +149,11 @@ class Worker:
         req, sess = job.request, self.session
         self.counts["requests"] += 1
         began = time.perf_counter()
-        ids = self._continuation(req.prompt)
+        live = sess.tokens
+        visible = None if live and req.prompt[:len(live)] == live else self._visible_continuation(req)
+        ids = visible or self._continuation(req.prompt)
+        if visible is None:
+            self.visible = None  # a turn that did not continue from it: the key is stale (ds4-server's rule)
         try:
             result = self._sync(ids, job)
         except _Stopped:
@@ -161,7 +170,7 @@ class Worker:
         decode = sess.decoder(**sampling.params(), top=1)
         channels = Channels(req.thinking, req.stop)
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
-        generated, reasoning, finish = 0, 0, "length"
+        generated, reasoning, finish, answer = 0, 0, "length", ""
         began = time.perf_counter()
         n = max(0, min(req.max_tokens, room))
         for i in range(n):
@@ -176,11 +185,14 @@ class Worker:
             reasoning += channels.channel == "reasoning"
             for channel, text in channels.feed(step.text):
                 job.emit("text", channel, text)
+                answer += text if channel == "text" else ""
             if channels.stop is not None:
                 finish = "stop"
                 break
         for channel, text in channels.flush():
             job.emit("text", channel, text)
+            answer += text if channel == "text" else ""
+        self._remember_visible(req, finish, answer, channels.channel == "reasoning")
         if finish == "cancelled":
             self.counts["cancelled"] += 1
         c = self.counts
@@ -190,6 +202,30 @@ class Worker:
         job.emit("done", Outcome(len(ids), result.reused, generated, finish, channels.stop, result.source,
                                  prefill_seconds, time.perf_counter() - began, reasoning,
                                  channels.channel == "reasoning"))
+
+    def _remember_visible(self, req: Request, finish: str, answer: str, in_reasoning: bool) -> None:
+        """After a chat reply that thought and closed its thinking, ds4-server keeps the text the next turn's prompt
+        starts with, which leaves the reasoning out (the prompt without its closing "<think>", then "</think>", the
+        answer and EOS), as a key to the live tokens, which hold the reasoning (build_toolless_thinking_visible_text);
+        not where tools are in the conversation (its prompt keeps every reasoning) or a reply ended unfinished."""
+        tools = any(m["role"] in TOOL_ROLES for m in req.messages)
+        if (req.text.endswith(THINK) and req.thinking and not tools and finish == "stop" and not in_reasoning):
+            self.visible = (req.text[: -len(THINK)] + THINK_END + answer + EOS, len(self.session.tokens))
+        else:
+            self.visible = None
+
+    def _visible_continuation(self, req: Request) -> list[int] | None:
+        """ds4-server's "thinking-visible" reuse (thinking_live_visible_prefix_prompt): a chat prompt (not the
+        Responses API's) whose text extends the text kept after the last thinking reply continues from the live
+        tokens, reasoning and all, then the rest of its text tokenized as rendered chat text; else None."""
+        if self.visible is None or req.api == "responses":
+            return None
+        text, live_len = self.visible
+        live = self.session.tokens
+        if live_len != len(live) or not (len(text) < len(req.text) and req.text.startswith(text)):
+            return None
+        out = list(live) + self.model.tokenizer.encode_rendered(req.text[len(text):])
+        return out if len(out) < self.session.ctx - 1 else None
 
     def _continuation(self, ids: list[int]) -> list[int]:
         """ds4-server's "memory-text" reuse: when the live tokens are not a prefix of ``ids`` but their text is a
