@@ -1252,15 +1252,17 @@ def test_views_fit_a_laptop_screen(page):
     # (its colour bar and key too) in one screen (with the heads above the figure it was 843 px tall)
     pg.set_viewport_size({"width": 1400, "height": 900})
     was = _side_panel(pg, False)
-    pg.wait_for_function("([c, h]) => h.getBoundingClientRect().left >= c.getBoundingClientRect().right",
-                         arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)
-    att.scroll_into_view_if_needed()
-    view, area = att.bounding_box(), notebook.bounding_box()
-    assert view["height"] <= area["height"], (view, area)
-    pg.screenshot(path=str(ARTIFACTS / "screen_1400_attention.png"))
-    pg.set_viewport_size({"width": 1280, "height": 800})
-    _side_panel(pg, True)
     try:
+        pg.wait_for_function("([c, h]) => h.getBoundingClientRect().left >= c.getBoundingClientRect().right",
+                             arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)
+        att.scroll_into_view_if_needed()
+        view, area = att.bounding_box(), notebook.bounding_box()
+        assert view["height"] <= area["height"], (view, area)
+        pg.screenshot(path=str(ARTIFACTS / "screen_1400_attention.png"))
+        # the KV ring at 30% of the 900 lines (240 at 800, 330 at most)
+        assert kv.locator(".ds4-ring").bounding_box()["width"] == pytest.approx(270, abs=1)
+        pg.set_viewport_size({"width": 1280, "height": 800})
+        _side_panel(pg, True)
         # no room beside it: the heads under the figure, which with its key and the controls still fits one screen
         pg.wait_for_function("([c, h]) => h.getBoundingClientRect().top >= c.getBoundingClientRect().bottom",
                              arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)

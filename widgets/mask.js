@@ -97,17 +97,16 @@ function render({ model, el }) {
     // group too narrow for any (one compressed row) gets its shortest on a second line, running past its column
     // a header ending close to the next group's column: the next header starts 12 px past it, a thin line in the
     // middle (a decode step's "own" and "compressed" read as one phrase), as the AttentionView separates its own
-    let from = 0;  // where the next header on the first line may start
+    let from = 0, sep = null;  // where the next header on the first line may start; the line before it
     for (const [names, a, b] of g.groups) if (b > a) {
       const x = Math.max(g.x(a), from);
       const room = b === g.N ? W - x : g.x(b) - 2 - x, name = names.find((s) => ctx.measureText(s).width <= room);
+      if (sep !== null && name !== undefined) {  // only between two headers of the first line
+        ctx.fillStyle = "#999"; ctx.fillRect(sep, 2, 1, 13); ctx.fillStyle = "#333";
+      }
       ctx.fillText(name ?? names.at(-1), name === undefined ? g.x(a) : x, name === undefined ? 18 : 8);
       const end = x + ctx.measureText(name ?? "").width;
-      from = 0;
-      if (name !== undefined && b < g.N && g.x(b) - end < 12) {
-        ctx.fillStyle = "#999"; ctx.fillRect(Math.round(end + 6), 2, 1, 13);
-        from = end + 12;
-      }
+      [from, sep] = name !== undefined && b < g.N && g.x(b) - end < 12 ? [end + 12, Math.round(end + 6)] : [0, null];
       // the rows this step wrote under a bar of the accent, as the KV view marks them (a rule over the others)
       const own = names.at(-1) === "own", width = g.x(b - 1) + g.w(b - 1) - g.x(a);
       ctx.fillStyle = own ? model.get("written") : "#333";
