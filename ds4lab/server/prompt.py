@@ -6,9 +6,9 @@ It is not the append rule of ds4's library that ``Tokenizer.render_chat`` follow
 ``generate``): every system and developer message goes first, joined by a blank line; an assistant message ends
 with EOS; consecutive tool results share one User marker; when thinking, an assistant message after the last user
 turn, or any once a tool result is in the conversation, keeps its reasoning in ``<think>...</think>`` (the others
-only close it); an assistant message that no user
-turn precedes has no Assistant marker, and a conversation that ends with one gets no new assistant turn. The text
-is then tokenized as a whole with its special tokens, as ``ds4_tokenize_rendered_chat`` does."""
+only close it); an assistant message that no user turn precedes has no Assistant marker, and a conversation that
+ends with one gets no new assistant turn. The text is then tokenized as a whole with its special tokens, as
+``ds4_tokenize_rendered_chat`` does."""
 
 from __future__ import annotations
 

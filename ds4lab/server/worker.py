@@ -209,7 +209,7 @@ class Worker:
         answer and EOS), as a key to the live tokens, which hold the reasoning (build_toolless_thinking_visible_text);
         not where tools are in the conversation (its prompt keeps every reasoning) or a reply ended unfinished."""
         tools = any(m["role"] in TOOL_ROLES for m in req.messages)
-        if (req.text.endswith(THINK) and req.thinking and not tools and finish == "stop" and not in_reasoning):
+        if req.thinking and req.text.endswith(THINK) and not tools and finish == "stop" and not in_reasoning:
             self.visible = (req.text[: -len(THINK)] + THINK_END + answer + EOS, len(self.session.tokens))
         else:
             self.visible = None
