@@ -1,7 +1,8 @@
 // AttentionView: a figure of fixed layout (geometry from Python): the heatmap in three key groups (raw | compressed |
 // sink) with axes, each query's mass as a stacked bar, a colour bar and a legend; small multiples of every captured
-// head beside it where the output has room, else under it (so the figure and its key fit a laptop's screen). The figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE
-// of it; narrower outputs scroll it sideways): nothing is cut off.
+// head beside it where the output has room, else under it (so the figure and its key fit a laptop's screen). The
+// figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE of it; narrower
+// outputs scroll it sideways): nothing is cut off.
 // Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
 // a weight's ramp in each key group, white -> the group's colour -> its darkest (reduce.RAMPS): blue raw, green
 // compressed, grey the sink, as the mass bars and the KV view colour them
