@@ -319,6 +319,10 @@ def test_the_indexer_rows_look_alike_in_the_mask_and_the_attention_view(cap):
 
     assert COLOURS[DROPPED] == _hex(fig.DROPPED) and COLOURS[NOT_YET] == _hex(fig.NOT_YET)
     assert [text for _, text in fig.ZERO_KEY] == ["weight 0 (masked)", "not yet compressed", "dropped by the indexer"]
+    # the static figure keys only the kinds it shows, as the canvas does: layer 3 has no indexer, so no salmon key
+    legend = lambda layer: draw_static(AttentionView(cap, layer=layer, head=0)._state())[fig.geometry()["legend_y"]:]  # noqa: E731
+    has = lambda img, rgb: bool((img == rgb).all(axis=2).any())  # noqa: E731
+    assert has(legend(2), fig.DROPPED) and not has(legend(3), fig.DROPPED) and has(legend(3), fig.MASKED)
     view = AttentionView(cap, layer=2, head=0)
     amap = cap.attention(2)
     nr, nc = amap.n_raw, amap.n_comp

@@ -42,6 +42,7 @@ NOT_YET = palette.rgb(palette.NOT_YET)  # a compressed row whose group of tokens
 DROPPED = palette.rgb(palette.DROPPED)  # a compressed row the indexer did not select for this query
 MARK_DROPPED, MARK_MASKED, MARK_NOT_YET = 1, 2, 3
 ZERO_KEY = ((MASKED, "weight 0 (masked)"), (NOT_YET, "not yet compressed"), (DROPPED, "dropped by the indexer"))
+ZERO_KEY_MARKS = (MARK_MASKED, MARK_NOT_YET, MARK_DROPPED)  # each keyed only where the figure has such a cell
 TEXT, FAINT = (34, 34, 34), (120, 120, 120)
 
 
@@ -167,7 +168,10 @@ def draw_static(state: dict) -> np.ndarray:
             draw_text(img, LEFT - STRIPE_NAME_GAP, ly + (y0 + y1) // 2 - 3, STRIPE_NAMES[name], TEXT, anchor="right")
     ly += BAR_H + 6  # the key's swatches 26 px under the bar's top, as the canvas draws them
     x = LEFT
-    for colour, text in ZERO_KEY:
+    present = set(np.frombuffer(state["marks"], np.uint8).tolist())  # as the canvas: the kinds the figure shows
+    for (colour, text), mark in zip(ZERO_KEY, ZERO_KEY_MARKS):
+        if mark not in present:
+            continue
         img[ly : ly + 8, x : x + 12] = colour
         draw_text(img, x + 16, ly + 1, text, TEXT)
         x += 16 + ADVANCE * len(text) + 18
