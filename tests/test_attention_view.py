@@ -80,6 +80,24 @@ def test_the_note_counts_drops_that_pooling_hides(cap):
     assert "max-pooled ×2 queries" in view.model.note and "hide an indexer-dropped" not in view.model.note
 
 
+def test_axis_labels_fit_their_room(cap):
+    """Zoomed in to every cell, a key's label is its position and its token written bottom to top under the
+    heatmap: a longer position leaves the token fewer characters (at 4 digits and more it ran into the colour bar),
+    none under two; a query's label the same left of the heatmap."""
+    from ds4lab.viz.attention_view import X_LABEL_CHARS, Y_LABEL_CHARS
+
+    view = AttentionView(cap, layer=2, head=0)
+    view.zoom((100, 136), (56, 92))
+    m = view.model
+    assert all(len(t) <= X_LABEL_CHARS for _, t in m.xticks) and all(len(t) <= Y_LABEL_CHARS for _, t in m.yticks)
+    assert sum("'" in t for _, t in m.xticks) > 10 and sum("'" in t for _, t in m.yticks) > 10  # tokens shown
+    tok = repr(view.tokens[123])
+    assert view._label(123, 3 + 1 + len(tok), 6) == f"123 {tok}"  # room for all of it
+    short = view._label(123, 8, 6)  # room for two characters of it
+    assert len(short) <= 8 and short.startswith("123 ") and short == f"123 {repr(view.tokens[123][:2])}"
+    assert view._label(123, 6, 6) == "123"  # none under two
+
+
 def test_zoom_shows_every_cell_of_the_region(cap):
     view = AttentionView(cap, layer=2, head=0)
     w = cap.attention(2).weights[:, 0, :]

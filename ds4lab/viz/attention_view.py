@@ -24,6 +24,7 @@ from .attention_figure import (
     FEW_PX,
     GAP,
     HEIGHT,
+    LEFT,
     MARK_DROPPED,
     MARK_MASKED,
     MARK_NOT_YET,
@@ -31,6 +32,7 @@ from .attention_figure import (
     MIN_CELL,
     SINK_PX,
     WIDTH,
+    X_LABELS,
     draw_static,
     geometry,
     place_headers,
@@ -51,6 +53,9 @@ from .reduce import (
 
 GROUPS = ("raw", "comp", "sink")
 THUMB_ROWS, THUMB_COLS = 60, 90  # cells of a head's small multiple at most
+# the most characters of an axis label: the key positions' room under the heatmap (written bottom to top, to the
+# colour bar 4 px below it) and the queries' left of it, at 6.6 px a character (11 px monospace)
+X_LABEL_CHARS, Y_LABEL_CHARS = int((X_LABELS + 4 - 6) / 6.6), int((LEFT - 6) / 6.6)
 TICK_PX = 13  # px between two axis labels at least: 10 px text, still apart in a view scaled to 0.85
 
 
@@ -217,6 +222,15 @@ class AttentionView(View):
         amap = self.map(self.layer if layer is None else layer)
         w = self.weights(layer, head)
         return np.stack([w[:, amap.groups[g]].sum(axis=1) for g in GROUPS], axis=1)
+
+    def _label(self, p: int, chars: int, width: int) -> str:
+        """Position ``p`` and up to ``width`` characters of its token, in ``chars`` characters at most (a longer
+        position leaves its token less room, none under two characters: a label ran into the colour bar)."""
+        for w in range(min(width, chars - len(str(p)) - 3), 1, -1):  # 3: a space and the quotes
+            label = f"{p}{self._tok(p, w)}"
+            if len(label) <= chars:  # (an escaped character takes more than one)
+                return label
+        return str(p)
 
     def _tok(self, p: int, width: int | None = None) -> str:
         if self.tokens is None or not 0 <= p < len(self.tokens):
@@ -449,7 +463,7 @@ class AttentionView(View):
                     x0, x1 = col_edges[col + j]
                     if g == "raw":
                         pos = int(amap.raw_positions[s])
-                        text = f"{pos}{self._tok(pos, 6)}" if step == 1 and e - s == 1 else str(pos)
+                        text = self._label(pos, X_LABEL_CHARS, 6) if step == 1 and e - s == 1 else str(pos)
                     else:
                         text = f"c{s - amap.n_raw}"
                     ticks.append([(x0 + x1) / 2, text])
@@ -461,7 +475,7 @@ class AttentionView(View):
         out = []
         for i in range(0, len(row_src), step):
             pos = int(amap.queries[row_src[i][0]])
-            text = f"{pos}{self._tok(pos, 8)}" if step == 1 and fr == 1 else str(pos)
+            text = self._label(pos, Y_LABEL_CHARS, 8) if step == 1 and fr == 1 else str(pos)
             out.append([(int(ye[i]) + int(ye[i + 1])) / 2, text])
         return out
 
