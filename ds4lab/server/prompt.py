@@ -34,6 +34,12 @@ def tool_result_text(content: str) -> str:
     return content.replace(TOOL_RESULT_CLOSE, "&lt;" + TOOL_RESULT_CLOSE[1:])
 
 
+def tool_context(messages: list[dict]) -> bool:
+    """Whether a tool's result is in the conversation (ds4-server's "tool context": every reply keeps its reasoning
+    in the prompt)."""
+    return any(m["role"] in TOOL_ROLES for m in messages)
+
+
 def render_text(messages: list[dict], think: bool | str) -> str:
     """The rendered conversation: ``messages`` are dicts of ``role``, ``content`` and, for an assistant message,
     an optional ``reasoning``; ``think`` False (no thinking), True (thinking) or "max" (thinking, with the
@@ -44,7 +50,7 @@ def render_text(messages: list[dict], think: bool | str) -> str:
             system += ("\n\n" if system else "") + m["content"]
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user" or m["role"] in TOOL_ROLES),
                     default=-1)
-    tools = any(m["role"] in TOOL_ROLES for m in messages)  # ds4-server's "tool context": every reasoning is kept
+    tools = tool_context(messages)
     out = [BOS, REASONING_EFFORT_MAX_PREFIX if think == "max" else "", system]
     awaiting_reply = in_tool_results = False  # a user turn or tool results came last; several results in a row
     for i, m in enumerate(messages):

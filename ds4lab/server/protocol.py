@@ -287,6 +287,13 @@ def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
 
 # -- the three request kinds ------------------------------------------------------------------------------
 
+def _rendered(tokenizer, messages: list[dict], mode: str) -> tuple[str, list[int]]:
+    """The prompt ds4-server makes of ``messages`` in thinking ``mode`` ("none", "high" or "max"): its text (what
+    the worker's reuse matches) and its tokens."""
+    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    return text, tokenizer.encode_rendered(text)
+
+
 def _check_role(message: dict, name: str, roles: tuple[str, ...]) -> None:
     if message.get("role") not in roles:
         raise RequestError(f"{name}.role must be one of {', '.join(roles)}, got {json.dumps(message.get('role'))}",
@@ -344,8 +351,7 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
     _refuse_unsupported(data, _CHAT_UNSUPPORTED)
     mode = _think_mode(data, model, limits)
-    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
-    ids = tokenizer.encode_rendered(text)
+    text, ids = _rendered(tokenizer, messages, mode)
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
                    include_usage=_include_usage(data), stop=_stop(data, "stop"),
@@ -405,8 +411,7 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     system = _anthropic_system(data.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + messages
     mode = _think_mode(data, model, limits)
-    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
-    ids = tokenizer.encode_rendered(text)
+    text, ids = _rendered(tokenizer, messages, mode)
     return Request("messages", model, _check_length(ids, limits, "messages"),
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
@@ -536,8 +541,7 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
             raise _type_error("instructions", "a string", instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     mode, effort, summary = _response_reasoning(data, model, limits)
-    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
-    ids = tokenizer.encode_rendered(text)
+    text, ids = _rendered(tokenizer, messages, mode)
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
                    stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, text=text, effort=effort,

@@ -55,6 +55,11 @@ def _item_status(status: str) -> str:
     return "completed" if status == "completed" else "incomplete"
 
 
+def _reasoning_status(in_reasoning: bool) -> str:
+    """A reasoning item's status: incomplete where the generation ended before its </think> (ds4-server's)."""
+    return "incomplete" if in_reasoning else "completed"
+
+
 def reasoning_item(ids: Ids, text: str, status: str) -> dict:
     summary = [{"type": "summary_text", "text": text}] if text else []
     return {"id": ids.reasoning, "type": "reasoning", "status": status, "summary": summary}
@@ -69,8 +74,7 @@ def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str, in_re
     """The output items: the reasoning where a summary was asked for and there is some (incomplete where the
     generation ended before its </think>, as ds4-server marks it), the message where there is text (ds4's rule: an
     answer cut inside its reasoning has no message)."""
-    thought = "incomplete" if in_reasoning else "completed"
-    return ([reasoning_item(ids, reasoning, thought)] if req.summary and reasoning else []) + (
+    return ([reasoning_item(ids, reasoning, _reasoning_status(in_reasoning))] if req.summary and reasoning else []) + (
         [message_item(ids, text, _item_status(status))] if text else [])
 
 
@@ -141,8 +145,8 @@ async def stream(job: Job, ids: Ids):
             status = _STATUS[out.finish] if out else "failed"
             in_reasoning = out.in_reasoning if out else "message" not in opened
             if opened:  # the message, or the reasoning where no answer followed
-                thought = "incomplete" if in_reasoning else "completed"
-                yield close_item(opened[-1], thought if opened[-1] == "reasoning" else _item_status(status))
+                yield close_item(opened[-1], _reasoning_status(in_reasoning) if opened[-1] == "reasoning"
+                                 else _item_status(status))
             error = None
             if out is None:
                 e: RequestError = ev[1]

@@ -22,7 +22,7 @@ from ..kv.store import routed_quant_bits, token_text
 from ..session import SyncResult
 from ..tokenizer import EOS, THINK, THINK_END
 from .channels import Channels
-from .prompt import TOOL_ROLES
+from .prompt import tool_context
 from .protocol import Request, RequestError
 
 DEFAULT_QUEUE_SIZE = 16
@@ -208,8 +208,8 @@ class Worker:
         starts with, which leaves the reasoning out (the prompt without its closing "<think>", then "</think>", the
         answer and EOS), as a key to the live tokens, which hold the reasoning (build_toolless_thinking_visible_text);
         not where tools are in the conversation (its prompt keeps every reasoning) or a reply ended unfinished."""
-        tools = any(m["role"] in TOOL_ROLES for m in req.messages)
-        if req.thinking and req.text.endswith(THINK) and not tools and finish == "stop" and not in_reasoning:
+        if (req.thinking and req.text.endswith(THINK) and not tool_context(req.messages) and finish == "stop"
+                and not in_reasoning):
             self.visible = (req.text[: -len(THINK)] + THINK_END + answer + EOS, len(self.session.tokens))
         else:
             self.visible = None
@@ -224,7 +224,12 @@ class Worker:
         live = self.session.tokens
         if live_len != len(live) or not (len(text) < len(req.text) and req.text.startswith(text)):
             return None
-        out = list(live) + self.model.tokenizer.encode_rendered(req.text[len(text):])
+        return self._live_then(req.text[len(text):])
+
+    def _live_then(self, text: str) -> list[int] | None:
+        """The live tokens, then ``text`` tokenized as rendered chat text (ds4_kvstore.c's
+        build_prompt_from_exact_prefix_and_text_suffix); None where that leaves nothing to generate."""
+        out = list(self.session.tokens) + self.model.tokenizer.encode_rendered(text)
         return out if len(out) < self.session.ctx - 1 else None
 
     def _continuation(self, ids: list[int]) -> list[int]:
@@ -240,11 +245,10 @@ class Worker:
         if not text.startswith(held):
             return ids
         try:
-            rest = tk.encode_rendered(text[len(held):].decode("utf-8"))
+            rest = text[len(held):].decode("utf-8")
         except UnicodeDecodeError:  # the live text ends inside a character
             return ids
-        out = list(live) + rest
-        return out if len(out) < self.session.ctx - 1 else ids
+        return self._live_then(rest) or ids
 
     def _sync(self, ids: list[int], job: Job) -> SyncResult:
         sess, store = self.session, self.store
