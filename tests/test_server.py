@@ -6,6 +6,7 @@ loaded apart (sessions, the sampler, the tokenizer); reuse is read from ``usage`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -42,6 +43,8 @@ from ds4lab.tokenizer import REASONING_EFFORT_MAX_PREFIX  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX, CHUNK, MIN_TOKENS = 1024, 64, 16  # small: prefill runs at ~20 tokens/s on a loaded 2-core box
+# what a request is read against (a model of one name, a chat template, thinking "high" unless asked otherwise)
+CHAT_LIMITS = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
 SHAKESPEARE = (ROOT / "data" / "tinyshakespeare.txt").read_text()
 SYSTEM = SHAKESPEARE[:100]  # about 30 tokens: over MIN_TOKENS, so a cold checkpoint is stored
 
@@ -94,8 +97,7 @@ def test_channels_split_reasoning_and_cut_at_stop_strings():
 
 def test_thinking_modes_follow_ds4_server(reference):
     tk = reference.tokenizer
-    chat = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
-    plain = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=False)
+    chat, plain = CHAT_LIMITS, dataclasses.replace(CHAT_LIMITS, chat_model=False)
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     cases = [(chat, {}, True), (chat, {"reasoning_effort": "none"}, False), (chat, {"reasoning_effort": "low"}, True),
              (chat, {"model": "deepseek-chat"}, False), (chat, {"thinking": {"type": "disabled"}}, False),
@@ -159,7 +161,7 @@ def test_each_api_reads_reasoning_where_ds4_server_does(reference):
     API's reasoning items go with their assistant turn; reasoning items with none after them get an empty one;
     compaction items are passed over; an item that is not completed is refused, as ds4-server refuses it."""
     tk = reference.tokenizer
-    limits = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    limits = CHAT_LIMITS
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"}]
     chat = parse_chat({"model": "m", "messages": [turns[0], {"role": "assistant", "content": "a",
                                                              "reasoning_content": "r"}]}, limits, tk)
@@ -206,7 +208,7 @@ def test_each_api_reads_reasoning_where_ds4_server_does(reference):
 def test_no_tools_is_not_a_tool_request(reference):
     # what clients send when they have none (README, "ds4lab serve"): answered like a request without the field
     tk = reference.tokenizer
-    limits = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    limits = CHAT_LIMITS
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for extra in ({"tools": []}, {"functions": []}, {"tool_choice": "none"}, {"tool_choice": {"type": "none"}},
                   {"tools": None}):
@@ -245,7 +247,7 @@ def test_a_thinking_reply_is_continued_from_the_live_tokens_by_its_visible_text(
     from ds4lab.server.worker import Worker
 
     tk = reference.tokenizer
-    limits = Limits(("m",), 1024, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+    limits = CHAT_LIMITS
     turn1 = [{"role": "user", "content": "ROMEO: Speak."}]
     first = parse_chat({"model": "m", "messages": turn1}, limits, tk)
     assert first.thinking and first.text.endswith(T)
