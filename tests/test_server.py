@@ -36,6 +36,7 @@ from ds4lab.server.protocol import (  # noqa: E402
     RequestError,
     Sampling,
     parse_chat,
+    parse_completion,
     parse_messages,
     parse_responses,
 )
@@ -285,6 +286,65 @@ def test_the_server_continues_a_thinking_reply_by_its_visible_text(server, refer
     rest = tk.encode_rendered(U + "Again." + A + T)
     assert r.usage.prompt_tokens_details.cached_tokens == len(live)
     assert r.usage.prompt_tokens == len(live) + len(rest) != len(render_prompt(tk, turn2, True))
+
+
+def test_a_chat_models_completion_is_the_chat_turn_ds4_server_makes(reference):
+    """ds4-server's /v1/completions (parse_completion_request): a text prompt becomes "You are a helpful assistant",
+    the prompt as the user's turn and the assistant's turn opened, thinking chosen as for a chat request. A model
+    without a chat template continues the text as it is; token ids are continued as they are."""
+    tk = reference.tokenizer
+    base = {"model": "m", "prompt": "Hi"}
+    system = "You are a helpful assistant"
+    for extra, think in (({}, T), ({"think": False}, TE), ({"model": "deepseek-chat"}, TE),
+                         ({"reasoning_effort": "max"}, T)):
+        req = parse_completion(dict(base, **extra), CHAT_LIMITS, tk)
+        assert req.text == B + system + U + "Hi" + A + think, extra
+        assert req.prompt == tk.encode_rendered(req.text) and req.thinking == (think == T), extra
+    big = dataclasses.replace(CHAT_LIMITS, ctx=393216)  # Think Max needs that context, as in ds4
+    assert parse_completion(dict(base, reasoning_effort="max"), big, tk).text == (
+        B + REASONING_EFFORT_MAX_PREFIX + system + U + "Hi" + A + T)
+    assert parse_completion(dict(base, prompt=""), CHAT_LIMITS, tk).text == B + system + U + A + T
+    ids = tk.encode("Hi")
+    assert parse_completion(dict(base, prompt=ids), CHAT_LIMITS, tk).prompt == ids
+    plain = parse_completion(base, dataclasses.replace(CHAT_LIMITS, chat_model=False), tk)
+    assert plain.prompt == ids and not plain.thinking
+
+
+def test_a_thinking_completion_is_sent_as_one_text(reference):
+    """ds4-server sends a completion's reply as generated, reasoning and all (it parses chat replies only), sampled
+    at ds4's thinking defaults, its stop strings looked for from the first token: the worker's events for a chat
+    model's completion are one "text" channel, the tokens a session samples after the rendered prompt."""
+    import asyncio
+
+    from ds4lab.server.worker import Job, Worker
+
+    tk = reference.tokenizer
+    req = parse_completion({"model": "m", "prompt": "ROMEO:", "max_tokens": 8, "seed": 4, "temperature": 0.1},
+                           CHAT_LIMITS, tk)
+    want, _ = _expected(reference, req.prompt, 8, seed=4, temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)
+    assert req.thinking and TE not in want  # the embedded model never closes its thinking: all of it reasoning
+
+    def events(request) -> list:
+        loop = asyncio.new_event_loop()
+        try:
+            job = Job(request, loop)
+            Worker(reference, ctx=CTX, prefill_chunk=CHUNK)._run(job)
+
+            async def drain():
+                await asyncio.sleep(0)
+                return [job.events.get_nowait() for _ in range(job.events.qsize())]
+
+            return loop.run_until_complete(drain())
+        finally:
+            loop.close()
+
+    got = events(req)
+    assert {e[1] for e in got if e[0] == "text"} == {"text"}
+    assert "".join(e[2] for e in got if e[0] == "text") == want
+    stop = want[2:4]
+    cut = events(dataclasses.replace(req, stop=(stop,)))
+    assert "".join(e[2] for e in cut if e[0] == "text") == want[:want.index(stop)]
+    assert cut[-1][1].finish == "stop" and cut[-1][1].stop == stop
 
 
 def test_memory_text_continuation_tokenizes_the_rest_as_ds4_server_does(reference):

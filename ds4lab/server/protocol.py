@@ -21,6 +21,7 @@ from .prompt import render_text
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
 DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
+COMPLETION_SYSTEM = "You are a helpful assistant"  # the system message ds4-server puts before a completion's prompt
 MAX_STOP_SEQUENCES = 16
 _SEED_MAX = (1 << 64) - 1
 
@@ -359,12 +360,22 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
 
 
 def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
-    """``POST /v1/completions``: the prompt as plain text (or token ids), continued without a chat template."""
+    """``POST /v1/completions``. A text prompt to a chat model becomes a chat turn as ds4-server makes it
+    (parse_completion_request: a fixed system message, the prompt as the user's turn, thinking as for chat
+    requests); the reply is sent as one text, its reasoning and ``</think>`` included. Without a chat template the
+    prompt is continued as plain text; token ids are continued as they are (ds4lab's: ds4-server reads text only)."""
     model = _model(data, limits)
     _refuse_unsupported(data, _COMPLETION_UNSUPPORTED)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    if isinstance(prompt, str) and limits.chat_model:
+        messages = [{"role": "system", "content": COMPLETION_SYSTEM}, {"role": "user", "content": prompt}]
+        mode = _think_mode(data, model, limits)
+        text, ids = _rendered(tokenizer, messages, mode)
+        return Request("completion", model, _check_length(ids, limits, "prompt"), _max_tokens(data, limits),
+                       _sampling(data, limits), stream=_bool(data, "stream"), include_usage=_include_usage(data),
+                       stop=_stop(data, "stop"), thinking=mode != "none", messages=messages, text=text)
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

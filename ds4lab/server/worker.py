@@ -168,7 +168,9 @@ class Worker:
         job.emit("start", len(ids), result.reused)
         sampling = req.sampling.for_thinking() if req.thinking else req.sampling  # ds4-server's rule
         decode = sess.decoder(**sampling.params(), top=1)
-        channels = Channels(req.thinking, req.stop)
+        # a text completion is sent as one text, reasoning and </think> included, its stops looked for in all of
+        # it (ds4-server parses only a chat reply)
+        channels = Channels(req.thinking and req.api != "completion", req.stop)
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
         generated, reasoning, finish, answer = 0, 0, "length", ""
         began = time.perf_counter()
@@ -204,21 +206,22 @@ class Worker:
                                  channels.channel == "reasoning"))
 
     def _remember_visible(self, req: Request, finish: str, answer: str, in_reasoning: bool) -> None:
-        """After a chat reply that thought and closed its thinking, ds4-server keeps the text the next turn's prompt
-        starts with, which leaves the reasoning out (the prompt without its closing "<think>", then "</think>", the
-        answer and EOS), as a key to the live tokens, which hold the reasoning (build_toolless_thinking_visible_text);
-        not where tools are in the conversation (its prompt keeps every reasoning) or a reply ended unfinished."""
-        if (req.thinking and req.text.endswith(THINK) and not tool_context(req.messages) and finish == "stop"
-                and not in_reasoning):
+        """After a chat reply (not a text completion) that thought and closed its thinking, ds4-server keeps the text
+        the next turn's prompt starts with, which leaves the reasoning out (the prompt without its closing "<think>",
+        then "</think>", the answer and EOS), as a key to the live tokens, which hold the reasoning
+        (build_toolless_thinking_visible_text); not where tools are in the conversation (its prompt keeps every
+        reasoning) or a reply ended unfinished."""
+        if (req.thinking and req.api != "completion" and req.text.endswith(THINK) and not tool_context(req.messages)
+                and finish == "stop" and not in_reasoning):
             self.visible = (req.text[: -len(THINK)] + THINK_END + answer + EOS, len(self.session.tokens))
         else:
             self.visible = None
 
     def _visible_continuation(self, req: Request) -> list[int] | None:
-        """ds4-server's "thinking-visible" reuse (thinking_live_visible_prefix_prompt): a chat prompt (not the
-        Responses API's) whose text extends the text kept after the last thinking reply continues from the live
-        tokens, reasoning and all, then the rest of its text tokenized as rendered chat text; else None."""
-        if self.visible is None or req.api == "responses":
+        """ds4-server's "thinking-visible" reuse (thinking_live_visible_prefix_prompt): a chat prompt (not the Responses
+        API's nor a text completion's) whose text extends the text kept after the last thinking reply continues from the
+        live tokens, reasoning and all, then the rest of its text tokenized as rendered chat text; else None."""
+        if self.visible is None or req.api in ("responses", "completion"):
             return None
         text, live_len = self.visible
         live = self.session.tokens
