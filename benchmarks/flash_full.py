@@ -5,8 +5,9 @@ q4, mxfp4). The file (81 GiB for q2) is written sparse on the machine's local di
 ``ds4lab.testing.make_sparse_model``:
 embeddings, routers, norms, hyper-connection and indexer weights seeded random (routing differs per token, and the
 indexer's scores row to row), the routed experts and the big projections holes (zeros: the same bytes read, the
-same work done). The sweep warms up first (``bench.sweep``'s ``warmup``: 8 untimed decode steps, so the first
-frontier's decode leaves out the graph captures; before 2026-12-06 it included them). Prints, for one
+same work done). The sweep warms up first (``bench.sweep``'s warm-up: an untimed prefill of one chunk and 8
+untimed decode steps, so the first frontier leaves out the graph captures and the chunk's one-time work; the
+decode steps since 2026-12-06, the chunk since 2026-12-07: the first frontier's prefill included it). Prints, for one
 setting of ``prefill_matmul``, each frontier's prefill and decode tokens/s, the decode roofline from the bytes a
 decoded token reads and the copy bandwidth measured in the same run, peak GPU memory, the time from process start
 to the model loaded, to the first token generated from a 16-token prompt (issue 25's cold start: load, kernels

@@ -2,10 +2,11 @@
 one row per frontier.
 
 One session of ``ctx_alloc`` tokens walks a fixed token sequence to frontiers ``ctx_start``, then
-``+step_incr`` (or ``ceil(cur·step_mul)``) up to ``ctx_max``. First, untimed, ``warmup`` decode steps after the
-sequence's first few tokens, then the session emptied: a GPU runtime captures its decode graphs and loads its
-kernels on the first steps, once a process, which the first frontier's figures would otherwise include (ds4 warms
-its prefill kernels up once before the first prompt; llama-bench runs a warm-up too). At each frontier:
+``+step_incr`` (or ``ceil(cur·step_mul)``) up to ``ctx_max``. First, untimed, a prefill of the sequence's first
+chunk (up to ``ctx_start`` tokens) and ``warmup`` decode steps after it, then the session emptied: a GPU runtime
+loads its kernels, captures its decode graphs and lays out the weights its chunk products read on the first chunk
+and steps, once a process, which the first frontier's figures would otherwise include (ds4 warms its prefill
+kernels up once before the first prompt; llama-bench runs a warm-up too). At each frontier:
 
 1. ``sess.sync(prompt[:frontier])``: an incremental prefill from the previous frontier (timed, final
    logits readback included); at the first frontier ``sess.prefill(...)`` from zero (sync would restore the
@@ -48,7 +49,7 @@ DEFAULT_GEN_TOKENS = 128
 # captured the next time, then replays. A step that ends a ratio-128 window (one in 128) is not among them: a sweep
 # of 128 tokens a frontier still meets its first one at the first frontier.
 DEFAULT_WARMUP = 8
-WARMUP_PROMPT = 16  # tokens the warm-up decodes after (fewer when ctx_start is smaller)
+WARMUP_PROMPT = 16  # tokens the warm-up prefills at least (a chunk where chunks are longer; at most ctx_start)
 MAX_FRONTIERS = 100_000  # a sweep's points are listed before it runs
 
 # The opening of "I promessi sposi" (Manzoni, 1840; public domain): the built-in text when ds4's own
@@ -213,7 +214,8 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
     eos = model.tokenizer.eos_id
     params = {"temperature": 0.0, "seed": 0, **(sampling or {})}  # ds4_session_argmax_excluding(EOS) by default
     if warmup:
-        sess.sync(tokens[:min(WARMUP_PROMPT, ctx_start)])
+        # a whole chunk, as the first frontier's prefill runs it (a shorter prompt leaves the chunk products out)
+        sess.sync(tokens[:min(max(WARMUP_PROMPT, sess.prefill_chunk), ctx_start)])
         steps = min(warmup, sess.ctx - len(sess.tokens) - 1)
         decode = sess.decoder(top=1, exclude=[eos], **params)
         for i in range(steps):

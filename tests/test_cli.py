@@ -327,8 +327,9 @@ def test_bench_library_agrees_with_a_session(nano_np):
 
 
 def test_bench_warms_up_untimed_and_leaves_the_rows_as_they_were(nano_np):
-    """``warmup`` decode steps run after the sequence's first 16 tokens before the first frontier, and the session
-    is emptied after them: the first frontier is prefilled from zero and every row's probe is a cold sweep's."""
+    """``warmup`` decode steps run after the sequence's first chunk (32 tokens here) before the first frontier, and
+    the session is emptied after them: the first frontier is prefilled from zero and every row's probe is a cold
+    sweep's."""
     tokens, _ = bench.prompt_tokens(nano_np, None, min_tokens=60)
     sess = nano_np.session(ctx=60 + 6 + 1, prefill_chunk=32, max_checkpoints=2)
     decoders, resets, restores = [], [], []
@@ -338,9 +339,9 @@ def test_bench_warms_up_untimed_and_leaves_the_rows_as_they_were(nano_np):
     sess.restore = lambda cp: restores.append(len(cp)) or restore(cp)
     rows = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, step_incr=20, gen_tokens=6, session=sess,
                             warmup=3))
-    assert decoders == [16, 40, 60] and resets[-1] == 16 + 3  # (prefill also resets an empty session)
-    # only the frontiers' snapshots are restored (the first frontier restored the warm-up's 16 tokens and
-    # evaluated 24 where its row said 40: a prefill rate 1.7x too high)
+    assert decoders == [32, 40, 60] and resets[-1] == 32 + 3  # (prefill also resets an empty session)
+    # only the frontiers' snapshots are restored (the first frontier restored the warm-up's tokens and evaluated
+    # 24 where its row said 40: a prefill rate 1.7x too high)
     assert restores == [40, 60]
     cold = list(bench.sweep(nano_np, tokens, ctx_start=40, ctx_max=60, step_incr=20, gen_tokens=6, warmup=0))
     assert [(r.prefill_tokens, r.probe) for r in rows] == [(r.prefill_tokens, r.probe) for r in cold]

@@ -207,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=DEFAULT_GEN_TOKENS, metavar="N",
                        help=f"greedy tokens generated at each frontier (default {DEFAULT_GEN_TOKENS})")
     bench.add_argument("--warmup", type=_nonnegative_int, default=DEFAULT_WARMUP, metavar="N",
-                       help="untimed decode steps before the first frontier, so that its figures leave out the "
-                            "first steps' one-time work (graph captures, kernel loads); 0: none "
+                       help="untimed decode steps before the first frontier, after an untimed prefill of the "
+                            "prompt's first chunk, so that its figures leave out the first chunk's and steps' "
+                            "one-time work (kernel loads, graph captures); 0: neither "
                             f"(default {DEFAULT_WARMUP})")
     bench.add_argument("--csv", type=_path, default=None, metavar="FILE", help="write the CSV there instead of stdout")
     bench.add_argument("--plot", type=_path, default=None, metavar="FILE",
