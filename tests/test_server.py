@@ -1009,13 +1009,16 @@ def test_load_8_concurrent_clients(server):
 
 # -- as a process: SIGKILL mid-request, restart, SIGTERM --------------------------------------------------
 
-def _start(kv: Path) -> tuple[subprocess.Popen, str]:
+def _start(kv: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``ds4lab serve`` in a child process, once it answers; ``proc.said`` holds its stderr lines up to then."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "ds4lab.cli", "serve", "--backend", "numpy", "--ctx", str(CTX),
                              "--prefill-chunk", str(CHUNK), "--port", "0", "--kv-disk-dir", str(kv),
-                             "--kv-cache-min-tokens", str(MIN_TOKENS), "--max-tokens", "256"],
+                             "--kv-cache-min-tokens", str(MIN_TOKENS), "--max-tokens", "256", *flags],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc.said = []
     for line in proc.stderr:
+        proc.said.append(line)
         if "serving " in line:
             url = line.split("serving ")[1].split("/v1")[0]
             break
@@ -1030,6 +1033,30 @@ def _start(kv: Path) -> tuple[subprocess.Popen, str]:
         except httpx.TransportError:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
+
+
+def test_serve_writes_the_payload_version_asked_for(tmp_path):
+    """``--kv-payload-version 1``: the store's files in ds4's legacy form (header byte 20 zero, payload version 1),
+    for a folder shared with an older ds4-server, which cannot load version 2 and never replaces a file it failed
+    to load; with a warning where the session's chunk is not the one such a ds4 loads (min(2048, ctx))."""
+    from ds4lab import cli
+
+    kv = tmp_path / "kv"
+    proc, url = _start(kv, "--kv-payload-version", "1")
+    try:
+        _openai(type("srv", (), {"url": url})).chat.completions.create(
+            model="shakespeare", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+            max_tokens=2, seed=1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert (f"ds4lab: warning: an older ds4-server loads only files of its own prefill chunk ({CTX} at ctx {CTX}); "
+            f"this session's is {CHUNK}: add --prefill-chunk {CTX}\n") in proc.said
+    headers = [e.header for e in ds4lab.KVStore(kv).entries()]
+    assert headers and all(h.payload_abi == 0 and h.payload_version == 1 for h in headers), headers
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--kv-payload-version", "3"])
+    assert e.value.code == 2
 
 
 def test_sigkill_mid_request_then_restart_serves_the_store(tmp_path, reference):

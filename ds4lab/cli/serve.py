@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from ..kv.layout import DEFAULT_CHUNK
 from .common import (
     DEFAULT_CTX,
     THINK_FLAGS,
@@ -79,6 +80,10 @@ def add_serve_parser(sub) -> None:
                     help="align cold and continued checkpoints to N tokens (default: the prefill chunk step; "
                          "ds4-server aligns to 2048; 0: cold ones unaligned, continued ones on the chunk step, "
                          "where prefill passes)")
+    sv.add_argument("--kv-payload-version", type=int, choices=(1, 2), default=2, metavar="{1,2}",
+                    help="the DSV4 payload version of the files written: 2 (ds4 since 2026-05-26, the default) or 1, "
+                         "for a folder shared with an older ds4-server, which cannot load version 2 and never "
+                         "replaces a file it failed to load")
     think = sv.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_const", const="high",
                        help="chat requests think unless they say otherwise (the default for chat models)")
@@ -170,6 +175,7 @@ def serve_command(args) -> int:
                             kv_cache_continued_interval_tokens=args.kv_cache_continued_interval_tokens,
                             kv_cache_boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
                             kv_cache_boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+                            kv_payload_version=args.kv_payload_version,
                             queue_size=args.queue_size, think=args.think, model_name=args.model_name,
                             temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                             placement=placement, cors=args.cors)
@@ -185,6 +191,10 @@ def serve_command(args) -> int:
         if think_flag in ("high", "max"):
             err(f"warning: {THINK_FLAGS[think_flag]} has no effect: the model has no chat template, so no request "
                 "thinks")
+    legacy_chunk = min(DEFAULT_CHUNK, ctx)  # a version-1 ds4 refuses a file of another chunk (ds4.c's prefill cap)
+    if worker.store is not None and args.kv_payload_version == 1 and worker.session.prefill_chunk != legacy_chunk:
+        err(f"warning: an older ds4-server loads only files of its own prefill chunk ({legacy_chunk} at ctx {ctx}); "
+            f"this session's is {worker.session.prefill_chunk}: add --prefill-chunk {legacy_chunk}")
     disk = f"KV cache {worker.store.dir}" if worker.store is not None else "no disk KV cache"
     err(f"{describe(model)}, ctx {ctx}, prefill chunk {worker.session.prefill_chunk}, think {think}, {disk}")
     serve(worker, app, args.host, args.port, sock=sock,

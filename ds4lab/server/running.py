@@ -12,6 +12,7 @@ import threading
 
 import uvicorn
 
+from ..kv.payload import VERSION as PAYLOAD_VERSION
 from ..kv.store import DEFAULT_BUDGET_MB, KVStore
 from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 from .app import create_app
@@ -25,6 +26,7 @@ def build(model, *, ctx: int, prefill_chunk: int | None = None, max_tokens: int 
           kv_disk_dir=None, kv_disk_space_mb: float = DEFAULT_BUDGET_MB, kv_cache_min_tokens: int = 512,
           kv_cache_cold_max_tokens: int = 30000, kv_cache_continued_interval_tokens: int = 10000,
           kv_cache_boundary_trim_tokens: int = BOUNDARY_TRIM_TOKENS, kv_cache_boundary_align_tokens: int | None = None,
+          kv_payload_version: int = PAYLOAD_VERSION,
           queue_size: int = DEFAULT_QUEUE_SIZE, think: str = "high", model_name: str | None = None,
           temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
           min_p: float = DEFAULT_MIN_P, seed: int | None = None, placement=None, cors: bool = False):
@@ -37,7 +39,7 @@ def build(model, *, ctx: int, prefill_chunk: int | None = None, max_tokens: int 
         store = KVStore(kv_disk_dir, kv_disk_space_mb, min_tokens=kv_cache_min_tokens,
                         cold_max_tokens=kv_cache_cold_max_tokens,
                         continued_interval=kv_cache_continued_interval_tokens,
-                        align=kv_cache_boundary_align_tokens or None)
+                        align=kv_cache_boundary_align_tokens or None, payload_version=kv_payload_version)
     worker = Worker(model, ctx, prefill_chunk, store, queue_size=queue_size,
                     boundary_trim=kv_cache_boundary_trim_tokens, boundary_align=kv_cache_boundary_align_tokens,
                     placement=placement)
