@@ -18,13 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 
-import cupy as cp
 import numpy as np
+from cupy_required import check
 from qmatmul_bench import graph_seconds
 
 from ds4lab.config import FLASH
-from ds4lab.cuda import CudaKernels
 from ds4lab.kv.layout import Geometry
+
+try:  # without CuPy, --help still reads; main says what is missing
+    import cupy as cp
+
+    from ds4lab.cuda import CudaKernels
+    missing = None
+except ImportError as e:
+    missing = e
 from ds4lab.mlx_kernels import specs as S
 
 LAUNCHES = 20  # a kernel's launches in its graph
@@ -41,6 +48,7 @@ def main(argv=None):
     p.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768])
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    check(missing)
     kernels = CudaKernels("float32")
     wide = kernels.wide_group
     rng = np.random.default_rng(0)

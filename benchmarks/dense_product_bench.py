@@ -14,12 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 
-import cupy as cp
-from cupy_backends.cuda.api import runtime
-from cupy_backends.cuda.libs import cublas
+from cupy_required import check
 
-from ds4lab.cuda import CudaKernels
 from ds4lab.mlx_kernels.specs import OPERANDS
+
+try:  # without CuPy, --help still reads; main says what is missing
+    import cupy as cp
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    from ds4lab.cuda import CudaKernels
+    missing = None
+except ImportError as e:
+    missing = e
 
 SHAPES = ((16384, 24), (4096, 256), (4096, 1024), (4096, 4096))  # (K, N) of w [N, K]
 
@@ -40,6 +47,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=2048, help="rows of x (a chunk's tokens)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    check(missing)
     rng = cp.random.default_rng(0)
     kernels = {ops: CudaKernels(ops) for ops in OPERANDS}
     rows = []

@@ -14,7 +14,13 @@ import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import pstats  # noqa: E402
 
-import cupy  # noqa: E402
+from cupy_required import check  # noqa: E402
+
+try:  # without CuPy, --help still reads; main says what is missing
+    import cupy
+    missing = None
+except ImportError as e:
+    missing = e
 
 imported_cupy = time.perf_counter()
 import ds4lab  # noqa: E402
@@ -27,6 +33,7 @@ def main() -> int:
     p.add_argument("--path", default="/tmp/flash.gguf")
     p.add_argument("--profile", action="store_true", help="print the 12 costliest calls of ds4lab.load")
     args = p.parse_args()
+    check(missing)
     profile = cProfile.Profile()
     t0 = time.perf_counter()
     with profile:

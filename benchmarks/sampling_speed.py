@@ -5,6 +5,7 @@ token, on top of the step's GPU work (about 2 ms for the 6-layer slice on an H20
     python benchmarks/sampling_speed.py
 """
 
+import argparse
 import time
 
 import numpy as np
@@ -25,6 +26,7 @@ def ms_per_call(fn) -> float:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says what it does
     logits = (np.random.default_rng(3).normal(size=129280) * 2.5).astype(np.float32)
     rng = Rng(1)
     ms = {str(kw): ms_per_call(lambda: sample(logits, rng=rng, **kw)) for kw in CASES}

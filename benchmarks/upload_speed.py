@@ -21,14 +21,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import cupy as cp
 import numpy as np
+from cupy_required import check
 from gguf import GGMLQuantizationType as Q
 
 from ds4lab import config, testing
-from ds4lab.backends import cupy_backend
 from ds4lab.gguf_file import GGUFModelFile
 from ds4lab.mlx_kernels import layout
+
+try:  # without CuPy, --help still reads; main says what is missing
+    import cupy as cp
+
+    from ds4lab.backends import cupy_backend
+    missing = None
+except ImportError as e:
+    missing = e
 
 SETTINGS = {  # name -> (UPLOAD_THREADS, PIECE_BYTES)
     "8 threads, 16 MiB pieces": (8, 16 << 20),
@@ -97,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--library-only", action="store_true", help="only the library's own setting and the ceilings")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    check(missing)
     if not args.path.exists():
         t0 = time.perf_counter()
         testing.make_sparse_model(config.FLASH, args.path, seed=1, filled=testing.routing_filled)

@@ -120,3 +120,16 @@ def test_decode_steps_times_every_step_of_each_frontier(tmp_path, capsys):
     for r in rows:
         assert len(r["slowest"]) == 8 and all(r["frontier"] <= pos < r["frontier"] + 8 for pos, _ in r["slowest"])
         assert len(r["by_16"]) == 1 and r["percentiles_ms"][0] <= r["percentiles_ms"][3]
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                                          if "__main__" in p.read_text()))  # the scripts, not their modules
+def test_every_script_reads_its_help_without_a_gpu(script):
+    """``python benchmarks/X.py --help`` on a machine without CuPy (the README and benchmarks/README.md name their
+    flags): four CuPy-only scripts imported CuPy first and ended in a traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-500:]
