@@ -103,10 +103,17 @@ def test_run_prompt_file_and_default_think_mode(nano, nano_np, tmp_path):
     proc = ds4lab_cmd("run", "-m", nano, "--chat", "--prompt-file", prompt, "--system", "", "-n", 3, "--seed", 1,
                       *FAST)
     assert proc.returncode == 0, proc.stderr
-    ids = nano_np.tokenizer.render_chat([{"role": "user", "content": "Tell me a story."}], think=True)
-    assert ids[-1] == nano_np.tokenizer.think_id  # ds4's default: thinking (HIGH)
+    # nano has no chat template: its chat turn does not think unless asked (ds4's default, thinking, is a chat
+    # model's), as serve's requests; it thought by default, and such a model never ends its reasoning
+    ids = nano_np.tokenizer.render_chat([{"role": "user", "content": "Tell me a story."}], think=False)
+    assert ids[-1] == nano_np.tokenizer.think_end_id
     assert STATS.search(proc.stderr).group(1) == str(len(ids))
-    assert "think high" in proc.stderr
+    assert "think none" in proc.stderr
+    proc = ds4lab_cmd("run", "-m", nano, "--chat", "--think", "--prompt-file", prompt, "--system", "", "-n", 3,
+                      "--seed", 1, *FAST)
+    assert proc.returncode == 0 and "think high" in proc.stderr, proc.stderr
+    ids = nano_np.tokenizer.render_chat([{"role": "user", "content": "Tell me a story."}], think=True)
+    assert ids[-1] == nano_np.tokenizer.think_id and STATS.search(proc.stderr).group(1) == str(len(ids))
 
 
 def test_text_printer_formats_thinking():

@@ -155,12 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"system prompt (default: {DEFAULT_SYSTEM!r}; an empty string disables it)")
     think = run.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_const", const="high",
-                       help="thinking mode (default, as in ds4)")
+                       help="thinking mode (the default for chat models, as in ds4; a model without a chat "
+                            "template, such as the embedded one, does not think unless asked)")
     think.add_argument("--think-max", dest="think", action="store_const", const="max",
                        help=f"Think Max when --ctx >= {THINK_MAX_MIN_CTX}, otherwise normal thinking")
     think.add_argument("--nothink", dest="think", action="store_const", const="none",
                        help="non-thinking mode: the assistant turn starts with </think>")
-    run.set_defaults(think=None)  # "high" (ds4's default) unless a flag says otherwise; None tells them apart
+    run.set_defaults(think=None)  # "high" (ds4's default) for a chat model unless a flag says otherwise
     style = run.add_mutually_exclusive_group()
     style.add_argument("--raw", dest="raw", action="store_true", default=None,
                        help="continue the prompt as plain text (no chat template, no system prompt); the default "

@@ -94,7 +94,6 @@ def run_command(args) -> int:
     if args.ctx is not None and args.ctx < MIN_CTX:
         raise UsageError(f"--ctx must be at least {MIN_CTX}, got {args.ctx}")
     think_flag = args.think  # None: no thinking flag given
-    args.think = args.think or "high"
     text = args.prompt if args.prompt is not None else None
     if args.prompt_file is not None:
         check_input(args.prompt_file, "--prompt-file")
@@ -102,6 +101,9 @@ def run_command(args) -> int:
     if sys.stdout.encoding and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     model = load_model(args)
+    # ds4's default, thinking, for a chat model; a model without a chat template (the embedded one) never learnt to
+    # end its reasoning, so its chat turns think only when asked (as serve's requests)
+    args.think = think_flag or ("high" if model.is_chat else "none")
     ctx = context_size(args.ctx, model)  # the model's context length caps it: more is refused, as serve does
     raw_by_default = _settle_raw(args, model, text)
     if args.raw:
