@@ -282,8 +282,17 @@ def _import_altair():
     try:
         import altair
     except ImportError:
-        raise BenchError("plotting needs Altair: pip install altair (and vl-convert-python for PNG)") from None
+        raise BenchError("plotting needs Altair: pip install -e '.[bench]' (Altair, and vl-convert-python for PNG, "
+                         "SVG and an HTML page that opens offline)") from None
     return altair
+
+
+def _has_vl_convert() -> bool:
+    try:
+        import vl_convert  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def chart(rows: Iterable[FrontierRow | dict], title: str | None = None):
@@ -307,17 +316,21 @@ def chart(rows: Iterable[FrontierRow | dict], title: str | None = None):
 
 def save_plot(rows: Iterable[FrontierRow | dict], path: str | Path, title: str | None = None) -> Path:
     """Save :func:`chart` as ``.html`` or ``.json`` (Altair alone) or ``.png`` / ``.svg`` (needs vl-convert-python),
-    by the suffix in any case."""
+    by the suffix in any case. The HTML page carries Vega's scripts where vl-convert-python is there to give them
+    (it opens offline); without it, it loads them from a CDN when opened (:func:`html_needs_network`)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in PLOT_SUFFIXES:
         raise BenchError(f"--plot needs a {', '.join(PLOT_SUFFIXES)} file name, got {path.name!r}")
     c = chart(rows, title)
-    if suffix in (".png", ".svg"):
-        try:
-            import vl_convert  # noqa: F401
-        except ImportError:
-            raise BenchError(f"saving {suffix} needs vl-convert-python: pip install vl-convert-python "
-                             "(or use a .html file name)") from None
-    c.save(str(path), format=suffix[1:])  # Altair reads the suffix as it is: .PNG would be no format
+    if suffix in (".png", ".svg") and not _has_vl_convert():
+        raise BenchError(f"saving {suffix} needs vl-convert-python: pip install vl-convert-python "
+                         "(or use a .html file name)")
+    inline = {"inline": True} if suffix == ".html" and _has_vl_convert() else {}
+    c.save(str(path), format=suffix[1:], **inline)  # Altair reads the suffix as it is: .PNG would be no format
     return path
+
+
+def html_needs_network(path: str | Path) -> bool:
+    """Whether :func:`save_plot` makes ``path`` a page that loads Vega from a CDN (no vl-convert-python here)."""
+    return Path(path).suffix.lower() == ".html" and not _has_vl_convert()

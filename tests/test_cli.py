@@ -6,6 +6,7 @@ against an independent session in-process.
 """
 
 import csv
+import importlib.util
 import io
 import os
 import re
@@ -376,7 +377,7 @@ def test_bench_csv_on_stdout_from_a_prompt_file(nano, tmp_path, monkeypatch, nan
     assert [(r["ctx_tokens"], r["prefill_tokens"], r["gen_tokens"]) for r in rows] == [(32, 32, 2), (72, 40, 2),
                                                                                        (100, 28, 2)]
     short = one_error_line(ds4lab_cmd("bench", "-m", nano, "--prompt-file", text, "--ctx-max", 4096, *FAST), 1)
-    assert "need at least ctx_max = 4096" in short
+    assert "need at least --ctx-max (4096)" in short
     # Without the checkout's data/ (a wheel), the built-in text repeats to the length the sweep needs.
     monkeypatch.setattr(bench, "default_prompt_path", lambda: None)
     ids, source = bench.prompt_tokens(nano_np, None, min_tokens=5000)
@@ -396,13 +397,17 @@ def test_bench_plot(suffix, nano, tmp_path):
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "prefill" in out.read_text() and "vega" in out.read_text().lower()
+        # the page opens offline: Vega's scripts in it, no CDN (with vl-convert, the bench extra's), or says so
+        offline = importlib.util.find_spec("vl_convert") is not None
+        assert ("cdn.jsdelivr" not in out.read_text()) == offline
+        assert ("will load Vega from a CDN" in proc.stderr) == (not offline), proc.stderr
 
 
 def test_bench_plot_without_altair_is_one_clear_error(nano, tmp_path):
     code = ("import sys; sys.modules['altair'] = None; from ds4lab.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     proc = ds4lab_cmd("bench", "-m", nano, "--plot", tmp_path / "x.html", python_code=code)
-    assert "pip install altair" in one_error_line(proc, 1)
+    assert "pip install -e '.[bench]'" in one_error_line(proc, 1)
 
 
 # -- inspect --------------------------------------------------------------------------------------------

@@ -39,12 +39,12 @@ def bench_command(args) -> int:
         raise ValueError(f"--prompt-file {args.prompt_file}: the file is empty")
     if args.plot is not None:
         bench._import_altair()  # fail before the sweep, not after it
-        if args.plot.suffix.lower() in (".png", ".svg"):
-            try:
-                import vl_convert  # noqa: F401
-            except ImportError:
-                raise bench.BenchError(f"--plot {args.plot.suffix} needs vl-convert-python: "
-                                       "pip install vl-convert-python (or use a .html file name)") from None
+        if args.plot.suffix.lower() in (".png", ".svg") and not bench._has_vl_convert():
+            raise bench.BenchError(f"--plot {args.plot.suffix} needs vl-convert-python: "
+                                   "pip install vl-convert-python (or use a .html file name)")
+        if bench.html_needs_network(args.plot):
+            err(f"warning: --plot {args.plot.name} will load Vega from a CDN when opened (no vl-convert-python to "
+                "put it in the page): pip install vl-convert-python for a page that opens offline")
     model = load_model(args)
     cap = model.config.context_length or bench.DEFAULT_CTX_MAX
     if model.config.context_length and args.ctx_max and args.ctx_max > cap:
@@ -70,7 +70,7 @@ def bench_command(args) -> int:
                          f"deepseek4.context_length) or --ctx-max + --gen-tokens + 1, whichever is larger")
     tokens, source = bench.prompt_tokens(model, args.prompt_file, min_tokens=ctx_max)
     if len(tokens) < ctx_max:  # before the CSV header, not after it
-        raise ValueError(f"{source}: the prompt has {len(tokens)} tokens, need at least ctx_max = {ctx_max}")
+        raise ValueError(f"{source}: the prompt has {len(tokens)} tokens, need at least --ctx-max ({ctx_max})")
     sess = model.session(ctx=ctx_alloc, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
     err(f"bench: {describe(model)}, ctx {ctx_alloc}, prefill chunk {sess.prefill_chunk}, "
         f"prompt {source} ({len(tokens)} tokens), {len(points)} frontiers {points[0]}..{points[-1]}, "
