@@ -62,3 +62,14 @@ def test_the_chart_draws_every_scheme_on_log_axes():
     rows = spec["data"]["values"]
     assert {r["scheme"] for r in rows} == set(SCHEMES) and len(rows) == 6 * len(SCHEMES)
     assert all(r["gib"] > 0 for r in rows)
+
+
+def test_sizes_is_reached_from_the_package_as_the_readme_names_it():
+    """``ds4lab.kv.sizes`` after ``import ds4lab`` alone (a fresh process: this one has imported it already); it
+    was an AttributeError until the submodule was imported by name."""
+    import subprocess
+    import sys
+
+    code = "import ds4lab, ds4lab.config as c; print(ds4lab.kv.sizes.cache_bytes(c.FLASH, 1 << 20)['ds4'] > 0)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr[-500:]
