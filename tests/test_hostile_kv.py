@@ -371,6 +371,7 @@ def test_inspect_verifies_the_checksum(tmp_path, capsys):
     code, out, err = inspect(entry.path, capsys)
     assert code != 0 and "tokens 40" in out and "layer ratio" in out  # printed what it could
     assert "checksum: MISMATCH" in out and "Traceback" not in err
+    assert "MISMATCH: checksum mismatch" not in out  # said once
     plain = KVStore(tmp_path / "p", min_tokens=1, checksum=False)
     entry = plain.put(b"inspected text", nano_payload(), tokens=40, ctx=64, quant_bits=2)
     code, out, _ = inspect(entry.path, capsys)

@@ -133,7 +133,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "4096, 8192 for Pro)")
     p.add_argument("--prefill-matmul", default="auto", choices=["auto", "float32", "tf32", "f16"],
                    help="cupy: tf32 / f16 run a chunk's products on TF32 / half operands (as ds4's GPU prefill "
-                        "casts them to half; README, Benchmarks, gives the speed of each); float32 keeps float32 "
+                        "casts them to half; benchmarks/README.md gives the speed of each); float32 keeps float32 "
                         "accuracy; auto (default): f16 on cupy with its kernels, else float32")
     p.add_argument("--decode-matmul", default="float32", choices=["float32", "q8"],
                    help="cupy: q8 quantizes x to int8 per block in the decode products of Q8_0, IQ2_XXS and Q2_K "

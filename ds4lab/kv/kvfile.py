@@ -394,7 +394,7 @@ def checksum_status(buf, path) -> tuple[str, str]:
             found = _checksum_from_the_end(buf, path)
         _compare(buf, found, path)
     except KVFileError as e:
-        detail = str(e).removeprefix(f"{path}: ")
+        detail = str(e).removeprefix(f"{path}: ").removeprefix("checksum mismatch: ")  # said once, as MISMATCH
         return "mismatch", f"MISMATCH: {detail} (the file is damaged)"
     if found is None:
         return "none", ("none (the file has no checksum: ds4-server's files have none, nor do files written with "
