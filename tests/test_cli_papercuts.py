@@ -789,3 +789,10 @@ def test_warnings_are_one_line_like_the_rest(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "ds4lab: warning: a KV file could not be saved: No space left on device\n" in err, err
     assert "KVStoreWarning" not in err and ".py:" not in err
+
+
+def test_version_is_printed(capsys):
+    """``ds4lab --version``: the package's version (it was refused as an unknown option)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"ds4lab {ds4lab.__version__}\n"

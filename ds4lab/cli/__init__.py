@@ -21,6 +21,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from .. import __version__
 from ..bench import (
     DEFAULT_CTX_MAX,
     DEFAULT_CTX_START,
@@ -142,6 +143,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ds4lab", description="DeepSeek V4 Flash architecture, step by step.")
+    p.add_argument("--version", action="version", version=f"ds4lab {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{run,serve,bench,inspect,make-model}")
 
     run = sub.add_parser("run", help="generate from a prompt, or chat interactively without -p",
@@ -149,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "session across turns. Text goes to stdout; progress and timings to stderr.")
     _add_model_args(run)
     src = run.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", type=decoded, default=None, help="prompt text (a user message unless --raw)")
+    src.add_argument("-p", "--prompt", type=decoded, default=None,
+                     help="prompt text: a user message for a chat model, plain text to continue for a model "
+                          "without a chat template (--chat / --raw force either)")
     src.add_argument("--prompt-file", type=_path, default=None, metavar="FILE", help="read the prompt from FILE")
     run.add_argument("-sys", "--system", type=decoded, default=DEFAULT_SYSTEM,
                      help=f"system prompt (default: {DEFAULT_SYSTEM!r}; an empty string disables it)")
@@ -252,14 +256,14 @@ def _message(e: BaseException) -> str:
 
 
 def _unknown_leading_options(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """Options given before the command that ``ds4lab`` itself does not take (it takes only -h): argparse would
-    report the missing command instead of naming them."""
+    """Options given before the command that ``ds4lab`` itself does not take (it takes only -h and --version):
+    argparse would report the missing command instead of naming them."""
     commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     unknown = []
     for arg in argv:
         if arg in commands or arg == "--":
             break
-        if arg.startswith("-") and arg not in ("-h", "--help"):
+        if arg.startswith("-") and arg not in ("-h", "--help", "--version"):
             unknown.append(arg)
     return unknown
 
