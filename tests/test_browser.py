@@ -913,7 +913,7 @@ def test_attention_view_renders(page):
                          arg=title.element_handle(), timeout=10_000)
     assert view.locator(".ds4-att-head.ds4-sel").inner_text() == "head 1" and dropdowns.nth(1).input_value() != ""
     # drag over a region of the raw window: Python re-reduces it from the full weights, every cell shown
-    before = _image_hash(canvas)
+    before, note_h = _image_hash(canvas), note.bounding_box()["height"]
     canvas.scroll_into_view_if_needed()
     box = canvas.bounding_box()
     pg.mouse.move(box["x"] + 0.25 * box["width"], box["y"] + 0.3 * box["height"])
@@ -945,6 +945,10 @@ def test_attention_view_renders(page):
     out.screenshot(path=str(ARTIFACTS / "attention_view_zoom_layer2.png"))
     canvas.dblclick(position={"x": 0.5 * box["width"], "y": 0.5 * box["height"]})
     pg.wait_for_function("(el) => !el.textContent.includes('zoomed')", arg=note.element_handle(), timeout=10_000)
+    # the note keeps two lines' height whether its text takes one (layer 3's, the zoom's) or two (layer 2's pooled
+    # overview counts its hidden drops): what is under it does not move as a layer or the zoom changes
+    assert "indexer-dropped" in note.inner_text()
+    assert note.bounding_box()["height"] == note_h, (note.bounding_box(), note_h)
 
 
 def _round_ticks(vmax: int, px: int = 40) -> list[int]:
