@@ -195,7 +195,8 @@ def sweep(model, tokens: list[int], ctx_start: int = DEFAULT_CTX_START, ctx_max:
     ``session`` (optional) is used instead of a new ``model.session(ctx_alloc, prefill_chunk)``; it must
     be empty and hold more than ``ctx_max + gen_tokens`` tokens. ``sampling``: the decode's parameters
     (``Session.decoder``'s: temperature, top_k, top_p, min_p, seed) in place of ds4-bench's greedy argmax; seed 0
-    unless given. ``warmup``: untimed decode steps before the first frontier (the module's docstring; 0: none).
+    unless given. ``warmup``: untimed decode steps before the first frontier, after an untimed prefill of the first
+    chunk (the module's docstring; 0: neither).
     """
     if warmup < 0:
         raise BenchError(f"warmup must be 0 or more decode steps, got {warmup}")

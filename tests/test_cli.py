@@ -181,6 +181,7 @@ def test_interactive_commands(nano, tmp_path):
     assert "unknown command: /bogus" in err
     assert len(STATS.findall(err)) == 1  # the /read turn
     assert "think high; turn 1: reused 0 (cold)" in out
+    assert err.splitlines()[0].endswith("think none")  # nano has no chat template: no thinking until /think
     assert "Traceback" not in err
 
 
@@ -401,6 +402,20 @@ def test_bench_plot(suffix, nano, tmp_path):
         offline = importlib.util.find_spec("vl_convert") is not None
         assert ("cdn.jsdelivr" not in out.read_text()) == offline
         assert ("will load Vega from a CDN" in proc.stderr) == (not offline), proc.stderr
+
+
+def test_bench_plot_html_without_vl_convert_says_it_needs_the_network(nano, tmp_path):
+    """Without vl-convert the page loads Vega from a CDN (Altair's default): said before the sweep, and the page
+    still written."""
+    pytest.importorskip("altair")
+    code = ("import sys; sys.modules['vl_convert'] = None; from ds4lab.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "speed.html"
+    proc = ds4lab_cmd("bench", "-m", nano, "--ctx-start", 32, "--ctx-max", 64, "--step-incr", 32, "-n", 2,
+                      "--plot", out, *FAST, python_code=code)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: --plot speed.html will load Vega from a CDN when opened" in proc.stderr
+    assert "cdn.jsdelivr" in out.read_text()
 
 
 def test_bench_plot_without_altair_is_one_clear_error(nano, tmp_path):

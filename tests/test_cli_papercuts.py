@@ -490,7 +490,7 @@ def test_no_room_suggests_a_context_only_where_the_model_has_one():
 
     assert "use --ctx 102 or more" in no_room(100, 50, most=4096)
     # the arithmetic as it stands (it said "ctx - prompt - 1 = 0" for a prompt twice the context)
-    assert "at most ctx - prompt - 1 = 50 - 100 - 1 = -51 tokens" in no_room(100, 50, most=4096)
+    assert "at most ctx - prompt - 1 tokens: 50 - 100 - 1 = -51, none)" in no_room(100, 50, most=4096)
     assert "use --ctx 4096 or more" in no_room(4094, 4000, most=4096)  # the largest prompt that fits
     assert "shorten the prompt to at most 4094 tokens" in no_room(4095, 4096, most=4096)
     assert "use /ctx 4096 and shorten this turn to at most 4094 tokens" in no_room(5000, 64, "this turn", "/ctx",

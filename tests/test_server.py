@@ -323,6 +323,7 @@ def test_a_thinking_completion_is_sent_as_one_text(reference):
                            CHAT_LIMITS, tk)
     want, _ = _expected(reference, req.prompt, 8, seed=4, temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)
     assert req.thinking and TE not in want  # the embedded model never closes its thinking: all of it reasoning
+    assert want != _expected(reference, req.prompt, 8, seed=4, temperature=0.1)[0]  # the request's own sampling
 
     def events(request) -> list:
         loop = asyncio.new_event_loop()
@@ -1050,8 +1051,8 @@ def test_serve_writes_the_payload_version_asked_for(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    assert (f"ds4lab: warning: an older ds4-server loads only files of its own prefill chunk ({CTX} at ctx {CTX}); "
-            f"this session's is {CHUNK}: add --prefill-chunk {CTX}\n") in proc.said
+    assert (f"ds4lab: warning: a ds4-server before 2026-05-23 loads only files of its own prefill chunk ({CTX} at "
+            f"ctx {CTX}); this session's is {CHUNK}: add --prefill-chunk {CTX}\n") in proc.said
     headers = [e.header for e in ds4lab.KVStore(kv).entries()]
     assert headers and all(h.payload_abi == 0 and h.payload_version == 1 for h in headers), headers
     with pytest.raises(SystemExit) as e:

@@ -74,7 +74,8 @@ def bench_command(args) -> int:
     sess = model.session(ctx=ctx_alloc, prefill_chunk=args.prefill_chunk, max_checkpoints=2)
     err(f"bench: {describe(model)}, ctx {ctx_alloc}, prefill chunk {sess.prefill_chunk}, "
         f"prompt {source} ({len(tokens)} tokens), {len(points)} frontiers {points[0]}..{points[-1]}, "
-        f"{args.gen_tokens} generated tokens each, {args.warmup} untimed warm-up steps first")
+        f"{args.gen_tokens} generated tokens each, "
+        + (f"an untimed warm-up chunk and {args.warmup} steps first" if args.warmup else "no warm-up"))
     rows = bench.sweep(model, tokens, ctx_start, ctx_max, args.step_incr, args.step_mul, args.gen_tokens,
                        session=sess, warmup=args.warmup)
     began = time.perf_counter()

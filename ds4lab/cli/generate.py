@@ -172,7 +172,8 @@ def no_room(n: int, ctx: int, what: str = "the prompt", fix: str = "--ctx", most
     context (n_predict is clamped to ctx - prompt - 1), so a prompt of ctx - 1 or more tokens gets no token.
     ``most``: the model's context length, past which no ``fix`` can go (the message then asks for fewer tokens)."""
     problem = (f"{what} has {plural(n, 'token')} and the context holds {ctx}: nothing is left to generate (ds4 "
-               f"keeps one slot free and generates at most ctx - prompt - 1 = {ctx} - {n} - 1 = {ctx - n - 1} tokens)")
+               f"keeps one slot free and generates at most ctx - prompt - 1 tokens: {ctx} - {n} - 1 = {ctx - n - 1}, "
+               "none)")
     if most and n + 2 > most:  # no context the model takes has room: the prompt must shrink
         raise_ctx = f"use {fix} {most} and " if ctx < most else ""
         return (f"{problem}; the model's context is at most {most} tokens: {raise_ctx}shorten {what} to at most "

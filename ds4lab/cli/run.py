@@ -66,7 +66,7 @@ def graph_command(args) -> int:
     ctx = context_size(args.ctx, fast)
     args.no_kernels, args.prefill_matmul, args.decode_matmul = True, "float32", "float32"
     plain = load_model(args)
-    args.think = args.think or "high"
+    args.think = args.think or ("high" if fast.is_chat else "none")  # as run_command's
     _settle_raw(args, fast, text)
     ids = _one_shot_ids(fast, args, text, ctx)
     if not ids:

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..kv.layout import DEFAULT_CHUNK
+from ..kv.layout import chunk_from_env
 from .common import (
     DEFAULT_CTX,
     THINK_FLAGS,
@@ -191,10 +191,12 @@ def serve_command(args) -> int:
         if think_flag in ("high", "max"):
             err(f"warning: {THINK_FLAGS[think_flag]} has no effect: the model has no chat template, so no request "
                 "thinks")
-    legacy_chunk = min(DEFAULT_CHUNK, ctx)  # a version-1 ds4 refuses a file of another chunk (ds4.c's prefill cap)
-    if worker.store is not None and args.kv_payload_version == 1 and worker.session.prefill_chunk != legacy_chunk:
-        err(f"warning: an older ds4-server loads only files of its own prefill chunk ({legacy_chunk} at ctx {ctx}); "
-            f"this session's is {worker.session.prefill_chunk}: add --prefill-chunk {legacy_chunk}")
+    legacy_chunk = chunk_from_env(ctx)  # a ds4 before bb543791 refuses a file of another chunk (its prefill cap)
+    if args.kv_payload_version == 1 and worker.store is None:
+        err("warning: --kv-payload-version has no effect without --kv-disk-dir (no files are written)")
+    elif args.kv_payload_version == 1 and worker.session.prefill_chunk != legacy_chunk:
+        err(f"warning: a ds4-server before 2026-05-23 loads only files of its own prefill chunk ({legacy_chunk} at ctx "
+            f"{ctx}); this session's is {worker.session.prefill_chunk}: add --prefill-chunk {legacy_chunk}")
     disk = f"KV cache {worker.store.dir}" if worker.store is not None else "no disk KV cache"
     err(f"{describe(model)}, ctx {ctx}, prefill chunk {worker.session.prefill_chunk}, think {think}, {disk}")
     serve(worker, app, args.host, args.port, sock=sock,

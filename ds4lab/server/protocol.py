@@ -85,9 +85,11 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     stop: tuple[str, ...] = ()
-    thinking: bool = False  # the output starts inside <think>: reasoning first, then the answer
+    thinking: bool = False  # the output starts inside <think>: reasoning first, then the answer (a text completion
+    # sends both as one text)
     messages: list = field(default_factory=list, repr=False)
-    text: str = field(default="", repr=False)  # the chat APIs' rendered prompt (its text is what ds4-server matches)
+    text: str = field(default="", repr=False)  # the rendered chat prompt (what ds4-server matches); a chat model's
+    # text completion's too
     # /v1/responses: reasoning.effort as asked (None: not asked), and reasoning.summary (auto, concise or detailed:
     # the reasoning sent back as a summary item; None: not sent)
     effort: str | None = None
