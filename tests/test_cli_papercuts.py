@@ -199,7 +199,7 @@ def test_bench_prompt_file_problems_come_before_the_csv_header(content, tmp_path
     proc = ds4lab_cmd("bench", "--prompt-file", text, "--ctx-start", 32, "--ctx-max", 64, "-n", 2, *FAST)
     line = one_error_line(proc, 1)
     assert str(text) in line
-    assert ("the file is empty" if not content.strip() else "need at least ctx_max = 64") in line
+    assert ("the file is empty" if not content.strip() else "need at least --ctx-max (64)") in line
     assert proc.stdout == ""  # no CSV header before the error
 
 
