@@ -461,6 +461,30 @@ def test_completions_continue_plain_text(server, reference):
     assert by_ids.choices[0].text == want and n == whole.usage.completion_tokens
 
 
+def test_a_chat_models_completions_over_http(reference, tmp_path):
+    """/v1/completions served for a chat model (the embedded model's file with a chat template added): the reply to
+    ds4-server's rendered turn, sampled at ds4's thinking defaults, sent as one text whole and streamed, the usage
+    counting the rendered prompt."""
+    from ds4lab.gguf_file import GGUFModelFile, write_gguf
+
+    f = GGUFModelFile.open(reference.path)
+    chat_file = write_gguf(tmp_path / "chat.gguf", {**f.metadata, "tokenizer.chat_template": ("ds4", "STRING")},
+                           [(n, t.shape, t.qtype, t.data) for n, t in f.tensors.items()])
+    model = ds4lab.load(chat_file, backend="numpy")
+    assert model.is_chat
+    req = parse_completion({"model": "m", "prompt": "ROMEO:"}, CHAT_LIMITS, reference.tokenizer)
+    want, n = _expected(reference, req.prompt, 6, seed=3, temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)
+    with ServerThread(model, ctx=CTX, prefill_chunk=CHUNK, max_tokens=64) as srv:
+        client = _openai(srv)
+        whole = client.completions.create(model="chat", prompt="ROMEO:", max_tokens=6, seed=3, temperature=0.2)
+        assert whole.choices[0].text == want and whole.usage.prompt_tokens == len(req.prompt)
+        assert whole.usage.completion_tokens == n
+        chunks = list(client.completions.create(model="chat", prompt="ROMEO:", max_tokens=6, seed=3,
+                                                temperature=0.2, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(req.prompt)
+
+
 def test_stop_strings_cut_the_answer(server, reference):
     client = _openai(server)
     prompt = "First Citizen:\nBefore we proceed any further, hear me"
