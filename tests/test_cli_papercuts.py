@@ -229,7 +229,7 @@ def test_prompt_that_leaves_nothing_to_generate_is_an_error(model):
 
 def test_interactive_turn_that_leaves_nothing_to_generate(model):
     ids = model.tokenizer.render_chat([{"role": "system", "content": DEFAULT_SYSTEM},
-                                       {"role": "user", "content": "Hello"}], think=True)
+                                       {"role": "user", "content": "Hello"}], think=False)  # no chat template
     proc = ds4lab_cmd("run", "--ctx", len(ids) + 1, "-n", 2, *FAST, input="Hello\n/stats\n/quit\n")
     assert proc.returncode == 0, proc.stderr
     assert (f"this turn (the transcript and the new message) has {len(ids)} tokens and the context holds "
