@@ -371,14 +371,12 @@ def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    messages, mode, text = [], "none", ""
     if isinstance(prompt, str) and limits.chat_model:
         messages = [{"role": "system", "content": COMPLETION_SYSTEM}, {"role": "user", "content": prompt}]
         mode = _think_mode(data, model, limits)
         text, ids = _rendered(tokenizer, messages, mode)
-        return Request("completion", model, _check_length(ids, limits, "prompt"), _max_tokens(data, limits),
-                       _sampling(data, limits), stream=_bool(data, "stream"), include_usage=_include_usage(data),
-                       stop=_stop(data, "stop"), thinking=mode != "none", messages=messages, text=text)
-    if isinstance(prompt, str):
+    elif isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < tokenizer.vocab_size), None)
@@ -388,11 +386,11 @@ def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
         ids = list(prompt)
     else:
         raise _type_error("prompt", "a string or a list of token ids", prompt)
-    if not ids:
+    if not ids:  # (a chat turn never is: BOS and its markers)
         raise RequestError("prompt is empty", param="prompt", code="invalid_value")
     return Request("completion", model, _check_length(ids, limits, "prompt"), _max_tokens(data, limits),
-                   _sampling(data, limits), stream=_bool(data, "stream"),
-                   include_usage=_include_usage(data), stop=_stop(data, "stop"))
+                   _sampling(data, limits), stream=_bool(data, "stream"), include_usage=_include_usage(data),
+                   stop=_stop(data, "stop"), thinking=mode != "none", messages=messages, text=text)
 
 
 def _anthropic_system(value) -> str:
