@@ -153,14 +153,23 @@ def pretokenize(text: str) -> list[str]:
 _SPECIAL_RE = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
 
 
-def _think_mode(think: bool | str) -> str | None:
-    if think is False:
+THINK_MAX_MIN_CTX = 393216  # ds4 downgrades Think Max to normal thinking below this context
+
+
+def think_mode(think: bool | str) -> str | None:
+    """A rendering's ``think``: False or "none" (no thinking: None), True or "high", or "max" (the mode's name)."""
+    if think is False or think == "none":
         return None
     if think is True or think == "high":
         return "high"
     if think == "max":
         return "max"
-    raise ValueError(f"think must be False, True, 'high' or 'max', not {think!r}")
+    raise ValueError(f"think must be False, True, 'none', 'high' or 'max', not {think!r}")
+
+
+def effective_think(mode: str, ctx: int) -> str:
+    """The mode ds4 runs for ``mode`` at context ``ctx``: Think Max only from THINK_MAX_MIN_CTX, else normal."""
+    return "high" if mode == "max" and ctx < THINK_MAX_MIN_CTX else mode
 
 
 class Tokenizer:
@@ -303,10 +312,10 @@ class Tokenizer:
                     add_generation_prompt: bool = True) -> list[int]:
         """Render a conversation with ds4's multi-turn append rules.
 
-        ``think`` is False (non-thinking), True or "high" (thinking), or "max" (thinking with the
+        ``think`` is False or "none" (non-thinking), True or "high" (thinking), or "max" (thinking with the
         reasoning-effort prefix right after BOS, as in the one-shot prompt).
         """
-        mode = _think_mode(think)
+        mode = think_mode(think)
         ids = [self.bos_id]
         if mode == "max":
             ids += self.encode(REASONING_EFFORT_MAX_PREFIX)

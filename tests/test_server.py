@@ -112,6 +112,9 @@ def test_thinking_modes_follow_ds4_server(reference):
     with pytest.raises(RequestError) as e:
         parse_chat(dict(base, reasoning_effort="huge"), chat, tk)
     assert e.value.param == "reasoning_effort"
+    # the renderer takes the modes' names: "none" is no thinking, as False
+    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"}]
+    assert render_prompt_text(turn, "none") == render_prompt_text(turn, False) != render_prompt_text(turn, "high")
 
 
 # ds4-server's rendering, worked by hand from render_chat_prompt_text (ds4_server.c at 8d57664); ds4's own unit test

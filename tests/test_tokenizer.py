@@ -197,6 +197,8 @@ def test_one_shot_prompt(byte_tk):
         BOS, *REASONING_EFFORT_MAX_PREFIX.encode(), *b"S", USER, *b"hi", ASSISTANT, THINK]
     with pytest.raises(ValueError, match="think"):
         byte_tk.encode_chat_prompt("hi", think="low")
+    # the modes' names, as the CLI and the server hold them: "none" is no thinking
+    assert byte_tk.encode_chat_prompt("hi", think="none") == [BOS, USER, *b"hi", ASSISTANT, THINK_END]
 
 
 def test_max_prefix_text():

@@ -31,6 +31,7 @@ from ..bench import (
     DEFAULT_WARMUP,
 )
 from ..platform_support import require_processes
+from ..tokenizer import THINK_MAX_MIN_CTX
 from .bench import bench_command
 from .common import (
     DEFAULT_CTX,
@@ -39,7 +40,6 @@ from .common import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
     EXIT_USAGE,
-    THINK_MAX_MIN_CTX,
     UsageError,
     decoded,
     err,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import MIN_CTX, RENDER, THINK_MAX_MIN_CTX, decoded, describe, effective_think, err, read_text
+from ..tokenizer import THINK_MAX_MIN_CTX, effective_think
+from .common import MIN_CTX, decoded, describe, err, read_text
 from .generate import Turn, generate, no_room, sync
 
 REPL_HELP = """Commands:
@@ -45,7 +46,7 @@ class Chat:
     def _head(self) -> list[int]:
         """BOS, the Think Max prefix when active, the system prompt."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return self.tk.render_chat(system, think=RENDER[self.mode], add_generation_prompt=False)
+        return self.tk.render_chat(system, think=self.mode, add_generation_prompt=False)
 
     def _rehead(self, change) -> None:
         old = self._head()
@@ -63,7 +64,7 @@ class Chat:
         self._rehead(change)
 
     def user_turn(self, text: str) -> Turn:
-        mode = RENDER[self.mode]
+        mode = self.mode
         rendered = self.tk.render_chat([{"role": "user", "content": text}], think=mode)
         base = self.tk.render_chat([], think=mode, add_generation_prompt=False)
         rollback = len(self.transcript)
@@ -78,7 +79,7 @@ class Chat:
         except BaseException:
             self.transcript = self.transcript[:rollback]
             raise
-        tokens, gen_seconds, stop = generate(self.sess, self.args, thinking=bool(mode))
+        tokens, gen_seconds, stop = generate(self.sess, self.args, thinking=mode != "none")
         if stop == "interrupted" and not tokens:
             self.transcript = self.transcript[:rollback]  # as ds4: nothing of the turn is kept
         else:

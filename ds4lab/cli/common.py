@@ -9,11 +9,12 @@ import stat
 import sys
 from pathlib import Path
 
+from ..tokenizer import THINK_MAX_MIN_CTX, effective_think
+
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4_cli.c; an empty --system disables it
 DEFAULT_TOKENS = 50000  # ds4's -n default, clamped to the room left in the context
 DEFAULT_CTX = 32768  # ds4's --ctx default, capped at the model's trained context
-THINK_MAX_MIN_CTX = 393216  # ds4 downgrades Think Max to normal thinking below this context
 # the smallest context that generates: a prompt token, a generated one and the slot ds4 keeps free (generate.no_room)
 MIN_CTX = 3
 
@@ -217,14 +218,10 @@ def read_text(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Thinking modes: the one asked for, the one a context allows, and how the chat template renders it
+# Thinking modes: the flag that asks for each, and the one a context allows (ds4's rule: tokenizer.effective_think)
 
 
 THINK_FLAGS = {"none": "--nothink", "high": "--think", "max": "--think-max"}  # the flag that asks for each mode
-
-
-def effective_think(mode: str, ctx: int) -> str:
-    return "high" if mode == "max" and ctx < THINK_MAX_MIN_CTX else mode
 
 
 def thinking_mode(mode: str, ctx: int) -> str:
@@ -233,7 +230,4 @@ def thinking_mode(mode: str, ctx: int) -> str:
     if used != mode:
         err(f"warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; ctx={ctx} uses normal thinking")
     return used
-
-
-RENDER = {"none": False, "high": True, "max": "max"}
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import sys
 
+from ..tokenizer import effective_think
 from .chat import repl
 from .common import (
     DEFAULT_SYSTEM,
     MIN_CTX,
-    RENDER,
     THINK_FLAGS,
     UsageError,
     check_input,
     context_size,
     describe,
-    effective_think,
     err,
     load_model,
     read_text,
@@ -32,7 +31,7 @@ def _one_shot_ids(model, args, text: str, ctx: int) -> list[int]:
         return tk.encode_rendered(text)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": text})
-    return tk.render_chat(messages, think=RENDER[effective_think(args.think, ctx)])
+    return tk.render_chat(messages, think=effective_think(args.think, ctx))
 
 
 def _settle_raw(args, model, text) -> bool:

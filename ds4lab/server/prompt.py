@@ -22,6 +22,7 @@ from ..tokenizer import (
     TOOL_RESULT_CLOSE,
     TOOL_RESULT_OPEN,
     USER,
+    think_mode,
 )
 
 SYSTEM_ROLES = ("system", "developer")
@@ -42,8 +43,9 @@ def tool_context(messages: list[dict]) -> bool:
 
 def render_text(messages: list[dict], think: bool | str) -> str:
     """The rendered conversation: ``messages`` are dicts of ``role``, ``content`` and, for an assistant message,
-    an optional ``reasoning``; ``think`` False (no thinking), True (thinking) or "max" (thinking, with the
-    reasoning-effort prefix after BOS)."""
+    an optional ``reasoning``; ``think`` as ``Tokenizer.render_chat`` takes it: False or "none" (no thinking), True
+    or "high" (thinking) or "max" (thinking, with the reasoning-effort prefix after BOS)."""
+    mode = think_mode(think)
     system = ""
     for m in messages:  # a blank line before each one but where none came yet (an empty first one adds none)
         if m["role"] in SYSTEM_ROLES:
@@ -51,7 +53,7 @@ def render_text(messages: list[dict], think: bool | str) -> str:
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user" or m["role"] in TOOL_ROLES),
                     default=-1)
     tools = tool_context(messages)
-    out = [BOS, REASONING_EFFORT_MAX_PREFIX if think == "max" else "", system]
+    out = [BOS, REASONING_EFFORT_MAX_PREFIX if mode == "max" else "", system]
     awaiting_reply = in_tool_results = False  # a user turn or tool results came last; several results in a row
     for i, m in enumerate(messages):
         role = m["role"]
@@ -65,14 +67,14 @@ def render_text(messages: list[dict], think: bool | str) -> str:
         elif role == "assistant":
             if awaiting_reply:
                 # the reasoning of a reply after the last user turn is kept (a continued reply); earlier ones' not
-                kept = think and (tools or i > last_user)
+                kept = mode and (tools or i > last_user)
                 out += [ASSISTANT, THINK + m.get("reasoning", "") + THINK_END if kept else THINK_END]
             out += [m["content"], EOS]
             awaiting_reply = in_tool_results = False
         elif role not in SYSTEM_ROLES:
             raise ValueError(f"unknown chat role {role!r}")
     if awaiting_reply:
-        out += [ASSISTANT, THINK if think else THINK_END]
+        out += [ASSISTANT, THINK if mode else THINK_END]
     return "".join(out)
 
 

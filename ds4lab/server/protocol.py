@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from ..tokenizer import effective_think
 from .prompt import render_text
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
@@ -277,7 +278,7 @@ def _think_mode(data: dict, model: str, limits: Limits) -> str:
         mode = "none" if thinking["type"] == "disabled" else (mode if mode != "none" else "high")
     if data.get("think") is not None:
         mode = ("high" if mode == "none" else mode) if _bool(data, "think") else "none"
-    return "high" if mode == "max" and limits.ctx < 393216 else mode  # ds4: Think Max needs ctx >= 393216
+    return effective_think(mode, limits.ctx)
 
 
 def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
@@ -293,7 +294,7 @@ def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
 def _rendered(tokenizer, messages: list[dict], mode: str) -> tuple[str, list[int]]:
     """The prompt ds4-server makes of ``messages`` in thinking ``mode`` ("none", "high" or "max"): its text (what
     the worker's reuse matches) and its tokens."""
-    text = render_text(messages, think={"none": False, "high": True, "max": "max"}[mode])
+    text = render_text(messages, think=mode)
     return text, tokenizer.encode_rendered(text)
 
 
