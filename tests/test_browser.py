@@ -76,7 +76,7 @@ def notebook_cells() -> list[str]:
         'MaskView.of_step(sess, 2, len(sess.tokens) - 1, 1, cap["blk.2.indexer.topk"], label="a decode step")',
         "kv_bytes_chart(sess, prefill.chunks) | prefill_chunks_chart(prefill.chunks)",
         "att = model.session(ctx=512, prefill_chunk=64)\n"
-        'with att.capture(["attn.scores"], layers=[2, 3], heads=[0, 1]) as cap:\n'
+        'with att.capture(["attn.scores"], layers=[2, 3], heads=[0, 1, 2, 3]) as cap:\n'
         "    att.prefill(ids).run(progress=False)\n"
         "AttentionView(cap, layer=2, head=0)",
         "experts = ExpertView.from_prompt(model.session(ctx=512, prefill_chunk=64), ids)\n"
@@ -804,7 +804,8 @@ def _longest_run(el, rgb, rows=None) -> float:
 
 def _separators(canvas, x0: float, x1: float) -> list[float]:
     """The x (CSS px) of the thin grey lines in the group headers' row between x0 and x1: pixel columns grey from top
-    to bottom of attention_figure.SEP_Y (a letter's stem is shorter, and dark)."""
+    to bottom of attention_figure.SEP_Y at the figure's scale (a letter's stem is shorter, and dark)."""
+    y0, y1 = (y * canvas.bounding_box()["width"] / FIG_W for y in SEP_Y)
     return canvas.evaluate(
         """(c, [x0, x1, y0, y1]) => {
             const k = c.width / c.getBoundingClientRect().width;
@@ -821,7 +822,7 @@ def _separators(canvas, x0: float, x1: float) -> list[float]:
             }
             return found;
         }""",
-        [x0, x1, *SEP_Y],
+        [x0, x1, y0, y1],
     )
 
 
@@ -845,7 +846,19 @@ def _image_hash(canvas) -> int:
     )
 
 
-def test_attention_view_renders(page):
+@pytest.fixture
+def files_closed(page):
+    """JupyterLab's file browser closed for the test (its pixel counts were set on the attention figure at its full
+    size, which a 1400 px page gives only without it: beside the file browser the figure shrinks for the heads)."""
+    pg = page[0]
+    was = _side_panel(pg, False)
+    pg.wait_for_function(f"() => document.querySelector('.ds4-att-stage canvas').getBoundingClientRect().width == {FIG_W}",
+                         timeout=5_000)
+    yield
+    _side_panel(pg, was)
+
+
+def test_attention_view_renders(page, files_closed):
     """The attention figure: at least 480 px wide, axis text drawn left of and under the heatmap, close group headers
     with a line between them, a tooltip naming layer, head, query, key and mass split; a layer switch keeps the size
     and re-describes what is under the pointer (no stale tooltip); a drag zooms into a region re-reduced in Python
@@ -874,7 +887,7 @@ def test_attention_view_renders(page):
     assert _ink(canvas, 0, 40, 112, 520) > 400 and _ink(canvas, 118, 524, 838, 596) > 400
     assert _ink(canvas, 118, 0, 838, 30) > 100
     # small multiples: one per captured head, the shown one marked
-    assert view.locator(".ds4-att-head").count() == 2 and view.locator(".ds4-att-head.ds4-sel").inner_text() == "head 0"
+    assert view.locator(".ds4-att-head").count() == 4 and view.locator(".ds4-att-head.ds4-sel").inner_text() == "head 0"
     tip = view.locator(".ds4-hovertip")
     text = _hover_fills(pg, canvas, tip, position=(0.3, 0.4), until="el.textContent.includes('→')")
     assert re.match(r"layer 2 head 0 · queries \d+–\d+ → raw keys \d+–\d+: weight [\d.e+-]+.* · mass raw [\d.]+ \| "
@@ -1263,6 +1276,25 @@ def test_views_fit_a_laptop_screen(page):
         view, area = att.bounding_box(), notebook.bounding_box()
         assert view["height"] <= area["height"], (view, area)
         pg.screenshot(path=str(ARTIFACTS / "screen_1400_attention.png"))
+        assert canvas.bounding_box()["width"] == FIG_W  # room for the heads beside the figure at its full size
+        # the file browser open (an output about 970 px wide): the figure shrinks, to BESIDE_SCALE at most, to keep
+        # the heads beside it in one column no taller than it (scrolled where more heads are captured): the whole
+        # view in one screen (with the heads wrapped under the figure, it was 866 px tall in a 779 px area)
+        _side_panel(pg, True)
+        pg.wait_for_function("([c, h]) => c.getBoundingClientRect().width < 946 && "
+                             "h.getBoundingClientRect().left >= c.getBoundingClientRect().right",
+                             arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)
+        att.scroll_into_view_if_needed()
+        c, h, view, area = canvas.bounding_box(), heads.bounding_box(), att.bounding_box(), notebook.bounding_box()
+        assert 0.85 * FIG_W - 1 <= c["width"] < FIG_W and h["x"] + h["width"] <= view["x"] + view["width"] + 1
+        assert view["height"] <= area["height"], (view, area)
+        thumbs = [b.bounding_box() for b in heads.locator(".ds4-att-head").all()]
+        assert len({round(b["x"]) for b in thumbs}) == 1 and len(thumbs) == 4, thumbs  # one column
+        assert h["y"] + h["height"] <= c["y"] + c["height"] + 1, (h, c)
+        assert heads.evaluate("(h) => parseFloat(h.style.maxHeight)") == pytest.approx(c["height"], abs=1)
+        assert heads.locator(".ds4-att-strip").evaluate("(s) => getComputedStyle(s).overflowY") == "auto"
+        pg.screenshot(path=str(ARTIFACTS / "screen_1400_files_attention.png"))
+        _side_panel(pg, False)
         # the KV ring at 30% of the 900 lines (240 at 800, 330 at most)
         assert kv.locator(".ds4-ring").bounding_box()["width"] == pytest.approx(270, abs=1)
         pg.set_viewport_size({"width": 1280, "height": 800})
@@ -1273,6 +1305,8 @@ def test_views_fit_a_laptop_screen(page):
         att.scroll_into_view_if_needed()
         c, a = canvas.bounding_box(), att.bounding_box()
         assert c["y"] + c["height"] - a["y"] <= notebook.bounding_box()["height"], (a, c, notebook.bounding_box())
+        # in one row, scrolled sideways where more are captured than fit
+        assert len({round(b.bounding_box()["y"]) for b in heads.locator(".ds4-att-head").all()}) == 1
         # the note (cells, pooling, how to zoom) right under the figure, before the heads
         n = att.locator(".ds4-note").last.bounding_box()
         assert c["y"] + c["height"] <= n["y"] < heads.bounding_box()["y"], (c, n)

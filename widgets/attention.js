@@ -1,8 +1,9 @@
 // AttentionView: a figure of fixed layout (geometry from Python): the heatmap in three key groups (raw | compressed |
 // sink) with axes, each query's mass as a stacked bar, a colour bar and a legend; small multiples of every captured
-// head beside it where the output has room, else under it (so the figure and its key fit a laptop's screen). The
-// figure is drawn at the output's width (never wider than its layout, never narrower than MIN_SCALE of it; narrower
-// outputs scroll it sideways): nothing is cut off.
+// head beside it, in a column as tall as the figure (scrolled where there are more), the figure shrunk for them down
+// to BESIDE_SCALE; with less room under it, in one row scrolled sideways (so the figure, its key and the heads fit a
+// laptop's screen). Without the heads beside, the figure is drawn at the output's width (never wider than its
+// layout, never narrower than MIN_SCALE of it; narrower outputs scroll it sideways): nothing is cut off.
 // Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
 // a weight's ramp in each key group, white -> the group's colour -> its darkest (reduce.RAMPS): blue raw, green
 // compressed, grey the sink, as the mass bars and the KV view colour them
@@ -27,6 +28,10 @@ const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"
 const STRIPE_NAMES = { raw: "raw", comp: "compressed", sink: "sink" };  // attention_figure.STRIPE_NAMES
 // the smallest scale of the figure: its text stays legible and a cell (MIN_CELL = 3 px) keeps at least 2 px
 const MIN_SCALE = 0.8;
+// the heads beside the figure: one column at least (a thumbnail, its padding and border, a scroll bar), BODY_GAP px
+// from the figure (views.css), which shrinks for them to BESIDE_SCALE at most (a laptop's output beside the file
+// browser, about 970 px: 0.86; at 1280 px with the browser open, 850 px, the heads go under)
+const HEADS_COL = 136, BODY_GAP = 16, BESIDE_SCALE = 0.85;
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
 const floats = (dv) => (dv ? new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength)) : new Float32Array());
 const fmt = (v) => (v === 0 ? "0" : v < 1e-3 ? v.toExponential(2) : v.toPrecision(3));
@@ -43,6 +48,10 @@ function render({ model, el }) {
   const title = document.createElement("div"); title.className = "ds4-title";
   const body = document.createElement("div"); body.className = "ds4-att-body";
   const heads = document.createElement("div"); heads.className = "ds4-att-heads";
+  const caption = document.createElement("div"); caption.className = "ds4-att-caption";
+  caption.textContent = "heads captured: click to show";
+  const strip = document.createElement("div"); strip.className = "ds4-att-strip";
+  heads.append(caption, strip);
   const stage = document.createElement("div"); stage.className = "ds4-att-stage";
   const canvas = document.createElement("canvas"), off = document.createElement("canvas");
   const sel = document.createElement("div"); sel.className = "ds4-att-sel";
@@ -55,18 +64,19 @@ function render({ model, el }) {
   body.append(fig, heads);
   el.append(title, body);
   let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
-  let scale = 1;  // CSS px per figure px
-  // the scale at which the figure fills the view's width (the output's), within [MIN_SCALE, 1]
+  let scale = 1, beside = true;  // CSS px per figure px; whether the heads are beside the figure
+  // the figure's scale and the heads' place at the view's width (the output's): beside where the figure keeps
+  // BESIDE_SCALE, else under it with the figure filling the width, within [MIN_SCALE, 1]
   const fit = () => {
     const w = el.clientWidth, g = model.get("geometry");
-    return w > 0 && g.width ? Math.max(MIN_SCALE, Math.min(1, w / g.width)) : scale;
+    if (!(w > 0 && g.width)) return { scale, beside };
+    const s = Math.min(1, (w - BODY_GAP - HEADS_COL) / g.width);
+    return s >= BESIDE_SCALE ? { scale: s, beside: true } : { scale: Math.max(MIN_SCALE, Math.min(1, w / g.width)), beside: false };
   };
 
   const drawHeads = () => {
     const [tr, tc] = model.get("thumb_shape"), hs = model.get("thumb_heads"), buf = bytes(model.get("thumbs"));
-    const caption = document.createElement("div"); caption.className = "ds4-att-caption";
-    caption.textContent = "heads captured: click to show";
-    heads.replaceChildren(caption);
+    strip.replaceChildren();
     hs.forEach((h, k) => {
       const box = document.createElement("div"); box.className = "ds4-att-head" + (h === model.get("head") ? " ds4-sel" : "");
       box.dataset.head = h; box.title = `show head ${h}`;
@@ -77,7 +87,7 @@ function render({ model, el }) {
       c.getContext("2d").putImageData(img, 0, 0);
       const label = document.createElement("div"); label.textContent = `head ${h}`;
       box.append(c, label);
-      heads.append(box);
+      strip.append(box);
     });
   };
 
@@ -88,13 +98,24 @@ function render({ model, el }) {
     title.textContent = model.get("title");
     note.textContent = model.get("note");
     // the backing store at the size shown (× the device's pixel ratio): crisp at any scale
-    scale = fit();
+    ({ scale, beside } = fit());
+    body.classList.toggle("ds4-att-under", !beside);
     const dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(g.width * scale * dpr); canvas.height = Math.round(g.height * scale * dpr);
     canvas.style.width = `${g.width * scale}px`; canvas.style.height = `${g.height * scale}px`;
     fig.style.width = canvas.style.width;  // a long note wraps under the figure rather than widen it
+    heads.style.maxHeight = beside ? canvas.style.height : "";  // a column no taller than the figure
     const ctx = canvas.getContext("2d");
-    ctx.setTransform(canvas.width / g.width, 0, 0, canvas.height / g.height, 0, 0);
+    const k = canvas.width / g.width;
+    ctx.setTransform(k, 0, 0, k, 0, 0);
+    // a rectangle (figure px) with its edges on device pixels: at any scale adjacent ones tile without seams, and a
+    // line (at least one device pixel) stays sharp (a 1 px line drawn at 0.86 was a blur of two light columns)
+    const rect = (x, y, w, h, line = false) => {
+      const a = Math.round(x * k), b = Math.round(y * k), min = line ? 1 : 0;
+      ctx.save(); ctx.setTransform(1, 0, 0, 1, 0, 0);
+      ctx.fillRect(a, b, Math.max(min, Math.round((x + w) * k) - a), Math.max(min, Math.round((y + h) * k) - b));
+      ctx.restore();
+    };
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
     const L = g.left, T = g.top;
     // the heatmap pixel by pixel: the cell under each column and row of pixels, its colour from a table
@@ -119,9 +140,11 @@ function render({ model, el }) {
     ctx.textBaseline = "middle";
     const headed = groups.filter((grp) => grp.label);
     for (const grp of groups) {
-      ctx.strokeStyle = "#888"; ctx.lineWidth = 1;
-      ctx.strokeRect(L + grp.x0 - 0.5, T - 0.5, grp.x1 - grp.x0 + 1, g.hh + 1);
-      ctx.fillStyle = GROUP[grp.name]; ctx.fillRect(L + grp.x0, T - 6, grp.x1 - grp.x0, 2);
+      const [x0, w] = [L + grp.x0 - 1, grp.x1 - grp.x0 + 2];  // its frame, one pixel outside its cells
+      ctx.fillStyle = "#888";
+      rect(x0, T - 1, w, 1, true); rect(x0, T + g.hh, w, 1, true);
+      rect(x0, T - 1, 1, g.hh + 2, true); rect(x0 + w - 1, T - 1, 1, g.hh + 2, true);
+      ctx.fillStyle = GROUP[grp.name]; rect(L + grp.x0, T - 6, grp.x1 - grp.x0, 2, true);
       // the header where Python put it (attention_figure.place_headers): one line, none overlapping
       ctx.fillStyle = "#222"; ctx.textAlign = "center"; ctx.fillText(grp.label, L + grp.label_x, 22);
     }
@@ -131,16 +154,16 @@ function render({ model, el }) {
     ctx.fillStyle = "#888";
     headed.forEach((a, i) => {
       const b = headed[i + 1];
-      if (a.sep && b) ctx.fillRect(L + Math.round((a.label_x + half(a) + b.label_x - half(b)) / 2), s0, 1, s1 - s0);
+      if (a.sep && b) rect(L + Math.round((a.label_x + half(a) + b.label_x - half(b)) / 2), s0, 1, s1 - s0, true);
     });
     ctx.fillStyle = "#222";
     for (const [x, text] of model.get("xticks")) {
-      ctx.fillRect(L + x, T + g.hh + 1, 1, 3);
+      rect(L + x, T + g.hh + 1, 1, 3, true);
       ctx.save(); ctx.translate(L + x, T + g.hh + 6); ctx.rotate(-Math.PI / 2);
       ctx.textAlign = "right"; ctx.fillText(text, 0, 0); ctx.restore();
     }
     ctx.textAlign = "right";
-    for (const [y, text] of model.get("yticks")) { ctx.fillRect(L - 4, T + y, 3, 1); ctx.fillText(text, L - 6, T + y); }
+    for (const [y, text] of model.get("yticks")) { rect(L - 4, T + y, 3, 1, true); ctx.fillText(text, L - 6, T + y); }
     ctx.textAlign = "left"; ctx.fillStyle = "#777"; ctx.fillText(model.get("y_title"), 4, T - 9);
     // each query's mass, raw | compressed | sink (their colours in the legend); its title grey as the query axis'
     // one, apart from the group headers on its line
@@ -150,7 +173,7 @@ function render({ model, el }) {
       let x = g.mass_x;
       ["raw", "comp", "sink"].forEach((name, k) => {
         const w = (m[k] / total) * g.mass_w;
-        ctx.fillStyle = GROUP[name]; ctx.fillRect(x, T + ye[r], w, ye[r + 1] - ye[r]); x += w;
+        ctx.fillStyle = GROUP[name]; rect(x, T + ye[r], w, ye[r + 1] - ye[r]); x += w;
       });
     });
     // the colour bar and the legend
@@ -160,7 +183,7 @@ function render({ model, el }) {
     const shown = ["raw", "comp"].filter((n) => groups.some((grp) => grp.name === n));
     const stripes = shown.length === 2 ? [["raw", 0, 8], ["comp", 12, 20]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 20]];
     for (const [name, y0, y1] of stripes) {
-      for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; ctx.fillRect(L + v, ly + y0, 1, y1 - y0); }
+      for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; rect(L + v, ly + y0, 1, y1 - y0); }
     }
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, mid);
     if (stripes.length === 2) for (const [name, y0, y1] of stripes) ctx.fillText(STRIPE_NAMES[name], L - 22, ly + (y0 + y1) / 2);
@@ -251,7 +274,10 @@ function render({ model, el }) {
   const schedule = () => { if (frame === null) frame = requestAnimationFrame(() => { frame = null; draw(); }); };
   // the view is rendered before it is attached (no width yet), and the output's width changes with the window and
   // the side panels: redraw at the scale that fits
-  const resized = new ResizeObserver(() => { if (fit() !== scale) schedule(); });
+  const resized = new ResizeObserver(() => {
+    const f = fit();
+    if (f.scale !== scale || f.beside !== beside) schedule();
+  });
   resized.observe(el);
   draw();
   const events = ["buf", "marks", "values", "rows", "cols", "groups", "title", "note", "mass", "thumbs", "head", "layer"]
