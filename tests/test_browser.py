@@ -697,6 +697,27 @@ def test_mask_of_a_decode_step_renders(page):
         }
         return found; }""")
     assert len(lines) == 1, lines
+    # and under them "320" and "c0" (10 px apart) a line between them too: one grey column over the labels' height,
+    # between the own column's middle (where its label ends) and the compressed rows' start (where c0's starts)
+    axis = img.evaluate("""(el) => {
+        const c = document.createElement('canvas'); c.width = el.naturalWidth; c.height = el.naturalHeight;
+        const ctx = c.getContext('2d'); ctx.drawImage(el, 0, 0);
+        const d = ctx.getImageData(0, 0, c.width, c.height).data, found = [], own = [];
+        for (let x = 0; x < c.width; x++) {
+            let run = 0, best = 0;
+            for (let y = 0; y < c.height; y++) {
+                const i = (y * c.width + x) * 4;
+                if (d[i] === 8 && d[i + 1] === 81 && d[i + 2] === 156) { own.push(x); break; }
+            }
+            for (let y = 0; y < c.height; y++) {
+                const i = (y * c.width + x) * 4;
+                run = d[i] === 153 && d[i + 1] === 153 && d[i + 3] === 255 ? run + 1 : 0; best = Math.max(best, run);
+            }
+            if (best === 11) found.push(x);
+        }
+        return [found, own[0], own.at(-1)]; }""")
+    axis, own = axis[0], axis[1:]
+    assert len(axis) == 1 and (own[0] + own[1]) / 2 < axis[0] < own[1] + 8, (axis, own)
     _output_of(view).screenshot(path=str(ARTIFACTS / "mask_decode.png"))
 
 
@@ -1013,15 +1034,20 @@ def test_expert_view_renders(page):
     out = _output_of(view)
     assert out.locator(".widget-dropdown").count() == 1 and out.locator(".widget-checkbox").count() == 1
     out.screenshot(path=str(ARTIFACTS / "expert_view.png"))
+    height = view.bounding_box()["height"]
     out.locator(".widget-dropdown select").select_option(label="hash layers")  # the title counts what is shown
     view.locator(".ds4-title", has_text="hash layers only").wait_for(timeout=10_000)  # redrawn: a new element
     assert re.match(r"router: tokens per expert, 3 layers \(hash layers only\) × 8 experts",
                     view.locator(".ds4-title").inner_text()) and hists.count() == 3
+    # the view keeps its height (as tall as all six layers, its key two lines): what is under it does not move
+    assert view.bounding_box()["height"] == height, (view.bounding_box(), height)
     # the learned-router layers alone: the key explains their bars only (it still named the hash layers' light grey)
     select = out.locator(".widget-dropdown select")
     select.select_option(value=next(o for o in select.locator("option").all_inner_texts() if "learned" in o))
     view.locator(".ds4-title", has_text="learned-router layers only").wait_for(timeout=10_000)
     assert "hash" not in view.locator(".ds4-note").first.inner_text() and hists.count() == 3
+    assert view.bounding_box()["height"] == height
+    out.screenshot(path=str(ARTIFACTS / "expert_view_learned.png"))
     out.locator(".widget-dropdown select").select_option(label="all layers")
     # each layer its own scale: its own round ticks, their labels clear of each other (four ticks 10 px apart crowded)
     out.locator(".widget-checkbox input").uncheck()

@@ -21,6 +21,7 @@ const niceTicks = (vmax, px) => {
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-experts");
   const header = document.createElement("div"), body = document.createElement("div");
+  header.className = "ds4-experts-head"; body.className = "ds4-hists";
   const hint = document.createElement("div"); hint.className = "ds4-tip";
   hint.textContent = "hover a bar: how many tokens went to that expert, and which tokens most often";
   el.append(header, hint, body);
@@ -77,6 +78,12 @@ function render({ model, el }) {
         `${axis}${bars}</svg></div>`;
     }
     body.innerHTML = h;
+    // as tall as all the layers whatever the filter shows: what is under the view stays put (it moved a layer's
+    // height for each one hidden). A histogram's height and the gap between two (views.css) make the floor; none
+    // before the view is attached (no height yet), and a filter that shows no layer keeps the last one
+    const first = body.firstElementChild, gap = parseFloat(getComputedStyle(body).rowGap) || 0;
+    const tall = first ? first.getBoundingClientRect().height : 0, all = model.get("layers").length;
+    if (tall > 0) body.style.minHeight = `${all * (tall + gap) - gap}px`;
   };
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();

@@ -135,7 +135,7 @@ function render({ model, el }) {
       const mid = g.x(c) + g.w(c) / 2, width = ctx.measureText(s).width;
       const l0 = align === "left" ? mid - 1 : align === "right" ? mid + 1 - width : mid - width / 2;
       if (placed.some(([l, r]) => l0 + width + 6 > l && l0 - 6 < r)) return false;
-      placed.push([l0, l0 + width]);
+      placed.push([l0, l0 + width, g.gi(c)]);
       ctx.fillRect(mid, y - 3, 1, 3); ctx.fillText(s, l0 + width / 2, y);
       return true;
     };
@@ -145,6 +145,14 @@ function render({ model, el }) {
     for (let c = 0; c < g.nr; c++) if (pos[c] % stride === 0) tick(c, String(pos[c]));
     const cstep = Math.ceil((ctx.measureText(`c${g.nc}`).width + 6) / g.ccw);  // the widest label and 6 px apart
     for (let c = 0; c < g.nc; c += cstep) if (!tick(g.nr + c, `c${c}`) && c === 0) tick(g.nr, "c0", "left");
+    // two labels of different groups under 12 px apart (a decode step's position and c0): a thin grey line between
+    // them, as between two close headers, so that "320 c0" reads as two labels
+    ctx.fillStyle = "#999";
+    placed.sort((a, b) => a[0] - b[0]).forEach(([, r, grp], i) => {
+      const next = placed[i + 1];
+      if (next && next[2] !== grp && next[0] - r < 12) ctx.fillRect(Math.round((r + next[0]) / 2), y, 1, 11);
+    });
+    ctx.fillStyle = "#333";
     ctx.fillText(model.get("x_title"), titleX, y + 14);
     legend.innerHTML = cats.map((name, i) => counts[i] ? `<span class="ds4-key"><span class="ds4-swatch" style="background:${col[i]}"></span>${name}</span>` : "").join("");
     img.alt = `mask: query position (down) × ${model.get("x_title")} (across)`;  // the axes, also for a screen reader
