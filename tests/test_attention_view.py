@@ -429,8 +429,22 @@ def test_each_key_group_is_drawn_on_its_own_ramp(cap):
     assert tuple(img[ly + 8, LEFT + 128]) == (255, 255, 255)
     # each stripe named on its left, before the scale's "0" (touching, a student read them as one ramp): ink there
     # at each stripe's rows, none between them
-    names = (img[:, LEFT - fig.STRIPE_NAME_GAP - 30 : LEFT - fig.STRIPE_NAME_GAP] < 100).all(axis=2)
+    _, right = fig.stripe_name("raw", fig.ADVANCE, lambda t: fig.ADVANCE * len(t))
+    names = (img[:, round(right) - 30 : round(right)] < 100).all(axis=2)
     assert names[ly : ly + 8].sum() > 10 and names[ly + 12 : ly + 20].sum() > 10 and not names[ly + 8 : ly + 12].any()
+    # on a log scale the low end is long ("9.5e-05"): the names move left of it, "compressed" as "comp" (drawn over
+    # each other, a walk-through could read neither); no column of ink holds both the low end's text and a name
+    view.set_scale("log")
+    state = view._state()
+    lo = state["lo_text"]
+    assert len(lo) >= 6, lo
+    img = draw_static(state)
+    ink = (img[ly : ly + fig.BAR_H] < 100).all(axis=2).any(axis=0)  # columns with text beside the bar
+    lo_start = LEFT - 6 - ADVANCE * len(lo)
+    text, right = fig.stripe_name("comp", ADVANCE * len(lo), lambda t: ADVANCE * len(t))
+    assert text == "comp" and ink[round(right) - ADVANCE * 4 : round(right)].any() and ink[lo_start : LEFT - 6].any()
+    assert not ink[round(right) : lo_start].any()  # a blank gap between the names and the low end
+    view.set_scale("row")
     for layer in (2, 3):  # layer 3: 320 raw keys, 2 compressed rows and the sink, columns pooled by more than 3
         view.show(layer, 0)
         amap = cap.attention(layer)

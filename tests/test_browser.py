@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4lab.viz.attention_figure import FEW_PX, FIG_W, HEADER_CHAR, LEFT, SEP_Y, TOP, WIDTH
+from ds4lab.viz.attention_figure import FEW_PX, FIG_H, FIG_W, HEADER_CHAR, LEFT, SEP_Y, TOP, WIDTH
 
 pytestmark = pytest.mark.browser
 
@@ -873,8 +873,8 @@ def files_closed(page):
     size, which a 1400 px page gives only without it: beside the file browser the figure shrinks for the heads)."""
     pg = page[0]
     was = _side_panel(pg, False)
-    pg.wait_for_function(f"() => document.querySelector('.ds4-att-stage canvas').getBoundingClientRect().width == {FIG_W}",
-                         timeout=5_000)
+    pg.wait_for_function(f"() => document.querySelector('.ds4-att-stage canvas').getBoundingClientRect().width"
+                         f" == {FIG_W}", timeout=5_000)
     yield
     _side_panel(pg, was)
 
@@ -983,6 +983,20 @@ def test_attention_view_renders(page, files_closed):
     # overview counts its hidden drops): what is under it does not move as a layer or the zoom changes
     assert "indexer-dropped" in note.inner_text()
     assert note.bounding_box()["height"] == note_h, (note.bounding_box(), note_h)
+    # a log scale's long low end ("9.5e-05") beside both stripes: their names left of it ("comp" for "compressed"),
+    # a blank gap between (drawn over each other, a walk-through read neither)
+    before = _image_hash(canvas)
+    out.locator(".widget-toggle-button", has_text="log").click()
+    pg.wait_for_function("(el) => el.textContent.startsWith('layer 2')", arg=title.element_handle(), timeout=10_000)
+    pg.wait_for_function(f"(c) => {{ const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; "
+                         f"let h = 0; for (let i = 0; i < d.length; i += 4) h = (h * 31 + d[i] + 7 * d[i + 1] + "
+                         f"13 * d[i + 2]) | 0; return h !== {before}; }}", arg=canvas.element_handle(), timeout=10_000)
+    ly = FIG_H - 40 + 4  # attention_figure's legend_y + 4: the colour bar's top, the figure at its full size
+    cols = [_ink(canvas, x, ly, x + 1, ly + 20) > 0 for x in range(LEFT)]
+    runs = "".join("#" if c else "." for c in cols).strip(".")
+    assert re.fullmatch(r"[#.]*#\.{6,}#[#.]{0,50}", runs) and runs.count("#") > 30, runs  # names | gap | low end
+    out.screenshot(path=str(ARTIFACTS / "attention_view_log.png"))
+    out.locator(".widget-toggle-button", has_text="per row").click()
 
 
 def _round_ticks(vmax: int, px: int = 40) -> list[int]:
@@ -1303,7 +1317,7 @@ def test_views_fit_a_laptop_screen(page):
         assert view["height"] <= area["height"], (view, area)
         pg.screenshot(path=str(ARTIFACTS / "screen_1400_attention.png"))
         assert canvas.bounding_box()["width"] == FIG_W  # room for the heads beside the figure at its full size
-        # the file browser open (an output about 970 px wide): the figure shrinks, to BESIDE_SCALE at most, to keep
+        # the file browser open (an output about 970 px wide): the figure shrinks, to MIN_SCALE at most, to keep
         # the heads beside it in one column no taller than it (scrolled where more heads are captured): the whole
         # view in one screen (with the heads wrapped under the figure, it was 866 px tall in a 779 px area)
         _side_panel(pg, True)
@@ -1312,7 +1326,7 @@ def test_views_fit_a_laptop_screen(page):
                              arg=[canvas.element_handle(), heads.element_handle()], timeout=5_000)
         att.scroll_into_view_if_needed()
         c, h, view, area = canvas.bounding_box(), heads.bounding_box(), att.bounding_box(), notebook.bounding_box()
-        assert 0.85 * FIG_W - 1 <= c["width"] < FIG_W and h["x"] + h["width"] <= view["x"] + view["width"] + 1
+        assert 0.8 * FIG_W - 1 <= c["width"] < FIG_W and h["x"] + h["width"] <= view["x"] + view["width"] + 1
         assert view["height"] <= area["height"], (view, area)
         thumbs = [b.bounding_box() for b in heads.locator(".ds4-att-head").all()]
         assert len({round(b["x"]) for b in thumbs}) == 1 and len(thumbs) == 4, thumbs  # one column

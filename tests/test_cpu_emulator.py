@@ -459,33 +459,36 @@ def test_the_kernels_never_read_ring_slots_past_the_window_nor_rows_past_the_cou
                                                                                    attn_chunk):
     """What a step's kernels read of the state: runtime.compiled.live_rows' rows (the raw ring's slots of the window,
     the compressed and indexer rows below the count, the pending states), nothing more. With every other row set to
-    NaN before each chunk and each decode step (chunks of 32 and decode past the ring's wrap: raw_cap 256, window
-    32), the logits of every step are those of the untouched run, bit for bit (what lets a GPU copy of a state leave
-    those rows out). Also with a chunk's attention through the reference (ops.ATTN_CHUNK_KERNEL off), which reads
-    the keys no query sees as zeros."""
+    NaN before each chunk and each decode step (chunks of 32 and decode past the ring's wrap: a ring of 100 slots
+    and a window of 32), the logits of every step are those of the untouched run, bit for bit (what lets a GPU copy
+    of a state leave those rows out). Also with a chunk's attention through the reference (ops.ATTN_CHUNK_KERNEL
+    off), which reads the keys no query sees as zeros."""
     from ds4lab import ops
     from tests.conftest import emulated_model
 
     monkeypatch.setattr(ops, "ATTN_CHUNK_KERNEL", attn_chunk)
+    # a ring of 100 slots (ds4's DS4_METAL_GRAPH_RAW_CAP): wrapped in the fourth chunk, whose window (positions
+    # 96-127 before the fifth) straddles its end; with 256 slots and chunks of 32 no window did, in 288 tokens
+    monkeypatch.setenv("DS4_METAL_GRAPH_RAW_CAP", "100")
     runs = []
     for poison in (False, True):
         model = emulated_model(model_paths["nano"])
-        sess = model.session(ctx=340, prefill_chunk=32)
-        assert sess.geometry.raw_cap == 256 and sess.geometry.window == 32
+        sess = model.session(ctx=200, prefill_chunk=32)
+        assert sess.geometry.raw_cap == 100 and sess.geometry.window == 32
         logits, poisoned = [], 0
-        prefill = sess.prefill(np.random.default_rng(11).integers(0, 1000, 288).tolist())
-        while prefill.remaining > 0:  # nine chunks of 32
+        prefill = sess.prefill(np.random.default_rng(11).integers(0, 1000, 160).tolist())
+        while prefill.remaining > 0:  # five chunks of 32: 40 compressed rows on the ratio-4 layers, top-k 16
             if poison and sess.tokens:
                 poisoned += _poison_what_no_step_reads(sess._state, model.config)
             prefill.step()
             logits.append(sess.logits.copy())
         decode = sess.decoder(temperature=0.0)
-        for _ in range(12):  # positions 288-299: past the ring's wrap; ratio-4 windows end on the way
+        for _ in range(12):  # positions 160-171: the ring wrapped; ratio-4 windows end on the way
             if poison:
                 poisoned += _poison_what_no_step_reads(sess._state, model.config)
             decode.step(more=False)
             logits.append(sess.logits.copy())
         runs.append((logits, poisoned))
     (plain, _), (poisoned_logits, poisoned) = runs
-    assert poisoned > 0 and len(plain) == 9 + 12
+    assert poisoned > 0 and len(plain) == 5 + 12
     assert all(np.array_equal(a, b) for a, b in zip(plain, poisoned_logits))

@@ -1,7 +1,7 @@
 // AttentionView: a figure of fixed layout (geometry from Python): the heatmap in three key groups (raw | compressed |
 // sink) with axes, each query's mass as a stacked bar, a colour bar and a legend; small multiples of every captured
 // head beside it, in a column as tall as the figure (scrolled where there are more), the figure shrunk for them down
-// to BESIDE_SCALE; with less room under it, in one row scrolled sideways (so the figure, its key and the heads fit a
+// to MIN_SCALE; with less room under it, in one row scrolled sideways (so the figure, its key and the heads fit a
 // laptop's screen). Without the heads beside, the figure is drawn at the output's width (never wider than its
 // layout, never narrower than MIN_SCALE of it; narrower outputs scroll it sideways): nothing is cut off.
 // Drag on the heatmap to zoom (Python re-reduces the region), double-click to reset; click a head to show it.
@@ -26,12 +26,14 @@ const MARK32 = [null, rgba(DROPPED), rgba(MASKED), rgba(NOT_YET)];  // by mark: 
 const GROUP = { raw: "rgb(49,130,189)", comp: "rgb(49,163,84)", sink: "rgb(82,82,82)" };  // attention_figure.GROUP_COLOURS
 const MASS_KEY = [["raw", "raw window"], ["comp", "compressed"], ["sink", "sink"]];  // attention_figure.MASS_KEY
 const STRIPE_NAMES = { raw: "raw", comp: "compressed", sink: "sink" };  // attention_figure.STRIPE_NAMES
+const SHORT_NAMES = { raw: "raw", comp: "comp", sink: "sink" };  // attention_figure.SHORT
+const STRIPE_NAME_GAP = 8;  // attention_figure.STRIPE_NAME_GAP
 // the smallest scale of the figure: its text stays legible and a cell (MIN_CELL = 3 px) keeps at least 2 px
 const MIN_SCALE = 0.8;
 // the heads beside the figure: one column at least (a thumbnail, its padding and border, a scroll bar), BODY_GAP px
-// from the figure (views.css), which shrinks for them to BESIDE_SCALE at most (a laptop's output beside the file
-// browser, about 970 px: 0.86; at 1280 px with the browser open, 850 px, the heads go under)
-const HEADS_COL = 136, BODY_GAP = 16, BESIDE_SCALE = 0.85;
+// from the figure (views.css), which shrinks for them to MIN_SCALE at most (at 1400 px beside the file browser an
+// output of 955-970 px: 0.85-0.86; at 1280 px, 850 px, the heads go under)
+const HEADS_COL = 136, BODY_GAP = 16;
 const bytes = (dv) => (dv ? new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength) : new Uint8Array());
 const floats = (dv) => (dv ? new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength)) : new Float32Array());
 const fmt = (v) => (v === 0 ? "0" : v < 1e-3 ? v.toExponential(2) : v.toPrecision(3));
@@ -66,12 +68,12 @@ function render({ model, el }) {
   let pointer = null, drag = null;  // the last pointer position on the canvas (figure px); a drag's first cell
   let scale = 1, beside = true;  // CSS px per figure px; whether the heads are beside the figure
   // the figure's scale and the heads' place at the view's width (the output's): beside where the figure keeps
-  // BESIDE_SCALE, else under it with the figure filling the width, within [MIN_SCALE, 1]
+  // MIN_SCALE, else under it with the figure filling the width, within [MIN_SCALE, 1]
   const fit = () => {
     const w = el.clientWidth, g = model.get("geometry");
     if (!(w > 0 && g.width)) return { scale, beside };
     const s = Math.min(1, (w - BODY_GAP - HEADS_COL) / g.width);
-    return s >= BESIDE_SCALE ? { scale: s, beside: true } : { scale: Math.max(MIN_SCALE, Math.min(1, w / g.width)), beside: false };
+    return s >= MIN_SCALE ? { scale: s, beside: true } : { scale: Math.max(MIN_SCALE, Math.min(1, w / g.width)), beside: false };
   };
 
   const drawHeads = () => {
@@ -179,14 +181,19 @@ function render({ model, el }) {
     // the colour bar and the legend
     const ly = g.legend_y + 4, mid = ly + 10;
     // the raw and compressed ramps one above the other where both are shown, 4 px apart and each named on its left
-    // (touching, they read as one ramp): attention_figure.ramp_stripes, BAR_H 20, STRIPE_NAME_GAP 22
+    // (touching, they read as one ramp): attention_figure.ramp_stripes, BAR_H 20
     const shown = ["raw", "comp"].filter((n) => groups.some((grp) => grp.name === n));
     const stripes = shown.length === 2 ? [["raw", 0, 8], ["comp", 12, 20]] : [[shown[0] || (groups.length ? "sink" : "raw"), 0, 20]];
     for (const [name, y0, y1] of stripes) {
       for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; rect(L + v, ly + y0, 1, y1 - y0); }
     }
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, mid);
-    if (stripes.length === 2) for (const [name, y0, y1] of stripes) ctx.fillText(STRIPE_NAMES[name], L - 22, ly + (y0 + y1) / 2);
+    // each stripe named left of the scale's low end, short where the full name has no room (attention_figure.stripe_name)
+    const right = L - 6 - ctx.measureText(model.get("lo_text")).width - STRIPE_NAME_GAP;
+    const fits = (t) => ctx.measureText(t).width <= right - 4;
+    if (stripes.length === 2) {
+      for (const [name, y0, y1] of stripes) ctx.fillText(fits(STRIPE_NAMES[name]) ? STRIPE_NAMES[name] : SHORT_NAMES[name], right, ly + (y0 + y1) / 2);
+    }
     ctx.textAlign = "left"; ctx.fillText(model.get("hi_text"), L + 262, mid);
     ctx.fillText(model.get("scale_text"), L + 262 + ctx.measureText(model.get("hi_text")).width + 12, mid);
     let x = L;

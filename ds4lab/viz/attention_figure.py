@@ -100,7 +100,16 @@ def column_groups(groups: list[dict], cols: int) -> np.ndarray:
 
 BAR_H = 20  # px of the colour bar: two stripes of 8, 4 apart, each named on its left (touching, read as one ramp)
 STRIPE_NAMES = {"raw": "raw", "comp": "compressed", "sink": "sink"}
-STRIPE_NAME_GAP = 22  # px from a stripe's name to the bar (the scale's "0" between them)
+STRIPE_NAME_GAP = 8  # px between a stripe's name and the scale's low end ("0", "9.5e-05") left of the bar
+
+
+def stripe_name(name: str, lo_width: float, width_of) -> tuple[str, float]:
+    """A stripe's name and the x of its right end: left of the scale's low end (``lo_width`` px, ending 6 px left of
+    the bar), STRIPE_NAME_GAP apart; the short name where the full one would come within 4 px of the figure's edge
+    (a log scale's low end, "9.5e-05", was drawn over "raw" and "compressed"). ``width_of``: a text's width in px."""
+    right = LEFT - 6 - lo_width - STRIPE_NAME_GAP
+    full = STRIPE_NAMES[name]
+    return (full if width_of(full) <= right - 4 else SHORT[name]), right
 
 
 def ramp_stripes(groups: list[dict]) -> list[tuple[str, int, int]]:
@@ -164,8 +173,9 @@ def draw_static(state: dict) -> np.ndarray:
     stripes = ramp_stripes(state["groups"])
     for name, y0, y1 in stripes:
         img[ly + y0 : ly + y1, LEFT : LEFT + 256] = colormap(np.arange(256, dtype=np.uint8), name)[None, :, :]
-        if len(stripes) == 2:  # left of the "0"
-            draw_text(img, LEFT - STRIPE_NAME_GAP, ly + (y0 + y1) // 2 - 3, STRIPE_NAMES[name], TEXT, anchor="right")
+        if len(stripes) == 2:  # left of the scale's low end
+            text, right = stripe_name(name, ADVANCE * len(state["lo_text"]), lambda t: ADVANCE * len(t))
+            draw_text(img, round(right), ly + (y0 + y1) // 2 - 3, text, TEXT, anchor="right")
     ly += BAR_H + 6  # the key's swatches 26 px under the bar's top, as the canvas draws them
     x = LEFT
     present = set(np.frombuffer(state["marks"], np.uint8).tolist())  # as the canvas: the kinds the figure shows
