@@ -18,9 +18,10 @@
 # This notebook loads it, looks at its layers, computes next-token probabilities, generates text with a
 # session and looks at the KV cache the session keeps. Everything runs on a laptop CPU in seconds.
 #
-# Saving: JupyterLab keeps the views' live state in a saved notebook only with *Settings → Save Widget State
-# Automatically* checked. Without it, a notebook you ran, saved and opened again shows "model not found" where
-# each view was, until you run its cells again.
+# Saving: JupyterLab saves an open notebook by itself every two minutes (autosave), and keeps the views' live state
+# in it only with *Settings → Save Widget State Automatically* checked. Without it, a notebook you ran and open
+# again later shows "model not found" where each view was, whether you pressed Save or not, until you run its
+# cells again (`git checkout notebooks/` brings back the copies that show every view).
 
 # %%
 import sys

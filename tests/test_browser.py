@@ -576,6 +576,10 @@ def test_kvcache_view_renders(page):
     assert key.count() == 1 and key.bounding_box()["y"] < view.locator(".ds4-layer").first.bounding_box()["y"]
     key_text = " ".join(key.inner_text().split())  # a swatch between two words leaves two spaces
     assert "those the indexer drops are salmon (as in the attention and mask views)" in key_text
+    # each swatch on the line of the words it keys (one ended a line, "tokens pending" starting the next)
+    for swatch in key.locator(".ds4-swatch").all():
+        words = swatch.locator("xpath=..")
+        assert words.evaluate("(w) => w.classList.contains('ds4-nowrap') && w.getClientRects().length === 1")
     for layer in (2, 4):
         box = view.locator(".ds4-layer").nth(layer)
         assert "the last query (319) reads the 32 the indexer picked" in box.inner_text()
@@ -1055,6 +1059,8 @@ def test_expert_view_renders(page):
                     view.locator(".ds4-title").inner_text()) and hists.count() == 3
     # the view keeps its height (as tall as all six layers, its key two lines): what is under it does not move
     assert view.bounding_box()["height"] == height, (view.bounding_box(), height)
+    # one scale for every layer still means all six: the hash layers' bars as they were (their own top was 0-100)
+    assert hists.first.locator("svg text.ds4-ytick").all_text_contents() == [str(v) for v in _round_ticks(top)]
     # the learned-router layers alone: the key explains their bars only (it still named the hash layers' light grey)
     select = out.locator(".widget-dropdown select")
     select.select_option(value=next(o for o in select.locator("option").all_inner_texts() if "learned" in o))

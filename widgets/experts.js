@@ -39,7 +39,8 @@ function render({ model, el }) {
   const draw = () => {
     const n = model.get("n_expert"), show = model.get("show"), common = model.get("common_scale");
     const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
-    const vmaxAll = Math.max(1, ...layers.map((L) => Math.max(...L.counts)));
+    // one scale for every layer, the hidden ones too: a filter leaves the bars it shows as they were
+    const vmaxAll = Math.max(1, ...model.get("layers").map((L) => Math.max(...L.counts)));
     // bars up to 48 px wide (a few experts: hover targets a student could hit; 32 drew a tiny model's 256 px), 2 at least
     const bw = Math.max(2, Math.min(48, Math.floor(640 / Math.max(n, 1)))), H = 40;
     const AX = 30, PT = 5;  // px left of the bars for the token axis, above them for its top label

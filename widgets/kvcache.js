@@ -85,13 +85,13 @@ function render({ model, el }) {
     // an indexer chooses where a query sees more compressed rows than its top k; below that it attends them all
     const chooses = (L) => L.n_index !== null && L.n_index > d.idx_topk;
     const picks = shown.some((L) => L.picked && chooses(L));
-    if (shown.some((L) => L.ratio)) {
-      key += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-swatch comp"></span> a row pooled from its group of ` +
+    if (shown.some((L) => L.ratio)) {  // each swatch kept on the line of the words it keys (ds4-nowrap)
+      key += `<div class="ds4-key-comp"><b>compressed rows</b>: <span class="ds4-nowrap"><span class="ds4-swatch comp"></span> a row</span> pooled from its group of ` +
         `tokens` + (picks ? `; on an indexer's layer, for the last query (position ${q}), those it attends stay green and ` +
-        `those the indexer drops are <span class="ds4-swatch dropped"></span> salmon (as in the attention and mask views)` : "") +
-        (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-swatch index"></span> the indexer's own rows: keys only, a query's scores of them pick the ` +
+        `those the indexer drops are <span class="ds4-nowrap"><span class="ds4-swatch dropped"></span> salmon</span> (as in the attention and mask views)` : "") +
+        (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-nowrap"><span class="ds4-swatch index"></span> the indexer's</span> own rows: keys only, a query's scores of them pick the ` +
           `compressed rows it attends` : "") +
-        ` · <span class="ds4-swatch pending"></span> tokens pending: their group is not complete (not yet compressed)</div>`;
+        ` · <span class="ds4-nowrap"><span class="ds4-swatch pending"></span> tokens pending</span>: their group is not complete (not yet compressed)</div>`;
     }
     // compact (beside another view, as in the PrefillView): the key and the bytes folded under one line, so the
     // ring and the layer's rows keep the height of the view beside them; a reader unfolds it, and it stays so
