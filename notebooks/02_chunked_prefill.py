@@ -250,8 +250,8 @@ prefill_cost_chart(runs, model)
 # but every chunk reads every weight once, so small chunks read the weights many more times. On the 2-core CPU
 # these notebooks were written on, every run put the 11 chunks of 30 clearly slowest: 0.12–0.24 s behind one chunk
 # of 512 on an idle machine, up to twice that with a browser and other work beside it (this run's gap is printed
-# above): some 12–24 ms for each of the 10 chunks more, on top of the same 4.3 GFLOP (a pass over the weights, and
-# the Python calls of every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs,
+# above): idle, some 12–24 ms for each of the 10 chunks more, on top of the same 4.3 GFLOP (a pass over the
+# weights, and the Python calls of every layer). Between 64 and 512 (4 chunks more) the gap was about the spread between runs,
 # so either may come out ahead. On a busy machine the ranges grow, and can overlap.
 #
 # ### At Flash scale

@@ -444,6 +444,8 @@ def test_each_key_group_is_drawn_on_its_own_ramp(cap):
     text, right = fig.stripe_name("comp", ADVANCE * len(lo), lambda t: ADVANCE * len(t))
     assert text == "comp" and ink[round(right) - ADVANCE * 4 : round(right)].any() and ink[lo_start : LEFT - 6].any()
     assert not ink[round(right) : lo_start].any()  # a blank gap between the names and the low end
+    comp = (img[ly + 12 : ly + fig.BAR_H] < 100).all(axis=2).any(axis=0)  # the compressed stripe's name: "comp"
+    assert comp[round(right) - ADVANCE * 4 : round(right)].any() and not comp[: round(right) - ADVANCE * 4 - 1].any()
     view.set_scale("row")
     for layer in (2, 3):  # layer 3: 320 raw keys, 2 compressed rows and the sink, columns pooled by more than 3
         view.show(layer, 0)

@@ -111,12 +111,15 @@ function render({ model, el }) {
     const k = canvas.width / g.width;
     ctx.setTransform(k, 0, 0, k, 0, 0);
     // a rectangle (figure px) with its edges on device pixels: at any scale adjacent ones tile without seams, and a
-    // line (at least one device pixel) stays sharp (a 1 px line drawn at 0.86 was a blur of two light columns)
+    // line stays sharp (a 1 px line drawn at 0.86 was a blur of two light columns), its thickness (2 px or less)
+    // rounded by itself, at least one device pixel, so that every line of a kind is as thick wherever it falls
+    const span = (p, s, line) => {
+      const a = Math.round(p * k);
+      return [a, line && s <= 2 ? Math.max(1, Math.round(s * k)) : Math.round((p + s) * k) - a];
+    };
     const rect = (x, y, w, h, line = false) => {
-      const a = Math.round(x * k), b = Math.round(y * k), min = line ? 1 : 0;
-      ctx.save(); ctx.setTransform(1, 0, 0, 1, 0, 0);
-      ctx.fillRect(a, b, Math.max(min, Math.round((x + w) * k) - a), Math.max(min, Math.round((y + h) * k) - b));
-      ctx.restore();
+      const [a, wd] = span(x, w, line), [b, ht] = span(y, h, line);
+      ctx.save(); ctx.setTransform(1, 0, 0, 1, 0, 0); ctx.fillRect(a, b, wd, ht); ctx.restore();
     };
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.width, g.height);
     const L = g.left, T = g.top;
@@ -137,7 +140,9 @@ function render({ model, el }) {
     off.width = g.hw; off.height = g.hh;
     off.getContext("2d").putImageData(heat, 0, 0);
     ctx.imageSmoothingEnabled = false;
-    ctx.drawImage(off, L, T);
+    // the heatmap's edges on device pixels too, as its frame's
+    const [hx, hw] = span(L, g.hw, false), [hy, hh] = span(T, g.hh, false);
+    ctx.save(); ctx.setTransform(1, 0, 0, 1, 0, 0); ctx.drawImage(off, hx, hy, hw, hh); ctx.restore();
     ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
     ctx.textBaseline = "middle";
     const headed = groups.filter((grp) => grp.label);
@@ -188,11 +193,10 @@ function render({ model, el }) {
       for (let v = 0; v < 256; v++) { const [R, G, B] = RAMP[name][v]; ctx.fillStyle = `rgb(${R},${G},${B})`; rect(L + v, ly + y0, 1, y1 - y0); }
     }
     ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.fillText(model.get("lo_text"), L - 6, mid);
-    // each stripe named left of the scale's low end, short where the full name has no room (attention_figure.stripe_name)
-    const right = L - 6 - ctx.measureText(model.get("lo_text")).width - STRIPE_NAME_GAP;
-    const fits = (t) => ctx.measureText(t).width <= right - 4;
-    if (stripes.length === 2) {
-      for (const [name, y0, y1] of stripes) ctx.fillText(fits(STRIPE_NAMES[name]) ? STRIPE_NAMES[name] : SHORT_NAMES[name], right, ly + (y0 + y1) / 2);
+    if (stripes.length === 2) {  // each named left of the scale's low end, short where the full name has no room
+      const right = L - 6 - ctx.measureText(model.get("lo_text")).width - STRIPE_NAME_GAP;  // attention_figure.stripe_name
+      const name = (n) => (ctx.measureText(STRIPE_NAMES[n]).width <= right - 4 ? STRIPE_NAMES[n] : SHORT_NAMES[n]);
+      for (const [n, y0, y1] of stripes) ctx.fillText(name(n), right, ly + (y0 + y1) / 2);
     }
     ctx.textAlign = "left"; ctx.fillText(model.get("hi_text"), L + 262, mid);
     ctx.fillText(model.get("scale_text"), L + 262 + ctx.measureText(model.get("hi_text")).width + 12, mid);

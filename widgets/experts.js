@@ -88,11 +88,15 @@ function render({ model, el }) {
   };
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
+  // drawn before it is attached (no height to measure): drawn again once it has one, for the floor
+  const attached = new ResizeObserver(() => { if (!body.style.minHeight && el.clientWidth) requestAnimationFrame(draw); });
+  attached.observe(el);
   const events = ["layers", "show", "common_scale"].map((k) => `change:${k}`);
   for (const e of events) model.on(e, redraw);
   // anywidget calls the returned cleanup when the view is removed: it undoes everything render registered
   return () => {
     for (const e of events) model.off(e, redraw);
+    attached.disconnect();
     tips.remove();
   };
 }

@@ -5,6 +5,8 @@ dropped by the indexer, the key groups' colours: their cells' ramps and mass bar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from . import palette
@@ -103,7 +105,7 @@ STRIPE_NAMES = {"raw": "raw", "comp": "compressed", "sink": "sink"}
 STRIPE_NAME_GAP = 8  # px between a stripe's name and the scale's low end ("0", "9.5e-05") left of the bar
 
 
-def stripe_name(name: str, lo_width: float, width_of) -> tuple[str, float]:
+def stripe_name(name: str, lo_width: float, width_of: Callable[[str], float]) -> tuple[str, float]:
     """A stripe's name and the x of its right end: left of the scale's low end (``lo_width`` px, ending 6 px left of
     the bar), STRIPE_NAME_GAP apart; the short name where the full one would come within 4 px of the figure's edge
     (a log scale's low end, "9.5e-05", was drawn over "raw" and "compressed"). ``width_of``: a text's width in px."""

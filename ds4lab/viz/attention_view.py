@@ -6,7 +6,8 @@ Cells are scaled up to fill the figure and never drawn below ``MIN_CELL`` px: a 
 max-pooled (the note says by how much), and zooming into a region re-reduces it from the full-resolution weights,
 so a small enough region shows every cell. A few compressed rows (a ratio-128 layer's) are never pooled and keep
 columns ``FEW_PX`` wide. Beside each query, its mass split into raw | compressed | sink; beside the
-figure where the output has room (else under it), small multiples of every captured head of the layer."""
+figure, small multiples of every captured head of the layer, in a column no taller than it (the figure shrinks for
+them down to 0.8 of its size; a narrower output has them under it, in one row)."""
 
 from __future__ import annotations
 
