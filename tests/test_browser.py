@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4lab.viz.attention_figure import FEW_PX, FIG_H, FIG_W, HEADER_CHAR, LEFT, SEP_Y, TOP, WIDTH
+from ds4lab.viz.attention_figure import FEW_PX, FIG_H, FIG_W, HEADER_CHAR, LEFT, LEGEND, SEP_Y, TOP, WIDTH
 
 pytestmark = pytest.mark.browser
 
@@ -863,12 +863,13 @@ def _separated(canvas, x0: float, x1: float) -> bool:
             and _ink(canvas, x - 14, y0, x, y1) > 0 and _ink(canvas, x + 1, y0, x + 15, y1) > 0)
 
 
+IMAGE_HASH_JS = """(c) => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let h = 0;
+    for (let i = 0; i < d.length; i += 4) h = (h * 31 + d[i] + 7 * d[i + 1] + 13 * d[i + 2]) | 0;
+    return h; }"""
+
+
 def _image_hash(canvas) -> int:
-    return canvas.evaluate(
-        """(c) => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let h = 0;
-                    for (let i = 0; i < d.length; i += 4) h = (h * 31 + d[i] + 7 * d[i + 1] + 13 * d[i + 2]) | 0;
-                    return h; }"""
-    )
+    return canvas.evaluate(IMAGE_HASH_JS)
 
 
 @pytest.fixture
@@ -992,10 +993,8 @@ def test_attention_view_renders(page, files_closed):
     before = _image_hash(canvas)
     out.locator(".widget-toggle-button", has_text="log").click()
     pg.wait_for_function("(el) => el.textContent.startsWith('layer 2')", arg=title.element_handle(), timeout=10_000)
-    pg.wait_for_function(f"(c) => {{ const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; "
-                         f"let h = 0; for (let i = 0; i < d.length; i += 4) h = (h * 31 + d[i] + 7 * d[i + 1] + "
-                         f"13 * d[i + 2]) | 0; return h !== {before}; }}", arg=canvas.element_handle(), timeout=10_000)
-    ly = FIG_H - 40 + 4  # attention_figure's legend_y + 4: the colour bar's top, the figure at its full size
+    pg.wait_for_function(f"(c) => ({IMAGE_HASH_JS})(c) !== {before}", arg=canvas.element_handle(), timeout=10_000)
+    ly = FIG_H - LEGEND + 4  # attention_figure's legend_y + 4: the colour bar's top, the figure at its full size
     cols = [_ink(canvas, x, ly, x + 1, ly + 20) > 0 for x in range(LEFT)]
     runs = "".join("#" if c else "." for c in cols).strip(".")
     assert re.fullmatch(r"[#.]*#\.{6,}#[#.]{0,50}", runs) and runs.count("#") > 30, runs  # names | gap | low end

@@ -38,9 +38,9 @@ function render({ model, el }) {
   const tips = pointerTip(el, barText);  // beside the pointer (a caption above a tall stack was far from it)
   const draw = () => {
     const n = model.get("n_expert"), show = model.get("show"), common = model.get("common_scale");
-    const layers = model.get("layers").filter((L) => show === "all" || (show === "hash") === L.hash);
+    const allLayers = model.get("layers"), layers = allLayers.filter((L) => show === "all" || (show === "hash") === L.hash);
     // one scale for every layer, the hidden ones too: a filter leaves the bars it shows as they were
-    const vmaxAll = Math.max(1, ...model.get("layers").map((L) => Math.max(...L.counts)));
+    const vmaxAll = Math.max(1, ...allLayers.map((L) => Math.max(...L.counts)));
     // bars up to 48 px wide (a few experts: hover targets a student could hit; 32 drew a tiny model's 256 px), 2 at least
     const bw = Math.max(2, Math.min(48, Math.floor(640 / Math.max(n, 1)))), H = 40;
     const AX = 30, PT = 5;  // px left of the bars for the token axis, above them for its top label
@@ -83,8 +83,8 @@ function render({ model, el }) {
     // height for each one hidden). A histogram's height and the gap between two (views.css) make the floor; none
     // before the view is attached (no height yet), and a filter that shows no layer keeps the last one
     const first = body.firstElementChild, gap = parseFloat(getComputedStyle(body).rowGap) || 0;
-    const tall = first ? first.getBoundingClientRect().height : 0, all = model.get("layers").length;
-    if (tall > 0) body.style.minHeight = `${all * (tall + gap) - gap}px`;
+    const tall = first ? first.getBoundingClientRect().height : 0;
+    if (tall > 0) body.style.minHeight = `${allLayers.length * (tall + gap) - gap}px`;
   };
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
