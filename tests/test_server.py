@@ -217,10 +217,11 @@ def test_no_tools_is_not_a_tool_request(reference):
     for extra in ({"tools": []}, {"functions": []}, {"tool_choice": "none"}, {"tool_choice": {"type": "none"}},
                   {"tools": None}):
         assert parse_chat(dict(base, **extra), limits, tk).prompt == parse_chat(base, limits, tk).prompt, extra
-    for extra in ({"tools": [{"type": "function"}]}, {"tool_choice": "required"}, {"function_call": "auto"}):
+    for extra, param in (({"tools": [{"type": "function"}]}, "tools[0].function"), ({"tool_choice": "required"},
+                         "tool_choice"), ({"function_call": "auto"}, "function_call")):
         with pytest.raises(RequestError) as e:
             parse_chat(dict(base, **extra), limits, tk)
-        assert e.value.param == next(iter(extra)), extra
+        assert e.value.param == param, extra
 
 
 def test_memory_text_continuation_keeps_the_live_tokens(reference):
@@ -640,7 +641,7 @@ def _responses_of(events, summary: str | None, finish: str = "stop", error: Requ
         return streamed, None
     text = "".join(t for _, c, t in events if c == "text")
     reasoning = "".join(t for _, c, t in events if c == "reasoning")
-    whole = responses.whole(responses.Ids(7), Job(req, None), out, reasoning, text)
+    whole = responses.whole(responses.Ids(7), Job(req, None), out, reasoning, text, [])
     return streamed, Response.model_validate(whole)
 
 
@@ -791,16 +792,15 @@ BAD = [  # (endpoint, body, status, param, code)
      "stream", "invalid_type"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": SHAKESPEARE[:6000]}]}, 400,
      "messages", "context_length_exceeded"),
-    # tools are refused by name (ds4-server renders them as DSML; ds4lab would answer as if there were none)
+    # tools: function tools offered, the model's choice (a call cannot be forced), calls sent back whole
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
-              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools",
+              "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400, "tools[0].type",
      "unsupported_parameter"),
-    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400,
+    ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice", "unsupported_parameter"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}, {"role": "assistant",
-              "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f",
-                                                                                        "arguments": "{}"}}]}]},
-     400, "messages[1].tool_calls", "unsupported_parameter"),
+              "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"arguments": "{}"}}]}]},
+     400, "messages[1].tool_calls[0].function.name", "invalid_type"),
     ("completion", {"model": "shakespeare", "prompt": 123}, 400, "prompt", "invalid_type"),
     ("completion", {"model": "shakespeare", "prompt": [1, 99999]}, 400, "prompt", "out_of_range"),
     ("completion", {"model": "shakespeare", "prompt": SHAKESPEARE[:6000]}, 400, "prompt", "context_length_exceeded"),
@@ -831,16 +831,16 @@ BAD = [  # (endpoint, body, status, param, code)
               "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage", "invalid_type"),
     ("chat", {"model": "shakespeare", "messages": [{"role": "user", "content": "x"}],
               "output_config": {"effort": "huge"}}, 400, "output_config.effort", "invalid_value"),
-    # /v1/responses: no stored responses, no tools, plain text, message items
+    # /v1/responses: no stored responses, function tools, plain text, message and tool items
     ("responses", {"model": "shakespeare"}, 400, "input", "missing_field"),
     ("responses", {"model": "shakespeare", "input": []}, 400, "input", "invalid_type"),
     ("responses", {"model": "shakespeare", "input": "x", "previous_response_id": "resp_1"}, 400,
      "previous_response_id", "unsupported_parameter"),
     ("responses", {"model": "shakespeare", "input": "x", "conversation": "conv_1"}, 400, "conversation",
      "unsupported_parameter"),
-    ("responses", {"model": "shakespeare", "input": "x", "tools": [{"type": "function", "name": "f"}]}, 400,
-     "tools", "unsupported_parameter"),
-    ("responses", {"model": "shakespeare", "input": [{"type": "function_call_output", "call_id": "c",
+    ("responses", {"model": "shakespeare", "input": "x", "tools": [{"type": "web_search"}]}, 400,
+     "tools[0].type", "unsupported_parameter"),
+    ("responses", {"model": "shakespeare", "input": [{"type": "custom_tool_call_output", "call_id": "c",
                                                       "output": "1"}]}, 400, "input[0].type",
      "unsupported_parameter"),
     ("responses", {"model": "shakespeare", "input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role",
@@ -946,9 +946,10 @@ def test_bad_requests_through_the_clients(server):
         {"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens is required"
     r = httpx.post(server.url + "/v1/messages", json={"model": "shakespeare", "max_tokens": 8, "messages": [
-        {"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
+        {"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any"}})
     assert r.status_code == 400
-    assert r.json()["error"]["message"].startswith("tools: ds4lab serve does not do tool calling")
+    assert r.json()["error"]["message"].startswith('tool_choice {"type": "any"}: ds4lab serve lets the model choose')
 
 
 CORS = {"access-control-allow-origin": "*", "access-control-allow-methods": "GET, POST, OPTIONS",

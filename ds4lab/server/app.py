@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from itertools import count
@@ -38,14 +39,17 @@ from .protocol import (
     parse_responses,
 )
 from .sse import events, sse
+from .tools import ToolCall
 from .worker import Job, Outcome, Worker
 
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the handler looks for a gone client
 _PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages,
             "responses": parse_responses}
 _ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg"}
-_OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "shutdown": "error"}
-_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "shutdown": "end_turn"}
+_OPENAI_FINISH = {"stop": "stop", "tool_calls": "tool_calls", "length": "length", "cancelled": "stop",
+                  "shutdown": "error"}
+_ANTHROPIC_STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "cancelled": "end_turn",
+                   "shutdown": "end_turn"}
 # ds4-server's --cors headers, on every response (the preflight's 204, errors and event streams included)
 CORS_HEADERS = ((b"access-control-allow-origin", b"*"), (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers", b"*"))
@@ -188,7 +192,7 @@ async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response
         stream = {"messages": _anthropic_stream, "responses": responses.stream}.get(api, _openai_stream)
         return StreamingResponse(stream(job, rid), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    reasoning, text = [], []
+    reasoning, text, calls = [], [], []
     loop = asyncio.get_running_loop()
     check_at = loop.time() + DISCONNECT_POLL_S
     try:
@@ -208,28 +212,44 @@ async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response
             kind = event[0]
             if kind == "text":
                 (reasoning if event[1] == "reasoning" else text).append(event[2])
+            elif kind == "calls":
+                calls = event[1]
             elif kind == "error":
                 return _error_response(event[1], api)
             elif kind == "done":
-                return JSONResponse(_whole(api, rid, job, event[1], "".join(reasoning), "".join(text)))
+                return JSONResponse(_whole(api, rid, job, event[1], "".join(reasoning), "".join(text), calls))
     finally:
         job.cancelled.set()  # a no-op once done; stops the worker if this handler was cancelled
 
 
-def _whole(api: str, rid, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
+def openai_call(call: ToolCall) -> dict:
+    """A reply's call as OpenAI's chat API sends it (its arguments a JSON object's text)."""
+    return {"id": f"call_{call.key}", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def anthropic_call(call: ToolCall) -> dict:
+    """A reply's call as Anthropic's tool_use block (its input the object)."""
+    return {"type": "tool_use", "id": f"toolu_{call.key}", "name": call.name, "input": json.loads(call.arguments)}
+
+
+def _whole(api: str, rid, job: Job, out: Outcome, reasoning: str, text: str, calls: list[ToolCall]) -> dict:
     if api == "responses":
-        return responses.whole(rid, job, out, reasoning, text)
+        return responses.whole(rid, job, out, reasoning, text, calls)
     req, now = job.request, int(time.time())
     if api == "messages":
         content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if req.thinking else [])
-        content.append({"type": "text", "text": text})
+        if text or not calls:  # a reply of calls alone has no text block
+            content.append({"type": "text", "text": text})
+        content += [anthropic_call(c) for c in calls]
         return {"id": rid, "type": "message", "role": "assistant", "model": req.model, "content": content,
                 "stop_reason": "stop_sequence" if out.stop else _ANTHROPIC_STOP[out.finish],
                 "stop_sequence": out.stop, "usage": _anthropic_usage(out)}
     if api == "chat":
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": text if text or not calls else None}
         if req.thinking:
             message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [openai_call(c) for c in calls]
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _OPENAI_FINISH[out.finish]}
         return {"id": rid, "object": "chat.completion", "created": now, "model": req.model, "choices": [choice],
                 "usage": _openai_usage(out)}
@@ -275,6 +295,8 @@ async def _openai_stream(job: Job, rid: str):
         elif event[0] == "text":
             key = "reasoning_content" if event[1] == "reasoning" else "content"
             yield chunk({key: event[2]}, event[2]) if chat or event[1] == "text" else ""
+        elif event[0] == "calls":  # each call whole, in one delta
+            yield chunk({"tool_calls": [dict(index=i, **openai_call(c)) for i, c in enumerate(event[1])]})
         elif event[0] == "error":
             yield sse(openai_error(event[1]))
             yield "data: [DONE]\n\n"
@@ -291,12 +313,12 @@ async def _anthropic_stream(job: Job, rid: str):
     block, index = None, -1  # the open content block's type and index
     started = False
 
-    def open_block(kind: str):
+    def open_block(kind: str, start: dict | None = None):
         nonlocal block, index
         events = [sse({"type": "content_block_stop", "index": index}, "content_block_stop")] if block else []
         block, index = kind, index + 1
-        start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
-                                                                                                   "text": ""}
+        start = start or ({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                          else {"type": "text", "text": ""})
         events.append(sse({"type": "content_block_start", "index": index, "content_block": start},
                            "content_block_start"))
         return "".join(events)
@@ -317,11 +339,16 @@ async def _anthropic_stream(job: Job, rid: str):
             delta = {"type": "thinking_delta", "thinking": event[2]} if kind == "thinking" else {
                 "type": "text_delta", "text": event[2]}
             yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+        elif event[0] == "calls":  # each a tool_use block, its input in one delta
+            for call in event[1]:
+                yield open_block("tool_use", dict(anthropic_call(call), input={}))
+                delta = {"type": "input_json_delta", "partial_json": call.arguments}
+                yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
         elif event[0] == "error":
             yield sse(anthropic_error(event[1]), "error")
         if event is not None and event[0] == "done":
             out: Outcome = event[1]
-            if block != "text":
+            if block not in ("text", "tool_use"):
                 yield open_block("text")
             yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
             delta = {"stop_reason": "stop_sequence" if out.stop else _ANTHROPIC_STOP[out.finish],

@@ -3,11 +3,12 @@ every chat API of ``ds4lab serve`` uses, so that a conversation is read as ds4-s
 the same answers, and disk checkpoints that either server's prompts extend).
 
 It is not the append rule of ds4's library that ``Tokenizer.render_chat`` follows (the CLI's chat, a Session's
-``generate``): every system and developer message goes first, joined by a blank line; an assistant message ends
-with EOS; consecutive tool results share one User marker; when thinking, an assistant message after the last user
-turn, or any once a tool result is in the conversation, keeps its reasoning in ``<think>...</think>`` (the others
-only close it); an assistant message that no user turn precedes has no Assistant marker, and a conversation that
-ends with one gets no new assistant turn. The text is then tokenized as a whole with its special tokens, as
+``generate``): the offered tools' schemas (:mod:`.tools`) and every system and developer message go first, joined by
+a blank line; an assistant message ends with its tool calls' DSML block, if any, and EOS; consecutive tool results
+share one User marker; when thinking, an assistant message after the last user turn, or any once tools are offered
+or a tool call or result is in the conversation, keeps its reasoning in ``<think>...</think>`` (the others only
+close it); an assistant message that no user turn precedes has no Assistant marker, and a conversation that ends
+with one gets no new assistant turn. The text is then tokenized as a whole with its special tokens, as
 ``ds4_tokenize_rendered_chat`` does."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..tokenizer import (
     USER,
     think_mode,
 )
+from .tools import calls_block, tools_prompt
 
 SYSTEM_ROLES = ("system", "developer")
 TOOL_ROLES = ("tool", "function")
@@ -35,24 +37,26 @@ def tool_result_text(content: str) -> str:
     return content.replace(TOOL_RESULT_CLOSE, "&lt;" + TOOL_RESULT_CLOSE[1:])
 
 
-def tool_context(messages: list[dict]) -> bool:
-    """Whether a tool's result is in the conversation (ds4-server's "tool context": every reply keeps its reasoning
-    in the prompt)."""
-    return any(m["role"] in TOOL_ROLES for m in messages)
+def tool_context(messages: list[dict], tools=()) -> bool:
+    """Whether tools are offered, or a tool call or result is in the conversation (ds4-server's "tool context":
+    every reply keeps its reasoning in the prompt)."""
+    return bool(tools) or any(m["role"] in TOOL_ROLES or m.get("calls") for m in messages)
 
 
-def render_text(messages: list[dict], think: bool | str) -> str:
+def render_text(messages: list[dict], think: bool | str, tools=()) -> str:
     """The rendered conversation: ``messages`` are dicts of ``role``, ``content`` and, for an assistant message,
-    an optional ``reasoning``; ``think`` as ``Tokenizer.render_chat`` takes it: False or "none" (no thinking), True
-    or "high" (thinking) or "max" (thinking, with the reasoning-effort prefix after BOS)."""
+    an optional ``reasoning`` and ``calls`` (:class:`.tools.ToolCall`, written after its text); ``think`` as
+    ``Tokenizer.render_chat`` takes it: False or "none" (no thinking), True or "high" (thinking) or "max" (thinking,
+    with the reasoning-effort prefix after BOS); ``tools`` the offered tools' schemas, which open the system
+    prompt."""
     mode = think_mode(think)
-    system = ""
+    system = tools_prompt(tools) if tools else ""
     for m in messages:  # a blank line before each one but where none came yet (an empty first one adds none)
         if m["role"] in SYSTEM_ROLES:
             system += ("\n\n" if system else "") + m["content"]
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user" or m["role"] in TOOL_ROLES),
                     default=-1)
-    tools = tool_context(messages)
+    keep_reasoning = tool_context(messages, tools)
     out = [BOS, REASONING_EFFORT_MAX_PREFIX if mode == "max" else "", system]
     awaiting_reply = in_tool_results = False  # a user turn or tool results came last; several results in a row
     for i, m in enumerate(messages):
@@ -67,9 +71,9 @@ def render_text(messages: list[dict], think: bool | str) -> str:
         elif role == "assistant":
             if awaiting_reply:
                 # the reasoning of a reply after the last user turn is kept (a continued reply); earlier ones' not
-                kept = mode and (tools or i > last_user)
+                kept = mode and (keep_reasoning or i > last_user)
                 out += [ASSISTANT, THINK + m.get("reasoning", "") + THINK_END if kept else THINK_END]
-            out += [m["content"], EOS]
+            out += [m["content"], calls_block(m.get("calls")), EOS]
             awaiting_reply = in_tool_results = False
         elif role not in SYSTEM_ROLES:
             raise ValueError(f"unknown chat role {role!r}")
@@ -78,6 +82,6 @@ def render_text(messages: list[dict], think: bool | str) -> str:
     return "".join(out)
 
 
-def render(tokenizer, messages: list[dict], think: bool | str) -> list[int]:
+def render(tokenizer, messages: list[dict], think: bool | str, tools=()) -> list[int]:
     """:func:`render_text`'s token ids: special tokens wherever their text is, the rest byte-pair encoded."""
-    return tokenizer.encode_rendered(render_text(messages, think))
+    return tokenizer.encode_rendered(render_text(messages, think, tools))

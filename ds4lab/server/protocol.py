@@ -8,7 +8,8 @@ parse_anthropic_request, parse_responses_request): ``max_tokens`` (or ``max_comp
 ``max_output_tokens``), ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``stop``/``stop_sequences``, and the thinking
 switches ``reasoning_effort``, ``thinking``, ``think`` and the model names ``deepseek-chat`` (no thinking) and
-``deepseek-reasoner`` (thinking)."""
+``deepseek-reasoner`` (thinking), ``tools`` and ``tool_choice`` (auto or none), and the calls and results a
+conversation sends back."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from ..tokenizer import effective_think
-from .prompt import render_text
+from ..tokenizer import TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, effective_think
+from .prompt import render_text, tool_result_text
+from .tools import ToolCall, compact
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
 DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
@@ -95,6 +97,7 @@ class Request:
     # the reasoning sent back as a summary item; None: not sent)
     effort: str | None = None
     summary: str | None = None
+    tools: tuple = ()  # the offered tools' schemas (none where tool_choice is none): the reply's tool block is read
 
 
 def max_body_bytes(limits: Limits, tokenizer) -> int:
@@ -214,19 +217,76 @@ def _text_content(value, name: str) -> str:
     raise _type_error(name, "a string or a list of text parts", value)
 
 
-# ds4-server renders tool definitions and calls as DeepSeek's DSML blocks and parses them back out of the generated
-# text; ds4lab's server does neither, so a request that offers tools (or carries earlier calls) is refused by name
-# rather than answered as if it had none.
-_TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
-_NO_TOOLS = 'ds4lab serve does not do tool calling (ds4-server does: it writes tools and calls as DSML blocks)'
+# Tools (:mod:`.tools`): the schemas a request offers, as each API lists them (chat: {"type": "function",
+# "function": {...}}, the function object rendered; messages: {"name", "description", "input_schema"}; responses:
+# {"type": "function", "name", ...}), rendered as ds4-server renders them unless tool_choice is none. A call cannot be
+# forced (ds4-server cannot either): tool_choice is auto or none.
+_TOOL_CHOICES = ("auto", "none")
 
 
-def _refuse_tools(data: dict) -> None:
-    for key in _TOOL_FIELDS:
-        value = data.get(key)
-        if value not in (None, [], "none") and not (key == "tool_choice" and value == {"type": "none"}):
-            raise RequestError(f"{key}: {_NO_TOOLS}; send the request without it", param=key,
-                               code="unsupported_parameter")
+def _tool_choice(data: dict) -> str:
+    """"auto" or "none", as a string or as Anthropic's object ({"type": "auto"})."""
+    value = data.get("tool_choice")
+    choice = value.get("type") if isinstance(value, dict) else value
+    if value is not None and choice not in _TOOL_CHOICES:
+        raise RequestError(f"tool_choice {json.dumps(value)[:80]}: ds4lab serve lets the model choose (auto) or offers "
+                           "no tools (none); it cannot force a call", param="tool_choice", code="unsupported_parameter")
+    return choice or "auto"
+
+
+def _tools(data: dict, api: str) -> tuple[dict, ...]:
+    """The schemas offered (none where tool_choice is none), each checked for its type and a name."""
+    for key in ("functions", "function_call"):  # OpenAI's older form of tools (none listed is no tool)
+        if data.get(key) not in (None, [], "none"):
+            raise RequestError(f"{key}: the legacy functions API is not served; send tools (and tool_choice)",
+                               param=key, code="unsupported_parameter")
+    value = data.get("tools")
+    if _tool_choice(data) == "none" or value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _type_error("tools", "a list of tools", value)
+    out = []
+    for i, tool in enumerate(value):
+        name = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if api != "messages" and kind != "function" or api == "messages" and kind not in (None, "custom"):
+            want = "a client tool (name, description, input_schema)" if api == "messages" else 'a "function" tool'
+            raise RequestError(f"{name}.type {json.dumps(kind)[:80]}: ds4lab serve offers {want} only",
+                               param=f"{name}.type", code="unsupported_parameter")
+        schema = tool.get("function") if api == "chat" else tool
+        if not (isinstance(schema, dict) and isinstance(schema.get("name"), str) and schema["name"]):
+            field = f"{name}.function" if api == "chat" else name
+            raise _type_error(field, "an object with a name", schema)
+        out.append(schema)
+    return tuple(out)
+
+
+def _arguments(value, name: str) -> str:
+    """A call's arguments as sent back: a JSON object's text (OpenAI's) or the object (Anthropic's input)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return compact(value)
+    raise _type_error(name, "a JSON object or its text", value)
+
+
+def _call(name: str, tool_name, arguments) -> ToolCall:
+    if not (isinstance(tool_name, str) and tool_name):
+        raise _type_error(f"{name}.name", "a tool's name", tool_name)
+    return ToolCall(tool_name, _arguments(arguments if arguments is not None else "{}", f"{name}.arguments"))
+
+
+def _chat_calls(value, name: str) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(value, list):
+        raise _type_error(name, "a list of tool calls", value)
+    out = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise _type_error(f"{name}[{i}]", 'a tool call {"type": "function", "function": {...}}', call)
+        out.append(_call(f"{name}[{i}].function", function.get("name"), function.get("arguments")))
+    return tuple(out)
 
 
 _NOTHING = object()  # no value but null is taken
@@ -291,10 +351,10 @@ def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
 
 # -- the three request kinds ------------------------------------------------------------------------------
 
-def _rendered(tokenizer, messages: list[dict], mode: str) -> tuple[str, list[int]]:
-    """The prompt ds4-server makes of ``messages`` in thinking ``mode`` ("none", "high" or "max"): its text (what
-    the worker's reuse matches) and its tokens."""
-    text = render_text(messages, think=mode)
+def _rendered(tokenizer, messages: list[dict], mode: str, tools=()) -> tuple[str, list[int]]:
+    """The prompt ds4-server makes of ``messages`` in thinking ``mode`` ("none", "high" or "max") offering ``tools``:
+    its text (what the worker's reuse matches) and its tokens."""
+    text = render_text(messages, think=mode, tools=tools)
     return text, tokenizer.encode_rendered(text)
 
 
@@ -304,9 +364,11 @@ def _check_role(message: dict, name: str, roles: tuple[str, ...]) -> None:
                            param=f"{name}.role", code="invalid_value")
 
 
-def _messages(data: dict, roles: tuple[str, ...], thinking_blocks: bool = False) -> list[dict]:
-    """The conversation as :mod:`.prompt` renders it: each message's role, text and reasoning (an assistant turn's
-    ``reasoning_content``, or with ``thinking_blocks`` Anthropic's thinking blocks; ds4-server reads both)."""
+def _messages(data: dict, roles: tuple[str, ...], anthropic: bool = False) -> list[dict]:
+    """The conversation as :mod:`.prompt` renders it: each message's role, text, reasoning (an assistant turn's
+    ``reasoning_content``, or Anthropic's thinking blocks; ds4-server reads both) and tool calls (OpenAI's
+    ``tool_calls``, Anthropic's tool_use blocks); Anthropic's tool_result blocks are the user turn's text, each in
+    its wrapper, as ds4-server makes them."""
     messages = data.get("messages")
     if messages is None:
         raise RequestError("messages is required", param="messages", code="missing_field")
@@ -317,49 +379,64 @@ def _messages(data: dict, roles: tuple[str, ...], thinking_blocks: bool = False)
         if not isinstance(m, dict):
             raise _type_error(f"messages[{i}]", "an object with role and content", m)
         _check_role(m, f"messages[{i}]", roles)
-        for key in ("tool_calls", "function_call"):
-            if m.get(key):
-                raise RequestError(f"messages[{i}].{key}: {_NO_TOOLS}", param=f"messages[{i}].{key}",
-                                   code="unsupported_parameter")
-        content, reasoning = m.get("content"), m.get("reasoning_content")
-        if thinking_blocks:
-            content, reasoning = _thinking_apart(content, f"messages[{i}].content")
-        elif reasoning is not None:
-            reasoning = _text_content(reasoning, f"messages[{i}].reasoning_content")
+        if m.get("function_call") is not None:
+            raise RequestError(f"messages[{i}].function_call: the legacy functions API is not served; send "
+                               "tool_calls", param=f"messages[{i}].function_call", code="unsupported_parameter")
+        content, reasoning, calls = m.get("content"), m.get("reasoning_content"), ()
+        if anthropic:
+            content, reasoning, calls = _anthropic_content(content, f"messages[{i}].content")
+        else:
+            if reasoning is not None:
+                reasoning = _text_content(reasoning, f"messages[{i}].reasoning_content")
+            if m.get("tool_calls") is not None and m["role"] == "assistant":
+                calls = _chat_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            if content is None and m["role"] == "assistant":  # a reply of calls only
+                content = ""
         out.append({"role": m["role"], "content": _text_content(content, f"messages[{i}].content")})
         if reasoning:
             out[-1]["reasoning"] = reasoning
+        if calls:
+            out[-1]["calls"] = calls
     return out
 
 
-def _thinking_apart(content, name: str) -> tuple:
-    """Anthropic content without its thinking blocks, and their text (a redacted block has none)."""
+def _anthropic_content(content, name: str) -> tuple:
+    """Anthropic content read in order: its text (tool_result blocks' content in their wrapper), its thinking
+    blocks' text (a redacted block has none) and its tool_use blocks' calls."""
     if not isinstance(content, list):
-        return content, None
-    rest, thinking = [], []
+        return content, None, ()
+    text, thinking, calls = [], [], []
     for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind, at = part.get("type") if isinstance(part, dict) else None, f"{name}[{i}]"
         if kind == "thinking":
             if not isinstance(part.get("thinking"), str):
-                raise _type_error(f"{name}[{i}]", 'a thinking block {"type": "thinking", "thinking": "..."}', part)
+                raise _type_error(at, 'a thinking block {"type": "thinking", "thinking": "..."}', part)
             thinking.append(part["thinking"])
+        elif kind == "tool_use":
+            calls.append(_call(at, part.get("name"), part.get("input")))
+        elif kind == "tool_result":
+            result = part.get("content")
+            result = _text_content(result if result is not None else "", f"{at}.content")
+            text += [TOOL_RESULT_OPEN, tool_result_text(result), TOOL_RESULT_CLOSE]
+        elif kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
         elif kind != "redacted_thinking":
-            rest.append(part)
-    return rest, "".join(thinking)
+            raise _type_error(at, "a text, thinking, tool_use or tool_result block", part)
+    return "".join(text), "".join(thinking), tuple(calls)
 
 
 def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/chat/completions``."""
     model = _model(data, limits)
-    _refuse_tools(data)
+    tools = _tools(data, "chat")
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
     _refuse_unsupported(data, _CHAT_UNSUPPORTED)
     mode = _think_mode(data, model, limits)
-    text, ids = _rendered(tokenizer, messages, mode)
+    text, ids = _rendered(tokenizer, messages, mode, tools)
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
                    include_usage=_include_usage(data), stop=_stop(data, "stop"),
-                   thinking=mode != "none", messages=messages, text=text)
+                   thinking=mode != "none", messages=messages, text=text, tools=tools)
 
 
 def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
@@ -418,16 +495,17 @@ def _anthropic_system(value) -> str:
 def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/messages`` (Anthropic): ``max_tokens`` required, ``system`` apart from the messages."""
     model = _model(data, limits)
-    _refuse_tools(data)
-    messages = _messages(data, ("user", "assistant"), thinking_blocks=True)
+    tools = _tools(data, "messages")
+    messages = _messages(data, ("user", "assistant"), anthropic=True)
     system = _anthropic_system(data.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + messages
     mode = _think_mode(data, model, limits)
-    text, ids = _rendered(tokenizer, messages, mode)
+    text, ids = _rendered(tokenizer, messages, mode, tools)
     return Request("messages", model, _check_length(ids, limits, "messages"),
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
-                   stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages, text=text)
+                   stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages, text=text,
+                   tools=tools)
 
 
 # OpenAI's Responses API (ds4-server's parse_responses_request): ``input`` a string or a list of items (messages, their
@@ -462,9 +540,11 @@ def _response_content(value, name: str) -> str:
 
 
 def _response_input(data: dict) -> list[dict]:
-    """The conversation of ``input`` as ds4-server reads it: message items; reasoning items (summary, then content)
-    given to the next assistant message, or to an empty one of their own where another item or the end comes
-    first; compaction items passed over; an item whose ``status`` is not completed refused (partial state)."""
+    """The conversation of ``input`` as ds4-server reads it: message items; function_call items the calls of the
+    assistant message before them (or of an empty one of their own), function_call_output items tool results;
+    reasoning items (summary, then content) given to the next assistant message or call, or to an empty message of
+    their own where another item or the end comes first; compaction items passed over; an item whose ``status`` is
+    not completed refused (partial state)."""
     value = data.get("input")
     if value is None:
         raise RequestError("input is required", param="input", code="missing_field")
@@ -487,16 +567,26 @@ def _response_input(data: dict) -> list[dict]:
             texts = (_response_content(item.get(key), f"input[{i}].{key}") for key in ("summary", "content"))
             reasoning += [t for t in texts if t]
             continue
-        if kind != "message":
-            tools = "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output"
-            why = _NO_TOOLS if kind in tools else "ds4lab serve takes message, reasoning and compaction items"
-            raise RequestError(f"input[{i}].type {json.dumps(kind)[:80]}: {why}", param=f"input[{i}].type",
+        if kind == "function_call":
+            call = _call(f"input[{i}]", item.get("name"), item.get("arguments"))
+            if not (out and out[-1]["role"] == "assistant"):  # calls after a message's text belong to it
+                out.append({"role": "assistant", "content": ""})
+            if reasoning and not out[-1].get("reasoning"):
+                out[-1]["reasoning"], reasoning = "\n".join(reasoning), []
+            out[-1]["calls"] = out[-1].get("calls", ()) + (call,)
+            continue
+        if kind == "function_call_output":
+            message = {"role": "tool", "content": _response_content(item.get("output"), f"input[{i}].output")}
+        elif kind == "message":
+            _check_role(item, f"input[{i}]", _RESPONSE_ROLES)
+            message = {"role": item["role"], "content": _response_content(item.get("content"), f"input[{i}].content")}
+        else:
+            raise RequestError(f"input[{i}].type {json.dumps(kind)[:80]}: ds4lab serve takes message, reasoning, "
+                               "function_call, function_call_output and compaction items", param=f"input[{i}].type",
                                code="unsupported_parameter")
-        _check_role(item, f"input[{i}]", _RESPONSE_ROLES)
-        message = {"role": item["role"], "content": _response_content(item.get("content"), f"input[{i}].content")}
         if reasoning:
             text, reasoning = "\n".join(reasoning), []
-            if item["role"] == "assistant":
+            if message["role"] == "assistant":
                 message["reasoning"] = text
             else:
                 out.append({"role": "assistant", "content": "", "reasoning": text})
@@ -530,10 +620,10 @@ def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, st
 
 
 def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
-    """``POST /v1/responses`` (OpenAI's Responses API), without stored state or tools (an agent such as Codex CLI,
-    which always lists tools, is refused by name)."""
+    """``POST /v1/responses`` (OpenAI's Responses API), without stored state: function tools, their calls and
+    outputs sent back as input items."""
     model = _model(data, limits)
-    _refuse_tools(data)
+    tools = _tools(data, "responses")
     for key in ("previous_response_id", "conversation"):
         if data.get(key) is not None:
             raise RequestError(f"{key}: ds4lab serve keeps no responses; send the whole conversation in input",
@@ -553,8 +643,8 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
             raise _type_error("instructions", "a string", instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     mode, effort, summary = _response_reasoning(data, model, limits)
-    text, ids = _rendered(tokenizer, messages, mode)
+    text, ids = _rendered(tokenizer, messages, mode, tools)
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
                    stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, text=text, effort=effort,
-                   summary=summary if mode != "none" else None)
+                   summary=summary if mode != "none" else None, tools=tools)

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) as ds4-server answers it (ds4_server.c's responses_final_response
 and responses_sse_*): a response object whose ``output`` holds a reasoning item (only where ``reasoning.summary``
 asked for it: its summary is the reasoning text) and a message item with one ``output_text`` part, whole or streamed
-as ``response.created`` ... ``response.completed`` events, each with its ``sequence_number``. A response cut by
+as ``response.created`` ... ``response.completed`` events, each with its ``sequence_number``; then a function_call
+item for each tool call the reply made (its arguments in one delta when streamed). A response cut by
 ``max_output_tokens`` is ``incomplete``, one the server could not finish ``failed`` (and streamed as
 ``response.incomplete`` / ``response.failed``, the event clients end on)."""
 
@@ -11,9 +12,11 @@ import time
 
 from .protocol import Request, RequestError
 from .sse import events, sse
+from .tools import ToolCall
 from .worker import Job, Outcome
 
-_STATUS = {"stop": "completed", "cancelled": "completed", "length": "incomplete", "shutdown": "failed"}
+_STATUS = {"stop": "completed", "tool_calls": "completed", "cancelled": "completed", "length": "incomplete",
+           "shutdown": "failed"}
 
 
 class Ids:
@@ -46,7 +49,8 @@ def response(ids: Ids, req: Request, created: int, status: str, output: list, ou
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "max_output_tokens": req.max_tokens, "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
             "reasoning": {"effort": req.effort, "summary": req.summary},
-            "text": {"format": {"type": "text"}}, "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
+            "text": {"format": {"type": "text"}}, "tools": list(req.tools),
+            "tool_choice": "auto" if req.tools else "none", "parallel_tool_calls": bool(req.tools),
             "previous_response_id": None, "store": False, "metadata": {}}
 
 
@@ -70,17 +74,23 @@ def message_item(ids: Ids, text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str, in_reasoning: bool) -> list:
+def call_item(call: ToolCall, status: str = "completed") -> dict:
+    return {"id": f"fc_{call.key}", "type": "function_call", "status": status, "call_id": f"call_{call.key}",
+            "name": call.name, "arguments": call.arguments if status == "completed" else ""}
+
+
+def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str, in_reasoning: bool,
+           calls: list[ToolCall]) -> list:
     """The output items: the reasoning where a summary was asked for and there is some (incomplete where the
     generation ended before its </think>, as ds4-server marks it), the message where there is text (ds4's rule: an
-    answer cut inside its reasoning has no message)."""
+    answer cut inside its reasoning has no message), a function_call item a call."""
     return ([reasoning_item(ids, reasoning, _reasoning_status(in_reasoning))] if req.summary and reasoning else []) + (
-        [message_item(ids, text, _item_status(status))] if text else [])
+        [message_item(ids, text, _item_status(status))] if text else []) + [call_item(c) for c in calls]
 
 
-def whole(ids: Ids, job: Job, out: Outcome, reasoning: str, text: str) -> dict:
+def whole(ids: Ids, job: Job, out: Outcome, reasoning: str, text: str, calls: list[ToolCall]) -> dict:
     status = _STATUS[out.finish]
-    output = _items(ids, job.request, reasoning, text, status, out.in_reasoning)
+    output = _items(ids, job.request, reasoning, text, status, out.in_reasoning, calls)
     return response(ids, job.request, int(time.time()), status, output, out)
 
 
@@ -90,7 +100,8 @@ async def stream(job: Job, ids: Ids):
     under way, the item open then closed incomplete)."""
     req, created, seq = job.request, int(time.time()), 0
     texts = {"reasoning": [], "text": []}
-    opened = []  # the items opened so far, in order: "reasoning", "message"
+    opened = []  # the items opened so far, in order: "reasoning", "message", then the calls
+    calls = []
 
     def event(kind: str, **fields) -> str:
         nonlocal seq
@@ -140,11 +151,23 @@ async def stream(job: Job, ids: Ids):
             yield (event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text)
                    if name == "reasoning" else event("response.output_text.delta", **at, content_index=0, delta=text,
                                                     logprobs=[]))
+        elif ev[0] == "calls":  # the reply's text is over: its item done, then an item a call
+            yield close_item(opened[-1], "completed") if opened else ""
+            calls = ev[1]
+            for call in calls:
+                at = dict(item_id=f"fc_{call.key}", output_index=len(opened))
+                opened.append(call)
+                yield (event("response.output_item.added", output_index=at["output_index"],
+                             item=call_item(call, "in_progress"))
+                       + event("response.function_call_arguments.delta", **at, delta=call.arguments)
+                       + event("response.function_call_arguments.done", **at, name=call.name,
+                               arguments=call.arguments)
+                       + event("response.output_item.done", output_index=at["output_index"], item=call_item(call)))
         elif ev[0] in ("done", "error"):
             out: Outcome | None = ev[1] if ev[0] == "done" else None
             status = _STATUS[out.finish] if out else "failed"
             in_reasoning = out.in_reasoning if out else "message" not in opened
-            if opened:  # the message, or the reasoning where no answer followed
+            if opened and not calls:  # the message, or the reasoning where no answer followed
                 yield close_item(opened[-1], _reasoning_status(in_reasoning) if opened[-1] == "reasoning"
                                  else _item_status(status))
             error = None
@@ -152,5 +175,5 @@ async def stream(job: Job, ids: Ids):
                 e: RequestError = ev[1]
                 error = {"code": "server_error", "message": e.message}  # the one code of OpenAI's that fits
             reasoning, text = "".join(texts["reasoning"]), "".join(texts["text"])
-            output = _items(ids, req, reasoning, text, status, in_reasoning)
+            output = _items(ids, req, reasoning, text, status, in_reasoning, calls)
             yield event(f"response.{status}", response=response(ids, req, created, status, output, out, error))

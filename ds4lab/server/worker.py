@@ -35,8 +35,8 @@ class _Stopped(Exception):
 
 @dataclass(frozen=True)
 class Outcome:
-    """A finished request's numbers; ``finish`` is "stop" (EOS or a stop string), "length" (max_tokens or the
-    context), "cancelled" (the client left) or "shutdown"."""
+    """A finished request's numbers; ``finish`` is "stop" (EOS or a stop string), "tool_calls" (a tool block closed),
+    "length" (max_tokens or the context), "cancelled" (the client left) or "shutdown"."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -52,7 +52,8 @@ class Outcome:
 
 class Job:
     """One queued request and the events its handler waits on: ("start", prompt_tokens, cached_tokens),
-    ("text", channel, text), ("done", Outcome), ("error", RequestError)."""
+    ("text", channel, text), ("calls", [ToolCall]) (the reply's tool calls, before its "done"), ("done", Outcome),
+    ("error", RequestError)."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request = request
@@ -170,7 +171,7 @@ class Worker:
         decode = sess.decoder(**sampling.params(), top=1)
         # a text completion is sent as one text, reasoning and </think> included, its stops looked for in all of
         # it (ds4-server parses only a chat reply)
-        channels = Channels(req.thinking and req.api != "completion", req.stop)
+        channels = Channels(req.thinking and req.api != "completion", req.stop, tools=bool(req.tools))
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
         generated, reasoning, finish, answer = 0, 0, "length", ""
         began = time.perf_counter()
@@ -188,12 +189,14 @@ class Worker:
             for channel, text in channels.feed(step.text):
                 job.emit("text", channel, text)
                 answer += text if channel == "text" else ""
-            if channels.stop is not None:
-                finish = "stop"
+            if channels.ended:
+                finish = "stop" if channels.stop is not None else "tool_calls"
                 break
         for channel, text in channels.flush():
             job.emit("text", channel, text)
             answer += text if channel == "text" else ""
+        if channels.calls:
+            job.emit("calls", channels.calls)
         self._remember_visible(req, finish, answer, channels.channel == "reasoning")
         if finish == "cancelled":
             self.counts["cancelled"] += 1
@@ -211,8 +214,8 @@ class Worker:
         then "</think>", the answer and EOS), as a key to the live tokens, which hold the reasoning
         (build_toolless_thinking_visible_text); not where tools are in the conversation (its prompt keeps every
         reasoning) or a reply ended unfinished."""
-        if (req.thinking and req.api != "completion" and req.text.endswith(THINK) and not tool_context(req.messages)
-                and finish == "stop" and not in_reasoning):
+        if (req.thinking and req.api != "completion" and req.text.endswith(THINK)
+                and not tool_context(req.messages, req.tools) and finish == "stop" and not in_reasoning):
             self.visible = (req.text[: -len(THINK)] + THINK_END + answer + EOS, len(self.session.tokens))
         else:
             self.visible = None

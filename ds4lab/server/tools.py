@@ -1,0 +1,220 @@
+"""Tool calling in DeepSeek V4's DSML, as ds4-server serves it (ds4_server.c at 8d57664): the tools' schemas open
+the system prompt under :data:`TOOLS_HEADER`, one JSON object a line; an earlier reply's calls follow its text as a
+DSML block (:func:`calls_block`); and the block a reply writes is read back into calls (:func:`read_block`):
+
+    <｜DSML｜tool_calls>
+    <｜DSML｜invoke name="read_file">
+    <｜DSML｜parameter name="path" string="true">notes.txt</｜DSML｜parameter>
+    <｜DSML｜parameter name="lines" string="false">[1, 20]</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜tool_calls>
+
+A string parameter is its raw text, a closing parameter tag in it written with "&lt;" for its '<'; any other value
+is JSON. Reading undoes the five XML entities in string values and names, as ds4-server's reader does (so a string
+that holds "&amp;" as text reads back as "&"), and takes the block also with the first bar of ``｜DSML｜`` left out or
+as plain XML (``<tool_calls>``), forms long generations drift into. A block as the model is asked to write it reads
+back into calls that :func:`calls_block` writes again as the same text, so a conversation sent back with the calls
+the server returned renders the tokens the model wrote."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from ..tokenizer import DSML
+
+# Must match append_tools_prompt_text, ds4_server.c:1995-2020 at 8d57664 (DeepSeek's tool prompt, as ds4-server
+# words it): the same text renders the same tokens, so either server's checkpoints serve the other's requests.
+TOOLS_HEADER = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user question. "
+    f"You can invoke tools by writing a \"<{DSML}tool_calls>\" block like the following:\n\n"
+    f"<{DSML}tool_calls>\n"
+    f"<{DSML}invoke name=\"$TOOL_NAME\">\n"
+    f"<{DSML}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{DSML}parameter>\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"<{DSML}invoke name=\"$TOOL_NAME2\">\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"</{DSML}tool_calls>\n\n"
+    "String parameters should be specified as raw text and set `string=\"true\"`. "
+    "Preserve characters such as `>`, `&`, and `&&` exactly; never replace normal string characters with XML or "
+    "HTML entity escapes. "
+    f"Only if a string value itself contains the exact closing parameter tag `</{DSML}parameter>`, write that tag as "
+    f"`&lt;/{DSML}parameter>` inside the value. "
+    "For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set "
+    "`string=\"false\"`.\n\n"
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
+    "<think>...</think> BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+)
+TOOLS_FOOTER = ("\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls. "
+                "Use the exact parameter names from the schemas.")
+
+# The block's tags in the three spellings read: DSML, DSML without its first bar, plain XML (written: the first).
+_SPELLINGS = (DSML, DSML[1:], "")
+BLOCK_OPENS = tuple(f"<{s}tool_calls>" for s in _SPELLINGS)
+_CALLS_OPEN, _INVOKE, _INVOKE_CLOSE, _PARAM, _PARAM_CLOSE, _CALLS_CLOSE = (
+    f"<{DSML}tool_calls>", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}parameter", f"</{DSML}parameter>",
+    f"</{DSML}tool_calls>")
+_ENTITIES = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"', "&apos;": "'"}
+_ENTITY = re.compile("|".join(_ENTITIES))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the tool's name and its arguments as a JSON object's text; ``key`` the server's id for a call a
+    reply made (each API writes it with its prefix: ``call_``, ``toolu_``, ``fc_``)."""
+
+    name: str
+    arguments: str
+    key: str = field(default_factory=lambda: secrets.token_hex(12), compare=False)
+
+
+def compact(value) -> str:
+    """JSON as the tools' schemas and a call's arguments are written: no spaces, characters as they are."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def tools_prompt(schemas: list[dict]) -> str:
+    """The system prompt's head that offers ``schemas`` (each a tool's JSON object, written compact; ds4-server writes
+    the bytes the client sent, which most clients send compact)."""
+    return TOOLS_HEADER + "\n".join(compact(s) for s in schemas) + TOOLS_FOOTER
+
+
+def _attr(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def _parameter(name: str, value) -> str:
+    if isinstance(value, str):
+        kind, body = "true", value.replace(_PARAM_CLOSE, "&lt;" + _PARAM_CLOSE[1:])
+    else:  # in JSON the tag can only be inside a string, where "\u003c" is its '<'
+        kind, body = "false", compact(value).replace(_PARAM_CLOSE, "\\u003c" + _PARAM_CLOSE[1:])
+    return f'{_PARAM} name="{_attr(name)}" string="{kind}">{body}{_PARAM_CLOSE}\n'
+
+
+def calls_block(calls) -> str:
+    """The DSML block of an assistant message's ``calls`` (after its text, a blank line between): each call's
+    arguments one parameter a member, in their order; arguments that are no JSON object one string parameter
+    named "arguments" (ds4-server's rule)."""
+    if not calls:
+        return ""
+    out = ["\n\n", _CALLS_OPEN, "\n"]
+    for call in calls:
+        try:
+            args = json.loads(call.arguments)
+        except ValueError:
+            args = None
+        params = ([_parameter(k, v) for k, v in args.items()] if isinstance(args, dict)
+                  else [_parameter("arguments", call.arguments)])
+        out += [f'{_INVOKE} name="{_attr(call.name)}">\n', *params, _INVOKE_CLOSE, "\n"]
+    out.append(_CALLS_CLOSE)
+    return "".join(out)
+
+
+def _unescape(text: str) -> str:
+    return _ENTITY.sub(lambda m: _ENTITIES[m.group()], text)
+
+
+def _tag_attrs(tag: str) -> dict:
+    return {k: _unescape(v) for k, v in re.findall(r'(\w+)="([^"]*)"', tag)}
+
+
+class _Reader:
+    """A block's text read left to right in one spelling; each method returns None where the text is not DSML."""
+
+    def __init__(self, text: str, spelling: str):
+        self.text, self.at = text, 0
+        self.calls_close, self.invoke, self.invoke_close, self.param, self.param_close = (
+            f"</{spelling}tool_calls>", f"<{spelling}invoke", f"</{spelling}invoke>", f"<{spelling}parameter",
+            f"</{spelling}parameter>")
+
+    def skip_space(self) -> None:
+        while self.at < len(self.text) and self.text[self.at].isspace():
+            self.at += 1
+
+    def take(self, literal: str) -> bool:
+        self.skip_space()
+        if self.text.startswith(literal, self.at):
+            self.at += len(literal)
+            return True
+        return False
+
+    def tag(self, opening: str) -> dict | None:
+        """The attributes of the tag that starts with ``opening`` here (None if another comes)."""
+        self.skip_space()
+        end = self.text.find(">", self.at)
+        if not self.text.startswith(opening, self.at) or end < 0:
+            return None
+        attrs = _tag_attrs(self.text[self.at:end])
+        self.at = end + 1
+        return attrs
+
+    def calls(self) -> list[ToolCall] | None:
+        calls = []
+        while not self.take(self.calls_close):
+            attrs = self.tag(self.invoke)
+            if attrs is None or "name" not in attrs:
+                return None
+            args = self.arguments(self.invoke_close)
+            if args is None:
+                return None
+            calls.append(ToolCall(attrs["name"], compact(args)))
+        return calls
+
+    def arguments(self, close: str) -> dict | None:
+        """Parameters up to ``close``: a string one's raw text unescaped, another's JSON (its text as a string
+        where it is no JSON); one with no ``string`` attribute that holds parameters is an object of them (a form
+        long generations drift into, read as ds4-server reads it)."""
+        args = {}
+        while not self.take(close):
+            attrs = self.tag(self.param)
+            if attrs is None or "name" not in attrs:
+                return None
+            value_at = self.at  # a value's own blanks are its text
+            self.skip_space()
+            if "string" not in attrs and self.text.startswith(self.param, self.at):
+                value = self.arguments(self.param_close)
+                if value is None:
+                    return None
+            else:
+                end = self.text.find(self.param_close, value_at)
+                if end < 0:
+                    return None
+                raw, self.at = self.text[value_at:end], end + len(self.param_close)
+                value = _unescape(raw) if attrs.get("string", "true") == "true" else _json_or_text(raw)
+            args[attrs["name"]] = value
+        return args
+
+
+def _json_or_text(raw: str):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def block_start(text: str) -> tuple[int, str] | None:
+    """Where the first tool block of ``text`` opens and the spelling of its tags; None where none does."""
+    found = [(at, s) for s, opening in zip(_SPELLINGS, BLOCK_OPENS) if (at := text.find(opening)) >= 0]
+    return min(found) if found else None
+
+
+def read_block(text: str, spelling: str) -> tuple[list[ToolCall], int] | None:
+    """The calls of the block of ``spelling`` that starts ``text`` (blanks before it allowed) and where it ends;
+    None while no closing tag ends a well-formed block with a call (a closing tag inside a string value does not)."""
+    close = f"</{spelling}tool_calls>"
+    end = text.find(close)
+    while end >= 0:
+        end += len(close)
+        reader = _Reader(text[:end], spelling)
+        calls = reader.take(f"<{spelling}tool_calls>") and reader.calls()
+        if calls and reader.at == end:
+            return calls, end
+        end = text.find(close, end)
+    return None

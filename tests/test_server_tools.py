@@ -1,0 +1,338 @@
+"""Tool calling in ``ds4lab serve`` (ds4lab/server/tools.py): the DSML block written and read back (by hand and by
+Hypothesis), the reply's block found in streamed text, the prompts of conversations with tools and calls in each API
+worked by hand from ds4-server's rendering (ds4_server.c at 8d57664), each API's answer read by the official clients'
+own models, and the whole loop over HTTP with the real clients (the embedded model never writes a tool block: the
+worker's decoder is given the model's text)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("starlette", reason="the server extra (pip install -e '.[server]')")
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+import ds4lab  # noqa: E402
+from ds4lab.server import ServerThread, app, responses  # noqa: E402
+from ds4lab.server.channels import Channels  # noqa: E402
+from ds4lab.server.protocol import Limits, Request, RequestError, Sampling, parse_chat, parse_messages, parse_responses  # noqa: E402,E501
+from ds4lab.server.tools import TOOLS_FOOTER, TOOLS_HEADER, ToolCall, calls_block, read_block  # noqa: E402
+from ds4lab.server.worker import Job, Outcome  # noqa: E402
+from ds4lab.tokenizer import ASSISTANT, BOS, EOS, THINK, THINK_END, USER  # noqa: E402
+
+LIMITS = Limits(("m",), 4096, 64, Sampling(1.0, 0, 1.0, 0.05), "high", chat_model=True)
+D = "｜DSML｜"
+BLOCK = (f'\n\n<{D}tool_calls>\n<{D}invoke name="read_file">\n'
+         f'<{D}parameter name="path" string="true">a&b <x>.txt</{D}parameter>\n'
+         f'<{D}parameter name="lines" string="false">[1,20]</{D}parameter>\n'
+         f'</{D}invoke>\n</{D}tool_calls>')
+ARGS = '{"path":"a&b <x>.txt","lines":[1,20]}'
+TOOL = {"name": "read_file", "description": "Read a file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "lines": {"type": "array"}}}}
+SCHEMA_LINE = ('{"name":"read_file","description":"Read a file","parameters":{"type":"object","properties":'
+               '{"path":{"type":"string"},"lines":{"type":"array"}}}}')
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return ds4lab.load(backend="numpy").tokenizer
+
+
+def test_a_call_is_written_as_ds4_server_writes_it():
+    assert calls_block([ToolCall("read_file", ARGS)]) == BLOCK
+    # a closing parameter tag in a string value: its '<' as "&lt;"; inside JSON: "\u003c"; a name's quotes escaped
+    odd = ToolCall('say "hi"', json.dumps({"s": f"x</{D}parameter>y", "o": {"k": f"</{D}parameter>"}}))
+    assert calls_block([odd]) == (
+        f'\n\n<{D}tool_calls>\n<{D}invoke name="say &quot;hi&quot;">\n'
+        f'<{D}parameter name="s" string="true">x&lt;/{D}parameter>y</{D}parameter>\n'
+        f'<{D}parameter name="o" string="false">{{"k":"\\u003c/{D}parameter>"}}</{D}parameter>\n'
+        f'</{D}invoke>\n</{D}tool_calls>')
+    # arguments that are no JSON object: one string parameter named arguments
+    sh = calls_block([ToolCall("sh", "ls -l")])
+    assert f'<{D}parameter name="arguments" string="true">ls -l</{D}parameter>' in sh
+    assert calls_block([]) == ""
+
+
+def test_a_block_reads_back_into_its_calls():
+    calls, end = read_block(BLOCK + "after", D)
+    assert calls == [ToolCall("read_file", ARGS)] and end == len(BLOCK)
+    # the other spellings; a parameter without its string attribute is a string; entities undone in strings only
+    for spelling in ("DSML｜", ""):
+        text = BLOCK.replace(D, spelling)
+        assert read_block(text, spelling)[0] == [ToolCall("read_file", ARGS)], spelling
+    loose = (f'<{D}tool_calls><{D}invoke name="f"><{D}parameter name="a">x &amp; y</{D}parameter>'
+             f'<{D}parameter name="n" string="false">not json</{D}parameter>'
+             f'<{D}parameter name="o"><{D}parameter name="k" string="false">1</{D}parameter></{D}parameter>'
+             f'</{D}invoke></{D}tool_calls>')
+    assert read_block(loose, D)[0] == [ToolCall("f", '{"a":"x & y","n":"not json","o":{"k":1}}')]
+    # a closing tag inside a string value does not end the block; no closing tag, or no call, is no block yet
+    inner = ToolCall("f", f'{{"s":"</{D}tool_calls>"}}')
+    assert read_block(calls_block([inner]), D)[0] == [inner]
+    assert read_block(BLOCK[:-5], D) is None and read_block(f"<{D}tool_calls></{D}tool_calls>", D) is None
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+                     max_leaves=8)
+# string values hold no '&' (reading undoes entities in them, as ds4-server's reader does)
+_strings = st.text().filter(lambda t: "&" not in t)
+_args = st.dictionaries(st.text(min_size=1), _strings | _json.filter(lambda v: not isinstance(v, str)), max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1), _args), min_size=1, max_size=3))
+def test_written_calls_read_back_as_they_were(calls):
+    calls = [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+    text = calls_block(calls)
+    read, end = read_block(text, D)
+    assert [(c.name, json.loads(c.arguments)) for c in read] == [(c.name, json.loads(c.arguments)) for c in calls]
+    assert end == len(text) and calls_block(read) == text  # written again: the same text (the model's tokens)
+
+
+def _feed(channels: Channels, pieces) -> list:
+    out = []
+    for piece in pieces:
+        out += channels.feed(piece)
+        if channels.ended:
+            break
+    return out + channels.flush()
+
+
+def test_the_answers_block_ends_the_reply_and_its_blank_is_never_sent():
+    pieces = ["Let me look.", "\n", "\n<｜DS", "ML｜tool_", "calls>\n", BLOCK[len("\n\n<｜DSML｜tool_calls>\n"):-4],
+              BLOCK[-4:], "more text"]
+    ch = Channels(False, tools=True)
+    assert _feed(ch, pieces) == [("text", "Let me look.")] and ch.calls == [ToolCall("read_file", ARGS)]
+    assert ch.ended and ch.stop is None
+    # streamed: the blank before the block is held while a block may follow, then sent where none does
+    ch = Channels(False, tools=True)
+    assert ch.feed("a \n") == [("text", "a")] and ch.feed("b") == [("text", " \nb")]
+    # without tools, the same text is the answer
+    assert "".join(t for _, t in _feed(Channels(False), pieces)) == "".join(pieces)
+    # in the reasoning a block is text (ds4-server reads the answer only); a stop string before the block wins
+    ch = Channels(True, tools=True)
+    assert _feed(ch, ["r" + BLOCK, "</think>", "ok"]) == [("reasoning", "r" + BLOCK), ("text", "ok")]
+    assert ch.calls is None
+    ch = Channels(False, ["STOP"], tools=True)
+    assert _feed(ch, ["xSTOP" + BLOCK]) == [("text", "x")] and (ch.stop, ch.calls) == ("STOP", None)
+    ch = Channels(False, ["STOP"], tools=True)  # inside the block stops are not looked for
+    block_with_stop = calls_block([ToolCall("f", '{"s":"STOP"}')])
+    assert _feed(ch, [block_with_stop]) == [] and ch.calls == [ToolCall("f", '{"s":"STOP"}')]
+    # generation ends inside a block: all of it is sent as text, the blank before it too
+    ch = Channels(False, tools=True)
+    assert "".join(t for _, t in _feed(ch, ["a", BLOCK[:40]])) == "a" + BLOCK[:40] and ch.calls is None
+
+
+def _chat(**extra) -> dict:
+    return {"model": "m", "messages": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "r1",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": ARGS}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "contents"}], "tools": [{"type": "function",
+                                                                                       "function": TOOL}], **extra}
+
+
+# worked by hand from render_chat_prompt_text: the tools' text, then the system message after a blank line; the
+# reply's calls after its text; the tool result under a User marker; thinking: the reasoning kept (a tool context)
+WANT_THINKING = (BOS + TOOLS_HEADER + SCHEMA_LINE + TOOLS_FOOTER + "\n\nS" + USER + "q" + ASSISTANT + THINK + "r1"
+                 + THINK_END + "Let me look." + BLOCK + EOS + USER + "<tool_result>contents</tool_result>" + ASSISTANT
+                 + THINK)
+
+
+def test_each_api_renders_a_tool_conversation_as_ds4_server_does(tokenizer):
+    chat = parse_chat(_chat(), LIMITS, tokenizer)
+    assert chat.text == WANT_THINKING and chat.tools == (TOOL,)
+    assert chat.prompt == tokenizer.encode_rendered(WANT_THINKING)
+    # no thinking: every reply's thinking closed; tool_choice none: no tools offered (nor read in the reply)
+    plain = parse_chat(_chat(reasoning_effort="none"), LIMITS, tokenizer).text
+    assert plain == WANT_THINKING.replace(THINK + "r1" + THINK_END, THINK_END)[:-len(THINK)] + THINK_END
+    none = parse_chat(_chat(tool_choice="none"), LIMITS, tokenizer)
+    assert none.tools == () and none.text == BOS + "S" + WANT_THINKING[WANT_THINKING.index(USER):]
+    # tools offered are a tool context by themselves: a reply before the last user turn keeps its reasoning
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r0"},
+             {"role": "user", "content": "q2"}]
+    kept = THINK + "r0" + THINK_END + "a"
+    assert kept in parse_chat(_chat(messages=turns), LIMITS, tokenizer).text
+    assert kept not in parse_chat(_chat(messages=turns, tools=[]), LIMITS, tokenizer).text
+    # Anthropic: tool_use and tool_result blocks, the result in the user turn's text
+    msgs = parse_messages({"model": "m", "max_tokens": 8, "system": "S", "tools": [
+        {"name": "read_file", "description": "Read a file", "input_schema": TOOL["parameters"]}], "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "r1", "signature": ""},
+                                          {"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                           "input": json.loads(ARGS)}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "contents"}]}]}]}, LIMITS, tokenizer)
+    anthropic_schema = SCHEMA_LINE.replace('"parameters"', '"input_schema"')
+    assert msgs.text == WANT_THINKING.replace(SCHEMA_LINE, anthropic_schema)
+    # Responses: function_call items the calls of the message before them, function_call_output a tool result
+    resp = parse_responses({"model": "m", "instructions": "S", "tools": [dict(type="function", **TOOL)], "input": [
+        {"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r1"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": ARGS},
+        {"type": "function_call_output", "call_id": "call_1", "output": "contents"}]}, LIMITS, tokenizer)
+    assert resp.text == WANT_THINKING.replace(SCHEMA_LINE, '{"type":"function",' + SCHEMA_LINE[1:])
+    # bad tool input is refused naming the field
+    for api, body, param in (
+            (parse_chat, _chat(tools=[{"type": "function", "function": {"description": "x"}}]), "tools[0].function"),
+            (parse_chat, _chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+            (parse_messages, {"model": "m", "max_tokens": 8, "messages": [{"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t", "input": {}}]}]}, "messages[0].content[0].name"),
+            (parse_messages, {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+            (parse_responses, {"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": 3}]},
+             "input[0].arguments")):
+        with pytest.raises(RequestError) as e:
+            api(body, LIMITS, tokenizer)
+        assert e.value.param == param, body
+
+
+CALLS = [ToolCall("read_file", ARGS), ToolCall("sh", '{"cmd":"ls"}')]
+
+
+def _events(api: str, events: list, finish: str = "tool_calls"):
+    """What ``api`` sends for a worker's events ending in ``finish``: the streamed chunks' data and the whole
+    answer."""
+    tool = dict(type="function", **TOOL) if api == "responses" else TOOL  # as each API lists it
+    req = Request(api, "m", [1, 2, 3], 8, Sampling(1.0, 0, 1.0, 0.0), stream=True, thinking=True, tools=(tool,))
+    text = "".join(e[2] for e in events if e[0] == "text" and e[1] == "text")
+    reasoning = "".join(e[2] for e in events if e[0] == "text" and e[1] == "reasoning")
+    calls = next((e[1] for e in events if e[0] == "calls"), [])
+    out = Outcome(3, 0, 9, finish, None, "cold", 0.0, 0.0, 2)
+    stream = {"chat": app._openai_stream, "messages": app._anthropic_stream, "responses": responses.stream}[api]
+    rid = responses.Ids(5) if api == "responses" else "id-5"
+
+    async def run():
+        job = Job(req, asyncio.get_running_loop())
+        for e in [("start", 3, 0), *events, ("done", out)]:
+            job.events.put_nowait(e)
+        return [c async for c in stream(job, rid)]
+
+    blocks = [b for c in asyncio.run(run()) for b in c.split("\n\n") if b.startswith(("data: {", "event: "))]
+    data = [json.loads(b.split("data: ", 1)[1]) for b in blocks]
+    return data, app._whole(api, rid, Job(req, None), out, reasoning, text, calls)
+
+
+EVENTS = [("text", "reasoning", "hm"), ("text", "text", "Let me look."), ("calls", CALLS)]
+
+
+def test_openai_chat_sends_the_calls_whole_and_streamed():
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    data, whole = _events("chat", EVENTS)
+    whole = ChatCompletion.model_validate(whole)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("read_file", ARGS), ("sh", '{"cmd":"ls"}')]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    chunks = [ChatCompletionChunk.model_validate(d) for d in data]
+    streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, t.id, t.function.name, t.function.arguments) for t in streamed] == [
+        (i, c.id, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # calls alone: no content
+    _, whole = _events("chat", [("calls", CALLS)])
+    assert whole["choices"][0]["message"]["content"] is None
+
+
+def test_anthropic_messages_send_tool_use_blocks():
+    from anthropic.types import Message, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    data, whole = _events("messages", EVENTS)
+    whole = Message.model_validate(whole)
+    assert whole.stop_reason == "tool_use" and [b.type for b in whole.content] == ["thinking", "text", "tool_use",
+                                                                                   "tool_use"]
+    assert [(b.name, b.input) for b in whole.content[2:]] == [("read_file", json.loads(ARGS)), ("sh", {"cmd": "ls"})]
+    events = [TypeAdapter(RawMessageStreamEvent).validate_python(d) for d in data]
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["thinking", "text", "tool_use", "tool_use"]
+    assert [b.id for b in starts[2:]] == [b.id for b in whole.content[2:]]
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta" and
+               e.delta.type == "input_json_delta"]
+    assert [json.loads(p) for p in partial] == [b.input for b in whole.content[2:]]
+    kinds = [e.type for e in events]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 4
+    assert [e.delta.stop_reason for e in events if e.type == "message_delta"] == ["tool_use"]
+    # calls alone: no text block
+    data, whole = _events("messages", [("calls", CALLS[:1])])
+    assert [b["type"] for b in whole["content"]] == ["thinking", "tool_use"]
+    assert [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"] == ["tool_use"]
+
+
+def test_responses_send_function_call_items():
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    data, whole = _events("responses", EVENTS)
+    whole = Response.model_validate(whole)
+    assert whole.status == "completed" and [o.type for o in whole.output] == ["message", "function_call",
+                                                                              "function_call"]
+    assert [(o.name, o.arguments, o.status) for o in whole.output[1:]] == [
+        ("read_file", ARGS, "completed"), ("sh", '{"cmd":"ls"}', "completed")]
+    assert [t.name for t in whole.tools] == ["read_file"] and whole.tool_choice == "auto"
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(d) for d in data]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [(o.type, o.status) for o in whole.output]
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [ARGS,
+                                                                                                  '{"cmd":"ls"}']
+    assert events[-1].type == "response.completed" and events[-1].response.output == whole.output
+
+
+class _Scripted:
+    """A decoder that writes ``pieces`` (a token's text each), then EOS."""
+
+    def __init__(self, pieces):
+        self.pieces, self.stop_reason = list(pieces), None
+
+    def step(self, more=True):
+        if not self.pieces:
+            self.stop_reason = "eos"
+            return SimpleNamespace(text="")
+        return SimpleNamespace(text=self.pieces.pop(0))
+
+
+def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
+    """The model's block becomes the clients' tool calls; the conversation sent back with them and the result renders
+    the prompt that extends the first one by exactly the text the model wrote (what the live tokens hold)."""
+    model = ds4lab.load(backend="numpy")
+    written = ["I will read it.", "\n\n", BLOCK.lstrip()[:30], BLOCK.lstrip()[30:], "ignored after the block"]
+    with ServerThread(model, ctx=1024, prefill_chunk=64, max_tokens=32) as srv:
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "What is in notes.txt?"}]
+        tools = [{"type": "function", "function": TOOL}]
+        r = client.chat.completions.create(model="shakespeare", messages=messages, tools=tools, max_tokens=32)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content == "I will read it."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            ("read_file", json.loads(ARGS))]
+        limits = dataclasses.replace(LIMITS, chat_model=False)  # the embedded model's: no chat template, no thinking
+        first = parse_chat({"model": "m", "messages": messages, "tools": tools}, limits, tokenizer)
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "hello"}]
+        second = parse_chat({"model": "m", "messages": messages, "tools": tools}, limits, tokenizer)
+        assert second.text.startswith(first.text + "".join(written[:4]) + EOS)
+        # streamed, and the same model text through Anthropic's client
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        chunks = list(client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools,
+                                                     max_tokens=32, stream=True))
+        calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        assert [(t.function.name, t.function.arguments) for t in calls] == [("read_file", ARGS)]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "I will read it."
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        reply = claude.messages.create(model="shakespeare", max_tokens=32, messages=messages[:1], tools=[
+            {"name": "read_file", "input_schema": TOOL["parameters"]}])
+        assert reply.stop_reason == "tool_use" and reply.content[-1].input == json.loads(ARGS)
