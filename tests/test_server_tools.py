@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ import ds4lab  # noqa: E402
 from ds4lab.server import ServerThread, app, responses  # noqa: E402
 from ds4lab.server.channels import Channels  # noqa: E402
 from ds4lab.server.protocol import Limits, Request, RequestError, Sampling, parse_chat, parse_messages, parse_responses  # noqa: E402,E501
-from ds4lab.server.tools import TOOLS_FOOTER, TOOLS_HEADER, ToolCall, calls_block, read_block  # noqa: E402
+from ds4lab.server.tools import TOOLS_FOOTER, TOOLS_HEADER, ToolCall, calls_block, read_calls, tools_prompt  # noqa: E402,E501
 from ds4lab.server.worker import Job, Outcome  # noqa: E402
 from ds4lab.tokenizer import ASSISTANT, BOS, EOS, THINK, THINK_END, USER  # noqa: E402
 
@@ -45,6 +46,14 @@ def tokenizer():
     return ds4lab.load(backend="numpy").tokenizer
 
 
+def test_the_tool_instructions_are_ds4_servers():
+    # sha256 of ds4_server.c's append_tools_prompt_text literals (lines 1995-2020 at 8d57664), header and footer
+    # joined by a NUL, each C string literal concatenated and its escapes read: the text the model is prompted with
+    digest = hashlib.sha256((TOOLS_HEADER + "\0" + TOOLS_FOOTER).encode()).hexdigest()
+    assert digest == "db54170b3374cc6ceedcd4ad96e75826c9132a897120a148cb237d028c209fc6"
+    assert tools_prompt([TOOL, {"name": "é"}]) == TOOLS_HEADER + SCHEMA_LINE + '\n{"name":"é"}' + TOOLS_FOOTER
+
+
 def test_a_call_is_written_as_ds4_server_writes_it():
     assert calls_block([ToolCall("read_file", ARGS)]) == BLOCK
     # a closing parameter tag in a string value: its '<' as "&lt;"; inside JSON: "\u003c"; a name's quotes escaped
@@ -55,27 +64,33 @@ def test_a_call_is_written_as_ds4_server_writes_it():
         f'<{D}parameter name="o" string="false">{{"k":"\\u003c/{D}parameter>"}}</{D}parameter>\n'
         f'</{D}invoke>\n</{D}tool_calls>')
     # arguments that are no JSON object: one string parameter named arguments
-    sh = calls_block([ToolCall("sh", "ls -l")])
-    assert f'<{D}parameter name="arguments" string="true">ls -l</{D}parameter>' in sh
+    for args in ("ls -l", '{"x": NaN}', "[" * 100000):  # (NaN is no JSON; nesting past Python's reader)
+        assert f'<{D}parameter name="arguments" string="true">{args}</{D}parameter>' in calls_block(
+            [ToolCall("sh", args)])
     assert calls_block([]) == ""
 
 
 def test_a_block_reads_back_into_its_calls():
-    calls, end = read_block(BLOCK + "after", D)
-    assert calls == [ToolCall("read_file", ARGS)] and end == len(BLOCK)
-    # the other spellings; a parameter without its string attribute is a string; entities undone in strings only
+    assert read_calls("before" + BLOCK + "after") == (len("before\n\n"), [ToolCall("read_file", ARGS)])
+    # the other spellings; a parameter without its string attribute is a string; entities undone in strings only;
+    # a value that is no JSON (NaN, an infinity, text) its text
     for spelling in ("DSML｜", ""):
-        text = BLOCK.replace(D, spelling)
-        assert read_block(text, spelling)[0] == [ToolCall("read_file", ARGS)], spelling
+        assert read_calls(BLOCK.replace(D, spelling))[1] == [ToolCall("read_file", ARGS)], spelling
     loose = (f'<{D}tool_calls><{D}invoke name="f"><{D}parameter name="a">x &amp; y</{D}parameter>'
              f'<{D}parameter name="n" string="false">not json</{D}parameter>'
-             f'<{D}parameter name="o"><{D}parameter name="k" string="false">1</{D}parameter></{D}parameter>'
+             f'<{D}parameter name="i" string="false">1e999</{D}parameter>'
+             f'<{D}parameter name="o"><{D}parameter name="k" string="false">NaN</{D}parameter></{D}parameter>'
              f'</{D}invoke></{D}tool_calls>')
-    assert read_block(loose, D)[0] == [ToolCall("f", '{"a":"x & y","n":"not json","o":{"k":1}}')]
-    # a closing tag inside a string value does not end the block; no closing tag, or no call, is no block yet
+    assert read_calls(loose)[1] == [ToolCall("f", '{"a":"x & y","n":"not json","i":"1e999","o":{"k":"NaN"}}')]
+    # ds4-server's order: a DSML block is read where plain XML tags came before it (a mention in the answer)
+    assert read_calls("Use <tool_calls> here." + BLOCK) == (len("Use <tool_calls> here.\n\n"),
+                                                            [ToolCall("read_file", ARGS)])
+    # the block ends at its first closing tag (one inside a string value too, as there); no closing tag, no call,
+    # no opening tag: no block
     inner = ToolCall("f", f'{{"s":"</{D}tool_calls>"}}')
-    assert read_block(calls_block([inner]), D)[0] == [inner]
-    assert read_block(BLOCK[:-5], D) is None and read_block(f"<{D}tool_calls></{D}tool_calls>", D) is None
+    assert read_calls(calls_block([inner])) is None
+    assert read_calls(BLOCK[:-5]) is None and read_calls(f"<{D}tool_calls></{D}tool_calls>") is None
+    assert read_calls("plain text") is None
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
@@ -92,9 +107,9 @@ _args = st.dictionaries(st.text(min_size=1), _strings | _json.filter(lambda v: n
 def test_written_calls_read_back_as_they_were(calls):
     calls = [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
     text = calls_block(calls)
-    read, end = read_block(text, D)
+    start, read = read_calls(text)
     assert [(c.name, json.loads(c.arguments)) for c in read] == [(c.name, json.loads(c.arguments)) for c in calls]
-    assert end == len(text) and calls_block(read) == text  # written again: the same text (the model's tokens)
+    assert start == 2 and calls_block(read) == text  # written again: the same text (the model's tokens)
 
 
 def _feed(channels: Channels, pieces) -> list:
@@ -117,15 +132,26 @@ def test_the_answers_block_ends_the_reply_and_its_blank_is_never_sent():
     assert ch.feed("a \n") == [("text", "a")] and ch.feed("b") == [("text", " \nb")]
     # without tools, the same text is the answer
     assert "".join(t for _, t in _feed(Channels(False), pieces)) == "".join(pieces)
-    # in the reasoning a block is text (ds4-server reads the answer only); a stop string before the block wins
+    # a mention of plain tags before the block: held from the mention, the block read (ds4-server's order)
+    ch = Channels(False, tools=True)
+    assert _feed(ch, ["Use a <tool_calls> tag.", BLOCK, "more"]) == [("text", "Use a"), ("text", " <tool_calls> tag.")]
+    assert ch.calls == [ToolCall("read_file", ARGS)]
+    # held text that is no block of calls ends the reply at its closing tag, all of it sent as text
+    ch = Channels(False, tools=True)
+    assert "".join(t for _, t in _feed(ch, ["a <tool_calls>b</tool_calls>", "c"])) == "a <tool_calls>b</tool_calls>"
+    assert ch.calls == [] and ch.ended
+    # in the reasoning a block is text (ds4-server reads the answer only)
     ch = Channels(True, tools=True)
     assert _feed(ch, ["r" + BLOCK, "</think>", "ok"]) == [("reasoning", "r" + BLOCK), ("text", "ok")]
     assert ch.calls is None
+    # a stop string ends the answer wherever it is met: before a block, or inside one (ds4-server's rule)
     ch = Channels(False, ["STOP"], tools=True)
     assert _feed(ch, ["xSTOP" + BLOCK]) == [("text", "x")] and (ch.stop, ch.calls) == ("STOP", None)
-    ch = Channels(False, ["STOP"], tools=True)  # inside the block stops are not looked for
     block_with_stop = calls_block([ToolCall("f", '{"s":"STOP"}')])
-    assert _feed(ch, [block_with_stop]) == [] and ch.calls == [ToolCall("f", '{"s":"STOP"}')]
+    for pieces in ([block_with_stop], [block_with_stop[:30], block_with_stop[30:]]):
+        ch = Channels(False, ["STOP"], tools=True)
+        assert "".join(t for _, t in _feed(ch, pieces)) == block_with_stop[:block_with_stop.index("STOP")]
+        assert (ch.stop, ch.calls) == ("STOP", None)
     # generation ends inside a block: all of it is sent as text, the blank before it too
     ch = Channels(False, tools=True)
     assert "".join(t for _, t in _feed(ch, ["a", BLOCK[:40]])) == "a" + BLOCK[:40] and ch.calls is None
@@ -181,6 +207,14 @@ def test_each_api_renders_a_tool_conversation_as_ds4_server_does(tokenizer):
         {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": ARGS},
         {"type": "function_call_output", "call_id": "call_1", "output": "contents"}]}, LIMITS, tokenizer)
     assert resp.text == WANT_THINKING.replace(SCHEMA_LINE, '{"type":"function",' + SCHEMA_LINE[1:])
+    # a call with no message before it is a reply of its own, taking the reasoning before it
+    resp = parse_responses({"model": "m", "input": [
+        {"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}]},
+        {"type": "function_call", "call_id": "c", "name": "sh", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"}]}, LIMITS, tokenizer)
+    assert resp.text.endswith(USER + "q" + ASSISTANT + THINK + "r" + THINK_END
+                              + f'\n\n<{D}tool_calls>\n<{D}invoke name="sh">\n</{D}invoke>\n</{D}tool_calls>' + EOS
+                              + USER + "<tool_result>ok</tool_result>" + ASSISTANT + THINK)
     # bad tool input is refused naming the field
     for api, body, param in (
             (parse_chat, _chat(tools=[{"type": "function", "function": {"description": "x"}}]), "tools[0].function"),
@@ -189,6 +223,11 @@ def test_each_api_renders_a_tool_conversation_as_ds4_server_does(tokenizer):
                 {"type": "tool_use", "id": "t", "input": {}}]}]}, "messages[0].content[0].name"),
             (parse_messages, {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
                 {"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+            (parse_messages, {"model": "m", "max_tokens": 8, "messages": [{"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t", "name": "f", "input": 3}]}]}, "messages[0].content[0].input"),
+            (parse_messages, {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}},
+             "tool_choice.disable_parallel_tool_use"),
             (parse_responses, {"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": 3}]},
              "input[0].arguments")):
         with pytest.raises(RequestError) as e:
@@ -336,3 +375,10 @@ def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
         reply = claude.messages.create(model="shakespeare", max_tokens=32, messages=messages[:1], tools=[
             {"name": "read_file", "input_schema": TOOL["parameters"]}])
         assert reply.stop_reason == "tool_use" and reply.content[-1].input == json.loads(ARGS)
+        # two calls in the block: both sent, or the first alone where parallel calls are off
+        two = calls_block([ToolCall("read_file", ARGS), ToolCall("sh", '{"cmd":"ls"}')])
+        for parallel, names in ((True, ["read_file", "sh"]), (False, ["read_file"])):
+            srv.worker.session.decoder = lambda **_: _Scripted([two])
+            r = client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools, max_tokens=32,
+                                               parallel_tool_calls=parallel)
+            assert [c.function.name for c in r.choices[0].message.tool_calls] == names, parallel

@@ -24,10 +24,11 @@ def _partial_tail(text: str, needles) -> int:
 
 class Channels:
     """Feed it each token's text; it returns ``[(channel, text)]`` ready to send, channel "reasoning" or "text".
-    ``stop`` holds the stop string met (the answer ends before it), or None; with ``tools``, ``calls`` the calls of
-    the answer's tool block once it has closed (the reply ends there, as ds4-server ends it), or None. A block that
-    does not close well formed before generation ends is sent as text. Stop strings are looked for in the answer's
-    text, not inside a tool block."""
+    ``stop`` holds the stop string met (the answer ends before it), or None. With ``tools``, the answer is held from
+    the first opening tag of a tool block (any spelling) to the first closing tag after it, where the reply ends, as
+    ds4-server ends it: ``calls`` is then the block's calls (:func:`.tools.read_calls`), the text before the block
+    sent, or empty where the held text is no block of calls, all of it sent as text. A stop string ends the answer
+    wherever it is met, inside a held block too (ds4-server's rule). Text held when generation ends is sent."""
 
     def __init__(self, thinking: bool, stops=(), tools: bool = False):
         self.channel = "reasoning" if thinking else "text"
@@ -36,7 +37,7 @@ class Channels:
         self.pending = ""
         self.stop: str | None = None
         self.calls: list[dsml.ToolCall] | None = None
-        self.spelling: str | None = None  # inside a tool block: its tags' spelling
+        self.in_block = False  # the pending text holds an opening tag: held until a closing tag or a stop string
 
     @property
     def ended(self) -> bool:
@@ -54,23 +55,33 @@ class Channels:
                 return self._release(out, (THINK_END,))
             out.append(("reasoning", self.pending[:i]))
             self.pending, self.channel = self.pending[i + len(THINK_END):], "text"
-        if self.spelling is None:
-            found = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
-            start = dsml.block_start(self.pending) if self.tools else None
-            if found and (start is None or min(found)[0] < start[0]):
-                i, self.stop = min(found)
-                out.append(("text", self.pending[:i]))
-                self.pending = ""
-                return [(c, t) for c, t in out if t]
-            if start is None:
-                return self._release(out, self.stops + (dsml.BLOCK_OPENS if self.tools else ()))
-            at, self.spelling = start
-            answer = self.pending[:at].rstrip()  # the blank before the block stays with it (sent if it never ends)
+        if not self.in_block:
+            stop = dsml.first_of(self.pending, self.stops)
+            opening = dsml.first_of(self.pending, dsml.BLOCK_OPENS) if self.tools else None
+            if opening is None or stop is not None and stop[0] < opening[0]:
+                return self._end_at(out, stop) if stop else self._release(out, self.stops + (
+                    dsml.BLOCK_OPENS if self.tools else ()))
+            answer = self.pending[:opening[0]].rstrip()  # the blank before a block stays with it (sent if no block)
             out.append(("text", answer))
-            self.pending = self.pending[len(answer):]
-        block = dsml.read_block(self.pending, self.spelling)
-        if block is not None:
-            self.calls, self.pending = block[0], ""
+            self.pending, self.in_block = self.pending[len(answer):], True
+        stop, closing = dsml.first_of(self.pending, self.stops), dsml.first_of(self.pending, dsml.BLOCK_CLOSES)
+        if stop is not None and (closing is None or stop[0] < closing[0]):
+            return self._end_at(out, stop)
+        if closing is not None:
+            held, self.pending = self.pending[:closing[0] + len(closing[1])], ""
+            found = dsml.read_calls(held)
+            if found is None:  # no block of calls: the model's text, the reply over all the same
+                out.append(("text", held))
+                self.calls = []
+            else:
+                out.append(("text", held[:found[0]].rstrip()))
+                self.calls = found[1]
+        return [(c, t) for c, t in out if t]
+
+    def _end_at(self, out: list, stop: tuple[int, str]) -> list[tuple[str, str]]:
+        """The answer ends before the stop string met."""
+        out.append(("text", self.pending[:stop[0]]))
+        self.pending, self.stop = "", stop[1]
         return [(c, t) for c, t in out if t]
 
     def _release(self, out: list, needles) -> list[tuple[str, str]]:

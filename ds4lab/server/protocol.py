@@ -98,6 +98,7 @@ class Request:
     effort: str | None = None
     summary: str | None = None
     tools: tuple = ()  # the offered tools' schemas (none where tool_choice is none): the reply's tool block is read
+    parallel: bool = True  # the reply's calls all sent back (parallel_tool_calls), or its first alone
 
 
 def max_body_bytes(limits: Limits, tokenizer) -> int:
@@ -224,6 +225,16 @@ def _text_content(value, name: str) -> str:
 _TOOL_CHOICES = ("auto", "none")
 
 
+def _parallel(data: dict, api: str) -> bool:
+    """Whether a reply's calls are all sent back: parallel_tool_calls (Anthropic: tool_choice's
+    disable_parallel_tool_use); false sends the first alone (the model may write several in its block)."""
+    if api == "messages":
+        choice = data.get("tool_choice")
+        return not _bool(choice if isinstance(choice, dict) else {}, "disable_parallel_tool_use",
+                         path="tool_choice.disable_parallel_tool_use")
+    return _bool(data, "parallel_tool_calls", True)
+
+
 def _tool_choice(data: dict) -> str:
     """"auto" or "none", as a string or as Anthropic's object ({"type": "auto"})."""
     value = data.get("tool_choice")
@@ -249,7 +260,7 @@ def _tools(data: dict, api: str) -> tuple[dict, ...]:
     for i, tool in enumerate(value):
         name = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if api != "messages" and kind != "function" or api == "messages" and kind not in (None, "custom"):
+        if kind not in ((None, "custom") if api == "messages" else (None, "function")):
             want = "a client tool (name, description, input_schema)" if api == "messages" else 'a "function" tool'
             raise RequestError(f"{name}.type {json.dumps(kind)[:80]}: ds4lab serve offers {want} only",
                                param=f"{name}.type", code="unsupported_parameter")
@@ -270,10 +281,10 @@ def _arguments(value, name: str) -> str:
     raise _type_error(name, "a JSON object or its text", value)
 
 
-def _call(name: str, tool_name, arguments) -> ToolCall:
+def _call(name: str, tool_name, arguments, field: str = "arguments") -> ToolCall:
     if not (isinstance(tool_name, str) and tool_name):
         raise _type_error(f"{name}.name", "a tool's name", tool_name)
-    return ToolCall(tool_name, _arguments(arguments if arguments is not None else "{}", f"{name}.arguments"))
+    return ToolCall(tool_name, _arguments(arguments if arguments is not None else "{}", f"{name}.{field}"))
 
 
 def _chat_calls(value, name: str) -> tuple[ToolCall, ...]:
@@ -413,7 +424,7 @@ def _anthropic_content(content, name: str) -> tuple:
                 raise _type_error(at, 'a thinking block {"type": "thinking", "thinking": "..."}', part)
             thinking.append(part["thinking"])
         elif kind == "tool_use":
-            calls.append(_call(at, part.get("name"), part.get("input")))
+            calls.append(_call(at, part.get("name"), part.get("input"), "input"))
         elif kind == "tool_result":
             result = part.get("content")
             result = _text_content(result if result is not None else "", f"{at}.content")
@@ -436,7 +447,8 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
                    include_usage=_include_usage(data), stop=_stop(data, "stop"),
-                   thinking=mode != "none", messages=messages, text=text, tools=tools)
+                   thinking=mode != "none", messages=messages, text=text, tools=tools,
+                   parallel=_parallel(data, "chat"))
 
 
 def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
@@ -505,7 +517,7 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
                    stop=_stop(data, "stop_sequences"), thinking=mode != "none", messages=messages, text=text,
-                   tools=tools)
+                   tools=tools, parallel=_parallel(data, "messages"))
 
 
 # OpenAI's Responses API (ds4-server's parse_responses_request): ``input`` a string or a list of items (messages, their
@@ -647,4 +659,4 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
                    stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, text=text, effort=effort,
-                   summary=summary if mode != "none" else None, tools=tools)
+                   summary=summary if mode != "none" else None, tools=tools, parallel=_parallel(data, "responses"))

@@ -50,7 +50,7 @@ def response(ids: Ids, req: Request, created: int, status: str, output: list, ou
             "max_output_tokens": req.max_tokens, "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
             "reasoning": {"effort": req.effort, "summary": req.summary},
             "text": {"format": {"type": "text"}}, "tools": list(req.tools),
-            "tool_choice": "auto" if req.tools else "none", "parallel_tool_calls": bool(req.tools),
+            "tool_choice": "auto" if req.tools else "none", "parallel_tool_calls": req.parallel,
             "previous_response_id": None, "store": False, "metadata": {}}
 
 

@@ -1,20 +1,22 @@
 """Tool calling in DeepSeek V4's DSML, as ds4-server serves it (ds4_server.c at 8d57664): the tools' schemas open
 the system prompt under :data:`TOOLS_HEADER`, one JSON object a line; an earlier reply's calls follow its text as a
-DSML block (:func:`calls_block`); and the block a reply writes is read back into calls (:func:`read_block`):
+DSML block (:func:`calls_block`); and the block a reply writes is read back into calls (:func:`read_calls`):
 
     <｜DSML｜tool_calls>
     <｜DSML｜invoke name="read_file">
     <｜DSML｜parameter name="path" string="true">notes.txt</｜DSML｜parameter>
-    <｜DSML｜parameter name="lines" string="false">[1, 20]</｜DSML｜parameter>
+    <｜DSML｜parameter name="lines" string="false">[1,20]</｜DSML｜parameter>
     </｜DSML｜invoke>
     </｜DSML｜tool_calls>
 
 A string parameter is its raw text, a closing parameter tag in it written with "&lt;" for its '<'; any other value
-is JSON. Reading undoes the five XML entities in string values and names, as ds4-server's reader does (so a string
-that holds "&amp;" as text reads back as "&"), and takes the block also with the first bar of ``｜DSML｜`` left out or
-as plain XML (``<tool_calls>``), forms long generations drift into. A block as the model is asked to write it reads
-back into calls that :func:`calls_block` writes again as the same text, so a conversation sent back with the calls
-the server returned renders the tokens the model wrote."""
+is JSON. Reading follows ds4-server's reader: the five XML entities are undone in string values and names (a
+string that holds "&amp;" as text reads back as "&"); the block ends at its first closing tag; the tags are also
+read with the first bar of ``｜DSML｜`` left out or as plain XML (``<tool_calls>``), forms long generations drift
+into. A block written as the model is asked to write it (one blank line before it, compact JSON values, as above)
+reads back into calls that :func:`calls_block` writes again as the same text, so the conversation sent back
+renders the tokens the model wrote; a block written otherwise renders differently from where it differs (ds4-server
+keeps the model's own text by the calls' ids; ds4lab keeps no state between requests but the live tokens)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ TOOLS_FOOTER = ("\n\nYou MUST strictly follow the above defined tool name and pa
 # The block's tags in the three spellings read: DSML, DSML without its first bar, plain XML (written: the first).
 _SPELLINGS = (DSML, DSML[1:], "")
 BLOCK_OPENS = tuple(f"<{s}tool_calls>" for s in _SPELLINGS)
+BLOCK_CLOSES = tuple(f"</{s}tool_calls>" for s in _SPELLINGS)
 _CALLS_OPEN, _INVOKE, _INVOKE_CLOSE, _PARAM, _PARAM_CLOSE, _CALLS_CLOSE = (
     f"<{DSML}tool_calls>", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}parameter", f"</{DSML}parameter>",
     f"</{DSML}tool_calls>")
@@ -76,8 +79,9 @@ class ToolCall:
 
 
 def compact(value) -> str:
-    """JSON as the tools' schemas and a call's arguments are written: no spaces, characters as they are."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """JSON as the tools' schemas and a call's arguments are written: no spaces, characters as they are (no NaN or
+    infinities: a ValueError)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def tools_prompt(schemas: list[dict]) -> str:
@@ -108,10 +112,11 @@ def calls_block(calls) -> str:
     for call in calls:
         try:
             args = json.loads(call.arguments)
-        except ValueError:
-            args = None
-        params = ([_parameter(k, v) for k, v in args.items()] if isinstance(args, dict)
-                  else [_parameter("arguments", call.arguments)])
+            params = [_parameter(k, v) for k, v in args.items()] if isinstance(args, dict) else None
+        except (ValueError, RecursionError):  # no JSON, NaN, or nested past Python's reader
+            params = None
+        if params is None:
+            params = [_parameter("arguments", call.arguments)]
         out += [f'{_INVOKE} name="{_attr(call.name)}">\n', *params, _INVOKE_CLOSE, "\n"]
     out.append(_CALLS_CLOSE)
     return "".join(out)
@@ -193,28 +198,35 @@ class _Reader:
 
 
 def _json_or_text(raw: str):
+    """A non-string value: its JSON, or its text where it is no JSON (NaN and infinities included: not JSON)."""
     try:
-        return json.loads(raw)
-    except ValueError:
+        value = json.loads(raw)
+        compact(value)
+    except (ValueError, RecursionError):
         return raw
+    return value
 
 
-def block_start(text: str) -> tuple[int, str] | None:
-    """Where the first tool block of ``text`` opens and the spelling of its tags; None where none does."""
-    found = [(at, s) for s, opening in zip(_SPELLINGS, BLOCK_OPENS) if (at := text.find(opening)) >= 0]
-    return min(found) if found else None
+def first_of(text: str, markers) -> tuple[int, str] | None:
+    """The first of ``markers`` in ``text``: ``(where, which)``, or None."""
+    return min(((at, m) for m in markers if (at := text.find(m)) >= 0), default=None)
 
 
-def read_block(text: str, spelling: str) -> tuple[list[ToolCall], int] | None:
-    """The calls of the block of ``spelling`` that starts ``text`` (blanks before it allowed) and where it ends;
-    None while no closing tag ends a well-formed block with a call (a closing tag inside a string value does not)."""
-    close = f"</{spelling}tool_calls>"
-    end = text.find(close)
-    while end >= 0:
-        end += len(close)
-        reader = _Reader(text[:end], spelling)
-        calls = reader.take(f"<{spelling}tool_calls>") and reader.calls()
-        if calls and reader.at == end:
-            return calls, end
-        end = text.find(close, end)
+def read_calls(text: str) -> tuple[int, list[ToolCall]] | None:
+    """The calls of the answer ``text``'s tool block and where the block starts, read as ds4-server reads them
+    (parse_generated_message_ex): the block of the first spelling, in the order DSML, DSML without its first bar,
+    plain XML, that ``text`` holds an opening tag of, up to its first closing tag; None where it holds none or that
+    is no well-formed block of calls."""
+    for spelling, opening in zip(_SPELLINGS, BLOCK_OPENS):
+        start = text.find(opening)
+        if start < 0:
+            continue
+        close = f"</{spelling}tool_calls>"
+        end = text.find(close, start)
+        if end < 0:
+            return None
+        reader = _Reader(text[:end + len(close)], spelling)
+        reader.at = start + len(opening)
+        calls = reader.calls()
+        return (start, calls) if calls else None
     return None

@@ -190,13 +190,13 @@ class Worker:
                 job.emit("text", channel, text)
                 answer += text if channel == "text" else ""
             if channels.ended:
-                finish = "stop" if channels.stop is not None else "tool_calls"
+                finish = "tool_calls" if channels.calls else "stop"
                 break
         for channel, text in channels.flush():
             job.emit("text", channel, text)
             answer += text if channel == "text" else ""
         if channels.calls:
-            job.emit("calls", channels.calls)
+            job.emit("calls", channels.calls if req.parallel else channels.calls[:1])
         self._remember_visible(req, finish, answer, channels.channel == "reasoning")
         if finish == "cancelled":
             self.counts["cancelled"] += 1
