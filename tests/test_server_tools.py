@@ -24,7 +24,16 @@ import ds4lab  # noqa: E402
 from ds4lab.server import ServerThread, app, responses  # noqa: E402
 from ds4lab.server.channels import Channels  # noqa: E402
 from ds4lab.server.protocol import Limits, Request, RequestError, Sampling, parse_chat, parse_messages, parse_responses  # noqa: E402,E501
-from ds4lab.server.tools import TOOLS_FOOTER, TOOLS_HEADER, ToolCall, calls_block, read_calls, tools_prompt  # noqa: E402,E501
+from ds4lab.server.tools import (  # noqa: E402
+    TOOLS_FOOTER,
+    TOOLS_HEADER,
+    ToolBlocks,
+    ToolCall,
+    call_key,
+    calls_block,
+    read_calls,
+    tools_prompt,
+)
 from ds4lab.server.worker import Job, Outcome  # noqa: E402
 from ds4lab.tokenizer import ASSISTANT, BOS, EOS, THINK, THINK_END, USER  # noqa: E402
 
@@ -110,6 +119,21 @@ def test_written_calls_read_back_as_they_were(calls):
     start, read = read_calls(text)
     assert [(c.name, json.loads(c.arguments)) for c in read] == [(c.name, json.loads(c.arguments)) for c in calls]
     assert start == 2 and calls_block(read) == text  # written again: the same text (the model's tokens)
+
+
+def test_the_blocks_kept_are_replayed_for_the_same_calls_only():
+    blocks = ToolBlocks(kept=3)
+    a, b = ToolCall("read_file", '{"path": "x"}'), ToolCall("sh", '{"cmd": "ls"}')
+    blocks.remember([a, b], "\n<block a b>")
+    sent_back = [ToolCall("read_file", '{"path":"x"}', a.key), ToolCall("sh", '{"cmd":"ls"}', b.key)]
+    assert blocks.text_of(sent_back) == "\n<block a b>"  # the same calls, their JSON re-encoded
+    assert blocks.text_of(sent_back[:1]) is None  # a block's calls in part
+    assert blocks.text_of([ToolCall("read_file", '{"path":"y"}', a.key), sent_back[1]]) is None  # edited
+    assert blocks.text_of([ToolCall("read_file", '{"path":"x"}', "other"), sent_back[1]]) is None  # not ours
+    for i in range(2):  # the oldest calls forgotten past the bound
+        blocks.remember([c := ToolCall("f", "{}")], f"<{i}>")
+    assert blocks.text_of(sent_back) is None and blocks.text_of([c]) == "<1>"
+    assert call_key("call_ab12") == call_key("toolu_ab12") == call_key("fc_ab12") == "ab12" and call_key(7) == ""
 
 
 def _feed(channels: Channels, pieces) -> list:
@@ -363,6 +387,17 @@ def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
                      {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "hello"}]
         second = parse_chat({"model": "m", "messages": messages, "tools": tools}, limits, tokenizer)
         assert second.text.startswith(first.text + "".join(written[:4]) + EOS)
+        # a block written otherwise (one newline before it, a JSON value with spaces): rendered from the server's
+        # memory of it as written, by the calls' ids, through each API's client; without it, as the canonical form
+        loose = "I will read it.\n" + BLOCK.lstrip().replace("[1,20]", "[1, 20]")
+        srv.worker.session.decoder = lambda **_: _Scripted([loose])
+        message = client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools,
+                                                 max_tokens=32).choices[0].message
+        again = {"model": "m", "tools": tools, "messages": messages[:1] + [
+            message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                                                    "content": "hello"}]}
+        assert parse_chat(again, limits, tokenizer, srv.worker.tool_blocks).text.startswith(first.text + loose + EOS)
+        assert not parse_chat(again, limits, tokenizer).text.startswith(first.text + loose)
         # streamed, and the same model text through Anthropic's client
         srv.worker.session.decoder = lambda **_: _Scripted(written)
         chunks = list(client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools,
@@ -375,6 +410,15 @@ def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
         reply = claude.messages.create(model="shakespeare", max_tokens=32, messages=messages[:1], tools=[
             {"name": "read_file", "input_schema": TOOL["parameters"]}])
         assert reply.stop_reason == "tool_use" and reply.content[-1].input == json.loads(ARGS)
+        srv.worker.session.decoder = lambda **_: _Scripted([loose])
+        anthropic_tools = [{"name": "read_file", "input_schema": TOOL["parameters"]}]
+        reply = claude.messages.create(model="shakespeare", max_tokens=32, messages=messages[:1], tools=anthropic_tools)
+        back = {"model": "m", "max_tokens": 8, "tools": anthropic_tools, "messages": messages[:1] + [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": reply.content[-1].id,
+                                          "content": "hello"}]}]}
+        first = parse_messages(dict(back, messages=messages[:1]), limits, tokenizer)
+        assert parse_messages(back, limits, tokenizer, srv.worker.tool_blocks).text.startswith(first.text + loose + EOS)
         # two calls in the block: both sent, or the first alone where parallel calls are off
         two = calls_block([ToolCall("read_file", ARGS), ToolCall("sh", '{"cmd":"ls"}')])
         for parallel, names in ((True, ["read_file", "sh"]), (False, ["read_file"])):

@@ -174,7 +174,7 @@ async def _body(request: HTTPRequest, limit: int) -> bytes:
 
 def _parse(api: str, body: bytes, state: ServerState):
     tokenizer = state.worker.model.tokenizer
-    return _PARSERS[api](parse_json(body), state.limits, tokenizer)
+    return _PARSERS[api](parse_json(body), state.limits, tokenizer, state.worker.tool_blocks)
 
 
 async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response:

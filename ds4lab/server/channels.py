@@ -38,6 +38,7 @@ class Channels:
         self.stop: str | None = None
         self.calls: list[dsml.ToolCall] | None = None
         self.in_block = False  # the pending text holds an opening tag: held until a closing tag or a stop string
+        self.block = ""  # with calls: the model's text after the answer's, to the block's closing tag
 
     @property
     def ended(self) -> bool:
@@ -74,8 +75,9 @@ class Channels:
                 out.append(("text", held))
                 self.calls = []
             else:
-                out.append(("text", held[:found[0]].rstrip()))
-                self.calls = found[1]
+                answer = held[:found[0]].rstrip()
+                out.append(("text", answer))
+                self.calls, self.block = found[1], held[len(answer):]
         return [(c, t) for c, t in out if t]
 
     def _end_at(self, out: list, stop: tuple[int, str]) -> list[tuple[str, str]]:

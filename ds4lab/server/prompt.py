@@ -45,7 +45,8 @@ def tool_context(messages: list[dict], tools=()) -> bool:
 
 def render_text(messages: list[dict], think: bool | str, tools=()) -> str:
     """The rendered conversation: ``messages`` are dicts of ``role``, ``content`` and, for an assistant message,
-    an optional ``reasoning`` and ``calls`` (:class:`.tools.ToolCall`, written after its text); ``think`` as
+    an optional ``reasoning``, ``calls`` (:class:`.tools.ToolCall`, written after its text as a DSML block) and
+    ``block`` (the text the model wrote for them, written in the block's place); ``think`` as
     ``Tokenizer.render_chat`` takes it: False or "none" (no thinking), True or "high" (thinking) or "max" (thinking,
     with the reasoning-effort prefix after BOS); ``tools`` the offered tools' schemas, which open the system
     prompt."""
@@ -73,7 +74,7 @@ def render_text(messages: list[dict], think: bool | str, tools=()) -> str:
                 # the reasoning of a reply after the last user turn is kept (a continued reply); earlier ones' not
                 kept = mode and (keep_reasoning or i > last_user)
                 out += [ASSISTANT, THINK + m.get("reasoning", "") + THINK_END if kept else THINK_END]
-            out += [m["content"], calls_block(m.get("calls")), EOS]
+            out += [m["content"], m.get("block") or calls_block(m.get("calls")), EOS]
             awaiting_reply = in_tool_results = False
         elif role not in SYSTEM_ROLES:
             raise ValueError(f"unknown chat role {role!r}")

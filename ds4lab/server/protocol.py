@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from ..tokenizer import TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, effective_think
 from .prompt import render_text, tool_result_text
-from .tools import ToolCall, compact
+from .tools import ToolCall, call_key, compact
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
 DS4_MODEL = "deepseek-v4-flash"  # ds4-server's one model name, also accepted
@@ -281,10 +281,12 @@ def _arguments(value, name: str) -> str:
     raise _type_error(name, "a JSON object or its text", value)
 
 
-def _call(name: str, tool_name, arguments, field: str = "arguments") -> ToolCall:
+def _call(name: str, tool_name, arguments, call_id, field: str = "arguments") -> ToolCall:
+    """A call sent back; its key the one the server gave it (from ``call_id``), if it did."""
     if not (isinstance(tool_name, str) and tool_name):
         raise _type_error(f"{name}.name", "a tool's name", tool_name)
-    return ToolCall(tool_name, _arguments(arguments if arguments is not None else "{}", f"{name}.{field}"))
+    return ToolCall(tool_name, _arguments(arguments if arguments is not None else "{}", f"{name}.{field}"),
+                    call_key(call_id))
 
 
 def _chat_calls(value, name: str) -> tuple[ToolCall, ...]:
@@ -296,7 +298,7 @@ def _chat_calls(value, name: str) -> tuple[ToolCall, ...]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             raise _type_error(f"{name}[{i}]", 'a tool call {"type": "function", "function": {...}}', call)
-        out.append(_call(f"{name}[{i}].function", function.get("name"), function.get("arguments")))
+        out.append(_call(f"{name}[{i}].function", function.get("name"), function.get("arguments"), call.get("id")))
     return tuple(out)
 
 
@@ -362,9 +364,14 @@ def _check_length(ids: list[int], limits: Limits, param: str) -> list[int]:
 
 # -- the three request kinds ------------------------------------------------------------------------------
 
-def _rendered(tokenizer, messages: list[dict], mode: str, tools=()) -> tuple[str, list[int]]:
+def _rendered(tokenizer, messages: list[dict], mode: str, tools=(), replay=None) -> tuple[str, list[int]]:
     """The prompt ds4-server makes of ``messages`` in thinking ``mode`` ("none", "high" or "max") offering ``tools``:
-    its text (what the worker's reuse matches) and its tokens."""
+    its text (what the worker's reuse matches) and its tokens. A reply's calls that ``replay``
+    (:class:`.tools.ToolBlocks`) kept are written as the model wrote their block."""
+    for m in messages:
+        block = replay.text_of(m["calls"]) if replay is not None and m.get("calls") else None
+        if block:
+            m["block"] = block
     text = render_text(messages, think=mode, tools=tools)
     return text, tokenizer.encode_rendered(text)
 
@@ -424,7 +431,7 @@ def _anthropic_content(content, name: str) -> tuple:
                 raise _type_error(at, 'a thinking block {"type": "thinking", "thinking": "..."}', part)
             thinking.append(part["thinking"])
         elif kind == "tool_use":
-            calls.append(_call(at, part.get("name"), part.get("input"), "input"))
+            calls.append(_call(at, part.get("name"), part.get("input"), part.get("id"), "input"))
         elif kind == "tool_result":
             result = part.get("content")
             result = _text_content(result if result is not None else "", f"{at}.content")
@@ -436,14 +443,14 @@ def _anthropic_content(content, name: str) -> tuple:
     return "".join(text), "".join(thinking), tuple(calls)
 
 
-def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
+def parse_chat(data: dict, limits: Limits, tokenizer, replay=None) -> Request:
     """``POST /v1/chat/completions``."""
     model = _model(data, limits)
     tools = _tools(data, "chat")
     messages = _messages(data, ("system", "developer", "user", "assistant", "tool"))
     _refuse_unsupported(data, _CHAT_UNSUPPORTED)
     mode = _think_mode(data, model, limits)
-    text, ids = _rendered(tokenizer, messages, mode, tools)
+    text, ids = _rendered(tokenizer, messages, mode, tools, replay)
     return Request("chat", model, _check_length(ids, limits, "messages"), _max_tokens(data, limits),
                    _sampling(data, limits), stream=_bool(data, "stream"),
                    include_usage=_include_usage(data), stop=_stop(data, "stop"),
@@ -451,11 +458,12 @@ def parse_chat(data: dict, limits: Limits, tokenizer) -> Request:
                    parallel=_parallel(data, "chat"))
 
 
-def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
+def parse_completion(data: dict, limits: Limits, tokenizer, replay=None) -> Request:
     """``POST /v1/completions``. A text prompt to a chat model becomes a chat turn as ds4-server makes it
     (parse_completion_request: a fixed system message, the prompt as the user's turn, thinking as for chat
     requests); the reply is sent as one text, its reasoning and ``</think>`` included. Without a chat template the
-    prompt is continued as plain text; token ids are continued as they are (ds4lab's: ds4-server reads text only)."""
+    prompt is continued as plain text; token ids are continued as they are (ds4lab's: ds4-server reads text only).
+    ``replay`` as the chat parsers take it: a text completion sends back no calls."""
     model = _model(data, limits)
     _refuse_unsupported(data, _COMPLETION_UNSUPPORTED)
     prompt = data.get("prompt")
@@ -504,7 +512,7 @@ def _anthropic_system(value) -> str:
     return out
 
 
-def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
+def parse_messages(data: dict, limits: Limits, tokenizer, replay=None) -> Request:
     """``POST /v1/messages`` (Anthropic): ``max_tokens`` required, ``system`` apart from the messages."""
     model = _model(data, limits)
     tools = _tools(data, "messages")
@@ -512,7 +520,7 @@ def parse_messages(data: dict, limits: Limits, tokenizer) -> Request:
     system = _anthropic_system(data.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + messages
     mode = _think_mode(data, model, limits)
-    text, ids = _rendered(tokenizer, messages, mode, tools)
+    text, ids = _rendered(tokenizer, messages, mode, tools, replay)
     return Request("messages", model, _check_length(ids, limits, "messages"),
                    _max_tokens(data, limits, ("max_tokens",), required=True),
                    _sampling(data, limits, temperature_max=1.0), stream=_bool(data, "stream"),
@@ -580,7 +588,7 @@ def _response_input(data: dict) -> list[dict]:
             reasoning += [t for t in texts if t]
             continue
         if kind == "function_call":
-            call = _call(f"input[{i}]", item.get("name"), item.get("arguments"))
+            call = _call(f"input[{i}]", item.get("name"), item.get("arguments"), item.get("call_id"))
             if not (out and out[-1]["role"] == "assistant"):  # calls after a message's text belong to it
                 out.append({"role": "assistant", "content": ""})
             if reasoning and not out[-1].get("reasoning"):
@@ -631,7 +639,7 @@ def _response_reasoning(data: dict, model: str, limits: Limits) -> tuple[str, st
     return mode, effort, summary
 
 
-def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
+def parse_responses(data: dict, limits: Limits, tokenizer, replay=None) -> Request:
     """``POST /v1/responses`` (OpenAI's Responses API), without stored state: function tools, their calls and
     outputs sent back as input items."""
     model = _model(data, limits)
@@ -655,7 +663,7 @@ def parse_responses(data: dict, limits: Limits, tokenizer) -> Request:
             raise _type_error("instructions", "a string", instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     mode, effort, summary = _response_reasoning(data, model, limits)
-    text, ids = _rendered(tokenizer, messages, mode, tools)
+    text, ids = _rendered(tokenizer, messages, mode, tools, replay)
     return Request("responses", model, _check_length(ids, limits, "input"),
                    _max_tokens(data, limits, ("max_output_tokens", "max_tokens")), _sampling(data, limits),
                    stream=_bool(data, "stream"), thinking=mode != "none", messages=messages, text=text, effort=effort,

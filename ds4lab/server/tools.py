@@ -14,15 +14,17 @@ is JSON. Reading follows ds4-server's reader: the five XML entities are undone i
 string that holds "&amp;" as text reads back as "&"); the block ends at its first closing tag; the tags are also
 read with the first bar of ``｜DSML｜`` left out or as plain XML (``<tool_calls>``), forms long generations drift
 into. A block written as the model is asked to write it (one blank line before it, compact JSON values, as above)
-reads back into calls that :func:`calls_block` writes again as the same text, so the conversation sent back
-renders the tokens the model wrote; a block written otherwise renders differently from where it differs (ds4-server
-keeps the model's own text by the calls' ids; ds4lab keeps no state between requests but the live tokens)."""
+reads back into calls that :func:`calls_block` writes again as the same text; a block written otherwise is kept
+by its calls' ids (:class:`ToolBlocks`, as ds4-server's tool memory keeps it), so that a conversation sent back
+with the calls the server returned renders the text the model wrote, and continues from the live tokens."""
 
 from __future__ import annotations
 
 import json
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..tokenizer import DSML
@@ -230,3 +232,56 @@ def read_calls(text: str) -> tuple[int, list[ToolCall]] | None:
         calls = reader.calls()
         return (start, calls) if calls else None
     return None
+
+
+TOOL_BLOCKS_KEPT = 1024  # calls whose block a server keeps (the oldest forgotten first)
+_ID_PREFIXES = ("call_", "toolu_", "fc_")  # the APIs' prefixes of a call's key (app.openai_call and the others)
+
+
+def call_key(call_id) -> str:
+    """The key of a call the server returned, from the id a client sends back ("" for an id it never made)."""
+    if isinstance(call_id, str):
+        for prefix in _ID_PREFIXES:
+            if call_id.startswith(prefix):
+                return call_id[len(prefix):]
+    return ""
+
+
+class ToolBlocks:
+    """The text of the blocks the model wrote (from the end of the reply's text, its blank included, to the block's
+    closing tag), by their calls' keys; a reply sent back with the same calls is rendered with its block's own text.
+    Bounded: the TOOL_BLOCKS_KEPT most recent calls. Shared by the worker, which remembers, and the request parser,
+    which looks up (a thread each)."""
+
+    def __init__(self, kept: int = TOOL_BLOCKS_KEPT):
+        self.kept = kept
+        self._blocks: OrderedDict[str, tuple[str, tuple]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, calls: list[ToolCall], text: str) -> None:
+        with self._lock:
+            for call in calls:
+                self._blocks[call.key] = (text, tuple(calls))
+                self._blocks.move_to_end(call.key)
+            while len(self._blocks) > self.kept:
+                self._blocks.popitem(last=False)
+
+    def text_of(self, calls) -> str | None:
+        """The block's own text where ``calls`` are exactly the calls of one block kept (names and arguments as
+        values: a client's re-encoded JSON matches), else None."""
+        with self._lock:
+            kept = {self._blocks.get(c.key, (None, None)) for c in calls} if calls else set()
+        if len(kept) != 1:
+            return None
+        text, block_calls = kept.pop()
+        if text is None or len(block_calls) != len(calls):
+            return None
+        same = all(a.key == b.key and a.name == b.name and _args(a) == _args(b) for a, b in zip(calls, block_calls))
+        return text if same else None
+
+
+def _args(call: ToolCall):
+    try:
+        return json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        return call.arguments

@@ -24,6 +24,7 @@ from ..tokenizer import EOS, THINK, THINK_END
 from .channels import Channels
 from .prompt import tool_context
 from .protocol import Request, RequestError
+from .tools import ToolBlocks
 
 DEFAULT_QUEUE_SIZE = 16
 BOUNDARY_TRIM_TOKENS = 32  # ds4-server's --kv-cache-boundary-trim-tokens
@@ -91,6 +92,7 @@ class Worker:
         # ds4-server's "thinking-visible" key: after a thinking reply, the text the next turn's prompt will start
         # with (its reasoning left out) and the live length it stands for (_visible_continuation)
         self.visible: tuple[str, int] | None = None
+        self.tool_blocks = ToolBlocks()  # the blocks the model wrote, by their calls' keys (read by the parser)
 
     # -- the queue ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -196,6 +198,7 @@ class Worker:
             job.emit("text", channel, text)
             answer += text if channel == "text" else ""
         if channels.calls:
+            self.tool_blocks.remember(channels.calls, channels.block)
             job.emit("calls", channels.calls if req.parallel else channels.calls[:1])
         self._remember_visible(req, finish, answer, channels.channel == "reasoning")
         if finish == "cancelled":
