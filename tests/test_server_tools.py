@@ -94,6 +94,9 @@ def test_a_block_reads_back_into_its_calls():
     # ds4-server's order: a DSML block is read where plain XML tags came before it (a mention in the answer)
     assert read_calls("Use <tool_calls> here." + BLOCK) == (len("Use <tool_calls> here.\n\n"),
                                                             [ToolCall("read_file", ARGS)])
+    # and of one spelling, the opening tag after a blank line before the first one
+    mention = "Write <tool_calls> tags:\n\n<tool_calls>\n<invoke name=\"f\">\n</invoke>\n</tool_calls>"
+    assert read_calls(mention) == (len("Write <tool_calls> tags:\n\n"), [ToolCall("f", "{}")])
     # the block ends at its first closing tag (one inside a string value too, as there); no closing tag, no call,
     # no opening tag: no block
     inner = ToolCall("f", f'{{"s":"</{D}tool_calls>"}}')
@@ -130,9 +133,20 @@ def test_the_blocks_kept_are_replayed_for_the_same_calls_only():
     assert blocks.text_of(sent_back[:1]) is None  # a block's calls in part
     assert blocks.text_of([ToolCall("read_file", '{"path":"y"}', a.key), sent_back[1]]) is None  # edited
     assert blocks.text_of([ToolCall("read_file", '{"path":"x"}', "other"), sent_back[1]]) is None  # not ours
-    for i in range(2):  # the oldest calls forgotten past the bound
-        blocks.remember([c := ToolCall("f", "{}")], f"<{i}>")
-    assert blocks.text_of(sent_back) is None and blocks.text_of([c]) == "<1>"
+    # the same JSON however written (members reordered); another JSON value is another call (1 is not true)
+    n1, n2 = ToolCall("g", '{"n": 1, "m": [1]}'), ToolCall("g", '{"n": 2}')
+    blocks.remember([n1], "<n1>")
+    assert blocks.text_of([ToolCall("g", '{"m":[1],"n":1}', n1.key)]) == "<n1>"
+    assert blocks.text_of([ToolCall("g", '{"m":[1],"n":true}', n1.key)]) is None
+    blocks.remember([n2], "<n2>")  # past the bound of three calls: the least recently used forgotten (a)
+    assert blocks.text_of(sent_back) is None and blocks.text_of([n1]) == "<n1>"
+    lru = ToolBlocks(kept=2)
+    x, y, z = (ToolCall(name, "{}") for name in "xyz")
+    lru.remember([x], "<x>")
+    lru.remember([y], "<y>")
+    assert lru.text_of([x]) == "<x>"  # looked up: now the most recent
+    lru.remember([z], "<z>")
+    assert (lru.text_of([x]), lru.text_of([y]), lru.text_of([z])) == ("<x>", None, "<z>")
     assert call_key("call_ab12") == call_key("toolu_ab12") == call_key("fc_ab12") == "ab12" and call_key(7) == ""
 
 
@@ -179,6 +193,38 @@ def test_the_answers_block_ends_the_reply_and_its_blank_is_never_sent():
     # generation ends inside a block: all of it is sent as text, the blank before it too
     ch = Channels(False, tools=True)
     assert "".join(t for _, t in _feed(ch, ["a", BLOCK[:40]])) == "a" + BLOCK[:40] and ch.calls is None
+
+
+_FRAGMENTS = ["a", " ", "\n\n", "</think>", "STOP", "ST", "<tool_calls>", "</tool_calls>", "<tool_", "calls>",
+              f"<{D}tool_calls>", f"</{D}tool_calls>", f'<{D}invoke name="f">', f"</{D}invoke>",
+              f'<{D}parameter name="x" string="true">', f"</{D}parameter>", "<", "｜", BLOCK]
+
+
+def _merged(out) -> list:
+    """Pieces of one channel in a row joined (streamed pieces cut anywhere)."""
+    merged = []
+    for channel, text in out:
+        if merged and merged[-1][0] == channel:
+            merged[-1] = (channel, merged[-1][1] + text)
+        else:
+            merged.append((channel, text))
+    return merged
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_FRAGMENTS), max_size=14), st.lists(st.integers(0, 400), max_size=8),
+       st.booleans(), st.booleans())
+def test_streamed_pieces_read_as_the_whole_text(fragments, cuts, thinking, tools):
+    """However the generation's text is cut into tokens, what is sent, the stop and the calls are what the whole text
+    gives (and no text is lost or repeated: with no stop, no block, all of it comes out)."""
+    text = "".join(fragments)
+    cuts = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    whole, cut = Channels(thinking, ["STOP"], tools=tools), Channels(thinking, ["STOP"], tools=tools)
+    got_whole, got_cut = _merged(_feed(whole, [text])), _merged(_feed(cut, pieces))
+    assert got_cut == got_whole and (cut.stop, cut.calls, cut.block) == (whole.stop, whole.calls, whole.block)
+    if not whole.ended:
+        assert "".join(t for _, t in got_whole) == text.replace("</think>", "", 1 if thinking else 0)
 
 
 def _chat(**extra) -> dict:

@@ -174,7 +174,8 @@ async def _body(request: HTTPRequest, limit: int) -> bytes:
 
 def _parse(api: str, body: bytes, state: ServerState):
     tokenizer = state.worker.model.tokenizer
-    return _PARSERS[api](parse_json(body), state.limits, tokenizer, state.worker.tool_blocks)
+    replay = {} if api == "completion" else {"replay": state.worker.tool_blocks}  # (a completion sends no calls)
+    return _PARSERS[api](parse_json(body), state.limits, tokenizer, **replay)
 
 
 async def _serve(state: ServerState, request: HTTPRequest, api: str) -> Response:

@@ -1,8 +1,9 @@
 """Generated text as the protocols send it: reasoning (before ``</think>`` in thinking mode) apart from the answer,
 the answer cut at the first stop string, and, where the request offers tools, the answer's DSML tool block read into
 calls (:mod:`.tools`). Text that may be the start of the tag, of a stop string or of a tool block (and, with tools,
-the blank before a block, which the answer does not keep) is held back until the next token decides, so a streamed
-delta never has to be taken back."""
+the blank before a block, which the answer does not keep) is held back until the next token decides, and a block,
+from its opening tag, until it closes (all of it sent as text if it never does), so a streamed delta never has to
+be taken back."""
 
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ class Channels:
         self.pending = ""
         self.stop: str | None = None
         self.calls: list[dsml.ToolCall] | None = None
-        self.in_block = False  # the pending text holds an opening tag: held until a closing tag or a stop string
         self.block = ""  # with calls: the model's text after the answer's, to the block's closing tag
+        # Inside a block (from the blank before its opening tag): the text held, in pieces, and its end that a stop
+        # string or a closing tag may begin in: each token's text is looked through once, however long the block.
+        self.held: list[str] | None = None
+        self.held_len = 0
+        self.tail = ""
+        self._longest = max(map(len, self.stops + dsml.BLOCK_CLOSES))
 
     @property
     def ended(self) -> bool:
@@ -48,6 +54,8 @@ class Channels:
     def feed(self, text: str) -> list[tuple[str, str]]:
         if self.ended:
             return []
+        if self.held is not None:
+            return self._block(text, [])
         self.pending += text
         out = []
         if self.channel == "reasoning":
@@ -56,33 +64,42 @@ class Channels:
                 return self._release(out, (THINK_END,))
             out.append(("reasoning", self.pending[:i]))
             self.pending, self.channel = self.pending[i + len(THINK_END):], "text"
-        if not self.in_block:
-            stop = dsml.first_of(self.pending, self.stops)
-            opening = dsml.first_of(self.pending, dsml.BLOCK_OPENS) if self.tools else None
-            if opening is None or stop is not None and stop[0] < opening[0]:
-                return self._end_at(out, stop) if stop else self._release(out, self.stops + (
-                    dsml.BLOCK_OPENS if self.tools else ()))
-            answer = self.pending[:opening[0]].rstrip()  # the blank before a block stays with it (sent if no block)
-            out.append(("text", answer))
-            self.pending, self.in_block = self.pending[len(answer):], True
-        stop, closing = dsml.first_of(self.pending, self.stops), dsml.first_of(self.pending, dsml.BLOCK_CLOSES)
+        stop = dsml.first_of(self.pending, self.stops)
+        opening = dsml.first_of(self.pending, dsml.BLOCK_OPENS) if self.tools else None
+        if opening is None or stop is not None and stop[0] < opening[0]:
+            return self._end_at(out, self.pending, stop) if stop else self._release(out, self.stops + (
+                dsml.BLOCK_OPENS if self.tools else ()))
+        answer = self.pending[:opening[0]].rstrip()  # the blank before a block stays with it (sent if no block)
+        out.append(("text", answer))
+        rest, self.pending, self.held = self.pending[len(answer):], "", []
+        return self._block(rest, out)
+
+    def _block(self, text: str, out: list) -> list[tuple[str, str]]:
+        """Inside a block: ``text`` held, until a stop string ends the answer or a closing tag the block."""
+        window, offset = self.tail + text, self.held_len - len(self.tail)  # window[0]'s place in the held text
+        self.held.append(text)
+        self.held_len += len(text)
+        stop, closing = dsml.first_of(window, self.stops), dsml.first_of(window, dsml.BLOCK_CLOSES)
         if stop is not None and (closing is None or stop[0] < closing[0]):
-            return self._end_at(out, stop)
-        if closing is not None:
-            held, self.pending = self.pending[:closing[0] + len(closing[1])], ""
-            found = dsml.read_calls(held)
-            if found is None:  # no block of calls: the model's text, the reply over all the same
-                out.append(("text", held))
-                self.calls = []
-            else:
-                answer = held[:found[0]].rstrip()
-                out.append(("text", answer))
-                self.calls, self.block = found[1], held[len(answer):]
+            held, self.held = "".join(self.held), []
+            return self._end_at(out, held, (offset + stop[0], stop[1]))
+        if closing is None:
+            self.tail = window[len(window) - self._longest + 1:]
+            return [(c, t) for c, t in out if t]
+        held, self.held = "".join(self.held)[:offset + closing[0] + len(closing[1])], []
+        found = dsml.read_calls(held)
+        if found is None:  # no block of calls: the model's text, the reply over all the same
+            out.append(("text", held))
+            self.calls = []
+        else:
+            answer = held[:found[0]].rstrip()
+            out.append(("text", answer))
+            self.calls, self.block = found[1], held[len(answer):]
         return [(c, t) for c, t in out if t]
 
-    def _end_at(self, out: list, stop: tuple[int, str]) -> list[tuple[str, str]]:
-        """The answer ends before the stop string met."""
-        out.append(("text", self.pending[:stop[0]]))
+    def _end_at(self, out: list, text: str, stop: tuple[int, str]) -> list[tuple[str, str]]:
+        """The answer ends before the stop string met in ``text``."""
+        out.append(("text", text[:stop[0]]))
         self.pending, self.stop = "", stop[1]
         return [(c, t) for c, t in out if t]
 
@@ -97,5 +114,6 @@ class Channels:
 
     def flush(self) -> list[tuple[str, str]]:
         """The text held back, once generation has ended (a tool block left open included)."""
-        rest, self.pending = self.pending, ""
+        rest, self.pending = self.pending + "".join(self.held or ()), ""
+        self.held = [] if self.held is not None else None
         return [(self.channel, rest)] if rest and not self.ended else []

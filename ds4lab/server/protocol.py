@@ -458,12 +458,11 @@ def parse_chat(data: dict, limits: Limits, tokenizer, replay=None) -> Request:
                    parallel=_parallel(data, "chat"))
 
 
-def parse_completion(data: dict, limits: Limits, tokenizer, replay=None) -> Request:
+def parse_completion(data: dict, limits: Limits, tokenizer) -> Request:
     """``POST /v1/completions``. A text prompt to a chat model becomes a chat turn as ds4-server makes it
     (parse_completion_request: a fixed system message, the prompt as the user's turn, thinking as for chat
     requests); the reply is sent as one text, its reasoning and ``</think>`` included. Without a chat template the
-    prompt is continued as plain text; token ids are continued as they are (ds4lab's: ds4-server reads text only).
-    ``replay`` as the chat parsers take it: a text completion sends back no calls."""
+    prompt is continued as plain text; token ids are continued as they are (ds4lab's: ds4-server reads text only)."""
     model = _model(data, limits)
     _refuse_unsupported(data, _COMPLETION_UNSUPPORTED)
     prompt = data.get("prompt")

@@ -112,13 +112,9 @@ def calls_block(calls) -> str:
         return ""
     out = ["\n\n", _CALLS_OPEN, "\n"]
     for call in calls:
-        try:
-            args = json.loads(call.arguments)
-            params = [_parameter(k, v) for k, v in args.items()] if isinstance(args, dict) else None
-        except (ValueError, RecursionError):  # no JSON, NaN, or nested past Python's reader
-            params = None
-        if params is None:
-            params = [_parameter("arguments", call.arguments)]
+        args = json_value(call.arguments, None)
+        params = ([_parameter(k, v) for k, v in args.items()] if isinstance(args, dict)
+                  else [_parameter("arguments", call.arguments)])
         out += [f'{_INVOKE} name="{_attr(call.name)}">\n', *params, _INVOKE_CLOSE, "\n"]
     out.append(_CALLS_CLOSE)
     return "".join(out)
@@ -194,36 +190,37 @@ class _Reader:
                 if end < 0:
                     return None
                 raw, self.at = self.text[value_at:end], end + len(self.param_close)
-                value = _unescape(raw) if attrs.get("string", "true") == "true" else _json_or_text(raw)
+                value = _unescape(raw) if attrs.get("string", "true") == "true" else json_value(raw, raw)
             args[attrs["name"]] = value
         return args
 
 
-def _json_or_text(raw: str):
-    """A non-string value: its JSON, or its text where it is no JSON (NaN and infinities included: not JSON)."""
+def json_value(text: str, default):
+    """The JSON value ``text`` holds, or ``default`` where it is no JSON that can be written again (NaN and
+    infinities, which Python's reader takes, or nesting past Python's reader)."""
     try:
-        value = json.loads(raw)
+        value = json.loads(text)
         compact(value)
     except (ValueError, RecursionError):
-        return raw
+        return default
     return value
 
 
-def first_of(text: str, markers) -> tuple[int, str] | None:
-    """The first of ``markers`` in ``text``: ``(where, which)``, or None."""
-    return min(((at, m) for m in markers if (at := text.find(m)) >= 0), default=None)
+def first_of(text: str, markers, start: int = 0) -> tuple[int, str] | None:
+    """The first of ``markers`` in ``text`` from ``start``: ``(where, which)``, or None."""
+    return min(((at, m) for m in markers if (at := text.find(m, start)) >= 0), default=None)
 
 
 def read_calls(text: str) -> tuple[int, list[ToolCall]] | None:
     """The calls of the answer ``text``'s tool block and where the block starts, read as ds4-server reads them
     (parse_generated_message_ex): the block of the first spelling, in the order DSML, DSML without its first bar,
-    plain XML, that ``text`` holds an opening tag of, up to its first closing tag; None where it holds none or that
-    is no well-formed block of calls."""
-    for spelling, opening in zip(_SPELLINGS, BLOCK_OPENS):
-        start = text.find(opening)
+    plain XML, that ``text`` holds an opening tag of (the first after a blank line, else the first), up to its
+    first closing tag; None where it holds none or that is no well-formed block of calls."""
+    for spelling, opening, close in zip(_SPELLINGS, BLOCK_OPENS, BLOCK_CLOSES):
+        start = text.find("\n\n" + opening)
+        start = start + 2 if start >= 0 else text.find(opening)
         if start < 0:
             continue
-        close = f"</{spelling}tool_calls>"
         end = text.find(close, start)
         if end < 0:
             return None
@@ -234,7 +231,7 @@ def read_calls(text: str) -> tuple[int, list[ToolCall]] | None:
     return None
 
 
-TOOL_BLOCKS_KEPT = 1024  # calls whose block a server keeps (the oldest forgotten first)
+TOOL_BLOCKS_KEPT = 1024  # calls whose block a server keeps (the least recently used forgotten first)
 _ID_PREFIXES = ("call_", "toolu_", "fc_")  # the APIs' prefixes of a call's key (app.openai_call and the others)
 
 
@@ -249,9 +246,10 @@ def call_key(call_id) -> str:
 
 class ToolBlocks:
     """The text of the blocks the model wrote (from the end of the reply's text, its blank included, to the block's
-    closing tag), by their calls' keys; a reply sent back with the same calls is rendered with its block's own text.
-    Bounded: the TOOL_BLOCKS_KEPT most recent calls. Shared by the worker, which remembers, and the request parser,
-    which looks up (a thread each)."""
+    closing tag), by their calls' keys; a reply sent back with all of its block's calls, unchanged, is rendered with
+    the block's own text. Bounded: the TOOL_BLOCKS_KEPT calls last remembered or looked up (ds4-server keeps up to
+    100,000 ids in 512 MiB, and replays a block for any of its calls). Shared by the worker, which remembers, and the
+    request parser, which looks up (a thread each)."""
 
     def __init__(self, kept: int = TOOL_BLOCKS_KEPT):
         self.kept = kept
@@ -271,17 +269,23 @@ class ToolBlocks:
         values: a client's re-encoded JSON matches), else None."""
         with self._lock:
             kept = {self._blocks.get(c.key, (None, None)) for c in calls} if calls else set()
+            if len(kept) == 1 and None not in next(iter(kept)):
+                for call in calls:
+                    self._blocks.move_to_end(call.key)
         if len(kept) != 1:
             return None
         text, block_calls = kept.pop()
         if text is None or len(block_calls) != len(calls):
             return None
-        same = all(a.key == b.key and a.name == b.name and _args(a) == _args(b) for a, b in zip(calls, block_calls))
+        same = all(a.key == b.key and a.name == b.name and _same_json(a.arguments, b.arguments)
+                   for a, b in zip(calls, block_calls))
         return text if same else None
 
 
-def _args(call: ToolCall):
-    try:
-        return json.loads(call.arguments)
-    except (ValueError, RecursionError):
-        return call.arguments
+def _same_json(a: str, b: str) -> bool:
+    """Whether two arguments' texts are one JSON value, however written (members in any order; 1, 1.0 and true
+    apart, as JSON's text tells them)."""
+    def norm(text):
+        value = json_value(text, None)
+        return text if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return norm(a) == norm(b)
