@@ -648,10 +648,11 @@ class Decode:
             return argmax_on_device(xp, logits, self._exclude_on_device)
         return sample_on_device(xp, logits, draw[0], draw[1], draw[2], self._exclude_on_device)
 
-    def step(self, more: bool = True) -> DecodeStep:
+    def step(self, more: bool = True, greedy: bool = False) -> DecodeStep:
         """Sample the next token and evaluate it. An EOS is returned but not evaluated, and ends the
         decode (``stop_reason == "eos"``). ``more``: whether another step will likely follow (it is then launched
-        ahead where it can be, see the class)."""
+        ahead where it can be, see the class). ``greedy``: this step's token is the argmax, whatever the sampling
+        (no draw from the generator; ds4-server samples a tool block's tags so)."""
         sess = self.session
         if self.stop_reason is not None:
             raise RuntimeError(f"this decode has stopped ({self.stop_reason})")
@@ -667,7 +668,7 @@ class Decode:
         if self.exclude.size:
             choices = current.copy()
             choices[self.exclude] = -np.inf
-        token = sample(choices, rng=self.rng, **self.params)
+        token = sample(choices, rng=self.rng, **(dict(self.params, temperature=0.0) if greedy else self.params))
         position = len(sess.tokens)
         if token == sess.model.tokenizer.eos_id:
             self.stop_reason, sess._ahead = "eos", None

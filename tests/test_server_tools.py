@@ -12,6 +12,7 @@ import hashlib
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +28,7 @@ from ds4lab.server.protocol import Limits, Request, RequestError, Sampling, pars
 from ds4lab.server.tools import (  # noqa: E402
     TOOLS_FOOTER,
     TOOLS_HEADER,
+    StructureTracker,
     ToolBlocks,
     ToolCall,
     call_key,
@@ -227,6 +229,51 @@ def test_streamed_pieces_read_as_the_whole_text(fragments, cuts, thinking, tools
         assert "".join(t for _, t in got_whole) == text.replace("</think>", "", 1 if thinking else 0)
 
 
+def test_a_blocks_structure_is_told_from_its_payload():
+    """ds4-server's own cases (test_dsml_decode_state_separates_structure_and_payload, ds4_server.c:13542): tags and
+    JSON punctuation are structure (sampled greedily), a string parameter's text and a JSON string payload."""
+    prefix = f'<{D}tool_calls>\n<{D}invoke name="edit">\n'
+    cases = [("plain text, no block", False), (prefix, True),
+             (prefix + f'<{D}parameter name="path" string="true">/tmp/a.py', False),
+             (prefix + f'<{D}parameter name="path" string="true">/tmp/a.py</', True),
+             (prefix + f'<{D}parameter name="edits" string="false">[{{', True),
+             (prefix + f'<{D}parameter name="edits" string="false">[{{"newText":"for i in', False),
+             (prefix + f'<{D}parameter name="edits" string="false">[{{"t":"a\\"b', False),  # an escaped quote
+             (prefix + f'<{D}parameter name="edits" string="false">[]</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>',
+              False), ("<think>r</think>" + prefix, True)]
+    for text, structure in cases:
+        tracker = StructureTracker()
+        assert tracker.feed(text) == structure, text
+    done = StructureTracker()
+    done.feed(cases[-2][0])
+    assert done.feed(prefix) is False  # after the first block, never again (as there)
+
+
+_STRUCTURE_FRAGMENTS = [f"<{D}tool_calls>", f"</{D}tool_calls>", f'<{D}invoke name="f">', f"</{D}invoke>",
+                        f'<{D}parameter name="s" string="true">', f'<{D}parameter name="j" string="false">',
+                        f"</{D}parameter>", "</", '"', "\\", "{", "x", " ", "\n", "<tool_calls>", "｜"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_STRUCTURE_FRAGMENTS), max_size=16))
+def test_the_structure_read_token_by_token_is_the_whole_texts(fragments):
+    """Each fragment a token: every prefix's state is what a fresh read of it gives. (As ds4-server's tracker, a
+    payload's "<" that ends a token is read as payload: the closing tag is looked for from two characters on.)"""
+    tracker = StructureTracker()
+    for k in range(1, len(fragments) + 1):
+        fresh = StructureTracker()
+        assert tracker.feed(fragments[k - 1]) == fresh.feed("".join(fragments[:k])), fragments[:k]
+
+
+def test_a_greedy_step_takes_the_argmax_and_draws_nothing(tokenizer):
+    model = ds4lab.load(backend="numpy")
+    sess = model.session(ctx=256)
+    sess.sync(tokenizer.encode("ROMEO: what"))
+    decode = sess.decoder(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    state, best = decode.rng.state, int(np.argmax(sess.logits))
+    assert decode.step(greedy=True).token == best and decode.rng.state == state
+
+
 def _chat(**extra) -> dict:
     return {"model": "m", "messages": [
         {"role": "system", "content": "S"}, {"role": "user", "content": "q"},
@@ -400,12 +447,13 @@ def test_responses_send_function_call_items():
 
 
 class _Scripted:
-    """A decoder that writes ``pieces`` (a token's text each), then EOS."""
+    """A decoder that writes ``pieces`` (a token's text each), then EOS; ``greedy`` holds each step's ask."""
 
     def __init__(self, pieces):
-        self.pieces, self.stop_reason = list(pieces), None
+        self.pieces, self.stop_reason, self.greedy = list(pieces), None, []
 
-    def step(self, more=True):
+    def step(self, more=True, greedy=False):
+        self.greedy.append(greedy)
         if not self.pieces:
             self.stop_reason = "eos"
             return SimpleNamespace(text="")
@@ -465,6 +513,16 @@ def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
                                           "content": "hello"}]}]}
         first = parse_messages(dict(back, messages=messages[:1]), limits, tokenizer)
         assert parse_messages(back, limits, tokenizer, srv.worker.tool_blocks).text.startswith(first.text + loose + EOS)
+        # the block's structure sampled greedily, its string payload and the answer as asked
+        tokens = ["Sure.", "\n\n", f"<{D}tool_calls>", "\n", f'<{D}invoke name="read_file">', "\n",
+                  f'<{D}parameter name="path" string="true">', "a.txt", "</", f"{D}parameter>", "\n",
+                  f'<{D}parameter name="lines" string="false">', "[1,", "20]", f"</{D}parameter>", "\n",
+                  f"</{D}invoke>", "\n", f"</{D}tool_calls>"]
+        scripted = _Scripted(tokens)
+        srv.worker.session.decoder = lambda **_: scripted
+        client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools, max_tokens=32)
+        assert scripted.greedy == [False, False, False, True, True, True, True, False, False, True, True, True,
+                                   True, True, True, True, True, True, True]
         # two calls in the block: both sent, or the first alone where parallel calls are off
         two = calls_block([ToolCall("read_file", ARGS), ToolCall("sh", '{"cmd":"ls"}')])
         for parallel, names in ((True, ["read_file", "sh"]), (False, ["read_file"])):

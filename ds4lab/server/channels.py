@@ -84,7 +84,7 @@ class Channels:
             held, self.held = "".join(self.held), []
             return self._end_at(out, held, (offset + stop[0], stop[1]))
         if closing is None:
-            self.tail = window[len(window) - self._longest + 1:]
+            self.tail = window[max(0, len(window) - self._longest + 1):]  # where a stop or closing tag may begin
             return [(c, t) for c, t in out if t]
         held, self.held = "".join(self.held)[:offset + closing[0] + len(closing[1])], []
         found = dsml.read_calls(held)

@@ -289,3 +289,86 @@ def _same_json(a: str, b: str) -> bool:
         value = json_value(text, None)
         return text if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
     return norm(a) == norm(b)
+
+
+class StructureTracker:
+    """Whether the model is writing a tool block's structure, which ds4-server samples greedily (its
+    dsml_decode_tracker, ds4_server.c:5366-5500): from the first opening tag of any spelling in the generated text
+    (the reasoning's too, as there) to the block's closing tag, but for a string parameter's text and the strings
+    inside a JSON value (the payload, sampled as asked). Fed each token's text; :attr:`structure` is the state the
+    next token is sampled in. Only the text not yet read is kept; as there, a payload's closing tag is looked for
+    from its first two characters ("</"), so a token that ends the payload's text with "<" leaves it payload."""
+
+    def __init__(self):
+        self.mode = "search"  # search, structure, string (a string parameter's text), json (a JSON value), done
+        self.text = ""  # what is not yet read (in search mode, the end an opening tag may begin in)
+        self.spelling = ""
+        self.in_string = self.escaped = False
+        self.structure = False
+
+    def feed(self, text: str) -> bool:
+        self.text += text
+        self.structure = self._read()
+        return self.structure
+
+    def _tags(self) -> tuple[str, ...]:
+        s = self.spelling
+        return (f"</{s}tool_calls>", f"</{s}invoke>", f"<{s}invoke", f"<{s}parameter", f"</{s}parameter>")
+
+    def _read(self) -> bool:
+        while True:
+            if self.mode == "done":
+                return False
+            if self.mode == "search":
+                found = first_of(self.text, BLOCK_OPENS)
+                if found is None:
+                    keep = max(map(len, BLOCK_OPENS)) - 1  # where an opening tag may begin
+                    self.text = self.text[max(0, len(self.text) - keep):]
+                    return False
+                self.spelling = _SPELLINGS[BLOCK_OPENS.index(found[1])]
+                self.text, self.mode = self.text[found[0] + len(found[1]):], "structure"
+            if self.mode in ("string", "json"):
+                end = self._payload_end()
+                if end is None:  # all read: at what may begin the closing tag (structure), in a JSON value's
+                    # punctuation (structure), or in a string's text (payload)
+                    return bool(self.text) or self.mode == "json" and not self.in_string
+                self.text, self.mode = self.text[end:], "structure"
+            calls_close, invoke_close, invoke, param, param_close = self._tags()
+            self.text = self.text.lstrip(" \t\n\r\v\f")  # ASCII blanks, as ds4-server's isspace
+            if self.text.startswith(calls_close):
+                self.text, self.mode = "", "done"
+                return False
+            if self.text.startswith(invoke_close):
+                self.text = self.text[len(invoke_close):]
+                continue
+            gt = self.text.find(">")
+            if self.text.startswith((invoke, param)) and gt >= 0:
+                tag, self.text = self.text[:gt + 1], self.text[gt + 1:]
+                if tag.startswith(param):
+                    self.mode = "string" if _tag_attrs(tag).get("string") == "true" else "json"
+                    self.in_string = self.escaped = False
+                continue
+            return True  # a tag begun, text between tags, or nothing yet: structure
+
+    def _payload_end(self) -> int | None:
+        """In a payload: where its closing tag ends (the text read up to there), or None (all of it read but a
+        possible start of the closing tag, at least "</", which stays)."""
+        close = f"</{self.spelling}parameter>"
+        at = 0
+        while at < len(self.text):
+            if not (self.mode == "json" and self.in_string):
+                if self.text.startswith(close, at):
+                    return at + len(close)
+                rest = self.text[at:]
+                if len(rest) >= 2 and close.startswith(rest):
+                    self.text = rest
+                    return None
+            if self.mode == "json":
+                c = self.text[at]
+                if self.in_string:
+                    self.escaped, self.in_string = (False, True) if self.escaped else (c == "\\", c != '"')
+                elif c == '"':
+                    self.in_string = True
+            at += 1
+        self.text = ""
+        return None

@@ -24,7 +24,7 @@ from ..tokenizer import EOS, THINK, THINK_END
 from .channels import Channels
 from .prompt import tool_context
 from .protocol import Request, RequestError
-from .tools import ToolBlocks
+from .tools import StructureTracker, ToolBlocks
 
 DEFAULT_QUEUE_SIZE = 16
 BOUNDARY_TRIM_TOKENS = 32  # ds4-server's --kv-cache-boundary-trim-tokens
@@ -174,6 +174,8 @@ class Worker:
         # a text completion is sent as one text, reasoning and </think> included, its stops looked for in all of
         # it (ds4-server parses only a chat reply)
         channels = Channels(req.thinking and req.api != "completion", req.stop, tools=bool(req.tools))
+        # a tool block's tags and punctuation sampled greedily, its payload as asked (ds4-server's rule)
+        structure = StructureTracker() if req.tools else None
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
         generated, reasoning, finish, answer = 0, 0, "length", ""
         began = time.perf_counter()
@@ -182,12 +184,14 @@ class Worker:
             if job.cancelled.is_set() or self.stopping.is_set():
                 finish = "cancelled" if job.cancelled.is_set() else "shutdown"
                 break
-            step = decode.step(more=i + 1 < n)
+            step = decode.step(more=i + 1 < n, greedy=structure is not None and structure.structure)
             if decode.stop_reason == "eos":
                 finish = "stop"
                 break
             generated += 1
             reasoning += channels.channel == "reasoning"
+            if structure is not None:
+                structure.feed(step.text)
             for channel, text in channels.feed(step.text):
                 job.emit("text", channel, text)
                 answer += text if channel == "text" else ""
