@@ -806,6 +806,11 @@ BAD = [  # (endpoint, body, status, param, code)
     ("completion", {"model": "shakespeare", "prompt": SHAKESPEARE[:6000]}, 400, "prompt", "context_length_exceeded"),
     # JSON that Python's reader refuses past its limits (was a plain-text 500)
     ("chat", b"[" * 100000, 400, None, "invalid_json"),
+    # NaN and infinities, which Python's reader takes: no JSON (a tool's schema with one was a 500)
+    ("chat", b'{"model": "shakespeare", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",'
+             b' "function": {"name": "f", "x": NaN}}]}', 400, None, "invalid_json"),
+    ("responses", b'{"model": "shakespeare", "input": "x", "tools": [{"type": "function", "name": "f", "parameters":'
+                  b' {"maximum": 1e999}}]}', 400, None, "invalid_json"),
     ("completion", b'{"model": "shakespeare", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None,
      "invalid_json"),
     # what the server does not do is refused by name, not answered as if it had been asked for nothing

@@ -107,9 +107,22 @@ def max_body_bytes(limits: Limits, tokenizer) -> int:
     return limits.ctx * (6 * tokenizer.max_token_bytes + 64) + (1 << 16)
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a double's range (JSON has no infinities)")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_json(body: bytes) -> dict:
+    """The request's JSON object; NaN, the infinities and numbers past a double's range are refused as JSON does
+    (Python's reader takes them, and they could not be written back into a prompt or an answer)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_finite, parse_constant=_no_constant)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python reads
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
