@@ -66,6 +66,7 @@ BLOCK_CLOSES = tuple(f"</{s}tool_calls>" for s in _SPELLINGS)
 _CALLS_OPEN, _INVOKE, _INVOKE_CLOSE, _PARAM, _PARAM_CLOSE, _CALLS_CLOSE = (
     f"<{DSML}tool_calls>", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}parameter", f"</{DSML}parameter>",
     f"</{DSML}tool_calls>")
+_BLANKS = " \t\n\r\v\f"  # what ds4-server's reader skips between tags (C's isspace: ASCII only)
 _ENTITIES = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"', "&apos;": "'"}
 _ENTITY = re.compile("|".join(_ENTITIES))
 
@@ -138,7 +139,7 @@ class _Reader:
             f"</{spelling}parameter>")
 
     def skip_space(self) -> None:
-        while self.at < len(self.text) and self.text[self.at].isspace():
+        while self.at < len(self.text) and self.text[self.at] in _BLANKS:
             self.at += 1
 
     def take(self, literal: str) -> bool:
@@ -334,7 +335,7 @@ class StructureTracker:
                     return bool(self.text) or self.mode == "json" and not self.in_string
                 self.text, self.mode = self.text[end:], "structure"
             calls_close, invoke_close, invoke, param, param_close = self._tags()
-            self.text = self.text.lstrip(" \t\n\r\v\f")  # ASCII blanks, as ds4-server's isspace
+            self.text = self.text.lstrip(_BLANKS)
             if self.text.startswith(calls_close):
                 self.text, self.mode = "", "done"
                 return False
