@@ -69,7 +69,8 @@ class Channels:
         if opening is None or stop is not None and stop[0] < opening[0]:
             return self._end_at(out, self.pending, stop) if stop else self._release(out, self.stops + (
                 dsml.BLOCK_OPENS if self.tools else ()))
-        answer = self.pending[:opening[0]].rstrip()  # the blank before a block stays with it (sent if no block)
+        # the blank before a block stays with it (sent if no block follows)
+        answer = self.pending[:opening[0]].rstrip(dsml.BLANKS)
         out.append(("text", answer))
         rest, self.pending, self.held = self.pending[len(answer):], "", []
         return self._block(rest, out)
@@ -92,7 +93,7 @@ class Channels:
             out.append(("text", held))
             self.calls = []
         else:
-            answer = held[:found[0]].rstrip()
+            answer = held[:found[0]].rstrip(dsml.BLANKS)
             out.append(("text", answer))
             self.calls, self.block = found[1], held[len(answer):]
         return [(c, t) for c, t in out if t]
@@ -106,7 +107,7 @@ class Channels:
     def _release(self, out: list, needles) -> list[tuple[str, str]]:
         keep = _partial_tail(self.pending, needles)
         if self.tools and self.channel == "text":  # a blank before a block is not the answer's
-            keep = len(self.pending) - len(self.pending[:len(self.pending) - keep].rstrip())
+            keep = len(self.pending) - len(self.pending[:len(self.pending) - keep].rstrip(dsml.BLANKS))
         cut = len(self.pending) - keep
         out.append((self.channel, self.pending[:cut]))
         self.pending = self.pending[cut:]

@@ -66,7 +66,7 @@ BLOCK_CLOSES = tuple(f"</{s}tool_calls>" for s in _SPELLINGS)
 _CALLS_OPEN, _INVOKE, _INVOKE_CLOSE, _PARAM, _PARAM_CLOSE, _CALLS_CLOSE = (
     f"<{DSML}tool_calls>", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}parameter", f"</{DSML}parameter>",
     f"</{DSML}tool_calls>")
-_BLANKS = " \t\n\r\v\f"  # what ds4-server's reader skips between tags (C's isspace: ASCII only)
+BLANKS = " \t\n\r\v\f"  # what ds4-server's reader skips between tags (C's isspace: ASCII only)
 _ENTITIES = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"', "&apos;": "'"}
 _ENTITY = re.compile("|".join(_ENTITIES))
 
@@ -139,7 +139,7 @@ class _Reader:
             f"</{spelling}parameter>")
 
     def skip_space(self) -> None:
-        while self.at < len(self.text) and self.text[self.at] in _BLANKS:
+        while self.at < len(self.text) and self.text[self.at] in BLANKS:
             self.at += 1
 
     def take(self, literal: str) -> bool:
@@ -335,7 +335,7 @@ class StructureTracker:
                     return bool(self.text) or self.mode == "json" and not self.in_string
                 self.text, self.mode = self.text[end:], "structure"
             calls_close, invoke_close, invoke, param, param_close = self._tags()
-            self.text = self.text.lstrip(_BLANKS)
+            self.text = self.text.lstrip(BLANKS)
             if self.text.startswith(calls_close):
                 self.text, self.mode = "", "done"
                 return False
