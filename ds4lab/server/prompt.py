@@ -31,10 +31,10 @@ SYSTEM_ROLES = ("system", "developer")
 TOOL_ROLES = ("tool", "function")
 
 
-def tool_result_text(content: str) -> str:
-    """A tool's output as ds4-server writes it inside its wrapper: as it is, but for the wrapper's own closing tag,
-    whose '<' becomes "&lt;" (the output cannot end the wrapper early)."""
-    return content.replace(TOOL_RESULT_CLOSE, "&lt;" + TOOL_RESULT_CLOSE[1:])
+def tool_result(content: str) -> str:
+    """A tool's output in ds4-server's wrapper: as it is, but for the wrapper's own closing tag, whose '<' becomes
+    "&lt;" (the output cannot end the wrapper early)."""
+    return TOOL_RESULT_OPEN + content.replace(TOOL_RESULT_CLOSE, "&lt;" + TOOL_RESULT_CLOSE[1:]) + TOOL_RESULT_CLOSE
 
 
 def tool_context(messages: list[dict], tools=()) -> bool:
@@ -66,8 +66,7 @@ def render_text(messages: list[dict], think: bool | str, tools=()) -> str:
             out += [USER, m["content"]]
             awaiting_reply, in_tool_results = True, False
         elif role in TOOL_ROLES:
-            out += [USER if not in_tool_results else "", TOOL_RESULT_OPEN, tool_result_text(m["content"]),
-                    TOOL_RESULT_CLOSE]
+            out += [USER if not in_tool_results else "", tool_result(m["content"])]
             awaiting_reply = in_tool_results = True
         elif role == "assistant":
             if awaiting_reply:

@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from ..tokenizer import TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, effective_think
-from .prompt import render_text, tool_result_text
+from ..tokenizer import effective_think
+from .prompt import render_text, tool_result
 from .tools import ToolCall, call_key, compact
 
 THINKING_MODELS = {"deepseek-chat": "none", "deepseek-reasoner": "high"}  # ds4-server's aliases
@@ -448,7 +448,7 @@ def _anthropic_content(content, name: str) -> tuple:
         elif kind == "tool_result":
             result = part.get("content")
             result = _text_content(result if result is not None else "", f"{at}.content")
-            text += [TOOL_RESULT_OPEN, tool_result_text(result), TOOL_RESULT_CLOSE]
+            text.append(tool_result(result))
         elif kind == "text" and isinstance(part.get("text"), str):
             text.append(part["text"])
         elif kind != "redacted_thinking":

@@ -26,6 +26,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..tokenizer import DSML
 
@@ -59,13 +60,28 @@ TOOLS_HEADER = (
 TOOLS_FOOTER = ("\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls. "
                 "Use the exact parameter names from the schemas.")
 
-# The block's tags in the three spellings read: DSML, DSML without its first bar, plain XML (written: the first).
-_SPELLINGS = (DSML, DSML[1:], "")
-BLOCK_OPENS = tuple(f"<{s}tool_calls>" for s in _SPELLINGS)
-BLOCK_CLOSES = tuple(f"</{s}tool_calls>" for s in _SPELLINGS)
-_CALLS_OPEN, _INVOKE, _INVOKE_CLOSE, _PARAM, _PARAM_CLOSE, _CALLS_CLOSE = (
-    f"<{DSML}tool_calls>", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}parameter", f"</{DSML}parameter>",
-    f"</{DSML}tool_calls>")
+class Tags(NamedTuple):
+    """A block's tags in one spelling (``invoke`` and ``param`` open a tag that its attributes and '>' end)."""
+
+    calls: str
+    calls_close: str
+    invoke: str
+    invoke_close: str
+    param: str
+    param_close: str
+
+
+def _tags(spelling: str) -> Tags:
+    s = spelling
+    return Tags(f"<{s}tool_calls>", f"</{s}tool_calls>", f"<{s}invoke", f"</{s}invoke>", f"<{s}parameter",
+                f"</{s}parameter>")
+
+
+# The three spellings read, in ds4-server's order: DSML, DSML without its first bar, plain XML (written: the first).
+SPELLINGS = tuple(_tags(s) for s in (DSML, DSML[1:], ""))
+WRITTEN = SPELLINGS[0]
+BLOCK_OPENS = tuple(t.calls for t in SPELLINGS)
+BLOCK_CLOSES = tuple(t.calls_close for t in SPELLINGS)
 BLANKS = " \t\n\r\v\f"  # what ds4-server's reader skips between tags (C's isspace: ASCII only)
 _ENTITIES = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"', "&apos;": "'"}
 _ENTITY = re.compile("|".join(_ENTITIES))
@@ -99,10 +115,10 @@ def _attr(text: str) -> str:
 
 def _parameter(name: str, value) -> str:
     if isinstance(value, str):
-        kind, body = "true", value.replace(_PARAM_CLOSE, "&lt;" + _PARAM_CLOSE[1:])
+        kind, body = "true", value.replace(WRITTEN.param_close, "&lt;" + WRITTEN.param_close[1:])
     else:  # in JSON the tag can only be inside a string, where "\u003c" is its '<'
-        kind, body = "false", compact(value).replace(_PARAM_CLOSE, "\\u003c" + _PARAM_CLOSE[1:])
-    return f'{_PARAM} name="{_attr(name)}" string="{kind}">{body}{_PARAM_CLOSE}\n'
+        kind, body = "false", compact(value).replace(WRITTEN.param_close, "\\u003c" + WRITTEN.param_close[1:])
+    return f'{WRITTEN.param} name="{_attr(name)}" string="{kind}">{body}{WRITTEN.param_close}\n'
 
 
 def calls_block(calls) -> str:
@@ -111,13 +127,13 @@ def calls_block(calls) -> str:
     named "arguments" (ds4-server's rule)."""
     if not calls:
         return ""
-    out = ["\n\n", _CALLS_OPEN, "\n"]
+    out = ["\n\n", WRITTEN.calls, "\n"]
     for call in calls:
         args = json_value(call.arguments, None)
         params = ([_parameter(k, v) for k, v in args.items()] if isinstance(args, dict)
                   else [_parameter("arguments", call.arguments)])
-        out += [f'{_INVOKE} name="{_attr(call.name)}">\n', *params, _INVOKE_CLOSE, "\n"]
-    out.append(_CALLS_CLOSE)
+        out += [f'{WRITTEN.invoke} name="{_attr(call.name)}">\n', *params, WRITTEN.invoke_close, "\n"]
+    out.append(WRITTEN.calls_close)
     return "".join(out)
 
 
@@ -132,11 +148,8 @@ def _tag_attrs(tag: str) -> dict:
 class _Reader:
     """A block's text read left to right in one spelling; each method returns None where the text is not DSML."""
 
-    def __init__(self, text: str, spelling: str):
-        self.text, self.at = text, 0
-        self.calls_close, self.invoke, self.invoke_close, self.param, self.param_close = (
-            f"</{spelling}tool_calls>", f"<{spelling}invoke", f"</{spelling}invoke>", f"<{spelling}parameter",
-            f"</{spelling}parameter>")
+    def __init__(self, text: str, tags: Tags):
+        self.text, self.at, self.tags = text, 0, tags
 
     def skip_space(self) -> None:
         while self.at < len(self.text) and self.text[self.at] in BLANKS:
@@ -161,11 +174,11 @@ class _Reader:
 
     def calls(self) -> list[ToolCall] | None:
         calls = []
-        while not self.take(self.calls_close):
-            attrs = self.tag(self.invoke)
+        while not self.take(self.tags.calls_close):
+            attrs = self.tag(self.tags.invoke)
             if attrs is None or "name" not in attrs:
                 return None
-            args = self.arguments(self.invoke_close)
+            args = self.arguments(self.tags.invoke_close)
             if args is None:
                 return None
             calls.append(ToolCall(attrs["name"], compact(args)))
@@ -177,20 +190,20 @@ class _Reader:
         long generations drift into, read as ds4-server reads it)."""
         args = {}
         while not self.take(close):
-            attrs = self.tag(self.param)
+            attrs = self.tag(self.tags.param)
             if attrs is None or "name" not in attrs:
                 return None
             value_at = self.at  # a value's own blanks are its text
             self.skip_space()
-            if "string" not in attrs and self.text.startswith(self.param, self.at):
-                value = self.arguments(self.param_close)
+            if "string" not in attrs and self.text.startswith(self.tags.param, self.at):
+                value = self.arguments(self.tags.param_close)
                 if value is None:
                     return None
             else:
-                end = self.text.find(self.param_close, value_at)
+                end = self.text.find(self.tags.param_close, value_at)
                 if end < 0:
                     return None
-                raw, self.at = self.text[value_at:end], end + len(self.param_close)
+                raw, self.at = self.text[value_at:end], end + len(self.tags.param_close)
                 value = _unescape(raw) if attrs.get("string", "true") == "true" else json_value(raw, raw)
             args[attrs["name"]] = value
         return args
@@ -217,16 +230,16 @@ def read_calls(text: str) -> tuple[int, list[ToolCall]] | None:
     (parse_generated_message_ex): the block of the first spelling, in the order DSML, DSML without its first bar,
     plain XML, that ``text`` holds an opening tag of (the first after a blank line, else the first), up to its
     first closing tag; None where it holds none or that is no well-formed block of calls."""
-    for spelling, opening, close in zip(_SPELLINGS, BLOCK_OPENS, BLOCK_CLOSES):
-        start = text.find("\n\n" + opening)
-        start = start + 2 if start >= 0 else text.find(opening)
+    for tags in SPELLINGS:
+        start = text.find("\n\n" + tags.calls)
+        start = start + 2 if start >= 0 else text.find(tags.calls)
         if start < 0:
             continue
-        end = text.find(close, start)
+        end = text.find(tags.calls_close, start)
         if end < 0:
             return None
-        reader = _Reader(text[:end + len(close)], spelling)
-        reader.at = start + len(opening)
+        reader = _Reader(text[:end + len(tags.calls_close)], tags)
+        reader.at = start + len(tags.calls)
         calls = reader.calls()
         return (start, calls) if calls else None
     return None
@@ -303,7 +316,7 @@ class StructureTracker:
     def __init__(self):
         self.mode = "search"  # search, structure, string (a string parameter's text), json (a JSON value), done
         self.text = ""  # what is not yet read (in search mode, the end an opening tag may begin in)
-        self.spelling = ""
+        self.tags = WRITTEN  # the block's spelling, once its opening tag is read
         self.in_string = self.escaped = False
         self.structure = False
 
@@ -311,10 +324,6 @@ class StructureTracker:
         self.text += text
         self.structure = self._read()
         return self.structure
-
-    def _tags(self) -> tuple[str, ...]:
-        s = self.spelling
-        return (f"</{s}tool_calls>", f"</{s}invoke>", f"<{s}invoke", f"<{s}parameter", f"</{s}parameter>")
 
     def _read(self) -> bool:
         while True:
@@ -326,7 +335,7 @@ class StructureTracker:
                     keep = max(map(len, BLOCK_OPENS)) - 1  # where an opening tag may begin
                     self.text = self.text[max(0, len(self.text) - keep):]
                     return False
-                self.spelling = _SPELLINGS[BLOCK_OPENS.index(found[1])]
+                self.tags = SPELLINGS[BLOCK_OPENS.index(found[1])]
                 self.text, self.mode = self.text[found[0] + len(found[1]):], "structure"
             if self.mode in ("string", "json"):
                 end = self._payload_end()
@@ -334,18 +343,18 @@ class StructureTracker:
                     # punctuation (structure), or in a string's text (payload)
                     return bool(self.text) or self.mode == "json" and not self.in_string
                 self.text, self.mode = self.text[end:], "structure"
-            calls_close, invoke_close, invoke, param, param_close = self._tags()
+            t = self.tags
             self.text = self.text.lstrip(BLANKS)
-            if self.text.startswith(calls_close):
+            if self.text.startswith(t.calls_close):
                 self.text, self.mode = "", "done"
                 return False
-            if self.text.startswith(invoke_close):
-                self.text = self.text[len(invoke_close):]
+            if self.text.startswith(t.invoke_close):
+                self.text = self.text[len(t.invoke_close):]
                 continue
             gt = self.text.find(">")
-            if self.text.startswith((invoke, param)) and gt >= 0:
+            if self.text.startswith((t.invoke, t.param)) and gt >= 0:
                 tag, self.text = self.text[:gt + 1], self.text[gt + 1:]
-                if tag.startswith(param):
+                if tag.startswith(t.param):
                     self.mode = "string" if _tag_attrs(tag).get("string") == "true" else "json"
                     self.in_string = self.escaped = False
                 continue
@@ -354,7 +363,7 @@ class StructureTracker:
     def _payload_end(self) -> int | None:
         """In a payload: where its closing tag ends (the text read up to there), or None (all of it read but a
         possible start of the closing tag, at least "</", which stays)."""
-        close = f"</{self.spelling}parameter>"
+        close = self.tags.param_close
         at = 0
         while at < len(self.text):
             if not (self.mode == "json" and self.in_string):
