@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("starlette", reason="the server extra (pip install -e '.[server]')")
@@ -26,8 +26,10 @@ from ds4lab.server import ServerThread, app, responses  # noqa: E402
 from ds4lab.server.channels import Channels  # noqa: E402
 from ds4lab.server.protocol import Limits, Request, RequestError, Sampling, parse_chat, parse_messages, parse_responses  # noqa: E402,E501
 from ds4lab.server.tools import (  # noqa: E402
+    SPELLINGS,
     TOOLS_FOOTER,
     TOOLS_HEADER,
+    WRITTEN,
     StructureTracker,
     ToolBlocks,
     ToolCall,
@@ -227,6 +229,95 @@ def test_streamed_pieces_read_as_the_whole_text(fragments, cuts, thinking, tools
     assert got_cut == got_whole and (cut.stop, cut.calls, cut.block) == (whole.stop, whole.calls, whole.block)
     if not whole.ended:
         assert "".join(t for _, t in got_whole) == text.replace("</think>", "", 1 if thinking else 0)
+
+
+def _live(pieces) -> tuple[Channels, list, dict]:
+    """A streamed reply's channels fed ``pieces``: the channels, the text items sent, each call's argument pieces."""
+    ch = Channels(False, ["STOP"], tools=True, live=True)
+    out = _feed(ch, pieces)
+    args: dict[int, list] = {}
+    for kind, value in out:
+        if kind == "call":
+            assert value[0] == len(args) and value[1] == ch.live.calls[value[0]][0]
+            args[value[0]] = []
+        elif kind == "args":
+            args[value[0]].append(value[1])
+    return ch, [(k, v) for k, v in out if k in ("reasoning", "text")], args
+
+
+_CHARS = ["a", " ", "\n", '"', "\\", "&", "&amp;", "&lt;", "<", ">", "é", "</", f"</{D}parameter>", f"</{D}parameter",
+          "\u2028"]  # of a string value: what JSON escapes, entities, closing tags whole and begun
+_VALUES = st.one_of(st.lists(st.sampled_from(_CHARS), max_size=12).map("".join),
+                    st.integers(-5, 5), st.booleans(), st.none(), st.lists(st.integers(0, 3), max_size=3),
+                    st.dictionaries(st.sampled_from(["k", "j"]), st.text(max_size=3), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["f", "read_file", 'say "hi"']),
+                          st.dictionaries(st.sampled_from(["a", "path", "x y", "&"]), _VALUES, max_size=3)),
+                min_size=1, max_size=3),
+       st.sampled_from(["", "Let me look.", "Use <tool_calls> tags.", f"A <{D}tool_calls> mention"]),
+       st.lists(st.integers(0, 600), max_size=40), st.sampled_from(SPELLINGS))
+def test_streamed_calls_come_as_written_and_join_into_the_calls_read(calls, before, cuts, tags):
+    """A streamed reply's calls, however the text is cut into tokens: each call's name once its invoke tag is whole,
+    then its arguments' JSON in pieces that join into the arguments read from the whole text (read_calls), the
+    text before the block sent before the first call, and the same calls, keys included, at the block's end."""
+    block = calls_block([ToolCall(name, json.dumps(args)) for name, args in calls]).replace(WRITTEN.calls,
+                                                                                            tags.calls)
+    for a, b in zip(WRITTEN[1:], tags[1:]):
+        block = block.replace(a, b)
+    text = before + block + "after"
+    cuts = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    assume(read_calls(text) is not None)  # not a mention of a spelling read first (DSML's) before the block
+    whole = Channels(False, ["STOP"], tools=True)
+    sent = _merged(_feed(whole, [text]))
+    live, live_sent, args = _live(pieces)
+    assert live.error is None and whole.calls and live.calls == whole.calls and live.block == whole.block
+    assert [c.key for c in live.calls] == [key for key, _, _ in live.live.calls]
+    assert ["".join(args[i]) for i in range(len(args))] == [c.arguments for c in whole.calls]
+    assert _merged(live_sent) == sent
+    # the first call started before the block's closing tag came (its string payload too, where it has one)
+    end = text.index(tags.calls_close)
+    started = Channels(False, tools=True, live=True)
+    first = [item for item in started.feed(text[:end]) if item[0] == "call"]
+    assert first and first[0][1][2] == whole.calls[0].name and started.calls is None
+
+
+def test_a_loose_block_streams_into_the_calls_it_reads():
+    """Forms long generations drift into, streamed cut at every place: a parameter without its string attribute (a
+    string, or parameters in it: sent at its call's end), a name given twice (both sent; JSON's readers keep the
+    last, as read_calls does), values that are no JSON (their text), entities undone; then a second call."""
+    loose = (f'<{D}tool_calls><{D}invoke name="f"><{D}parameter name="a">x &amp; y</{D}parameter>'
+             f'<{D}parameter name="n" string="false">not json</{D}parameter>'
+             f'<{D}parameter name="n" string="false">1e999</{D}parameter>'
+             f'<{D}parameter name="o"> <{D}parameter name="k" string="false">NaN</{D}parameter></{D}parameter>'
+             f'<{D}parameter name="z" string="true">&lt;/{D}parameter></{D}parameter></{D}invoke>'
+             f'<{D}invoke name="g"></{D}invoke></{D}tool_calls>')
+    read = read_calls(loose)[1]
+    assert [json.loads(c.arguments) for c in read] == [{"a": "x & y", "n": "1e999", "o": {"k": "NaN"},
+                                                        "z": f"</{D}parameter>"}, {}]
+    for cut in range(len(loose) + 1):
+        ch, sent, args = _live([loose[:cut], loose[cut:]])
+        assert ch.error is None and sent == [] and ch.calls == [ToolCall(c.name, "".join(args[i]))
+                                                                for i, c in enumerate(read)], cut
+        assert [json.loads("".join(args[i])) for i in range(2)] == [json.loads(c.arguments) for c in read], cut
+
+
+def test_a_streamed_call_that_is_not_finished_ends_the_reply_with_an_error():
+    """A call sent cannot be taken back: a block that then ends with the generation, at a stop string or as no
+    block of calls ends the reply with an error (ds4-server's "unterminated tool call"), not as text; a block
+    before its first call is whole is still text, as unstreamed."""
+    two = calls_block([ToolCall("read_file", ARGS), ToolCall("sh", '{"cmd":"ls"}')])
+    cut = two.index("sh") + 30
+    for pieces, why in (([two[:cut]], "unterminated tool call: generation ended"),
+                        ([two[:cut], "xSTOPy"], "unterminated tool call: the stop string 'STOP'"),
+                        ([two[:cut], f"junk</{D}tool_calls>"], "invalid tool call")):
+        ch, sent, args = _live(["Hi", *pieces])
+        assert ch.error.startswith(why) and ch.calls == [] and ch.ended, pieces
+        assert _merged(sent) == [("text", "Hi")] and len(args) == 2
+    ch, sent, args = _live(["Hi", two[:two.index("read_file") + 3]])
+    assert ch.error is None and args == {} and "".join(t for _, t in sent) == "Hi" + two[:two.index("read_file") + 3]
 
 
 def test_a_blocks_structure_is_told_from_its_payload():
@@ -497,7 +588,8 @@ def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
         chunks = list(client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools,
                                                      max_tokens=32, stream=True))
         calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-        assert [(t.function.name, t.function.arguments) for t in calls] == [("read_file", ARGS)]
+        assert calls[0].function.name == "read_file" and {t.index for t in calls} == {0}
+        assert "".join(t.function.arguments for t in calls) == ARGS
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "I will read it."
         srv.worker.session.decoder = lambda **_: _Scripted(written)
         claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
@@ -530,3 +622,75 @@ def test_a_tool_loop_over_http_with_the_real_clients(tokenizer):
             r = client.chat.completions.create(model="shakespeare", messages=messages[:1], tools=tools, max_tokens=32,
                                                parallel_tool_calls=parallel)
             assert [c.function.name for c in r.choices[0].message.tool_calls] == names, parallel
+
+
+def test_each_api_streams_calls_as_the_model_writes_them(tokenizer):
+    """Streamed through each API's own client and its stream helper: a call's arguments come in pieces as the model
+    writes them, and the clients put them together into the calls a whole reply holds (read by read_calls); the
+    second call only where parallel calls are on. A block cut off after its first call was sent: the clients raise
+    (OpenAI's, Anthropic's) or the response fails with the call incomplete (Responses)."""
+    model = ds4lab.load(backend="numpy")
+    two = calls_block([ToolCall("read_file", ARGS), ToolCall("sh", '{"cmd":"ls -l &","n":2}')])
+    text = "I will read it." + two
+    written = [text[i:i + 3] for i in range(0, len(text), 3)]  # a token every three characters
+    messages = [{"role": "user", "content": "What is in notes.txt?"}]
+    tools = [{"type": "function", "function": TOOL}]
+    claude_tools = [{"name": "read_file", "input_schema": TOOL["parameters"]}]
+    expected = [("read_file", json.loads(ARGS)), ("sh", {"cmd": "ls -l &", "n": 2})]
+    with ServerThread(model, ctx=1024, prefill_chunk=64, max_tokens=400) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        with client.chat.completions.stream(model="shakespeare", messages=messages, tools=tools, max_tokens=400) as s:
+            pieces = [e for e in s if e.type == "tool_calls.function.arguments.delta"]
+            final = s.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls" and final.message.content == "I will read it."
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls]
+        assert got == expected and len(pieces) > 6 and len({c.id for c in final.message.tool_calls}) == 2
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        with claude.messages.stream(model="shakespeare", max_tokens=400, messages=messages, tools=claude_tools) as s:
+            pieces = [e for e in s if e.type == "input_json"]
+            message = s.get_final_message()
+        assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["text", "tool_use",
+                                                                                           "tool_use"]
+        assert [(b.name, b.input) for b in message.content[1:]] == expected and len(pieces) > 6
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        with client.responses.stream(model="shakespeare", input="What is in notes.txt?", max_output_tokens=400,
+                                     tools=[dict(type="function", **TOOL)]) as s:
+            events = list(s)
+            response = s.get_final_response()
+        pieces = [e for e in events if e.type == "response.function_call_arguments.delta"]
+        items = [(e.type[21:], e.output_index, e.item.type) for e in events
+                 if e.type.startswith("response.output_item")]
+        assert items == [("added", 0, "message"), ("done", 0, "message"), ("added", 1, "function_call"),
+                         ("added", 2, "function_call"), ("done", 1, "function_call"), ("done", 2, "function_call")]
+        assert response.status == "completed" and [o.type for o in response.output] == ["message", "function_call",
+                                                                                       "function_call"]
+        assert [(o.name, json.loads(o.arguments)) for o in response.output[1:]] == expected and len(pieces) > 6
+        srv.worker.session.decoder = lambda **_: _Scripted(written)
+        chunks = list(client.chat.completions.create(model="shakespeare", messages=messages, tools=tools,
+                                                     max_tokens=400, stream=True, parallel_tool_calls=False))
+        assert {t.index for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []} == {0}
+        # cut off inside the second call
+        cut = written[:len("I will read it." + two[:two.index('"sh"') + 20]) // 3]
+        srv.worker.session.decoder = lambda **_: _Scripted(cut)
+        with pytest.raises(openai.APIError, match="unterminated tool call"):
+            list(client.chat.completions.create(model="shakespeare", messages=messages, tools=tools, max_tokens=400,
+                                                stream=True))
+        srv.worker.session.decoder = lambda **_: _Scripted(cut)
+        with pytest.raises(anthropic.APIError, match="unterminated tool call"):
+            with claude.messages.stream(model="shakespeare", max_tokens=400, messages=messages,
+                                        tools=claude_tools) as s:
+                list(s)
+        srv.worker.session.decoder = lambda **_: _Scripted(cut)
+        events = list(client.responses.create(model="shakespeare", input="x", max_output_tokens=400, stream=True,
+                                              tools=[dict(type="function", **TOOL)]))
+        failed = events[-1].response
+        assert events[-1].type == "response.failed" and "unterminated tool call" in failed.error.message
+        assert [(o.type, o.status) for o in failed.output] == [("message", "completed"),
+                                                              ("function_call", "incomplete"),
+                                                              ("function_call", "incomplete")]
+        assert json.loads(failed.output[1].arguments) == json.loads(ARGS)
+        srv.worker.session.decoder = lambda **_: _Scripted(written)  # the server serves on after a failed reply
+        assert client.chat.completions.create(model="shakespeare", messages=messages, tools=tools,
+                                              max_tokens=400).choices[0].finish_reason == "tool_calls"

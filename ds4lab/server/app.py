@@ -288,7 +288,9 @@ async def _openai_stream(job: Job, rid: str):
             body["usage"] = usage
         return sse(body)
 
+    live = False  # whether calls came as they were written
     async for event in events(job):
+        live = live or event is not None and event[0] == "call"
         if event is None:
             yield ": keep-alive\n\n"
         elif event[0] == "start" and chat:
@@ -296,7 +298,13 @@ async def _openai_stream(job: Job, rid: str):
         elif event[0] == "text":
             key = "reasoning_content" if event[1] == "reasoning" else "content"
             yield chunk({key: event[2]}, event[2]) if chat or event[1] == "text" else ""
-        elif event[0] == "calls":  # each call whole, in one delta
+        elif event[0] == "call":  # a call as the model writes it: its id and name, then its arguments in pieces
+            i, key, name = event[1:]
+            call = openai_call(ToolCall(name, "", key))
+            yield chunk({"tool_calls": [dict(index=i, **call)]})
+        elif event[0] == "args":
+            yield chunk({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+        elif event[0] == "calls" and not live:  # each call whole, in one delta
             yield chunk({"tool_calls": [dict(index=i, **openai_call(c)) for i, c in enumerate(event[1])]})
         elif event[0] == "error":
             yield sse(openai_error(event[1]))
@@ -340,7 +348,12 @@ async def _anthropic_stream(job: Job, rid: str):
             delta = {"type": "thinking_delta", "thinking": event[2]} if kind == "thinking" else {
                 "type": "text_delta", "text": event[2]}
             yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
-        elif event[0] == "calls":  # each a tool_use block, its input in one delta
+        elif event[0] == "call":  # a tool_use block as the model writes it, its input in pieces
+            yield open_block("tool_use", dict(anthropic_call(ToolCall(event[3], "{}", event[2])), input={}))
+        elif event[0] == "args":
+            delta = {"type": "input_json_delta", "partial_json": event[2]}
+            yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+        elif event[0] == "calls" and block != "tool_use":  # each a tool_use block, its input in one delta
             for call in event[1]:
                 yield open_block("tool_use", dict(anthropic_call(call), input={}))
                 delta = {"type": "input_json_delta", "partial_json": call.arguments}

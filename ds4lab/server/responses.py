@@ -2,7 +2,7 @@
 and responses_sse_*): a response object whose ``output`` holds a reasoning item (only where ``reasoning.summary``
 asked for it: its summary is the reasoning text) and a message item with one ``output_text`` part, whole or streamed
 as ``response.created`` ... ``response.completed`` events, each with its ``sequence_number``; then a function_call
-item for each tool call the reply made (its arguments in one delta when streamed). A response cut by
+item for each tool call the reply made (streamed as the model writes it, its arguments in pieces). A response cut by
 ``max_output_tokens`` is ``incomplete``, one the server could not finish ``failed`` (and streamed as
 ``response.incomplete`` / ``response.failed``, the event clients end on)."""
 
@@ -76,7 +76,7 @@ def message_item(ids: Ids, text: str, status: str) -> dict:
 
 def call_item(call: ToolCall, status: str = "completed") -> dict:
     return {"id": f"fc_{call.key}", "type": "function_call", "status": status, "call_id": f"call_{call.key}",
-            "name": call.name, "arguments": call.arguments if status == "completed" else ""}
+            "name": call.name, "arguments": call.arguments}
 
 
 def _items(ids: Ids, req: Request, reasoning: str, text: str, status: str, in_reasoning: bool,
@@ -100,8 +100,10 @@ async def stream(job: Job, ids: Ids):
     under way, the item open then closed incomplete)."""
     req, created, seq = job.request, int(time.time()), 0
     texts = {"reasoning": [], "text": []}
-    opened = []  # the items opened so far, in order: "reasoning", "message", then the calls
+    opened = []  # the text items opened so far, in order: "reasoning", "message"
     calls = []
+    live = []  # (key, name, argument pieces) of each call that came as it was written
+    where = {}  # a call's key: its output index
 
     def event(kind: str, **fields) -> str:
         nonlocal seq
@@ -134,6 +136,13 @@ async def stream(job: Job, ids: Ids):
                 + event("response.content_part.done", **at, part=item["content"][0])
                 + event("response.output_item.done", output_index=index, item=item))
 
+    def open_call(key: str, name: str) -> str:
+        """A call's item added, the reply's text item done before the first."""
+        done = close_item(opened[-1], "completed") if opened and not where else ""
+        where[key] = len(opened) + len(where)
+        return done + event("response.output_item.added", output_index=where[key],
+                            item=call_item(ToolCall(name, "", key), "in_progress"))
+
     yield event("response.created", response=response(ids, req, created, "in_progress", []))
     yield event("response.in_progress", response=response(ids, req, created, "in_progress", []))
     async for ev in events(job):
@@ -151,29 +160,42 @@ async def stream(job: Job, ids: Ids):
             yield (event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text)
                    if name == "reasoning" else event("response.output_text.delta", **at, content_index=0, delta=text,
                                                     logprobs=[]))
-        elif ev[0] == "calls":  # the reply's text is over: its item done, then an item a call
-            yield close_item(opened[-1], "completed") if opened else ""
+        elif ev[0] == "call":  # a call as the model writes it: its item, then its arguments in pieces
+            live.append((ev[2], ev[3], []))
+            yield open_call(ev[2], ev[3])
+        elif ev[0] == "args":
+            key, _, pieces = live[ev[1]]
+            pieces.append(ev[2])
+            yield event("response.function_call_arguments.delta", item_id=f"fc_{key}", output_index=where[key],
+                        delta=ev[2])
+        elif ev[0] == "calls":  # each call's item done (added first, its arguments in one delta, if not yet)
             calls = ev[1]
             for call in calls:
-                at = dict(item_id=f"fc_{call.key}", output_index=len(opened))
-                opened.append(call)
-                yield (event("response.output_item.added", output_index=at["output_index"],
-                             item=call_item(call, "in_progress"))
-                       + event("response.function_call_arguments.delta", **at, delta=call.arguments)
-                       + event("response.function_call_arguments.done", **at, name=call.name,
-                               arguments=call.arguments)
+                if call.key not in where:
+                    yield open_call(call.key, call.name) + event(
+                        "response.function_call_arguments.delta", item_id=f"fc_{call.key}",
+                        output_index=where[call.key], delta=call.arguments)
+                at = dict(item_id=f"fc_{call.key}", output_index=where[call.key])
+                yield (event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments)
                        + event("response.output_item.done", output_index=at["output_index"], item=call_item(call)))
         elif ev[0] in ("done", "error"):
             out: Outcome | None = ev[1] if ev[0] == "done" else None
             status = _STATUS[out.finish] if out else "failed"
             in_reasoning = out.in_reasoning if out else "message" not in opened
-            if opened and not calls:  # the message, or the reasoning where no answer followed
+            if opened and not where:  # the message, or the reasoning where no answer followed
                 yield close_item(opened[-1], _reasoning_status(in_reasoning) if opened[-1] == "reasoning"
                                  else _item_status(status))
+            # calls sent when the reply failed: done incomplete (none of them to be run), with the arguments sent
+            unfinished = [] if calls else [ToolCall(name, "".join(pieces), key) for key, name, pieces in live]
+            for call in unfinished:
+                yield event("response.output_item.done", output_index=where[call.key],
+                            item=call_item(call, "incomplete"))
             error = None
             if out is None:
                 e: RequestError = ev[1]
                 error = {"code": "server_error", "message": e.message}  # the one code of OpenAI's that fits
             reasoning, text = "".join(texts["reasoning"]), "".join(texts["text"])
-            output = _items(ids, req, reasoning, text, status, in_reasoning, calls)
+            # a text item is done when the first call's is added (completed, as it was streamed)
+            output = _items(ids, req, reasoning, text, "completed" if where else status, in_reasoning, calls) + [
+                call_item(c, "incomplete") for c in unfinished]
             yield event(f"response.{status}", response=response(ids, req, created, status, output, out, error))

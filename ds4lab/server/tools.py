@@ -245,6 +245,195 @@ def read_calls(text: str) -> tuple[int, list[ToolCall]] | None:
     return None
 
 
+def partial_tail(text: str, needles) -> int:
+    """The length of the longest end of ``text`` that is a proper start of one of ``needles``."""
+    best = 0
+    for needle in needles:
+        for k in range(min(len(needle) - 1, len(text)), best, -1):
+            if text.endswith(needle[:k]):
+                best = k
+                break
+    return best
+
+
+def _json_chars(text: str) -> str:
+    """``text`` as the inside of a JSON string (so a string's pieces, each written so, join into the string's JSON)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class LiveCalls:
+    """A streamed reply's tool calls as the model writes them (ds4-server's live tool stream, ds4_server.c:5530-5860
+    at 8d57664): fed the held text from the blank before the first opening tag, ``feed`` returns
+    ``("call", (index, key, name))`` once a call's invoke tag is whole, and ``("args", (index, text))``, pieces of its
+    arguments' JSON: the object's opening brace, each parameter's name, a string's characters as they come (a
+    closing tag or an entity that may be under way held back), any other value whole at its closing tag, the
+    closing brace. Read as :func:`read_calls` reads, so a call's pieces join into the arguments it reads (where a
+    name is given twice both are sent, the last read back, as it keeps it); a parameter without a ``string``
+    attribute (which may hold parameters) is sent at its call's end. Where the text after an opening tag is no
+    block, the next opening tag is tried until a call starts; after that, text that is no block stops the stream
+    (``failed``), and the reply's end decides what it was. ``block_at`` is where the block's opening tag is in the
+    text fed, ``calls`` each started call's ``[key, name, pieces]``, ``done`` whether its closing tag was read."""
+
+    def __init__(self):
+        self.text, self.base, self.at = "", 0, 0  # the text not yet dropped, its place in all fed, the read point
+        self.mode = "search"  # search, invokes, params, value, deferred, done, failed
+        self.tags = WRITTEN
+        self.block_at: int | None = None
+        self.calls: list[list] = []
+        self.first = True  # no parameter sent yet in the call under way
+        self.string = False  # the value under way is a string's (sent as it comes)
+        self.value_at = self.scan = 0  # a value's start; where its closing tag is looked for from
+
+    @property
+    def done(self) -> bool:
+        return self.mode == "done"
+
+    @property
+    def failed(self) -> bool:
+        return self.mode == "failed"
+
+    def arguments(self, index: int) -> str:
+        return "".join(self.calls[index][2])
+
+    def feed(self, text: str) -> list[tuple[str, tuple]]:
+        self.text += text
+        out: list[tuple[str, tuple]] = []
+        while self.mode not in ("done", "failed") and getattr(self, "_" + self.mode)(out):
+            pass
+        # kept: from the read point, or from the value where it is read whole at its end
+        whole = self.mode == "deferred" or self.mode == "value" and not self.string
+        keep = min(self.at, self.value_at) if whole else self.at
+        self.text, self.base = self.text[keep:], self.base + keep  # what is read is dropped
+        self.at, self.value_at, self.scan = self.at - keep, self.value_at - keep, max(0, self.scan - keep)
+        return out
+
+    def _send(self, out: list, text: str) -> None:
+        if text:
+            self.calls[-1][2].append(text)
+            out.append(("args", (len(self.calls) - 1, text)))
+
+    def _fail(self) -> bool:
+        """Text that is no block: before a call, look for the next opening tag; after one, stop."""
+        self.mode = "failed" if self.calls else "search"
+        return not self.calls
+
+    def _at_tag(self, *tags) -> bool:
+        """Whether the text from the read point (blanks skipped) is whole, i.e. not a proper start of ``tags``."""
+        while self.at < len(self.text) and self.text[self.at] in BLANKS:
+            self.at += 1
+        rest = self.text[self.at:self.at + max(map(len, tags))]
+        return bool(rest) and not any(len(rest) < len(t) and t.startswith(rest) for t in tags)
+
+    def _tag(self) -> dict | None:
+        """The attributes of the tag at the read point, the point moved past it; None where its '>' is still to come."""
+        gt = self.text.find(">", self.at)
+        if gt < 0:
+            return None
+        attrs, self.at = _tag_attrs(self.text[self.at:gt]), gt + 1
+        return attrs
+
+    def _search(self, out) -> bool:
+        found = first_of(self.text, BLOCK_OPENS, self.at)
+        if found is None:
+            self.at = max(self.at, len(self.text) - max(map(len, BLOCK_OPENS)) + 1)
+            return False
+        self.tags = SPELLINGS[BLOCK_OPENS.index(found[1])]
+        self.block_at, self.at, self.mode = self.base + found[0], found[0] + len(found[1]), "invokes"
+        return True
+
+    def _invokes(self, out) -> bool:
+        t = self.tags
+        if not self._at_tag(t.calls_close, t.invoke):
+            return False
+        if self.text.startswith(t.calls_close, self.at):
+            self.mode = "done"
+            return False
+        if not self.text.startswith(t.invoke, self.at):
+            return self._fail()
+        at = self.at
+        attrs = self._tag()
+        if attrs is None:
+            return False
+        if "name" not in attrs:
+            self.at = at
+            return self._fail()
+        key = secrets.token_hex(12)
+        self.calls.append([key, attrs["name"], []])
+        out.append(("call", (len(self.calls) - 1, key, attrs["name"])))
+        self._send(out, "{")
+        self.first, self.mode = True, "params"
+        return True
+
+    def _params(self, out) -> bool:
+        t = self.tags
+        if not self._at_tag(t.invoke_close, t.param):
+            return False
+        if self.text.startswith(t.invoke_close, self.at):
+            self._send(out, "}")
+            self.at += len(t.invoke_close)
+            self.mode = "invokes"
+            return True
+        if not self.text.startswith(t.param, self.at):
+            return self._fail()
+        at = self.at
+        attrs = self._tag()
+        if attrs is None:
+            return False
+        if "name" not in attrs:
+            self.at = at
+            return self._fail()
+        if "string" not in attrs:  # perhaps parameters in it: sent whole at the call's end
+            self.at = self.value_at = self.scan = at
+            self.mode = "deferred"
+            return True
+        self.string = attrs["string"] == "true"
+        self._send(out, ("" if self.first else ",") + compact(attrs["name"]) + ":" + '"' * self.string)
+        self.first, self.mode, self.value_at = False, "value", self.at
+        self.scan = self.at
+        return True
+
+    def _value(self, out) -> bool:
+        close = self.tags.param_close
+        end = self.text.find(close, self.scan)
+        if end < 0:
+            self.scan = max(self.scan, len(self.text) - len(close) + 1)
+            if self.string:  # send what can no longer be part of the closing tag or of an entity
+                safe = len(self.text) - partial_tail(self.text[self.at:], (close,))
+                amp = self.text.rfind("&", self.at, safe)
+                if amp >= 0 and partial_tail(self.text[amp:safe], _ENTITIES) == safe - amp:
+                    safe = amp
+                self._send(out, _json_chars(_unescape(self.text[self.at:safe])))
+                self.at = max(self.at, safe)
+            return False
+        if self.string:
+            self._send(out, _json_chars(_unescape(self.text[self.at:end])) + '"')
+        else:
+            raw = self.text[self.value_at:end]
+            self._send(out, compact(json_value(raw, raw)))
+        self.at, self.mode = end + len(close), "params"
+        return True
+
+    def _deferred(self, out) -> bool:
+        """The call's parameters from one without a ``string`` attribute to its closing tag, read whole by the
+        reader once that tag has come (each sent as the reader writes it)."""
+        t = self.tags
+        if self.text.find(t.invoke_close, self.scan) < 0:
+            self.scan = max(self.scan, len(self.text) - len(t.invoke_close) + 1)
+            return False
+        reader = _Reader(self.text, t)
+        reader.at = self.value_at
+        args = reader.arguments(t.invoke_close)
+        if args is None:  # not yet whole (a closing tag inside a value), or no block: the reply's end tells
+            self.scan = len(self.text) - len(t.invoke_close) + 1
+            return False
+        for name, value in args.items():
+            self._send(out, ("" if self.first else ",") + compact(name) + ":" + compact(value))
+            self.first = False
+        self._send(out, "}")
+        self.at, self.mode = reader.at, "invokes"
+        return True
+
+
 TOOL_BLOCKS_KEPT = 1024  # calls whose block a server keeps (the least recently used forgotten first)
 _ID_PREFIXES = ("call_", "toolu_", "fc_")  # the APIs' prefixes of a call's key (app.openai_call and the others)
 

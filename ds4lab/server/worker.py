@@ -53,8 +53,9 @@ class Outcome:
 
 class Job:
     """One queued request and the events its handler waits on: ("start", prompt_tokens, cached_tokens),
-    ("text", channel, text), ("calls", [ToolCall]) (the reply's tool calls, before its "done"), ("done", Outcome),
-    ("error", RequestError)."""
+    ("text", channel, text), in a streamed reply ("call", index, key, name) and ("args", index, text) (a tool call
+    as the model writes it: its start, its arguments' JSON in pieces), ("calls", [ToolCall]) (the reply's tool calls,
+    before its "done"), ("done", Outcome), ("error", RequestError)."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request = request
@@ -173,7 +174,8 @@ class Worker:
         decode = sess.decoder(**sampling.params(), top=1)
         # a text completion is sent as one text, reasoning and </think> included, its stops looked for in all of
         # it (ds4-server parses only a chat reply)
-        channels = Channels(req.thinking and req.api != "completion", req.stop, tools=bool(req.tools))
+        channels = Channels(req.thinking and req.api != "completion", req.stop, tools=bool(req.tools),
+                            live=req.stream)
         # a tool block's tags and punctuation sampled greedily, its payload as asked (ds4-server's rule)
         structure = StructureTracker() if req.tools else None
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
@@ -192,15 +194,11 @@ class Worker:
             reasoning += channels.channel == "reasoning"
             if structure is not None:
                 structure.feed(step.text)
-            for channel, text in channels.feed(step.text):
-                job.emit("text", channel, text)
-                answer += text if channel == "text" else ""
+            answer += self._emit(job, channels.feed(step.text))
             if channels.ended:
                 finish = "tool_calls" if channels.calls else "stop"
                 break
-        for channel, text in channels.flush():
-            job.emit("text", channel, text)
-            answer += text if channel == "text" else ""
+        answer += self._emit(job, channels.flush())
         if channels.calls:
             self.tool_blocks.remember(channels.calls, channels.block)
             job.emit("calls", channels.calls if req.parallel else channels.calls[:1])
@@ -211,9 +209,26 @@ class Worker:
         c["prompt_tokens"] += len(ids)
         c["cached_tokens"] += result.reused
         c["completion_tokens"] += generated
+        if channels.error:  # a streamed call under way that the model never finished
+            c["errors"] += 1
+            job.emit("error", RequestError(channels.error, status=500, type="server_error", code="invalid_tool_call"))
+            return
         job.emit("done", Outcome(len(ids), result.reused, generated, finish, channels.stop, result.source,
                                  prefill_seconds, time.perf_counter() - began, reasoning,
                                  channels.channel == "reasoning"))
+
+    @staticmethod
+    def _emit(job: Job, items: list) -> str:
+        """Hands the channels' items to the job (a streamed call's pieces only where all calls are sent, or it is
+        the first); returns the answer's text among them."""
+        answer = ""
+        for kind, value in items:
+            if kind in ("reasoning", "text"):
+                job.emit("text", kind, value)
+                answer += value if kind == "text" else ""
+            elif job.request.parallel or value[0] == 0:
+                job.emit(kind, *value)
+        return answer
 
     def _remember_visible(self, req: Request, finish: str, answer: str, in_reasoning: bool) -> None:
         """After a chat reply (not a text completion) that thought and closed its thinking, ds4-server keeps the text
