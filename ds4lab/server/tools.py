@@ -341,47 +341,45 @@ class LiveCalls:
         self.block_at, self.at, self.mode = self.base + found[0], found[0] + len(found[1]), "invokes"
         return True
 
-    def _invokes(self, out) -> bool:
-        t = self.tags
-        if not self._at_tag(t.calls_close, t.invoke):
-            return False
-        if self.text.startswith(t.calls_close, self.at):
-            self.mode = "done"
-            return False
-        if not self.text.startswith(t.invoke, self.at):
-            return self._fail()
-        at = self.at
-        attrs = self._tag()
+    def _next(self, close: str, opening: str):
+        """What is at the read point (read past): "close" for the tag ``close``, ``(start, attributes)`` for a named
+        tag that ``opening`` begins; None until more text tells, False where the text is no block."""
+        if not self._at_tag(close, opening):
+            return None
+        if self.text.startswith(close, self.at):
+            self.at += len(close)
+            return "close"
+        start = self.at
+        attrs = self._tag() if self.text.startswith(opening, self.at) else {}
         if attrs is None:
-            return False
+            return None
         if "name" not in attrs:
-            self.at = at
-            return self._fail()
-        key = secrets.token_hex(12)
-        self.calls.append([key, attrs["name"], []])
-        out.append(("call", (len(self.calls) - 1, key, attrs["name"])))
+            self.at = start
+            return False
+        return start, attrs
+
+    def _invokes(self, out) -> bool:
+        got = self._next(self.tags.calls_close, self.tags.invoke)
+        if got == "close":
+            self.mode = "done"
+        if not isinstance(got, tuple):
+            return got is False and self._fail()
+        key, name = secrets.token_hex(12), got[1]["name"]
+        self.calls.append([key, name, []])
+        out.append(("call", (len(self.calls) - 1, key, name)))
         self._send(out, "{")
         self.first, self.mode = True, "params"
         return True
 
     def _params(self, out) -> bool:
-        t = self.tags
-        if not self._at_tag(t.invoke_close, t.param):
-            return False
-        if self.text.startswith(t.invoke_close, self.at):
+        got = self._next(self.tags.invoke_close, self.tags.param)
+        if got == "close":
             self._send(out, "}")
-            self.at += len(t.invoke_close)
             self.mode = "invokes"
             return True
-        if not self.text.startswith(t.param, self.at):
-            return self._fail()
-        at = self.at
-        attrs = self._tag()
-        if attrs is None:
-            return False
-        if "name" not in attrs:
-            self.at = at
-            return self._fail()
+        if not isinstance(got, tuple):
+            return got is False and self._fail()
+        at, attrs = got
         if "string" not in attrs:  # perhaps parameters in it: sent whole at the call's end
             self.at = self.value_at = self.scan = at
             self.mode = "deferred"
