@@ -16,7 +16,7 @@ import ds4lab  # noqa: E402
 from ds4lab.viz import AttentionView  # noqa: E402
 from ds4lab.viz import attention_figure as fig  # noqa: E402
 from ds4lab.viz.attention_figure import FIG_W, LEFT, SINK_PX, TOP, WIDTH, draw_static  # noqa: E402
-from ds4lab.viz.pixel_font import ADVANCE  # noqa: E402
+from ds4lab.viz.pixel_font import ADVANCE, GLYPHS, text_mask  # noqa: E402
 from ds4lab.viz.reduce import scale_colours  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # begins with Coriolanus
@@ -308,6 +308,16 @@ def test_static_fallback_is_legible(cap):
         band = dark[TOP + int(y) - 3 : TOP + int(y) + 4, : LEFT - 5]
         assert band.sum() >= 5 * len(text), (y, text)
     assert len(view.model.yticks) >= 20
+
+
+def test_the_pixel_fonts_letters_read_as_letters():
+    """The static figure's font: g, j, p, q and y reach under the line (drawn on it they read as 9, P, 9 and the
+    like: "wei9ht", "9uery"), no other character does; each character its own glyph; what it lacks drawn as '?'."""
+    under = {c for c, glyph in GLYPHS.items() if glyph[7:].any()}
+    assert under == set("gjpqy") and all(g.shape == (9, 5) for g in GLYPHS.values())
+    assert len({g.tobytes() for g in GLYPHS.values()}) == len(GLYPHS)
+    assert (text_mask("G") == text_mask("g")).all() and (text_mask("€") == text_mask("?")).all()
+    assert not (text_mask("'\\n'") == text_mask("'?n'")).all()  # a newline token's label
 
 
 def test_one_map_and_bad_input(cap):
