@@ -189,13 +189,15 @@ PrefillView(model.session(ctx=512, prefill_chunk=64), ids)
  | prefill_chunks_chart(prefill_view.chunks, model, warmup=1))
 
 # %% [markdown]
-# Raw-only layers stop growing once the window is full; ratio-4 layers grow by one row (plus one indexer row)
-# per 4 tokens, ratio-128 layers by one row per 128. Yet the ratio-128 line is the highest, and nearly flat at
-# about 330 KB for its two layers: besides its 64 raw rows (32 KiB), each ratio-128 layer keeps the pending state
-# of a 128-token window, the kv and score projections (128 values each, float32) of up to 128 tokens waiting for
-# their group to close, 128 KiB a layer from the first token on; a finished row adds only 512 bytes. A ratio-4
-# layer's pending state is 8 rows (32 KiB with the indexer's), but its rows grow 1 KiB per 4 tokens, so from about
-# 390 tokens the ratio-4 layers hold more.
+# The points are the chunks' states; the lines count the same bytes from the layout, from no token to the
+# session's context (dashed past the prompt). Raw-only layers stop growing once the window is full; ratio-4 layers
+# grow by one row (plus one indexer row) per 4 tokens, ratio-128 layers by one row per 128. Yet the ratio-128 line
+# is the highest, and nearly flat at about 330 KB for its two layers: besides its 64 raw rows (32 KiB), each
+# ratio-128 layer keeps the pending state of a 128-token window, the kv and score projections (128 values each,
+# float32) of up to 128 tokens waiting for their group to close, 128 KiB a layer before the first token (the line
+# starts at 256 KiB at 0 tokens); a finished row adds only 512 bytes. A ratio-4 layer's pending state is 8 rows
+# (32 KiB with the indexer's), but its rows grow 1 KiB per 4 tokens, so from about 390 tokens, past this prompt,
+# the ratio-4 layers hold more: the dashed lines cross there.
 #
 # On the right, each chunk's tokens/s. Chunk 0 (hollow) is the process's first step: it dequantizes the weights
 # it uses, which later steps reuse, so it is left out. The other chunks of one size do the same work, so their

@@ -603,7 +603,7 @@ def test_kvcache_view_renders(page):
     cell = view.locator(".ds4-layer").nth(2).locator(".ds4-cell.comp.dropped").first
     # a ratio-128 layer's pending group is a bar: hovered it says which group and how full (it showed nothing)
     bar = view.locator(".ds4-layer").nth(3).locator(".ds4-pendbar")
-    assert bar.get_attribute("data-tip") == "group 2: tokens 256–383, compressed into row 2 when its last one comes"
+    assert bar.get_attribute("data-tip") == "row 2: tokens 256–383, compressed into it when the last one comes"
     for target in (cell, slot, bar):
         want = json.dumps(target.get_attribute("data-tip"))
         _hover_fills(pg, target, tip, until=f"el.checkVisibility() && el.textContent === {want}")

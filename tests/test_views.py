@@ -279,12 +279,16 @@ def test_reduce_helpers():
 def test_charts(model):
     from ds4lab.viz.charts import kv_bytes_chart, prefill_chunks_chart
 
-    sess = model.session(ctx=256, prefill_chunk=32)
+    sess = model.session(ctx=256, prefill_chunk=30)  # chunk ends off the count's grid of every 2 tokens
     chunks = sess.prefill(_ids(80, model.config.n_vocab)).run(progress=False)
-    spec = kv_bytes_chart(sess, chunks).to_dict()  # one layer (its own colour scale) with the chart's data
-    values = spec["layer"][0]["data"]["values"]
-    assert len(values) == len(chunks) * len(
-        {model.config.ratio(i) for i in range(model.config.n_layer)}
-    )
+    spec = kv_bytes_chart(sess, chunks).to_dict()  # the layout's count (solid, then dashed), the chunks' points
+    layers = spec["layer"][0]["layer"]  # in one layer of its own colour scale (its legend beside it)
+    values = layers[-1]["data"]["values"]
+    assert len(values) == len(chunks) * len({model.config.ratio(i) for i in range(model.config.n_layer)})
+    # counted from the layout: the bytes the chunks' states hold, at each chunk's end; from no token to the context
+    counted = {(r["tokens"], r["kind"]): r["bytes"] for layer in layers[:2] for r in layer["data"]["values"]}
+    assert all(counted[r["tokens"], r["kind"]] == r["bytes"] for r in values)
+    assert min(t for t, _ in counted) == 0 and max(t for t, _ in counted) == 255
+    assert [layer["mark"].get("strokeDash") for layer in layers[:2]] == [None, [4, 3]]
     points = prefill_chunks_chart(chunks).to_dict()["layer"][-1]  # band, median rule, then the chunks' points
     assert len(points["data"]["values"]) == len(chunks)

@@ -364,7 +364,8 @@ def test_kv_legend_sits_with_its_own_chart(charts):
     """Concatenated, the kind legend belongs to the KV chart (its colour scale is its own), not to the row."""
     spec = charts["hconcat"].to_dict()
     left, right = spec["hconcat"]
-    assert left["resolve"] == {"scale": {"color": "independent"}} and left["layer"][0]["encoding"]["color"]
+    assert left["resolve"] == {"scale": {"color": "independent"}}
+    assert all(layer["encoding"]["color"] for layer in left["layer"][0]["layer"])
     assert "color" not in str(right.get("encoding", {})) and "resolve" not in spec
 
 
@@ -500,7 +501,10 @@ def test_kv_cache_chart_names_every_cache_at_the_context_hovered(charts):
     from ds4lab.kv.sizes import SCHEMES
 
     spec = charts["kv_cache_chart"].to_dict()
-    lines, rule = spec["layer"]
+    lines, rule, *names = spec["layer"]
+    # and each line named once at its end (the largest context)
+    named = [n["transform"][0]["filter"]["and"][1]["oneOf"] for n in names]
+    assert sorted(sum(named, [])) == sorted(SCHEMES) and all(n["mark"]["type"] == "text" for n in names)
     assert "tooltip" not in lines["encoding"] and rule["mark"]["type"] == "rule"
     assert [t["field"] for t in rule["encoding"]["tooltip"]] == ["tokens", *SCHEMES]
     assert rule["transform"] == [{"pivot": "scheme", "value": "gib", "groupby": ["tokens"]}]

@@ -51,7 +51,7 @@ function ring(d) {
 }
 // the pending bar's tooltip: what its line above does not say, the group's tokens and what becomes of them
 const pendTip = (L, R) =>
-  `group ${L.n_comp}: tokens ${L.n_comp * R}–${L.n_comp * R + R - 1}, compressed into row ${L.n_comp} when its last one comes`;
+  `row ${L.n_comp}: tokens ${L.n_comp * R}–${L.n_comp * R + R - 1}, compressed into it when the last one comes`;
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-kv");
   const body = document.createElement("div");
@@ -91,7 +91,7 @@ function render({ model, el }) {
         `those the indexer drops are <span class="ds4-nowrap"><span class="ds4-swatch dropped"></span> salmon</span> (as in the attention and mask views)` : "") +
         (shown.some((L) => L.n_index !== null) ? ` · <span class="ds4-nowrap"><span class="ds4-swatch index"></span> the indexer's</span> own rows: keys only, a query's scores of them pick the ` +
           `compressed rows it attends` : "") +
-        ` · <span class="ds4-nowrap"><span class="ds4-swatch pending"></span> tokens pending</span>: their group is not complete (not yet compressed)</div>`;
+        ` · <span class="ds4-nowrap"><span class="ds4-swatch pending"></span> tokens pending</span>: the next row's new tokens, not yet compressed</div>`;
     }
     // compact (beside another view, as in the PrefillView): the key and the bytes folded under one line, so the
     // ring and the layer's rows keep the height of the view beside them; a reader unfolds it, and it stays so
@@ -124,8 +124,9 @@ function render({ model, el }) {
           h += `<div>${plural(L.n_index, "indexer row")}${scoring}</div>` +
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }
-        h += `<div>group ${L.n_comp} (tokens ${fromTo(L.n_comp * R, L.n_comp * R + R - 1)}) pending: ${L.pending.length} of ${R}` +
-          (L.pending.length ? ` in: ${fromTo(L.pending[0], L.pending.at(-1))}` : "") + `</div>` +
+        // named as the rows above are (row c, the tokens it pools), the new ones counted
+        h += `<div>row ${L.n_comp} pending (tokens ${fromTo(...grp(L.n_comp))}): ${L.pending.length}/${R} new tokens in` +
+          (L.pending.length ? ` (${fromTo(L.pending[0], L.pending.at(-1))})` : "") + `</div>` +
           (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
            `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}">` +
              `<div style="width:${(100 * L.pending.length) / R}%"></div></div>`);

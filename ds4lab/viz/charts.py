@@ -162,29 +162,53 @@ def prefill_cost_chart(runs, model):
                   "title": f"prefill of {n_tokens} tokens by chunk size: measured, and predicted by ds4lab.costs"})
 
 
+def _layer_kind(ratio: int) -> str:
+    return f"ratio {ratio}" if ratio else "raw only"
+
+
 def kv_bytes_chart(session, chunks):
-    """KV bytes after each chunk, per layer kind (raw only / ratio 4 / ratio 128), from the chunks' checkpoints."""
+    """KV bytes per layer kind (raw only / ratio 4 / ratio 128): after each chunk, from the chunks' checkpoints
+    (points); from no token to the session's context, the same bytes counted from the layout
+    (:func:`ds4lab.kv.layout.layer_state_shapes`: what a fresh state holds already, where the kinds cross), solid to
+    the last chunk, dashed past it."""
     from ..kv.checkpoint import state_to_payload
+    from ..kv.layout import layer_state_shapes, raw_live_rows
     from ..kv.view import KVView
 
-    cfg, b = session.model.config, session.model.backend
+    cfg, b, geo = session.model.config, session.model.backend, session.geometry
     rows = []
     for c in chunks:
         cp = c.checkpoint
-        kv = KVView(cfg, state_to_payload(cfg, b, cp.state_for(cfg, b, session.geometry), cp.tokens, cp.logits))
+        kv = KVView(cfg, state_to_payload(cfg, b, cp.state_for(cfg, b, geo), cp.tokens, cp.logits))
         by_kind: dict[str, int] = {}
         for lk in kv:
-            kind = f"ratio {lk.ratio}" if lk.ratio else "raw only"
-            by_kind[kind] = by_kind.get(kind, 0) + lk.nbytes
+            by_kind[_layer_kind(lk.ratio)] = by_kind.get(_layer_kind(lk.ratio), 0) + lk.nbytes
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
+    last = max((c.end for c in chunks), default=0)
+    counted = []
+    for T in sorted({*range(0, geo.ctx, max(1, geo.ctx // 128)), *(c.end for c in chunks), geo.ctx - 1}):
+        by_kind = {}
+        for il in range(cfg.n_layer):
+            shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geo.window, geo.raw_cap)).values()
+            kind = _layer_kind(cfg.ratio(il))
+            by_kind[kind] = by_kind.get(kind, 0) + 4 * sum(s[0] * s[1] for s in shapes if s is not None)
+        counted += [dict(tokens=T, kind=k, bytes=v, part="run" if T <= last else "past") for k, v in by_kind.items()]
     # raw rows in the raw window's blue, compressed ones in the compressed rows' greens (no orange: palette.py)
     colours = {"raw only": palette.RAW, "ratio 4": "#74c476", "ratio 128": "#006d2c"}
-    present = [k for k in colours if any(r["kind"] == k for r in rows)]
+    present = [k for k in colours if any(r["kind"] == k for r in counted)]
     kinds = {"domain": present, "range": [colours[k] for k in present]}
-    line = unit(rows, {"type": "line", "point": True}, x=field("tokens:Q", title="tokens"),
-                y=field("bytes:Q", title="KV bytes (all layers of the kind)"), color=field("kind:N", scale=kinds),
-                tooltip=tooltip("tokens:Q", "kind:N", field("bytes:Q", format=",")))
-    return _own_legend(line, title="KV bytes by layer kind", width=260, height=160)
+    x = field("tokens:Q", title="tokens", scale={"domain": [0, geo.ctx]})
+    y = field("bytes:Q", title="KV bytes (all layers of the kind)")
+    lines = [unit([r for r in counted if r["part"] == part or part == "past" and r["tokens"] == last],
+                  {"type": "line", "strokeWidth": 1.5, **({"strokeDash": [4, 3]} if part == "past" else {})},
+                  x=x, y=y, color=field("kind:N", scale=kinds, title="kind"))
+             for part in ("run", "past")]
+    points = unit(rows, {"type": "point", "filled": True, "size": 36}, x=x, y=y, color=field("kind:N", scale=kinds),
+                  tooltip=tooltip("tokens:Q", "kind:N", field("bytes:Q", format=",")))
+    return _own_legend({"layer": [*lines, points]}, width=260, height=160, title={
+        "text": "KV bytes by layer kind",
+        "subtitle": ["points: after each chunk; lines: counted from",
+                     f"the layout, dashed past the prompt to {geo.ctx}"]})
 
 
 SCHEME_LEGEND = {"symbolType": "stroke", "symbolStrokeWidth": 2, "symbolSize": 300}
@@ -225,7 +249,15 @@ def kv_cache_chart(config, contexts=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18
              f"lie {config.n_rot / config.head_dim:.0%} apart: their lines overlap")
     title = {"text": f"KV cache by context: DS4 against dense caches ({config.n_layer} layers)", "subtitle": close,
              "anchor": "start"}
-    return Chart({"data": inline(rows), "layer": [lines, rule], "title": title, "width": 360, "height": 220})
+    # each line named at its end, over it (the shared row's under it, off MLA's; DS4's under it, off the shared
+    # row's): projected, a legend of dash patterns alone was hard to read
+    y = field("gib:Q", scale={"type": "log"})
+    at_end = f"datum.tokens == {max(contexts)}"
+    names = [dict(unit(None, {"type": "text", "align": "right", "dx": -4, "dy": dy, "fontSize": 11}, x=x, y=y,
+                       text=field("scheme:N")),
+                  transform=[{"filter": {"and": [at_end, {"field": "scheme", "oneOf": on}]}}])
+             for dy, on in ((-9, ["MHA", "GQA", "MLA"]), (13, ["shared row", "ds4"]))]
+    return Chart({"data": inline(rows), "layer": [lines, rule, *names], "title": title, "width": 360, "height": 220})
 
 
 def batch_copies_chart(rows: list[dict]):
