@@ -467,6 +467,8 @@ def test_prefill_view_renders(page):
     assert ranges.count() > 0 and all(r.evaluate("(e) => e.getClientRects().length") == 1 for r in ranges.all())
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3.png"))
     width_at_chunk0 = img.evaluate("(i) => i.naturalWidth")
+    # one scale for every layer and chunk: layer 3's image as wide as layer 2's (its triangles jumped in size)
+    assert width_at_chunk0 == width_at_chunk4
     # at chunk 4 its 2 compressed rows are columns FEW_PX wide (a 1 px hairline apart), not 3 px as a raw row's
     handle.focus()
     for _ in range(4):
@@ -478,6 +480,15 @@ def test_prefill_view_renders(page):
     # as wide as at chunk 0, which has none: the width is planned with the widened columns of every chunk
     assert img.evaluate("(i) => i.naturalWidth") == width_at_chunk0
     out.screenshot(path=str(ARTIFACTS / "prefill_view_layer3_chunk4.png"))
+    # a run chunk's row in the table shows it, as the slider does (which moves with it); the row says so
+    row = view.locator("tr[data-pick='2']")
+    assert row.evaluate("(r) => getComputedStyle(r).cursor") == "pointer"
+    row.click()
+    pg.wait_for_function("(el) => el.textContent.includes('layer 3, chunk 2')",
+                         arg=mask.locator(".ds4-title").element_handle(), timeout=10_000)
+    assert view.locator(".ds4-title").inner_text().endswith("shown: after chunk 2 (tokens 128–191)")
+    assert view.locator("tr.ds4-sel").get_attribute("data-pick") == "2"
+    out.screenshot(path=str(ARTIFACTS / "prefill_view_row_clicked.png"))
     handle.focus()  # back to chunk 0: the page as the tests after this one expect it
     for _ in range(4):
         handle.press("ArrowLeft")

@@ -1,5 +1,6 @@
 // PrefillView: the chunks (run and planned), the prompt coloured by chunk with the chunk shown highlighted and
-// scrolled into the box (once the box is laid out), a progress bar and the chunk table. State comes from Python.
+// scrolled into the box (once the box is laid out), a progress bar and the chunk table (a run chunk's row clicked
+// shows it). State comes from Python.
 
 function render({ model, el }) {
   el.classList.add("ds4-view", "ds4-prefill");
@@ -29,7 +30,8 @@ function render({ model, el }) {
     bounds.forEach(([s, e], i) => {
       const c = chunks[i];
       const sw = `<span class="ds4-tok" style="background:${PALETTE[i % PALETTE.length]}">&nbsp;&nbsp;</span>`;
-      html += `<tr class="${i === sel ? "ds4-sel" : ""}"><td>${sw} ${i}</td><td>${s}–${e - 1}</td><td>${e - s}</td>` +
+      const pick = c ? ` data-pick="${i}" data-tip="chunk ${i}: click to show the state after it"` : "";  // a run chunk's row
+      html += `<tr class="${i === sel ? "ds4-sel" : ""}${c ? " ds4-pick" : ""}"${pick}><td>${sw} ${i}</td><td>${s}–${e - 1}</td><td>${e - s}</td>` +
         (c ? `<td>${(c.seconds * 1000).toFixed(1)}</td><td>${c.tokens_per_s.toFixed(0)}</td><td>${c.kv_bytes.toLocaleString()}</td>` :
              `<td colspan="3" class="ds4-note">not run</td>`) + "</tr>";
     });
@@ -57,6 +59,12 @@ function render({ model, el }) {
     width = w;
   });
   resized.observe(el);
+  // a run chunk's row shows its state, as the slider does (Python moves the slider and everything with it)
+  const pick = (ev) => {
+    const row = ev.target.closest("tr[data-pick]");
+    if (row) { model.set("pick_request", +row.dataset.pick); model.save_changes(); }
+  };
+  body.addEventListener("click", pick);
   const redraw = () => { draw(); tips.describe(); };  // the tooltip describes what is under the pointer now
   draw();
   const events = ["tokens", "bounds", "chunks", "done", "selected", "note"].map((k) => `change:${k}`);
@@ -65,6 +73,7 @@ function render({ model, el }) {
   return () => {
     for (const e of events) model.off(e, redraw);
     resized.disconnect();
+    body.removeEventListener("click", pick);
     tips.remove();
   };
 }

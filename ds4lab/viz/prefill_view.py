@@ -34,6 +34,7 @@ class PrefillModel(ViewModel):
     total = t.Int(0).tag(sync=True)
     chunk = t.Int(0).tag(sync=True)
     selected = t.Int(-1).tag(sync=True)  # the chunk shown (-1: none run yet)
+    pick_request = t.Int(-1).tag(sync=True)  # a chunk's row clicked in the table (-1 again once it is shown)
     note = t.Unicode("").tag(sync=True)  # why a step did nothing (all run; the session moved on)
 
 
@@ -106,6 +107,7 @@ class PrefillView(View):
         self.step_button.on_click(self.guarded(lambda _: self.step()))
         self.run_button.on_click(self.guarded(lambda _: self.run()))
         self.slider.observe(self.guarded(lambda ch: self.select(ch["new"])), names="value")
+        self.model.observe(self.guarded(self._on_pick), names="pick_request")
         self.layer_pick.observe(self.guarded(lambda ch: self.show_layer(ch["new"])), names="value")
         # rows that wrap where the output is too narrow for them (a laptop with the file browser open), nothing cut
         # off (views.css, .ds4-beside); the KV cache and the mask wrap in reverse, so the mask's line goes over the
@@ -225,6 +227,13 @@ class PrefillView(View):
         if i is not None and i != self.model.selected:
             self.select(i)
 
+    def _on_pick(self, change) -> None:
+        """A run chunk's row clicked: shown, as the slider shows it."""
+        if change["new"] >= 0:
+            self.model.pick_request = -1
+            if change["new"] < len(self.prefill.chunks):
+                self.select(change["new"])
+
     def _label(self, i: int) -> str:
         c = self.prefill.chunks[i]
         return state_label(i, c.start, c.end)
@@ -251,14 +260,14 @@ class PrefillView(View):
             self.layer_pick.value = self.layer
         if self._own_kv:
             self.kv_view.model.layers = [self.layer]
-        with self.mask_view.model.hold_sync():  # one redraw: the new plan with the new layer's cells
-            self._plan_mask()
-            self._show_mask()
+        self._show_mask()
 
     def _plan_mask(self) -> None:
-        """Size the mask for every chunk of this layer (its cells and its image), so scrubbing keeps both."""
+        """Size the mask for every chunk of every layer (its cells and its image), so scrubbing the chunks and
+        picking another layer keep both: a layer's triangles drawn at the scale of the others'."""
         cfg, geometry = self.session.model.config, self.session.geometry
-        self.mask_view.model.plan = [key_groups(cfg, geometry, self.layer, s, e - s) for s, e in self.model.bounds]
+        self.mask_view.model.plan = [key_groups(cfg, geometry, il, s, e - s) for il in range(cfg.n_layer)
+                                     for s, e in self.model.bounds]
 
     def _show_mask(self) -> None:
         i = self.model.selected
