@@ -1,9 +1,15 @@
 // KVCacheView: the raw ring buffer (slots in a circle: the position each holds, the raw window, the write
 // pointer, what was overwritten) and per layer its compressed rows, indexer rows and the group still pending.
+// a strip of n cells in lines of PER, each line led by its first index where there is more than one line (a
+// teacher can point at "row 47"; a strip wrapped at the column's edge split the rows anywhere)
+const PER = 40;  // 80 rows (a 320-token prompt's ratio-4 layer) in two lines of a laptop's column
 function cells(n, cls, tips, max = 600) {
   let h = "";
-  for (let i = 0; i < Math.min(n, max); i++) h += `<div class="ds4-cell ${cls(i)}" data-tip="${tips(i)}"></div>`;
-  return h + (n > max ? `<span class="ds4-note">… ${n - max} more</span>` : "");
+  for (let i = 0; i < Math.min(n, max); i++) {
+    if (i % PER === 0) h += (i ? "</div>" : "") + `<div class="ds4-stripline">` + (n > PER ? `<span class="ds4-stripno">${i}</span>` : "");
+    h += `<div class="ds4-cell ${cls(i)}" data-tip="${tips(i)}"></div>`;
+  }
+  return h + (n ? "</div>" : "") + (n > max ? `<span class="ds4-note">… ${n - max} more</span>` : "");
 }
 function ring(d) {
   // slot s at angle s/cap of a turn, clockwise from the top
@@ -125,8 +131,8 @@ function render({ model, el }) {
             `<div class="ds4-strip">` + cells(L.n_index, (c) => "index" + ((c + 1) * R > d.new_from ? " new" : ""), (c) => `indexer row ${c}: tokens ${grp(c)[0]}–${grp(c)[1]}, the key that scores compressed row ${c}`) + `</div>`;
         }
         // named as the rows above are (row c, the tokens it pools), the new ones counted
-        h += `<div>row ${L.n_comp} pending (tokens ${fromTo(...grp(L.n_comp))}): ${L.pending.length}/${R} new tokens in` +
-          (L.pending.length ? ` (${fromTo(L.pending[0], L.pending.at(-1))})` : "") + `</div>` +
+        h += `<div>row ${L.n_comp} pending (tokens ${fromTo(...grp(L.n_comp))}): ${L.pending.length}/${R} new tokens` +
+          (L.pending.length ? ` in (${fromTo(L.pending[0], L.pending.at(-1))})` : " yet") + `</div>` +
           (R <= 16 ? `<div class="ds4-strip">` + cells(R, (i) => (i < L.pending.length ? "pending" : ""), (i) => (i < L.pending.length ? `position ${L.pending[i]}` : "empty")) + `</div>` :
            `<div class="ds4-bar ds4-pendbar" data-tip="${esc(pendTip(L, R))}">` +
              `<div style="width:${(100 * L.pending.length) / R}%"></div></div>`);

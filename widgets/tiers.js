@@ -88,7 +88,7 @@ function render({ model, el }) {
         h += `<span class="ds4-arrow${s.mode === "no-copy" ? " nocopy" : ""}" ` +
           `data-tip="${s.from_tier} → ${s.to_tier}, ${s.mode}, ${fmt(s.bytes)} bytes, ` +
           `${(s.seconds * 1e6).toFixed(0)} µs">` +
-          `→ ${s.mode === "no-copy" ? "no-copy" : fmt(s.bytes) + " B"} →</span>`;
+          `→ ${s.mode === "no-copy" ? "no-copy" : bytes(s.bytes)} →</span>`;  // short: the stack fits a laptop's line
       const label = u.layer === -1 ? "embed" : u.layer === nLayer ? "head" : `L${u.layer}`;
       h += `<span class="ds4-unit${u.here ? "" : " ds4-away"}" style="background:${u.colour}" ` +
         `data-tip="${esc(u.unit)}: tier ${u.tier} (${esc(u.device)}${u.here ? "" : ", another process"}), ` +
