@@ -247,8 +247,11 @@ def test_a_layer_switch_keeps_the_zoom(cap):
     view.zoom((100, 140), (nr + 10, nr + 31))
     view.show(3, 1)
     assert view.region == (100, 140, nr, nr + 1) and view.model.col_labels == ["compressed row 0 (tokens 0–127)"]
+    # the note says where the region came from (21 compressed rows became one: a reader took it for a loss)
+    assert "(layer 2's zoom: its queries, the keys of the tokens it showed)" in view.model.note
     view.show(2, 1)
     assert view.region == (100, 140, nr + 10, nr + 31)  # back where it was made: the zoom as made, not widened
+    assert "layer 2's zoom" not in view.model.note
     view.show(3, 1)
     assert view.region == (100, 140, nr, nr + 1)  # and row 0 again, however often the layer changes
     view.show(2, 1)

@@ -500,6 +500,9 @@ class AttentionView(View):
             text += ", every cell shown"
         if self.region is not None:
             text += f" · zoomed: queries {amap.queries[a]}–{amap.queries[b - 1]}, columns {c}–{d - 1} of {K}"
+            if self._zoom_origin is not None and self._zoom_origin[0] != self.layer:  # a compressed row or two
+                # where the zoom showed dozens: say why (carry_region)
+                text += f" (layer {self._zoom_origin[0]}'s zoom: its queries, the keys of the tokens it showed)"
         return text + " · drag on the map to zoom, double-click to reset"
 
     # the static fallback
