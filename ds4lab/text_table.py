@@ -28,3 +28,8 @@ def runs(numbers: Sequence[int]) -> str:
 def plural(n: int, one: str, many: str | None = None) -> str:
     """``1 switch``, ``5 switches``: ``n`` and the word that goes with it (``many`` defaults to ``one + "s"``)."""
     return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def layer_kind(ratio: int) -> str:
+    """A layer's kind by its compression ratio, as the views name it: "raw only", "ratio 4", "ratio 128"."""
+    return f"ratio {ratio}" if ratio else "raw only"

@@ -299,8 +299,7 @@ def test_a_loose_block_streams_into_the_calls_it_reads():
                                                         "z": f"</{D}parameter>"}, {}]
     for cut in range(len(loose) + 1):
         ch, sent, args = _live([loose[:cut], loose[cut:]])
-        assert ch.error is None and sent == [] and ch.calls == [ToolCall(c.name, "".join(args[i]))
-                                                                for i, c in enumerate(read)], cut
+        assert ch.error is None and sent == [] and [c.name for c in ch.calls] == ["f", "g"], cut
         assert [json.loads("".join(args[i])) for i in range(2)] == [json.loads(c.arguments) for c in read], cut
 
 
@@ -318,6 +317,33 @@ def test_a_streamed_call_that_is_not_finished_ends_the_reply_with_an_error():
         assert _merged(sent) == [("text", "Hi")] and len(args) == 2
     ch, sent, args = _live(["Hi", two[:two.index("read_file") + 3]])
     assert ch.error is None and args == {} and "".join(t for _, t in sent) == "Hi" + two[:two.index("read_file") + 3]
+    # text that is no block after a call was sent ends the reply at once (nothing it can still become)
+    ch = Channels(False, tools=True, live=True)
+    ch.feed("Hi" + two[:two.index(f"</{D}invoke>") + len(f"</{D}invoke>")] + "\njunk")
+    assert ch.ended and ch.error.startswith("invalid tool call") and ch.calls == []
+    # where only the first call is sent, it alone has to be finished: the reply is its call, no block kept
+    for rest in ([], ["xSTOPy"], [f"junk</{D}tool_calls>"]):
+        ch = Channels(False, ["STOP"], tools=True, live=True, first_only=True)
+        out = _feed(ch, ["Hi", two[:cut], *rest])
+        assert ch.error is None and ch.calls == [ToolCall("read_file", ARGS)] and ch.block == "", rest
+        assert ch.calls[0].key == next(v[1] for k, v in out if k == "call")
+    ch = Channels(False, tools=True, live=True, first_only=True)
+    assert _feed(ch, ["Hi", two[:two.index("read_file") + 60]]) and ch.error.startswith("unterminated tool call")
+
+
+def test_a_streamed_call_starts_only_where_the_whole_reply_reads_its_block():
+    """Before its first call, a stream looks on past a tag that was no block only for one read_calls would read
+    instead (after a blank line): a mention, then the block after a blank line, streams the block; a mention, then a
+    block after one newline (which read_calls does not read: the reply is text) streams no call."""
+    block = calls_block([ToolCall("f", '{"a":"b"}')])
+    for before, streamed in (("Use <tool_calls> tags.", True), (f"Write <{D}tool_calls> then:", True),
+                             (f"Write <{D}tool_calls> then:\n", False)):
+        text = before + (block.lstrip("\n") if before.endswith("\n") else block)
+        whole, live = Channels(False, tools=True), Channels(False, tools=True, live=True)
+        sent, live_sent = _merged(_feed(whole, [text])), _feed(live, [text[:len(text) // 2], text[len(text) // 2:]])
+        assert live.error is None and live.calls == whole.calls and (whole.calls != []) == streamed, before
+        assert any(k == "call" for k, _ in live_sent) == streamed and _merged(
+            [(k, v) for k, v in live_sent if k == "text"]) == sent, before
 
 
 def test_a_blocks_structure_is_told_from_its_payload():
@@ -535,6 +561,33 @@ def test_responses_send_function_call_items():
     assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [ARGS,
                                                                                                   '{"cmd":"ls"}']
     assert events[-1].type == "response.completed" and events[-1].response.output == whole.output
+
+
+def test_a_failed_response_keeps_the_items_it_streamed_as_streamed():
+    """A Responses stream whose reply fails once a call was sent (reasoning, then the call straight after it): its
+    reasoning item, done "completed" when the call's item was added, stays so in the failed response; the call is
+    "incomplete" there (not to be run), with the arguments sent."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    req = Request("responses", "m", [1, 2, 3], 8, Sampling(1.0, 0, 1.0, 0.0), stream=True, thinking=True,
+                  summary="auto", tools=(dict(type="function", **TOOL),))
+    events = [("start", 3, 0), ("text", "reasoning", "hm"), ("call", 0, "k1", "read_file"), ("args", 0, '{"path":'),
+              ("error", RequestError("unterminated tool call: ...", status=500))]
+
+    async def run():
+        job = Job(req, asyncio.get_running_loop())
+        for e in events:
+            job.events.put_nowait(e)
+        return [c async for c in responses.stream(job, responses.Ids(5))]
+
+    blocks = [b for c in asyncio.run(run()) for b in c.split("\n\n") if b.startswith("event: ")]
+    data = [TypeAdapter(ResponseStreamEvent).validate_python(json.loads(b.split("data: ", 1)[1])) for b in blocks]
+    done = [(e.item.type, e.item.status) for e in data if e.type == "response.output_item.done"]
+    final = data[-1]
+    assert final.type == "response.failed" and done == [("reasoning", "completed"), ("function_call", "incomplete")]
+    assert [(o.type, o.status) for o in final.response.output] == done
+    assert final.response.output[1].arguments == '{"path":' and final.response.output[1].call_id == "call_k1"
 
 
 class _Scripted:

@@ -26,9 +26,10 @@ class Channels:
     wherever it is met, inside a held block too (ds4-server's rule). Text held when generation ends is sent.
     With ``live``, items ``("call", (index, key, name))`` and ``("args", (index, text))`` come too, each call's
     arguments in pieces, and ``calls`` hold the keys and argument texts sent; ``error`` says why a reply whose calls
-    were under way ended without them (``calls`` then empty)."""
+    were under way ended without them (``calls`` then empty; with ``first_only``, a first call finished is the
+    reply's, whatever follows it, and no block is kept: ``block`` empty)."""
 
-    def __init__(self, thinking: bool, stops=(), tools: bool = False, live: bool = False):
+    def __init__(self, thinking: bool, stops=(), tools: bool = False, live: bool = False, first_only: bool = False):
         self.channel = "reasoning" if thinking else "text"
         self.stops = tuple(stops)
         self.tools = tools
@@ -43,6 +44,7 @@ class Channels:
         self.tail = ""
         self._longest = max(map(len, self.stops + dsml.BLOCK_CLOSES))
         self.live_wanted = live
+        self.first_only = first_only  # only the first call is sent: it alone has to be finished
         self.live: dsml.LiveCalls | None = None  # inside a block of a streamed reply
         self.before: int | None = None  # once calls are under way: the length of the held text sent before them
         self.error: str | None = None
@@ -93,6 +95,9 @@ class Channels:
             return self._end_at(out, held, (offset + stop[0], stop[1]))
         if closing is None:
             self._stream(text, out)
+            if self.live is not None and self.live.failed and self.live.calls:  # nothing it can still be
+                return self._broken(out, "invalid tool call: the tool block whose first call was already sent is "
+                                         "no block of calls")
             self.tail = window[max(0, len(window) - self._longest + 1):]  # where a stop or closing tag may begin
             return [(c, t) for c, t in out if t]
         end = offset + closing[0] + len(closing[1])
@@ -129,8 +134,14 @@ class Channels:
         out += items
 
     def _broken(self, out: list, why: str) -> list[tuple[str, str]]:
-        """A streamed reply whose calls were under way ends without them."""
-        self.error, self.calls, self.held = why, [], []
+        """A streamed reply whose calls were under way ends without them (but for a first call finished, where it
+        alone is sent)."""
+        live, self.held = self.live, []
+        if self.first_only and live.closed:
+            key, name, _ = live.calls[0]
+            self.calls, self.block = [dsml.ToolCall(name, live.arguments(0), key)], ""
+        else:
+            self.error, self.calls = why, []
         return [(c, t) for c, t in out if t]
 
     def _end_at(self, out: list, text: str, stop: tuple[int, str]) -> list[tuple[str, str]]:

@@ -181,7 +181,8 @@ async def stream(job: Job, ids: Ids):
         elif ev[0] in ("done", "error"):
             out: Outcome | None = ev[1] if ev[0] == "done" else None
             status = _STATUS[out.finish] if out else "failed"
-            in_reasoning = out.in_reasoning if out else "message" not in opened
+            # failed: unfinished where neither an answer nor a call came after it
+            in_reasoning = out.in_reasoning if out else "message" not in opened and not where
             if opened and not where:  # the message, or the reasoning where no answer followed
                 yield close_item(opened[-1], _reasoning_status(in_reasoning) if opened[-1] == "reasoning"
                                  else _item_status(status))

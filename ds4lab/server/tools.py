@@ -268,18 +268,22 @@ class LiveCalls:
     arguments' JSON: the object's opening brace, each parameter's name, a string's characters as they come (a
     closing tag or an entity that may be under way held back), any other value whole at its closing tag, the
     closing brace. Read as :func:`read_calls` reads, so a call's pieces join into the arguments it reads (where a
-    name is given twice both are sent, the last read back, as it keeps it); a parameter without a ``string``
-    attribute (which may hold parameters) is sent at its call's end. Where the text after an opening tag is no
-    block, the next opening tag is tried until a call starts; after that, text that is no block stops the stream
-    (``failed``), and the reply's end decides what it was. ``block_at`` is where the block's opening tag is in the
-    text fed, ``calls`` each started call's ``[key, name, pieces]``, ``done`` whether its closing tag was read."""
+    name is given twice both are sent, the last read back, as it keeps it); from a parameter without a ``string``
+    attribute (which may hold parameters) on, the rest of its call is sent at the call's end. Where the text after
+    an opening tag is no block, an opening tag read_calls would read instead is looked for until a call starts;
+    after that, text that is no block stops the stream (``failed``). ``block_at`` is where the block's opening tag
+    is in the text fed, ``calls`` each started call's ``[key, name, pieces]``, ``closed`` how many of them ended,
+    ``done`` whether the block's closing tag was read."""
 
     def __init__(self):
         self.text, self.base, self.at = "", 0, 0  # the text not yet dropped, its place in all fed, the read point
         self.mode = "search"  # search, invokes, params, value, deferred, done, failed
         self.tags = WRITTEN
         self.block_at: int | None = None
+        self.after_blank = False  # whether the opening tag read came after a blank line
+        self.retry: tuple[str, ...] = ()  # after a tag that was no block: the tags looked for instead
         self.calls: list[list] = []
+        self.closed = 0  # calls whose closing brace was sent
         self.first = True  # no parameter sent yet in the call under way
         self.string = False  # the value under way is a string's (sent as it comes)
         self.value_at = self.scan = 0  # a value's start; where its closing tag is looked for from
@@ -313,9 +317,14 @@ class LiveCalls:
             out.append(("args", (len(self.calls) - 1, text)))
 
     def _fail(self) -> bool:
-        """Text that is no block: before a call, look for the next opening tag; after one, stop."""
-        self.mode = "failed" if self.calls else "search"
-        return not self.calls
+        """Text that is no block: after a call, stop; before one, look on for an opening tag that read_calls would
+        read instead (after a blank line: of a spelling it reads first, or of this one where this tag came after
+        none)."""
+        if not self.calls:
+            k = SPELLINGS.index(self.tags)
+            self.retry = tuple("\n\n" + t.calls for t in SPELLINGS[:k + (not self.after_blank)])
+        self.mode = "search" if not self.calls and self.retry else "failed"
+        return self.mode == "search"
 
     def _at_tag(self, *tags) -> bool:
         """Whether the text from the read point (blanks skipped) is whole, i.e. not a proper start of ``tags``."""
@@ -333,12 +342,15 @@ class LiveCalls:
         return attrs
 
     def _search(self, out) -> bool:
-        found = first_of(self.text, BLOCK_OPENS, self.at)
+        opens = self.retry or BLOCK_OPENS
+        found = first_of(self.text, opens, self.at)
         if found is None:
-            self.at = max(self.at, len(self.text) - max(map(len, BLOCK_OPENS)) + 1)
+            self.at = max(self.at, len(self.text) - max(map(len, opens)) + 1)
             return False
-        self.tags = SPELLINGS[BLOCK_OPENS.index(found[1])]
-        self.block_at, self.at, self.mode = self.base + found[0], found[0] + len(found[1]), "invokes"
+        opening = found[1].lstrip("\n")
+        start = found[0] + len(found[1]) - len(opening)
+        self.tags, self.after_blank = SPELLINGS[BLOCK_OPENS.index(opening)], self.text[:start].endswith("\n\n")
+        self.block_at, self.at, self.mode = self.base + start, start + len(opening), "invokes"
         return True
 
     def _next(self, close: str, opening: str):
@@ -375,6 +387,7 @@ class LiveCalls:
         got = self._next(self.tags.invoke_close, self.tags.param)
         if got == "close":
             self._send(out, "}")
+            self.closed += 1
             self.mode = "invokes"
             return True
         if not isinstance(got, tuple):
@@ -428,6 +441,7 @@ class LiveCalls:
             self._send(out, ("" if self.first else ",") + compact(name) + ":" + compact(value))
             self.first = False
         self._send(out, "}")
+        self.closed += 1
         self.at, self.mode = reader.at, "invokes"
         return True
 

@@ -175,7 +175,7 @@ class Worker:
         # a text completion is sent as one text, reasoning and </think> included, its stops looked for in all of
         # it (ds4-server parses only a chat reply)
         channels = Channels(req.thinking and req.api != "completion", req.stop, tools=bool(req.tools),
-                            live=req.stream)
+                            live=req.stream, first_only=not req.parallel)
         # a tool block's tags and punctuation sampled greedily, its payload as asked (ds4-server's rule)
         structure = StructureTracker() if req.tools else None
         room = sess.ctx - len(sess.tokens) - 1  # ds4 keeps one slot free
@@ -199,8 +199,11 @@ class Worker:
                 finish = "tool_calls" if channels.calls else "stop"
                 break
         answer += self._emit(job, channels.flush())
+        if channels.calls and finish in ("stop", "length"):  # a first call finished, the rest not: the reply's
+            finish = "tool_calls"
         if channels.calls:
-            self.tool_blocks.remember(channels.calls, channels.block)
+            if channels.block:  # (none kept where a streamed reply ended with its first call)
+                self.tool_blocks.remember(channels.calls, channels.block)
             job.emit("calls", channels.calls if req.parallel else channels.calls[:1])
         self._remember_visible(req, finish, answer, channels.channel == "reasoning")
         if finish == "cancelled":
@@ -209,7 +212,7 @@ class Worker:
         c["prompt_tokens"] += len(ids)
         c["cached_tokens"] += result.reused
         c["completion_tokens"] += generated
-        if channels.error:  # a streamed call under way that the model never finished
+        if channels.error and finish not in ("cancelled", "shutdown"):  # a streamed call the model never finished
             c["errors"] += 1
             job.emit("error", RequestError(channels.error, status=500, type="server_error", code="invalid_tool_call"))
             return

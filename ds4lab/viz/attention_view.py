@@ -19,7 +19,7 @@ import numpy as np
 import traitlets as t
 
 from ..config import is_int
-from ..text_table import plural
+from ..text_table import layer_kind, plural
 from .attention_figure import (
     FEW_COLS,
     FEW_PX,
@@ -381,8 +381,7 @@ class AttentionView(View):
                     / np.diff([*starts, b])[:, None]).tolist()
         m = self.model
         with m.hold_sync():
-            kind = f"ratio {amap.ratio}" if amap.ratio else "raw only"
-            m.title = (f"layer {self.layer} ({kind}), head {self.head}: {Q} queries × "
+            m.title = (f"layer {self.layer} ({layer_kind(amap.ratio)}), head {self.head}: {Q} queries × "
                        f"{amap.n_raw} raw | {amap.n_comp} compressed | sink")
             m.note = self._note(amap, (a, b, c, d), (Q, K), red.shape, fr, fc, hidden)
             m.layer, m.head, m.scale = self.layer, self.head, self.scale

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 
+from ..text_table import layer_kind
 from . import palette
 from .vegalite import Chart, field, inline, tooltip, unit
 
@@ -162,10 +163,6 @@ def prefill_cost_chart(runs, model):
                   "title": f"prefill of {n_tokens} tokens by chunk size: measured, and predicted by ds4lab.costs"})
 
 
-def _layer_kind(ratio: int) -> str:
-    return f"ratio {ratio}" if ratio else "raw only"
-
-
 def kv_bytes_chart(session, chunks):
     """KV bytes per layer kind (raw only / ratio 4 / ratio 128): after each chunk, from the chunks' checkpoints
     (points); from no token to the session's context, the same bytes counted from the layout
@@ -182,7 +179,7 @@ def kv_bytes_chart(session, chunks):
         kv = KVView(cfg, state_to_payload(cfg, b, cp.state_for(cfg, b, geo), cp.tokens, cp.logits))
         by_kind: dict[str, int] = {}
         for lk in kv:
-            by_kind[_layer_kind(lk.ratio)] = by_kind.get(_layer_kind(lk.ratio), 0) + lk.nbytes
+            by_kind[layer_kind(lk.ratio)] = by_kind.get(layer_kind(lk.ratio), 0) + lk.nbytes
         rows += [dict(tokens=c.end, kind=k, bytes=v) for k, v in by_kind.items()]
     last = max((c.end for c in chunks), default=0)
     counted = []
@@ -190,7 +187,7 @@ def kv_bytes_chart(session, chunks):
         by_kind = {}
         for il in range(cfg.n_layer):
             shapes = layer_state_shapes(cfg, il, T, raw_live_rows(T, geo.window, geo.raw_cap)).values()
-            kind = _layer_kind(cfg.ratio(il))
+            kind = layer_kind(cfg.ratio(il))
             by_kind[kind] = by_kind.get(kind, 0) + 4 * sum(s[0] * s[1] for s in shapes if s is not None)
         counted += [dict(tokens=T, kind=k, bytes=v, part="run" if T <= last else "past") for k, v in by_kind.items()]
     # raw rows in the raw window's blue, compressed ones in the compressed rows' greens (no orange: palette.py)

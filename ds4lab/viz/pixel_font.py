@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 ADVANCE = 6  # px per character (5 wide + 1 space)
-HEIGHT = 9  # 7 rows to the line, 2 under it
+LINE, HEIGHT = 7, 9  # rows to the line; with the 2 under it
 
 _ROWS = {
     "0": ".###. #...# #..## #.#.# ##..# #...# .###.", "1": "..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.",
@@ -42,12 +42,12 @@ _ROWS = {
     "\\": "#.... .#... .#... ..#.. ...#. ...#. ....#", '"': ".#.#. .#.#. #.#.. ..... ..... ..... .....",
 }
 # a glyph of 7 rows sits on the line, nothing under it
-GLYPHS = {c: np.array([[ch == "#" for ch in row] for row in (rows.split() + ["....."] * HEIGHT)[:HEIGHT]], bool)
+GLYPHS = {c: np.array([[ch == "#" for ch in row] for row in (rows.split() + ["....."] * 2)[:HEIGHT]], bool)
           for c, rows in _ROWS.items()}
 
 
 def text_mask(text: str) -> np.ndarray:
-    """The pixels of ``text`` in one line: bool ``[9, 6·len(text)]`` (the line under row 7)."""
+    """The pixels of ``text`` in one line: bool ``[9, 6·len(text)]`` (7 rows to the line, 2 under it)."""
     out = np.zeros((HEIGHT, ADVANCE * len(text)), bool)
     for i, ch in enumerate(text):
         out[:, i * ADVANCE : i * ADVANCE + 5] = GLYPHS.get(ch.lower(), GLYPHS["?"])
@@ -62,7 +62,7 @@ def draw_text(img: np.ndarray, x: int, y: int, text: str, colour=(40, 40, 40), a
     mask = text_mask(text)
     if vertical:
         mask = np.rot90(mask)
-        x -= mask.shape[1] // 2
+        x -= LINE // 2  # the letters' middle on x (the descenders' rows to its right)
     else:
         x -= {"left": 0, "center": mask.shape[1] // 2, "right": mask.shape[1]}[anchor]
     h, w = mask.shape

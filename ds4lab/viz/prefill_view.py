@@ -11,6 +11,7 @@ import ipywidgets as W
 import traitlets as t
 
 from ..config import is_int
+from ..text_table import layer_kind
 from ..visibility import key_groups, step_mask
 from . import palette
 from .base import View, ViewModel, check_session, token_texts, widget_module
@@ -123,8 +124,7 @@ class PrefillView(View):
 
     @staticmethod
     def _layer_name(cfg, i: int) -> str:
-        R = cfg.ratio(i)
-        return f"{i}: " + (f"ratio {R}" + (", indexer" if cfg.has_indexer(i) else "") if R else "raw only")
+        return f"{i}: {layer_kind(cfg.ratio(i))}" + (", indexer" if cfg.has_indexer(i) else "")
 
     def __repr__(self) -> str:
         p = self.prefill
