@@ -54,6 +54,11 @@ class Channels:
         """Whether the reply is over: a stop string met, or a tool block closed."""
         return self.stop is not None or self.calls is not None
 
+    @property
+    def sent(self) -> bool:
+        """Whether a streamed call of the block was sent (it cannot be taken back)."""
+        return self.live is not None and bool(self.live.calls)
+
     def feed(self, text: str) -> list[tuple[str, str]]:
         if self.ended:
             return []
@@ -86,16 +91,15 @@ class Channels:
         self.held.append(text)
         self.held_len += len(text)
         stop, closing = dsml.first_of(window, self.stops), dsml.first_of(window, dsml.BLOCK_CLOSES)
-        sent = self.live is not None and bool(self.live.calls)
         if stop is not None and (closing is None or stop[0] < closing[0]):
-            if sent:
+            if self.sent:
                 return self._broken(out, f"unterminated tool call: the stop string {stop[1]!r} ended the reply inside "
                                          "the tool block whose first call was already sent")
             held, self.held = "".join(self.held), []
             return self._end_at(out, held, (offset + stop[0], stop[1]))
         if closing is None:
             self._stream(text, out)
-            if self.live is not None and self.live.failed and self.live.calls:  # nothing it can still be
+            if self.sent and self.live.failed:  # nothing it can still be
                 return self._broken(out, "invalid tool call: the tool block whose first call was already sent is "
                                          "no block of calls")
             self.tail = window[max(0, len(window) - self._longest + 1):]  # where a stop or closing tag may begin
@@ -104,7 +108,7 @@ class Channels:
         self._stream(text[:end - at], out)
         held, self.held = "".join(self.held)[:end], []
         found = dsml.read_calls(held)
-        if self.live is not None and self.live.calls:
+        if self.sent:
             live = self.live
             if (found is None or found[0] != live.block_at or not live.done
                     or [c.name for c in found[1]] != [name for _, name, _ in live.calls]):
@@ -162,7 +166,7 @@ class Channels:
     def flush(self) -> list[tuple[str, str]]:
         """The text held back, once generation has ended (a tool block left open included, unless its calls were
         under way)."""
-        if self.live is not None and self.live.calls and not self.ended:
+        if self.sent and not self.ended:
             return self._broken([], "unterminated tool call: generation ended inside the tool block whose first "
                                     "call was already sent")
         rest, self.pending = self.pending + "".join(self.held or ()), ""

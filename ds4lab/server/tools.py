@@ -331,7 +331,7 @@ class LiveCalls:
         while self.at < len(self.text) and self.text[self.at] in BLANKS:
             self.at += 1
         rest = self.text[self.at:self.at + max(map(len, tags))]
-        return bool(rest) and not any(len(rest) < len(t) and t.startswith(rest) for t in tags)
+        return bool(rest) and partial_tail(rest, tags) < len(rest)
 
     def _tag(self) -> dict | None:
         """The attributes of the tag at the read point, the point moved past it; None where its '>' is still to come."""
